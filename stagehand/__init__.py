@@ -1,1 +1,13 @@
-"""placeholder"""
+"""torch-stagehand: stream transformer block weights host-to-GPU inside one compiled program.
+
+    rt = torch_stagehand.offload(model, device="cuda", precision={0: "int8"})
+    compiled = torch.compile(model, backend="stagehand")
+"""
+
+from torch_stagehand.runtime import ops as _ops  # noqa: F401  (registers the custom ops)
+
+from .api import offload
+from .config import ConductorConfig, Config, ConfigError, PrecisionConfig
+from torch_stagehand.runtime.runtime import Runtime
+
+__all__ = ["Config", "ConductorConfig", "ConfigError", "PrecisionConfig", "Runtime", "offload"]

@@ -1,0 +1,55 @@
+"""Pass `rewrite_linear`: streamed Linears become `stagehand::linear` on a weight token.
+
+Before: `y = streamed_linear(x, bias, layer_id)` (what Dynamo captured).
+After:  `y = stagehand.linear(x, weights, bias, block_tok, prev_tok, layout)`
+where `weights` is a new placeholder standing for the block's device bytes in
+the chosen precision and `layout` says where this layer sits in them (offsets,
+shape, dtype or INT8 + scale). The layer id disappears from the graph, so
+every block with the same structure and layout produces the same graph and
+shares one compiled variant. `schedule` later feeds `weights` from a `wait`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from torch_stagehand.runtime.ops import SCHEDULE_OPS
+
+from .context import CompileContext
+from .partition import is_streamed_linear
+
+WEIGHTS, BLOCK_TOK, PREV_TOK = "stagehand_weights", "stagehand_block_tok", "stagehand_prev_tok"
+
+
+def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    where = placeholders[-1] if placeholders else next(iter(gm.graph.nodes))
+    with (gm.graph.inserting_after(where) if placeholders else gm.graph.inserting_before(where)):
+        return gm.graph.placeholder(name)
+
+
+def rewrite_linear(gm: fx.GraphModule, ctx: CompileContext, precision: str) -> fx.GraphModule:
+    rt = ctx.runtime
+    weights = add_placeholder(gm, WEIGHTS)
+    block_tok = add_placeholder(gm, BLOCK_TOK)
+    prev_tok = add_placeholder(gm, PREV_TOK)
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if not is_streamed_linear(node):
+            continue
+        x, bias = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("bias")
+        layout = rt.layer_layout(node.meta["stagehand_layer"], precision)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(
+                SCHEDULE_OPS["linear"], (x, weights, bias, block_tok, prev_tok, layout)
+            )
+        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        new.meta["stagehand_precision"] = precision
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    gm.graph.lint()
+    gm.recompile()
+    ctx.note("rewrite_linear", f"{rewritten} streamed linears -> stagehand.linear ({precision})")
+    return gm

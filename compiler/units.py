@@ -1,0 +1,158 @@
+"""Units: the callables the outer graph runs, one per segment.
+
+A `GlueUnit` compiles its segment as it is. A `BlockUnit` holds its segment as
+a template and, at each call, runs the variant for the block's *current*
+precision: rewrite_linear + schedule give the variant graph, whose structure
+key (graph shape, layouts, input metadata, grad mode) indexes the runtime's
+variant cache. Identical blocks therefore share one compiled variant, a
+precision switch re-links variants, and returning to a map seen before
+compiles nothing. Variants compile on first use with the real inputs, so any
+strides the previous unit's compiled code produced are seen as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .context import CompileContext
+from .inner import compile_unit
+from .partition import Segment, is_streamed_linear
+from .rewrite_linear import rewrite_linear
+from .schedule import schedule_forward
+
+log = logging.getLogger("torch_stagehand.compiler")
+# Beyond this many input signatures per structure, shapes are changing per call.
+_SHAPE_VARIANTS_WARNING = 8
+
+
+def structure_key(gm: fx.GraphModule) -> str:
+    """A hash of what the graph computes, blind to node names."""
+    index: dict[fx.Node, str] = {}
+    parts = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = f"%{i}"
+        target = node.target
+        if node.op == "get_attr":
+            target = f"{target}@{id(getattr(gm, target, None))}"  # a constant shares only with itself
+        elif node.op == "placeholder":
+            target = ""
+        elif not isinstance(target, str):
+            target = getattr(target, "__module__", "") + "." + getattr(target, "__qualname__", str(target))
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+        parts.append((node.op, target, repr(args)))
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+
+
+def input_signature(args: tuple) -> tuple:
+    sig = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
+        else:
+            sig.append(a)
+    return tuple(sig)
+
+
+def _tuple_output(gm: fx.GraphModule) -> bool:
+    """Make the graph return a tuple (AOTAutograd wants one); say whether it returned one already."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        return True
+    output.args = ((output.args[0],),)
+    gm.recompile()
+    return False
+
+
+class _Unit(nn.Module):
+    def __init__(self, template: fx.GraphModule, ctx: CompileContext, segment: Segment, name: str):
+        super().__init__()
+        self.template = template
+        self.ctx = ctx
+        self.segment = segment
+        self.unit_name = name
+
+    def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool):
+        rt = self.ctx.runtime
+        graphs: dict[str, str] = {}
+
+        def on_graph(kind: str, graph_module: fx.GraphModule) -> None:
+            graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
+
+        start = time.perf_counter()
+        compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph)
+        seconds = time.perf_counter() - start
+        rt.compile_seconds += seconds
+        rt.compile_count += 1
+        rt.block_variant_count += block_variant
+        rt.variants[key] = compiled
+        rt.variant_info[key] = {"label": label, "graphs": graphs, "seconds": seconds, "scheduled": gm.print_readable(
+            print_output=False, include_stride=False, include_device=True)}
+        log.info("stagehand: compiled %s (%s) in %.2fs", label, self.ctx.options.inner, seconds)
+        per_structure = sum(1 for k in rt.variants if k[0] == key[0])
+        if per_structure == _SHAPE_VARIANTS_WARNING + 1:
+            log.warning(
+                "stagehand: %s compiled for %d different input shapes; pad inputs to a few bucket sizes "
+                "to stop recompiling", label, per_structure,
+            )
+        return compiled
+
+
+class GlueUnit(_Unit):
+    """A segment with no streamed weights: compiled as is."""
+
+    def __init__(self, template, ctx, segment, name):
+        super().__init__(template, ctx, segment, name)
+        self.returns_tuple = _tuple_output(template)
+        self._key = ("glue", structure_key(template))
+
+    def forward(self, *args):
+        key = (self._key, input_signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
+        compiled = self.ctx.runtime.variants.get(key) or self._compile(key, self.template, args, self.unit_name, False)
+        out = compiled(*args)
+        return out if self.returns_tuple else out[0]
+
+
+class BlockUnit(_Unit):
+    """A block segment, run in its block's current precision.
+
+    Called as `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)`; returns
+    `(*outputs, next_fetch_tok)`.
+    """
+
+    def __init__(self, template, ctx, segment, name):
+        super().__init__(template, ctx, segment, name)
+        self.block = segment.block
+        self.returns_tuple = _tuple_output(template)
+        self._variants: dict[str, tuple[fx.GraphModule, str]] = {}
+
+    def variant_graph(self, precision: str) -> tuple[fx.GraphModule, str]:
+        if precision not in self._variants:
+            gm = copy.deepcopy(self.template)
+            gm = rewrite_linear(gm, self.ctx, precision)
+            gm = schedule_forward(gm, self.ctx, self.block, precision)
+            self._variants[precision] = (gm, structure_key(gm))
+        return self._variants[precision]
+
+    def forward(self, *args):
+        rt = self.ctx.runtime
+        precision = rt.precision[self.block]
+        gm, skey = self.variant_graph(precision)
+        # Token inputs (the last four) differ per block by value only; leave them out of the key.
+        key = (skey, input_signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner)
+        compiled = rt.variants.get(key)
+        if compiled is None:
+            label = f"block variant {skey} ({precision}, first used by {rt.blocks[self.block]})"
+            compiled = self._compile(key, gm, args, label, True)
+        return compiled(*args)
+
+
+def has_streamed_linear(segment: Segment) -> bool:
+    return any(is_streamed_linear(n) for n in segment.nodes)

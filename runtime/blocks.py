@@ -1,0 +1,138 @@
+"""Finding the transformer blocks and the Linear layers inside them that stream.
+
+`find_blocks(model, "auto")` returns the children of every outermost
+`nn.ModuleList` whose children are repeated blocks (same class, at least two,
+each holding a Linear). Children need not be structurally identical (SD3's
+last block differs), and a model may have several such lists (Flux's double
+and single blocks): all are returned, in registration order, which for the
+supported families is execution order. The compiler never relies on this
+order for correctness: it schedules by the order blocks appear in the graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+
+class BlockSelectionError(ValueError):
+    """`blocks=` names nothing usable; the message says what was asked and what exists."""
+
+
+@dataclass(frozen=True)
+class StreamedLayerSpec:
+    """One Linear (or GPT-2 Conv1D) whose weight streams."""
+
+    fqn: str  # module FQN relative to the offloaded model
+    block: int  # block index
+    module: nn.Module
+    out_features: int
+    in_features: int
+    # Conv1D keeps its weight as [in, out]; the stream keeps the module's own layout.
+    transposed: bool
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' GPT-2 style Conv1D: y = x @ W + b with W [in, out]."""
+    cls = type(module)
+    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers") for c in cls.__mro__)
+
+
+def is_streamable_linear(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return False
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def _adapter_module_names(module: nn.Module) -> set[str]:
+    """Names of peft adapter containers (lora_A, lora_B, ...) on a tuner layer."""
+    names = getattr(module, "adapter_layer_names", None)
+    if names is None or not hasattr(module, "base_layer"):
+        return set()
+    return set(names) | set(getattr(module, "other_param_names", ()))
+
+
+def _has_linear(module: nn.Module) -> bool:
+    return any(is_streamable_linear(m) for m in module.modules())
+
+
+def _repeated_block_lists(model: nn.Module) -> list[str]:
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == f or name.startswith(f + ".") for f in found):
+            continue  # never descend into a list already chosen (e.g. MoE experts inside blocks)
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        classes = {type(child) for child in module}
+        if len(classes) == 1 and all(_has_linear(child) for child in module):
+            found.append(name)
+    return found
+
+
+def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[str]:
+    """Block FQNs (relative to `model`) in order."""
+    modules = dict(model.named_modules())
+    if blocks == "auto":
+        lists = _repeated_block_lists(model)
+        if not lists:
+            raise BlockSelectionError(
+                f"offload: found no nn.ModuleList of repeated blocks in {type(model).__name__} "
+                "(need >= 2 children of one class, each holding an nn.Linear); "
+                "pass blocks='<FQN of the block list>' or a list of block FQNs"
+            )
+        names = lists
+    elif isinstance(blocks, str):
+        names = [blocks]
+    elif isinstance(blocks, (list, tuple)) and blocks and all(isinstance(b, str) for b in blocks):
+        names = list(blocks)
+    else:
+        raise BlockSelectionError(f"offload: blocks must be 'auto', an FQN or a list of FQNs, got {blocks!r}")
+
+    result: list[str] = []
+    for name in names:
+        if name not in modules or name == "":
+            candidates = ", ".join(_repeated_block_lists(model)) or "none found"
+            raise BlockSelectionError(
+                f"offload: blocks names {name!r}, which is not a submodule of {type(model).__name__} "
+                f"(repeated block lists found: {candidates})"
+            )
+        module = modules[name]
+        children = (
+            [f"{name}.{child}" for child, _ in module.named_children()]
+            if isinstance(module, (nn.ModuleList, nn.Sequential))
+            else [name]
+        )
+        for child in children:
+            if not _has_linear(modules[child]):
+                raise BlockSelectionError(f"offload: block {child!r} holds no nn.Linear; nothing would stream")
+            if child in result:
+                raise BlockSelectionError(f"offload: block {child!r} is named twice")
+            result.append(child)
+    for i, a in enumerate(result):
+        for b in result[i + 1 :]:
+            if a.startswith(b + ".") or b.startswith(a + "."):
+                raise BlockSelectionError(f"offload: blocks {a!r} and {b!r} nest; blocks must be disjoint")
+    return result
+
+
+def streamed_layers(model: nn.Module, block_fqns: list[str]) -> list[StreamedLayerSpec]:
+    """Every Linear inside the blocks, except peft adapters (they stay resident and trainable)."""
+    modules = dict(model.named_modules())
+    specs: list[StreamedLayerSpec] = []
+    for index, block_fqn in enumerate(block_fqns):
+        block = modules[block_fqn]
+        skip_prefixes: list[str] = []
+        for name, module in block.named_modules():
+            if any(name == p or name.startswith(p + ".") for p in skip_prefixes):
+                continue
+            for adapter in _adapter_module_names(module):
+                skip_prefixes.append(f"{name}.{adapter}" if name else adapter)
+            if not is_streamable_linear(module):
+                continue
+            transposed = is_conv1d(module)
+            out_f, in_f = (module.weight.shape[1], module.weight.shape[0]) if transposed else module.weight.shape
+            fqn = f"{block_fqn}.{name}" if name else block_fqn
+            specs.append(StreamedLayerSpec(fqn, index, module, int(out_f), int(in_f), transposed))
+    return specs

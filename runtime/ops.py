@@ -1,0 +1,246 @@
+"""The stagehand custom ops: what the rewritten graphs are made of.
+
+Two families:
+
+* `streamed_linear(x, bias, layer)` is what a streamed module's forward calls,
+  so it is what Dynamo captures. Run eagerly (no compile, another backend, a
+  graph-break fallback) it fetches the layer's block on demand and computes:
+  slow but correct. The stagehand backend rewrites it away.
+
+* The scheduled ops the backend emits, ordered by data through tokens so any
+  inner compiler may reorder freely:
+
+      fetch = prefetch(block_tok, after=[...])      # H2D copy on the side stream
+      slot  = wait(fetch, block_tok, nbytes, prec)   # compute stream waits on it
+      y     = linear(x, slot, bias, block_tok, prev_tok, layout)
+      free  = evict(block_tok, slot, readers=[y, ...], prec)
+
+  `linear` saves no weight for backward: its backward formula asks for the
+  block again with `wait_bw(block_tok, dy, ...)` (and prefetches the block
+  that runs backward next), which the backward schedule pass dedupes per block
+  and closes with an `evict`. Both live in the joint graph, so the partitioned
+  backward graph (which compiled autograd copies) contains them.
+
+Block tokens are 0-dim int64 CPU tensors (see registry.py). The ops that only
+order things (prefetch, evict) are registered as side-effectful so dead-code
+elimination keeps them even where their token output is unused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.library import custom_op
+
+from torch_stagehand import kernels
+
+from . import registry
+from .host_store import CODE_DTYPES, KIND_CODES, LayerLayout
+
+_INT8 = KIND_CODES["int8"]
+
+
+# ---- the math on a slot ----------------------------------------------------------
+
+
+def _weight_views(slot: torch.Tensor, layout: list[int]):
+    lay = LayerLayout.from_ints(layout)
+    n, k = lay.out_features, lay.in_features
+    if lay.kind == _INT8:
+        q = slot[lay.offset : lay.offset + n * k].view(torch.int8).view(n, k)
+        s = slot[lay.scale_offset : lay.scale_offset + 4 * n].view(torch.float32)
+        return lay, q, s
+    dtype = CODE_DTYPES[lay.dtype_code]
+    size = n * k * dtype.itemsize
+    w = slot[lay.offset : lay.offset + size].view(dtype)
+    w = w.view(k, n).t() if lay.transposed else w.view(n, k)
+    return lay, w, None
+
+
+def linear_from_slot(x: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor | None, layout: list[int]) -> torch.Tensor:
+    lay, w, s = _weight_views(slot, layout)
+    if lay.kind == _INT8:
+        return kernels.int8_linear(x, w, s, bias)
+    return F.linear(x, w, bias)
+
+
+def grad_input_from_slot(dy: torch.Tensor, slot: torch.Tensor, layout: list[int]) -> torch.Tensor:
+    lay, w, s = _weight_views(slot, layout)
+    if lay.kind == _INT8:
+        return kernels.int8_linear_grad_input(dy, w, s, lay.in_features)
+    return dy @ w
+
+
+def _bias_grad(dy: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return dy.reshape(-1, dy.shape[-1]).sum(0).to(bias.dtype)
+
+
+def _linear_out(x: torch.Tensor, n_out: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], n_out)
+
+
+# ---- eager entry point: what Dynamo sees ----------------------------------------------
+
+
+@custom_op("stagehand::streamed_linear", mutates_args=())
+def streamed_linear(x: torch.Tensor, bias: torch.Tensor | None, layer: int) -> torch.Tensor:
+    rt, index = registry.layer(layer)
+    return rt.eager_linear(index, x, bias)
+
+
+@streamed_linear.register_fake
+def _(x, bias, layer):
+    rt, index = registry.layer(layer)
+    return _linear_out(x, rt.layers[index].out_features)
+
+
+@custom_op("stagehand::streamed_linear_grad_input", mutates_args=())
+def streamed_linear_grad_input(dy: torch.Tensor, layer: int) -> torch.Tensor:
+    rt, index = registry.layer(layer)
+    return rt.eager_grad_input(index, dy)
+
+
+@streamed_linear_grad_input.register_fake
+def _(dy, layer):
+    rt, index = registry.layer(layer)
+    return dy.new_empty(*dy.shape[:-1], rt.layers[index].in_features)
+
+
+def _streamed_setup(ctx, inputs, output):
+    x, bias, layer = inputs
+    ctx.layer = layer
+    ctx.bias_needs_grad = bias is not None and bias.requires_grad
+    if ctx.bias_needs_grad:
+        ctx.save_for_backward(bias)
+
+
+def _streamed_backward(ctx, dy):
+    dx = torch.ops.stagehand.streamed_linear_grad_input(dy, ctx.layer)
+    dbias = _bias_grad(dy, ctx.saved_tensors[0]) if ctx.bias_needs_grad else None
+    return dx, dbias, None
+
+
+streamed_linear.register_autograd(_streamed_backward, setup_context=_streamed_setup)
+
+
+# ---- scheduled ops ------------------------------------------------------------------
+
+
+@custom_op("stagehand::prefetch", mutates_args=())
+def prefetch(block_tok: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
+    rt, block = registry.decode(block_tok)
+    if rt is None:
+        return registry_sentinel()
+    return rt.op_prefetch(block)
+
+
+@prefetch.register_fake
+def _(block_tok, after):
+    return torch.empty((), dtype=torch.int64)
+
+
+@custom_op("stagehand::wait", mutates_args=())
+def wait(fetch_tok: torch.Tensor, block_tok: torch.Tensor, nbytes: int, precision: int, device: torch.device) -> torch.Tensor:
+    rt, block = registry.decode(block_tok)
+    return rt.op_wait(block, precision, nbytes, backward=False)
+
+
+@wait.register_fake
+def _(fetch_tok, block_tok, nbytes, precision, device):
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+@custom_op("stagehand::wait_bw", mutates_args=())
+def wait_bw(block_tok: torch.Tensor, anchor: torch.Tensor, nbytes: int, precision: int, device: torch.device) -> torch.Tensor:
+    rt, block = registry.decode(block_tok)
+    return rt.op_wait(block, precision, nbytes, backward=True)
+
+
+@wait_bw.register_fake
+def _(block_tok, anchor, nbytes, precision, device):
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+@custom_op("stagehand::evict", mutates_args=())
+def evict(block_tok: torch.Tensor, slot: torch.Tensor, readers: list[torch.Tensor], precision: int) -> torch.Tensor:
+    rt, block = registry.decode(block_tok)
+    return rt.op_release(block, precision)
+
+
+@evict.register_fake
+def _(block_tok, slot, readers, precision):
+    return torch.empty((), dtype=torch.int64)
+
+
+@custom_op("stagehand::linear", mutates_args=())
+def linear(
+    x: torch.Tensor,
+    slot: torch.Tensor,
+    bias: torch.Tensor | None,
+    block_tok: torch.Tensor,
+    prev_tok: torch.Tensor,
+    layout: list[int],
+) -> torch.Tensor:
+    return linear_from_slot(x, slot, bias, layout)
+
+
+@linear.register_fake
+def _(x, slot, bias, block_tok, prev_tok, layout):
+    return _linear_out(x, LayerLayout.from_ints(layout).out_features)
+
+
+@custom_op("stagehand::linear_grad_input", mutates_args=())
+def linear_grad_input(dy: torch.Tensor, slot: torch.Tensor, layout: list[int]) -> torch.Tensor:
+    return grad_input_from_slot(dy, slot, layout)
+
+
+@linear_grad_input.register_fake
+def _(dy, slot, layout):
+    return dy.new_empty(*dy.shape[:-1], LayerLayout.from_ints(layout).in_features)
+
+
+def _linear_setup(ctx, inputs, output):
+    x, slot, bias, block_tok, prev_tok, layout = inputs
+    # The slot is deliberately NOT saved: backward asks for the block again.
+    ctx.layout, ctx.nbytes, ctx.device = layout, slot.numel(), slot.device
+    ctx.bias_needs_grad = bias is not None and bias.requires_grad
+    ctx.save_for_backward(block_tok, prev_tok, *([bias] if ctx.bias_needs_grad else []))
+
+
+def _linear_backward(ctx, dy):
+    block_tok, prev_tok, *bias = ctx.saved_tensors
+    precision = ctx.layout[0]
+    slot = torch.ops.stagehand.wait_bw(block_tok, dy, ctx.nbytes, precision, ctx.device)
+    # Fetch the block whose backward runs next while this one computes.
+    torch.ops.stagehand.prefetch(prev_tok, [slot])
+    dx = torch.ops.stagehand.linear_grad_input(dy, slot, ctx.layout)
+    dbias = _bias_grad(dy, bias[0]) if ctx.bias_needs_grad else None
+    return dx, None, dbias, None, None, None
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+_SENTINEL: list[torch.Tensor] = []
+
+
+def registry_sentinel() -> torch.Tensor:
+    """The token a no-op prefetch returns (allocated once)."""
+    if not _SENTINEL:
+        _SENTINEL.append(torch.tensor(registry.NO_BLOCK, dtype=torch.int64))
+    return _SENTINEL[0]
+
+
+# Keep ordering-only ops alive through FX/AOT dead-code elimination and Inductor's.
+for _op in (torch.ops.stagehand.prefetch.default, torch.ops.stagehand.evict.default):
+    torch.fx.node.has_side_effect(_op)
+
+SCHEDULE_OPS = {
+    "prefetch": torch.ops.stagehand.prefetch.default,
+    "wait": torch.ops.stagehand.wait.default,
+    "wait_bw": torch.ops.stagehand.wait_bw.default,
+    "evict": torch.ops.stagehand.evict.default,
+    "linear": torch.ops.stagehand.linear.default,
+    "linear_grad_input": torch.ops.stagehand.linear_grad_input.default,
+}
+STREAMED_LINEAR_OPS = (torch.ops.stagehand.streamed_linear, torch.ops.stagehand.streamed_linear.default)

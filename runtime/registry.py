@@ -1,0 +1,69 @@
+"""Process-wide lookup from the integers that travel through graphs to runtimes.
+
+Custom ops only carry tensors and ints. A streamed layer is named by a global
+layer id (an int constant in Dynamo's graph); a block by a *block token*: a
+0-dim int64 CPU tensor holding `runtime_id << 32 | block`, passed into the
+compiled block as an input so that identical blocks share one compiled graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+NO_BLOCK = -1
+_runtime_ids = itertools.count(1)
+_layer_ids = itertools.count(0)
+_runtimes: "weakref.WeakValueDictionary[int, Runtime]" = weakref.WeakValueDictionary()
+_layers: dict[int, tuple[int, int]] = {}  # layer id -> (runtime id, index in runtime.layers)
+
+
+def register_runtime(rt: "Runtime") -> int:
+    rid = next(_runtime_ids)
+    _runtimes[rid] = rt
+    return rid
+
+
+def unregister_runtime(rid: int) -> None:
+    _runtimes.pop(rid, None)
+    for lid in [lid for lid, (r, _) in _layers.items() if r == rid]:
+        del _layers[lid]
+
+
+def new_layer_id(rid: int, index: int) -> int:
+    lid = next(_layer_ids)
+    _layers[lid] = (rid, index)
+    return lid
+
+
+def layer(layer_id: int) -> tuple["Runtime", int]:
+    try:
+        rid, index = _layers[layer_id]
+        return _runtimes[rid], index
+    except KeyError:
+        raise RuntimeError(
+            f"stagehand: streamed layer id {layer_id} belongs to no live runtime "
+            "(was the model restored or its Runtime closed?)"
+        ) from None
+
+
+def make_token(rid: int, block: int) -> torch.Tensor:
+    value = NO_BLOCK if block == NO_BLOCK else (rid << 32) | block
+    return torch.tensor(value, dtype=torch.int64)
+
+
+def decode(token: torch.Tensor) -> tuple["Runtime | None", int]:
+    value = int(token)  # a CPU scalar: no device sync
+    if value == NO_BLOCK:
+        return None, NO_BLOCK
+    rid, block = value >> 32, value & 0xFFFFFFFF
+    rt = _runtimes.get(rid)
+    if rt is None:
+        raise RuntimeError(f"stagehand: block token for runtime {rid} outlived its Runtime")
+    return rt, block

@@ -1,0 +1,289 @@
+"""The Runtime: what `offload()` returns and what the ops call into.
+
+It owns the host store, the device slots, the block tokens, the precision map,
+the phase tracker and telemetry, and the cache of compiled block variants that
+the backend fills (kept here so that a Dynamo recompile or a precision switch
+re-links variants instead of compiling them again).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from torch_stagehand.config import Config
+
+from . import registry
+from .blocks import StreamedLayerSpec
+from .host_store import FULL, INT8, KIND_CODES, PRECISIONS, HostStore
+from .ops import grad_input_from_slot, linear_from_slot
+from .phases import PhaseTracker
+from .slots import SlotPool
+from .streamed import make_plain, make_streamed
+from .telemetry import TelemetryWriter
+
+log = logging.getLogger(__name__)
+_CODE_PRECISION = {v: k for k, v in KIND_CODES.items()}
+
+
+class PrecisionMapError(ValueError):
+    pass
+
+
+class Runtime:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        block_fqns: list[str],
+        layers: list[StreamedLayerSpec],
+        precision: dict[int, str],
+        config: Config,
+        slab_loader=None,
+    ):
+        self.model = model
+        self.device = torch.device(device)
+        self.blocks = list(block_fqns)
+        self.layers = layers
+        self.config = config
+        self.id = registry.register_runtime(self)
+        self._closed = False
+        self._original_devices = {n: t.device for n, t in _named_tensors(model)}
+        self._original_requires_grad = {s.fqn: s.module.weight.requires_grad for s in layers}
+        self._block_first_layer = {}
+        for index, spec in enumerate(layers):
+            self._block_first_layer.setdefault(spec.block, index)
+
+        pin = config.pin_memory and self.device.type == "cuda"
+        quant_device = self.device if self.device.type == "cuda" else None
+        self.store = HostStore(layers, len(block_fqns), pin=pin, quantizer=config.quantizer, quant_device=quant_device)
+        for b in range(len(block_fqns)):
+            self.store.adopt_full(b)  # may be replaced by slab-only blocks below
+        if slab_loader is not None:
+            slab_loader(self)
+        for index, spec in enumerate(layers):
+            make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
+            spec.module.register_load_state_dict_post_hook(self._after_load_state_dict)
+        model.to(self.device)  # everything but the streamed weights becomes resident
+
+        self._precision: dict[int, str] = {}
+        self.set_precision(precision)
+        slot_bytes = self.store.max_block_bytes()
+        self.pool = SlotPool(self.device, config.slot_count, slot_bytes, self.store)
+        self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
+        self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
+        # Token outputs are allocated once: a prefetch / evict returns its block's.
+        self._fetch_tokens = [torch.zeros((), dtype=torch.int64) for _ in self.blocks]
+        self._free_tokens = [torch.zeros((), dtype=torch.int64) for _ in self.blocks]
+
+        self.telemetry = TelemetryWriter(config.telemetry_file)
+        self.phases = PhaseTracker(on_step_end=self._record_step)
+        self._step_base = self._counters()
+        self.variants: dict[Any, Any] = {}  # compiled units, filled by the backend
+        self.variant_info: dict[Any, dict] = {}  # their graphs and compile times (explain)
+        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph
+        self.compile_seconds = 0.0
+        self.compile_count = 0  # every compiled unit (block variants and glue)
+        self.block_variant_count = 0
+        self.graph_breaks: list[str] = []
+        self._hooks: list[Any] = []
+
+    # ---- public API -----------------------------------------------------------------
+
+    @property
+    def precision(self) -> dict[int, str]:
+        return dict(self._precision)
+
+    def set_precision(self, precision: str | dict[int, str]) -> None:
+        """Set the precision of every block ("bf16"/"int8") or of the blocks a map names.
+
+        The next call runs the new map; compiled variants are re-linked, new ones
+        compiled once. INT8 copies missing from the host store are built now,
+        off the hot path.
+        """
+        new = dict(self._precision)
+        if isinstance(precision, str):
+            precision = {b: precision for b in range(len(self.blocks))}
+        if not isinstance(precision, dict):
+            raise PrecisionMapError(f"precision must be 'bf16', 'int8' or a dict block -> precision, got {precision!r}")
+        for key, value in precision.items():
+            block = self._block_index(key)
+            if value not in PRECISIONS:
+                raise PrecisionMapError(
+                    f"precision map: block {key!r} has unknown precision {value!r} (known: {', '.join(PRECISIONS)})"
+                )
+            if not self.store.has(block, value) and value == FULL:
+                raise PrecisionMapError(
+                    f"precision map: block {block} ({self.blocks[block]}) has no full-precision weights "
+                    "(it was loaded from an INT8 slab only)"
+                )
+            new[block] = value
+        missing = [b for b in range(len(self.blocks)) if b not in new]
+        if missing:
+            raise PrecisionMapError(f"precision map: blocks {missing} have no precision")
+        for block, value in new.items():
+            if value == INT8 and not self.store.has(block, INT8):
+                self.store.quantize_block(block)
+        self._precision = new
+
+    def stats(self) -> dict[str, Any]:
+        s = self.pool.stats
+        return {
+            "blocks": len(self.blocks),
+            "streamed_layers": len(self.layers),
+            "slots": len(self.pool.slots),
+            "slot_bytes": self.pool.slot_bytes,
+            "h2d_bytes": s.h2d_bytes,
+            "d2h_bytes": 0,  # the host copy is the master: nothing is ever copied back
+            "fetches": s.fetches,
+            "prefetches": s.prefetches,
+            "sync_fetches": s.sync_fetches,
+            "hits": s.hits,
+            "denials": dict(s.denials),
+            "streamed_bytes_resident": s.resident_bytes,
+            "peak_streamed_bytes": s.peak_resident_bytes,
+            "host_bytes": self.store.host_bytes(),
+            "compiled_variants": self.block_variant_count,
+            "compiled_units": self.compile_count,
+            "compile_seconds": round(self.compile_seconds, 3),
+            "steps": self.phases.step,
+            "precision_counts": dict(Counter(self._precision.values())),
+        }
+
+    def attach(self, optimizer: torch.optim.Optimizer):
+        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after."""
+        pre = optimizer.register_step_pre_hook(lambda *_: self.phases.optimizer_begin())
+        post = optimizer.register_step_post_hook(lambda *_: self.phases.end_step())
+        self._hooks += [pre, post]
+        return self
+
+    def restore(self) -> nn.Module:
+        """Put the model back: plain modules, weights as tensors on their original devices, bit-exact."""
+        self._check_open()
+        with torch.no_grad():
+            for spec in self.layers:
+                make_plain(spec.module)
+                host = spec.module.weight.detach()
+                device = self._original_devices[spec.fqn + ".weight"]
+                spec.module._parameters["weight"] = nn.Parameter(
+                    host.to(device, copy=True), requires_grad=self._original_requires_grad[spec.fqn]
+                )
+            for name, tensor in _named_tensors(self.model):
+                original = self._original_devices.get(name)
+                if original is not None and tensor.device != original:
+                    tensor.data = tensor.data.to(original)
+        self.close()
+        return self.model
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        for h in self._hooks:
+            h.remove()
+        self.phases.end_step()
+        self.telemetry.close()
+        registry.unregister_runtime(self.id)
+        self.variants.clear()
+        self._closed = True
+
+    # ---- called by the ops -------------------------------------------------------------
+
+    def op_prefetch(self, block: int) -> torch.Tensor:
+        self.pool.prefetch(block, self._precision[block])
+        return self._fetch_tokens[block]
+
+    def op_wait(self, block: int, precision_code: int, nbytes: int, backward: bool) -> torch.Tensor:
+        (self.phases.backward_op if backward else self.phases.forward_op)()
+        precision = _CODE_PRECISION[precision_code]
+        slot = self.pool.acquire(block, precision, hold=True)
+        if slot.numel() != nbytes:
+            raise RuntimeError(
+                f"stagehand: block {block} ({self.blocks[block]}, {precision}) holds {slot.numel()} bytes but the "
+                f"compiled graph expects {nbytes}: the block's layout changed after compilation"
+            )
+        return slot
+
+    def op_release(self, block: int, precision_code: int) -> torch.Tensor:
+        self.pool.release(block, _CODE_PRECISION[precision_code])
+        return self._free_tokens[block]
+
+    def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        self.phases.forward_op()
+        slot, layout = self._eager_slot(index)
+        return linear_from_slot(x, slot, bias, layout)
+
+    def eager_grad_input(self, index: int, dy: torch.Tensor) -> torch.Tensor:
+        self.phases.backward_op()
+        slot, layout = self._eager_slot(index)
+        return grad_input_from_slot(dy, slot, layout)
+
+    def _eager_slot(self, index: int):
+        self._check_open()
+        spec = self.layers[index]
+        block = spec.block
+        precision = self._precision[block]
+        slot = self.pool.acquire(block, precision, hold=False)
+        if self._block_first_layer[block] == index and block + 1 < len(self.blocks):
+            # Eager calls have no schedule; fetching the next block while this one runs still pays.
+            self.pool.prefetch(block + 1, self._precision[block + 1])
+        position = index - self._block_first_layer[block]
+        return slot, self.store.layout(block, precision)[position].as_ints()
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def layer_layout(self, index: int, precision: str) -> list[int]:
+        spec = self.layers[index]
+        return self.store.layout(spec.block, precision)[index - self._block_first_layer[spec.block]].as_ints()
+
+    def block_nbytes(self, block: int, precision: str) -> int:
+        return self.store.nbytes(block, precision)
+
+    def _block_index(self, key: int | str) -> int:
+        if isinstance(key, bool) or not isinstance(key, (int, str)):
+            raise PrecisionMapError(f"precision map: key {key!r} is neither a block index nor a block FQN")
+        if isinstance(key, str):
+            if key not in self.blocks:
+                raise PrecisionMapError(f"precision map: no block named {key!r} (blocks: {self.blocks[0]} ...)")
+            return self.blocks.index(key)
+        if not 0 <= key < len(self.blocks):
+            raise PrecisionMapError(f"precision map: block {key} does not exist (the model has {len(self.blocks)} blocks)")
+        return key
+
+    def _after_load_state_dict(self, module, incompatible_keys) -> None:
+        # load_state_dict wrote the host master in place; drop stale device copies.
+        # (INT8 copies notice through the buffer's version counter and re-quantize.)
+        self.pool.invalidate(self.layers[_layer_index(module, self)].block)
+
+    def _counters(self) -> dict[str, int]:
+        s = self.pool.stats
+        return {"h2d_bytes": s.h2d_bytes, "fetches": s.fetches, "prefetches": s.prefetches,
+                "sync_fetches": s.sync_fetches, "hits": s.hits}
+
+    def _record_step(self, step: int, durations: dict[str, float]) -> None:
+        now = self._counters()
+        record: dict[str, Any] = {"step_id": step, "phase_durations": {k: round(v, 6) for k, v in durations.items()}}
+        record.update({k: now[k] - self._step_base[k] for k in now})
+        record["peak_streamed_bytes"] = self.pool.stats.peak_resident_bytes
+        record["denials"] = dict(self.pool.stats.denials)
+        record["precision"] = {str(b): p for b, p in self._precision.items()}
+        if self.device.type == "cuda":
+            record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
+        self._step_base = now
+        self.telemetry.write(record)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("stagehand: this Runtime was closed (restore() was called)")
+
+
+def _layer_index(module: nn.Module, rt: Runtime) -> int:
+    return registry.layer(module._sh_layer)[1]
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)

@@ -1,0 +1,209 @@
+"""Device slots: a fixed set of flat device buffers that streamed blocks are
+copied into, allocated once.
+
+A slot moves FREE -> LOADING (H2D copy issued on the side stream, `ready`
+event recorded) -> IN_USE (the compute stream waits on `ready`; never the host)
+-> READY (released by evict: `free` event recorded on the compute stream; the
+data stays valid and is reused if the same block is asked for again) and back
+to LOADING when another block claims it (the copy stream first waits on
+`free`, so a slot is never overwritten while a kernel still reads it).
+
+On the CPU the same state machine runs with plain synchronous copies, so the
+CI exercises the slot logic the GPU uses.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .host_store import HostStore
+
+log = logging.getLogger(__name__)
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LOADING = "loading"
+    IN_USE = "in_use"
+    READY = "ready"
+
+
+class Denial(str, enum.Enum):
+    """Why a fetch was not issued (typed, as conductor.txt asks)."""
+
+    ALL_SLOTS_BUSY = "all_slots_busy"  # every slot is in use or loading
+    NO_NEXT_BLOCK = "no_next_block"  # the sentinel token: nothing to fetch
+
+
+class SlotsExhaustedError(RuntimeError):
+    """A block must be made resident but every slot is held: the plan cannot be honoured."""
+
+
+@dataclass
+class Slot:
+    index: int
+    buf: torch.Tensor
+    key: tuple[int, str] | None = None  # (block, precision) whose bytes the slot holds
+    state: SlotState = SlotState.FREE
+    nbytes: int = 0
+    released_at: int = 0  # LRU tick
+    ready_event: object = None
+    free_event: object = None
+    # Read by eager (unheld) calls since it was filled: no release recorded its readers.
+    eager_reads: bool = False
+
+
+@dataclass
+class FetchOutcome:
+    issued: bool
+    slot: int | None = None
+    denial: Denial | None = None
+
+
+@dataclass
+class SlotStats:
+    h2d_bytes: int = 0
+    fetches: int = 0  # H2D copies issued
+    prefetches: int = 0  # of those, issued ahead by a prefetch
+    sync_fetches: int = 0  # waits that found nothing in flight and had to fetch
+    hits: int = 0  # waits/prefetches that found the block already resident
+    denials: Counter = field(default_factory=Counter)
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
+
+
+class SlotPool:
+    def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, store: HostStore):
+        self.device = torch.device(device)
+        self.store = store
+        self.slot_bytes = slot_bytes
+        self.cuda = self.device.type == "cuda"
+        self.stats = SlotStats()
+        self._tick = itertools.count(1)
+        self.slots = [
+            Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)) for i in range(n_slots)
+        ]
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+            for s in self.slots:
+                s.ready_event, s.free_event = torch.cuda.Event(), torch.cuda.Event()
+
+    # ---- queries --------------------------------------------------------------
+
+    def _find(self, block: int, precision: str) -> Slot | None:
+        for s in self.slots:
+            if s.key == (block, precision):
+                return s
+        return None
+
+    def resident(self) -> dict[int, tuple[int, str, str]]:
+        """slot index -> (block, precision, state) for slots holding data."""
+        return {s.index: (s.key[0], s.key[1], s.state.value) for s in self.slots if s.key is not None}
+
+    # ---- transitions ------------------------------------------------------------
+
+    def _victim(self) -> Slot | None:
+        free = [s for s in self.slots if s.state is SlotState.FREE]
+        if free:
+            return free[0]
+        ready = [s for s in self.slots if s.state is SlotState.READY]
+        return min(ready, key=lambda s: s.released_at) if ready else None
+
+    def _issue_copy(self, slot: Slot, block: int, precision: str) -> None:
+        self.store.ensure_fresh(block, precision)
+        src = self.store.buffer(block, precision)
+        n = src.numel()
+        if n > self.slot_bytes:
+            raise RuntimeError(f"block {block} ({precision}) needs {n} bytes but slots hold {self.slot_bytes}")
+        if self.cuda:
+            if slot.eager_reads:
+                # Everything queued on the compute stream so far may read it.
+                slot.free_event.record(torch.cuda.current_stream(self.device))
+            # A released slot's free event orders this copy after its last reader.
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(slot.free_event)
+                slot.buf[:n].copy_(src, non_blocking=True)
+                slot.ready_event.record(self.copy_stream)
+        else:
+            slot.buf[:n].copy_(src)
+        self._set_bytes(slot, n)
+        slot.key, slot.state, slot.eager_reads = (block, precision), SlotState.LOADING, False
+        self.stats.h2d_bytes += n
+        self.stats.fetches += 1
+
+    def _set_bytes(self, slot: Slot, n: int) -> None:
+        self.stats.resident_bytes += n - slot.nbytes
+        slot.nbytes = n
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
+
+    def prefetch(self, block: int, precision: str) -> FetchOutcome:
+        """Start copying a block in, if a slot is free; never blocks the host."""
+        slot = self._find(block, precision)
+        if slot is not None:
+            self.stats.hits += 1
+            return FetchOutcome(False, slot.index)
+        victim = self._victim()
+        if victim is None:
+            self.stats.denials[Denial.ALL_SLOTS_BUSY.value] += 1
+            return FetchOutcome(False, None, Denial.ALL_SLOTS_BUSY)
+        self._issue_copy(victim, block, precision)
+        self.stats.prefetches += 1
+        return FetchOutcome(True, victim.index)
+
+    def acquire(self, block: int, precision: str, hold: bool = True) -> torch.Tensor:
+        """Make the block resident and readable on the current stream; returns its bytes.
+
+        `hold=True` (compiled schedule): the slot stays IN_USE until `release`.
+        `hold=False` (eager calls): the slot is READY again at once; it is only
+        reclaimed by a later fetch, after a `free` event recorded at that time.
+        """
+        slot = self._find(block, precision)
+        if slot is None:
+            victim = self._victim()
+            if victim is None:
+                held = {s.index: s.key for s in self.slots}
+                raise SlotsExhaustedError(
+                    f"stagehand: block {block} ({precision}) must be resident but all {len(self.slots)} "
+                    f"slots are held (slot -> (block, precision): {held}); raise Config.slots"
+                )
+            self._issue_copy(victim, block, precision)
+            self.stats.sync_fetches += 1
+            slot = victim
+        else:
+            self.stats.hits += slot.state is not SlotState.LOADING
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
+        if hold:
+            slot.state = SlotState.IN_USE
+        elif slot.state is not SlotState.IN_USE:  # an eager read never drops a schedule's hold
+            slot.state = SlotState.READY
+        if not hold:
+            slot.released_at = next(self._tick)
+            slot.eager_reads = True
+        return slot.buf[: slot.nbytes]
+
+    def release(self, block: int, precision: str) -> None:
+        slot = self._find(block, precision)
+        if slot is None or slot.state is not SlotState.IN_USE:
+            return  # already released (a block split by a graph break releases once per part)
+        if self.cuda:
+            slot.free_event.record(torch.cuda.current_stream(self.device))
+        slot.state = SlotState.READY
+        slot.released_at = next(self._tick)
+
+    def invalidate(self, block: int | None = None) -> None:
+        """Forget cached copies (after the host master changed). Held slots are an error."""
+        for s in self.slots:
+            if s.key is not None and (block is None or s.key[0] == block):
+                if s.state is SlotState.IN_USE:
+                    raise RuntimeError(f"stagehand: block {s.key[0]} is in use; cannot invalidate its slot")
+                if self.cuda and s.state is SlotState.LOADING:
+                    s.free_event.record(self.copy_stream)
+                self._set_bytes(s, 0)
+                s.key, s.state = None, SlotState.FREE

@@ -1,0 +1,36 @@
+"""Telemetry: one JSON line per step of what actually happened.
+
+Fields follow conductor.txt's telemetry where they apply (step_id,
+vram_allocated_mb, phase_durations) plus the stream's own counters for the
+step: bytes moved, fetches issued, how many were prefetched, how many waits
+had to fetch synchronously (stalls), denials by reason, and the precision map.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+
+class TelemetryWriter:
+    def __init__(self, path: str | os.PathLike | None):
+        self.path = None if path is None else os.fspath(path)
+        self._file = None
+        self.records: list[dict[str, Any]] = []  # also kept in memory for plots and tests
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {"timestamp": time.time(), **record}
+        self.records.append(record)
+        if self.path is None:
+            return
+        if self._file is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
