@@ -78,6 +78,7 @@ class _Unit(nn.Module):
         self.ctx = ctx
         self.segment = segment
         self.unit_name = name
+        self.last_key = None  # the variant the last call ran (explain reads it)
 
     def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool):
         rt = self.ctx.runtime
@@ -114,7 +115,7 @@ class GlueUnit(_Unit):
         self._key = ("glue", structure_key(template))
 
     def forward(self, *args):
-        key = (self._key, input_signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
+        key = self.last_key = (self._key, input_signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
         compiled = self.ctx.runtime.variants.get(key) or self._compile(key, self.template, args, self.unit_name, False)
         out = compiled(*args)
         return out if self.returns_tuple else out[0]
@@ -146,7 +147,7 @@ class BlockUnit(_Unit):
         precision = rt.precision[self.block]
         gm, skey = self.variant_graph(precision)
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
-        key = (skey, input_signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner)
+        key = self.last_key = (skey, input_signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner)
         compiled = rt.variants.get(key)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[self.block]})"

@@ -6,8 +6,8 @@
 
 from torch_stagehand.runtime import ops as _ops  # noqa: F401  (registers the custom ops)
 
-from .api import offload
+from .api import explain, offload, runtime_of
 from .config import ConductorConfig, Config, ConfigError, PrecisionConfig
 from torch_stagehand.runtime.runtime import Runtime
 
-__all__ = ["Config", "ConductorConfig", "ConfigError", "PrecisionConfig", "Runtime", "offload"]
+__all__ = ["Config", "ConductorConfig", "ConfigError", "PrecisionConfig", "Runtime", "explain", "offload", "runtime_of"]

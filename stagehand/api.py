@@ -78,3 +78,73 @@ def _initial_precision(precision, block_fqns: list[str]) -> dict[int, str]:
             raise PrecisionMapError(f"offload: block {key} has unknown precision {value!r} (known: {', '.join(PRECISIONS)})")
         result[key] = value
     return result
+
+
+def runtime_of(model: nn.Module) -> Runtime:
+    from torch_stagehand.runtime import registry
+
+    for module in model.modules():
+        if is_streamed(module):
+            return registry.layer(module._sh_layer)[0]
+    raise RuntimeError(f"{type(model).__name__} is not offloaded: call torch_stagehand.offload(model) first")
+
+
+def explain(model: nn.Module, *args, **kwargs):
+    """Compile and run `model(*args, **kwargs)` once; report what the backend did.
+
+    Uses the inner compiler "eager" so the graphs are readable ATen. With grad
+    enabled the report includes the backward graphs and backward schedule
+    (compiled with the forward; no backward is run). Runs one forward, which
+    streams the blocks like any other call.
+    """
+    from torch._dynamo.utils import counters
+
+    from torch_stagehand.compiler.plan import simulate
+    from torch_stagehand.compiler.units import BlockUnit
+
+    from .report import Report
+
+    rt = runtime_of(model)
+    breaks_before = dict(counters["graph_break"])
+    first_record = len(rt.graph_records)
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    compiled(*args, **kwargs)
+    records = rt.graph_records[first_record:]
+    graph_breaks = [
+        f"{reason} (x{count - breaks_before.get(reason, 0)})"
+        for reason, count in counters["graph_break"].items()
+        if count > breaks_before.get(reason, 0)
+    ]
+    graphs: dict[str, str] = {}
+    segments: list[dict] = []
+    with_backward = False
+    for i, record in enumerate(records):
+        prefix = "" if len(records) == 1 else f"graph{i}."
+        graphs[prefix + "forward"] = record.outer.print_readable(print_output=False)
+        for name, unit in record.outer.named_children():
+            info = rt.variant_info.get(unit.last_key)
+            if info is None:
+                continue
+            if isinstance(unit, BlockUnit):
+                label = f"block_variant[{unit.last_key[0]}, {rt.precision[unit.block]}]"
+                graphs.setdefault(label + ".scheduled", info["scheduled"])
+            else:
+                label = prefix + name
+            for kind, code in info["graphs"].items():
+                graphs.setdefault(f"{label}.{kind}", code)
+                with_backward |= kind == "backward" and isinstance(unit, BlockUnit)
+        for seg in record.segments:
+            sources = sorted(u for u, _ in record.dag.in_edges(seg.index))
+            segments.append({"graph": i, "segment": seg.index, "kind": seg.kind,
+                             "block": "" if seg.block is None else f"{seg.block} {rt.blocks[seg.block]}",
+                             "ops": len(seg.nodes), "streamed": record.dag.nodes[seg.index]["streamed"],
+                             "inputs_from": ", ".join(map(str, sources)) or "inputs"})
+    return Report(
+        blocks=list(rt.blocks),
+        graphs=graphs,
+        schedule=simulate(rt, records, with_backward),
+        graph_breaks=graph_breaks,
+        graph_count=max(1, len(records)),
+        stats=rt.stats(),
+        segments=segments,
+    )
