@@ -152,7 +152,11 @@ class BlockUnit(_Unit):
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[self.block]})"
             compiled = self._compile(key, gm, args, label, True)
-        return compiled(*args)
+        try:
+            return compiled(*args)
+        except BaseException:
+            rt.pool.release_all()  # the evict inside never ran; don't leave the slot held
+            raise
 
 
 def has_streamed_linear(segment: Segment) -> bool:

@@ -108,12 +108,22 @@ class SlotPool:
 
     # ---- transitions ------------------------------------------------------------
 
-    def _victim(self) -> Slot | None:
+    def _victim(self, steal_loading: bool = False) -> Slot | None:
+        """A slot to fill: a free one, else the least recently released one.
+
+        `steal_loading` (only when a block must be resident now) also takes a
+        slot whose prefetch nobody has waited on yet: its copy is ordered
+        before ours on the copy stream and nothing reads it, so this is safe;
+        the block it was fetching will be fetched again when asked for.
+        """
         free = [s for s in self.slots if s.state is SlotState.FREE]
         if free:
             return free[0]
         ready = [s for s in self.slots if s.state is SlotState.READY]
-        return min(ready, key=lambda s: s.released_at) if ready else None
+        if ready:
+            return min(ready, key=lambda s: s.released_at)
+        loading = [s for s in self.slots if s.state is SlotState.LOADING] if steal_loading else []
+        return min(loading, key=lambda s: s.released_at) if loading else None
 
     def _issue_copy(self, slot: Slot, block: int, precision: str) -> None:
         self.store.ensure_fresh(block, precision)
@@ -134,6 +144,7 @@ class SlotPool:
             slot.buf[:n].copy_(src)
         self._set_bytes(slot, n)
         slot.key, slot.state, slot.eager_reads = (block, precision), SlotState.LOADING, False
+        slot.released_at = next(self._tick)
         self.stats.h2d_bytes += n
         self.stats.fetches += 1
 
@@ -165,12 +176,12 @@ class SlotPool:
         """
         slot = self._find(block, precision)
         if slot is None:
-            victim = self._victim()
+            victim = self._victim(steal_loading=True)
             if victim is None:
                 held = {s.index: s.key for s in self.slots}
                 raise SlotsExhaustedError(
                     f"stagehand: block {block} ({precision}) must be resident but all {len(self.slots)} "
-                    f"slots are held (slot -> (block, precision): {held}); raise Config.slots"
+                    f"slots are in use (slot -> (block, precision): {held}); raise Config.slots"
                 )
             self._issue_copy(victim, block, precision)
             self.stats.sync_fetches += 1
@@ -196,6 +207,12 @@ class SlotPool:
             slot.free_event.record(torch.cuda.current_stream(self.device))
         slot.state = SlotState.READY
         slot.released_at = next(self._tick)
+
+    def release_all(self) -> None:
+        """Drop every hold (a compiled block raised before its evict ran)."""
+        for s in self.slots:
+            if s.state is SlotState.IN_USE:
+                self.release(*s.key)
 
     def invalidate(self, block: int | None = None) -> None:
         """Forget cached copies (after the host master changed). Held slots are an error."""

@@ -1,0 +1,82 @@
+"""Shared helpers for the backend tests: reference models and error measures."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from torch_stagehand.kernels import dequantize, quantize_per_row
+from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def int8_reference(model: nn.Module, precision: dict[int, str] | str, quantizer: str = "mse") -> nn.Module:
+    """A plain copy of `model` whose INT8 blocks hold dequantized weights: what INT8 streaming computes."""
+    ref = copy.deepcopy(model)
+    blocks = find_blocks(ref)
+    precision = {b: precision for b in range(len(blocks))} if isinstance(precision, str) else precision
+    with torch.no_grad():
+        for spec in streamed_layers(ref, blocks):
+            if precision.get(spec.block, "bf16") != "int8":
+                continue
+            w = spec.module.weight
+            lin = w.t() if spec.transposed else w
+            q, s = quantize_per_row(lin.detach(), method=quantizer)
+            deq = dequantize(q, s, torch.float32)
+            w.copy_((deq.t() if spec.transposed else deq).to(w.dtype))
+    return ref
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, graph_break: bool = False):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d, bias=False)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        h = F.gelu(self.up(self.norm(x)))
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return x + self.down(h)
+
+
+class ToyModel(nn.Module):
+    """Embedding linear, `n` pre-norm MLP blocks, head. Small enough for exact fp32 checks."""
+
+    def __init__(self, d: int = 32, n: int = 4, graph_break_in: int | None = None):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([Block(d, graph_break=(i == graph_break_in)) for i in range(n)])
+        self.head = nn.Linear(d, 8)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def toy(d=32, n=4, dtype=torch.float32, graph_break_in=None, seed=0):
+    torch.manual_seed(seed)
+    model = ToyModel(d, n, graph_break_in).to(dtype)
+    model.requires_grad_(False)
+    x = torch.randn(2, 5, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return model, x

@@ -1,0 +1,178 @@
+"""The backend on a toy model: exactness, graph structure, schedule, variants, graph breaks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torch_stagehand as stagehand
+from torch_stagehand.compiler.context import BackendOptionsError
+
+from _helpers import int8_reference, rel_err, toy
+
+
+def _compile(model, inner="eager"):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="stagehand", options={"inner": inner})
+
+
+def _train_step(fn, model, x):
+    x = x.clone().requires_grad_(True)
+    out = fn(x)
+    out.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None
+    return out.detach(), x.grad, grads
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_fp32_training_step_matches_plain_model(inner):
+    model, x = toy(n=4)
+    model.embed.requires_grad_(True)
+    model.head.requires_grad_(True)
+    ref_model = copy.deepcopy(model)
+    ref = _train_step(ref_model, ref_model, x)
+    rt = stagehand.offload(model, device="cpu")
+    got = _train_step(_compile(model, inner), model, x)
+    tol = 1e-6 if inner == "eager" else 1e-5
+    assert rel_err(got[0], ref[0]) < tol and rel_err(got[1], ref[1]) < tol
+    assert got[2].keys() == ref[2].keys() and all(rel_err(got[2][k], ref[2][k]) < tol for k in ref[2])
+    stats = rt.stats()
+    assert stats["compiled_variants"] == 1  # four identical blocks share one compiled variant
+    assert stats["sync_fetches"] == 0  # every wait found its block prefetched or still resident
+
+
+def test_mixed_precision_and_switching_back_compiles_nothing():
+    model, x = toy(n=4)
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu")
+    compiled = _compile(model)
+    with torch.no_grad():
+        assert rel_err(compiled(x), plain(x)) < 1e-6
+        mixed = {0: "int8", 2: "int8"}
+        rt.set_precision(mixed)
+        assert rel_err(compiled(x), int8_reference(plain, mixed)(x)) < 1e-5
+        assert rt.stats()["compiled_variants"] == 2  # a bf16 and an int8 variant
+        rt.set_precision("bf16")
+        compiled(x)
+        rt.set_precision(mixed)
+        out = compiled(x)
+    assert rt.stats()["compiled_variants"] == 2
+    assert rel_err(out, int8_reference(plain, mixed)(x)) < 1e-5
+
+
+def test_weights_are_never_saved_for_backward():
+    model, x = toy(n=3)
+    model.embed.requires_grad_(True)
+    rt = stagehand.offload(model, device="cpu", precision={1: "int8"})
+    compiled = _compile(model)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = compiled(x)
+    out.sum().backward()
+    forbidden = {s.buf.untyped_storage().data_ptr() for s in rt.pool.slots}
+    for b in range(3):
+        for p in ("bf16", "int8"):
+            if rt.store.has(b, p):
+                forbidden.add(rt.store.buffer(b, p).untyped_storage().data_ptr())
+    assert saved, "the compiled forward saved nothing at all: the hook did not see it"
+    assert not [t for t in saved if t.untyped_storage().data_ptr() in forbidden]
+    assert not [t for t in saved if t.dtype == torch.uint8]
+
+
+def test_schedule_nodes_are_in_forward_and_backward_graphs():
+    model, x = toy(n=3)
+    model.embed.requires_grad_(True)
+    rt = stagehand.offload(model, device="cpu")
+    compiled = _compile(model)
+    compiled(x).sum().backward()
+    info = next(v for v in rt.variant_info.values() if v["label"].startswith("block"))
+    fw, bw = info["graphs"]["forward"], info["graphs"]["backward"]
+    for op in ("stagehand.wait.default", "stagehand.prefetch.default", "stagehand.linear.default", "stagehand.evict.default"):
+        assert op in fw
+    for op in ("stagehand.wait_bw.default", "stagehand.prefetch.default", "stagehand.linear_grad_input.default",
+               "stagehand.evict.default"):
+        assert op in bw
+    assert bw.count("stagehand.wait_bw.default(") == 1 and bw.count("stagehand.evict.default(") == 1
+    # Order by data: the wait comes first, the evict after the last reader.
+    lines = [line.strip() for line in bw.splitlines() if "torch.ops.stagehand." in line and not line.strip().startswith("#")]
+    assert "wait_bw" in lines[0] and "evict" in lines[-1]
+
+
+def test_compiled_autograd_runs_the_backward_schedule():
+    model, x = toy(n=3)
+    model.embed.requires_grad_(True)
+    ref_model = copy.deepcopy(model)
+    ref = _train_step(ref_model, ref_model, x)
+    rt = stagehand.offload(model, device="cpu")
+    compiled = _compile(model)
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+        got = _train_step(compiled, model, x)
+    assert rel_err(got[1], ref[1]) < 1e-6
+    assert all(rel_err(got[2][k], ref[2][k]) < 1e-6 for k in ref[2])
+    assert rt.stats()["sync_fetches"] == 0
+
+
+def test_graph_break_inside_a_block_is_correct():
+    model, x = toy(n=4, graph_break_in=1)
+    model.embed.requires_grad_(True)
+    ref_model = copy.deepcopy(model)
+    ref = _train_step(ref_model, ref_model, x)
+    eager_copy = copy.deepcopy(model)
+    stagehand.offload(eager_copy, device="cpu")
+    eager = _train_step(eager_copy, eager_copy, x)
+    rt = stagehand.offload(model, device="cpu")
+    report = stagehand.explain(model, x)
+    assert report.graph_count >= 2 and report.graph_breaks
+    got = _train_step(_compile(model), model, x)
+    for a, b in ((got, ref), (eager, ref)):
+        assert rel_err(a[0], b[0]) < 1e-6 and rel_err(a[1], b[1]) < 1e-6
+    parts = [s for s in report.segments if s["block"].startswith("1 ")]
+    assert len(parts) == 2  # block 1 runs as two partial units, one per graph
+    assert rt.stats()["sync_fetches"] == 0
+
+
+def test_changing_shapes_compile_new_variants_and_stay_correct():
+    model, x = toy(n=3)
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu")
+    compiled = _compile(model)
+    with torch.no_grad():
+        for seq in (5, 7, 9):
+            xs = torch.randn(2, seq, 32)
+            assert rel_err(compiled(xs), plain(xs)) < 1e-6
+    assert rt.stats()["compiled_variants"] >= 2
+
+
+def test_explain_reports_graphs_and_schedule():
+    model, x = toy(n=3)
+    model.embed.requires_grad_(True)
+    stagehand.offload(model, device="cpu", precision={1: "int8"})
+    report = stagehand.explain(model, x)
+    assert report.blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    assert "forward" in report.graphs and "stagehand.prefetch" in report.graphs["forward"]
+    assert any(k.endswith(".backward") and "int8" in k for k in report.graphs)
+    assert any(k.endswith(".backward") and "bf16" in k for k in report.graphs)
+    phases = [r.phase for r in report.schedule]
+    assert phases.count("forward") == phases.count("backward") + 1  # the first prefetch has no backward twin
+    waits = [r for r in report.schedule if r.action == "wait"]
+    assert [r.block for r in waits] == [0, 1, 2, 2, 1, 0]
+    assert all(r.slot is not None for r in waits) and not [r for r in report.schedule if "sync" in r.note]
+    assert next(r for r in waits if r.block == 1).precision == "int8"
+    table = report.table()
+    assert "prefetch" in table and "blocks.1" in table and "int8" in table
+
+
+def test_bad_backend_options():
+    model, x = toy(n=2)
+    stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown option"):
+        torch.compile(model, backend="stagehand", options={"innr": "eager"})(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="must be one of"):
+        torch.compile(model, backend="stagehand", options={"inner": "tvm"})(x)
+    assert issubclass(BackendOptionsError, ValueError)
