@@ -131,9 +131,15 @@ class HostStore:
     def _empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
-    def adopt_full(self, block: int) -> None:
-        """Move the block's weights into one flat buffer; the modules keep views of it."""
+    def adopt_full(self, block: int) -> bool:
+        """Move the block's weights into one flat buffer; the modules keep views of it.
+
+        Returns False (and keeps nothing) when the weights are on the meta
+        device: such a block can only stream INT8 read from a slab.
+        """
         bb = self.blocks[block]
+        if any(spec.module.weight.is_meta for spec in bb.layers):
+            return False
         layout, nbytes = full_layout(bb.layers)
         buf = self._empty(nbytes)
         for spec, lay in zip(bb.layers, layout):
@@ -144,6 +150,7 @@ class HostStore:
             # Replace the parameter object: the old storage (possibly on the GPU) is freed.
             spec.module._parameters["weight"] = torch.nn.Parameter(view, requires_grad=requires_grad)
         bb.full, bb.full_layout = buf, layout
+        return True
 
     def allocate_int8(self, block: int) -> None:
         bb = self.blocks[block]
@@ -204,7 +211,13 @@ class HostStore:
         return (full_layout if precision == FULL else int8_layout)(self.blocks[block].layers)[1]
 
     def max_block_bytes(self) -> int:
-        return max(max(self.nbytes(b, p) for p in PRECISIONS) for b in range(len(self.blocks)))
+        """The slot size: the largest block in any precision it can stream in."""
+        sizes = []
+        for b, bb in enumerate(self.blocks):
+            sizes.append(self.nbytes(b, INT8))
+            if bb.full is not None:
+                sizes.append(self.nbytes(b, FULL))
+        return max(sizes)
 
     def host_bytes(self) -> int:
         return sum(bb.nbytes(FULL) + bb.nbytes(INT8) for bb in self.blocks)

@@ -61,10 +61,13 @@ class Runtime:
         pin = config.pin_memory and self.device.type == "cuda"
         quant_device = self.device if self.device.type == "cuda" else None
         self.store = HostStore(layers, len(block_fqns), pin=pin, quantizer=config.quantizer, quant_device=quant_device)
-        for b in range(len(block_fqns)):
-            self.store.adopt_full(b)  # may be replaced by slab-only blocks below
+        meta_blocks = [b for b in range(len(block_fqns)) if not self.store.adopt_full(b)]
         if slab_loader is not None:
             slab_loader(self)
+        elif meta_blocks:
+            raise RuntimeError(
+                f"offload: block {block_fqns[meta_blocks[0]]} has weights on the meta device and no slab was given"
+            )
         for index, spec in enumerate(layers):
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
             spec.module.register_load_state_dict_post_hook(self._after_load_state_dict)
@@ -164,6 +167,12 @@ class Runtime:
     def restore(self) -> nn.Module:
         """Put the model back: plain modules, weights as tensors on their original devices, bit-exact."""
         self._check_open()
+        int8_only = [self.blocks[b] for b, bb in enumerate(self.store.blocks) if bb.full is None]
+        if int8_only:
+            raise RuntimeError(
+                f"restore: block {int8_only[0]} was loaded from an INT8 slab only; "
+                "its full-precision weights were never in memory"
+            )
         with torch.no_grad():
             for spec in self.layers:
                 make_plain(spec.module)

@@ -44,6 +44,12 @@ class StreamedMixin:
         finally:
             self._parameters["weight"] = weight
 
+    def __deepcopy__(self, memo):
+        # A copy would alias the original's host store and slots through the layer id.
+        raise TypeError(
+            f"stagehand: {self._sh_fqn} is streamed; deepcopy the model before offload() or after restore()"
+        )
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, streamed (layer {self._sh_layer})"
 

@@ -122,6 +122,13 @@ def test_trainable_streamed_weight_is_a_clear_error():
         model(x)  # inference is fine
 
 
+def test_deepcopy_of_an_offloaded_model_is_refused():
+    model, _ = toy()
+    stagehand.offload(model, device="cpu")
+    with pytest.raises(TypeError, match="deepcopy the model before offload"):
+        copy.deepcopy(model)
+
+
 def test_model_moves_keep_streamed_weights_on_host():
     model, x = toy()
     rt = stagehand.offload(model, device="cpu")

@@ -1,0 +1,460 @@
+"""INT8 slab files: `{name}.safetensors` + `{name}.manifest.json`, SquareQ V2 compatible.
+
+`SlabReader` is what the host store uses: it validates the manifest and the
+file when it opens them and again on every read, and copies one layer's INT8
+rows and fp32 scale straight from the file into caller-owned (pinned) buffers,
+without materialising BF16 and holding at most one layer's bytes (usually none:
+it reads into the destination).
+
+What open checks (each failure is its own `SlabError` subclass, naming file and layer):
+  - the manifest: schema, ABI version, quant config, packed shape = orig shape
+    padded to pad_k, layer_count / total_qweight_bytes, and (for our slabs)
+    that its model_signature matches its own layer list;
+  - the signature against `expected_signature` / `model`, when given;
+  - the safetensors header: parseable, byte ranges that tile the data region,
+    a file exactly as long as the header says;
+  - manifest vs header: every listed tensor present with the right dtype and
+    shape, no tensor the manifest does not list;
+  - for our slabs: slab id (manifest and header must name the same slab), the
+    header's sha256 and the file size recorded in the manifest;
+  - every zero_point is zero (we compute per-row symmetric only; SquareQ writes
+    zeros too) and its checksum;
+  - with ``verify="full"``: the whole file's sha256 and every tensor's crc32.
+Every read re-checks the crc32 of what it read (when recorded), that scales
+are finite and not all zero, and that the file was not cut short meanwhile.
+
+Plain SquareQ slabs (no checksums, no slab id) load with every check that does
+not need our extras.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .slab_errors import (
+    SlabAbiError,
+    SlabChecksumError,
+    SlabDtypeError,
+    SlabError,
+    SlabExtraTensorError,
+    SlabHeaderError,
+    SlabLayerNotFoundError,
+    SlabManifestError,
+    SlabMismatchError,
+    SlabMissingTensorError,
+    SlabModelMismatchError,
+    SlabShapeError,
+    SlabSignatureError,
+    SlabTruncatedError,
+    SlabUnsupportedError,
+    SlabValueError,
+)
+from .slab_io import MANIFEST_DTYPE_TO_TAG, byte_view, crc32_hex, pread_into, read_header
+from .slab_manifest import (
+    CURRENT_KERNEL_ABI_VERSION,
+    SLAB_ID_KEY,
+    LayerEntry,
+    SlabManifest,
+    canonical_name,
+    compute_model_signature,
+    iter_linear_layers,
+    load_manifest,
+    signature_from_shapes,
+)
+
+__all__ = [
+    "CURRENT_KERNEL_ABI_VERSION",
+    "LayerEntry",
+    "SlabManifest",
+    "SlabReader",
+    "canonical_name",
+    "compute_model_signature",
+    "load_manifest",
+    "slab_paths",
+    # errors (defined in slab_errors)
+    "SlabError",
+    "SlabAbiError",
+    "SlabChecksumError",
+    "SlabDtypeError",
+    "SlabExtraTensorError",
+    "SlabHeaderError",
+    "SlabLayerNotFoundError",
+    "SlabManifestError",
+    "SlabMismatchError",
+    "SlabMissingTensorError",
+    "SlabModelMismatchError",
+    "SlabShapeError",
+    "SlabSignatureError",
+    "SlabTruncatedError",
+    "SlabUnsupportedError",
+    "SlabValueError",
+]
+
+# Bytes read per pread when a layer has to be narrowed (padded -> unpadded) or hashed.
+_CHUNK_BYTES = 8 << 20
+
+
+def slab_paths(output_dir: str | os.PathLike, slab_name: str) -> tuple[str, str]:
+    """(safetensors path, manifest path) of slab `slab_name` in `output_dir`."""
+    d = os.fspath(output_dir)
+    return os.path.join(d, f"{slab_name}.safetensors"), os.path.join(d, f"{slab_name}.manifest.json")
+
+
+def _default_safetensors_path(manifest_path: str, manifest: SlabManifest) -> str:
+    recorded = (manifest.stagehand or {}).get("safetensors_file")
+    if recorded:
+        return os.path.join(os.path.dirname(manifest_path), recorded)
+    base = manifest_path[: -len(".manifest.json")] if manifest_path.endswith(".manifest.json") else manifest_path
+    return base + ".safetensors"
+
+
+class SlabReader:
+    """Validated read access to one slab. Thread-safe reads (``pread`` on one fd).
+
+    Args:
+        manifest_path: ``{name}.manifest.json``.
+        safetensors_path: defaults to the file the manifest names, else ``{name}.safetensors``.
+        expected_signature: raise SlabSignatureError unless the manifest carries it.
+        model: run ``check_model(model)`` at open.
+        verify: ``"fast"`` (structure, hashes of the header, sizes, zero points) or
+            ``"full"`` (also the file's sha256 and every tensor's crc32: reads the whole file).
+        verify_checksums: re-check each tensor's crc32 on every read (when recorded).
+    """
+
+    def __init__(
+        self,
+        manifest_path: str | os.PathLike,
+        safetensors_path: str | os.PathLike | None = None,
+        *,
+        expected_signature: str | None = None,
+        model: nn.Module | None = None,
+        verify: str = "fast",
+        verify_checksums: bool = True,
+    ):
+        if verify not in ("fast", "full"):
+            raise ValueError(f"SlabReader: verify must be 'fast' or 'full', got {verify!r}")
+        self.manifest_path = os.fspath(manifest_path)
+        self.manifest = load_manifest(self.manifest_path)
+        self.path = os.fspath(safetensors_path) if safetensors_path else _default_safetensors_path(
+            self.manifest_path, self.manifest
+        )
+        self.verify_checksums = verify_checksums
+        self.layers: dict[str, LayerEntry] = self.manifest.layers
+        self._fd: int | None = None
+        if expected_signature is not None and self.manifest.model_signature != expected_signature:
+            raise SlabSignatureError(
+                f"model_signature is {self.manifest.model_signature!r}, expected {expected_signature!r}",
+                path=self.manifest_path,
+            )
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except OSError as e:
+            raise SlabMissingTensorError(f"cannot open the slab file: {e}", path=self.path) from e
+        try:
+            self.header = read_header(self.path, self._fd)
+            self._check_slab_id()
+            self._check_tensors()
+            self._check_file_identity()
+            self._check_own_signature()
+            self._check_zero_points()
+            if verify == "full":
+                self.verify_full()
+            if model is not None:
+                self.check_model(model)
+        except BaseException:
+            self.close()
+            raise
+
+    # ── open-time checks ──────────────────────────────────────────────────
+
+    def _check_own_signature(self) -> None:
+        # Our builders sign exactly the layers they write, so an edited layer list
+        # (or a signature pasted from another model) shows here.
+        if self.manifest.stagehand is None:
+            return
+        mine = signature_from_shapes(
+            (e.name, e.in_features, e.out_features, e.has_bias) for e in self.layers.values()
+        )
+        if mine != self.manifest.model_signature:
+            raise SlabSignatureError(
+                f"model_signature {self.manifest.model_signature!r} does not match the manifest's own "
+                f"layer list (which signs as {mine!r}): the manifest was edited or mixed up",
+                path=self.manifest_path,
+            )
+
+    def _check_slab_id(self) -> None:
+        # First, so that a manifest of another slab reads as that, not as a list of shape errors.
+        want_id = (self.manifest.stagehand or {}).get("slab_id")
+        got_id = self.header.metadata.get(SLAB_ID_KEY)
+        if want_id and want_id != got_id:
+            raise SlabMismatchError(
+                f"the manifest {self.manifest_path} describes slab {want_id}, but this file is slab "
+                f"{got_id or '<no slab id>'}: manifest and slab file do not belong together",
+                path=self.path,
+            )
+
+    def _check_file_identity(self) -> None:
+        h, sh = self.header, self.manifest.stagehand
+        size = os.fstat(self._fd).st_size
+        if size != h.data_end:
+            raise SlabTruncatedError(f"file has {size - h.data_end} bytes after the last tensor", path=self.path)
+        if sh is None:
+            return
+        want = sh.get("header_sha256")
+        if want is not None and hashlib.sha256(h.header_bytes).hexdigest() != want:
+            raise SlabChecksumError(
+                f"safetensors header sha256 differs from the one recorded in {self.manifest_path}", path=self.path
+            )
+        want = sh.get("safetensors_bytes")
+        if want is not None and want != size:
+            raise SlabTruncatedError(
+                f"file is {size} bytes, the manifest {self.manifest_path} recorded {want}", path=self.path
+            )
+
+    def _check_tensors(self) -> None:
+        claimed: set[str] = set()
+        for e in self.layers.values():
+            specs = [
+                (e.qweight_key, "int8", (e.out_features, e.padded_in_features)),
+                (e.scale_key, "float32", (e.out_features,)),
+                (e.zero_point_key, "float32", (e.out_features,)),
+            ]
+            if e.bias_key:
+                specs.append((e.bias_key, e.dtype_bias, (e.out_features,)))
+            for key, dtype, shape in specs:
+                info = self.header.tensors.get(key)
+                if info is None:
+                    raise SlabMissingTensorError(f"tensor {key!r} listed in the manifest is not in the file",
+                                                 path=self.path, layer=e.name)
+                if info.dtype != MANIFEST_DTYPE_TO_TAG.get(dtype):
+                    raise SlabDtypeError(f"tensor {key!r} is {info.dtype} in the file, the manifest says {dtype}",
+                                         path=self.path, layer=e.name)
+                if info.shape != shape:
+                    raise SlabShapeError(
+                        f"tensor {key!r} is {list(info.shape)} in the file, the manifest says {list(shape)}",
+                        path=self.path, layer=e.name)
+                claimed.add(key)
+        extra = sorted(set(self.header.tensors) - claimed)
+        if extra:
+            key = extra[0]
+            raise SlabExtraTensorError(
+                f"tensor {key!r} is in the file but not in the manifest {self.manifest_path}"
+                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""),
+                path=self.path, layer=key.rsplit(".", 1)[0])
+
+    def _check_zero_points(self) -> None:
+        for e in self.layers.values():
+            zp = torch.empty(e.out_features, dtype=torch.float32)
+            self._read_tensor(e, e.zero_point_key, byte_view(zp))
+            if not bool((zp == 0).all()):
+                raise SlabUnsupportedError(
+                    f"zero_point is non-zero ({int((zp != 0).sum())} of {e.out_features} rows): only per-row "
+                    "symmetric INT8 (zero_point 0) is supported", path=self.path, layer=e.name)
+
+    def verify_full(self) -> None:
+        """Read the whole file: sha256 against the manifest and every tensor's crc32."""
+        sha = hashlib.sha256()
+        h = self.header
+        sha.update(h.header_len.to_bytes(8, "little") + h.header_bytes)
+        owner = {k: e for e in self.layers.values() for k in e.tensor_keys()}
+        buf = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
+        view = byte_view(buf)
+        for info in sorted(h.tensors.values(), key=lambda t: t.start):
+            e = owner[info.name]
+            crc, pos = 0, info.start
+            while pos < info.end:
+                n = min(_CHUNK_BYTES, info.end - pos)
+                pread_into(self._fd, view[:n], pos, self.path, e.name)
+                crc = zlib.crc32(view[:n], crc)
+                sha.update(view[:n])
+                pos += n
+            self._compare_crc(e, info.name, crc)
+        want = (self.manifest.stagehand or {}).get("safetensors_sha256")
+        if want is not None and sha.hexdigest() != want:
+            raise SlabChecksumError(f"file sha256 {sha.hexdigest()} differs from the manifest's {want}",
+                                    path=self.path)
+
+    # ── reads ─────────────────────────────────────────────────────────────
+
+    def _compare_crc(self, e: LayerEntry, key: str, crc: int) -> None:
+        want = (e.checksums or {}).get(key)
+        if want is not None and self.verify_checksums and crc32_hex(crc) != want:
+            raise SlabChecksumError(
+                f"tensor {key!r} crc32 {crc32_hex(crc)} differs from the manifest's {want} (corrupt data)",
+                path=self.path, layer=e.name)
+
+    def _read_tensor(self, e: LayerEntry, key: str, dst: memoryview) -> None:
+        info = self.header.tensors[key]
+        if len(dst) != info.nbytes:
+            raise SlabShapeError(f"buffer of {len(dst)} bytes for tensor {key!r} of {info.nbytes}",
+                                 path=self.path, layer=e.name)
+        pread_into(self._fd, dst, info.start, self.path, e.name)
+        self._compare_crc(e, key, zlib.crc32(dst))
+
+    def _entry(self, name: str) -> LayerEntry:
+        if self._fd is None:
+            raise SlabError("reader is closed", path=self.path, layer=name)
+        e = self.layers.get(name)
+        if e is None:
+            raise SlabLayerNotFoundError("no such layer in the slab", path=self.path, layer=name)
+        return e
+
+    def _check_dst(self, e: LayerEntry, what: str, t: torch.Tensor, dtype: torch.dtype | None, shape) -> None:
+        if dtype is not None and t.dtype != dtype:
+            raise SlabDtypeError(f"{what} buffer is {t.dtype}, needs {dtype}", path=self.path, layer=e.name)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if t.numel() != numel or (t.dim() == len(shape) and tuple(t.shape) != tuple(shape)) or t.dim() not in (1, len(shape)):
+            raise SlabShapeError(f"{what} buffer has shape {list(t.shape)}, needs {list(shape)} (or flat {numel})",
+                                 path=self.path, layer=e.name)
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise SlabShapeError(f"{what} buffer must be a contiguous CPU tensor (pinned is fine)",
+                                 path=self.path, layer=e.name)
+
+    def read_layer_into(
+        self,
+        name: str,
+        qweight_out: torch.Tensor,
+        scale_out: torch.Tensor,
+        bias_out: torch.Tensor | None = None,
+        *,
+        padded: bool = False,
+    ) -> None:
+        """Copy layer `name` into preallocated contiguous CPU tensors.
+
+        qweight_out: int8, ``[out, in_features]`` (``padded=False``: the first
+            in_features columns of each stored row, i.e. the padding dropped) or
+            ``[out, padded_in_features]`` (``padded=True``: the rows as stored,
+            padding columns are zero); a flat tensor of that many elements works too.
+        scale_out: float32 ``[out]``.
+        bias_out: ``[out]`` of any float dtype (cast from the stored fp32), only for
+            a layer with a bias; None skips the bias.
+        On any error (SlabError naming the layer and file) the buffers' content is
+        unspecified and must not be used.
+        """
+        e = self._entry(name)
+        width = e.padded_in_features if padded else e.in_features
+        self._check_dst(e, "qweight", qweight_out, torch.int8, (e.out_features, width))
+        self._check_dst(e, "scale", scale_out, torch.float32, (e.out_features,))
+        if bias_out is not None:
+            if not e.has_bias:
+                raise SlabShapeError("bias buffer given but the layer has no bias", path=self.path, layer=e.name)
+            self._check_dst(e, "bias", bias_out, None, (e.out_features,))
+        if width == e.padded_in_features:
+            self._read_tensor(e, e.qweight_key, byte_view(qweight_out))
+        else:
+            self._read_narrowed(e, qweight_out.view(e.out_features, width))
+        self._read_tensor(e, e.scale_key, byte_view(scale_out))
+        if not bool(torch.isfinite(scale_out).all()):
+            raise SlabValueError("scale holds NaN or Inf", path=self.path, layer=e.name)
+        if not bool((scale_out != 0).any()):
+            raise SlabValueError("scale is all zero (the layer would dequantize to zeros)", path=self.path, layer=e.name)
+        zp = torch.empty(e.out_features, dtype=torch.float32)
+        self._read_tensor(e, e.zero_point_key, byte_view(zp))
+        if not bool((zp == 0).all()):
+            raise SlabUnsupportedError("zero_point is non-zero", path=self.path, layer=e.name)
+        if bias_out is not None:
+            if bias_out.dtype == torch.float32:
+                self._read_tensor(e, e.bias_key, byte_view(bias_out))
+            else:
+                tmp = torch.empty(e.out_features, dtype=torch.float32)
+                self._read_tensor(e, e.bias_key, byte_view(tmp))
+                bias_out.view(-1).copy_(tmp)
+
+    def _read_narrowed(self, e: LayerEntry, dst: torch.Tensor) -> None:
+        # Stored rows are wider than the destination: read a few rows at a time
+        # into a small scratch buffer and copy the leading columns out.
+        info = self.header.tensors[e.qweight_key]
+        row = e.padded_in_features
+        rows = max(1, _CHUNK_BYTES // row)
+        scratch = torch.empty(min(rows, e.out_features) * row, dtype=torch.int8)
+        view = byte_view(scratch)
+        crc = 0
+        for r0 in range(0, e.out_features, rows):
+            r1 = min(e.out_features, r0 + rows)
+            n = (r1 - r0) * row
+            pread_into(self._fd, view[:n], info.start + r0 * row, self.path, e.name)
+            crc = zlib.crc32(view[:n], crc)
+            dst[r0:r1].copy_(scratch[:n].view(r1 - r0, row)[:, : e.in_features])
+        self._compare_crc(e, e.qweight_key, crc)
+
+    def read_layer(self, name: str, *, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """New tensors (qweight int8, scale fp32, bias fp32 or None) for one layer."""
+        e = self._entry(name)
+        q = torch.empty(e.out_features, e.padded_in_features if padded else e.in_features, dtype=torch.int8)
+        s = torch.empty(e.out_features, dtype=torch.float32)
+        b = torch.empty(e.out_features, dtype=torch.float32) if e.has_bias else None
+        self.read_layer_into(name, q, s, b, padded=padded)
+        return q, s, b
+
+    # ── model ─────────────────────────────────────────────────────────────
+
+    def check_model(self, model: nn.Module, include_prefixes: Iterable[str] | None = None) -> dict[str, nn.Module]:
+        """Check a live model against the slab; returns canonical name -> live module.
+
+        Live names are mapped back to canonical ones (peft ``base_layer`` /
+        ``base_model.model.``, ``.orig`` LoRA injection, ``_orig_mod``; adapter
+        ``lora_*`` Linears are ignored). Raises SlabModelMismatchError naming the
+        first slab layer the model lacks or holds with another shape / bias /
+        layout, or the first model layer in the slab's scope that the slab lacks,
+        then SlabSignatureError if the signatures differ. The scope is
+        `include_prefixes`, else the prefixes the slab was built with (our slabs),
+        else the whole model (SquareQ's definition).
+        """
+        scope = tuple(include_prefixes) if include_prefixes is not None else self.manifest.signature_prefixes
+        live = {li.name: li for li in iter_linear_layers(model)}
+        where = self.manifest_path
+        for e in self.layers.values():
+            li = live.get(e.name)
+            if li is None:
+                raise SlabModelMismatchError("the model has no Linear layer of this name", path=where, layer=e.name)
+            if (li.out_features, li.in_features) != (e.out_features, e.in_features):
+                raise SlabModelMismatchError(
+                    f"model has [out, in] = {[li.out_features, li.in_features]}, slab has "
+                    f"{[e.out_features, e.in_features]}", path=where, layer=e.name)
+            if li.has_bias != e.has_bias:
+                raise SlabModelMismatchError(f"model has_bias={li.has_bias}, slab has_bias={e.has_bias}",
+                                             path=where, layer=e.name)
+            if li.layout != e.source_layout:
+                raise SlabModelMismatchError(f"model layer is {li.layout}, slab was built from {e.source_layout}",
+                                             path=where, layer=e.name)
+        if self.manifest.stagehand is not None or include_prefixes is not None:
+            for name in sorted(live):
+                if name not in self.layers and (scope is None or name.startswith(scope)):
+                    raise SlabModelMismatchError("the model has this Linear layer but the slab does not",
+                                                 path=where, layer=name)
+        sig = compute_model_signature(model, scope)
+        if sig != self.manifest.model_signature:
+            raise SlabSignatureError(
+                f"model signature {sig!r} (prefixes {list(scope) if scope else None}) differs from the "
+                f"manifest's {self.manifest.model_signature!r}", path=where)
+        return {name: live[name].module for name in self.layers}
+
+    # ── lifetime ──────────────────────────────────────────────────────────
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "SlabReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"SlabReader({self.path!r}, layers={len(self.layers)}, signature={self.manifest.model_signature!r})"

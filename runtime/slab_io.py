@@ -1,0 +1,262 @@
+"""Low-level safetensors I/O for slab files: no mmap, bounded memory.
+
+The safetensors format is an 8-byte little-endian header length N, N bytes of
+JSON (``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets"}}``,
+offsets relative to the end of the header) and the raw tensor bytes, which must
+cover the data region exactly with no holes or overlaps.
+
+We parse and write it ourselves instead of going through ``safe_open`` because
+``safe_open`` memory-maps the file: every page it touches counts as resident
+memory of the process (VmRSS), so streaming a 30 GB checkpoint through it would
+look like (and, under pressure, behave like) holding the checkpoint. ``pread``
+into a small reusable buffer goes through the page cache, which is not ours.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import sys
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from .slab_errors import SlabHeaderError, SlabTruncatedError
+
+if sys.byteorder != "little":  # safetensors is little-endian; we copy raw bytes.
+    raise ImportError("torch_stagehand slab I/O needs a little-endian host")
+
+# safetensors dtype tag <-> torch dtype.
+ST_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
+ST_TAG: dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
+# Manifest dtype strings (SquareQ spells them like torch) <-> safetensors tags.
+MANIFEST_DTYPE_TO_TAG = {"int8": "I8", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+# A header bigger than this is not a slab header but garbage (safetensors caps it too).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors header; `start`/`end` are absolute file offsets."""
+
+    name: str
+    dtype: str  # safetensors tag, e.g. "I8"
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ST_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: str
+    header_len: int
+    header_bytes: bytes  # the raw JSON bytes, as hashed into the manifest
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
+    data_start: int
+    data_end: int  # absolute offset one past the last tensor byte
+
+    @property
+    def expected_file_size(self) -> int:
+        return self.data_end
+
+
+def read_header(path: str, fd: int | None = None) -> SafetensorsHeader:
+    """Parse and check a safetensors header; raise SlabHeaderError/SlabTruncatedError.
+
+    Checks: a sane header length, valid JSON, known dtypes, shapes that agree
+    with the byte ranges, byte ranges that tile the data region with no hole or
+    overlap, and a file long enough to hold them.
+    """
+    own = fd is None
+    if own:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise SlabHeaderError(f"cannot open: {e}", path=path) from e
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise SlabTruncatedError(f"file is {size} bytes, shorter than the 8-byte header length", path=path)
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if n == 0 or n > MAX_HEADER_BYTES:
+            raise SlabHeaderError(f"header length {n} is not plausible (not a safetensors file?)", path=path)
+        if 8 + n > size:
+            raise SlabTruncatedError(f"header of {n} bytes runs past the end of the {size}-byte file", path=path)
+        raw = pread_exact(fd, n, 8, path)
+    finally:
+        if own:
+            os.close(fd)
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SlabHeaderError(f"header is not valid JSON: {e}", path=path) from e
+    if not isinstance(obj, dict):
+        raise SlabHeaderError("header JSON is not an object", path=path)
+    meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise SlabHeaderError("__metadata__ is not an object", path=path)
+    data_start = 8 + n
+    tensors: dict[str, TensorInfo] = {}
+    for name, d in obj.items():
+        try:
+            tag, shape, (b, e) = d["dtype"], tuple(int(s) for s in d["shape"]), d["data_offsets"]
+            b, e = int(b), int(e)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SlabHeaderError(f"tensor entry is malformed: {d!r}", path=path, layer=name) from exc
+        if tag not in ST_DTYPES:
+            raise SlabHeaderError(f"unknown dtype {tag!r}", path=path, layer=name)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if e < b or e - b != numel * ST_DTYPES[tag].itemsize:
+            raise SlabHeaderError(
+                f"tensor {name!r}: byte range [{b}, {e}) does not hold {tag} {list(shape)}", path=path, layer=name
+            )
+        tensors[name] = TensorInfo(name, tag, shape, data_start + b, data_start + e)
+    pos = data_start
+    for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
+        if t.start != pos:
+            what = "overlaps the previous tensor" if t.start < pos else f"leaves a hole of {t.start - pos} bytes"
+            raise SlabHeaderError(f"tensor {t.name!r} {what} in the data region", path=path, layer=t.name)
+        pos = t.end
+    if pos > size:
+        raise SlabTruncatedError(
+            f"file is {size} bytes but the header describes {pos} bytes (truncated by {pos - size})", path=path
+        )
+    return SafetensorsHeader(path, n, bytes(raw), {str(k): str(v) for k, v in meta.items()}, tensors, data_start, pos)
+
+
+def pread_exact(fd: int, n: int, offset: int, path: str, layer: str | None = None) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), offset + len(out))
+        if not chunk:
+            raise SlabTruncatedError(
+                f"file ended at byte {offset + len(out)} while reading {n} bytes at {offset}", path=path, layer=layer
+            )
+        out += chunk
+    return bytes(out)
+
+
+def pread_into(fd: int, buf: memoryview, offset: int, path: str, layer: str | None = None) -> None:
+    """Fill `buf` (a writable byte memoryview) from `offset`; a short file raises."""
+    done, n = 0, len(buf)
+    while done < n:
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise SlabTruncatedError(
+                f"file ended at byte {offset + done} while reading {n} bytes at {offset}", path=path, layer=layer
+            )
+        done += got
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable flat byte view of a contiguous CPU tensor (any dtype, pinned or not)."""
+    if t.device.type != "cpu":
+        raise ValueError(f"expected a CPU (optionally pinned) tensor, got device {t.device}")
+    if not t.is_contiguous():
+        raise ValueError("expected a contiguous tensor")
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def crc32_hex(value: int) -> str:
+    return f"{value & 0xFFFFFFFF:08x}"
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict]:
+    """Header bytes (space-padded to 8 bytes, as safetensors writes it) for tensors laid
+    out back to back in the given order; also returns name -> (rel_start, rel_end)."""
+    obj: dict = {"__metadata__": dict(metadata)}
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for name, tag, shape in entries:
+        numel = 1
+        for s in shape:
+            numel *= s
+        end = pos + numel * ST_DTYPES[tag].itemsize
+        obj[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [pos, end]}
+        offsets[name] = (pos, end)
+        pos = end
+    raw = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    raw += b" " * ((-len(raw)) % 8)
+    return raw, offsets
+
+
+class IncrementalWriter:
+    """Writes a safetensors file whose header is known up front, tensor bytes streamed
+    in order. Hashes the whole file (sha256) and each tensor (crc32) on the way, so
+    the manifest can record them without a second pass. Peak memory: one chunk."""
+
+    def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
+        self.path = path
+        self.header_bytes, rel = build_header(entries, metadata)
+        base = 8 + len(self.header_bytes)
+        self.offsets = {k: (base + b, base + e) for k, (b, e) in rel.items()}
+        self.order = [name for name, _, _ in entries]
+        self.total_bytes = base + (max((e for _, e in rel.values()), default=0))
+        self._f = open(path, "wb")
+        self._sha = hashlib.sha256()
+        self._crc: dict[str, int] = {}
+        self._idx = 0  # index into self.order of the tensor being written
+        self._pos = 0
+        self._emit(struct.pack("<Q", len(self.header_bytes)) + self.header_bytes)
+
+    def _emit(self, data) -> None:
+        self._f.write(data)
+        self._sha.update(data)
+        self._pos += len(data)
+
+    def write(self, name: str, data) -> None:
+        """Append bytes of tensor `name`; tensors must come in header order and complete."""
+        mv = memoryview(data).cast("B")
+        while self._idx < len(self.order) and self._pos == self.offsets[self.order[self._idx]][1]:
+            self._idx += 1  # finished tensors (and zero-sized ones) move on
+        if self._idx >= len(self.order) or self.order[self._idx] != name:
+            expected = self.order[self._idx] if self._idx < len(self.order) else "<end of file>"
+            raise RuntimeError(f"slab writer: got bytes for {name!r}, expected {expected!r}")
+        start, end = self.offsets[name]
+        if self._pos + len(mv) > end:
+            raise RuntimeError(f"slab writer: {name!r} overflows its {end - start} bytes")
+        self._crc[name] = zlib.crc32(mv, self._crc.get(name, 0))
+        self._emit(mv)
+
+    def crc32(self, name: str) -> str:
+        return crc32_hex(self._crc.get(name, 0))
+
+    def close(self) -> tuple[int, str]:
+        """Finish; returns (file size, sha256 hex). Raises if a tensor was left short."""
+        if self._pos != self.total_bytes:
+            self._f.close()
+            raise RuntimeError(f"slab writer: wrote {self._pos} of {self.total_bytes} bytes")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        return self._pos, self._sha.hexdigest()
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()

@@ -1,0 +1,63 @@
+"""`offload(model, slab=path)`: INT8 blocks read from a slab straight into the host store.
+
+Each streamed layer's rows and scale go from the file into views of the
+block's (pinned) INT8 buffer; no BF16 copy is made. A model built on the meta
+device (no full-precision weights at all) works too: its blocks are INT8-only,
+and asking for "bf16" on them is an error. Every mismatch between slab and
+model (a layer missing from the slab, another shape, a bad file) is a
+`SlabError` naming the layer and the file; nothing is zero-filled and a load
+that fails leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .host_store import layer_views
+from .slab import SlabLayerNotFoundError, SlabReader, canonical_name
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+def resolve_manifest(slab: str | os.PathLike) -> str:
+    path = os.fspath(slab)
+    if path.endswith(".manifest.json"):
+        return path
+    if path.endswith(".safetensors"):
+        return path[: -len(".safetensors")] + ".manifest.json"
+    if os.path.exists(path + ".manifest.json"):
+        return path + ".manifest.json"
+    raise FileNotFoundError(
+        f"offload: slab {path!r} is neither a .manifest.json, a .safetensors, nor a prefix with a manifest beside it"
+    )
+
+
+def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
+    manifest = resolve_manifest(slab)
+
+    def load(rt: "Runtime") -> None:
+        with SlabReader(manifest) as reader:
+            reader.check_model(rt.model)
+            for block, bb in enumerate(rt.store.blocks):
+                rt.store.allocate_int8(block)
+                for spec, lay in zip(bb.layers, bb.int8_layout):
+                    name = canonical_name(spec.fqn)
+                    if name not in reader.layers:
+                        raise SlabLayerNotFoundError(
+                            f"streamed layer {spec.fqn} is not in the slab", path=reader.path, layer=name
+                        )
+                    q, s = layer_views(bb.int8, lay)
+                    bias = spec.module.bias
+                    bias_out = None
+                    if bias is not None and bias.is_meta and reader.layers[name].has_bias:
+                        bias_out = torch.empty(bias.shape, dtype=bias.dtype)
+                    reader.read_layer_into(name, q, s, bias_out)
+                    if bias_out is not None:
+                        spec.module._parameters["bias"] = torch.nn.Parameter(bias_out, requires_grad=bias.requires_grad)
+                bb.int8_source_version = None if bb.full is None else bb.full._version
+
+    return load

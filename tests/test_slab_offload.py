@@ -1,0 +1,91 @@
+"""offload(model, slab=...): INT8 rows read from a slab file straight into the host store."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_stagehand as stagehand
+from torch_stagehand.kernels import dequantize
+from torch_stagehand.runtime.runtime import PrecisionMapError
+from torch_stagehand.runtime.slab import SlabError, SlabReader
+from torch_stagehand.runtime.slab_builder import build_slab_from_module
+
+from _helpers import ToyModel, rel_err, toy
+
+
+@pytest.fixture
+def slab(tmp_path):
+    model, x = toy(n=3, d=64)
+    result = build_slab_from_module(model, tmp_path, "toy_int8", "toy-v1", include_prefixes=("blocks.",),
+                                    progress=False, print_report=False, compare_quantizers=False)
+    return model, x, result.manifest_path
+
+
+def _slab_reference(model: nn.Module, manifest: str) -> nn.Module:
+    ref = copy.deepcopy(model)
+    with SlabReader(manifest) as reader, torch.no_grad():
+        for name, module in ref.named_modules():
+            if name in reader.layers:
+                q, s, _ = reader.read_layer(name)
+                module.weight.copy_(dequantize(q, s).to(module.weight.dtype))
+    return ref
+
+
+def test_int8_from_slab_matches_the_slab_exactly(slab):
+    model, x, manifest = slab
+    ref = _slab_reference(model, manifest)(x)
+    full_ref = copy.deepcopy(model)(x)
+    rt = stagehand.offload(model, device="cpu", precision="int8", slab=manifest)
+    with SlabReader(manifest) as reader:
+        q, s, _ = reader.read_layer("blocks.1.up")
+    q_host, s_host = rt.store.blocks[1].int8, rt.store.blocks[1].int8_layout[0]
+    from torch_stagehand.runtime.host_store import layer_views
+
+    qv, sv = layer_views(q_host, s_host)
+    assert torch.equal(qv, q) and torch.equal(sv, s)  # bytes straight from the file
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    with torch.no_grad():
+        assert rel_err(compiled(x), ref) < 1e-5
+    rt.set_precision("bf16")  # the live model also has its full-precision weights
+    with torch.no_grad():
+        assert rel_err(compiled(x), full_ref) < 1e-6
+
+
+def test_meta_model_streams_int8_only_from_the_slab(slab):
+    model, x, manifest = slab
+    ref = _slab_reference(model, manifest)(x)
+    with torch.device("meta"):
+        meta_model = ToyModel(64, 3)
+    resident = {k: v for k, v in model.state_dict().items() if not (".up.weight" in k or ".down.weight" in k)}
+    meta_model.load_state_dict(resident, strict=False, assign=True)
+    meta_model.requires_grad_(False)
+    rt = stagehand.offload(meta_model, device="cpu", precision="int8", slab=manifest)
+    assert rt.store.blocks[0].full is None and rt.stats()["slot_bytes"] == rt.store.nbytes(0, "int8")
+    with torch.no_grad():
+        assert rel_err(meta_model(x), ref) < 1e-5
+    with pytest.raises(PrecisionMapError, match="no full-precision weights"):
+        rt.set_precision({0: "bf16"})
+    with pytest.raises(RuntimeError, match="INT8 slab only"):
+        rt.restore()
+
+
+def test_meta_model_without_slab_is_an_error():
+    with torch.device("meta"):
+        model = ToyModel(16, 3)
+    with pytest.raises(RuntimeError, match="meta device and no slab"):
+        stagehand.offload(model, device="cpu")
+
+
+def test_slab_of_another_model_is_rejected_naming_the_layer(slab, tmp_path):
+    _, _, manifest = slab
+    other, _ = toy(n=3, d=32)
+    with pytest.raises(SlabError, match=r"toy_int8.manifest.json: layer 'blocks\.0\.(up|down)'"):
+        stagehand.offload(other, device="cpu", precision="int8", slab=manifest)
+    assert type(other.blocks[0].up) is nn.Linear  # a failed load changes nothing
+    with pytest.raises(FileNotFoundError):
+        stagehand.offload(other, device="cpu", slab=tmp_path / "missing")
