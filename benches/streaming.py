@@ -1,0 +1,146 @@
+"""Streaming a DiT whose block weights live in host memory: step time against resident weights.
+
+    python benches/streaming.py --depth 48 --tokens 1024 4096 --steps 5 --out benches/results/streaming.json
+
+One training step = forward + backward with the block weights frozen (the
+embedding trains, so gradients flow back through every block), the LoRA-style
+workload. Rows, all measured in the same run on the same model shape:
+
+* resident: the plain model, all weights on the GPU, torch.compile(inductor):
+  the speed of the hardware, the baseline the ratio is taken against;
+* stagehand bf16 / int8 / mixed: weights streamed from pinned host memory.
+
+Also printed: the H2D floor (the bytes a step must move over the measured
+pinned copy bandwidth), the achieved H2D rate, and peak device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch_stagehand as stagehand  # noqa: E402
+from torch_stagehand.presets import dit  # noqa: E402
+
+
+def pinned_h2d_gbps(nbytes: int = 256 * 2**20, reps: int = 10) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    return nbytes * reps / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def time_steps(fn, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def step_fn(model, compiled, x):
+    def step():
+        out = compiled(x)
+        out.float().square().mean().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def run(args) -> dict:
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    gbps = pinned_h2d_gbps()
+    results["pinned_h2d_gbps"] = gbps
+    print(f"device {results['device']}, torch {torch.__version__}, pinned H2D {gbps:.1f} GB/s", flush=True)
+    for tokens in args.tokens:
+        model, (x,) = dit(depth=args.depth, tokens=tokens, device="cuda")
+        model.embed.requires_grad_(True)
+        block_bytes = sum(p.numel() * p.element_size() for n, p in model.blocks[0].named_parameters()
+                          if n.endswith("weight") and p.dim() == 2)
+
+        torch._dynamo.reset()
+        torch.cuda.reset_peak_memory_stats()
+        compiled = torch.compile(model)
+        step = step_fn(model, compiled, x)
+        time_steps(step, 2)  # compile + warm up
+        base = time_steps(step, args.steps)
+        base_ms = sorted(base)[len(base) // 2]
+        rows = [{"tokens": tokens, "mode": "resident (inductor)", "step_ms": base_ms, "ratio": 1.0,
+                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gb_step": 0.0, "floor_ms": 0.0,
+                 "sync_fetches": 0}]
+        print(f"tokens {tokens}: resident {base_ms:.1f} ms", flush=True)
+
+        rt = stagehand.offload(model, device="cuda")
+        torch.cuda.empty_cache()
+        for mode, precision in (("stagehand bf16", "bf16"), ("stagehand int8", "int8"),
+                                ("stagehand mixed", {b: "int8" for b in range(0, args.depth, 2)})):
+            rt.set_precision(precision)
+            torch._dynamo.reset()
+            torch.cuda.reset_peak_memory_stats()
+            compiled = torch.compile(model, backend="stagehand")
+            step = step_fn(model, compiled, x)
+            time_steps(step, 2)
+            before = rt.stats()
+            times = time_steps(step, args.steps)
+            after = rt.stats()
+            ms = sorted(times)[len(times) // 2]
+            h2d = (after["h2d_bytes"] - before["h2d_bytes"]) / args.steps
+            rows.append({
+                "tokens": tokens, "mode": mode, "step_ms": ms, "ratio": base_ms / ms,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gb_step": h2d / 1e9,
+                "floor_ms": h2d / (gbps * 1e9) * 1e3,
+                "sync_fetches": (after["sync_fetches"] - before["sync_fetches"]) / args.steps,
+            })
+            print(f"tokens {tokens}: {mode} {ms:.1f} ms", flush=True)
+        results["rows"] += rows
+        results.setdefault("block_mib", block_bytes / 2**20)
+        rt.close()
+        del model, compiled, rt
+        torch.cuda.empty_cache()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depth", type=int, default=48)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "streaming.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benches/streaming.py needs a CUDA device")
+    results = run(args)
+    headers = ["tokens", "mode", "step ms", "resident/this", "H2D GB/step", "H2D floor ms", "sync fetches/step",
+               "peak GiB"]
+    table = [[r["tokens"], r["mode"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}", f"{r['h2d_gb_step']:.2f}",
+              f"{r['floor_ms']:.1f}", f"{r['sync_fetches']:.1f}", f"{r['peak_gib']:.2f}"] for r in results["rows"]]
+    print(f"\nDiT depth {args.depth}, hidden 3072, {results['block_mib']:.1f} MiB BF16 Linear weights per block; "
+          f"pinned H2D {results['pinned_h2d_gbps']:.1f} GB/s; {results['device']}, torch {results['torch']}")
+    print(tabulate(table, headers=headers))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
