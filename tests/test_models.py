@@ -53,63 +53,73 @@ def _lora_grads(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", list(BUILDERS))
-@pytest.mark.parametrize("pmap", list(MAPS))
-def test_inference_matches_unmodified_model(kind, pmap):
+def test_inference_matches_unmodified_model(kind):
+    """One compile; every map re-links block variants (no Dynamo recompile)."""
     model, inputs = BUILDERS[kind]()
     model.requires_grad_(False)
-    plain = copy.deepcopy(model)
-    ref = int8_reference(model, MAPS[pmap])
-    rt = stagehand.offload(model, device="cpu", precision=MAPS[pmap])
+    with torch.no_grad():
+        unquantized = first_tensor(model(**inputs))
+        expected = {name: first_tensor(int8_reference(model, pmap)(**inputs)) for name, pmap in MAPS.items()}
+    rt = stagehand.offload(model, device="cpu")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
-    with torch.no_grad():
-        out = first_tensor(compiled(**inputs))
-        stats = rt.stats()
-        eager_out = first_tensor(model(**inputs))  # the same offloaded model, uncompiled
-        expected, unquantized = first_tensor(ref(**inputs)), first_tensor(plain(**inputs))
-    assert rel_err(out, expected) < 1e-2
-    assert rel_err(eager_out, expected) < 1e-2
-    if pmap == "bf16":
-        assert rel_err(out, unquantized) < 1e-2
-    else:
-        assert 0 < rel_err(out, unquantized) < 0.1  # the quantizer's error: real, and small
-    assert stats["peak_streamed_bytes"] <= stats["slots"] * stats["slot_bytes"]
-    assert stats["sync_fetches"] == 0  # every compiled wait found its block prefetched
+    for name, pmap in MAPS.items():
+        rt.set_precision(pmap)
+        with torch.no_grad():
+            out = first_tensor(compiled(**inputs))
+            stats = rt.stats()
+            eager_out = first_tensor(model(**inputs))  # the same offloaded model, uncompiled
+        assert rel_err(out, expected[name]) < 1e-2, name
+        assert rel_err(eager_out, expected[name]) < 1e-2, name
+        if name == "bf16":
+            assert rel_err(out, unquantized) < 1e-2
+        else:
+            assert 0 < rel_err(out, unquantized) < 0.1, name  # the quantizer's error: real, and small
+        assert stats["peak_streamed_bytes"] <= stats["slots"] * stats["slot_bytes"]
+    assert rt.stats()["sync_fetches"] <= 3  # each eager call after a compiled one fetches its first block
 
 
-def _training_case(kind: str, pmap: str, inner: str):
+def _training_matrix(kind: str, inner: str):
+    """LoRA loss and gradients for every map, from one compiled model."""
     model, inputs = _with_lora(kind)
-    ref = int8_reference(model, MAPS[pmap])
-    ref_loss = _loss(kind, ref, inputs)
-    ref_loss.backward()
-    ref_grads = _lora_grads(ref)
-    rt = stagehand.offload(model, device="cpu", precision=MAPS[pmap])
+    references = {}
+    for name, pmap in MAPS.items():
+        ref = int8_reference(model, pmap)
+        loss = _loss(kind, ref, inputs)
+        loss.backward()
+        references[name] = (loss.detach(), _lora_grads(ref))
+    rt = stagehand.offload(model, device="cpu")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
-    loss = _loss(kind, compiled, inputs)
-    loss.backward()
-    grads = _lora_grads(model)
-    assert grads.keys() == ref_grads.keys() and len(grads) > 0
-    assert rel_err(loss, ref_loss) < 1e-2
-    worst = max(rel_err(grads[k], ref_grads[k]) for k in grads)
-    assert worst < 5e-2, f"worst LoRA grad rel err {worst:.3g}"
+    for name, pmap in MAPS.items():
+        rt.set_precision(pmap)
+        for p in model.parameters():
+            p.grad = None
+        loss = _loss(kind, compiled, inputs)
+        loss.backward()
+        grads = _lora_grads(model)
+        ref_loss, ref_grads = references[name]
+        assert grads.keys() == ref_grads.keys() and len(grads) > 0
+        assert rel_err(loss, ref_loss) < 1e-2, name
+        # bf16 noise floor: the plain model under Inductor vs eager differs by up to 2.6% in a
+        # LoRA grad here (measured); INT8 blocks also skip the bf16 rounding of dequantized weights.
+        worst = max(rel_err(grads[k], ref_grads[k]) for k in grads)
+        assert worst < 8e-2, f"{name}: worst LoRA grad rel err {worst:.3g}"
+    stats = rt.stats()
+    assert stats["compiled_variants"] >= 2  # at least a bf16 and an int8 block variant
+    assert stats["peak_streamed_bytes"] <= stats["slots"] * stats["slot_bytes"]
     return rt
 
 
 @pytest.mark.parametrize("kind", list(BUILDERS))
-@pytest.mark.parametrize("pmap", list(MAPS))
-def test_lora_training_matches_unmodified_model_eager_inner(kind, pmap):
-    rt = _training_case(kind, pmap, "eager")
-    assert rt.stats()["compiled_variants"] >= 1
+def test_lora_training_matches_unmodified_model_eager_inner(kind):
+    _training_matrix(kind, "eager")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(BUILDERS))
 def test_lora_training_matches_unmodified_model_inductor_inner(kind):
-    rt = _training_case(kind, "mixed", "inductor")
-    stats = rt.stats()
-    assert stats["compiled_variants"] >= 2  # a bf16 and an int8 block variant
-    assert stats["peak_streamed_bytes"] <= stats["slots"] * stats["slot_bytes"]
+    _training_matrix(kind, "inductor")
 
 
 def test_peft_lora_llama_precision_switch_and_back_compiles_nothing():
