@@ -1,27 +1,61 @@
 """W8A16 kernels and their torch reference twins.
 
-`int8_linear` / `int8_linear_grad_input` pick the fused Triton kernel when the
-tensors are on a CUDA device with Triton available, and the reference twin
-otherwise (same numbers within bf16 rounding).
+`int8_linear` / `int8_linear_grad_input` take the fused Triton kernels when the
+activation is on a CUDA device and Triton imports, and the reference twin
+otherwise (same numbers within bf16 rounding). `int8_linear_triton` /
+`int8_linear_grad_input_triton` always take the Triton path (the tests run them
+under TRITON_INTERPRET=1 on the CPU).
 """
 
 from .quantize import dequantize, quantize_per_row
 from .reference import int8_linear_grad_input_ref, int8_linear_ref
 
+try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
+    from .launch import int8_linear_grad_input_triton, int8_linear_triton
+    from .tune import Config, tuned_configs, tuning_log
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+    Config = None
+
+    def _no_triton(*args, **kwargs):
+        raise RuntimeError("torch_stagehand.kernels: Triton is not importable here")
+
+    int8_linear_triton = int8_linear_grad_input_triton = _no_triton
+
+    def tuned_configs():
+        return {}
+
+    def tuning_log():
+        return {}
+
 
 def int8_linear(x, qweight, scale, bias=None, activation=None):
+    """y = (x @ qweight[:, :K].T) * scale + bias, optional "gelu_tanh"; K = x.shape[-1]."""
+    if HAS_TRITON and x.is_cuda:
+        return int8_linear_triton(x, qweight, scale, bias, activation)
     return int8_linear_ref(x, qweight, scale, bias, activation)
 
 
 def int8_linear_grad_input(dy, qweight, scale, k=None):
+    """dx = (dy * scale) @ qweight[:, :k]; k defaults to qweight.shape[1]."""
+    if HAS_TRITON and dy.is_cuda:
+        return int8_linear_grad_input_triton(dy, qweight, scale, k)
     return int8_linear_grad_input_ref(dy, qweight, scale, k)
 
 
 __all__ = [
+    "HAS_TRITON",
+    "Config",
     "dequantize",
     "int8_linear",
     "int8_linear_grad_input",
     "int8_linear_grad_input_ref",
+    "int8_linear_grad_input_triton",
     "int8_linear_ref",
+    "int8_linear_triton",
     "quantize_per_row",
+    "tuned_configs",
+    "tuning_log",
 ]

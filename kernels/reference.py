@@ -20,17 +20,33 @@ def int8_linear_ref(
     activation: str | None = None,
 ) -> torch.Tensor:
     k = x.shape[-1]
+    _check(qweight, scale, k, "int8_linear", bias)
+    if activation not in (None, "gelu_tanh"):
+        raise ValueError(f"int8_linear: unknown activation {activation!r} (supported: 'gelu_tanh')")
     acc = x.float() @ qweight[:, :k].float().t()
-    acc = acc * scale.float()
+    acc = acc * scale.float().reshape(-1)
     if bias is not None:
-        acc = acc + bias.float()
+        acc = acc + bias.float().reshape(-1)
     if activation == "gelu_tanh":
         acc = F.gelu(acc, approximate="tanh")
-    elif activation is not None:
-        raise ValueError(f"int8_linear: unknown activation {activation!r} (supported: 'gelu_tanh')")
     return acc.to(x.dtype)
 
 
 def int8_linear_grad_input_ref(dy: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, k: int | None = None) -> torch.Tensor:
     k = qweight.shape[1] if k is None else k
-    return ((dy.float() * scale.float()) @ qweight[:, :k].float()).to(dy.dtype)
+    _check(qweight, scale, k, "int8_linear_grad_input")
+    if dy.shape[-1] != qweight.shape[0]:
+        raise ValueError(f"int8_linear_grad_input: dy has {dy.shape[-1]} features, qweight has {qweight.shape[0]} rows")
+    return ((dy.float() * scale.float().reshape(-1)) @ qweight[:, :k].float()).to(dy.dtype)
+
+
+def _check(qweight, scale, k, what, bias=None):
+    # The same messages as the Triton launchers, so callers see one contract.
+    if qweight.dim() != 2 or qweight.dtype != torch.int8:
+        raise ValueError(f"{what}: qweight must be a 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
+    if k < 0 or k > qweight.shape[1]:
+        raise ValueError(f"{what}: K={k} is wider than qweight's {qweight.shape[1]} columns")
+    if scale.numel() != qweight.shape[0]:
+        raise ValueError(f"{what}: scale has {scale.numel()} elements, qweight has {qweight.shape[0]} rows")
+    if bias is not None and bias.numel() != qweight.shape[0]:
+        raise ValueError(f"{what}: bias has {bias.numel()} elements, qweight has {qweight.shape[0]} rows")

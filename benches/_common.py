@@ -1,0 +1,77 @@
+"""Shared bench helpers: an environment header, tabulate tables, JSON results.
+
+    from _common import env_info, print_header, print_table, write_json
+    print_header()                       # device, torch, triton, python
+    print_table(rows, headers, title="forward")
+    write_json(args.out, {"env": env_info(), "rows": rows})
+
+Benches run as scripts (`python benches/x.py`), so they import this module by
+its bare name; the folder is put on sys.path by the script being run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from datetime import datetime, timezone
+
+from tabulate import tabulate
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def env_info() -> dict:
+    """Device name and library versions, for every table and JSON file."""
+    import torch
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": "cpu",
+        "time_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001 - a bench without Triton still reports
+        info["triton"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(
+            device=torch.cuda.get_device_name(0),
+            sm_count=p.multi_processor_count,
+            gpu_mem_gib=round(p.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            capability=f"{p.major}.{p.minor}",
+        )
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def print_header(info: dict | None = None) -> dict:
+    info = info or env_info()
+    print(" | ".join(f"{k}={v}" for k, v in info.items() if k != "time_utc"), flush=True)
+    return info
+
+
+def print_table(rows: list[dict] | list[list], headers="keys", title: str | None = None, floatfmt=".3g") -> str:
+    """Print rows (dicts or lists) as a GitHub-style table; returns the text."""
+    text = tabulate(rows, headers=headers, tablefmt="github", floatfmt=floatfmt)
+    if title:
+        print(f"\n## {title}")
+    print(text, flush=True)
+    return text
+
+
+def write_json(path: str, payload: dict) -> str:
+    """Write payload (plus nothing else) as indented JSON, creating the folder."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+        f.write("\n")
+    print(f"wrote {path}", flush=True)
+    return path

@@ -1,0 +1,241 @@
+"""Configs and the autotuner of the W8A16 launches.
+
+A candidate is a whole launch sequence (split-K partials and their reduction,
+or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
+(kernel, device, M bucket, N, K, dtype) each candidate is:
+
+1. run once (compiles; a config the compiler rejects is skipped);
+2. checked: sampled output elements against an fp32 reference computed from
+   the same int8 weight. A candidate that is wrong (a compiler bug in some
+   configs of some Triton versions has been seen) is rejected, never picked;
+3. timed as a CUDA graph that calls it on rotating copies of the weight whose
+   total exceeds twice the L2 size: GPU time only (no host launch gaps, which
+   at small M exceed the kernel itself), with weights arriving cold as streamed
+   weights do.
+
+STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried,
+rejected and chosen is kept in `tuning_log()`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch: output tile (weight rows) x token tile x reduction step, split count.
+
+    variant: forward 1 = scale the weight tile in registers; grad-input 1 = load the
+    weight tile [n, o] and transpose in registers. mode "dequant": dequantize the
+    weight to the activation dtype with a Triton kernel, then cuBLAS (tiles unused)."""
+
+    block_o: int
+    block_m: int
+    block_r: int
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    variant: int = 0
+    mode: str = "fused"
+
+
+DEQUANT = Config(0, 0, 0, mode="dequant")
+# fp32 activations (toy models) run the ieee fp32 dot on CUDA cores: a small tile
+# that neither spills nor needs tuning.
+F32_CONFIG = Config(64, 32, 32, 1, 4, 2)
+
+_SM_COUNT: dict = {}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def sms(device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def bucket(m: int) -> int:
+    return 1 << max(4, min((m - 1).bit_length(), 12))  # 16, 32, ..., 4096 (and above)
+
+
+def tiles(m: int, kind: str = "fwd"):
+    """Tile shapes (block_o, block_m, block_r, warps, stages) for a token count.
+
+    Small M streams the weight (bandwidth-bound: deep pipelines, long reduction
+    steps, token tile 16-64); large M is matrix-bound (128-row weight tiles, 4 or
+    8 warps = one or two warpgroups). The first entry is the untuned default."""
+    if m <= 64:
+        bm = max(16, bucket(m))
+        out = [(64, bm, 128, 4, 4), (64, bm, 256, 4, 3), (128, bm, 128, 4, 4), (128, bm, 256, 8, 3)]
+        # 16/32-row weight tiles (mma.sync, no wgmma) give 4-8x more programs than
+        # 64/128-row ones: they may fill the SMs without a split and its second launch.
+        # Grad-input reads 16-row tiles as 16-byte pieces of 32-byte sectors: only 32.
+        if kind == "fwd":
+            out.append((16, bm, 512 if bm == 16 else 256, 4, 4))
+        out.append((32, bm, 256 if bm <= 32 else 128, 4, 4))
+        return out
+    if m <= 512:
+        return [(128, 64, 64, 4, 4), (128, 64, 128, 4, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
+                (64, 128, 128, 4, 3)]
+    # One warpgroup first: the untuned default must be a config seen correct everywhere.
+    return [(64, 128, 128, 4, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+            (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3)]
+
+
+def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
+    """Split counts worth trying: only while the unsplit grid leaves SMs idle."""
+    n_tiles = triton.cdiv(n_out, bo) * triton.cdiv(m, bm)
+    out = [1]
+    for s in (2, 4, 8, 16):
+        if n_tiles * (s // 2) < 2 * n_sm and red >= 2 * br * s:
+            out.append(s)
+    return out
+
+
+def candidates(kind: str, m: int, n_out: int, red: int, device) -> list[Config]:
+    n_sm = sms(device)
+    out = []
+    for bo, bm, br, w, st in tiles(m, kind):
+        for s in splits(m, n_out, red, bo, bm, br, n_sm):
+            if kind == "bwd":
+                variants = (0, 1)
+            elif w == 8:
+                # Two-warpgroup forward tiles with the plain int8 -> bf16 conversion
+                # came out WRONG on an H100 with Triton 3.6 (a few % of the output
+                # tiles off by a missing/stale k-step; all 9 such candidates rejected
+                # by the check below, every shape, benches/results/kernels.json), while
+                # the same tiles scaling the weight in registers (as grad-input does)
+                # were right everywhere. So: register-scaled only, which cannot split.
+                if s > 1:
+                    continue
+                variants = (1,)
+            else:
+                variants = (0,)
+            for v in variants:
+                out.append(Config(bo, bm, br, s, w, st, v))
+    if m > 512:  # compute-bound: a bf16 copy of the weight costs a few percent
+        out.append(DEQUANT)
+    return out
+
+
+def heuristic(kind: str, m: int, n_out: int, red: int, device) -> Config:
+    """The untuned choice: first tile of the regime, split until the grid fills the SMs."""
+    bo, bm, br, w, st = tiles(m, kind)[0]
+    opts = splits(m, n_out, red, bo, bm, br, sms(device))
+    n_tiles = triton.cdiv(n_out, bo) * triton.cdiv(m, bm)
+    s = next((s for s in opts if n_tiles * s >= sms(device)), opts[-1])
+    return Config(bo, bm, br, s, w, st, 0)
+
+
+_LOG: dict[tuple, dict] = {}
+
+
+def tuned_configs() -> dict:
+    """key -> chosen Config, for every key tuned so far."""
+    return {k: v["chosen"] for k, v in _LOG.items()}
+
+
+def tuning_log() -> dict:
+    """key -> {chosen, times_us {Config: us}, rejected {Config: reason}}."""
+    return {k: dict(v) for k, v in _LOG.items()}
+
+
+def pick(kind, key, m, n_out, red, device, run, weight, check) -> Config:
+    """The config for key: tuned once (see the module docstring), then cached.
+
+    run(cfg, weight) launches; check(cfg) returns None if the output is right,
+    else a reason."""
+    if key[-1] == torch.float32 and not interpreting():
+        return F32_CONFIG
+    if interpreting() or device.type != "cuda" or os.environ.get("STAGEHAND_AUTOTUNE", "1") == "0":
+        return heuristic(kind, m, n_out, red, device)
+    if key in _LOG:
+        return _LOG[key]["chosen"]
+    if torch.cuda.is_current_stream_capturing():  # timing would break the capture
+        return heuristic(kind, m, n_out, red, device)
+    weights = _rotating_copies(weight)
+    times, rejected = {}, {}
+    for cfg in candidates(kind, m, n_out, red, device):
+        try:
+            run(cfg, weight)
+        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip, keep the rest
+            rejected[cfg] = f"launch failed: {type(e).__name__}"
+            continue
+        reason = check(cfg)
+        if reason is not None:
+            rejected[cfg] = reason
+            continue
+        times[cfg] = graph_time(lambda w, cfg=cfg: run(cfg, w), weights) * 1e3
+    del weights
+    if not times:
+        raise RuntimeError(f"stagehand W8A16 {kind}: no kernel config passed for {key}: {rejected}")
+    best = min(times, key=times.get)
+    _LOG[key] = dict(chosen=best, times_us=times, rejected=rejected)
+    return best
+
+
+def _rotating_copies(weight: torch.Tensor, cap: int = 16) -> list[torch.Tensor]:
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 50 * 2**20)
+    n = max(1, min(cap, math.ceil(2 * l2 / max(weight.numel() * weight.element_size(), 1))))
+    return [weight] + [weight.clone() for _ in range(n - 1)]
+
+
+def graph_time(fn, weights, replays: int = 7) -> float:
+    """Median ms per call of fn(w) for w cycling over weights, from CUDA graph replays.
+
+    Falls back to triton's do_bench (L2 flushed, host gaps included) when capture fails."""
+    try:
+        fn(weights[0])  # warm: lazy handles (cuBLAS workspace) must exist before capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        per_replay = max(1, 24 // len(weights))  # enough calls per replay to dwarf its launch
+        with torch.cuda.graph(g):
+            for _ in range(per_replay):
+                for w in weights:
+                    fn(w)
+        g.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(replays):
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / (per_replay * len(weights)))
+        del g
+        return sorted(times)[len(times) // 2]
+    except Exception:  # noqa: BLE001 - capture unsupported here: time eagerly
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(lambda: fn(weights[0]), warmup=5, rep=20, return_mode="median")
+
+
+def sample_check(out: torch.Tensor, ref_fn, n_cols: int, n_rows: int, gen_seed: int = 0):
+    """Compare out[rows, cols] (2-D view) with ref_fn(rows, cols) on a random sample.
+
+    Tolerance: one bf16 rounding (plus one of the weight) per element, and 2% of the
+    sample's RMS for cancellations; a wrong or missing reduction step exceeds it."""
+    g = torch.Generator().manual_seed(gen_seed)
+    cols = torch.randperm(n_cols, generator=g)[:64].to(out.device)
+    rows = torch.randperm(n_rows, generator=g)[:256].to(out.device)
+    got = out.reshape(n_rows, n_cols)[rows][:, cols].double()
+    ref = ref_fn(rows, cols).double()
+    if not torch.isfinite(got).all():
+        return "non-finite output"
+    tol = 1e-2 * ref.abs() + 2e-2 * ref.pow(2).mean().sqrt()
+    bad = (got - ref).abs() > tol
+    if bad.any():
+        rel = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        return f"wrong: {int(bad.sum())}/{bad.numel()} sampled elements off, rel err {rel:.2e}"
+    return None

@@ -1,0 +1,263 @@
+"""Fused W8A16 Triton kernels: int8 weight x bf16/fp16 activation, fp32 accumulation.
+
+Forward   y  = (x @ q[:, :K].T) * scale + bias  (optional tanh-GeLU), K = x.shape[-1]
+Grad-in   dx = (dy * scale) @ q[:, :k]
+
+Both kernels compute the TRANSPOSED output tile, with the int8 weight as the
+LEFT `tl.dot` operand: on Hopper only wgmma's A operand may come from registers,
+so the int8 -> bf16 conversion (and the grad-input's per-row scale) happens in
+registers and feeds the tensor cores directly (an "RS" wgmma), instead of a
+round trip through shared memory. It also makes small M cheap: the token count
+becomes wgmma's N, which may be as small as 8, so a 16-token decode step uses
+a 64 x 16 instruction instead of wasting three quarters of a 64-row one.
+
+Small M is bandwidth-bound and would leave most SMs idle with one program per
+weight tile, so the launchers can split the reduction (SPLIT > 1): each split
+writes an fp32 partial and a second small kernel sums them and applies the
+epilogue (a nonlinear GeLU needs the full sum, so atomics would not save it).
+
+`F32=True` computes in fp32 (ieee). It exists for Triton's CPU interpreter,
+whose bf16 `tl.dot` is wrong, and for fp32 activations on the GPU.
+
+Activations may have any leading shape and strides: the launcher collapses the
+leading dims to at most two (B, T) with their strides and the kernels index
+rows as b * stride_b + t * stride_t, so views into a flat buffer are never copied.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# sqrt(2/pi), for the tanh GeLU: gelu(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u).
+_GELU_C = 0.7978845608028654
+
+
+@triton.jit
+def _gelu_tanh(v):
+    # x * sigmoid(2u) is 0.5 x (1 + tanh(u)); tl.sigmoid exists on every backend
+    # (libdevice tanh does not exist in the interpreter).
+    u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+    return v * tl.sigmoid(2.0 * u)
+
+
+@triton.jit
+def _tile_ids(N_OUT, M, BLOCK_O: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+    # Grouped order: GROUP weight tiles walk the token tiles together, so the
+    # activation tiles they share stay in L2 (matters at large M only).
+    pid = tl.program_id(0)
+    num_o = tl.cdiv(N_OUT, BLOCK_O)
+    num_m = tl.cdiv(M, BLOCK_M)
+    in_group = GROUP * num_m
+    first = (pid // in_group) * GROUP
+    size = tl.minimum(num_o - first, GROUP)
+    pid_o = first + (pid % in_group) % size
+    pid_m = (pid % in_group) // size
+    return pid_o, pid_m
+
+
+@triton.jit
+def _row_offsets(offs_m, M, T, stride_b, stride_t):
+    # Rows past M wrap to valid rows (their results are masked at the store), so
+    # the loads in the main loop need no mask along M.
+    m = offs_m % M
+    b = m // T
+    t = m - b * T
+    return b.to(tl.int64) * stride_b + t.to(tl.int64) * stride_t
+
+
+# M and T change with every batch shape; specializing on them (== 1, % 16) would only
+# multiply compiles: they feed masks and the row wrap, never a vectorized address.
+@triton.jit(do_not_specialize=["M", "T"])
+def _fwd_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr,
+    M, N, K, T, stride_xb, stride_xt, stride_xk, stride_wn,
+    K_SPLIT,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, F32: tl.constexpr,
+    SCALE_A: tl.constexpr = False,
+):
+    """acc[BLOCK_N, BLOCK_M] = W[n, k] @ X^T[k, m] over this program's K range.
+
+    With a split grid (dim 1 > 1) the fp32 sum goes to ws_ptr[pid_k, m, n];
+    otherwise scale/bias/activation are applied and y[m, n] stored in y's dtype.
+    The split is a run-time branch, so one binary serves every split count.
+    SCALE_A (unsplit launches only) multiplies the weight tile by its row scale in
+    registers, as the grad-input kernel must: one more rounding of the weight, but
+    different code from the compiler, which the autotuner may find faster."""
+    pid_n, pid_m = _tile_ids(N, M, BLOCK_N, BLOCK_M, GROUP)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    rn = offs_n % N  # wrapped like the rows of x: no load mask along N
+    x_rows = _row_offsets(offs_m, M, T, stride_xb, stride_xt)
+
+    # The loop runs over K_SPLIT (a plain argument: a bound computed from program ids
+    # breaks older interpreters) and masks past K; with EVEN_K every split is full.
+    k_lo = pid_k * K_SPLIT
+    k_left = K - k_lo
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + x_rows[None, :] + (k_lo + offs_k).to(tl.int64)[:, None] * stride_xk
+    cdt: tl.constexpr = tl.float32 if F32 else x_ptr.dtype.element_ty
+
+    if SCALE_A:
+        s_rows = tl.load(s_ptr + rn)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs)
+        else:
+            # Mask both: when the weight has no K padding, columns past K are the
+            # next row (or past the buffer's end).
+            k_ok = offs_k < k_left - kk
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+        # int8 -> compute dtype in registers; the dot takes it as its register operand.
+        if SCALE_A:
+            a = (w.to(tl.float32) * s_rows[:, None]).to(cdt)
+        else:
+            a = w.to(cdt)
+        if F32:
+            acc = tl.dot(a, xt.to(cdt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, xt, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    if tl.num_programs(1) > 1:
+        # (names differ from the other branch: Triton wants one type per name)
+        p_ptrs = ws_ptr + pid_k.to(tl.int64) * M * N + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.store(p_ptrs, acc, mask=n_ok[:, None] & m_ok[None, :])
+    else:
+        if not SCALE_A:
+            acc = acc * tl.load(s_ptr + rn)[:, None]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[:, None]
+        if ACT == 1:
+            acc = _gelu_tanh(acc)
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _fwd_reduce_kernel(
+    ws_ptr, s_ptr, b_ptr, y_ptr, MN, N, SPLIT,
+    BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+):
+    """y[m, n] = epilogue(sum_s ws[s, m, n]) over the flat M*N index."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    n = offs % N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
+    acc = acc * tl.load(s_ptr + n, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    if ACT == 1:
+        acc = _gelu_tanh(acc)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M", "T"])
+def _bwd_kernel(
+    dy_ptr, w_ptr, s_ptr, dx_ptr, ws_ptr,
+    M, N, KO, T, stride_yb, stride_yt, stride_yn, stride_wn,
+    N_SPLIT,
+    BLOCK_O: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_R: tl.constexpr, EVEN_O: tl.constexpr, TRANS_LOAD: tl.constexpr, F32: tl.constexpr,
+):
+    """acc[BLOCK_O, BLOCK_M] = (W^T * scale)[o, n] @ dY^T[n, m], reducing over N.
+
+    The per-row scale multiplies the weight tile in registers (fp32, then one
+    rounding to bf16): it runs along the reduction, so no epilogue can apply it.
+    TRANS_LOAD loads the weight tile in its natural [n, o] order and transposes
+    in registers; otherwise the tile is loaded [o, n] directly. Which one the
+    compiler turns into the faster wgmma differs, so the autotuner tries both."""
+    pid_o, pid_m = _tile_ids(KO, M, BLOCK_O, BLOCK_M, GROUP)
+    pid_r = tl.program_id(1)
+    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    # The weight's contiguous dim is O here: wrapping it with % (as the token rows
+    # are) would hide its contiguity from the compiler and turn 16-byte copies into
+    # byte copies, so a ragged O edge is masked instead (EVEN_O: no edge at all).
+    o_ok = offs_o < KO
+    y_rows = _row_offsets(offs_m, M, T, stride_yb, stride_yt)
+
+    r_lo = pid_r * N_SPLIT
+    r_left = N - r_lo
+    r_idx = r_lo + offs_r
+    if TRANS_LOAD:
+        w_ptrs = w_ptr + r_idx.to(tl.int64)[:, None] * stride_wn + offs_o[None, :]
+    else:
+        w_ptrs = w_ptr + offs_o[:, None] + r_idx.to(tl.int64)[None, :] * stride_wn
+    s_ptrs = s_ptr + r_idx
+    y_ptrs = dy_ptr + y_rows[None, :] + r_idx.to(tl.int64)[:, None] * stride_yn
+    cdt: tl.constexpr = tl.float32 if F32 else dy_ptr.dtype.element_ty
+
+    acc = tl.zeros((BLOCK_O, BLOCK_M), dtype=tl.float32)
+    for rr in range(0, N_SPLIT, BLOCK_R):
+        if EVEN_R:
+            s = tl.load(s_ptrs)
+            g = tl.load(y_ptrs)
+            if EVEN_O:
+                w = tl.load(w_ptrs)
+            elif TRANS_LOAD:
+                w = tl.load(w_ptrs, mask=o_ok[None, :], other=0)
+            else:
+                w = tl.load(w_ptrs, mask=o_ok[:, None], other=0)
+        else:
+            r_ok = offs_r < r_left - rr
+            s = tl.load(s_ptrs, mask=r_ok, other=0.0)
+            g = tl.load(y_ptrs, mask=r_ok[:, None], other=0.0)
+            if TRANS_LOAD:
+                w = tl.load(w_ptrs, mask=r_ok[:, None] & o_ok[None, :], other=0)
+            else:
+                w = tl.load(w_ptrs, mask=o_ok[:, None] & r_ok[None, :], other=0)
+        if TRANS_LOAD:
+            a = tl.trans((w.to(tl.float32) * s[:, None]).to(cdt))
+        else:
+            a = (w.to(tl.float32) * s[None, :]).to(cdt)
+        if F32:
+            acc = tl.dot(a, g.to(cdt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, g, acc)
+        w_ptrs += BLOCK_R * stride_wn
+        s_ptrs += BLOCK_R
+        y_ptrs += BLOCK_R * stride_yn
+
+    m_ok = offs_m < M
+    if tl.num_programs(1) > 1:
+        p_ptrs = ws_ptr + pid_r.to(tl.int64) * M * KO + offs_m.to(tl.int64)[None, :] * KO + offs_o[:, None]
+        tl.store(p_ptrs, acc, mask=o_ok[:, None] & m_ok[None, :])
+    else:
+        out = dx_ptr + offs_m.to(tl.int64)[None, :] * KO + offs_o[:, None]
+        tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=o_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _bwd_reduce_kernel(ws_ptr, dx_ptr, MN, SPLIT, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[n, k] = q[n, k] * scale[n] in out's dtype, k < K (the dequantize + cuBLAS path)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    ok = n_ok[:, None] & (offs_k < K)[None, :]
+    q = tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :], mask=ok, other=0)
+    s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+    out = (q.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], out, mask=ok)

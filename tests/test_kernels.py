@@ -1,0 +1,437 @@
+"""W8A16 kernels, their torch twins and the INT8 quantizer.
+
+CPU (CI): the Triton kernels under TRITON_INTERPRET=1 against the twins
+(tests/kernels_interp.py, run once in a subprocess), the twins against float64,
+the quantizer. GPU (`-m gpu`, skipped without CUDA): bf16 kernels against the
+twins over odd shapes, layouts and every autotuning candidate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_stagehand.kernels import (
+    dequantize,
+    int8_linear,
+    int8_linear_grad_input,
+    int8_linear_grad_input_ref,
+    int8_linear_ref,
+    quantize_per_row,
+)
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from kernels_interp import CASES  # noqa: E402  (data only: importing it runs no kernel)
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- interpreter
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "kernels_interp.py")], env=env, capture_output=True, text=True, timeout=300,
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            results[rec["name"]] = rec
+    if not results:
+        pytest.fail(f"kernels_interp.py produced no results (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_triton_kernel_matches_twin_in_interpreter(interp_results, name):
+    rec = interp_results.get(name)
+    assert rec is not None, f"case {name} did not report (subprocess died?)"
+    assert "exception" not in rec, rec.get("exception")
+    assert rec["shape"] == rec["ref_shape"] and rec["dtype"] == rec["ref_dtype"]
+    assert rec["finite"], "NaN/Inf in the output: an element was never written"
+    # The fp32 compute path: the only differences are summation order and the final
+    # rounding (toward zero for bf16 in the interpreter), so every element must sit
+    # within one ulp of the fp32 result, and the norm error is at bf16 rounding level.
+    # ("loose": the dequantize + cuBLAS mode rounds the weight to bf16 first.)
+    assert rec["loose"] or rec["max_excess"] <= 0.0, f"an element is off by more than one rounding: {rec}"
+    assert rec["err"] < 8e-3, rec
+
+
+# ----------------------------------------------------------------------------- twins
+
+
+def _f64_linear(x, q, s, bias=None, act=None):
+    y = x.double() @ (q.double() * s.double()[:, None]).t()
+    if bias is not None:
+        y = y + bias.double()
+    if act == "gelu_tanh":
+        y = 0.5 * y * (1 + torch.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y**3)))
+    return y
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 8e-3), (torch.float16, 1e-3), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("act", [None, "gelu_tanh"])
+def test_twin_forward_matches_float64(dtype, tol, act):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 70, generator=g).to(dtype)
+    q = torch.randint(-127, 128, (33, 96), generator=g, dtype=torch.int8)  # 26 padding columns
+    s = torch.rand(33, generator=g) * 0.01 + 1e-3
+    b = torch.randn(33, generator=g)
+    out = int8_linear_ref(x, q, s, b, act)
+    assert out.shape == (3, 5, 33) and out.dtype == dtype
+    assert _rel(out, _f64_linear(x, q[:, :70], s, b, act)) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 8e-3), (torch.float16, 1e-3), (torch.float32, 1e-6)])
+def test_twin_grad_input_matches_float64(dtype, tol):
+    g = torch.Generator().manual_seed(2)
+    dy = torch.randn(4, 7, 33, generator=g).to(dtype)
+    q = torch.randint(-127, 128, (33, 96), generator=g, dtype=torch.int8)
+    s = torch.rand(33, generator=g) * 0.01 + 1e-3
+    out = int8_linear_grad_input_ref(dy, q, s, k=70)
+    ref = (dy.double() * s.double()) @ q[:, :70].double()
+    assert out.shape == (4, 7, 70) and out.dtype == dtype
+    assert _rel(out, ref) < tol
+    assert int8_linear_grad_input_ref(dy, q, s).shape == (4, 7, 96)  # k defaults to all columns
+
+
+def test_grad_input_is_the_transpose_of_forward():
+    # <y(x), dy> = <x, dx(dy)> for the linear part (no bias, no activation), in float64 terms.
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(6, 40, generator=g), torch.randn(6, 24, generator=g)
+    q = torch.randint(-127, 128, (24, 48), generator=g, dtype=torch.int8)
+    s = torch.rand(24, generator=g) * 0.01
+    lhs = (int8_linear_ref(x, q, s) * dy).sum()
+    rhs = (x * int8_linear_grad_input_ref(dy, q, s, k=40)).sum()
+    assert torch.allclose(lhs, rhs, rtol=1e-4)
+
+
+def test_dispatch_takes_the_twin_on_cpu():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 16, generator=g).bfloat16()
+    q = torch.randint(-127, 128, (8, 16), generator=g, dtype=torch.int8)
+    s = torch.rand(8, generator=g)
+    assert torch.equal(int8_linear(x, q, s), int8_linear_ref(x, q, s))
+    dy = torch.randn(3, 8, generator=g).bfloat16()
+    assert torch.equal(int8_linear_grad_input(dy, q, s), int8_linear_grad_input_ref(dy, q, s))
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x, q, s: int8_linear_ref(torch.randn(2, 20), q, s), "K=20 is wider"),
+        (lambda x, q, s: int8_linear_ref(x, q, s[:3]), "scale has 3 elements"),
+        (lambda x, q, s: int8_linear_ref(x, q, s, torch.zeros(5)), "bias has 5 elements"),
+        (lambda x, q, s: int8_linear_ref(x, q, s, None, "relu"), "unknown activation 'relu'"),
+        (lambda x, q, s: int8_linear_ref(x, q.float(), s), "2-D int8"),
+        (lambda x, q, s: int8_linear_grad_input_ref(torch.randn(2, 5), q, s), "dy has 5 features"),
+        (lambda x, q, s: int8_linear_grad_input_ref(torch.randn(2, 8), q, s, k=17), "K=17 is wider"),
+    ],
+)
+def test_twins_reject_bad_arguments_by_name(call, match):
+    x, q, s = torch.randn(2, 16), torch.zeros(8, 16, dtype=torch.int8), torch.ones(8)
+    with pytest.raises(ValueError, match=match):
+        call(x, q, s)
+
+
+# ----------------------------------------------------------------------------- tuner
+
+
+def test_sample_check_passes_right_output_and_flags_a_wrong_tile():
+    from torch_stagehand.kernels import tune
+
+    g = torch.Generator().manual_seed(9)
+    ref = torch.randn(300, 200, generator=g)
+    out = ref.bfloat16()  # one bf16 rounding: must pass
+    assert tune.sample_check(out, lambda r, c: ref[r][:, c], 200, 300) is None
+    bad = out.clone()
+    bad[:, :] *= 1.12  # every element 12% off (one missing reduction step is about that)
+    assert "wrong" in tune.sample_check(bad, lambda r, c: ref[r][:, c], 200, 300)
+    nan = out.clone()
+    nan[::7] = float("nan")
+    assert tune.sample_check(nan, lambda r, c: ref[r][:, c], 200, 300) == "non-finite output"
+
+
+def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
+    # The selection logic on the CPU: fake device, fake timings.
+    from types import SimpleNamespace
+
+    from torch_stagehand.kernels import tune
+
+    monkeypatch.setattr(tune, "sms", lambda device: 132)
+    monkeypatch.setattr(tune.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tune, "_rotating_copies", lambda w: [w])
+    monkeypatch.delenv("STAGEHAND_AUTOTUNE", raising=False)
+    dev = SimpleNamespace(type="cuda")
+    cands = tune.candidates("fwd", 16, 3072, 3072, dev)
+    assert len(cands) > 4 and all(c.mode == "fused" for c in cands)
+    assert tune.DEQUANT in tune.candidates("fwd", 4096, 3072, 3072, dev)
+    fastest, wrong, broken = cands[0], cands[1], cands[2]
+    fake_us = {c: 10.0 + i for i, c in enumerate(cands)}
+    fake_us[wrong] = fake_us[broken] = 1.0  # faster, but unusable
+    monkeypatch.setattr(tune, "graph_time", lambda fn, ws: (fn(ws[0]), fake_us[current[0]] / 1e3)[1])
+    current, runs = [None], []
+
+    def run(cfg, w):
+        current[0] = cfg
+        runs.append(cfg)
+        if cfg == broken:
+            raise RuntimeError("out of resources")
+
+    key = ("fwd", "fake", 16, 3072, 3072, torch.bfloat16)
+    chosen = tune.pick("fwd", key, 16, 3072, 3072, dev, run, torch.zeros(1), lambda c: "wrong" if c == wrong else None)
+    assert chosen == fastest
+    log = tune.tuning_log()[key]
+    assert wrong in log["rejected"] and broken in log["rejected"] and wrong not in log["times_us"]
+    n = len(runs)
+    assert tune.pick("fwd", key, 16, 3072, 3072, dev, run, None, None) == fastest and len(runs) == n  # cached
+    tune._LOG.pop(key)
+
+
+# ----------------------------------------------------------------------------- quantizer
+
+
+@pytest.mark.parametrize("method", ["mse", "absmax"])
+def test_quantize_round_trip_error_is_bounded(method):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 200, generator=g) * torch.rand(64, 1, generator=g)
+    q, s = quantize_per_row(w, method)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == w.shape and s.shape == (64,)
+    assert q.abs().max() <= 127
+    d = dequantize(q, s)
+    absmax = w.abs().amax(dim=1, keepdim=True)
+    if method == "absmax":  # round to nearest, nothing clipped: error <= half a step
+        assert ((d - w).abs() <= s[:, None] / 2 * (1 + 1e-5)).all()
+        assert torch.allclose(s, absmax.squeeze(1) / 127)
+    # Either way the error stays a small fraction of each row's range.
+    assert ((d - w).abs() <= absmax * 0.02).all()
+
+
+def test_mse_beats_absmax_on_a_weight_with_outliers():
+    # Heavy-tailed rows (Laplace: a few large values per row, as trained weights have).
+    # INT8 has 255 levels, so clipping pays only a little: the search must still find
+    # it on every row, and never lose to absmax.
+    g = torch.Generator().manual_seed(6)
+    w = torch.empty(32, 4096).exponential_(generator=g) * (torch.randint(0, 2, (32, 4096), generator=g) * 2 - 1)
+    errs = {}
+    for method in ("absmax", "mse"):
+        q, s = quantize_per_row(w, method)
+        errs[method] = ((dequantize(q, s) - w) ** 2).sum(dim=1)
+    assert (errs["mse"] <= errs["absmax"] * (1 + 1e-6)).all()  # never worse, row by row
+    assert (errs["mse"] < errs["absmax"]).float().mean() > 0.9  # better on nearly every row
+    assert errs["mse"].sum() < 0.99 * errs["absmax"].sum()  # measured: about 0.97
+
+
+def test_mse_never_worse_than_absmax_on_gaussian_rows():
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(256, 300, generator=g)
+    e = {m: ((dequantize(*quantize_per_row(w, m)) - w) ** 2).sum(dim=1) for m in ("absmax", "mse")}
+    assert (e["mse"] <= e["absmax"] * (1 + 1e-6)).all()
+    assert e["mse"].sum() < e["absmax"].sum()
+
+
+def test_quantize_zero_rows_and_bf16_input():
+    w = torch.randn(4, 16).bfloat16()
+    w[1] = 0
+    for method in ("mse", "absmax"):
+        q, s = quantize_per_row(w, method)
+        assert (q[1] == 0).all() and s[1] == 1.0 and torch.isfinite(s).all()
+        assert torch.allclose(dequantize(q, s), w.float(), atol=w.float().abs().max().item() / 100)
+
+
+def test_quantize_chunks_agree_with_one_pass(monkeypatch):
+    import torch_stagehand.kernels.quantize as qz
+
+    w = torch.randn(50, 64, generator=torch.Generator().manual_seed(8))
+    whole = quantize_per_row(w)
+    monkeypatch.setattr(qz, "_ROWS_PER_CHUNK", 7)
+    chunked = quantize_per_row(w)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+@pytest.mark.parametrize(
+    "w,method,match",
+    [
+        (torch.randn(3, 4, 5), "mse", "2-D weight"),
+        (torch.ones(3, 4, dtype=torch.int32), "mse", "floating-point"),
+        (torch.randn(3, 4), "minmax", "method must be"),
+        (torch.tensor([[1.0, float("nan")]]), "mse", "NaN or Inf"),
+        (torch.tensor([[1.0, float("inf")]]), "absmax", "NaN or Inf"),
+    ],
+)
+def test_quantize_rejects_bad_input_by_name(w, method, match):
+    with pytest.raises(ValueError, match=match):
+        quantize_per_row(w, method)
+
+
+def test_dequantize_rejects_mismatched_scale():
+    with pytest.raises(ValueError, match="disagree"):
+        dequantize(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
+
+
+# ----------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _gpu_case(lead, k, kp, n, dtype, seed, layout="contig"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randint(-127, 128, (n, kp), generator=g, device="cuda", dtype=torch.int8)
+    s = torch.rand(n, generator=g, device="cuda") * 0.02 + 1e-3
+    if layout == "slice":
+        x = torch.randn(*lead, k + 40, generator=g, device="cuda").to(dtype)[..., :k]
+    elif layout == "transposed":
+        x = torch.randn(*reversed(lead), k, generator=g, device="cuda").to(dtype).transpose(0, 1)
+    else:
+        x = torch.randn(*lead, k, generator=g, device="cuda").to(dtype)
+    return x, q, s
+
+
+def _poison_cuda(shape, dtype):
+    # The caching allocator hands this block to the kernel's output next: NaN where unwritten.
+    torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+_SHAPES = [(1008, 1024, 1500), (777, 777, 333), (1024, 1024, 1536)]  # (K, Kp, N): ragged, odd, aligned
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 7, 16, 100, 4096])
+@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_forward_sweep(monkeypatch, m, shape):
+    monkeypatch.setenv("STAGEHAND_AUTOTUNE", "0")  # one config per shape; all configs: test below
+    k, kp, n = shape
+    x, q, s = _gpu_case((m,), k, kp, n, torch.bfloat16, m * 7 + n)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    for bias, act in ((None, None), (b, "gelu_tanh")):
+        _poison_cuda((m, n), torch.bfloat16)
+        out = int8_linear(x, q, s, bias, act)
+        ref = int8_linear_ref(x, q, s, bias, act)
+        assert torch.isfinite(out).all() and out.dtype == torch.bfloat16
+        assert _rel(out, ref) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 7, 16, 100, 4096])
+@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_grad_input_sweep(monkeypatch, m, shape):
+    monkeypatch.setenv("STAGEHAND_AUTOTUNE", "0")
+    k, kp, n = shape
+    dy, q, s = _gpu_case((m,), n, kp, n, torch.bfloat16, m * 11 + n)
+    dy = dy[..., :n]
+    _poison_cuda((m, k), torch.bfloat16)
+    out = int8_linear_grad_input(dy, q, s, k)
+    ref = int8_linear_grad_input_ref(dy, q, s, k)
+    assert torch.isfinite(out).all() and out.shape == (m, k)
+    assert _rel(out, ref) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", ["contig", "slice", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_batched_and_strided(monkeypatch, layout, dtype):
+    monkeypatch.setenv("STAGEHAND_AUTOTUNE", "0")
+    x, q, s = _gpu_case((6, 37), 1008, 1024, 1500, dtype, 3, layout)
+    assert (layout == "contig") == x.is_contiguous()
+    out = int8_linear(x, q, s, None, "gelu_tanh")
+    assert out.shape == (6, 37, 1500)
+    assert _rel(out, int8_linear_ref(x, q, s, None, "gelu_tanh")) < 1e-2
+    dy = _gpu_case((6, 37), 1500, 1024, 1500, dtype, 4, layout)[0]
+    dx = int8_linear_grad_input(dy, q, s, 1008)
+    assert dx.shape == (6, 37, 1008)
+    assert _rel(dx, int8_linear_grad_input_ref(dy, q, s, 1008)) < 1e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp32_activations_use_the_ieee_path():
+    x, q, s = _gpu_case((33,), 200, 256, 130, torch.float32, 5)
+    out = int8_linear(x, q, s)
+    assert out.dtype == torch.float32 and _rel(out, int8_linear_ref(x, q, s)) < 1e-5
+    dy = torch.randn(33, 130, device="cuda")
+    assert _rel(int8_linear_grad_input(dy, q, s, 200), int8_linear_grad_input_ref(dy, q, s, 200)) < 1e-5
+
+
+def _tile_params():
+    from torch_stagehand.kernels import tune
+
+    out = []
+    for m in (7, 100, 1000, 4096):
+        for kind in ("fwd", "bwd"):
+            for i in range(len(tune.tiles(m, kind))):
+                out.append(pytest.param(kind, m, i, id=f"{kind}-m{m}-tile{i}"))
+    return out
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("kind,m,tile", _tile_params())
+def test_gpu_every_autotune_candidate_is_correct_or_rejected(kind, m, tile):
+    # The autotuner may pick any candidate it does not reject, so for each one
+    # (every split, both variants) on a ragged shape: either its output is right,
+    # or the tuner's sampled check rejects it. The untuned default (tile 0,
+    # variant 0) must simply be right.
+    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
+
+    k, kp, n = 1008, 1024, 1500
+    bo, bm, br = tune.tiles(m, kind)[tile][:3]
+    red, n_out = (k, n) if kind == "fwd" else (n, k)
+    cands = [c for c in tune.candidates(kind, m, n_out, red, torch.device("cuda"))
+             if (c.block_o, c.block_m, c.block_r) == (bo, bm, br)]
+    assert cands
+    x, q, s = _gpu_case((m,), k, kp, n, torch.bfloat16, tile)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.float32)
+    if kind == "fwd":
+        ref = int8_linear_ref(x, q, s, b, "gelu_tanh")
+        ref32 = int8_linear_ref(x.float(), q, s, b, "gelu_tanh")
+    else:
+        ref = int8_linear_grad_input_ref(dy, q, s, k)
+        ref32 = int8_linear_grad_input_ref(dy.float(), q, s, k)
+    rejected = []
+    for cfg in cands:
+        _poison_cuda(ref.shape, torch.bfloat16)
+        if kind == "fwd":
+            out = int8_linear_triton(x, q, s, b, "gelu_tanh", config=cfg)
+        else:
+            out = int8_linear_grad_input_triton(dy, q, s, k, config=cfg)
+        right = bool(torch.isfinite(out).all()) and _rel(out, ref) < 1e-2
+        reason = tune.sample_check(out, lambda r, c: ref32[r][:, c], ref.shape[-1], m)
+        assert right or reason is not None, f"{cfg}: wrong (rel {_rel(out, ref):.2e}) and not rejected"
+        if tile == 0 and cfg.variant == 0:
+            assert right, f"the untuned default {cfg} is wrong: rel {_rel(out, ref):.2e}"
+        if reason is not None:
+            rejected.append((cfg, reason))
+    print(f"rejected {len(rejected)}/{len(cands)}: {rejected}")
+
+
+@gpu
+@needs_cuda
+def test_gpu_autotuned_path_is_correct_and_cached():
+    from torch_stagehand.kernels import tuned_configs
+
+    x, q, s = _gpu_case((16,), 1024, 1024, 1024, torch.bfloat16, 9)
+    out = int8_linear(x, q, s)
+    assert _rel(out, int8_linear_ref(x, q, s)) < 1e-2
+    keys = [key for key in tuned_configs() if key[0] == "fwd" and key[3:5] == (1024, 1024)]
+    assert keys, "the autotuner recorded no choice"
+    out2 = int8_linear(x, q, s)  # second call: cached choice, same numbers
+    assert torch.equal(out, out2)
