@@ -17,18 +17,15 @@ pinned copy bandwidth), the achieved H2D rate, and peak device memory.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
-from tabulate import tabulate
+from _common import RESULTS, env_info, print_header, print_table, write_json
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch_stagehand as stagehand  # noqa: E402
-from torch_stagehand.presets import dit  # noqa: E402
+import torch_stagehand as stagehand
+from torch_stagehand.presets import dit
 
 
 def pinned_h2d_gbps(nbytes: int = 256 * 2**20, reps: int = 10) -> float:
@@ -67,10 +64,10 @@ def step_fn(model, compiled, x):
 
 
 def run(args) -> dict:
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    results = {"env": print_header(env_info()), "rows": []}
     gbps = pinned_h2d_gbps()
     results["pinned_h2d_gbps"] = gbps
-    print(f"device {results['device']}, torch {torch.__version__}, pinned H2D {gbps:.1f} GB/s", flush=True)
+    print(f"pinned H2D {gbps:.1f} GB/s", flush=True)
     for tokens in args.tokens:
         model, (x,) = dit(depth=args.depth, tokens=tokens, device="cuda")
         model.embed.requires_grad_(True)
@@ -124,7 +121,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=48)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "streaming.json"))
+    parser.add_argument("--out", default=os.path.join(RESULTS, "streaming.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benches/streaming.py needs a CUDA device")
@@ -133,13 +130,11 @@ def main() -> None:
                "peak GiB"]
     table = [[r["tokens"], r["mode"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}", f"{r['h2d_gb_step']:.2f}",
               f"{r['floor_ms']:.1f}", f"{r['sync_fetches']:.1f}", f"{r['peak_gib']:.2f}"] for r in results["rows"]]
-    print(f"\nDiT depth {args.depth}, hidden 3072, {results['block_mib']:.1f} MiB BF16 Linear weights per block; "
-          f"pinned H2D {results['pinned_h2d_gbps']:.1f} GB/s; {results['device']}, torch {results['torch']}")
-    print(tabulate(table, headers=headers))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {args.out}")
+    env = results["env"]
+    print_table(table, headers, title=(
+        f"DiT depth {args.depth}, hidden 3072, {results['block_mib']:.1f} MiB BF16 Linear weights per block; "
+        f"pinned H2D {results['pinned_h2d_gbps']:.1f} GB/s; {env['device']}, torch {env['torch']}"))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":
