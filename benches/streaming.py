@@ -89,7 +89,7 @@ def run(args) -> dict:
         rt = stagehand.offload(model, device="cuda")
         torch.cuda.empty_cache()
         for mode, precision in (("stagehand bf16", "bf16"), ("stagehand int8", "int8"),
-                                ("stagehand mixed", {b: "int8" for b in range(0, args.depth, 2)})):
+                                ("stagehand mixed", {b: "int8" if b % 2 == 0 else "bf16" for b in range(args.depth)})):
             rt.set_precision(precision)
             torch._dynamo.reset()
             torch.cuda.reset_peak_memory_stats()

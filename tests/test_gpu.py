@@ -124,6 +124,7 @@ def test_dit_48x3072_peak_streamed_memory_at_most_three_blocks(record_property):
           f"h2d {stats['h2d_bytes'] / 2**30:.2f} GiB, sync fetches {stats['sync_fetches']}")
     assert stats["peak_streamed_bytes"] <= 3 * block_bytes
     # Nothing else holds block weights on the device: after offload, what is allocated is
-    # the slots plus the resident (non-block) parameters, far below even one tenth of the blocks.
-    assert after_offload < stats["slots"] * stats["slot_bytes"] + 64 * 2**20
+    # the slots plus the resident parameters (norms, biases, embed/head: a few MiB) and
+    # allocator rounding, far below even one tenth of the blocks.
+    assert after_offload < stats["slots"] * stats["slot_bytes"] + 128 * 2**20
     assert after_offload < total_block_bytes / 10
