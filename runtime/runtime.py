@@ -221,24 +221,29 @@ class Runtime:
         return self._free_tokens[block]
 
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        self.phases.forward_op()
-        slot, layout = self._eager_slot(index)
+        # A forward run inside backward is activation checkpointing recomputing a block:
+        # it belongs to the backward phase, and the next block needed is the previous one.
+        backward = torch._C._current_graph_task_id() != -1
+        (self.phases.backward_op if backward else self.phases.forward_op)()
+        slot, layout = self._eager_slot(index, step=-1 if backward else 1)
         return linear_from_slot(x, slot, bias, layout)
 
     def eager_grad_input(self, index: int, dy: torch.Tensor) -> torch.Tensor:
         self.phases.backward_op()
-        slot, layout = self._eager_slot(index)
+        slot, layout = self._eager_slot(index, step=-1)
         return grad_input_from_slot(dy, slot, layout)
 
-    def _eager_slot(self, index: int):
+    def _eager_slot(self, index: int, step: int):
         self._check_open()
         spec = self.layers[index]
         block = spec.block
         precision = self._precision[block]
         slot = self.pool.acquire(block, precision, hold=False)
-        if self._block_first_layer[block] == index and block + 1 < len(self.blocks):
-            # Eager calls have no schedule; fetching the next block while this one runs still pays.
-            self.pool.prefetch(block + 1, self._precision[block + 1])
+        upcoming = block + step
+        if self._block_first_layer[block] == index and 0 <= upcoming < len(self.blocks):
+            # Eager calls have no schedule; fetching the block that runs next (forward:
+            # the following one, backward: the previous one) while this one runs still pays.
+            self.pool.prefetch(upcoming, self._precision[upcoming])
         position = index - self._block_first_layer[block]
         return slot, self.store.layout(block, precision)[position].as_ints()
 

@@ -136,3 +136,24 @@ def test_peft_lora_llama_precision_switch_and_back_compiles_nothing():
     rt.set_precision({1: "int8", 3: "int8"})
     _loss("llama", compiled, inputs).backward()
     assert rt.stats()["compiled_variants"] == before  # the first switch compiled the int8 variants; this one none
+
+
+def test_activation_checkpointing_is_correct_and_streams_ahead_in_both_directions():
+    """HF gradient checkpointing: the recomputed forward runs inside backward."""
+    model, inputs = _with_lora("llama")
+    model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ref = copy.deepcopy(model)
+    ref_loss = _loss("llama", ref, inputs)
+    ref_loss.backward()
+    rt = stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    loss = _loss("llama", compiled, inputs)
+    loss.backward()
+    grads, ref_grads = _lora_grads(model), _lora_grads(ref)
+    assert rel_err(loss, ref_loss) < 1e-2
+    assert max(rel_err(grads[k], ref_grads[k]) for k in grads) < 8e-2
+    stats = rt.stats()
+    assert stats["sync_fetches"] <= 1  # only the very first block; the recompute prefetches backwards
+    assert rt.phases.phase.value == "backward" and stats["steps"] == 0  # recompute did not start a step
