@@ -1,1 +1,370 @@
-"""placeholder"""
+"""The `stagehand` command: inspect, schedule, demo.
+
+    stagehand inspect  TARGET [--graph SUBSTR] [--precision P] [--device D] [--train] [--config C]
+    stagehand schedule TARGET [--json PATH]    [--precision P] [--device D] [--train] [--config C]
+    stagehand demo     [--steps N] [--device D] [--out DIR] [--seed S] [--precision P]
+
+TARGET is a preset (tiny-llama, tiny-gpt2, tiny-flux, dit-48x3072) or
+`path/to/file.py:factory` naming a function that returns (model, example_inputs).
+Usage errors (unknown target, bad precision map, bad config, ...) print one
+line to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+PRECISIONS = ("bf16", "int8")
+DIT_CPU_TOKENS = 16
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported as one line, exit status 2."""
+
+
+# ---- precision maps ---------------------------------------------------------------
+
+
+def parse_precision(text: str) -> str | dict[int, str]:
+    """'bf16', 'int8', or a map like '0-3:int8,4:bf16' (blocks it leaves out stay bf16)."""
+    spec = text.strip()
+    if spec in PRECISIONS:
+        return spec
+    if not spec:
+        raise UsageError("--precision: empty (use bf16, int8 or a map like 0-3:int8,4:bf16)")
+    result: dict[int, str] = {}
+    for raw in spec.split(","):
+        part = raw.strip()
+        if not part:
+            raise UsageError(f"--precision {text!r}: empty part (a stray comma?)")
+        blocks, sep, precision = part.partition(":")
+        if not sep:
+            if part in ("fp16", "fp32", "bfloat16", "fp8", "int4"):
+                raise UsageError(f"--precision {text!r}: unknown precision {part!r} (known: bf16, int8)")
+            raise UsageError(f"--precision {text!r}: part {part!r} is not BLOCKS:PRECISION (e.g. 0-3:int8 or 4:bf16)")
+        precision = precision.strip()
+        if precision not in PRECISIONS:
+            raise UsageError(f"--precision {text!r}: part {part!r} has unknown precision {precision!r} (known: bf16, int8)")
+        first, dash, last = blocks.strip().partition("-")
+        try:
+            lo = int(first)
+            hi = int(last) if dash else lo
+        except ValueError:
+            raise UsageError(
+                f"--precision {text!r}: part {part!r}: blocks must be an index (4) or a range (0-3), got {blocks.strip()!r}"
+            ) from None
+        if lo < 0 or hi < lo:
+            raise UsageError(f"--precision {text!r}: part {part!r}: range {blocks.strip()!r} must be ascending and >= 0")
+        for block in range(lo, hi + 1):
+            if block in result:
+                raise UsageError(f"--precision {text!r}: part {part!r} names block {block} a second time")
+            result[block] = precision
+    return result
+
+
+def check_precision_range(precision: str | dict[int, str], n_blocks: int) -> None:
+    if isinstance(precision, dict):
+        bad = sorted(b for b in precision if b >= n_blocks)
+        if bad:
+            raise UsageError(f"--precision names block(s) {bad}, but the model has blocks 0..{n_blocks - 1}")
+
+
+# ---- progress line ------------------------------------------------------------------
+
+
+class Stage:
+    """`label ... 12s` on stderr while a slow stage runs (a live counter on a terminal)."""
+
+    def __init__(self, label: str, stream=None):
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.seconds = 0.0
+
+    def _tick(self) -> None:
+        while not self._stop.wait(1.0):
+            self.stream.write(f"\r{self.label} ... {time.perf_counter() - self._start:.0f}s")
+            self.stream.flush()
+
+    def __enter__(self) -> "Stage":
+        self._start = time.perf_counter()
+        self.stream.write(f"{self.label} ...")
+        self.stream.flush()
+        if getattr(self.stream, "isatty", lambda: False)():
+            self._thread = threading.Thread(target=self._tick, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.seconds = time.perf_counter() - self._start
+        end = f"done in {self.seconds:.1f}s" if exc_type is None else "failed"
+        prefix = f"\r{self.label} ... " if self._thread is not None else " "
+        self.stream.write(f"{prefix}{end}\n")
+        self.stream.flush()
+
+
+# ---- targets --------------------------------------------------------------------------
+
+
+def resolve_device(name: str | None):
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: CUDA is not available on this machine (use --device cpu)")
+    return torch.device(name)
+
+
+def build_target(target: str, device) -> tuple[Any, Any]:
+    """(model, example_inputs) for a preset or a file:factory target."""
+    from torch_stagehand.presets import PRESETS, TargetError, load_target
+
+    kwargs: dict[str, Any] = {}
+    if target == "dit-48x3072":
+        # Zeros build fast; tables and graphs do not depend on the values. On a CPU a
+        # few tokens keep the one forward that explain() runs short.
+        kwargs = {"init": "zeros"}
+        if device.type != "cuda":
+            kwargs["tokens"] = DIT_CPU_TOKENS
+    try:
+        return load_target(target, **kwargs)
+    except TargetError as e:
+        raise UsageError(str(e)) from None
+    except Exception as e:  # the user's file failed to import or its factory raised
+        if target in PRESETS:
+            raise
+        raise UsageError(f"target {target!r}: {type(e).__name__}: {e}") from None
+
+
+def to_device(inputs: Any, device) -> Any:
+    import torch
+
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, dict):
+        return {k: to_device(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(to_device(v, device) for v in inputs)
+    return inputs
+
+
+def prepare_training(model, inputs, lora_rank: int = 4) -> tuple[Any, Any, str]:
+    """Freeze the base and make something trainable, so the backward graphs exist.
+
+    With peft installed: LoRA (r=4) is injected in place into every Linear that
+    will stream (the blocks' Linears, matched by full FQN), before offload, as
+    a real LoRA run does. Without peft: the floating-point input tensors get
+    requires_grad. Returns (model, inputs, description).
+    """
+    import torch
+
+    from torch_stagehand.runtime.blocks import find_blocks, is_conv1d, streamed_layers
+
+    model.requires_grad_(False)
+    try:
+        import peft
+    except ImportError:
+        peft = None
+    if peft is not None:
+        specs = streamed_layers(model, find_blocks(model))
+        targets = [s.fqn for s in specs]
+        config = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=targets,
+                                 fan_in_fan_out=bool(specs) and all(is_conv1d(s.module) for s in specs))
+        peft.inject_adapter_in_model(config, model)
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data = p.data.to(dtype)  # adapters in the model's dtype
+        return model, inputs, f"LoRA r={lora_rank} on {len(targets)} block Linears (peft), base frozen"
+
+    def grad_on(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().requires_grad_(True)
+        return x
+
+    if isinstance(inputs, dict):
+        inputs = {k: grad_on(v) for k, v in inputs.items()}
+    elif isinstance(inputs, (tuple, list)):
+        inputs = type(inputs)(grad_on(v) for v in inputs)
+    else:
+        inputs = grad_on(inputs)
+    return model, inputs, "peft not installed: grad enabled on the float inputs, base frozen"
+
+
+def load_config(text: str | None):
+    from torch_stagehand.config import Config, ConfigError
+
+    if text is None:
+        return None
+    try:
+        return Config.from_json(text)
+    except ConfigError as e:
+        raise UsageError(f"--config: {e}") from None
+
+
+def explain_target(args) -> tuple[Any, Any]:
+    """Build, offload and explain a target as the CLI options say. Returns (report, runtime)."""
+    import torch
+
+    import torch_stagehand as stagehand
+    from torch_stagehand.runtime.blocks import BlockSelectionError, find_blocks
+    from torch_stagehand.runtime.runtime import PrecisionMapError
+
+    precision = parse_precision(args.precision)
+    config = load_config(args.config)
+    device = resolve_device(args.device)
+    with Stage(f"building {args.target}"):
+        model, inputs = build_target(args.target, device)
+    try:
+        n_blocks = len(find_blocks(model))
+    except BlockSelectionError as e:
+        raise UsageError(str(e)) from None
+    check_precision_range(precision, n_blocks)
+    how = "inference, no grad"
+    if args.train:
+        model, inputs, how = prepare_training(model, inputs)
+    try:
+        with Stage(f"offloading {n_blocks} blocks to the host store (precision {args.precision}, device {device})"):
+            rt = stagehand.offload(model, device=device, precision=precision, config=config)
+    except (PrecisionMapError, BlockSelectionError) as e:
+        raise UsageError(str(e)) from None
+    inputs = to_device(inputs, device)
+    torch._dynamo.reset()  # a fresh Dynamo cache: every graph of this target is compiled (and reported) anew
+    grad = torch.enable_grad() if args.train else torch.no_grad()
+    with Stage(f"compiling and running one forward [{how}]"), grad:
+        if isinstance(inputs, dict):
+            report = stagehand.explain(model, **inputs)
+        elif isinstance(inputs, (tuple, list)):
+            report = stagehand.explain(model, *inputs)
+        else:
+            report = stagehand.explain(model, inputs)
+    return report, rt
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+
+def cmd_inspect(args) -> int:
+    report, _ = explain_target(args)
+    print(report.segment_table())
+    print()
+    print(report.summary())
+    for reason in report.graph_breaks:
+        print(f"graph break: {reason}")
+    shown = 0
+    for name, code in report.graphs.items():
+        if args.graph and args.graph not in name:
+            continue
+        shown += 1
+        print()
+        print(f"==== {name} " + "=" * max(4, 72 - len(name)))
+        print(code.rstrip())
+    if args.graph and not shown:
+        raise UsageError(f"--graph {args.graph!r} matches none of: {', '.join(report.graphs)}")
+    return 0
+
+
+def cmd_schedule(args) -> int:
+    report, rt = explain_target(args)
+    print(report.table())
+    print()
+    print(report.summary())
+    for reason in report.graph_breaks:
+        print(f"graph break: {reason}")
+    if args.json:
+        payload = {
+            "target": args.target,
+            "blocks": report.blocks,
+            "precision": {str(b): p for b, p in rt.precision.items()},
+            "summary": report.summary(),
+            "graph_breaks": report.graph_breaks,
+            "rows": [dict(row.as_dict(), block_name=report.blocks[row.block]) for row in report.schedule],
+        }
+        directory = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(directory, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+        print(f"wrote {len(report.schedule)} rows to {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from . import demo
+
+    return demo.run_from_args(args)
+
+
+# ---- argument parsing -------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage + error)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("target", help="preset (tiny-llama, tiny-gpt2, tiny-flux, dit-48x3072) or path/to/file.py:factory")
+    p.add_argument("--precision", default="bf16",
+                   help="bf16 (full precision: the model's own dtype), int8, or a map like 0-3:int8,4:bf16 "
+                        "(blocks it leaves out stay bf16); default bf16")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--train", action="store_true",
+                   help="explain a training step: freeze the base, inject LoRA (peft) into the block Linears, "
+                        "grad enabled; the backward graphs and schedule appear")
+    p.add_argument("--config", default=None, metavar="JSON", help="a Config as a JSON file or JSON text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="stagehand", description="torch-stagehand: look inside the backend, or run the demo.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("inspect", help="print the segment table and the rewritten graphs")
+    _common(p)
+    p.add_argument("--graph", default=None, metavar="SUBSTR", help="only the graphs whose name contains SUBSTR")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("schedule", help="print the prefetch / wait / evict schedule and its summary")
+    _common(p)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows (and blocks, precision) as JSON")
+    p.set_defaults(func=cmd_schedule)
+
+    p = sub.add_parser("demo", help="LoRA-train a small byte-level LM on the Python stdlib's source through the backend")
+    p.add_argument("--steps", type=int, default=None, help="training steps (default 40 on a CPU, 200 on a GPU)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--out", default="./stagehand-demo-out", help="output directory (default ./stagehand-demo-out)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", default=None,
+                   help="precision map (default: the first half of the blocks bf16, the second half int8)")
+    p.add_argument("--inner", choices=["eager", "inductor"], default=None,
+                   help="inner compiler (default: inductor on a GPU, eager on a CPU)")
+    p.add_argument("--config", default=None, metavar="JSON", help="a Config as a JSON file or JSON text")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(f"stagehand {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("stagehand: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

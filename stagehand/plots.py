@@ -1,0 +1,86 @@
+"""The demo's picture: loss, bytes streamed per step, and the per-block precision map.
+
+matplotlib is imported here only (the Agg backend: no display needed).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+PRECISION_COLORS = {"bf16": "#3b6fb6", "int8": "#e8892b"}
+
+
+def _short(name: str) -> str:
+    for prefix in ("base_model.model.", "model."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def _moving_average(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list[str], path: str,
+                title: str = "stagehand demo") -> str:
+    """Write a PNG with three panels to `path`; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    fig, (ax_loss, ax_bytes, ax_prec) = plt.subplots(
+        3, 1, figsize=(9, 8.5), gridspec_kw={"height_ratios": [3, 1.6, 1.6]}, constrained_layout=True)
+    fig.suptitle(title, fontsize=12)
+
+    steps = list(range(len(losses)))
+    ax_loss.plot(steps, losses, ".", color="#999999", markersize=4, label="loss per step")
+    window = max(1, len(losses) // 10)
+    ax_loss.plot(steps, _moving_average(losses, window), "-", color="#c0392b", linewidth=2,
+                 label=f"moving average ({window} steps)")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("cross-entropy (nats / byte)")
+    ax_loss.set_title("training loss")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend(loc="upper right")
+
+    rec_steps = [r.get("step_id", i) for i, r in enumerate(records)]
+    mb = [r.get("h2d_bytes", 0) / 1e6 for r in records]
+    ax_bytes.bar(rec_steps, mb, color="#5b8c5a", width=0.8)
+    stalls = [r.get("sync_fetches", 0) for r in records]
+    if any(stalls):
+        ax_bytes.plot([s for s, n in zip(rec_steps, stalls) if n], [m for m, n in zip(mb, stalls) if n], "x",
+                      color="#c0392b", label="step with a synchronous fetch")
+        ax_bytes.legend(loc="upper right")
+    ax_bytes.set_xlabel("step")
+    ax_bytes.set_ylabel("MB host -> device")
+    ax_bytes.set_title(f"weights streamed per step (telemetry; {sum(mb):.1f} MB in all)")
+    ax_bytes.grid(alpha=0.3, axis="y")
+
+    names = list(PRECISION_COLORS)
+    grid = [[names.index(r.get("precision", {}).get(str(b), "bf16")) for r in records] for b in range(len(blocks))]
+    if not records:
+        grid = [[0] for _ in blocks]
+    ax_prec.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(list(PRECISION_COLORS.values())),
+                   vmin=0, vmax=len(names) - 1, origin="upper",
+                   extent=(-0.5, max(len(records), 1) - 0.5, len(blocks) - 0.5, -0.5))
+    ax_prec.set_yticks(range(len(blocks)))
+    ax_prec.set_yticklabels([f"{i} {_short(b)}" for i, b in enumerate(blocks)], fontsize=8)
+    ax_prec.set_xlabel("step")
+    ax_prec.set_title("precision of each block's weight stream")
+    ax_prec.legend(handles=[Patch(color=c, label=n) for n, c in PRECISION_COLORS.items()],
+                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
