@@ -1,0 +1,33 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - the main job: LoRA-trains a small LM through the backend (CPU when there is no GPU)
+#   make test   - the test suite (what .ci/run calls)
+# Both create .venv on first use. torch is installed FIRST, pinned, so that a machine
+# without a GPU never pulls the multi-GB CUDA build: there it gets the CPU wheel.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+
+.PHONY: demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),yes)
+	$(PY) -m pip install -q "torch>=2.11"
+else
+	$(PY) -m pip install -q "torch==2.13.0+cpu" || $(PY) -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+endif
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/stagehand demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) stagehand-demo-out
