@@ -162,11 +162,13 @@ def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config:
 
     def check(cfg):  # sampled elements against fp32 math on the same int8 weight
         def ref(rows, cols):
-            xr = x.reshape(M, K)[rows].float()
-            acc = (xr @ q[cols, :K].float().t()) * scale[cols]
+            xr, wr = x.reshape(M, K)[rows].float(), q[cols, :K].float().t()
+            acc = (xr @ wr) * scale[cols]
+            magnitude = (xr.abs() @ wr.abs()) * scale[cols].abs()
             if bias is not None:
                 acc = acc + bias[cols].float()
-            return F.gelu(acc, approximate="tanh") if act == 1 else acc
+                magnitude = magnitude + bias[cols].float().abs()
+            return (F.gelu(acc, approximate="tanh") if act == 1 else acc), magnitude
 
         return tune.sample_check(y, ref, N, M)
 
@@ -232,7 +234,8 @@ def int8_linear_grad_input_triton(dy, qweight, scale, k=None, *, config: Config 
 
     def check(cfg):
         def ref(rows, cols):
-            return (dy.reshape(M, N)[rows].float() * scale) @ q[:, cols].float()
+            a, b = dy.reshape(M, N)[rows].float() * scale, q[:, cols].float()
+            return a @ b, a.abs() @ b.abs()
 
         return tune.sample_check(dx, ref, k, M)
 

@@ -156,13 +156,35 @@ def test_sample_check_passes_right_output_and_flags_a_wrong_tile():
     g = torch.Generator().manual_seed(9)
     ref = torch.randn(300, 200, generator=g)
     out = ref.bfloat16()  # one bf16 rounding: must pass
-    assert tune.sample_check(out, lambda r, c: ref[r][:, c], 200, 300) is None
+    exact = lambda r, c: (ref[r][:, c], ref[r][:, c].abs())  # noqa: E731 - magnitude of a 1-term sum
+    assert tune.sample_check(out, exact, 200, 300) is None
     bad = out.clone()
     bad[:, :] *= 1.12  # every element 12% off (one missing reduction step is about that)
-    assert "wrong" in tune.sample_check(bad, lambda r, c: ref[r][:, c], 200, 300)
+    assert "wrong" in tune.sample_check(bad, exact, 200, 300)
     nan = out.clone()
     nan[::7] = float("nan")
-    assert tune.sample_check(nan, lambda r, c: ref[r][:, c], 200, 300) == "non-finite output"
+    assert tune.sample_check(nan, exact, 200, 300) == "non-finite output"
+
+
+def test_sample_check_judges_a_cancelled_element_by_what_cancelled():
+    from torch_stagehand.kernels import tune
+
+    # A dot product whose terms cancel to ~0: a bf16-rounded operand moves it far
+    # relative to itself, but not relative to the terms. Seen on a real backward.
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(256, 512, generator=g)
+    b = torch.randn(512, 64, generator=g)
+    b[:, 0] = 0
+    a[:, :2] = 0
+    a[0, 0], a[0, 1], b[0, 0], b[1, 0] = 1.0, 1.0, 10000.0, -9999.0  # element [0, 0] cancels to 1
+    ref, magnitude = a @ b, a.abs() @ b.abs()
+    got = (a.bfloat16().float() @ b.bfloat16().float())  # bf16 operands, fp32 accumulation
+    assert (got[0, 0] - ref[0, 0]).abs() > 5  # -9999 rounds to -9984 in bf16: 16 instead of 1
+    check = lambda r, c: (ref[r][:, c], magnitude[r][:, c])  # noqa: E731
+    assert tune.sample_check(got, check, 64, 256) is None
+    broken = got.clone()
+    broken[:, 5] += 3 * magnitude[:, 5].mean()  # a real error stays visible
+    assert "wrong" in tune.sample_check(broken, check, 64, 256)
 
 
 def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
@@ -414,7 +436,7 @@ def test_gpu_every_autotune_candidate_is_correct_or_rejected(kind, m, tile):
         else:
             out = int8_linear_grad_input_triton(dy, q, s, k, config=cfg)
         right = bool(torch.isfinite(out).all()) and _rel(out, ref) < 1e-2
-        reason = tune.sample_check(out, lambda r, c: ref32[r][:, c], ref.shape[-1], m)
+        reason = tune.sample_check(out, lambda r, c: (ref32[r][:, c], ref32[r][:, c].abs()), ref.shape[-1], m)
         assert right or reason is not None, f"{cfg}: wrong (rel {_rel(out, ref):.2e}) and not rejected"
         if tile == 0 and cfg.variant == 0:
             assert right, f"the untuned default {cfg} is wrong: rel {_rel(out, ref):.2e}"
