@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - the main job: LoRA-trains a small LM through the backend (CPU when there is no GPU)
 #   make test   - the test suite (what .ci/run calls)
+# Options go in ARGS: make demo ARGS="--steps 100", make test ARGS="-k cli".
 # Both create .venv on first use. torch is installed FIRST, pinned, so that a machine
 # without a GPU never pulls the multi-GB CUDA build: there it gets the CPU wheel.
 
@@ -8,6 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ARGS ?=
 
 .PHONY: demo test clean
 
@@ -24,10 +26,10 @@ endif
 	touch $@
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/stagehand demo
+	$(VENV)/bin/stagehand demo $(ARGS)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider $(ARGS)
 
 clean:
 	rm -rf $(VENV) stagehand-demo-out

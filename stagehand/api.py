@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -95,7 +96,10 @@ def explain(model: nn.Module, *args, **kwargs):
     Uses the inner compiler "eager" so the graphs are readable ATen. With grad
     enabled the report includes the backward graphs and backward schedule
     (compiled with the forward; no backward is run). Runs one forward, which
-    streams the blocks like any other call.
+    streams the blocks like any other call. If Dynamo already holds a compiled
+    frame for this model under the same options, the call would be a cache hit
+    with no graph to report: then Dynamo's cache is reset (a warning says so;
+    other compiled models recompile on their next call) and the call repeated.
     """
     from torch._dynamo.utils import counters
 
@@ -109,6 +113,12 @@ def explain(model: nn.Module, *args, **kwargs):
     first_record = len(rt.graph_records)
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     compiled(*args, **kwargs)
+    if len(rt.graph_records) == first_record:
+        warnings.warn("explain(): this model's frames were already compiled with the same options, so the call "
+                      "captured no graph; resetting Dynamo's cache and capturing again", stacklevel=2)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+        compiled(*args, **kwargs)
     records = rt.graph_records[first_record:]
     graph_breaks = [
         f"{reason} (x{count - breaks_before.get(reason, 0)})"

@@ -101,7 +101,12 @@ def build_model(shape: DemoShape, seed: int):
 
 def run(steps: int | None = None, device: str | None = None, out: str = "./stagehand-demo-out", seed: int = 0,
         precision: str | dict | None = None, inner: str | None = None, config=None, progress: bool = True,
-        log=None) -> DemoResult:
+        log=None, batch: int | None = None, seq: int | None = None) -> DemoResult:
+    """Train, then write telemetry.jsonl, demo.png, schedule.txt and summary.json into `out`.
+
+    steps / batch / seq default to the device's shape (CPU_SHAPE or GPU_SHAPE);
+    precision defaults to `default_precision` (second half of the blocks int8).
+    """
     import torch
     from tqdm.auto import tqdm
 
@@ -115,10 +120,10 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
     t_start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
-    shape = DemoShape(**{**asdict(shape), "steps": steps if steps is not None else shape.steps,
-                         "inner": inner or shape.inner})
-    if shape.steps < 1:
-        raise ValueError("steps must be at least 1")
+    overrides = {"steps": steps, "inner": inner, "batch": batch, "seq": seq}
+    shape = DemoShape(**{**asdict(shape), **{k: v for k, v in overrides.items() if v is not None}})
+    if min(shape.steps, shape.batch, shape.seq) < 1:
+        raise ValueError(f"steps, batch and seq must be at least 1 (got {shape.steps}, {shape.batch}, {shape.seq})")
 
     os.makedirs(out, exist_ok=True)
     files = {"telemetry": os.path.join(out, "telemetry.jsonl"), "plot": os.path.join(out, "demo.png"),
@@ -174,7 +179,9 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
 
     # The schedule of one training step, from explain() on one batch. Its forward is
     # not a training step, so the telemetry file is closed first.
-    # explain() needs a fresh Dynamo cache: on a frame already compiled it would see no new graph.
+    # explain() compiles with options {"inner": "eager"}: on a frame already compiled with those
+    # (the CPU demo's) Dynamo would reuse it; explain() would then reset Dynamo itself, with a
+    # warning meant for users. Here the reset is expected, so do it quietly first.
     rt.telemetry.close()
     rt.telemetry.path = None
     torch._dynamo.reset()

@@ -43,7 +43,7 @@ class Report:
         moved = sum(r.bytes for r in self.schedule if r.note == "H2D copy" or r.note.startswith("sync"))
         return (
             f"{len(self.blocks)} blocks, {self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s); "
-            f"per step: {fetches} H2D fetches ({moved / 1e6:.1f} MB), {stalls} synchronous"
+            f"first step (from empty slots): {fetches} H2D fetches ({moved / 1e6:.1f} MB), {stalls} synchronous"
         )
 
     def __str__(self) -> str:

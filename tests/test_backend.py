@@ -166,6 +166,17 @@ def test_explain_reports_graphs_and_schedule():
     assert "prefetch" in table and "blocks.1" in table and "int8" in table
 
 
+def test_explain_after_the_same_compile_recaptures_with_a_warning():
+    model, x = toy(n=3)
+    stagehand.offload(model, device="cpu")
+    with torch.no_grad():
+        _compile(model)(x)  # options {"inner": "eager"}: what explain() uses, so its call is a cache hit
+        with pytest.warns(UserWarning, match="already compiled"):
+            report = stagehand.explain(model, x)
+    assert [r.block for r in report.schedule if r.action == "wait"] == [0, 1, 2]
+    assert "forward" in report.graphs
+
+
 def test_bad_backend_options():
     model, x = toy(n=2)
     stagehand.offload(model, device="cpu")

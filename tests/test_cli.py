@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -38,20 +39,83 @@ def test_inspect_prints_rewritten_graphs(capsys):
     assert "==== block_variant" in text and "segment" in text
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["schedule", "tiny-bert", "--device", "cpu"], "unknown target 'tiny-bert'"),
-    (["schedule", "tiny-llama", "--device", "cpu", "--precision", "0:fp4"], "unknown precision 'fp4'"),
-    (["schedule", "tiny-llama", "--device", "cpu", "--precision", "9:int8"], r"block\(s\) \[9\]"),
-    (["schedule", "nofile.py:build", "--device", "cpu"], "no file"),
-    (["inspect", "tiny-llama", "--device", "cpu", "--graph", "nothing-like-this"], "matches none"),
+@pytest.mark.parametrize("argv, message, before_build", [
+    (["schedule", "tiny-bert", "--device", "cpu"], "unknown target 'tiny-bert'", True),
+    (["schedule", "tiny-llama", "--device", "cpu", "--precision", "0:fp4"], "unknown precision 'fp4'", True),
+    (["schedule", "nofile.py:build", "--device", "cpu"], "no file", True),
+    (["schedule", "tiny-llama", "--device", "cpu", "--precision", "9:int8"], r"block\(s\) \[9\]", False),
+    (["inspect", "tiny-llama", "--device", "cpu", "--graph", "nothing-like-this"], "matches none", False),
 ])
-def test_usage_errors_exit_2_with_one_line(argv, message, capsys):
+def test_usage_errors_exit_2_with_one_line(argv, message, before_build, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) >= 1 and pytest.importorskip("re").search(message, err[-1])
+    if before_build:
+        assert len(err) == 1  # nothing else printed
+    else:
+        assert all(" ... " in line for line in err[:-1])  # only the progress lines of the stages that ran
+    assert err[-1].startswith(f"stagehand {argv[0]}: error: ") and re.search(message, err[-1])
     assert "Traceback" not in "\n".join(err)
 
 
 def test_console_script_is_installed():
     result = subprocess.run([sys.executable, "-m", "torch_stagehand.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "inspect" in result.stdout and "demo" in result.stdout
+
+
+FACTORY = """
+import torch, torch.nn as nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+def build():
+    torch.manual_seed(0)
+    return Net(), (torch.randn(2, 8),)
+
+def broken():
+    raise RuntimeError("no weights here")
+"""
+
+
+def test_file_factory_target_schedule_with_train(tmp_path, capsys):
+    path = tmp_path / "mymodel.py"
+    path.write_text(FACTORY)
+    assert main(["schedule", f"{path}:build", "--device", "cpu", "--precision", "1:int8", "--train"]) == 0
+    text = capsys.readouterr().out
+    assert "blocks.2" in text and "backward" in text and "3 blocks" in text
+    assert main(["schedule", f"{path}:broken", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"stagehand schedule: error: target '{path}:broken': RuntimeError: no weights here"]
+
+
+def test_bad_config_and_bad_options_exit_2(capsys):
+    assert main(["schedule", "tiny-llama", "--device", "cpu", "--config", '{"slots": 0}']) == 2
+    assert "slots: must be a positive integer" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["schedule", "tiny-llama", "--device", "tpu"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "invalid choice: 'tpu'" in err[0]
+
+
+def test_bad_arguments_from_the_console_script_print_one_line():
+    result = subprocess.run([sys.executable, "-m", "torch_stagehand.cli", "schedule", "tiny-llama",
+                             "--precision", "0-x:int8"], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "stagehand schedule: error: --precision '0-x:int8': part '0-x:int8': "
+        "blocks must be an index (4) or a range (0-3), got '0-x'"
+    ]
