@@ -14,12 +14,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/i
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
 for stage in $STAGES; do
   case $stage in
-    ktests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -n 8 tests/test_kernels.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.log" ;;
+    ktests) timeout ${KTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 tests/test_kernels.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.log" ;;
     tests)  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging tests/test_gpu.py -s 2>&1 | grep -vE "^DEBUG" | tee "$OUT/gpu_tests.log" ;;
     demo)   timeout 240 stagehand demo --steps ${DEMO_STEPS:-60} --out /tmp/demo 2>&1 | grep -v "it/s\|step/s" | tail -45 | tee "$OUT/demo.log"
             cp /tmp/demo/demo.png /tmp/demo/summary.json "$OUT/" 2>/dev/null ;;
     stream) timeout 420 python3 benches/streaming.py ${STREAM_ARGS:-} --out "$OUT/streaming.json" 2>&1 | grep -vE "^DEBUG" | tee "$OUT/streaming.log" ;;
-    kernels) timeout 300 python3 benches/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -60 | tee "$OUT/kernels.log" ;;
+    kernels) timeout ${KERNELS_TIMEOUT:-300} python3 benches/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -70 | tee "$OUT/kernels.log" ;;
+    host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done
 echo "== summary"; grep -hE "[0-9]+ passed|[0-9]+ failed|error" "$OUT"/*tests.log 2>/dev/null | tail -5

@@ -118,18 +118,18 @@ def _launch_fwd(x, T, sb, st, q, scale, bias, y, M, N, K, act, cfg: Config, f32:
             y2d.copy_(F.gelu(y2d.float(), approximate="tanh"))
         return
     per, split = _k_split(K, cfg)
-    if cfg.variant and split > 1:
+    if cfg.variant and cfg.mode == "fused" and split > 1:
         raise ValueError(f"int8_linear: config {cfg} scales in registers, which a split launch cannot")
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else _dummy(x.device)
     grid = (triton.cdiv(N, cfg.block_o) * triton.cdiv(M, cfg.block_m), split)
     has_bias = bias is not None
-    w8a16._fwd_kernel[grid](
-        x, q, scale, bias if has_bias else scale, y, ws,
-        M, N, K, T, sb, st, x.stride(-1), q.stride(0), per,
-        BLOCK_N=cfg.block_o, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_r, GROUP=8,
-        EVEN_K=(K % per == 0), HAS_BIAS=has_bias, ACT=act, F32=f32, SCALE_A=bool(cfg.variant),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    args = (x, q, scale, bias if has_bias else scale, y, ws, M, N, K, T, sb, st, x.stride(-1), q.stride(0), per)
+    common = dict(BLOCK_N=cfg.block_o, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_r, GROUP=8, EVEN_K=(K % per == 0),
+                  HAS_BIAS=has_bias, ACT=act, F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.mode == "ss":
+        w8a16._fwd_ss_kernel[grid](*args, **common)
+    else:
+        w8a16._fwd_kernel[grid](*args, SCALE_A=bool(cfg.variant), **common)
     if split > 1:
         mn = M * N
         w8a16._fwd_reduce_kernel[(triton.cdiv(mn, _REDUCE_BLOCK),)](
@@ -197,13 +197,13 @@ def _launch_bwd(dy, T, sb, st, q, scale, dx, M, N, KO, cfg: Config, f32: bool):
     per, split = _k_split(N, cfg)
     ws = torch.empty((split, M, KO), dtype=torch.float32, device=dy.device) if split > 1 else _dummy(dy.device)
     grid = (triton.cdiv(KO, cfg.block_o) * triton.cdiv(M, cfg.block_m), split)
-    w8a16._bwd_kernel[grid](
-        dy, q, scale, dx, ws,
-        M, N, KO, T, sb, st, dy.stride(-1), q.stride(0), per,
-        BLOCK_O=cfg.block_o, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, GROUP=8,
-        EVEN_R=(N % per == 0), EVEN_O=(KO % cfg.block_o == 0), TRANS_LOAD=bool(cfg.variant), F32=f32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    args = (dy, q, scale, dx, ws, M, N, KO, T, sb, st, dy.stride(-1), q.stride(0), per)
+    common = dict(BLOCK_O=cfg.block_o, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, GROUP=8, EVEN_R=(N % per == 0),
+                  EVEN_O=(KO % cfg.block_o == 0), F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.mode == "ss":
+        w8a16._bwd_ss_kernel[grid](*args, **common)
+    else:
+        w8a16._bwd_kernel[grid](*args, TRANS_LOAD=bool(cfg.variant), FAST_CVT=not f32, **common)
     if split > 1:
         mn = M * KO
         w8a16._bwd_reduce_kernel[(triton.cdiv(mn, _REDUCE_BLOCK),)](ws, dx, mn, split, BLOCK=_REDUCE_BLOCK, num_warps=4)

@@ -41,6 +41,52 @@ def _gelu_tanh(v):
     return v * tl.sigmoid(2.0 * u)
 
 
+# ----------------------------------------------------------------------------- int8 conversion
+# int8 -> bf16/fp16 the compiler already does with byte permutes and a packed
+# half-precision subtract. int8 -> fp32 (the register-scaled paths: the weight
+# tile times its row scale) it does with I2F, a quarter-rate conversion-pipe
+# instruction. FAST=True converts with byte permutes and one fp32 subtract
+# (full-rate pipes), four int8 (one register) per call. Measured on an H100
+# (Triton 3.6): grad-input 2-5% faster at M >= 256, the register-scaled forward
+# 8-14% slower (more registers in a two-warpgroup tile), so only grad-input uses it.
+#   u = q ^ 0x80 (= q + 128 as an unsigned byte), placed in the low byte of 2^23
+#   gives the fp32 2^23 + u; minus (2^23 + 128) leaves q exactly.
+# The CPU interpreter cannot run inline PTX: it always takes FAST=False.
+
+_PTX_I8_TO_F32 = tl.constexpr("""{
+.reg .b32 u;
+xor.b32 u, $4, 0x80808080;
+prmt.b32 $0, u, 0x4B000000, 0x7650;
+prmt.b32 $1, u, 0x4B000000, 0x7651;
+prmt.b32 $2, u, 0x4B000000, 0x7652;
+prmt.b32 $3, u, 0x4B000000, 0x7653;
+sub.f32 $0, $0, 0f4B000080;
+sub.f32 $1, $1, 0f4B000080;
+sub.f32 $2, $2, 0f4B000080;
+sub.f32 $3, $3, 0f4B000080;
+}""")
+
+
+@triton.jit
+def _int8_to_f32(w, FAST: tl.constexpr):
+    if FAST:
+        return tl.inline_asm_elementwise(_PTX_I8_TO_F32, "=r,=r,=r,=r,r", [w], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        return w.to(tl.float32)
+
+
+@triton.jit
+def _convert_kernel(q_ptr, out_ptr, n, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """out[i] = fp32(q[i]) through _int8_to_f32 (tests the conversion on its own)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    q = tl.load(q_ptr + offs, mask=ok, other=0)
+    tl.store(out_ptr + offs, _int8_to_f32(q, FAST), mask=ok)
+
+
+# ----------------------------------------------------------------------------- tiles
+
+
 @triton.jit
 def _tile_ids(N_OUT, M, BLOCK_O: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
     # Grouped order: GROUP weight tiles walk the token tiles together, so the
@@ -170,6 +216,7 @@ def _bwd_kernel(
     N_SPLIT,
     BLOCK_O: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
     EVEN_R: tl.constexpr, EVEN_O: tl.constexpr, TRANS_LOAD: tl.constexpr, F32: tl.constexpr,
+    FAST_CVT: tl.constexpr = False,
 ):
     """acc[BLOCK_O, BLOCK_M] = (W^T * scale)[o, n] @ dY^T[n, m], reducing over N.
 
@@ -220,9 +267,9 @@ def _bwd_kernel(
             else:
                 w = tl.load(w_ptrs, mask=o_ok[:, None] & r_ok[None, :], other=0)
         if TRANS_LOAD:
-            a = tl.trans((w.to(tl.float32) * s[:, None]).to(cdt))
+            a = tl.trans((_int8_to_f32(w, FAST_CVT) * s[:, None]).to(cdt))
         else:
-            a = (w.to(tl.float32) * s[None, :]).to(cdt)
+            a = (_int8_to_f32(w, FAST_CVT) * s[None, :]).to(cdt)
         if F32:
             acc = tl.dot(a, g.to(cdt), acc, input_precision="ieee")
         else:
@@ -248,6 +295,134 @@ def _bwd_reduce_kernel(ws_ptr, dx_ptr, MN, SPLIT, BLOCK: tl.constexpr):
     for s in range(0, SPLIT):
         acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
     tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+# ----------------------------------------------------------------------------- weight-right ("ss") kernels
+# The kernels above keep the converted weight in registers (wgmma's A operand).
+# With Triton 3.6 on sm_90 that operand's fragment holds two consecutive K
+# values per 32-bit register, so the int8 tile comes out of shared memory in
+# 16-bit loads plus byte permutes (per 64-row tile and k-step of 128: 35
+# LDS.U16 and 144 PRMT for 8 wgmmas; SASS via cuobjdump). At matrix-bound token
+# counts the kernels below do better: the weight is the RIGHT operand, read
+# from shared memory in 16-byte loads, converted (a packed bf16 subtract) and
+# written back in 16-byte stores for an all-shared-memory wgmma, while the
+# activation tile goes to registers through ldmatrix. The autotuner times both
+# families; benches/results/kernels.json records which one each shape chose.
+
+
+@triton.jit(do_not_specialize=["M", "T"])
+def _fwd_ss_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr,
+    M, N, K, T, stride_xb, stride_xt, stride_xk, stride_wn,
+    K_SPLIT,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, F32: tl.constexpr,
+):
+    """acc[BLOCK_M, BLOCK_N] = X[m, k] @ W^T[k, n]; splits and epilogue as _fwd_kernel."""
+    pid_n, pid_m = _tile_ids(N, M, BLOCK_N, BLOCK_M, GROUP)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    rn = offs_n % N
+    x_rows = _row_offsets(offs_m, M, T, stride_xb, stride_xt)
+
+    k_lo = pid_k * K_SPLIT
+    k_left = K - k_lo
+    x_ptrs = x_ptr + x_rows[:, None] + (k_lo + offs_k).to(tl.int64)[None, :] * stride_xk
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + (k_lo + offs_k)[:, None]
+    cdt: tl.constexpr = tl.float32 if F32 else x_ptr.dtype.element_ty
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = offs_k < k_left - kk
+            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0)
+        if F32:
+            acc = tl.dot(xt.to(cdt), w.to(cdt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xt, w.to(cdt), acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K
+
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    if tl.num_programs(1) > 1:
+        p_ptrs = ws_ptr + pid_k.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        acc = acc * tl.load(s_ptr + rn)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
+        if ACT == 1:
+            acc = _gelu_tanh(acc)
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "T"])
+def _bwd_ss_kernel(
+    dy_ptr, w_ptr, s_ptr, dx_ptr, ws_ptr,
+    M, N, KO, T, stride_yb, stride_yt, stride_yn, stride_wn,
+    N_SPLIT,
+    BLOCK_O: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
+    EVEN_R: tl.constexpr, EVEN_O: tl.constexpr, F32: tl.constexpr,
+):
+    """acc[BLOCK_M, BLOCK_O] = (dY * scale)[m, n] @ W[n, o], reducing over N.
+
+    The scale runs along the reduction, so it multiplies the dY tile (fp32, one
+    rounding to the activation dtype, as the reference twin scales dy): the
+    weight tile converts exactly and stays in its natural [n, o] order, o contiguous."""
+    pid_o, pid_m = _tile_ids(KO, M, BLOCK_O, BLOCK_M, GROUP)
+    pid_r = tl.program_id(1)
+    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    o_ok = offs_o < KO  # masked, not wrapped: O is the weight's contiguous dim (see _bwd_kernel)
+    y_rows = _row_offsets(offs_m, M, T, stride_yb, stride_yt)
+
+    r_lo = pid_r * N_SPLIT
+    r_left = N - r_lo
+    r_idx = r_lo + offs_r
+    w_ptrs = w_ptr + r_idx.to(tl.int64)[:, None] * stride_wn + offs_o[None, :]
+    s_ptrs = s_ptr + r_idx
+    y_ptrs = dy_ptr + y_rows[:, None] + r_idx.to(tl.int64)[None, :] * stride_yn
+    cdt: tl.constexpr = tl.float32 if F32 else dy_ptr.dtype.element_ty
+
+    acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
+    for rr in range(0, N_SPLIT, BLOCK_R):
+        if EVEN_R:
+            s = tl.load(s_ptrs)
+            g = tl.load(y_ptrs)
+            if EVEN_O:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=o_ok[None, :], other=0)
+        else:
+            r_ok = offs_r < r_left - rr
+            s = tl.load(s_ptrs, mask=r_ok, other=0.0)
+            g = tl.load(y_ptrs, mask=r_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=r_ok[:, None] & o_ok[None, :], other=0)
+        a = (g.to(tl.float32) * s[None, :]).to(cdt)
+        if F32:
+            acc = tl.dot(a, w.to(cdt), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w.to(cdt), acc)
+        w_ptrs += BLOCK_R * stride_wn
+        s_ptrs += BLOCK_R
+        y_ptrs += BLOCK_R * stride_yn
+
+    m_ok = offs_m < M
+    if tl.num_programs(1) > 1:
+        p_ptrs = ws_ptr + pid_r.to(tl.int64) * M * KO + offs_m.to(tl.int64)[:, None] * KO + offs_o[None, :]
+        tl.store(p_ptrs, acc, mask=m_ok[:, None] & o_ok[None, :])
+    else:
+        out = dx_ptr + offs_m.to(tl.int64)[:, None] * KO + offs_o[None, :]
+        tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & o_ok[None, :])
 
 
 @triton.jit

@@ -1,0 +1,98 @@
+"""Host (CPU) cost per W8A16 call, against cuBLAS BF16, and where it goes.
+
+    python benches/host_overhead.py [--out benches/results/host_overhead.json] [--calls 2000]
+
+At decode-like token counts a kernel runs for ~10 us; if the host needs longer
+to issue it, the GPU idles between launches (an eager forward of a model is a
+chain of such calls). For each op at M=16 this times n back-to-back calls
+(wall clock, synchronised at both ends; the GPU time per call is far below it),
+then profiles the same calls with cProfile and prints the functions with the
+most own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import RESULTS, env_info, print_header, print_table, write_json  # noqa: E402
+
+
+def per_call_us(fn, calls):
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def top_functions(fn, calls, n=12):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, name), (cc, nc, tt, ct, _) in stats.stats.items():
+        rows.append(dict(function=f"{os.path.basename(path)}:{line}:{name}", calls_per_op=nc / calls,
+                         own_us_per_op=tt / calls * 1e6, cum_us_per_op=ct / calls * 1e6))
+    rows.sort(key=lambda r: -r["own_us_per_op"])
+    return rows[:n]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(RESULTS, "host_overhead.json"))
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--m", type=int, default=16)
+    ap.add_argument("--k", type=int, default=3072)
+    ap.add_argument("--n", type=int, default=3072)
+    args = ap.parse_args()
+    import torch
+
+    from torch_stagehand import kernels as K
+
+    if not torch.cuda.is_available():
+        sys.exit("benches/host_overhead.py needs a CUDA device")
+    info = env_info()
+    print_header(info)
+    m, k, n = args.m, args.k, args.n
+    x = torch.randn(m, k, device="cuda").bfloat16()
+    dy = torch.randn(m, n, device="cuda").bfloat16()
+    w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+    q, s = K.quantize_per_row(w.float(), "absmax")
+    ops = {
+        "cuBLAS x @ w.T": lambda: x @ w.t(),
+        "int8_linear": lambda: K.int8_linear(x, q, s),
+        "cuBLAS dy @ w": lambda: dy @ w,
+        "int8_linear_grad_input": lambda: K.int8_linear_grad_input(dy, q, s),
+    }
+    for fn in ops.values():  # autotune outside the timing
+        fn()
+    rows, profiles = [], {}
+    for name, fn in ops.items():
+        rows.append(dict(op=name, host_us_per_call=per_call_us(fn, args.calls)))
+        if name.startswith("int8"):
+            profiles[name] = top_functions(fn, args.calls)
+    base = {"int8_linear": rows[0]["host_us_per_call"], "int8_linear_grad_input": rows[2]["host_us_per_call"]}
+    for r in rows:
+        r["vs_cuBLAS"] = r["host_us_per_call"] / base[r["op"]] if r["op"] in base else 1.0
+    print_table(rows, title=f"host time per call, M={m} K={k} N={n} ({args.calls} back-to-back calls)", floatfmt=".1f")
+    for name, prof in profiles.items():
+        print_table(prof, title=f"{name}: own time per call (cProfile)", floatfmt=".2f")
+    print("chosen configs:", {str(key): str(cfg) for key, cfg in K.tuned_configs().items()})
+    write_json(args.out, dict(env=info, shape=dict(m=m, k=k, n=n), rows=rows, profiles=profiles))
+
+
+if __name__ == "__main__":
+    main()
