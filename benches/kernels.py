@@ -52,17 +52,16 @@ def _precompile_job(job):
     import torch
 
     from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
-    from torch_stagehand.kernels.tune import candidates, ss_tiles, tiles
+    from torch_stagehand.kernels.tune import candidates, tiles
 
-    kind, m, mode, tile = job
-    family = tiles(m, kind) if mode == "fused" else ss_tiles(m)
+    kind, m, tile = job
     dev = torch.device("cuda")
     n_ok = 0
     for k, n in SHAPES:
         x, dy, w, q, s = _tensors(m, k, n)
         red, n_out = (k, n) if kind == "fwd" else (n, k)
         for cfg in candidates(kind, m, n_out, red, dev):
-            if cfg.mode != mode or (cfg.block_o, cfg.block_m, cfg.block_r) != family[tile][:3]:
+            if cfg.mode != "fused" or (cfg.block_o, cfg.block_m, cfg.block_r) != tiles(m, kind)[tile][:3]:
                 continue
             try:
                 if kind == "fwd":
@@ -79,10 +78,9 @@ def _precompile_job(job):
 def precompile(workers: int):
     import multiprocessing as mp
 
-    from torch_stagehand.kernels.tune import ss_tiles, tiles
+    from torch_stagehand.kernels.tune import tiles
 
-    jobs = [(kind, m, mode, t) for kind in ("bwd", "fwd") for m in MS
-            for mode, family in (("fused", tiles(m, kind)), ("ss", ss_tiles(m))) for t in range(len(family))]
+    jobs = [(kind, m, t) for kind in ("bwd", "fwd") for m in MS for t in range(len(tiles(m, kind)))]
     t0 = time.time()
     with mp.get_context("spawn").Pool(workers) as pool:
         done = sum(pool.map(_precompile_job, jobs, chunksize=1))
@@ -179,12 +177,10 @@ def run(args):
                 key = next(kk for kk in log if kk[0] == kind and kk[2] == K.tune.bucket(m)
                            and kk[3:5] == (n, k))  # both keys hold (N, K)
                 entry = log[key]
-                fused = {c: t for c, t in entry["times_us"].items() if c.mode in ("fused", "ss")}  # any Triton W8A16
+                fused = {c: t for c, t in entry["times_us"].items() if c.mode == "fused"}
                 best_fused = min(fused.values()) if fused else None
                 best_fused_cfg = str(min(fused, key=fused.get)) if fused else None
                 deq = next((t for c, t in entry["times_us"].items() if c.mode == "dequant"), None)
-                family_best = {mode: min((t for c, t in entry["times_us"].items() if c.mode == mode), default=None)
-                               for mode in ("fused", "ss")}
                 rejected[f"{kind} M={m} K={k} N={n}"] = {str(c): r for c, r in entry["rejected"].items()}
                 flops = 2.0 * m * n * k
                 bytes_ours = n * k + 4 * n + 2 * m * (k + n)
@@ -194,7 +190,6 @@ def run(args):
                     cublas_us=base * 1e3, ours_us=ours * 1e3, ratio=base / ours,
                     fused_us=best_fused, fused_ratio=None if best_fused is None else base * 1e3 / best_fused,
                     dequant_cublas_us=deq, target=TARGETS.get((kind, m)),
-                    best_register_weight_us=family_best["fused"], best_smem_weight_us=family_best["ss"],
                     ours_GBps=bytes_ours / (ours * 1e-3) / 1e9,
                     cublas_GBps=bytes_bf16 / (base * 1e-3) / 1e9,
                     ours_TFLOPs=flops / (ours * 1e-3) / 1e12,
@@ -226,9 +221,7 @@ def _short(cfg: str) -> str:
     if "dequant" in cfg:
         return "dequant+cuBLAS"
     v = dict(re.findall(r"(\w+)=([\w']+)", cfg))
-    mode = " ss" if v.get("mode") == "'ss'" else ""
-    return (f"{v['block_o']}x{v['block_m']}x{v['block_r']} s{v['split']} w{v['num_warps']} st{v['num_stages']} "
-            f"v{v['variant']}{mode}")
+    return f"{v['block_o']}x{v['block_m']}x{v['block_r']} s{v['split']} w{v['num_warps']} st{v['num_stages']} v{v['variant']}"
 
 
 def summarize(bw, rows, checks, rejected):
@@ -238,8 +231,7 @@ def summarize(bw, rows, checks, rejected):
         extra = f"{r['ours_GBps']:.0f} GB/s ({100 * r['ours_GBps'] / bw:.0f}%)" if r["M"] == 16 else (
             f"{r['ours_TFLOPs']:.0f} (cuBLAS {r['cublas_TFLOPs']:.0f})" if r["M"] == 4096 else "")
         table.append([r["kind"], r["M"], f"{r['K']}x{r['N']}", r["cublas_us"], r["ours_us"], r["ratio"],
-                      r["target"] or "", met, r["fused_us"], r["fused_ratio"], r.get("best_register_weight_us"),
-                      r.get("best_smem_weight_us"), r["dequant_cublas_us"],
+                      r["target"] or "", met, r["fused_us"], r["fused_ratio"], r["dequant_cublas_us"],
                       r.get("torch_int8pack_mm_us", ""), _short(r["chosen"]), r["rejected"], extra])
     print_table([dict(c) for c in checks], title="correctness vs twin (relative error)")
     for key, rej in rejected.items():
@@ -248,7 +240,7 @@ def summarize(bw, rows, checks, rejected):
     print(f"torchao: {'benchmarked' if any('torchao_int8wo_us' in r for r in rows) else 'not installed, skipped'}; "
           f"GB/s column: % of the {bw:.0f} GB/s copy bandwidth measured in this run")
     print_table(table, ["op", "M", "KxN", "cuBLAS us", "ours us", "ratio", "target", "", "fused us", "fused ratio",
-                        "reg-weight us", "smem-weight us", "deq+cuBLAS us", "int8pack us", "chosen", "rej", "M=16 GB/s, M=4096 TFLOP/s"],
+                        "deq+cuBLAS us", "int8pack us", "chosen", "rej", "M=16 GB/s, M=4096 TFLOP/s"],
                 title="W8A16 vs cuBLAS BF16 (GPU time: CUDA-graph replays over rotating weight copies > 2x L2)",
                 floatfmt=".2f")
 

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from . import tune, w8a16
 from .tune import Config
 
 _ACTS = {None: 0, "gelu_tanh": 1}
 _REDUCE_BLOCK = 1024
+
+
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv: in Triton 3.6 that is a constexpr_function whose host-side call
+    # costs ~5 us (argument unwrapping); five per launch were a third of the host time.
+    return -(-a // b)
 
 
 def _interpreting() -> bool:
@@ -92,15 +97,15 @@ def _dummy(device) -> torch.Tensor:
 
 def _k_split(red: int, cfg: Config):
     """Reduction elements per split (a multiple of block_r) and the splits actually used."""
-    per = triton.cdiv(triton.cdiv(red, cfg.split), cfg.block_r) * cfg.block_r
-    return per, triton.cdiv(red, per)
+    per = _cdiv(_cdiv(red, cfg.split), cfg.block_r) * cfg.block_r
+    return per, _cdiv(red, per)
 
 
 def _dequant(q, scale, k, dtype):
     """bf16/fp16 copy of q[:, :k] * scale (the dequantize + cuBLAS mode)."""
     n = q.shape[0]
     w = torch.empty((n, k), dtype=dtype, device=q.device)
-    w8a16._dequant_kernel[(triton.cdiv(n, 32), triton.cdiv(k, 256))](
+    w8a16._dequant_kernel[(_cdiv(n, 32), _cdiv(k, 256))](
         q, scale, w, n, k, q.stride(0), BLOCK_N=32, BLOCK_K=256, num_warps=4,
     )
     return w
@@ -118,21 +123,18 @@ def _launch_fwd(x, T, sb, st, q, scale, bias, y, M, N, K, act, cfg: Config, f32:
             y2d.copy_(F.gelu(y2d.float(), approximate="tanh"))
         return
     per, split = _k_split(K, cfg)
-    if cfg.variant and cfg.mode == "fused" and split > 1:
+    if cfg.variant and split > 1:
         raise ValueError(f"int8_linear: config {cfg} scales in registers, which a split launch cannot")
     ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else _dummy(x.device)
-    grid = (triton.cdiv(N, cfg.block_o) * triton.cdiv(M, cfg.block_m), split)
+    grid = (_cdiv(N, cfg.block_o) * _cdiv(M, cfg.block_m), split)
     has_bias = bias is not None
     args = (x, q, scale, bias if has_bias else scale, y, ws, M, N, K, T, sb, st, x.stride(-1), q.stride(0), per)
     common = dict(BLOCK_N=cfg.block_o, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_r, GROUP=8, EVEN_K=(K % per == 0),
                   HAS_BIAS=has_bias, ACT=act, F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.mode == "ss":
-        w8a16._fwd_ss_kernel[grid](*args, **common)
-    else:
-        w8a16._fwd_kernel[grid](*args, SCALE_A=bool(cfg.variant), **common)
+    w8a16._fwd_kernel[grid](*args, SCALE_A=bool(cfg.variant), **common)
     if split > 1:
         mn = M * N
-        w8a16._fwd_reduce_kernel[(triton.cdiv(mn, _REDUCE_BLOCK),)](
+        w8a16._fwd_reduce_kernel[(_cdiv(mn, _REDUCE_BLOCK),)](
             ws, scale, bias if has_bias else scale, y, mn, N, split,
             BLOCK=_REDUCE_BLOCK, HAS_BIAS=has_bias, ACT=act, num_warps=4,
         )
@@ -196,17 +198,14 @@ def _launch_bwd(dy, T, sb, st, q, scale, dx, M, N, KO, cfg: Config, f32: bool):
         return
     per, split = _k_split(N, cfg)
     ws = torch.empty((split, M, KO), dtype=torch.float32, device=dy.device) if split > 1 else _dummy(dy.device)
-    grid = (triton.cdiv(KO, cfg.block_o) * triton.cdiv(M, cfg.block_m), split)
+    grid = (_cdiv(KO, cfg.block_o) * _cdiv(M, cfg.block_m), split)
     args = (dy, q, scale, dx, ws, M, N, KO, T, sb, st, dy.stride(-1), q.stride(0), per)
     common = dict(BLOCK_O=cfg.block_o, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, GROUP=8, EVEN_R=(N % per == 0),
                   EVEN_O=(KO % cfg.block_o == 0), F32=f32, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if cfg.mode == "ss":
-        w8a16._bwd_ss_kernel[grid](*args, **common)
-    else:
-        w8a16._bwd_kernel[grid](*args, TRANS_LOAD=bool(cfg.variant), FAST_CVT=not f32, **common)
+    w8a16._bwd_kernel[grid](*args, TRANS_LOAD=bool(cfg.variant), FAST_CVT=not f32, **common)
     if split > 1:
         mn = M * KO
-        w8a16._bwd_reduce_kernel[(triton.cdiv(mn, _REDUCE_BLOCK),)](ws, dx, mn, split, BLOCK=_REDUCE_BLOCK, num_warps=4)
+        w8a16._bwd_reduce_kernel[(_cdiv(mn, _REDUCE_BLOCK),)](ws, dx, mn, split, BLOCK=_REDUCE_BLOCK, num_warps=4)
 
 
 def int8_linear_grad_input_triton(dy, qweight, scale, k=None, *, config: Config | None = None):

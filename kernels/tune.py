@@ -32,11 +32,8 @@ class Config:
     """One launch: output tile (weight rows) x token tile x reduction step, split count.
 
     variant: forward 1 = scale the weight tile in registers; grad-input 1 = load the
-    weight tile [n, o] and transpose in registers. mode "fused": the weight is the
-    register (left) dot operand; "ss": the weight is the right operand, converted
-    through shared memory (kernels/w8a16.py says when that wins); "dequant":
-    dequantize the weight to the activation dtype with a Triton kernel, then cuBLAS
-    (tiles unused)."""
+    weight tile [n, o] and transpose in registers. mode "dequant": dequantize the
+    weight to the activation dtype with a Triton kernel, then cuBLAS (tiles unused)."""
 
     block_o: int
     block_m: int
@@ -97,20 +94,6 @@ def tiles(m: int, kind: str = "fwd"):
             (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3)]
 
 
-def ss_tiles(m: int):
-    """Tiles of the weight-right kernels (block_o, block_m, block_r, warps, stages).
-
-    The accumulator is [token tile, weight tile]; each warpgroup owns 64 token rows,
-    so these start where a 64-row token tile is full (m > 64)."""
-    if m <= 64:
-        return []
-    if m <= 512:
-        return [(128, 64, 128, 4, 4), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3),
-                (256, 128, 64, 8, 3)]
-    return [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4),
-            (256, 128, 64, 8, 4)]
-
-
 def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
     """Split counts worth trying: only while the unsplit grid leaves SMs idle."""
     n_tiles = triton.cdiv(n_out, bo) * triton.cdiv(m, bm)
@@ -142,9 +125,6 @@ def candidates(kind: str, m: int, n_out: int, red: int, device) -> list[Config]:
                 variants = (0,)
             for v in variants:
                 out.append(Config(bo, bm, br, s, w, st, v))
-    for bo, bm, br, w, st in ss_tiles(m):
-        for s in splits(m, n_out, red, bo, bm, br, n_sm):
-            out.append(Config(bo, bm, br, s, w, st, 0, mode="ss"))
     if m > 512:  # compute-bound: a bf16 copy of the weight costs a few percent
         out.append(DEQUANT)
     return out

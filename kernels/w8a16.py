@@ -11,6 +11,11 @@ round trip through shared memory. It also makes small M cheap: the token count
 becomes wgmma's N, which may be as small as 8, so a 16-token decode step uses
 a 64 x 16 instruction instead of wasting three quarters of a 64-row one.
 
+(Tried and measured: the weight as the RIGHT operand, converted through shared
+memory for an all-shared-memory wgmma, the layout most W8A16 kernels use. On an
+H100 with Triton 3.6 it was slower at every benchmarked shape: forward 3-19%,
+grad-input 6-48%; benches/results/kernels_smem_weight_experiment.json.)
+
 Small M is bandwidth-bound and would leave most SMs idle with one program per
 weight tile, so the launchers can split the reduction (SPLIT > 1): each split
 writes an fp32 partial and a second small kernel sums them and applies the
@@ -295,134 +300,6 @@ def _bwd_reduce_kernel(ws_ptr, dx_ptr, MN, SPLIT, BLOCK: tl.constexpr):
     for s in range(0, SPLIT):
         acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
     tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=ok)
-
-
-# ----------------------------------------------------------------------------- weight-right ("ss") kernels
-# The kernels above keep the converted weight in registers (wgmma's A operand).
-# With Triton 3.6 on sm_90 that operand's fragment holds two consecutive K
-# values per 32-bit register, so the int8 tile comes out of shared memory in
-# 16-bit loads plus byte permutes (per 64-row tile and k-step of 128: 35
-# LDS.U16 and 144 PRMT for 8 wgmmas; SASS via cuobjdump). At matrix-bound token
-# counts the kernels below do better: the weight is the RIGHT operand, read
-# from shared memory in 16-byte loads, converted (a packed bf16 subtract) and
-# written back in 16-byte stores for an all-shared-memory wgmma, while the
-# activation tile goes to registers through ldmatrix. The autotuner times both
-# families; benches/results/kernels.json records which one each shape chose.
-
-
-@triton.jit(do_not_specialize=["M", "T"])
-def _fwd_ss_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr,
-    M, N, K, T, stride_xb, stride_xt, stride_xk, stride_wn,
-    K_SPLIT,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, F32: tl.constexpr,
-):
-    """acc[BLOCK_M, BLOCK_N] = X[m, k] @ W^T[k, n]; splits and epilogue as _fwd_kernel."""
-    pid_n, pid_m = _tile_ids(N, M, BLOCK_N, BLOCK_M, GROUP)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    rn = offs_n % N
-    x_rows = _row_offsets(offs_m, M, T, stride_xb, stride_xt)
-
-    k_lo = pid_k * K_SPLIT
-    k_left = K - k_lo
-    x_ptrs = x_ptr + x_rows[:, None] + (k_lo + offs_k).to(tl.int64)[None, :] * stride_xk
-    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_wn + (k_lo + offs_k)[:, None]
-    cdt: tl.constexpr = tl.float32 if F32 else x_ptr.dtype.element_ty
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, K_SPLIT, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = offs_k < k_left - kk
-            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0)
-        if F32:
-            acc = tl.dot(xt.to(cdt), w.to(cdt), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(xt, w.to(cdt), acc)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K
-
-    n_ok = offs_n < N
-    m_ok = offs_m < M
-    if tl.num_programs(1) > 1:
-        p_ptrs = ws_ptr + pid_k.to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
-    else:
-        acc = acc * tl.load(s_ptr + rn)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn).to(tl.float32)[None, :]
-        if ACT == 1:
-            acc = _gelu_tanh(acc)
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M", "T"])
-def _bwd_ss_kernel(
-    dy_ptr, w_ptr, s_ptr, dx_ptr, ws_ptr,
-    M, N, KO, T, stride_yb, stride_yt, stride_yn, stride_wn,
-    N_SPLIT,
-    BLOCK_O: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr,
-    EVEN_R: tl.constexpr, EVEN_O: tl.constexpr, F32: tl.constexpr,
-):
-    """acc[BLOCK_M, BLOCK_O] = (dY * scale)[m, n] @ W[n, o], reducing over N.
-
-    The scale runs along the reduction, so it multiplies the dY tile (fp32, one
-    rounding to the activation dtype, as the reference twin scales dy): the
-    weight tile converts exactly and stays in its natural [n, o] order, o contiguous."""
-    pid_o, pid_m = _tile_ids(KO, M, BLOCK_O, BLOCK_M, GROUP)
-    pid_r = tl.program_id(1)
-    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
-    o_ok = offs_o < KO  # masked, not wrapped: O is the weight's contiguous dim (see _bwd_kernel)
-    y_rows = _row_offsets(offs_m, M, T, stride_yb, stride_yt)
-
-    r_lo = pid_r * N_SPLIT
-    r_left = N - r_lo
-    r_idx = r_lo + offs_r
-    w_ptrs = w_ptr + r_idx.to(tl.int64)[:, None] * stride_wn + offs_o[None, :]
-    s_ptrs = s_ptr + r_idx
-    y_ptrs = dy_ptr + y_rows[:, None] + r_idx.to(tl.int64)[None, :] * stride_yn
-    cdt: tl.constexpr = tl.float32 if F32 else dy_ptr.dtype.element_ty
-
-    acc = tl.zeros((BLOCK_M, BLOCK_O), dtype=tl.float32)
-    for rr in range(0, N_SPLIT, BLOCK_R):
-        if EVEN_R:
-            s = tl.load(s_ptrs)
-            g = tl.load(y_ptrs)
-            if EVEN_O:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=o_ok[None, :], other=0)
-        else:
-            r_ok = offs_r < r_left - rr
-            s = tl.load(s_ptrs, mask=r_ok, other=0.0)
-            g = tl.load(y_ptrs, mask=r_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=r_ok[:, None] & o_ok[None, :], other=0)
-        a = (g.to(tl.float32) * s[None, :]).to(cdt)
-        if F32:
-            acc = tl.dot(a, w.to(cdt), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w.to(cdt), acc)
-        w_ptrs += BLOCK_R * stride_wn
-        s_ptrs += BLOCK_R
-        y_ptrs += BLOCK_R * stride_yn
-
-    m_ok = offs_m < M
-    if tl.num_programs(1) > 1:
-        p_ptrs = ws_ptr + pid_r.to(tl.int64) * M * KO + offs_m.to(tl.int64)[:, None] * KO + offs_o[None, :]
-        tl.store(p_ptrs, acc, mask=m_ok[:, None] & o_ok[None, :])
-    else:
-        out = dx_ptr + offs_m.to(tl.int64)[:, None] * KO + offs_o[None, :]
-        tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & o_ok[None, :])
 
 
 @triton.jit

@@ -48,13 +48,6 @@ CASES.update({
     "bwd_split2_trans": dict(kind="bwd", lead=(7,), k=48, kp=64, n=64, dtype="bfloat16", cfg=(16, 16, 16, 2, 4, 3, 1)),
     "bwd_trans_ragged": dict(kind="bwd", lead=(20,), k=45, kp=45, n=70, dtype="bfloat16", cfg=(32, 16, 16, 1, 4, 3, 1)),
     "bwd_empty_rows": dict(kind="bwd", lead=(0,), k=16, kp=16, n=8, dtype="bfloat16"),
-    # The weight-right ("ss") kernels: ragged edges, splits, strided activations.
-    "fwd_ss_ragged_bias_gelu": dict(kind="fwd", lead=(33,), k=70, kp=80, n=37, dtype="bfloat16", bias=True, act="gelu_tanh", cfg=(16, 16, 32, 1, 4, 3, 0, "ss")),
-    "fwd_ss_split3_ragged": dict(kind="fwd", lead=(20,), k=100, kp=128, n=37, dtype="bfloat16", bias=True, cfg=(16, 16, 16, 3, 4, 3, 0, "ss")),
-    "fwd_ss_transposed_fp16": dict(kind="fwd", lead=(6, 4), k=40, kp=40, n=20, dtype="float16", layout="transposed", cfg=(16, 16, 16, 1, 4, 3, 0, "ss")),
-    "bwd_ss_ragged": dict(kind="bwd", lead=(20,), k=45, kp=45, n=70, dtype="bfloat16", cfg=(32, 16, 16, 1, 4, 3, 0, "ss")),
-    "bwd_ss_split2_pad": dict(kind="bwd", lead=(33,), k=45, kp=64, n=100, dtype="bfloat16", cfg=(16, 16, 16, 2, 4, 3, 0, "ss")),
-    "bwd_ss_row_slice": dict(kind="bwd", lead=(2, 9), k=40, kp=40, n=20, dtype="bfloat16", layout="slice", cfg=(16, 16, 16, 1, 4, 3, 0, "ss")),
 })
 
 

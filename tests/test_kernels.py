@@ -201,11 +201,6 @@ def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
     cands = tune.candidates("fwd", 16, 3072, 3072, dev)
     assert len(cands) > 4 and all(c.mode == "fused" for c in cands)
     assert tune.DEQUANT in tune.candidates("fwd", 4096, 3072, 3072, dev)
-    for kind in ("fwd", "bwd"):  # the weight-right kernels compete once a 64-token tile is full
-        modes = {c.mode for c in tune.candidates(kind, 256, 3072, 3072, dev)}
-        assert {"fused", "ss"} <= modes, modes
-        ss = [c for c in tune.candidates(kind, 4096, 3072, 3072, dev) if c.mode == "ss"]
-        assert ss and all(c.block_m >= 64 and c.variant == 0 for c in ss)
     fastest, wrong, broken = cands[0], cands[1], cands[2]
     fake_us = {c: 10.0 + i for i, c in enumerate(cands)}
     fake_us[wrong] = fake_us[broken] = 1.0  # faster, but unusable
@@ -402,16 +397,15 @@ def _tile_params():
     out = []
     for m in (7, 100, 1000, 4096):
         for kind in ("fwd", "bwd"):
-            for mode, family in (("fused", tune.tiles(m, kind)), ("ss", tune.ss_tiles(m))):
-                for i in range(len(family)):
-                    out.append(pytest.param(kind, m, mode, i, id=f"{kind}-m{m}-{mode}{i}"))
+            for i in range(len(tune.tiles(m, kind))):
+                out.append(pytest.param(kind, m, i, id=f"{kind}-m{m}-tile{i}"))
     return out
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("kind,m,mode,tile", _tile_params())
-def test_gpu_every_autotune_candidate_is_correct_or_rejected(kind, m, mode, tile):
+@pytest.mark.parametrize("kind,m,tile", _tile_params())
+def test_gpu_every_autotune_candidate_is_correct_or_rejected(kind, m, tile):
     # The autotuner may pick any candidate it does not reject, so for each one
     # (every split, both variants) on a ragged shape: either its output is right,
     # or the tuner's sampled check rejects it. The untuned default (tile 0,
@@ -420,10 +414,10 @@ def test_gpu_every_autotune_candidate_is_correct_or_rejected(kind, m, mode, tile
     from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
 
     k, kp, n = 1008, 1024, 1500
-    bo, bm, br = (tune.tiles(m, kind) if mode == "fused" else tune.ss_tiles(m))[tile][:3]
+    bo, bm, br = tune.tiles(m, kind)[tile][:3]
     red, n_out = (k, n) if kind == "fwd" else (n, k)
     cands = [c for c in tune.candidates(kind, m, n_out, red, torch.device("cuda"))
-             if (c.block_o, c.block_m, c.block_r) == (bo, bm, br) and c.mode == mode]
+             if (c.block_o, c.block_m, c.block_r) == (bo, bm, br)]
     assert cands
     x, q, s = _gpu_case((m,), k, kp, n, torch.bfloat16, tile)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -444,7 +438,7 @@ def test_gpu_every_autotune_candidate_is_correct_or_rejected(kind, m, mode, tile
         right = bool(torch.isfinite(out).all()) and _rel(out, ref) < 1e-2
         reason = tune.sample_check(out, lambda r, c: (ref32[r][:, c], ref32[r][:, c].abs()), ref.shape[-1], m)
         assert right or reason is not None, f"{cfg}: wrong (rel {_rel(out, ref):.2e}) and not rejected"
-        if tile == 0 and cfg.variant == 0 and mode == "fused":
+        if tile == 0 and cfg.variant == 0:
             assert right, f"the untuned default {cfg} is wrong: rel {_rel(out, ref):.2e}"
         if reason is not None:
             rejected.append((cfg, reason))
