@@ -75,3 +75,22 @@ def write_json(path: str, payload: dict) -> str:
         f.write("\n")
     print(f"wrote {path}", flush=True)
     return path
+
+
+def host_us_per_call(fn, calls: int = 200) -> float:
+    """Wall-clock us per call of `calls` back-to-back calls, synchronised at both ends.
+
+    For ops far shorter on the GPU than on the host, this is the launch rate the
+    host sustains (one warm-up call first)."""
+    import time
+
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+

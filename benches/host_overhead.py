@@ -17,22 +17,9 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS, env_info, print_header, print_table, write_json  # noqa: E402
-
-
-def per_call_us(fn, calls):
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+from _common import RESULTS, env_info, host_us_per_call, print_header, print_table, write_json  # noqa: E402
 
 
 def top_functions(fn, calls, n=12):
@@ -81,7 +68,7 @@ def main():
         fn()
     rows, profiles = [], {}
     for name, fn in ops.items():
-        rows.append(dict(op=name, host_us_per_call=per_call_us(fn, args.calls)))
+        rows.append(dict(op=name, host_us_per_call=host_us_per_call(fn, args.calls)))
         if name.startswith("int8"):
             profiles[name] = top_functions(fn, args.calls)
     base = {"int8_linear": rows[0]["host_us_per_call"], "int8_linear_grad_input": rows[2]["host_us_per_call"]}

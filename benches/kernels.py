@@ -7,9 +7,11 @@ For M in {16, 256, 4096} and (K, N) in {(3072, 3072), (3072, 12288),
 BF16 on the GPU (`x @ w.T`, `dy @ w`), our autotuned int8_linear /
 int8_linear_grad_input, `torch._weight_int8pack_mm` where it runs, torchao's
 int8 weight-only if importable, and dequantize + cuBLAS (what a non-fused INT8
-path costs). Every time is the median of triton.testing.do_bench, which zeroes
-a 256 MB buffer (> L2) before each repetition: weights arrive cold, as streamed
-weights do. ratio = cuBLAS BF16 time / ours. At M=16 the table gives achieved
+path costs). Every time is GPU time from CUDA-graph replays that cycle over
+copies of the weight totalling more than twice the L2 (tune.graph_time):
+weights arrive cold, as streamed weights do, and host launch gaps are excluded
+(the host cost is its own column at M=16, and benches/host_overhead.py).
+ratio = cuBLAS BF16 time / ours. At M=16 the table gives achieved
 HBM GB/s against the device-to-device copy bandwidth measured in the same run;
 at M=4096, TFLOP/s. Every kernel output is checked against its torch twin
 before it is timed.
@@ -27,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS, env_info, print_header, print_table, write_json  # noqa: E402
+from _common import RESULTS, env_info, host_us_per_call, print_header, print_table, write_json  # noqa: E402
 
 SHAPES = [(3072, 3072), (3072, 12288), (12288, 3072), (4096, 4096)]  # (K, N)
 MS = [16, 256, 4096]
@@ -115,18 +117,6 @@ def _torchao_linear(w):
     return lin
 
 
-def _host_us(fn, n=200):
-    """Wall-clock per call of n back-to-back calls: the launch rate the host sustains."""
-    import torch
-
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 def _rel(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -200,8 +190,8 @@ def run(args):
                     if name not in ("cublas_bf16", "stagehand_int8"):
                         row[f"{name}_us"] = None if t is None else t * 1e3
                 if m == MS[0]:  # at small M the host launch cost can exceed the GPU time
-                    row["ours_host_us"] = _host_us(lambda: fns["stagehand_int8"][0](q))
-                    row["cublas_host_us"] = _host_us(lambda: fns["cublas_bf16"][0](w))
+                    row["ours_host_us"] = host_us_per_call(lambda: fns["stagehand_int8"][0](q))
+                    row["cublas_host_us"] = host_us_per_call(lambda: fns["cublas_bf16"][0](w))
                 rows.append(row)
                 print(f"{kind} M={m} K={k} N={n}: cuBLAS {base * 1e3:.1f} us, ours {ours * 1e3:.1f} us "
                       f"({entry['chosen']}), ratio {base / ours:.2f}, best fused {best_fused}, dequant {deq}, "

@@ -42,15 +42,25 @@ def pinned_h2d_gbps(nbytes: int = 256 * 2**20, reps: int = 10) -> float:
     return nbytes * reps / (start.elapsed_time(end) / 1e3) / 1e9
 
 
-def time_steps(fn, steps: int) -> list[float]:
-    times = []
+def time_steps(fn, steps: int) -> tuple[list[float], list[float]]:
+    """Per step: wall ms (synchronised), and host ms until fn() returned.
+
+    The host figure is when Python finished issuing the step's work: close to the
+    wall time means the GPU waited on the host (launch-bound), far below means
+    the step was bound by the GPU or the copies."""
+    times, host = [], []
     for _ in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return times, host
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
 
 
 def step_fn(model, compiled, x):
@@ -79,9 +89,10 @@ def run(args) -> dict:
         compiled = torch.compile(model)
         step = step_fn(model, compiled, x)
         time_steps(step, 2)  # compile + warm up
-        base = time_steps(step, args.steps)
-        base_ms = sorted(base)[len(base) // 2]
-        rows = [{"tokens": tokens, "mode": "resident (inductor)", "step_ms": base_ms, "ratio": 1.0,
+        base, base_host = time_steps(step, args.steps)
+        base_ms = median(base)
+        rows = [{"tokens": tokens, "mode": "resident (inductor)", "step_ms": base_ms, "host_ms": median(base_host),
+                 "ratio": 1.0,
                  "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gb_step": 0.0, "floor_ms": 0.0,
                  "sync_fetches": 0}]
         print(f"tokens {tokens}: resident {base_ms:.1f} ms", flush=True)
@@ -97,12 +108,12 @@ def run(args) -> dict:
             step = step_fn(model, compiled, x)
             time_steps(step, 2)
             before = rt.stats()
-            times = time_steps(step, args.steps)
+            times, host = time_steps(step, args.steps)
             after = rt.stats()
-            ms = sorted(times)[len(times) // 2]
+            ms = median(times)
             h2d = (after["h2d_bytes"] - before["h2d_bytes"]) / args.steps
             rows.append({
-                "tokens": tokens, "mode": mode, "step_ms": ms, "ratio": base_ms / ms,
+                "tokens": tokens, "mode": mode, "step_ms": ms, "host_ms": median(host), "ratio": base_ms / ms,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gb_step": h2d / 1e9,
                 "floor_ms": h2d / (gbps * 1e9) * 1e3,
                 "sync_fetches": (after["sync_fetches"] - before["sync_fetches"]) / args.steps,
@@ -126,9 +137,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benches/streaming.py needs a CUDA device")
     results = run(args)
-    headers = ["tokens", "mode", "step ms", "resident/this", "H2D GB/step", "H2D floor ms", "sync fetches/step",
-               "peak GiB"]
-    table = [[r["tokens"], r["mode"], f"{r['step_ms']:.1f}", f"{r['ratio']:.2f}", f"{r['h2d_gb_step']:.2f}",
+    headers = ["tokens", "mode", "step ms", "host issue ms", "resident/this", "H2D GB/step", "H2D floor ms",
+               "sync fetches/step", "peak GiB"]
+    table = [[r["tokens"], r["mode"], f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", f"{r['ratio']:.2f}",
+              f"{r['h2d_gb_step']:.2f}",
               f"{r['floor_ms']:.1f}", f"{r['sync_fetches']:.1f}", f"{r['peak_gib']:.2f}"] for r in results["rows"]]
     env = results["env"]
     print_table(table, headers, title=(

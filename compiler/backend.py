@@ -25,7 +25,6 @@ import logging
 from dataclasses import dataclass, field
 
 import networkx as nx
-import torch
 import torch.fx as fx
 
 from torch_stagehand.runtime import registry

@@ -11,7 +11,6 @@ shares one compiled variant. `schedule` later feeds `weights` from a `wait`.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from torch_stagehand.runtime.ops import SCHEDULE_OPS

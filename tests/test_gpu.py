@@ -12,7 +12,7 @@ import torch
 
 import torch_stagehand as stagehand
 
-from _helpers import first_tensor, int8_reference, rel_err, toy
+from _helpers import int8_reference, rel_err, toy
 
 pytestmark = [
     pytest.mark.gpu,
