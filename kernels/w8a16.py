@@ -53,7 +53,7 @@ def _gelu_tanh(v):
 # instruction. FAST=True converts with byte permutes and one fp32 subtract
 # (full-rate pipes), four int8 (one register) per call. Measured on an H100
 # (Triton 3.6): grad-input 2-5% faster at M >= 256, the register-scaled forward
-# 8-14% slower (more registers in a two-warpgroup tile), so only grad-input uses it.
+# 7-15% slower (two-warpgroup tiles), so only grad-input uses it.
 #   u = q ^ 0x80 (= q + 128 as an unsigned byte), placed in the low byte of 2^23
 #   gives the fp32 2^23 + u; minus (2^23 + 128) leaves q exactly.
 # The CPU interpreter cannot run inline PTX: it always takes FAST=False.
