@@ -149,16 +149,12 @@ def build_target(target: str, device) -> tuple[Any, Any]:
         raise UsageError(f"target {target!r}: {type(e).__name__}: {e}") from None
 
 
-def to_device(inputs: Any, device) -> Any:
+def map_tensors(fn, inputs: Any) -> Any:
+    """fn applied to every tensor in a target's inputs (a tensor, or dicts/tuples/lists of them)."""
     import torch
+    from torch.utils._pytree import tree_map
 
-    if isinstance(inputs, torch.Tensor):
-        return inputs.to(device)
-    if isinstance(inputs, dict):
-        return {k: to_device(v, device) for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(to_device(v, device) for v in inputs)
-    return inputs
+    return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, inputs)
 
 
 def prepare_training(model, inputs, lora_rank: int = 4) -> tuple[Any, Any, str]:
@@ -169,8 +165,6 @@ def prepare_training(model, inputs, lora_rank: int = 4) -> tuple[Any, Any, str]:
     a real LoRA run does. Without peft: the floating-point input tensors get
     requires_grad. Returns (model, inputs, description).
     """
-    import torch
-
     from torch_stagehand.runtime.blocks import find_blocks, is_conv1d, streamed_layers
 
     model.requires_grad_(False)
@@ -190,17 +184,7 @@ def prepare_training(model, inputs, lora_rank: int = 4) -> tuple[Any, Any, str]:
                 p.data = p.data.to(dtype)  # adapters in the model's dtype
         return model, inputs, f"LoRA r={lora_rank} on {len(targets)} block Linears (peft), base frozen"
 
-    def grad_on(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.detach().requires_grad_(True)
-        return x
-
-    if isinstance(inputs, dict):
-        inputs = {k: grad_on(v) for k, v in inputs.items()}
-    elif isinstance(inputs, (tuple, list)):
-        inputs = type(inputs)(grad_on(v) for v in inputs)
-    else:
-        inputs = grad_on(inputs)
+    inputs = map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, inputs)
     return model, inputs, "peft not installed: grad enabled on the float inputs, base frozen"
 
 
@@ -237,7 +221,7 @@ def explain_target(args) -> tuple[Any, Any]:
 
     import torch_stagehand as stagehand
     from torch_stagehand.config import Config
-    from torch_stagehand.presets import PRESETS
+    from torch_stagehand.presets import PRESETS, call_model
     from torch_stagehand.runtime.blocks import BlockSelectionError, find_blocks
     from torch_stagehand.runtime.runtime import PrecisionMapError
 
@@ -265,29 +249,29 @@ def explain_target(args) -> tuple[Any, Any]:
             rt = stagehand.offload(model, device=device, precision=precision, config=config)
     except (PrecisionMapError, BlockSelectionError) as e:
         raise UsageError(str(e)) from None
-    inputs = to_device(inputs, device)
+    inputs = map_tensors(lambda t: t.to(device), inputs)
     torch._dynamo.reset()  # a fresh Dynamo cache: every graph of this target is compiled (and reported) anew
     grad = torch.enable_grad() if args.train else torch.no_grad()
     with Stage(f"compiling and running one forward [{how}]"), grad:
-        if isinstance(inputs, dict):
-            report = stagehand.explain(model, **inputs)
-        elif isinstance(inputs, (tuple, list)):
-            report = stagehand.explain(model, *inputs)
-        else:
-            report = stagehand.explain(model, inputs)
+        report = call_model(lambda *a, **kw: stagehand.explain(model, *a, **kw), inputs)
     return report, rt
 
 
 # ---- commands ------------------------------------------------------------------------------
 
 
-def cmd_inspect(args) -> int:
-    report, _ = explain_target(args)
-    print(report.segment_table())
+def _print_overview(table: str, report) -> None:
+    """A table, then the report's summary line and its graph breaks."""
+    print(table)
     print()
     print(report.summary())
     for reason in report.graph_breaks:
         print(f"graph break: {reason}")
+
+
+def cmd_inspect(args) -> int:
+    report, _ = explain_target(args)
+    _print_overview(report.segment_table(), report)
     shown = 0
     for name, code in report.graphs.items():
         if args.graph and args.graph not in name:
@@ -303,11 +287,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_schedule(args) -> int:
     report, rt = explain_target(args)
-    print(report.table())
-    print()
-    print(report.summary())
-    for reason in report.graph_breaks:
-        print(f"graph break: {reason}")
+    _print_overview(report.table(), report)
     if args.json:
         payload = {
             "target": args.target,

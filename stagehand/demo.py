@@ -69,9 +69,14 @@ class DemoResult:
     files: dict[str, str] = field(default_factory=dict)
     shape: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def quarter(self) -> int:
+        """Steps in a quarter of the run (at least one): what loss_drop averages over."""
+        return max(1, len(self.losses) // 4)
+
     def loss_drop(self) -> tuple[float, float]:
         """(mean of the first quarter of the steps, mean of the last quarter)."""
-        k = max(1, len(self.losses) // 4)
+        k = self.quarter
         return sum(self.losses[:k]) / k, sum(self.losses[-k:]) / k
 
 
@@ -229,7 +234,7 @@ def run_from_args(args) -> int:
     result = run(steps=args.steps, device=str(device), out=args.out, seed=args.seed, precision=precision,
                  inner=args.inner, config=config)
     first, last = result.loss_drop()
-    k = max(1, len(result.losses) // 4)
+    k = result.quarter
     print()
     print(f"schedule of one training step ({result.summary}):")
     print(result.schedule_table)

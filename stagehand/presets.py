@@ -24,12 +24,15 @@ import torch.nn.functional as F
 Example = tuple[nn.Module, Any]
 
 
-def call_model(model: nn.Module, example_inputs: Any):
+def call_model(fn, example_inputs: Any):
+    """fn(**inputs), fn(*inputs) or fn(inputs), as a target's example inputs are shaped.
+
+    fn is the model, or anything called like it (stagehand.explain bound to the model)."""
     if isinstance(example_inputs, dict):
-        return model(**example_inputs)
+        return fn(**example_inputs)
     if isinstance(example_inputs, (tuple, list)):
-        return model(*example_inputs)
-    return model(example_inputs)
+        return fn(*example_inputs)
+    return fn(example_inputs)
 
 
 # ---- the performance workload's shape ------------------------------------------------

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from torch_stagehand.cli import UsageError, main, parse_precision
+import torch
+
+from torch_stagehand.cli import UsageError, main, parse_precision, prepare_training
 
 
 def test_parse_precision_maps():
@@ -19,6 +21,16 @@ def test_parse_precision_maps():
                      ("0:int8,0:bf16", "a second time"), ("int4", "unknown precision"), ("0:int8,", "empty part")]:
         with pytest.raises(UsageError, match=why):
             parse_precision(bad)
+
+
+def test_train_without_peft_enables_grad_on_the_float_inputs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` raises ImportError
+    model = torch.nn.Linear(4, 4)
+    inputs = {"x": torch.randn(2, 4), "ids": torch.arange(3), "pair": (torch.randn(1), 7)}
+    model, got, how = prepare_training(model, inputs)
+    assert "peft not installed" in how and not any(p.requires_grad for p in model.parameters())
+    assert got["x"].requires_grad and got["pair"][0].requires_grad and got["pair"][1] == 7
+    assert not got["ids"].requires_grad and not inputs["x"].requires_grad  # integers untouched; the caller's tensors too
 
 
 def test_schedule_prints_the_table_and_writes_json(tmp_path, capsys):
