@@ -1,0 +1,1 @@
+"""The compiler passes, one per module, and the ordered pass list the backend runs."""

@@ -1,0 +1,1 @@
+"""The SquareQ-compatible INT8 slab file format: reader, builder, manifest, safetensors I/O, errors, report."""

@@ -1,0 +1,1 @@
+"""The application: the `stagehand` command line, the demo, its presets and plots (built on the library API)."""
