@@ -19,12 +19,13 @@ from torch_stagehand.config import Config
 
 from . import registry
 from .blocks import StreamedLayerSpec
+from .conductor.fetch_order import FetchOrder
+from .conductor.phases import PhaseTracker
+from .conductor.telemetry import TelemetryWriter
 from .host_store import FULL, INT8, KIND_CODES, PRECISIONS, HostStore
 from .ops import grad_input_from_slot, linear_from_slot
-from .phases import PhaseTracker
 from .slots import SlotPool
 from .streamed import make_plain, make_streamed
-from .telemetry import TelemetryWriter
 
 log = logging.getLogger(__name__)
 _CODE_PRECISION = {v: k for k, v in KIND_CODES.items()}
@@ -83,8 +84,9 @@ class Runtime:
         self._fetch_tokens = [torch.zeros((), dtype=torch.int64) for _ in self.blocks]
         self._free_tokens = [torch.zeros((), dtype=torch.int64) for _ in self.blocks]
 
-        self.telemetry = TelemetryWriter(config.telemetry_file)
+        self.telemetry = TelemetryWriter(config.telemetry_path)
         self.phases = PhaseTracker(on_step_end=self._record_step)
+        self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
         self._step_base = self._counters()
         self.variants: dict[Any, Any] = {}  # compiled units, filled by the backend
         self.variant_info: dict[Any, dict] = {}  # their graphs and compile times (explain)
@@ -239,11 +241,15 @@ class Runtime:
         block = spec.block
         precision = self._precision[block]
         slot = self.pool.acquire(block, precision, hold=False)
-        upcoming = block + step
-        if self._block_first_layer[block] == index and 0 <= upcoming < len(self.blocks):
-            # Eager calls have no schedule; fetching the block that runs next (forward:
-            # the following one, backward: the previous one) while this one runs still pays.
-            self.pool.prefetch(upcoming, self._precision[upcoming])
+        if self._block_first_layer[block] == index:
+            # Eager calls have no schedule; fetching the block that runs next (in the order the
+            # blocks ran, reversed in backward) while this one runs still pays.
+            backward = step < 0
+            if not backward:
+                self.fetch_order.record_forward(block)
+            upcoming = self.fetch_order.eager_next(block, backward)
+            if upcoming != registry.NO_BLOCK:
+                self.pool.prefetch(upcoming, self._precision[upcoming])
         position = index - self._block_first_layer[block]
         return slot, self.store.layout(block, precision)[position].as_ints()
 

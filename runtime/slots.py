@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .conductor.trace import (DENIED, EAGER, EVICT, H2D_COPY, HIT, IN_FLIGHT, NOT_HELD, PREFETCH, RELEASED,
+                              SYNC_FETCH, WAIT)
 from .host_store import HostStore
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class SlotPool:
         self.slot_bytes = slot_bytes
         self.cuda = self.device.type == "cuda"
         self.stats = SlotStats()
+        # A conductor ScheduleTrace while one is recorded (explain); each decision below reports to it.
+        self.trace = None
         self._tick = itertools.count(1)
         self.slots = [
             Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)) for i in range(n_slots)
@@ -101,6 +105,16 @@ class SlotPool:
             if s.key == (block, precision):
                 return s
         return None
+
+    def shadow(self) -> "SlotPool":
+        """A twin on the meta device in this pool's state: plays on it move no bytes (explain's prediction)."""
+        twin = SlotPool(torch.device("meta"), len(self.slots), self.slot_bytes, self.store)
+        for mine, theirs in zip(self.slots, twin.slots):
+            theirs.key, theirs.state, theirs.nbytes = mine.key, mine.state, mine.nbytes
+            theirs.released_at = mine.released_at
+        twin._tick = itertools.count(max(s.released_at for s in self.slots) + 1)
+        twin.stats.resident_bytes = twin.stats.peak_resident_bytes = self.stats.resident_bytes
+        return twin
 
     def resident(self) -> dict[int, tuple[int, str, str]]:
         """slot index -> (block, precision, state) for slots holding data."""
@@ -158,13 +172,20 @@ class SlotPool:
         slot = self._find(block, precision)
         if slot is not None:
             self.stats.hits += 1
+            if self.trace is not None:
+                self.trace.record(PREFETCH, block, precision, slot.index, slot.nbytes, HIT)
             return FetchOutcome(False, slot.index)
         victim = self._victim()
         if victim is None:
             self.stats.denials[Denial.ALL_SLOTS_BUSY.value] += 1
+            if self.trace is not None:
+                self.trace.record(PREFETCH, block, precision, None, self.store.nbytes(block, precision), DENIED,
+                                  Denial.ALL_SLOTS_BUSY.value)
             return FetchOutcome(False, None, Denial.ALL_SLOTS_BUSY)
         self._issue_copy(victim, block, precision)
         self.stats.prefetches += 1
+        if self.trace is not None:
+            self.trace.record(PREFETCH, block, precision, victim.index, victim.nbytes, H2D_COPY)
         return FetchOutcome(True, victim.index)
 
     def acquire(self, block: int, precision: str, hold: bool = True) -> torch.Tensor:
@@ -186,8 +207,13 @@ class SlotPool:
             self._issue_copy(victim, block, precision)
             self.stats.sync_fetches += 1
             slot = victim
+            if self.trace is not None:
+                self.trace.record(WAIT if hold else EAGER, block, precision, slot.index, slot.nbytes, SYNC_FETCH)
         else:
             self.stats.hits += slot.state is not SlotState.LOADING
+            if self.trace is not None:
+                self.trace.record(WAIT if hold else EAGER, block, precision, slot.index, slot.nbytes,
+                                  IN_FLIGHT if slot.state is SlotState.LOADING else HIT)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
         if hold:
@@ -202,7 +228,11 @@ class SlotPool:
     def release(self, block: int, precision: str) -> None:
         slot = self._find(block, precision)
         if slot is None or slot.state is not SlotState.IN_USE:
+            if self.trace is not None:
+                self.trace.record(EVICT, block, precision, None if slot is None else slot.index, 0, NOT_HELD)
             return  # already released (a block split by a graph break releases once per part)
+        if self.trace is not None:
+            self.trace.record(EVICT, block, precision, slot.index, slot.nbytes, RELEASED)
         if self.cuda:
             slot.free_event.record(torch.cuda.current_stream(self.device))
         slot.state = SlotState.READY

@@ -95,30 +95,35 @@ def explain(model: nn.Module, *args, **kwargs):
 
     Uses the inner compiler "eager" so the graphs are readable ATen. With grad
     enabled the report includes the backward graphs and backward schedule
-    (compiled with the forward; no backward is run). Runs one forward, which
-    streams the blocks like any other call. If Dynamo already holds a compiled
+    (compiled with the forward; no backward is run, so the backward rows are
+    predicted and say so). Runs one forward, which streams the blocks like any
+    other call; the forward rows are the slot pool's trace of that call, from
+    the slots as earlier calls left them. If Dynamo already holds a compiled
     frame for this model under the same options, the call would be a cache hit
     with no graph to report: then Dynamo's cache is reset (a warning says so;
     other compiled models recompile on their next call) and the call repeated.
     """
     from torch._dynamo.utils import counters
 
-    from torch_stagehand.compiler.plan import simulate
     from torch_stagehand.compiler.units import BlockUnit
+    from torch_stagehand.runtime.conductor.predict import predict_backward
+    from torch_stagehand.runtime.conductor.trace import WAIT, recording
 
-    from .report import Report
+    from .report import Report, rows_from_trace
 
     rt = runtime_of(model)
     breaks_before = dict(counters["graph_break"])
     first_record = len(rt.graph_records)
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
-    compiled(*args, **kwargs)
+    with recording(rt.pool) as trace:
+        compiled(*args, **kwargs)
     if len(rt.graph_records) == first_record:
         warnings.warn("explain(): this model's frames were already compiled with the same options, so the call "
                       "captured no graph; resetting Dynamo's cache and capturing again", stacklevel=2)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
-        compiled(*args, **kwargs)
+        with recording(rt.pool) as trace:
+            compiled(*args, **kwargs)
     records = rt.graph_records[first_record:]
     graph_breaks = [
         f"{reason} (x{count - breaks_before.get(reason, 0)})"
@@ -149,10 +154,15 @@ def explain(model: nn.Module, *args, **kwargs):
                              "block": "" if seg.block is None else f"{seg.block} {rt.blocks[seg.block]}",
                              "ops": len(seg.nodes), "streamed": record.dag.nodes[seg.index]["streamed"],
                              "inputs_from": ", ".join(map(str, sources)) or "inputs"})
+    schedule = rows_from_trace(trace.rows)
+    if with_backward:
+        forward_blocks = [r.block for r in trace.rows if r.action == WAIT and r.phase == "forward"]
+        predicted = predict_backward(rt.pool, forward_blocks, rt.precision, len(rt.blocks))
+        schedule += rows_from_trace(predicted, predicted=True, start=len(schedule))
     return Report(
         blocks=list(rt.blocks),
         graphs=graphs,
-        schedule=simulate(rt, records, with_backward),
+        schedule=schedule,
         graph_breaks=graph_breaks,
         graph_count=max(1, len(records)),
         stats=rt.stats(),

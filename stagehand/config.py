@@ -4,6 +4,16 @@
 layout the seeds show (``{"memory": {"stagehand": {"conductor_config": ...,
 "selective_precision": ...}}}``). Every validation error names the field by its
 dotted path, e.g. ``selective_precision.bf16_threshold``.
+
+Two knobs appear twice, once in the seeds' conductor section and once at the
+top; the top-level one is the source of truth, the conductor one is honoured
+when the top-level one is unset, and two different values are an error:
+
+- device slots: ``slots``, else ``conductor.h2d_slots`` when it differs from
+  its default (2; the seeds name the same slots so), else
+  ``conductor.prefetch_window + 1`` (`Config.slot_count`);
+- telemetry: ``telemetry_file``, else ``conductor.telemetry_file``
+  (`Config.telemetry_path`).
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field."""
 
 
+_DEFAULT_H2D_SLOTS = 2
+
+
 @dataclass
 class ConductorConfig:
     """Budgets and transfer slots (conductor.txt). Sizes in MB; None = no cap."""
@@ -27,7 +40,7 @@ class ConductorConfig:
     vram_soft_cap_mb: float | None = None
     vram_hard_cap_mb: float | None = None
     pinned_budget_mb: float | None = None
-    h2d_slots: int = 2
+    h2d_slots: int = _DEFAULT_H2D_SLOTS  # the device slots when Config.slots is unset (see the module docstring)
     d2h_slots: int = 2
     # How many blocks ahead the plan fetches while the current block computes.
     prefetch_window: int = 1
@@ -35,7 +48,7 @@ class ConductorConfig:
     backward_pressure_threshold: float = 0.8
     # Rule 3: this many consecutive "all slots busy" checks shrink the window.
     contention_checks: int = 3
-    telemetry_file: str | None = None
+    telemetry_file: str | None = None  # used when Config.telemetry_file is unset
     telemetry_interval_steps: int = 1
     debug_event_trace: bool = False
 
@@ -136,20 +149,43 @@ class Config:
     def validate(self) -> "Config":
         self.conductor.validate("conductor")
         self.selective_precision.validate("selective_precision")
+        h2d_slots = self.conductor.h2d_slots
         if self.slots is not None:
             _positive_int(self.slots, "slots")
-            if self.slots < self.conductor.prefetch_window + 1:
+            if h2d_slots not in (_DEFAULT_H2D_SLOTS, self.slots):
                 raise ConfigError(
-                    f"slots: {self.slots} cannot hold the computing block plus "
-                    f"conductor.prefetch_window={self.conductor.prefetch_window} prefetched ones"
+                    f"conductor.h2d_slots: {h2d_slots} disagrees with slots: {self.slots}; both set the "
+                    "device slots (slots wins when set): set one of them"
                 )
+        slots_field = "slots" if self.slots is not None else "conductor.h2d_slots"
+        if self.slot_count < self.conductor.prefetch_window + 1:
+            raise ConfigError(
+                f"{slots_field}: {self.slot_count} cannot hold the computing block plus "
+                f"conductor.prefetch_window={self.conductor.prefetch_window} prefetched ones"
+            )
+        shadow = self.conductor.telemetry_file
+        if self.telemetry_file is not None and shadow is not None and shadow != self.telemetry_file:
+            raise ConfigError(
+                f"conductor.telemetry_file: {shadow!r} disagrees with telemetry_file: {self.telemetry_file!r}; "
+                "both name the telemetry JSONL (telemetry_file wins when set): set one of them"
+            )
         if self.quantizer not in ("mse", "absmax"):
             raise ConfigError(f"quantizer: must be 'mse' or 'absmax', got {self.quantizer!r}")
         return self
 
     @property
     def slot_count(self) -> int:
-        return self.slots if self.slots is not None else self.conductor.prefetch_window + 1
+        """The device slots the runtime allocates (the module docstring says which field wins)."""
+        if self.slots is not None:
+            return self.slots
+        if self.conductor.h2d_slots != _DEFAULT_H2D_SLOTS:
+            return self.conductor.h2d_slots
+        return self.conductor.prefetch_window + 1
+
+    @property
+    def telemetry_path(self) -> str | None:
+        """Where telemetry goes: `telemetry_file`, else `conductor.telemetry_file`; None = off."""
+        return self.telemetry_file if self.telemetry_file is not None else self.conductor.telemetry_file
 
     # ---- JSON -------------------------------------------------------------
 

@@ -1,4 +1,9 @@
-"""`explain()`'s result: the blocks, the rewritten graphs, the schedule table."""
+"""`explain()`'s result: the blocks, the rewritten graphs, the schedule table.
+
+The schedule rows are the conductor's trace of the call explain made (what
+the slot pool actually did), turned into table rows here; rows the call did
+not run (the backward) are marked "predicted" in their note.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,48 @@ from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
-from torch_stagehand.compiler.plan import ScheduleRow
+from torch_stagehand.runtime.conductor import trace as tr
 
 _HEADERS = ["phase", "pos", "action", "block", "slot", "MB", "precision", "note"]
+_NOTES = {
+    tr.H2D_COPY: "H2D copy",
+    tr.SYNC_FETCH: "sync fetch (stall)",
+    tr.HIT: "resident",
+    tr.IN_FLIGHT: "",  # the wait found the copy its prefetch issued: the plan working
+    tr.RELEASED: "slot released, bytes kept",
+    tr.NOT_HELD: "already released",
+}
+PREDICTED = "predicted"
+
+
+@dataclass
+class ScheduleRow:
+    phase: str
+    position: int
+    action: str
+    block: int
+    slot: int | None
+    bytes: int
+    precision: str
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @property
+    def moved_bytes(self) -> bool:
+        return "H2D copy" in self.note or "sync fetch" in self.note
+
+
+def rows_from_trace(trace_rows: list[tr.TraceRow], predicted: bool = False, start: int = 0) -> list[ScheduleRow]:
+    """Table rows from conductor trace rows; `predicted` marks rows no call ran."""
+    rows = []
+    for i, r in enumerate(trace_rows):
+        note = f"denied: {r.reason}" if r.outcome == tr.DENIED else _NOTES[r.outcome]
+        if predicted:
+            note = f"{PREDICTED}; {note}" if note else PREDICTED
+        rows.append(ScheduleRow(r.phase, start + i, r.action, r.block, r.slot, r.bytes, r.precision, note))
+    return rows
 
 
 @dataclass
@@ -38,12 +82,13 @@ class Report:
                         tablefmt=tablefmt)
 
     def summary(self) -> str:
-        fetches = sum(1 for r in self.schedule if r.note == "H2D copy" or r.note.startswith("sync"))
-        stalls = sum(1 for r in self.schedule if r.note.startswith("sync"))
-        moved = sum(r.bytes for r in self.schedule if r.note == "H2D copy" or r.note.startswith("sync"))
+        fetches = sum(1 for r in self.schedule if r.moved_bytes)
+        stalls = sum(1 for r in self.schedule if "sync fetch" in r.note)
+        moved = sum(r.bytes for r in self.schedule if r.moved_bytes)
+        what = "forward as run" + (", backward predicted" if any(PREDICTED in r.note for r in self.schedule) else "")
         return (
             f"{len(self.blocks)} blocks, {self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s); "
-            f"first step (from empty slots): {fetches} H2D fetches ({moved / 1e6:.1f} MB), {stalls} synchronous"
+            f"this call ({what}): {fetches} H2D fetches ({moved / 1e6:.1f} MB), {stalls} synchronous"
         )
 
     def __str__(self) -> str:

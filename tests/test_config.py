@@ -42,3 +42,18 @@ def test_seed_training_config_layout_loads(tmp_path):
 def test_errors_name_the_field(text, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         Config.from_json(text)
+
+
+def test_shadowed_conductor_knobs_are_honoured_or_named():
+    # Config.slots / Config.telemetry_file win; the conductor section's twins fill in when those are unset.
+    assert Config.from_json('{"conductor": {"h2d_slots": 3}}').slot_count == 3
+    assert Config.from_json('{"slots": 4, "conductor": {"h2d_slots": 4}}').slot_count == 4
+    assert Config.from_json('{"conductor": {"prefetch_window": 2}}').slot_count == 3  # h2d_slots at its default
+    c = Config.from_json('{"conductor": {"telemetry_file": "c.jsonl"}}')
+    assert c.telemetry_path == "c.jsonl" and Config(telemetry_file="t.jsonl").telemetry_path == "t.jsonl"
+    assert Config().telemetry_path is None
+    for text, field in [('{"slots": 3, "conductor": {"h2d_slots": 4}}', "conductor.h2d_slots"),
+                        ('{"conductor": {"h2d_slots": 1}}', "conductor.h2d_slots"),
+                        ('{"telemetry_file": "a", "conductor": {"telemetry_file": "b"}}', "conductor.telemetry_file")]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            Config.from_json(text)

@@ -1,0 +1,30 @@
+"""The backward schedule, predicted from a forward that ran.
+
+`explain()` runs one forward and no backward (a backward would accumulate
+gradients in the user's model). Its backward rows are therefore a prediction:
+the forward's block order reversed, each block's wait / prefetch(next in the
+backward) / evict as the backward schedule emits them, played through a meta
+twin of the live slot pool (same decisions, no bytes moved), starting from the
+slots the forward left behind.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch_stagehand.runtime.registry import NO_BLOCK
+
+from .fetch_order import FetchOrder
+from .trace import TraceRow, recording
+
+
+def predict_backward(pool, forward_blocks: Sequence[int], precision: dict[int, str], n_blocks: int) -> list[TraceRow]:
+    """Trace rows (phase "backward") of the backward that follows a forward which waited on `forward_blocks`."""
+    twin = pool.shadow()
+    with recording(twin, phase=lambda: "backward") as trace:
+        for step in reversed(FetchOrder.for_graph(forward_blocks, n_blocks)):
+            twin.acquire(step.block, precision[step.block], hold=True)
+            if step.next_bwd != NO_BLOCK:
+                twin.prefetch(step.next_bwd, precision[step.next_bwd])
+            twin.release(step.block, precision[step.block])
+    return trace.rows
