@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torch_stagehand.runtime.host_store import KIND_CODES
+from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from .context import CompileContext
@@ -57,7 +57,7 @@ def schedule_forward(gm: fx.GraphModule, ctx: CompileContext, block: int, precis
     block_tok = _placeholder(gm, BLOCK_TOK)
     fetch_tok = add_placeholder(gm, FETCH_TOK)
     next_tok = add_placeholder(gm, NEXT_TOK)
-    nbytes, code = rt.block_nbytes(block, precision), KIND_CODES[precision]
+    nbytes, code = rt.block_nbytes(block, precision), precisions.get(precision).code
     with graph.inserting_after(next_tok):
         slot = graph.call_function(SCHEDULE_OPS["wait"], (fetch_tok, block_tok, nbytes, code, ctx.device))
     with graph.inserting_after(slot):

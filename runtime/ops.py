@@ -29,46 +29,23 @@ elimination keeps them even where their token output is unused.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.library import custom_op
 
-from torch_stagehand import kernels
-
+from . import precision as precisions
 from . import registry
-from .host_store import CODE_DTYPES, KIND_CODES, LayerLayout
+from .precision import LayerLayout
 
-_INT8 = KIND_CODES["int8"]
-
-
-# ---- the math on a slot ----------------------------------------------------------
-
-
-def _weight_views(slot: torch.Tensor, layout: list[int]):
-    lay = LayerLayout.from_ints(layout)
-    n, k = lay.out_features, lay.in_features
-    if lay.kind == _INT8:
-        q = slot[lay.offset : lay.offset + n * k].view(torch.int8).view(n, k)
-        s = slot[lay.scale_offset : lay.scale_offset + 4 * n].view(torch.float32)
-        return lay, q, s
-    dtype = CODE_DTYPES[lay.dtype_code]
-    size = n * k * dtype.itemsize
-    w = slot[lay.offset : lay.offset + size].view(dtype)
-    w = w.view(k, n).t() if lay.transposed else w.view(n, k)
-    return lay, w, None
+# ---- the math on a slot: the layout's code names the precision that computes it ------------
 
 
 def linear_from_slot(x: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor | None, layout: list[int]) -> torch.Tensor:
-    lay, w, s = _weight_views(slot, layout)
-    if lay.kind == _INT8:
-        return kernels.int8_linear(x, w, s, bias)
-    return F.linear(x, w, bias)
+    lay = LayerLayout.from_ints(layout)
+    return precisions.by_code(lay.code).linear_from_slot(x, slot, bias, lay)
 
 
 def grad_input_from_slot(dy: torch.Tensor, slot: torch.Tensor, layout: list[int]) -> torch.Tensor:
-    lay, w, s = _weight_views(slot, layout)
-    if lay.kind == _INT8:
-        return kernels.int8_linear_grad_input(dy, w, s, lay.in_features)
-    return dy @ w
+    lay = LayerLayout.from_ints(layout)
+    return precisions.by_code(lay.code).grad_input_from_slot(dy, slot, lay)
 
 
 def _bias_grad(dy: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

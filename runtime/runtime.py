@@ -17,22 +17,19 @@ import torch.nn as nn
 
 from torch_stagehand.config import Config
 
+from . import precision as precisions
 from . import registry
 from .blocks import StreamedLayerSpec
 from .conductor.fetch_order import FetchOrder
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
-from .host_store import FULL, INT8, KIND_CODES, PRECISIONS, HostStore
+from .host_store import HostStore
 from .ops import grad_input_from_slot, linear_from_slot
+from .precision import PrecisionMapError
 from .slots import SlotPool
 from .streamed import make_plain, make_streamed
 
 log = logging.getLogger(__name__)
-_CODE_PRECISION = {v: k for k, v in KIND_CODES.items()}
-
-
-class PrecisionMapError(ValueError):
-    pass
 
 
 class Runtime:
@@ -104,35 +101,22 @@ class Runtime:
         return dict(self._precision)
 
     def set_precision(self, precision: str | dict[int, str]) -> None:
-        """Set the precision of every block ("bf16"/"int8") or of the blocks a map names.
+        """Set the precision of every block (a registered name: "bf16", "int8") or of the blocks a map names.
 
         The next call runs the new map; compiled variants are re-linked, new ones
-        compiled once. INT8 copies missing from the host store are built now,
-        off the hot path.
+        compiled once. Derived copies (INT8) missing from the host store are
+        built now, off the hot path.
         """
-        new = dict(self._precision)
-        if isinstance(precision, str):
-            precision = {b: precision for b in range(len(self.blocks))}
-        if not isinstance(precision, dict):
-            raise PrecisionMapError(f"precision must be 'bf16', 'int8' or a dict block -> precision, got {precision!r}")
-        for key, value in precision.items():
-            block = self._block_index(key)
-            if value not in PRECISIONS:
-                raise PrecisionMapError(
-                    f"precision map: block {key!r} has unknown precision {value!r} (known: {', '.join(PRECISIONS)})"
-                )
-            if not self.store.has(block, value) and value == FULL:
+        new = precisions.validate_precision_map(precision, self.blocks, base=self._precision)
+        for block, value in new.items():
+            if not self.store.can_stream(block, value):
                 raise PrecisionMapError(
                     f"precision map: block {block} ({self.blocks[block]}) has no full-precision weights "
-                    "(it was loaded from an INT8 slab only)"
+                    f"to stream {value} from (it was loaded from an INT8 slab only)"
                 )
-            new[block] = value
-        missing = [b for b in range(len(self.blocks)) if b not in new]
-        if missing:
-            raise PrecisionMapError(f"precision map: blocks {missing} have no precision")
         for block, value in new.items():
-            if value == INT8 and not self.store.has(block, INT8):
-                self.store.quantize_block(block)
+            if not self.store.has(block, value):
+                self.store.build(block, value)
         self._precision = new
 
     def stats(self) -> dict[str, Any]:
@@ -209,7 +193,7 @@ class Runtime:
 
     def op_wait(self, block: int, precision_code: int, nbytes: int, backward: bool) -> torch.Tensor:
         (self.phases.backward_op if backward else self.phases.forward_op)()
-        precision = _CODE_PRECISION[precision_code]
+        precision = precisions.by_code(precision_code).name
         slot = self.pool.acquire(block, precision, hold=True)
         if slot.numel() != nbytes:
             raise RuntimeError(
@@ -219,7 +203,7 @@ class Runtime:
         return slot
 
     def op_release(self, block: int, precision_code: int) -> torch.Tensor:
-        self.pool.release(block, _CODE_PRECISION[precision_code])
+        self.pool.release(block, precisions.by_code(precision_code).name)
         return self._free_tokens[block]
 
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -261,17 +245,6 @@ class Runtime:
 
     def block_nbytes(self, block: int, precision: str) -> int:
         return self.store.nbytes(block, precision)
-
-    def _block_index(self, key: int | str) -> int:
-        if isinstance(key, bool) or not isinstance(key, (int, str)):
-            raise PrecisionMapError(f"precision map: key {key!r} is neither a block index nor a block FQN")
-        if isinstance(key, str):
-            if key not in self.blocks:
-                raise PrecisionMapError(f"precision map: no block named {key!r} (blocks: {self.blocks[0]} ...)")
-            return self.blocks.index(key)
-        if not 0 <= key < len(self.blocks):
-            raise PrecisionMapError(f"precision map: block {key} does not exist (the model has {len(self.blocks)} blocks)")
-        return key
 
     def _after_load_state_dict(self, module, incompatible_keys) -> None:
         # load_state_dict wrote the host master in place; drop stale device copies.

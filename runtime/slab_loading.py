@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from torch_stagehand.runtime.precision import INT8
+
 from .host_store import layer_views
 from .slab import SlabLayerNotFoundError, SlabReader, canonical_name
 
@@ -43,14 +45,14 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
         with SlabReader(manifest) as reader:
             reader.check_model(rt.model)
             for block, bb in enumerate(rt.store.blocks):
-                rt.store.allocate_int8(block)
-                for spec, lay in zip(bb.layers, bb.int8_layout):
+                buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
+                for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
                     name = canonical_name(spec.fqn)
                     if name not in reader.layers:
                         raise SlabLayerNotFoundError(
                             f"streamed layer {spec.fqn} is not in the slab", path=reader.path, layer=name
                         )
-                    q, s = layer_views(bb.int8, lay)
+                    q, s = layer_views(buf, lay)
                     bias = spec.module.bias
                     bias_out = None
                     if bias is not None and bias.is_meta and reader.layers[name].has_bias:
@@ -58,6 +60,6 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
                     reader.read_layer_into(name, q, s, bias_out)
                     if bias_out is not None:
                         spec.module._parameters["bias"] = torch.nn.Parameter(bias_out, requires_grad=bias.requires_grad)
-                bb.int8_source_version = None if bb.full is None else bb.full._version
+                rt.store.mark_built(block, INT8)
 
     return load

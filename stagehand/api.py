@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from torch_stagehand.config import Config
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
-from torch_stagehand.runtime.host_store import PRECISIONS
-from torch_stagehand.runtime.runtime import PrecisionMapError, Runtime
+from torch_stagehand.runtime.precision import FULL, validate_precision_map
+from torch_stagehand.runtime.runtime import Runtime
 from torch_stagehand.runtime.streamed import is_streamed
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def offload(
     model: nn.Module,
     device: str | torch.device | None = None,
     blocks: str | list[str] = "auto",
-    precision: str | dict = "bf16",
+    precision: str | dict = FULL,
     slab=None,
     config: Config | None = None,
 ) -> Runtime:
@@ -44,7 +44,7 @@ def offload(
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
-    precision_map = _initial_precision(precision, block_fqns)
+    precision_map = validate_precision_map(precision, block_fqns, context="offload: precision map")
     slab_loader = None
     if slab is not None:
         from torch_stagehand.runtime.slab_loading import slab_loader_for
@@ -56,29 +56,6 @@ def offload(
         len(block_fqns), len(layers), rt.store.host_bytes() / 1e6, len(rt.pool.slots), rt.pool.slot_bytes / 1e6, device,
     )
     return rt
-
-
-def _initial_precision(precision, block_fqns: list[str]) -> dict[int, str]:
-    if isinstance(precision, str):
-        if precision not in PRECISIONS:
-            raise PrecisionMapError(f"offload: unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
-        return {b: precision for b in range(len(block_fqns))}
-    if not isinstance(precision, dict):
-        raise PrecisionMapError(f"offload: precision must be a string or a dict, got {type(precision).__name__}")
-    result = {b: "bf16" for b in range(len(block_fqns))}
-    for key, value in precision.items():
-        if isinstance(key, str):
-            if key not in block_fqns:
-                raise PrecisionMapError(f"offload: precision map names block {key!r}, which is not a block")
-            key = block_fqns.index(key)
-        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(block_fqns):
-            raise PrecisionMapError(
-                f"offload: precision map names block {key!r}; the model has blocks 0..{len(block_fqns) - 1}"
-            )
-        if value not in PRECISIONS:
-            raise PrecisionMapError(f"offload: block {key} has unknown precision {value!r} (known: {', '.join(PRECISIONS)})")
-        result[key] = value
-    return result
 
 
 def runtime_of(model: nn.Module) -> Runtime:

@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Any
 
-PRECISIONS = ("bf16", "int8")
+from torch_stagehand.runtime import precision as precisions
+
 DIT_CPU_TOKENS = 16
 
 
@@ -34,9 +35,10 @@ class UsageError(Exception):
 
 
 def parse_precision(text: str) -> str | dict[int, str]:
-    """'bf16', 'int8', or a map like '0-3:int8,4:bf16' (blocks it leaves out stay bf16)."""
+    """'bf16', 'int8' (any registered precision), or a map like '0-3:int8,4:bf16' (blocks it leaves out stay bf16)."""
     spec = text.strip()
-    if spec in PRECISIONS:
+    known = precisions.names()
+    if spec in known:
         return spec
     if not spec:
         raise UsageError("--precision: empty (use bf16, int8 or a map like 0-3:int8,4:bf16)")
@@ -48,11 +50,9 @@ def parse_precision(text: str) -> str | dict[int, str]:
         blocks, sep, precision = part.partition(":")
         if not sep:
             if part in ("fp16", "fp32", "bfloat16", "fp8", "int4"):
-                raise UsageError(f"--precision {text!r}: unknown precision {part!r} (known: bf16, int8)")
+                raise UsageError(f"--precision {text!r}: unknown precision {part!r} (known: {', '.join(known)})")
             raise UsageError(f"--precision {text!r}: part {part!r} is not BLOCKS:PRECISION (e.g. 0-3:int8 or 4:bf16)")
         precision = precision.strip()
-        if precision not in PRECISIONS:
-            raise UsageError(f"--precision {text!r}: part {part!r} has unknown precision {precision!r} (known: bf16, int8)")
         first, dash, last = blocks.strip().partition("-")
         try:
             lo = int(first)
@@ -67,14 +67,19 @@ def parse_precision(text: str) -> str | dict[int, str]:
             if block in result:
                 raise UsageError(f"--precision {text!r}: part {part!r} names block {block} a second time")
             result[block] = precision
-    return result
+    return _checked(result, None, f"--precision {text!r}")
 
 
 def check_precision_range(precision: str | dict[int, str], n_blocks: int) -> None:
-    if isinstance(precision, dict):
-        bad = sorted(b for b in precision if b >= n_blocks)
-        if bad:
-            raise UsageError(f"--precision names block(s) {bad}, but the model has blocks 0..{n_blocks - 1}")
+    _checked(precision, n_blocks, "--precision")
+
+
+def _checked(precision: str | dict[int, str], n_blocks: int | None, context: str):
+    """The library's precision-map rules (names, block range), as a usage error."""
+    try:
+        return precisions.validate_precision_map(precision, n_blocks, context=context)
+    except precisions.PrecisionMapError as e:
+        raise UsageError(str(e)) from None
 
 
 # ---- progress line ------------------------------------------------------------------
@@ -321,7 +326,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="preset (tiny-llama, tiny-gpt2, tiny-flux, dit-48x3072) or path/to/file.py:factory")
-    p.add_argument("--precision", default="bf16",
+    p.add_argument("--precision", default=precisions.FULL,
                    help="bf16 (full precision: the model's own dtype), int8, or a map like 0-3:int8,4:bf16 "
                         "(blocks it leaves out stay bf16); default bf16")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if available, else cpu")

@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_stagehand.runtime import precision as precisions
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field."""
@@ -82,7 +84,7 @@ class PrecisionConfig:
     mode: str = "dynamic"  # "off" | "static" | "dynamic"
     bf16_threshold: float = 0.6
     int8_threshold: float = 0.3
-    ambiguous_default: str = "bf16"
+    ambiguous_default: str = precisions.FULL
     hysteresis_margin: float = 0.1
     grad_weight: float = 0.7
     error_weight: float = 0.3
@@ -103,8 +105,10 @@ class PrecisionConfig:
     def validate(self, prefix: str = "selective_precision") -> None:
         if self.mode not in ("off", "static", "dynamic"):
             raise ConfigError(f"{prefix}.mode: must be 'off', 'static' or 'dynamic', got {self.mode!r}")
-        if self.ambiguous_default not in ("bf16", "int8"):
-            raise ConfigError(f"{prefix}.ambiguous_default: must be 'bf16' or 'int8', got {self.ambiguous_default!r}")
+        known = precisions.names()
+        if self.ambiguous_default not in known:
+            choices = ", ".join(repr(n) for n in known[:-1]) + f" or {known[-1]!r}"
+            raise ConfigError(f"{prefix}.ambiguous_default: must be {choices}, got {self.ambiguous_default!r}")
         for name in ("bf16_threshold", "int8_threshold", "hysteresis_margin", "grad_weight", "error_weight"):
             _unit_interval(getattr(self, name), f"{prefix}.{name}")
         if self.int8_threshold > self.bf16_threshold:

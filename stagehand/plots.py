@@ -8,7 +8,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-PRECISION_COLORS = {"bf16": "#3b6fb6", "int8": "#e8892b"}
+from torch_stagehand.runtime import precision as precisions
+
+# One color per registered precision, in registration order: bf16 blue, int8 orange, then the rest.
+_PALETTE = ("#3b6fb6", "#e8892b", "#2e9e5b", "#8e44ad", "#7f8c8d")
+
+
+def precision_colors() -> dict[str, str]:
+    return {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(precisions.names())}
 
 
 def _short(name: str) -> str:
@@ -66,18 +73,19 @@ def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list
     ax_bytes.set_title(f"weights streamed per step (telemetry; {sum(mb):.1f} MB in all)")
     ax_bytes.grid(alpha=0.3, axis="y")
 
-    names = list(PRECISION_COLORS)
-    grid = [[names.index(r.get("precision", {}).get(str(b), "bf16")) for r in records] for b in range(len(blocks))]
+    colors = precision_colors()
+    names = list(colors)
+    grid = [[names.index(r.get("precision", {}).get(str(b), precisions.FULL)) for r in records] for b in range(len(blocks))]
     if not records:
         grid = [[0] for _ in blocks]
-    ax_prec.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(list(PRECISION_COLORS.values())),
+    ax_prec.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(list(colors.values())),
                    vmin=0, vmax=len(names) - 1, origin="upper",
                    extent=(-0.5, max(len(records), 1) - 0.5, len(blocks) - 0.5, -0.5))
     ax_prec.set_yticks(range(len(blocks)))
     ax_prec.set_yticklabels([f"{i} {_short(b)}" for i, b in enumerate(blocks)], fontsize=8)
     ax_prec.set_xlabel("step")
     ax_prec.set_title("precision of each block's weight stream")
-    ax_prec.legend(handles=[Patch(color=c, label=n) for n, c in PRECISION_COLORS.items()],
+    ax_prec.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()],
                    loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

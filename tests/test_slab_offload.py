@@ -42,7 +42,7 @@ def test_int8_from_slab_matches_the_slab_exactly(slab):
     rt = stagehand.offload(model, device="cpu", precision="int8", slab=manifest)
     with SlabReader(manifest) as reader:
         q, s, _ = reader.read_layer("blocks.1.up")
-    q_host, s_host = rt.store.blocks[1].int8, rt.store.blocks[1].int8_layout[0]
+    q_host, s_host = rt.store.buffer(1, "int8"), rt.store.layout(1, "int8")[0]
     from torch_stagehand.runtime.host_store import layer_views
 
     qv, sv = layer_views(q_host, s_host)

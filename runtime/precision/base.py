@@ -1,0 +1,75 @@
+"""What a precision is: the one interface the host store, the ops and the runtime talk to.
+
+Everything that depends on how a precision stores and computes a weight lives
+in its entry: the host layout of a block, how a block's buffer is filled from
+full-precision weights, the views of one layer inside a buffer (the same
+function for the host buffer and for the device slot it is copied into), and
+the linear / grad-input math on those views. Callers hold a name or a code and
+ask the registry for the entry; none of them branches on which precision it is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .layout import LayerLayout, align
+
+if TYPE_CHECKING:
+    from ..blocks import StreamedLayerSpec
+
+
+class Precision:
+    """One streamed precision. Subclasses set the three class attributes and the methods below."""
+
+    name: str  # what precision maps, the CLI and telemetry say ("bf16", "int8")
+    code: int  # the small int that travels in op schemas and layouts
+    # Built from the full-precision master (the host store rebuilds it when the master's
+    # version counter moves); False only for the master itself.
+    derived_from_master: bool = True
+
+    # ---- host layout ------------------------------------------------------------
+
+    def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
+        """(weight bytes, scale bytes) of one layer; scale bytes 0 for no scale."""
+        raise NotImplementedError
+
+    def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
+        raise NotImplementedError
+
+    def layout(self, layers: list["StreamedLayerSpec"]) -> tuple[list[LayerLayout], int]:
+        """Where each layer of a block sits in the block's flat buffer, and the buffer's size.
+
+        Each weight (and its scale, if any) starts on an ALIGN boundary.
+        """
+        result, offset = [], 0
+        for spec in layers:
+            weight_bytes, scale_bytes = self.layer_nbytes(spec)
+            scale_offset = align(offset + weight_bytes) if scale_bytes else -1
+            result.append(self.layer_layout(spec, offset, scale_offset))
+            offset = align(scale_offset + scale_bytes) if scale_bytes else align(offset + weight_bytes)
+        return result, offset
+
+    # ---- one layer inside a buffer (host buffer or device slot) ---------------------
+
+    def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
+        """The layer's stored tensors as views of `buf` (weight first, in its stored orientation)."""
+        raise NotImplementedError
+
+    def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
+        """Fill the layer's bytes in `buf` from a full-precision [out, in] weight."""
+        raise NotImplementedError
+
+    # ---- the math on a slot ---------------------------------------------------------
+
+    def linear_from_slot(
+        self, x: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor | None, lay: LayerLayout
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_input_from_slot(self, dy: torch.Tensor, slot: torch.Tensor, lay: LayerLayout) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<precision {self.name!r} code {self.code}>"

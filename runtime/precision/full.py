@@ -1,0 +1,48 @@
+""""bf16": the weights exactly as the model holds them (its own dtype, its own layout).
+
+This is the master copy: the host store adopts the modules' weights into this
+entry's buffer and the modules keep views of it, so it is never derived from
+anything. ("bf16" is the historical name; a float32 or float16 model streams
+in float32 or float16.)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .base import Precision
+from .layout import DTYPE_CODES, LayerLayout, dense_view, logical
+
+if TYPE_CHECKING:
+    from ..blocks import StreamedLayerSpec
+
+
+class FullPrecision(Precision):
+    name = "bf16"
+    code = 0
+    derived_from_master = False
+
+    def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
+        w = spec.module.weight
+        return w.numel() * w.element_size(), 0
+
+    def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
+        dtype = spec.module.weight.dtype
+        return LayerLayout(
+            self.code, offset, spec.out_features, spec.in_features, -1, spec.transposed, DTYPE_CODES[dtype]
+        )
+
+    def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
+        return (dense_view(buf, lay),)
+
+    def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
+        logical(dense_view(buf, lay), lay).copy_(weight)
+
+    def linear_from_slot(self, x, slot, bias, lay):
+        return F.linear(x, logical(dense_view(slot, lay), lay), bias)
+
+    def grad_input_from_slot(self, dy, slot, lay):
+        return dy @ logical(dense_view(slot, lay), lay)
