@@ -165,7 +165,8 @@ def prepare_training(model, inputs, lora_rank: int = 4) -> tuple[Any, Any, str]:
     a real LoRA run does. Without peft: the floating-point input tensors get
     requires_grad. Returns (model, inputs, description).
     """
-    from torch_stagehand.runtime.blocks import find_blocks, is_conv1d, streamed_layers
+    from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
+    from torch_stagehand.runtime.linear_like import is_conv1d
 
     model.requires_grad_(False)
     try:
