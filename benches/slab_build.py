@@ -88,7 +88,7 @@ def child(ckpt: str, out: str, quantizer: str, result_path: str) -> None:
     import tabulate  # noqa: F401  (imported before the baseline: the builder's report uses them)
     import tqdm.auto  # noqa: F401
 
-    from torch_stagehand.runtime.slab_builder import build_slab_from_checkpoint
+    from torch_stagehand.runtime.slab import build_slab_from_checkpoint
 
     gc.collect()
     baseline = _status_kb("VmRSS")

@@ -25,7 +25,7 @@ import torch
 from _common import RESULTS, env_info, print_header, print_table, write_json
 
 import torch_stagehand as stagehand
-from torch_stagehand.presets import dit
+from torch_stagehand.app.presets import dit
 
 
 def pinned_h2d_gbps(nbytes: int = 256 * 2**20, reps: int = 10) -> float:

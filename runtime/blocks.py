@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from .linear_like import is_conv1d
+
 
 class BlockSelectionError(ValueError):
     """`blocks=` names nothing usable; the message says what was asked and what exists."""
@@ -31,12 +33,6 @@ class StreamedLayerSpec:
     in_features: int
     # Conv1D keeps its weight as [in, out]; the stream keeps the module's own layout.
     transposed: bool
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' GPT-2 style Conv1D: y = x @ W + b with W [in, out]."""
-    cls = type(module)
-    return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers") for c in cls.__mro__)
 
 
 def is_streamable_linear(module: nn.Module) -> bool:

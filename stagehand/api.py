@@ -47,7 +47,7 @@ def offload(
     precision_map = validate_precision_map(precision, block_fqns, context="offload: precision map")
     slab_loader = None
     if slab is not None:
-        from torch_stagehand.runtime.slab_loading import slab_loader_for
+        from torch_stagehand.runtime.slab.loading import slab_loader_for
 
         slab_loader = slab_loader_for(slab)
     rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader)

@@ -11,7 +11,7 @@ import pytest
 
 import torch
 
-from torch_stagehand.cli import UsageError, main, parse_precision, prepare_training
+from torch_stagehand.app.cli import UsageError, main, parse_precision, prepare_training
 
 
 def test_parse_precision_maps():
@@ -70,7 +70,7 @@ def test_usage_errors_exit_2_with_one_line(argv, message, before_build, capsys):
 
 
 def test_console_script_is_installed():
-    result = subprocess.run([sys.executable, "-m", "torch_stagehand.cli", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "torch_stagehand.app.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "inspect" in result.stdout and "demo" in result.stdout
 
 
@@ -124,7 +124,7 @@ def test_bad_config_and_bad_options_exit_2(capsys):
 
 
 def test_bad_arguments_from_the_console_script_print_one_line():
-    result = subprocess.run([sys.executable, "-m", "torch_stagehand.cli", "schedule", "tiny-llama",
+    result = subprocess.run([sys.executable, "-m", "torch_stagehand.app.cli", "schedule", "tiny-llama",
                              "--precision", "0-x:int8"], capture_output=True, text=True)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [

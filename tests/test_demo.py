@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from torch_stagehand import demo
+from torch_stagehand.app import demo
 
 
 def test_short_demo_trains_and_writes_plot_and_telemetry(tmp_path):
@@ -25,7 +25,7 @@ def test_short_demo_trains_and_writes_plot_and_telemetry(tmp_path):
 
 
 def test_demo_command_usage_errors_exit_2(capsys):
-    from torch_stagehand.cli import main
+    from torch_stagehand.app.cli import main
 
     assert main(["demo", "--device", "cpu", "--steps", "0"]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err

@@ -70,7 +70,7 @@ def test_cuda_int8_runs_the_triton_kernel_and_matches_reference(pmap):
 
 def test_cuda_peft_lora_llama_matches_plain_model():
     peft = pytest.importorskip("peft")
-    from torch_stagehand.presets import tiny_llama
+    from torch_stagehand.app.presets import tiny_llama
 
     model, inputs = tiny_llama(layers=4, seq=64)
     model.requires_grad_(False)
@@ -95,7 +95,7 @@ def test_cuda_peft_lora_llama_matches_plain_model():
 
 
 def test_dit_48x3072_peak_streamed_memory_at_most_three_blocks(record_property):
-    from torch_stagehand.presets import dit
+    from torch_stagehand.app.presets import dit
 
     model, (x,) = dit(tokens=1024, device="cuda")
     model.embed.requires_grad_(True)  # gradients flow back through every block

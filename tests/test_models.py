@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_stagehand as stagehand
-from torch_stagehand.presets import tiny_flux, tiny_gpt2, tiny_llama
+from torch_stagehand.app.presets import tiny_flux, tiny_gpt2, tiny_llama
 
 from _helpers import first_tensor, int8_reference, rel_err
 

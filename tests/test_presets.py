@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_stagehand.presets import TargetError, call_model, dit, load_target
+from torch_stagehand.app.presets import TargetError, call_model, dit, load_target
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-flux"])

@@ -13,10 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from torch_stagehand.kernels import quantize_per_row
-from torch_stagehand.runtime import slab_builder
-from torch_stagehand.runtime.slab import SlabReader, compute_model_signature, load_manifest
-from torch_stagehand.runtime.slab_builder import build_slab_from_checkpoint, build_slab_from_module
-from torch_stagehand.runtime.slab_errors import (
+from torch_stagehand.runtime.slab import (
     SlabAbiError,
     SlabChecksumError,
     SlabDtypeError,
@@ -28,12 +25,18 @@ from torch_stagehand.runtime.slab_errors import (
     SlabMismatchError,
     SlabMissingTensorError,
     SlabModelMismatchError,
+    SlabReader,
     SlabShapeError,
     SlabSignatureError,
     SlabTruncatedError,
     SlabUnsupportedError,
     SlabValueError,
+    build_slab_from_checkpoint,
+    build_slab_from_module,
+    compute_model_signature,
+    load_manifest,
 )
+from torch_stagehand.runtime.slab import builder as slab_builder  # its _CHUNK_ELEMS is patched below
 
 # ── helpers ──────────────────────────────────────────────────────────────
 

@@ -11,8 +11,7 @@ import torch.nn as nn
 import torch_stagehand as stagehand
 from torch_stagehand.kernels import dequantize
 from torch_stagehand.runtime.runtime import PrecisionMapError
-from torch_stagehand.runtime.slab import SlabError, SlabReader
-from torch_stagehand.runtime.slab_builder import build_slab_from_module
+from torch_stagehand.runtime.slab import SlabError, SlabReader, build_slab_from_module
 
 from _helpers import ToyModel, rel_err, toy
 

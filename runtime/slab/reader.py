@@ -6,7 +6,8 @@ rows and fp32 scale straight from the file into caller-owned (pinned) buffers,
 without materialising BF16 and holding at most one layer's bytes (usually none:
 it reads into the destination).
 
-What open checks (each failure is its own `SlabError` subclass, naming file and layer):
+What open checks (each failure is its own `SlabError` subclass, naming file and layer;
+the checks that read no tensor bytes are in `checks.py`):
   - the manifest: schema, ABI version, quant config, packed shape = orig shape
     padded to pad_k, layer_count / total_qweight_bytes, and (for our slabs)
     that its model_signature matches its own layer list;
@@ -37,64 +38,20 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .slab_errors import (
-    SlabAbiError,
+from . import checks
+from .errors import (
     SlabChecksumError,
     SlabDtypeError,
     SlabError,
-    SlabExtraTensorError,
-    SlabHeaderError,
     SlabLayerNotFoundError,
-    SlabManifestError,
-    SlabMismatchError,
     SlabMissingTensorError,
-    SlabModelMismatchError,
     SlabShapeError,
     SlabSignatureError,
-    SlabTruncatedError,
     SlabUnsupportedError,
     SlabValueError,
 )
-from .slab_io import MANIFEST_DTYPE_TO_TAG, byte_view, crc32_hex, pread_into, read_header
-from .slab_manifest import (
-    CURRENT_KERNEL_ABI_VERSION,
-    SLAB_ID_KEY,
-    LayerEntry,
-    SlabManifest,
-    canonical_name,
-    compute_model_signature,
-    iter_linear_layers,
-    load_manifest,
-    signature_from_shapes,
-)
-
-__all__ = [
-    "CURRENT_KERNEL_ABI_VERSION",
-    "LayerEntry",
-    "SlabManifest",
-    "SlabReader",
-    "canonical_name",
-    "compute_model_signature",
-    "load_manifest",
-    "slab_paths",
-    # errors (defined in slab_errors)
-    "SlabError",
-    "SlabAbiError",
-    "SlabChecksumError",
-    "SlabDtypeError",
-    "SlabExtraTensorError",
-    "SlabHeaderError",
-    "SlabLayerNotFoundError",
-    "SlabManifestError",
-    "SlabMismatchError",
-    "SlabMissingTensorError",
-    "SlabModelMismatchError",
-    "SlabShapeError",
-    "SlabSignatureError",
-    "SlabTruncatedError",
-    "SlabUnsupportedError",
-    "SlabValueError",
-]
+from .manifest import LayerEntry, SlabManifest, load_manifest
+from .safetensors_io import byte_view, crc32_hex, pread_into, read_header
 
 # Bytes read per pread when a layer has to be narrowed (padded -> unpadded) or hashed.
 _CHUNK_BYTES = 8 << 20
@@ -158,10 +115,11 @@ class SlabReader:
             raise SlabMissingTensorError(f"cannot open the slab file: {e}", path=self.path) from e
         try:
             self.header = read_header(self.path, self._fd)
-            self._check_slab_id()
-            self._check_tensors()
-            self._check_file_identity()
-            self._check_own_signature()
+            checks.check_slab_id(self.manifest, self.header, self.manifest_path, self.path)
+            checks.check_tensors(self.manifest, self.header, self.manifest_path, self.path)
+            checks.check_file_identity(self.manifest, self.header, os.fstat(self._fd).st_size, self.manifest_path,
+                                       self.path)
+            checks.check_own_signature(self.manifest, self.manifest_path)
             self._check_zero_points()
             if verify == "full":
                 self.verify_full()
@@ -173,80 +131,7 @@ class SlabReader:
 
     # ── open-time checks ──────────────────────────────────────────────────
 
-    def _check_own_signature(self) -> None:
-        # Our builders sign exactly the layers they write, so an edited layer list
-        # (or a signature pasted from another model) shows here.
-        if self.manifest.stagehand is None:
-            return
-        mine = signature_from_shapes(
-            (e.name, e.in_features, e.out_features, e.has_bias) for e in self.layers.values()
-        )
-        if mine != self.manifest.model_signature:
-            raise SlabSignatureError(
-                f"model_signature {self.manifest.model_signature!r} does not match the manifest's own "
-                f"layer list (which signs as {mine!r}): the manifest was edited or mixed up",
-                path=self.manifest_path,
-            )
-
-    def _check_slab_id(self) -> None:
-        # First, so that a manifest of another slab reads as that, not as a list of shape errors.
-        want_id = (self.manifest.stagehand or {}).get("slab_id")
-        got_id = self.header.metadata.get(SLAB_ID_KEY)
-        if want_id and want_id != got_id:
-            raise SlabMismatchError(
-                f"the manifest {self.manifest_path} describes slab {want_id}, but this file is slab "
-                f"{got_id or '<no slab id>'}: manifest and slab file do not belong together",
-                path=self.path,
-            )
-
-    def _check_file_identity(self) -> None:
-        h, sh = self.header, self.manifest.stagehand
-        size = os.fstat(self._fd).st_size
-        if size != h.data_end:
-            raise SlabTruncatedError(f"file has {size - h.data_end} bytes after the last tensor", path=self.path)
-        if sh is None:
-            return
-        want = sh.get("header_sha256")
-        if want is not None and hashlib.sha256(h.header_bytes).hexdigest() != want:
-            raise SlabChecksumError(
-                f"safetensors header sha256 differs from the one recorded in {self.manifest_path}", path=self.path
-            )
-        want = sh.get("safetensors_bytes")
-        if want is not None and want != size:
-            raise SlabTruncatedError(
-                f"file is {size} bytes, the manifest {self.manifest_path} recorded {want}", path=self.path
-            )
-
-    def _check_tensors(self) -> None:
-        claimed: set[str] = set()
-        for e in self.layers.values():
-            specs = [
-                (e.qweight_key, "int8", (e.out_features, e.padded_in_features)),
-                (e.scale_key, "float32", (e.out_features,)),
-                (e.zero_point_key, "float32", (e.out_features,)),
-            ]
-            if e.bias_key:
-                specs.append((e.bias_key, e.dtype_bias, (e.out_features,)))
-            for key, dtype, shape in specs:
-                info = self.header.tensors.get(key)
-                if info is None:
-                    raise SlabMissingTensorError(f"tensor {key!r} listed in the manifest is not in the file",
-                                                 path=self.path, layer=e.name)
-                if info.dtype != MANIFEST_DTYPE_TO_TAG.get(dtype):
-                    raise SlabDtypeError(f"tensor {key!r} is {info.dtype} in the file, the manifest says {dtype}",
-                                         path=self.path, layer=e.name)
-                if info.shape != shape:
-                    raise SlabShapeError(
-                        f"tensor {key!r} is {list(info.shape)} in the file, the manifest says {list(shape)}",
-                        path=self.path, layer=e.name)
-                claimed.add(key)
-        extra = sorted(set(self.header.tensors) - claimed)
-        if extra:
-            key = extra[0]
-            raise SlabExtraTensorError(
-                f"tensor {key!r} is in the file but not in the manifest {self.manifest_path}"
-                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""),
-                path=self.path, layer=key.rsplit(".", 1)[0])
+    # The checks that need no tensor bytes are in checks.py; these two read the file.
 
     def _check_zero_points(self) -> None:
         for e in self.layers.values():
@@ -408,34 +293,7 @@ class SlabReader:
         `include_prefixes`, else the prefixes the slab was built with (our slabs),
         else the whole model (SquareQ's definition).
         """
-        scope = tuple(include_prefixes) if include_prefixes is not None else self.manifest.signature_prefixes
-        live = {li.name: li for li in iter_linear_layers(model)}
-        where = self.manifest_path
-        for e in self.layers.values():
-            li = live.get(e.name)
-            if li is None:
-                raise SlabModelMismatchError("the model has no Linear layer of this name", path=where, layer=e.name)
-            if (li.out_features, li.in_features) != (e.out_features, e.in_features):
-                raise SlabModelMismatchError(
-                    f"model has [out, in] = {[li.out_features, li.in_features]}, slab has "
-                    f"{[e.out_features, e.in_features]}", path=where, layer=e.name)
-            if li.has_bias != e.has_bias:
-                raise SlabModelMismatchError(f"model has_bias={li.has_bias}, slab has_bias={e.has_bias}",
-                                             path=where, layer=e.name)
-            if li.layout != e.source_layout:
-                raise SlabModelMismatchError(f"model layer is {li.layout}, slab was built from {e.source_layout}",
-                                             path=where, layer=e.name)
-        if self.manifest.stagehand is not None or include_prefixes is not None:
-            for name in sorted(live):
-                if name not in self.layers and (scope is None or name.startswith(scope)):
-                    raise SlabModelMismatchError("the model has this Linear layer but the slab does not",
-                                                 path=where, layer=name)
-        sig = compute_model_signature(model, scope)
-        if sig != self.manifest.model_signature:
-            raise SlabSignatureError(
-                f"model signature {sig!r} (prefixes {list(scope) if scope else None}) differs from the "
-                f"manifest's {self.manifest.model_signature!r}", path=where)
-        return {name: live[name].module for name in self.layers}
+        return checks.check_model(self.manifest, model, include_prefixes, self.manifest_path)
 
     # ── lifetime ──────────────────────────────────────────────────────────
 

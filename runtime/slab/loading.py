@@ -7,6 +7,15 @@ and asking for "bf16" on them is an error. Every mismatch between slab and
 model (a layer missing from the slab, another shape, a bad file) is a
 `SlabError` naming the layer and the file; nothing is zero-filled and a load
 that fails leaves the model as it was.
+
+This is the one module of the slab package that knows the streaming engine,
+because its job is to fill the engine's host store: it writes into the INT8
+buffers the store allocates (`host_store.layer_views` names each layer's rows
+and scale in a block buffer) and is called back by `Runtime` (typed only). The
+rest of `slab/` (reader, builder, manifest, I/O) never imports the engine (only
+the shared Linear-like rule, `runtime/linear_like.py`), and the package's
+`__init__` does not import this module: the import graph has its one edge from
+the slab format to the engine here, and the engine has none back.
 """
 
 from __future__ import annotations
@@ -16,13 +25,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from torch_stagehand.runtime.precision import INT8
+from torch_stagehand.runtime.precision import INT8, layer_views
 
-from .host_store import layer_views
-from .slab import SlabLayerNotFoundError, SlabReader, canonical_name
+from .errors import SlabLayerNotFoundError
+from .layers import canonical_name
+from .reader import SlabReader
 
 if TYPE_CHECKING:
-    from .runtime import Runtime
+    from torch_stagehand.runtime.runtime import Runtime
 
 
 def resolve_manifest(slab: str | os.PathLike) -> str:

@@ -1,22 +1,19 @@
-"""Build INT8 slabs: from a live module, or streamed from a (sharded) safetensors checkpoint.
+"""Build INT8 slabs: the one writer every builder goes through, and the builder from a live module.
 
-Both builders go through one writer: the safetensors header is computed from
-shapes alone, then each layer is quantized a few rows at a time
-(`quantize_per_row` is per-row, so chunking changes nothing) and its bytes are
-appended to the file, hashed on the way (crc32 per tensor, sha256 of the file).
-Peak memory is one chunk of rows (a few MB), never a layer's worth of
-quantized tensors, let alone the model's. Both builders quantize the same
-chunks of the same rows, so for the same weights they write the same tensors
-and the same signature.
+The writer computes the safetensors header from shapes alone, then quantizes
+each layer a few rows at a time (`quantize_per_row` is per-row, so chunking
+changes nothing) and appends its bytes to the file, hashed on the way (crc32
+per tensor, sha256 of the file). Peak memory is one chunk of rows (a few MB),
+never a layer's worth of quantized tensors, let alone the model's. A builder
+only says where each layer's rows come from (a `LayerPlan`): both builders
+(this module's, and `checkpoint.py`'s streamed one) quantize the same chunks
+of the same rows, so for the same weights they write the same tensors and the
+same signature.
 
 What is quantized: every ``nn.Linear`` and every transformers ``Conv1D`` (GPT-2;
 its weight is stored ``[in, out]``, written transposed to ``[out, in]`` like a
 Linear's, and the layer is marked ``source_layout: "conv1d"`` so a restore knows
-to transpose back), filtered by canonical-name prefix. In a checkpoint, where
-module types are unknown, every 2-D floating ``{name}.weight`` counts as a Linear
-(``{name}.bias`` as its bias), as SquareQ's streaming builder does; embeddings
-are 2-D too, so exclude them with `include_prefixes` or `blocks_only`, and name
-Conv1D layers in `conv1d_layers`.
+to transpose back), filtered by canonical-name prefix.
 """
 
 from __future__ import annotations
@@ -32,10 +29,11 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from ..kernels import dequantize, quantize_per_row
-from .slab_errors import SlabError, SlabMissingTensorError, SlabShapeError
-from .slab_io import ST_DTYPES, IncrementalWriter, byte_view, pread_into, read_header
-from .slab_manifest import (
+from torch_stagehand.kernels import dequantize, quantize_per_row
+
+from .errors import SlabError, SlabShapeError
+from .layers import iter_linear_layers, signature_from_shapes
+from .manifest import (
     CURRENT_KERNEL_ABI_VERSION,
     MIN_RUNTIME_VERSION,
     QUANT_VERSION,
@@ -43,13 +41,9 @@ from .slab_manifest import (
     STAGEHAND_FORMAT,
     LayerEntry,
     SlabManifest,
-    canonical_name,
-    iter_linear_layers,
-    signature_from_shapes,
 )
-from .slab_report import BuildResult, LayerReport, print_and_save_report
-
-__all__ = ["BuildResult", "build_slab_from_checkpoint", "build_slab_from_module"]
+from .report import BuildResult, LayerReport, print_and_save_report
+from .safetensors_io import IncrementalWriter, byte_view
 
 # Weight elements quantized per chunk: 2M elements = 8 MB as fp32; the quantizer's
 # temporaries are a few of these.
@@ -57,7 +51,9 @@ _CHUNK_ELEMS = 2 << 20
 
 
 @dataclass
-class _Plan:
+class LayerPlan:
+    """Where one layer's rows come from: what a builder hands the writer."""
+
     name: str
     out_features: int
     in_features: int
@@ -91,8 +87,8 @@ def _alt_method(quantizer: str) -> str:
     return "absmax" if quantizer == "mse" else "mse"
 
 
-def _write_slab(
-    plans: list[_Plan],
+def write_slab(
+    plans: list[LayerPlan],
     *,
     output_dir,
     slab_name: str,
@@ -131,7 +127,7 @@ def _write_slab(
     writer = IncrementalWriter(tmp_path, entries, meta)
     layers: dict[str, LayerEntry] = {}
     reports: list[LayerReport] = []
-    block_prefixes = _block_prefixes(p.name for p in plans)
+    block_prefixes = find_block_prefixes(p.name for p in plans)
     bar = tqdm(total=sum(p.out_features * p.in_features * p.source_dtype.itemsize for p in plans), unit="B",
                unit_scale=True, desc=f"slab {slab_name}", disable=not progress)
     try:
@@ -249,48 +245,19 @@ def build_slab_from_module(
         else:  # Conv1D keeps [in, out]: output rows are its columns
             get_rows = (lambda w: lambda r0, r1: w[:, r0:r1].to("cpu").t().contiguous())(w)
         bias = li.module.bias if li.has_bias else None
-        plans.append(_Plan(li.name, li.out_features, li.in_features, li.has_bias, li.layout, w.dtype, get_rows,
+        plans.append(LayerPlan(li.name, li.out_features, li.in_features, li.has_bias, li.layout, w.dtype, get_rows,
                            (lambda b: lambda: b)(bias) if bias is not None else None))
-    return _write_slab(plans, output_dir=output_dir, slab_name=slab_name, architecture_id=architecture_id,
+    return write_slab(plans, output_dir=output_dir, slab_name=slab_name, architecture_id=architecture_id,
                        pack_k=pack_k, quantizer=quantizer, signature_prefixes=prefixes, source="module",
                        progress=progress, compare_quantizers=compare_quantizers, print_report=print_report)
 
 
-# ── streamed from a checkpoint ───────────────────────────────────────────
+# ── block ids (SquareQ's block_id; blocks_only) ─────────────────────────
 
-_INDEX_PREFERENCE = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 _BLOCK_RE = re.compile(r"^(.*?)\.(\d+)\.")
 
 
-def _resolve_checkpoint(path) -> dict[str, str]:
-    """tensor key -> shard file, from a directory, an index json or a single file."""
-    import json
-
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        idx = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
-        if len(idx) > 1:
-            idx = [f for f in _INDEX_PREFERENCE if f in idx] or idx
-            if len(idx) > 1:
-                raise SlabError(f"several index files, pass one: {idx}", path=path)
-        if idx:
-            path = os.path.join(path, idx[0])
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if len(files) != 1:
-                raise SlabError(f"expected one *.safetensors.index.json or one *.safetensors, found {files}", path=path)
-            path = os.path.join(path, files[0])
-    if path.endswith(".json"):
-        with open(path) as f:
-            wmap = json.load(f).get("weight_map")
-        if not isinstance(wmap, dict) or not wmap:
-            raise SlabError("index has no weight_map", path=path)
-        base = os.path.dirname(path)
-        return {k: os.path.join(base, v) for k, v in wmap.items()}
-    return {k: path for k in read_header(path).tensors}
-
-
-def _block_prefixes(names: Iterable[str]) -> tuple[str, ...]:
+def find_block_prefixes(names: Iterable[str]) -> tuple[str, ...]:
     """Prefixes before the first numeric path segment that occur with >= 2 indices
     (``model.layers.``, ``transformer_blocks.``, ``single_transformer_blocks.``)."""
     seen: dict[str, set[str]] = {}
@@ -305,117 +272,3 @@ def _block_id(name: str, block_prefixes: tuple[str, ...]) -> str | None:
     """``blocks.3`` for ``blocks.3.attn.qkv`` when ``blocks.`` is a block list (SquareQ's block_id)."""
     m = _BLOCK_RE.match(name + ".")
     return f"{m.group(1)}.{m.group(2)}" if m and m.group(1) + "." in block_prefixes else None
-
-
-def _effective_prefixes(block: tuple[str, ...], include: tuple[str, ...] | None) -> tuple[str, ...]:
-    if include is None:
-        return block
-    out = {b for b in block for i in include if b.startswith(i)} | {i for b in block for i in include if i.startswith(b)}
-    return tuple(sorted(out))
-
-
-def build_slab_from_checkpoint(
-    model_dir_or_index_json,
-    output_dir,
-    slab_name: str,
-    architecture_id: str,
-    include_prefixes: Iterable[str] | None = None,
-    pack_k: int = 64,
-    quantizer: str = "mse",
-    blocks_only: bool = False,
-    progress: bool = True,
-    *,
-    conv1d_layers: Iterable[str] | Callable[[str], bool] | None = None,
-    compare_quantizers: bool = True,
-    print_report: bool = True,
-) -> BuildResult:
-    """Stream a safetensors checkpoint (a directory with ``*.safetensors.index.json``
-    or one ``*.safetensors``, or the index / file path) into a slab, reading a few
-    rows at a time with ``pread`` (no mmap), so resident memory stays a few chunks
-    whatever the checkpoint size. Computes the same signature as
-    `build_slab_from_module` on the same weights (from shapes only).
-
-    blocks_only: keep only layers under the checkpoint's block lists (the
-        prefixes before the first numeric segment that occur with >= 2 indices,
-        e.g. ``model.layers.``), intersected with `include_prefixes`.
-    conv1d_layers: canonical names (or a predicate) of transformers Conv1D layers,
-        whose checkpoint weight is ``[in, out]``; such a layer is read whole (one
-        tensor in memory) and transposed.
-    """
-    shards = _resolve_checkpoint(model_dir_or_index_json)
-    headers = {f: read_header(f) for f in sorted(set(shards.values()))}
-    infos = {}
-    for key, f in shards.items():
-        if key not in headers[f].tensors:
-            raise SlabMissingTensorError(f"index lists tensor {key!r} but the shard does not hold it", path=f, layer=key)
-        infos[key] = (f, headers[f].tensors[key])
-    is_conv1d = conv1d_layers if callable(conv1d_layers) else (lambda s: lambda n: n in s)(set(conv1d_layers or ()))
-    floating = {"F16", "BF16", "F32", "F64"}
-    cand = {}
-    for key, (f, t) in infos.items():
-        if key.endswith(".weight") and len(t.shape) == 2 and t.dtype in floating:
-            name = canonical_name(key[: -len(".weight")])
-            if not any(p.startswith("lora_") for p in name.split(".")):
-                cand[name] = key
-    prefixes = None if include_prefixes is None else tuple(include_prefixes)
-    if blocks_only:
-        prefixes = _effective_prefixes(_block_prefixes(cand), prefixes)
-        if not prefixes:
-            raise SlabError("blocks_only: no block list found (no 'name.N.' keys with >= 2 indices)",
-                            path=os.fspath(model_dir_or_index_json))
-    fds: dict[str, int] = {}
-
-    def fd_of(f: str) -> int:
-        if f not in fds:
-            fds[f] = os.open(f, os.O_RDONLY)
-        return fds[f]
-
-    # One reusable buffer for row chunks (bounded by _CHUNK_ELEMS elements).
-    scratch = {"buf": torch.empty(0, dtype=torch.uint8)}
-
-    def read_range(f, t, start, nbytes, name, fresh=False) -> torch.Tensor:
-        if fresh:
-            view = torch.empty(nbytes, dtype=torch.uint8)
-        else:
-            if scratch["buf"].numel() < nbytes:
-                scratch["buf"] = torch.empty(nbytes, dtype=torch.uint8)
-            view = scratch["buf"][:nbytes]
-        pread_into(fd_of(f), byte_view(view), start, f, name)
-        return view.view(ST_DTYPES[t.dtype])
-
-    plans = []
-    for name, key in cand.items():
-        if prefixes is not None and not name.startswith(prefixes):
-            continue
-        f, t = infos[key]
-        conv = is_conv1d(name)
-        out_f, in_f = (t.shape[1], t.shape[0]) if conv else t.shape
-        bkey = key[: -len(".weight")] + ".bias"
-        has_bias = bkey in infos and len(infos[bkey][1].shape) == 1
-        item = ST_DTYPES[t.dtype].itemsize
-        if not conv:
-            def get_rows(r0, r1, f=f, t=t, in_f=in_f, item=item, name=name):
-                return read_range(f, t, t.start + r0 * in_f * item, (r1 - r0) * in_f * item, name).view(r1 - r0, in_f)
-            release = lambda: None  # noqa: E731
-        else:
-            held: dict = {}
-
-            def get_rows(r0, r1, f=f, t=t, held=held, name=name):
-                if "w" not in held:
-                    held["w"] = read_range(f, t, t.start, t.nbytes, name, fresh=True).view(*t.shape)
-                return held["w"][:, r0:r1].t().contiguous()
-            release = held.clear
-        get_bias = None
-        if has_bias:
-            bf, bt = infos[bkey]
-            get_bias = (lambda bf, bt, name: lambda: read_range(bf, bt, bt.start, bt.nbytes, name, fresh=True))(bf, bt, name)
-        plans.append(_Plan(name, out_f, in_f, has_bias, "conv1d" if conv else "linear", ST_DTYPES[t.dtype],
-                           get_rows, get_bias, release))
-    try:
-        return _write_slab(plans, output_dir=output_dir, slab_name=slab_name, architecture_id=architecture_id,
-                           pack_k=pack_k, quantizer=quantizer, signature_prefixes=prefixes, source="checkpoint",
-                           progress=progress, compare_quantizers=compare_quantizers, print_report=print_report)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-

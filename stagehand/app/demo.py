@@ -212,27 +212,8 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
     return result
 
 
-def run_from_args(args) -> int:
-    """`stagehand demo` (called by cli.main, which turns UsageError into exit status 2)."""
-    from .cli import UsageError, check_precision_range, load_config, parse_precision, resolve_device
-
-    if args.steps is not None and args.steps < 1:
-        raise UsageError(f"--steps must be at least 1, got {args.steps}")
-    device = resolve_device(args.device)
-    shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
-    precision = None
-    if args.precision is not None:
-        precision = parse_precision(args.precision)
-        check_precision_range(precision, shape.layers)
-    config = load_config(args.config)
-    try:
-        import peft  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise UsageError(f"the demo needs transformers and peft ({e}); pip install -e '.[test]'") from None
-
-    result = run(steps=args.steps, device=str(device), out=args.out, seed=args.seed, precision=precision,
-                 inner=args.inner, config=config)
+def print_result(result: DemoResult) -> None:
+    """What `stagehand demo` prints at the end: the schedule, the loss drop, throughput, the files."""
     first, last = result.loss_drop()
     k = result.quarter
     print()
@@ -246,4 +227,3 @@ def run_from_args(args) -> int:
     print("wrote:")
     for what, path in result.files.items():
         print(f"  {what:9s} {os.path.abspath(path)}")
-    return 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .slab_errors import SlabHeaderError, SlabTruncatedError
+from .errors import SlabHeaderError, SlabTruncatedError
 
 if sys.byteorder != "little":  # safetensors is little-endian; we copy raw bytes.
     raise ImportError("torch_stagehand slab I/O needs a little-endian host")

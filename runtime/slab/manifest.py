@@ -1,4 +1,4 @@
-"""Slab manifest: SquareQ V2 schema, our extras, errors, model signature.
+"""Slab manifest: the SquareQ V2 schema and our extras, parsed and validated.
 
 The schema is SquareQ's (github.com/CodeAlexx/SquareQ, ``src/squareq/manifest.py``
 and ``src/squareq/builder.py``): top-level ``model_signature``,
@@ -16,25 +16,17 @@ the safetensors file's size and sha256 and its header's sha256, per-tensor
 crc32, the quantizer, the signature scope, and how a layer was stored in the
 source model (``linear`` or transformers ``conv1d``).
 
-The model signature is SquareQ's algorithm exactly: sha256 over the sorted
-``"{name}:{in}:{out}:{has_bias}"`` strings, joined by ``|``, first 16 hex
-digits. SquareQ takes every ``nn.Linear``; we take the Linear-like layers
-(``nn.Linear`` and transformers' ``Conv1D``) whose canonical name starts with one
-of ``include_prefixes`` (None: all), so with no prefixes and no Conv1D it is the
-same number SquareQ computes.
+Layer names and the model signature are in `layers.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-from torch import nn
-
-from .slab_errors import SlabAbiError, SlabDtypeError, SlabManifestError, SlabShapeError, SlabUnsupportedError
+from .errors import SlabAbiError, SlabDtypeError, SlabManifestError, SlabShapeError, SlabUnsupportedError
 
 CURRENT_KERNEL_ABI_VERSION = 1
 SUPPORTED_QUANT_BITS = frozenset({8})
@@ -44,12 +36,6 @@ MIN_RUNTIME_VERSION = "0.1.0"
 STAGEHAND_FORMAT = "stagehand-slab-1"
 # Header __metadata__ key binding a safetensors file to its manifest.
 SLAB_ID_KEY = "stagehand_slab_id"
-
-# Path segments that wrappers insert between a model and its Linear (peft's
-# LoraLayer.base_layer, "attn.to_q.orig" style LoRA injection, torch.compile,
-# activation checkpointing, FSDP); dropped to get the canonical name.
-_WRAPPER_SEGMENTS = frozenset({"base_layer", "orig", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
-_PEFT_PREFIX = "base_model.model."
 
 
 # ── dataclasses ──────────────────────────────────────────────────────────
@@ -332,80 +318,3 @@ _KNOWN_LAYER_KEYS = frozenset(
 _KNOWN_TOP_KEYS = frozenset(
     list(_TOP_FIELDS) + ["quant_version", "min_runtime_version", "layer_count", "total_qweight_bytes", "stagehand"]
 )
-
-
-# ── names and signature ──────────────────────────────────────────────────
-
-
-def canonical_name(name: str) -> str:
-    """Map a live module path back to the name a slab uses: drops peft's
-    ``base_model.model.`` prefix and wrapper segments (``base_layer``, ``orig``,
-    ``_orig_mod``, ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``)."""
-    if name.startswith(_PEFT_PREFIX):
-        name = name[len(_PEFT_PREFIX):]
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
-
-
-def _is_adapter_path(name: str) -> bool:
-    # peft's lora_A / lora_B / lora_embedding_* / lora_magnitude_vector hold Linear
-    # adapters that are not part of the base model.
-    return any(p.startswith("lora_") for p in name.split("."))
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' Conv1D (GPT-2): a Linear with weight stored [in, out]. Checked by
-    shape instead of import so transformers stays optional."""
-    w = getattr(module, "weight", None)
-    return (
-        type(module).__name__ == "Conv1D"
-        and isinstance(getattr(module, "nf", None), int)
-        and w is not None
-        and w.dim() == 2
-        and w.shape[1] == module.nf
-    )
-
-
-@dataclass(frozen=True)
-class LinearInfo:
-    name: str  # canonical
-    module_name: str  # as named_modules() spells it
-    module: nn.Module
-    in_features: int
-    out_features: int
-    has_bias: bool
-    layout: str  # "linear" | "conv1d"
-
-
-def iter_linear_layers(model: nn.Module, include_prefixes: Iterable[str] | None = None) -> Iterator[LinearInfo]:
-    """Linear-like layers of `model` by canonical name (first occurrence wins when a
-    layer is reachable under two names), filtered by canonical-name prefix."""
-    prefixes = None if include_prefixes is None else tuple(include_prefixes)
-    seen: set[str] = set()
-    for mname, m in model.named_modules():
-        if _is_adapter_path(mname):
-            continue
-        if isinstance(m, nn.Linear):
-            layout, fin, fout = "linear", m.in_features, m.out_features
-        elif is_conv1d(m):
-            layout, fin, fout = "conv1d", int(m.weight.shape[0]), int(m.weight.shape[1])
-        else:
-            continue
-        cname = canonical_name(mname)
-        if cname in seen or (prefixes is not None and not cname.startswith(prefixes)):
-            continue
-        seen.add(cname)
-        yield LinearInfo(cname, mname, m, fin, fout, getattr(m, "bias", None) is not None, layout)
-
-
-def signature_from_shapes(entries: Iterable[tuple[str, int, int, bool]]) -> str:
-    """SquareQ's signature over (name, in_features, out_features, has_bias)."""
-    items = sorted(f"{n}:{i}:{o}:{b}" for n, i, o, b in entries)
-    return hashlib.sha256("|".join(items).encode()).hexdigest()[:16]
-
-
-def compute_model_signature(model: nn.Module, include_prefixes: Iterable[str] | None = None) -> str:
-    """Signature of the Linear-like layers under `include_prefixes` (None: all);
-    equals SquareQ's `compute_model_signature(model)` for a model without Conv1D."""
-    return signature_from_shapes(
-        (li.name, li.in_features, li.out_features, li.has_bias) for li in iter_linear_layers(model, include_prefixes)
-    )

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from .slab_manifest import SlabManifest
+from .manifest import SlabManifest
 
 
 @dataclass

@@ -135,7 +135,7 @@ def resolve_device(name: str | None):
 
 def build_target(target: str, device) -> tuple[Any, Any]:
     """(model, example_inputs) for a preset or a file:factory target."""
-    from torch_stagehand.presets import PRESETS, TargetError, load_target
+    from .presets import PRESETS, TargetError, load_target
 
     kwargs: dict[str, Any] = {}
     if target == "dit-48x3072":
@@ -170,7 +170,8 @@ def prepare_training(model, inputs, lora_rank: int = 4) -> tuple[Any, Any, str]:
     a real LoRA run does. Without peft: the floating-point input tensors get
     requires_grad. Returns (model, inputs, description).
     """
-    from torch_stagehand.runtime.blocks import find_blocks, is_conv1d, streamed_layers
+    from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
+    from torch_stagehand.runtime.linear_like import is_conv1d
 
     model.requires_grad_(False)
     try:
@@ -226,7 +227,7 @@ def explain_target(args) -> tuple[Any, Any]:
 
     import torch_stagehand as stagehand
     from torch_stagehand.config import Config
-    from torch_stagehand.presets import PRESETS, call_model
+    from .presets import PRESETS, call_model
     from torch_stagehand.runtime.blocks import BlockSelectionError, find_blocks
     from torch_stagehand.runtime.runtime import PrecisionMapError
 
@@ -311,9 +312,29 @@ def cmd_schedule(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    # The demo is a library of its own (run, print_result): the checks of the
+    # command's options live here, so the demo never imports the CLI.
     from . import demo
 
-    return demo.run_from_args(args)
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    device = resolve_device(args.device)
+    shape = demo.GPU_SHAPE if device.type == "cuda" else demo.CPU_SHAPE
+    precision = None
+    if args.precision is not None:
+        precision = parse_precision(args.precision)
+        check_precision_range(precision, shape.layers)
+    config = load_config(args.config)
+    try:
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"the demo needs transformers and peft ({e}); pip install -e '.[test]'") from None
+
+    result = demo.run(steps=args.steps, device=str(device), out=args.out, seed=args.seed, precision=precision,
+                      inner=args.inner, config=config)
+    demo.print_result(result)
+    return 0
 
 
 # ---- argument parsing -------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""Build an INT8 slab streamed from a (sharded) safetensors checkpoint, never loading the model.
+
+Reads a few rows at a time with ``pread`` (no mmap, see `safetensors_io`) and
+hands them to the one writer in `builder.py`, so resident memory stays a few
+chunks whatever the checkpoint size, and the slab is the one
+`build_slab_from_module` writes from the same weights. Where module types are
+unknown, every 2-D floating ``{name}.weight`` counts as a Linear
+(``{name}.bias`` as its bias), as SquareQ's streaming builder does; embeddings
+are 2-D too, so exclude them with `include_prefixes` or `blocks_only`, and name
+Conv1D layers in `conv1d_layers`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterable
+
+import torch
+
+from .builder import LayerPlan, find_block_prefixes, write_slab
+from .errors import SlabError, SlabMissingTensorError
+from .layers import canonical_name
+from .report import BuildResult
+from .safetensors_io import ST_DTYPES, byte_view, pread_into, read_header
+
+_INDEX_PREFERENCE = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+
+
+def _resolve_checkpoint(path) -> dict[str, str]:
+    """tensor key -> shard file, from a directory, an index json or a single file."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        idx = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+        if len(idx) > 1:
+            idx = [f for f in _INDEX_PREFERENCE if f in idx] or idx
+            if len(idx) > 1:
+                raise SlabError(f"several index files, pass one: {idx}", path=path)
+        if idx:
+            path = os.path.join(path, idx[0])
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if len(files) != 1:
+                raise SlabError(f"expected one *.safetensors.index.json or one *.safetensors, found {files}", path=path)
+            path = os.path.join(path, files[0])
+    if path.endswith(".json"):
+        with open(path) as f:
+            wmap = json.load(f).get("weight_map")
+        if not isinstance(wmap, dict) or not wmap:
+            raise SlabError("index has no weight_map", path=path)
+        base = os.path.dirname(path)
+        return {k: os.path.join(base, v) for k, v in wmap.items()}
+    return {k: path for k in read_header(path).tensors}
+
+
+def _effective_prefixes(block: tuple[str, ...], include: tuple[str, ...] | None) -> tuple[str, ...]:
+    if include is None:
+        return block
+    out = {b for b in block for i in include if b.startswith(i)} | {i for b in block for i in include if i.startswith(b)}
+    return tuple(sorted(out))
+
+
+def build_slab_from_checkpoint(
+    model_dir_or_index_json,
+    output_dir,
+    slab_name: str,
+    architecture_id: str,
+    include_prefixes: Iterable[str] | None = None,
+    pack_k: int = 64,
+    quantizer: str = "mse",
+    blocks_only: bool = False,
+    progress: bool = True,
+    *,
+    conv1d_layers: Iterable[str] | Callable[[str], bool] | None = None,
+    compare_quantizers: bool = True,
+    print_report: bool = True,
+) -> BuildResult:
+    """Stream a safetensors checkpoint (a directory with ``*.safetensors.index.json``
+    or one ``*.safetensors``, or the index / file path) into a slab, reading a few
+    rows at a time with ``pread`` (no mmap), so resident memory stays a few chunks
+    whatever the checkpoint size. Computes the same signature as
+    `build_slab_from_module` on the same weights (from shapes only).
+
+    blocks_only: keep only layers under the checkpoint's block lists (the
+        prefixes before the first numeric segment that occur with >= 2 indices,
+        e.g. ``model.layers.``), intersected with `include_prefixes`.
+    conv1d_layers: canonical names (or a predicate) of transformers Conv1D layers,
+        whose checkpoint weight is ``[in, out]``; such a layer is read whole (one
+        tensor in memory) and transposed.
+    """
+    shards = _resolve_checkpoint(model_dir_or_index_json)
+    headers = {f: read_header(f) for f in sorted(set(shards.values()))}
+    infos = {}
+    for key, f in shards.items():
+        if key not in headers[f].tensors:
+            raise SlabMissingTensorError(f"index lists tensor {key!r} but the shard does not hold it", path=f, layer=key)
+        infos[key] = (f, headers[f].tensors[key])
+    is_conv1d_name = conv1d_layers if callable(conv1d_layers) else (lambda s: lambda n: n in s)(set(conv1d_layers or ()))
+    floating = {"F16", "BF16", "F32", "F64"}
+    cand = {}
+    for key, (f, t) in infos.items():
+        if key.endswith(".weight") and len(t.shape) == 2 and t.dtype in floating:
+            name = canonical_name(key[: -len(".weight")])
+            if not any(p.startswith("lora_") for p in name.split(".")):
+                cand[name] = key
+    prefixes = None if include_prefixes is None else tuple(include_prefixes)
+    if blocks_only:
+        prefixes = _effective_prefixes(find_block_prefixes(cand), prefixes)
+        if not prefixes:
+            raise SlabError("blocks_only: no block list found (no 'name.N.' keys with >= 2 indices)",
+                            path=os.fspath(model_dir_or_index_json))
+    fds: dict[str, int] = {}
+
+    def fd_of(f: str) -> int:
+        if f not in fds:
+            fds[f] = os.open(f, os.O_RDONLY)
+        return fds[f]
+
+    # One reusable buffer for row chunks (bounded by _CHUNK_ELEMS elements).
+    scratch = {"buf": torch.empty(0, dtype=torch.uint8)}
+
+    def read_range(f, t, start, nbytes, name, fresh=False) -> torch.Tensor:
+        if fresh:
+            view = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            if scratch["buf"].numel() < nbytes:
+                scratch["buf"] = torch.empty(nbytes, dtype=torch.uint8)
+            view = scratch["buf"][:nbytes]
+        pread_into(fd_of(f), byte_view(view), start, f, name)
+        return view.view(ST_DTYPES[t.dtype])
+
+    plans = []
+    for name, key in cand.items():
+        if prefixes is not None and not name.startswith(prefixes):
+            continue
+        f, t = infos[key]
+        conv = is_conv1d_name(name)
+        out_f, in_f = (t.shape[1], t.shape[0]) if conv else t.shape
+        bkey = key[: -len(".weight")] + ".bias"
+        has_bias = bkey in infos and len(infos[bkey][1].shape) == 1
+        item = ST_DTYPES[t.dtype].itemsize
+        if not conv:
+            def get_rows(r0, r1, f=f, t=t, in_f=in_f, item=item, name=name):
+                return read_range(f, t, t.start + r0 * in_f * item, (r1 - r0) * in_f * item, name).view(r1 - r0, in_f)
+            release = lambda: None  # noqa: E731
+        else:
+            held: dict = {}
+
+            def get_rows(r0, r1, f=f, t=t, held=held, name=name):
+                if "w" not in held:
+                    held["w"] = read_range(f, t, t.start, t.nbytes, name, fresh=True).view(*t.shape)
+                return held["w"][:, r0:r1].t().contiguous()
+            release = held.clear
+        get_bias = None
+        if has_bias:
+            bf, bt = infos[bkey]
+            get_bias = (lambda bf, bt, name: lambda: read_range(bf, bt, bt.start, bt.nbytes, name, fresh=True))(bf, bt, name)
+        plans.append(LayerPlan(name, out_f, in_f, has_bias, "conv1d" if conv else "linear", ST_DTYPES[t.dtype],
+                           get_rows, get_bias, release))
+    try:
+        return write_slab(plans, output_dir=output_dir, slab_name=slab_name, architecture_id=architecture_id,
+                           pack_k=pack_k, quantizer=quantizer, signature_prefixes=prefixes, source="checkpoint",
+                           progress=progress, compare_quantizers=compare_quantizers, print_report=print_report)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+

@@ -1,0 +1,150 @@
+"""What a slab is checked against when it opens, and a live model against a slab.
+
+These checks need the manifest, the parsed safetensors header and the file's
+size, never the tensor bytes, so they are plain functions of those; the
+checks that read bytes (zero points, ``verify="full"``) stay with the reader
+that owns the file descriptor. Each failure is its own `SlabError` subclass,
+naming the file and the layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable
+
+from torch import nn
+
+from .errors import (
+    SlabChecksumError,
+    SlabDtypeError,
+    SlabExtraTensorError,
+    SlabMismatchError,
+    SlabMissingTensorError,
+    SlabModelMismatchError,
+    SlabShapeError,
+    SlabSignatureError,
+    SlabTruncatedError,
+)
+from .layers import compute_model_signature, iter_linear_layers, signature_from_shapes
+from .manifest import SLAB_ID_KEY, SlabManifest
+from .safetensors_io import MANIFEST_DTYPE_TO_TAG, SafetensorsHeader
+
+
+def check_slab_id(manifest: SlabManifest, header: SafetensorsHeader, manifest_path: str, path: str) -> None:
+    """Manifest and file name the same slab (ours only). Run first, so that a manifest of
+    another slab reads as that, not as a list of shape errors."""
+    want_id = (manifest.stagehand or {}).get("slab_id")
+    got_id = header.metadata.get(SLAB_ID_KEY)
+    if want_id and want_id != got_id:
+        raise SlabMismatchError(
+            f"the manifest {manifest_path} describes slab {want_id}, but this file is slab "
+            f"{got_id or '<no slab id>'}: manifest and slab file do not belong together",
+            path=path,
+        )
+
+
+def check_tensors(manifest: SlabManifest, header: SafetensorsHeader, manifest_path: str, path: str) -> None:
+    """Every listed tensor present with the right dtype and shape, no tensor the manifest does not list."""
+    claimed: set[str] = set()
+    for e in manifest.layers.values():
+        specs = [
+            (e.qweight_key, "int8", (e.out_features, e.padded_in_features)),
+            (e.scale_key, "float32", (e.out_features,)),
+            (e.zero_point_key, "float32", (e.out_features,)),
+        ]
+        if e.bias_key:
+            specs.append((e.bias_key, e.dtype_bias, (e.out_features,)))
+        for key, dtype, shape in specs:
+            info = header.tensors.get(key)
+            if info is None:
+                raise SlabMissingTensorError(f"tensor {key!r} listed in the manifest is not in the file",
+                                             path=path, layer=e.name)
+            if info.dtype != MANIFEST_DTYPE_TO_TAG.get(dtype):
+                raise SlabDtypeError(f"tensor {key!r} is {info.dtype} in the file, the manifest says {dtype}",
+                                     path=path, layer=e.name)
+            if info.shape != shape:
+                raise SlabShapeError(
+                    f"tensor {key!r} is {list(info.shape)} in the file, the manifest says {list(shape)}",
+                    path=path, layer=e.name)
+            claimed.add(key)
+    extra = sorted(set(header.tensors) - claimed)
+    if extra:
+        key = extra[0]
+        raise SlabExtraTensorError(
+            f"tensor {key!r} is in the file but not in the manifest {manifest_path}"
+            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""),
+            path=path, layer=key.rsplit(".", 1)[0])
+
+
+def check_file_identity(manifest: SlabManifest, header: SafetensorsHeader, size: int, manifest_path: str,
+                        path: str) -> None:
+    """The file is as long as its header says; for our slabs, also the header's sha256 and
+    the file size recorded in the manifest."""
+    h, sh = header, manifest.stagehand
+    if size != h.data_end:
+        raise SlabTruncatedError(f"file has {size - h.data_end} bytes after the last tensor", path=path)
+    if sh is None:
+        return
+    want = sh.get("header_sha256")
+    if want is not None and hashlib.sha256(h.header_bytes).hexdigest() != want:
+        raise SlabChecksumError(
+            f"safetensors header sha256 differs from the one recorded in {manifest_path}", path=path
+        )
+    want = sh.get("safetensors_bytes")
+    if want is not None and want != size:
+        raise SlabTruncatedError(
+            f"file is {size} bytes, the manifest {manifest_path} recorded {want}", path=path
+        )
+
+
+def check_own_signature(manifest: SlabManifest, manifest_path: str) -> None:
+    # Our builders sign exactly the layers they write, so an edited layer list
+    # (or a signature pasted from another model) shows here.
+    if manifest.stagehand is None:
+        return
+    mine = signature_from_shapes(
+        (e.name, e.in_features, e.out_features, e.has_bias) for e in manifest.layers.values()
+    )
+    if mine != manifest.model_signature:
+        raise SlabSignatureError(
+            f"model_signature {manifest.model_signature!r} does not match the manifest's own "
+            f"layer list (which signs as {mine!r}): the manifest was edited or mixed up",
+            path=manifest_path,
+        )
+
+
+def check_model(manifest: SlabManifest, model: nn.Module, include_prefixes: Iterable[str] | None,
+                where: str | os.PathLike) -> dict[str, nn.Module]:
+    """Check a live model against the slab; returns canonical name -> live module.
+
+    See `SlabReader.check_model`, which is the public entry.
+    """
+    layers = manifest.layers
+    scope = tuple(include_prefixes) if include_prefixes is not None else manifest.signature_prefixes
+    live = {li.name: li for li in iter_linear_layers(model)}
+    for e in layers.values():
+        li = live.get(e.name)
+        if li is None:
+            raise SlabModelMismatchError("the model has no Linear layer of this name", path=where, layer=e.name)
+        if (li.out_features, li.in_features) != (e.out_features, e.in_features):
+            raise SlabModelMismatchError(
+                f"model has [out, in] = {[li.out_features, li.in_features]}, slab has "
+                f"{[e.out_features, e.in_features]}", path=where, layer=e.name)
+        if li.has_bias != e.has_bias:
+            raise SlabModelMismatchError(f"model has_bias={li.has_bias}, slab has_bias={e.has_bias}",
+                                         path=where, layer=e.name)
+        if li.layout != e.source_layout:
+            raise SlabModelMismatchError(f"model layer is {li.layout}, slab was built from {e.source_layout}",
+                                         path=where, layer=e.name)
+    if manifest.stagehand is not None or include_prefixes is not None:
+        for name in sorted(live):
+            if name not in layers and (scope is None or name.startswith(scope)):
+                raise SlabModelMismatchError("the model has this Linear layer but the slab does not",
+                                             path=where, layer=name)
+    sig = compute_model_signature(model, scope)
+    if sig != manifest.model_signature:
+        raise SlabSignatureError(
+            f"model signature {sig!r} (prefixes {list(scope) if scope else None}) differs from the "
+            f"manifest's {manifest.model_signature!r}", path=where)
+    return {name: live[name].module for name in layers}
