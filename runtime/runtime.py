@@ -8,7 +8,9 @@ re-links variants instead of compiling them again).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -21,6 +23,7 @@ from . import precision as precisions
 from . import registry
 from .blocks import StreamedLayerSpec
 from .conductor.fetch_order import FetchOrder
+from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
 from .host_store import HostStore
@@ -30,6 +33,10 @@ from .slots import SlotPool
 from .streamed import make_plain, make_streamed
 
 log = logging.getLogger(__name__)
+
+
+class EagerFallbackWarning(UserWarning):
+    """A compiled model ran a block through the eager op path (correct, slower)."""
 
 
 class Runtime:
@@ -93,6 +100,11 @@ class Runtime:
         self.block_variant_count = 0
         self.graph_breaks: list[str] = []
         self._hooks: list[Any] = []
+        self.compiled_graphs = 0  # Dynamo graphs the backend compiled for this model
+        self.eager_linear_calls = 0
+        self.eager_blocks: set[int] = set()
+        self._eager_warned: set[tuple[int, str]] = set()
+        self.recomputed_blocks = 0
 
     # ---- public API -----------------------------------------------------------------
 
@@ -141,6 +153,9 @@ class Runtime:
             "compile_seconds": round(self.compile_seconds, 3),
             "steps": self.phases.step,
             "precision_counts": dict(Counter(self._precision.values())),
+            "eager_linear_calls": self.eager_linear_calls,
+            "eager_blocks": [self.blocks[b] for b in sorted(self.eager_blocks)],
+            "recomputed_blocks": self.recomputed_blocks,
         }
 
     def attach(self, optimizer: torch.optim.Optimizer):
@@ -194,7 +209,7 @@ class Runtime:
     def op_wait(self, block: int, precision_code: int, nbytes: int, backward: bool) -> torch.Tensor:
         (self.phases.backward_op if backward else self.phases.forward_op)()
         precision = precisions.by_code(precision_code).name
-        slot = self.pool.acquire(block, precision, hold=True)
+        slot = self.pool.acquire(block, precision)
         if slot.numel() != nbytes:
             raise RuntimeError(
                 f"stagehand: block {block} ({self.blocks[block]}, {precision}) holds {slot.numel()} bytes but the "
@@ -211,31 +226,56 @@ class Runtime:
         # it belongs to the backward phase, and the next block needed is the previous one.
         backward = torch._C._current_graph_task_id() != -1
         (self.phases.backward_op if backward else self.phases.forward_op)()
-        slot, layout = self._eager_slot(index, step=-1 if backward else 1)
-        return linear_from_slot(x, slot, bias, layout)
+        with self._eager_slot(index, backward) as (slot, layout):
+            return linear_from_slot(x, slot, bias, layout)
 
     def eager_grad_input(self, index: int, dy: torch.Tensor) -> torch.Tensor:
         self.phases.backward_op()
-        slot, layout = self._eager_slot(index, step=-1)
-        return grad_input_from_slot(dy, slot, layout)
+        with self._eager_slot(index, backward=True) as (slot, layout):
+            return grad_input_from_slot(dy, slot, layout)
 
-    def _eager_slot(self, index: int, step: int):
+    @contextlib.contextmanager
+    def _eager_slot(self, index: int, backward: bool):
+        """The layer's block, held for the one op that reads it (then released)."""
         self._check_open()
         spec = self.layers[index]
         block = spec.block
         precision = self._precision[block]
-        slot = self.pool.acquire(block, precision, hold=False)
-        if self._block_first_layer[block] == index:
-            # Eager calls have no schedule; fetching the block that runs next (in the order the
-            # blocks ran, reversed in backward) while this one runs still pays.
-            backward = step < 0
-            if not backward:
-                self.fetch_order.record_forward(block)
-            upcoming = self.fetch_order.eager_next(block, backward)
-            if upcoming != registry.NO_BLOCK:
-                self.pool.prefetch(upcoming, self._precision[upcoming])
-        position = index - self._block_first_layer[block]
-        return slot, self.store.layout(block, precision)[position].as_ints()
+        self._count_eager(block, backward)
+        slot = self.pool.acquire(block, precision, reader=EAGER)
+        try:
+            if self._block_first_layer[block] == index:
+                # Eager calls have no schedule; fetching the block that runs next (in the order the
+                # blocks ran, reversed in backward) while this one runs still pays. The slot just
+                # acquired is held, so this prefetch can never overwrite it.
+                if not backward:
+                    self.fetch_order.record_forward(block)
+                upcoming = self.fetch_order.eager_next(block, backward)
+                if upcoming != registry.NO_BLOCK:
+                    self.pool.prefetch(upcoming, self._precision[upcoming])
+            position = index - self._block_first_layer[block]
+            yield slot, self.store.layout(block, precision)[position].as_ints()
+        finally:
+            self.pool.release(block, precision)
+
+    def _count_eager(self, block: int, backward: bool) -> None:
+        """The eager op path is correct but slow: count it, and say once per cause when a compiled model took it."""
+        self.eager_linear_calls += 1
+        self.eager_blocks.add(block)
+        if not self.compiled_graphs:
+            return  # the model is simply being called without torch.compile
+        cause = ("recomputed in backward outside the compiled program (reentrant checkpointing, or a checkpoint "
+                 "the backend could not place)" if backward else
+                 "ran outside the compiled program (a graph the backend did not get, or Dynamo fell back to eager)")
+        if (block, cause) not in self._eager_warned:
+            self._eager_warned.add((block, cause))
+            warnings.warn(f"stagehand: block {self.blocks[block]} {cause}: its streamed linears run the eager op "
+                          "path, one op at a time (correct, slower; counted in stats()['eager_linear_calls'])",
+                          EagerFallbackWarning, stacklevel=4)
+
+    def record_recompute(self, block: int) -> None:
+        """A compiled block unit re-ran its forward in backward (block recompute)."""
+        self.recomputed_blocks += 1
 
     # ---- helpers ---------------------------------------------------------------------
 

@@ -1,6 +1,9 @@
 """Device slots: a fixed set of flat device buffers that streamed blocks are
 copied into, allocated once.
 
+Every reader holds the slot it reads (a compiled block from `wait` to `evict`, an
+eager op for the one op), and a held slot is never the target of a fetch.
+
 A slot moves FREE -> LOADING (H2D copy issued on the side stream, `ready`
 event recorded) -> IN_USE (the compute stream waits on `ready`; never the host)
 -> READY (released by evict: `free` event recorded on the compute stream; the
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .conductor.trace import (DENIED, EAGER, EVICT, H2D_COPY, HIT, IN_FLIGHT, NOT_HELD, PREFETCH, RELEASED,
+from .conductor.trace import (DENIED, EVICT, H2D_COPY, HIT, IN_FLIGHT, NOT_HELD, PREFETCH, RELEASED,
                               SYNC_FETCH, WAIT)
 from .host_store import HostStore
 
@@ -57,8 +60,9 @@ class Slot:
     released_at: int = 0  # LRU tick
     ready_event: object = None
     free_event: object = None
-    # Read by eager (unheld) calls since it was filled: no release recorded its readers.
-    eager_reads: bool = False
+    # Readers holding the slot (compiled waits and eager reads alike); IN_USE while > 0.
+    # A held slot is never a fetch target, on any path.
+    holds: int = 0
 
 
 @dataclass
@@ -146,9 +150,6 @@ class SlotPool:
         if n > self.slot_bytes:
             raise RuntimeError(f"block {block} ({precision}) needs {n} bytes but slots hold {self.slot_bytes}")
         if self.cuda:
-            if slot.eager_reads:
-                # Everything queued on the compute stream so far may read it.
-                slot.free_event.record(torch.cuda.current_stream(self.device))
             # A released slot's free event orders this copy after its last reader.
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(slot.free_event)
@@ -157,7 +158,7 @@ class SlotPool:
         else:
             slot.buf[:n].copy_(src)
         self._set_bytes(slot, n)
-        slot.key, slot.state, slot.eager_reads = (block, precision), SlotState.LOADING, False
+        slot.key, slot.state = (block, precision), SlotState.LOADING
         slot.released_at = next(self._tick)
         self.stats.h2d_bytes += n
         self.stats.fetches += 1
@@ -188,12 +189,15 @@ class SlotPool:
             self.trace.record(PREFETCH, block, precision, victim.index, victim.nbytes, H2D_COPY)
         return FetchOutcome(True, victim.index)
 
-    def acquire(self, block: int, precision: str, hold: bool = True) -> torch.Tensor:
-        """Make the block resident and readable on the current stream; returns its bytes.
+    def acquire(self, block: int, precision: str, reader: str = WAIT) -> torch.Tensor:
+        """Make the block resident and readable on the current stream, and hold it; returns its bytes.
 
-        `hold=True` (compiled schedule): the slot stays IN_USE until `release`.
-        `hold=False` (eager calls): the slot is READY again at once; it is only
-        reclaimed by a later fetch, after a `free` event recorded at that time.
+        Every reader holds the slot until its `release`: the compiled schedule
+        from `wait` to `evict`, an eager call for the one op that reads it.
+        Holds count, so an eager read inside a scheduled block never drops the
+        schedule's hold, and a held slot is never the target of a fetch (a
+        prefetch issued while a block computes can not overwrite its bytes).
+        `reader` only labels the trace row (WAIT or EAGER).
         """
         slot = self._find(block, precision)
         if slot is None:
@@ -208,31 +212,30 @@ class SlotPool:
             self.stats.sync_fetches += 1
             slot = victim
             if self.trace is not None:
-                self.trace.record(WAIT if hold else EAGER, block, precision, slot.index, slot.nbytes, SYNC_FETCH)
+                self.trace.record(reader, block, precision, slot.index, slot.nbytes, SYNC_FETCH)
         else:
             self.stats.hits += slot.state is not SlotState.LOADING
             if self.trace is not None:
-                self.trace.record(WAIT if hold else EAGER, block, precision, slot.index, slot.nbytes,
+                self.trace.record(reader, block, precision, slot.index, slot.nbytes,
                                   IN_FLIGHT if slot.state is SlotState.LOADING else HIT)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
-        if hold:
-            slot.state = SlotState.IN_USE
-        elif slot.state is not SlotState.IN_USE:  # an eager read never drops a schedule's hold
-            slot.state = SlotState.READY
-        if not hold:
-            slot.released_at = next(self._tick)
-            slot.eager_reads = True
+        slot.holds += 1
+        slot.state = SlotState.IN_USE
         return slot.buf[: slot.nbytes]
 
     def release(self, block: int, precision: str) -> None:
+        """Drop one hold; the last one records the free event after every queued reader."""
         slot = self._find(block, precision)
-        if slot is None or slot.state is not SlotState.IN_USE:
+        if slot is None or slot.holds == 0:
             if self.trace is not None:
                 self.trace.record(EVICT, block, precision, None if slot is None else slot.index, 0, NOT_HELD)
             return  # already released (a block split by a graph break releases once per part)
         if self.trace is not None:
             self.trace.record(EVICT, block, precision, slot.index, slot.nbytes, RELEASED)
+        slot.holds -= 1
+        if slot.holds:
+            return
         if self.cuda:
             slot.free_event.record(torch.cuda.current_stream(self.device))
         slot.state = SlotState.READY
@@ -241,7 +244,7 @@ class SlotPool:
     def release_all(self) -> None:
         """Drop every hold (a compiled block raised before its evict ran)."""
         for s in self.slots:
-            if s.state is SlotState.IN_USE:
+            while s.holds:
                 self.release(*s.key)
 
     def invalidate(self, block: int | None = None) -> None:

@@ -5,9 +5,10 @@
 """
 
 from torch_stagehand.runtime import ops as _ops  # noqa: F401  (registers the custom ops)
+from torch_stagehand.runtime.runtime import EagerFallbackWarning, Runtime
 
 from .api import explain, offload, runtime_of
 from .config import ConductorConfig, Config, ConfigError, PrecisionConfig
-from torch_stagehand.runtime.runtime import Runtime
 
-__all__ = ["Config", "ConductorConfig", "ConfigError", "PrecisionConfig", "Runtime", "explain", "offload", "runtime_of"]
+__all__ = ["Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning", "PrecisionConfig", "Runtime", "explain",
+           "offload", "runtime_of"]

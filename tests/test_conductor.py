@@ -74,8 +74,11 @@ def test_eager_calls_prefetch_in_the_order_blocks_ran():
     # First call: registration order (1 -> 2, 0 -> 1); then the recorded order (1 -> 0, 0 -> 2, 2 -> none).
     assert [r.block for r in first.rows if r.action == tr.PREFETCH] == [2, 1]
     assert [r.block for r in second.rows if r.action == tr.PREFETCH] == [0, 2]
-    # Prefetching in the order of use: every eager read of the second call finds its block fetched.
-    assert first.count(outcome=tr.SYNC_FETCH) > 0 and second.count(outcome=tr.SYNC_FETCH) == 0
+    # Prefetching in the order of use: every eager read of the second call after its first block
+    # (which nothing fetches ahead of a call) finds its block fetched.
+    reads = [r for r in second.rows if r.action == tr.EAGER]
+    assert first.count(outcome=tr.SYNC_FETCH) > 0
+    assert all(r.outcome != tr.SYNC_FETCH for r in reads if r.block != reads[0].block)
 
 
 # ---- the schedule trace ----------------------------------------------------------------------
@@ -87,11 +90,11 @@ def test_trace_records_sync_fetch_hit_in_flight_and_denial():
     pool = rt.pool
     assert pool.trace is None  # off by default
     with recording(pool) as trace:
-        pool.acquire(0, "bf16", hold=True)  # nothing prefetched it: a synchronous fetch
+        pool.acquire(0, "bf16")  # nothing prefetched it: a synchronous fetch
         pool.release(0, "bf16")
-        pool.acquire(0, "bf16", hold=True)  # still resident: a hit
+        pool.acquire(0, "bf16")  # still resident: a hit
         pool.prefetch(1, "bf16")  # a free slot: an H2D copy ahead of its wait
-        pool.acquire(1, "bf16", hold=True)  # finds the copy in flight
+        pool.acquire(1, "bf16")  # finds the copy in flight
         pool.prefetch(2, "bf16")  # both slots held: denied
         pool.release(1, "bf16")
         pool.release(1, "bf16")  # nothing held any more

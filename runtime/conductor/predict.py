@@ -23,7 +23,7 @@ def predict_backward(pool, forward_blocks: Sequence[int], precision: dict[int, s
     twin = pool.shadow()
     with recording(twin, phase=lambda: "backward") as trace:
         for step in reversed(FetchOrder.for_graph(forward_blocks, n_blocks)):
-            twin.acquire(step.block, precision[step.block], hold=True)
+            twin.acquire(step.block, precision[step.block])
             if step.next_bwd != NO_BLOCK:
                 twin.prefetch(step.next_bwd, precision[step.next_bwd])
             twin.release(step.block, precision[step.block])
