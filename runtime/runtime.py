@@ -1,16 +1,18 @@
 """The Runtime: what `offload()` returns and what the ops call into.
 
 It owns the host store, the device slots, the block tokens, the precision map,
-the phase tracker and telemetry, and the cache of compiled block variants that
-the backend fills (kept here so that a Dynamo recompile or a precision switch
-re-links variants instead of compiling them again).
+the phase tracker and telemetry. It implements the compiler's
+`StreamingRuntime` protocol (compiler/interface.py: the static facts the passes
+read, plus `abort_held_blocks`, `record_compile`, `record_graph`, `on_close`);
+the compiled variants live in the compiler's own cache, which the runtime never
+reads: it only runs the compiler's on-close callbacks.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -86,14 +88,13 @@ class Runtime:
         self.telemetry = TelemetryWriter(config.telemetry_file)
         self.phases = PhaseTracker(on_step_end=self._record_step)
         self._step_base = self._counters()
-        self.variants: dict[Any, Any] = {}  # compiled units, filled by the backend
-        self.variant_info: dict[Any, dict] = {}  # their graphs and compile times (explain)
-        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph
+        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
         self.compile_seconds = 0.0
         self.compile_count = 0  # every compiled unit (block variants and glue)
         self.block_variant_count = 0
         self.graph_breaks: list[str] = []
         self._hooks: list[Any] = []
+        self._on_close: list[Callable[[], None]] = []
 
     # ---- public API -----------------------------------------------------------------
 
@@ -196,8 +197,33 @@ class Runtime:
         self.phases.end_step()
         self.telemetry.close()
         registry.unregister_runtime(self.id)
-        self.variants.clear()
+        for callback in self._on_close:
+            callback()  # e.g. the compiler drops its compiled variants
+        self._on_close.clear()
         self._closed = True
+
+    # ---- called by the compiler (the StreamingRuntime protocol) -------------------------
+
+    def layer_index(self, layer_id: int) -> int:
+        owner, index = registry.layer(layer_id)
+        if owner is not self:
+            raise RuntimeError("stagehand: one compiled graph streams layers of two different offloaded models")
+        return index
+
+    def abort_held_blocks(self) -> None:
+        """A compiled unit raised before its evict ran: release every slot it held."""
+        self.pool.release_all()
+
+    def record_compile(self, seconds: float, block_variant: bool) -> None:
+        self.compile_seconds += seconds
+        self.compile_count += 1
+        self.block_variant_count += block_variant
+
+    def record_graph(self, record: Any) -> None:
+        self.graph_records.append(record)
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        self._on_close.append(callback)
 
     # ---- called by the ops -------------------------------------------------------------
 

@@ -1,6 +1,7 @@
-"""Pass `schedule`: prefetch / wait / evict nodes and their transfer tokens.
+"""Pass `schedule_forward`: prefetch / wait / evict nodes and their transfer tokens.
 
-Forward (per block graph, after rewrite_linear):
+Per block variant graph, after rewrite_linear (a per-variant pass: the block
+and precision come from a `VariantContext`):
 
     slot       = wait(fetch_tok, block_tok, nbytes, precision)   # replaces `weights`
     next_fetch = prefetch(next_tok, after=[slot])                # H2D of the next block overlaps this one
@@ -8,11 +9,7 @@ Forward (per block graph, after rewrite_linear):
     free       = evict(block_tok, slot, readers=[...])           # after the last reader
     return (*outputs, next_fetch)                                # next block's graph waits on it
 
-Backward (`schedule_backward`, a joint-graph pass so the partitioned backward
-graph that compiled autograd copies holds it): each `linear`'s backward
-formula asked for its block with `wait_bw` and prefetched the previous block;
-this pass keeps one `wait_bw` and one `prefetch` per block and closes the
-block's backward with an `evict` after its last reader.
+The backward half is `schedule_backward` (a joint-graph pass, its own module).
 
 The plan here is the simple one (fetch the next block while this computes;
 the device-slot cache keeps the last forward block resident across the
@@ -21,22 +18,17 @@ forward/backward turn); the Conductor's placement rules plug in here later.
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torch_stagehand.runtime.host_store import KIND_CODES
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
-from .context import CompileContext
-from .rewrite_linear import BLOCK_TOK, WEIGHTS, add_placeholder
+from ..context import VariantContext, compiler_pass
+from ..graph_nodes import add_placeholder, find_placeholder
+from .rewrite_linear import BLOCK_TOK, WEIGHTS
 
 FETCH_TOK, NEXT_TOK = "stagehand_fetch_tok", "stagehand_next_tok"
 TOKEN_INPUTS = (FETCH_TOK, BLOCK_TOK, NEXT_TOK, "stagehand_prev_tok")
-
-
-def _placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
-    return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name)
 
 
 def order_token_inputs(gm: fx.GraphModule) -> fx.GraphModule:
@@ -44,17 +36,18 @@ def order_token_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     last = placeholders[-1]
     for name in TOKEN_INPUTS:
-        node = _placeholder(gm, name)
+        node = find_placeholder(gm, name)
         if node is not last:
             last.append(node)
         last = node
     return gm
 
 
-def schedule_forward(gm: fx.GraphModule, ctx: CompileContext, block: int, precision: str) -> fx.GraphModule:
-    rt, graph = ctx.runtime, gm.graph
-    weights = _placeholder(gm, WEIGHTS)
-    block_tok = _placeholder(gm, BLOCK_TOK)
+@compiler_pass("schedule_forward")
+def schedule_forward(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
+    rt, graph, block, precision = ctx.runtime, gm.graph, ctx.block, ctx.precision
+    weights = find_placeholder(gm, WEIGHTS)
+    block_tok = find_placeholder(gm, BLOCK_TOK)
     fetch_tok = add_placeholder(gm, FETCH_TOK)
     next_tok = add_placeholder(gm, NEXT_TOK)
     nbytes, code = rt.block_nbytes(block, precision), KIND_CODES[precision]
@@ -74,46 +67,5 @@ def schedule_forward(gm: fx.GraphModule, ctx: CompileContext, block: int, precis
     order_token_inputs(gm)
     graph.lint()
     gm.recompile()
-    ctx.note("schedule", f"block {block}: wait + prefetch(next) + evict after {len(readers)} readers, {nbytes} B {precision}")
+    ctx.note(f"block {block}: wait + prefetch(next) + evict after {len(readers)} readers, {nbytes} B {precision}")
     return gm
-
-
-def schedule_backward(graph: fx.Graph) -> fx.Graph:
-    """Joint-graph pass: one wait_bw / prefetch per block, and an evict after the last reader."""
-    wait_bw, prefetch, evict = SCHEDULE_OPS["wait_bw"], SCHEDULE_OPS["prefetch"], SCHEDULE_OPS["evict"]
-    kept: dict[tuple, fx.Node] = {}
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is wait_bw:
-            key = (node.args[0], node.args[2], node.args[3])  # block token, nbytes, precision
-            if key in kept:
-                node.replace_all_uses_with(kept[key])
-                graph.erase_node(node)
-            else:
-                kept[key] = node
-    if not kept:
-        return graph
-    slots = set(kept.values())
-    seen_prefetch: set[fx.Node] = set()
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is prefetch and any(a in slots for a in node.args[1]):
-            if node.args[0] in seen_prefetch and not node.users:
-                graph.erase_node(node)
-            else:
-                seen_prefetch.add(node.args[0])
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    for (block_tok, _nbytes, code), slot in kept.items():
-        readers = [u for u in slot.users if u.target is not prefetch]
-        last = max(readers, key=position.__getitem__)
-        with graph.inserting_after(last):
-            node = graph.call_function(evict, (block_tok, slot, readers, code))
-        _set_fake_token_meta(node, slot)
-    graph.lint()
-    return graph
-
-
-def _set_fake_token_meta(node: fx.Node, like: fx.Node) -> None:
-    fake = like.meta.get("val")
-    mode = getattr(fake, "fake_mode", None)
-    if isinstance(mode, FakeTensorMode):
-        with mode:
-            node.meta["val"] = torch.empty((), dtype=torch.int64)
