@@ -41,7 +41,9 @@ def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
             else:
                 kept[key] = node
     if not kept:
-        return graph  # a glue unit, or no grad: nothing streams backward here
+        if ctx is not None:
+            ctx.note("no wait_bw: nothing streams backward in this graph")
+        return graph
     slots = set(kept.values())
     seen_prefetch: set[fx.Node] = set()
     dropped_prefetches = 0
