@@ -1,17 +1,31 @@
-"""What the passes share: the runtime's static facts, options, and a change log.
+"""What the passes share: the runtime's static facts, options, and a log of the passes that ran.
 
-A pass reads the `CompileContext` and the graph and returns a graph; it never
-touches runtime *state* (slots, streams, counters). The context only exposes
-what is fixed at compile time: block names, layer layouts, byte counts, tokens.
+A pass reads its context and the graph and returns a graph; it never touches
+runtime *state* (slots, streams, counters). `CompileContext.runtime` is typed
+with the `StreamingRuntime` protocol (interface.py), which exposes only what is
+fixed at compile time: block names, layer layouts, byte counts, tokens.
+
+Every context is a `PassLog`: `run(passes, target)` runs an ordered pass list
+and records, per pass, its name and the notes it made through `note()`;
+`explain()` prints them. A per-variant pass gets a `VariantContext` (the
+graph-level context plus the block and precision the variant is built for).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
+
+from .interface import StreamingRuntime
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+    from .passes.assign_segments import Segment
+    from .variants import VariantCache
 
 log = logging.getLogger("torch_stagehand.compiler")
 
@@ -41,18 +55,83 @@ class BackendOptions:
         return BackendOptions(inner=inner)
 
 
-@dataclass
-class CompileContext:
-    runtime: Any  # torch_stagehand.runtime.Runtime (read-only use)
-    options: BackendOptions
-    graph_id: int = 0
-    changes: list[str] = field(default_factory=list)
+T = TypeVar("T")
 
-    def note(self, pass_name: str, message: str) -> None:
-        line = f"[{pass_name}] {message}"
-        self.changes.append(line)
-        log.debug(line)
+
+def compiler_pass(name: str):
+    """Name a pass: `@compiler_pass("rewrite_linear") def rewrite_linear(gm, ctx) -> gm`."""
+
+    def mark(fn: T) -> T:
+        fn.name = name  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+@dataclass
+class PassRecord:
+    """One pass that ran: its name and what it said it changed."""
+
+    name: str
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "notes": list(self.notes)}
+
+
+class PassLog:
+    """Runs ordered pass lists and keeps, in order, the passes that ran with their notes."""
+
+    def __init__(self, passes_ran: Sequence[PassRecord] = ()) -> None:
+        self.passes_ran: list[PassRecord] = list(passes_ran)
+
+    def run(self, passes: Sequence[Callable], target: T) -> T:
+        for compiler_pass_ in passes:
+            self.passes_ran.append(PassRecord(compiler_pass_.name))
+            target = compiler_pass_(target, self)
+        return target
+
+    def note(self, message: str) -> None:
+        """Say what the running pass changed (logged at debug level, listed by explain)."""
+        record = self.passes_ran[-1] if self.passes_ran else PassRecord("(outside a pass)")
+        record.notes.append(message)
+        log.debug("[%s] %s", record.name, message)
+
+
+class CompileContext(PassLog):
+    """The graph-level context: one per Dynamo graph."""
+
+    def __init__(self, runtime: StreamingRuntime, options: BackendOptions, variants: "VariantCache",
+                 variant_passes: Sequence[Callable], joint_passes: Sequence[Callable], graph_id: int = 0):
+        super().__init__()
+        self.runtime = runtime
+        self.options = options
+        self.variants = variants  # compiled variants of this runtime (shared across graphs)
+        # The per-variant and joint pass lists (passes.VARIANT_PASSES / JOINT_PASSES), handed to the units.
+        self.variant_passes = tuple(variant_passes)
+        self.joint_passes = tuple(joint_passes)
+        self.graph_id = graph_id
+        self.segments: "list[Segment]" = []  # set by assign_segments
+        self.dag: "nx.DiGraph | None" = None  # set by assign_segments: the segment DAG
 
     @property
     def device(self) -> torch.device:
         return self.runtime.device
+
+
+class VariantContext(PassLog):
+    """What a per-variant pass (rewrite_linear, schedule_forward) reads: the block and its precision."""
+
+    def __init__(self, parent: CompileContext, block: int, precision: str):
+        super().__init__()
+        self.parent = parent
+        self.block = block
+        self.precision = precision
+
+    @property
+    def runtime(self) -> StreamingRuntime:
+        return self.parent.runtime
+
+    @property
+    def device(self) -> torch.device:
+        return self.parent.device

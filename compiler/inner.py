@@ -1,21 +1,24 @@
 """Compiling one unit (a block variant or a glue segment) with the inner compiler.
 
-Both paths go through AOTAutograd, and both run `schedule_backward` on the
-joint graph before it is partitioned: "eager" through our partition_fn,
-"inductor" through Inductor's `joint_custom_post_pass`. The forward, backward
-and inference graphs that come out are handed to `on_graph` (for explain).
+Both paths go through AOTAutograd, and both run the joint passes (the
+caller hands in `passes.JOINT_PASSES`) on the joint graph before it is
+partitioned: "eager" through our partition_fn, "inductor" through Inductor's
+`joint_custom_post_pass`, whose cache uuid is a hash of the passes' source
+(`source_hash.passes_uuid`). The forward, backward and inference graphs that
+come out are handed to `on_graph` (for explain); the joint passes note what
+they did in the `PassLog` given.
 """
 
 from __future__ import annotations
 
 import contextlib
-import uuid
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
-from .schedule import schedule_backward
+from .context import PassLog
+from .source_hash import passes_uuid
 
 OnGraph = Callable[[str, fx.GraphModule], None]
 
@@ -29,7 +32,7 @@ def _eager_backward_lowering():
     return contextlib.nullcontext()
 
 
-def compile_eager(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph):
+def compile_eager(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph, joint: "JointPasses"):
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -41,10 +44,10 @@ def compile_eager(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph):
 
         return compile_graph
 
-    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
-        schedule_backward(joint.graph)
-        joint.recompile()
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    def partition(joint_gm: fx.GraphModule, joint_inputs, **kwargs):
+        joint(joint_gm.graph)
+        joint_gm.recompile()
+        return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
 
     with _eager_backward_lowering():
         return aot_module_simplified(
@@ -57,27 +60,29 @@ def compile_eager(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph):
         )
 
 
-class _ScheduleBackwardPass:
-    """Inductor joint-graph pass wrapper (a CustomGraphPass, so FX graph caching keys on it)."""
+class JointPasses:
+    """The joint passes as one Inductor joint-graph pass (a CustomGraphPass, so FX graph caching keys on it)."""
 
-    _uuid = f"stagehand-schedule-backward-{uuid.uuid5(uuid.NAMESPACE_URL, 'torch-stagehand/schedule_backward/1')}"
+    def __init__(self, passes: Sequence[Callable], log: PassLog | None = None):
+        self.passes = tuple(passes)
+        self.log = log if log is not None else PassLog()
 
     def __call__(self, graph: fx.Graph) -> None:
-        schedule_backward(graph)
+        self.log.run(self.passes, graph)
 
-    def uuid(self):
-        return self._uuid
+    def uuid(self) -> str:
+        return passes_uuid(self.passes)
 
 
-def _custom_pass():
+def _custom_pass(joint: JointPasses):
     try:
         from torch._inductor.custom_graph_pass import CustomGraphPass
     except ImportError:  # pragma: no cover - older torch
-        return _ScheduleBackwardPass()
-    return type("ScheduleBackwardPass", (_ScheduleBackwardPass, CustomGraphPass), {})()
+        return joint
+    return type("StagehandJointPasses", (JointPasses, CustomGraphPass), {})(joint.passes, joint.log)
 
 
-def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph):
+def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph, joint: JointPasses):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -86,11 +91,13 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
         on_graph(kind, graph_module)
         return compile_fx_inner(graph_module, inputs, **kwargs)
 
-    with inductor_config.patch(joint_custom_post_pass=_custom_pass()), _eager_backward_lowering():
+    with inductor_config.patch(joint_custom_post_pass=_custom_pass(joint)), _eager_backward_lowering():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
-def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph: OnGraph):
+def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph: OnGraph,
+                 joint_passes: Sequence[Callable], log: PassLog | None = None):
+    joint = JointPasses(joint_passes, log)
     if inner == "eager":
-        return compile_eager(gm, example_inputs, on_graph)
-    return compile_inductor(gm, example_inputs, on_graph)
+        return compile_eager(gm, example_inputs, on_graph, joint)
+    return compile_inductor(gm, example_inputs, on_graph, joint)

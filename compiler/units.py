@@ -2,9 +2,10 @@
 
 A `GlueUnit` compiles its segment as it is. A `BlockUnit` holds its segment as
 a template and, at each call, runs the variant for the block's *current*
-precision: rewrite_linear + schedule give the variant graph, whose structure
-key (graph shape, layouts, input metadata, grad mode) indexes the runtime's
-variant cache. Identical blocks therefore share one compiled variant, a
+precision: the per-variant passes (`ctx.variant_passes`: rewrite_linear ->
+schedule_forward) give the variant graph, whose structure key (graph shape,
+layouts, input metadata, grad mode) indexes the runtime's `VariantCache`
+(variants.py). Identical blocks therefore share one compiled variant, a
 precision switch re-links variants, and returning to a map seen before
 compiles nothing. Variants compile on first use with the real inputs, so any
 strides the previous unit's compiled code produced are seen as they are.
@@ -16,17 +17,17 @@ import copy
 import hashlib
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .context import CompileContext
+from .context import CompileContext, PassLog, VariantContext
 from .inner import compile_unit
-from .partition import Segment, is_streamed_linear
-from .rewrite_linear import rewrite_linear
-from .schedule import schedule_forward
+
+if TYPE_CHECKING:
+    from .passes.assign_segments import Segment
 
 log = logging.getLogger("torch_stagehand.compiler")
 # Beyond this many input signatures per structure, shapes are changing per call.
@@ -72,7 +73,7 @@ def _tuple_output(gm: fx.GraphModule) -> bool:
 
 
 class _Unit(nn.Module):
-    def __init__(self, template: fx.GraphModule, ctx: CompileContext, segment: Segment, name: str):
+    def __init__(self, template: fx.GraphModule, ctx: CompileContext, segment: "Segment", name: str):
         super().__init__()
         self.template = template
         self.ctx = ctx
@@ -80,24 +81,26 @@ class _Unit(nn.Module):
         self.unit_name = name
         self.last_key = None  # the variant the last call ran (explain reads it)
 
-    def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool):
-        rt = self.ctx.runtime
+    def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool,
+                 pass_log: PassLog):
+        """Compile `gm` for `args` into the variant cache; `pass_log` holds the passes that made it."""
+        rt, cache = self.ctx.runtime, self.ctx.variants
         graphs: dict[str, str] = {}
 
         def on_graph(kind: str, graph_module: fx.GraphModule) -> None:
             graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
 
         start = time.perf_counter()
-        compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph)
+        compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes, pass_log)
         seconds = time.perf_counter() - start
-        rt.compile_seconds += seconds
-        rt.compile_count += 1
-        rt.block_variant_count += block_variant
-        rt.variants[key] = compiled
-        rt.variant_info[key] = {"label": label, "graphs": graphs, "seconds": seconds, "scheduled": gm.print_readable(
-            print_output=False, include_stride=False, include_device=True)}
+        rt.record_compile(seconds, block_variant)
+        cache.add(key, compiled, {
+            "label": label, "graphs": graphs, "seconds": seconds,
+            "scheduled": gm.print_readable(print_output=False, include_stride=False, include_device=True),
+            "passes": [r.as_dict() for r in pass_log.passes_ran],
+        })
         log.info("stagehand: compiled %s (%s) in %.2fs", label, self.ctx.options.inner, seconds)
-        per_structure = sum(1 for k in rt.variants if k[0] == key[0])
+        per_structure = cache.count_structure(key[0])
         if per_structure == _SHAPE_VARIANTS_WARNING + 1:
             log.warning(
                 "stagehand: %s compiled for %d different input shapes; pad inputs to a few bucket sizes "
@@ -116,7 +119,7 @@ class GlueUnit(_Unit):
 
     def forward(self, *args):
         key = self.last_key = (self._key, input_signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
-        compiled = self.ctx.runtime.variants.get(key) or self._compile(key, self.template, args, self.unit_name, False)
+        compiled = self.ctx.variants.get(key) or self._compile(key, self.template, args, self.unit_name, False, PassLog())
         out = compiled(*args)
         return out if self.returns_tuple else out[0]
 
@@ -132,32 +135,29 @@ class BlockUnit(_Unit):
         super().__init__(template, ctx, segment, name)
         self.block = segment.block
         self.returns_tuple = _tuple_output(template)
-        self._variants: dict[str, tuple[fx.GraphModule, str]] = {}
+        self._variants: dict[str, tuple[fx.GraphModule, str, VariantContext]] = {}
 
-    def variant_graph(self, precision: str) -> tuple[fx.GraphModule, str]:
+    def variant_graph(self, precision: str) -> tuple[fx.GraphModule, str, VariantContext]:
+        """The variant graph for `precision` (built once per unit), its structure key, and its pass log."""
         if precision not in self._variants:
-            gm = copy.deepcopy(self.template)
-            gm = rewrite_linear(gm, self.ctx, precision)
-            gm = schedule_forward(gm, self.ctx, self.block, precision)
-            self._variants[precision] = (gm, structure_key(gm))
+            vctx = VariantContext(self.ctx, self.block, precision)
+            gm = vctx.run(self.ctx.variant_passes, copy.deepcopy(self.template))
+            self._variants[precision] = (gm, structure_key(gm), vctx)
         return self._variants[precision]
 
     def forward(self, *args):
         rt = self.ctx.runtime
         precision = rt.precision[self.block]
-        gm, skey = self.variant_graph(precision)
+        gm, skey, vctx = self.variant_graph(precision)
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, input_signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner)
-        compiled = rt.variants.get(key)
+        compiled = self.ctx.variants.get(key)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[self.block]})"
-            compiled = self._compile(key, gm, args, label, True)
+            # The variant passes, then the joint passes this compile runs.
+            compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran))
         try:
             return compiled(*args)
         except BaseException:
-            rt.pool.release_all()  # the evict inside never ran; don't leave the slot held
+            rt.abort_held_blocks()  # the evict inside never ran; don't leave the slot held
             raise
-
-
-def has_streamed_linear(segment: Segment) -> bool:
-    return any(is_streamed_linear(n) for n in segment.nodes)

@@ -1,9 +1,11 @@
 """The Runtime: what `offload()` returns and what the ops call into.
 
 It owns the host store, the device slots, the block tokens, the precision map,
-the phase tracker and telemetry, and the cache of compiled block variants that
-the backend fills (kept here so that a Dynamo recompile or a precision switch
-re-links variants instead of compiling them again).
+the phase tracker and telemetry. It implements the compiler's
+`StreamingRuntime` protocol (compiler/interface.py: the static facts the passes
+read, plus `abort_held_blocks`, `record_compile`, `record_graph`, `on_close`);
+the compiled variants live in the compiler's own cache, which the runtime never
+reads: it only runs the compiler's on-close callbacks.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import logging
 import warnings
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -92,15 +94,13 @@ class Runtime:
         self.phases = PhaseTracker(on_step_end=self._record_step)
         self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
         self._step_base = self._counters()
-        self.variants: dict[Any, Any] = {}  # compiled units, filled by the backend
-        self.variant_info: dict[Any, dict] = {}  # their graphs and compile times (explain)
-        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph
+        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
         self.compile_seconds = 0.0
         self.compile_count = 0  # every compiled unit (block variants and glue)
         self.block_variant_count = 0
         self.graph_breaks: list[str] = []
         self._hooks: list[Any] = []
-        self.compiled_graphs = 0  # Dynamo graphs the backend compiled for this model
+        self._on_close: list[Callable[[], None]] = []
         self.eager_linear_calls = 0
         self.eager_blocks: set[int] = set()
         self._eager_warned: set[tuple[int, str]] = set()
@@ -197,8 +197,33 @@ class Runtime:
         self.phases.end_step()
         self.telemetry.close()
         registry.unregister_runtime(self.id)
-        self.variants.clear()
+        for callback in self._on_close:
+            callback()  # e.g. the compiler drops its compiled variants
+        self._on_close.clear()
         self._closed = True
+
+    # ---- called by the compiler (the StreamingRuntime protocol) -------------------------
+
+    def layer_index(self, layer_id: int) -> int:
+        owner, index = registry.layer(layer_id)
+        if owner is not self:
+            raise RuntimeError("stagehand: one compiled graph streams layers of two different offloaded models")
+        return index
+
+    def abort_held_blocks(self) -> None:
+        """A compiled unit raised before its evict ran: release every slot it held."""
+        self.pool.release_all()
+
+    def record_compile(self, seconds: float, block_variant: bool) -> None:
+        self.compile_seconds += seconds
+        self.compile_count += 1
+        self.block_variant_count += block_variant
+
+    def record_graph(self, record: Any) -> None:
+        self.graph_records.append(record)
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        self._on_close.append(callback)
 
     # ---- called by the ops -------------------------------------------------------------
 
@@ -262,7 +287,7 @@ class Runtime:
         """The eager op path is correct but slow: count it, and say once per cause when a compiled model took it."""
         self.eager_linear_calls += 1
         self.eager_blocks.add(block)
-        if not self.compiled_graphs:
+        if not self.graph_records:
             return  # the model is simply being called without torch.compile
         cause = ("recomputed in backward outside the compiled program (reentrant checkpointing, or a checkpoint "
                  "the backend could not place)" if backward else

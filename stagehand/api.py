@@ -83,6 +83,7 @@ def explain(model: nn.Module, *args, **kwargs):
     from torch._dynamo.utils import counters
 
     from torch_stagehand.compiler.units import BlockUnit
+    from torch_stagehand.compiler.variants import variant_cache
     from torch_stagehand.runtime.conductor.predict import predict_backward
     from torch_stagehand.runtime.conductor.trace import WAIT, recording
 
@@ -109,12 +110,15 @@ def explain(model: nn.Module, *args, **kwargs):
     ]
     graphs: dict[str, str] = {}
     segments: list[dict] = []
+    passes: list[dict] = []
     with_backward = False
+    variant_info = variant_cache(rt).info
     for i, record in enumerate(records):
         prefix = "" if len(records) == 1 else f"graph{i}."
         graphs[prefix + "forward"] = record.outer.print_readable(print_output=False)
+        passes += [dict(r.as_dict(), graph=i, unit="") for r in record.passes]
         for name, unit in record.outer.named_children():
-            info = rt.variant_info.get(unit.last_key)
+            info = variant_info.get(unit.last_key)
             if info is None:
                 continue
             if isinstance(unit, BlockUnit):
@@ -122,6 +126,8 @@ def explain(model: nn.Module, *args, **kwargs):
                 graphs.setdefault(label + ".scheduled", info["scheduled"])
             else:
                 label = prefix + name
+            if not any(p["unit"] == label for p in passes):  # a shared variant's passes are listed once
+                passes += [dict(p, graph=i, unit=label) for p in info.get("passes", [])]
             for kind, code in info["graphs"].items():
                 graphs.setdefault(f"{label}.{kind}", code)
                 with_backward |= kind == "backward" and isinstance(unit, BlockUnit)
@@ -144,4 +150,5 @@ def explain(model: nn.Module, *args, **kwargs):
         graph_count=max(1, len(records)),
         stats=rt.stats(),
         segments=segments,
+        passes=passes,
     )

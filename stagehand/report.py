@@ -1,4 +1,4 @@
-"""`explain()`'s result: the blocks, the rewritten graphs, the schedule table.
+"""`explain()`'s result: the blocks, the rewritten graphs, the passes that ran, the schedule table.
 
 The schedule rows are the conductor's trace of the call explain made (what
 the slot pool actually did), turned into table rows here; rows the call did
@@ -64,6 +64,8 @@ class Report:
     graph_count: int = 1
     stats: dict = field(default_factory=dict)
     segments: list[dict] = field(default_factory=list)
+    # The compiler passes that ran, in order: {"graph", "unit" ("" for the graph-level passes), "name", "notes"}.
+    passes: list[dict] = field(default_factory=list)
 
     def schedule_rows(self) -> list[list]:
         return [
@@ -80,6 +82,10 @@ class Report:
                 for s in self.segments]
         return tabulate(rows, headers=["graph", "segment", "kind", "block", "ops", "streamed linears", "reads from"],
                         tablefmt=tablefmt)
+
+    def pass_table(self, tablefmt: str = "simple") -> str:
+        rows = [[p["graph"], p["unit"] or "(graph)", p["name"], "; ".join(p["notes"])] for p in self.passes]
+        return tabulate(rows, headers=["graph", "unit", "pass", "notes"], tablefmt=tablefmt)
 
     def summary(self) -> str:
         fetches = sum(1 for r in self.schedule if r.moved_bytes)

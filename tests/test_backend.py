@@ -9,6 +9,7 @@ import torch
 
 import torch_stagehand as stagehand
 from torch_stagehand.compiler.context import BackendOptionsError
+from torch_stagehand.compiler.variants import variant_cache
 
 from _helpers import int8_reference, rel_err, toy
 
@@ -89,7 +90,7 @@ def test_schedule_nodes_are_in_forward_and_backward_graphs():
     rt = stagehand.offload(model, device="cpu")
     compiled = _compile(model)
     compiled(x).sum().backward()
-    info = next(v for v in rt.variant_info.values() if v["label"].startswith("block"))
+    info = next(v for v in variant_cache(rt).info.values() if v["label"].startswith("block"))
     fw, bw = info["graphs"]["forward"], info["graphs"]["backward"]
     for op in ("stagehand.wait.default", "stagehand.prefetch.default", "stagehand.linear.default", "stagehand.evict.default"):
         assert op in fw

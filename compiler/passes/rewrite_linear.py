@@ -6,7 +6,8 @@ where `weights` is a new placeholder standing for the block's device bytes in
 the chosen precision and `layout` says where this layer sits in them (offsets,
 shape, dtype or INT8 + scale). The layer id disappears from the graph, so
 every block with the same structure and layout produces the same graph and
-shares one compiled variant. `schedule` later feeds `weights` from a `wait`.
+shares one compiled variant. `schedule_forward` later feeds `weights` from a
+`wait`. A per-variant pass: the block and precision come from a `VariantContext`.
 """
 
 from __future__ import annotations
@@ -15,21 +16,15 @@ import torch.fx as fx
 
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
-from .context import CompileContext
-from .partition import is_streamed_linear
+from ..context import VariantContext, compiler_pass
+from ..graph_nodes import add_placeholder, is_streamed_linear
 
 WEIGHTS, BLOCK_TOK, PREV_TOK = "stagehand_weights", "stagehand_block_tok", "stagehand_prev_tok"
 
 
-def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    where = placeholders[-1] if placeholders else next(iter(gm.graph.nodes))
-    with (gm.graph.inserting_after(where) if placeholders else gm.graph.inserting_before(where)):
-        return gm.graph.placeholder(name)
-
-
-def rewrite_linear(gm: fx.GraphModule, ctx: CompileContext, precision: str) -> fx.GraphModule:
-    rt = ctx.runtime
+@compiler_pass("rewrite_linear")
+def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
+    rt, precision = ctx.runtime, ctx.precision
     weights = add_placeholder(gm, WEIGHTS)
     block_tok = add_placeholder(gm, BLOCK_TOK)
     prev_tok = add_placeholder(gm, PREV_TOK)
@@ -50,5 +45,5 @@ def rewrite_linear(gm: fx.GraphModule, ctx: CompileContext, precision: str) -> f
         rewritten += 1
     gm.graph.lint()
     gm.recompile()
-    ctx.note("rewrite_linear", f"{rewritten} streamed linears -> stagehand.linear ({precision})")
+    ctx.note(f"{rewritten} streamed linears -> stagehand.linear ({precision})")
     return gm

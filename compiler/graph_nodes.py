@@ -1,0 +1,28 @@
+"""Small FX helpers the passes share: which nodes stream, and placeholder plumbing."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from torch_stagehand.runtime.ops import STREAMED_LINEAR_OPS
+
+
+def is_streamed_linear(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in STREAMED_LINEAR_OPS
+
+
+def layer_id_of(node: fx.Node) -> int:
+    """The global layer id a captured `streamed_linear(x, bias, layer)` node carries."""
+    return node.args[2] if len(node.args) > 2 else node.kwargs["layer"]
+
+
+def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
+    """A new input after the last placeholder (inputs keep their order)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    where = placeholders[-1] if placeholders else next(iter(gm.graph.nodes))
+    with (gm.graph.inserting_after(where) if placeholders else gm.graph.inserting_before(where)):
+        return gm.graph.placeholder(name)
+
+
+def find_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name)

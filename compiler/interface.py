@@ -1,0 +1,66 @@
+"""What the compiler reads from the runtime: the `StreamingRuntime` protocol.
+
+The compiler sits above the runtime and may import it, but it must not reach
+into the runtime's state (slot pool, host store, counters). Everything the
+passes, the units and the backend use from a `Runtime` is declared here, so
+the interface between the two is written down in one place and a hand-made
+fake runtime is enough to run a pass in a test. `Runtime` implements it
+(tests/test_passes.py checks that it does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+class StreamedLayer(Protocol):
+    """One streamed Linear as the compiler sees it."""
+
+    fqn: str  # relative to its block
+    block: int
+
+
+@runtime_checkable
+class StreamingRuntime(Protocol):
+    # ---- static facts, fixed at offload time -------------------------------------------
+    blocks: list[str]  # block FQNs, in model order
+    layers: Sequence[StreamedLayer]
+    device: torch.device
+    block_tokens: list[torch.Tensor]  # 0-dim CPU tensors naming each block in a graph
+    no_block_token: torch.Tensor  # names "no block" (before the first / after the last)
+
+    @property
+    def precision(self) -> dict[int, str]:
+        """The current precision map (block -> precision name); a copy."""
+        ...
+
+    def layer_index(self, layer_id: int) -> int:
+        """Index in `layers` of the streamed layer a graph names by `layer_id`.
+
+        Raises if the layer belongs to another runtime (one graph, one model)."""
+        ...
+
+    def layer_layout(self, index: int, precision: str) -> list[int]:
+        """Where layer `index` sits in its block's device bytes, as op-schema ints."""
+        ...
+
+    def block_nbytes(self, block: int, precision: str) -> int: ...
+
+    # ---- the few things the compiler tells the runtime -----------------------------------
+    def abort_held_blocks(self) -> None:
+        """A compiled unit raised before its evict ran: release every block it held."""
+        ...
+
+    def record_compile(self, seconds: float, block_variant: bool) -> None:
+        """Count one compiled unit in `stats()`."""
+        ...
+
+    def record_graph(self, record: Any) -> None:
+        """Keep what the backend did to one Dynamo graph, for `explain()`."""
+        ...
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the runtime closes (the compiler drops its variants then)."""
+        ...

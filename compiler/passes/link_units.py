@@ -1,0 +1,112 @@
+"""Pass `link_units`: each segment submodule becomes a unit, and blocks get their tokens.
+
+After `split_segments` the outer graph calls `submod_<i>` in order. This pass
+replaces each submodule by a `GlueUnit` (no streamed weights: compiled as it
+is) or a `BlockUnit` (compiled per precision, lazily, see units.py) and
+threads the schedule's tokens through the outer graph:
+
+- one `get_attr` per block token (and the no-block token), read at the top;
+- each block unit is called as `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)`
+  where `fetch_tok` is the previous block unit's `prefetch(next)` output when
+  it prefetched this block, else a `prefetch` issued just before the call
+  (the first block of a graph);
+- block units return `(*outputs, next_fetch)`: the users of the outputs are
+  rewired through `getitem`.
+
+"next" and "previous" are the neighbouring streaming units in this graph, or
+the neighbouring blocks in model order at the graph's ends (a graph break
+still prefetches across it).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from torch_stagehand.runtime import registry
+from torch_stagehand.runtime.ops import SCHEDULE_OPS
+
+from ..context import CompileContext, compiler_pass
+from ..graph_nodes import is_streamed_linear
+from ..units import BlockUnit, GlueUnit
+from .assign_segments import Segment
+
+
+class _Tokens:
+    """One get_attr node per block token, read at the top of the outer graph."""
+
+    def __init__(self, outer: fx.GraphModule, rt):
+        self.outer, self.rt, self.nodes = outer, rt, {}
+        placeholders = [n for n in outer.graph.nodes if n.op == "placeholder"]
+        self.anchor = placeholders[-1] if placeholders else None
+
+    def __getitem__(self, block: int) -> fx.Node:
+        if block not in self.nodes:
+            name = "stagehand_no_block" if block == registry.NO_BLOCK else f"stagehand_block_tok_{block}"
+            token = self.rt.no_block_token if block == registry.NO_BLOCK else self.rt.block_tokens[block]
+            self.outer.register_buffer(name, token, persistent=False)
+            graph = self.outer.graph
+            where = graph.inserting_after(self.anchor) if self.anchor else graph.inserting_before(next(iter(graph.nodes)))
+            with where:
+                self.nodes[block] = self.anchor = graph.get_attr(name)
+        return self.nodes[block]
+
+
+@compiler_pass("link_units")
+def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    rt, graph, segments = ctx.runtime, outer.graph, ctx.segments
+    n_blocks = len(rt.blocks)
+    calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
+    streaming = [s for s in segments if s.block is not None and has_streamed_linear(s)]
+    tokens = _Tokens(outer, rt)
+    previous_next: tuple[int, fx.Node] | None = None  # (block the last unit prefetched, its token node)
+    for seg in segments:
+        call = calls[seg.name]
+        template = outer.get_submodule(seg.name)
+        outer.delete_submodule(seg.name)
+        is_block = seg in streaming
+        name = f"block_{seg.block}_{seg.index}" if is_block else f"glue_{seg.index}"
+        unit = (BlockUnit if is_block else GlueUnit)(template, ctx, seg, name)
+        outer.add_submodule(name, unit)
+        call.target = name
+        if not is_block:
+            continue
+        i = streaming.index(seg)
+        b = seg.block
+        nxt = streaming[i + 1].block if i + 1 < len(streaming) else (b + 1 if b + 1 < n_blocks else registry.NO_BLOCK)
+        prev = streaming[i - 1].block if i > 0 else (b - 1 if b > 0 else registry.NO_BLOCK)
+        block_tok, next_tok, prev_tok = tokens[b], tokens[nxt], tokens[prev]
+        if previous_next is not None and previous_next[0] == b:
+            fetch = previous_next[1]
+        else:  # first block of this graph: nothing fetched it ahead
+            with graph.inserting_before(call):
+                fetch = graph.call_function(SCHEDULE_OPS["prefetch"], (block_tok, []))
+        call.args = tuple(call.args) + (fetch, block_tok, next_tok, prev_tok)
+        previous_next = (nxt, _split_outputs(graph, call, unit.returns_tuple, len(_outputs(template))))
+    graph.lint()
+    outer.recompile()
+    ctx.note(f"{len(streaming)} block units, {len(segments) - len(streaming)} glue units")
+    return outer
+
+
+def has_streamed_linear(segment: Segment) -> bool:
+    return any(is_streamed_linear(n) for n in segment.nodes)
+
+
+def _outputs(template: fx.GraphModule) -> tuple:
+    output = next(n for n in template.graph.nodes if n.op == "output")
+    return tuple(output.args[0])
+
+
+def _split_outputs(graph: fx.Graph, call: fx.Node, returned_tuple: bool, n_outputs: int) -> fx.Node:
+    """Block units return (*outputs, next_fetch): rewire users, return the token node."""
+    with graph.inserting_after(call):
+        next_fetch = graph.call_function(operator.getitem, (call, n_outputs))
+    if not returned_tuple:
+        with graph.inserting_after(call):
+            first = graph.call_function(operator.getitem, (call, 0))
+        for user in list(call.users):
+            if user is not first and user is not next_fetch:
+                user.replace_input_with(call, first)
+    return next_fetch

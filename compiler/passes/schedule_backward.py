@@ -1,0 +1,76 @@
+"""Pass `schedule_backward`: the backward half of the schedule, on the joint graph.
+
+Each `linear`'s backward formula asks for its block with `wait_bw` and
+prefetches the previous block, once per linear. This pass keeps one `wait_bw`
+and one `prefetch` per block and closes the block's backward with an `evict`
+after its last reader (every reader is an input of the evict: order by data).
+
+It runs on the joint graph before AOTAutograd partitions it, so the backward
+graph that compiled autograd copies already holds the schedule: through our
+partition_fn for the "eager" inner compiler and through Inductor's
+`joint_custom_post_pass` for "inductor". Inductor hands a joint pass an
+`fx.Graph` (not a GraphModule) and nothing else, so the signature is
+`(graph, ctx) -> graph` with an optional `PassLog` for its notes; Inductor's
+FX cache keys on the pass through a hash of this module's source
+(`passes.joint_passes_uuid`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torch_stagehand.runtime.ops import SCHEDULE_OPS
+
+from ..context import PassLog, compiler_pass
+
+
+@compiler_pass("schedule_backward")
+def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
+    wait_bw, prefetch, evict = SCHEDULE_OPS["wait_bw"], SCHEDULE_OPS["prefetch"], SCHEDULE_OPS["evict"]
+    kept: dict[tuple, fx.Node] = {}
+    waits = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is wait_bw:
+            waits += 1
+            key = (node.args[0], node.args[2], node.args[3])  # block token, nbytes, precision
+            if key in kept:
+                node.replace_all_uses_with(kept[key])
+                graph.erase_node(node)
+            else:
+                kept[key] = node
+    if not kept:
+        if ctx is not None:
+            ctx.note("no wait_bw: nothing streams backward in this graph")
+        return graph
+    slots = set(kept.values())
+    seen_prefetch: set[fx.Node] = set()
+    dropped_prefetches = 0
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is prefetch and any(a in slots for a in node.args[1]):
+            if node.args[0] in seen_prefetch and not node.users:
+                graph.erase_node(node)
+                dropped_prefetches += 1
+            else:
+                seen_prefetch.add(node.args[0])
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for (block_tok, _nbytes, code), slot in kept.items():
+        readers = [u for u in slot.users if u.target is not prefetch]
+        last = max(readers, key=position.__getitem__)
+        with graph.inserting_after(last):
+            node = graph.call_function(evict, (block_tok, slot, readers, code))
+        _set_fake_token_meta(node, slot)
+    graph.lint()
+    if ctx is not None:
+        ctx.note(f"{waits} wait_bw -> {len(kept)} (one per block), {dropped_prefetches} duplicate prefetches "
+                 f"dropped, {len(kept)} evicts after the last reader")
+    return graph
+
+
+def _set_fake_token_meta(node: fx.Node, like: fx.Node) -> None:
+    fake = like.meta.get("val")
+    mode = getattr(fake, "fake_mode", None)
+    if isinstance(mode, FakeTensorMode):
+        with mode:
+            node.meta["val"] = torch.empty((), dtype=torch.int64)

@@ -1,0 +1,27 @@
+"""Pass `split_segments`: one submodule per segment under an outer graph.
+
+Reads the segments `assign_segments` recorded on the context and returns the
+outer graph (`torch.fx.passes.split_module`, original order kept): it calls
+`submod_<index>` in order and carries the values between them. The graph it
+returns replaces the input graph; semantics are unchanged.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from ..context import CompileContext, compiler_pass
+
+
+@compiler_pass("split_segments")
+def split_segments(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    def segment_of(node: fx.Node) -> int:
+        if "stagehand_segment" in node.meta:
+            return node.meta["stagehand_segment"]
+        users = [u.meta.get("stagehand_segment") for u in node.users]
+        return min(u for u in users if u is not None)  # a get_attr goes with its first user
+
+    outer = split_module(gm, None, segment_of, keep_original_order=True)
+    ctx.note(f"{len(ctx.segments)} submodules under the outer graph")
+    return outer

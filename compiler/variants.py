@@ -1,0 +1,52 @@
+"""The compiled-variant cache: one per runtime, owned by the compiler.
+
+A unit's compiled code is keyed by (structure key, input signature, grad mode,
+inner compiler). The cache lives as long as its runtime, not as long as one
+Dynamo graph, so a Dynamo recompile or a precision switch re-links variants
+that were compiled before, and identical blocks share one. The runtime never
+reads it: it only calls the `on_close` callback registered here, which drops
+the compiled code when the model is restored or its runtime closed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Hashable
+
+from .interface import StreamingRuntime
+
+
+class VariantCache:
+    def __init__(self) -> None:
+        self.compiled: dict[Hashable, Callable] = {}
+        self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
+
+    def get(self, key: Hashable) -> Callable | None:
+        return self.compiled.get(key)
+
+    def add(self, key: Hashable, compiled: Callable, info: dict[str, Any]) -> None:
+        self.compiled[key] = compiled
+        self.info[key] = info
+
+    def count_structure(self, structure: Hashable) -> int:
+        """How many variants share this structure key (one per input signature / grad mode)."""
+        return sum(1 for key in self.compiled if key[0] == structure)
+
+    def clear(self) -> None:
+        self.compiled.clear()
+        self.info.clear()
+
+    def __len__(self) -> int:
+        return len(self.compiled)
+
+
+_caches: "weakref.WeakKeyDictionary[Any, VariantCache]" = weakref.WeakKeyDictionary()
+
+
+def variant_cache(rt: StreamingRuntime) -> VariantCache:
+    """The runtime's variant cache (created on first use; emptied when the runtime closes)."""
+    cache = _caches.get(rt)
+    if cache is None:
+        cache = _caches[rt] = VariantCache()
+        rt.on_close(cache.clear)
+    return cache
