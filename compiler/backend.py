@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch_stagehand.runtime import registry
 
 from .context import BackendOptions, CompileContext, PassLog, PassRecord
-from .graph_nodes import is_streamed_linear, layer_id_of
+from .graph_nodes import layer_id_of, streams
 from .inner import compile_unit
 from .interface import StreamingRuntime
 from .passes import GRAPH_PASSES, JOINT_PASSES, VARIANT_PASSES
@@ -54,10 +54,8 @@ class GraphRecord:
 
 
 def _runtime_of(gm: fx.GraphModule) -> StreamingRuntime | None:
-    for node in gm.graph.nodes:
-        if is_streamed_linear(node):
-            return registry.layer(layer_id_of(node))[0]
-    return None
+    node = streams(gm)  # checkpoint bodies included
+    return None if node is None else registry.layer(layer_id_of(node))[0]
 
 
 def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None):

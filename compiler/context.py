@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("torch_stagehand.compiler")
 
 INNER_COMPILERS = ("inductor", "eager")
+RECOMPUTE_MODES = (None, "blocks")
 
 
 class BackendOptionsError(ValueError):
@@ -39,20 +40,29 @@ class BackendOptionsError(ValueError):
 @dataclass(frozen=True)
 class BackendOptions:
     inner: str = "inductor"
+    # "blocks": every block recomputes its forward in backward (saves its inputs, not its
+    # activations), whatever the model's own checkpointing flag; None: only the blocks the
+    # model itself checkpoints.
+    recompute: str | None = None
 
     @staticmethod
     def from_dict(options: dict[str, Any] | None) -> "BackendOptions":
         options = dict(options or {})
         inner = options.pop("inner", "inductor")
+        recompute = options.pop("recompute", None)
         if options:
             raise BackendOptionsError(
-                f"backend 'stagehand': unknown option(s) {sorted(options)} (known: inner)"
+                f"backend 'stagehand': unknown option(s) {sorted(options)} (known: inner, recompute)"
+            )
+        if recompute not in RECOMPUTE_MODES:
+            raise BackendOptionsError(
+                f"backend 'stagehand': options['recompute'] must be one of {RECOMPUTE_MODES}, got {recompute!r}"
             )
         if inner not in INNER_COMPILERS:
             raise BackendOptionsError(
                 f"backend 'stagehand': options['inner'] must be one of {INNER_COMPILERS}, got {inner!r}"
             )
-        return BackendOptions(inner=inner)
+        return BackendOptions(inner=inner, recompute=recompute)
 
 
 T = TypeVar("T")

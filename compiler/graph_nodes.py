@@ -11,6 +11,19 @@ def is_streamed_linear(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in STREAMED_LINEAR_OPS
 
 
+def streams(gm: fx.GraphModule) -> fx.Node | None:
+    """The first streamed linear of this graph or of a subgraph it calls (a checkpoint body), if any."""
+    for node in gm.graph.nodes:
+        if is_streamed_linear(node):
+            return node
+        if node.op == "get_attr":
+            sub = getattr(gm, node.target, None)
+            found = streams(sub) if isinstance(sub, fx.GraphModule) else None
+            if found is not None:
+                return found
+    return None
+
+
 def layer_id_of(node: fx.Node) -> int:
     """The global layer id a captured `streamed_linear(x, bias, layer)` node carries."""
     return node.args[2] if len(node.args) > 2 else node.kwargs["layer"]

@@ -57,6 +57,10 @@ class StreamingRuntime(Protocol):
         """Count one compiled unit in `stats()`."""
         ...
 
+    def record_recompute(self, block: int) -> None:
+        """Count one block recompute (a block unit re-ran its forward in backward) in `stats()`."""
+        ...
+
     def record_graph(self, record: Any) -> None:
         """Keep what the backend did to one Dynamo graph, for `explain()`."""
         ...

@@ -9,6 +9,11 @@ layouts, input metadata, grad mode) indexes the runtime's `VariantCache`
 precision switch re-links variants, and returning to a map seen before
 compiles nothing. Variants compile on first use with the real inputs, so any
 strides the previous unit's compiled code produced are seen as they are.
+
+A block unit whose segment came from the model's own activation checkpoint
+(or every block unit, with the backend option `recompute="blocks"`) runs
+through `recompute.run_recomputed`: its inference variant in the forward, its
+training variant again in backward, under one fetch of its weights.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.nn as nn
 
 from .context import CompileContext, PassLog, VariantContext
 from .inner import compile_unit
+from .recompute import run_recomputed
 
 if TYPE_CHECKING:
     from .passes.assign_segments import Segment
@@ -145,7 +151,20 @@ class BlockUnit(_Unit):
             self._variants[precision] = (gm, structure_key(gm), vctx)
         return self._variants[precision]
 
+    @property
+    def recomputes(self) -> bool:
+        """Does this block re-run its forward in backward instead of saving its activations?"""
+        return self.segment.recompute or self.ctx.options.recompute == "blocks"
+
     def forward(self, *args):
+        if self.recomputes and torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args
+        ):
+            return run_recomputed(self._run_variant, args, lambda: self.ctx.runtime.record_recompute(self.block))
+        return self._run_variant(args)
+
+    def _run_variant(self, args: tuple):
+        """Run the compiled variant for the block's precision and the current grad mode."""
         rt = self.ctx.runtime
         precision = rt.precision[self.block]
         gm, skey, vctx = self.variant_graph(precision)

@@ -27,7 +27,7 @@ from torch_stagehand.compiler.passes.rewrite_linear import BLOCK_TOK, PREV_TOK, 
 from torch_stagehand.compiler.passes.schedule_forward import TOKEN_INPUTS
 from torch_stagehand.compiler.units import BlockUnit, GlueUnit
 from torch_stagehand.compiler.variants import variant_cache
-from torch_stagehand.runtime.host_store import KIND_CODES
+from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 from torch_stagehand.runtime.slots import SlotState
 
@@ -70,7 +70,7 @@ def _run(gm, inputs):
 
 def _block_template(rt, gm, inputs, ctx, block: int):
     """Run the graph passes up to split_segments; return block `block`'s submodule and the inputs it got."""
-    outer = ctx.run(passes.GRAPH_PASSES[:3], gm)
+    outer = ctx.run(passes.GRAPH_PASSES[:-1], gm)  # up to split_segments
     seg = next(s for s in ctx.segments if s.block == block)
     template = outer.get_submodule(seg.name)
     seen = []
@@ -178,7 +178,7 @@ def test_schedule_forward_waits_prefetches_and_evicts(captured):
     wait = next(n for n in scheduled.graph.nodes if n.target is OPS["wait"])
     evict = next(n for n in scheduled.graph.nodes if n.target is OPS["evict"])
     linears = [n for n in scheduled.graph.nodes if n.target is OPS["linear"]]
-    assert wait.args[2] == rt.block_nbytes(1, "bf16") and wait.args[3] == KIND_CODES["bf16"]
+    assert wait.args[2] == rt.block_nbytes(1, "bf16") and wait.args[3] == precisions.get("bf16").code
     assert set(evict.args[2]) == set(linears) and all(n.args[1] is wait for n in linears)
     toks = (rt.block_tokens[1], rt.block_tokens[1], rt.block_tokens[2], rt.block_tokens[0])  # fetch, block, next, prev
     with torch.no_grad():
@@ -191,7 +191,7 @@ def test_schedule_forward_waits_prefetches_and_evicts(captured):
 def _backward_graph(rt) -> tuple[fx.Graph, list]:
     """A hand-made joint-graph tail: two linears' backward of block 0, each with its own wait_bw and prefetch."""
     up, down = (i for i, s in enumerate(rt.layers) if s.block == 0)
-    nbytes, code = rt.block_nbytes(0, "bf16"), KIND_CODES["bf16"]
+    nbytes, code = rt.block_nbytes(0, "bf16"), precisions.get("bf16").code
     g = fx.Graph()
     tok, prev, anchor, dy = (g.placeholder(n) for n in ("block_tok", "prev_tok", "anchor", "dy"))
     w1 = g.call_function(OPS["wait_bw"], (tok, anchor, nbytes, code, torch.device("cpu")))
@@ -224,7 +224,8 @@ def test_schedule_backward_keeps_one_wait_and_prefetch_and_evicts_after_the_last
 
 
 def test_pass_lists_are_ordered_and_named():
-    assert passes.pass_names(passes.GRAPH_PASSES) == ["annotate_blocks", "assign_segments", "split_segments", "link_units"]
+    assert passes.pass_names(passes.GRAPH_PASSES) == [
+        "inline_checkpoints", "annotate_blocks", "assign_segments", "split_segments", "link_units"]
     assert passes.pass_names(passes.VARIANT_PASSES) == ["rewrite_linear", "schedule_forward"]
     assert passes.pass_names(passes.JOINT_PASSES) == ["schedule_backward"]
 
@@ -273,3 +274,45 @@ def test_explain_lists_the_passes_that_ran():
     assert [p["name"] for p in block] == ["rewrite_linear", "schedule_forward", "schedule_backward"]
     assert all(p["notes"] for p in block)
     assert "schedule_forward" in report.pass_table()
+
+
+def test_inline_checkpoints_turns_checkpoint_bodies_into_block_recompute():
+    """A model's own checkpoint (Dynamo's tag_activation_checkpoint op) is inlined and marked for recompute."""
+    from torch.utils.checkpoint import checkpoint
+
+    from torch_stagehand.compiler.passes.inline_checkpoints import RECOMPUTE, is_checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            x = self.inner.embed(x)
+            for block in self.inner.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return self.inner.head(x)
+
+    model, x = toy(n=3)
+    wrapped = Checkpointed(model)
+    plain = copy.deepcopy(wrapped)
+    rt = stagehand.offload(wrapped, device="cpu")
+    graphs = []
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(wrapped, backend=lambda gm, ex: graphs.append((gm, list(ex))) or gm.forward)(x)
+        expected = plain(x)
+    gm, inputs = graphs[0]
+    assert sum(is_checkpoint(n) for n in gm.graph.nodes) == 3 and not any(is_streamed_linear(n) for n in gm.graph.nodes)
+    ctx = CompileContext(rt, BackendOptions("eager"), variant_cache(rt), passes.VARIANT_PASSES, passes.JOINT_PASSES)
+    gm = ctx.run([passes.inline_checkpoints], gm)
+    assert not any(is_checkpoint(n) for n in gm.graph.nodes)
+    linears = [n for n in gm.graph.nodes if is_streamed_linear(n)]
+    assert len(linears) == 6 and all(n.meta.get(RECOMPUTE) for n in linears)
+    assert not any(n.meta.get(RECOMPUTE) for n in gm.graph.nodes if n.op == "placeholder")
+    assert "3 checkpointed regions inlined" in ctx.passes_ran[0].notes[0]
+    assert rel_err(_run(gm, inputs), expected) < 1e-6
+    # the partition then finds the three blocks, each marked to recompute
+    gm = ctx.run([passes.annotate_blocks, passes.assign_segments], gm)
+    assert [s.block for s in ctx.segments if s.recompute] == [0, 1, 2]
+    rt.close()

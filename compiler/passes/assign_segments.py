@@ -24,6 +24,7 @@ import torch.fx as fx
 
 from ..context import CompileContext, compiler_pass
 from ..graph_nodes import is_streamed_linear
+from .inline_checkpoints import RECOMPUTE
 
 
 @dataclass
@@ -39,6 +40,11 @@ class Segment:
     @property
     def kind(self) -> str:
         return "glue" if self.block is None else "block"
+
+    @property
+    def recompute(self) -> bool:
+        """Did the model checkpoint this block (nodes inlined from its checkpoint)?"""
+        return self.block is not None and any(n.meta.get(RECOMPUTE) for n in self.nodes)
 
 
 @compiler_pass("assign_segments")

@@ -13,9 +13,10 @@ threads the schedule's tokens through the outer graph:
 - block units return `(*outputs, next_fetch)`: the users of the outputs are
   rewired through `getitem`.
 
-"next" and "previous" are the neighbouring streaming units in this graph, or
-the neighbouring blocks in model order at the graph's ends (a graph break
-still prefetches across it).
+"next" and "previous" come from the conductor's `FetchOrder` (the one owner of
+fetch order): the neighbouring streaming units in the order this graph runs
+them, or the neighbouring blocks in model order at the graph's ends (a graph
+break still prefetches across it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import operator
 import torch.fx as fx
 
 from torch_stagehand.runtime import registry
+from torch_stagehand.runtime.conductor import FetchOrder
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import CompileContext, compiler_pass
@@ -60,6 +62,7 @@ def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
     streaming = [s for s in segments if s.block is not None and has_streamed_linear(s)]
     tokens = _Tokens(outer, rt)
+    order = FetchOrder.for_graph([s.block for s in streaming], n_blocks)
     previous_next: tuple[int, fx.Node] | None = None  # (block the last unit prefetched, its token node)
     for seg in segments:
         call = calls[seg.name]
@@ -74,8 +77,7 @@ def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         i = streaming.index(seg)
         b = seg.block
-        nxt = streaming[i + 1].block if i + 1 < len(streaming) else (b + 1 if b + 1 < n_blocks else registry.NO_BLOCK)
-        prev = streaming[i - 1].block if i > 0 else (b - 1 if b > 0 else registry.NO_BLOCK)
+        nxt, prev = order[i].next_fwd, order[i].next_bwd
         block_tok, next_tok, prev_tok = tokens[b], tokens[nxt], tokens[prev]
         if previous_next is not None and previous_next[0] == b:
             fetch = previous_next[1]

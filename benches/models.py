@@ -1,0 +1,285 @@
+"""Full-size models from their own libraries, in the set-up people train them in.
+
+    python benches/models.py --model flux --out benches/results/models_flux.json
+    python benches/models.py --model qwen --out benches/results/models_qwen.json
+    python benches/models.py --model flux --tiny --device cpu      # a smoke test of the bench itself
+
+* flux: diffusers `FluxTransformer2DModel` at Flux-dev size (19 double + 38
+  single blocks, 11.9B parameters), 4096 image + 512 text tokens;
+* qwen: transformers `Qwen2ForCausalLM` at Qwen2.5-7B shape (28 layers,
+  7.6B parameters), sequence 2048.
+
+Both: random init directly on the GPU, bf16, base frozen, peft LoRA r=16 on
+the attention projections, AdamW on the adapters, the model's own gradient
+checkpointing on (`--ckpt on`), off, or both. The model is built once; every
+row is measured on it in this one process, in this order:
+
+1. resident eager (and resident `torch.compile` with `--resident-compile`),
+   the baseline every ratio is taken against (same checkpointing);
+2. `offload()` (the weights go to pinned host memory; the timing includes
+   quantizing to INT8), then stagehand with the inductor inner compiler, for
+   the maps int8, bf16 and mixed (first and last two blocks bf16, the rest
+   int8): one compiled program, re-linked per map.
+
+Per row: median step time (after a warm-up step), peak GPU memory, H2D GB per
+step, the PCIe floor (those bytes over the pinned H2D bandwidth measured at
+the start), synchronous fetches per step after the first, eager-op calls,
+offload and first-step seconds. torch 2.11's cuDNN SDPA backward fails at
+Flux's full shape on the H100, so the cuDNN SDPA backend is disabled for
+every row (resident included) and the JSON says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+import torch
+from _common import RESULTS, env_info, print_header, print_table, write_json
+
+import torch_stagehand as stagehand
+
+LORA_TARGETS = {"flux": ["to_q", "to_k", "to_v", "to_out.0"], "qwen": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def build_flux(tiny: bool, device: str):
+    from diffusers import FluxTransformer2DModel
+
+    cfg = dict(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
+               joint_attention_dim=32, pooled_projection_dim=32, in_channels=16, axes_dims_rope=(4, 6, 6)) if tiny else {}
+    img, txt = (32, 8) if tiny else (4096, 512)
+    with torch.device(device):
+        model = FluxTransformer2DModel(guidance_embeds=True, **cfg).to(torch.bfloat16)
+    g = torch.Generator(device=device).manual_seed(1)
+    jd, pd, ic = cfg.get("joint_attention_dim", 4096), cfg.get("pooled_projection_dim", 768), cfg.get("in_channels", 64)
+    bf = dict(device=device, dtype=torch.bfloat16)
+    inputs = dict(hidden_states=torch.randn(1, img, ic, generator=g, **bf),
+                  encoder_hidden_states=torch.randn(1, txt, jd, generator=g, **bf),
+                  pooled_projections=torch.randn(1, pd, generator=g, **bf),
+                  timestep=torch.tensor([0.5], device=device), guidance=torch.tensor([3.5], device=device),
+                  img_ids=torch.zeros(img, 3, device=device), txt_ids=torch.zeros(txt, 3, device=device),
+                  return_dict=False)
+    return model, inputs, {"image_tokens": img, "text_tokens": txt}
+
+
+def build_qwen(tiny: bool, device: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if tiny:
+        config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2)
+        seq = 64
+    else:  # Qwen2.5-7B
+        config = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                             num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        seq = 2048
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, {"input_ids": ids, "labels": ids}, {"sequence": seq}
+
+
+def set_checkpointing(kind: str, model, on: bool) -> None:
+    base = model.get_base_model()
+    if kind == "flux":
+        base.enable_gradient_checkpointing() if on else base.disable_gradient_checkpointing()
+    elif on:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_disable()
+    model.train()
+
+
+def loss_of(kind: str, out) -> torch.Tensor:
+    return out[0].float().square().mean() if kind == "flux" else out.loss
+
+
+class Sync:
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+
+    def __call__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self) -> float | None:
+        return round(torch.cuda.max_memory_allocated() / 2**30, 2) if self.cuda else None
+
+
+def pinned_h2d_gbps(nbytes: int = 512 * 2**20, reps: int = 8) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
+    """First step (compile + warm-up) timed on its own, then the median of `steps`."""
+    sync.reset_peak()
+    t0 = time.perf_counter()
+    step()
+    sync()
+    first_s = time.perf_counter() - t0
+    before = rt.stats() if rt is not None else None
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        print(f"  {label}: step {i + 1}/{steps} {times[-1]:.0f} ms", flush=True)
+    row = {"mode": label, "step_ms": round(statistics.median(times), 1), "steps_ms": [round(t, 1) for t in times],
+           "first_step_s": round(first_s, 1), "peak_gib": sync.peak_gib()}
+    if rt is not None:
+        after = rt.stats()
+        row.update(
+            h2d_gb_step=round((after["h2d_bytes"] - before["h2d_bytes"]) / steps / 1e9, 3),
+            sync_fetches_step=(after["sync_fetches"] - before["sync_fetches"]) / steps,
+            eager_linear_calls=after["eager_linear_calls"],
+            recomputed_blocks_step=(after["recomputed_blocks"] - before["recomputed_blocks"]) / steps,
+            compiled_variants=after["compiled_variants"],
+        )
+    return row
+
+
+def make_step(kind: str, model, fn, inputs, optimizer):
+    def step():
+        loss = loss_of(kind, fn(**inputs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def mixed_map(n: int) -> dict[int, str]:
+    return {b: "bf16" if b < 2 or b >= n - 2 else "int8" for b in range(n)}
+
+
+def run(args) -> dict:
+    import peft
+
+    device = args.device
+    sync = Sync(device)
+    env = print_header(env_info())
+    results: dict = {"env": env, "model": args.model, "tiny": args.tiny, "rows": []}
+    if device == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        results["cudnn_sdp"] = "disabled for every row (torch 2.11 cuDNN SDPA backward faults at Flux's shape)"
+        results["pinned_h2d_gbps"] = round(pinned_h2d_gbps(), 1)
+        print(f"pinned H2D {results['pinned_h2d_gbps']} GB/s", flush=True)
+
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model, inputs, shape = (build_flux if args.model == "flux" else build_qwen)(args.tiny, device)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS[args.model]))
+    results.update(shape=shape, build_s=round(time.perf_counter() - t0, 1),
+                   params_b=round(sum(p.numel() for p in model.parameters()) / 1e9, 2))
+    print(f"built {args.model}: {results['params_b']}B parameters in {results['build_s']} s", flush=True)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(lora, lr=1e-5)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.ckpt]
+    rows = results["rows"]
+
+    def add(row: dict, ckpt: bool, baseline: dict | None) -> None:
+        row["ckpt"] = ckpt
+        if baseline is not None and baseline.get("step_ms"):
+            row["ratio"] = round(row["step_ms"] / baseline["step_ms"], 3)
+        if "h2d_gb_step" in row and results.get("pinned_h2d_gbps"):
+            row["floor_ms"] = round(row["h2d_gb_step"] / results["pinned_h2d_gbps"] * 1e3, 1)
+            row["vs_floor"] = round(row["step_ms"] / row["floor_ms"], 3) if row["floor_ms"] else None
+        rows.append(row)
+        print({k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
+
+    baselines: dict[bool, dict] = {}
+    for ckpt in modes:
+        set_checkpointing(args.model, model, ckpt)
+        try:
+            row = measure("resident eager", make_step(args.model, model, model, inputs, optimizer), args.steps, sync)
+        except torch.OutOfMemoryError:
+            row = {"mode": "resident eager", "error": "out of GPU memory"}
+        baselines[ckpt] = row
+        add(row, ckpt, None)
+        if args.resident_compile and "error" not in row:
+            torch._dynamo.reset()
+            compiled = torch.compile(model)
+            try:
+                add(measure("resident inductor", make_step(args.model, model, compiled, inputs, optimizer),
+                            args.steps, sync), ckpt, row)
+            except torch.OutOfMemoryError:
+                add({"mode": "resident inductor", "error": "out of GPU memory"}, ckpt, row)
+            del compiled
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+    t0 = time.perf_counter()
+    rt = stagehand.offload(model, device=device, precision="int8")
+    sync()
+    results["offload_s"] = round(time.perf_counter() - t0, 1)
+    results["offload_stats"] = {k: rt.stats()[k] for k in ("blocks", "streamed_layers", "slots", "slot_bytes", "host_bytes")}
+    n = len(rt.blocks)
+    results["streamed_bytes"] = {p: sum(rt.block_nbytes(b, p) for b in range(n)) for p in ("int8", "bf16")}
+    print(f"offload: {n} blocks in {results['offload_s']} s; streamed int8 {results['streamed_bytes']['int8'] / 1e9:.2f} GB,"
+          f" bf16 {results['streamed_bytes']['bf16'] / 1e9:.2f} GB", flush=True)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    rt.attach(optimizer)
+    maps = {"int8": "int8", "bf16": "bf16", "mixed": mixed_map(n)}
+    for ckpt in modes:
+        set_checkpointing(args.model, model, ckpt)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="stagehand")
+        for name in args.maps:
+            rt.set_precision(maps[name])
+            try:
+                row = measure(f"stagehand {name}", make_step(args.model, model, compiled, inputs, optimizer),
+                              args.steps, sync, rt)
+            except torch.OutOfMemoryError:
+                row = {"mode": f"stagehand {name}", "error": "out of GPU memory"}
+            add(row, ckpt, baselines[ckpt])
+    results["stats"] = rt.stats()
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=["flux", "qwen"], required=True)
+    parser.add_argument("--ckpt", choices=["on", "off", "both"], default="both")
+    parser.add_argument("--maps", nargs="+", default=["int8", "bf16", "mixed"], choices=["int8", "bf16", "mixed"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a small config of the same class (smoke test)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--resident-compile", action="store_true", help="also time the resident model under inductor")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    results = run(args)
+    cols = ["ckpt", "mode", "step_ms", "ratio", "peak_gib", "h2d_gb_step", "floor_ms", "vs_floor", "sync_fetches_step",
+            "recomputed_blocks_step", "eager_linear_calls", "first_step_s", "error"]
+    print_table([[r.get(c, "") for c in cols] for r in results["rows"]], headers=cols,
+                title=f"{args.model}: {results['params_b']}B parameters, {results['shape']}, "
+                      f"offload {results['offload_s']} s, {results['env']['device']}")
+    out = args.out or os.path.join(RESULTS, f"models_{args.model}{'_tiny' if args.tiny else ''}.json")
+    write_json(out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""Pass `inline_checkpoints`: a model's own activation checkpoints become block recompute.
+
+HF transformers and diffusers call each block through
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` when gradient
+checkpointing is on. Dynamo captures that as a higher-order op,
+
+    out = tag_activation_checkpoint(wrap_body_3, x, bias, ...)   # body: a GraphModule
+    y = out[0]
+
+whose body holds the block's streamed linears. Left alone, the body is opaque
+to the partition (no block is found, nothing is compiled per block) and
+AOTAutograd traces through it, so every streamed linear runs the eager op.
+
+This pass copies the body into the graph in place of the call (each copied
+node keeps its `nn_module_stack`, so the partition finds the block) and marks
+the copied nodes `stagehand_recompute`: the block unit that owns them does
+not save the activations of the forward, it re-runs its compiled forward in
+backward, under one fetch of the block's weights (see `compiler/recompute.py`).
+The model's own checkpoint and the backend's recompute are therefore one
+recompute, never two.
+
+A call whose body streams nothing is left as it is (AOTAutograd handles it).
+A call this pass cannot place (an output used other than by indexing) is left
+as it is and reported: it stays correct through the eager op path, which
+counts and warns.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import torch
+import torch.fx as fx
+
+from torch_stagehand.runtime.runtime import EagerFallbackWarning
+
+from ..context import CompileContext, compiler_pass
+from ..graph_nodes import streams
+
+RECOMPUTE = "stagehand_recompute"
+
+
+def _checkpoint_ops() -> tuple:
+    ops = []
+    higher = getattr(torch.ops, "higher_order", None)
+    if higher is not None and hasattr(higher, "tag_activation_checkpoint"):
+        ops.append(higher.tag_activation_checkpoint)
+    try:
+        from torch._higher_order_ops.wrap import tag_activation_checkpoint
+
+        ops.append(tag_activation_checkpoint)
+    except ImportError:  # pragma: no cover - older torch
+        pass
+    return tuple(ops)
+
+
+CHECKPOINT_OPS = _checkpoint_ops()
+
+
+def is_checkpoint(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in CHECKPOINT_OPS
+
+
+def _why_not_inlinable(node: fx.Node) -> str | None:
+    for user in node.users:
+        if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
+            return f"its result is used by {user.format_node()} (only indexing is placed)"
+    return None
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
+    graph = gm.graph
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    operands = list(node.args[1:])
+    if len(operands) != len(placeholders):
+        raise RuntimeError(
+            f"stagehand: checkpoint {node.name} passes {len(operands)} operands to a body with {len(placeholders)} inputs"
+        )
+    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
+    with graph.inserting_before(node):
+        for inner in body.graph.nodes:
+            if inner.op == "placeholder":
+                continue
+            if inner.op == "output":
+                result = fx.node.map_arg(inner.args[0], lambda n: val_map[n])
+                break
+            if inner.op == "get_attr":
+                # The body's constants and nested subgraphs move to the outer module.
+                attr = f"{node.name}_{inner.target.replace('.', '_')}"
+                setattr(gm, attr, getattr(body, inner.target))
+                copied = graph.get_attr(attr)
+                copied.meta = dict(inner.meta)
+            else:
+                copied = graph.node_copy(inner, lambda n: val_map[n])
+            copied.meta[RECOMPUTE] = True
+            val_map[inner] = copied
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    for user in list(node.users):
+        user.replace_all_uses_with(results[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+@compiler_pass("inline_checkpoints")
+def inline_checkpoints(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    inlined, kept = 0, []
+    for node in list(gm.graph.nodes):
+        if not is_checkpoint(node):
+            continue
+        body_node = node.args[0]
+        body = getattr(gm, body_node.target, None) if isinstance(body_node, fx.Node) else None
+        if not isinstance(body, fx.GraphModule) or streams(body) is None:
+            continue
+        reason = _why_not_inlinable(node)
+        if reason is not None:
+            kept.append(f"{node.name}: {reason}")
+            continue
+        _inline(gm, node, body)
+        if not body_node.users:
+            gm.graph.erase_node(body_node)
+            if hasattr(gm, body_node.target):
+                delattr(gm, body_node.target)
+        inlined += 1
+    if inlined or kept:
+        gm.graph.lint()
+        gm.recompile()
+    ctx.note(f"{inlined} checkpointed regions inlined as block recompute"
+             + (f"; left to the eager op path: {'; '.join(kept)}" if kept else ""))
+    for reason in kept:
+        warnings.warn(f"stagehand: activation checkpoint {reason}: its streamed linears will run the eager op path "
+                      "(correct, slower; counted in stats()['eager_linear_calls'])", EagerFallbackWarning, stacklevel=2)
+    return gm

@@ -1,0 +1,363 @@
+"""Real models in their real training set-up: the model's own gradient checkpointing on.
+
+HF transformers (`gradient_checkpointing_enable()`) and diffusers
+(`enable_gradient_checkpointing()`) call each block through non-reentrant
+`torch.utils.checkpoint`; Dynamo captures a `tag_activation_checkpoint`
+higher-order op per block. These tests hold that such blocks:
+
+- give the plain model's loss and LoRA gradients (a silent wrong gradient is
+  the worst failure this project can have: it happened here once, through an
+  eager prefetch overwriting the slot a block had just taken);
+- run compiled (block variants compiled, recompute counted, no eager call);
+- fetch each block once per direction: forward bytes + the backward's
+  re-fetch of the blocks not resident at the turn, nothing more;
+- never have a streamed weight saved for backward.
+
+And that a construct the backend cannot place (reentrant checkpointing) is
+correct, counted and warned about.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as checkpoint
+
+import torch_stagehand as stagehand
+from torch_stagehand.app.presets import tiny_flux, tiny_llama
+
+from _helpers import first_tensor, rel_err, toy
+
+peft = pytest.importorskip("peft")
+
+
+def tiny_qwen2(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+    return model, {"input_ids": ids}
+
+
+def tiny_sd3(seed=0):
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16,
+                                  num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32,
+                                  pooled_projection_dim=32, out_channels=4, pos_embed_max_size=16).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {
+        "hidden_states": torch.randn(1, 4, 8, 8, generator=gen).to(torch.bfloat16),
+        "encoder_hidden_states": torch.randn(1, 6, 32, generator=gen).to(torch.bfloat16),
+        "pooled_projections": torch.randn(1, 32, generator=gen).to(torch.bfloat16),
+        "timestep": torch.full((1,), 500.0, dtype=torch.bfloat16),
+        "return_dict": False,
+    }
+    return model, inputs
+
+
+# name -> (builder, LoRA targets, HF-style (True) or diffusers-style checkpointing switch)
+MODELS = {
+    "llama": (tiny_llama, ["q_proj", "k_proj", "v_proj", "o_proj"], True),
+    "qwen2": (tiny_qwen2, ["q_proj", "k_proj", "v_proj", "o_proj"], True),
+    "flux": (tiny_flux, ["to_q", "to_k", "to_v"], False),
+    "sd3": (tiny_sd3, ["to_q", "to_k", "to_v"], False),
+}
+
+
+def _checkpointed_lora(kind: str):
+    build, targets, hf = MODELS[kind]
+    model, inputs = build()
+    model.requires_grad_(False)
+    if hf:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.enable_gradient_checkpointing()
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, config)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float().to(torch.bfloat16)
+    model.train()
+    return model, inputs
+
+
+def _loss(kind, model, inputs):
+    if kind in ("flux", "sd3"):
+        return first_tensor(model(**inputs)).float().square().mean()
+    return model(**inputs, labels=inputs["input_ids"]).loss
+
+
+def _lora_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if "lora_" in n and p.grad is not None}
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm()).clamp_min(1e-30)).item()
+
+
+class _SavedTensors:
+    """Every tensor autograd saves while active (to check none is a streamed weight)."""
+
+    def __init__(self):
+        self.saved: list[torch.Tensor] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.saved.append(t)
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def _streamed_storages(rt) -> set[int]:
+    ptrs = {s.buf.untyped_storage().data_ptr() for s in rt.pool.slots}
+    for block in range(len(rt.blocks)):
+        for precision in ("bf16", "int8"):
+            if rt.store.has(block, precision):
+                ptrs.add(rt.store.buffer(block, precision).untyped_storage().data_ptr())
+    return ptrs
+
+
+def _check_model(kind: str, inner: str):
+    model, inputs = _checkpointed_lora(kind)
+    ref = copy.deepcopy(model)
+    ref_loss = _loss(kind, ref, inputs)
+    ref_loss.backward()
+    ref_grads = _lora_grads(ref)
+
+    rt = stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", stagehand.EagerFallbackWarning)  # no silent (or loud) eager fallback
+        for step in range(2):  # the second step runs the cached variants
+            for p in model.parameters():
+                p.grad = None
+            before = rt.stats()
+            resident_before = {b for b, _p, _s in rt.pool.resident().values()}
+            with _SavedTensors() as saved:
+                loss = _loss(kind, compiled, inputs)
+            after_forward = rt.stats()
+            resident_at_turn = {b for b, _p, _s in rt.pool.resident().values()}
+            loss.backward()
+            after = rt.stats()
+
+    grads = _lora_grads(model)
+    assert grads.keys() == ref_grads.keys() and grads
+    assert rel_err(loss, ref_loss) < 1e-2
+    for name, g in grads.items():
+        assert _cosine(g, ref_grads[name]) > 0.99, f"{name}: LoRA gradient points elsewhere"
+        assert rel_err(g, ref_grads[name]) < 8e-2, name
+
+    n = len(rt.blocks)
+    assert after["eager_linear_calls"] == 0 and after["eager_blocks"] == []
+    assert after["recomputed_blocks"] - after_forward["recomputed_blocks"] == n  # each block recomputed once
+    assert after["compiled_variants"] >= 1
+    # Each block fetched once in the forward and once in the backward, unless still resident
+    # (from the last step's backward, or at the forward/backward turn).
+    block_bytes = [rt.block_nbytes(b, rt.precision[b]) for b in range(n)]
+    assert after_forward["h2d_bytes"] - before["h2d_bytes"] == sum(
+        block_bytes[b] for b in range(n) if b not in resident_before
+    )
+    assert after["h2d_bytes"] - after_forward["h2d_bytes"] == sum(
+        block_bytes[b] for b in range(n) if b not in resident_at_turn
+    )
+    assert after["sync_fetches"] - before["sync_fetches"] <= 1  # at most the first block, if the last step left it out
+    streamed = _streamed_storages(rt)
+    assert not [t for t in saved.saved if t.untyped_storage().data_ptr() in streamed]
+    return rt
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_checkpointed_model_compiles_blocks_and_matches_plain_model(kind):
+    _check_model(kind, "eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2", "flux"])
+def test_checkpointed_model_under_inductor(kind):
+    _check_model(kind, "inductor")
+
+
+def test_identical_blocks_share_compiled_code():
+    """Flux's double and single block lists: two block structures, not one per block."""
+    model, inputs = _checkpointed_lora("flux")  # 2 double + 2 single blocks
+    rt = stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    _loss("flux", compiled, inputs).backward()
+    from torch_stagehand.compiler.variants import variant_cache
+
+    structures = {key[0] for key, info in variant_cache(rt).info.items() if info["label"].startswith("block variant")}
+    assert len(structures) == 2  # one per block structure (each in a forward and a recompute variant)
+
+
+# ---- the backend's own block recompute ------------------------------------------------
+
+
+def _toy_grads(model, x, call=None):
+    """Output and parameter grads of one step of `model`, run through `call` (the compiled model) if given."""
+    for p in model.parameters():
+        p.grad = None
+    out = (model if call is None else call)(x)
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _toy_with_trainable_norms(n=4):
+    model, x = toy(n=n)
+    for block in model.blocks:
+        block.norm.requires_grad_(True)
+    x.requires_grad_(True)
+    return model, x
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_backend_recompute_option_matches_and_saves_less(inner):
+    model, x = _toy_with_trainable_norms()
+    ref = copy.deepcopy(model)
+    ref_out, ref_grads = _toy_grads(ref, x)
+
+    saved_bytes = {}
+    for recompute in (None, "blocks"):
+        m = copy.deepcopy(model)
+        rt = stagehand.offload(m, device="cpu")
+        torch._dynamo.reset()
+        options = {"inner": inner} | ({"recompute": recompute} if recompute else {})
+        compiled = torch.compile(m, backend="stagehand", options=options)
+        with _SavedTensors() as saved:
+            out = compiled(x)
+        out.float().square().mean().backward()
+        grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+        assert rel_err(out, ref_out) < 1e-4
+        assert grads.keys() == ref_grads.keys()
+        assert max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-4
+        saved_bytes[recompute] = sum(t.numel() * t.element_size() for t in {id(t): t for t in saved.saved}.values())
+        assert rt.stats()["recomputed_blocks"] == (len(rt.blocks) if recompute else 0)
+    assert saved_bytes["blocks"] < saved_bytes[None]
+
+
+def test_model_checkpointing_and_backend_recompute_recompute_once():
+    model, inputs = _checkpointed_lora("llama")
+    rt = stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager", "recompute": "blocks"})
+    _loss("llama", compiled, inputs).backward()
+    assert rt.stats()["recomputed_blocks"] == len(rt.blocks)
+
+
+def test_recompute_option_is_validated():
+    model, x = toy()
+    stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="recompute"):
+        torch.compile(model, backend="stagehand", options={"recompute": "everything"})(x)
+
+
+# ---- what the backend cannot place: correct, counted, reported ---------------------------
+
+
+class _ReentrantToy(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, x):
+        x = self.inner.embed(x)
+        for block in self.inner.blocks:
+            x = checkpoint.checkpoint(block, x, use_reentrant=True)
+        return self.inner.head(x)
+
+
+def test_reentrant_checkpointing_is_placed_too():
+    """Dynamo captures `use_reentrant=True` as the same checkpoint op: compiled, recomputed, exact."""
+    model, x = _toy_with_trainable_norms(n=3)
+    wrapped = _ReentrantToy(model)
+    ref_out, ref_grads = _toy_grads(copy.deepcopy(wrapped), x)
+    rt = stagehand.offload(wrapped, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})
+    out, grads = _toy_grads(wrapped, x, compiled)
+    assert rel_err(out, ref_out) < 1e-4
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-4
+    stats = rt.stats()
+    assert stats["eager_linear_calls"] == 0 and stats["recomputed_blocks"] == 3
+
+
+class _DisabledBlockToy(nn.Module):
+    """Block 1 is hidden from the compiler (`torch.compiler.disable`): it must run, correctly, outside it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    @torch.compiler.disable
+    def _opaque(self, block, x):
+        return checkpoint.checkpoint(block, x, use_reentrant=True)
+
+    def forward(self, x):
+        x = self.inner.embed(x)
+        for i, block in enumerate(self.inner.blocks):
+            x = self._opaque(block, x) if i == 1 else block(x)
+        return self.inner.head(x)
+
+
+def test_a_block_the_backend_cannot_place_is_correct_counted_and_reported():
+    model, x = _toy_with_trainable_norms(n=3)
+    wrapped = _DisabledBlockToy(model)
+    ref_out, ref_grads = _toy_grads(copy.deepcopy(wrapped), x)
+    rt = stagehand.offload(wrapped, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})
+    with pytest.warns(stagehand.EagerFallbackWarning, match="inner.blocks.1") as record:
+        out, grads = _toy_grads(wrapped, x, compiled)
+    assert rel_err(out, ref_out) < 1e-4
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-4
+    causes = {str(w.message) for w in record if issubclass(w.category, stagehand.EagerFallbackWarning)}
+    assert any("recomputed in backward" in c for c in causes) and any("outside the compiled" in c for c in causes)
+    stats = rt.stats()
+    assert stats["eager_linear_calls"] > 0 and stats["eager_blocks"] == ["inner.blocks.1"]
+    # once per block and cause: a second step warns no more
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", stagehand.EagerFallbackWarning)
+        _toy_grads(wrapped, x, compiled)
+
+
+def test_blocks_called_out_of_registration_order_are_correct_eagerly():
+    """The eager op path: a block's slot is never a prefetch target while it computes."""
+
+    class OutOfOrder(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            x = self.inner.embed(x)
+            for i in (1, 0, 2):
+                x = self.inner.blocks[i](x)
+            return self.inner.head(x)
+
+    model, x = toy(n=3)
+    wrapped = OutOfOrder(model)
+    with torch.no_grad():
+        expected = wrapped(x)
+        stagehand.offload(wrapped, device="cpu")
+        for _ in range(2):
+            assert rel_err(wrapped(x), expected) < 1e-5
