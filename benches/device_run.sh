@@ -3,11 +3,19 @@
 # Logs and results land under $OUT (the device tool brings back at most 8 files).
 #   STAGES="ktests tests demo" bash benches/device_run.sh
 #   STAGES="stream" STREAM_ARGS="--tokens 1024 4096" bash benches/device_run.sh
+#   STAGES="tests models" MODEL=qwen bash benches/device_run.sh       # full-size models (benches/models.py)
+#   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
+# Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
+# the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/stagehand-out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"tests stream"}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/install.log 2>&1 \
   || { tail -20 /tmp/install.log; exit 1; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -15,11 +23,16 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/i
 for stage in $STAGES; do
   case $stage in
     ktests) timeout ${KTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 tests/test_kernels.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.log" ;;
-    tests)  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging tests/test_gpu.py -s 2>&1 | grep -vE "^DEBUG" | tee "$OUT/gpu_tests.log" ;;
+    tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs tests/test_gpu.py 2>&1 \
+              | grep -vE "^DEBUG" | tee "$OUT/gpu_tests.log" ;;
     demo)   timeout 240 stagehand demo --steps ${DEMO_STEPS:-60} --out /tmp/demo 2>&1 | grep -v "it/s\|step/s" | tail -45 | tee "$OUT/demo.log"
             cp /tmp/demo/demo.png /tmp/demo/summary.json "$OUT/" 2>/dev/null ;;
     stream) timeout 420 python3 benches/streaming.py ${STREAM_ARGS:-} --out "$OUT/streaming.json" 2>&1 | grep -vE "^DEBUG" | tee "$OUT/streaming.log" ;;
     kernels) timeout ${KERNELS_TIMEOUT:-300} python3 benches/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -70 | tee "$OUT/kernels.log" ;;
+    models) timeout ${MODELS_TIMEOUT:-540} python3 benches/models.py --model ${MODEL:-qwen} ${MODELS_ARGS:-} \
+              --out "$OUT/models_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/models_${MODEL:-qwen}.log" ;;
+    peer)   SWAPS=${SWAPS:-34} STEPS=${PEER_STEPS:-3} MUSUBI_OFFLOAD_DIR=.peer timeout ${PEER_TIMEOUT:-300} \
+              python3 benches/peer_musubi_flux.py 2>&1 | tee "$OUT/peer_musubi_flux.jsonl" ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

@@ -137,15 +137,16 @@ def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
     sync()
     first_s = time.perf_counter() - t0
     before = rt.stats() if rt is not None else None
-    times = []
+    times, host = [], []
     for i in range(steps):
         t0 = time.perf_counter()
         step()
+        host.append((time.perf_counter() - t0) * 1e3)  # until the host had issued the step's work
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
-        print(f"  {label}: step {i + 1}/{steps} {times[-1]:.0f} ms", flush=True)
+        print(f"  {label}: step {i + 1}/{steps} {times[-1]:.0f} ms (host {host[-1]:.0f} ms)", flush=True)
     row = {"mode": label, "step_ms": round(statistics.median(times), 1), "steps_ms": [round(t, 1) for t in times],
-           "first_step_s": round(first_s, 1), "peak_gib": sync.peak_gib()}
+           "host_ms": round(statistics.median(host), 1), "first_step_s": round(first_s, 1), "peak_gib": sync.peak_gib()}
     if rt is not None:
         after = rt.stats()
         row.update(
@@ -156,6 +157,20 @@ def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
             compiled_variants=after["compiled_variants"],
         )
     return row
+
+
+def profile_step(step) -> str:
+    """One step under torch.profiler: the ops by GPU time and by host time (what bounds the step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    text = (averages.table(sort_by="cuda_time_total", row_limit=20) + "\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=15))
+    print(text, flush=True)
+    return text
 
 
 def make_step(kind: str, model, fn, inputs, optimizer):
@@ -255,6 +270,9 @@ def run(args) -> dict:
             except torch.OutOfMemoryError:
                 row = {"mode": f"stagehand {name}", "error": "out of GPU memory"}
             add(row, ckpt, baselines[ckpt])
+            if args.profile == name and device == "cuda" and "error" not in row:
+                results.setdefault("profiles", {})[f"{name}, ckpt {ckpt}"] = profile_step(
+                    make_step(args.model, model, compiled, inputs, optimizer))
     results["stats"] = rt.stats()
     return results
 
@@ -268,10 +286,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a small config of the same class (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--resident-compile", action="store_true", help="also time the resident model under inductor")
+    parser.add_argument("--profile", choices=["int8", "bf16", "mixed"], default=None,
+                        help="also profile one step of this map (GPU), tables into the JSON")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     results = run(args)
-    cols = ["ckpt", "mode", "step_ms", "ratio", "peak_gib", "h2d_gb_step", "floor_ms", "vs_floor", "sync_fetches_step",
+    cols = ["ckpt", "mode", "step_ms", "host_ms", "ratio", "peak_gib", "h2d_gb_step", "floor_ms", "vs_floor", "sync_fetches_step",
             "recomputed_blocks_step", "eager_linear_calls", "first_step_s", "error"]
     print_table([[r.get(c, "") for c in cols] for r in results["rows"]], headers=cols,
                 title=f"{args.model}: {results['params_b']}B parameters, {results['shape']}, "

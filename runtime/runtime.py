@@ -232,6 +232,8 @@ class Runtime:
         return self._fetch_tokens[block]
 
     def op_wait(self, block: int, precision_code: int, nbytes: int, backward: bool) -> torch.Tensor:
+        # A forward `wait` inside a backward is a block recompute: it belongs to the backward phase.
+        backward = backward or torch._C._current_graph_task_id() != -1
         (self.phases.backward_op if backward else self.phases.forward_op)()
         precision = precisions.by_code(precision_code).name
         slot = self.pool.acquire(block, precision)
