@@ -14,7 +14,9 @@ or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
    weights do.
 
 STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried,
-rejected and chosen is kept in `tuning_log()`.
+rejected and chosen is kept in `tuning_log()`, and each choice is written to
+an on-disk cache (tune_cache.py) that the next process reads back (checked
+once, never timed again).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import triton
+
+from . import tune_cache
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,17 @@ def pick(kind, key, m, n_out, red, device, run, weight, check) -> Config:
         return _LOG[key]["chosen"]
     if torch.cuda.is_current_stream_capturing():  # timing would break the capture
         return heuristic(kind, m, n_out, red, device)
+    disk = tune_cache.TuneCache.for_device(device) if tune_cache.enabled() else None
+    cached = disk.get(key, Config) if disk is not None else None
+    if cached is not None:
+        try:
+            run(cached, weight)
+            reason = check(cached)
+        except Exception as e:  # noqa: BLE001 - a config this build cannot launch: tune again
+            reason = f"launch failed: {type(e).__name__}"
+        if reason is None:
+            _LOG[key] = dict(chosen=cached, times_us={}, rejected={}, from_disk=True)
+            return cached
     weights = _rotating_copies(weight)
     times, rejected = {}, {}
     for cfg in candidates(kind, m, n_out, red, device):
@@ -183,6 +198,8 @@ def pick(kind, key, m, n_out, red, device, run, weight, check) -> Config:
         raise RuntimeError(f"stagehand W8A16 {kind}: no kernel config passed for {key}: {rejected}")
     best = min(times, key=times.get)
     _LOG[key] = dict(chosen=best, times_us=times, rejected=rejected)
+    if disk is not None:
+        disk.put(key, best)
     return best
 
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Tests tune W8A16 configs from scratch: a choice a previous run left on disk must not decide them.
+os.environ["STAGEHAND_TUNE_CACHE"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

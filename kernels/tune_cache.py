@@ -1,0 +1,102 @@
+"""The W8A16 autotuner's choices, kept on disk across runs.
+
+Tuning every (kernel, M bucket, N, K) key of a 12B Flux times ~50 shapes x ~15
+candidates as CUDA graphs: most of the first step of a fresh process. The
+choice only depends on the device, the Triton and torch builds and the
+kernels' source, so it is written to a JSON file named by a fingerprint of
+exactly those, and read back by the next process: a changed kernel, a new
+Triton or another GPU gets a new file, never a stale config.
+
+The file lives in `$STAGEHAND_CACHE_DIR` (default `~/.cache/torch_stagehand`);
+`STAGEHAND_TUNE_CACHE=0` turns it off. A config read back is still checked
+once against the fp32 reference before it is used (see `tune.pick`), so a
+file that lies costs a re-tune, not a wrong number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+
+def cache_dir() -> str:
+    return os.environ.get("STAGEHAND_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_stagehand")
+
+
+def enabled() -> bool:
+    return os.environ.get("STAGEHAND_TUNE_CACHE", "1") != "0"
+
+
+def source_fingerprint() -> str:
+    """A hash of the kernels' and the tuner's source: an edit to either starts a new cache file."""
+    from . import launch, tune, w8a16
+
+    digest = hashlib.sha256()
+    for module in (w8a16, launch, tune):
+        with open(module.__file__, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint(device_name: str, capability: str) -> str:
+    import triton
+
+    parts = [device_name, capability, f"triton {triton.__version__}", f"torch {torch.__version__}", source_fingerprint()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def key_text(key: tuple) -> str:
+    """(kind, device, M bucket, N, K, dtype) -> a stable string (the device by name, not index)."""
+    kind, _device, m_bucket, n, k, dtype = key
+    return f"{kind}|{m_bucket}|{n}|{k}|{str(dtype).replace('torch.', '')}"
+
+
+class TuneCache:
+    """One device's tuned configs: key text -> Config fields, loaded lazily, written on every new choice."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._entries: dict[str, dict[str, Any]] | None = None
+
+    @staticmethod
+    def for_device(device: torch.device) -> "TuneCache":
+        props = torch.cuda.get_device_properties(device)
+        name = f"w8a16-{fingerprint(props.name, f'{props.major}.{props.minor}')}.json"
+        return TuneCache(os.path.join(cache_dir(), name))
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        if self._entries is None:
+            try:
+                with open(self.path) as f:
+                    entries = json.load(f)
+                self._entries = entries if isinstance(entries, dict) else {}
+            except (OSError, ValueError):
+                self._entries = {}  # absent or unreadable: tune again (and rewrite it)
+        return self._entries
+
+    def get(self, key: tuple, config_type):
+        fields = self._load().get(key_text(key))
+        if not isinstance(fields, dict):
+            return None
+        try:
+            return config_type(**fields)
+        except TypeError:
+            return None  # a field this Config no longer has: tune again
+
+    def put(self, key: tuple, config) -> None:
+        entries = self._load()
+        entries[key_text(key)] = asdict(config)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old or the new file
+        except OSError:
+            pass  # a read-only home: the choice still holds for this process
