@@ -23,8 +23,6 @@ from .interface import StreamingRuntime
 
 if TYPE_CHECKING:
     import networkx as nx
-
-    from .passes.assign_segments import Segment
     from .variants import VariantCache
 
 log = logging.getLogger("torch_stagehand.compiler")
@@ -121,7 +119,7 @@ class CompileContext(PassLog):
         self.variant_passes = tuple(variant_passes)
         self.joint_passes = tuple(joint_passes)
         self.graph_id = graph_id
-        self.segments: "list[Segment]" = []  # set by assign_segments
+        self.segments: list = []  # set by assign_segments: its Segments, in graph order
         self.dag: "nx.DiGraph | None" = None  # set by assign_segments: the segment DAG
 
     @property

@@ -7,6 +7,11 @@ import torch.fx as fx
 from torch_stagehand.runtime.ops import STREAMED_LINEAR_OPS
 
 
+# Node meta key: the node came from the body of the model's own activation checkpoint
+# (set by passes/inline_checkpoints, read by assign_segments: the block recomputes).
+RECOMPUTE = "stagehand_recompute"
+
+
 def is_streamed_linear(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in STREAMED_LINEAR_OPS
 

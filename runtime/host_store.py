@@ -19,7 +19,7 @@ import torch
 
 from . import precision as precisions
 from .blocks import StreamedLayerSpec
-from .precision import LayerLayout, layer_views  # noqa: F401  (layer_views: historical import path)
+from .precision import LayerLayout
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
+# The registry sits below the Runtime (ops and the conductor read it), so it never imports it:
+# a registered runtime is any object; callers know it is a `runtime.Runtime`.
+Runtime = Any
 
 NO_BLOCK = -1
 _runtime_ids = itertools.count(1)

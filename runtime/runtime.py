@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from torch_stagehand.config import Config
+from .config import Config
 
 from . import precision as precisions
 from . import registry

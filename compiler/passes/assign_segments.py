@@ -23,8 +23,7 @@ import networkx as nx
 import torch.fx as fx
 
 from ..context import CompileContext, compiler_pass
-from ..graph_nodes import is_streamed_linear
-from .inline_checkpoints import RECOMPUTE
+from ..graph_nodes import RECOMPUTE, is_streamed_linear
 
 
 @dataclass

@@ -36,9 +36,7 @@ import torch.fx as fx
 from torch_stagehand.runtime.runtime import EagerFallbackWarning
 
 from ..context import CompileContext, compiler_pass
-from ..graph_nodes import streams
-
-RECOMPUTE = "stagehand_recompute"
+from ..graph_nodes import RECOMPUTE, streams
 
 
 def _checkpoint_ops() -> tuple:

@@ -18,10 +18,9 @@ import json
 import logging
 import os
 import sys
-import threading
-import time
 from typing import Any
 
+from torch_stagehand.app.progress import Stage
 from torch_stagehand.runtime import precision as precisions
 
 DIT_CPU_TOKENS = 16
@@ -83,41 +82,6 @@ def _checked(precision: str | dict[int, str], n_blocks: int | None, context: str
 
 
 # ---- progress line ------------------------------------------------------------------
-
-
-class Stage:
-    """`label ... 12s` on stderr while a slow stage runs (a live counter on a terminal)."""
-
-    def __init__(self, label: str, stream=None):
-        self.label = label
-        self.stream = stream if stream is not None else sys.stderr
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.seconds = 0.0
-
-    def _tick(self) -> None:
-        while not self._stop.wait(1.0):
-            self.stream.write(f"\r{self.label} ... {time.perf_counter() - self._start:.0f}s")
-            self.stream.flush()
-
-    def __enter__(self) -> "Stage":
-        self._start = time.perf_counter()
-        self.stream.write(f"{self.label} ...")
-        self.stream.flush()
-        if getattr(self.stream, "isatty", lambda: False)():
-            self._thread = threading.Thread(target=self._tick, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.seconds = time.perf_counter() - self._start
-        end = f"done in {self.seconds:.1f}s" if exc_type is None else "failed"
-        prefix = f"\r{self.label} ... " if self._thread is not None else " "
-        self.stream.write(f"{prefix}{end}\n")
-        self.stream.flush()
 
 
 # ---- targets --------------------------------------------------------------------------
@@ -278,6 +242,8 @@ def _print_overview(table: str, report) -> None:
 def cmd_inspect(args) -> int:
     report, _ = explain_target(args)
     _print_overview(report.segment_table(), report)
+    print()
+    print(report.pass_table())
     shown = 0
     for name, code in report.graphs.items():
         if args.graph and args.graph not in name:

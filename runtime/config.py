@@ -1,0 +1,265 @@
+"""One dataclass tree for every knob, with the seeds' defaults.
+
+`Config.from_json` reads either this tree directly or the training-config
+layout the seeds show (``{"memory": {"stagehand": {"conductor_config": ...,
+"selective_precision": ...}}}``). Every validation error names the field by its
+dotted path, e.g. ``selective_precision.bf16_threshold``.
+
+Two knobs appear twice, once in the seeds' conductor section and once at the
+top; the top-level one is the source of truth, the conductor one is honoured
+when the top-level one is unset, and two different values are an error:
+
+- device slots: ``slots``, else ``conductor.h2d_slots`` when it differs from
+  its default (2; the seeds name the same slots so), else
+  ``conductor.prefetch_window + 1`` (`Config.slot_count`);
+- telemetry: ``telemetry_file``, else ``conductor.telemetry_file``
+  (`Config.telemetry_path`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch_stagehand.runtime import precision as precisions
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+_DEFAULT_H2D_SLOTS = 2
+
+
+@dataclass
+class ConductorConfig:
+    """Budgets and transfer slots (conductor.txt). Sizes in MB; None = no cap."""
+
+    enabled: bool = True
+    vram_soft_cap_mb: float | None = None
+    vram_hard_cap_mb: float | None = None
+    pinned_budget_mb: float | None = None
+    h2d_slots: int = _DEFAULT_H2D_SLOTS  # the device slots when Config.slots is unset (see the module docstring)
+    d2h_slots: int = 2
+    # How many blocks ahead the plan fetches while the current block computes.
+    prefetch_window: int = 1
+    # Rule 1: above this VRAM pressure in BACKWARD, speculative prefetch stops.
+    backward_pressure_threshold: float = 0.8
+    # Rule 3: this many consecutive "all slots busy" checks shrink the window.
+    contention_checks: int = 3
+    telemetry_file: str | None = None  # used when Config.telemetry_file is unset
+    telemetry_interval_steps: int = 1
+    debug_event_trace: bool = False
+
+    def validate(self, prefix: str = "conductor") -> None:
+        _positive_int(self.h2d_slots, f"{prefix}.h2d_slots")
+        _positive_int(self.d2h_slots, f"{prefix}.d2h_slots")
+        _non_negative_int(self.prefetch_window, f"{prefix}.prefetch_window")
+        _positive_int(self.contention_checks, f"{prefix}.contention_checks")
+        _positive_int(self.telemetry_interval_steps, f"{prefix}.telemetry_interval_steps")
+        _unit_interval(self.backward_pressure_threshold, f"{prefix}.backward_pressure_threshold")
+        for name in ("vram_soft_cap_mb", "vram_hard_cap_mb", "pinned_budget_mb"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or value <= 0):
+                raise ConfigError(f"{prefix}.{name}: must be a positive number of MB or null, got {value!r}")
+        if (
+            self.vram_soft_cap_mb is not None
+            and self.vram_hard_cap_mb is not None
+            and self.vram_soft_cap_mb > self.vram_hard_cap_mb
+        ):
+            raise ConfigError(
+                f"{prefix}.vram_soft_cap_mb: {self.vram_soft_cap_mb} is above "
+                f"{prefix}.vram_hard_cap_mb {self.vram_hard_cap_mb}"
+            )
+
+
+@dataclass
+class PrecisionConfig:
+    """Selective precision (selective-precision.txt), defaults as the seed's."""
+
+    enabled: bool = True
+    mode: str = "dynamic"  # "off" | "static" | "dynamic"
+    bf16_threshold: float = 0.6
+    int8_threshold: float = 0.3
+    ambiguous_default: str = precisions.FULL
+    hysteresis_margin: float = 0.1
+    grad_weight: float = 0.7
+    error_weight: float = 0.3
+    grad_sensitivity_threshold: float = 2.0
+    run_calibration: bool = True
+    calibration_samples: int = 4
+    quant_error_threshold: float = 0.05
+    warmup_steps: int = 10
+    history_window: int = 5
+    update_interval_steps: int = 10
+    min_steps_between_switches: int = 20
+    force_bf16_blocks: list[int] = field(default_factory=list)
+    force_int8_blocks: list[int] = field(default_factory=list)
+    log_decisions: bool = True
+    telemetry_enabled: bool = True
+    telemetry_file: str = "selective_precision_telemetry.jsonl"
+
+    def validate(self, prefix: str = "selective_precision") -> None:
+        if self.mode not in ("off", "static", "dynamic"):
+            raise ConfigError(f"{prefix}.mode: must be 'off', 'static' or 'dynamic', got {self.mode!r}")
+        known = precisions.names()
+        if self.ambiguous_default not in known:
+            choices = ", ".join(repr(n) for n in known[:-1]) + f" or {known[-1]!r}"
+            raise ConfigError(f"{prefix}.ambiguous_default: must be {choices}, got {self.ambiguous_default!r}")
+        for name in ("bf16_threshold", "int8_threshold", "hysteresis_margin", "grad_weight", "error_weight"):
+            _unit_interval(getattr(self, name), f"{prefix}.{name}")
+        if self.int8_threshold > self.bf16_threshold:
+            raise ConfigError(
+                f"{prefix}.int8_threshold: {self.int8_threshold} is above "
+                f"{prefix}.bf16_threshold {self.bf16_threshold}; the ambiguous zone would be empty"
+            )
+        for name in ("grad_sensitivity_threshold", "quant_error_threshold"):
+            value = getattr(self, name)
+            if not _is_number(value) or value <= 0:
+                raise ConfigError(f"{prefix}.{name}: must be a positive number, got {value!r}")
+        for name in ("calibration_samples", "history_window", "update_interval_steps"):
+            _positive_int(getattr(self, name), f"{prefix}.{name}")
+        for name in ("warmup_steps", "min_steps_between_switches"):
+            _non_negative_int(getattr(self, name), f"{prefix}.{name}")
+        for name in ("force_bf16_blocks", "force_int8_blocks"):
+            blocks = getattr(self, name)
+            if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
+                raise ConfigError(f"{prefix}.{name}: must be a list of block indices, got {blocks!r}")
+        both = set(self.force_bf16_blocks) & set(self.force_int8_blocks)
+        if both:
+            raise ConfigError(
+                f"{prefix}.force_bf16_blocks and {prefix}.force_int8_blocks both name block(s) {sorted(both)}"
+            )
+
+
+@dataclass
+class Config:
+    """Top of the tree: what `offload(..., config=Config(...))` takes."""
+
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    selective_precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    # Device slots for streamed blocks; None = prefetch_window + 1 (the plan's need).
+    slots: int | None = None
+    # "mse" (per-row clipping search) or "absmax" for INT8 built from live weights.
+    quantizer: str = "mse"
+    # Pin host buffers when streaming to CUDA (False only for debugging).
+    pin_memory: bool = True
+    # Telemetry JSONL of what actually happened (bytes, stalls, phases); None = off.
+    telemetry_file: str | None = None
+
+    def validate(self) -> "Config":
+        self.conductor.validate("conductor")
+        self.selective_precision.validate("selective_precision")
+        h2d_slots = self.conductor.h2d_slots
+        if self.slots is not None:
+            _positive_int(self.slots, "slots")
+            if h2d_slots not in (_DEFAULT_H2D_SLOTS, self.slots):
+                raise ConfigError(
+                    f"conductor.h2d_slots: {h2d_slots} disagrees with slots: {self.slots}; both set the "
+                    "device slots (slots wins when set): set one of them"
+                )
+        slots_field = "slots" if self.slots is not None else "conductor.h2d_slots"
+        if self.slot_count < self.conductor.prefetch_window + 1:
+            raise ConfigError(
+                f"{slots_field}: {self.slot_count} cannot hold the computing block plus "
+                f"conductor.prefetch_window={self.conductor.prefetch_window} prefetched ones"
+            )
+        shadow = self.conductor.telemetry_file
+        if self.telemetry_file is not None and shadow is not None and shadow != self.telemetry_file:
+            raise ConfigError(
+                f"conductor.telemetry_file: {shadow!r} disagrees with telemetry_file: {self.telemetry_file!r}; "
+                "both name the telemetry JSONL (telemetry_file wins when set): set one of them"
+            )
+        if self.quantizer not in ("mse", "absmax"):
+            raise ConfigError(f"quantizer: must be 'mse' or 'absmax', got {self.quantizer!r}")
+        return self
+
+    @property
+    def slot_count(self) -> int:
+        """The device slots the runtime allocates (the module docstring says which field wins)."""
+        if self.slots is not None:
+            return self.slots
+        if self.conductor.h2d_slots != _DEFAULT_H2D_SLOTS:
+            return self.conductor.h2d_slots
+        return self.conductor.prefetch_window + 1
+
+    @property
+    def telemetry_path(self) -> str | None:
+        """Where telemetry goes: `telemetry_file`, else `conductor.telemetry_file`; None = off."""
+        return self.telemetry_file if self.telemetry_file is not None else self.conductor.telemetry_file
+
+    # ---- JSON -------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        """Build from this tree's layout or the seeds' training-config layout."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: expected a JSON object, got {type(data).__name__}")
+        if "memory" in data:  # the seeds' layout
+            stagehand = data["memory"].get("stagehand", {}) if isinstance(data["memory"], dict) else None
+            if not isinstance(stagehand, dict):
+                raise ConfigError("memory.stagehand: expected a JSON object")
+            data = dict(stagehand)
+            if "conductor_config" in data:
+                data["conductor"] = data.pop("conductor_config")
+        return _build(cls, data, prefix="").validate()
+
+    @classmethod
+    def from_json(cls, path_or_text: str | os.PathLike) -> "Config":
+        text = str(path_or_text)
+        if os.path.exists(text):
+            with open(text) as f:
+                try:
+                    data = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{text}: not valid JSON ({e})") from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"config: neither a file nor valid JSON ({e})") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"{path}: unknown field (known: {', '.join(sorted(known))})")
+        nested = _NESTED.get((cls, key))
+        if nested is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: expected a JSON object, got {type(value).__name__}")
+            value = _build(nested, value, prefix=f"{path}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+_NESTED = {(Config, "conductor"): ConductorConfig, (Config, "selective_precision"): PrecisionConfig}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_int(value: Any, path: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{path}: must be a positive integer, got {value!r}")
+
+
+def _non_negative_int(value: Any, path: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{path}: must be a non-negative integer, got {value!r}")
+
+
+def _unit_interval(value: Any, path: str) -> None:
+    if not _is_number(value) or not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{path}: must be a number in [0, 1], got {value!r}")
