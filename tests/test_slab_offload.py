@@ -42,7 +42,7 @@ def test_int8_from_slab_matches_the_slab_exactly(slab):
     with SlabReader(manifest) as reader:
         q, s, _ = reader.read_layer("blocks.1.up")
     q_host, s_host = rt.store.buffer(1, "int8"), rt.store.layout(1, "int8")[0]
-    from torch_stagehand.runtime.host_store import layer_views
+    from torch_stagehand.runtime.precision import layer_views
 
     qv, sv = layer_views(q_host, s_host)
     assert torch.equal(qv, q) and torch.equal(sv, s)  # bytes straight from the file

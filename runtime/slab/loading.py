@@ -10,7 +10,7 @@ that fails leaves the model as it was.
 
 This is the one module of the slab package that knows the streaming engine,
 because its job is to fill the engine's host store: it writes into the INT8
-buffers the store allocates (`host_store.layer_views` names each layer's rows
+buffers the store allocates (`precision.layer_views` names each layer's rows
 and scale in a block buffer) and is called back by `Runtime` (typed only). The
 rest of `slab/` (reader, builder, manifest, I/O) never imports the engine (only
 the shared Linear-like rule, `runtime/linear_like.py`), and the package's
