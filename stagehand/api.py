@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from torch_stagehand.config import Config
+from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
 from torch_stagehand.runtime.precision import FULL, validate_precision_map
 from torch_stagehand.runtime.runtime import Runtime
@@ -42,6 +43,7 @@ def offload(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
+    disable_unsafe_sdpa_backends(device)
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
     precision_map = validate_precision_map(precision, block_fqns, context="offload: precision map")
