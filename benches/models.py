@@ -132,6 +132,7 @@ def pinned_h2d_gbps(nbytes: int = 512 * 2**20, reps: int = 8) -> float:
 def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
     """First step (compile + warm-up) timed on its own, then the median of `steps`."""
     sync.reset_peak()
+    first_before = (rt.stats(), dynamo_seconds()) if rt is not None else None
     t0 = time.perf_counter()
     step()
     sync()
@@ -148,6 +149,12 @@ def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
     row = {"mode": label, "step_ms": round(statistics.median(times), 1), "steps_ms": [round(t, 1) for t in times],
            "host_ms": round(statistics.median(host), 1), "first_step_s": round(first_s, 1), "peak_gib": sync.peak_gib()}
     if rt is not None:
+        stats0, dynamo0 = first_before
+        row["first_step_parts_s"] = {  # what the first step was made of
+            "dynamo_capture": round(dynamo_seconds() - dynamo0, 1),
+            "aot_inductor": round(before["compile_seconds"] - stats0["compile_seconds"], 1),
+            "w8a16_autotune": round(before["autotune_seconds"] - stats0["autotune_seconds"], 1),
+        }
         after = rt.stats()
         row.update(
             h2d_gb_step=round((after["h2d_bytes"] - before["h2d_bytes"]) / steps / 1e9, 3),
@@ -157,6 +164,13 @@ def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
             compiled_variants=after["compiled_variants"],
         )
     return row
+
+
+def dynamo_seconds() -> float:
+    """Seconds Dynamo has spent capturing frames in this process (its own timer)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("_compile.compile_inner", []))
 
 
 def profile_step(step) -> str:

@@ -12,7 +12,7 @@ from .reference import int8_linear_grad_input_ref, int8_linear_ref
 
 try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
     from .launch import int8_linear_grad_input_triton, int8_linear_triton
-    from .tune import Config, tuned_configs, tuning_log
+    from .tune import Config, tuned_configs, tuning_log, tuning_seconds
 
     HAS_TRITON = True
 except Exception:  # pragma: no cover - depends on the install
@@ -29,6 +29,9 @@ except Exception:  # pragma: no cover - depends on the install
 
     def tuning_log():
         return {}
+
+    def tuning_seconds():
+        return 0.0
 
 
 def int8_linear(x, qweight, scale, bias=None, activation=None):
@@ -58,4 +61,5 @@ __all__ = [
     "quantize_per_row",
     "tuned_configs",
     "tuning_log",
+    "tuning_seconds",
 ]

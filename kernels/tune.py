@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -144,6 +145,12 @@ def heuristic(kind: str, m: int, n_out: int, red: int, device) -> Config:
 
 
 _LOG: dict[tuple, dict] = {}
+_SECONDS = [0.0]  # wall time this process spent tuning (part of a first step)
+
+
+def tuning_seconds() -> float:
+    """Seconds this process has spent autotuning W8A16 launches so far."""
+    return _SECONDS[0]
 
 
 def tuned_configs() -> dict:
@@ -180,6 +187,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check) -> Config:
         if reason is None:
             _LOG[key] = dict(chosen=cached, times_us={}, rejected={}, from_disk=True)
             return cached
+    started = time.perf_counter()
     weights = _rotating_copies(weight)
     times, rejected = {}, {}
     for cfg in candidates(kind, m, n_out, red, device):
@@ -198,6 +206,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check) -> Config:
         raise RuntimeError(f"stagehand W8A16 {kind}: no kernel config passed for {key}: {rejected}")
     best = min(times, key=times.get)
     _LOG[key] = dict(chosen=best, times_us=times, rejected=rejected)
+    _SECONDS[0] += time.perf_counter() - started
     if disk is not None:
         disk.put(key, best)
     return best

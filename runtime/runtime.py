@@ -21,6 +21,8 @@ import torch.nn as nn
 
 from .config import Config
 
+from torch_stagehand import kernels
+
 from . import precision as precisions
 from . import registry
 from .blocks import StreamedLayerSpec
@@ -68,7 +70,8 @@ class Runtime:
         pin = config.pin_memory and self.device.type == "cuda"
         quant_device = self.device if self.device.type == "cuda" else None
         self.store = HostStore(layers, len(block_fqns), pin=pin, quantizer=config.quantizer, quant_device=quant_device)
-        meta_blocks = [b for b in range(len(block_fqns)) if not self.store.adopt_full(b)]
+        meta_blocks = [b for b in _progress(range(len(block_fqns)), "offload: blocks to the host store")
+                       if not self.store.adopt_full(b)]
         if slab_loader is not None:
             slab_loader(self)
         elif meta_blocks:
@@ -126,9 +129,9 @@ class Runtime:
                     f"precision map: block {block} ({self.blocks[block]}) has no full-precision weights "
                     f"to stream {value} from (it was loaded from an INT8 slab only)"
                 )
-        for block, value in new.items():
-            if not self.store.has(block, value):
-                self.store.build(block, value)
+        missing = [(b, p) for b, p in new.items() if not self.store.has(b, p)]
+        for block, value in _progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
+            self.store.build(block, value)
         self._precision = new
 
     def stats(self) -> dict[str, Any]:
@@ -151,6 +154,7 @@ class Runtime:
             "compiled_variants": self.block_variant_count,
             "compiled_units": self.compile_count,
             "compile_seconds": round(self.compile_seconds, 3),
+            "autotune_seconds": round(kernels.tuning_seconds(), 3),  # process-wide (W8A16 tuning)
             "steps": self.phases.step,
             "precision_counts": dict(Counter(self._precision.values())),
             "eager_linear_calls": self.eager_linear_calls,
@@ -338,6 +342,16 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("stagehand: this Runtime was closed (restore() was called)")
+
+
+def _progress(items, label: str):
+    """A progress bar on a terminal for the slow loops of offload (a 12B model takes a minute); silent elsewhere."""
+    items = list(items)
+    if len(items) < 8:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=label, unit="block", disable=None, leave=False)
 
 
 def _layer_index(module: nn.Module, rt: Runtime) -> int:
