@@ -1,5 +1,8 @@
 """Real models in their real training set-up: the model's own gradient checkpointing on.
 
+HF Llama and Qwen2 decoder layers, diffusers Flux (double + single lists), SD3,
+Wan and HunyuanVideo (double + single lists and a refiner), all under peft.
+
 HF transformers (`gradient_checkpointing_enable()`) and diffusers
 (`enable_gradient_checkpointing()`) call each block through non-reentrant
 `torch.utils.checkpoint`; Dynamo captures a `tag_activation_checkpoint`
@@ -65,12 +68,45 @@ def tiny_sd3(seed=0):
     return model, inputs
 
 
+def tiny_wan(seed=0):
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                  out_channels=4, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=3,
+                                  rope_max_seq_len=32).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {"hidden_states": torch.randn(1, 4, 2, 8, 8, generator=gen).to(torch.bfloat16),
+              "timestep": torch.tensor([500]),
+              "encoder_hidden_states": torch.randn(1, 6, 32, generator=gen).to(torch.bfloat16), "return_dict": False}
+    return model, inputs
+
+
+def tiny_hunyuan_video(seed=0):
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2, num_single_layers=2,
+        num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=False, text_embed_dim=32,
+        pooled_projection_dim=32, rope_axes_dim=(4, 6, 6)).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {"hidden_states": torch.randn(1, 4, 1, 8, 8, generator=gen).to(torch.bfloat16),
+              "timestep": torch.tensor([500]),
+              "encoder_hidden_states": torch.randn(1, 6, 32, generator=gen).to(torch.bfloat16),
+              "encoder_attention_mask": torch.ones(1, 6, dtype=torch.bool),
+              "pooled_projections": torch.randn(1, 32, generator=gen).to(torch.bfloat16), "return_dict": False}
+    return model, inputs
+
+
 # name -> (builder, LoRA targets, HF-style (True) or diffusers-style checkpointing switch)
 MODELS = {
     "llama": (tiny_llama, ["q_proj", "k_proj", "v_proj", "o_proj"], True),
     "qwen2": (tiny_qwen2, ["q_proj", "k_proj", "v_proj", "o_proj"], True),
     "flux": (tiny_flux, ["to_q", "to_k", "to_v"], False),
     "sd3": (tiny_sd3, ["to_q", "to_k", "to_v"], False),
+    "wan": (tiny_wan, ["to_q", "to_k", "to_v"], False),
+    "hunyuan_video": (tiny_hunyuan_video, ["to_q", "to_k", "to_v"], False),
 }
 
 
@@ -93,7 +129,7 @@ def _checkpointed_lora(kind: str):
 
 
 def _loss(kind, model, inputs):
-    if kind in ("flux", "sd3"):
+    if kind in ("flux", "sd3", "wan", "hunyuan_video"):
         return first_tensor(model(**inputs)).float().square().mean()
     return model(**inputs, labels=inputs["input_ids"]).loss
 
