@@ -322,14 +322,20 @@ class _ReentrantToy(nn.Module):
         return self.inner.head(x)
 
 
-def test_reentrant_checkpointing_is_placed_too():
-    """Dynamo captures `use_reentrant=True` as the same checkpoint op: compiled, recomputed, exact."""
+def _offloaded_and_compiled(wrapper_cls):
+    """A 3-block toy inside `wrapper_cls`: its plain output and grads, then offloaded and compiled."""
     model, x = _toy_with_trainable_norms(n=3)
-    wrapped = _ReentrantToy(model)
+    wrapped = wrapper_cls(model)
     ref_out, ref_grads = _toy_grads(copy.deepcopy(wrapped), x)
     rt = stagehand.offload(wrapped, device="cpu")
     torch._dynamo.reset()
     compiled = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})
+    return wrapped, x, rt, compiled, ref_out, ref_grads
+
+
+def test_reentrant_checkpointing_is_placed_too():
+    """Dynamo captures `use_reentrant=True` as the same checkpoint op: compiled, recomputed, exact."""
+    wrapped, x, rt, compiled, ref_out, ref_grads = _offloaded_and_compiled(_ReentrantToy)
     out, grads = _toy_grads(wrapped, x, compiled)
     assert rel_err(out, ref_out) < 1e-4
     assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-4
@@ -356,12 +362,7 @@ class _DisabledBlockToy(nn.Module):
 
 
 def test_a_block_the_backend_cannot_place_is_correct_counted_and_reported():
-    model, x = _toy_with_trainable_norms(n=3)
-    wrapped = _DisabledBlockToy(model)
-    ref_out, ref_grads = _toy_grads(copy.deepcopy(wrapped), x)
-    rt = stagehand.offload(wrapped, device="cpu")
-    torch._dynamo.reset()
-    compiled = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})
+    wrapped, x, rt, compiled, ref_out, ref_grads = _offloaded_and_compiled(_DisabledBlockToy)
     with pytest.warns(stagehand.EagerFallbackWarning, match="inner.blocks.1") as record:
         out, grads = _toy_grads(wrapped, x, compiled)
     assert rel_err(out, ref_out) < 1e-4
