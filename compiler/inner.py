@@ -82,7 +82,8 @@ def _custom_pass(joint: JointPasses):
     return type("StagehandJointPasses", (JointPasses, CustomGraphPass), {})(joint.passes, joint.log)
 
 
-def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph, joint: JointPasses):
+def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph, joint: JointPasses,
+                     replay_rng: bool = False):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -91,13 +92,17 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
         on_graph(kind, graph_module)
         return compile_fx_inner(graph_module, inputs, **kwargs)
 
-    with inductor_config.patch(joint_custom_post_pass=_custom_pass(joint)), _eager_backward_lowering():
+    # A recomputed block's two variants must draw random numbers as eager does (from the generators
+    # the recompute restores, in program order), not from Inductor's own seeds.
+    patches = dict(joint_custom_post_pass=_custom_pass(joint)) | (dict(fallback_random=True) if replay_rng else {})
+    with inductor_config.patch(**patches), _eager_backward_lowering():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph: OnGraph,
-                 joint_passes: Sequence[Callable], log: PassLog | None = None):
+                 joint_passes: Sequence[Callable], log: PassLog | None = None, replay_rng: bool = False):
+    """`replay_rng`: the unit is recomputed in backward and must replay its forward's random numbers."""
     joint = JointPasses(joint_passes, log)
     if inner == "eager":
         return compile_eager(gm, example_inputs, on_graph, joint)
-    return compile_inductor(gm, example_inputs, on_graph, joint)
+    return compile_inductor(gm, example_inputs, on_graph, joint, replay_rng)

@@ -97,7 +97,8 @@ class _Unit(nn.Module):
             graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
 
         start = time.perf_counter()
-        compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes, pass_log)
+        compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes, pass_log,
+                                replay_rng=getattr(self, "recomputes", False))
         seconds = time.perf_counter() - start
         rt.record_compile(seconds, block_variant)
         cache.add(key, compiled, {
@@ -157,19 +158,23 @@ class BlockUnit(_Unit):
         return self.segment.recompute or self.ctx.options.recompute == "blocks"
 
     def forward(self, *args):
+        rt = self.ctx.runtime
+        precision = rt.precision[self.block]
         if self.recomputes and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
-            return run_recomputed(self._run_variant, args, lambda: self.ctx.runtime.record_recompute(self.block))
-        return self._run_variant(args)
+            # The recompute runs in the precision this forward ran in, whatever the map is by then.
+            return run_recomputed(lambda a: self._run_variant(a, precision),
+                                  args, lambda: rt.record_recompute(self.block), rt.abort_held_blocks)
+        return self._run_variant(args, precision)
 
-    def _run_variant(self, args: tuple):
-        """Run the compiled variant for the block's precision and the current grad mode."""
+    def _run_variant(self, args: tuple, precision: str):
+        """Run the compiled variant for `precision` and the current grad mode."""
         rt = self.ctx.runtime
-        precision = rt.precision[self.block]
         gm, skey, vctx = self.variant_graph(precision)
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
-        key = self.last_key = (skey, input_signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner)
+        key = self.last_key = (skey, input_signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
+                               self.recomputes)
         compiled = self.ctx.variants.get(key)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[self.block]})"

@@ -15,6 +15,7 @@ file that lies costs a re-tune, not a wrong number.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -50,6 +51,13 @@ def fingerprint(device_name: str, capability: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=None)
+def _for_device(device_name: str, folder: str, index: int) -> "TuneCache":
+    props = torch.cuda.get_device_properties(index)
+    name = f"w8a16-{fingerprint(device_name, f'{props.major}.{props.minor}')}.json"
+    return TuneCache(os.path.join(folder, name))
+
+
 def key_text(key: tuple) -> str:
     """(kind, device, M bucket, N, K, dtype) -> a stable string (the device by name, not index)."""
     kind, _device, m_bucket, n, k, dtype = key
@@ -65,9 +73,8 @@ class TuneCache:
 
     @staticmethod
     def for_device(device: torch.device) -> "TuneCache":
-        props = torch.cuda.get_device_properties(device)
-        name = f"w8a16-{fingerprint(props.name, f'{props.major}.{props.minor}')}.json"
-        return TuneCache(os.path.join(cache_dir(), name))
+        """One cache object per device and folder (the fingerprint hashes source files: once)."""
+        return _for_device(torch.cuda.get_device_properties(device).name, cache_dir(), device.index or 0)
 
     def _load(self) -> dict[str, dict[str, Any]]:
         if self._entries is None:
@@ -98,4 +105,6 @@ class TuneCache:
                 json.dump(entries, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old or the new file
         except OSError:
-            pass  # a read-only home: the choice still holds for this process
+            # A read-only home: the choice still holds for this process.
+            if "tmp" in locals() and os.path.exists(tmp):
+                os.unlink(tmp)

@@ -11,6 +11,8 @@ same backend also faults at Flux's full shape on the H100 (DESIGN.md). So
 `offload` on CUDA turns that backend off, says so once, and leaves flash and
 memory-efficient attention (which were right in every run) to carry attention.
 `STAGEHAND_ALLOW_CUDNN_SDPA=1` keeps it on for whoever has checked their build.
+The setting is process-wide; it comes back when the last runtime that turned it
+off is closed (`restore()`).
 """
 
 from __future__ import annotations
@@ -25,12 +27,19 @@ class AttentionBackendWarning(UserWarning):
     """stagehand changed which attention backend torch may use (to keep gradients right)."""
 
 
-def disable_unsafe_sdpa_backends(device: torch.device) -> bool:
-    """Turn cuDNN SDPA off for a CUDA runtime; True when this call changed the setting."""
+_HOLDERS = [0]  # live runtimes that keep cuDNN SDPA off (it was on before the first)
+
+
+def disable_unsafe_sdpa_backends(device: torch.device):
+    """Turn cuDNN SDPA off for a CUDA runtime. Returns the undo to call when that runtime closes, or None."""
     if device.type != "cuda" or os.environ.get("STAGEHAND_ALLOW_CUDNN_SDPA") == "1":
-        return False
+        return None
+    if _HOLDERS[0]:
+        _HOLDERS[0] += 1
+        return _release
     if not torch.backends.cuda.cudnn_sdp_enabled():
-        return False
+        return None  # the user turned it off: nothing to give back
+    _HOLDERS[0] = 1
     torch.backends.cuda.enable_cudnn_sdp(False)
     warnings.warn(
         f"stagehand: disabled cuDNN scaled-dot-product attention (torch {torch.__version__}): its backward gave "
@@ -39,4 +48,10 @@ def disable_unsafe_sdpa_backends(device: torch.device) -> bool:
         AttentionBackendWarning,
         stacklevel=3,
     )
-    return True
+    return _release
+
+
+def _release() -> None:
+    _HOLDERS[0] -= 1
+    if _HOLDERS[0] == 0:
+        torch.backends.cuda.enable_cudnn_sdp(True)

@@ -115,7 +115,7 @@ class SlotPool:
         twin = SlotPool(torch.device("meta"), len(self.slots), self.slot_bytes, self.store)
         for mine, theirs in zip(self.slots, twin.slots):
             theirs.key, theirs.state, theirs.nbytes = mine.key, mine.state, mine.nbytes
-            theirs.released_at = mine.released_at
+            theirs.released_at, theirs.holds = mine.released_at, mine.holds
         twin._tick = itertools.count(max(s.released_at for s in self.slots) + 1)
         twin.stats.resident_bytes = twin.stats.peak_resident_bytes = self.stats.resident_bytes
         return twin

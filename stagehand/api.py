@@ -43,7 +43,6 @@ def offload(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
-    disable_unsafe_sdpa_backends(device)
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
     precision_map = validate_precision_map(precision, block_fqns, context="offload: precision map")
@@ -53,6 +52,9 @@ def offload(
 
         slab_loader = slab_loader_for(slab)
     rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader)
+    undo_attention_guard = disable_unsafe_sdpa_backends(device)
+    if undo_attention_guard is not None:
+        rt.on_close(undo_attention_guard)
     log.info(
         "stagehand: %d blocks, %d streamed layers, %.1f MB host store, %d slots of %.1f MB on %s",
         len(block_fqns), len(layers), rt.store.host_bytes() / 1e6, len(rt.pool.slots), rt.pool.slot_bytes / 1e6, device,

@@ -192,7 +192,8 @@ def _check_model(kind: str, inner: str):
                 loss = _loss(kind, compiled, inputs)
             after_forward = rt.stats()
             resident_at_turn = {b for b, _p, _s in rt.pool.resident().values()}
-            loss.backward()
+            with _SavedTensors() as saved_in_backward:  # the recompute's own saves happen here
+                loss.backward()
             after = rt.stats()
 
     grads = _lora_grads(model)
@@ -217,7 +218,9 @@ def _check_model(kind: str, inner: str):
     )
     assert after["sync_fetches"] - before["sync_fetches"] <= 1  # at most the first block, if the last step left it out
     streamed = _streamed_storages(rt)
-    assert not [t for t in saved.saved if t.untyped_storage().data_ptr() in streamed]
+    assert saved_in_backward.saved  # the recompute ran and saved its activations there
+    for t in saved.saved + saved_in_backward.saved:
+        assert t.untyped_storage().data_ptr() not in streamed
     return rt
 
 
@@ -292,11 +295,120 @@ def test_backend_recompute_option_matches_and_saves_less(inner):
 
 def test_model_checkpointing_and_backend_recompute_recompute_once():
     model, inputs = _checkpointed_lora("llama")
+    ref = copy.deepcopy(model)
+    _loss("llama", ref, inputs).backward()
     rt = stagehand.offload(model, device="cpu")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager", "recompute": "blocks"})
     _loss("llama", compiled, inputs).backward()
     assert rt.stats()["recomputed_blocks"] == len(rt.blocks)
+    grads, ref_grads = _lora_grads(model), _lora_grads(ref)
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 8e-2
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(self.block(x), p=0.5, training=True)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_recompute_replays_the_forward_dropout_masks(inner):
+    """A recomputed block draws the same random numbers as its forward did (as torch.utils.checkpoint).
+
+    Against the same model saving its activations, same seed: both must see the same masks, so
+    Inductor draws from torch's generators in both (fallback_random, which recomputed variants use)."""
+    import torch._inductor.config as inductor_config
+
+    model, x = _toy_with_trainable_norms(n=3)
+    model.blocks = nn.ModuleList([_DropoutBlock(b) for b in model.blocks])
+    grads = {}
+    with inductor_config.patch(fallback_random=True):
+        _dropout_grads(model, x, inner, grads)
+    for name, g in grads[None].items():
+        assert rel_err(grads["blocks"][name], g) < 1e-5, name
+
+
+def _dropout_grads(model, x, inner, grads):
+    for recompute in (None, "blocks"):
+        m = copy.deepcopy(model)
+        rt = stagehand.offload(m, device="cpu", blocks="blocks")
+        torch._dynamo.reset()
+        options = {"inner": inner} | ({"recompute": recompute} if recompute else {})
+        compiled = torch.compile(m, backend="stagehand", options=options)
+        torch.manual_seed(123)
+        out, grads[recompute] = _toy_grads(m, x, compiled)
+        assert rt.stats()["recomputed_blocks"] == (3 if recompute else 0)
+        torch.manual_seed(7)
+        assert rel_err(_toy_grads(m, x, compiled)[0], out) > 0.1  # dropout really draws
+
+
+def test_nested_checkpoints_are_inlined_too():
+    class MlpCheckpointed(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x):
+            b = self.block
+            h = checkpoint.checkpoint(lambda t: torch.nn.functional.gelu(b.up(b.norm(t))), x, use_reentrant=False)
+            return x + b.down(h)
+
+    class Outer(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            x = self.inner.embed(x)
+            for block in self.inner.blocks:
+                x = checkpoint.checkpoint(block, x, use_reentrant=False)
+            return self.inner.head(x)
+
+    model, x = _toy_with_trainable_norms(n=3)
+    model.blocks = nn.ModuleList([MlpCheckpointed(b) for b in model.blocks])
+    wrapped = Outer(model)
+    ref_out, ref_grads = _toy_grads(copy.deepcopy(wrapped), x)
+    rt = stagehand.offload(wrapped, device="cpu", blocks="inner.blocks")
+    torch._dynamo.reset()
+    out, grads = _toy_grads(wrapped, x, torch.compile(wrapped, backend="stagehand", options={"inner": "eager"}))
+    assert rel_err(out, ref_out) < 1e-4
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-4
+    stats = rt.stats()
+    assert stats["eager_linear_calls"] == 0 and stats["recomputed_blocks"] == 3
+
+
+def test_a_precision_switch_between_forward_and_backward_recomputes_in_the_forward_precision():
+    model, x = _toy_with_trainable_norms(n=3)
+    x = x.to(torch.float32)
+    grads = {}
+    for recompute in (None, "blocks"):
+        m = copy.deepcopy(model)
+        rt = stagehand.offload(m, device="cpu")
+        torch._dynamo.reset()
+        compiled = torch.compile(m, backend="stagehand",
+                                 options={"inner": "eager"} | ({"recompute": recompute} if recompute else {}))
+        out = compiled(x)
+        rt.set_precision("int8")  # after the forward: this step's backward still belongs to bf16
+        out.float().square().mean().backward()
+        grads[recompute] = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    for name, g in grads[None].items():
+        assert rel_err(grads["blocks"][name], g) < 1e-6, name
+
+
+def test_gradients_of_gradients_through_a_recomputed_block_are_refused():
+    model, x = _toy_with_trainable_norms(n=2)
+    rt = stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager", "recompute": "blocks"})
+    loss = compiled(x).square().mean()
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|double backward"):
+        gx.sum().backward()
+    assert rt.stats()["recomputed_blocks"] == 2
 
 
 def test_recompute_option_is_validated():

@@ -86,7 +86,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
             if inner.op == "get_attr":
                 # The body's constants and nested subgraphs move to the outer module.
                 attr = f"{node.name}_{inner.target.replace('.', '_')}"
-                setattr(gm, attr, getattr(body, inner.target))
+                setattr(gm, attr, _attr(body, inner.target))
                 copied = graph.get_attr(attr)
                 copied.meta = dict(inner.meta)
             else:
@@ -102,24 +102,16 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
 
 @compiler_pass("inline_checkpoints")
 def inline_checkpoints(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    inlined, kept = 0, []
-    for node in list(gm.graph.nodes):
-        if not is_checkpoint(node):
-            continue
-        body_node = node.args[0]
-        body = getattr(gm, body_node.target, None) if isinstance(body_node, fx.Node) else None
-        if not isinstance(body, fx.GraphModule) or streams(body) is None:
-            continue
-        reason = _why_not_inlinable(node)
-        if reason is not None:
-            kept.append(f"{node.name}: {reason}")
-            continue
-        _inline(gm, node, body)
-        if not body_node.users:
-            gm.graph.erase_node(body_node)
-            if hasattr(gm, body_node.target):
-                delattr(gm, body_node.target)
-        inlined += 1
+    inlined, kept, seen = 0, [], set()
+    # A worklist: a checkpoint nested in a checkpoint's body is copied in by the outer one's
+    # inlining and inlined in turn.
+    while True:
+        pending = [n for n in gm.graph.nodes if is_checkpoint(n) and n not in seen]
+        if not pending:
+            break
+        for node in pending:
+            seen.add(node)
+            inlined += _inline_one(gm, node, kept)
     if inlined or kept:
         gm.graph.lint()
         gm.recompile()
@@ -129,3 +121,29 @@ def inline_checkpoints(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModul
         warnings.warn(f"stagehand: activation checkpoint {reason}: its streamed linears will run the eager op path "
                       "(correct, slower; counted in stats()['eager_linear_calls'])", EagerFallbackWarning, stacklevel=2)
     return gm
+
+
+def _inline_one(gm: fx.GraphModule, node: fx.Node, kept: list[str]) -> int:
+    """Inline one checkpoint call if its body streams and it can be placed; 1 if it was."""
+    body_node = node.args[0]
+    body = _attr(gm, body_node.target) if isinstance(body_node, fx.Node) else None
+    if not isinstance(body, fx.GraphModule) or streams(body) is None:
+        return 0
+    reason = _why_not_inlinable(node)
+    if reason is not None:
+        kept.append(f"{node.name}: {reason}")
+        return 0
+    _inline(gm, node, body)
+    if not body_node.users:
+        gm.graph.erase_node(body_node)
+        if "." not in body_node.target and hasattr(gm, body_node.target):
+            delattr(gm, body_node.target)
+    return 1
+
+
+def _attr(module: fx.GraphModule, target: str):
+    """`get_attr` targets may be dotted paths."""
+    try:
+        return operator.attrgetter(target)(module)
+    except AttributeError:
+        return None
