@@ -205,7 +205,7 @@ def run(args):
 
 
 def _short(cfg: str) -> str:
-    # "Config(block_o=64, block_m=16, ..., mode='fused')" -> "64x16x256 s1 w4 st3 v0"
+    # "LaunchConfig(block_o=64, block_m=16, ..., mode='fused')" -> "64x16x256 s1 w4 st3 v0"
     import re
 
     if "dequant" in cfg:

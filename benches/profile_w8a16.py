@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from torch_stagehand.kernels import Config, int8_linear_grad_input_triton, int8_linear_triton, quantize_per_row
+from torch_stagehand.kernels import LaunchConfig, int8_linear_grad_input_triton, int8_linear_triton, quantize_per_row
 
 
 def main():
@@ -30,7 +30,7 @@ def main():
     a = ap.parse_args()
     rows = json.load(open(a.json))["rows"]
     row = next(r for r in rows if (r["kind"], r["M"], r["K"], r["N"]) == (a.kind, a.m, a.k, a.n))
-    cfg = eval(row["best_fused"] if a.fused else row["chosen"], {"Config": Config})  # our own file
+    cfg = eval(row["best_fused"] if a.fused else row["chosen"], {"Config": LaunchConfig, "LaunchConfig": LaunchConfig})  # our own file
     print(f"profiling {a.kind} M={a.m} K={a.k} N={a.n} with {cfg}", flush=True)
     x = torch.randn(a.m, a.k, device="cuda").bfloat16()
     dy = torch.randn(a.m, a.n, device="cuda").bfloat16()

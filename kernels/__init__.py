@@ -12,12 +12,12 @@ from .reference import int8_linear_grad_input_ref, int8_linear_ref
 
 try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
     from .launch import int8_linear_grad_input_triton, int8_linear_triton
-    from .tune import Config, tuned_configs, tuning_log, tuning_seconds
+    from .tune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
 
     HAS_TRITON = True
 except Exception:  # pragma: no cover - depends on the install
     HAS_TRITON = False
-    Config = None
+    LaunchConfig = None
 
     def _no_triton(*args, **kwargs):
         raise RuntimeError("torch_stagehand.kernels: Triton is not importable here")
@@ -50,7 +50,7 @@ def int8_linear_grad_input(dy, qweight, scale, k=None):
 
 __all__ = [
     "HAS_TRITON",
-    "Config",
+    "LaunchConfig",
     "dequantize",
     "int8_linear",
     "int8_linear_grad_input",

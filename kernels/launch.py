@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from . import tune, w8a16
-from .tune import Config
+from .tune import LaunchConfig
 
 _ACTS = {None: 0, "gelu_tanh": 1}
 _REDUCE_BLOCK = 1024
@@ -95,7 +95,7 @@ def _dummy(device) -> torch.Tensor:
 # ----------------------------------------------------------------------------- launches
 
 
-def _k_split(red: int, cfg: Config):
+def _k_split(red: int, cfg: LaunchConfig):
     """Reduction elements per split (a multiple of block_r) and the splits actually used."""
     per = _cdiv(_cdiv(red, cfg.split), cfg.block_r) * cfg.block_r
     return per, _cdiv(red, per)
@@ -111,7 +111,7 @@ def _dequant(q, scale, k, dtype):
     return w
 
 
-def _launch_fwd(x, T, sb, st, q, scale, bias, y, M, N, K, act, cfg: Config, f32: bool):
+def _launch_fwd(x, T, sb, st, q, scale, bias, y, M, N, K, act, cfg: LaunchConfig, f32: bool):
     if cfg.mode == "dequant":
         w = _dequant(q, scale, K, x.dtype)
         x2d, y2d = x.reshape(M, K), y.view(M, N)  # reshape copies only a non-collapsible x
@@ -140,7 +140,7 @@ def _launch_fwd(x, T, sb, st, q, scale, bias, y, M, N, K, act, cfg: Config, f32:
         )
 
 
-def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config: Config | None = None):
+def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config: LaunchConfig | None = None):
     """Triton W8A16 forward: y = (x @ q[:, :K].T) * scale + bias, optional tanh-GeLU."""
     what = "int8_linear"
     _check_act(x, what, "x")
@@ -191,7 +191,7 @@ def int8_linear_ref_epilogue(y, scale, bias, activation):
     return y.copy_(acc)
 
 
-def _launch_bwd(dy, T, sb, st, q, scale, dx, M, N, KO, cfg: Config, f32: bool):
+def _launch_bwd(dy, T, sb, st, q, scale, dx, M, N, KO, cfg: LaunchConfig, f32: bool):
     if cfg.mode == "dequant":
         w = _dequant(q, scale, KO, dy.dtype)
         torch.mm(dy.reshape(M, N), w, out=dx.view(M, KO))
@@ -208,7 +208,7 @@ def _launch_bwd(dy, T, sb, st, q, scale, dx, M, N, KO, cfg: Config, f32: bool):
         w8a16._bwd_reduce_kernel[(_cdiv(mn, _REDUCE_BLOCK),)](ws, dx, mn, split, BLOCK=_REDUCE_BLOCK, num_warps=4)
 
 
-def int8_linear_grad_input_triton(dy, qweight, scale, k=None, *, config: Config | None = None):
+def int8_linear_grad_input_triton(dy, qweight, scale, k=None, *, config: LaunchConfig | None = None):
     """Triton grad-input: dx = (dy * scale) @ q[:, :k]."""
     what = "int8_linear_grad_input"
     _check_act(dy, what, "dy")

@@ -33,7 +33,7 @@ from . import tune_cache
 
 
 @dataclass(frozen=True)
-class Config:
+class LaunchConfig:
     """One launch: output tile (weight rows) x token tile x reduction step, split count.
 
     variant: forward 1 = scale the weight tile in registers; grad-input 1 = load the
@@ -50,10 +50,10 @@ class Config:
     mode: str = "fused"
 
 
-DEQUANT = Config(0, 0, 0, mode="dequant")
+DEQUANT = LaunchConfig(0, 0, 0, mode="dequant")
 # fp32 activations (toy models) run the ieee fp32 dot on CUDA cores: a small tile
 # that neither spills nor needs tuning.
-F32_CONFIG = Config(64, 32, 32, 1, 4, 2)
+F32_CONFIG = LaunchConfig(64, 32, 32, 1, 4, 2)
 
 _SM_COUNT: dict = {}
 
@@ -109,7 +109,7 @@ def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
     return out
 
 
-def candidates(kind: str, m: int, n_out: int, red: int, device) -> list[Config]:
+def candidates(kind: str, m: int, n_out: int, red: int, device) -> list[LaunchConfig]:
     n_sm = sms(device)
     out = []
     for bo, bm, br, w, st in tiles(m, kind):
@@ -129,19 +129,19 @@ def candidates(kind: str, m: int, n_out: int, red: int, device) -> list[Config]:
             else:
                 variants = (0,)
             for v in variants:
-                out.append(Config(bo, bm, br, s, w, st, v))
+                out.append(LaunchConfig(bo, bm, br, s, w, st, v))
     if m > 512:  # compute-bound: a bf16 copy of the weight costs a few percent
         out.append(DEQUANT)
     return out
 
 
-def heuristic(kind: str, m: int, n_out: int, red: int, device) -> Config:
+def heuristic(kind: str, m: int, n_out: int, red: int, device) -> LaunchConfig:
     """The untuned choice: first tile of the regime, split until the grid fills the SMs."""
     bo, bm, br, w, st = tiles(m, kind)[0]
     opts = splits(m, n_out, red, bo, bm, br, sms(device))
     n_tiles = triton.cdiv(n_out, bo) * triton.cdiv(m, bm)
     s = next((s for s in opts if n_tiles * s >= sms(device)), opts[-1])
-    return Config(bo, bm, br, s, w, st, 0)
+    return LaunchConfig(bo, bm, br, s, w, st, 0)
 
 
 _LOG: dict[tuple, dict] = {}
@@ -154,16 +154,16 @@ def tuning_seconds() -> float:
 
 
 def tuned_configs() -> dict:
-    """key -> chosen Config, for every key tuned so far."""
+    """key -> chosen LaunchConfig, for every key tuned so far."""
     return {k: v["chosen"] for k, v in _LOG.items()}
 
 
 def tuning_log() -> dict:
-    """key -> {chosen, times_us {Config: us}, rejected {Config: reason}}."""
+    """key -> {chosen, times_us {LaunchConfig: us}, rejected {LaunchConfig: reason}}."""
     return {k: dict(v) for k, v in _LOG.items()}
 
 
-def pick(kind, key, m, n_out, red, device, run, weight, check) -> Config:
+def pick(kind, key, m, n_out, red, device, run, weight, check) -> LaunchConfig:
     """The config for key: tuned once (see the module docstring), then cached.
 
     run(cfg, weight) launches; check(cfg) returns None if the output is right,
@@ -177,7 +177,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check) -> Config:
     if torch.cuda.is_current_stream_capturing():  # timing would break the capture
         return heuristic(kind, m, n_out, red, device)
     disk = tune_cache.TuneCache.for_device(device) if tune_cache.enabled() else None
-    cached = disk.get(key, Config) if disk is not None else None
+    cached = disk.get(key, LaunchConfig) if disk is not None else None
     if cached is not None:
         try:
             run(cached, weight)

@@ -22,3 +22,11 @@ def is_conv1d(module: nn.Module) -> bool:
     not count.
     """
     return any(c.__name__ == "Conv1D" and c.__module__.startswith("transformers") for c in type(module).__mro__)
+
+
+def is_adapter_path(name: str) -> bool:
+    """A module path inside a peft adapter (lora_A / lora_B / lora_embedding_* / lora_magnitude_vector):
+    Linears there belong to the adapter, not to the base model, so neither streams nor goes into a slab.
+    (A live peft model is also recognised by its tuner layers, `blocks._adapter_module_names`; this is
+    the rule for names alone, as a checkpoint or a slab has them.)"""
+    return any(part.startswith("lora_") for part in name.split("."))

@@ -17,7 +17,7 @@ import zlib
 import torch
 
 # name -> spec. lead: leading dims of the activation; layout: how the activation is
-# laid out in memory; cfg: Config fields (block_o, block_m, block_r, split[, warps,
+# laid out in memory; cfg: LaunchConfig fields (block_o, block_m, block_r, split[, warps,
 # stages, trans_load]) or None for the launcher's own choice.
 CASES = {}
 for _m in (1, 7, 16, 33):
@@ -66,7 +66,7 @@ def _activation(lead, k, dtype, layout, gen):
 
 def run_case(name, spec):
     from torch_stagehand.kernels import (
-        Config, int8_linear_grad_input_ref, int8_linear_grad_input_triton, int8_linear_ref, int8_linear_triton,
+        LaunchConfig, int8_linear_grad_input_ref, int8_linear_grad_input_triton, int8_linear_ref, int8_linear_triton,
     )
 
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))  # stable across runs
@@ -75,7 +75,7 @@ def run_case(name, spec):
     k = spec["k"] if spec["k"] is not None else kp
     q = torch.randint(-127, 128, (n, kp), generator=gen, dtype=torch.int8)
     scale = torch.rand(n, generator=gen) * 0.02 + 1e-3
-    cfg = Config(*spec["cfg"]) if spec.get("cfg") else None
+    cfg = LaunchConfig(*spec["cfg"]) if spec.get("cfg") else None
     layout = spec.get("layout", "contig")
     if spec["kind"] == "fwd":
         x = _activation(spec["lead"], k, dtype, layout, gen)

@@ -54,3 +54,12 @@ def test_engine_and_slab_count_the_same_layers_the_same_way():
     assert in_slab["blocks.0.lin"] == (6, 4, False)
     assert in_slab["blocks.0.c1d"] == (6, 4, True) and in_slab["blocks.1.sub"] == (5, 4, True)
     assert not any(name.endswith((".other", ".conv")) for name in in_slab)
+
+
+def test_adapter_paths_are_the_lora_ones():
+    from torch_stagehand.runtime.linear_like import is_adapter_path
+
+    assert is_adapter_path("blocks.0.attn.to_q.lora_A.default")
+    assert is_adapter_path("layers.3.mlp.up_proj.lora_magnitude_vector")
+    assert not is_adapter_path("blocks.0.attn.to_q.base_layer")
+    assert not is_adapter_path("blocks.0.flora.proj")  # a name that only contains "lora"

@@ -15,13 +15,13 @@ from torch_stagehand.kernels import tune, tune_cache  # noqa: E402
 def test_configs_round_trip_through_the_file(tmp_path):
     path = tmp_path / "w8a16.json"
     key = ("fwd", torch.device("cuda", 1), 4096, 3072, 12288, torch.bfloat16)
-    config = tune.Config(128, 256, 64, 1, 8, 3, 1)
+    config = tune.LaunchConfig(128, 256, 64, 1, 8, 3, 1)
     tune_cache.TuneCache(str(path)).put(key, config)
     assert json.loads(path.read_text()) == {"fwd|4096|3072|12288|bfloat16": config.__dict__}
     # another process (a fresh object), another device index of the same kind: the same entry
     other = ("fwd", torch.device("cuda", 0), 4096, 3072, 12288, torch.bfloat16)
-    assert tune_cache.TuneCache(str(path)).get(other, tune.Config) == config
-    assert tune_cache.TuneCache(str(path)).get(("bwd",) + other[1:], tune.Config) is None
+    assert tune_cache.TuneCache(str(path)).get(other, tune.LaunchConfig) == config
+    assert tune_cache.TuneCache(str(path)).get(("bwd",) + other[1:], tune.LaunchConfig) is None
 
 
 @pytest.mark.parametrize("content", ["not json", "[1, 2]", '{"fwd|16|8|8|bfloat16": {"no_such_field": 1}}'])
@@ -30,9 +30,9 @@ def test_a_bad_file_means_tuning_again(tmp_path, content):
     path.write_text(content)
     cache = tune_cache.TuneCache(str(path))
     key = ("fwd", torch.device("cuda"), 16, 8, 8, torch.bfloat16)
-    assert cache.get(key, tune.Config) is None
+    assert cache.get(key, tune.LaunchConfig) is None
     cache.put(key, tune.DEQUANT)  # and the rewrite repairs it
-    assert tune_cache.TuneCache(str(path)).get(key, tune.Config) == tune.DEQUANT
+    assert tune_cache.TuneCache(str(path)).get(key, tune.LaunchConfig) == tune.DEQUANT
 
 
 def test_the_fingerprint_changes_with_device_and_kernel_source(monkeypatch):

@@ -18,6 +18,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from torch_stagehand.runtime.linear_like import is_adapter_path
+
 from .builder import LayerPlan, find_block_prefixes, write_slab
 from .errors import SlabError, SlabMissingTensorError
 from .layers import canonical_name
@@ -101,7 +103,7 @@ def build_slab_from_checkpoint(
     for key, (f, t) in infos.items():
         if key.endswith(".weight") and len(t.shape) == 2 and t.dtype in floating:
             name = canonical_name(key[: -len(".weight")])
-            if not any(p.startswith("lora_") for p in name.split(".")):
+            if not is_adapter_path(name):
                 cand[name] = key
     prefixes = None if include_prefixes is None else tuple(include_prefixes)
     if blocks_only:

@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 
 from torch import nn
 
-from torch_stagehand.runtime.linear_like import is_conv1d
+from torch_stagehand.runtime.linear_like import is_adapter_path, is_conv1d
 
 # Path segments that wrappers insert between a model and its Linear (peft's
 # LoraLayer.base_layer, "attn.to_q.orig" style LoRA injection, torch.compile,
@@ -38,12 +38,6 @@ def canonical_name(name: str) -> str:
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX):]
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
-
-
-def _is_adapter_path(name: str) -> bool:
-    # peft's lora_A / lora_B / lora_embedding_* / lora_magnitude_vector hold Linear
-    # adapters that are not part of the base model.
-    return any(p.startswith("lora_") for p in name.split("."))
 
 
 @dataclass(frozen=True)
@@ -63,7 +57,7 @@ def iter_linear_layers(model: nn.Module, include_prefixes: Iterable[str] | None 
     prefixes = None if include_prefixes is None else tuple(include_prefixes)
     seen: set[str] = set()
     for mname, m in model.named_modules():
-        if _is_adapter_path(mname):
+        if is_adapter_path(mname):
             continue
         if isinstance(m, nn.Linear):
             layout, fin, fout = "linear", m.in_features, m.out_features
