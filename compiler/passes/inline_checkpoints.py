@@ -19,6 +19,11 @@ backward, under one fetch of the block's weights (see `compiler/recompute.py`).
 The model's own checkpoint and the backend's recompute are therefore one
 recompute, never two.
 
+The call's own options do not carry over: the block recompute always replays
+the forward's random numbers (`preserve_rng_state`), and a selective policy
+(`context_fn`) becomes a whole-block recompute (the pass notes it): the
+weights, the bulk of what a block holds, are never saved either way.
+
 A call whose body streams nothing is left as it is (AOTAutograd handles it).
 A call this pass cannot place (an output used other than by indexing) is left
 as it is and reported: it stays correct through the eager op path, which
@@ -102,7 +107,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
 
 @compiler_pass("inline_checkpoints")
 def inline_checkpoints(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    inlined, kept, seen = 0, [], set()
+    inlined, kept, notes, seen = 0, [], [], set()
     # A worklist: a checkpoint nested in a checkpoint's body is copied in by the outer one's
     # inlining and inlined in turn.
     while True:
@@ -111,19 +116,21 @@ def inline_checkpoints(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModul
             break
         for node in pending:
             seen.add(node)
-            inlined += _inline_one(gm, node, kept)
+            inlined += _inline_one(gm, node, kept, notes)
     if inlined or kept:
         gm.graph.lint()
         gm.recompile()
     ctx.note(f"{inlined} checkpointed regions inlined as block recompute"
              + (f"; left to the eager op path: {'; '.join(kept)}" if kept else ""))
+    for note in notes:
+        ctx.note(note)
     for reason in kept:
         warnings.warn(f"stagehand: activation checkpoint {reason}: its streamed linears will run the eager op path "
                       "(correct, slower; counted in stats()['eager_linear_calls'])", EagerFallbackWarning, stacklevel=2)
     return gm
 
 
-def _inline_one(gm: fx.GraphModule, node: fx.Node, kept: list[str]) -> int:
+def _inline_one(gm: fx.GraphModule, node: fx.Node, kept: list[str], notes: list[str]) -> int:
     """Inline one checkpoint call if its body streams and it can be placed; 1 if it was."""
     body_node = node.args[0]
     body = _attr(gm, body_node.target) if isinstance(body_node, fx.Node) else None
@@ -133,6 +140,8 @@ def _inline_one(gm: fx.GraphModule, node: fx.Node, kept: list[str]) -> int:
     if reason is not None:
         kept.append(f"{node.name}: {reason}")
         return 0
+    if node.kwargs.get("context_fn") is not None:
+        notes.append(f"{node.name}: its selective checkpoint policy (context_fn) became a whole-block recompute")
     _inline(gm, node, body)
     if not body_node.users:
         gm.graph.erase_node(body_node)
