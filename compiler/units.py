@@ -87,6 +87,11 @@ class _Unit(nn.Module):
         self.unit_name = name
         self.last_key = None  # the variant the last call ran (explain reads it)
 
+    @property
+    def recomputes(self) -> bool:
+        """Does this unit re-run its forward in backward (block units may; glue never)?"""
+        return False
+
     def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool,
                  pass_log: PassLog):
         """Compile `gm` for `args` into the variant cache; `pass_log` holds the passes that made it."""
@@ -98,7 +103,7 @@ class _Unit(nn.Module):
 
         start = time.perf_counter()
         compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes, pass_log,
-                                replay_rng=getattr(self, "recomputes", False))
+                                replay_rng=self.recomputes)
         seconds = time.perf_counter() - start
         rt.record_compile(seconds, block_variant)
         cache.add(key, compiled, {
