@@ -151,7 +151,8 @@ def test_a_new_parameter_that_requires_grad_is_refused_at_the_next_call_with_gra
 
 
 @pytest.mark.parametrize("assign, match", [
-    (lambda m: setattr(m.blocks[0].up, "weight", nn.Parameter(torch.zeros(3, 3))), r"blocks\.0\.up\.weight.*shape \(3, 3\)"),
+    (lambda m: setattr(m.blocks[0].up, "weight", nn.Parameter(torch.zeros(3, 3))),
+     r"blocks\.0\.up\.weight.*shape \(3, 3\)"),
     (lambda m: setattr(m.blocks[0].up, "weight", nn.Parameter(torch.zeros(64, 32, dtype=torch.float64))),
      r"blocks\.0\.up\.weight.*float64"),
     (lambda m: setattr(m.blocks[0].up.weight, "data", torch.zeros(64, 32, dtype=torch.float16)),
@@ -261,7 +262,8 @@ def test_fp16_bf16_and_fp32_models_stream_in_their_own_dtype(dtype, precision, c
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=str)
 def test_unsupported_weight_dtypes_are_refused_at_offload_naming_the_layer(dtype):
     model, x = toy(n=2)
-    model.blocks[1].down.weight.data = model.blocks[1].down.weight.data.to(dtype)  # one layer is enough: offload checks every streamed weight
+    # One layer is enough: offload checks every streamed weight.
+    model.blocks[1].down.weight.data = model.blocks[1].down.weight.data.to(dtype)
     weight = model.blocks[1].down.weight
     with pytest.raises(StreamedDtypeError, match=rf"blocks\.1\.down\.weight is {dtype}"):  # was KeyError
         stagehand.offload(model, device="cpu")
