@@ -30,11 +30,11 @@ from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
-from .host_store import HostStore
+from .host_store import HostStore, check_master_dtypes
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
 from .slots import SlotPool
-from .streamed import make_plain, make_streamed
+from .streamed import guard_conversions, make_plain, make_streamed, unguard
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class Runtime:
         config: Config,
         slab_loader=None,
     ):
+        check_master_dtypes(layers)
         self.model = model
         self.device = torch.device(device)
         self.blocks = list(block_fqns)
@@ -81,6 +82,7 @@ class Runtime:
         for index, spec in enumerate(layers):
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
             spec.module.register_load_state_dict_post_hook(self._after_load_state_dict)
+        self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
         model.to(self.device)  # everything but the streamed weights becomes resident
 
         self._precision: dict[int, str] = {}
@@ -147,6 +149,8 @@ class Runtime:
             "prefetches": s.prefetches,
             "sync_fetches": s.sync_fetches,
             "hits": s.hits,
+            "stale_slots": s.stale_slots,  # slot copies dropped because their block's weights were written
+            "requantized_blocks": self.store.requantized_blocks,  # derived (INT8) copies rebuilt for the same reason
             "denials": dict(s.denials),
             "streamed_bytes_resident": s.resident_bytes,
             "peak_streamed_bytes": s.peak_resident_bytes,
@@ -190,6 +194,7 @@ class Runtime:
                 original = self._original_devices.get(name)
                 if original is not None and tensor.device != original:
                     tensor.data = tensor.data.to(original)
+        unguard(self._conversion_guards)
         self.close()
         return self.model
 
