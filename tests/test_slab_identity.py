@@ -100,6 +100,9 @@ def test_an_edited_sampled_row_is_caught_in_that_layer(slab):
             model.blocks[2].down.weight[rows[-1], 5] += 1e-3  # one element of one row
         with pytest.raises(SlabIdentityError, match=r"layer 'blocks\.2\.down'"):
             reader.check_identity(model)
+        model.blocks[1].up = nn.Linear(64, 100)  # fewer rows than the source sampled: an error, not an IndexError
+        with pytest.raises(SlabIdentityError, match=r"layer 'blocks\.1\.up'.*100 rows"):
+            reader.check_identity(model)
 
 
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16, torch.float64])

@@ -119,6 +119,9 @@ def check_layer(name: str, record: dict[str, Any] | None, weight: torch.Tensor, 
     if want is None:
         return False
     indices = record["rows"]
+    if max(indices) >= weight.shape[0]:  # the shape checks name this; here it only must not index past the end
+        raise SlabIdentityError(f"the model's weight has {weight.shape[0]} rows, the slab's source had more",
+                                path=where, layer=name)
     got = _hash_rows(weight.detach()[indices], indices, weight.shape[0], weight.dtype)
     if got != want:
         raise SlabIdentityError(
