@@ -199,3 +199,31 @@ def test_bad_backend_options():
     with pytest.raises(Exception, match="must be one of"):
         torch.compile(model, backend="stagehand", options={"inner": "tvm"})(x)
     assert issubclass(BackendOptionsError, ValueError)
+
+
+def test_dynamic_true_matches_the_plain_model_and_a_second_shape_warns_once():
+    model, x = toy(n=3)
+    ref = copy.deepcopy(model)
+    stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"}, dynamic=True)
+    with torch.no_grad():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one shape: nothing to say
+            assert rel_err(compiled(x), ref(x)) < 1e-5
+        x2 = torch.randn(3, 7, 32)
+        with pytest.warns(UserWarning, match="second input shape") as caught:
+            assert rel_err(compiled(x2), ref(x2)) < 1e-5
+        assert sum("second input shape" in str(w.message) for w in caught) == 1
+        with warnings.catch_warnings(record=True) as later:
+            warnings.simplefilter("always")
+            compiled(torch.randn(4, 3, 32))
+        assert not [w for w in later if "second input shape" in str(w.message)]  # said once
+        # Dynamo passes the norms' eps as tensor inputs here; a variant compiles the value in,
+        # so a new value must reach a new variant, never an old constant.
+        small_eps = ref(x)
+        for m in (model, ref):
+            for block in m.blocks:
+                block.norm.eps = 0.5
+        assert rel_err(ref(x), small_eps) > 1e-3  # the new eps changes the numbers
+        assert rel_err(compiled(x), ref(x)) < 1e-5
