@@ -95,6 +95,13 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[str]
                 f"(repeated block lists found: {candidates})"
             )
         module = modules[name]
+        if isinstance(blocks, str) and not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            candidates = ", ".join(_repeated_block_lists(model)) or "none found"
+            raise BlockSelectionError(
+                f"offload: blocks={name!r} names a {type(module).__name__}, not a list of repeated blocks "
+                f"(an nn.ModuleList or nn.Sequential; found: {candidates}); to stream single modules, "
+                f"pass a list of their FQNs: blocks=[{name!r}, ...]"
+            )
         children = (
             [f"{name}.{child}" for child, _ in module.named_children()]
             if isinstance(module, (nn.ModuleList, nn.Sequential))

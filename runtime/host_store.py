@@ -92,12 +92,15 @@ class HostStore:
             raise RuntimeError(f"block {block}: no full-precision weights to build {precision} from")
         if precision not in bb.buffers:
             self.allocate(block, precision)
-        for master_lay, lay in zip(bb.layouts[master.name], bb.layouts[precision]):
+        for spec, master_lay, lay in zip(bb.layers, bb.layouts[master.name], bb.layouts[precision]):
             w = master.views(bb.full, master_lay)[0]
             w = w.t() if master_lay.transposed else w
             if self.quant_device is not None:
                 w = w.to(self.quant_device, non_blocking=True)
-            entry.write(bb.buffers[precision], lay, w, self.quantizer)
+            try:
+                entry.write(bb.buffers[precision], lay, w, self.quantizer)
+            except ValueError as e:  # e.g. a NaN or Inf the quantizer refuses: say which layer holds it
+                raise type(e)(f"stagehand: layer {spec.fqn} (block {block}), building its {precision} copy: {e}") from e
         self.mark_built(block, precision)
 
     def mark_built(self, block: int, precision: str) -> None:
