@@ -25,7 +25,7 @@ from torch_stagehand import kernels
 
 from . import precision as precisions
 from . import registry
-from .blocks import StreamedLayerSpec
+from .blocks import StreamedLayerSpec, check_not_wrapped_off_device, layer_slots
 from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
@@ -70,6 +70,7 @@ class Runtime:
         for index, spec in enumerate(layers):
             self._block_first_layer.setdefault(spec.block, index)
         self._undo = OffloadUndo(model, layers)
+        self._layer_slots = layer_slots(model, layers)  # to notice adapters wrapped around a layer after offload
         self.id = registry.register_runtime(self)
         try:
             self._offload(precision, slab_loader)
@@ -300,6 +301,8 @@ class Runtime:
         slot = self.pool.acquire(block, precision, reader=EAGER)
         try:
             if self._block_first_layer[block] == index:
+                for i in range(index, index + len(self.store.blocks[block].layers)):
+                    check_not_wrapped_off_device(self.layers[i], self._layer_slots[i], self.device)
                 # Eager calls have no schedule; fetching the block that runs next (in the order the
                 # blocks ran, reversed in backward) while this one runs still pays. The slot just
                 # acquired is held, so this prefetch can never overwrite it.

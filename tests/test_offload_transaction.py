@@ -241,3 +241,45 @@ def test_a_telemetry_file_that_cannot_be_written_fails_at_offload(tmp_path, kind
         stagehand.offload(model, device="cpu", config=stagehand.Config(telemetry_file=str(path)))
     _assert_untouched(model, before)
     assert not (tmp_path / "no_such_folder").exists()  # nothing created on the way
+
+
+# ---- peft adapters added after offload --------------------------------------------------------------------
+
+
+def _lora(model: nn.Module, seed: int = 5) -> nn.Module:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["up", "down"], lora_dropout=0.0,
+                             init_lora_weights=False)
+    torch.manual_seed(seed)
+    return peft.get_peft_model(model, config)
+
+
+def test_peft_added_after_a_cpu_offload_computes_what_peft_before_offload_computes():
+    model, x = toy(n=3)
+    reference = _lora(copy.deepcopy(model))
+    rt = stagehand.offload(model, device="cpu")
+    wrapped = _lora(model)
+    expected = reference(x)
+    assert torch.allclose(wrapped(x), expected, atol=1e-6)  # eager
+    torch._dynamo.reset()
+    out = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})(x)
+    assert torch.allclose(out, expected, atol=1e-6)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    lora_grads = [(n, p.grad) for n, p in wrapped.named_parameters() if "lora_" in n]
+    reference_grads = dict((n, p.grad) for n, p in reference.named_parameters() if "lora_" in n)
+    assert lora_grads and all(torch.allclose(g, reference_grads[n], atol=1e-5) for n, g in lora_grads)
+    rt.restore()
+    torch._dynamo.reset()
+
+
+def test_peft_adapters_off_the_device_are_an_error_naming_the_layer():
+    # On a CUDA stream peft puts adapters added after offload where the streamed weight is (the host); the
+    # CPU stand-in: an adapter left on another device than the stream's.
+    model, x = toy(n=3)
+    rt = stagehand.offload(model, device="cpu")
+    wrapped = _lora(model)
+    wrapped.base_model.model.blocks[1].down.lora_B.to("meta")
+    with pytest.raises(RuntimeError, match=r"blocks\.1\.down was wrapped by Linear after offload .* on meta, not cpu"):
+        wrapped(x)
+    rt.close()
