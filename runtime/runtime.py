@@ -113,7 +113,11 @@ class Runtime:
         self._precision: dict[int, str] = {}
         self.set_precision(precision)
         slot_bytes = self.store.max_block_bytes()
-        self.pool = SlotPool(self.device, config.slot_count, slot_bytes, self.store)
+        try:
+            self.pool = SlotPool(self.device, config.slot_count, slot_bytes, self.store)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(f"offload: no room on {self.device} for {config.slot_count} slots of "
+                                         f"{slot_bytes / 2**20:.1f} MiB (the largest block): {e}") from e
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         # Token outputs are allocated once: a prefetch / evict returns its block's.

@@ -113,7 +113,8 @@ def test_out_of_memory_during_offload_leaves_the_model_as_it_was(monkeypatch, wh
             raise torch.OutOfMemoryError("simulated: cannot allocate the slots")
 
         monkeypatch.setattr("torch_stagehand.runtime.runtime.SlotPool", pool)
-    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+    says = r"block 2's bf16 copy .* first layer blocks\.2\.up" if where == "pinned store" else r"slots of .* MiB"
+    with pytest.raises(torch.OutOfMemoryError, match=says + ".*simulated"):
         stagehand.offload(model, device="cpu")
     _assert_untouched(model, before)
     monkeypatch.undo()
@@ -283,3 +284,19 @@ def test_peft_adapters_off_the_device_are_an_error_naming_the_layer():
     with pytest.raises(RuntimeError, match=r"blocks\.1\.down was wrapped by Linear after offload .* on meta, not cpu"):
         wrapped(x)
     rt.close()
+
+
+def test_a_nan_found_by_set_precision_names_the_layer_and_leaves_no_half_built_copy():
+    model, x = toy(n=3)
+    rt = stagehand.offload(model, device="cpu")
+    with torch.no_grad():
+        model.blocks[1].up.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"layer blocks\.1\.up \(block 1\), building its int8 copy.*NaN or Inf"):
+        rt.set_precision({0: "int8", 1: "int8"})
+    assert rt.precision == {0: "bf16", 1: "bf16", 2: "bf16"} and not rt.store.has(1, "int8")
+    with torch.no_grad():
+        model.blocks[1].up.weight[0, 0] = 0.0
+    rt.set_precision({1: "int8"})  # built now, from the repaired weight
+    with torch.no_grad():
+        assert torch.isfinite(model(x)).all()
+    rt.restore()
