@@ -103,6 +103,37 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph:
                  joint_passes: Sequence[Callable], log: PassLog | None = None, replay_rng: bool = False):
     """`replay_rng`: the unit is recomputed in backward and must replay its forward's random numbers."""
     joint = JointPasses(joint_passes, log)
+    gm = _bake_scalar_reads(gm, example_inputs)
     if inner == "eager":
         return compile_eager(gm, example_inputs, on_graph, joint)
     return compile_inductor(gm, example_inputs, on_graph, joint, replay_rng)
+
+
+
+def _bake_scalar_reads(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+    """A copy of `gm` in which `.item()` of a 0-dim input is the number the input holds now.
+
+    Under `dynamic=True` Dynamo passes Python floats (a norm's eps) as 0-dim tensor inputs
+    read with `.item()`. Units compile from real inputs, outside Dynamo, where such a read
+    cannot be traced (no ShapeEnv; with one, AOTAutograd asks Dynamo, which is not there, to
+    restart). The value becomes a constant of this variant instead, and the variant key holds
+    the value (units.input_signature), so another value compiles another variant, never a
+    stale number. `gm` itself is left as it is: other variants are compiled from it.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    reads = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "item"
+             and n.args[0] in placeholders and isinstance(example_inputs[placeholders.index(n.args[0])], torch.Tensor)]
+    if not reads:
+        return gm
+    import copy
+
+    baked = copy.deepcopy(gm)
+    nodes = list(gm.graph.nodes)
+    baked_nodes = list(baked.graph.nodes)
+    for read in reads:
+        value = example_inputs[placeholders.index(read.args[0])].item()
+        node = baked_nodes[nodes.index(read)]
+        node.replace_all_uses_with(value)
+        baked.graph.erase_node(node)
+    baked.recompile()
+    return baked

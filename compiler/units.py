@@ -22,6 +22,7 @@ import copy
 import hashlib
 import logging
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,7 +62,11 @@ def structure_key(gm: fx.GraphModule) -> str:
 def input_signature(args: tuple) -> tuple:
     sig = []
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
+            # A Python float Dynamo passed as a tensor (dynamic=True): a variant compiles
+            # its value in as a constant (inner._bake_scalar_reads), so the value is keyed.
+            sig.append((a.dtype, a.requires_grad, a.item()))
+        elif isinstance(a, torch.Tensor):
             sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
         else:
             sig.append(a)
@@ -86,6 +91,12 @@ class _Unit(nn.Module):
         self.segment = segment
         self.unit_name = name
         self.last_key = None  # the variant the last call ran (explain reads it)
+        self.shapes_seen: set[tuple] = set()  # input shapes this unit compiled for (the second-shape warning)
+
+    @property
+    def recomputes(self) -> bool:
+        """Does this unit re-run its forward in backward (block units may; glue never)?"""
+        return False
 
     def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool,
                  pass_log: PassLog):
@@ -98,7 +109,7 @@ class _Unit(nn.Module):
 
         start = time.perf_counter()
         compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes, pass_log,
-                                replay_rng=getattr(self, "recomputes", False))
+                                replay_rng=self.recomputes)
         seconds = time.perf_counter() - start
         rt.record_compile(seconds, block_variant)
         cache.add(key, compiled, {
@@ -107,6 +118,7 @@ class _Unit(nn.Module):
             "passes": [r.as_dict() for r in pass_log.passes_ran],
         })
         log.info("stagehand: compiled %s (%s) in %.2fs", label, self.ctx.options.inner, seconds)
+        self._warn_on_a_second_shape(args, label, block_variant)
         per_structure = cache.count_structure(key[0])
         if per_structure == _SHAPE_VARIANTS_WARNING + 1:
             log.warning(
@@ -114,6 +126,21 @@ class _Unit(nn.Module):
                 "to stop recompiling", label, per_structure,
             )
         return compiled
+
+
+    def _warn_on_a_second_shape(self, args: tuple, label: str, block_variant: bool) -> None:
+        """Variants are compiled per input shape: say so when a block meets its second shape, not at the ninth."""
+        self.shapes_seen.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0))
+        cache = self.ctx.variants
+        if not block_variant or cache.warned_shapes or len(self.shapes_seen) < 2:
+            return
+        cache.warned_shapes = True
+        warnings.warn(
+            f"stagehand: {label} is compiling for a second input shape ({len(cache)} units compiled so far); "
+            "block variants are compiled per shape, so a new batch or sequence length recompiles every block: "
+            "pad inputs to a few bucket sizes (said once per offloaded model)",
+            stacklevel=2,
+        )
 
 
 class GlueUnit(_Unit):

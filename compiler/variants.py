@@ -20,6 +20,7 @@ class VariantCache:
     def __init__(self) -> None:
         self.compiled: dict[Hashable, Callable] = {}
         self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
+        self.warned_shapes = False  # the second-input-shape warning is given once per runtime
 
     def get(self, key: Hashable) -> Callable | None:
         return self.compiled.get(key)

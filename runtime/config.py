@@ -149,6 +149,9 @@ class Config:
     pin_memory: bool = True
     # Telemetry JSONL of what actually happened (bytes, stalls, phases); None = off.
     telemetry_file: str | None = None
+    # offload(slab=...): refuse a slab that records no identity of its source weights (older
+    # slabs, plain SquareQ ones) instead of loading it with a SlabIdentityWarning.
+    require_slab_identity: bool = False
 
     def validate(self) -> "Config":
         self.conductor.validate("conductor")
@@ -175,6 +178,8 @@ class Config:
             )
         if self.quantizer not in ("mse", "absmax"):
             raise ConfigError(f"quantizer: must be 'mse' or 'absmax', got {self.quantizer!r}")
+        if not isinstance(self.require_slab_identity, bool):
+            raise ConfigError(f"require_slab_identity: must be true or false, got {self.require_slab_identity!r}")
         return self
 
     @property

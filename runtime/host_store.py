@@ -20,6 +20,7 @@ import torch
 from . import precision as precisions
 from .blocks import StreamedLayerSpec
 from .precision import LayerLayout
+from .streamed import StreamedDtypeError
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class HostStore:
         # Quantizing 10 GB of weights on two CPU cores takes minutes; on the GPU, seconds.
         self.quant_device = quant_device
         self.blocks = [BlockBuffers(layers=[s for s in layers if s.block == b]) for b in range(n_blocks)]
+        # Derived copies rebuilt because their master was written after they were built.
+        self.requantized_blocks = 0
 
     # ---- building -----------------------------------------------------------
 
@@ -143,6 +146,13 @@ class HostStore:
         if bb.full is not None and built_from is not None and built_from != bb.full._version:
             log.info("stagehand: block %d full-precision weights changed; rebuilding its %s copy", block, precision)
             self.build(block, precision)
+            self.requantized_blocks += 1
+
+    def master_version(self, block: int) -> int | None:
+        """The version counter of the block's master buffer (None: no master). Every write to a
+        streamed weight moves it: the weights are views of this buffer and share its counter."""
+        full = self.blocks[block].full
+        return None if full is None else full._version
 
     def buffer(self, block: int, precision: str) -> torch.Tensor:
         buf = self.blocks[block].buffers.get(precision)
@@ -169,6 +179,19 @@ class HostStore:
 
     def host_bytes(self) -> int:
         return sum(buf.numel() for bb in self.blocks for buf in bb.buffers.values())
+
+
+def check_master_dtypes(layers: list[StreamedLayerSpec]) -> None:
+    """Refuse, before anything moves, a streamed weight the master can not hold (float64, integer types)."""
+    supported = precisions.master().dtypes
+    for spec in layers:
+        dtype = spec.module.weight.dtype
+        if dtype not in supported:
+            names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+            raise StreamedDtypeError(
+                f"offload: {spec.fqn}.weight is {dtype}; streamed weights must be one of {names} "
+                f"(convert the model first, e.g. model.to(torch.bfloat16))"
+            )
 
 
 def _linear_weight(spec: StreamedLayerSpec) -> torch.Tensor:

@@ -30,12 +30,12 @@ from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
-from .host_store import HostStore
+from .host_store import HostStore, check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
 from .slots import SlotPool
-from .streamed import make_plain, make_streamed
+from .streamed import guard_conversions, make_plain, make_streamed, unguard
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Runtime:
         config: Config,
         slab_loader=None,
     ):
+        check_master_dtypes(layers)
         self.model = model
         self.device = torch.device(device)
         self.blocks = list(block_fqns)
@@ -63,6 +64,7 @@ class Runtime:
         self._closed = False
         self._restored = False
         self._hooks: list[Any] = []
+        self._conversion_guards: list[nn.Module] = []
         self._on_close: list[Callable[[], None]] = []
         # Checked before the model is touched: a bad path fails here, not at the first step.
         self.telemetry = TelemetryWriter(config.telemetry_path)
@@ -108,6 +110,7 @@ class Runtime:
         for index, spec in enumerate(layers):
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
+        self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
         model.to(self.device)  # everything but the streamed weights becomes resident
 
         self._precision: dict[int, str] = {}
@@ -129,6 +132,7 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        unguard(self._conversion_guards)
         registry.unregister_runtime(self.id)
         self._undo.undo()
         self.telemetry.close()
@@ -174,6 +178,8 @@ class Runtime:
             "prefetches": s.prefetches,
             "sync_fetches": s.sync_fetches,
             "hits": s.hits,
+            "stale_slots": s.stale_slots,  # slot copies dropped because their block's weights were written
+            "requantized_blocks": self.store.requantized_blocks,  # derived (INT8) copies rebuilt for the same reason
             "denials": dict(s.denials),
             "streamed_bytes_resident": s.resident_bytes,
             "peak_streamed_bytes": s.peak_resident_bytes,
@@ -217,6 +223,7 @@ class Runtime:
                 make_plain(spec.module)
                 self._undo.plain_weight(spec)
             self._undo.move_back()
+        unguard(self._conversion_guards)
         self.close()
         self._restored = True
         return self.model

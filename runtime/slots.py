@@ -63,6 +63,9 @@ class Slot:
     # Readers holding the slot (compiled waits and eager reads alike); IN_USE while > 0.
     # A held slot is never a fetch target, on any path.
     holds: int = 0
+    # The block's master version (HostStore.master_version) when the slot was filled: a
+    # write to the weights since makes the slot's bytes stale, and a hit on it is refused.
+    master_version: int | None = None
 
 
 @dataclass
@@ -79,6 +82,7 @@ class SlotStats:
     prefetches: int = 0  # of those, issued ahead by a prefetch
     sync_fetches: int = 0  # waits that found nothing in flight and had to fetch
     hits: int = 0  # waits/prefetches that found the block already resident
+    stale_slots: int = 0  # resident copies dropped because the block's weights were written since
     denials: Counter = field(default_factory=Counter)
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
@@ -110,12 +114,34 @@ class SlotPool:
                 return s
         return None
 
+    def _find_fresh(self, block: int, precision: str) -> Slot | None:
+        """The slot holding the block, unless the weights were written since it was filled.
+
+        One int compare per lookup: the master's version counter moves on every
+        write to a streamed weight (in-place ops, `.data`, load_state_dict). A
+        stale copy nobody reads is dropped, so the caller fetches afresh (and the
+        fetch rebuilds a stale INT8 copy first); a stale copy a reader holds
+        means the weights were written while the block computes, an error.
+        """
+        slot = self._find(block, precision)
+        if slot is None or slot.master_version == self.store.master_version(block):
+            return slot
+        if slot.holds:
+            raise RuntimeError(
+                f"stagehand: the weights of block {block} were written while the block is being read "
+                "(between its forward and backward?); write streamed weights between calls"
+            )
+        self._forget(slot)
+        self.stats.stale_slots += 1
+        return None
+
     def shadow(self) -> "SlotPool":
         """A twin on the meta device in this pool's state: plays on it move no bytes (explain's prediction)."""
         twin = SlotPool(torch.device("meta"), len(self.slots), self.slot_bytes, self.store)
         for mine, theirs in zip(self.slots, twin.slots):
             theirs.key, theirs.state, theirs.nbytes = mine.key, mine.state, mine.nbytes
             theirs.released_at, theirs.holds = mine.released_at, mine.holds
+            theirs.master_version = mine.master_version
         twin._tick = itertools.count(max(s.released_at for s in self.slots) + 1)
         twin.stats.resident_bytes = twin.stats.peak_resident_bytes = self.stats.resident_bytes
         return twin
@@ -145,6 +171,7 @@ class SlotPool:
 
     def _issue_copy(self, slot: Slot, block: int, precision: str) -> None:
         self.store.ensure_fresh(block, precision)
+        slot.master_version = self.store.master_version(block)
         src = self.store.buffer(block, precision)
         n = src.numel()
         if n > self.slot_bytes:
@@ -170,7 +197,7 @@ class SlotPool:
 
     def prefetch(self, block: int, precision: str) -> FetchOutcome:
         """Start copying a block in, if a slot is free; never blocks the host."""
-        slot = self._find(block, precision)
+        slot = self._find_fresh(block, precision)
         if slot is not None:
             self.stats.hits += 1
             if self.trace is not None:
@@ -199,7 +226,7 @@ class SlotPool:
         prefetch issued while a block computes can not overwrite its bytes).
         `reader` only labels the trace row (WAIT or EAGER).
         """
-        slot = self._find(block, precision)
+        slot = self._find_fresh(block, precision)
         if slot is None:
             victim = self._victim(steal_loading=True)
             if victim is None:
@@ -253,7 +280,11 @@ class SlotPool:
             if s.key is not None and (block is None or s.key[0] == block):
                 if s.state is SlotState.IN_USE:
                     raise RuntimeError(f"stagehand: block {s.key[0]} is in use; cannot invalidate its slot")
-                if self.cuda and s.state is SlotState.LOADING:
-                    s.free_event.record(self.copy_stream)
-                self._set_bytes(s, 0)
-                s.key, s.state = None, SlotState.FREE
+                self._forget(s)
+
+    def _forget(self, s: Slot) -> None:
+        """Drop a slot's copy (nobody holds it); the next fetch into it waits for any copy in flight."""
+        if self.cuda and s.state is SlotState.LOADING:
+            s.free_event.record(self.copy_stream)
+        self._set_bytes(s, 0)
+        s.key, s.state = None, SlotState.FREE

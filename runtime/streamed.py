@@ -9,10 +9,23 @@ same, and `restore()` swaps the class back. The subclass:
 * keeps its weight on the host when the model is moved (`_apply` touches only
   the bias and buffers), like SquareQ's dtype protection;
 * refuses to run when a streamed weight requires grad while grad is enabled:
-  streamed weights are frozen bases (LoRA adapters stay resident and train).
+  streamed weights are frozen bases (LoRA adapters stay resident and train);
+* refuses `.half()` / `.to(dtype)` and the like, which would convert its bias
+  but not its weight (`refuse_dtype_conversion`; `guard_conversions` installs
+  the same check on its ancestors, so `model.half()` refuses before anything
+  is converted);
+* takes a new weight (`module.weight = nn.Parameter(...)`, and so
+  `load_state_dict(assign=True)`) by copying its values into the host master.
+
+Its weight is a `HostMasterParameter`: a view of the block's flat host buffer
+whose in-place writes, `.data` writes included, bump that buffer's version
+counter, which the slot pool and the derived (INT8) copies compare against
+before they serve the block again.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn as nn
@@ -20,6 +33,94 @@ import torch.nn as nn
 
 class StreamedWeightTrainableError(RuntimeError):
     pass
+
+
+class StreamedWeightAssignmentError(ValueError):
+    """A value that can not become a streamed weight's master (shape, dtype, no values); nothing was changed."""
+
+
+class StreamedDtypeError(TypeError):
+    """A streamed weight's dtype the host store can not hold, or a conversion that would leave it behind."""
+
+
+class HostMasterParameter(nn.Parameter):
+    """A streamed weight: a view of its block's flat host buffer, the master copy of the weight.
+
+    Every write to it must move the buffer's version counter, the one thing the
+    slots and the derived copies check (an int compare per block fetch or slot
+    hit). In-place ops do; `Tensor.data` would not (it hands out a tensor with a
+    fresh counter), so here `.data` is `detach()`, which shares the counter, and
+    assigning `.data` copies the values in (the master must stay in the buffer).
+    """
+
+    _sh_fqn: str
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.detach()
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        copy_into_master(self, value, self._sh_fqn)
+
+    def module_load(self, other: torch.Tensor, assign: bool = False) -> torch.Tensor:
+        # load_state_dict under torch.__future__.set_swap_module_params_on_conversion(True) swaps
+        # the parameter with what this returns: copy the values in and return another view of the
+        # same host bytes, so the swapped-in weight is still the master.
+        copy_into_master(self, other, self._sh_fqn)
+        alias = HostMasterParameter(self.detach(), requires_grad=self.requires_grad)
+        alias._sh_fqn = self._sh_fqn
+        return alias
+
+    def __repr__(self) -> str:
+        return f"Parameter containing (streamed from the host store):\n{self.detach()!r}"
+
+
+def copy_into_master(master: torch.Tensor, value, fqn: str) -> None:
+    """Write `value` into a streamed weight's host master, or raise naming the layer and change nothing."""
+    if value is master:
+        return
+    where = f"stagehand: {fqn}.weight streams from the host store"
+    if not isinstance(value, torch.Tensor):
+        raise StreamedWeightAssignmentError(f"{where}; it takes a tensor's values, got {type(value).__name__}")
+    if master.is_meta:
+        raise StreamedWeightAssignmentError(
+            f"{where} as INT8 read from a slab only; it has no full-precision master to write into")
+    if value.is_meta:
+        raise StreamedWeightAssignmentError(f"{where}; the new value is on the meta device and has no values")
+    if value.shape != master.shape:
+        raise StreamedWeightAssignmentError(
+            f"{where}; the new value has shape {tuple(value.shape)}, the weight {tuple(master.shape)}")
+    if value.dtype != master.dtype:
+        raise StreamedWeightAssignmentError(
+            f"{where} in {master.dtype}; the new value is {value.dtype} (convert it first: value.to({master.dtype}))")
+    with torch.no_grad():
+        # An in-place write: the buffer's version moves, so the block's slot copy and its
+        # INT8 copy are refreshed before the next call reads them.
+        master.detach().copy_(value)
+
+
+def refuse_dtype_conversion(fn, modules) -> None:
+    """Raise if `fn` (what `Module._apply` maps over tensors) would change a streamed weight's dtype.
+
+    The weights stay in the host store when a model is converted (only biases
+    and buffers follow), so a `.half()` would leave the model computing in two
+    dtypes. Probing `fn` on a 0-dim tensor of each weight's dtype tells a device
+    move (fine) from a dtype conversion (refused) before anything is converted.
+    """
+    checked: dict[torch.dtype, torch.dtype] = {}
+    for module in modules:
+        dtype = module._parameters["weight"].dtype
+        if dtype not in checked:
+            probe = fn(torch.zeros((), dtype=dtype))
+            checked[dtype] = probe.dtype if isinstance(probe, torch.Tensor) else dtype
+        if checked[dtype] != dtype:
+            raise StreamedDtypeError(
+                f"stagehand: converting the model to {checked[dtype]} after offload would leave the streamed "
+                f"weight of {module._sh_fqn} in {dtype} in the host store (the model would compute in two "
+                "dtypes), so nothing was converted; convert before offload(), or rt.restore(), convert and "
+                "offload again (moving to a device with .to(device) is fine)"
+            )
 
 
 class StreamedMixin:
@@ -36,13 +137,37 @@ class StreamedMixin:
         return torch.ops.stagehand.streamed_linear(x, self.bias, self._sh_layer)
 
     def _apply(self, fn, recurse=True):
-        # Only the bias and buffers follow .to()/.cuda()/.half(): the weight is the
-        # host store's view, and converting it would silently duplicate or corrupt it.
+        # Only the bias and buffers follow .to()/.cuda(): the weight is the host store's
+        # view, and converting it would silently duplicate or corrupt it. A dtype
+        # conversion (.half()) is refused: the bias would follow and the weight not.
+        refuse_dtype_conversion(fn, [self])
         weight = self._parameters.pop("weight")
         try:
             return super()._apply(fn, recurse)
         finally:
             self._parameters["weight"] = weight
+
+    def __setattr__(self, name, value):
+        # `module.weight = nn.Parameter(w)` (and load_state_dict(assign=True), which does the
+        # same) would put a tensor outside the host store that the stream never reads: take
+        # its values into the master instead (and its requires_grad, which forward checks).
+        if name == "weight" and isinstance(value, nn.Parameter):
+            master = self._parameters["weight"]
+            copy_into_master(master, value, self._sh_fqn)
+            master.requires_grad_(value.requires_grad)
+            return
+        if name == "weight" and value is None:
+            raise StreamedWeightAssignmentError(
+                f"stagehand: {self._sh_fqn}.weight streams from the host store and can not be set to None; "
+                "call restore() on the Runtime first")
+        super().__setattr__(name, value)  # a plain tensor: nn.Module's own TypeError
+
+    def __delattr__(self, name):
+        if name == "weight":
+            raise StreamedWeightAssignmentError(
+                f"stagehand: {self._sh_fqn}.weight streams from the host store and can not be deleted; "
+                "call restore() on the Runtime first")
+        super().__delattr__(name)
 
     def __deepcopy__(self, memo):
         # A copy would alias the original's host store and slots through the layer id.
@@ -67,6 +192,39 @@ def make_streamed(module: nn.Module, layer_id: int, fqn: str) -> None:
     module.__class__ = streamed_class(type(module))
     module._sh_layer = layer_id
     module._sh_fqn = fqn
+    weight = module._parameters["weight"]
+    weight.__class__ = HostMasterParameter
+    weight._sh_fqn = fqn
+
+
+def guard_conversions(model: nn.Module, streamed_fqns: list[str]) -> list[nn.Module]:
+    """Check dtype conversions at every ancestor of a streamed layer, before anything converts.
+
+    `model.half()` converts children first, so the check in a streamed
+    module's own `_apply` would come after the modules before it were
+    converted. An instance `_apply` on each ancestor runs the check over all
+    its streamed descendants first. Returns the guarded modules (`unguard`).
+    """
+    names = {fqn.rsplit(".", 1)[0] if "." in fqn else "" for fqn in streamed_fqns}
+    for fqn in list(names):
+        while "." in fqn:
+            fqn = fqn.rsplit(".", 1)[0]
+            names.add(fqn)
+    names.add("")
+    guarded = [model.get_submodule(name) for name in sorted(names)]
+    for module in guarded:
+        module.__dict__["_apply"] = types.MethodType(_guarded_apply, module)
+    return guarded
+
+
+def unguard(modules: list[nn.Module]) -> None:
+    for module in modules:
+        module.__dict__.pop("_apply", None)
+
+
+def _guarded_apply(module: nn.Module, fn, recurse: bool = True):
+    refuse_dtype_conversion(fn, [m for m in module.modules() if is_streamed(m)])
+    return type(module)._apply(module, fn, recurse)
 
 
 def make_plain(module: nn.Module) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 import torch.nn as nn
@@ -71,6 +70,16 @@ def runtime_of(model: nn.Module) -> Runtime:
     raise RuntimeError(f"{type(model).__name__} is not offloaded: call torch_stagehand.offload(model) first")
 
 
+def _capture_backend():
+    """The stagehand backend (inner "eager": readable ATen) as a callable no Dynamo cache entry was made with."""
+    from torch_stagehand.compiler import stagehand_backend
+
+    def explain_capture(gm, example_inputs):
+        return stagehand_backend(gm, example_inputs, options={"inner": "eager"})
+
+    return explain_capture
+
+
 def explain(model: nn.Module, *args, **kwargs):
     """Compile and run `model(*args, **kwargs)` once; report what the backend did.
 
@@ -79,10 +88,10 @@ def explain(model: nn.Module, *args, **kwargs):
     (compiled with the forward; no backward is run, so the backward rows are
     predicted and say so). Runs one forward, which streams the blocks like any
     other call; the forward rows are the slot pool's trace of that call, from
-    the slots as earlier calls left them. If Dynamo already holds a compiled
-    frame for this model under the same options, the call would be a cache hit
-    with no graph to report: then Dynamo's cache is reset (a warning says so;
-    other compiled models recompile on their next call) and the call repeated.
+    the slots as earlier calls left them. The call compiles through a backend
+    callable made for this call alone: Dynamo guards each cache entry on the
+    backend that made it, so explain's capture adds an entry of its own and
+    never hits, evicts or resets the entries of the model being trained.
     """
     from torch._dynamo.utils import counters
 
@@ -96,16 +105,13 @@ def explain(model: nn.Module, *args, **kwargs):
     rt = runtime_of(model)
     breaks_before = dict(counters["graph_break"])
     first_record = len(rt.graph_records)
-    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    compiled = torch.compile(model, backend=_capture_backend())
     with recording(rt.pool) as trace:
         compiled(*args, **kwargs)
-    if len(rt.graph_records) == first_record:
-        warnings.warn("explain(): this model's frames were already compiled with the same options, so the call "
-                      "captured no graph; resetting Dynamo's cache and capturing again", stacklevel=2)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
-        with recording(rt.pool) as trace:
-            compiled(*args, **kwargs)
+    if len(rt.graph_records) == first_record:  # e.g. Dynamo's recompile limit for this code was reached
+        raise RuntimeError("explain(): Dynamo compiled no graph for this call (its recompile limit for the "
+                           "model's forward may be reached: torch._dynamo.config.recompile_limit), so there is "
+                           "nothing to report; the model's compiled code was left as it was")
     records = rt.graph_records[first_record:]
     graph_breaks = [
         f"{reason} (x{count - breaks_before.get(reason, 0)})"

@@ -80,3 +80,34 @@ def toy(d=32, n=4, dtype=torch.float32, graph_break_in=None, seed=0):
     model.requires_grad_(False)
     x = torch.randn(2, 5, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     return model, x
+
+
+# Each layer's pieces start on this boundary in a block's flat buffer (runtime/precision/layout.py ALIGN).
+_BOUNDARY = 256
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _BOUNDARY) * _BOUNDARY
+
+
+def block_bytes_by_precision(model: nn.Module) -> dict[str, list[int]]:
+    """Each block's streamed bytes in bf16 (the model's own dtype) and in int8, from the Linear shapes alone.
+
+    Computed here, not read from the host store or the slot pool, so a residency bound
+    built on it checks the pool instead of restating it. Call before `offload`.
+    """
+    blocks = find_blocks(model)
+    full, int8 = [0] * len(blocks), [0] * len(blocks)
+    for spec in streamed_layers(model, blocks):
+        n, k = spec.out_features, spec.in_features
+        full[spec.block] += _aligned(n * k * spec.module.weight.element_size())
+        int8[spec.block] += _aligned(n * k) + _aligned(4 * n)  # int8 weight, fp32 per-row scale
+    return {"bf16": full, "int8": int8}
+
+
+def two_largest_blocks(block_bytes: dict[str, list[int]], precision: dict[int, str] | str) -> int:
+    """The bytes of the two largest blocks in the precision each runs in: what two slots can hold at most."""
+    n = len(block_bytes["bf16"])
+    per_block = precision if isinstance(precision, dict) else {b: precision for b in range(n)}
+    sizes = sorted((block_bytes[per_block.get(b, "bf16")][b] for b in range(n)), reverse=True)
+    return sum(sizes[:2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -167,15 +168,25 @@ def test_explain_reports_graphs_and_schedule():
     assert "prefetch" in table and "blocks.1" in table and "int8" in table
 
 
-def test_explain_after_the_same_compile_recaptures_with_a_warning():
+def test_explain_during_training_leaves_the_trained_models_cache_alone():
+    from torch._dynamo.utils import counters
+
     model, x = toy(n=3)
-    stagehand.offload(model, device="cpu")
-    with torch.no_grad():
-        _compile(model)(x)  # options {"inner": "eager"}: what explain() uses, so its call is a cache hit
-        with pytest.warns(UserWarning, match="already compiled"):
-            report = stagehand.explain(model, x)
-    assert [r.block for r in report.schedule if r.action == "wait"] == [0, 1, 2]
+    model.embed.requires_grad_(True)
+    rt = stagehand.offload(model, device="cpu")
+    compiled = _compile(model)  # options {"inner": "eager"}: the same options explain() compiles with
+    compiled(x).square().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "resetting Dynamo's cache" warning, nor any other
+        report = stagehand.explain(model, x)
+    assert [r.block for r in report.schedule if r.action == "wait" and r.phase == "forward"] == [0, 1, 2]
     assert "forward" in report.graphs
+    graphs, records = counters["stats"]["unique_graphs"], len(rt.graph_records)
+    assert graphs >= 2 and records == 2  # the training step's capture and explain's own
+    for _ in range(2):
+        compiled(x).square().sum().backward()
+    # The next training steps hit the entry they compiled: Dynamo captured nothing new.
+    assert counters["stats"]["unique_graphs"] == graphs and len(rt.graph_records) == records
 
 
 def test_bad_backend_options():
@@ -188,3 +199,31 @@ def test_bad_backend_options():
     with pytest.raises(Exception, match="must be one of"):
         torch.compile(model, backend="stagehand", options={"inner": "tvm"})(x)
     assert issubclass(BackendOptionsError, ValueError)
+
+
+def test_dynamic_true_matches_the_plain_model_and_a_second_shape_warns_once():
+    model, x = toy(n=3)
+    ref = copy.deepcopy(model)
+    stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"}, dynamic=True)
+    with torch.no_grad():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # one shape: nothing to say
+            assert rel_err(compiled(x), ref(x)) < 1e-5
+        x2 = torch.randn(3, 7, 32)
+        with pytest.warns(UserWarning, match="second input shape") as caught:
+            assert rel_err(compiled(x2), ref(x2)) < 1e-5
+        assert sum("second input shape" in str(w.message) for w in caught) == 1
+        with warnings.catch_warnings(record=True) as later:
+            warnings.simplefilter("always")
+            compiled(torch.randn(4, 3, 32))
+        assert not [w for w in later if "second input shape" in str(w.message)]  # said once
+        # Dynamo passes the norms' eps as tensor inputs here; a variant compiles the value in,
+        # so a new value must reach a new variant, never an old constant.
+        small_eps = ref(x)
+        for m in (model, ref):
+            for block in m.blocks:
+                block.norm.eps = 0.5
+        assert rel_err(ref(x), small_eps) > 1e-3  # the new eps changes the numbers
+        assert rel_err(compiled(x), ref(x)) < 1e-5

@@ -11,14 +11,17 @@ import pytest
 
 import torch
 
-from torch_stagehand.app.cli import UsageError, main, parse_precision, prepare_training
+from torch_stagehand.app.cli import UsageError, check_precision_range, main, parse_precision, prepare_training
 
 
 def test_parse_precision_maps():
     assert parse_precision("int8") == "int8"
-    assert parse_precision("0-2:int8,4:bf16") == {0: "int8", 1: "int8", 2: "int8", 4: "bf16"}
+    assert check_precision_range(parse_precision("0-2:int8,4:bf16"), 5) == {0: "int8", 1: "int8", 2: "int8",
+                                                                            3: "bf16", 4: "bf16"}
     for bad, why in [("0-2:fp4", "unknown precision 'fp4'"), ("3-1:int8", "ascending"), ("a:int8", "index"),
-                     ("0:int8,0:bf16", "a second time"), ("int4", "unknown precision"), ("0:int8,", "empty part")]:
+                     ("0:int8,0:bf16", "a second time"),
+                     ("2-5:int8,0-3:bf16", "'0-3:bf16' names block 2 a second time"),
+                     ("int4", "unknown precision"), ("0:int8,", "empty part")]:
         with pytest.raises(UsageError, match=why):
             parse_precision(bad)
 
@@ -131,3 +134,67 @@ def test_bad_arguments_from_the_console_script_print_one_line():
         "stagehand schedule: error: --precision '0-x:int8': part '0-x:int8': "
         "blocks must be an index (4) or a range (0-3), got '0-x'"
     ]
+
+
+def _run_cli(*argv, cwd=None):
+    return subprocess.run([sys.executable, "-m", "torch_stagehand.app.cli", *argv], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def _one_line_exit_2(result, *expected):
+    lines = [line for line in result.stderr.strip().splitlines() if " ... " not in line]  # progress lines aside
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for word in expected:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def test_a_huge_precision_range_is_refused_before_it_is_expanded():
+    # Expanded first, this range is a dict of 1e11 entries: the process was killed for memory.
+    # The limit makes an expansion fail fast instead of swapping the machine.
+    result = subprocess.run(
+        [sys.executable, "-c", "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+         "from torch_stagehand.app.cli import main; sys.exit(main(sys.argv[1:]))",
+         "schedule", "tiny-llama", "--device", "cpu", "--precision", "0-99999999999:int8"],
+        capture_output=True, text=True, timeout=300)
+    _one_line_exit_2(result, "blocks 0-99999999999", "block 4 does not exist", "0..3")
+    with pytest.raises(UsageError, match="names block 5 a second time"):
+        parse_precision("0-99999999999:int8,5:bf16")  # overlaps found from the ends, not by listing blocks
+
+
+def test_config_and_json_that_are_folders_exit_2(tmp_path):
+    _one_line_exit_2(_run_cli("schedule", "tiny-llama", "--device", "cpu", "--config", str(tmp_path)),
+                     "--config", "is a directory")
+    _one_line_exit_2(_run_cli("schedule", "tiny-llama", "--device", "cpu", "--json", str(tmp_path)),
+                     "--json", "is a directory")
+    a_file = tmp_path / "plain.txt"
+    a_file.write_text("x")
+    _one_line_exit_2(_run_cli("schedule", "tiny-llama", "--device", "cpu", "--json", str(a_file / "rows.json")),
+                     "is a file, not a folder")
+    assert a_file.read_text() == "x"
+
+
+def test_demo_out_that_is_a_file_exits_2(tmp_path):
+    a_file = tmp_path / "out.txt"
+    a_file.write_text("keep me")
+    _one_line_exit_2(_run_cli("demo", "--device", "cpu", "--out", str(a_file), "--steps", "1"), "--out", "is a file")
+    assert a_file.read_text() == "keep me"
+
+
+def test_bad_target_paths_exit_2(tmp_path):
+    _one_line_exit_2(_run_cli("schedule", f"{tmp_path}:build", "--device", "cpu"), "no file")
+    _one_line_exit_2(_run_cli("schedule", f"{tmp_path / 'missing.py'}:build", "--device", "cpu"), "no file")
+
+
+FAILING_FORWARD = FACTORY.replace("return x + self.down(torch.relu(self.up(x)))",
+                                  "raise ValueError('forward is broken')")
+
+
+def test_a_factory_whose_forward_fails_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    path = tmp_path / "badforward.py"
+    path.write_text(FAILING_FORWARD)
+    line = _one_line_exit_2(_run_cli("schedule", f"{path}:build", "--device", "cpu"))
+    assert f"target '{path}:build'" in line and "forward failed" in line and "forward is broken" in line
+    debug = _run_cli("schedule", f"{path}:build", "--device", "cpu", "--debug")
+    assert debug.returncode == 2 and "Traceback" in debug.stderr and "forward is broken" in debug.stderr

@@ -7,6 +7,7 @@ import torch
 import torch_stagehand as stagehand
 from torch_stagehand.config import Config, ConductorConfig
 from torch_stagehand.runtime.conductor import FetchOrder, Lookahead, ScheduleTrace, recording
+from torch_stagehand.runtime.conductor.trace import WAIT
 from torch_stagehand.runtime.conductor import trace as tr
 from torch_stagehand.runtime.registry import NO_BLOCK
 
@@ -138,17 +139,25 @@ def test_explain_forward_rows_are_what_the_pool_counted():
     assert next(r for r in rows if r.action == "wait" and r.block == 2).precision == "int8"
 
 
-def test_explain_with_grad_labels_the_backward_predicted():
-    model, x = toy(n=3)
-    model.embed.requires_grad_(True)
-    stagehand.offload(model, device="cpu")
+def test_explain_with_grad_predicts_the_backward_the_pool_then_runs():
+    # Blocks run 1, 0, 2: a prediction that reversed the registration order would say 2, 1, 0.
+    torch.manual_seed(0)
+    model, x = _Reordered(32, 3), torch.randn(2, 5, 32)
+    model.requires_grad_(False).embed.requires_grad_(True)
+    rt = stagehand.offload(model, device="cpu")
     report = stagehand.explain(model, x)
     forward = [r for r in report.schedule if r.phase == "forward"]
     backward = [r for r in report.schedule if r.phase == "backward"]
     assert forward and not [r for r in forward if "predicted" in r.note]
     assert backward and all(r.note.startswith("predicted") for r in backward)
-    assert [r.block for r in backward if r.action == "wait"] == [2, 1, 0]
     assert "backward predicted" in report.summary()
+    predicted = [r.block for r in backward if r.action == "wait"]
+    # What the slot pool records when a compiled training step really runs its backward.
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    with recording(rt.pool) as trace:
+        compiled(x).square().sum().backward()
+    ran = [r.block for r in trace.rows if r.phase == "backward" and r.action == WAIT]
+    assert predicted == ran == [2, 0, 1]
 
 
 # ---- the config knobs the conductor section shadows ------------------------------------------

@@ -47,7 +47,7 @@ def _assert_untouched(model: nn.Module, before: dict[str, tuple]) -> None:
     assert not any(is_streamed(m) for m in model.modules())
     for module in model.modules():
         assert not module._load_state_dict_post_hooks, "a load_state_dict hook was left behind"
-        assert not hasattr(module, "_sh_layer")
+        assert not hasattr(module, "_sh_layer") and "_apply" not in module.__dict__
     for name, p in model.named_parameters():
         assert p._base is None, f"{name} is still a view of a host store buffer"
 

@@ -24,6 +24,8 @@ class FullPrecision(Precision):
     name = "bf16"
     code = 0
     derived_from_master = False
+    # The dtypes a master can hold: the ones the ops compute in (and INT8 quantizes from).
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
 
     def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
         w = spec.module.weight

@@ -5,6 +5,7 @@ schema plus our checksums and ids). The modules, each with one job:
 
     reader.py          SlabReader: validated, bounded-memory reads into caller buffers
     checks.py          what a slab is checked against at open, and a live model against a slab
+    identity.py        which weights a slab was quantized from (sampled-row hashes), checked on load
     manifest.py        the manifest schema, parsed and validated
     layers.py          canonical layer names, the Linear-like layers of a model, the signature
     builder.py         the one slab writer, and the builder from a live module
@@ -28,11 +29,14 @@ from .errors import (
     SlabError,
     SlabExtraTensorError,
     SlabHeaderError,
+    SlabIdentityError,
+    SlabIdentityWarning,
     SlabLayerNotFoundError,
     SlabManifestError,
     SlabMismatchError,
     SlabMissingTensorError,
     SlabModelMismatchError,
+    SlabPathError,
     SlabShapeError,
     SlabSignatureError,
     SlabTruncatedError,
@@ -64,11 +68,14 @@ __all__ = [
     "SlabDtypeError",
     "SlabExtraTensorError",
     "SlabHeaderError",
+    "SlabIdentityError",
+    "SlabIdentityWarning",
     "SlabLayerNotFoundError",
     "SlabManifestError",
     "SlabMismatchError",
     "SlabMissingTensorError",
     "SlabModelMismatchError",
+    "SlabPathError",
     "SlabShapeError",
     "SlabSignatureError",
     "SlabTruncatedError",

@@ -32,6 +32,7 @@ from torch import nn
 from torch_stagehand.kernels import dequantize, quantize_per_row
 
 from .errors import SlabError, SlabShapeError
+from .identity import RowSampler
 from .layers import iter_linear_layers, signature_from_shapes
 from .manifest import (
     CURRENT_KERNEL_ABI_VERSION,
@@ -41,6 +42,7 @@ from .manifest import (
     STAGEHAND_FORMAT,
     LayerEntry,
     SlabManifest,
+    check_slab_name,
 )
 from .report import BuildResult, LayerReport, print_and_save_report
 from .safetensors_io import IncrementalWriter, byte_view
@@ -101,6 +103,7 @@ def write_slab(
     compare_quantizers: bool,
     print_report: bool,
 ) -> BuildResult:
+    check_slab_name(slab_name)
     if not isinstance(pack_k, int) or pack_k < 1:
         raise ValueError(f"pack_k must be a positive int, got {pack_k!r}")
     if quantizer not in ("mse", "absmax"):
@@ -139,6 +142,7 @@ def write_slab(
             qbuf = torch.zeros(min(rows, p.out_features), pin, dtype=torch.int8)  # padding columns stay 0
             scale = torch.empty(p.out_features, dtype=torch.float32)
             cos, alt = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+            sampler = RowSampler(p.out_features)  # the layer's identity, from the rows as quantized
             for r0 in range(0, p.out_features, rows):
                 r1 = min(p.out_features, r0 + rows)
                 w = p.get_rows(r0, r1)
@@ -147,6 +151,7 @@ def write_slab(
                                          layer=p.name)
                 if not torch.isfinite(w).all():
                     raise SlabError(f"weight holds NaN or Inf in rows {r0}..{r1}", layer=p.name)
+                sampler.take(r0, w)
                 q, s = quantize_per_row(w, method=quantizer)
                 qbuf[: r1 - r0, : p.in_features] = q
                 writer.write(keys["qweight"], byte_view(qbuf[: r1 - r0]))
@@ -169,7 +174,7 @@ def write_slab(
                 has_bias=p.has_bias, qweight_key=keys["qweight"], scale_key=keys["scale"],
                 zero_point_key=keys["zero_point"], bias_key=keys["bias"] if p.has_bias else None, pad_k=pack_k,
                 source_layout=p.layout, source_dtype=str(p.source_dtype).replace("torch.", ""),
-                block_id=_block_id(p.name, block_prefixes),
+                block_id=_block_id(p.name, block_prefixes), identity=sampler.record(),
             )
             entry.checksums = {k: writer.crc32(k) for k in entry.tensor_keys()}
             layers[p.name] = entry
@@ -195,6 +200,7 @@ def write_slab(
             "format": STAGEHAND_FORMAT, "slab_id": slab_id, "safetensors_file": os.path.basename(st_path),
             "safetensors_bytes": size, "safetensors_sha256": sha,
             "header_sha256": hashlib.sha256(writer.header_bytes).hexdigest(), "checksum": "crc32 per tensor",
+            "identity": "sha256 of sampled source rows per layer (identity.py)",
             "quantizer": quantizer, "pack_k": pack_k,
             "signature_prefixes": None if signature_prefixes is None else list(signature_prefixes),
             "source": source,

@@ -21,7 +21,7 @@ import torch
 from torch_stagehand.runtime.linear_like import is_adapter_path
 
 from .builder import LayerPlan, find_block_prefixes, write_slab
-from .errors import SlabError, SlabMissingTensorError
+from .errors import SlabError, SlabMissingTensorError, SlabPathError
 from .layers import canonical_name
 from .report import BuildResult
 from .safetensors_io import ST_DTYPES, byte_view, pread_into, read_header
@@ -51,8 +51,21 @@ def _resolve_checkpoint(path) -> dict[str, str]:
         if not isinstance(wmap, dict) or not wmap:
             raise SlabError("index has no weight_map", path=path)
         base = os.path.dirname(path)
-        return {k: os.path.join(base, v) for k, v in wmap.items()}
+        return {k: os.path.join(base, _shard_in_folder(path, k, v)) for k, v in wmap.items()}
     return {k: path for k in read_header(path).tensors}
+
+
+def _shard_in_folder(index_path: str, key: str, shard) -> str:
+    """A weight_map entry, checked to name a file inside the index's folder (a subfolder is fine):
+    an absolute path or a '..' would make the build read a file elsewhere."""
+    parts = shard.replace("\\", "/").split("/") if isinstance(shard, str) else []
+    if not parts or os.path.isabs(shard) or any(p in ("", ".", "..") for p in parts) or "\0" in shard:
+        raise SlabPathError(
+            f"index field 'weight_map' maps {key!r} to {shard!r}: a shard must be a relative path to a "
+            "file inside the checkpoint's folder (no absolute path, no '..')",
+            path=index_path,
+        )
+    return shard
 
 
 def _effective_prefixes(block: tuple[str, ...], include: tuple[str, ...] | None) -> tuple[str, ...]:

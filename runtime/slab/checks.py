@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from typing import Iterable
 
+import torch
 from torch import nn
 
+from . import identity
 from .errors import (
     SlabChecksumError,
     SlabDtypeError,
     SlabExtraTensorError,
+    SlabIdentityError,
+    SlabIdentityWarning,
     SlabMismatchError,
     SlabMissingTensorError,
     SlabModelMismatchError,
@@ -148,3 +153,34 @@ def check_model(manifest: SlabManifest, model: nn.Module, include_prefixes: Iter
             f"model signature {sig!r} (prefixes {list(scope) if scope else None}) differs from the "
             f"manifest's {manifest.model_signature!r}", path=where)
     return {name: live[name].module for name in layers}
+
+
+def check_identity(manifest: SlabManifest, weights: Iterable[tuple[str, torch.Tensor]], where: str,
+                   require: bool = False) -> int:
+    """Check live full-precision weights against the identity the slab records for their layers.
+
+    `weights`: (canonical name, ``[out, in]`` weight) in the model's order, meta weights
+    and layers the slab lacks left out (other checks name those). Raises SlabIdentityError
+    naming the first layer whose weights are not the slab's source. A layer the slab
+    records no identity for (an older slab, a plain SquareQ one, or a dtype it did not
+    hash) cannot be checked: SlabIdentityError when `require`, else one
+    SlabIdentityWarning naming the file and the layers. Returns the layers checked.
+    """
+    checked, unchecked = 0, []
+    for name, weight in weights:
+        if identity.check_layer(name, manifest.layers[name].identity, weight, where):
+            checked += 1
+        else:
+            unchecked.append((name, str(weight.dtype).replace("torch.", "")))
+    if not unchecked:
+        return checked
+    name, dtype = unchecked[0]
+    why = ("records no identity of its source weights for it" if manifest.layers[name].identity is None
+           else f"records no identity for {dtype} weights")
+    message = (f"the slab {why} ({len(unchecked)} of {checked + len(unchecked)} layers cannot be checked), "
+               "so it cannot be told apart from a slab of other weights; rebuild it with this stagehand")
+    if require:
+        raise SlabIdentityError(message + " or leave Config.require_slab_identity False", path=where, layer=name)
+    warnings.warn(f"{where}: layer '{name}': {message}; Config(require_slab_identity=True) refuses such slabs",
+                  SlabIdentityWarning, stacklevel=3)
+    return checked

@@ -85,3 +85,16 @@ class SlabLayerNotFoundError(SlabError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return RuntimeError.__str__(self)
+
+
+class SlabIdentityError(SlabError):
+    """The slab was quantized from other weights than the model's (or records no identity,
+    when the caller requires one): see `identity.py`."""
+
+
+class SlabPathError(SlabError):
+    """A path that a manifest, a checkpoint index or a caller names would leave its folder."""
+
+
+class SlabIdentityWarning(UserWarning):
+    """The slab records no identity of its source weights, so it cannot be checked against the model."""

@@ -8,6 +8,13 @@ model (a layer missing from the slab, another shape, a bad file) is a
 `SlabError` naming the layer and the file; nothing is zero-filled and a load
 that fails leaves the model as it was.
 
+Before any row is read, the model's full-precision weights (where it has them)
+are checked against the identity the slab records of its source weights
+(`identity.py`): a slab quantized from other weights of the same shapes is a
+`SlabIdentityError` naming the first such layer; a slab that records no
+identity loads with a `SlabIdentityWarning`, or is refused when
+``Config(require_slab_identity=True)``.
+
 This is the one module of the slab package that knows the streaming engine,
 because its job is to fill the engine's host store: it writes into the INT8
 buffers the store allocates (`precision.layer_views` names each layer's rows
@@ -27,6 +34,7 @@ import torch
 
 from torch_stagehand.runtime.precision import INT8, layer_views
 
+from . import checks
 from .errors import SlabLayerNotFoundError
 from .layers import canonical_name
 from .reader import SlabReader
@@ -54,6 +62,8 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
     def load(rt: "Runtime") -> None:
         with SlabReader(manifest) as reader:
             reader.check_model(rt.model)
+            checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
+                                  require=rt.config.require_slab_identity)
             for block, bb in enumerate(rt.store.blocks):
                 buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
                 for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
@@ -73,3 +83,13 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
                 rt.store.mark_built(block, INT8)
 
     return load
+
+
+def _live_weights(rt: "Runtime", reader: SlabReader) -> list[tuple[str, torch.Tensor]]:
+    """(canonical name, [out, in] full-precision weight) of the streamed layers the slab holds."""
+    out = []
+    for spec in rt.layers:
+        name, w = canonical_name(spec.fqn), spec.module.weight
+        if name in reader.layers and not w.is_meta:
+            out.append((name, w.detach().t() if spec.transposed else w.detach()))
+    return out

@@ -13,8 +13,12 @@ and ``src/squareq/builder.py``): top-level ``model_signature``,
 Our additions live under a ``"stagehand"`` key, top level and per layer, which
 SquareQ never reads: the slab id (also written into the safetensors header),
 the safetensors file's size and sha256 and its header's sha256, per-tensor
-crc32, the quantizer, the signature scope, and how a layer was stored in the
-source model (``linear`` or transformers ``conv1d``).
+crc32, the quantizer, the signature scope, how a layer was stored in the
+source model (``linear`` or transformers ``conv1d``), and the identity of the
+weights it was quantized from (``identity``: hashes of sampled source rows,
+see `identity.py`; absent in slabs built before it was recorded, which still
+load). The file the manifest names (``safetensors_file``) must be a bare file
+name: a slab's files stay in the manifest's folder.
 
 Layer names and the model signature are in `layers.py`.
 """
@@ -26,7 +30,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import SlabAbiError, SlabDtypeError, SlabManifestError, SlabShapeError, SlabUnsupportedError
+from . import identity
+from .errors import (
+    SlabAbiError,
+    SlabDtypeError,
+    SlabManifestError,
+    SlabPathError,
+    SlabShapeError,
+    SlabUnsupportedError,
+)
 
 CURRENT_KERNEL_ABI_VERSION = 1
 SUPPORTED_QUANT_BITS = frozenset({8})
@@ -67,6 +79,8 @@ class LayerEntry:
     checksums: dict[str, str] | None = None
     source_layout: str = "linear"  # "linear" [out, in] or "conv1d" (stored [in, out] in the model)
     source_dtype: str | None = None
+    # Ours (None: not recorded): hashes of sampled rows of the source weights, see identity.py.
+    identity: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # unknown per-layer fields, kept on re-save
 
     @property
@@ -105,6 +119,8 @@ class LayerEntry:
             sh["source_dtype"] = self.source_dtype
         if self.checksums is not None:
             sh["crc32"] = dict(self.checksums)
+        if self.identity is not None:
+            sh["identity"] = self.identity
         d["stagehand"] = sh
         return d
 
@@ -219,6 +235,7 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
     sh = raw.get("stagehand")
     if sh is not None and not isinstance(sh, dict):
         raise SlabManifestError("field 'stagehand' is not an object", path=path)
+    _check_safetensors_file((sh or {}).get("safetensors_file"), path)
     layers: dict[str, LayerEntry] = {}
     keys_seen: dict[str, str] = {}
     for i, d in enumerate(raw["layers"]):
@@ -259,6 +276,10 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
         lsh = d.get("stagehand") or {}
         if not isinstance(lsh, dict):
             raise SlabManifestError("per-layer 'stagehand' is not an object", path=path, layer=name)
+        record = lsh.get("identity")
+        problem = None if record is None else identity.record_problem(record, out_f)
+        if problem is not None:
+            raise SlabManifestError(f"field 'stagehand.identity' {problem}", path=path, layer=name)
         entry = LayerEntry(
             name=name,
             out_features=out_f,
@@ -278,6 +299,7 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
             checksums=lsh.get("crc32"),
             source_layout=lsh.get("source_layout", "linear"),
             source_dtype=lsh.get("source_dtype"),
+            identity=record,
             extra={k: v for k, v in d.items() if k not in _KNOWN_LAYER_KEYS},
         )
         for key in entry.tensor_keys():
@@ -308,6 +330,36 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
         extra={k: v for k, v in raw.items() if k not in _KNOWN_TOP_KEYS},
         path=path,
     )
+
+
+def is_bare_file_name(name: Any) -> bool:
+    """A file name with no folder part: not absolute, no separator, not '.' or '..'."""
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and not any(
+        s in name for s in seps
+    )
+
+
+def check_slab_name(slab_name: Any) -> str:
+    """A slab's name becomes ``{name}.safetensors`` / ``.manifest.json`` / ``.report.json`` in
+    its folder: it must be a bare file name, or the files would land outside that folder."""
+    if not is_bare_file_name(slab_name):
+        raise SlabPathError(
+            f"slab_name is {slab_name!r}: it must be a bare file name (no path separator, no '..'); "
+            "say where the slab goes with output_dir"
+        )
+    return slab_name
+
+
+def _check_safetensors_file(name: Any, path: str) -> None:
+    # The reader opens this name beside the manifest: an absolute path or '../' would
+    # make a manifest read a file outside the slab's folder.
+    if name is not None and not is_bare_file_name(name):
+        raise SlabPathError(
+            f"field 'stagehand.safetensors_file' is {name!r}: it must be a bare file name in the "
+            "manifest's folder (no absolute path, no folder, no '..')",
+            path=path,
+        )
 
 
 _KNOWN_LAYER_KEYS = frozenset(

@@ -50,7 +50,8 @@ from .errors import (
     SlabUnsupportedError,
     SlabValueError,
 )
-from .manifest import LayerEntry, SlabManifest, load_manifest
+from .layers import iter_linear_layers
+from .manifest import LayerEntry, SlabManifest, check_slab_name, load_manifest
 from .safetensors_io import byte_view, crc32_hex, pread_into, read_header
 
 # Bytes read per pread when a layer has to be narrowed (padded -> unpadded) or hashed.
@@ -58,7 +59,8 @@ _CHUNK_BYTES = 8 << 20
 
 
 def slab_paths(output_dir: str | os.PathLike, slab_name: str) -> tuple[str, str]:
-    """(safetensors path, manifest path) of slab `slab_name` in `output_dir`."""
+    """(safetensors path, manifest path) of slab `slab_name` in `output_dir` (a bare name: SlabPathError else)."""
+    check_slab_name(slab_name)
     d = os.fspath(output_dir)
     return os.path.join(d, f"{slab_name}.safetensors"), os.path.join(d, f"{slab_name}.manifest.json")
 
@@ -294,6 +296,21 @@ class SlabReader:
         else the whole model (SquareQ's definition).
         """
         return checks.check_model(self.manifest, model, include_prefixes, self.manifest_path)
+
+    def check_identity(self, model: nn.Module, require: bool = False) -> int:
+        """Check that the slab was quantized from `model`'s weights (see `identity.py`).
+
+        Raises SlabIdentityError naming the first slab layer whose live weights
+        differ from the slab's source; layers on the meta device are skipped.
+        `require`: a slab that records no identity is an error, not a warning.
+        Returns how many layers were checked.
+        """
+        weights = []
+        for li in iter_linear_layers(model):
+            w = li.module.weight
+            if li.name in self.layers and not w.is_meta:
+                weights.append((li.name, w.detach().t() if li.layout == "conv1d" else w.detach()))
+        return checks.check_identity(self.manifest, weights, self.manifest_path, require)
 
     # ── lifetime ──────────────────────────────────────────────────────────
 

@@ -18,70 +18,16 @@ import json
 import logging
 import os
 import sys
+import traceback
 from typing import Any
 
 from torch_stagehand.app.progress import Stage
+from torch_stagehand.app.usage import (  # noqa: F401  (parse_precision, PrecisionRanges: the CLI's API)
+    PrecisionRanges, TargetFailed, UsageError, check_output_path, check_precision_range, parse_precision,
+)
 from torch_stagehand.runtime import precision as precisions
 
 DIT_CPU_TOKENS = 16
-
-
-class UsageError(Exception):
-    """A mistake in what the user asked for: reported as one line, exit status 2."""
-
-
-# ---- precision maps ---------------------------------------------------------------
-
-
-def parse_precision(text: str) -> str | dict[int, str]:
-    """'bf16', 'int8' (any registered precision), or a map like '0-3:int8,4:bf16' (blocks it leaves out stay bf16)."""
-    spec = text.strip()
-    known = precisions.names()
-    if spec in known:
-        return spec
-    if not spec:
-        raise UsageError("--precision: empty (use bf16, int8 or a map like 0-3:int8,4:bf16)")
-    result: dict[int, str] = {}
-    for raw in spec.split(","):
-        part = raw.strip()
-        if not part:
-            raise UsageError(f"--precision {text!r}: empty part (a stray comma?)")
-        blocks, sep, precision = part.partition(":")
-        if not sep:
-            if part in ("fp16", "fp32", "bfloat16", "fp8", "int4"):
-                raise UsageError(f"--precision {text!r}: unknown precision {part!r} (known: {', '.join(known)})")
-            raise UsageError(f"--precision {text!r}: part {part!r} is not BLOCKS:PRECISION (e.g. 0-3:int8 or 4:bf16)")
-        precision = precision.strip()
-        first, dash, last = blocks.strip().partition("-")
-        try:
-            lo = int(first)
-            hi = int(last) if dash else lo
-        except ValueError:
-            raise UsageError(
-                f"--precision {text!r}: part {part!r}: blocks must be an index (4) or a range (0-3), got {blocks.strip()!r}"
-            ) from None
-        if lo < 0 or hi < lo:
-            raise UsageError(f"--precision {text!r}: part {part!r}: range {blocks.strip()!r} must be ascending and >= 0")
-        for block in range(lo, hi + 1):
-            if block in result:
-                raise UsageError(f"--precision {text!r}: part {part!r} names block {block} a second time")
-            result[block] = precision
-    return _checked(result, None, f"--precision {text!r}")
-
-
-def check_precision_range(precision: str | dict[int, str], n_blocks: int) -> None:
-    _checked(precision, n_blocks, "--precision")
-
-
-def _checked(precision: str | dict[int, str], n_blocks: int | None, context: str):
-    """The library's precision-map rules (names, block range), as a usage error."""
-    try:
-        return precisions.validate_precision_map(precision, n_blocks, context=context)
-    except precisions.PrecisionMapError as e:
-        raise UsageError(str(e)) from None
-
-
-# ---- progress line ------------------------------------------------------------------
 
 
 # ---- targets --------------------------------------------------------------------------
@@ -115,7 +61,7 @@ def build_target(target: str, device) -> tuple[Any, Any]:
     except Exception as e:  # the user's file failed to import or its factory raised
         if target in PRESETS:
             raise
-        raise UsageError(f"target {target!r}: {type(e).__name__}: {e}") from None
+        raise TargetFailed(target, "", e) from None
 
 
 def map_tensors(fn, inputs: Any) -> Any:
@@ -179,10 +125,14 @@ def load_config(text: str | None):
 
     if text is None:
         return None
+    if os.path.isdir(text):
+        raise UsageError(f"--config {text!r} is a directory (give a JSON file or JSON text)")
     try:
         return Config.from_json(text)
     except ConfigError as e:
         raise UsageError(f"--config: {e}") from None
+    except OSError as e:  # exists but cannot be read (permissions, a broken link, ...)
+        raise UsageError(f"--config {text!r}: {e.strerror or e}") from None
 
 
 def explain_target(args) -> tuple[Any, Any]:
@@ -210,7 +160,7 @@ def explain_target(args) -> tuple[Any, Any]:
         n_blocks = len(find_blocks(model))
     except BlockSelectionError as e:
         raise UsageError(str(e)) from None
-    check_precision_range(precision, n_blocks)
+    precision = check_precision_range(precision, n_blocks)
     how = "inference, no grad"
     if args.train:
         model, inputs, how = prepare_training(model, inputs)
@@ -223,7 +173,12 @@ def explain_target(args) -> tuple[Any, Any]:
     torch._dynamo.reset()  # a fresh Dynamo cache: every graph of this target is compiled (and reported) anew
     grad = torch.enable_grad() if args.train else torch.no_grad()
     with Stage(f"compiling and running one forward [{how}]"), grad:
-        report = call_model(lambda *a, **kw: stagehand.explain(model, *a, **kw), inputs)
+        try:
+            report = call_model(lambda *a, **kw: stagehand.explain(model, *a, **kw), inputs)
+        except Exception as e:
+            if args.target in PRESETS:  # a preset that fails is our bug: its traceback is the report
+                raise
+            raise TargetFailed(args.target, "its forward failed: ", e) from None
     return report, rt
 
 
@@ -258,6 +213,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_schedule(args) -> int:
+    if args.json:
+        check_output_path("--json", args.json, folder=False)
     report, rt = explain_target(args)
     _print_overview(report.table(), report)
     if args.json:
@@ -271,8 +228,11 @@ def cmd_schedule(args) -> int:
         }
         directory = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(directory, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=1)
+        try:
+            with open(args.json, "w") as f:
+                json.dump(payload, f, indent=1)
+        except OSError as e:
+            raise UsageError(f"--json {args.json!r}: {e.strerror or e}") from None
         print(f"wrote {len(report.schedule)} rows to {args.json}", file=sys.stderr)
     return 0
 
@@ -284,12 +244,12 @@ def cmd_demo(args) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    check_output_path("--out", args.out, folder=True)
     device = resolve_device(args.device)
     shape = demo.GPU_SHAPE if device.type == "cuda" else demo.CPU_SHAPE
     precision = None
     if args.precision is not None:
-        precision = parse_precision(args.precision)
-        check_precision_range(precision, shape.layers)
+        precision = check_precision_range(parse_precision(args.precision), shape.layers)
     config = load_config(args.config)
     try:
         import peft  # noqa: F401
@@ -321,6 +281,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="explain a training step: freeze the base, inject LoRA (peft) into the block Linears, "
                         "grad enabled; the backward graphs and schedule appear")
     p.add_argument("--config", default=None, metavar="JSON", help="a Config as a JSON file or JSON text")
+    p.add_argument("--debug", action="store_true", help="when a file target fails, print its traceback too")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UsageError as e:
+        if isinstance(e, TargetFailed) and getattr(args, "debug", False):
+            traceback.print_exception(e.error)
         print(f"stagehand {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
