@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -36,6 +37,11 @@ from .variants import variant_cache
 
 log = logging.getLogger("torch_stagehand.compiler")
 _graph_ids = itertools.count()
+_warned_not_offloaded = False
+
+
+class NotOffloadedWarning(UserWarning):
+    """The backend compiled a model that was never offloaded: nothing streams (it works, plainly)."""
 
 
 @dataclass
@@ -63,9 +69,21 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     rt = _runtime_of(gm)
     if rt is None:
         # Nothing streams in this graph (e.g. a graph break left only glue): compile it plainly.
+        _warn_if_nothing_offloaded()
         log.info("stagehand: graph has no streamed layers; compiling it with %s alone", opts.inner)
         return compile_unit(gm, list(example_inputs), opts.inner, lambda *_: None, JOINT_PASSES, PassLog())
     ctx = CompileContext(rt, opts, variant_cache(rt), VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids))
     outer = ctx.run(GRAPH_PASSES, gm)
     rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran))
     return outer
+
+
+def _warn_if_nothing_offloaded() -> None:
+    """Say once when no model is offloaded at all; glue graphs of an offloaded model are normal and stay quiet."""
+    global _warned_not_offloaded
+    if _warned_not_offloaded or registry.has_runtimes():
+        return
+    _warned_not_offloaded = True
+    warnings.warn("stagehand: torch.compile(backend='stagehand') got a graph but no model is offloaded, so nothing "
+                  "streams and the graph is compiled plainly; call torch_stagehand.offload(model) before compiling",
+                  NotOffloadedWarning, stacklevel=2)

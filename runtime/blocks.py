@@ -95,6 +95,13 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[str]
                 f"(repeated block lists found: {candidates})"
             )
         module = modules[name]
+        if isinstance(blocks, str) and not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            candidates = ", ".join(_repeated_block_lists(model)) or "none found"
+            raise BlockSelectionError(
+                f"offload: blocks={name!r} names a {type(module).__name__}, not a list of repeated blocks "
+                f"(an nn.ModuleList or nn.Sequential; found: {candidates}); to stream single modules, "
+                f"pass a list of their FQNs: blocks=[{name!r}, ...]"
+            )
         children = (
             [f"{name}.{child}" for child, _ in module.named_children()]
             if isinstance(module, (nn.ModuleList, nn.Sequential))
@@ -132,3 +139,40 @@ def streamed_layers(model: nn.Module, block_fqns: list[str]) -> list[StreamedLay
             fqn = f"{block_fqn}.{name}" if name else block_fqn
             specs.append(StreamedLayerSpec(fqn, index, module, int(out_f), int(in_f), transposed))
     return specs
+
+
+class WrappedAfterOffloadError(RuntimeError):
+    """A streamed layer was wrapped after offload (peft adapters) by a module whose parameters are off the device."""
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """Where a streamed layer sits in the module tree: `parent._modules[name]`."""
+
+    parent: nn.Module
+    name: str
+
+
+def layer_slots(model: nn.Module, specs: list[StreamedLayerSpec]) -> list[LayerSlot]:
+    modules = dict(model.named_modules())
+    slots = []
+    for spec in specs:
+        parent, _, name = spec.fqn.rpartition(".")
+        slots.append(LayerSlot(modules[parent], name))
+    return slots
+
+
+def check_not_wrapped_off_device(spec: StreamedLayerSpec, slot: LayerSlot, device) -> None:
+    """peft applied after offload wraps the streamed layer and puts its adapters where the layer's weight is: the
+    host. On a CPU stream that is right (and computes correctly); on another device it would fail inside the
+    adapter with a bare device mismatch, so say which layer and what to do instead."""
+    wrapper = slot.parent._modules.get(slot.name)
+    if wrapper is spec.module or wrapper is None:
+        return
+    for pname, p in wrapper.named_parameters():
+        if p.device != device and not any(p is q for q in spec.module.parameters()):
+            raise WrappedAfterOffloadError(
+                f"stagehand: streamed layer {spec.fqn} was wrapped by {type(wrapper).__name__} after offload "
+                f"(peft adapters?), and its {pname} is on {p.device}, not {device}: apply peft before offload, "
+                f"or move the model to {device} after adding adapters (streamed weights stay on the host)"
+            )

@@ -84,24 +84,45 @@ class HostStore:
         """An empty buffer in the precision's layout (filled by `build` or a slab reader)."""
         bb = self.blocks[block]
         layout, nbytes = precisions.get(precision).layout(bb.layers)
-        bb.buffers[precision], bb.layouts[precision] = self._empty(nbytes), layout
+        try:
+            buf = self._empty(nbytes)
+        except torch.OutOfMemoryError as e:  # say what did not fit: offload then puts the model back
+            where = "pinned host" if self.pin else "host"
+            raise torch.OutOfMemoryError(
+                f"offload: no {where} memory for block {block}'s {precision} copy ({nbytes / 2**20:.1f} MiB, first "
+                f"layer {bb.layers[0].fqn}): {e}"
+            ) from e
+        bb.buffers[precision], bb.layouts[precision] = buf, layout
         return bb.buffers[precision]
 
     def build(self, block: int, precision: str) -> None:
         """Build (or rebuild) the block's buffer in a derived precision from its full-precision master."""
-        bb, entry = self.blocks[block], precisions.get(precision)
-        master = precisions.master()
+        bb = self.blocks[block]
         if bb.full is None:
             raise RuntimeError(f"block {block}: no full-precision weights to build {precision} from")
-        if precision not in bb.buffers:
+        new = precision not in bb.buffers
+        if new:
             self.allocate(block, precision)
-        for master_lay, lay in zip(bb.layouts[master.name], bb.layouts[precision]):
+        try:
+            self._write_derived(block, precision)
+        except BaseException:
+            if new:  # a half-written buffer must not look built
+                del bb.buffers[precision], bb.layouts[precision]
+            raise
+        self.mark_built(block, precision)
+
+    def _write_derived(self, block: int, precision: str) -> None:
+        bb, entry = self.blocks[block], precisions.get(precision)
+        master = precisions.master()
+        for spec, master_lay, lay in zip(bb.layers, bb.layouts[master.name], bb.layouts[precision]):
             w = master.views(bb.full, master_lay)[0]
             w = w.t() if master_lay.transposed else w
             if self.quant_device is not None:
                 w = w.to(self.quant_device, non_blocking=True)
-            entry.write(bb.buffers[precision], lay, w, self.quantizer)
-        self.mark_built(block, precision)
+            try:
+                entry.write(bb.buffers[precision], lay, w, self.quantizer)
+            except ValueError as e:  # e.g. a NaN or Inf the quantizer refuses: say which layer holds it
+                raise type(e)(f"stagehand: layer {spec.fqn} (block {block}), building its {precision} copy: {e}") from e
 
     def mark_built(self, block: int, precision: str) -> None:
         """Record the master version the precision's buffer now matches (None: there is no master)."""

@@ -37,6 +37,11 @@ def unregister_runtime(rid: int) -> None:
         del _layers[lid]
 
 
+def has_runtimes() -> bool:
+    """Whether any offloaded model is live (the backend warns when compiling with none)."""
+    return len(_runtimes) > 0
+
+
 def new_layer_id(rid: int, index: int) -> int:
     lid = next(_layer_ids)
     _layers[lid] = (rid, index)

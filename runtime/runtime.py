@@ -25,12 +25,13 @@ from torch_stagehand import kernels
 
 from . import precision as precisions
 from . import registry
-from .blocks import StreamedLayerSpec
+from .blocks import StreamedLayerSpec, check_not_wrapped_off_device, layer_slots
 from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
 from .host_store import HostStore, check_master_dtypes
+from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
 from .slots import SlotPool
@@ -60,14 +61,41 @@ class Runtime:
         self.blocks = list(block_fqns)
         self.layers = layers
         self.config = config
-        self.id = registry.register_runtime(self)
         self._closed = False
-        self._original_devices = {n: t.device for n, t in _named_tensors(model)}
-        self._original_requires_grad = {s.fqn: s.module.weight.requires_grad for s in layers}
+        self._restored = False
+        self._hooks: list[Any] = []
+        self._conversion_guards: list[nn.Module] = []
+        self._on_close: list[Callable[[], None]] = []
+        # Checked before the model is touched: a bad path fails here, not at the first step.
+        self.telemetry = TelemetryWriter(config.telemetry_path)
         self._block_first_layer = {}
         for index, spec in enumerate(layers):
             self._block_first_layer.setdefault(spec.block, index)
+        self._undo = OffloadUndo(model, layers)
+        self._layer_slots = layer_slots(model, layers)  # to notice adapters wrapped around a layer after offload
+        self.id = registry.register_runtime(self)
+        try:
+            self._offload(precision, slab_loader)
+        except BaseException:
+            self._abandon()  # offload is a transaction: the model is left exactly as it was
+            raise
 
+        self.phases = PhaseTracker(on_step_end=self._record_step)
+        self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
+        self._step_base = self._counters()
+        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
+        self.compile_seconds = 0.0
+        self.compile_count = 0  # every compiled unit (block variants and glue)
+        self.block_variant_count = 0
+        self.graph_breaks: list[str] = []
+        self.eager_linear_calls = 0
+        self.eager_blocks: set[int] = set()
+        self._eager_warned: set[tuple[int, str]] = set()
+        self.recomputed_blocks = 0
+
+    def _offload(self, precision: dict[int, str], slab_loader) -> None:
+        """Every step of offload that changes the model or allocates; any of them may raise."""
+        model, config, block_fqns, layers = self.model, self.config, self.blocks, self.layers
         pin = config.pin_memory and self.device.type == "cuda"
         quant_device = self.device if self.device.type == "cuda" else None
         self.store = HostStore(layers, len(block_fqns), pin=pin, quantizer=config.quantizer, quant_device=quant_device)
@@ -81,35 +109,35 @@ class Runtime:
             )
         for index, spec in enumerate(layers):
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
-            spec.module.register_load_state_dict_post_hook(self._after_load_state_dict)
+            self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
         model.to(self.device)  # everything but the streamed weights becomes resident
 
         self._precision: dict[int, str] = {}
         self.set_precision(precision)
         slot_bytes = self.store.max_block_bytes()
-        self.pool = SlotPool(self.device, config.slot_count, slot_bytes, self.store)
+        try:
+            self.pool = SlotPool(self.device, config.slot_count, slot_bytes, self.store)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(f"offload: no room on {self.device} for {config.slot_count} slots of "
+                                         f"{slot_bytes / 2**20:.1f} MiB (the largest block): {e}") from e
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         # Token outputs are allocated once: a prefetch / evict returns its block's.
         self._fetch_tokens = [torch.zeros((), dtype=torch.int64) for _ in self.blocks]
         self._free_tokens = [torch.zeros((), dtype=torch.int64) for _ in self.blocks]
 
-        self.telemetry = TelemetryWriter(config.telemetry_path)
-        self.phases = PhaseTracker(on_step_end=self._record_step)
-        self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
-        self._step_base = self._counters()
-        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
-        self.compile_seconds = 0.0
-        self.compile_count = 0  # every compiled unit (block variants and glue)
-        self.block_variant_count = 0
-        self.graph_breaks: list[str] = []
-        self._hooks: list[Any] = []
-        self._on_close: list[Callable[[], None]] = []
-        self.eager_linear_calls = 0
-        self.eager_blocks: set[int] = set()
-        self._eager_warned: set[tuple[int, str]] = set()
-        self.recomputed_blocks = 0
+    def _abandon(self) -> None:
+        """Undo a failed offload: plain layers and weights back, no hooks, nothing registered, nothing held."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        unguard(self._conversion_guards)
+        registry.unregister_runtime(self.id)
+        self._undo.undo()
+        self.telemetry.close()
+        self.store = self.pool = None  # the pinned store and slots are freed with the exception
+        self._closed = True
 
     # ---- public API -----------------------------------------------------------------
 
@@ -124,6 +152,7 @@ class Runtime:
         compiled once. Derived copies (INT8) missing from the host store are
         built now, off the hot path.
         """
+        self._check_open()
         new = precisions.validate_precision_map(precision, self.blocks, base=self._precision)
         for block, value in new.items():
             if not self.store.can_stream(block, value):
@@ -168,13 +197,20 @@ class Runtime:
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Phases from the optimizer: OPTIMIZER before its step, STEP_END after."""
+        self._check_open()
         pre = optimizer.register_step_pre_hook(lambda *_: self.phases.optimizer_begin())
         post = optimizer.register_step_post_hook(lambda *_: self.phases.end_step())
         self._hooks += [pre, post]
         return self
 
     def restore(self) -> nn.Module:
-        """Put the model back: plain modules, weights as tensors on their original devices, bit-exact."""
+        """Put the model back: plain modules, weights as tensors on their original devices, bit-exact.
+
+        Idempotent: a second call returns the model. Every hook and reference to the host
+        store and slots is dropped, so they are freed with this Runtime.
+        """
+        if self._restored:
+            return self.model
         self._check_open()
         int8_only = [self.blocks[b] for b, bb in enumerate(self.store.blocks) if bb.full is None]
         if int8_only:
@@ -185,17 +221,11 @@ class Runtime:
         with torch.no_grad():
             for spec in self.layers:
                 make_plain(spec.module)
-                host = spec.module.weight.detach()
-                device = self._original_devices[spec.fqn + ".weight"]
-                spec.module._parameters["weight"] = nn.Parameter(
-                    host.to(device, copy=True), requires_grad=self._original_requires_grad[spec.fqn]
-                )
-            for name, tensor in _named_tensors(self.model):
-                original = self._original_devices.get(name)
-                if original is not None and tensor.device != original:
-                    tensor.data = tensor.data.to(original)
+                self._undo.plain_weight(spec)
+            self._undo.move_back()
         unguard(self._conversion_guards)
         self.close()
+        self._restored = True
         return self.model
 
     def close(self) -> None:
@@ -203,6 +233,7 @@ class Runtime:
             return
         for h in self._hooks:
             h.remove()
+        self._hooks.clear()
         self.phases.end_step()
         self.telemetry.close()
         registry.unregister_runtime(self.id)
@@ -281,6 +312,8 @@ class Runtime:
         slot = self.pool.acquire(block, precision, reader=EAGER)
         try:
             if self._block_first_layer[block] == index:
+                for i in range(index, index + len(self.store.blocks[block].layers)):
+                    check_not_wrapped_off_device(self.layers[i], self._layer_slots[i], self.device)
                 # Eager calls have no schedule; fetching the block that runs next (in the order the
                 # blocks ran, reversed in backward) while this one runs still pays. The slot just
                 # acquired is held, so this prefetch can never overwrite it.
@@ -346,7 +379,8 @@ class Runtime:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("stagehand: this Runtime was closed (restore() was called)")
+            raise RuntimeError("stagehand: this Runtime was closed (restore() or close() was called); "
+                               "offload the model again to stream it")
 
 
 def _progress(items, label: str):
@@ -361,8 +395,3 @@ def _progress(items, label: str):
 
 def _layer_index(module: nn.Module, rt: Runtime) -> int:
     return registry.layer(module._sh_layer)[1]
-
-
-def _named_tensors(model: nn.Module):
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)

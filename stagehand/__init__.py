@@ -4,11 +4,13 @@
     compiled = torch.compile(model, backend="stagehand")
 """
 
+from torch_stagehand.compiler.backend import NotOffloadedWarning
 from torch_stagehand.runtime import ops as _ops  # noqa: F401  (registers the custom ops)
 from torch_stagehand.runtime.runtime import EagerFallbackWarning, Runtime
 
 from .api import explain, offload, runtime_of
 from .config import ConductorConfig, Config, ConfigError, PrecisionConfig
 
-__all__ = ["Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning", "PrecisionConfig", "Runtime", "explain",
+__all__ = ["Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning", "NotOffloadedWarning",
+           "PrecisionConfig", "Runtime", "explain",
            "offload", "runtime_of"]

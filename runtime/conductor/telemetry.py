@@ -17,6 +17,8 @@ from typing import Any
 class TelemetryWriter:
     def __init__(self, path: str | os.PathLike | None):
         self.path = None if path is None else os.fspath(path)
+        if self.path is not None:
+            _check_writable(self.path)
         self._file = None
         self.records: list[dict[str, Any]] = []  # also kept in memory for plots and tests
 
@@ -26,7 +28,6 @@ class TelemetryWriter:
         if self.path is None:
             return
         if self._file is None:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
 
@@ -34,3 +35,18 @@ class TelemetryWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class TelemetryPathError(ValueError):
+    """`telemetry_file` cannot be written: caught at offload, not at the first step."""
+
+
+def _check_writable(path: str) -> None:
+    """Refuse a telemetry path the first step could not open (nothing is created here)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise TelemetryPathError(f"telemetry_file: {path!r} is a directory; name a file (e.g. {path}/telemetry.jsonl)")
+    if not os.path.isdir(parent):
+        raise TelemetryPathError(f"telemetry_file: {path!r}: its folder {parent!r} does not exist")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise TelemetryPathError(f"telemetry_file: {path!r} is not writable")
