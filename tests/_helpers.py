@@ -111,3 +111,20 @@ def two_largest_blocks(block_bytes: dict[str, list[int]], precision: dict[int, s
     per_block = precision if isinstance(precision, dict) else {b: precision for b in range(n)}
     sizes = sorted((block_bytes[per_block.get(b, "bf16")][b] for b in range(n)), reverse=True)
     return sum(sizes[:2])
+
+
+class CheckpointedToy(nn.Module):
+    """A `ToyModel` whose blocks run through torch.utils.checkpoint, as HF / diffusers call them."""
+
+    def __init__(self, inner: nn.Module, use_reentrant: bool = False):
+        super().__init__()
+        self.inner = inner
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.inner.embed(x)
+        for block in self.inner.blocks:
+            x = checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.inner.head(x)

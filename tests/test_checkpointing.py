@@ -33,7 +33,7 @@ import torch.utils.checkpoint as checkpoint
 import torch_stagehand as stagehand
 from torch_stagehand.app.presets import tiny_flux, tiny_llama
 
-from _helpers import first_tensor, rel_err, toy
+from _helpers import CheckpointedToy, first_tensor, rel_err, toy
 
 peft = pytest.importorskip("peft")
 
@@ -357,20 +357,9 @@ def test_nested_checkpoints_are_inlined_too():
             h = checkpoint.checkpoint(lambda t: torch.nn.functional.gelu(b.up(b.norm(t))), x, use_reentrant=False)
             return x + b.down(h)
 
-    class Outer(nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            x = self.inner.embed(x)
-            for block in self.inner.blocks:
-                x = checkpoint.checkpoint(block, x, use_reentrant=False)
-            return self.inner.head(x)
-
     model, x = _toy_with_trainable_norms(n=3)
     model.blocks = nn.ModuleList([MlpCheckpointed(b) for b in model.blocks])
-    wrapped = Outer(model)
+    wrapped = CheckpointedToy(model)
     ref_out, ref_grads = _toy_grads(copy.deepcopy(wrapped), x)
     rt = stagehand.offload(wrapped, device="cpu", blocks="inner.blocks")
     torch._dynamo.reset()
@@ -422,18 +411,6 @@ def test_recompute_option_is_validated():
 # ---- what the backend cannot place: correct, counted, reported ---------------------------
 
 
-class _ReentrantToy(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.inner = model
-
-    def forward(self, x):
-        x = self.inner.embed(x)
-        for block in self.inner.blocks:
-            x = checkpoint.checkpoint(block, x, use_reentrant=True)
-        return self.inner.head(x)
-
-
 def _offloaded_and_compiled(wrapper_cls):
     """A 3-block toy inside `wrapper_cls`: its plain output and grads, then offloaded and compiled."""
     model, x = _toy_with_trainable_norms(n=3)
@@ -447,7 +424,7 @@ def _offloaded_and_compiled(wrapper_cls):
 
 def test_reentrant_checkpointing_is_placed_too():
     """Dynamo captures `use_reentrant=True` as the same checkpoint op: compiled, recomputed, exact."""
-    wrapped, x, rt, compiled, ref_out, ref_grads = _offloaded_and_compiled(_ReentrantToy)
+    wrapped, x, rt, compiled, ref_out, ref_grads = _offloaded_and_compiled(lambda m: CheckpointedToy(m, use_reentrant=True))
     out, grads = _toy_grads(wrapped, x, compiled)
     assert rel_err(out, ref_out) < 1e-4
     assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-4

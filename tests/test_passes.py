@@ -278,23 +278,12 @@ def test_explain_lists_the_passes_that_ran():
 
 def test_inline_checkpoints_turns_checkpoint_bodies_into_block_recompute():
     """A model's own checkpoint (Dynamo's tag_activation_checkpoint op) is inlined and marked for recompute."""
-    from torch.utils.checkpoint import checkpoint
+    from _helpers import CheckpointedToy
 
     from torch_stagehand.compiler.passes.inline_checkpoints import RECOMPUTE, is_checkpoint
 
-    class Checkpointed(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            x = self.inner.embed(x)
-            for block in self.inner.blocks:
-                x = checkpoint(block, x, use_reentrant=False)
-            return self.inner.head(x)
-
     model, x = toy(n=3)
-    wrapped = Checkpointed(model)
+    wrapped = CheckpointedToy(model)
     plain = copy.deepcopy(wrapped)
     rt = stagehand.offload(wrapped, device="cpu")
     graphs = []
