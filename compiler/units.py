@@ -64,7 +64,8 @@ def input_signature(args: tuple) -> tuple:
     for a in args:
         if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
             # A Python float Dynamo passed as a tensor (dynamic=True): a variant compiles
-            # its value in as a constant (inner._bake_scalar_reads), so the value is keyed.
+            # its value in as a constant (inner._bake_scalar_reads), so the value is keyed. A CPU
+            # scalar: .item() reads host memory, no device sync (normal graphs have no such input).
             sig.append((a.dtype, a.requires_grad, a.item()))
         elif isinstance(a, torch.Tensor):
             sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))

@@ -10,6 +10,7 @@ ask the registry for the entry; none of them branches on which precision it is.
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from ..blocks import StreamedLayerSpec
 
 
-class Precision:
+class Precision(abc.ABC):
     """One streamed precision. Subclasses set the three class attributes and the methods below."""
 
     name: str  # what precision maps, the CLI and telemetry say ("bf16", "int8")
@@ -31,12 +32,14 @@ class Precision:
 
     # ---- host layout ------------------------------------------------------------
 
+    @abc.abstractmethod
     def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
         """(weight bytes, scale bytes) of one layer; scale bytes 0 for no scale."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
-        raise NotImplementedError
+        ...
 
     def layout(self, layers: list["StreamedLayerSpec"]) -> tuple[list[LayerLayout], int]:
         """Where each layer of a block sits in the block's flat buffer, and the buffer's size.
@@ -53,23 +56,27 @@ class Precision:
 
     # ---- one layer inside a buffer (host buffer or device slot) ---------------------
 
+    @abc.abstractmethod
     def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
         """The layer's stored tensors as views of `buf` (weight first, in its stored orientation)."""
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
         """Fill the layer's bytes in `buf` from a full-precision [out, in] weight."""
-        raise NotImplementedError
+        ...
 
     # ---- the math on a slot ---------------------------------------------------------
 
+    @abc.abstractmethod
     def linear_from_slot(
         self, x: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor | None, lay: LayerLayout
     ) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def grad_input_from_slot(self, dy: torch.Tensor, slot: torch.Tensor, lay: LayerLayout) -> torch.Tensor:
-        raise NotImplementedError
+        ...
 
     def __repr__(self) -> str:
         return f"<precision {self.name!r} code {self.code}>"
