@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from collections import Counter
 from typing import Any, Callable
@@ -92,6 +93,8 @@ class Runtime:
         self.eager_blocks: set[int] = set()
         self._eager_warned: set[tuple[int, str]] = set()
         self.recomputed_blocks = 0
+        self.offload_summary: dict[str, Any] = {}  # what offload() reported (the front door fills it)
+        self.step_listeners: list[Callable[[dict[str, Any]], None]] = []  # called with each step's telemetry record
 
     def _offload(self, precision: dict[int, str], slab_loader) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
@@ -193,6 +196,7 @@ class Runtime:
             "eager_linear_calls": self.eager_linear_calls,
             "eager_blocks": [self.blocks[b] for b in sorted(self.eager_blocks)],
             "recomputed_blocks": self.recomputed_blocks,
+            "offload": self.offload_summary,
         }
 
     def attach(self, optimizer: torch.optim.Optimizer):
@@ -374,13 +378,28 @@ class Runtime:
         record["precision"] = {str(b): p for b, p in self._precision.items()}
         if self.device.type == "cuda":
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
+            record["vram_peak_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
+        rss = host_rss_bytes()
+        if rss is not None:
+            record["host_rss_mb"] = round(rss / 2**20, 1)
         self._step_base = now
         self.telemetry.write(record)
+        for listener in list(self.step_listeners):
+            listener(record)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("stagehand: this Runtime was closed (restore() or close() was called); "
                                "offload the model again to stream it")
+
+
+def host_rss_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc; None elsewhere): the telemetry's host memory."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _progress(items, label: str):
