@@ -1,6 +1,7 @@
 import torch, peft, transformers
 import torch_stagehand as stagehand
 
+torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"
 inner = "inductor" if device == "cuda" else "eager"           # Inductor's C++ compile is slow on a CPU
 config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,

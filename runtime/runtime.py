@@ -65,6 +65,7 @@ class Runtime:
         self._closed = False
         self._restored = False
         self._hooks: list[Any] = []
+        self._attached: list[torch.optim.Optimizer] = []  # optimizers whose steps end a step (attach)
         self._conversion_guards: list[nn.Module] = []
         self._on_close: list[Callable[[], None]] = []
         # Checked before the model is touched: a bad path fails here, not at the first step.
@@ -200,8 +201,17 @@ class Runtime:
         }
 
     def attach(self, optimizer: torch.optim.Optimizer):
-        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after."""
+        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after.
+
+        A wrapper that steps an inner optimizer (accelerate's AcceleratedOptimizer, which the HF
+        Trainer hands out) is unwrapped to it; attaching the same optimizer twice is a no-op.
+        """
         self._check_open()
+        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            optimizer = optimizer.optimizer
+        if any(o is optimizer for o in self._attached):
+            return self
+        self._attached.append(optimizer)
         pre = optimizer.register_step_pre_hook(lambda *_: self.phases.optimizer_begin())
         post = optimizer.register_step_post_hook(lambda *_: self.phases.end_step())
         self._hooks += [pre, post]
@@ -238,6 +248,7 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._attached.clear()
         self.phases.end_step()
         self.telemetry.close()
         registry.unregister_runtime(self.id)
