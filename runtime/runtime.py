@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import warnings
 from collections import Counter
 from typing import Any, Callable
@@ -31,6 +30,7 @@ from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
+from .events import RuntimeEvents, progress, unwrap_optimizer
 from .host_store import HostStore, check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
@@ -95,7 +95,7 @@ class Runtime:
         self._eager_warned: set[tuple[int, str]] = set()
         self.recomputed_blocks = 0
         self.offload_summary: dict[str, Any] = {}  # what offload() reported (the front door fills it)
-        self.step_listeners: list[Callable[[dict[str, Any]], None]] = []  # called with each step's telemetry record
+        self.events = RuntimeEvents()  # step ends and compiles, for the front door's reports
 
     def _offload(self, precision: dict[int, str], slab_loader) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
@@ -103,7 +103,7 @@ class Runtime:
         pin = config.pin_memory and self.device.type == "cuda"
         quant_device = self.device if self.device.type == "cuda" else None
         self.store = HostStore(layers, len(block_fqns), pin=pin, quantizer=config.quantizer, quant_device=quant_device)
-        meta_blocks = [b for b in _progress(range(len(block_fqns)), "offload: blocks to the host store")
+        meta_blocks = [b for b in progress(range(len(block_fqns)), "offload: blocks to the host store")
                        if not self.store.adopt_full(b)]
         if slab_loader is not None:
             slab_loader(self)
@@ -165,7 +165,7 @@ class Runtime:
                     f"to stream {value} from (it was loaded from an INT8 slab only)"
                 )
         missing = [(b, p) for b, p in new.items() if not self.store.has(b, p)]
-        for block, value in _progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
+        for block, value in progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
             self.store.build(block, value)
         self._precision = new
 
@@ -201,14 +201,9 @@ class Runtime:
         }
 
     def attach(self, optimizer: torch.optim.Optimizer):
-        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after.
-
-        A wrapper that steps an inner optimizer (accelerate's AcceleratedOptimizer, which the HF
-        Trainer hands out) is unwrapped to it; attaching the same optimizer twice is a no-op.
-        """
+        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after (a wrapper: its inner one; once)."""
         self._check_open()
-        while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-            optimizer = optimizer.optimizer
+        optimizer = unwrap_optimizer(optimizer)
         if any(o is optimizer for o in self._attached):
             return self
         self._attached.append(optimizer)
@@ -248,7 +243,6 @@ class Runtime:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._attached.clear()
         self.phases.end_step()
         self.telemetry.close()
         registry.unregister_runtime(self.id)
@@ -273,9 +267,11 @@ class Runtime:
         self.compile_seconds += seconds
         self.compile_count += 1
         self.block_variant_count += block_variant
+        self.events.compiled("block variant" if block_variant else "unit", seconds)
 
     def record_graph(self, record: Any) -> None:
         self.graph_records.append(record)
+        self.events.compiled("graph", 0.0)
 
     def on_close(self, callback: Callable[[], None]) -> None:
         self._on_close.append(callback)
@@ -390,37 +386,14 @@ class Runtime:
         if self.device.type == "cuda":
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
             record["vram_peak_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
-        rss = host_rss_bytes()
-        if rss is not None:
-            record["host_rss_mb"] = round(rss / 2**20, 1)
         self._step_base = now
         self.telemetry.write(record)
-        for listener in list(self.step_listeners):
-            listener(record)
+        self.events.step(record)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("stagehand: this Runtime was closed (restore() or close() was called); "
                                "offload the model again to stream it")
-
-
-def host_rss_bytes() -> int | None:
-    """This process's resident memory now (Linux /proc; None elsewhere): the telemetry's host memory."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _progress(items, label: str):
-    """A progress bar on a terminal for the slow loops of offload (a 12B model takes a minute); silent elsewhere."""
-    items = list(items)
-    if len(items) < 8:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=label, unit="block", disable=None, leave=False)
 
 
 def _layer_index(module: nn.Module, rt: Runtime) -> int:

@@ -40,7 +40,7 @@ def offload(
     precision, bytes per step, host bytes, seconds per stage) and one line after the first step
     (what the first call's compile cost). The same summary is in `rt.stats()["offload"]`.
     """
-    from .offload_report import StageClock, first_step_line, report_offload, summarize
+    from .offload_report import FirstCallProgress, StageClock, report_offload, summarize
 
     clock = StageClock()
     if any(is_streamed(m) for m in model.modules()):
@@ -68,19 +68,8 @@ def offload(
     log.info("%s", summary)
     report_offload(summary, auto=blocks == "auto", verbose=verbose)
     if verbose:
-        _report_first_step(rt, first_step_line)
+        FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
     return rt
-
-
-def _report_first_step(rt: Runtime, line) -> None:
-    """Print one line after the first step the runtime records (the step that compiled)."""
-    import sys
-
-    def once(record: dict) -> None:
-        rt.step_listeners.remove(once)
-        print(line(record, rt.stats()), file=sys.stderr, flush=True)
-
-    rt.step_listeners.append(once)
 
 
 def runtime_of(model: nn.Module) -> Runtime:

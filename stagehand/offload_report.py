@@ -165,3 +165,42 @@ def first_step_line(record: dict[str, Any], stats: dict[str, Any]) -> str:
     return (f"stagehand: first step took {total:.1f} s ({parts}); it compiled {stats['compiled_units']} units "
             f"({stats['compiled_variants']} block variants) in {stats['compile_seconds']:.1f} s; "
             "later steps reuse them")
+
+
+class FirstCallProgress:
+    """What the first call is doing while it compiles: a line when the backend got its first graph,
+    a live counter of compiled units on a terminal, and one line with the totals after the first step."""
+
+    def __init__(self, rt, stream=None):
+        self.rt = rt
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.units = self.variants = 0
+        self.seconds = 0.0
+        self.announced = False
+        rt.events.compile_listeners.append(self.on_compile)
+        rt.events.step_listeners.append(self.on_step)
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    def on_compile(self, kind: str, seconds: float) -> None:
+        if kind == "graph":
+            if not self.announced:
+                self.announced = True
+                self._write("stagehand: first call: Dynamo captured the model; compiling its units (glue, and one "
+                            "variant per block structure and precision) as they first run ...\n")
+            return
+        self.units += 1
+        self.variants += kind == "block variant"
+        self.seconds += seconds
+        if self.live:
+            self._write(f"\r  compiled {self.units} units ({self.variants} block variants) in {self.seconds:.1f} s")
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        self.rt.events.compile_listeners.remove(self.on_compile)
+        self.rt.events.step_listeners.remove(self.on_step)
+        if self.live and self.units:
+            self._write("\n")
+        self._write(first_step_line(record, self.rt.stats()) + "\n")
