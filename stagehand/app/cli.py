@@ -168,7 +168,8 @@ def explain_target(args) -> tuple[Any, Any]:
         model, inputs, how = prepare_training(model, inputs)
     try:
         with Stage(f"offloading {n_blocks} blocks to the host store (precision {args.precision}, device {device})"):
-            rt = stagehand.offload(model, device=device, precision=precision, config=config)
+            # verbose=False: this Stage line is the progress; the summary would split it
+            rt = stagehand.offload(model, device=device, precision=precision, config=config, verbose=False)
     except (PrecisionMapError, BlockSelectionError) as e:
         raise UsageError(str(e)) from None
     inputs = map_tensors(lambda t: t.to(device), inputs)
