@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def run_example(name: str, *args: str, timeout: int = 240) -> str:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore::FutureWarning")
+def run_example(name: str, *args: str, timeout: int = 240, gpu: bool = False) -> str:
+    env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # CI's CPU run, also on a machine with a GPU
     proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -25,31 +27,12 @@ def run_example(name: str, *args: str, timeout: int = 240) -> str:
 
 
 def save_tiny_llama(folder: Path) -> None:
-    """A Llama checkpoint folder as from_pretrained reads it: config, safetensors weights and a BPE tokenizer."""
-    import tokenizers
-    from tokenizers import models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([(ROOT / "README.md").read_text()], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    """A Llama checkpoint folder as from_pretrained reads it, written by the example users run."""
+    run_example("make_tiny_checkpoint.py", "llama", str(folder))
 
 
 def save_tiny_flux(folder: Path) -> None:
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-                           num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                           guidance_embeds=True, axes_dims_rope=(4, 6, 6)).save_pretrained(folder / "transformer")
+    run_example("make_tiny_checkpoint.py", "flux", str(folder))
 
 
 def adapter_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -92,3 +75,18 @@ def test_flux_recipe_trains_saves_and_reloads_into_diffusers(tmp_path):
     assert any(k.startswith("base_model.model.single_transformer_blocks.") for k in keys)  # both block lists
     assert any(k.startswith("base_model.model.transformer_blocks.") for k in keys)
     assert all(t.abs().sum() > 0 for k, t in keys.items() if "lora_B" in k)
+
+
+@pytest.mark.gpu
+def test_examples_on_the_gpu(tmp_path):
+    """The same examples on CUDA (bf16, inner compiler Inductor, pinned host store)."""
+    out = run_example("quickstart.py", gpu=True, timeout=600)
+    assert "device cuda" in out and "(pinned)" in out
+    save_tiny_llama(tmp_path / "llama")
+    out = run_example("lora_causal_lm.py", str(tmp_path / "llama"), "--steps", "4", "--seq", "32",
+                      "--out", str(tmp_path / "lora"), "--precision", "0:int8", gpu=True, timeout=600)
+    assert "reloaded with PeftModel.from_pretrained" in out
+    save_tiny_flux(tmp_path / "flux")
+    out = run_example("lora_flux.py", str(tmp_path / "flux"), "--steps", "3", "--out", str(tmp_path / "flora"),
+                      "--checkpointing", gpu=True, timeout=600)
+    assert "reloaded with diffusers' load_lora_adapter" in out
