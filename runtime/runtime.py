@@ -30,6 +30,7 @@ from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
+from .events import RuntimeEvents, progress, unwrap_optimizer
 from .host_store import HostStore, check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
@@ -64,6 +65,7 @@ class Runtime:
         self._closed = False
         self._restored = False
         self._hooks: list[Any] = []
+        self._attached: list[torch.optim.Optimizer] = []  # optimizers whose steps end a step (attach)
         self._conversion_guards: list[nn.Module] = []
         self._on_close: list[Callable[[], None]] = []
         # Checked before the model is touched: a bad path fails here, not at the first step.
@@ -92,6 +94,8 @@ class Runtime:
         self.eager_blocks: set[int] = set()
         self._eager_warned: set[tuple[int, str]] = set()
         self.recomputed_blocks = 0
+        self.offload_summary: dict[str, Any] = {}  # what offload() reported (the front door fills it)
+        self.events = RuntimeEvents()  # step ends and compiles, for the front door's reports
 
     def _offload(self, precision: dict[int, str], slab_loader) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
@@ -99,7 +103,7 @@ class Runtime:
         pin = config.pin_memory and self.device.type == "cuda"
         quant_device = self.device if self.device.type == "cuda" else None
         self.store = HostStore(layers, len(block_fqns), pin=pin, quantizer=config.quantizer, quant_device=quant_device)
-        meta_blocks = [b for b in _progress(range(len(block_fqns)), "offload: blocks to the host store")
+        meta_blocks = [b for b in progress(range(len(block_fqns)), "offload: blocks to the host store")
                        if not self.store.adopt_full(b)]
         if slab_loader is not None:
             slab_loader(self)
@@ -161,7 +165,7 @@ class Runtime:
                     f"to stream {value} from (it was loaded from an INT8 slab only)"
                 )
         missing = [(b, p) for b, p in new.items() if not self.store.has(b, p)]
-        for block, value in _progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
+        for block, value in progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
             self.store.build(block, value)
         self._precision = new
 
@@ -193,11 +197,16 @@ class Runtime:
             "eager_linear_calls": self.eager_linear_calls,
             "eager_blocks": [self.blocks[b] for b in sorted(self.eager_blocks)],
             "recomputed_blocks": self.recomputed_blocks,
+            "offload": self.offload_summary,
         }
 
     def attach(self, optimizer: torch.optim.Optimizer):
-        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after."""
+        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after (a wrapper: its inner one; once)."""
         self._check_open()
+        optimizer = unwrap_optimizer(optimizer)
+        if any(o is optimizer for o in self._attached):
+            return self
+        self._attached.append(optimizer)
         pre = optimizer.register_step_pre_hook(lambda *_: self.phases.optimizer_begin())
         post = optimizer.register_step_post_hook(lambda *_: self.phases.end_step())
         self._hooks += [pre, post]
@@ -258,9 +267,11 @@ class Runtime:
         self.compile_seconds += seconds
         self.compile_count += 1
         self.block_variant_count += block_variant
+        self.events.compiled("block variant" if block_variant else "unit", seconds)
 
     def record_graph(self, record: Any) -> None:
         self.graph_records.append(record)
+        self.events.compiled("graph", 0.0)
 
     def on_close(self, callback: Callable[[], None]) -> None:
         self._on_close.append(callback)
@@ -374,23 +385,15 @@ class Runtime:
         record["precision"] = {str(b): p for b, p in self._precision.items()}
         if self.device.type == "cuda":
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
+            record["vram_peak_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         self._step_base = now
         self.telemetry.write(record)
+        self.events.step(record)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("stagehand: this Runtime was closed (restore() or close() was called); "
                                "offload the model again to stream it")
-
-
-def _progress(items, label: str):
-    """A progress bar on a terminal for the slow loops of offload (a 12B model takes a minute); silent elsewhere."""
-    items = list(items)
-    if len(items) < 8:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=label, unit="block", disable=None, leave=False)
 
 
 def _layer_index(module: nn.Module, rt: Runtime) -> int:

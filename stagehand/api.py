@@ -28,6 +28,7 @@ def offload(
     precision: str | dict = FULL,
     slab=None,
     config: Config | None = None,
+    verbose: bool = True,
 ) -> Runtime:
     """Stream the Linear weights of `model`'s blocks from host memory; keep the rest on `device`.
 
@@ -35,7 +36,13 @@ def offload(
     {block index or block FQN: precision}; blocks the map leaves out get "bf16".
     slab: path to an INT8 slab (`{name}.manifest.json` or its directory + name)
     whose rows are read straight into the host store.
+    verbose: print what offload did to stderr, once (block lists found and skipped, blocks per
+    precision, bytes per step, host bytes, seconds per stage) and one line after the first step
+    (what the first call's compile cost). The same summary is in `rt.stats()["offload"]`.
     """
+    from .offload_report import FirstCallProgress, StageClock, report_offload, summarize
+
+    clock = StageClock()
     if any(is_streamed(m) for m in model.modules()):
         raise RuntimeError("offload: this model is already offloaded (call restore() on its Runtime first)")
     config = (config or Config()).validate()
@@ -45,19 +52,23 @@ def offload(
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
     precision_map = validate_precision_map(precision, block_fqns, context="offload: precision map")
+    clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
         slab_loader = slab_loader_for(slab)
     rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader)
+    clock.mark("host store, precision copies, slots")
     undo_attention_guard = disable_unsafe_sdpa_backends(device)
     if undo_attention_guard is not None:
         rt.on_close(undo_attention_guard)
-    log.info(
-        "stagehand: %d blocks, %d streamed layers, %.1f MB host store, %d slots of %.1f MB on %s",
-        len(block_fqns), len(layers), rt.store.host_bytes() / 1e6, len(rt.pool.slots), rt.pool.slot_bytes / 1e6, device,
-    )
+    summary = summarize(model, rt, clock.done())
+    rt.offload_summary = summary.as_dict()
+    log.info("%s", summary)
+    report_offload(summary, auto=blocks == "auto", verbose=verbose)
+    if verbose:
+        FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
     return rt
 
 
@@ -161,4 +172,5 @@ def explain(model: nn.Module, *args, **kwargs):
         stats=rt.stats(),
         segments=segments,
         passes=passes,
+        offload=dict(rt.offload_summary),
     )
