@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import Precision
+from .fp8 import Fp8PerRow
 from .full import FullPrecision
 from .int8 import Int8PerRow
 from .layout import LayerLayout
@@ -69,3 +70,4 @@ def layer_views(buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]
 
 FULL = register(FullPrecision()).name
 INT8 = register(Int8PerRow()).name
+FP8 = register(Fp8PerRow()).name
