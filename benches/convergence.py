@@ -51,7 +51,7 @@ SHAPES = {
     "gpu": dict(layers=12, hidden=768, intermediate=2048, heads=12, kv_heads=4, seq=256, batch=16, dtype="bfloat16",
                 inner="inductor", corpus_bytes=4_000_000, lr=1e-3, pretrain_lr=1e-3),
 }
-CODES = {"bf16": 0, "int8": 1, "fp8": 2}
+CODES = {"bf16": 0, "int8": 1, "fp8": 2}  # the heatmap's colours; by-role maps ("int8-mlp", granularity "layer") 3
 
 
 def build(shape: dict, state: dict | None = None):
@@ -144,12 +144,12 @@ def run_one(name: str, shape: dict, state: dict, data: dict, args, device: torch
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # the bench's own sync: step times need one anyway
         times.append(time.perf_counter() - start)
-        maps.append([CODES[rt.precision[b]] for b in range(len(rt.blocks))])
+        maps.append([CODES.get(rt.precision[b], 3) for b in range(len(rt.blocks))])
         if step == 0:
             h2d_after_first = rt.stats()["h2d_bytes"]
         if (step + 1) % max(1, args.steps // 5) == 0:
             print(f"  {name}: step {step + 1}/{args.steps} loss {statistics.mean(losses[-20:]):.3f} "
-                  f"map {''.join('bfi'[c] if c < 2 else 'f' for c in maps[-1]).replace('b', '.')}", flush=True)
+                  f"map {''.join('.ifm'[c] for c in maps[-1])}", flush=True)
     h2d_per_step = (rt.stats()["h2d_bytes"] - h2d_after_first) / max(1, args.steps - 1)
     eval_batches = ByteBatches(data["eval"], shape["batch"], shape["seq"], seed=4)
     with torch.no_grad():
@@ -183,12 +183,12 @@ def figure(results: dict, path: str) -> None:
         ax.plot(range(k - 1, k - 1 + len(smooth)), smooth.tolist(), label=name)
     ax.set(xlabel="step", ylabel="train loss (smoothed)", title="LoRA on real text, same seed and data order")
     ax.legend()
-    cmap = matplotlib.colors.ListedColormap(["#4c72b0", "#dd8452", "#55a868"])
+    cmap = matplotlib.colors.ListedColormap(["#4c72b0", "#dd8452", "#55a868", "#c44e52"])
     for ax, name in zip((a[0] for a in axes[1:]), dynamic):
         maps = torch.tensor(results[name]["maps"]).T
-        ax.imshow(maps, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=2)
+        ax.imshow(maps, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=3)
         ax.set_yticks(range(maps.shape[0]))
-        ax.set(xlabel="step", ylabel="block", title=f"{name}: precision per block (blue bf16, orange int8, green fp8)")
+        ax.set(xlabel="step", ylabel="block", title=f"{name}: precision per block (blue bf16, orange int8, green fp8, red attn/MLP mixed)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}", flush=True)

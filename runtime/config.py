@@ -117,6 +117,9 @@ class PrecisionConfig:
     fp8_tokens: int | None = None
     # fp8 on a device without FP8 tensor cores (CPU, pre-sm_89) computes a dequantized emulation; off = refused.
     fp8_emulate: bool = False
+    # "block": one precision per block (the seed); "layer": a block's attention and MLP are scored and
+    # switched apart (maps then hold by-role precisions such as "int8-mlp": attention bf16, MLP int8).
+    granularity: str = "block"
 
     @property
     def effective_mode(self) -> str:
@@ -148,6 +151,8 @@ class PrecisionConfig:
             blocks = getattr(self, name)
             if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
                 raise ConfigError(f"{prefix}.{name}: must be a list of block indices, got {blocks!r}")
+        if self.granularity not in ("block", "layer"):
+            raise ConfigError(f"{prefix}.granularity: must be 'block' or 'layer', got {self.granularity!r}")
         _positive_number(self.loss_spike_ratio, f"{prefix}.loss_spike_ratio")
         for name in ("loss_feedback_steps", "loss_feedback_block_steps"):
             _positive_int(getattr(self, name), f"{prefix}.{name}")

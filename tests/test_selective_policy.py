@@ -224,3 +224,11 @@ def test_collecting_statistics_never_reads_the_device_only_the_update_does(monke
     assert calls == []
     stats.read()
     assert calls.count("cpu") == 1 and stats.host_reads == 1
+
+
+def test_a_block_that_can_stream_one_precision_only_is_pinned_like_a_force_list():
+    c = cfg(mode="dynamic", force_bf16_blocks=[1])
+    policy = SelectivePolicy(c, 2, pinned={0: "int8"})
+    assert policy.initial_map({0: "int8", 1: "bf16"}) == {0: "int8", 1: "bf16"}
+    new, changes = policy.update(10, {0: "int8", 1: "bf16"}, rels(c, [1.0, 0.0]))
+    assert new == {0: "int8", 1: "bf16"} and changes == []

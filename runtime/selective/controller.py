@@ -22,8 +22,9 @@ from ..precision import FP8, FULL, INT8
 from . import fp8_rules
 from .calibration import CalibrationResult, calibrate
 from .grad_stats import BlockGradStats, WindowStats
-from .policy import Change, SelectivePolicy
+from .policy import Change, SelectivePolicy, check_force_lists
 from .telemetry import PrecisionTelemetry
+from .units import Units
 
 log = logging.getLogger("torch_stagehand.selective_precision")
 AUTO = "auto"  # offload(precision="auto"): the policy picks the map
@@ -45,7 +46,12 @@ class SelectivePrecision:
             self.fp8 = fp8_rules.load(cfg.fp8_policy_file, device_name)
             self._fp8_blocks = {b for b in range(len(rt.blocks)) if self.fp8.block_takes_fp8(
                 [(s.out_features, s.in_features) for s in rt.layers if s.block == b], cfg.fp8_tokens)}
-        self.policy = SelectivePolicy(cfg, len(rt.blocks), low_for=self.low_for)
+        check_force_lists(cfg, len(rt.blocks))
+        self.units = units = Units(len(rt.blocks), cfg.granularity == "layer")
+        slab_only = {b: INT8 for b in range(len(rt.blocks)) if not rt.store.can_stream(b, FULL)}
+        force = {b: FULL for b in cfg.force_bf16_blocks} | {b: INT8 for b in cfg.force_int8_blocks}
+        self.policy = SelectivePolicy(cfg, len(units), low_for=lambda u: self.low_for(units.block(u)),
+                                      pinned=units.of_blocks(slab_only), force=units.of_blocks(force))
         self.telemetry = PrecisionTelemetry(cfg.telemetry_file if cfg.telemetry_enabled else None)
         self.stats: BlockGradStats | None = None
         self.errors: dict[int, float] | None = None  # calibration (None: gradients alone)
@@ -59,9 +65,10 @@ class SelectivePrecision:
         self._h2d_at_update = rt.pool.stats.h2d_bytes
         self._step_at_update = 0
         self._baseline_per_step: float | None = None
+        start = units.unit_map(start)
         initial = self.policy.initial_map(start)
-        self._apply(initial, [Change(b, start[b], p, 0, None, "mode off" if self.policy.mode == "off" else "force")
-                              for b, p in initial.items() if p != start[b]])
+        self._apply(initial, [Change(u, start[u], p, 0, None, "mode off" if self.policy.mode == "off" else "force")
+                              for u, p in initial.items() if p != start[u]])
         self.map_history.append((0, rt.precision))
 
     # ---- what the runtime forwards ---------------------------------------------------------
@@ -104,20 +111,18 @@ class SelectivePrecision:
         if self.policy.mode != "dynamic":
             return
         if self.stats is None:  # built on the first step: adapters may be added between offload and training
-            self.stats = BlockGradStats(self._trainable_params(), self.cfg.history_window, self.rt.device)
+            self.stats = BlockGradStats(self.units.params(self.rt.model, self.rt.blocks), self.cfg.history_window,
+                                        self.rt.device)
         self.stats.collect()
         self.step += 1
         if self.policy.due(self.step):
             self._update()
 
-    def _trainable_params(self) -> list[list[torch.Tensor]]:
-        model = self.rt.model
-        return [[p for p in model.get_submodule(fqn).parameters() if p.requires_grad] for fqn in self.rt.blocks]
-
     def _update(self) -> None:
         window = self.stats.read()
-        current = self.rt.precision
-        new, changes = self.policy.update(self.step, current, window.rel_magnitude, self.errors)
+        current = self.units.unit_map(self.rt.precision)
+        errors = None if self.errors is None else {u: self.errors[self.units.block(u)] for u in range(len(self.units))}
+        new, changes = self.policy.update(self.step, current, window.rel_magnitude, errors)
         reverts = self._loss_feedback(new)
         for change in reverts:
             new[change.block] = FULL
@@ -128,14 +133,15 @@ class SelectivePrecision:
         self._write_telemetry(window, changes)
 
     def _apply(self, new: dict[int, str], changes: list[Change]) -> None:
+        """Apply a unit map; `changes` are per unit (a block, or a block's attention / MLP)."""
         if changes:
-            self.rt.set_precision(new)
+            self.rt.set_precision(self.units.block_map(new))
         for c in changes:
             self.changes.append(c)
             if self.cfg.log_decisions:
                 score = "" if c.sensitivity is None else f", sensitivity {c.sensitivity:.3f}"
-                log.info("selective precision: step %d: block %d (%s) %s -> %s (%s%s)", c.step, c.block,
-                         self.rt.blocks[c.block], c.old, c.new, c.reason, score)
+                log.info("selective precision: step %d: block %s (%s) %s -> %s (%s%s)", c.step, self.units.label(c.block),
+                         self.rt.blocks[self.units.block(c.block)], c.old, c.new, c.reason, score)
 
     # ---- loss feedback -------------------------------------------------------------------------
 
@@ -171,12 +177,14 @@ class SelectivePrecision:
             ran = sum(rt.block_nbytes(b, p) for b, p in previous_map.items())
             self._baseline_per_step = per_step * all_full / ran
         measured = None if not self._baseline_per_step else round(100 * (1 - per_step / self._baseline_per_step), 2)
-        scores = [self.policy.last_scores.get(b, 0.0) for b in range(len(rt.blocks))]
+        units = self.units
+        scores = [self.policy.last_scores.get(u, 0.0) for u in range(len(units))]
         self.telemetry.write({
             "step_id": self.step,
             "blocks_bf16": sum(p == FULL for p in pmap.values()),
             "blocks_int8": sum(p == INT8 for p in pmap.values()),
             "blocks_fp8": sum(p == FP8 for p in pmap.values()),
+            "blocks_mixed": sum(p not in (FULL, INT8, FP8) for p in pmap.values()),  # per layer: by-role
             "mean_sensitivity": round(sum(scores) / len(scores), 4),
             "max_sensitivity": round(max(scores), 4),
             "min_sensitivity": round(min(scores), 4),
@@ -187,12 +195,12 @@ class SelectivePrecision:
             "measured_over_map_of_step": self.map_history[-2][0],  # the map the measured interval ran
             "h2d_bytes_per_step": round(per_step),
             "baseline_h2d_bytes_per_step": None if self._baseline_per_step is None else round(self._baseline_per_step),
-            "block_details": {str(b): {
-                "precision": pmap[b], "sensitivity": round(scores[b], 4), "grad_l2": window.l2[b],
-                "grad_max_abs": window.max_abs[b], "grad_variance": window.variance[b],
-                "rel_magnitude": round(window.rel_magnitude[b], 4),
-                "quant_error": None if self.errors is None else self.errors.get(b)}
-                for b in range(len(rt.blocks))},
+            "block_details": {units.label(u): {
+                "precision": pmap[units.block(u)], "sensitivity": round(scores[u], 4), "grad_l2": window.l2[u],
+                "grad_max_abs": window.max_abs[u], "grad_variance": window.variance[u],
+                "rel_magnitude": round(window.rel_magnitude[u], 4),
+                "quant_error": None if self.errors is None else self.errors.get(units.block(u))}
+                for u in range(len(units))},
         })
         self._h2d_at_update, self._step_at_update = h2d, self.step
 

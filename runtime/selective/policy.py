@@ -33,16 +33,27 @@ class Change:
     reason: str  # "score", "force", "mode off", "loss spike"
 
 
+def check_force_lists(cfg, n_blocks: int) -> None:
+    bad = [b for b in (*cfg.force_bf16_blocks, *cfg.force_int8_blocks) if b >= n_blocks]
+    if bad:
+        raise ValueError(f"selective_precision.force_*_blocks: block {bad[0]} does not exist "
+                         f"(the model has blocks 0..{n_blocks - 1})")
+
+
 class SelectivePolicy:
-    def __init__(self, cfg, n_blocks: int, low_for: Callable[[int], str] | None = None):
+    def __init__(self, cfg, n_blocks: int, low_for: Callable[[int], str] | None = None,
+                 pinned: Mapping[int, str] | None = None, force: Mapping[int, str] | None = None):
         """cfg: a PrecisionConfig (validated). low_for(block): the precision a block takes when the
-        policy sends it to fewer bytes ("int8", or "fp8" where measured faster)."""
+        policy sends it to fewer bytes ("int8", or "fp8" where measured faster). pinned: blocks that
+        can stream one precision only (loaded from an INT8 slab alone), treated like a force list.
+        force: {unit: precision} instead of cfg's force lists (the controller's per-layer units)."""
         self.cfg = cfg
-        self.n_blocks = n_blocks
-        bad = [b for b in (*cfg.force_bf16_blocks, *cfg.force_int8_blocks) if b >= n_blocks]
-        if bad:
-            raise ValueError(f"selective_precision.force_*_blocks: block {bad[0]} does not exist "
-                             f"(the model has blocks 0..{n_blocks - 1})")
+        self.pinned = dict(pinned or {})
+        self.n_blocks = n_blocks  # decision units: blocks, or (granularity "layer") a block's attention / MLP
+        if force is None:
+            check_force_lists(cfg, n_blocks)
+            force = {b: FULL for b in cfg.force_bf16_blocks} | {b: INT8 for b in cfg.force_int8_blocks}
+        self.force = dict(force)
         self.low_for = low_for or (lambda block: INT8)
         self.mode = cfg.effective_mode
         self.last_switch: dict[int, int] = {}  # block -> step of its last policy change
@@ -53,11 +64,7 @@ class SelectivePolicy:
     # ---- maps ------------------------------------------------------------------------
 
     def forced(self, block: int) -> str | None:
-        if block in self.cfg.force_bf16_blocks:
-            return FULL
-        if block in self.cfg.force_int8_blocks:
-            return INT8
-        return None
+        return self.pinned.get(block) or self.force.get(block)
 
     def initial_map(self, start: Mapping[int, str]) -> dict[int, str]:
         """The map in force from offload on: the starting map, all bf16 in mode off; force lists on top."""
