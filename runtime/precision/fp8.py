@@ -66,7 +66,8 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: t
         raise ValueError(f"fp8: torch._scaled_mm needs in/out features divisible by 16, got [{n}, {k}]")
     x2 = x.reshape(-1, k)
     xq, xs = _quantize_activation(x2)
-    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), out_dtype=x.dtype)
+    # Row-wise scaled FP8 GEMMs return bf16 only; an fp16 / fp32 model gets its dtype back after.
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), out_dtype=torch.bfloat16).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], n)
@@ -79,7 +80,7 @@ def scaled_grad_input(dy: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     dq, ds = _quantize_activation(dy2)
     ones = torch.ones(1, k, dtype=torch.float32, device=q.device)
     # _scaled_mm wants its second operand column-major: a transposed copy of the 1-byte weight.
-    dx = torch._scaled_mm(dq, q.t().contiguous().t(), scale_a=ds, scale_b=ones, out_dtype=dy.dtype)
+    dx = torch._scaled_mm(dq, q.t().contiguous().t(), scale_a=ds, scale_b=ones, out_dtype=torch.bfloat16).to(dy.dtype)
     return dx.view(*dy.shape[:-1], k)
 
 
