@@ -14,6 +14,7 @@ mean, without the activation rounding of the tensor-core path.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +39,12 @@ def has_fp8_tensor_cores(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _capability_at_least_89(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_at_least_89(index: int) -> bool:  # asked on every fp8 linear: once per device
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def quantize_rows_e4m3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
