@@ -162,6 +162,7 @@ def run_one(name: str, shape: dict, state: dict, data: dict, args, device: torch
            "h2d_mb_per_step": h2d_per_step / 1e6, "step_ms": 1e3 * statistics.median(times[min(5, len(times) - 1):]),
            "switches": summary.get("switches", 0), "bf16_blocks": sum(p == "bf16" for p in final.values()),
            "int8_blocks": sum(p == "int8" for p in final.values()), "fp8_blocks": sum(p == "fp8" for p in final.values()),
+           "mixed_blocks": sum(p not in CODES for p in final.values()),
            "fp8_emulated": bool(sp.get("fp8_emulate")) if name == "dynamic_fp8" else None}
     rt.restore()
     return {"row": row, "losses": losses, "maps": maps}
