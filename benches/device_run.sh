@@ -6,6 +6,8 @@
 #   STAGES="tests models" MODEL=qwen bash benches/device_run.sh       # full-size models (benches/models.py)
 #   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
 #   STAGES="offpeer" bash benches/device_run.sh                       # diffusers group offload, accelerate cpu_offload on Flux 12B
+#   STAGES="convergence" CONV_STEPS=600 bash benches/device_run.sh   # issue 10: bf16/int8/dynamic/dynamic+fp8
+#   STAGES="sptests" bash benches/device_run.sh                       # fp8 + selective-precision GPU tests
 # Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
 # the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
 set -uo pipefail
@@ -36,6 +38,10 @@ for stage in $STAGES; do
               python3 benches/peer_musubi_flux.py 2>&1 | tee "$OUT/peer_musubi_flux.jsonl" ;;
     offpeer) timeout ${OFFPEER_TIMEOUT:-580} python3 benches/peer_offload_flux.py ${OFFPEER_ARGS:-} \
               --out "$OUT/peer_offload_flux.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|float32" | tee "$OUT/peer_offload_flux.log" ;;
+    convergence) timeout ${CONV_TIMEOUT:-540} python3 benches/convergence.py --steps ${CONV_STEPS:-600} ${CONV_ARGS:-} \
+              --out "$OUT/convergence.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/convergence.log" ;;
+    sptests) timeout ${SPTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py \
+              tests/test_selective_gpu.py 2>&1 | tail -20 | tee "$OUT/sp_tests.log" ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

@@ -35,6 +35,7 @@ from .host_store import HostStore, check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
+from .selective.runtime_api import SelectivePrecisionAPI
 from .slots import SlotPool
 from .streamed import guard_conversions, make_plain, make_streamed, unguard
 
@@ -45,7 +46,7 @@ class EagerFallbackWarning(UserWarning):
     """A compiled model ran a block through the eager op path (correct, slower)."""
 
 
-class Runtime:
+class Runtime(SelectivePrecisionAPI):
     def __init__(
         self,
         model: nn.Module,
@@ -164,6 +165,7 @@ class Runtime:
                     f"precision map: block {block} ({self.blocks[block]}) has no full-precision weights "
                     f"to stream {value} from (it was loaded from an INT8 slab only)"
                 )
+        self._check_precision_devices(new)  # fp8 needs FP8 tensor cores unless emulation was asked for
         missing = [(b, p) for b, p in new.items() if not self.store.has(b, p)]
         for block, value in progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
             self.store.build(block, value)
@@ -210,6 +212,7 @@ class Runtime:
         pre = optimizer.register_step_pre_hook(lambda *_: self.phases.optimizer_begin())
         post = optimizer.register_step_post_hook(lambda *_: self.phases.end_step())
         self._hooks += [pre, post]
+        self._hooks += self._selective_hooks(optimizer)  # selective precision runs before the step
         return self
 
     def restore(self) -> nn.Module:

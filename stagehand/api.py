@@ -12,6 +12,7 @@ from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
 from torch_stagehand.runtime.precision import FULL, validate_precision_map
 from torch_stagehand.runtime.runtime import Runtime
+from torch_stagehand.runtime.selective.controller import AUTO, SelectivePrecision, selective_precision_requested
 from torch_stagehand.runtime.streamed import is_streamed
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,11 @@ def offload(
 ) -> Runtime:
     """Stream the Linear weights of `model`'s blocks from host memory; keep the rest on `device`.
 
-    precision: "bf16" (the weights as the model holds them), "int8", or a map
+    precision: "bf16" (the weights as the model holds them), "int8", "fp8", or a map
     {block index or block FQN: precision}; blocks the map leaves out get "bf16".
+    "auto" turns selective precision on (starting all bf16); so does a config whose
+    selective_precision sets a mode, with `precision` as the starting map. Otherwise
+    the map stays exactly as given.
     slab: path to an INT8 slab (`{name}.manifest.json` or its directory + name)
     whose rows are read straight into the host store.
     verbose: print what offload did to stderr, once (block lists found and skipped, blocks per
@@ -51,7 +55,11 @@ def offload(
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
-    precision_map = validate_precision_map(precision, block_fqns, context="offload: precision map")
+    auto = isinstance(precision, str) and precision == AUTO
+    if auto and not config.selective_precision.enabled:
+        raise ValueError("offload: precision='auto' asks for selective precision, but "
+                         "selective_precision.enabled is false in the config")
+    precision_map = validate_precision_map(FULL if auto else precision, block_fqns, context="offload: precision map")
     clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
@@ -60,6 +68,13 @@ def offload(
         slab_loader = slab_loader_for(slab)
     rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader)
     clock.mark("host store, precision copies, slots")
+    if selective_precision_requested(config.selective_precision, auto):
+        try:
+            rt.selective = SelectivePrecision(rt, precision_map)
+            rt.on_close(rt.selective.close)
+        except BaseException:
+            rt.restore()
+            raise
     undo_attention_guard = disable_unsafe_sdpa_backends(device)
     if undo_attention_guard is not None:
         rt.on_close(undo_attention_guard)
