@@ -11,7 +11,8 @@ compiles nothing. Variants compile on first use with the real inputs, so any
 strides the previous unit's compiled code produced are seen as they are.
 
 A block unit whose segment came from the model's own activation checkpoint
-(or every block unit, with the backend option `recompute="blocks"`) runs
+(or every block unit, with the backend option `recompute="blocks"`; or the
+blocks the runtime's VRAM plan recomputes, `planned_recompute`) runs
 through `recompute.run_recomputed`: its inference variant in the forward, its
 training variant again in backward, under one fetch of its weights.
 """
@@ -182,8 +183,16 @@ class BlockUnit(_Unit):
 
     @property
     def recomputes(self) -> bool:
-        """Does this block re-run its forward in backward instead of saving its activations?"""
-        return self.segment.recompute or self.ctx.options.recompute == "blocks"
+        """Does this block re-run its forward in backward instead of saving its activations?
+
+        The backend option `recompute="blocks"` says yes for every block; else the
+        runtime's plan decides when it planned for a VRAM budget; else the model's own
+        checkpointing. Read at each call: a re-plan re-links the variants.
+        """
+        if self.ctx.options.recompute == "blocks":
+            return True
+        planned = self.ctx.runtime.planned_recompute(self.block)
+        return self.segment.recompute if planned is None else planned
 
     def forward(self, *args):
         rt = self.ctx.runtime

@@ -28,6 +28,7 @@ def offload(
     precision: str | dict = FULL,
     slab=None,
     config: Config | None = None,
+    vram_budget: int | str | None = None,
 ) -> Runtime:
     """Stream the Linear weights of `model`'s blocks from host memory; keep the rest on `device`.
 
@@ -35,6 +36,9 @@ def offload(
     {block index or block FQN: precision}; blocks the map leaves out get "bf16".
     slab: path to an INT8 slab (`{name}.manifest.json` or its directory + name)
     whose rows are read straight into the host store.
+    vram_budget: device memory the plan may use, bytes or a string ("20GiB", "512MB"); the runtime
+    keeps as many blocks resident and recomputes as few as fit (`rt.plan`). On the CPU it bounds
+    the device copy of the streamed weights. Same as `Config.conductor.vram_soft_cap_mb`.
     """
     if any(is_streamed(m) for m in model.modules()):
         raise RuntimeError("offload: this model is already offloaded (call restore() on its Runtime first)")
@@ -50,7 +54,8 @@ def offload(
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
         slab_loader = slab_loader_for(slab)
-    rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader)
+    rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
+                 vram_budget=vram_budget)
     undo_attention_guard = disable_unsafe_sdpa_backends(device)
     if undo_attention_guard is not None:
         rt.on_close(undo_attention_guard)

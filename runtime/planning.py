@@ -1,0 +1,185 @@
+"""The plan at run time: the planner's decisions applied to the slot pool and the prefetches.
+
+`PlanDriver` owns the runtime's `Plan` (conductor/planner.py). With no budget
+the plan is the fixed one (every block streamed, `Config.slot_count` slots,
+one block of lookahead, the model's own checkpointing decides recompute):
+exactly what the runtime did before it planned. With a budget it asks the
+planner for the fastest plan that fits and applies it: resident blocks get
+their own device copy (`SlotPool.reconfigure`), the rotating slots follow the
+plan, and `prefetch` fetches up to `lookahead` streamed blocks ahead of the
+one asked for, skipping resident ones (their weights are already there, so
+the next streamed block's copy overlaps their compute). Recompute decisions
+reach the compiled program through `Runtime.planned_recompute`.
+
+On CUDA, unless the cost model was injected (`frozen`), the first steps run
+the smallest plan and the second of them is measured (conductor/calibrate.py;
+the first one compiles); the plan is re-made from the measurements when that
+step ends. A new precision map re-plans at once (bytes per block changed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .conductor.calibrate import FORWARD, Calibration
+from .conductor.costs import Budget, BudgetError, CostModel, h2d_bandwidth, parse_bytes
+from .conductor.planner import Plan, build_plan, make_plan
+from .registry import NO_BLOCK
+from .slots import SlotPool
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_STEP = 1  # step 0 compiles and autotunes: its times say nothing about the next ones
+
+
+def budget_from(config, vram_budget) -> Budget:
+    """The budget from `offload(vram_budget=...)` and `conductor.vram_soft_cap_mb` / `vram_hard_cap_mb`."""
+    c = config.conductor
+    soft = None if c.vram_soft_cap_mb is None else int(c.vram_soft_cap_mb * 2**20)
+    hard = None if c.vram_hard_cap_mb is None else int(c.vram_hard_cap_mb * 2**20)
+    if vram_budget is not None:
+        soft = parse_bytes(vram_budget, "offload: vram_budget")
+        if hard is not None and soft > hard:
+            raise BudgetError(f"offload: vram_budget {soft / 2**30:.2f} GiB is above conductor.vram_hard_cap_mb "
+                              f"({hard / 2**30:.2f} GiB)")
+        hard = hard if hard is not None else soft
+    return Budget(soft, hard)
+
+
+class PlanDriver:
+    def __init__(self, rt, budget: Budget, cost_model: CostModel | None = None):
+        self.rt = rt
+        self.budget = budget
+        self.planning = budget.limit is not None
+        if cost_model is None:
+            bps, source = h2d_bandwidth(rt.device, pinned=rt.store.pin)
+            cost_model = CostModel(h2d_bps=bps, measured={"h2d": source})
+            if rt.device.type == "cuda":  # what stays on the device besides the blocks, until a step is measured
+                cost_model.base_bytes = torch.cuda.memory_allocated(rt.device)
+        self.cost_model = cost_model
+        self.calibrated = cost_model.frozen or rt.device.type != "cuda"
+        self.calibration: Calibration | None = None
+        self.plan: Plan | None = None
+        self.replans = 0
+
+    # ---- making the plan --------------------------------------------------------------------
+
+    def make(self) -> Plan:
+        """The plan for the current precision map and cost model (not applied)."""
+        rt, model = self.rt, self.cost_model
+        precision = [rt.precision[b] for b in range(len(rt.blocks))]
+        costs = model.block_costs([rt.store.nbytes(b, p) for b, p in enumerate(precision)])
+        if not self.planning:
+            plan = build_plan(costs, precision, set(), None, rt.config.slot_count, model, kind="fixed")
+            plan.slot_bytes = rt.store.max_block_bytes()  # any precision a block may switch to fits
+            return plan
+        if not self.calibrated:  # the smallest plan, measured before planning for real
+            plan = build_plan(costs, precision, set(), set(range(len(costs))), 2, model, kind="calibrating",
+                              budget=self.budget)
+            plan.notes.append(f"runs until step {CALIBRATION_STEP} is measured, then re-planned")
+            return plan
+        return make_plan(costs, precision, self.budget, model)
+
+    def apply(self, reason: str) -> Plan:
+        plan = self.make()
+        resident = {p.block: p.precision for p in plan.blocks if p.resident}
+        if self.rt.pool is None or (plan.kind == "fixed" and self.plan is not None):
+            self.plan = plan  # the fixed plan's pool never changes (its slots fit every precision)
+            return plan
+        try:
+            self.rt.pool.reconfigure(plan.slots, plan.slot_bytes, resident)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(f"stagehand: the plan ({plan.summary()}) did not fit on {self.rt.device} "
+                                         f"when applied ({reason}): {e}") from e
+        self.plan = plan
+        self.replans += 1
+        log.info("stagehand: %s (%s)", plan.summary(), reason)
+        return plan
+
+    def make_pool(self) -> SlotPool:
+        """The runtime's slot pool, allocated for the first plan (slots, then the resident blocks)."""
+        rt, plan = self.rt, self.make()
+        try:
+            rt.pool = SlotPool(rt.device, plan.slots, plan.slot_bytes, rt.store)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(f"offload: no room on {rt.device} for {plan.slots} slots of "
+                                         f"{plan.slot_bytes / 2**20:.1f} MiB (the largest block): {e}") from e
+        self.apply("offload")
+        return rt.pool
+
+    def replan(self, cost_model: CostModel | None = None) -> Plan:
+        if cost_model is not None:
+            self.cost_model, self.calibrated = cost_model, True
+        return self.apply("replan()")
+
+    def recompute_of(self, block: int) -> bool | None:
+        return None if self.plan is None else self.plan.recompute_of(block)
+
+    # ---- run time ---------------------------------------------------------------------------
+
+    def prefetch(self, block: int) -> None:
+        """Fetch `block` (the one the schedule names next) and, per the plan, the streamed blocks after it."""
+        rt, plan = self.rt, self.plan
+        if block == NO_BLOCK:
+            return
+        if plan is None or plan.kind == "fixed":
+            rt.pool.prefetch(block, rt._precision[block])
+            return
+        backward = torch._C._current_graph_task_id() != -1
+        resident = rt.pool.resident_slots
+        wanted, b, steps = [], block, 0
+        depth = plan.lookahead
+        while b != NO_BLOCK and len(wanted) < depth and steps < len(rt.blocks):
+            if b not in resident:
+                wanted.append(b)
+            b = rt.fetch_order.eager_next(b, backward)
+            steps += 1
+        for b in wanted:
+            rt.pool.prefetch(b, rt._precision[b])
+
+    def on_wait(self, block: int, kind: str) -> None:
+        if kind == FORWARD and self.plan is not None and self.plan.kind != "fixed":
+            learned = self.rt.fetch_order.learned_order()
+            if not learned or learned[-1] != block:  # a block split by a graph break is one entry
+                self.rt.fetch_order.record_forward(block)
+        if self.calibration is not None:
+            self.calibration.on_wait(block, kind)
+
+    def on_release(self, block: int) -> None:
+        if self.calibration is not None:
+            self.calibration.on_release(block)
+
+    def on_step_begin(self, step: int) -> None:
+        if not self.calibrated and step == CALIBRATION_STEP and self.calibration is None:
+            self.calibration = Calibration(len(self.rt.blocks), self.rt.device)
+
+    def on_step_end(self, step: int) -> None:
+        if self.calibration is None:
+            return
+        calibration, self.calibration = self.calibration, None
+        plan = self.plan
+
+        def predict(model: CostModel) -> tuple[float, int]:
+            precision = [p.precision for p in plan.blocks]
+            costs = model.block_costs([p.bytes for p in plan.blocks])
+            made = build_plan(costs, precision, set(), set(range(len(costs))), plan.slots, model, "calibrating")
+            return made.predicted_step_s, made.predicted_peak_bytes
+
+        self.cost_model = calibration.finish(self.cost_model, predict)
+        self.calibrated = True
+        self.apply(f"calibrated on step {step}")
+
+
+
+def plan_stats(plan: Plan | None, pool: SlotPool | None) -> dict:
+    """What `Runtime.stats()` reports of the plan."""
+    if plan is None:
+        return {}
+    counts = plan.counts()
+    return {"plan": plan.kind, "resident_blocks": counts["resident_blocks"], "spilled_blocks": counts["spilled_blocks"],
+            "planned_recompute_blocks": counts["recomputed_blocks"], "lookahead": plan.lookahead,
+            "predicted_step_ms": round(plan.predicted_step_s * 1e3, 3),
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "streamed_device_bytes": None if pool is None else pool.device_bytes()}
