@@ -292,6 +292,13 @@ class SlotPool:
         slot = self._find_fresh(block, precision)
         if slot is None:
             victim = self._victim(steal_loading=True)
+            if victim is None and not self.slots:
+                # The plan keeps every block resident, but this one is asked for in another
+                # precision (a switch between a forward and its backward): one slot, said once.
+                log.warning("stagehand: block %d asked for in %s, not its resident precision: adding a slot",
+                            block, precision)
+                self.slot_bytes = max(self.slot_bytes, self.store.nbytes(block, precision))
+                self.slots.append(victim := self._new_slot(0, self.slot_bytes))
             if victim is None:
                 held = {s.index: s.key for s in self.slots}
                 raise SlotsExhaustedError(

@@ -166,4 +166,5 @@ def explain(model: nn.Module, *args, **kwargs):
         stats=rt.stats(),
         segments=segments,
         passes=passes,
+        plan=rt.plan,
     )

@@ -182,3 +182,36 @@ def test_no_budget_runs_the_fixed_two_slot_plan():
     rt = stagehand.offload(model, device="cpu")
     assert rt.plan.kind == "fixed" and rt.plan.slots == 2 and rt.plan.resident == set()
     assert rt.stats()["resident_blocks"] == 0 and rt.plan.recompute_of(0) is None
+
+
+def test_a_precision_switch_between_forward_and_backward_with_every_block_resident():
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("everything"))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    x.grad = None
+    out = compiled(x)
+    rt.set_precision("int8")  # re-plans: the resident copies are INT8 now, and no slot rotates
+    assert len(rt.pool.slots) == 0 and len(rt.plan.resident) == N
+    out.float().square().mean().backward()  # the backward runs in the forward's precision: a slot is added
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    _same((out.detach(), grads, x.grad), ref)
+    assert len(rt.pool.slots) == 1
+
+
+def test_explain_and_the_schedule_command_print_the_plan():
+    model, x = toy(n=N)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = stagehand.explain(model, x)
+    assert report.plan is rt.plan
+    table = report.plan_table()
+    assert "planned plan" in table and "H2D MiB this call" in table and table in str(report)
+    resident_rows = [line for line in table.splitlines() if " resident " in line]
+    assert len(resident_rows) == len(rt.plan.resident)
+    assert all(float(line.split()[-1]) == 0 for line in resident_rows)  # resident blocks moved nothing this call
+    streamed_rows = [line for line in table.splitlines() if " streamed " in line]
+    assert any(float(line.split()[-1]) > 0 for line in streamed_rows)

@@ -70,8 +70,16 @@ class Budget:
         return self.soft if self.soft is not None else self.hard
 
     def describe(self) -> str:
-        parts = [f"{name} {v / 2**30:.2f} GiB" for name, v in (("soft", self.soft), ("hard", self.hard)) if v]
+        parts = [f"{name} {human(v)}" for name, v in (("soft", self.soft), ("hard", self.hard)) if v]
         return ", ".join(parts) or "no cap"
+
+
+def human(nbytes: float) -> str:
+    """Bytes as GiB / MiB / KiB, whichever reads best."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from tabulate import tabulate
 
-from .costs import BlockCost, Budget, BudgetError, CostModel
+from .costs import BlockCost, Budget, BudgetError, CostModel, human
 
 KEEP, RECOMPUTE, MODEL = "keep", "recompute", "model"  # MODEL: the model's own checkpointing decides
 MAX_SLOTS = 4
@@ -77,13 +77,13 @@ class Plan:
         c = self.counts()
         over = " (over the soft cap: nothing fitted it)" if self.over_soft_cap else ""
         return (f"{self.kind} plan{over}: {c['resident_blocks']} resident, {c['streamed_blocks']} streamed, "
-                f"{c['recomputed_blocks']} recomputed; {self.slots} slots of {self.slot_bytes / 2**20:.1f} MiB, "
+                f"{c['recomputed_blocks']} recomputed; {self.slots} slots of {human(self.slot_bytes)}, "
                 f"lookahead {self.lookahead}; predicted step {self.predicted_step_s * 1e3:.1f} ms, "
-                f"peak {self.predicted_peak_bytes / 2**30:.2f} GiB; budget {self.budget.describe()}")
+                f"peak {human(self.predicted_peak_bytes)}; budget {self.budget.describe()}")
 
     def rows(self, names: Sequence[str] | None = None) -> list[list]:
         return [[p.block, names[p.block] if names else "", p.precision, "resident" if p.resident else "streamed",
-                 f"{p.bytes / 2**20:.1f}", p.activations, f"{p.predicted_s * 1e3:.2f}", f"{p.h2d_bytes / 2**20:.1f}"]
+                 f"{p.bytes / 2**20:.3f}", p.activations, f"{p.predicted_s * 1e3:.2f}", f"{p.h2d_bytes / 2**20:.3f}"]
                 for p in self.blocks]
 
     def table(self, names: Sequence[str] | None = None, tablefmt: str = "simple") -> str:
@@ -200,7 +200,7 @@ def make_plan(costs: Sequence[BlockCost], precision: Sequence[str], budget: Budg
                                1, max(c.bytes for c in costs), model.base_bytes)
         raise BudgetError(f"planner: no plan fits the VRAM budget ({budget.describe()}); the smallest plan (every "
                           f"block streamed through one slot, recomputed where that saves bytes) needs "
-                          f"{floor / 2**30:.2f} GiB")
+                          f"{human(floor)}")
     _, resident, recompute, slots, _, _ = best
     plan = build_plan(costs, precision, resident, recompute, slots, model, kind="planned", budget=budget)
     plan.over_soft_cap = over_soft
