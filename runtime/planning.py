@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from .conductor.arbiter import Conductor
 from .conductor.calibrate import FORWARD, Calibration
 from .conductor.costs import Budget, BudgetError, CostModel, h2d_bandwidth, parse_bytes
 from .conductor.planner import Plan, build_plan, make_plan
@@ -60,6 +61,9 @@ class PlanDriver:
                 cost_model.base_bytes = torch.cuda.memory_allocated(rt.device)
         self.cost_model = cost_model
         self.calibrated = cost_model.frozen or rt.device.type != "cuda"
+        self.conductor = Conductor(rt.config.conductor, budget.soft, budget.hard, pressure=self._pressure,
+                                   external=self._external)
+        self._admit = self.conductor.enabled  # one attribute read on the hot path when disabled
         self.calibration: Calibration | None = None
         self.plan: Plan | None = None
         self.replans = 0
@@ -82,8 +86,9 @@ class PlanDriver:
             return plan
         return make_plan(costs, precision, self.budget, model)
 
-    def apply(self, reason: str) -> Plan:
-        plan = self.make()
+    def apply(self, reason: str, plan: Plan | None = None) -> Plan:
+        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns."""
+        plan = plan or self.make()
         resident = {p.block: p.precision for p in plan.blocks if p.resident}
         if self.rt.pool is None or (plan.kind == "fixed" and self.plan is not None):
             self.plan = plan  # the fixed plan's pool never changes (its slots fit every precision)
@@ -95,6 +100,9 @@ class PlanDriver:
                                          f"when applied ({reason}): {e}") from e
         self.plan = plan
         self.replans += 1
+        if self._admit:
+            self.window = self.conductor.reserve_plan(
+                [p.bytes for p in plan.blocks if p.resident], plan.slot_bytes, plan.slots, plan.lookahead)
         log.info("stagehand: %s (%s)", plan.summary(), reason)
         return plan
 
@@ -136,10 +144,24 @@ class PlanDriver:
                 wanted.append(b)
             b = rt.fetch_order.eager_next(b, backward)
             steps += 1
-        for b in wanted:
-            rt.pool.prefetch(b, rt._precision[b])
+        for depth, b in enumerate(wanted):
+            precision = rt._precision[b]
+            if not self._admit or rt.pool.cached(b, precision):
+                rt.pool.prefetch(b, precision)  # a hit moves nothing: no token needed
+                continue
+            if self.conductor.admit_prefetch(b, depth) is not None:
+                continue  # denied (counted with its reason): the block's wait fetches it later
+            try:
+                issued = rt.pool.prefetch(b, precision).issued
+            except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
+                self.conductor.allocation_failed(b, e)
+                return
+            if not issued:
+                self.conductor.copy_not_issued(b)
 
     def on_wait(self, block: int, kind: str) -> None:
+        if self._admit:
+            self.conductor.copy_consumed(block)
         if kind == FORWARD and self.plan is not None and self.plan.kind != "fixed":
             learned = self.rt.fetch_order.learned_order()
             if not learned or learned[-1] != block:  # a block split by a graph break is one entry
@@ -150,6 +172,35 @@ class PlanDriver:
     def on_release(self, block: int) -> None:
         if self.calibration is not None:
             self.calibration.on_release(block)
+
+    def on_phase(self, phase, step: int) -> None:
+        if self._admit:
+            self.conductor.on_phase(phase.value)
+        if phase.value == "step_begin":
+            self.on_step_begin(step)
+
+    def _pressure(self) -> float:
+        """Device memory in use over the hard cap (the device's size without one); a host read, no sync."""
+        rt, cap = self.rt, self.budget.hard
+        if rt.device.type == "cuda":
+            return torch.cuda.memory_allocated(rt.device) / (cap or torch.cuda.get_device_properties(rt.device).total_memory)
+        return rt.pool.device_bytes() / cap if cap and rt.pool is not None else 0.0
+
+    def _external(self) -> int:
+        """Device bytes the conductor does not reserve (everything but the streamed weights)."""
+        rt = self.rt
+        if rt.device.type != "cuda" or rt.pool is None:
+            return 0
+        return max(0, torch.cuda.memory_allocated(rt.device) - rt.pool.device_bytes())
+
+    def step_record(self) -> dict:
+        """The plan's and the conductor's part of a telemetry line."""
+        record = {"plan": self.plan.counts() if self.plan is not None else {}}
+        if self._admit:
+            record.update(self.conductor.snapshot())
+        if self.rt.device.type == "cuda":
+            record["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved(self.rt.device) / 2**20, 1)
+        return record
 
     def on_step_begin(self, step: int) -> None:
         if not self.calibrated and step == CALIBRATION_STEP and self.calibration is None:

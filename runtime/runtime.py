@@ -28,7 +28,7 @@ from .blocks import StreamedLayerSpec, check_not_wrapped_off_device, layer_slots
 from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.costs import CostModel
-from .conductor.phases import Phase, PhaseTracker
+from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
 from .eager_notice import EagerFallbackWarning, progress, warn_eager_once  # noqa: F401 (the warning's home)
 from .host_store import HostStore, check_master_dtypes
@@ -82,7 +82,7 @@ class Runtime:
             raise
 
         self.phases = PhaseTracker(on_step_end=self._record_step)
-        self.phases.listeners.append(self._on_phase)
+        self.phases.listeners.append(lambda old, new: self.planner.on_phase(new, self.phases.step))
         self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
         self._step_base = self._counters()
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
@@ -382,12 +382,8 @@ class Runtime:
         if self.device.type == "cuda":
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
         self._step_base = now
-        self.telemetry.write(record)
+        self.telemetry.write(dict(record, **self.planner.step_record()))
         self.planner.on_step_end(step)
-
-    def _on_phase(self, old, new) -> None:
-        if new is Phase.STEP_BEGIN:
-            self.planner.on_step_begin(self.phases.step)
 
     def _check_open(self) -> None:
         if self._closed:

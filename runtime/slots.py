@@ -174,6 +174,11 @@ class SlotPool:
         twin.stats.resident_bytes = twin.stats.peak_resident_bytes = self.stats.resident_bytes
         return twin
 
+    def cached(self, block: int, precision: str) -> bool:
+        """Whether the block's bytes are in a slot (or on their way) and still fresh; changes nothing."""
+        slot = self._find(block, precision)
+        return slot is not None and slot.master_version == self.store.master_version(block)
+
     def resident(self) -> dict[int, tuple[int, str, str]]:
         """slot index -> (block, precision, state) for slots holding data."""
         return {s.index: (s.key[0], s.key[1], s.state.value) for s in self.slots if s.key is not None}
