@@ -32,7 +32,12 @@ from .slots import SlotPool
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_STEP = 1  # step 0 compiles and autotunes: its times say nothing about the next ones
+# Steps run under the smallest plan before the measured one: the first compiles and autotunes,
+# so its times say nothing about the next ones.
+WARMUP_STEPS = 1
+# A plan that does not fit when applied (the device has less than the budget says) is re-made
+# under a budget with this fraction of its streamed-weight bytes fewer, up to SHRINK_TRIES times.
+SHRINK_FRACTION, SHRINK_TRIES = 0.25, 10
 
 
 def budget_from(config, vram_budget) -> Budget:
@@ -65,8 +70,10 @@ class PlanDriver:
                                    external=self._external)
         self._admit = self.conductor.enabled  # one attribute read on the hot path when disabled
         self.calibration: Calibration | None = None
+        self._calibrate_at: int | None = None  # the step measured for calibration
         self.plan: Plan | None = None
         self.replans = 0
+        self.shrinks: list[str] = []  # budgets shrunk because a plan did not fit when applied
 
     # ---- making the plan --------------------------------------------------------------------
 
@@ -82,22 +89,41 @@ class PlanDriver:
         if not self.calibrated:  # the smallest plan, measured before planning for real
             plan = build_plan(costs, precision, set(), set(range(len(costs))), 2, model, kind="calibrating",
                               budget=self.budget)
-            plan.notes.append(f"runs until step {CALIBRATION_STEP} is measured, then re-planned")
+            plan.notes.append(f"runs {WARMUP_STEPS + 1} steps, the last one measured, then re-planned")
             return plan
         return make_plan(costs, precision, self.budget, model)
 
     def apply(self, reason: str, plan: Plan | None = None) -> Plan:
-        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns."""
+        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns.
+
+        A made plan that does not fit on the device when applied (the budget promised more
+        than the device has: another process, a memory fraction) is re-made under a smaller
+        budget, and the runtime says so; a plan given by hand raises.
+        """
+        given = plan is not None
         plan = plan or self.make()
-        resident = {p.block: p.precision for p in plan.blocks if p.resident}
         if self.rt.pool is None or (plan.kind == "fixed" and self.plan is not None):
             self.plan = plan  # the fixed plan's pool never changes (its slots fit every precision)
             return plan
-        try:
-            self.rt.pool.reconfigure(plan.slots, plan.slot_bytes, resident)
-        except torch.OutOfMemoryError as e:
-            raise torch.OutOfMemoryError(f"stagehand: the plan ({plan.summary()}) did not fit on {self.rt.device} "
-                                         f"when applied ({reason}): {e}") from e
+        for attempt in range(SHRINK_TRIES + 1):
+            try:
+                self.rt.pool.reconfigure(plan.slots, plan.slot_bytes,
+                                         {p.block: p.precision for p in plan.blocks if p.resident})
+                break
+            except torch.OutOfMemoryError as e:
+                if given or not self.planning or attempt == SHRINK_TRIES:
+                    raise torch.OutOfMemoryError(f"stagehand: the plan ({plan.summary()}) did not fit on "
+                                                 f"{self.rt.device} when applied ({reason}): {e}") from e
+                self.rt.pool.reconfigure(0, 0, {})  # free what the attempt placed
+                weights = plan.slots * plan.slot_bytes + sum(p.bytes for p in plan.blocks if p.resident)
+                limit = int(min(self.budget.limit, plan.predicted_peak_bytes) - SHRINK_FRACTION * weights)
+                self.budget = Budget(limit, min(self.budget.hard or limit, limit))
+                note = f"the plan did not fit on the device ({reason}); budget shrunk to {self.budget.describe()}"
+                self.shrinks.append(note)
+                log.warning("stagehand: %s", note)
+                plan = self.make()
+        if not self.calibrated and plan.kind == "calibrating" and self._calibrate_at is None:
+            self._calibrate_at = self.rt.phases.step + WARMUP_STEPS if hasattr(self.rt, "phases") else WARMUP_STEPS
         self.plan = plan
         self.replans += 1
         if self._admit:
@@ -117,9 +143,12 @@ class PlanDriver:
         self.apply("offload")
         return rt.pool
 
-    def replan(self, cost_model: CostModel | None = None) -> Plan:
+    def replan(self, cost_model: CostModel | None = None, vram_budget=None) -> Plan:
         if cost_model is not None:
             self.cost_model, self.calibrated = cost_model, True
+        if vram_budget is not None:
+            self.budget = budget_from(self.rt.config, vram_budget)
+            self.planning = True
         return self.apply("replan()")
 
     def recompute_of(self, block: int) -> bool | None:
@@ -203,7 +232,7 @@ class PlanDriver:
         return record
 
     def on_step_begin(self, step: int) -> None:
-        if not self.calibrated and step == CALIBRATION_STEP and self.calibration is None:
+        if not self.calibrated and step == self._calibrate_at and self.calibration is None:
             self.calibration = Calibration(len(self.rt.blocks), self.rt.device)
 
     def on_step_end(self, step: int) -> None:

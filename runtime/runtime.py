@@ -170,10 +170,11 @@ class Runtime:
         """The per-block decisions the runtime runs (conductor/planner.py; `print(rt.plan)` shows the table)."""
         return self.planner.plan
 
-    def replan(self, cost_model: CostModel | None = None):
-        """Plan again now, between steps; `cost_model` replaces the measured one (tests inject constants)."""
+    def replan(self, cost_model: CostModel | None = None, vram_budget: int | str | None = None):
+        """Plan again now, between steps: under a new `vram_budget` if given ("12GiB"); `cost_model`
+        replaces the measured one (tests inject constants)."""
         self._check_open()
-        return self.planner.replan(cost_model)
+        return self.planner.replan(cost_model, vram_budget)
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats

@@ -215,3 +215,23 @@ def test_explain_and_the_schedule_command_print_the_plan():
     assert all(float(line.split()[-1]) == 0 for line in resident_rows)  # resident blocks moved nothing this call
     streamed_rows = [line for line in table.splitlines() if " streamed " in line]
     assert any(float(line.split()[-1]) > 0 for line in streamed_rows)
+
+
+def test_a_plan_that_does_not_fit_when_applied_shrinks_the_budget_and_says_so(monkeypatch):
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    b = _block_bytes()
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    real = rt.pool.reconfigure
+
+    def device_with_room_for_three_blocks(n_slots, slot_bytes, resident):
+        if n_slots * slot_bytes + len(resident) * b > 3 * b:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(n_slots, slot_bytes, resident)
+
+    monkeypatch.setattr(rt.pool, "reconfigure", device_with_room_for_three_blocks)
+    rt.replan(vram_budget=_budget("everything"))
+    assert rt.planner.shrinks and "budget shrunk" in rt.planner.shrinks[-1]
+    assert rt.stats()["streamed_device_bytes"] <= 3 * b
+    _same(_step(model, model, x), ref)
