@@ -5,6 +5,7 @@
 #   STAGES="stream" STREAM_ARGS="--tokens 1024 4096" bash benches/device_run.sh
 #   STAGES="tests models" MODEL=qwen bash benches/device_run.sh       # full-size models (benches/models.py)
 #   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
+#   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
 # Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
 # the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
 set -uo pipefail
@@ -33,6 +34,10 @@ for stage in $STAGES; do
               --out "$OUT/models_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/models_${MODEL:-qwen}.log" ;;
     peer)   SWAPS=${SWAPS:-34} STEPS=${PEER_STEPS:-3} MUSUBI_OFFLOAD_DIR=.peer timeout ${PEER_TIMEOUT:-300} \
               python3 benches/peer_musubi_flux.py 2>&1 | tee "$OUT/peer_musubi_flux.jsonl" ;;
+    sweep)  timeout ${SWEEP_TIMEOUT:-540} python3 benches/budget_sweep.py --model ${MODEL:-qwen} ${SWEEP_ARGS:-} \
+              --out "$OUT/budget_sweep_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/budget_sweep_${MODEL:-qwen}.log" ;;
+    btests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs -s tests/test_gpu_budget.py 2>&1 \
+              | grep -vE "^DEBUG" | tee "$OUT/gpu_budget_tests.log" ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done
