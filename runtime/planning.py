@@ -60,8 +60,7 @@ class PlanDriver:
         self.budget = budget
         self.planning = budget.limit is not None
         if cost_model is None:
-            bps, source = h2d_bandwidth(rt.device, pinned=rt.store.pin)
-            cost_model = CostModel(h2d_bps=bps, measured={"h2d": source})
+            cost_model = CostModel()  # H2D bandwidth measured when a plan is first made for a budget
             if rt.device.type == "cuda":  # what stays on the device besides the blocks, until a step is measured
                 cost_model.base_bytes = torch.cuda.memory_allocated(rt.device)
         self.cost_model = cost_model
@@ -86,6 +85,8 @@ class PlanDriver:
             plan = build_plan(costs, precision, set(), None, rt.config.slot_count, model, kind="fixed")
             plan.slot_bytes = rt.store.max_block_bytes()  # any precision a block may switch to fits
             return plan
+        if "h2d" not in model.measured and not model.frozen:
+            model.h2d_bps, model.measured["h2d"] = h2d_bandwidth(rt.device, pinned=rt.store.pin)
         if not self.calibrated:  # the smallest plan, measured before planning for real
             plan = build_plan(costs, precision, set(), set(range(len(costs))), 2, model, kind="calibrating",
                               budget=self.budget)

@@ -287,9 +287,9 @@ class Runtime:
         # A forward `wait` inside a backward is a block recompute: it belongs to the backward phase.
         kind = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
         (self.phases.forward_op if kind == "forward" else self.phases.backward_op)()
-        self.planner.on_wait(block, kind)
         precision = precisions.by_code(precision_code).name
         slot = self.pool.acquire(block, precision)
+        self.planner.on_wait(block, kind)  # after the stream waited for the copy: calibration times compute
         if slot.numel() != nbytes:
             raise RuntimeError(
                 f"stagehand: block {block} ({self.blocks[block]}, {precision}) holds {slot.numel()} bytes but the "

@@ -197,6 +197,8 @@ class SlotPool:
             raise RuntimeError(f"stagehand: cannot re-plan while blocks {held} are being read")
         if self.cuda:
             self.copy_stream.synchronize()  # once per re-plan, never per step
+            # New buffers may reuse memory the compute stream still reads: copies wait for it.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         for block in list(self.resident_slots):
             if self.resident_slots[block].key != (block, resident.get(block)):
                 self._set_bytes(self.resident_slots.pop(block), 0)
@@ -304,6 +306,8 @@ class SlotPool:
                             block, precision)
                 self.slot_bytes = max(self.slot_bytes, self.store.nbytes(block, precision))
                 self.slots.append(victim := self._new_slot(0, self.slot_bytes))
+                if self.cuda:  # its memory may be what a queued kernel still reads
+                    self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             if victim is None:
                 held = {s.index: s.key for s in self.slots}
                 raise SlotsExhaustedError(

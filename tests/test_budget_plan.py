@@ -235,3 +235,26 @@ def test_a_plan_that_does_not_fit_when_applied_shrinks_the_budget_and_says_so(mo
     assert rt.planner.shrinks and "budget shrunk" in rt.planner.shrinks[-1]
     assert rt.stats()["streamed_device_bytes"] <= 3 * b
     _same(_step(model, model, x), ref)
+
+
+def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real():
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    rt.planner.calibrated = False  # on the CPU the defaults stand unless asked; the GPU always calibrates
+    rt.replan()
+    assert rt.plan.kind == "calibrating" and rt.plan.recomputed == set(range(N)) and rt.plan.slots == 2
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    rt.attach(optimizer)
+    for step in range(3):  # warm-up, measured, then the plan made from the measurements
+        _same(_step(compiled, model, x), ref)
+        optimizer.step()
+        assert rt.plan.kind == ("calibrating" if step == 0 else "planned")
+    measured = rt.planner.cost_model
+    assert rt.planner.calibrated and "calibration_step_s" in measured.measured
+    assert len(measured.forward_s) == N and all(t > 0 for t in measured.forward_s + measured.backward_s)
+    assert rt.stats()["recomputed_blocks"] >= 2 * N  # the two calibration steps recomputed every block
+    assert rt.plan.predicted_step_s > 0 and 0 < len(rt.plan.resident) < N

@@ -13,7 +13,9 @@ each block's activation decision. Per block:
 
 Times come from CUDA events on the compute stream, read once at the end of
 the step (the one host synchronisation calibration costs); memory from the
-allocator's counters (host reads, no sync). `base_bytes` is what the step's
+allocator's counters (host reads, no sync). On the CPU the clock is the host's
+and memory reads zero (the CPU budget bounds the weights alone), so the CI
+runs the same calibrate-then-plan path. `base_bytes` is what the step's
 peak holds beyond the plan's predicted weights and activations, `other_s` the
 step's time beyond its predicted block time: both carry every plan's
 prediction from the measured point.
@@ -21,6 +23,7 @@ prediction from the measured point.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -39,20 +42,30 @@ class Calibration:
         self._alloc: dict[tuple[int, str], int] = {}
         self._forward_order: list[int] = []
         self._kind_of_block: dict[int, str] = {}
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         self._start = self._event()
 
     def _event(self):
+        if not self.cuda:
+            return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def _seconds(self, start, stop) -> float:
+        return stop - start if not self.cuda else start.elapsed_time(stop) / 1e3
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
     def on_wait(self, block: int, kind: str) -> None:
         key = (block, kind)
         if key in self._alloc:
             return  # a block split by a graph break: its first part opens the span
-        self._alloc[key] = torch.cuda.memory_allocated(self.device)
+        self._alloc[key] = self._allocated()
         if kind == FORWARD:
             self._forward_order.append(block)
         self._open[key] = self._event()
@@ -67,12 +80,13 @@ class Calibration:
     def finish(self, base: CostModel, predict: Callable[[CostModel], tuple[float, int]]) -> CostModel:
         """The measured cost model; `predict(model)` is (step s, peak bytes) of the calibration plan under it."""
         end = self._event()
-        torch.cuda.synchronize(self.device)
-        step_s = self._start.elapsed_time(end) / 1e3
-        peak = torch.cuda.max_memory_allocated(self.device)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        step_s = self._seconds(self._start, end)
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
         seconds = {FORWARD: [0.0] * self.n, RECOMPUTE: [0.0] * self.n, BACKWARD: [0.0] * self.n}
         for block, kind, start, stop in self._spans:
-            seconds[kind][block] += start.elapsed_time(stop) / 1e3
+            seconds[kind][block] += self._seconds(start, stop)
         order = self._forward_order
         inputs = [0] * self.n
         for a, b in zip(order, order[1:]):
