@@ -62,6 +62,10 @@ class StreamingRuntime(Protocol):
         model's own checkpointing decides (no VRAM budget was planned for)."""
         ...
 
+    def spill_hooks(self, block: int) -> Any:
+        """A context (saved-tensor hooks) that spills the block's saved activations to host, or None."""
+        ...
+
     def record_recompute(self, block: int) -> None:
         """Count one block recompute (a block unit re-ran its forward in backward) in `stats()`."""
         ...

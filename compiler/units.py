@@ -203,6 +203,10 @@ class BlockUnit(_Unit):
             # The recompute runs in the precision this forward ran in, whatever the map is by then.
             return run_recomputed(lambda a: self._run_variant(a, precision),
                                   args, lambda: rt.record_recompute(self.block), rt.abort_held_blocks)
+        spill = rt.spill_hooks(self.block) if torch.is_grad_enabled() else None
+        if spill is not None:  # the plan sends this block's saved activations to host and back
+            with spill:
+                return self._run_variant(args, precision)
         return self._run_variant(args, precision)
 
     def _run_variant(self, args: tuple, precision: str):

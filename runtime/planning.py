@@ -29,6 +29,7 @@ from .conductor.costs import Budget, BudgetError, CostModel, h2d_bandwidth, pars
 from .conductor.planner import Plan, build_plan, make_plan
 from .registry import NO_BLOCK
 from .slots import SlotPool
+from .spill import ActivationSpill
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class PlanDriver:
         self._calibrate_at: int | None = None  # the step measured for calibration
         self.plan: Plan | None = None
         self.replans = 0
+        self.spill: ActivationSpill | None = None  # made when a plan first spills
         self.shrinks: list[str] = []  # budgets shrunk because a plan did not fit when applied
 
     # ---- making the plan --------------------------------------------------------------------
@@ -87,6 +89,8 @@ class PlanDriver:
             return plan
         if "h2d" not in model.measured and not model.frozen:
             model.h2d_bps, model.measured["h2d"] = h2d_bandwidth(rt.device, pinned=rt.store.pin)
+            if rt.device.type == "cuda":  # spill needs the other direction (never chosen without it)
+                model.d2h_bps, model.measured["d2h"] = h2d_bandwidth(rt.device, rt.store.pin, direction="d2h")
         if not self.calibrated:  # the smallest plan, measured before planning for real
             plan = build_plan(costs, precision, set(), set(range(len(costs))), 2, model, kind="calibrating",
                               budget=self.budget)
@@ -154,6 +158,14 @@ class PlanDriver:
 
     def recompute_of(self, block: int) -> bool | None:
         return None if self.plan is None else self.plan.recompute_of(block)
+
+    def spill_hooks(self, block: int):
+        """The saved-tensor hooks that spill the block's activations to host, if the plan says so; else None."""
+        if self.plan is None or block not in self.plan.spilled:
+            return None
+        if self.spill is None:
+            self.spill = ActivationSpill(self.rt.device, self.rt.store.pin)
+        return self.spill.hooks()
 
     # ---- run time ---------------------------------------------------------------------------
 
@@ -264,3 +276,9 @@ def plan_stats(plan: Plan | None, pool: SlotPool | None) -> dict:
             "predicted_step_ms": round(plan.predicted_step_s * 1e3, 3),
             "predicted_peak_bytes": plan.predicted_peak_bytes,
             "streamed_device_bytes": None if pool is None else pool.device_bytes()}
+
+
+def spill_stats(spill: ActivationSpill | None) -> dict:
+    if spill is None:
+        return {}
+    return {"d2h_bytes": spill.d2h_bytes, "restored_bytes": spill.h2d_bytes, "spilled_tensors": spill.spilled_tensors}

@@ -35,7 +35,7 @@ from .host_store import HostStore, check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
-from .planning import PlanDriver, budget_from, plan_stats
+from .planning import PlanDriver, budget_from, plan_stats, spill_stats
 from .streamed import guard_conversions, make_plain, make_streamed, unguard
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class Runtime:
             "eager_linear_calls": self.eager_linear_calls,
             "eager_blocks": [self.blocks[b] for b in sorted(self.eager_blocks)],
             "recomputed_blocks": self.recomputed_blocks,  # block recomputes run (a count over all steps)
-            **plan_stats(self.planner.plan, self.pool),
+            **plan_stats(self.planner.plan, self.pool), **spill_stats(self.planner.spill),
         }
 
     def attach(self, optimizer: torch.optim.Optimizer):
@@ -349,6 +349,9 @@ class Runtime:
     def planned_recompute(self, block: int) -> bool | None:
         """The plan's activation decision for a block (None: the model's own checkpointing decides)."""
         return self.planner.recompute_of(block)
+
+    def spill_hooks(self, block: int):
+        return self.planner.spill_hooks(block)
 
     def record_recompute(self, block: int) -> None:
         """A compiled block unit re-ran its forward in backward (block recompute)."""

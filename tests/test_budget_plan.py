@@ -110,7 +110,8 @@ def test_resident_blocks_are_never_fetched_and_lookahead_skips_over_them():
     assert [r.outcome for r in waits].count(tr.SYNC_FETCH) <= 1
 
 
-def test_a_small_budget_with_measured_activations_recomputes_in_the_compiled_program():
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_small_budget_with_measured_activations_recomputes_in_the_compiled_program(inner):
     model, x = _model()
     plain = copy.deepcopy(model)
     ref = _step(plain, plain, x)
@@ -122,7 +123,7 @@ def test_a_small_budget_with_measured_activations_recomputes_in_the_compiled_pro
     assert rt.plan.resident == set() and rt.plan.slots == 1 and len(rt.plan.recomputed) >= 3
     assert rt.stats()["planned_recompute_blocks"] == len(rt.plan.recomputed)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
     _same(_step(compiled, model, x), ref)
     recomputed = rt.stats()["recomputed_blocks"]
     assert recomputed == len(rt.plan.recomputed)
@@ -258,3 +259,25 @@ def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real
     assert len(measured.forward_s) == N and all(t > 0 for t in measured.forward_s + measured.backward_s)
     assert rt.stats()["recomputed_blocks"] >= 2 * N  # the two calibration steps recomputed every block
     assert rt.plan.predicted_step_s > 0 and 0 < len(rt.plan.resident) < N
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_spilled_activations_come_back_for_the_backward_with_the_same_gradients(inner):
+    model, _ = _model()
+    x = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(3)).requires_grad_(True)  # 128 KiB activations
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    b = _block_bytes()
+    rt = stagehand.offload(model, device="cpu", vram_budget=2 * b + 2**20)
+    # Injected constants: keeping every block's 1 MiB of activations does not fit; a spill costs less than
+    # a recompute (a slow forward, a fast link), so blocks spill.
+    rt.replan(CostModel(h2d_bps=1e12, d2h_bps=1e12, forward_s=[1.0] * N, activation_bytes=[2**20] * N,
+                        input_bytes=[2**16] * N, frozen=True))
+    assert rt.plan.spilled and not rt.plan.recomputed
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
+    for _ in range(2):
+        _same(_step(compiled, model, x), ref)
+    stats = rt.stats()
+    assert stats["spilled_blocks"] == len(rt.plan.spilled) and stats["recomputed_blocks"] == 0
+    assert stats["d2h_bytes"] > 0 and stats["restored_bytes"] == stats["d2h_bytes"]

@@ -109,3 +109,20 @@ def test_plan_prints_as_a_table_with_predictions():
     text = str(plan)
     assert "predicted step" in text and "resident" in text and "predicted ms" in text
     assert len(plan.rows()) == 4
+
+
+def test_spill_is_chosen_only_when_the_cost_model_says_it_pays():
+    # 300 MiB of activations per block: 6 ms back over a 50 GB/s link; the forward costs 2 ms (recompute
+    # is cheaper) or 20 ms (spill is cheaper). Without a measured D2H bandwidth spill is never chosen.
+    budget = 1 * GiB + 8 * 100 * MiB + 1200 * MiB
+    cheap_forward = _plan(_uniform(fwd=2e-3), soft=budget, model=_model(d2h_bps=50e9))
+    assert cheap_forward.recomputed and not cheap_forward.spilled
+    costly_forward = _plan(_uniform(fwd=20e-3), soft=budget, model=_model(d2h_bps=50e9))
+    assert costly_forward.spilled and not costly_forward.recomputed
+    assert costly_forward.counts()["spilled_blocks"] == len(costly_forward.spilled)
+    assert all(p.activations == "spill" for p in costly_forward.blocks if p.block in costly_forward.spilled)
+    unmeasured = _plan(_uniform(fwd=20e-3), soft=budget, model=_model())
+    assert unmeasured.recomputed and not unmeasured.spilled
+    # A spilled block holds nothing on the device until its backward.
+    costs = _uniform()
+    assert activation_peak(costs, set(), frozenset({0, 1})) == activation_peak(costs, set()) - 2 * 300 * MiB

@@ -128,8 +128,9 @@ def cache_dir() -> str:
     return os.environ.get("STAGEHAND_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_stagehand")
 
 
-def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = None) -> tuple[float, str]:
-    """Pinned H2D bytes/s to `device` and where the number came from ("cached", "measured", "default").
+def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = None,
+                  direction: str = "h2d") -> tuple[float, str]:
+    """Pinned H2D (or `direction="d2h"`) bytes/s and where the number came from ("cached", "measured", "default").
 
     Measured once per device name (256 MiB copied 4 times, a second) and kept in
     `<cache_dir>/h2d_bandwidth.json`; the CPU has no link to measure.
@@ -139,10 +140,11 @@ def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = 
         return DEFAULT_H2D_BPS, "default (no device link on the CPU)"
     path = path or os.path.join(cache_dir(), "h2d_bandwidth.json")
     key = f"{torch.cuda.get_device_name(device)}|pinned={pinned}|torch={torch.__version__}"
+    key += "" if direction == "h2d" else f"|{direction}"
     table = _read_json(path)
     if key in table:
         return float(table[key]), "cached"
-    bps = _measure_h2d(device, pinned)
+    bps = _measure_h2d(device, pinned, direction)
     table[key] = bps
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -162,9 +164,11 @@ def _read_json(path: str) -> dict:
         return {}
 
 
-def _measure_h2d(device: torch.device, pinned: bool, nbytes: int = 256 * 2**20, reps: int = 4) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def _measure_h2d(device: torch.device, pinned: bool, direction: str = "h2d", nbytes: int = 256 * 2**20,
+                 reps: int = 4) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src, dst = (host, dev) if direction == "h2d" else (dev, host)
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize(device)
     t0 = time.perf_counter()

@@ -28,7 +28,7 @@ from tabulate import tabulate
 
 from .costs import BlockCost, Budget, BudgetError, CostModel, human
 
-KEEP, RECOMPUTE, MODEL = "keep", "recompute", "model"  # MODEL: the model's own checkpointing decides
+KEEP, RECOMPUTE, SPILL, MODEL = "keep", "recompute", "spill", "model"  # MODEL: the model's checkpointing decides
 MAX_SLOTS = 4
 
 
@@ -37,7 +37,7 @@ class BlockPlan:
     block: int
     resident: bool  # weights kept on the device (no fetch, no slot)
     precision: str
-    activations: str  # KEEP / RECOMPUTE / MODEL
+    activations: str  # KEEP / RECOMPUTE / SPILL / MODEL
     bytes: int  # streamed weight bytes in its precision
     predicted_s: float = 0.0  # forward + backward (recompute included) + the stall predicted before it
     h2d_bytes: int = 0  # predicted per step
@@ -64,6 +64,10 @@ class Plan:
     def recomputed(self) -> set[int]:
         return {p.block for p in self.blocks if p.activations == RECOMPUTE}
 
+    @property
+    def spilled(self) -> set[int]:
+        return {p.block for p in self.blocks if p.activations == SPILL}
+
     def recompute_of(self, block: int) -> bool | None:
         """The plan's activation decision for `block`: True / False, or None when the model decides."""
         a = self.blocks[block].activations
@@ -71,13 +75,13 @@ class Plan:
 
     def counts(self) -> dict[str, int]:
         return {"resident_blocks": len(self.resident), "streamed_blocks": len(self.blocks) - len(self.resident),
-                "recomputed_blocks": len(self.recomputed), "spilled_blocks": 0}
+                "recomputed_blocks": len(self.recomputed), "spilled_blocks": len(self.spilled)}
 
     def summary(self) -> str:
         c = self.counts()
         over = " (over the soft cap: nothing fitted it)" if self.over_soft_cap else ""
         return (f"{self.kind} plan{over}: {c['resident_blocks']} resident, {c['streamed_blocks']} streamed, "
-                f"{c['recomputed_blocks']} recomputed; {self.slots} slots of {human(self.slot_bytes)}, "
+                f"{c['recomputed_blocks']} recomputed, {c['spilled_blocks']} spilled; {self.slots} slots of {human(self.slot_bytes)}, "
                 f"lookahead {self.lookahead}; predicted step {self.predicted_step_s * 1e3:.1f} ms, "
                 f"peak {human(self.predicted_peak_bytes)}; budget {self.budget.describe()}")
 
@@ -98,27 +102,30 @@ class Plan:
 
 
 def predicted_peak(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], slots: int,
-                   slot_bytes: int, base: int) -> int:
-    return base + sum(costs[b].bytes for b in resident) + slots * slot_bytes + activation_peak(costs, recompute)
+                   slot_bytes: int, base: int, spill: frozenset[int] = frozenset()) -> int:
+    return (base + sum(costs[b].bytes for b in resident) + slots * slot_bytes
+            + activation_peak(costs, recompute, spill))
 
 
-def activation_peak(costs: Sequence[BlockCost], recompute: set[int]) -> int:
+def activation_peak(costs: Sequence[BlockCost], recompute: set[int], spill: frozenset[int] = frozenset()) -> int:
     """The most saved-for-backward bytes alive at once.
 
     The backward frees blocks last to first: while block b runs its backward,
     blocks 0..b-1 still hold what they saved, and b holds its activations (a
-    recomputed b holds its inputs and the activations its recompute made).
+    recomputed b holds its inputs and the activations its recompute made; a
+    spilled b holds nothing on the device until its activations come back).
     """
     peak = held = 0
     for b, c in enumerate(costs):
         now = c.input_bytes + c.activation_bytes if b in recompute else c.activation_bytes
         peak = max(peak, held + now)
-        held += c.input_bytes if b in recompute else c.activation_bytes
+        held += c.input_bytes if b in recompute else 0 if b in spill else c.activation_bytes
     return peak
 
 
 def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], slots: int, h2d_bps: float,
-             backward: bool = True) -> tuple[float, list[float], list[int]]:
+             backward: bool = True, spill: frozenset[int] = frozenset(), d2h_bps: float | None = None
+             ) -> tuple[float, list[float], list[int]]:
     """Predicted seconds of the blocks' forward + backward, per-block seconds, per-block H2D bytes.
 
     One copy engine, one compute stream. A streamed block's copy starts when it is
@@ -126,17 +133,23 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     ahead, skipping resident ones), when the copy engine is free, and when the slot it
     reuses was released; its compute starts when the copy is done and the block
     before it finished. The last `slots` streamed blocks of the forward are still
-    in their slots at the turn: the backward finds them there.
+    in their slots at the turn: the backward finds them there. A spilled block's
+    activations go out on the D2H lane after its forward (the other direction:
+    they overlap the weights coming in; the backward waits for the lane to
+    drain) and come back before its backward, on the compute stream.
     """
     n = len(costs)
     per_block, h2d = [0.0] * n, [0] * n
     order = list(range(n))
     forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident else None) for b in order]
     t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0)
+    if spill:
+        t = max(t, _d2h_lane(costs, spill, d2h_bps or h2d_bps, per_block))
     if backward:
         streamed_fw = [b for b in order if b not in resident]
         still_in_slots = set(streamed_fw[-slots:]) if slots else set()
-        items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0),
+        items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0)
+                  + (costs[b].activation_bytes / h2d_bps if b in spill else 0.0),
                   None if b in resident else (0 if b in still_in_slots else costs[b].bytes)) for b in reversed(order)]
         t = _pass(items, slots, h2d_bps, per_block, h2d, t)
     return t, per_block, h2d
@@ -145,6 +158,15 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
 def lookahead_of(slots: int) -> int:
     """Streamed blocks fetched ahead: one per spare slot; one slot still prefetches while a resident block runs."""
     return max(slots - 1, 1) if slots else 0
+
+
+def _d2h_lane(costs, spill, d2h_bps: float, per_block: list[float]) -> float:
+    """When the last spill copy is done: each starts after its block's forward, one at a time."""
+    lane = 0.0
+    for b in sorted(spill):
+        finish = sum(per_block[:b + 1])  # the forward's end of block b (per_block holds the forward alone here)
+        lane = max(lane, finish) + costs[b].activation_bytes / d2h_bps
+    return lane
 
 
 def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int], t0: float) -> float:
@@ -201,22 +223,24 @@ def make_plan(costs: Sequence[BlockCost], precision: Sequence[str], budget: Budg
         raise BudgetError(f"planner: no plan fits the VRAM budget ({budget.describe()}); the smallest plan (every "
                           f"block streamed through one slot, recomputed where that saves bytes) needs "
                           f"{human(floor)}")
-    _, resident, recompute, slots, _, _ = best
-    plan = build_plan(costs, precision, resident, recompute, slots, model, kind="planned", budget=budget)
+    _, resident, (recompute, spill), slots, _, _ = best
+    plan = build_plan(costs, precision, resident, recompute, slots, model, kind="planned", budget=budget, spill=spill)
     plan.over_soft_cap = over_soft
     return plan
 
 
 def build_plan(costs: Sequence[BlockCost], precision: Sequence[str], resident: set[int], recompute: set[int] | None,
-               slots: int, model: CostModel, kind: str, budget: Budget = Budget()) -> Plan:
+               slots: int, model: CostModel, kind: str, budget: Budget = Budget(),
+               spill: frozenset[int] = frozenset()) -> Plan:
     """A Plan for given decisions, with its predictions (`recompute=None`: the model's checkpointing decides)."""
     streamed = [b for b in range(len(costs)) if b not in resident]
     slot_bytes = max((costs[b].bytes for b in streamed), default=0)
     decided = recompute or set()
-    step_s, per_block, h2d = simulate(costs, resident, decided, slots, model.h2d_bps)
-    peak = predicted_peak(costs, resident, decided, slots, slot_bytes, model.base_bytes)
+    step_s, per_block, h2d = simulate(costs, resident, decided, slots, model.h2d_bps, spill=spill,
+                                      d2h_bps=model.d2h_bps)
+    peak = predicted_peak(costs, resident, decided, slots, slot_bytes, model.base_bytes, spill)
     blocks = [BlockPlan(b, b in resident, precision[b], MODEL if recompute is None else
-                        (RECOMPUTE if b in recompute else KEEP), c.bytes, per_block[b], h2d[b])
+                        (RECOMPUTE if b in recompute else SPILL if b in spill else KEEP), c.bytes, per_block[b], h2d[b])
               for b, c in enumerate(costs)]
     return Plan(blocks, slots, slot_bytes, lookahead_of(slots), step_s + model.other_s, peak, budget, kind)
 
@@ -233,24 +257,35 @@ def _search(costs: Sequence[BlockCost], limit: int, model: CostModel, max_slots:
         candidates = sorted((b for b in range(n) if costs[b].activation_bytes > costs[b].input_bytes),
                             key=lambda b: (b in resident, costs[b].input_bytes - costs[b].activation_bytes, b))
         for slots in ([0] if not streamed else range(1, min(max_slots, len(streamed)) + 1)):
-            recompute = _fewest_recomputes(costs, resident, candidates, slots, slot_bytes, model.base_bytes, limit)
-            if recompute is None:
+            decided = _fewest_savers(costs, resident, candidates, slots, slot_bytes, model, limit)
+            if decided is None:
                 continue
-            time_s, _, h2d = simulate(costs, resident, recompute, slots, model.h2d_bps)
-            peak = predicted_peak(costs, resident, recompute, slots, slot_bytes, model.base_bytes)
+            recompute, spill = decided
+            time_s, _, h2d = simulate(costs, resident, recompute, slots, model.h2d_bps, spill=spill,
+                                      d2h_bps=model.d2h_bps)
+            peak = predicted_peak(costs, resident, recompute, slots, slot_bytes, model.base_bytes, spill)
             # Equal predicted times (the copies hidden either way): the fewer bytes over PCIe, then the lower peak.
             key = (round(time_s, 6), sum(h2d), peak)
             if best is None or key < best[0]:
-                best = (key, resident, recompute, slots, slot_bytes, peak)
+                best = (key, resident, decided, slots, slot_bytes, peak)
     return best
 
 
-def _fewest_recomputes(costs, resident, candidates, slots, slot_bytes, base, limit) -> set[int] | None:
+def _fewest_savers(costs, resident, candidates, slots, slot_bytes, model: CostModel, limit):
+    """(recompute, spill): the fewest blocks, in candidate order, whose saving brings the peak under `limit`.
+
+    Each one recomputes, or spills where the cost model says that is cheaper: its
+    activations' way back (H2D) costs less than re-running its forward. Spill needs
+    a measured D2H bandwidth (`CostModel.d2h_bps`).
+    """
     recompute: set[int] = set()
+    spill: set[int] = set()
+    base = model.base_bytes
     if predicted_peak(costs, resident, recompute, slots, slot_bytes, base) <= limit:
-        return recompute
+        return recompute, frozenset()
     for b in candidates:
-        recompute.add(b)
-        if predicted_peak(costs, resident, recompute, slots, slot_bytes, base) <= limit:
-            return recompute
+        spill_s = costs[b].activation_bytes / model.h2d_bps
+        (spill if model.d2h_bps and spill_s < costs[b].forward_s else recompute).add(b)
+        if predicted_peak(costs, resident, recompute, slots, slot_bytes, base, frozenset(spill)) <= limit:
+            return recompute, frozenset(spill)
     return None
