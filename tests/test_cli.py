@@ -201,8 +201,10 @@ def test_a_factory_whose_forward_fails_is_one_line_and_debug_shows_the_traceback
 
 
 def test_schedule_with_a_vram_budget_prints_and_writes_the_plan(tmp_path, capsys):
-    out = tmp_path / "schedule.json"
-    assert main(["schedule", "tiny-llama", "--device", "cpu", "--vram-budget", "300KB", "--json", str(out)]) == 0
+    out, png = tmp_path / "schedule.json", tmp_path / "timeline.png"
+    assert main(["schedule", "tiny-llama", "--device", "cpu", "--vram-budget", "300KB", "--json", str(out),
+                 "--timeline", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
     text = capsys.readouterr().out
     assert "planned plan:" in text and "H2D MiB this call" in text
     plan = json.loads(out.read_text())["plan"]

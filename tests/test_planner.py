@@ -126,3 +126,17 @@ def test_spill_is_chosen_only_when_the_cost_model_says_it_pays():
     # A spilled block holds nothing on the device until its backward.
     costs = _uniform()
     assert activation_peak(costs, set(), frozenset({0, 1})) == activation_peak(costs, set()) - 2 * 300 * MiB
+
+
+def test_the_predicted_timeline_has_a_copy_per_streamed_fetch_and_a_compute_bar_per_block_and_pass():
+    costs = _uniform(n=6, act=0, inp=0)
+    plan = _plan(costs, soft=1 * GiB + 3 * 100 * MiB)
+    lanes = plan.timeline()
+    computes = [entry for entry in lanes if entry[0] == "compute"]
+    copies = [entry for entry in lanes if entry[0] == "h2d"]
+    assert len(computes) == 2 * 6  # forward and backward
+    assert sorted({b for _, b, _, _ in copies}) == sorted(set(range(6)) - plan.resident)
+    assert sum(p.h2d_bytes for p in plan.blocks) == len(copies) * 100 * MiB
+    assert max(end for _, _, _, end in lanes) == pytest.approx(plan.predicted_step_s)
+    for _, _, start, end in lanes:
+        assert 0 <= start <= end

@@ -55,6 +55,9 @@ class Plan:
     kind: str = "fixed"  # "fixed" (no budget: the two-slot plan) or "planned"
     over_soft_cap: bool = False  # nothing fitted the soft cap; this plan fits the hard cap
     notes: list[str] = field(default_factory=list)
+    costs: list[BlockCost] | None = field(default=None, repr=False)  # what it was predicted from (timeline)
+    h2d_bps: float = 0.0
+    d2h_bps: float | None = None
 
     @property
     def resident(self) -> set[int]:
@@ -97,6 +100,15 @@ class Plan:
     def __str__(self) -> str:
         return f"{self.summary()}\n{self.table()}"
 
+    def timeline(self) -> list[tuple[str, int, float, float]]:
+        """The predicted step as (lane, block, start s, end s) on the "h2d", "d2h" and "compute" lanes."""
+        lanes: list = []
+        costs = self.costs or []
+        if costs:
+            simulate(costs, self.resident, self.recomputed, self.slots, self.h2d_bps, spill=frozenset(self.spilled),
+                     d2h_bps=self.d2h_bps, lanes=lanes)
+        return lanes
+
 
 # ---- the model of a step ----------------------------------------------------------------------
 
@@ -124,8 +136,8 @@ def activation_peak(costs: Sequence[BlockCost], recompute: set[int], spill: froz
 
 
 def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], slots: int, h2d_bps: float,
-             backward: bool = True, spill: frozenset[int] = frozenset(), d2h_bps: float | None = None
-             ) -> tuple[float, list[float], list[int]]:
+             backward: bool = True, spill: frozenset[int] = frozenset(), d2h_bps: float | None = None,
+             lanes: list | None = None) -> tuple[float, list[float], list[int]]:
     """Predicted seconds of the blocks' forward + backward, per-block seconds, per-block H2D bytes.
 
     One copy engine, one compute stream. A streamed block's copy starts when it is
@@ -137,21 +149,23 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     activations go out on the D2H lane after its forward (the other direction:
     they overlap the weights coming in; the backward waits for the lane to
     drain) and come back before its backward, on the compute stream.
+    `lanes`, if given, receives (lane, block, start s, end s) for the "h2d",
+    "d2h" and "compute" lanes: the predicted timeline of one step.
     """
     n = len(costs)
     per_block, h2d = [0.0] * n, [0] * n
     order = list(range(n))
     forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident else None) for b in order]
-    t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0)
+    t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0, lanes)
     if spill:
-        t = max(t, _d2h_lane(costs, spill, d2h_bps or h2d_bps, per_block))
+        t = max(t, _d2h_lane(costs, spill, d2h_bps or h2d_bps, per_block, lanes))
     if backward:
         streamed_fw = [b for b in order if b not in resident]
         still_in_slots = set(streamed_fw[-slots:]) if slots else set()
         items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0)
                   + (costs[b].activation_bytes / h2d_bps if b in spill else 0.0),
                   None if b in resident else (0 if b in still_in_slots else costs[b].bytes)) for b in reversed(order)]
-        t = _pass(items, slots, h2d_bps, per_block, h2d, t)
+        t = _pass(items, slots, h2d_bps, per_block, h2d, t, lanes)
     return t, per_block, h2d
 
 
@@ -160,16 +174,20 @@ def lookahead_of(slots: int) -> int:
     return max(slots - 1, 1) if slots else 0
 
 
-def _d2h_lane(costs, spill, d2h_bps: float, per_block: list[float]) -> float:
+def _d2h_lane(costs, spill, d2h_bps: float, per_block: list[float], lanes: list | None = None) -> float:
     """When the last spill copy is done: each starts after its block's forward, one at a time."""
     lane = 0.0
     for b in sorted(spill):
         finish = sum(per_block[:b + 1])  # the forward's end of block b (per_block holds the forward alone here)
-        lane = max(lane, finish) + costs[b].activation_bytes / d2h_bps
+        start = max(lane, finish)
+        lane = start + costs[b].activation_bytes / d2h_bps
+        if lanes is not None:
+            lanes.append(("d2h", b, start, lane))
     return lane
 
 
-def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int], t0: float) -> float:
+def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int], t0: float,
+          lanes: list | None = None) -> float:
     depth = lookahead_of(slots)
     streamed_before = []  # streamed items in [0, j]
     count = 0
@@ -191,9 +209,13 @@ def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int],
             begin = max(issued, copy_free, slot_free)
             copy_free = begin + nbytes / bps
             h2d[block] += nbytes
+            if lanes is not None and nbytes:
+                lanes.append(("h2d", block, begin, copy_free))
             ready = max(ready, copy_free)
         starts[j] = ready
         per_block[block] += ready - compute_end + seconds
+        if lanes is not None:
+            lanes.append(("compute", block, ready, ready + seconds))
         compute_end = ready + seconds
         if nbytes is not None:
             releases.append(compute_end)
@@ -242,7 +264,8 @@ def build_plan(costs: Sequence[BlockCost], precision: Sequence[str], resident: s
     blocks = [BlockPlan(b, b in resident, precision[b], MODEL if recompute is None else
                         (RECOMPUTE if b in recompute else SPILL if b in spill else KEEP), c.bytes, per_block[b], h2d[b])
               for b, c in enumerate(costs)]
-    return Plan(blocks, slots, slot_bytes, lookahead_of(slots), step_s + model.other_s, peak, budget, kind)
+    return Plan(blocks, slots, slot_bytes, lookahead_of(slots), step_s + model.other_s, peak, budget, kind,
+                costs=list(costs), h2d_bps=model.h2d_bps, d2h_bps=model.d2h_bps)
 
 
 def _search(costs: Sequence[BlockCost], limit: int, model: CostModel, max_slots: int):

@@ -215,12 +215,19 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_schedule(args) -> int:
-    if args.json:
-        check_output_path("--json", args.json, folder=False)
+    for flag, path in (("--json", args.json), ("--timeline", args.timeline)):
+        if path:
+            check_output_path(flag, path, folder=False)
     report, rt = explain_target(args)
     _print_overview(report.table(), report)
     print()
     print(report.plan_table())
+    if args.timeline:
+        from .plots import timeline_figure
+
+        timeline_figure(rt.plan.timeline(), report.blocks, args.timeline,
+                        f"{args.target}: one step as the plan predicts it ({rt.plan.summary().split(';')[0]})")
+        print(f"wrote the predicted step timeline to {args.timeline}", file=sys.stderr)
     if args.json:
         payload = {
             "target": args.target,
@@ -307,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schedule", help="print the prefetch / wait / evict schedule and its summary")
     _common(p)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows (and blocks, precision) as JSON")
+    p.add_argument("--timeline", default=None, metavar="PNG",
+                   help="also draw one step as the plan predicts it: H2D, D2H and compute lanes per block")
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("demo", help="LoRA-train a small byte-level LM on the Python stdlib's source through the backend")
