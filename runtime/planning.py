@@ -225,7 +225,10 @@ class PlanDriver:
         """Device memory in use over the hard cap (the device's size without one); a host read, no sync."""
         rt, cap = self.rt, self.budget.hard
         if rt.device.type == "cuda":
-            return torch.cuda.memory_allocated(rt.device) / (cap or torch.cuda.get_device_properties(rt.device).total_memory)
+            if cap is None:
+                cap = self._device_total = getattr(self, "_device_total", None) or \
+                    torch.cuda.get_device_properties(rt.device).total_memory
+            return torch.cuda.memory_allocated(rt.device) / cap
         return rt.pool.device_bytes() / cap if cap and rt.pool is not None else 0.0
 
     def _external(self) -> int:
