@@ -126,7 +126,11 @@ class PlanDriver:
                 note = f"the plan did not fit on the device ({reason}); budget shrunk to {self.budget.describe()}"
                 self.shrinks.append(note)
                 log.warning("stagehand: %s", note)
-                plan = self.make()
+                try:
+                    plan = self.make()
+                except BudgetError as small:
+                    raise torch.OutOfMemoryError(f"stagehand: no plan fits in what {self.rt.device} has left "
+                                                 f"({reason}; {small})") from e
         if not self.calibrated and plan.kind == "calibrating" and self._calibrate_at is None:
             self._calibrate_at = self.rt.phases.step + WARMUP_STEPS if hasattr(self.rt, "phases") else WARMUP_STEPS
         self.plan = plan
