@@ -135,7 +135,7 @@ def run(args) -> dict:
             print(f"  budget {name}: {e}", flush=True)
             continue
         row = dict(timed(f"budget {name}", step_of(compiled), args.steps, sync, rt), **plan_columns(rt))
-        row.update(budget_gib=round(nbytes / GiB, 3), ckpt=ckpt,
+        row.update(budget_gib=round(nbytes / GiB, 6), ckpt=ckpt,
                    pred_err=round(row["predicted_ms"] / row["step_ms"] - 1, 3) if row["step_ms"] else None)
         if row["peak_gib"] is not None:
             row["under_budget"] = row["peak_gib"] <= nbytes / GiB
