@@ -8,6 +8,7 @@
 #   STAGES="offpeer" bash benches/device_run.sh                       # diffusers group offload, accelerate cpu_offload on Flux 12B
 #   STAGES="convergence" CONV_STEPS=600 bash benches/device_run.sh   # issue 10: bf16/int8/dynamic/dynamic+fp8
 #   STAGES="sptests" bash benches/device_run.sh                       # fp8 + selective-precision GPU tests
+#   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
 # Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
 # the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
 set -uo pipefail
@@ -42,6 +43,10 @@ for stage in $STAGES; do
               --out "$OUT/convergence.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/convergence.log" ;;
     sptests) timeout ${SPTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py \
               tests/test_selective_gpu.py 2>&1 | tail -20 | tee "$OUT/sp_tests.log" ;;
+    sweep)  timeout ${SWEEP_TIMEOUT:-540} python3 benches/budget_sweep.py --model ${MODEL:-qwen} ${SWEEP_ARGS:-} \
+              --out "$OUT/budget_sweep_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/budget_sweep_${MODEL:-qwen}.log" ;;
+    btests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs -s tests/test_gpu_budget.py 2>&1 \
+              | grep -vE "^DEBUG" | tee "$OUT/gpu_budget_tests.log" ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

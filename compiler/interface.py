@@ -57,6 +57,15 @@ class StreamingRuntime(Protocol):
         """Count one compiled unit in `stats()`."""
         ...
 
+    def planned_recompute(self, block: int) -> bool | None:
+        """The runtime's plan for the block's activations: recompute (True), keep (False), or None when the
+        model's own checkpointing decides (no VRAM budget was planned for)."""
+        ...
+
+    def spill_hooks(self, block: int) -> Any:
+        """A context (saved-tensor hooks) that spills the block's saved activations to host, or None."""
+        ...
+
     def record_recompute(self, block: int) -> None:
         """Count one block recompute (a block unit re-ran its forward in backward) in `stats()`."""
         ...

@@ -13,7 +13,8 @@ Dynamo made dimensions dynamic, the variant is compiled for all their sizes
 (symbolic.py) and guarded, instead of once per size.
 
 A block unit whose segment came from the model's own activation checkpoint
-(or every block unit, with the backend option `recompute="blocks"`) runs
+(or every block unit, with the backend option `recompute="blocks"`; or the
+blocks the runtime's VRAM plan recomputes, `planned_recompute`) runs
 through `recompute.run_recomputed`: its inference variant in the forward, its
 training variant again in backward, under one fetch of its weights.
 """
@@ -198,8 +199,16 @@ class BlockUnit(_Unit):
 
     @property
     def recomputes(self) -> bool:
-        """Does this block re-run its forward in backward instead of saving its activations?"""
-        return self.segment.recompute or self.ctx.options.recompute == "blocks"
+        """Does this block re-run its forward in backward instead of saving its activations?
+
+        The backend option `recompute="blocks"` says yes for every block; else the
+        runtime's plan decides when it planned for a VRAM budget; else the model's own
+        checkpointing. Read at each call: a re-plan re-links the variants.
+        """
+        if self.ctx.options.recompute == "blocks":
+            return True
+        planned = self.ctx.runtime.planned_recompute(self.block)
+        return self.segment.recompute if planned is None else planned
 
     def forward(self, *args):
         rt = self.ctx.runtime
@@ -210,6 +219,10 @@ class BlockUnit(_Unit):
             # The recompute runs in the precision this forward ran in, whatever the map is by then.
             return run_recomputed(lambda a: self._run_variant(a, precision),
                                   args, lambda: rt.record_recompute(self.block), rt.abort_held_blocks)
+        spill = rt.spill_hooks(self.block) if torch.is_grad_enabled() else None
+        if spill is not None:  # the plan sends this block's saved activations to host and back
+            with spill:
+                return self._run_variant(args, precision)
         return self._run_variant(args, precision)
 
     def _run_variant(self, args: tuple, precision: str):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections import Counter
 from typing import Any, Callable
 
@@ -28,22 +27,20 @@ from . import registry
 from .blocks import StreamedLayerSpec, check_not_wrapped_off_device, layer_slots
 from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
+from .conductor.costs import CostModel
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
+from .eager_notice import EagerFallbackWarning, warn_eager_once  # noqa: F401 (the warning's home)
 from .events import RuntimeEvents, progress, unwrap_optimizer
 from .host_store import HostStore, check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
+from .planning import PlanDriver, budget_from, plan_stats, spill_stats
 from .selective.runtime_api import SelectivePrecisionAPI
-from .slots import SlotPool
 from .streamed import guard_conversions, make_plain, make_streamed, unguard
 
 log = logging.getLogger(__name__)
-
-
-class EagerFallbackWarning(UserWarning):
-    """A compiled model ran a block through the eager op path (correct, slower)."""
 
 
 class Runtime(SelectivePrecisionAPI):
@@ -56,8 +53,11 @@ class Runtime(SelectivePrecisionAPI):
         precision: dict[int, str],
         config: Config,
         slab_loader=None,
+        vram_budget: int | str | None = None,
+        cost_model: CostModel | None = None,
     ):
         check_master_dtypes(layers)
+        budget = budget_from(config, vram_budget)  # a budget that cannot be read fails before the model is touched
         self.model = model
         self.device = torch.device(device)
         self.blocks = list(block_fqns)
@@ -77,13 +77,15 @@ class Runtime(SelectivePrecisionAPI):
         self._undo = OffloadUndo(model, layers)
         self._layer_slots = layer_slots(model, layers)  # to notice adapters wrapped around a layer after offload
         self.id = registry.register_runtime(self)
+        self.pool = None
         try:
-            self._offload(precision, slab_loader)
+            self._offload(precision, slab_loader, budget, cost_model)
         except BaseException:
             self._abandon()  # offload is a transaction: the model is left exactly as it was
             raise
 
         self.phases = PhaseTracker(on_step_end=self._record_step)
+        self.phases.listeners.append(lambda old, new: self.planner.on_phase(new, self.phases.step))
         self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
         self._step_base = self._counters()
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
@@ -98,7 +100,7 @@ class Runtime(SelectivePrecisionAPI):
         self.offload_summary: dict[str, Any] = {}  # what offload() reported (the front door fills it)
         self.events = RuntimeEvents()  # step ends and compiles, for the front door's reports
 
-    def _offload(self, precision: dict[int, str], slab_loader) -> None:
+    def _offload(self, precision: dict[int, str], slab_loader, budget, cost_model) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
         model, config, block_fqns, layers = self.model, self.config, self.blocks, self.layers
         pin = config.pin_memory and self.device.type == "cuda"
@@ -119,13 +121,9 @@ class Runtime(SelectivePrecisionAPI):
         model.to(self.device)  # everything but the streamed weights becomes resident
 
         self._precision: dict[int, str] = {}
+        self.planner = PlanDriver(self, budget, cost_model)
         self.set_precision(precision)
-        slot_bytes = self.store.max_block_bytes()
-        try:
-            self.pool = SlotPool(self.device, config.slot_count, slot_bytes, self.store)
-        except torch.OutOfMemoryError as e:
-            raise torch.OutOfMemoryError(f"offload: no room on {self.device} for {config.slot_count} slots of "
-                                         f"{slot_bytes / 2**20:.1f} MiB (the largest block): {e}") from e
+        self.pool = self.planner.make_pool()  # the slots and resident blocks the plan asks for
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         # Token outputs are allocated once: a prefetch / evict returns its block's.
@@ -170,6 +168,19 @@ class Runtime(SelectivePrecisionAPI):
         for block, value in progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
             self.store.build(block, value)
         self._precision = new
+        if self.pool is not None:
+            self.planner.apply("precision map changed")
+
+    @property
+    def plan(self):
+        """The per-block decisions the runtime runs (conductor/planner.py; `print(rt.plan)` shows the table)."""
+        return self.planner.plan
+
+    def replan(self, cost_model: CostModel | None = None, vram_budget: int | str | None = None):
+        """Plan again now, between steps: under a new `vram_budget` if given ("12GiB"); `cost_model`
+        replaces the measured one (tests inject constants)."""
+        self._check_open()
+        return self.planner.replan(cost_model, vram_budget)
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats
@@ -198,7 +209,8 @@ class Runtime(SelectivePrecisionAPI):
             "precision_counts": dict(Counter(self._precision.values())),
             "eager_linear_calls": self.eager_linear_calls,
             "eager_blocks": [self.blocks[b] for b in sorted(self.eager_blocks)],
-            "recomputed_blocks": self.recomputed_blocks,
+            "recomputed_blocks": self.recomputed_blocks,  # block recomputes run (a count over all steps)
+            **plan_stats(self.planner.plan, self.pool), **spill_stats(self.planner.spill),
             "offload": self.offload_summary,
         }
 
@@ -282,15 +294,16 @@ class Runtime(SelectivePrecisionAPI):
     # ---- called by the ops -------------------------------------------------------------
 
     def op_prefetch(self, block: int) -> torch.Tensor:
-        self.pool.prefetch(block, self._precision[block])
+        self.planner.prefetch(block)
         return self._fetch_tokens[block]
 
     def op_wait(self, block: int, precision_code: int, nbytes: int, backward: bool) -> torch.Tensor:
         # A forward `wait` inside a backward is a block recompute: it belongs to the backward phase.
-        backward = backward or torch._C._current_graph_task_id() != -1
-        (self.phases.backward_op if backward else self.phases.forward_op)()
+        kind = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+        (self.phases.forward_op if kind == "forward" else self.phases.backward_op)()
         precision = precisions.by_code(precision_code).name
         slot = self.pool.acquire(block, precision)
+        self.planner.on_wait(block, kind)  # after the stream waited for the copy: calibration times compute
         if slot.numel() != nbytes:
             raise RuntimeError(
                 f"stagehand: block {block} ({self.blocks[block]}, {precision}) holds {slot.numel()} bytes but the "
@@ -300,6 +313,7 @@ class Runtime(SelectivePrecisionAPI):
 
     def op_release(self, block: int, precision_code: int) -> torch.Tensor:
         self.pool.release(block, precisions.by_code(precision_code).name)
+        self.planner.on_release(block)
         return self._free_tokens[block]
 
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -333,9 +347,7 @@ class Runtime(SelectivePrecisionAPI):
                 # acquired is held, so this prefetch can never overwrite it.
                 if not backward:
                     self.fetch_order.record_forward(block)
-                upcoming = self.fetch_order.eager_next(block, backward)
-                if upcoming != registry.NO_BLOCK:
-                    self.pool.prefetch(upcoming, self._precision[upcoming])
+                self.planner.prefetch(self.fetch_order.eager_next(block, backward))
             position = index - self._block_first_layer[block]
             yield slot, self.store.layout(block, precision)[position].as_ints()
         finally:
@@ -345,16 +357,15 @@ class Runtime(SelectivePrecisionAPI):
         """The eager op path is correct but slow: count it, and say once per cause when a compiled model took it."""
         self.eager_linear_calls += 1
         self.eager_blocks.add(block)
-        if not self.graph_records:
-            return  # the model is simply being called without torch.compile
-        cause = ("recomputed in backward outside the compiled program (reentrant checkpointing, or a checkpoint "
-                 "the backend could not place)" if backward else
-                 "ran outside the compiled program (a graph the backend did not get, or Dynamo fell back to eager)")
-        if (block, cause) not in self._eager_warned:
-            self._eager_warned.add((block, cause))
-            warnings.warn(f"stagehand: block {self.blocks[block]} {cause}: its streamed linears run the eager op "
-                          "path, one op at a time (correct, slower; counted in stats()['eager_linear_calls'])",
-                          EagerFallbackWarning, stacklevel=4)
+        if self.graph_records:  # else the model is simply being called without torch.compile
+            warn_eager_once(self._eager_warned, block, self.blocks[block], backward)
+
+    def planned_recompute(self, block: int) -> bool | None:
+        """The plan's activation decision for a block (None: the model's own checkpointing decides)."""
+        return self.planner.recompute_of(block)
+
+    def spill_hooks(self, block: int):
+        return self.planner.spill_hooks(block)
 
     def record_recompute(self, block: int) -> None:
         """A compiled block unit re-ran its forward in backward (block recompute)."""
@@ -390,7 +401,9 @@ class Runtime(SelectivePrecisionAPI):
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
             record["vram_peak_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         self._step_base = now
+        record = dict(record, **self.planner.step_record())
         self.telemetry.write(record)
+        self.planner.on_step_end(step)
         self.events.step(record)
 
     def _check_open(self) -> None:

@@ -13,6 +13,12 @@ to LOADING when another block claims it (the copy stream first waits on
 
 On the CPU the same state machine runs with plain synchronous copies, so the
 CI exercises the slot logic the GPU uses.
+
+Resident blocks (the planner's choice, `set_resident`) get a slot of their own,
+sized to the block and never a fetch target: filled once, then every wait is a
+hit. They obey the same freshness rule (a write to the weights refills the
+slot in place at the next wait). `reconfigure` changes the rotating slots and
+the resident set between steps (a re-plan).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class Slot:
     # The block's master version (HostStore.master_version) when the slot was filled: a
     # write to the weights since makes the slot's bytes stale, and a hit on it is refused.
     master_version: int | None = None
+    resident: bool = False  # a resident block's own slot (index -1): never a fetch target
 
 
 @dataclass
@@ -98,17 +105,30 @@ class SlotPool:
         # A conductor ScheduleTrace while one is recorded (explain); each decision below reports to it.
         self.trace = None
         self._tick = itertools.count(1)
-        self.slots = [
-            Slot(i, torch.empty(slot_bytes, dtype=torch.uint8, device=self.device)) for i in range(n_slots)
-        ]
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.device)
-            for s in self.slots:
-                s.ready_event, s.free_event = torch.cuda.Event(), torch.cuda.Event()
+        self.slots = [self._new_slot(i, slot_bytes) for i in range(n_slots)]
+        self.resident_slots: dict[int, Slot] = {}  # block -> its own slot (the plan keeps it resident)
+
+    def _new_slot(self, index: int, nbytes: int, resident: bool = False) -> Slot:
+        slot = Slot(index, torch.empty(nbytes, dtype=torch.uint8, device=self.device), resident=resident)
+        if self.cuda:
+            slot.ready_event, slot.free_event = torch.cuda.Event(), torch.cuda.Event()
+        return slot
+
+    def all_slots(self) -> list[Slot]:
+        return self.slots + list(self.resident_slots.values())
+
+    def device_bytes(self) -> int:
+        """Device bytes allocated for streamed weights: the rotating slots and the resident blocks' own."""
+        return len(self.slots) * self.slot_bytes + sum(s.buf.numel() for s in self.resident_slots.values())
 
     # ---- queries --------------------------------------------------------------
 
     def _find(self, block: int, precision: str) -> Slot | None:
+        own = self.resident_slots.get(block)
+        if own is not None and own.key == (block, precision):
+            return own
         for s in self.slots:
             if s.key == (block, precision):
                 return s
@@ -131,8 +151,11 @@ class SlotPool:
                 f"stagehand: the weights of block {block} were written while the block is being read "
                 "(between its forward and backward?); write streamed weights between calls"
             )
-        self._forget(slot)
         self.stats.stale_slots += 1
+        if slot.resident:  # its own slot: refilled in place (the copy waits for its last reader)
+            self._issue_copy(slot, block, precision)
+            return slot
+        self._forget(slot)
         return None
 
     def shadow(self) -> "SlotPool":
@@ -142,13 +165,59 @@ class SlotPool:
             theirs.key, theirs.state, theirs.nbytes = mine.key, mine.state, mine.nbytes
             theirs.released_at, theirs.holds = mine.released_at, mine.holds
             theirs.master_version = mine.master_version
-        twin._tick = itertools.count(max(s.released_at for s in self.slots) + 1)
+        for block, mine in self.resident_slots.items():
+            theirs = twin._new_slot(-1, mine.buf.numel(), resident=True)
+            theirs.key, theirs.state, theirs.nbytes, theirs.holds = mine.key, mine.state, mine.nbytes, mine.holds
+            theirs.master_version = mine.master_version
+            twin.resident_slots[block] = theirs
+        twin._tick = itertools.count(max((s.released_at for s in self.all_slots()), default=0) + 1)
         twin.stats.resident_bytes = twin.stats.peak_resident_bytes = self.stats.resident_bytes
         return twin
+
+    def cached(self, block: int, precision: str) -> bool:
+        """Whether the block's bytes are in a slot (or on their way) and still fresh; changes nothing."""
+        slot = self._find(block, precision)
+        return slot is not None and slot.master_version == self.store.master_version(block)
 
     def resident(self) -> dict[int, tuple[int, str, str]]:
         """slot index -> (block, precision, state) for slots holding data."""
         return {s.index: (s.key[0], s.key[1], s.state.value) for s in self.slots if s.key is not None}
+
+    # ---- the plan: resident blocks and rotating slots ------------------------------------
+
+    def reconfigure(self, n_slots: int, slot_bytes: int, resident: dict[int, str]) -> None:
+        """Rotating slots and resident blocks as a plan says (between steps: nothing may be held).
+
+        Slots that keep their size keep their bytes (a block still cached is still
+        a hit); resident blocks are copied in now, once. On CUDA the copy stream
+        is drained first so no buffer is freed under a copy in flight.
+        """
+        held = [s.key for s in self.all_slots() if s.holds]
+        if held:
+            raise RuntimeError(f"stagehand: cannot re-plan while blocks {held} are being read")
+        if self.cuda:
+            self.copy_stream.synchronize()  # once per re-plan, never per step
+            # New buffers may reuse memory the compute stream still reads: copies wait for it.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for block in list(self.resident_slots):
+            if self.resident_slots[block].key != (block, resident.get(block)):
+                self._set_bytes(self.resident_slots.pop(block), 0)
+        if slot_bytes != self.slot_bytes:
+            for s in self.slots:
+                self._set_bytes(s, 0)
+            self.slots, self.slot_bytes = [], slot_bytes
+        for s in self.slots[n_slots:]:
+            self._set_bytes(s, 0)
+        self.slots = self.slots[:n_slots] + [self._new_slot(i, slot_bytes) for i in range(len(self.slots), n_slots)]
+        for block, precision in resident.items():
+            if block in self.resident_slots:
+                continue
+            for s in self.slots:  # a rotating copy of a block that is now resident is dropped
+                if s.key is not None and s.key[0] == block:
+                    self._forget(s)
+            own = self.resident_slots[block] = self._new_slot(-1, self.store.nbytes(block, precision), resident=True)
+            self._issue_copy(own, block, precision)
+            own.state = SlotState.READY
 
     # ---- transitions ------------------------------------------------------------
 
@@ -174,10 +243,11 @@ class SlotPool:
         slot.master_version = self.store.master_version(block)
         src = self.store.buffer(block, precision)
         n = src.numel()
-        if n > self.slot_bytes:
-            raise RuntimeError(f"block {block} ({precision}) needs {n} bytes but slots hold {self.slot_bytes}")
+        if n > slot.buf.numel():
+            raise RuntimeError(f"block {block} ({precision}) needs {n} bytes but its slot holds {slot.buf.numel()}")
         if self.cuda:
-            # A released slot's free event orders this copy after its last reader.
+            # A released slot's free event orders this copy after its last reader (a new slot's
+            # unrecorded event is a no-op wait).
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(slot.free_event)
                 slot.buf[:n].copy_(src, non_blocking=True)
@@ -229,6 +299,15 @@ class SlotPool:
         slot = self._find_fresh(block, precision)
         if slot is None:
             victim = self._victim(steal_loading=True)
+            if victim is None and not self.slots:
+                # The plan keeps every block resident, but this one is asked for in another
+                # precision (a switch between a forward and its backward): one slot, said once.
+                log.warning("stagehand: block %d asked for in %s, not its resident precision: adding a slot",
+                            block, precision)
+                self.slot_bytes = max(self.slot_bytes, self.store.nbytes(block, precision))
+                self.slots.append(victim := self._new_slot(0, self.slot_bytes))
+                if self.cuda:  # its memory may be what a queued kernel still reads
+                    self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             if victim is None:
                 held = {s.index: s.key for s in self.slots}
                 raise SlotsExhaustedError(
@@ -270,17 +349,20 @@ class SlotPool:
 
     def release_all(self) -> None:
         """Drop every hold (a compiled block raised before its evict ran)."""
-        for s in self.slots:
+        for s in self.all_slots():
             while s.holds:
                 self.release(*s.key)
 
     def invalidate(self, block: int | None = None) -> None:
         """Forget cached copies (after the host master changed). Held slots are an error."""
-        for s in self.slots:
+        for s in self.all_slots():
             if s.key is not None and (block is None or s.key[0] == block):
                 if s.state is SlotState.IN_USE:
                     raise RuntimeError(f"stagehand: block {s.key[0]} is in use; cannot invalidate its slot")
-                self._forget(s)
+                if s.resident:
+                    s.master_version = None  # refilled in place at the next wait
+                else:
+                    self._forget(s)
 
     def _forget(self, s: Slot) -> None:
         """Drop a slot's copy (nobody holds it); the next fetch into it waits for any copy in flight."""

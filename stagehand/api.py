@@ -30,6 +30,7 @@ def offload(
     slab=None,
     config: Config | None = None,
     verbose: bool = True,
+    vram_budget: int | str | None = None,
 ) -> Runtime:
     """Stream the Linear weights of `model`'s blocks from host memory; keep the rest on `device`.
 
@@ -40,6 +41,9 @@ def offload(
     the map stays exactly as given.
     slab: path to an INT8 slab (`{name}.manifest.json` or its directory + name)
     whose rows are read straight into the host store.
+    vram_budget: device memory the plan may use, bytes or a string ("20GiB", "512MB"); the runtime
+    keeps as many blocks resident and recomputes as few as fit (`rt.plan`). On the CPU it bounds
+    the device copy of the streamed weights. Same as `Config.conductor.vram_soft_cap_mb`.
     verbose: print what offload did to stderr, once (block lists found and skipped, blocks per
     precision, bytes per step, host bytes, seconds per stage) and one line after the first step
     (what the first call's compile cost). The same summary is in `rt.stats()["offload"]`.
@@ -66,7 +70,8 @@ def offload(
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
         slab_loader = slab_loader_for(slab)
-    rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader)
+    rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
+                 vram_budget=vram_budget)
     clock.mark("host store, precision copies, slots")
     if selective_precision_requested(config.selective_precision, auto):
         try:
@@ -188,4 +193,5 @@ def explain(model: nn.Module, *args, **kwargs):
         segments=segments,
         passes=passes,
         offload=dict(rt.offload_summary),
+        plan=rt.plan,
     )

@@ -8,6 +8,7 @@ not run (the backward) are marked "predicted" in their note.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tabulate import tabulate
 
@@ -68,10 +69,26 @@ class Report:
     passes: list[dict] = field(default_factory=list)
     # What offload() did (`rt.stats()["offload"]`): block lists, blocks per precision, bytes per step, host bytes.
     offload: dict = field(default_factory=dict)
+    plan: Any = None  # the runtime's Plan (runtime/conductor/planner.py) the call ran under
+
+    def plan_table(self, tablefmt: str = "simple") -> str:
+        """The plan per block, its predictions, and the H2D bytes this call actually moved per block."""
+        if self.plan is None:
+            return ""
+        moved: dict[int, int] = {}
+        for r in self.schedule:
+            if r.moved_bytes:
+                moved[r.block] = moved.get(r.block, 0) + r.bytes
+        rows = [row + [f"{moved.get(p.block, 0) / 2**20:.3f}"] for row, p in zip(self.plan.rows(self.blocks),
+                                                                               self.plan.blocks)]
+        headers = ["block", "name", "precision", "weights", "MiB", "activations", "predicted ms",
+                   "predicted H2D MiB/step", "H2D MiB this call"]
+        return f"{self.plan.summary()}\n" + tabulate(rows, headers=headers, tablefmt=tablefmt)
 
     def schedule_rows(self) -> list[list]:
         return [
-            [r.phase, r.position, r.action, f"{r.block} {self.blocks[r.block]}", "-" if r.slot is None else r.slot,
+            [r.phase, r.position, r.action, f"{r.block} {self.blocks[r.block]}",
+             "-" if r.slot is None else "R" if r.slot < 0 else r.slot,  # R: the block's own resident slot
              f"{r.bytes / 1e6:.2f}", r.precision, r.note]
             for r in self.schedule
         ]
@@ -111,4 +128,5 @@ class Report:
 
     def __str__(self) -> str:
         head = "\n".join(x for x in (self.offload_line(), self.summary()) if x)
-        return f"{head}\n\n{self.table()}"
+        plan = f"\n\n{self.plan_table()}" if self.plan is not None else ""
+        return f"{head}\n\n{self.table()}{plan}"

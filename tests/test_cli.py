@@ -198,3 +198,17 @@ def test_a_factory_whose_forward_fails_is_one_line_and_debug_shows_the_traceback
     assert f"target '{path}:build'" in line and "forward failed" in line and "forward is broken" in line
     debug = _run_cli("schedule", f"{path}:build", "--device", "cpu", "--debug")
     assert debug.returncode == 2 and "Traceback" in debug.stderr and "forward is broken" in debug.stderr
+
+
+def test_schedule_with_a_vram_budget_prints_and_writes_the_plan(tmp_path, capsys):
+    out, png = tmp_path / "schedule.json", tmp_path / "timeline.png"
+    assert main(["schedule", "tiny-llama", "--device", "cpu", "--vram-budget", "300KB", "--json", str(out),
+                 "--timeline", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    text = capsys.readouterr().out
+    assert "planned plan:" in text and "H2D MiB this call" in text
+    plan = json.loads(out.read_text())["plan"]
+    assert plan["summary"].startswith("planned plan") and len(plan["blocks"]) == 4
+    assert sum(b["resident"] for b in plan["blocks"]) >= 1
+    assert main(["schedule", "tiny-llama", "--device", "cpu", "--vram-budget", "lots"]) == 2
+    assert "vram_budget" in capsys.readouterr().err

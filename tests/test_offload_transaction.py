@@ -112,7 +112,7 @@ def test_out_of_memory_during_offload_leaves_the_model_as_it_was(monkeypatch, wh
         def pool(*args, **kwargs):
             raise torch.OutOfMemoryError("simulated: cannot allocate the slots")
 
-        monkeypatch.setattr("torch_stagehand.runtime.runtime.SlotPool", pool)
+        monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)  # the plan driver allocates the pool
     says = r"block 2's bf16 copy .* first layer blocks\.2\.up" if where == "pinned store" else r"slots of .* MiB"
     with pytest.raises(torch.OutOfMemoryError, match=says + ".*simulated"):
         stagehand.offload(model, device="cpu")
@@ -128,7 +128,7 @@ def test_a_failed_offload_keeps_weights_the_user_holds_and_frees_what_it_built(m
     def pool(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr("torch_stagehand.runtime.runtime.SlotPool", pool)
+    monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)  # the plan driver allocates the pool
     stores = []
     real_init = host_store.HostStore.__init__
 

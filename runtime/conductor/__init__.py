@@ -1,8 +1,11 @@
-"""The Conductor: the one owner of fetch order and lookahead, phases and telemetry (the planner lands here).
+"""The Conductor: the one owner of fetch order and lookahead, phases, telemetry, the VRAM plan and its rules.
 
 `fetch_order` says which block is fetched next (compiled graphs and eager
 calls alike), `phases` tracks the training step, `telemetry` writes what each
 step moved, `trace` records what the slot pool did for `explain()`.
+`planner` makes the plan for a VRAM budget from `costs` (and `calibrate`'s
+measured step); `arbiter` is the run-time Conductor over `budget`,
+`transfer` and `policy` (the seed's modes, priorities, tokens and rules).
 """
 
 from .fetch_order import LOOKAHEAD_DEPTH, FetchOrder, Lookahead

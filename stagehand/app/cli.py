@@ -145,6 +145,7 @@ def explain_target(args) -> tuple[Any, Any]:
     from torch_stagehand.config import Config
     from .presets import PRESETS, call_model
     from torch_stagehand.runtime.blocks import BlockSelectionError, find_blocks
+    from torch_stagehand.runtime.conductor.costs import BudgetError
     from torch_stagehand.runtime.runtime import PrecisionMapError
 
     precision = parse_precision(args.precision)
@@ -169,8 +170,9 @@ def explain_target(args) -> tuple[Any, Any]:
     try:
         with Stage(f"offloading {n_blocks} blocks to the host store (precision {args.precision}, device {device})"):
             # verbose=False: this Stage line is the progress; the summary would split it
-            rt = stagehand.offload(model, device=device, precision=precision, config=config, verbose=False)
-    except (PrecisionMapError, BlockSelectionError) as e:
+            rt = stagehand.offload(model, device=device, precision=precision, config=config, verbose=False,
+                                   vram_budget=args.vram_budget)
+    except (PrecisionMapError, BlockSelectionError, BudgetError) as e:
         raise UsageError(str(e)) from None
     inputs = map_tensors(lambda t: t.to(device), inputs)
     torch._dynamo.reset()  # a fresh Dynamo cache: every graph of this target is compiled (and reported) anew
@@ -216,10 +218,19 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_schedule(args) -> int:
-    if args.json:
-        check_output_path("--json", args.json, folder=False)
+    for flag, path in (("--json", args.json), ("--timeline", args.timeline)):
+        if path:
+            check_output_path(flag, path, folder=False)
     report, rt = explain_target(args)
     _print_overview(report.table(), report)
+    print()
+    print(report.plan_table())
+    if args.timeline:
+        from .plots import timeline_figure
+
+        timeline_figure(rt.plan.timeline(), report.blocks, args.timeline,
+                        f"{args.target}: one step as the plan predicts it ({rt.plan.summary().split(';')[0]})")
+        print(f"wrote the predicted step timeline to {args.timeline}", file=sys.stderr)
     if args.json:
         payload = {
             "target": args.target,
@@ -228,6 +239,10 @@ def cmd_schedule(args) -> int:
             "summary": report.summary(),
             "graph_breaks": report.graph_breaks,
             "rows": [dict(row.as_dict(), block_name=report.blocks[row.block]) for row in report.schedule],
+            "plan": {"summary": rt.plan.summary(), "slots": rt.plan.slots, "lookahead": rt.plan.lookahead,
+                     "predicted_step_s": rt.plan.predicted_step_s,
+                     "predicted_peak_bytes": rt.plan.predicted_peak_bytes,
+                     "blocks": [dict(p.__dict__) for p in rt.plan.blocks]},
         }
         directory = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(directory, exist_ok=True)
@@ -308,6 +323,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="explain a training step: freeze the base, inject LoRA (peft) into the block Linears, "
                         "grad enabled; the backward graphs and schedule appear")
     p.add_argument("--config", default=None, metavar="JSON", help="a Config as a JSON file or JSON text")
+    p.add_argument("--vram-budget", default=None, metavar="SIZE",
+                   help="device memory the plan may use, e.g. 20GiB (the fastest plan that fits: blocks kept "
+                        "resident, slots, recompute); on the CPU it bounds the device copy of the streamed weights")
     p.add_argument("--debug", action="store_true", help="when a file target fails, print its traceback too")
 
 
@@ -324,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("schedule", help="print the prefetch / wait / evict schedule and its summary")
     _common(p)
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows (and blocks, precision) as JSON")
+    p.add_argument("--timeline", default=None, metavar="PNG",
+                   help="also draw one step as the plan predicts it: H2D, D2H and compute lanes per block")
     p.set_defaults(func=cmd_schedule)
 
     p = sub.add_parser("demo", help="LoRA-train a small byte-level LM on the Python stdlib's source through the backend")

@@ -92,3 +92,29 @@ def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def timeline_figure(lanes: list[tuple[str, int, float, float]], blocks: list[str], path: str, title: str) -> str:
+    """One step's lanes (H2D, D2H, compute) as bars per block: where the copies hide behind compute."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["h2d", "d2h", "compute"]
+    colors = {"h2d": "#3b6fb6", "d2h": "#e8892b", "compute": "#2e9e5b"}
+    fig, ax = plt.subplots(figsize=(11, 2.8))
+    for lane, block, start, end in lanes:
+        y = names.index(lane)
+        ax.broken_barh([(start * 1e3, max(end - start, 1e-9) * 1e3)], (y - 0.4, 0.8), facecolors=colors[lane],
+                       edgecolors="white", linewidth=0.4)
+        if len(blocks) <= 24 and end - start > 0:
+            ax.text((start + end) / 2 * 1e3, y, str(block), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(names)), [n.upper() if n != "compute" else "compute" for n in names])
+    ax.set_xlabel("ms (predicted)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

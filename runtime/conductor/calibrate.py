@@ -1,0 +1,106 @@
+"""Calibration: one training step measured, turned into the planner's cost model.
+
+The step runs the smallest plan (every block streamed, every block
+recomputed): it fits any budget a plan can fit, and it shows both sides of
+each block's activation decision. Per block:
+
+- `input_bytes`: device memory allocated between the forward waits of two
+  consecutive blocks (a recomputed block keeps its inputs, nothing else);
+- `activation_bytes`: memory allocated between the block's recompute `wait`
+  and its backward `wait_bw` (what its forward saves when it is not recomputed);
+- `forward_s`: the recompute's forward (the training variant), wait to evict;
+- `backward_s`: the backward, wait_bw to evict.
+
+Times come from CUDA events on the compute stream, read once at the end of
+the step (the one host synchronisation calibration costs); memory from the
+allocator's counters (host reads, no sync). On the CPU the clock is the host's
+and memory reads zero (the CPU budget bounds the weights alone), so the CI
+runs the same calibrate-then-plan path. `base_bytes` is what the step's
+peak holds beyond the plan's predicted weights and activations, `other_s` the
+step's time beyond its predicted block time: both carry every plan's
+prediction from the measured point.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .costs import CostModel
+
+FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
+
+
+class Calibration:
+    def __init__(self, n_blocks: int, device: torch.device):
+        self.n = n_blocks
+        self.device = device
+        self._open: dict[tuple[int, str], object] = {}  # (block, kind) -> start event
+        self._spans: list[tuple[int, str, object, object]] = []
+        self._alloc: dict[tuple[int, str], int] = {}
+        self._forward_order: list[int] = []
+        self._kind_of_block: dict[int, str] = {}
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        self._start = self._event()
+
+    def _event(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _seconds(self, start, stop) -> float:
+        return stop - start if not self.cuda else start.elapsed_time(stop) / 1e3
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    def on_wait(self, block: int, kind: str) -> None:
+        key = (block, kind)
+        if key in self._alloc:
+            return  # a block split by a graph break: its first part opens the span
+        self._alloc[key] = self._allocated()
+        if kind == FORWARD:
+            self._forward_order.append(block)
+        self._open[key] = self._event()
+        self._kind_of_block[block] = kind
+
+    def on_release(self, block: int) -> None:
+        kind = self._kind_of_block.get(block)
+        start = self._open.pop((block, kind), None) if kind is not None else None
+        if start is not None:
+            self._spans.append((block, kind, start, self._event()))
+
+    def finish(self, base: CostModel, predict: Callable[[CostModel], tuple[float, int]]) -> CostModel:
+        """The measured cost model; `predict(model)` is (step s, peak bytes) of the calibration plan under it."""
+        end = self._event()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        step_s = self._seconds(self._start, end)
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+        seconds = {FORWARD: [0.0] * self.n, RECOMPUTE: [0.0] * self.n, BACKWARD: [0.0] * self.n}
+        for block, kind, start, stop in self._spans:
+            seconds[kind][block] += self._seconds(start, stop)
+        order = self._forward_order
+        inputs = [0] * self.n
+        for a, b in zip(order, order[1:]):
+            inputs[a] = max(0, self._alloc[(b, FORWARD)] - self._alloc[(a, FORWARD)])
+        if len(order) > 1:
+            inputs[order[-1]] = inputs[order[-2]]  # the last block's output goes to the glue: assume its size
+        acts = [max(inputs[b], self._alloc.get((b, BACKWARD), 0) - self._alloc.get((b, RECOMPUTE), 0))
+                if (b, RECOMPUTE) in self._alloc and (b, BACKWARD) in self._alloc else inputs[b]
+                for b in range(self.n)]
+        forward = [seconds[RECOMPUTE][b] or seconds[FORWARD][b] for b in range(self.n)]
+        model = base.with_(forward_s=forward, backward_s=seconds[BACKWARD], activation_bytes=acts,
+                           input_bytes=inputs, base_bytes=0, other_s=0.0)
+        predicted_s, predicted_peak = predict(model)
+        model.base_bytes = max(0, peak - predicted_peak)
+        model.other_s = max(0.0, step_s - predicted_s)
+        model.measured = dict(base.measured, calibration_step_s=round(step_s, 4), calibration_peak_bytes=peak)
+        return model

@@ -1,0 +1,178 @@
+"""The planner's inputs: byte sizes, the budget, and a cost model from measurements.
+
+`BlockCost` is one block as the planner sees it: its streamed bytes in the
+precision it runs in, its compute time forward and backward, and what it
+leaves saved for backward when its activations are kept or recomputed.
+`CostModel` adds the machine: H2D / D2H bandwidth (`h2d_bandwidth`, measured
+once per device and cached on disk) and the bytes of everything that is not a
+block (resident parameters, glue activations, optimizer state), calibrated
+from a measured step. On the CPU there is nothing to measure memory with, so
+the defaults make the budget bound the device copy of the streamed weights
+alone, and tests inject constants.
+
+`parse_bytes` reads a budget: an int of bytes or a string such as "20GiB",
+"512 MB", "1.5g".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+# Compute time assumed for a block before one was measured: only the ratio to the transfer
+# time matters, and 1 ms per block keeps the first plan transfer-aware without a measurement.
+DEFAULT_BLOCK_SECONDS = 1e-3
+# Host-to-device bandwidth assumed where nothing can be measured (the CPU "device").
+DEFAULT_H2D_BPS = 20e9
+
+
+class BudgetError(ValueError):
+    """A VRAM budget that cannot be read, or that no plan fits under."""
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str, what: str = "vram_budget") -> int:
+    """Bytes from an int / float of bytes or a string with a unit ("20GiB", "512MB"); GiB and GB differ."""
+    if isinstance(value, bool):
+        raise BudgetError(f"{what}: expected bytes or a string like '20GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise BudgetError(f"{what}: cannot read {value!r}; write bytes or a size like '20GiB', '512MB'")
+        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        raise BudgetError(f"{what}: expected bytes or a string like '20GiB', got {type(value).__name__}")
+    if number <= 0:
+        raise BudgetError(f"{what}: must be positive, got {value!r}")
+    return int(number)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Device bytes the plan may use: the soft cap is planned for, the hard cap never crossed."""
+
+    soft: int | None = None
+    hard: int | None = None
+
+    @property
+    def limit(self) -> int | None:
+        """The bound a plan must predict under (soft if set, else hard)."""
+        return self.soft if self.soft is not None else self.hard
+
+    def describe(self) -> str:
+        parts = [f"{name} {human(v)}" for name, v in (("soft", self.soft), ("hard", self.hard)) if v]
+        return ", ".join(parts) or "no cap"
+
+
+def human(nbytes: float) -> str:
+    """Bytes as GiB / MiB / KiB, whichever reads best."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block for the planner (times in seconds, sizes in bytes)."""
+
+    bytes: int  # streamed weight bytes in the precision the block runs in
+    forward_s: float = DEFAULT_BLOCK_SECONDS
+    backward_s: float = 2 * DEFAULT_BLOCK_SECONDS  # the backward alone (a recompute adds forward_s)
+    activation_bytes: int = 0  # saved for backward when the activations are kept
+    input_bytes: int = 0  # saved instead when the block recomputes (its inputs)
+
+
+@dataclass
+class CostModel:
+    """The machine and the model as measured (or injected for tests: `frozen` stops calibration)."""
+
+    h2d_bps: float = DEFAULT_H2D_BPS
+    d2h_bps: float | None = None
+    forward_s: list[float] | None = None  # per block, measured in the first steps
+    backward_s: list[float] | None = None
+    activation_bytes: list[int] | None = None
+    input_bytes: list[int] | None = None
+    base_bytes: int = 0  # device bytes that are no block's streamed weights or saved activations, at the peak
+    other_s: float = 0.0  # step time outside the blocks (glue, loss, optimizer), added to every plan
+    frozen: bool = False  # injected constants: the runtime does not overwrite them with measurements
+    measured: dict = field(default_factory=dict)  # where the numbers came from (printed with the plan)
+
+    def block_costs(self, nbytes: list[int]) -> list[BlockCost]:
+        def pick(values, b, default):
+            return default if values is None else values[b]
+
+        return [BlockCost(n, pick(self.forward_s, b, DEFAULT_BLOCK_SECONDS),
+                          pick(self.backward_s, b, 2 * DEFAULT_BLOCK_SECONDS),
+                          int(pick(self.activation_bytes, b, 0)), int(pick(self.input_bytes, b, 0)))
+                for b, n in enumerate(nbytes)]
+
+    def with_(self, **changes) -> "CostModel":
+        return replace(self, **changes)
+
+
+# ---- H2D bandwidth, measured once per machine --------------------------------------------------
+
+
+def cache_dir() -> str:
+    return os.environ.get("STAGEHAND_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_stagehand")
+
+
+def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = None,
+                  direction: str = "h2d") -> tuple[float, str]:
+    """Pinned H2D (or `direction="d2h"`) bytes/s and where the number came from ("cached", "measured", "default").
+
+    Measured once per device name (256 MiB copied 4 times, a second) and kept in
+    `<cache_dir>/h2d_bandwidth.json`; the CPU has no link to measure.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DEFAULT_H2D_BPS, "default (no device link on the CPU)"
+    path = path or os.path.join(cache_dir(), "h2d_bandwidth.json")
+    key = f"{torch.cuda.get_device_name(device)}|pinned={pinned}|torch={torch.__version__}"
+    key += "" if direction == "h2d" else f"|{direction}"
+    table = _read_json(path)
+    if key in table:
+        return float(table[key]), "cached"
+    bps = _measure_h2d(device, pinned, direction)
+    table[key] = bps
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+    except OSError:
+        pass  # an unwritable cache only costs a second per offload
+    return bps, "measured"
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _measure_h2d(device: torch.device, pinned: bool, direction: str = "h2d", nbytes: int = 256 * 2**20,
+                 reps: int = 4) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src, dst = (host, dev) if direction == "h2d" else (dev, host)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return nbytes * reps / (time.perf_counter() - t0)

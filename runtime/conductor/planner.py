@@ -1,0 +1,314 @@
+"""The planner: one VRAM budget in, the fastest plan that fits out (pure; no device needed).
+
+Per block it decides whether the weights stay resident on the device or
+stream through the rotating slots, and whether the block's saved activations
+are kept or recomputed in backward (block recompute, compiler/recompute.py);
+for the whole model, how many slots rotate and how far ahead they prefetch.
+
+Search: for every count of resident blocks (spread evenly over the model, so
+a streamed block's copy overlaps the compute of the resident ones before it)
+and every slot count 1..4, the fewest recomputed blocks that bring the
+predicted peak under the cap (recompute only adds time, so fewest is
+fastest; streamed blocks recompute first: their backward waits on PCIe
+anyway), then `simulate` predicts the step. The least predicted step time
+under the soft cap wins; if nothing fits the soft cap, the fastest under the
+hard cap (the plan says so); if nothing fits the hard cap, `BudgetError`
+with the smallest peak any plan reaches.
+
+Predicted peak = base + resident weights + slots x slot bytes + the most
+saved-for-backward bytes alive at once (`activation_peak`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tabulate import tabulate
+
+from .costs import BlockCost, Budget, BudgetError, CostModel, human
+
+KEEP, RECOMPUTE, SPILL, MODEL = "keep", "recompute", "spill", "model"  # MODEL: the model's checkpointing decides
+MAX_SLOTS = 4
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    block: int
+    resident: bool  # weights kept on the device (no fetch, no slot)
+    precision: str
+    activations: str  # KEEP / RECOMPUTE / SPILL / MODEL
+    bytes: int  # streamed weight bytes in its precision
+    predicted_s: float = 0.0  # forward + backward (recompute included) + the stall predicted before it
+    h2d_bytes: int = 0  # predicted per step
+
+
+@dataclass
+class Plan:
+    blocks: list[BlockPlan]
+    slots: int  # rotating device slots
+    slot_bytes: int
+    lookahead: int  # streamed blocks fetched ahead of the computing one
+    predicted_step_s: float
+    predicted_peak_bytes: int
+    budget: Budget = field(default_factory=Budget)
+    kind: str = "fixed"  # "fixed" (no budget: the two-slot plan) or "planned"
+    over_soft_cap: bool = False  # nothing fitted the soft cap; this plan fits the hard cap
+    notes: list[str] = field(default_factory=list)
+    costs: list[BlockCost] | None = field(default=None, repr=False)  # what it was predicted from (timeline)
+    h2d_bps: float = 0.0
+    d2h_bps: float | None = None
+
+    @property
+    def resident(self) -> set[int]:
+        return {p.block for p in self.blocks if p.resident}
+
+    @property
+    def recomputed(self) -> set[int]:
+        return {p.block for p in self.blocks if p.activations == RECOMPUTE}
+
+    @property
+    def spilled(self) -> set[int]:
+        return {p.block for p in self.blocks if p.activations == SPILL}
+
+    def recompute_of(self, block: int) -> bool | None:
+        """The plan's activation decision for `block`: True / False, or None when the model decides."""
+        a = self.blocks[block].activations
+        return None if a == MODEL else a == RECOMPUTE
+
+    def counts(self) -> dict[str, int]:
+        return {"resident_blocks": len(self.resident), "streamed_blocks": len(self.blocks) - len(self.resident),
+                "recomputed_blocks": len(self.recomputed), "spilled_blocks": len(self.spilled)}
+
+    def summary(self) -> str:
+        c = self.counts()
+        over = " (over the soft cap: nothing fitted it)" if self.over_soft_cap else ""
+        return (f"{self.kind} plan{over}: {c['resident_blocks']} resident, {c['streamed_blocks']} streamed, "
+                f"{c['recomputed_blocks']} recomputed, {c['spilled_blocks']} spilled; {self.slots} slots of {human(self.slot_bytes)}, "
+                f"lookahead {self.lookahead}; predicted step {self.predicted_step_s * 1e3:.1f} ms, "
+                f"peak {human(self.predicted_peak_bytes)}; budget {self.budget.describe()}")
+
+    def rows(self, names: Sequence[str] | None = None) -> list[list]:
+        return [[p.block, names[p.block] if names else "", p.precision, "resident" if p.resident else "streamed",
+                 f"{p.bytes / 2**20:.3f}", p.activations, f"{p.predicted_s * 1e3:.2f}", f"{p.h2d_bytes / 2**20:.3f}"]
+                for p in self.blocks]
+
+    def table(self, names: Sequence[str] | None = None, tablefmt: str = "simple") -> str:
+        headers = ["block", "name", "precision", "weights", "MiB", "activations", "predicted ms", "H2D MiB/step"]
+        return tabulate(self.rows(names), headers=headers, tablefmt=tablefmt)
+
+    def __str__(self) -> str:
+        return f"{self.summary()}\n{self.table()}"
+
+    def timeline(self) -> list[tuple[str, int, float, float]]:
+        """The predicted step as (lane, block, start s, end s) on the "h2d", "d2h" and "compute" lanes."""
+        lanes: list = []
+        costs = self.costs or []
+        if costs:
+            simulate(costs, self.resident, self.recomputed, self.slots, self.h2d_bps, spill=frozenset(self.spilled),
+                     d2h_bps=self.d2h_bps, lanes=lanes)
+        return lanes
+
+
+# ---- the model of a step ----------------------------------------------------------------------
+
+
+def predicted_peak(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], slots: int,
+                   slot_bytes: int, base: int, spill: frozenset[int] = frozenset()) -> int:
+    return (base + sum(costs[b].bytes for b in resident) + slots * slot_bytes
+            + activation_peak(costs, recompute, spill))
+
+
+def activation_peak(costs: Sequence[BlockCost], recompute: set[int], spill: frozenset[int] = frozenset()) -> int:
+    """The most saved-for-backward bytes alive at once.
+
+    The backward frees blocks last to first: while block b runs its backward,
+    blocks 0..b-1 still hold what they saved, and b holds its activations (a
+    recomputed b holds its inputs and the activations its recompute made; a
+    spilled b holds nothing on the device until its activations come back).
+    """
+    peak = held = 0
+    for b, c in enumerate(costs):
+        now = c.input_bytes + c.activation_bytes if b in recompute else c.activation_bytes
+        peak = max(peak, held + now)
+        held += c.input_bytes if b in recompute else 0 if b in spill else c.activation_bytes
+    return peak
+
+
+def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], slots: int, h2d_bps: float,
+             backward: bool = True, spill: frozenset[int] = frozenset(), d2h_bps: float | None = None,
+             lanes: list | None = None) -> tuple[float, list[float], list[int]]:
+    """Predicted seconds of the blocks' forward + backward, per-block seconds, per-block H2D bytes.
+
+    One copy engine, one compute stream. A streamed block's copy starts when it is
+    issued (the computing block prefetches `lookahead_of(slots)` streamed blocks
+    ahead, skipping resident ones), when the copy engine is free, and when the slot it
+    reuses was released; its compute starts when the copy is done and the block
+    before it finished. The last `slots` streamed blocks of the forward are still
+    in their slots at the turn: the backward finds them there. A spilled block's
+    activations go out on the D2H lane after its forward (the other direction:
+    they overlap the weights coming in; the backward waits for the lane to
+    drain) and come back before its backward, on the compute stream.
+    `lanes`, if given, receives (lane, block, start s, end s) for the "h2d",
+    "d2h" and "compute" lanes: the predicted timeline of one step.
+    """
+    n = len(costs)
+    per_block, h2d = [0.0] * n, [0] * n
+    order = list(range(n))
+    forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident else None) for b in order]
+    t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0, lanes)
+    if spill:
+        t = max(t, _d2h_lane(costs, spill, d2h_bps or h2d_bps, per_block, lanes))
+    if backward:
+        streamed_fw = [b for b in order if b not in resident]
+        still_in_slots = set(streamed_fw[-slots:]) if slots else set()
+        items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0)
+                  + (costs[b].activation_bytes / h2d_bps if b in spill else 0.0),
+                  None if b in resident else (0 if b in still_in_slots else costs[b].bytes)) for b in reversed(order)]
+        t = _pass(items, slots, h2d_bps, per_block, h2d, t, lanes)
+    return t, per_block, h2d
+
+
+def lookahead_of(slots: int) -> int:
+    """Streamed blocks fetched ahead: one per spare slot; one slot still prefetches while a resident block runs."""
+    return max(slots - 1, 1) if slots else 0
+
+
+def _d2h_lane(costs, spill, d2h_bps: float, per_block: list[float], lanes: list | None = None) -> float:
+    """When the last spill copy is done: each starts after its block's forward, one at a time."""
+    lane = 0.0
+    for b in sorted(spill):
+        finish = sum(per_block[:b + 1])  # the forward's end of block b (per_block holds the forward alone here)
+        start = max(lane, finish)
+        lane = start + costs[b].activation_bytes / d2h_bps
+        if lanes is not None:
+            lanes.append(("d2h", b, start, lane))
+    return lane
+
+
+def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int], t0: float,
+          lanes: list | None = None) -> float:
+    depth = lookahead_of(slots)
+    streamed_before = []  # streamed items in [0, j]
+    count = 0
+    for _, _, nbytes in items:
+        count += nbytes is not None
+        streamed_before.append(count)
+    copy_free, compute_end = t0, t0
+    starts, releases = [0.0] * len(items), []  # compute start per item; release time per streamed ordinal
+    issuer = 0
+    for j, (block, seconds, nbytes) in enumerate(items):
+        ready = compute_end
+        if nbytes is not None:
+            ordinal = streamed_before[j]  # 1-based
+            # Issued at the start of the earliest earlier item within `depth` streamed blocks of this one.
+            while issuer < j and streamed_before[issuer] < ordinal - depth:
+                issuer += 1
+            issued = starts[issuer] if issuer < j else compute_end  # else fetched by its own wait
+            slot_free = releases[ordinal - 1 - slots] if slots and ordinal > slots else t0
+            begin = max(issued, copy_free, slot_free)
+            copy_free = begin + nbytes / bps
+            h2d[block] += nbytes
+            if lanes is not None and nbytes:
+                lanes.append(("h2d", block, begin, copy_free))
+            ready = max(ready, copy_free)
+        starts[j] = ready
+        per_block[block] += ready - compute_end + seconds
+        if lanes is not None:
+            lanes.append(("compute", block, ready, ready + seconds))
+        compute_end = ready + seconds
+        if nbytes is not None:
+            releases.append(compute_end)
+    return compute_end
+
+
+# ---- the search ---------------------------------------------------------------------------------
+
+
+def spread(k: int, n: int) -> set[int]:
+    """`k` of `n` block indices, evenly spaced."""
+    return {min(n - 1, int((j + 0.5) * n / k)) for j in range(k)} if k else set()
+
+
+def make_plan(costs: Sequence[BlockCost], precision: Sequence[str], budget: Budget, model: CostModel,
+              max_slots: int = MAX_SLOTS) -> Plan:
+    """The plan with the least predicted step time under the soft cap (else the hard cap); see the module doc."""
+    if budget.limit is None:
+        raise BudgetError("planner: no VRAM budget (vram_budget, conductor.vram_soft_cap_mb or vram_hard_cap_mb)")
+    best = _search(costs, budget.limit, model, max_slots)
+    over_soft = False
+    if best is None and budget.hard is not None and budget.soft is not None and budget.hard > budget.soft:
+        best, over_soft = _search(costs, budget.hard, model, max_slots), True
+    if best is None:
+        floor = predicted_peak(costs, set(), {b for b, c in enumerate(costs) if c.activation_bytes > c.input_bytes},
+                               1, max(c.bytes for c in costs), model.base_bytes)
+        raise BudgetError(f"planner: no plan fits the VRAM budget ({budget.describe()}); the smallest plan (every "
+                          f"block streamed through one slot, recomputed where that saves bytes) needs "
+                          f"{human(floor)}")
+    _, resident, (recompute, spill), slots, _, _ = best
+    plan = build_plan(costs, precision, resident, recompute, slots, model, kind="planned", budget=budget, spill=spill)
+    plan.over_soft_cap = over_soft
+    return plan
+
+
+def build_plan(costs: Sequence[BlockCost], precision: Sequence[str], resident: set[int], recompute: set[int] | None,
+               slots: int, model: CostModel, kind: str, budget: Budget = Budget(),
+               spill: frozenset[int] = frozenset()) -> Plan:
+    """A Plan for given decisions, with its predictions (`recompute=None`: the model's checkpointing decides)."""
+    streamed = [b for b in range(len(costs)) if b not in resident]
+    slot_bytes = max((costs[b].bytes for b in streamed), default=0)
+    decided = recompute or set()
+    step_s, per_block, h2d = simulate(costs, resident, decided, slots, model.h2d_bps, spill=spill,
+                                      d2h_bps=model.d2h_bps)
+    peak = predicted_peak(costs, resident, decided, slots, slot_bytes, model.base_bytes, spill)
+    blocks = [BlockPlan(b, b in resident, precision[b], MODEL if recompute is None else
+                        (RECOMPUTE if b in recompute else SPILL if b in spill else KEEP), c.bytes, per_block[b], h2d[b])
+              for b, c in enumerate(costs)]
+    return Plan(blocks, slots, slot_bytes, lookahead_of(slots), step_s + model.other_s, peak, budget, kind,
+                costs=list(costs), h2d_bps=model.h2d_bps, d2h_bps=model.d2h_bps)
+
+
+def _search(costs: Sequence[BlockCost], limit: int, model: CostModel, max_slots: int):
+    n = len(costs)
+    best = None
+    for k in range(n, -1, -1):
+        resident = spread(k, n)
+        streamed = [b for b in range(n) if b not in resident]
+        slot_bytes = max((costs[b].bytes for b in streamed), default=0)
+        # Recompute candidates: those that save bytes; streamed blocks first, then the largest saving, then
+        # the earliest (its recompute runs when the fewest saved bytes are still alive).
+        candidates = sorted((b for b in range(n) if costs[b].activation_bytes > costs[b].input_bytes),
+                            key=lambda b: (b in resident, costs[b].input_bytes - costs[b].activation_bytes, b))
+        for slots in ([0] if not streamed else range(1, min(max_slots, len(streamed)) + 1)):
+            decided = _fewest_savers(costs, resident, candidates, slots, slot_bytes, model, limit)
+            if decided is None:
+                continue
+            recompute, spill = decided
+            time_s, _, h2d = simulate(costs, resident, recompute, slots, model.h2d_bps, spill=spill,
+                                      d2h_bps=model.d2h_bps)
+            peak = predicted_peak(costs, resident, recompute, slots, slot_bytes, model.base_bytes, spill)
+            # Equal predicted times (the copies hidden either way): the fewer bytes over PCIe, then the lower peak.
+            key = (round(time_s, 6), sum(h2d), peak)
+            if best is None or key < best[0]:
+                best = (key, resident, decided, slots, slot_bytes, peak)
+    return best
+
+
+def _fewest_savers(costs, resident, candidates, slots, slot_bytes, model: CostModel, limit):
+    """(recompute, spill): the fewest blocks, in candidate order, whose saving brings the peak under `limit`.
+
+    Each one recomputes, or spills where the cost model says that is cheaper: its
+    activations' way back (H2D) costs less than re-running its forward. Spill needs
+    a measured D2H bandwidth (`CostModel.d2h_bps`).
+    """
+    recompute: set[int] = set()
+    spill: set[int] = set()
+    base = model.base_bytes
+    if predicted_peak(costs, resident, recompute, slots, slot_bytes, base) <= limit:
+        return recompute, frozenset()
+    for b in candidates:
+        spill_s = costs[b].activation_bytes / model.h2d_bps
+        (spill if model.d2h_bps and spill_s < costs[b].forward_s else recompute).add(b)
+        if predicted_peak(costs, resident, recompute, slots, slot_bytes, base, frozenset(spill)) <= limit:
+            return recompute, frozenset(spill)
+    return None

@@ -1,0 +1,291 @@
+"""The plan at run time: the planner's decisions applied to the slot pool and the prefetches.
+
+`PlanDriver` owns the runtime's `Plan` (conductor/planner.py). With no budget
+the plan is the fixed one (every block streamed, `Config.slot_count` slots,
+one block of lookahead, the model's own checkpointing decides recompute):
+exactly what the runtime did before it planned. With a budget it asks the
+planner for the fastest plan that fits and applies it: resident blocks get
+their own device copy (`SlotPool.reconfigure`), the rotating slots follow the
+plan, and `prefetch` fetches up to `lookahead` streamed blocks ahead of the
+one asked for, skipping resident ones (their weights are already there, so
+the next streamed block's copy overlaps their compute). Recompute decisions
+reach the compiled program through `Runtime.planned_recompute`.
+
+On CUDA, unless the cost model was injected (`frozen`), the first steps run
+the smallest plan and the second of them is measured (conductor/calibrate.py;
+the first one compiles); the plan is re-made from the measurements when that
+step ends. A new precision map re-plans at once (bytes per block changed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .conductor.arbiter import Conductor
+from .conductor.calibrate import FORWARD, Calibration
+from .conductor.costs import Budget, BudgetError, CostModel, h2d_bandwidth, parse_bytes
+from .conductor.planner import Plan, build_plan, make_plan
+from .registry import NO_BLOCK
+from .slots import SlotPool
+from .spill import ActivationSpill
+
+log = logging.getLogger(__name__)
+
+# Steps run under the smallest plan before the measured one: the first compiles and autotunes,
+# so its times say nothing about the next ones.
+WARMUP_STEPS = 1
+# A plan that does not fit when applied (the device has less than the budget says) is re-made
+# under a budget with this fraction of its streamed-weight bytes fewer, up to SHRINK_TRIES times.
+SHRINK_FRACTION, SHRINK_TRIES = 0.25, 10
+
+
+def budget_from(config, vram_budget) -> Budget:
+    """The budget from `offload(vram_budget=...)` and `conductor.vram_soft_cap_mb` / `vram_hard_cap_mb`."""
+    c = config.conductor
+    soft = None if c.vram_soft_cap_mb is None else int(c.vram_soft_cap_mb * 2**20)
+    hard = None if c.vram_hard_cap_mb is None else int(c.vram_hard_cap_mb * 2**20)
+    if vram_budget is not None:
+        soft = parse_bytes(vram_budget, "offload: vram_budget")
+        if hard is not None and soft > hard:
+            raise BudgetError(f"offload: vram_budget {soft / 2**30:.2f} GiB is above conductor.vram_hard_cap_mb "
+                              f"({hard / 2**30:.2f} GiB)")
+        hard = hard if hard is not None else soft
+    return Budget(soft, hard)
+
+
+class PlanDriver:
+    def __init__(self, rt, budget: Budget, cost_model: CostModel | None = None):
+        self.rt = rt
+        self.budget = budget
+        self.planning = budget.limit is not None
+        if cost_model is None:
+            cost_model = CostModel()  # H2D bandwidth measured when a plan is first made for a budget
+            if rt.device.type == "cuda":  # what stays on the device besides the blocks, until a step is measured
+                cost_model.base_bytes = torch.cuda.memory_allocated(rt.device)
+        self.cost_model = cost_model
+        self.calibrated = cost_model.frozen or rt.device.type != "cuda"
+        self.conductor = Conductor(rt.config.conductor, budget.soft, budget.hard, pressure=self._pressure,
+                                   external=self._external)
+        self._admit = self.conductor.enabled  # one attribute read on the hot path when disabled
+        self.calibration: Calibration | None = None
+        self._calibrate_at: int | None = None  # the step measured for calibration
+        self.plan: Plan | None = None
+        self.replans = 0
+        self.spill: ActivationSpill | None = None  # made when a plan first spills
+        self.shrinks: list[str] = []  # budgets shrunk because a plan did not fit when applied
+
+    # ---- making the plan --------------------------------------------------------------------
+
+    def make(self) -> Plan:
+        """The plan for the current precision map and cost model (not applied)."""
+        rt, model = self.rt, self.cost_model
+        precision = [rt.precision[b] for b in range(len(rt.blocks))]
+        costs = model.block_costs([rt.store.nbytes(b, p) for b, p in enumerate(precision)])
+        if not self.planning:
+            plan = build_plan(costs, precision, set(), None, rt.config.slot_count, model, kind="fixed")
+            plan.slot_bytes = rt.store.max_block_bytes()  # any precision a block may switch to fits
+            return plan
+        if "h2d" not in model.measured and not model.frozen:
+            model.h2d_bps, model.measured["h2d"] = h2d_bandwidth(rt.device, pinned=rt.store.pin)
+            if rt.device.type == "cuda":  # spill needs the other direction (never chosen without it)
+                model.d2h_bps, model.measured["d2h"] = h2d_bandwidth(rt.device, rt.store.pin, direction="d2h")
+        if not self.calibrated:  # the smallest plan, measured before planning for real
+            plan = build_plan(costs, precision, set(), set(range(len(costs))), 2, model, kind="calibrating",
+                              budget=self.budget)
+            plan.notes.append(f"runs {WARMUP_STEPS + 1} steps, the last one measured, then re-planned")
+            return plan
+        return make_plan(costs, precision, self.budget, model)
+
+    def apply(self, reason: str, plan: Plan | None = None) -> Plan:
+        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns.
+
+        A made plan that does not fit on the device when applied (the budget promised more
+        than the device has: another process, a memory fraction) is re-made under a smaller
+        budget, and the runtime says so; a plan given by hand raises.
+        """
+        given = plan is not None
+        plan = plan or self.make()
+        if self.rt.pool is None or (plan.kind == "fixed" and self.plan is not None):
+            self.plan = plan  # the fixed plan's pool never changes (its slots fit every precision)
+            return plan
+        for attempt in range(SHRINK_TRIES + 1):
+            try:
+                self.rt.pool.reconfigure(plan.slots, plan.slot_bytes,
+                                         {p.block: p.precision for p in plan.blocks if p.resident})
+                break
+            except torch.OutOfMemoryError as e:
+                if given or not self.planning or attempt == SHRINK_TRIES:
+                    raise torch.OutOfMemoryError(f"stagehand: the plan ({plan.summary()}) did not fit on "
+                                                 f"{self.rt.device} when applied ({reason}): {e}") from e
+                self.rt.pool.reconfigure(0, 0, {})  # free what the attempt placed
+                weights = plan.slots * plan.slot_bytes + sum(p.bytes for p in plan.blocks if p.resident)
+                limit = int(min(self.budget.limit, plan.predicted_peak_bytes) - SHRINK_FRACTION * weights)
+                self.budget = Budget(limit, min(self.budget.hard or limit, limit))
+                note = f"the plan did not fit on the device ({reason}); budget shrunk to {self.budget.describe()}"
+                self.shrinks.append(note)
+                log.warning("stagehand: %s", note)
+                try:
+                    plan = self.make()
+                except BudgetError as small:
+                    raise torch.OutOfMemoryError(f"stagehand: no plan fits in what {self.rt.device} has left "
+                                                 f"({reason}; {small})") from e
+        if not self.calibrated and plan.kind == "calibrating" and self._calibrate_at is None:
+            self._calibrate_at = self.rt.phases.step + WARMUP_STEPS if hasattr(self.rt, "phases") else WARMUP_STEPS
+        self.plan = plan
+        self.replans += 1
+        if self._admit:
+            self.window = self.conductor.reserve_plan(
+                [p.bytes for p in plan.blocks if p.resident], plan.slot_bytes, plan.slots, plan.lookahead)
+        log.info("stagehand: %s (%s)", plan.summary(), reason)
+        return plan
+
+    def make_pool(self) -> SlotPool:
+        """The runtime's slot pool, allocated for the first plan (slots, then the resident blocks)."""
+        rt, plan = self.rt, self.make()
+        try:
+            rt.pool = SlotPool(rt.device, plan.slots, plan.slot_bytes, rt.store)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(f"offload: no room on {rt.device} for {plan.slots} slots of "
+                                         f"{plan.slot_bytes / 2**20:.1f} MiB (the largest block): {e}") from e
+        self.apply("offload")
+        return rt.pool
+
+    def replan(self, cost_model: CostModel | None = None, vram_budget=None) -> Plan:
+        if cost_model is not None:
+            self.cost_model, self.calibrated = cost_model, True
+        if vram_budget is not None:
+            self.budget = budget_from(self.rt.config, vram_budget)
+            self.planning = True
+        return self.apply("replan()")
+
+    def recompute_of(self, block: int) -> bool | None:
+        return None if self.plan is None else self.plan.recompute_of(block)
+
+    def spill_hooks(self, block: int):
+        """The saved-tensor hooks that spill the block's activations to host, if the plan says so; else None."""
+        if self.plan is None or block not in self.plan.spilled:
+            return None
+        if self.spill is None:
+            self.spill = ActivationSpill(self.rt.device, self.rt.store.pin)
+        return self.spill.hooks()
+
+    # ---- run time ---------------------------------------------------------------------------
+
+    def prefetch(self, block: int) -> None:
+        """Fetch `block` (the one the schedule names next) and, per the plan, the streamed blocks after it."""
+        rt, plan = self.rt, self.plan
+        if block == NO_BLOCK:
+            return
+        if plan is None or plan.kind == "fixed":
+            rt.pool.prefetch(block, rt._precision[block])
+            return
+        backward = torch._C._current_graph_task_id() != -1
+        resident = rt.pool.resident_slots
+        wanted, b, steps = [], block, 0
+        depth = plan.lookahead
+        while b != NO_BLOCK and len(wanted) < depth and steps < len(rt.blocks):
+            if b not in resident:
+                wanted.append(b)
+            b = rt.fetch_order.eager_next(b, backward)
+            steps += 1
+        for depth, b in enumerate(wanted):
+            precision = rt._precision[b]
+            if not self._admit or rt.pool.cached(b, precision):
+                rt.pool.prefetch(b, precision)  # a hit moves nothing: no token needed
+                continue
+            if self.conductor.admit_prefetch(b, depth) is not None:
+                continue  # denied (counted with its reason): the block's wait fetches it later
+            try:
+                issued = rt.pool.prefetch(b, precision).issued
+            except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
+                self.conductor.allocation_failed(b, e)
+                return
+            if not issued:
+                self.conductor.copy_not_issued(b)
+
+    def on_wait(self, block: int, kind: str) -> None:
+        if self._admit:
+            self.conductor.copy_consumed(block)
+        if kind == FORWARD and self.plan is not None and self.plan.kind != "fixed":
+            learned = self.rt.fetch_order.learned_order()
+            if not learned or learned[-1] != block:  # a block split by a graph break is one entry
+                self.rt.fetch_order.record_forward(block)
+        if self.calibration is not None:
+            self.calibration.on_wait(block, kind)
+
+    def on_release(self, block: int) -> None:
+        if self.calibration is not None:
+            self.calibration.on_release(block)
+
+    def on_phase(self, phase, step: int) -> None:
+        if self._admit:
+            self.conductor.on_phase(phase.value)
+        if phase.value == "step_begin":
+            self.on_step_begin(step)
+
+    def _pressure(self) -> float:
+        """Device memory in use over the hard cap (the device's size without one); a host read, no sync."""
+        rt, cap = self.rt, self.budget.hard
+        if rt.device.type == "cuda":
+            if cap is None:
+                cap = self._device_total = getattr(self, "_device_total", None) or \
+                    torch.cuda.get_device_properties(rt.device).total_memory
+            return torch.cuda.memory_allocated(rt.device) / cap
+        return rt.pool.device_bytes() / cap if cap and rt.pool is not None else 0.0
+
+    def _external(self) -> int:
+        """Device bytes the conductor does not reserve (everything but the streamed weights)."""
+        rt = self.rt
+        if rt.device.type != "cuda" or rt.pool is None:
+            return 0
+        return max(0, torch.cuda.memory_allocated(rt.device) - rt.pool.device_bytes())
+
+    def step_record(self) -> dict:
+        """The plan's and the conductor's part of a telemetry line."""
+        record = {"plan": self.plan.counts() if self.plan is not None else {}}
+        if self._admit:
+            record.update(self.conductor.snapshot())
+        if self.rt.device.type == "cuda":
+            record["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved(self.rt.device) / 2**20, 1)
+        return record
+
+    def on_step_begin(self, step: int) -> None:
+        if not self.calibrated and step == self._calibrate_at and self.calibration is None:
+            self.calibration = Calibration(len(self.rt.blocks), self.rt.device)
+
+    def on_step_end(self, step: int) -> None:
+        if self.calibration is None:
+            return
+        calibration, self.calibration = self.calibration, None
+        plan = self.plan
+
+        def predict(model: CostModel) -> tuple[float, int]:
+            precision = [p.precision for p in plan.blocks]
+            costs = model.block_costs([p.bytes for p in plan.blocks])
+            made = build_plan(costs, precision, set(), set(range(len(costs))), plan.slots, model, "calibrating")
+            return made.predicted_step_s, made.predicted_peak_bytes
+
+        self.cost_model = calibration.finish(self.cost_model, predict)
+        self.calibrated = True
+        self.apply(f"calibrated on step {step}")
+
+
+
+def plan_stats(plan: Plan | None, pool: SlotPool | None) -> dict:
+    """What `Runtime.stats()` reports of the plan."""
+    if plan is None:
+        return {}
+    counts = plan.counts()
+    return {"plan": plan.kind, "resident_blocks": counts["resident_blocks"], "spilled_blocks": counts["spilled_blocks"],
+            "planned_recompute_blocks": counts["recomputed_blocks"], "lookahead": plan.lookahead,
+            "predicted_step_ms": round(plan.predicted_step_s * 1e3, 3),
+            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "streamed_device_bytes": None if pool is None else pool.device_bytes()}
+
+
+def spill_stats(spill: ActivationSpill | None) -> dict:
+    if spill is None:
+        return {}
+    return {"d2h_bytes": spill.d2h_bytes, "restored_bytes": spill.h2d_bytes, "spilled_tensors": spill.spilled_tensors}

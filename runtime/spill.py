@@ -1,0 +1,87 @@
+"""Activation spill: a block's saved activations go to pinned host memory in the forward and come
+back for its backward (the plan's third option besides keeping and recomputing them).
+
+`ActivationSpill.hooks()` is a `saved_tensors_hooks` context the compiled block
+unit runs its training variant under. Pack copies each saved device tensor
+(contiguous, not a parameter) into a pinned host buffer on a D2H stream of
+its own: PCIe is full duplex, so the copy runs while the weights come in on
+the other direction; `record_stream` lets the allocator reuse the device
+memory once the copy is done, without the host waiting. Unpack makes the
+compute stream wait for that copy and copies the bytes back (H2D, from
+pinned memory, non-blocking). Host buffers are pooled by size and reused
+across steps (the next step's D2H copy is ordered after this step's restore,
+which ran on the compute stream the D2H stream waits on). On the CPU the same
+path runs with plain copies, so the CI checks the numbers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+MIN_SPILL_BYTES = 64 * 1024  # smaller saved tensors stay where they are: not worth a copy each way
+
+
+class ActivationSpill:
+    def __init__(self, device: torch.device, pin: bool):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.pin = pin and self.cuda
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        self.d2h_bytes = self.h2d_bytes = self.spilled_tensors = 0
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _eligible(self, t: torch.Tensor) -> bool:
+        return (t.device == self.device and t.is_contiguous() and not isinstance(t, torch.nn.Parameter)
+                and not (t.is_leaf and t.requires_grad) and t.numel() * t.element_size() >= MIN_SPILL_BYTES
+                and type(t) is torch.Tensor)
+
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
+        key = (tuple(t.shape), t.dtype)
+        free = self._free[key]
+        return free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+
+    def _pack(self, t: torch.Tensor):
+        if not self._eligible(t):
+            return t
+        host = self._buffer(t)
+        event = None
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            t.record_stream(self.stream)  # its memory is reused only after the copy
+        else:
+            host.copy_(t)
+        nbytes = t.numel() * t.element_size()
+        self.d2h_bytes += nbytes
+        self.spilled_tensors += 1
+        return _Spilled(host, event, t.requires_grad)
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _Spilled):
+            return packed
+        host = packed.host
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(packed.event)
+            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            out.copy_(host, non_blocking=True)
+        else:
+            out = host.clone()
+        self.h2d_bytes += out.numel() * out.element_size()
+        self._free[(tuple(host.shape), host.dtype)].append(host)  # the next D2H copy is ordered after this one
+        return out
+
+
+class _Spilled:
+    __slots__ = ("host", "event", "requires_grad")
+
+    def __init__(self, host, event, requires_grad):
+        self.host, self.event, self.requires_grad = host, event, requires_grad

@@ -1,0 +1,283 @@
+"""The runtime acts on the plan: resident blocks, slots, lookahead, recompute; same numbers in every plan.
+
+On the CPU the budget bounds the device copy of the streamed weights (the resident
+blocks' own slots plus the rotating slots), so these tests drive the planner through
+`offload(vram_budget=...)` with real models and check what the pool did.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torch_stagehand as stagehand
+from torch_stagehand.config import Config, ConductorConfig
+from torch_stagehand.runtime.conductor.costs import BudgetError, CostModel
+from torch_stagehand.runtime.conductor import trace as tr
+from torch_stagehand.runtime.conductor.trace import recording
+
+from _helpers import block_bytes_by_precision, rel_err, toy
+
+N = 6
+
+
+def _model():
+    model, x = toy(n=N)
+    for block in model.blocks:
+        block.norm.requires_grad_(True)
+    return model, x.requires_grad_(True)
+
+
+def _step(call, model, x):
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+    out = call(x)
+    out.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads, x.grad.clone()
+
+
+def _same(a, b):
+    out_a, grads_a, dx_a = a
+    out_b, grads_b, dx_b = b
+    assert rel_err(out_a, out_b) < 1e-5 and rel_err(dx_a, dx_b) < 1e-5
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    assert max(rel_err(grads_a[k], grads_b[k]) for k in grads_a) < 1e-5
+
+
+def _block_bytes():
+    return block_bytes_by_precision(toy(n=N)[0])["bf16"][0]  # every toy block is the same size (fp32 here)
+
+
+def _budget(name: str) -> int:
+    b = _block_bytes()
+    return {"everything": N * b, "half": 5 * b, "tiny": 2 * b}[name]
+
+
+@pytest.mark.parametrize("budget", ["everything", "half", "tiny"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_every_plan_gives_the_plain_models_outputs_and_gradients(budget, mode):
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget(budget))
+    torch._dynamo.reset()
+    call = model if mode == "eager" else torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    for _ in range(2):
+        _same(_step(call, model, x), ref)
+    stats = rt.stats()
+    assert stats["streamed_device_bytes"] <= _budget(budget)
+    assert stats["peak_streamed_bytes"] <= _budget(budget)
+    resident = stats["resident_blocks"]
+    assert resident == len(rt.plan.resident)
+    assert {"everything": resident == N, "half": 0 < resident < N, "tiny": resident == 0}[budget]
+
+
+def test_a_budget_that_fits_everything_moves_no_bytes_after_offload():
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("everything"))
+    assert rt.plan.slots == 0 and len(rt.pool.slots) == 0
+    filled = rt.stats()["h2d_bytes"]
+    assert filled == N * _block_bytes()  # each resident block copied in once, at offload
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    torch._dynamo.reset()
+    for _ in range(2):
+        _step(compiled, model, x)
+    stats = rt.stats()
+    assert stats["h2d_bytes"] == filled and stats["sync_fetches"] == 0
+    assert stats["streamed_device_bytes"] == N * _block_bytes()
+    print(rt.plan)
+
+
+def test_resident_blocks_are_never_fetched_and_lookahead_skips_over_them():
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    resident = rt.plan.resident
+    assert 0 < len(resident) < N and rt.plan.slots >= 1
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    torch._dynamo.reset()
+    _step(compiled, model, x)
+    with recording(rt.pool) as trace:
+        _step(compiled, model, x)
+    copied = {r.block for r in trace.rows if r.copied}
+    assert copied and not copied & resident
+    # Every streamed block's wait found its copy issued ahead (the prefetch skipped the resident
+    # blocks to fetch it) except the step's very first block, which nothing runs before.
+    waits = [r for r in trace.rows if r.action == tr.WAIT and r.block not in resident]
+    assert [r.outcome for r in waits].count(tr.SYNC_FETCH) <= 1
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_a_small_budget_with_measured_activations_recomputes_in_the_compiled_program(inner):
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    b = _block_bytes()
+    rt = stagehand.offload(model, device="cpu", vram_budget=b + 3 * 4096)
+    # Injected constants: each block keeps 4 KiB of activations or 1 KiB of inputs; the budget leaves
+    # room for one slot and 12 KiB of activations (keeping all needs 24), so blocks must recompute.
+    rt.replan(CostModel(activation_bytes=[4096] * N, input_bytes=[1024] * N, frozen=True))
+    assert rt.plan.resident == set() and rt.plan.slots == 1 and len(rt.plan.recomputed) >= 3
+    assert rt.stats()["planned_recompute_blocks"] == len(rt.plan.recomputed)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
+    _same(_step(compiled, model, x), ref)
+    recomputed = rt.stats()["recomputed_blocks"]
+    assert recomputed == len(rt.plan.recomputed)
+    # A budget with room for everything keeps every activation: the next step recomputes nothing.
+    rt.planner.budget = type(rt.planner.budget)(soft=100 * b, hard=100 * b)
+    rt.replan()
+    assert rt.plan.recomputed == set() and rt.plan.resident == set(range(N))
+    _same(_step(compiled, model, x), ref)
+    assert rt.stats()["recomputed_blocks"] == recomputed
+
+
+def test_a_resident_block_sees_writes_to_its_weights():
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("everything"))
+    with torch.no_grad():
+        before = model(x)
+        model.blocks[2].up.weight.mul_(2.0)  # in place on the host master
+        after = model(x)
+    assert rel_err(after, before) > 1e-3  # the write reached the resident copy
+    assert rt.stats()["stale_slots"] >= 1
+    restored = copy.deepcopy(rt.restore())
+    with torch.no_grad():
+        assert rel_err(restored(x), after) < 1e-6
+
+
+def test_a_precision_switch_replans():
+    model, x = toy(n=N)
+    sizes = block_bytes_by_precision(model)
+    budget = 3 * sizes["bf16"][0]
+    rt = stagehand.offload(model, device="cpu", vram_budget=budget)
+    bf16_resident = len(rt.plan.resident)
+    rt.set_precision("int8")
+    assert len(rt.plan.resident) > bf16_resident  # blocks are a quarter the bytes now
+    assert rt.stats()["streamed_device_bytes"] <= budget
+    with torch.no_grad():
+        model(x)
+
+
+def test_budgets_from_the_config_and_their_errors():
+    b = _block_bytes()
+    model, _ = toy(n=N)
+    config = Config(conductor=ConductorConfig(vram_soft_cap_mb=N * b / 2**20, vram_hard_cap_mb=N * b / 2**20))
+    rt = stagehand.offload(model, device="cpu", config=config)
+    assert rt.plan.kind == "planned" and len(rt.plan.resident) == N
+    rt.restore()
+    with pytest.raises(BudgetError, match="vram_budget"):
+        stagehand.offload(model, device="cpu", vram_budget="plenty")
+    with pytest.raises(BudgetError, match="above conductor.vram_hard_cap_mb"):
+        stagehand.offload(model, device="cpu", vram_budget=10 * N * b, config=config)
+    with pytest.raises(BudgetError, match="no plan fits"):
+        stagehand.offload(model, device="cpu", vram_budget=b // 2)
+    assert not any(type(m).__name__.startswith("Streamed") for m in model.modules())  # offload undone
+
+
+def test_no_budget_runs_the_fixed_two_slot_plan():
+    model, x = toy(n=N)
+    rt = stagehand.offload(model, device="cpu")
+    assert rt.plan.kind == "fixed" and rt.plan.slots == 2 and rt.plan.resident == set()
+    assert rt.stats()["resident_blocks"] == 0 and rt.plan.recompute_of(0) is None
+
+
+def test_a_precision_switch_between_forward_and_backward_with_every_block_resident():
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("everything"))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    x.grad = None
+    out = compiled(x)
+    rt.set_precision("int8")  # re-plans: the resident copies are INT8 now, and no slot rotates
+    assert len(rt.pool.slots) == 0 and len(rt.plan.resident) == N
+    out.float().square().mean().backward()  # the backward runs in the forward's precision: a slot is added
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    _same((out.detach(), grads, x.grad), ref)
+    assert len(rt.pool.slots) == 1
+
+
+def test_explain_and_the_schedule_command_print_the_plan():
+    model, x = toy(n=N)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = stagehand.explain(model, x)
+    assert report.plan is rt.plan
+    table = report.plan_table()
+    assert "planned plan" in table and "H2D MiB this call" in table and table in str(report)
+    resident_rows = [line for line in table.splitlines() if " resident " in line]
+    assert len(resident_rows) == len(rt.plan.resident)
+    assert all(float(line.split()[-1]) == 0 for line in resident_rows)  # resident blocks moved nothing this call
+    streamed_rows = [line for line in table.splitlines() if " streamed " in line]
+    assert any(float(line.split()[-1]) > 0 for line in streamed_rows)
+
+
+def test_a_plan_that_does_not_fit_when_applied_shrinks_the_budget_and_says_so(monkeypatch):
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    b = _block_bytes()
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    real = rt.pool.reconfigure
+
+    def device_with_room_for_three_blocks(n_slots, slot_bytes, resident):
+        if n_slots * slot_bytes + len(resident) * b > 3 * b:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(n_slots, slot_bytes, resident)
+
+    monkeypatch.setattr(rt.pool, "reconfigure", device_with_room_for_three_blocks)
+    rt.replan(vram_budget=_budget("everything"))
+    assert rt.planner.shrinks and "budget shrunk" in rt.planner.shrinks[-1]
+    assert rt.stats()["streamed_device_bytes"] <= 3 * b
+    _same(_step(model, model, x), ref)
+
+
+def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real():
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    rt.planner.calibrated = False  # on the CPU the defaults stand unless asked; the GPU always calibrates
+    rt.replan()
+    assert rt.plan.kind == "calibrating" and rt.plan.recomputed == set(range(N)) and rt.plan.slots == 2
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    rt.attach(optimizer)
+    for step in range(3):  # warm-up, measured, then the plan made from the measurements
+        _same(_step(compiled, model, x), ref)
+        optimizer.step()
+        assert rt.plan.kind == ("calibrating" if step == 0 else "planned")
+    measured = rt.planner.cost_model
+    assert rt.planner.calibrated and "calibration_step_s" in measured.measured
+    assert len(measured.forward_s) == N and all(t > 0 for t in measured.forward_s + measured.backward_s)
+    assert rt.stats()["recomputed_blocks"] >= 2 * N  # the two calibration steps recomputed every block
+    assert rt.plan.predicted_step_s > 0 and 0 < len(rt.plan.resident) < N
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_spilled_activations_come_back_for_the_backward_with_the_same_gradients(inner):
+    model, _ = _model()
+    x = torch.randn(8, 64, 32, generator=torch.Generator().manual_seed(3)).requires_grad_(True)  # 128 KiB activations
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    b = _block_bytes()
+    rt = stagehand.offload(model, device="cpu", vram_budget=2 * b + 2**20)
+    # Injected constants: keeping every block's 1 MiB of activations does not fit; a spill costs less than
+    # a recompute (a slow forward, a fast link), so blocks spill.
+    rt.replan(CostModel(h2d_bps=1e12, d2h_bps=1e12, forward_s=[1.0] * N, activation_bytes=[2**20] * N,
+                        input_bytes=[2**16] * N, frozen=True))
+    assert rt.plan.spilled and not rt.plan.recomputed
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
+    for _ in range(2):
+        _same(_step(compiled, model, x), ref)
+    stats = rt.stats()
+    assert stats["spilled_blocks"] == len(rt.plan.spilled) and stats["recomputed_blocks"] == 0
+    assert stats["d2h_bytes"] > 0 and stats["restored_bytes"] == stats["d2h_bytes"]

@@ -1,0 +1,112 @@
+"""On a CUDA device: the VRAM-budget plan calibrates, re-plans, stays under its budget, and shrinks its
+plan when the device has less memory than the budget promised (a per-process memory fraction).
+
+Run on the device machine with `pytest -m gpu tests/test_gpu_budget.py`; skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torch_stagehand as stagehand
+
+from _helpers import rel_err, toy
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+N, D = 8, 1024
+
+
+def _trainable():
+    model, x = toy(d=D, n=N)
+    for block in model.blocks:
+        block.norm.requires_grad_(True)
+    return model, x.cuda().repeat(4, 64, 1)
+
+
+def _step(call, model, x):
+    for p in model.parameters():
+        p.grad = None
+    out = call(x)
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("budget_blocks", [2.5, 5, 100])
+def test_budget_plan_calibrates_replans_and_stays_under_its_budget(budget_blocks):
+    model, x = _trainable()
+    ref_model = copy.deepcopy(model).cuda()
+    ref_out, ref_grads = _step(ref_model, ref_model, x)
+    del ref_model
+    block_bytes = 2 * D * 2 * D * 4  # up + down, fp32
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    budget = base + int(budget_blocks * block_bytes) + 256 * 2**20  # room for activations and the glue
+    rt = stagehand.offload(model, device="cuda", vram_budget=budget)
+    assert rt.plan.kind == "calibrating"
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
+    torch._dynamo.reset()
+    for _ in range(2):  # warm-up (compile), then the measured step
+        _step(compiled, model, x)
+    assert rt.plan.kind == "planned" and rt.planner.calibrated
+    measured = rt.planner.cost_model
+    assert measured.forward_s and all(t > 0 for t in measured.forward_s)
+    assert all(a >= i for a, i in zip(measured.activation_bytes, measured.input_bytes))
+    _step(compiled, model, x)  # the new plan's variants compile
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out, grads = _step(compiled, model, x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    assert rel_err(out, ref_out) < 1e-4 and max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-4
+    assert peak <= budget, (peak, budget, rt.plan.summary())
+    if budget_blocks == 100:
+        assert rt.stats()["resident_blocks"] == N
+    print(rt.plan, f"\npeak {peak / 2**20:.1f} MiB of {budget / 2**20:.1f} MiB")
+
+
+def test_a_memory_fraction_below_the_budget_shrinks_the_plan_and_says_so(caplog):
+    model, x = _trainable()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.empty_cache()
+    used = torch.cuda.memory_reserved()
+    cap = used + 6 * 2 * D * 2 * D * 4  # room for six blocks' weights beyond what is in use
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        rt = stagehand.offload(model, device="cuda", vram_budget=total)  # promises the whole device
+        rt.replan(stagehand.runtime_of(model).planner.cost_model.with_(frozen=True))
+        assert rt.planner.shrinks and "budget shrunk" in rt.planner.shrinks[0]
+        assert rt.stats()["resident_blocks"] < N
+        compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+        torch._dynamo.reset()
+        _step(compiled, model, x)  # the step completes under the shrunk plan
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_spilled_activations_cross_pcie_both_ways_and_give_the_same_gradients(inner):
+    from torch_stagehand.runtime.conductor.costs import CostModel
+
+    model, x = _trainable()
+    ref_model = copy.deepcopy(model).cuda()
+    ref_out, ref_grads = _step(ref_model, ref_model, x)
+    del ref_model
+    block_bytes = 2 * D * 2 * D * 4
+    rt = stagehand.offload(model, device="cuda", vram_budget=torch.cuda.memory_allocated() + 3 * block_bytes + 2**30)
+    # Injected: a slow forward and a fast link, so the plan spills instead of recomputing.
+    rt.replan(CostModel(h2d_bps=1e12, d2h_bps=1e12, forward_s=[1.0] * N, activation_bytes=[2**28] * N,
+                        input_bytes=[2**20] * N, base_bytes=torch.cuda.memory_allocated(), frozen=True))
+    assert rt.plan.spilled
+    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
+    torch._dynamo.reset()
+    for _ in range(2):
+        out, grads = _step(compiled, model, x)
+    torch.cuda.synchronize()
+    assert rel_err(out, ref_out) < 1e-4 and max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-4
+    stats = rt.stats()
+    assert stats["d2h_bytes"] > 0 and stats["restored_bytes"] == stats["d2h_bytes"]
+    assert all(buf.is_pinned() for bufs in rt.planner.spill._free.values() for buf in bufs)

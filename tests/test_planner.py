@@ -1,0 +1,142 @@
+"""The VRAM-budget planner (pure) on synthetic cost models: its choices and its predictions."""
+
+from __future__ import annotations
+
+import pytest
+
+from torch_stagehand.runtime.conductor.costs import BlockCost, Budget, BudgetError, CostModel, parse_bytes
+from torch_stagehand.runtime.conductor.planner import (KEEP, RECOMPUTE, activation_peak, make_plan,
+                                                       predicted_peak, simulate, spread)
+
+MiB, GiB = 2**20, 2**30
+
+
+def _uniform(n=8, weights=100 * MiB, fwd=2e-3, bwd=4e-3, act=300 * MiB, inp=10 * MiB):
+    return [BlockCost(weights, fwd, bwd, act, inp) for _ in range(n)]
+
+
+def _model(**kw):
+    return CostModel(h2d_bps=kw.pop("h2d_bps", 50e9), base_bytes=kw.pop("base", 1 * GiB), frozen=True, **kw)
+
+
+def _plan(costs, soft=None, hard=None, model=None):
+    return make_plan(costs, ["bf16"] * len(costs), Budget(soft, hard), model or _model())
+
+
+def test_a_budget_that_fits_everything_keeps_every_block_resident_and_every_activation():
+    costs = _uniform()
+    plan = _plan(costs, soft=100 * GiB)
+    assert plan.resident == set(range(8)) and plan.recomputed == set()
+    assert plan.slots == 0 and plan.lookahead == 0
+    assert all(p.h2d_bytes == 0 for p in plan.blocks)
+    assert plan.counts()["resident_blocks"] == 8
+    # Predicted time is the compute alone: nothing waits on PCIe.
+    assert plan.predicted_step_s == pytest.approx(sum(c.forward_s + c.backward_s for c in costs))
+
+
+def test_a_tiny_budget_streams_every_block_and_recomputes():
+    costs = _uniform()
+    smallest = predicted_peak(costs, set(), set(range(7)), 1, 100 * MiB, 1 * GiB)
+    plan = _plan(costs, soft=smallest + MiB)
+    assert plan.resident == set()
+    assert plan.recomputed >= set(range(7))  # the last block's recompute would add, not save (see activation_peak)
+    assert all(p.activations == RECOMPUTE for p in plan.blocks if p.block in plan.recomputed)
+    assert plan.predicted_peak_bytes <= smallest + MiB
+
+
+def test_the_predicted_peak_never_crosses_the_cap_and_more_budget_is_never_predicted_slower():
+    costs = _uniform(n=12)
+    times = []
+    for gib in (3, 4, 5, 6, 8, 10, 12, 16, 20):
+        plan = _plan(costs, soft=gib * GiB)
+        assert plan.predicted_peak_bytes <= gib * GiB
+        times.append(plan.predicted_step_s)
+    assert times == sorted(times, reverse=True)
+    assert times[0] > times[-1]  # the sweep spans plans that differ
+
+
+def test_soft_cap_is_planned_for_hard_cap_is_the_fallback():
+    costs = _uniform()
+    floor = _plan(costs, soft=100 * GiB).predicted_peak_bytes  # what everything resident and kept needs
+    both = _plan(costs, soft=floor + GiB, hard=floor + 2 * GiB)
+    assert not both.over_soft_cap and both.resident == set(range(8))
+    tight = predicted_peak(costs, set(), set(range(7)), 1, 100 * MiB, 1 * GiB)
+    over = _plan(costs, soft=tight - 10 * MiB, hard=tight + 10 * MiB)
+    assert over.over_soft_cap and over.predicted_peak_bytes <= tight + 10 * MiB
+    with pytest.raises(BudgetError, match="no plan fits the VRAM budget.*needs"):
+        _plan(costs, soft=tight - 10 * MiB, hard=tight - 5 * MiB)
+
+
+def test_resident_blocks_are_spread_so_copies_overlap_their_compute():
+    assert spread(0, 8) == set() and spread(8, 8) == set(range(8))
+    assert spread(2, 8) == {2, 6}
+    # Transfer-bound streaming: each resident block hides part of the copies, so a plan with half the
+    # blocks resident is predicted faster than all streamed, and slower than all resident.
+    costs = _uniform(fwd=1e-3, bwd=1e-3, act=0, inp=0)
+    model = _model(h2d_bps=10e9)
+    t_all = simulate(costs, set(), set(), 2, model.h2d_bps)[0]
+    t_half = simulate(costs, spread(4, 8), set(), 2, model.h2d_bps)[0]
+    t_none = simulate(costs, set(range(8)), set(), 0, model.h2d_bps)[0]
+    assert t_none < t_half < t_all
+    # All streamed, transfer-bound: the step is about the copies (forward and backward, less the blocks
+    # still in their slots at the turn).
+    copies = (8 + 8 - 2) * costs[0].bytes / model.h2d_bps
+    assert copies <= t_all <= copies + 2 * 2e-3
+
+
+def test_recompute_only_where_it_saves_and_earliest_first():
+    # Block 0 saves nothing by recomputing (its activations are no larger than its inputs).
+    costs = [BlockCost(10 * MiB, 1e-3, 2e-3, 10 * MiB, 10 * MiB)] + _uniform(n=5, weights=10 * MiB)
+    peak_all_kept = activation_peak(costs, set())
+    plan = _plan(costs, soft=1 * GiB + 60 * MiB + peak_all_kept - 250 * MiB, model=_model())
+    assert 0 not in plan.recomputed
+    assert plan.recomputed and min(plan.recomputed) == 1  # the earliest that saves
+    assert plan.blocks[0].activations == KEEP
+
+
+def test_parse_bytes_reads_sizes_and_names_the_bad_ones():
+    assert parse_bytes("20GiB") == 20 * GiB
+    assert parse_bytes("512 MB") == 512_000_000
+    assert parse_bytes("1.5g") == 1_500_000_000
+    assert parse_bytes(4096) == 4096
+    for bad in ("lots", "-1GiB", 0, True, "20 GiBs", None):
+        with pytest.raises(BudgetError, match="vram_budget"):
+            parse_bytes(bad)
+
+
+def test_plan_prints_as_a_table_with_predictions():
+    plan = _plan(_uniform(n=4), soft=2 * GiB)
+    text = str(plan)
+    assert "predicted step" in text and "resident" in text and "predicted ms" in text
+    assert len(plan.rows()) == 4
+
+
+def test_spill_is_chosen_only_when_the_cost_model_says_it_pays():
+    # 300 MiB of activations per block: 6 ms back over a 50 GB/s link; the forward costs 2 ms (recompute
+    # is cheaper) or 20 ms (spill is cheaper). Without a measured D2H bandwidth spill is never chosen.
+    budget = 1 * GiB + 8 * 100 * MiB + 1200 * MiB
+    cheap_forward = _plan(_uniform(fwd=2e-3), soft=budget, model=_model(d2h_bps=50e9))
+    assert cheap_forward.recomputed and not cheap_forward.spilled
+    costly_forward = _plan(_uniform(fwd=20e-3), soft=budget, model=_model(d2h_bps=50e9))
+    assert costly_forward.spilled and not costly_forward.recomputed
+    assert costly_forward.counts()["spilled_blocks"] == len(costly_forward.spilled)
+    assert all(p.activations == "spill" for p in costly_forward.blocks if p.block in costly_forward.spilled)
+    unmeasured = _plan(_uniform(fwd=20e-3), soft=budget, model=_model())
+    assert unmeasured.recomputed and not unmeasured.spilled
+    # A spilled block holds nothing on the device until its backward.
+    costs = _uniform()
+    assert activation_peak(costs, set(), frozenset({0, 1})) == activation_peak(costs, set()) - 2 * 300 * MiB
+
+
+def test_the_predicted_timeline_has_a_copy_per_streamed_fetch_and_a_compute_bar_per_block_and_pass():
+    costs = _uniform(n=6, act=0, inp=0)
+    plan = _plan(costs, soft=1 * GiB + 3 * 100 * MiB)
+    lanes = plan.timeline()
+    computes = [entry for entry in lanes if entry[0] == "compute"]
+    copies = [entry for entry in lanes if entry[0] == "h2d"]
+    assert len(computes) == 2 * 6  # forward and backward
+    assert sorted({b for _, b, _, _ in copies}) == sorted(set(range(6)) - plan.resident)
+    assert sum(p.h2d_bytes for p in plan.blocks) == len(copies) * 100 * MiB
+    assert max(end for _, _, _, end in lanes) == pytest.approx(plan.predicted_step_s)
+    for _, _, start, end in lanes:
+        assert 0 <= start <= end
