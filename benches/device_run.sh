@@ -3,6 +3,7 @@
 # Logs and results land under $OUT (the device tool brings back at most 8 files).
 #   STAGES="ktests tests demo" bash benches/device_run.sh
 #   STAGES="stream" STREAM_ARGS="--tokens 1024 4096" bash benches/device_run.sh
+#   STAGES="alltests" bash benches/device_run.sh                      # every gpu test but the kernels', 4 files at a time
 #   STAGES="tests models" MODEL=qwen bash benches/device_run.sh       # full-size models (benches/models.py)
 #   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
 #   STAGES="offpeer" bash benches/device_run.sh                       # diffusers group offload, accelerate cpu_offload on Flux 12B
@@ -26,6 +27,12 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/i
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
 for stage in $STAGES; do
   case $stage in
+    alltests) # every gpu-marked test but the kernel ones (stage ktests), 4 files at a time on the one GPU
+            timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rA -n ${TESTS_WORKERS:-4} \
+              --dist loadfile --ignore tests/test_kernels.py tests/ 2>&1 | grep -vE "^DEBUG" > /tmp/alltests.log
+            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" /tmp/alltests.log | tee "$OUT/gpu_tests.log"
+            sed -n '/= FAILURES =/,/short test summary/p;/= ERRORS =/,/short test summary/p' /tmp/alltests.log \
+              | grep -E "^E |^____|^tests/.*Error|^>" | head -200 > "$OUT/gpu_test_failures.log" ;;
     ktests) timeout ${KTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 tests/test_kernels.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.log" ;;
     tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs tests/test_gpu.py 2>&1 \
               | grep -vE "^DEBUG" | tee "$OUT/gpu_tests.log" ;;
