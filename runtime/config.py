@@ -152,6 +152,10 @@ class Config:
     # offload(slab=...): refuse a slab that records no identity of its source weights (older
     # slabs, plain SquareQ ones) instead of loading it with a SlabIdentityWarning.
     require_slab_identity: bool = False
+    # Where the full-precision master of a block that streams INT8 is kept: "pinned", "ram"
+    # (pageable), "file" (not in RAM: views of the model's safetensors file, offload(checkpoint=...)),
+    # or "auto" ("ram" while it fits the memory there is, else "file" when a checkpoint is given).
+    keep_full: str = "auto"
 
     def validate(self) -> "Config":
         self.conductor.validate("conductor")
@@ -178,6 +182,8 @@ class Config:
             )
         if self.quantizer not in ("mse", "absmax"):
             raise ConfigError(f"quantizer: must be 'mse' or 'absmax', got {self.quantizer!r}")
+        if self.keep_full not in ("auto", "pinned", "ram", "file"):
+            raise ConfigError(f"keep_full: must be 'auto', 'pinned', 'ram' or 'file', got {self.keep_full!r}")
         if not isinstance(self.require_slab_identity, bool):
             raise ConfigError(f"require_slab_identity: must be true or false, got {self.require_slab_identity!r}")
         return self

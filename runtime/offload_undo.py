@@ -57,17 +57,25 @@ class OffloadUndo:
                     module._parameters["bias"] = self._biases[spec.fqn]
             self.move_back()
 
-    def plain_weight(self, spec: StreamedLayerSpec) -> None:
-        """The layer's weight as its own Parameter on its original device (a copy of the host store's view)."""
+    def plain_weight(self, spec: StreamedLayerSpec, restoring: bool = False) -> None:
+        """The layer's weight as its own Parameter on its original device (a copy of the host store's view).
+
+        `restoring`: a weight that was on the meta device (a model loaded from its checkpoint by
+        offload) comes back on the CPU, with its values."""
         host = spec.module.weight.detach()
         device = self.devices[spec.fqn + ".weight"]
+        if restoring and device.type == "meta":
+            device = torch.device("cpu")
         spec.module._parameters["weight"] = nn.Parameter(
             host.to(device, copy=True), requires_grad=self.requires_grad[spec.fqn]
         )
 
-    def move_back(self) -> None:
-        """Every other parameter and buffer back on the device it was on (offload moved them to the device)."""
+    def move_back(self, restoring: bool = False) -> None:
+        """Every other parameter and buffer back on the device it was on (offload moved them to the device);
+        `restoring`: what was on the meta device (loaded from the checkpoint by offload) comes back on the CPU."""
         for name, tensor in named_tensors(self.model):
             original = self.devices.get(name)
+            if restoring and original is not None and original.type == "meta":
+                original = torch.device("cpu")
             if original is not None and tensor.device != original:
                 tensor.data = tensor.data.to(original)

@@ -30,7 +30,9 @@ from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
-from .host_store import HostStore, check_master_dtypes
+from .host_plan import host_report
+from .host_setup import fill_masters, load_resident, make_host_store, progress as _progress
+from .host_store import check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
@@ -54,6 +56,8 @@ class Runtime:
         precision: dict[int, str],
         config: Config,
         slab_loader=None,
+        keep_full: str | None = None,
+        checkpoint=None,  # a weights_file.WeightsFile: the model's safetensors (meta models load from it)
     ):
         check_master_dtypes(layers)
         self.model = model
@@ -66,6 +70,8 @@ class Runtime:
         self._hooks: list[Any] = []
         self._conversion_guards: list[nn.Module] = []
         self._on_close: list[Callable[[], None]] = []
+        self.checkpoint = checkpoint
+        self._keep_full = keep_full if keep_full is not None else config.keep_full
         # Checked before the model is touched: a bad path fails here, not at the first step.
         self.telemetry = TelemetryWriter(config.telemetry_path)
         self._block_first_layer = {}
@@ -96,12 +102,12 @@ class Runtime:
     def _offload(self, precision: dict[int, str], slab_loader) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
         model, config, block_fqns, layers = self.model, self.config, self.blocks, self.layers
-        pin = config.pin_memory and self.device.type == "cuda"
-        quant_device = self.device if self.device.type == "cuda" else None
-        self.store = HostStore(layers, len(block_fqns), pin=pin, quantizer=config.quantizer, quant_device=quant_device)
-        meta_blocks = [b for b in _progress(range(len(block_fqns)), "offload: blocks to the host store")
-                       if not self.store.adopt_full(b)]
+        # Planned and checked against the machine's memory before anything is allocated (host_plan.py).
+        self.store, self.host_plan = make_host_store(layers, len(block_fqns), precision, config, self.device,
+                                                     self._keep_full, self.checkpoint, slab_loader is not None)
+        meta_blocks = fill_masters(self.store, self.checkpoint, _progress)
         if slab_loader is not None:
+            self.store.reserve(precisions.INT8, list(range(len(block_fqns))))
             slab_loader(self)
         elif meta_blocks:
             raise RuntimeError(
@@ -111,6 +117,8 @@ class Runtime:
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
+        if self.checkpoint is not None:  # a model built on the meta device: its resident tensors, one by one
+            load_resident(model, self.checkpoint, self.device, {s.fqn + ".weight" for s in layers}, _progress)
         model.to(self.device)  # everything but the streamed weights becomes resident
 
         self._precision: dict[int, str] = {}
@@ -136,7 +144,9 @@ class Runtime:
         registry.unregister_runtime(self.id)
         self._undo.undo()
         self.telemetry.close()
-        self.store = self.pool = None  # the pinned store and slots are freed with the exception
+        if getattr(self, "store", None) is not None:
+            self.store.free()
+        self.store = self.pool = self.checkpoint = None  # the pinned store and slots are freed with the exception
         self._closed = True
 
     # ---- public API -----------------------------------------------------------------
@@ -160,10 +170,9 @@ class Runtime:
                     f"precision map: block {block} ({self.blocks[block]}) has no full-precision weights "
                     f"to stream {value} from (it was loaded from an INT8 slab only)"
                 )
-        missing = [(b, p) for b, p in new.items() if not self.store.has(b, p)]
-        for block, value in _progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
-            self.store.build(block, value)
+        self.store.build_missing(new, _progress)
         self._precision = new
+        self.store.set_pins(new)  # what streams is locked, what no longer does is not
 
     def stats(self) -> dict[str, Any]:
         s = self.pool.stats
@@ -184,6 +193,7 @@ class Runtime:
             "streamed_bytes_resident": s.resident_bytes,
             "peak_streamed_bytes": s.peak_resident_bytes,
             "host_bytes": self.store.host_bytes(),
+            "host": host_report(self.store),  # pinned bytes asked for / locked, bytes per copy kind, keep_full
             "compiled_variants": self.block_variant_count,
             "compiled_units": self.compile_count,
             "compile_seconds": round(self.compile_seconds, 3),
@@ -212,7 +222,7 @@ class Runtime:
         if self._restored:
             return self.model
         self._check_open()
-        int8_only = [self.blocks[b] for b, bb in enumerate(self.store.blocks) if bb.full is None]
+        int8_only = [self.blocks[b] for b, bb in enumerate(self.store.blocks) if not bb.has_master]
         if int8_only:
             raise RuntimeError(
                 f"restore: block {int8_only[0]} was loaded from an INT8 slab only; "
@@ -221,8 +231,8 @@ class Runtime:
         with torch.no_grad():
             for spec in self.layers:
                 make_plain(spec.module)
-                self._undo.plain_weight(spec)
-            self._undo.move_back()
+                self._undo.plain_weight(spec, restoring=True)
+            self._undo.move_back(restoring=True)
         unguard(self._conversion_guards)
         self.close()
         self._restored = True
@@ -236,6 +246,7 @@ class Runtime:
         self._hooks.clear()
         self.phases.end_step()
         self.telemetry.close()
+        self.store.free()  # unlock the pinned ranges; the memory goes when the last view does
         registry.unregister_runtime(self.id)
         for callback in self._on_close:
             callback()  # e.g. the compiler drops its compiled variants
@@ -381,16 +392,6 @@ class Runtime:
         if self._closed:
             raise RuntimeError("stagehand: this Runtime was closed (restore() or close() was called); "
                                "offload the model again to stream it")
-
-
-def _progress(items, label: str):
-    """A progress bar on a terminal for the slow loops of offload (a 12B model takes a minute); silent elsewhere."""
-    items = list(items)
-    if len(items) < 8:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=label, unit="block", disable=None, leave=False)
 
 
 def _layer_index(module: nn.Module, rt: Runtime) -> int:
