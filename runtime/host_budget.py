@@ -60,7 +60,10 @@ class MachineMemory:
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """A byte count people read: GiB, or MiB / KiB below one."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size or unit == "KiB":
+            return f"{n / size:.2f} {unit}"
 
 
 def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:

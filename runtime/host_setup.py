@@ -106,19 +106,27 @@ def load_resident(model: nn.Module, checkpoint: WeightsFile, device: torch.devic
                 fqn = f"{mod_name}.{name}" if mod_name else name
                 if t is not None and t.is_meta and fqn not in streamed:
                     owners.setdefault(id(t), []).append((module, kind, name, fqn, t))
+    untied = []
     for entries in progress(list(owners.values()), "offload: resident tensors from the checkpoint"):
-        fqns = [e[3] for e in entries]
-        found = next((f for f in fqns if f in checkpoint), None)
-        t = entries[0][4]
+        found = next((e[3] for e in entries if e[3] in checkpoint), None)
         if found is None:
-            raise CheckpointError(f"checkpoint {checkpoint.path!r} has no tensor for {fqns[0]} (a meta "
-                                  f"{'parameter' if entries[0][1] == '_parameters' else 'buffer'} of the model); "
-                                  "build the model with its buffers real (accelerate.init_empty_weights())")
+            untied.append(entries)  # e.g. a tied lm_head the file stores once, under the embedding's name
+            continue
+        t = entries[0][4]
         value = checkpoint.tensor_for(found, t, "tensor").to(device=device, dtype=t.dtype, copy=True)
         if entries[0][1] == "_parameters":
             value = nn.Parameter(value, requires_grad=t.requires_grad)
         for module, kind, name, *_ in entries:
             getattr(module, kind)[name] = value
+    if untied and hasattr(model, "tie_weights"):  # transformers ties weights the file holds once
+        model.tie_weights()
+    for entries in untied:
+        module, kind, name, fqn, _ = entries[0]
+        if getattr(module, kind)[name] is None or getattr(module, kind)[name].is_meta:
+            raise CheckpointError(f"checkpoint {checkpoint.path!r} has no tensor for {fqn} (a meta "
+                                  f"{'parameter' if kind == '_parameters' else 'buffer'} of the model); build the "
+                                  "model with its buffers real (accelerate.init_empty_weights()) from the "
+                                  "checkpoint's own config")
     checkpoint.release_pages()
 
 

@@ -152,6 +152,11 @@ class HostStore:
         self.arenas.clear()
         self._reserved.clear()
         self._arena_of.clear()
+        for bb in self.blocks:
+            bb.buffers.clear()
+            bb.layouts.clear()
+            bb.source_versions.clear()
+            bb.file_master = None
 
     # ---- building -----------------------------------------------------------
 

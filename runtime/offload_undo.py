@@ -38,6 +38,10 @@ class OffloadUndo:
         self.requires_grad = {s.fqn: s.module.weight.requires_grad for s in layers}
         self._weights = {s.fqn: weakref.ref(s.module.weight) for s in layers}
         self._biases = {s.fqn: s.module._parameters.get("bias") for s in layers}  # small; a slab may replace meta ones
+        # A model built on the meta device and loaded from its checkpoint by offload: its meta tensors
+        # (they hold no memory) go back in place of what was loaded.
+        self._meta = [(module, kind, name, t) for module in model.modules() for kind in ("_parameters", "_buffers")
+                      for name, t in getattr(module, kind).items() if t is not None and t.is_meta]
 
     def undo(self) -> None:
         """Put every layer back as it was recorded (whatever part of offload ran)."""
@@ -55,6 +59,8 @@ class OffloadUndo:
                     self.plain_weight(spec)
                 if "bias" in module._parameters and module._parameters["bias"] is not self._biases[spec.fqn]:
                     module._parameters["bias"] = self._biases[spec.fqn]
+            for module, kind, name, t in self._meta:
+                getattr(module, kind)[name] = t
             self.move_back()
 
     def plain_weight(self, spec: StreamedLayerSpec, restoring: bool = False) -> None:
@@ -75,7 +81,9 @@ class OffloadUndo:
         `restoring`: what was on the meta device (loaded from the checkpoint by offload) comes back on the CPU."""
         for name, tensor in named_tensors(self.model):
             original = self.devices.get(name)
-            if restoring and original is not None and original.type == "meta":
+            if original is not None and original.type == "meta":
+                if not restoring:
+                    continue  # put back as it was above
                 original = torch.device("cpu")
             if original is not None and tensor.device != original:
                 tensor.data = tensor.data.to(original)

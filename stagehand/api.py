@@ -28,6 +28,8 @@ def offload(
     precision: str | dict = FULL,
     slab=None,
     config: Config | None = None,
+    keep_full: str | None = None,
+    checkpoint=None,
 ) -> Runtime:
     """Stream the Linear weights of `model`'s blocks from host memory; keep the rest on `device`.
 
@@ -35,6 +37,15 @@ def offload(
     {block index or block FQN: precision}; blocks the map leaves out get "bf16".
     slab: path to an INT8 slab (`{name}.manifest.json` or its directory + name)
     whose rows are read straight into the host store.
+    keep_full: where the full-precision master of a block that streams INT8 is
+    kept: "pinned", "ram" (pageable), "file" (not in RAM: read from
+    `checkpoint` when needed) or "auto" (default: `config.keep_full`).
+    checkpoint: the model's safetensors (a file, an index json, or a
+    transformers / diffusers folder). A model built on the meta device
+    (`accelerate.init_empty_weights()`) is loaded from it tensor by tensor
+    straight into the host store and the device, never whole in RAM.
+    Before anything is allocated, the host copies are checked against the
+    machine's memory: a `HostMemoryError` says what does not fit and what to change.
     """
     if any(is_streamed(m) for m in model.modules()):
         raise RuntimeError("offload: this model is already offloaded (call restore() on its Runtime first)")
@@ -50,7 +61,13 @@ def offload(
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
         slab_loader = slab_loader_for(slab)
-    rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader)
+    weights_file = None
+    if checkpoint is not None:
+        from torch_stagehand.runtime.weights_file import WeightsFile
+
+        weights_file = WeightsFile(checkpoint)
+    rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
+                 keep_full=keep_full, checkpoint=weights_file)
     undo_attention_guard = disable_unsafe_sdpa_backends(device)
     if undo_attention_guard is not None:
         rt.on_close(undo_attention_guard)

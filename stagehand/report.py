@@ -97,5 +97,14 @@ class Report:
             f"this call ({what}): {fetches} H2D fetches ({moved / 1e6:.1f} MB), {stalls} synchronous"
         )
 
+    def host_summary(self) -> str:
+        """Where the host copies are (stats()["host"]): pinned bytes asked for and locked, bytes per copy kind."""
+        host = self.stats.get("host")
+        if not host:
+            return ""
+        kinds = ", ".join(f"{kind} {n / 1e9:.2f} GB" for kind, n in host["bytes_by_kind"].items())
+        return (f"host memory (keep_full={host['keep_full']!r}): {kinds}; pinned {host['pinned_requested_bytes'] / 1e9:.2f}"
+                f" GB asked, {host['pinned_locked_bytes'] / 1e9:.2f} GB locked, {host['host_allocations']} allocation(s)")
+
     def __str__(self) -> str:
-        return f"{self.summary()}\n\n{self.table()}"
+        return f"{self.summary()}\n{self.host_summary()}\n\n{self.table()}"
