@@ -4,7 +4,9 @@
 PyTorch's CachingHostAllocator, which rounds every request up to the next
 power of two (c10 `CachingHostAllocator.h`: `llvm::PowerOf2Ceil(size)`; the
 `pinned_use_cuda_host_register` allocator setting changes how a block is
-pinned, not its rounding): a 680 MB block takes a 1 GiB pinned block. Here a
+pinned, not its rounding; torch 2.13's process-wide `pinned_max_round_threshold`
+setting can turn it off, torch 2.11 has none): a 680 MB block takes a 1 GiB
+pinned block. Here a
 set of buffers (all INT8 copies of a model, all its masters) is one plain
 pageable `torch.empty`, and the ranges that stream are page-locked in place
 with `cudaHostRegister` at their exact size (rounded to the page). Per-block

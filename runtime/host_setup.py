@@ -54,6 +54,7 @@ def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_ma
 def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress) -> list[int]:
     """Masters into the store (flat buffers, or views of the file); returns the blocks with none (meta, no file)."""
     if store.keep_full == KEEP_FILE:
+        store.after_file_read = checkpoint.release_pages
         for b in progress(range(len(store.blocks)), "offload: blocks mapped from the checkpoint"):
             store.adopt_file(b, [_file_weight(checkpoint, spec, keep_in_file=True) for spec in store.blocks[b].layers])
         return []

@@ -78,6 +78,7 @@ class HostStore:
         # Derived copies rebuilt because their master was written after they were built.
         self.requantized_blocks = 0
         self.arenas: list[HostArena] = []
+        self.after_file_read: Callable[[], None] | None = None  # keep_full="file": drop the mapped pages read
         self._reserved: dict[tuple[int, str], torch.Tensor] = {}  # carved, not yet handed out
         self._arena_of: dict[tuple[int, str], HostArena] = {}
 
@@ -236,6 +237,8 @@ class HostStore:
             self.reserve(precision, [b for b, p in missing if p == precision])
         for block, precision in progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
             self.build(block, precision)
+            if self.after_file_read is not None and self.blocks[block].file_master is not None:
+                self.after_file_read()  # the file pages just read leave our RSS (they stay in the page cache)
 
     def _write_derived(self, block: int, precision: str) -> None:
         bb, entry = self.blocks[block], precisions.get(precision)

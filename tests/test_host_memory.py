@@ -223,3 +223,33 @@ def test_auto_keeps_masters_in_the_file_when_ram_is_short(monkeypatch, tmp_path)
     assert rt.stats()["host"]["keep_full"] == "file"
     with torch.no_grad():
         assert rel_err(meta(x), int8_reference(plain, "int8")(x)) < 1e-6
+
+
+# ---- on a CUDA device: real page-locking ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pins_exactly_the_int8_copies_and_unpins_on_restore(tmp_path):
+    model, x = toy(d=512, n=6, dtype=torch.bfloat16)
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cuda", precision="int8", keep_full="ram")
+    int8 = [rt.store.buffer(b, "int8") for b in range(6)]
+    masters = [rt.store.buffer(b, "bf16") for b in range(6)]
+    assert all(buf.is_pinned() for buf in int8) and not any(buf.is_pinned() for buf in masters)
+    host = rt.stats()["host"]
+    assert host["pinned_requested_bytes"] == sum(b.numel() for b in int8)
+    assert host["pinned_locked_bytes"] <= sum(page_round(b.numel()) for b in int8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand")
+    with torch.no_grad():
+        got = compiled(x.cuda())
+        assert rel_err(got, int8_reference(plain, "int8").cuda()(x.cuda())) < 2e-2
+    rt.set_precision({0: "bf16"})  # block 0's master now streams: locked; its INT8 copy is not
+    assert rt.store.buffer(0, "bf16").is_pinned() and not rt.store.buffer(0, "int8").is_pinned()
+    with torch.no_grad():
+        compiled(x.cuda())
+    rt.restore()
+    assert not any(buf.is_pinned() for buf in int8)
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(model.modules(), plain.modules()) if hasattr(a, "weight")
+               and isinstance(a, torch.nn.Linear))
