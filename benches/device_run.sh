@@ -5,6 +5,8 @@
 #   STAGES="stream" STREAM_ARGS="--tokens 1024 4096" bash benches/device_run.sh
 #   STAGES="tests models" MODEL=qwen bash benches/device_run.sh       # full-size models (benches/models.py)
 #   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
+#   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8 bf16" bash benches/device_run.sh   # host memory (benches/host_memory.py)
+#   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8" HOSTMEM_ARGS="--cgroup-gb 32" bash benches/device_run.sh
 # Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
 # the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
 set -uo pipefail
@@ -33,6 +35,9 @@ for stage in $STAGES; do
               --out "$OUT/models_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/models_${MODEL:-qwen}.log" ;;
     peer)   SWAPS=${SWAPS:-34} STEPS=${PEER_STEPS:-3} MUSUBI_OFFLOAD_DIR=.peer timeout ${PEER_TIMEOUT:-300} \
               python3 benches/peer_musubi_flux.py 2>&1 | tee "$OUT/peer_musubi_flux.jsonl" ;;
+    hostmem) timeout ${HOSTMEM_TIMEOUT:-540} python3 benches/host_memory.py --model ${MODEL:-flux} --runs ${HOSTMEM_RUNS:-int8 bf16} \
+              ${HOSTMEM_ARGS:-} --out "$OUT/host_memory_${MODEL:-flux}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|it/s\]" \
+              | tee "$OUT/host_memory_${MODEL:-flux}.log" ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done
