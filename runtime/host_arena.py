@@ -67,9 +67,13 @@ class CudaPinner:
             raise PinError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB failed with cudaError {err}")
 
     def unregister(self, ptr: int) -> None:
-        # A copy still reading the range must finish before its pages lose their lock.
-        torch.cuda.synchronize()
-        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        try:
+            # A copy still reading the range must finish before its pages lose their lock.
+            torch.cuda.synchronize()
+            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        except Exception as e:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the pages go with the process
+            log.debug("stagehand: cudaHostUnregister skipped: %s", e)
+            return
         if err != 0:
             log.warning("stagehand: cudaHostUnregister failed with cudaError %d", err)
 
@@ -111,7 +115,7 @@ class HostArena:
     def lock(self, view: torch.Tensor) -> None:
         """Page-lock the range of one carved buffer (its pages, exactly)."""
         ptr = view.data_ptr()
-        if ptr in self.locked or not self.pinner.locks:
+        if ptr in self.locked or not self.pinner.locks or view.numel() == 0:
             return
         nbytes = page_round(view.numel())
         self.pinner.register(ptr, nbytes)

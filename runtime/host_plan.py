@@ -35,6 +35,7 @@ class HostPlan:
     pin: bool
     bytes: dict[str, int] = field(default_factory=dict)  # "int8 pinned", "bf16 ram", "bf16 file", ...
     freed_bytes: int = 0  # streamed weights in RAM now that the store replaces (they are freed as it fills)
+    from_slab: bool = False
 
     @property
     def pinned_bytes(self) -> int:
@@ -43,14 +44,15 @@ class HostPlan:
     @property
     def ram_bytes(self) -> int:
         """Every byte the store holds in RAM, pinned or not (a file master is not counted)."""
-        return sum(n for kind, n in self.bytes.items() if not kind.endswith(" file"))
+        return sum(n for kind, n in self.bytes.items() if not kind.endswith((" file", " disk")))
 
 
 def _block_bytes(layers: list[StreamedLayerSpec], precision: str) -> int:
     return precisions.get(precision).layout(layers)[1]
 
 
-def _count(per_block, precision_map, keep_full: str, pin: bool, has_master, from_slab: bool) -> dict[str, int]:
+def _count(per_block, precision_map, keep_full: str, pin: bool, has_master, from_slab: bool,
+           int8_on_disk: bool = False) -> dict[str, int]:
     where_pinned = "pinned" if pin else "ram"
     out: dict[str, int] = {}
 
@@ -60,7 +62,9 @@ def _count(per_block, precision_map, keep_full: str, pin: bool, has_master, from
     for block, layers in enumerate(per_block):
         streams = precision_map[block]
         master = _block_bytes(layers, precisions.FULL)
-        if streams != precisions.FULL or from_slab:
+        if int8_on_disk:  # read from the slab at each fetch, through the staging ring
+            add(f"{precisions.INT8} disk", _block_bytes(layers, precisions.INT8))
+        elif streams != precisions.FULL or from_slab:
             add(f"{streams} {where_pinned}" if streams != precisions.FULL else f"{precisions.INT8} ram",
                 _block_bytes(layers, streams if streams != precisions.FULL else precisions.INT8))
         if not has_master[block]:
@@ -78,7 +82,7 @@ def _count(per_block, precision_map, keep_full: str, pin: bool, has_master, from
 
 def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dict[int, str], keep_full: str,
               pin: bool, machine: MachineMemory, has_master: list[bool], freed_bytes: int, has_file: bool,
-              from_slab: bool = False) -> HostPlan:
+              from_slab: bool = False, int8_on_disk: bool = False) -> HostPlan:
     """Count the bytes of every copy kind, resolving keep_full="auto" from the RAM there is."""
     if keep_full not in KEEP_FULL_CHOICES:
         raise ValueError(f"offload: keep_full must be one of {', '.join(map(repr, KEEP_FULL_CHOICES))}, got {keep_full!r}")
@@ -89,11 +93,16 @@ def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dic
     if keep_full == KEEP_AUTO:
         keep_full = KEEP_RAM
         if any(p != precisions.FULL for p in precision_map.values()):
-            ram = _count(per_block, precision_map, KEEP_RAM, pin, has_master, from_slab)
+            ram = _count(per_block, precision_map, KEEP_RAM, pin, has_master, from_slab, int8_on_disk)
             if sum(ram.values()) - freed_bytes > AUTO_RAM_SHARE * machine.usable_bytes and has_file:
                 keep_full = KEEP_FILE
-    counted = _count(per_block, precision_map, keep_full, pin, has_master, from_slab)
-    return HostPlan(keep_full=keep_full, pin=pin, bytes=counted, freed_bytes=freed_bytes)
+    counted = _count(per_block, precision_map, keep_full, pin, has_master, from_slab, int8_on_disk)
+    if int8_on_disk:
+        from .disk_tier import RING
+
+        counted[f"{precisions.INT8} staging {'pinned' if pin else 'ram'}"] = RING * max(
+            _block_bytes(layers_, precisions.INT8) for layers_ in per_block)
+    return HostPlan(keep_full=keep_full, pin=pin, bytes=counted, freed_bytes=freed_bytes, from_slab=from_slab)
 
 
 def preflight(plan: HostPlan, machine: MachineMemory, precision_map: dict[int, str], has_file: bool) -> None:
@@ -115,6 +124,8 @@ def preflight(plan: HostPlan, machine: MachineMemory, precision_map: dict[int, s
         master = sum(n for kind, n in plan.bytes.items() if kind.startswith(precisions.FULL + " "))
         how = "" if has_file else " with checkpoint='model.safetensors'"
         fixes.append(f"keep_full='file'{how} (the bf16 masters of int8 blocks, up to {gib(master)}, stay in the file)")
+    if plan.from_slab and not any(kind.endswith(" disk") for kind in plan.bytes):
+        fixes.append("Config(int8_tier='disk') (the INT8 rows stay in the slab file, read at each fetch)")
     fixes.append("fewer or smaller blocks on this machine, or a machine (or cgroup) with more memory")
     raise HostMemoryError(
         f"offload: the host store does not fit: {'; '.join(problems)} (keep_full={plan.keep_full!r}: {kinds}; "
@@ -134,10 +145,19 @@ def host_report(store: HostStore) -> dict:
             requested += buf.numel() if locked else 0
             kind = f"{precision} {'pinned' if locked else 'ram'}"
             kinds[kind] = kinds.get(kind, 0) + buf.numel()
+        for (b, precision) in store.on_disk:
+            if b == block:
+                kinds[f"{precision} disk"] = kinds.get(f"{precision} disk", 0) + store.nbytes(block, precision)
         if bb.file_master is not None:
             kind = f"{precisions.FULL} file"
             kinds[kind] = kinds.get(kind, 0) + sum(w.numel() * w.element_size() for w in bb.file_master)
+    tier = store.disk_tier
+    if tier is not None:
+        staging = "pinned" if tier.arena.locked else "ram"
+        kinds[f"int8 staging {staging}"] = tier.arena.requested
+        requested += tier.arena.requested if tier.arena.locked else 0
     return {
+        **({"disk_tier": tier.stats.as_dict()} if tier is not None else {}),
         "keep_full": store.keep_full,
         "pinned_requested_bytes": requested,
         "pinned_locked_bytes": sum(a.locked_bytes for a in store.arenas),

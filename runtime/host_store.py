@@ -79,6 +79,9 @@ class HostStore:
         self.requantized_blocks = 0
         self.arenas: list[HostArena] = []
         self.after_file_read: Callable[[], None] | None = None  # keep_full="file": drop the mapped pages read
+        # Config(int8_tier="disk"): (block, precision) copies read from the slab file at each fetch (disk_tier.py).
+        self.disk_tier = None
+        self.on_disk: set[tuple[int, str]] = set()
         self._reserved: dict[tuple[int, str], torch.Tensor] = {}  # carved, not yet handed out
         self._arena_of: dict[tuple[int, str], HostArena] = {}
 
@@ -148,6 +151,10 @@ class HostStore:
 
     def free(self) -> None:
         """Unlock and drop every buffer (restore / close): the memory goes back when the views die."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+            self.disk_tier = None
+        self.on_disk.clear()
         for arena in self.arenas:
             arena.close()
         self.arenas.clear()
@@ -258,7 +265,18 @@ class HostStore:
     # ---- reading ------------------------------------------------------------
 
     def has(self, block: int, precision: str) -> bool:
-        return precision in self.blocks[block].buffers
+        return precision in self.blocks[block].buffers or (block, precision) in self.on_disk
+
+    def attach_disk_tier(self, tier, precision: str) -> None:
+        """Every block's `precision` copy streams from the file through `tier` (never held in RAM)."""
+        self.disk_tier = tier
+        self.arenas.append(tier.arena)
+        self.on_disk = {(b, precision) for b in range(len(self.blocks))}
+
+    def copied(self, block: int, precision: str, stream) -> None:
+        """The slot pool issued the H2D copy of the block's buffer on `stream` (None: a synchronous copy)."""
+        if (block, precision) in self.on_disk:
+            self.disk_tier.copied(block, stream)
 
     def is_derived(self, block: int, precision: str) -> bool:
         """Built from the master: every precision but the master's own flat buffer."""
@@ -289,6 +307,8 @@ class HostStore:
 
     def buffer(self, block: int, precision: str) -> torch.Tensor:
         buf = self.blocks[block].buffers.get(precision)
+        if buf is None and (block, precision) in self.on_disk:
+            return self.disk_tier.fetch(block)
         if buf is None:
             raise RuntimeError(f"block {block} has no {precision} weights in the host store")
         return buf
@@ -300,7 +320,7 @@ class HostStore:
         return bb.layouts[precision]
 
     def nbytes(self, block: int, precision: str) -> int:
-        if self.has(block, precision):
+        if precision in self.blocks[block].buffers:
             return self.blocks[block].nbytes(precision)
         return precisions.get(precision).layout(self.blocks[block].layers)[1]
 

@@ -107,7 +107,8 @@ class Runtime:
                                                      self._keep_full, self.checkpoint, slab_loader is not None)
         meta_blocks = fill_masters(self.store, self.checkpoint, _progress)
         if slab_loader is not None:
-            self.store.reserve(precisions.INT8, list(range(len(block_fqns))))
+            if config.int8_tier != "disk":  # the disk tier holds no INT8 in RAM
+                self.store.reserve(precisions.INT8, list(range(len(block_fqns))))
             slab_loader(self)
         elif meta_blocks:
             raise RuntimeError(

@@ -109,3 +109,49 @@ def test_a_meta_diffusers_flux_offloaded_from_its_folder_equals_the_loaded_one(t
                   img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3), return_dict=False)
     with torch.no_grad():
         assert rel_err(meta(**inputs)[0], int8_reference(loaded, "int8")(**inputs)[0]) < 1e-5
+
+
+_RSS_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from _helpers import ToyModel
+import torch_stagehand as stagehand
+
+def rss():
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return {{k: int(fields[k].split()[0]) * 1024 for k in ("VmHWM", "VmRSS")}}
+
+meta = ToyModel(1024, 8).to("meta")
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here
+before = rss()
+rt = stagehand.offload(meta, device="cpu", precision="int8", checkpoint={path!r}, keep_full={keep!r},
+                       config=stagehand.Config(quantizer="absmax"))
+after = rss()
+print(before["VmRSS"], after["VmRSS"], after["VmHWM"], rt.store.host_bytes())
+"""
+
+
+@pytest.mark.parametrize("keep", ["ram", "file"])
+def test_loading_from_the_checkpoint_peaks_near_the_final_host_footprint(tmp_path, keep):
+    """A meta model loaded from its file: RSS grows by the host store (not the checkpoint, not twice)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from _helpers import toy
+
+    model, _ = toy(d=1024, n=8)  # 8 blocks of 16 MiB fp32 masters, 4 MiB INT8
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    masters = sum(b.up.weight.numel() * 4 + b.down.weight.numel() * 4 for b in model.blocks)
+    script = _RSS_SCRIPT.format(tests=os.path.dirname(__file__), path=path, keep=keep)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    before, after, peak, host = map(int, out.split()[-4:])
+    print(f"rss +{(after - before) / 2**20:.0f} MiB, peak +{(peak - before) / 2**20:.0f} MiB, host store {host / 2**20:.0f} MiB")
+    slack = 40 * 2**20  # interpreter and allocator noise, one block's file pages in flight
+    assert after - before <= host + slack  # the file's pages are not kept in our RSS
+    assert peak - before <= 1.2 * host + slack  # no second copy while loading
+    if keep == "file":
+        assert after - before < masters / 2  # the masters are not in RAM

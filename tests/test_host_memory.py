@@ -253,3 +253,12 @@ def test_cuda_pins_exactly_the_int8_copies_and_unpins_on_restore(tmp_path):
     assert not any(buf.is_pinned() for buf in int8)
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(model.modules(), plain.modules()) if hasattr(a, "weight")
                and isinstance(a, torch.nn.Linear))
+
+
+def test_explain_says_where_the_host_copies_are(pinner):
+    model, x = toy(n=2)
+    rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
+    torch._dynamo.reset()
+    report = stagehand.explain(model, x)
+    assert "keep_full='ram'" in str(report) and "int8 pinned" in str(report) and "bf16 ram" in str(report)
+    assert report.stats["host"]["pinned_locked_bytes"] == sum(page_round(rt.store.nbytes(b, "int8")) for b in range(2))
