@@ -7,6 +7,7 @@
 #   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
 #   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8 bf16" bash benches/device_run.sh   # host memory (benches/host_memory.py)
 #   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8" HOSTMEM_ARGS="--cgroup-gb 32" bash benches/device_run.sh
+#   STAGES="hostmem" HOSTMEM_RUNS="disk" bash benches/device_run.sh                   # the disk tier's GB/s
 # Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
 # the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
 set -uo pipefail

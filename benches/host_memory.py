@@ -3,6 +3,7 @@
     python benches/host_memory.py --model flux --runs int8 bf16 --out benches/results/host_memory_flux.json
     python benches/host_memory.py --model qwen --runs int8 int8:file bf16
     python benches/host_memory.py --model flux --runs int8 --cgroup-gb 32    # each run inside a 32 GB cgroup
+    python benches/host_memory.py --model flux --runs disk                     # the disk tier (its own model)
     python benches/host_memory.py --model qwen --tiny --device cpu             # a smoke test of the bench itself
 
 The model (benches/models.py: Flux-dev size from diffusers, Qwen2.5-7B shape
@@ -24,11 +25,19 @@ then, in the same process and on the same compiled program, every master is
 page-locked as well (keep_full="pinned", the old footprint without the
 rounding) and the step time measured again: the ratio says whether pinning
 less costs speed. Results: one table, JSON beside it.
+
+The run "disk" measures the disk tier on a stack of 16 Flux single-block-sized
+MLPs (1.2 GB of INT8): a slab is built, then the same compiled training step
+runs with the INT8 rows in RAM and with them read from the slab file
+(`Config(int8_tier="disk")`), the file's pages dropped from the page cache
+(posix_fadvise DONTNEED) before every step; the tier's read GB/s and the step
+time ratio go in their own table.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -117,7 +126,7 @@ def save_model(args) -> tuple[str, float]:
 
 def parent(args) -> int:
     env = print_header(env_info())
-    folder, save_s = save_model(args)
+    folder, save_s = save_model(args) if any(r != "disk" for r in args.runs) else ("", 0.0)
     results = {"env": env, "model": args.model, "tiny": args.tiny, "checkpoint": folder, "save_s": save_s, "runs": []}
     for run in args.runs:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--model", args.model, "--device", args.device,
@@ -135,8 +144,14 @@ def parent(args) -> int:
     cols = ["run", "keep_full", "streamed_gb", "pinned_gb", "locked_gb", "old_pinned_gb", "locked_vs_streamed",
             "peak_rss_offload_gb", "rss_after_offload_gb", "peak_vs_final", "peak_rss_train_gb", "offload_s", "step_ms",
             "step_ms_all_pinned", "ratio", "error"]
-    print_table([[r.get(c, "") for c in cols] for r in results["runs"]], headers=cols,
+    print_table([[r.get(c, "") for c in cols] for r in results["runs"] if r["run"] != "disk"], headers=cols,
                 title=f"{args.model}{' (tiny)' if args.tiny else ''}: host memory, {env['device']}")
+    disk = [r for r in results["runs"] if r["run"] == "disk"]
+    if disk:
+        dcols = ["blocks", "int8_gb", "evicted", "step_ms_ram", "step_ms_disk", "ratio", "reads", "read_gbps", "ready",
+                 "waited", "slab_build_s", "error"]
+        print_table([[r.get(c, "") for c in dcols] for r in disk], headers=dcols,
+                    title="disk tier: INT8 from the slab file (page cache dropped before each step) vs from RAM")
     for r in results["runs"]:
         if r.get("bytes_by_kind"):
             print(f"{r['run']}: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in r["bytes_by_kind"].items()))
@@ -229,11 +244,88 @@ def child(args) -> dict:
     return row
 
 
+class _Mlp(torch.nn.Module):
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(d, hidden), torch.nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Stack(torch.nn.Module):
+    """Flux single-block-sized MLPs (3072 -> 12288 -> 3072): 75 MB of INT8 per block."""
+
+    def __init__(self, n: int, d: int, hidden: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Mlp(d, hidden) for _ in range(n)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _evict(path: str) -> bool:
+    """Drop a file's pages from the page cache (no root needed for clean pages): the next read is the disk's."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def disk_child(args) -> dict:
+    """The disk tier: INT8 blocks from the slab file (page cache dropped before every step) vs the slab in RAM."""
+    import models
+    import torch_stagehand as stagehand
+    from torch_stagehand.runtime.slab import build_slab_from_module
+
+    n, d, hidden = (6, 64, 256) if args.tiny else (16, 3072, 12288)
+    device, sync = args.device, models.Sync(args.device)
+    torch.manual_seed(0)
+    model = _Stack(n, d, hidden).to(torch.bfloat16).requires_grad_(False)
+    folder = os.path.join(args.work, f"disk_slab{'_tiny' if args.tiny else ''}")
+    t0 = time.perf_counter()
+    result = build_slab_from_module(model, folder, "stack", "stack", include_prefixes=("blocks.",), quantizer="absmax",
+                                    compare_quantizers=False, print_report=False, progress=False)
+    row: dict = {"run": "disk", "blocks": n, "slab_build_s": round(time.perf_counter() - t0, 1)}
+    slab_file = result.manifest_path.replace(".manifest.json", ".safetensors")
+    x = torch.randn(1, 64 if args.tiny else 4096, d, dtype=torch.bfloat16, device=device, requires_grad=True)
+
+    def timed(rt, compiled, evict: bool) -> float:
+        times = []
+        for _ in range(args.steps + 1):
+            row["evicted"] = _evict(slab_file) if evict else False
+            t = time.perf_counter()
+            compiled(x).float().square().mean().backward()
+            sync()
+            times.append((time.perf_counter() - t) * 1e3)
+        return round(sorted(times[1:])[len(times[1:]) // 2], 1)
+
+    for tier in ("ram", "disk"):
+        twin = copy.deepcopy(model)
+        rt = stagehand.offload(twin, device=device, precision="int8", slab=result.manifest_path,
+                               config=stagehand.Config(int8_tier=tier))
+        torch._dynamo.reset()
+        row[f"step_ms_{tier}"] = timed(rt, torch.compile(twin, backend="stagehand"), evict=tier == "disk")
+        if tier == "disk":
+            row.update(rt.stats()["host"]["disk_tier"])
+            row["int8_gb"] = round(rt.stats()["host"]["bytes_by_kind"]["int8 disk"] / GB, 2)
+        rt.restore()
+    row["ratio"] = round(row["step_ms_disk"] / row["step_ms_ram"], 3)
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["flux", "qwen"], required=True)
     parser.add_argument("--runs", nargs="+", default=["int8", "bf16"],
-                        help="precision[:keep_full], e.g. int8, int8:file, int8:pinned, bf16")
+                        help="precision[:keep_full], e.g. int8, int8:file, int8:pinned, bf16; or disk (the disk tier)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a small config of the same classes (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -246,7 +338,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         try:
-            row = child(args)
+            row = disk_child(args) if args.child == "disk" else child(args)
         except Exception as e:  # noqa: BLE001 - the parent reports it in the table
             import traceback
 
