@@ -155,3 +155,28 @@ def test_loading_from_the_checkpoint_peaks_near_the_final_host_footprint(tmp_pat
     assert peak - before <= 1.2 * host + slack  # no second copy while loading
     if keep == "file":
         assert after - before < masters / 2  # the masters are not in RAM
+
+
+def test_a_meta_model_with_its_checkpoint_and_an_int8_slab_keeps_no_full_copy_in_ram(tmp_path):
+    """The flagship set-up: masters in the file, INT8 from a SquareQ slab, nothing quantized at offload."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    from torch_stagehand.runtime.slab import build_slab_from_module
+
+    from _helpers import toy
+
+    model, x = toy(n=3, d=64)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    slab = build_slab_from_module(model, str(tmp_path), "toy", "toy", include_prefixes=("blocks.",),
+                                  progress=False, print_report=False, compare_quantizers=False)
+    reference = copy.deepcopy(model)
+    stagehand.offload(reference, device="cpu", precision="int8", slab=slab.manifest_path)
+    meta = copy.deepcopy(model).to("meta")
+    rt = stagehand.offload(meta, device="cpu", precision="int8", slab=slab.manifest_path, checkpoint=path,
+                           keep_full="file")
+    assert set(rt.stats()["host"]["bytes_by_kind"]) == {"bf16 file", "int8 ram"}
+    with torch.no_grad():
+        assert torch.equal(meta(x), reference(x))
