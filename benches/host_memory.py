@@ -50,6 +50,7 @@ import torch
 from _common import RESULTS, env_info, print_header, print_table, write_json
 
 GB = 1e9
+DIGITS = 2  # --tiny: 6 (its models are kilobytes)
 
 
 def _status() -> dict[str, int]:
@@ -200,7 +201,7 @@ def child(args) -> dict:
     if device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11's cuDNN SDPA backward faults at Flux's shape
         torch.zeros(1, device=device)  # the CUDA context is part of the baseline, not of offload
-    row["rss_before_gb"] = round(_status()["VmRSS"] / GB, 2)
+    row["rss_before_gb"] = round(_status()["VmRSS"] / GB, DIGITS)
     model, make_inputs = meta_model(args.model, args.tiny)
     row["peak_reset"] = _reset_peak()
     t0 = time.perf_counter()
@@ -212,13 +213,13 @@ def child(args) -> dict:
     host = rt.stats()["host"]
     streamed = sum(rt.block_nbytes(b, rt.precision[b]) for b in range(len(rt.blocks)))
     row.update(
-        keep_full=host["keep_full"], streamed_gb=round(streamed / GB, 2),
-        pinned_gb=round(host["pinned_requested_bytes"] / GB, 2), locked_gb=round(host["pinned_locked_bytes"] / GB, 2),
-        old_pinned_gb=round(pow2_pinned(rt) / GB, 2), host_allocations=host["host_allocations"],
+        keep_full=host["keep_full"], streamed_gb=round(streamed / GB, DIGITS),
+        pinned_gb=round(host["pinned_requested_bytes"] / GB, DIGITS), locked_gb=round(host["pinned_locked_bytes"] / GB, DIGITS),
+        old_pinned_gb=round(pow2_pinned(rt) / GB, DIGITS), host_allocations=host["host_allocations"],
         locked_vs_streamed=round(host["pinned_locked_bytes"] / streamed, 3) if host["pinned_locked_bytes"] else None,
-        bytes_by_kind=host["bytes_by_kind"], peak_rss_offload_gb=round(st["VmHWM"] / GB, 2),
-        rss_after_offload_gb=round(st["VmRSS"] / GB, 2), rss_anon_gb=round(st["RssAnon"] / GB, 2),
-        rss_file_gb=round(st["RssFile"] / GB, 2), peak_vs_final=round(st["VmHWM"] / max(1, st["VmRSS"]), 3),
+        bytes_by_kind=host["bytes_by_kind"], peak_rss_offload_gb=round(st["VmHWM"] / GB, DIGITS),
+        rss_after_offload_gb=round(st["VmRSS"] / GB, DIGITS), rss_anon_gb=round(st["RssAnon"] / GB, DIGITS),
+        rss_file_gb=round(st["RssFile"] / GB, DIGITS), peak_vs_final=round(st["VmHWM"] / max(1, st["VmRSS"]), 3),
     )
     print({k: v for k, v in row.items() if k != "bytes_by_kind"}, flush=True)
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=models.LORA_TARGETS[args.model]))
@@ -233,11 +234,11 @@ def child(args) -> dict:
     measured = models.measure(f"stagehand {precision}", step, args.steps, sync, rt)
     st = _status()
     row.update(step_ms=measured["step_ms"], first_step_s=measured["first_step_s"], peak_gib=measured["peak_gib"],
-               peak_rss_train_gb=round(st["VmHWM"] / GB, 2), rss_train_gb=round(st["VmRSS"] / GB, 2))
+               peak_rss_train_gb=round(st["VmHWM"] / GB, DIGITS), rss_train_gb=round(st["VmRSS"] / GB, DIGITS))
     if host["keep_full"] != "file":  # the same program with every master locked too: does pinning less cost speed?
         rt.store.keep_full = "pinned"
         rt.store.set_pins(rt.precision)
-        row["locked_all_gb"] = round(rt.stats()["host"]["pinned_locked_bytes"] / GB, 2)
+        row["locked_all_gb"] = round(rt.stats()["host"]["pinned_locked_bytes"] / GB, DIGITS)
         again = models.measure(f"stagehand {precision}, all pinned", step, args.steps, sync, rt)
         row["step_ms_all_pinned"] = again["step_ms"]
         row["ratio"] = round(row["step_ms"] / again["step_ms"], 3)
@@ -315,7 +316,7 @@ def disk_child(args) -> dict:
         row[f"step_ms_{tier}"] = timed(rt, torch.compile(twin, backend="stagehand"), evict=tier == "disk")
         if tier == "disk":
             row.update(rt.stats()["host"]["disk_tier"])
-            row["int8_gb"] = round(rt.stats()["host"]["bytes_by_kind"]["int8 disk"] / GB, 2)
+            row["int8_gb"] = round(rt.stats()["host"]["bytes_by_kind"]["int8 disk"] / GB, DIGITS)
         rt.restore()
     row["ratio"] = round(row["step_ms_disk"] / row["step_ms_ram"], 3)
     return row
@@ -336,6 +337,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    global DIGITS
+    DIGITS = 6 if args.tiny else 2
     if args.child:
         try:
             row = disk_child(args) if args.child == "disk" else child(args)
