@@ -8,6 +8,9 @@
 #   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8 bf16" bash benches/device_run.sh   # host memory (benches/host_memory.py)
 #   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8" HOSTMEM_ARGS="--cgroup-gb 32" bash benches/device_run.sh
 #   STAGES="hostmem" HOSTMEM_RUNS="disk" bash benches/device_run.sh                   # the disk tier's GB/s
+#   STAGES="offpeer" bash benches/device_run.sh                       # diffusers group offload, accelerate cpu_offload on Flux 12B
+#   STAGES="convergence" CONV_STEPS=600 bash benches/device_run.sh   # issue 10: bf16/int8/dynamic/dynamic+fp8
+#   STAGES="sptests" bash benches/device_run.sh                       # fp8 + selective-precision GPU tests
 # Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
 # the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
 set -uo pipefail
@@ -39,6 +42,12 @@ for stage in $STAGES; do
     hostmem) timeout ${HOSTMEM_TIMEOUT:-540} python3 benches/host_memory.py --model ${MODEL:-flux} --runs ${HOSTMEM_RUNS:-int8 bf16} \
               ${HOSTMEM_ARGS:-} --out "$OUT/host_memory_${MODEL:-flux}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|it/s\]" \
               | tee "$OUT/host_memory_${MODEL:-flux}.log" ;;
+    offpeer) timeout ${OFFPEER_TIMEOUT:-580} python3 benches/peer_offload_flux.py ${OFFPEER_ARGS:-} \
+              --out "$OUT/peer_offload_flux.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|float32" | tee "$OUT/peer_offload_flux.log" ;;
+    convergence) timeout ${CONV_TIMEOUT:-540} python3 benches/convergence.py --steps ${CONV_STEPS:-600} ${CONV_ARGS:-} \
+              --out "$OUT/convergence.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/convergence.log" ;;
+    sptests) timeout ${SPTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py \
+              tests/test_selective_gpu.py 2>&1 | tail -20 | tee "$OUT/sp_tests.log" ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

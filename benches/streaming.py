@@ -26,6 +26,9 @@ from _common import RESULTS, env_info, print_header, print_table, write_json
 
 import torch_stagehand as stagehand
 from torch_stagehand.app.presets import dit
+from torch_stagehand.runtime.precision.fp8 import has_fp8_tensor_cores
+from torch_stagehand.runtime.selective import fp8_rules
+from torch_stagehand.runtime.selective.fp8_bench import measure
 
 
 def pinned_h2d_gbps(nbytes: int = 256 * 2**20, reps: int = 10) -> float:
@@ -73,6 +76,15 @@ def step_fn(model, compiled, x):
     return step
 
 
+def fp8_where_faster(rt, tokens: int, x: torch.Tensor) -> dict[int, str]:
+    """The map adaptive-fp8 gives: fp8 for blocks whose every layer shape measured faster than bf16 here."""
+    m = x.numel() // x.shape[-1]
+    shapes = sorted({(s.out_features, s.in_features) for s in rt.layers})
+    policy = fp8_rules.Fp8Policy("here", 1.0, fp8_rules.rules_from_measurements(measure(shapes, [m], iters=10)))
+    return {b: "fp8" if policy.block_takes_fp8([(s.out_features, s.in_features) for s in rt.layers if s.block == b], m)
+            else "bf16" for b in range(len(rt.blocks))}
+
+
 def run(args) -> dict:
     results = {"env": print_header(env_info()), "rows": []}
     gbps = pinned_h2d_gbps()
@@ -99,8 +111,11 @@ def run(args) -> dict:
 
         rt = stagehand.offload(model, device="cuda")
         torch.cuda.empty_cache()
-        for mode, precision in (("stagehand bf16", "bf16"), ("stagehand int8", "int8"),
-                                ("stagehand mixed", {b: "int8" if b % 2 == 0 else "bf16" for b in range(args.depth)})):
+        modes = [("stagehand bf16", "bf16"), ("stagehand int8", "int8"),
+                 ("stagehand mixed", {b: "int8" if b % 2 == 0 else "bf16" for b in range(args.depth)})]
+        if has_fp8_tensor_cores(torch.device("cuda")):  # issue 10: fp8 everywhere, and where measured faster
+            modes += [("stagehand fp8", "fp8"), ("stagehand fp8 where faster", fp8_where_faster(rt, tokens, x))]
+        for mode, precision in modes:
             rt.set_precision(precision)
             torch._dynamo.reset()
             torch.cuda.reset_peak_memory_stats()

@@ -12,13 +12,16 @@ they did in the `PassLog` given.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from .context import PassLog
 from .source_hash import passes_uuid
+
+if TYPE_CHECKING:
+    from .symbolic import FakedInputs
 
 OnGraph = Callable[[str, fx.GraphModule], None]
 
@@ -100,13 +103,17 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
 
 
 def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph: OnGraph,
-                 joint_passes: Sequence[Callable], log: PassLog | None = None, replay_rng: bool = False):
-    """`replay_rng`: the unit is recomputed in backward and must replay its forward's random numbers."""
+                 joint_passes: Sequence[Callable], log: PassLog | None = None, replay_rng: bool = False,
+                 faked: "FakedInputs | None" = None):
+    """`replay_rng`: the unit is recomputed in backward and must replay its forward's random numbers.
+    `faked`: compile shape-generic, from these fake inputs (symbolic.py), instead of the real ones."""
     joint = JointPasses(joint_passes, log)
     gm = _bake_scalar_reads(gm, example_inputs)
-    if inner == "eager":
-        return compile_eager(gm, example_inputs, on_graph, joint)
-    return compile_inductor(gm, example_inputs, on_graph, joint, replay_rng)
+    inputs, context = (example_inputs, contextlib.nullcontext()) if faked is None else (faked.values, faked.tracing())
+    with context:
+        if inner == "eager":
+            return compile_eager(gm, inputs, on_graph, joint)
+        return compile_inductor(gm, inputs, on_graph, joint, replay_rng)
 
 
 

@@ -8,7 +8,9 @@ layouts, input metadata, grad mode) indexes the runtime's `VariantCache`
 (variants.py). Identical blocks therefore share one compiled variant, a
 precision switch re-links variants, and returning to a map seen before
 compiles nothing. Variants compile on first use with the real inputs, so any
-strides the previous unit's compiled code produced are seen as they are.
+strides the previous unit's compiled code produced are seen as they are. When
+Dynamo made dimensions dynamic, the variant is compiled for all their sizes
+(symbolic.py) and guarded, instead of once per size.
 
 A block unit whose segment came from the model's own activation checkpoint
 (or every block unit, with the backend option `recompute="blocks"`) runs
@@ -32,6 +34,7 @@ import torch.nn as nn
 from .context import CompileContext, PassLog, VariantContext
 from .inner import compile_unit
 from .recompute import run_recomputed
+from .symbolic import SymbolicInputs
 
 if TYPE_CHECKING:
     from .passes.assign_segments import Segment
@@ -92,7 +95,14 @@ class _Unit(nn.Module):
         self.segment = segment
         self.unit_name = name
         self.last_key = None  # the variant the last call ran (explain reads it)
-        self.shapes_seen: set[tuple] = set()  # input shapes this unit compiled for (the second-shape warning)
+        # Dynamo made some dimensions dynamic: compile shape-generic variants (symbolic.py).
+        self.symbolic = SymbolicInputs.of(template)
+
+    def signature(self, args: tuple) -> tuple:
+        """The input part of a variant key: exact shapes, or for a shape-generic unit what guards don't check."""
+        if self.symbolic is None:
+            return input_signature(args)
+        return ("symbolic", self.symbolic.coarse_key(args))
 
     @property
     def recomputes(self) -> bool:
@@ -108,18 +118,21 @@ class _Unit(nn.Module):
         def on_graph(kind: str, graph_module: fx.GraphModule) -> None:
             graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
 
+        faked = None if self.symbolic is None else self.symbolic.fake(args)
         start = time.perf_counter()
         compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes, pass_log,
-                                replay_rng=self.recomputes)
+                                replay_rng=self.recomputes, faked=faked)
         seconds = time.perf_counter() - start
         rt.record_compile(seconds, block_variant)
         cache.add(key, compiled, {
-            "label": label, "graphs": graphs, "seconds": seconds,
+            "label": label, "graphs": graphs, "seconds": seconds, "shape_generic": faked is not None,
             "scheduled": gm.print_readable(print_output=False, include_stride=False, include_device=True),
             "passes": [r.as_dict() for r in pass_log.passes_ran],
-        })
-        log.info("stagehand: compiled %s (%s) in %.2fs", label, self.ctx.options.inner, seconds)
-        self._warn_on_a_second_shape(args, label, block_variant)
+        }, guard=None if faked is None else faked.guard())
+        log.info("stagehand: compiled %s (%s%s) in %.2fs", label, self.ctx.options.inner,
+                 "" if faked is None else ", all sizes of the dynamic dimensions", seconds)
+        if faked is None:
+            self._warn_on_a_second_shape(key[0], args, label, block_variant)
         per_structure = cache.count_structure(key[0])
         if per_structure == _SHAPE_VARIANTS_WARNING + 1:
             log.warning(
@@ -129,17 +142,19 @@ class _Unit(nn.Module):
         return compiled
 
 
-    def _warn_on_a_second_shape(self, args: tuple, label: str, block_variant: bool) -> None:
-        """Variants are compiled per input shape: say so when a block meets its second shape, not at the ninth."""
-        self.shapes_seen.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0))
+    def _warn_on_a_second_shape(self, structure: str, args: tuple, label: str, block_variant: bool) -> None:
+        """A static variant met its second shape: every new size will recompile every block. Say so, once."""
         cache = self.ctx.variants
-        if not block_variant or cache.warned_shapes or len(self.shapes_seen) < 2:
+        shapes = cache.shapes_seen.setdefault(structure, set())
+        shapes.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0))
+        if not block_variant or cache.warned_shapes or len(shapes) < 2:
             return
         cache.warned_shapes = True
         warnings.warn(
-            f"stagehand: {label} is compiling for a second input shape ({len(cache)} units compiled so far); "
-            "block variants are compiled per shape, so a new batch or sequence length recompiles every block: "
-            "pad inputs to a few bucket sizes (said once per offloaded model)",
+            f"stagehand: {label} is compiling for a second input shape with static shapes "
+            f"({len(cache)} units compiled so far), so every new batch or sequence length recompiles every block. "
+            "Leave torch.compile's `dynamic` unset (Dynamo then makes the changing dimensions dynamic and each "
+            "block compiles once for all sizes) or pad inputs to a few bucket sizes (said once per offloaded model)",
             stacklevel=2,
         )
 
@@ -153,8 +168,9 @@ class GlueUnit(_Unit):
         self._key = ("glue", structure_key(template))
 
     def forward(self, *args):
-        key = self.last_key = (self._key, input_signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
-        compiled = self.ctx.variants.get(key) or self._compile(key, self.template, args, self.unit_name, False, PassLog())
+        key = self.last_key = (self._key, self.signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
+        compiled = self.ctx.variants.get(key, args) or self._compile(key, self.template, args, self.unit_name, False,
+                                                                     PassLog())
         out = compiled(*args)
         return out if self.returns_tuple else out[0]
 
@@ -201,9 +217,9 @@ class BlockUnit(_Unit):
         rt = self.ctx.runtime
         gm, skey, vctx = self.variant_graph(precision)
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
-        key = self.last_key = (skey, input_signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
+        key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
                                self.recomputes)
-        compiled = self.ctx.variants.get(key)
+        compiled = self.ctx.variants.get(key, args)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[self.block]})"
             # The variant passes, then the joint passes this compile runs.

@@ -1,7 +1,8 @@
 """The compiled-variant cache: one per runtime, owned by the compiler.
 
 A unit's compiled code is keyed by (structure key, input signature, grad mode,
-inner compiler). The cache lives as long as its runtime, not as long as one
+inner compiler); a shape-generic unit's key holds no sizes, and its variants
+are told apart by their guards (symbolic.py). The cache lives as long as its runtime, not as long as one
 Dynamo graph, so a Dynamo recompile or a precision switch re-links variants
 that were compiled before, and identical blocks share one. The runtime never
 reads it: it only calls the `on_close` callback registered here, which drops
@@ -14,6 +15,7 @@ import weakref
 from typing import Any, Callable, Hashable
 
 from .interface import StreamingRuntime
+from .symbolic import Guard, GuardedVariants
 
 
 class VariantCache:
@@ -21,24 +23,31 @@ class VariantCache:
         self.compiled: dict[Hashable, Callable] = {}
         self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
         self.warned_shapes = False  # the second-input-shape warning is given once per runtime
+        self.shapes_seen: dict[Hashable, set[tuple]] = {}  # static variants: input shapes per structure key
 
-    def get(self, key: Hashable) -> Callable | None:
-        return self.compiled.get(key)
+    def get(self, key: Hashable, args: tuple = ()) -> Callable | None:
+        """The variant for `key`; for a shape-generic key, the first whose guard accepts `args`."""
+        entry = self.compiled.get(key)
+        return entry.find(args) if isinstance(entry, GuardedVariants) else entry
 
-    def add(self, key: Hashable, compiled: Callable, info: dict[str, Any]) -> None:
-        self.compiled[key] = compiled
+    def add(self, key: Hashable, compiled: Callable, info: dict[str, Any], guard: Guard | None = None) -> None:
+        if guard is None:
+            self.compiled[key] = compiled
+        else:
+            self.compiled.setdefault(key, GuardedVariants()).add(guard, compiled)
         self.info[key] = info
 
     def count_structure(self, structure: Hashable) -> int:
-        """How many variants share this structure key (one per input signature / grad mode)."""
-        return sum(1 for key in self.compiled if key[0] == structure)
+        """How many variants share this structure key (one per input signature / guard / grad mode)."""
+        return sum(len(entry) if isinstance(entry, GuardedVariants) else 1
+                   for key, entry in self.compiled.items() if key[0] == structure)
 
     def clear(self) -> None:
         self.compiled.clear()
         self.info.clear()
 
     def __len__(self) -> int:
-        return len(self.compiled)
+        return sum(len(e) if isinstance(e, GuardedVariants) else 1 for e in self.compiled.values())
 
 
 _caches: "weakref.WeakKeyDictionary[Any, VariantCache]" = weakref.WeakKeyDictionary()

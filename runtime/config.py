@@ -81,7 +81,9 @@ class PrecisionConfig:
     """Selective precision (selective-precision.txt), defaults as the seed's."""
 
     enabled: bool = True
-    mode: str = "dynamic"  # "off" | "static" | "dynamic"
+    # "off" | "static" | "dynamic"; None = not set: the policy stays off unless offload(precision="auto"),
+    # which runs it with the seed's default ("dynamic", `effective_mode`).
+    mode: str | None = None
     bf16_threshold: float = 0.6
     int8_threshold: float = 0.3
     ambiguous_default: str = precisions.FULL
@@ -101,9 +103,30 @@ class PrecisionConfig:
     log_decisions: bool = True
     telemetry_enabled: bool = True
     telemetry_file: str = "selective_precision_telemetry.jsonl"
+    # Beyond the seed (issue 10): where calibration results are cached (None = $STAGEHAND_CACHE_DIR/calibration).
+    calibration_cache_dir: str | None = None
+    # Loss feedback (needs rt.observe_loss(loss)): a switch to fewer bytes followed within
+    # loss_feedback_steps by a mean loss above (1 + loss_spike_ratio) x the mean before it is reverted,
+    # and the block stays in bf16 for loss_feedback_block_steps.
+    loss_spike_ratio: float = 0.1
+    loss_feedback_steps: int = 20
+    loss_feedback_block_steps: int = 100
+    # FP8: a measured policy file (`python -m torch_stagehand.runtime.selective.fp8_bench`); blocks the policy
+    # sends to fewer bytes take fp8 where every layer was measured faster than bf16 at fp8_tokens tokens.
+    fp8_policy_file: str | None = None
+    fp8_tokens: int | None = None
+    # fp8 on a device without FP8 tensor cores (CPU, pre-sm_89) computes a dequantized emulation; off = refused.
+    fp8_emulate: bool = False
+    # "block": one precision per block (the seed); "layer": a block's attention and MLP are scored and
+    # switched apart (maps then hold by-role precisions such as "int8-mlp": attention bf16, MLP int8).
+    granularity: str = "block"
+
+    @property
+    def effective_mode(self) -> str:
+        return "dynamic" if self.mode is None else self.mode
 
     def validate(self, prefix: str = "selective_precision") -> None:
-        if self.mode not in ("off", "static", "dynamic"):
+        if self.mode is not None and self.mode not in ("off", "static", "dynamic"):
             raise ConfigError(f"{prefix}.mode: must be 'off', 'static' or 'dynamic', got {self.mode!r}")
         known = precisions.names()
         if self.ambiguous_default not in known:
@@ -128,6 +151,16 @@ class PrecisionConfig:
             blocks = getattr(self, name)
             if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
                 raise ConfigError(f"{prefix}.{name}: must be a list of block indices, got {blocks!r}")
+        if self.granularity not in ("block", "layer"):
+            raise ConfigError(f"{prefix}.granularity: must be 'block' or 'layer', got {self.granularity!r}")
+        _positive_number(self.loss_spike_ratio, f"{prefix}.loss_spike_ratio")
+        for name in ("loss_feedback_steps", "loss_feedback_block_steps"):
+            _positive_int(getattr(self, name), f"{prefix}.{name}")
+        if self.fp8_policy_file is not None and self.fp8_tokens is None:
+            raise ConfigError(f"{prefix}.fp8_tokens: must be set with {prefix}.fp8_policy_file "
+                              "(the policy's rules are per token count)")
+        if self.fp8_tokens is not None:
+            _positive_int(self.fp8_tokens, f"{prefix}.fp8_tokens")
         both = set(self.force_bf16_blocks) & set(self.force_int8_blocks)
         if both:
             raise ConfigError(
@@ -264,6 +297,11 @@ _NESTED = {(Config, "conductor"): ConductorConfig, (Config, "selective_precision
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_number(value: Any, path: str) -> None:
+    if not _is_number(value) or value <= 0:
+        raise ConfigError(f"{path}: must be a positive number, got {value!r}")
 
 
 def _positive_int(value: Any, path: str) -> None:

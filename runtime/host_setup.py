@@ -52,6 +52,22 @@ def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_ma
     return store, plan
 
 
+def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: str, progress) -> None:
+    """The Runtime's host store (`rt.store`, `rt.host_plan`): planned, preflighted, filled with the
+    masters (from the model or its checkpoint) and, given a slab, its INT8 rows."""
+    n = len(rt.blocks)
+    rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,
+                                             rt.checkpoint, slab_loader is not None)
+    meta_blocks = fill_masters(rt.store, rt.checkpoint, progress)
+    if slab_loader is not None:
+        if rt.config.int8_tier != "disk":  # the disk tier holds no INT8 in RAM
+            rt.store.reserve(precisions.INT8, list(range(n)))
+        slab_loader(rt)
+    elif meta_blocks:
+        raise RuntimeError(f"offload: block {rt.blocks[meta_blocks[0]]} has weights on the meta device and no slab "
+                           "was given (nor a checkpoint= holding them)")
+
+
 def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress) -> list[int]:
     """Masters into the store (flat buffers, or views of the file); returns the blocks with none (meta, no file)."""
     if store.keep_full == KEEP_FILE:

@@ -30,12 +30,14 @@ from .conductor.fetch_order import FetchOrder
 from .conductor.trace import EAGER
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
+from .events import RuntimeEvents, progress, unwrap_optimizer
 from .host_plan import host_report
-from .host_setup import fill_masters, load_resident, make_host_store, progress as _progress
+from .host_setup import build_host_store, load_resident
 from .host_store import check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
+from .selective.runtime_api import SelectivePrecisionAPI
 from .slots import SlotPool
 from .streamed import guard_conversions, make_plain, make_streamed, unguard
 
@@ -46,7 +48,7 @@ class EagerFallbackWarning(UserWarning):
     """A compiled model ran a block through the eager op path (correct, slower)."""
 
 
-class Runtime:
+class Runtime(SelectivePrecisionAPI):
     def __init__(
         self,
         model: nn.Module,
@@ -56,8 +58,7 @@ class Runtime:
         precision: dict[int, str],
         config: Config,
         slab_loader=None,
-        keep_full: str | None = None,
-        checkpoint=None,  # a weights_file.WeightsFile: the model's safetensors (meta models load from it)
+        keep_full: str | None = None, checkpoint=None,  # checkpoint: a WeightsFile (a meta model loads from it)
     ):
         check_master_dtypes(layers)
         self.model = model
@@ -68,10 +69,10 @@ class Runtime:
         self._closed = False
         self._restored = False
         self._hooks: list[Any] = []
+        self._attached: list[torch.optim.Optimizer] = []  # optimizers whose steps end a step (attach)
         self._conversion_guards: list[nn.Module] = []
         self._on_close: list[Callable[[], None]] = []
-        self.checkpoint = checkpoint
-        self._keep_full = keep_full if keep_full is not None else config.keep_full
+        self.checkpoint, self._keep_full = checkpoint, keep_full if keep_full is not None else config.keep_full
         # Checked before the model is touched: a bad path fails here, not at the first step.
         self.telemetry = TelemetryWriter(config.telemetry_path)
         self._block_first_layer = {}
@@ -98,28 +99,20 @@ class Runtime:
         self.eager_blocks: set[int] = set()
         self._eager_warned: set[tuple[int, str]] = set()
         self.recomputed_blocks = 0
+        self.offload_summary: dict[str, Any] = {}  # what offload() reported (the front door fills it)
+        self.events = RuntimeEvents()  # step ends and compiles, for the front door's reports
 
     def _offload(self, precision: dict[int, str], slab_loader) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
         model, config, block_fqns, layers = self.model, self.config, self.blocks, self.layers
-        # Planned and checked against the machine's memory before anything is allocated (host_plan.py).
-        self.store, self.host_plan = make_host_store(layers, len(block_fqns), precision, config, self.device,
-                                                     self._keep_full, self.checkpoint, slab_loader is not None)
-        meta_blocks = fill_masters(self.store, self.checkpoint, _progress)
-        if slab_loader is not None:
-            if config.int8_tier != "disk":  # the disk tier holds no INT8 in RAM
-                self.store.reserve(precisions.INT8, list(range(len(block_fqns))))
-            slab_loader(self)
-        elif meta_blocks:
-            raise RuntimeError(
-                f"offload: block {block_fqns[meta_blocks[0]]} has weights on the meta device and no slab was given"
-            )
+        # self.store: planned and checked against the machine's memory before anything is allocated.
+        build_host_store(self, precision, slab_loader, self._keep_full, progress)
         for index, spec in enumerate(layers):
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
         if self.checkpoint is not None:  # a model built on the meta device: its resident tensors, one by one
-            load_resident(model, self.checkpoint, self.device, {s.fqn + ".weight" for s in layers}, _progress)
+            load_resident(model, self.checkpoint, self.device, {s.fqn + ".weight" for s in layers}, progress)
         model.to(self.device)  # everything but the streamed weights becomes resident
 
         self._precision: dict[int, str] = {}
@@ -145,8 +138,7 @@ class Runtime:
         registry.unregister_runtime(self.id)
         self._undo.undo()
         self.telemetry.close()
-        if getattr(self, "store", None) is not None:
-            self.store.free()
+        getattr(self, "store", None) is not None and self.store.free()
         self.store = self.pool = self.checkpoint = None  # the pinned store and slots are freed with the exception
         self._closed = True
 
@@ -171,7 +163,8 @@ class Runtime:
                     f"precision map: block {block} ({self.blocks[block]}) has no full-precision weights "
                     f"to stream {value} from (it was loaded from an INT8 slab only)"
                 )
-        self.store.build_missing(new, _progress)
+        self._check_precision_devices(new)  # fp8 needs FP8 tensor cores unless emulation was asked for
+        self.store.build_missing(new, progress)
         self._precision = new
         self.store.set_pins(new)  # what streams is locked, what no longer does is not
 
@@ -204,14 +197,20 @@ class Runtime:
             "eager_linear_calls": self.eager_linear_calls,
             "eager_blocks": [self.blocks[b] for b in sorted(self.eager_blocks)],
             "recomputed_blocks": self.recomputed_blocks,
+            "offload": self.offload_summary,
         }
 
     def attach(self, optimizer: torch.optim.Optimizer):
-        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after."""
+        """Phases from the optimizer: OPTIMIZER before its step, STEP_END after (a wrapper: its inner one; once)."""
         self._check_open()
+        optimizer = unwrap_optimizer(optimizer)
+        if any(o is optimizer for o in self._attached):
+            return self
+        self._attached.append(optimizer)
         pre = optimizer.register_step_pre_hook(lambda *_: self.phases.optimizer_begin())
         post = optimizer.register_step_post_hook(lambda *_: self.phases.end_step())
         self._hooks += [pre, post]
+        self._hooks += self._selective_hooks(optimizer)  # selective precision runs before the step
         return self
 
     def restore(self) -> nn.Module:
@@ -225,10 +224,8 @@ class Runtime:
         self._check_open()
         int8_only = [self.blocks[b] for b, bb in enumerate(self.store.blocks) if not bb.has_master]
         if int8_only:
-            raise RuntimeError(
-                f"restore: block {int8_only[0]} was loaded from an INT8 slab only; "
-                "its full-precision weights were never in memory"
-            )
+            raise RuntimeError(f"restore: block {int8_only[0]} was loaded from an INT8 slab only; "
+                               "its full-precision weights were never in memory")
         with torch.no_grad():
             for spec in self.layers:
                 make_plain(spec.module)
@@ -270,9 +267,11 @@ class Runtime:
         self.compile_seconds += seconds
         self.compile_count += 1
         self.block_variant_count += block_variant
+        self.events.compiled("block variant" if block_variant else "unit", seconds)
 
     def record_graph(self, record: Any) -> None:
         self.graph_records.append(record)
+        self.events.compiled("graph", 0.0)
 
     def on_close(self, callback: Callable[[], None]) -> None:
         self._on_close.append(callback)
@@ -386,8 +385,10 @@ class Runtime:
         record["precision"] = {str(b): p for b, p in self._precision.items()}
         if self.device.type == "cuda":
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
+            record["vram_peak_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         self._step_base = now
         self.telemetry.write(record)
+        self.events.step(record)
 
     def _check_open(self) -> None:
         if self._closed:

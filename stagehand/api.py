@@ -12,6 +12,7 @@ from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
 from torch_stagehand.runtime.precision import FULL, validate_precision_map
 from torch_stagehand.runtime.runtime import Runtime
+from torch_stagehand.runtime.selective.controller import AUTO, SelectivePrecision, selective_precision_requested
 from torch_stagehand.runtime.streamed import is_streamed
 
 log = logging.getLogger(__name__)
@@ -28,13 +29,17 @@ def offload(
     precision: str | dict = FULL,
     slab=None,
     config: Config | None = None,
+    verbose: bool = True,
     keep_full: str | None = None,
     checkpoint=None,
 ) -> Runtime:
     """Stream the Linear weights of `model`'s blocks from host memory; keep the rest on `device`.
 
-    precision: "bf16" (the weights as the model holds them), "int8", or a map
+    precision: "bf16" (the weights as the model holds them), "int8", "fp8", or a map
     {block index or block FQN: precision}; blocks the map leaves out get "bf16".
+    "auto" turns selective precision on (starting all bf16); so does a config whose
+    selective_precision sets a mode, with `precision` as the starting map. Otherwise
+    the map stays exactly as given.
     slab: path to an INT8 slab (`{name}.manifest.json` or its directory + name)
     whose rows are read straight into the host store.
     keep_full: where the full-precision master of a block that streams INT8 is
@@ -46,7 +51,13 @@ def offload(
     straight into the host store and the device, never whole in RAM.
     Before anything is allocated, the host copies are checked against the
     machine's memory: a `HostMemoryError` says what does not fit and what to change.
+    verbose: print what offload did to stderr, once (block lists found and skipped, blocks per
+    precision, bytes per step, host bytes, seconds per stage) and one line after the first step
+    (what the first call's compile cost). The same summary is in `rt.stats()["offload"]`.
     """
+    from .offload_report import FirstCallProgress, StageClock, report_offload, summarize
+
+    clock = StageClock()
     if any(is_streamed(m) for m in model.modules()):
         raise RuntimeError("offload: this model is already offloaded (call restore() on its Runtime first)")
     config = (config or Config()).validate()
@@ -55,7 +66,12 @@ def offload(
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
-    precision_map = validate_precision_map(precision, block_fqns, context="offload: precision map")
+    auto = isinstance(precision, str) and precision == AUTO
+    if auto and not config.selective_precision.enabled:
+        raise ValueError("offload: precision='auto' asks for selective precision, but "
+                         "selective_precision.enabled is false in the config")
+    precision_map = validate_precision_map(FULL if auto else precision, block_fqns, context="offload: precision map")
+    clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
         from torch_stagehand.runtime.slab.loading import slab_loader_for
@@ -68,13 +84,23 @@ def offload(
         weights_file = WeightsFile(checkpoint)
     rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
                  keep_full=keep_full, checkpoint=weights_file)
+    clock.mark("host store, precision copies, slots")
+    if selective_precision_requested(config.selective_precision, auto):
+        try:
+            rt.selective = SelectivePrecision(rt, precision_map)
+            rt.on_close(rt.selective.close)
+        except BaseException:
+            rt.restore()
+            raise
     undo_attention_guard = disable_unsafe_sdpa_backends(device)
     if undo_attention_guard is not None:
         rt.on_close(undo_attention_guard)
-    log.info(
-        "stagehand: %d blocks, %d streamed layers, %.1f MB host store, %d slots of %.1f MB on %s",
-        len(block_fqns), len(layers), rt.store.host_bytes() / 1e6, len(rt.pool.slots), rt.pool.slot_bytes / 1e6, device,
-    )
+    summary = summarize(model, rt, clock.done())
+    rt.offload_summary = summary.as_dict()
+    log.info("%s", summary)
+    report_offload(summary, auto=blocks == "auto", verbose=verbose)
+    if verbose:
+        FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
     return rt
 
 
@@ -178,4 +204,5 @@ def explain(model: nn.Module, *args, **kwargs):
         stats=rt.stats(),
         segments=segments,
         passes=passes,
+        offload=dict(rt.offload_summary),
     )

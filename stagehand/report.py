@@ -66,6 +66,8 @@ class Report:
     segments: list[dict] = field(default_factory=list)
     # The compiler passes that ran, in order: {"graph", "unit" ("" for the graph-level passes), "name", "notes"}.
     passes: list[dict] = field(default_factory=list)
+    # What offload() did (`rt.stats()["offload"]`): block lists, blocks per precision, bytes per step, host bytes.
+    offload: dict = field(default_factory=dict)
 
     def schedule_rows(self) -> list[list]:
         return [
@@ -106,5 +108,16 @@ class Report:
         return (f"host memory (keep_full={host['keep_full']!r}): {kinds}; pinned {host['pinned_requested_bytes'] / 1e9:.2f}"
                 f" GB asked, {host['pinned_locked_bytes'] / 1e9:.2f} GB locked, {host['host_allocations']} allocation(s)")
 
+    def offload_line(self) -> str:
+        o = self.offload
+        if not o:
+            return ""
+        lists = "; ".join(b["fqn"] + (f" ({b['children']} blocks)" if b["streamed"] else f" skipped: {b['reason']}")
+                          for b in o["block_lists"])
+        precision = ", ".join(f"{p} x{n}" for p, n in o["precision_blocks"].items())
+        return (f"offload: {lists}; precision {precision}; {o['forward_bytes'] / 1e6:,.1f} MB per forward, "
+                f"host store {o['host_bytes'] / 1e6:,.1f} MB, {o['slots']} slots of {o['slot_bytes'] / 1e6:,.1f} MB")
+
     def __str__(self) -> str:
-        return f"{self.summary()}\n{self.host_summary()}\n\n{self.table()}"
+        head = "\n".join(x for x in (self.offload_line(), self.summary(), self.host_summary()) if x)
+        return f"{head}\n\n{self.table()}"

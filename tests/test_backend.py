@@ -137,16 +137,78 @@ def test_graph_break_inside_a_block_is_correct():
     assert rt.stats()["sync_fetches"] == 0
 
 
-def test_changing_shapes_compile_new_variants_and_stay_correct():
+def test_a_second_sequence_length_compiles_one_shape_generic_variant_for_every_later_one():
     model, x = toy(n=3)
     plain = copy.deepcopy(model)
     rt = stagehand.offload(model, device="cpu")
     compiled = _compile(model)
-    with torch.no_grad():
-        for seq in (5, 7, 9):
+    counts = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # shape-generic variants: nothing to warn about
+        for seq in (5, 7, 9, 13):
             xs = torch.randn(2, seq, 32)
             assert rel_err(compiled(xs), plain(xs)) < 1e-6
-    assert rt.stats()["compiled_variants"] >= 2
+            counts.append(rt.stats()["compiled_variants"])
+    # 5: the static variant; 7: Dynamo makes the sequence dynamic and the block compiles once
+    # for every length; 9 and 13 compile nothing.
+    assert counts[0] == 1 and counts[1] == 2 and counts[3] == counts[1]
+    assert any(info.get("shape_generic") for info in variant_cache(rt).info.values())
+
+
+def test_a_shape_generic_variant_runs_only_where_its_guard_holds():
+    # At (3, 3) batch and length are equal, so the shape-generic variant compiled there assumes they
+    # are (Dynamo's duck sizing, kept as a guard); (4, 7) breaks that guard and must compile another
+    # variant instead of running the first with the wrong sizes; (5, 5) satisfies it again.
+    model, _ = toy(n=2)
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu")
+    compiled = _compile(model)
+    counts = []
+    with torch.no_grad():
+        for batch, seq in ((2, 5), (3, 3), (4, 7), (5, 5)):
+            xs = torch.randn(batch, seq, 32)
+            assert rel_err(compiled(xs), plain(xs)) < 1e-6, (batch, seq)
+            counts.append(rt.stats()["compiled_variants"])
+    assert counts == [1, 2, 3, 3]
+    guarded = [e for e in variant_cache(rt).compiled.values() if hasattr(e, "entries")]
+    assert any("size()[1] == L['t0'].size()[0]" in (g.code or "") for e in guarded for g, _ in e.entries)
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_training_over_changing_lengths_is_correct_and_compiles_once_per_grad_mode(inner, precision):
+    model, _ = toy(n=3)
+    model.embed.requires_grad_(True)
+    model.head.requires_grad_(True)
+    ref_model = int8_reference(model, precision)
+    rt = stagehand.offload(model, device="cpu", precision=precision)
+    compiled = _compile(model, inner)
+    tol = 1e-5 if inner == "eager" else 1e-4
+    compiles_after = []
+    for batch, seq in ((2, 5), (3, 7), (4, 11), (2, 16)):
+        xs = torch.randn(batch, seq, 32)
+        got, ref = _train_step(compiled, model, xs), _train_step(ref_model, ref_model, xs)
+        assert rel_err(got[0], ref[0]) < tol and rel_err(got[1], ref[1]) < tol, (batch, seq)
+        assert got[2].keys() == ref[2].keys() and all(rel_err(got[2][k], ref[2][k]) < tol for k in ref[2])
+        compiles_after.append(rt.stats()["compiled_variants"])
+    assert compiles_after[2] == compiles_after[3] == compiles_after[1]  # lengths 11 and 16 compile nothing
+
+
+def test_static_shapes_compile_per_shape_and_say_so_once():
+    model, _ = toy(n=3)
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"}, dynamic=False)
+    with torch.no_grad():
+        compiled(torch.randn(2, 5, 32))
+        with pytest.warns(UserWarning, match="second input shape with static shapes"):
+            xs = torch.randn(2, 7, 32)
+            assert rel_err(compiled(xs), plain(xs)) < 1e-6
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            compiled(torch.randn(2, 9, 32))
+    assert rt.stats()["compiled_variants"] == 3  # the user asked for static shapes: one variant per length
 
 
 def test_explain_reports_graphs_and_schedule():
@@ -201,24 +263,23 @@ def test_bad_backend_options():
     assert issubclass(BackendOptionsError, ValueError)
 
 
-def test_dynamic_true_matches_the_plain_model_and_a_second_shape_warns_once():
+def test_dynamic_true_compiles_once_for_all_shapes_and_matches_the_plain_model():
     model, x = toy(n=3)
     ref = copy.deepcopy(model)
-    stagehand.offload(model, device="cpu")
+    rt = stagehand.offload(model, device="cpu")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"}, dynamic=True)
     with torch.no_grad():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # one shape: nothing to say
             assert rel_err(compiled(x), ref(x)) < 1e-5
-        x2 = torch.randn(3, 7, 32)
-        with pytest.warns(UserWarning, match="second input shape") as caught:
-            assert rel_err(compiled(x2), ref(x2)) < 1e-5
-        assert sum("second input shape" in str(w.message) for w in caught) == 1
-        with warnings.catch_warnings(record=True) as later:
-            warnings.simplefilter("always")
-            compiled(torch.randn(4, 3, 32))
-        assert not [w for w in later if "second input shape" in str(w.message)]  # said once
+        before = rt.stats()["compiled_variants"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # shape-generic variants: a new shape is nothing to warn about
+            for shape in ((3, 7, 32), (4, 3, 32)):
+                x2 = torch.randn(*shape)
+                assert rel_err(compiled(x2), ref(x2)) < 1e-5
+        assert rt.stats()["compiled_variants"] == before  # compiled once, for all sizes
         # Dynamo passes the norms' eps as tensor inputs here; a variant compiles the value in,
         # so a new value must reach a new variant, never an old constant.
         small_eps = ref(x)

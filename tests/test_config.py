@@ -12,7 +12,7 @@ from torch_stagehand import Config, ConfigError
 def test_defaults_are_the_seeds():
     c = Config()
     sp, cd = c.selective_precision, c.conductor
-    assert (sp.mode, sp.bf16_threshold, sp.int8_threshold, sp.hysteresis_margin) == ("dynamic", 0.6, 0.3, 0.1)
+    assert (sp.effective_mode, sp.bf16_threshold, sp.int8_threshold, sp.hysteresis_margin) == ("dynamic", 0.6, 0.3, 0.1)
     assert (sp.grad_weight, sp.error_weight, sp.warmup_steps, sp.min_steps_between_switches) == (0.7, 0.3, 10, 20)
     assert (cd.h2d_slots, cd.d2h_slots, cd.prefetch_window) == (2, 2, 1)
     assert c.slot_count == 2

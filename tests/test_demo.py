@@ -22,6 +22,18 @@ def test_short_demo_trains_and_writes_plot_and_telemetry(tmp_path):
     schedule = (tmp_path / "schedule.txt").read_text()
     assert "prefetch" in schedule and "backward" in schedule  # explain() ran with grad: the backward schedule too
     assert json.loads((tmp_path / "summary.json").read_text())["losses"] == result.losses
+    # The map changes during the run (all int8 from step 4, swapped from step 8): the heatmap is not flat.
+    maps = [r["precision"] for r in records]
+    assert maps[0] != maps[4] != maps[8] and set(maps[4].values()) == {"int8"}
+    assert records[5]["h2d_bytes"] < records[1]["h2d_bytes"]  # INT8 blocks cross at about half the bytes
+
+    # `stagehand plot` draws the demo's telemetry.
+    from torch_stagehand.app.cli import main
+
+    assert main(["plot", str(tmp_path / "telemetry.jsonl"), "--out", str(tmp_path / "plots")]) == 0
+    for name in ("timeline", "memory", "precision"):
+        png = (tmp_path / "plots" / f"{name}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
 
 
 def test_demo_command_usage_errors_exit_2(capsys):

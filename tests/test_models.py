@@ -162,3 +162,31 @@ def test_activation_checkpointing_is_correct_and_streams_ahead_in_both_direction
     stats = rt.stats()
     assert stats["sync_fetches"] <= 1  # only the very first block; the recompute prefetches backwards
     assert rt.phases.phase.value == "backward" and stats["steps"] == 0  # recompute did not start a step
+
+
+def test_peft_lora_llama_over_changing_sequence_lengths_compiles_blocks_once_for_all():
+    """An LLM fine-tune sees many lengths: the second one makes them dynamic, later ones compile nothing."""
+    model, _ = _with_lora("llama")
+    rt = stagehand.offload(model, device="cpu", precision="int8")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    gen = torch.Generator().manual_seed(3)
+    variants = []
+    for seq in (16, 24, 40):
+        inputs = {"input_ids": torch.randint(0, 256, (2, seq), generator=gen)}
+        for p in model.parameters():
+            p.grad = None
+        loss = _loss("llama", compiled, inputs)
+        loss.backward()
+        grads = _lora_grads(model)
+        variants.append(rt.stats()["compiled_variants"])
+        rt_state = rt.precision  # the reference: the same offloaded model, run eagerly (no compile)
+        for p in model.parameters():
+            p.grad = None
+        ref_loss = _loss("llama", model, inputs)
+        ref_loss.backward()
+        ref_grads = _lora_grads(model)
+        assert rt.precision == rt_state
+        assert rel_err(loss, ref_loss) < 1e-2, seq
+        assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 8e-2, seq
+    assert variants[2] == variants[1] > variants[0]  # length 40 compiled no block variant

@@ -3,7 +3,8 @@
 Fields follow conductor.txt's telemetry where they apply (step_id,
 vram_allocated_mb, phase_durations) plus the stream's own counters for the
 step: bytes moved, fetches issued, how many were prefetched, how many waits
-had to fetch synchronously (stalls), denials by reason, and the precision map.
+had to fetch synchronously (stalls), denials by reason, the precision map, the process's
+host resident memory (`host_rss_mb`, Linux) and on CUDA the allocated and peak GPU memory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ class TelemetryWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"timestamp": time.time(), **record}
+        rss = host_rss_bytes()
+        if rss is not None:
+            record.setdefault("host_rss_mb", round(rss / 2**20, 1))
         self.records.append(record)
         if self.path is None:
             return
@@ -35,6 +39,15 @@ class TelemetryWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def host_rss_bytes() -> int | None:
+    """This process's resident memory now (Linux /proc; None elsewhere): the telemetry's host memory."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class TelemetryPathError(ValueError):

@@ -11,13 +11,14 @@ branches on which precision it is. Adding one (FP8) is a new entry here:
 
 from .base import Precision
 from .layout import ALIGN, CODE_DTYPES, DTYPE_CODES, LayerLayout, align
-from .registry import FULL, INT8, by_code, get, layer_views, master, names, register, unregister
+from .registry import FP8, FULL, INT8, by_code, get, layer_views, master, names, register, unregister
 from .validate import PrecisionMapError, validate_precision_map
 
 __all__ = [
     "ALIGN",
     "CODE_DTYPES",
     "DTYPE_CODES",
+    "FP8",
     "FULL",
     "INT8",
     "LayerLayout",

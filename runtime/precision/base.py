@@ -78,5 +78,9 @@ class Precision(abc.ABC):
     def grad_input_from_slot(self, dy: torch.Tensor, slot: torch.Tensor, lay: LayerLayout) -> torch.Tensor:
         ...
 
+    def check_device(self, device: torch.device, emulate: bool) -> None:
+        """Raise if this precision cannot compute on `device` (`emulate`: the user allowed an emulation)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<precision {self.name!r} code {self.code}>"

@@ -15,7 +15,7 @@ import torch
 
 # Every layer starts on a 256-byte boundary: aligned loads for the kernels.
 ALIGN = 256
-DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.int8: 3}
+DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.int8: 3, torch.float8_e4m3fn: 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 
 from .base import Precision
+from .by_role import ATTENTION, MLP, ByRole, by_role_name
+from .fp8 import Fp8PerRow
 from .full import FullPrecision
 from .int8 import Int8PerRow
 from .layout import LayerLayout
@@ -69,3 +71,8 @@ def layer_views(buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]
 
 FULL = register(FullPrecision()).name
 INT8 = register(Int8PerRow()).name
+FP8 = register(Fp8PerRow()).name
+# Per-layer granularity: one low precision for a block's attention or its MLP only, the rest full.
+for _code, (_low, _role) in enumerate([(INT8, ATTENTION), (INT8, MLP), (FP8, ATTENTION), (FP8, MLP)], start=3):
+    register(ByRole(by_role_name(_low, _role), _code, attention=_BY_NAME[_low if _role == ATTENTION else FULL],
+                    mlp=_BY_NAME[_low if _role == MLP else FULL]))

@@ -3,6 +3,8 @@
     stagehand inspect  TARGET [--graph SUBSTR] [--precision P] [--device D] [--train] [--config C]
     stagehand schedule TARGET [--json PATH]    [--precision P] [--device D] [--train] [--config C]
     stagehand demo     [--steps N] [--device D] [--out DIR] [--seed S] [--precision P] [--inner I] [--config C]
+    stagehand plot     TELEMETRY.jsonl [--out DIR] [--title T]
+    stagehand --version
 
 TARGET is a preset (tiny-llama, tiny-gpt2, tiny-flux, dit-48x3072) or
 `path/to/file.py:factory` naming a function that returns (model, example_inputs).
@@ -166,7 +168,8 @@ def explain_target(args) -> tuple[Any, Any]:
         model, inputs, how = prepare_training(model, inputs)
     try:
         with Stage(f"offloading {n_blocks} blocks to the host store (precision {args.precision}, device {device})"):
-            rt = stagehand.offload(model, device=device, precision=precision, config=config)
+            # verbose=False: this Stage line is the progress; the summary would split it
+            rt = stagehand.offload(model, device=device, precision=precision, config=config, verbose=False)
     except (PrecisionMapError, BlockSelectionError) as e:
         raise UsageError(str(e)) from None
     inputs = map_tensors(lambda t: t.to(device), inputs)
@@ -263,6 +266,30 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from .telemetry_plots import TelemetryFileError, plot_telemetry
+
+    out = args.out or os.path.dirname(os.path.abspath(args.telemetry))
+    check_output_path("--out", out, folder=True)
+    try:
+        files = plot_telemetry(args.telemetry, out, title=args.title)
+    except TelemetryFileError as e:
+        raise UsageError(str(e)) from None
+    for what, path in files.items():
+        print(f"wrote {what:9s} {path}")
+    return 0
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("torch-stagehand")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 # ---- argument parsing -------------------------------------------------------------------
 
 
@@ -286,6 +313,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stagehand", description="torch-stagehand: look inside the backend, or run the demo.")
+    parser.add_argument("--version", action="version", version=f"stagehand (torch-stagehand) {version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("inspect", help="print the segment table and the rewritten graphs")
@@ -309,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inner compiler (default: inductor on a GPU, eager on a CPU)")
     p.add_argument("--config", default=None, metavar="JSON", help="a Config as a JSON file or JSON text")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("plot", help="PNGs from a run's telemetry.jsonl: step timeline, memory, precision map")
+    p.add_argument("telemetry", help="a telemetry JSONL file (Config.telemetry_file; the demo writes one)")
+    p.add_argument("--out", default=None, help="output folder (default: the telemetry file's folder)")
+    p.add_argument("--title", default=None, help="title prefix of the plots (default: the folder's name)")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -85,6 +85,15 @@ def default_precision(n_blocks: int) -> dict[int, str]:
     return {b: ("int8" if b >= n_blocks // 2 else "bf16") for b in range(n_blocks)}
 
 
+def precision_schedule(pmap: dict[int, str], steps: int) -> dict[int, dict[int, str]]:
+    """{step: map} the demo switches to: its map, then every block int8 from a third of the run, then the
+    map's blocks swapped (bf16 <-> int8) from two thirds: the map changes between steps without recompiling."""
+    if steps < 3 or set(pmap.values()) - {"bf16", "int8"}:
+        return {}
+    swapped = {b: ("int8" if p == "bf16" else "bf16") for b, p in pmap.items()}
+    return {steps // 3: {b: "int8" for b in pmap}, 2 * steps // 3: swapped}
+
+
 def build_model(shape: DemoShape, seed: int):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -162,7 +171,10 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
     timed_seconds, timed_tokens = 0.0, 0
     bar = tqdm(range(shape.steps), desc="compiling + step 0", unit="step", disable=not progress,
                dynamic_ncols=True, file=sys.stderr)
+    switches = precision_schedule(dict(rt.precision), shape.steps)
     for step in bar:
+        if step in switches:
+            rt.set_precision(switches[step])  # compiled block variants are re-linked, not recompiled
         t0 = time.perf_counter()
         ids = batches.next().to(device)
         loss = compiled(input_ids=ids, labels=ids).loss

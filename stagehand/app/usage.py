@@ -58,7 +58,7 @@ def _parse_part(part: str, text: str, known) -> tuple[int, int, str]:
         raise UsageError(f"--precision {text!r}: empty part (a stray comma?)")
     blocks, sep, precision = part.partition(":")
     if not sep:
-        if part in ("fp16", "fp32", "bfloat16", "fp8", "int4"):
+        if part in ("fp16", "fp32", "bfloat16", "int4"):
             raise UsageError(f"--precision {text!r}: unknown precision {part!r} (known: {', '.join(known)})")
         raise UsageError(f"--precision {text!r}: part {part!r} is not BLOCKS:PRECISION (e.g. 0-3:int8 or 4:bf16)")
     precision = precision.strip()

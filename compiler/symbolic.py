@@ -1,0 +1,154 @@
+"""Shape-generic units: compile once for every size of the dimensions Dynamo made dynamic.
+
+Units compile lazily, outside Dynamo, from the real inputs of their first call
+(units.py). When the Dynamo graph they came from is static, the variant is
+specialised to those sizes, and a new batch or sequence length needs a new
+variant. When Dynamo made dimensions dynamic (its automatic dynamic shapes at
+the second distinct size, or `dynamic=True`), the unit's placeholders carry
+symbolic example values (`s0`, `s1`); `SymbolicInputs` then fakes the real
+inputs with those dimensions symbolic, in a fresh `ShapeEnv`, and the inner
+compiler (AOTAutograd + Inductor or eager) traces a program valid for any
+size. Whatever that compile assumed about the sizes (Inductor may guard on a
+divisibility or a relation) comes back as a guard expression over the inputs,
+checked before a variant runs (`GuardedVariants`), as Dynamo checks its own:
+a call that breaks one compiles another variant instead of running a wrong
+one.
+
+Everything not symbolic in the Dynamo graph (a hidden size, the dtypes) stays
+static and is guarded as well (`ignore_static=False`), so the guard is the
+whole truth about which inputs a variant accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+
+def _example_value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _is_symbolic(value: Any) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(not isinstance(s, int) for s in value.shape)
+
+
+@dataclass(frozen=True)
+class SymbolicInputs:
+    """Which inputs of a unit are symbolic, and in which dimensions (None for a plain input)."""
+
+    dims: tuple[tuple[bool, ...] | None, ...]  # per placeholder: per-dim dynamic flags for a tensor
+    symints: tuple[bool, ...]  # per placeholder: a SymInt (a size Dynamo passes as an int)
+
+    @staticmethod
+    def of(gm: fx.GraphModule) -> "SymbolicInputs | None":
+        """The symbolic inputs of `gm`, or None when Dynamo gave it static shapes."""
+        values = [_example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        if not any(_is_symbolic(v) for v in values):
+            return None
+        dims = tuple(
+            tuple(not isinstance(s, int) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in values
+        )
+        return SymbolicInputs(dims, tuple(isinstance(v, torch.SymInt) for v in values))
+
+    def coarse_key(self, args: Sequence[Any]) -> tuple:
+        """What no guard checks and a variant fixes: per input, its type, dtype, device, rank, grad flag."""
+        key = []
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
+                key.append((a.dtype, a.requires_grad, a.item()))  # a float compiled in as a constant (inner.py)
+            elif isinstance(a, torch.Tensor):
+                key.append((a.dtype, a.device, a.dim(), a.requires_grad))
+            elif isinstance(a, (int, float, bool)) or a is None:
+                key.append(type(a).__name__)
+            else:
+                key.append(a)
+        return tuple(key)
+
+    def fake(self, args: Sequence[Any]) -> "FakedInputs":
+        """Fake `args` in a fresh ShapeEnv, the dynamic dimensions symbolic."""
+        from torch._dynamo.source import ConstantSource
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+        shape_env = ShapeEnv()  # duck sizing: inputs of equal size share a symbol (and a guard says so)
+        mode = FakeTensorMode(shape_env=shape_env)
+        fakes: list[Any] = []
+        for i, a in enumerate(args):
+            # Inputs past the Dynamo graph's own (a block variant's transfer tokens) are static.
+            dims, symint = (self.dims[i], self.symints[i]) if i < len(self.dims) else (None, False)
+            source = ConstantSource(f"stagehand_input_{i}")
+            if isinstance(a, torch.Tensor):
+                dynamic = dims if dims is not None and len(dims) == a.dim() else (False,) * a.dim()
+                context = StatelessSymbolicContext(
+                    dynamic_sizes=[DimDynamic.DUCK if d else DimDynamic.STATIC for d in dynamic])
+                # No source for a 0-dim CPU tensor (a float Dynamo passes as a tensor, a transfer token):
+                # with one, the fake mode would make its value symbolic, which only Dynamo can resolve.
+                fakes.append(mode.from_tensor(a, source=None if a.dim() == 0 and a.device.type == "cpu" else source,
+                                              symbolic_context=context))
+            elif symint and isinstance(a, int):
+                symbol = shape_env.create_symbol(a, source=source, dynamic_dim=DimDynamic.DUCK)
+                fakes.append(shape_env.create_symintnode(symbol, hint=a, source=source))
+            else:
+                fakes.append(a)
+        return FakedInputs(mode, fakes)
+
+
+@dataclass
+class FakedInputs:
+    mode: Any  # FakeTensorMode
+    values: list[Any]
+
+    def tracing(self):
+        """The context the inner compiler runs in: Dynamo's, with our fake mode."""
+        from torch._guards import TracingContext, tracing
+
+        return tracing(TracingContext(self.mode))
+
+    def guard(self) -> "Guard":
+        """The sizes this compile assumed, as a check over real inputs."""
+        shape_env = self.mode.shape_env
+        positions = [i for i, v in enumerate(self.values) if isinstance(v, (torch.Tensor, torch.SymInt))]
+        code = shape_env.produce_guards_expression([self.values[i] for i in positions], ignore_static=False)
+        return Guard(positions, code)
+
+
+class Guard:
+    """A guard expression over some of a unit's inputs, compiled once (it runs before every call)."""
+
+    def __init__(self, positions: list[int], code: str | None):
+        from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP  # what the expression's functions resolve to
+
+        self.positions, self.code = positions, code
+        self._globals = dict(SYMPY_INTERP)
+        self._compiled = None if code is None else compile(code, "<stagehand unit guard>", "eval")
+
+    def __call__(self, args: Sequence[Any]) -> bool:
+        if self._compiled is None:
+            return True
+        inputs = {f"t{n}": args[i] for n, i in enumerate(self.positions)}
+        return bool(eval(self._compiled, self._globals, {"L": inputs}))  # noqa: S307 - our own guard code
+
+
+@dataclass
+class GuardedVariants:
+    """The variants compiled under one coarse key, each valid where its guard holds (first match runs)."""
+
+    entries: list[tuple[Guard, Callable]] = field(default_factory=list)
+
+    def find(self, args: Sequence[Any]) -> Callable | None:
+        for guard, compiled in self.entries:
+            if guard(args):
+                return compiled
+        return None
+
+    def add(self, guard: Guard, compiled: Callable) -> None:
+        self.entries.append((guard, compiled))
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -1,0 +1,83 @@
+"""Per-layer precision inside a block (issue 10): attention and MLP layers of one block may differ.
+
+A block streams as one buffer in one precision; a *by-role* precision is one
+whose buffer holds the block's attention projections in one precision and the
+rest (the MLP) in another, e.g. "int8-mlp": attention bf16, MLP int8. Every
+layer's layout carries this entry's code (the backward's `wait_bw` takes the
+block's precision from a layer's layout) and the stored dtype of the role's
+precision, which is how this entry hands each layer to the entry that
+stored it (int8 -> "int8", e4m3 -> "fp8", a float -> the full precision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import Precision
+from .layout import LayerLayout
+
+if TYPE_CHECKING:
+    from ..blocks import StreamedLayerSpec
+
+ATTENTION, MLP = "attn", "mlp"
+_ATTENTION_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "to_q", "to_k", "to_v", "to_out", "qkv", "c_attn",
+                     "query", "key", "value", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"}
+
+
+def layer_role(fqn: str) -> str:
+    """ATTENTION for a layer of an attention module or an attention projection, else MLP."""
+    parts = fqn.split(".")
+    if any("attn" in p or "attention" in p for p in parts) or any(p in _ATTENTION_LEAVES for p in parts):
+        return ATTENTION
+    return MLP
+
+
+class ByRole(Precision):
+    derived_from_master = True
+
+    def __init__(self, name: str, code: int, attention: Precision, mlp: Precision):
+        self.name, self.code = name, code
+        self.roles = {ATTENTION: attention, MLP: mlp}
+        self._full = attention if not attention.derived_from_master else mlp
+        self._low = mlp if self._full is attention else attention
+
+    def role_precision(self, role: str) -> str:
+        return self.roles[role].name
+
+    def _for(self, spec: "StreamedLayerSpec") -> Precision:
+        return self.roles[layer_role(spec.fqn)]
+
+    def _stored(self, lay: LayerLayout) -> Precision:
+        """The entry that stored this layer, told by its stored dtype (the full precision's are floats)."""
+        floats = (torch.bfloat16, torch.float16, torch.float32)
+        return self._full if lay.dtype in floats else self._low
+
+    def layer_nbytes(self, spec):
+        return self._for(spec).layer_nbytes(spec)
+
+    def layer_layout(self, spec, offset, scale_offset):
+        return dataclasses.replace(self._for(spec).layer_layout(spec, offset, scale_offset), code=self.code)
+
+    def views(self, buf: torch.Tensor, lay: LayerLayout):
+        return self._stored(lay).views(buf, lay)
+
+    def write(self, buf, lay, weight, quantizer):
+        self._stored(lay).write(buf, lay, weight, quantizer)
+
+    def linear_from_slot(self, x, slot, bias, lay):
+        return self._stored(lay).linear_from_slot(x, slot, bias, lay)
+
+    def grad_input_from_slot(self, dy, slot, lay):
+        return self._stored(lay).grad_input_from_slot(dy, slot, lay)
+
+    def check_device(self, device, emulate):
+        for entry in self.roles.values():
+            entry.check_device(device, emulate)
+
+
+def by_role_name(low: str, role: str) -> str:
+    """The by-role precision that stores `role` layers in `low` and the others in full precision."""
+    return f"{low}-{role}"

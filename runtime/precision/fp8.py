@@ -1,0 +1,138 @@
+""""fp8": E4M3 weights with one fp32 scale per output row (adaptive-fp8.txt; issue 10).
+
+Streams one byte per weight like INT8 (plus 4 bytes of scale per row). On a
+GPU with FP8 tensor cores (compute capability 8.9 and up) both the forward and
+the grad-input run `torch._scaled_mm`: the activation (or the incoming
+gradient) is quantized to E4M3 per row on the fly; the weight's per-row scale
+is the GEMM's column scale in the forward, and in the grad-input (where the
+weight's rows are the reduction dimension) it is folded into the gradient
+before that is quantized. Elsewhere fp8 is refused (`check_device`) unless the
+user asked for the emulation (selective_precision.fp8_emulate): the
+dequantized weight in the activation's dtype, exactly what the stored bytes
+mean, without the activation rounding of the tensor-core path.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .base import Precision
+from .layout import DTYPE_CODES, LayerLayout
+
+if TYPE_CHECKING:
+    from ..blocks import StreamedLayerSpec
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+_MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
+
+
+class Fp8UnsupportedError(RuntimeError):
+    """fp8 was asked for on a device without FP8 tensor cores and no emulation was allowed."""
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _capability_at_least_89(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_at_least_89(index: int) -> bool:  # asked on every fp8 linear: once per device
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def quantize_rows_e4m3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, k] -> (E4M3 [n, k], fp32 scale [n]) with w ~= q * scale[:, None]; absmax per row maps to 448."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp_min(_MIN_SCALE)
+    q = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def dequantize_rows_e4m3(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def _quantize_activation(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row E4M3 of a [m, k] activation / gradient, and its [m, 1] fp32 scale."""
+    scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp_min(_MIN_SCALE)
+    return (x2.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ (q * scale)^T (+ bias) on FP8 tensor cores."""
+    n, k = q.shape
+    if k % 16 or n % 16:
+        raise ValueError(f"fp8: torch._scaled_mm needs in/out features divisible by 16, got [{n}, {k}]")
+    x2 = x.reshape(-1, k)
+    xq, xs = _quantize_activation(x2)
+    # Row-wise scaled FP8 GEMMs return bf16 only; an fp16 / fp32 model gets its dtype back after.
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), out_dtype=torch.bfloat16).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], n)
+
+
+def scaled_grad_input(dy: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dx = dy @ (q * scale) on FP8 tensor cores: the row scale (the reduction dim) goes into dy first."""
+    n, k = q.shape
+    dy2 = dy.reshape(-1, n).float() * scale.view(1, n)
+    dq, ds = _quantize_activation(dy2)
+    ones = torch.ones(1, k, dtype=torch.float32, device=q.device)
+    # _scaled_mm wants its second operand column-major: a transposed copy of the 1-byte weight.
+    dx = torch._scaled_mm(dq, q.t().contiguous().t(), scale_a=ds, scale_b=ones, out_dtype=torch.bfloat16).to(dy.dtype)
+    return dx.view(*dy.shape[:-1], k)
+
+
+class Fp8PerRow(Precision):
+    name = "fp8"
+    code = 2
+    derived_from_master = True
+
+    def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
+        return spec.out_features * spec.in_features, 4 * spec.out_features
+
+    def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
+        return LayerLayout(self.code, offset, spec.out_features, spec.in_features, scale_offset, False, DTYPE_CODES[E4M3])
+
+    def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
+        n, k = lay.out_features, lay.in_features
+        q = buf[lay.offset : lay.offset + n * k].view(E4M3).view(n, k)
+        s = buf[lay.scale_offset : lay.scale_offset + 4 * n].view(torch.float32)
+        return q, s
+
+    def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
+        # `quantizer` names the INT8 clipping search; E4M3 keeps the row's absmax (its spacing is relative).
+        q, s = quantize_rows_e4m3(weight)
+        q_view, s_view = self.views(buf, lay)
+        q_view.copy_(q)
+        s_view.copy_(s)
+
+    def linear_from_slot(self, x, slot, bias, lay):
+        q, s = self.views(slot, lay)
+        if has_fp8_tensor_cores(x.device):
+            return scaled_linear(x, q, s, bias)
+        return F.linear(x, dequantize_rows_e4m3(q, s, x.dtype), bias)
+
+    def grad_input_from_slot(self, dy, slot, lay):
+        q, s = self.views(slot, lay)
+        if has_fp8_tensor_cores(dy.device):
+            return scaled_grad_input(dy, q, s)
+        return dy @ dequantize_rows_e4m3(q, s, dy.dtype)
+
+    def check_device(self, device: torch.device, emulate: bool) -> None:
+        if emulate or has_fp8_tensor_cores(device):
+            return
+        device = torch.device(device)
+        what = (f"{torch.cuda.get_device_name(device)} (compute capability "
+                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+                if device.type == "cuda" and torch.cuda.is_available() else f"the {device.type} device")
+        raise Fp8UnsupportedError(
+            f"precision 'fp8' needs FP8 tensor cores (compute capability 8.9+, e.g. Ada or Hopper); {what} has "
+            "none. Set selective_precision.fp8_emulate=true to compute a dequantized emulation instead")

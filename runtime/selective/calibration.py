@@ -1,0 +1,149 @@
+"""Calibration before training: each block's output error in its candidate precision, on real activations.
+
+The offloaded model runs `batches` (calibration_samples of them) with no grad,
+eagerly, so the streamer brings its blocks in one at a time. A forward hook on
+each block receives that block's real input and its full-precision output,
+re-runs the block in the candidate precision (the block alone, with the same
+inputs) and records ||out_bf16 - out_candidate|| / ||out_bf16||, averaged over
+the samples. Results are cached as JSON under a fingerprint of the model's
+identity (class, config, sampled bytes of every block's master weights), the
+quant config (candidate per block, quantizer, samples, a hash of the batches)
+and the block layout (FQNs, every layer's layout in every candidate): the
+next run with the same fingerprint reads the file, any change makes a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..precision import FULL
+
+log = logging.getLogger("torch_stagehand.selective_precision")
+_SAMPLED_BYTES = 1 << 16  # per block buffer: enough to tell weights apart, cheap on a 12B model
+
+
+@dataclass
+class CalibrationResult:
+    errors: dict[int, float]
+    fingerprint: str
+    path: str
+    from_cache: bool
+    candidates: dict[int, str] = field(default_factory=dict)
+
+
+def default_cache_dir() -> str:
+    root = os.environ.get("STAGEHAND_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_stagehand")
+    return os.path.join(root, "calibration")
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    step = max(1, t.numel() // _SAMPLED_BYTES)
+    return hashlib.sha256(t[::step].numpy().tobytes() + str(t.numel()).encode()).hexdigest()[:16]
+
+
+def _batch_digest(batch) -> list:
+    items = batch.items() if isinstance(batch, dict) else enumerate(batch if isinstance(batch, (list, tuple)) else [batch])
+    return [(str(k), _tensor_digest(v) if isinstance(v, torch.Tensor) else repr(v)) for k, v in items]
+
+
+def fingerprint(rt, batches: list, candidates: dict[int, str]) -> str:
+    model = rt.model
+    config = getattr(model, "config", None)
+    identity = {
+        "class": type(model).__qualname__,
+        "config": config.to_json_string() if hasattr(config, "to_json_string") else None,
+        "weights": [_tensor_digest(bb.full) if bb.full is not None else None for bb in rt.store.blocks],
+    }
+    quant = {"candidates": {str(b): p for b, p in sorted(candidates.items())}, "quantizer": rt.config.quantizer,
+             "samples": len(batches), "batches": [_batch_digest(b) for b in batches]}
+    layout = {"blocks": list(rt.blocks),
+              "layers": [[lay.as_ints() for lay in rt.store.layout(b, p)] for b, p in sorted(candidates.items())]}
+    text = json.dumps({"identity": identity, "quant": quant, "layout": layout}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def calibrate(rt, model: nn.Module, batches: list, low_for: Callable[[int], str],
+              cache_dir: str | None = None) -> CalibrationResult:
+    if not batches:
+        raise ValueError("selective precision: calibrate() needs at least one batch")
+    candidates = {b: low_for(b) for b in range(len(rt.blocks))}
+    key = fingerprint(rt, batches, candidates)
+    folder = cache_dir or default_cache_dir()
+    path = os.path.join(folder, f"calibration-{key}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        errors = {int(b): float(e) for b, e in data["errors"].items()}
+        log.info("selective precision: calibration read from %s", path)
+        return CalibrationResult(errors, key, path, True, candidates)
+    errors = _measure(rt, model, batches, candidates)
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"fingerprint": key, "candidates": {str(b): p for b, p in candidates.items()},
+                   "errors": {str(b): e for b, e in errors.items()}}, f, indent=1)
+    os.replace(tmp, path)  # another process calibrating the same model writes the same numbers
+    log.info("selective precision: calibrated %d blocks, written to %s", len(errors), path)
+    return CalibrationResult(errors, key, path, False, candidates)
+
+
+def _first_tensor(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise TypeError(f"selective precision: calibration cannot read a block output of type {type(out).__name__}")
+
+
+def _measure(rt, model: nn.Module, batches: list, candidates: dict[int, str]) -> dict[int, float]:
+    """Run the batches; each block's hook re-runs it in its candidate precision on the same input."""
+    sums = {b: 0.0 for b in candidates}
+    counts = {b: 0 for b in candidates}
+    start = rt.precision
+    full = {b: FULL for b in start}
+    busy = [False]
+
+    def hook_for(block: int):
+        def hook(module, args, kwargs, output):
+            if busy[0]:
+                return None
+            busy[0] = True
+            try:
+                rt.set_precision({block: candidates[block]})
+                candidate_out = _first_tensor(module(*args, **kwargs)).double()
+            finally:
+                rt.set_precision({block: FULL})
+                busy[0] = False
+            reference = _first_tensor(output).double()
+            sums[block] += ((candidate_out - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+            counts[block] += 1
+            return None
+        return hook
+
+    handles = [model.get_submodule(fqn).register_forward_hook(hook_for(b), with_kwargs=True)
+               for b, fqn in enumerate(rt.blocks)]
+    rt.set_precision(full)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager op path is the point here, not a fallback
+            for batch in batches:
+                model(**batch) if isinstance(batch, dict) else model(*batch)
+    finally:
+        for h in handles:
+            h.remove()
+        rt.set_precision(start)
+    missing = [rt.blocks[b] for b, n in counts.items() if n == 0]
+    if missing:
+        raise RuntimeError(f"selective precision: calibration never ran block {missing[0]} (is the model the "
+                           "offloaded one, called without torch.compile?)")
+    return {b: sums[b] / counts[b] for b in candidates}

@@ -1,0 +1,88 @@
+"""Per-block gradient statistics, accumulated on the device and read by the host once per update.
+
+After each backward (the optimizer's pre-step hook) `collect()` reduces the
+gradients of every block's trainable parameters (LoRA adapters; in a full
+fine-tune whatever of the block trains) to four numbers per block, sum of
+squares, max |g|, sum and element count, and writes them into row
+`step % window` of a device ring buffer. Nothing is read back: the reductions
+are queued device work (`torch._foreach_norm`, `stack`, `index_add_`), so the
+host never waits for the GPU in a step. `read()` copies the ring to the host,
+once per update interval (`host_reads` counts it), and averages the window:
+L2 norm, max |g|, variance and the L2 relative to the mean over blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SUMSQ, _MAXABS, _SUM, _COUNT = range(4)
+
+
+@dataclass
+class WindowStats:
+    """Window averages per block (host floats)."""
+
+    l2: list[float]
+    max_abs: list[float]
+    variance: list[float]
+    rel_magnitude: list[float]  # l2 / mean of l2 over blocks (0 when every block's gradient is 0)
+    steps: int  # backward passes in the window
+
+
+class BlockGradStats:
+    def __init__(self, params_per_block: list[list[torch.Tensor]], window: int, device: torch.device):
+        self.params = [list(ps) for ps in params_per_block]
+        self.n_blocks = len(self.params)
+        self.window = window
+        self.device = torch.device(device)
+        self.ring = torch.zeros(window, self.n_blocks, 4, dtype=torch.float32, device=self.device)
+        self.steps = 0  # collect() calls
+        self.host_reads = 0  # read() calls: the only device -> host copies
+        self._index_cache: dict[tuple, torch.Tensor] = {}
+
+    def collect(self) -> None:
+        """Reduce this backward's gradients into the ring. Queues device work only."""
+        grads, owners = [], []
+        for b, params in enumerate(self.params):
+            for p in params:
+                if p.grad is not None:
+                    grads.append(p.grad)
+                    owners.append(b)
+        row = torch.zeros(self.n_blocks, 4, dtype=torch.float32, device=self.device)
+        if grads:
+            index = self._owner_index(tuple(owners))
+            norms = torch.stack(torch._foreach_norm(grads, 2)).float()
+            maxes = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+            sums = torch.stack([g.sum() for g in grads]).float()
+            counts = torch.tensor([g.numel() for g in grads], dtype=torch.float32).to(self.device, non_blocking=True)
+            row[:, _SUMSQ].index_add_(0, index, norms.square())
+            row[:, _MAXABS].scatter_reduce_(0, index, maxes, reduce="amax")
+            row[:, _SUM].index_add_(0, index, sums)
+            row[:, _COUNT].index_add_(0, index, counts)
+        self.ring[self.steps % self.window].copy_(row)
+        self.steps += 1
+
+    def _owner_index(self, owners: tuple[int, ...]) -> torch.Tensor:
+        # The set of parameters with a gradient is the same every step in practice: one copy, cached.
+        index = self._index_cache.get(owners)
+        if index is None:
+            index = self._index_cache[owners] = torch.tensor(owners, dtype=torch.int64).to(self.device)
+        return index
+
+    def read(self) -> WindowStats:
+        """The window's averages; one device -> host copy."""
+        filled = min(self.steps, self.window)
+        if filled == 0:
+            raise RuntimeError("selective precision: no gradient statistics collected yet")
+        self.host_reads += 1
+        ring = self.ring[:filled].double().cpu()  # the one read per update
+        count = ring[..., _COUNT].clamp_min(1.0)
+        l2 = ring[..., _SUMSQ].sqrt().mean(0)
+        mean = ring[..., _SUM] / count
+        variance = (ring[..., _SUMSQ] / count - mean.square()).clamp_min(0.0).mean(0)
+        max_abs = ring[..., _MAXABS].mean(0)
+        average = l2.mean()
+        rel = l2 / average if average > 0 else torch.zeros_like(l2)
+        return WindowStats(l2.tolist(), max_abs.tolist(), variance.tolist(), rel.tolist(), filled)

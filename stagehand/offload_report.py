@@ -1,0 +1,206 @@
+"""What `offload()` did, said once and visibly: block lists found and skipped (with the reason),
+blocks per precision, bytes streamed per step, host bytes, slots, and how long each stage took.
+
+The same summary is in `rt.stats()["offload"]` and in `explain()`'s report. A block list that
+`blocks="auto"` skipped although it holds Linear weights is also a `BlockListSkippedWarning`:
+those weights stay resident on the device, which is rarely what a user with a big model wants.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from torch_stagehand.runtime.blocks import is_streamable_linear
+
+
+class BlockListSkippedWarning(UserWarning):
+    """`blocks="auto"` left out an nn.ModuleList that holds Linear weights (they stay resident)."""
+
+
+@dataclass
+class BlockList:
+    fqn: str
+    children: int
+    streamed: bool
+    reason: str = ""  # why it was skipped; "" when streamed
+
+    def describe(self) -> str:
+        if self.streamed:
+            return f"{self.fqn or '(model)'} ({self.children} blocks, streamed)"
+        return f"{self.fqn} skipped: {self.reason}"
+
+
+def _linear_bytes(module: nn.Module) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in module.modules() if is_streamable_linear(m))
+
+
+def _skip_reason(module: nn.ModuleList) -> str:
+    """Why `blocks="auto"` does not take this list (the rules of `runtime.blocks._repeated_block_lists`)."""
+    classes = sorted({type(c).__name__ for c in module})
+    if len(module) < 2:
+        return (f"{len(module)} block ({', '.join(classes) or 'empty'}); a block list needs at least 2 repeated "
+                f"blocks: name it in blocks=[...] to stream it")
+    if len(classes) > 1:
+        return f"children of {len(classes)} classes ({', '.join(classes)}), not repeated blocks"
+    return "a child holds no nn.Linear"
+
+
+def survey_block_lists(model: nn.Module, block_fqns: list[str]) -> list[BlockList]:
+    """The outermost nn.ModuleLists of `model` that hold Linear weights, and whether their children stream."""
+    chosen = set(block_fqns)
+    lists: list[BlockList] = []
+    seen: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(s + ".") for s in seen):
+            continue  # lists inside a list (attention's to_out, MoE experts) are part of their block
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or _linear_bytes(module) == 0:
+            continue
+        children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
+        streamed = [c for c in children if c in chosen]
+        if not streamed and isinstance(module, nn.Sequential):
+            continue  # a Sequential that is not a block list (an MLP, a head) is not a candidate
+        seen.append(name)
+        if streamed:
+            lists.append(BlockList(name, len(streamed), True))
+        else:
+            lists.append(BlockList(name, len(children), False, _skip_reason(module)))
+    return lists
+
+
+@dataclass
+class OffloadSummary:
+    device: str
+    blocks: int
+    streamed_layers: int
+    block_lists: list[BlockList]
+    precision_blocks: dict[str, int]
+    precision_bytes: dict[str, int]
+    forward_bytes: int  # one forward streams each block once, in its precision
+    host_bytes: int
+    pinned: bool
+    slots: int
+    slot_bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["block_lists"] = [dict(b.__dict__) for b in self.block_lists]
+        d["training_step_bytes_max"] = 2 * self.forward_bytes
+        return d
+
+    def lines(self) -> list[str]:
+        mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
+        precision = ", ".join(f"{p} {n} block{'s' * (n != 1)} ({mb(self.precision_bytes[p])})"
+                              for p, n in self.precision_blocks.items())
+        took = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items() if k != "total")
+        return [
+            f"stagehand offload: {self.blocks} blocks, {self.streamed_layers} streamed Linears, device {self.device}",
+            "  block lists: " + "; ".join(b.describe() for b in self.block_lists),
+            f"  precision: {precision}",
+            f"  streamed per step: {mb(self.forward_bytes)} per forward (each block once); a training step up to "
+            f"{mb(2 * self.forward_bytes)} (forward + backward, less what the slots keep across the turn)",
+            f"  host store: {mb(self.host_bytes)} ({'pinned' if self.pinned else 'pageable'}); "
+            f"device slots: {self.slots} x {mb(self.slot_bytes)}",
+            f"  took {self.seconds.get('total', 0.0):.2f} s ({took})",
+        ]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def summarize(model: nn.Module, rt, seconds: dict[str, float]) -> OffloadSummary:
+    precision = rt.precision
+    counts = Counter(precision.values())
+    per_precision: Counter = Counter()
+    for block, p in precision.items():
+        per_precision[p] += rt.block_nbytes(block, p)
+    return OffloadSummary(
+        device=str(rt.device), blocks=len(rt.blocks), streamed_layers=len(rt.layers),
+        block_lists=survey_block_lists(model, rt.blocks),
+        precision_blocks=dict(counts), precision_bytes=dict(per_precision), forward_bytes=sum(per_precision.values()),
+        host_bytes=rt.store.host_bytes(), pinned=bool(rt.store.pin), slots=len(rt.pool.slots),
+        slot_bytes=rt.pool.slot_bytes, seconds={k: round(v, 3) for k, v in seconds.items()},
+    )
+
+
+def report_offload(summary: OffloadSummary, auto: bool, verbose: bool) -> None:
+    """Print the summary to stderr (once per offload) and warn about block lists `auto` skipped."""
+    if verbose:
+        print(summary, file=sys.stderr, flush=True)
+    if auto:
+        for b in summary.block_lists:
+            if not b.streamed:
+                warnings.warn(f"stagehand offload: blocks='auto' skipped the block list {b.fqn}: {b.reason}; "
+                              "its Linear weights stay resident on the device", BlockListSkippedWarning, stacklevel=3)
+
+
+class StageClock:
+    """Seconds per named stage of offload, in order."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t0 = self._last = time.perf_counter()
+
+    def mark(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self._last
+        self._last = now
+
+    def done(self) -> dict[str, float]:
+        return {**self.seconds, "total": time.perf_counter() - self._t0}
+
+
+def first_step_line(record: dict[str, Any], stats: dict[str, Any]) -> str:
+    """One line after the first recorded step: what the first call cost (it compiles)."""
+    phases = record.get("phase_durations", {})
+    total = sum(phases.values())
+    parts = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if v >= 0.005)
+    return (f"stagehand: first step took {total:.1f} s ({parts}); it compiled {stats['compiled_units']} units "
+            f"({stats['compiled_variants']} block variants) in {stats['compile_seconds']:.1f} s; "
+            "later steps reuse them")
+
+
+class FirstCallProgress:
+    """What the first call is doing while it compiles: a line when the backend got its first graph,
+    a live counter of compiled units on a terminal, and one line with the totals after the first step."""
+
+    def __init__(self, rt, stream=None):
+        self.rt = rt
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.units = self.variants = 0
+        self.seconds = 0.0
+        self.announced = False
+        rt.events.compile_listeners.append(self.on_compile)
+        rt.events.step_listeners.append(self.on_step)
+
+    def _write(self, text: str) -> None:
+        self.stream.write(text)
+        self.stream.flush()
+
+    def on_compile(self, kind: str, seconds: float) -> None:
+        if kind == "graph":
+            if not self.announced:
+                self.announced = True
+                self._write("stagehand: first call: Dynamo captured the model; compiling its units (glue, and one "
+                            "variant per block structure and precision) as they first run ...\n")
+            return
+        self.units += 1
+        self.variants += kind == "block variant"
+        self.seconds += seconds
+        if self.live:
+            self._write(f"\r  compiled {self.units} units ({self.variants} block variants) in {self.seconds:.1f} s")
+
+    def on_step(self, record: dict[str, Any]) -> None:
+        self.rt.events.compile_listeners.remove(self.on_compile)
+        self.rt.events.step_listeners.remove(self.on_step)
+        if self.live and self.units:
+            self._write("\n")
+        self._write(first_step_line(record, self.rt.stats()) + "\n")

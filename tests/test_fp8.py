@@ -1,0 +1,164 @@
+"""fp8: E4M3 weights with a per-row scale, a third registered precision.
+
+CPU: the host layout and quantization math, the refusal without FP8 tensor cores, the
+explicit emulation, the measured policy file. GPU (marked): torch._scaled_mm forward and
+grad-input against the dequantized weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torch_stagehand as stagehand
+from torch_stagehand.config import Config
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
+from torch_stagehand.runtime.precision.fp8 import (
+    E4M3, Fp8UnsupportedError, dequantize_rows_e4m3, quantize_rows_e4m3, scaled_grad_input, scaled_linear)
+from torch_stagehand.runtime.selective import fp8_rules
+from torch_stagehand.runtime.selective.fp8_rules import Fp8PolicyError
+
+from _helpers import rel_err, toy
+
+
+def test_quantize_rows_e4m3_maps_each_rows_absmax_to_448_and_round_trips():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different magnitude
+    w[5] = 0.0
+    q, s = quantize_rows_e4m3(w)
+    assert q.dtype == E4M3 and s.dtype == torch.float32 and s.shape == (64,)
+    assert torch.allclose(q.float().abs().amax(1)[w.abs().amax(1) > 0], torch.tensor(448.0))
+    back = dequantize_rows_e4m3(q, s, torch.float32)
+    assert (back[5] == 0).all()
+    # E4M3 has 3 mantissa bits: relative error per element <= 2^-4, per row far less.
+    assert rel_err(back, w) < 0.04
+    assert ((back - w).abs() <= w.abs() * 2**-4 + s[:, None] * 2**-9).all()
+
+
+def test_fp8_streams_one_byte_per_weight_plus_a_row_scale_aligned():
+    model, _ = toy(d=32, n=2)
+    specs = streamed_layers(model, find_blocks(model))
+    block0 = [s for s in specs if s.block == 0]
+    layouts, nbytes = precisions.get("fp8").layout(block0)
+    int8_layouts, int8_bytes = precisions.get("int8").layout(block0)
+    assert nbytes == int8_bytes  # the same bytes as INT8 over PCIe
+    for lay, spec in zip(layouts, block0):
+        assert lay.offset % 256 == 0 and lay.scale_offset % 256 == 0 and lay.dtype == E4M3
+        assert lay.scale_offset >= lay.offset + spec.out_features * spec.in_features
+    assert precisions.get("fp8").code == 2 and precisions.by_code(2).name == "fp8"
+
+
+def test_fp8_is_refused_without_fp8_tensor_cores_and_the_model_is_left_as_it_was():
+    model, x = toy(d=32, n=2)
+    weight = model.blocks[0].up.weight
+    with pytest.raises(Fp8UnsupportedError, match="FP8 tensor cores.*fp8_emulate"):
+        stagehand.offload(model, device="cpu", precision="fp8")
+    assert model.blocks[0].up.weight is weight and type(model.blocks[0].up) is torch.nn.Linear
+    rt = stagehand.offload(model, device="cpu")
+    with pytest.raises(Fp8UnsupportedError):
+        rt.set_precision({1: "fp8"})
+    assert rt.precision == {0: "bf16", 1: "bf16"}
+
+
+def test_fp8_emulation_when_asked_computes_the_dequantized_weights_compiled():
+    model, x = toy(d=32, n=3)
+    ref = toy(d=32, n=3)[0]
+    with torch.no_grad():
+        for lin in (ref.blocks[1].up, ref.blocks[1].down):
+            q, s = quantize_rows_e4m3(lin.weight)
+            lin.weight.copy_(dequantize_rows_e4m3(q, s, torch.float32))
+        expected, plain = ref(x), toy(d=32, n=3)[0](x)
+    config = Config.from_dict({"selective_precision": {"fp8_emulate": True}})
+    rt = stagehand.offload(model, device="cpu", precision={1: "fp8"}, config=config)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    with torch.no_grad():
+        out = compiled(x)
+    assert rel_err(out, expected) < 1e-5
+    assert 0 < rel_err(out, plain) < 0.05
+    assert rt.stats()["precision_counts"] == {"bf16": 2, "fp8": 1}
+
+
+def test_fp8_rules_from_measurements_keep_only_shapes_faster_from_a_token_count_up(tmp_path):
+    rows = [
+        {"out_features": 64, "in_features": 64, "tokens": t, "speedup": s}
+        for t, s in [(256, 0.7), (1024, 1.05), (4096, 0.99), (16384, 1.3)]
+    ] + [
+        {"out_features": 128, "in_features": 64, "tokens": t, "speedup": s}
+        for t, s in [(256, 0.9), (1024, 1.1), (4096, 1.2)]
+    ] + [{"out_features": 32, "in_features": 32, "tokens": 4096, "speedup": 0.8}]
+    rules = fp8_rules.rules_from_measurements(rows, 1.0)
+    assert [(r.out_features, r.in_features, r.min_tokens) for r in rules] == [(64, 64, 16384), (128, 64, 1024)]
+    policy = fp8_rules.Fp8Policy("dev", 1.0, rules)
+    assert policy.layer_takes_fp8(128, 64, 2048) and not policy.layer_takes_fp8(128, 64, 512)
+    assert not policy.layer_takes_fp8(32, 32, 10**6)  # no rule: bf16 is not slower
+    assert not policy.block_takes_fp8([(128, 64), (64, 64)], 4096)  # one layer slower: the block stays
+    assert policy.block_takes_fp8([(128, 64), (64, 64)], 16384)
+    path = str(tmp_path / "p.json")
+    fp8_rules.save(policy, path)
+    assert fp8_rules.load(path).rules == rules
+    with pytest.raises(Fp8PolicyError, match="measured on 'dev'"):
+        fp8_rules.load(path, "NVIDIA H100")
+    (tmp_path / "bad.json").write_text(json.dumps({"version": 1, "rules": []}))
+    with pytest.raises(Fp8PolicyError, match="bad.json: not an FP8 policy file"):
+        fp8_rules.load(str(tmp_path / "bad.json"))
+    with pytest.raises(Fp8PolicyError, match="no FP8 policy file"):
+        fp8_rules.load(str(tmp_path / "missing.json"))
+
+
+def test_the_policy_sends_a_block_to_fp8_only_where_its_layers_were_measured_faster(tmp_path):
+    # toy d=32: up [64, 32], down [32, 64]. Rules for both at >= 512 tokens; none for a token count below.
+    rules = [fp8_rules.Fp8Rule(64, 32, 512, 1.2), fp8_rules.Fp8Rule(32, 64, 512, 1.1)]
+    path = str(tmp_path / "fp8.json")
+    fp8_rules.save(fp8_rules.Fp8Policy("cpu", 1.0, rules), path)
+    for tokens, low in [(1024, "fp8"), (256, "int8")]:
+        model, _ = toy(d=32, n=2)
+        config = Config.from_dict({"selective_precision": {
+            "mode": "dynamic", "fp8_policy_file": path, "fp8_tokens": tokens, "fp8_emulate": True}})
+        rt = stagehand.offload(model, device="cpu", config=config)
+        assert rt.selective.low_for(0) == low and rt.selective.low_for(1) == low
+        new, _ = rt.selective.policy.update(10, rt.precision, [0.0, 4.0])
+        assert new == {0: low, 1: "bf16"}
+        rt.restore()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 tensor cores")
+@pytest.mark.parametrize("m", [16, 256, 4096])
+def test_scaled_mm_forward_and_grad_input_match_the_dequantized_weights(m):
+    torch.manual_seed(0)
+    n, k = 3072, 1024
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    q, s = quantize_rows_e4m3(w)
+    deq = dequantize_rows_e4m3(q, s, torch.float32)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = scaled_linear(x, q, s, bias)
+    dx = scaled_grad_input(dy, q, s)
+    assert y.dtype == dx.dtype == torch.bfloat16
+    # The activation is rounded to E4M3 too (3 mantissa bits): a few % relative error.
+    assert rel_err(y, x.float() @ deq.t() + bias.float()) < 0.05
+    assert rel_err(dx, dy.float() @ deq) < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 tensor cores")
+def test_fp8_blocks_train_lora_on_the_gpu_close_to_bf16():
+    model, x = toy(d=256, n=3, dtype=torch.bfloat16)
+    ref = toy(d=256, n=3, dtype=torch.bfloat16)[0].cuda()
+    rt = stagehand.offload(model, device="cuda", precision={1: "fp8", 2: "fp8"})
+    x = x.cuda().requires_grad_(True)
+    compiled = torch.compile(model, backend="stagehand")
+    out = compiled(x)
+    out.float().square().mean().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref(x_ref).float().square().mean().backward()
+    assert rel_err(out, ref(x_ref.detach())) < 0.08
+    assert rel_err(x.grad, x_ref.grad) < 0.1
+    assert rt.stats()["precision_counts"] == {"bf16": 1, "fp8": 2}
