@@ -6,6 +6,9 @@
 #   STAGES="alltests" bash benches/device_run.sh                      # every gpu test but the kernels', 4 files at a time
 #   STAGES="tests models" MODEL=qwen bash benches/device_run.sh       # full-size models (benches/models.py)
 #   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
+#   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8 bf16" bash benches/device_run.sh   # host memory (benches/host_memory.py)
+#   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8" HOSTMEM_ARGS="--cgroup-gb 32" bash benches/device_run.sh
+#   STAGES="hostmem" HOSTMEM_RUNS="disk" bash benches/device_run.sh                   # the disk tier's GB/s
 #   STAGES="offpeer" bash benches/device_run.sh                       # diffusers group offload, accelerate cpu_offload on Flux 12B
 #   STAGES="convergence" CONV_STEPS=600 bash benches/device_run.sh   # issue 10: bf16/int8/dynamic/dynamic+fp8
 #   STAGES="sptests" bash benches/device_run.sh                       # fp8 + selective-precision GPU tests
@@ -34,7 +37,7 @@ for stage in $STAGES; do
             sed -n '/= FAILURES =/,/short test summary/p;/= ERRORS =/,/short test summary/p' /tmp/alltests.log \
               | grep -E "^E |^____|^tests/.*Error|^>" | head -200 > "$OUT/gpu_test_failures.log" ;;
     ktests) timeout ${KTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 tests/test_kernels.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.log" ;;
-    tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs tests/test_gpu.py 2>&1 \
+    tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs tests/test_gpu.py tests/test_host_memory.py tests/test_disk_tier.py 2>&1 \
               | grep -vE "^DEBUG" | tee "$OUT/gpu_tests.log" ;;
     demo)   timeout 240 stagehand demo --steps ${DEMO_STEPS:-60} --out /tmp/demo 2>&1 | grep -v "it/s\|step/s" | tail -45 | tee "$OUT/demo.log"
             cp /tmp/demo/demo.png /tmp/demo/summary.json "$OUT/" 2>/dev/null ;;
@@ -44,6 +47,9 @@ for stage in $STAGES; do
               --out "$OUT/models_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/models_${MODEL:-qwen}.log" ;;
     peer)   SWAPS=${SWAPS:-34} STEPS=${PEER_STEPS:-3} MUSUBI_OFFLOAD_DIR=.peer timeout ${PEER_TIMEOUT:-300} \
               python3 benches/peer_musubi_flux.py 2>&1 | tee "$OUT/peer_musubi_flux.jsonl" ;;
+    hostmem) timeout ${HOSTMEM_TIMEOUT:-540} python3 benches/host_memory.py --model ${MODEL:-flux} --runs ${HOSTMEM_RUNS:-int8 bf16} \
+              ${HOSTMEM_ARGS:-} --out "$OUT/host_memory_${MODEL:-flux}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|it/s\]" \
+              | tee "$OUT/host_memory_${MODEL:-flux}.log" ;;
     offpeer) timeout ${OFFPEER_TIMEOUT:-580} python3 benches/peer_offload_flux.py ${OFFPEER_ARGS:-} \
               --out "$OUT/peer_offload_flux.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|float32" | tee "$OUT/peer_offload_flux.log" ;;
     convergence) timeout ${CONV_TIMEOUT:-540} python3 benches/convergence.py --steps ${CONV_STEPS:-600} ${CONV_ARGS:-} \

@@ -46,14 +46,15 @@ import torch_stagehand as stagehand
 LORA_TARGETS = {"flux": ["to_q", "to_k", "to_v", "to_out.0"], "qwen": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
-def build_flux(tiny: bool, device: str):
-    from diffusers import FluxTransformer2DModel
-
+def flux_config(tiny: bool) -> dict:
+    """FluxTransformer2DModel keyword arguments: Flux-dev size, or a small one of the same class."""
     cfg = dict(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
                joint_attention_dim=32, pooled_projection_dim=32, in_channels=16, axes_dims_rope=(4, 6, 6)) if tiny else {}
+    return dict(guidance_embeds=True, **cfg)
+
+
+def flux_inputs(cfg: dict, tiny: bool, device: str):
     img, txt = (32, 8) if tiny else (4096, 512)
-    with torch.device(device):
-        model = FluxTransformer2DModel(guidance_embeds=True, **cfg).to(torch.bfloat16)
     g = torch.Generator(device=device).manual_seed(1)
     jd, pd, ic = cfg.get("joint_attention_dim", 4096), cfg.get("pooled_projection_dim", 768), cfg.get("in_channels", 64)
     bf = dict(device=device, dtype=torch.bfloat16)
@@ -63,26 +64,47 @@ def build_flux(tiny: bool, device: str):
                   timestep=torch.tensor([0.5], device=device), guidance=torch.tensor([3.5], device=device),
                   img_ids=torch.zeros(img, 3, device=device), txt_ids=torch.zeros(txt, 3, device=device),
                   return_dict=False)
-    return model, inputs, {"image_tokens": img, "text_tokens": txt}
+    return inputs, {"image_tokens": img, "text_tokens": txt}
 
 
-def build_qwen(tiny: bool, device: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_flux(tiny: bool, device: str):
+    from diffusers import FluxTransformer2DModel
+
+    cfg = flux_config(tiny)
+    with torch.device(device):
+        model = FluxTransformer2DModel(**cfg).to(torch.bfloat16)
+    inputs, shape = flux_inputs(cfg, tiny, device)
+    return model, inputs, shape
+
+
+def qwen_config(tiny: bool):
+    from transformers import Qwen2Config
 
     if tiny:
         config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2)
-        seq = 64
     else:  # Qwen2.5-7B
         config = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                              num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
                              rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-        seq = 2048
     config._attn_implementation = "sdpa"
+    return config
+
+
+def qwen_inputs(config, tiny: bool, device: str):
+    seq = 64 if tiny else 2048
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    return {"input_ids": ids, "labels": ids}, {"sequence": seq}
+
+
+def build_qwen(tiny: bool, device: str):
+    from transformers import Qwen2ForCausalLM
+
+    config = qwen_config(tiny)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
-    return model, {"input_ids": ids, "labels": ids}, {"sequence": seq}
+    inputs, shape = qwen_inputs(config, tiny, device)
+    return model, inputs, shape
 
 
 def set_checkpointing(kind: str, model, on: bool) -> None:

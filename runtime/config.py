@@ -185,6 +185,13 @@ class Config:
     # offload(slab=...): refuse a slab that records no identity of its source weights (older
     # slabs, plain SquareQ ones) instead of loading it with a SlabIdentityWarning.
     require_slab_identity: bool = False
+    # Where the full-precision master of a block that streams INT8 is kept: "pinned", "ram"
+    # (pageable), "file" (not in RAM: views of the model's safetensors file, offload(checkpoint=...)),
+    # or "auto" ("ram" while it fits the memory there is, else "file" when a checkpoint is given).
+    keep_full: str = "auto"
+    # "disk": with offload(slab=...), INT8 blocks are read from the slab file at each fetch through a
+    # small pinned staging ring (disk_tier.py) instead of being held in RAM; "ram": held in RAM.
+    int8_tier: str = "ram"
 
     def validate(self) -> "Config":
         self.conductor.validate("conductor")
@@ -211,6 +218,10 @@ class Config:
             )
         if self.quantizer not in ("mse", "absmax"):
             raise ConfigError(f"quantizer: must be 'mse' or 'absmax', got {self.quantizer!r}")
+        if self.keep_full not in ("auto", "pinned", "ram", "file"):
+            raise ConfigError(f"keep_full: must be 'auto', 'pinned', 'ram' or 'file', got {self.keep_full!r}")
+        if self.int8_tier not in ("ram", "disk"):
+            raise ConfigError(f"int8_tier: must be 'ram' or 'disk', got {self.int8_tier!r}")
         if not isinstance(self.require_slab_identity, bool):
             raise ConfigError(f"require_slab_identity: must be true or false, got {self.require_slab_identity!r}")
         return self

@@ -6,23 +6,36 @@ had them (dtype and layout); the modules' `weight` parameters become views into
 it, so `state_dict()` and `load_state_dict()` see and update the real weights.
 Every other precision's buffer is derived from it (or read from a slab file) by
 that precision's registry entry, which also says how the buffer is laid out.
-All are pinned when the stream goes to a CUDA device. Streaming only ever reads
-these buffers: the host copy is the master and is never modified by it.
+Streaming only ever reads these buffers: the host copy is the master and is
+never modified by it.
+
+Where the bytes live (`host_arena.py`): the buffers of one copy kind are views
+into one large host allocation, and only the buffers a block streams are
+page-locked, at their exact size (`set_pins`). The master of a block that
+streams INT8 is kept pageable (`keep_full="ram"`) or not in RAM at all
+(`keep_full="file"`: the modules' weights are views of the model's safetensors
+file, mapped copy-on-write; a block that streams BF16 then gets a flat copy
+derived from them, version-checked like INT8).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from . import precision as precisions
 from .blocks import StreamedLayerSpec
+from .host_arena import HostArena, NoPinner, PinError
 from .precision import LayerLayout
 from .streamed import StreamedDtypeError
 
 log = logging.getLogger(__name__)
+
+# Where a block's full-precision master is kept (Config.keep_full / offload(keep_full=...)).
+KEEP_PINNED, KEEP_RAM, KEEP_FILE = "pinned", "ram", "file"
 
 
 @dataclass
@@ -34,11 +47,18 @@ class BlockBuffers:
     # in-place write (load_state_dict, optimizer on a view) makes that buffer stale.
     # None: not built from the master (read from a slab with no master to compare).
     source_versions: dict[str, int | None] = field(default_factory=dict)
+    # keep_full="file": the layers' weights as views of the safetensors file (their stored
+    # orientation); they are the master, and a flat full-precision buffer is derived from them.
+    file_master: list[torch.Tensor] | None = None
 
     @property
     def full(self) -> torch.Tensor | None:
-        """The master: the model's own weights (None for a block read from a slab only)."""
+        """The flat full-precision buffer (the master, unless the master is in the file; None if absent)."""
         return self.buffers.get(precisions.FULL)
+
+    @property
+    def has_master(self) -> bool:
+        return self.file_master is not None or self.full is not None
 
     def nbytes(self, precision: str) -> int:
         buf = self.buffers.get(precision)
@@ -46,59 +66,153 @@ class BlockBuffers:
 
 
 class HostStore:
-    def __init__(self, layers: list[StreamedLayerSpec], n_blocks: int, pin: bool, quantizer: str, quant_device=None):
+    def __init__(self, layers: list[StreamedLayerSpec], n_blocks: int, pin: bool, quantizer: str, quant_device=None,
+                 pinner=None, keep_full: str = KEEP_PINNED):
         self.pin = pin
+        self.pinner = pinner if pinner is not None else NoPinner()
+        self.keep_full = keep_full
         self.quantizer = quantizer
         # Quantizing 10 GB of weights on two CPU cores takes minutes; on the GPU, seconds.
         self.quant_device = quant_device
         self.blocks = [BlockBuffers(layers=[s for s in layers if s.block == b]) for b in range(n_blocks)]
         # Derived copies rebuilt because their master was written after they were built.
         self.requantized_blocks = 0
+        self.arenas: list[HostArena] = []
+        self.after_file_read: Callable[[], None] | None = None  # keep_full="file": drop the mapped pages read
+        # Config(int8_tier="disk"): (block, precision) copies read from the slab file at each fetch (disk_tier.py).
+        self.disk_tier = None
+        self.on_disk: set[tuple[int, str]] = set()
+        self._reserved: dict[tuple[int, str], torch.Tensor] = {}  # carved, not yet handed out
+        self._arena_of: dict[tuple[int, str], HostArena] = {}
+
+    # ---- host memory ----------------------------------------------------------
+
+    def _new_arena(self, kind: str, sizes: list[int]) -> HostArena:
+        return HostArena(kind, sizes, self.pinner)
+
+    def reserve(self, precision: str, blocks: list[int]) -> None:
+        """One host allocation for the precision's buffers of `blocks` (those not held yet)."""
+        blocks = [b for b in blocks if not self.has(b, precision) and (b, precision) not in self._reserved]
+        if not blocks:
+            return
+        sizes = [self.nbytes(b, precision) for b in blocks]
+        kind = f"{precision} {'master' if self._is_master(blocks[0], precision) else 'copy'}"
+        try:
+            arena = self._new_arena(kind, sizes)
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:  # say what did not fit: offload then puts the model back
+            raise torch.OutOfMemoryError(
+                f"offload: no host memory for the {precision} copies of blocks {blocks[0]}..{blocks[-1]} "
+                f"({sum(sizes) / 2**20:.1f} MiB, first layer {self.blocks[blocks[0]].layers[0].fqn}): {e}"
+            ) from e
+        self.arenas.append(arena)
+        for b, n in zip(blocks, sizes):
+            self._reserved[(b, precision)] = arena.carve(n)
+            self._arena_of[(b, precision)] = arena
+
+    def _is_master(self, block: int, precision: str) -> bool:
+        return precision == precisions.FULL and self.blocks[block].file_master is None
+
+    def set_pins(self, precision_map: dict[int, str]) -> None:
+        """Lock exactly what streams (plus every master under keep_full="pinned"), unlock the rest.
+
+        A flat full-precision copy derived from a file master is dropped when its
+        block stops streaming it: the file holds those weights.
+        """
+        for block, bb in enumerate(self.blocks):
+            streams = precision_map.get(block)
+            if bb.file_master is not None and streams != precisions.FULL and precisions.FULL in bb.buffers:
+                self._drop(block, precisions.FULL)
+            for precision, buf in bb.buffers.items():
+                arena = self._arena_of.get((block, precision))
+                if arena is None:
+                    continue
+                keep = precision == streams or (self.keep_full == KEEP_PINNED and self._is_master(block, precision))
+                if not self.pin:
+                    keep = False
+                if not keep:
+                    arena.unlock(buf)
+                    continue
+                try:
+                    arena.lock(buf)
+                except PinError as e:  # say what could not be pinned: offload then puts the model back
+                    raise torch.OutOfMemoryError(
+                        f"offload: could not pin block {block}'s {precision} copy ({buf.numel() / 2**20:.1f} MiB, "
+                        f"first layer {bb.layers[0].fqn}): {e}") from e
+
+    def _drop(self, block: int, precision: str) -> None:
+        bb = self.blocks[block]
+        arena = self._arena_of.pop((block, precision), None)
+        if arena is not None:
+            arena.unlock(bb.buffers[precision])
+            if all(a is not arena for a in self._arena_of.values()):
+                self.arenas.remove(arena)
+        del bb.buffers[precision], bb.layouts[precision]
+        bb.source_versions.pop(precision, None)
+
+    def free(self) -> None:
+        """Unlock and drop every buffer (restore / close): the memory goes back when the views die."""
+        if self.disk_tier is not None:
+            self.disk_tier.close()
+            self.disk_tier = None
+        self.on_disk.clear()
+        for arena in self.arenas:
+            arena.close()
+        self.arenas.clear()
+        self._reserved.clear()
+        self._arena_of.clear()
+        for bb in self.blocks:
+            bb.buffers.clear()
+            bb.layouts.clear()
+            bb.source_versions.clear()
+            bb.file_master = None
 
     # ---- building -----------------------------------------------------------
 
-    def _empty(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-
-    def adopt_full(self, block: int) -> bool:
+    def adopt_full(self, block: int, source: Callable[[StreamedLayerSpec], torch.Tensor] | None = None) -> bool:
         """Move the block's weights into one flat buffer; the modules keep views of it.
 
-        Returns False (and keeps nothing) when the weights are on the meta
-        device: such a block can only stream what a slab provides.
+        `source(spec)` gives a layer's weight in the module's own layout (default:
+        the module's weight; a checkpoint reader gives the file's tensor).
+        Returns False (and keeps nothing) when there are no weights (meta, no
+        source): such a block can only stream what a slab provides.
         """
         bb = self.blocks[block]
-        if any(spec.module.weight.is_meta for spec in bb.layers):
+        source = source or (lambda spec: spec.module.weight.detach())
+        weights = [source(spec) for spec in bb.layers]
+        if any(w is None or w.is_meta for w in weights):
             return False
         entry = precisions.master()
         buf = self.allocate(block, entry.name)
-        for spec, lay in zip(bb.layers, bb.layouts[entry.name]):
+        for spec, lay, w in zip(bb.layers, bb.layouts[entry.name], weights):
             requires_grad = spec.module.weight.requires_grad
             with torch.no_grad():
-                entry.write(buf, lay, _linear_weight(spec), self.quantizer)
+                entry.write(buf, lay, w.t() if spec.transposed else w, self.quantizer)
             # Replace the parameter object: the old storage (possibly on the GPU) is freed.
             view = entry.views(buf, lay)[0]
             spec.module._parameters["weight"] = torch.nn.Parameter(view, requires_grad=requires_grad)
         return True
 
+    def adopt_file(self, block: int, views: list[torch.Tensor]) -> None:
+        """keep_full="file": the layers' weights become views of the mapped safetensors file."""
+        bb = self.blocks[block]
+        for spec, view in zip(bb.layers, views):
+            requires_grad = spec.module.weight.requires_grad
+            spec.module._parameters["weight"] = torch.nn.Parameter(view, requires_grad=requires_grad)
+        bb.file_master = [spec.module._parameters["weight"] for spec in bb.layers]
+
     def allocate(self, block: int, precision: str) -> torch.Tensor:
         """An empty buffer in the precision's layout (filled by `build` or a slab reader)."""
         bb = self.blocks[block]
-        layout, nbytes = precisions.get(precision).layout(bb.layers)
-        try:
-            buf = self._empty(nbytes)
-        except torch.OutOfMemoryError as e:  # say what did not fit: offload then puts the model back
-            where = "pinned host" if self.pin else "host"
-            raise torch.OutOfMemoryError(
-                f"offload: no {where} memory for block {block}'s {precision} copy ({nbytes / 2**20:.1f} MiB, first "
-                f"layer {bb.layers[0].fqn}): {e}"
-            ) from e
-        bb.buffers[precision], bb.layouts[precision] = buf, layout
-        return bb.buffers[precision]
+        if (block, precision) not in self._reserved:
+            self.reserve(precision, [block])
+        buf = self._reserved.pop((block, precision))
+        bb.buffers[precision], bb.layouts[precision] = buf, precisions.get(precision).layout(bb.layers)[0]
+        return buf
 
     def build(self, block: int, precision: str) -> None:
         """Build (or rebuild) the block's buffer in a derived precision from its full-precision master."""
         bb = self.blocks[block]
-        if bb.full is None:
+        if not bb.has_master:
             raise RuntimeError(f"block {block}: no full-precision weights to build {precision} from")
         new = precision not in bb.buffers
         if new:
@@ -107,16 +221,36 @@ class HostStore:
             self._write_derived(block, precision)
         except BaseException:
             if new:  # a half-written buffer must not look built
-                del bb.buffers[precision], bb.layouts[precision]
+                self._drop(block, precision)
             raise
         self.mark_built(block, precision)
 
+    def master_weight(self, block: int, position: int) -> torch.Tensor:
+        """One layer's master weight as the [out, in] matrix of its linear map."""
+        bb = self.blocks[block]
+        spec = bb.layers[position]
+        if bb.file_master is not None:
+            w = bb.file_master[position].detach()
+            return w.t() if spec.transposed else w
+        master = precisions.master()
+        lay = bb.layouts[master.name][position]
+        w = master.views(bb.full, lay)[0]
+        return w.t() if lay.transposed else w
+
+    def build_missing(self, precision_map: dict[int, str], progress) -> None:
+        """Build every copy the map streams that the store lacks: one host allocation per precision."""
+        missing = [(b, p) for b, p in precision_map.items() if not self.has(b, p)]
+        for precision in sorted({p for _, p in missing}):
+            self.reserve(precision, [b for b, p in missing if p == precision])
+        for block, precision in progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
+            self.build(block, precision)
+            if self.after_file_read is not None and self.blocks[block].file_master is not None:
+                self.after_file_read()  # the file pages just read leave our RSS (they stay in the page cache)
+
     def _write_derived(self, block: int, precision: str) -> None:
         bb, entry = self.blocks[block], precisions.get(precision)
-        master = precisions.master()
-        for spec, master_lay, lay in zip(bb.layers, bb.layouts[master.name], bb.layouts[precision]):
-            w = master.views(bb.full, master_lay)[0]
-            w = w.t() if master_lay.transposed else w
+        for position, (spec, lay) in enumerate(zip(bb.layers, bb.layouts[precision])):
+            w = self.master_weight(block, position)
             if self.quant_device is not None:
                 w = w.to(self.quant_device, non_blocking=True)
             try:
@@ -126,36 +260,55 @@ class HostStore:
 
     def mark_built(self, block: int, precision: str) -> None:
         """Record the master version the precision's buffer now matches (None: there is no master)."""
-        bb = self.blocks[block]
-        bb.source_versions[precision] = None if bb.full is None else bb.full._version
+        self.blocks[block].source_versions[precision] = self.master_version(block)
 
     # ---- reading ------------------------------------------------------------
 
     def has(self, block: int, precision: str) -> bool:
-        return precision in self.blocks[block].buffers
+        return precision in self.blocks[block].buffers or (block, precision) in self.on_disk
+
+    def attach_disk_tier(self, tier, precision: str) -> None:
+        """Every block's `precision` copy streams from the file through `tier` (never held in RAM)."""
+        self.disk_tier = tier
+        self.arenas.append(tier.arena)
+        self.on_disk = {(b, precision) for b in range(len(self.blocks))}
+
+    def copied(self, block: int, precision: str, stream) -> None:
+        """The slot pool issued the H2D copy of the block's buffer on `stream` (None: a synchronous copy)."""
+        if (block, precision) in self.on_disk:
+            self.disk_tier.copied(block, stream)
+
+    def is_derived(self, block: int, precision: str) -> bool:
+        """Built from the master: every precision but the master's own flat buffer."""
+        return precisions.get(precision).derived_from_master or self.blocks[block].file_master is not None
 
     def can_stream(self, block: int, precision: str) -> bool:
         """Held already, or derived and buildable from a master the block has."""
         bb = self.blocks[block]
-        return self.has(block, precision) or (precisions.get(precision).derived_from_master and bb.full is not None)
+        return self.has(block, precision) or (self.is_derived(block, precision) and bb.has_master)
 
     def ensure_fresh(self, block: int, precision: str) -> None:
         """A buffer built from weights that were written since gets rebuilt (never streamed stale)."""
         bb = self.blocks[block]
         built_from = bb.source_versions.get(precision)
-        if bb.full is not None and built_from is not None and built_from != bb.full._version:
+        if bb.has_master and built_from is not None and built_from != self.master_version(block):
             log.info("stagehand: block %d full-precision weights changed; rebuilding its %s copy", block, precision)
             self.build(block, precision)
             self.requantized_blocks += 1
 
     def master_version(self, block: int) -> int | None:
-        """The version counter of the block's master buffer (None: no master). Every write to a
-        streamed weight moves it: the weights are views of this buffer and share its counter."""
-        full = self.blocks[block].full
-        return None if full is None else full._version
+        """The version counter of the block's master (None: no master). Every write to a streamed
+        weight moves it: the weights are views of one buffer (the block's, or the mapped file's)
+        and share its counter."""
+        bb = self.blocks[block]
+        if bb.file_master is not None:  # each weight is a tensor of its own on the mapping: their sum moves on any write
+            return sum(w._version for w in bb.file_master)
+        return None if bb.full is None else bb.full._version
 
     def buffer(self, block: int, precision: str) -> torch.Tensor:
         buf = self.blocks[block].buffers.get(precision)
+        if buf is None and (block, precision) in self.on_disk:
+            return self.disk_tier.fetch(block)
         if buf is None:
             raise RuntimeError(f"block {block} has no {precision} weights in the host store")
         return buf
@@ -167,7 +320,7 @@ class HostStore:
         return bb.layouts[precision]
 
     def nbytes(self, block: int, precision: str) -> int:
-        if self.has(block, precision):
+        if precision in self.blocks[block].buffers:
             return self.blocks[block].nbytes(precision)
         return precisions.get(precision).layout(self.blocks[block].layers)[1]
 
@@ -178,6 +331,7 @@ class HostStore:
         )
 
     def host_bytes(self) -> int:
+        """Bytes of host memory the store's buffers hold (a file master is not in it)."""
         return sum(buf.numel() for bb in self.blocks for buf in bb.buffers.values())
 
 

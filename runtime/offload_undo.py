@@ -38,6 +38,10 @@ class OffloadUndo:
         self.requires_grad = {s.fqn: s.module.weight.requires_grad for s in layers}
         self._weights = {s.fqn: weakref.ref(s.module.weight) for s in layers}
         self._biases = {s.fqn: s.module._parameters.get("bias") for s in layers}  # small; a slab may replace meta ones
+        # A model built on the meta device and loaded from its checkpoint by offload: its meta tensors
+        # (they hold no memory) go back in place of what was loaded.
+        self._meta = [(module, kind, name, t) for module in model.modules() for kind in ("_parameters", "_buffers")
+                      for name, t in getattr(module, kind).items() if t is not None and t.is_meta]
 
     def undo(self) -> None:
         """Put every layer back as it was recorded (whatever part of offload ran)."""
@@ -55,19 +59,31 @@ class OffloadUndo:
                     self.plain_weight(spec)
                 if "bias" in module._parameters and module._parameters["bias"] is not self._biases[spec.fqn]:
                     module._parameters["bias"] = self._biases[spec.fqn]
+            for module, kind, name, t in self._meta:
+                getattr(module, kind)[name] = t
             self.move_back()
 
-    def plain_weight(self, spec: StreamedLayerSpec) -> None:
-        """The layer's weight as its own Parameter on its original device (a copy of the host store's view)."""
+    def plain_weight(self, spec: StreamedLayerSpec, restoring: bool = False) -> None:
+        """The layer's weight as its own Parameter on its original device (a copy of the host store's view).
+
+        `restoring`: a weight that was on the meta device (a model loaded from its checkpoint by
+        offload) comes back on the CPU, with its values."""
         host = spec.module.weight.detach()
         device = self.devices[spec.fqn + ".weight"]
+        if restoring and device.type == "meta":
+            device = torch.device("cpu")
         spec.module._parameters["weight"] = nn.Parameter(
             host.to(device, copy=True), requires_grad=self.requires_grad[spec.fqn]
         )
 
-    def move_back(self) -> None:
-        """Every other parameter and buffer back on the device it was on (offload moved them to the device)."""
+    def move_back(self, restoring: bool = False) -> None:
+        """Every other parameter and buffer back on the device it was on (offload moved them to the device);
+        `restoring`: what was on the meta device (loaded from the checkpoint by offload) comes back on the CPU."""
         for name, tensor in named_tensors(self.model):
             original = self.devices.get(name)
+            if original is not None and original.type == "meta":
+                if not restoring:
+                    continue  # put back as it was above
+                original = torch.device("cpu")
             if original is not None and tensor.device != original:
                 tensor.data = tensor.data.to(original)

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import Counter
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from .config import Config
-
-from torch_stagehand import kernels
 
 from . import precision as precisions
 from . import registry
@@ -32,11 +29,13 @@ from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
 from .eager_notice import EagerFallbackWarning, warn_eager_once  # noqa: F401 (the warning's home)
 from .events import RuntimeEvents, progress, unwrap_optimizer
-from .host_store import HostStore, check_master_dtypes
+from .host_setup import build_host_store, load_resident
+from .host_store import check_master_dtypes
 from .offload_undo import OffloadUndo
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
-from .planning import PlanDriver, budget_from, plan_stats, spill_stats
+from .planning import PlanDriver, budget_from
+from .runtime_stats import runtime_stats
 from .selective.runtime_api import SelectivePrecisionAPI
 from .streamed import guard_conversions, make_plain, make_streamed, unguard
 
@@ -55,6 +54,7 @@ class Runtime(SelectivePrecisionAPI):
         slab_loader=None,
         vram_budget: int | str | None = None,
         cost_model: CostModel | None = None,
+        keep_full: str | None = None, checkpoint=None,  # checkpoint: a WeightsFile (a meta model loads from it)
     ):
         check_master_dtypes(layers)
         budget = budget_from(config, vram_budget)  # a budget that cannot be read fails before the model is touched
@@ -69,6 +69,7 @@ class Runtime(SelectivePrecisionAPI):
         self._attached: list[torch.optim.Optimizer] = []  # optimizers whose steps end a step (attach)
         self._conversion_guards: list[nn.Module] = []
         self._on_close: list[Callable[[], None]] = []
+        self.checkpoint, self._keep_full = checkpoint, keep_full if keep_full is not None else config.keep_full
         # Checked before the model is touched: a bad path fails here, not at the first step.
         self.telemetry = TelemetryWriter(config.telemetry_path)
         self._block_first_layer = {}
@@ -102,22 +103,15 @@ class Runtime(SelectivePrecisionAPI):
 
     def _offload(self, precision: dict[int, str], slab_loader, budget, cost_model) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
-        model, config, block_fqns, layers = self.model, self.config, self.blocks, self.layers
-        pin = config.pin_memory and self.device.type == "cuda"
-        quant_device = self.device if self.device.type == "cuda" else None
-        self.store = HostStore(layers, len(block_fqns), pin=pin, quantizer=config.quantizer, quant_device=quant_device)
-        meta_blocks = [b for b in progress(range(len(block_fqns)), "offload: blocks to the host store")
-                       if not self.store.adopt_full(b)]
-        if slab_loader is not None:
-            slab_loader(self)
-        elif meta_blocks:
-            raise RuntimeError(
-                f"offload: block {block_fqns[meta_blocks[0]]} has weights on the meta device and no slab was given"
-            )
+        model, layers = self.model, self.layers
+        # self.store: planned and checked against the machine's memory before anything is allocated.
+        build_host_store(self, precision, slab_loader, self._keep_full, progress)
         for index, spec in enumerate(layers):
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
+        if self.checkpoint is not None:  # a model built on the meta device: its resident tensors, one by one
+            load_resident(model, self.checkpoint, self.device, {s.fqn + ".weight" for s in layers}, progress)
         model.to(self.device)  # everything but the streamed weights becomes resident
 
         self._precision: dict[int, str] = {}
@@ -139,7 +133,8 @@ class Runtime(SelectivePrecisionAPI):
         registry.unregister_runtime(self.id)
         self._undo.undo()
         self.telemetry.close()
-        self.store = self.pool = None  # the pinned store and slots are freed with the exception
+        getattr(self, "store", None) is not None and self.store.free()
+        self.store = self.pool = self.checkpoint = None  # the pinned store and slots are freed with the exception
         self._closed = True
 
     # ---- public API -----------------------------------------------------------------
@@ -164,10 +159,9 @@ class Runtime(SelectivePrecisionAPI):
                     f"to stream {value} from (it was loaded from an INT8 slab only)"
                 )
         self._check_precision_devices(new)  # fp8 needs FP8 tensor cores unless emulation was asked for
-        missing = [(b, p) for b, p in new.items() if not self.store.has(b, p)]
-        for block, value in progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
-            self.store.build(block, value)
+        self.store.build_missing(new, progress)
         self._precision = new
+        self.store.set_pins(new)  # what streams is locked, what no longer does is not
         if self.pool is not None:
             self.planner.apply("precision map changed")
 
@@ -183,36 +177,8 @@ class Runtime(SelectivePrecisionAPI):
         return self.planner.replan(cost_model, vram_budget)
 
     def stats(self) -> dict[str, Any]:
-        s = self.pool.stats
-        return {
-            "blocks": len(self.blocks),
-            "streamed_layers": len(self.layers),
-            "slots": len(self.pool.slots),
-            "slot_bytes": self.pool.slot_bytes,
-            "h2d_bytes": s.h2d_bytes,
-            "d2h_bytes": 0,  # the host copy is the master: nothing is ever copied back
-            "fetches": s.fetches,
-            "prefetches": s.prefetches,
-            "sync_fetches": s.sync_fetches,
-            "hits": s.hits,
-            "stale_slots": s.stale_slots,  # slot copies dropped because their block's weights were written
-            "requantized_blocks": self.store.requantized_blocks,  # derived (INT8) copies rebuilt for the same reason
-            "denials": dict(s.denials),
-            "streamed_bytes_resident": s.resident_bytes,
-            "peak_streamed_bytes": s.peak_resident_bytes,
-            "host_bytes": self.store.host_bytes(),
-            "compiled_variants": self.block_variant_count,
-            "compiled_units": self.compile_count,
-            "compile_seconds": round(self.compile_seconds, 3),
-            "autotune_seconds": round(kernels.tuning_seconds(), 3),  # process-wide (W8A16 tuning)
-            "steps": self.phases.step,
-            "precision_counts": dict(Counter(self._precision.values())),
-            "eager_linear_calls": self.eager_linear_calls,
-            "eager_blocks": [self.blocks[b] for b in sorted(self.eager_blocks)],
-            "recomputed_blocks": self.recomputed_blocks,  # block recomputes run (a count over all steps)
-            **plan_stats(self.planner.plan, self.pool), **spill_stats(self.planner.spill),
-            "offload": self.offload_summary,
-        }
+        """Counters since offload: transfers, slots, host memory, compiles, the plan (runtime_stats.py)."""
+        return runtime_stats(self)
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Phases from the optimizer: OPTIMIZER before its step, STEP_END after (a wrapper: its inner one; once)."""
@@ -236,17 +202,15 @@ class Runtime(SelectivePrecisionAPI):
         if self._restored:
             return self.model
         self._check_open()
-        int8_only = [self.blocks[b] for b, bb in enumerate(self.store.blocks) if bb.full is None]
+        int8_only = [self.blocks[b] for b, bb in enumerate(self.store.blocks) if not bb.has_master]
         if int8_only:
-            raise RuntimeError(
-                f"restore: block {int8_only[0]} was loaded from an INT8 slab only; "
-                "its full-precision weights were never in memory"
-            )
+            raise RuntimeError(f"restore: block {int8_only[0]} was loaded from an INT8 slab only; "
+                               "its full-precision weights were never in memory")
         with torch.no_grad():
             for spec in self.layers:
                 make_plain(spec.module)
-                self._undo.plain_weight(spec)
-            self._undo.move_back()
+                self._undo.plain_weight(spec, restoring=True)
+            self._undo.move_back(restoring=True)
         unguard(self._conversion_guards)
         self.close()
         self._restored = True
@@ -260,6 +224,7 @@ class Runtime(SelectivePrecisionAPI):
         self._hooks.clear()
         self.phases.end_step()
         self.telemetry.close()
+        self.store.free()  # unlock the pinned ranges; the memory goes when the last view does
         registry.unregister_runtime(self.id)
         for callback in self._on_close:
             callback()  # e.g. the compiler drops its compiled variants

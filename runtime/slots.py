@@ -254,6 +254,7 @@ class SlotPool:
                 slot.ready_event.record(self.copy_stream)
         else:
             slot.buf[:n].copy_(src)
+        self.store.copied(block, precision, self.copy_stream if self.cuda else None)  # a disk tier's staging may go
         self._set_bytes(slot, n)
         slot.key, slot.state = (block, precision), SlotState.LOADING
         slot.released_at = next(self._tick)

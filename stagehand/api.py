@@ -31,6 +31,8 @@ def offload(
     config: Config | None = None,
     verbose: bool = True,
     vram_budget: int | str | None = None,
+    keep_full: str | None = None,
+    checkpoint=None,
 ) -> Runtime:
     """Stream the Linear weights of `model`'s blocks from host memory; keep the rest on `device`.
 
@@ -44,6 +46,15 @@ def offload(
     vram_budget: device memory the plan may use, bytes or a string ("20GiB", "512MB"); the runtime
     keeps as many blocks resident and recomputes as few as fit (`rt.plan`). On the CPU it bounds
     the device copy of the streamed weights. Same as `Config.conductor.vram_soft_cap_mb`.
+    keep_full: where the full-precision master of a block that streams INT8 is
+    kept: "pinned", "ram" (pageable), "file" (not in RAM: read from
+    `checkpoint` when needed) or "auto" (default: `config.keep_full`).
+    checkpoint: the model's safetensors (a file, an index json, or a
+    transformers / diffusers folder). A model built on the meta device
+    (`accelerate.init_empty_weights()`) is loaded from it tensor by tensor
+    straight into the host store and the device, never whole in RAM.
+    Before anything is allocated, the host copies are checked against the
+    machine's memory: a `HostMemoryError` says what does not fit and what to change.
     verbose: print what offload did to stderr, once (block lists found and skipped, blocks per
     precision, bytes per step, host bytes, seconds per stage) and one line after the first step
     (what the first call's compile cost). The same summary is in `rt.stats()["offload"]`.
@@ -70,8 +81,13 @@ def offload(
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
         slab_loader = slab_loader_for(slab)
+    weights_file = None
+    if checkpoint is not None:
+        from torch_stagehand.runtime.weights_file import WeightsFile
+
+        weights_file = WeightsFile(checkpoint)
     rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
-                 vram_budget=vram_budget)
+                 keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget)
     clock.mark("host store, precision copies, slots")
     if selective_precision_requested(config.selective_precision, auto):
         try:

@@ -116,6 +116,15 @@ class Report:
             f"this call ({what}): {fetches} H2D fetches ({moved / 1e6:.1f} MB), {stalls} synchronous"
         )
 
+    def host_summary(self) -> str:
+        """Where the host copies are (stats()["host"]): pinned bytes asked for and locked, bytes per copy kind."""
+        host = self.stats.get("host")
+        if not host:
+            return ""
+        kinds = ", ".join(f"{kind} {n / 1e9:.2f} GB" for kind, n in host["bytes_by_kind"].items())
+        return (f"host memory (keep_full={host['keep_full']!r}): {kinds}; pinned {host['pinned_requested_bytes'] / 1e9:.2f}"
+                f" GB asked, {host['pinned_locked_bytes'] / 1e9:.2f} GB locked, {host['host_allocations']} allocation(s)")
+
     def offload_line(self) -> str:
         o = self.offload
         if not o:
@@ -127,6 +136,6 @@ class Report:
                 f"host store {o['host_bytes'] / 1e6:,.1f} MB, {o['slots']} slots of {o['slot_bytes'] / 1e6:,.1f} MB")
 
     def __str__(self) -> str:
-        head = "\n".join(x for x in (self.offload_line(), self.summary()) if x)
+        head = "\n".join(x for x in (self.offload_line(), self.summary(), self.host_summary()) if x)
         plan = f"\n\n{self.plan_table()}" if self.plan is not None else ""
         return f"{head}\n\n{self.table()}{plan}"

@@ -128,3 +128,28 @@ class CheckpointedToy(nn.Module):
         for block in self.inner.blocks:
             x = checkpoint(block, x, use_reentrant=self.use_reentrant)
         return self.inner.head(x)
+
+
+class RecordingPinner:
+    """A pinner for CPU tests: records the ranges offload would page-lock (and can refuse the n-th one)."""
+
+    locks = True
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at = fail_at
+        self.calls = 0
+        self.locked: dict[int, int] = {}  # pointer -> bytes
+        self.unlocked: list[int] = []
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        from torch_stagehand.runtime.host_arena import PinError
+
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise PinError(f"simulated: cudaHostRegister of {nbytes} bytes failed")
+        assert ptr not in self.locked
+        self.locked[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        del self.locked[ptr]
+        self.unlocked.append(ptr)

@@ -18,13 +18,13 @@ import torch.nn as nn
 
 import torch_stagehand as stagehand
 from torch_stagehand.compiler import backend as backend_module
-from torch_stagehand.runtime import host_store, registry, slots
+from torch_stagehand.runtime import host_arena, host_store, registry, slots
 from torch_stagehand.runtime.blocks import BlockSelectionError
 from torch_stagehand.runtime.conductor.telemetry import TelemetryPathError
 from torch_stagehand.runtime.slab import SlabError, build_slab_from_module
 from torch_stagehand.runtime.streamed import is_streamed
 
-from _helpers import toy
+from _helpers import RecordingPinner, toy
 
 
 def _snapshot(model: nn.Module) -> dict[str, tuple]:
@@ -93,27 +93,24 @@ def test_a_slab_load_that_fails_on_a_later_block_leaves_every_block_as_it_was(tm
     _assert_untouched(model, before)
 
 
-@pytest.mark.parametrize("where", ["pinned store", "slots"])
+@pytest.mark.parametrize("where", ["host arena", "pinning", "slots"])
 def test_out_of_memory_during_offload_leaves_the_model_as_it_was(monkeypatch, where):
     model, x = toy(n=4)
     before = _snapshot(model)
-    calls = {"n": 0}
-    if where == "pinned store":
-        real = host_store.HostStore._empty
+    if where == "host arena":
+        def no_room(self, kind, sizes):
+            raise RuntimeError("simulated: cannot allocate 4 MB")
 
-        def empty(self, nbytes):  # the third block's buffer does not fit
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise torch.OutOfMemoryError("simulated: cannot pin 4 MB")
-            return real(self, nbytes)
-
-        monkeypatch.setattr(host_store.HostStore, "_empty", empty)
+        monkeypatch.setattr(host_store.HostStore, "_new_arena", no_room)
+    elif where == "pinning":  # the third block's range cannot be page-locked
+        monkeypatch.setattr(host_arena, "pinner_for", lambda device, pin: RecordingPinner(fail_at=3))
     else:
         def pool(*args, **kwargs):
             raise torch.OutOfMemoryError("simulated: cannot allocate the slots")
 
         monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)  # the plan driver allocates the pool
-    says = r"block 2's bf16 copy .* first layer blocks\.2\.up" if where == "pinned store" else r"slots of .* MiB"
+    says = {"host arena": r"bf16 copies of blocks 0\.\.3 .* first layer blocks\.0\.up",
+            "pinning": r"pin block 2's bf16 copy .* first layer blocks\.2\.up", "slots": r"slots of .* MiB"}[where]
     with pytest.raises(torch.OutOfMemoryError, match=says + ".*simulated"):
         stagehand.offload(model, device="cpu")
     _assert_untouched(model, before)

@@ -64,6 +64,8 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
             reader.check_model(rt.model)
             checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
                                   require=rt.config.require_slab_identity)
+            if rt.config.int8_tier == "disk":
+                return _attach_disk_tier(rt, reader, manifest)
             for block, bb in enumerate(rt.store.blocks):
                 buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
                 for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
@@ -83,6 +85,32 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
                 rt.store.mark_built(block, INT8)
 
     return load
+
+
+def _attach_disk_tier(rt: "Runtime", reader: SlabReader, manifest: str) -> None:
+    """Config(int8_tier="disk"): the INT8 rows stay in the file; only meta biases are read now."""
+    from torch_stagehand.runtime.disk_tier import DiskTier
+
+    names = {}
+    for block, bb in enumerate(rt.store.blocks):
+        names[block] = []
+        for spec in bb.layers:
+            name = canonical_name(spec.fqn)
+            if name not in reader.layers:
+                raise SlabLayerNotFoundError(f"streamed layer {spec.fqn} is not in the slab", path=reader.path, layer=name)
+            names[block].append(name)
+            bias = spec.module.bias
+            if bias is not None and bias.is_meta and reader.layers[name].has_bias:
+                value = reader.read_layer(name)[2].to(bias.dtype)
+                spec.module._parameters["bias"] = torch.nn.Parameter(value, requires_grad=bias.requires_grad)
+    tier_reader = SlabReader(manifest)  # its own: the tier reads on its worker thread for the Runtime's life
+    try:
+        rt.store.attach_disk_tier(DiskTier(tier_reader, rt.store, names), INT8)
+    except BaseException:
+        tier_reader.close()
+        raise
+    for block in range(len(rt.store.blocks)):
+        rt.store.mark_built(block, INT8)
 
 
 def _live_weights(rt: "Runtime", reader: SlabReader) -> list[tuple[str, torch.Tensor]]:

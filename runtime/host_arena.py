@@ -1,0 +1,148 @@
+"""Host arenas: a few large host allocations, carved into per-block buffers, pinned at their real size.
+
+`tensor.pin_memory()` / `torch.empty(..., pin_memory=True)` go through
+PyTorch's CachingHostAllocator, which rounds every request up to the next
+power of two (c10 `CachingHostAllocator.h`: `llvm::PowerOf2Ceil(size)`; the
+`pinned_use_cuda_host_register` allocator setting changes how a block is
+pinned, not its rounding; torch 2.13's process-wide `pinned_max_round_threshold`
+setting can turn it off, torch 2.11 has none): a 680 MB block takes a 1 GiB
+pinned block. Here a
+set of buffers (all INT8 copies of a model, all its masters) is one plain
+pageable `torch.empty`, and the ranges that stream are page-locked in place
+with `cudaHostRegister` at their exact size (rounded to the page). Per-block
+buffers are views into it, each starting on a page, so one block's range can
+be locked or unlocked on its own (a block switching precision).
+
+Pages of a fresh arena are not committed until written: filling it block by
+block while the model's own weights are freed keeps RSS near one copy. Locking
+commits them, so ranges are locked after they are filled.
+
+The same code runs on the CPU with `NoPinner` (nothing is locked): CI tests
+the layout, the accounting and the freeing.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+
+
+def page_round(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+class PinError(RuntimeError):
+    """cudaHostRegister refused a range (the driver's error code and the size are in the message)."""
+
+
+class NoPinner:
+    """Pins nothing (CPU streams, `Config.pin_memory=False`)."""
+
+    locks = False
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        pass
+
+    def unregister(self, ptr: int) -> None:
+        pass
+
+
+class CudaPinner:
+    """Page-locks host ranges in place through the CUDA runtime (what torch's own
+    `torch.cuda._pin_memory_utils` does for distributed checkpoint staging)."""
+
+    locks = True
+    PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as pin_memory=True is
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, self.PORTABLE))
+        if err != 0:
+            raise PinError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB failed with cudaError {err}")
+
+    def unregister(self, ptr: int) -> None:
+        try:
+            # A copy still reading the range must finish before its pages lose their lock.
+            torch.cuda.synchronize()
+            err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        except Exception as e:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the pages go with the process
+            log.debug("stagehand: cudaHostUnregister skipped: %s", e)
+            return
+        if err != 0:
+            log.warning("stagehand: cudaHostUnregister failed with cudaError %d", err)
+
+
+@dataclass
+class Carved:
+    offset: int  # bytes from the arena's (page-aligned) start
+    nbytes: int  # what the buffer asked for
+    view: torch.Tensor
+
+
+class HostArena:
+    """One host allocation holding the buffers of one copy kind (e.g. "int8 pinned")."""
+
+    def __init__(self, kind: str, sizes: list[int], pinner):
+        self.kind = kind
+        self.pinner = pinner
+        self.capacity = sum(page_round(n) for n in sizes)
+        # One spare page so the start can be moved onto a page boundary.
+        raw = torch.empty(self.capacity + PAGE, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % PAGE
+        self.base = raw[skip : skip + self.capacity]
+        self._next = 0
+        self.requested = sum(sizes)
+        self.locked: dict[int, int] = {}  # start pointer -> locked bytes
+        # Unlock before the memory can go back to the allocator, however the arena dies.
+        self._finalizer = weakref.finalize(self, _unlock_all, pinner, self.locked)
+
+    def carve(self, nbytes: int) -> torch.Tensor:
+        if self._next + page_round(nbytes) > self.capacity:
+            raise RuntimeError(f"host arena {self.kind}: {nbytes} bytes do not fit ({self.capacity - self._next} left)")
+        # Not a view of the base: a tensor of its own on the same storage, so each block's buffer has
+        # its own version counter (a write to one block's weights must not make the others stale).
+        view = torch.empty(0, dtype=torch.uint8).set_(
+            self.base.untyped_storage(), self.base.storage_offset() + self._next, (nbytes,), (1,))
+        self._next += page_round(nbytes)
+        return view
+
+    def lock(self, view: torch.Tensor) -> None:
+        """Page-lock the range of one carved buffer (its pages, exactly)."""
+        ptr = view.data_ptr()
+        if ptr in self.locked or not self.pinner.locks or view.numel() == 0:
+            return
+        nbytes = page_round(view.numel())
+        self.pinner.register(ptr, nbytes)
+        self.locked[ptr] = nbytes
+
+    def unlock(self, view: torch.Tensor) -> None:
+        ptr = view.data_ptr()
+        if self.locked.pop(ptr, None) is not None:
+            self.pinner.unregister(ptr)
+
+    def is_locked(self, view: torch.Tensor) -> bool:
+        return view.data_ptr() in self.locked
+
+    def close(self) -> None:
+        self._finalizer()
+
+    @property
+    def locked_bytes(self) -> int:
+        return sum(self.locked.values())
+
+
+def _unlock_all(pinner, locked: dict[int, int]) -> None:
+    for ptr in list(locked):
+        locked.pop(ptr)
+        pinner.unregister(ptr)
+
+
+def pinner_for(device: torch.device, pin_memory: bool):
+    """What locks the host ranges that stream to `device` (tests replace this with a recording fake)."""
+    return CudaPinner() if pin_memory and torch.device(device).type == "cuda" else NoPinner()

@@ -1,0 +1,166 @@
+"""Which host copies offload keeps where, what they cost, and whether the machine has it.
+
+Per block: the copy it streams is pinned (its INT8 copy, or its full-precision
+master when it streams BF16); its master, when it streams INT8, is kept as
+`keep_full` says: "pinned", "ram" (pageable) or "file" (not in RAM: views of
+the model's safetensors file). `plan_host` counts the bytes of each kind and
+resolves keep_full="auto"; `preflight` compares them with the machine
+(`host_budget.probe_machine`) before anything is allocated and raises a
+`HostMemoryError` with the numbers and what to change. `host_report` is what
+`stats()["host"]` says afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import precision as precisions
+from .blocks import StreamedLayerSpec
+from .host_budget import MachineMemory, gib
+from .host_store import KEEP_FILE, KEEP_PINNED, KEEP_RAM, HostStore
+
+KEEP_AUTO = "auto"
+KEEP_FULL_CHOICES = (KEEP_AUTO, KEEP_PINNED, KEEP_RAM, KEEP_FILE)
+# keep_full="auto" keeps masters in RAM while everything fits in this share of the usable memory.
+AUTO_RAM_SHARE = 0.7
+
+
+class HostMemoryError(MemoryError):
+    """The host copies offload would keep do not fit the machine; the message has the numbers and the way out."""
+
+
+@dataclass
+class HostPlan:
+    keep_full: str
+    pin: bool
+    bytes: dict[str, int] = field(default_factory=dict)  # "int8 pinned", "bf16 ram", "bf16 file", ...
+    freed_bytes: int = 0  # streamed weights in RAM now that the store replaces (they are freed as it fills)
+    from_slab: bool = False
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(n for kind, n in self.bytes.items() if kind.endswith(" pinned"))
+
+    @property
+    def ram_bytes(self) -> int:
+        """Every byte the store holds in RAM, pinned or not (a file master is not counted)."""
+        return sum(n for kind, n in self.bytes.items() if not kind.endswith((" file", " disk")))
+
+
+def _block_bytes(layers: list[StreamedLayerSpec], precision: str) -> int:
+    return precisions.get(precision).layout(layers)[1]
+
+
+def _count(per_block, precision_map, keep_full: str, pin: bool, has_master, from_slab: bool,
+           int8_on_disk: bool = False) -> dict[str, int]:
+    where_pinned = "pinned" if pin else "ram"
+    out: dict[str, int] = {}
+
+    def add(kind: str, n: int) -> None:
+        out[kind] = out.get(kind, 0) + n
+
+    for block, layers in enumerate(per_block):
+        streams = precision_map[block]
+        master = _block_bytes(layers, precisions.FULL)
+        if int8_on_disk:  # read from the slab at each fetch, through the staging ring
+            add(f"{precisions.INT8} disk", _block_bytes(layers, precisions.INT8))
+        elif streams != precisions.FULL or from_slab:
+            add(f"{streams} {where_pinned}" if streams != precisions.FULL else f"{precisions.INT8} ram",
+                _block_bytes(layers, streams if streams != precisions.FULL else precisions.INT8))
+        if not has_master[block]:
+            continue
+        if keep_full == KEEP_FILE:
+            add(f"{precisions.FULL} file", master)
+            if streams == precisions.FULL:  # a flat copy derived from the file streams
+                add(f"{precisions.FULL} {where_pinned}", master)
+        elif streams == precisions.FULL or keep_full == KEEP_PINNED:
+            add(f"{precisions.FULL} {where_pinned}", master)
+        else:
+            add(f"{precisions.FULL} ram", master)
+    return out
+
+
+def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dict[int, str], keep_full: str,
+              pin: bool, machine: MachineMemory, has_master: list[bool], freed_bytes: int, has_file: bool,
+              from_slab: bool = False, int8_on_disk: bool = False) -> HostPlan:
+    """Count the bytes of every copy kind, resolving keep_full="auto" from the RAM there is."""
+    if keep_full not in KEEP_FULL_CHOICES:
+        raise ValueError(f"offload: keep_full must be one of {', '.join(map(repr, KEEP_FULL_CHOICES))}, got {keep_full!r}")
+    if keep_full == KEEP_FILE and not has_file:
+        raise ValueError("offload: keep_full='file' keeps the full-precision weights in the model's safetensors "
+                         "file: pass it as offload(..., checkpoint='model.safetensors' or its folder)")
+    per_block = [[s for s in layers if s.block == b] for b in range(n_blocks)]
+    if keep_full == KEEP_AUTO:
+        keep_full = KEEP_RAM
+        if any(p != precisions.FULL for p in precision_map.values()):
+            ram = _count(per_block, precision_map, KEEP_RAM, pin, has_master, from_slab, int8_on_disk)
+            if sum(ram.values()) - freed_bytes > AUTO_RAM_SHARE * machine.usable_bytes and has_file:
+                keep_full = KEEP_FILE
+    counted = _count(per_block, precision_map, keep_full, pin, has_master, from_slab, int8_on_disk)
+    if int8_on_disk:
+        from .disk_tier import RING
+
+        counted[f"{precisions.INT8} staging {'pinned' if pin else 'ram'}"] = RING * max(
+            _block_bytes(layers_, precisions.INT8) for layers_ in per_block)
+    return HostPlan(keep_full=keep_full, pin=pin, bytes=counted, freed_bytes=freed_bytes, from_slab=from_slab)
+
+
+def preflight(plan: HostPlan, machine: MachineMemory, precision_map: dict[int, str], has_file: bool) -> None:
+    """Raise HostMemoryError, before anything is allocated, when the plan does not fit the machine."""
+    need = plan.ram_bytes - plan.freed_bytes
+    problems = []
+    if need > machine.usable_bytes:
+        problems.append(f"it needs {gib(need)} more host memory and {gib(machine.usable_bytes)} can be had")
+    if plan.pin and machine.pinned_cap_bytes is not None and plan.pinned_bytes > machine.pinned_cap_bytes:
+        problems.append(f"it pins {gib(plan.pinned_bytes)} and {machine.where} pins at most "
+                        f"{gib(machine.pinned_cap_bytes)}")
+    if not problems:
+        return
+    kinds = ", ".join(f"{kind} {gib(n)}" for kind, n in sorted(plan.bytes.items()))
+    fixes = []
+    if any(p == precisions.FULL for p in precision_map.values()):
+        fixes.append("precision='int8' (half the pinned bytes of bf16)")
+    if plan.keep_full != KEEP_FILE:
+        master = sum(n for kind, n in plan.bytes.items() if kind.startswith(precisions.FULL + " "))
+        how = "" if has_file else " with checkpoint='model.safetensors'"
+        fixes.append(f"keep_full='file'{how} (the bf16 masters of int8 blocks, up to {gib(master)}, stay in the file)")
+    if plan.from_slab and not any(kind.endswith(" disk") for kind in plan.bytes):
+        fixes.append("Config(int8_tier='disk') (the INT8 rows stay in the slab file, read at each fetch)")
+    fixes.append("fewer or smaller blocks on this machine, or a machine (or cgroup) with more memory")
+    raise HostMemoryError(
+        f"offload: the host store does not fit: {'; '.join(problems)} (keep_full={plan.keep_full!r}: {kinds}; "
+        f"{gib(plan.freed_bytes)} of weights in RAM now are moved, not copied). Machine: {machine.describe()}. "
+        f"To fit: {'; or '.join(fixes)}."
+    )
+
+
+def host_report(store: HostStore) -> dict:
+    """stats()["host"]: where every host copy is, what is pinned (asked for, and locked to the page)."""
+    kinds: dict[str, int] = {}
+    requested = 0
+    for block, bb in enumerate(store.blocks):
+        for precision, buf in bb.buffers.items():
+            arena = store._arena_of.get((block, precision))
+            locked = arena is not None and arena.is_locked(buf)
+            requested += buf.numel() if locked else 0
+            kind = f"{precision} {'pinned' if locked else 'ram'}"
+            kinds[kind] = kinds.get(kind, 0) + buf.numel()
+        for (b, precision) in store.on_disk:
+            if b == block:
+                kinds[f"{precision} disk"] = kinds.get(f"{precision} disk", 0) + store.nbytes(block, precision)
+        if bb.file_master is not None:
+            kind = f"{precisions.FULL} file"
+            kinds[kind] = kinds.get(kind, 0) + sum(w.numel() * w.element_size() for w in bb.file_master)
+    tier = store.disk_tier
+    if tier is not None:
+        staging = "pinned" if tier.arena.locked else "ram"
+        kinds[f"int8 staging {staging}"] = tier.arena.requested
+        requested += tier.arena.requested if tier.arena.locked else 0
+    return {
+        **({"disk_tier": tier.stats.as_dict()} if tier is not None else {}),
+        "keep_full": store.keep_full,
+        "pinned_requested_bytes": requested,
+        "pinned_locked_bytes": sum(a.locked_bytes for a in store.arenas),
+        "host_allocations": len(store.arenas),
+        "bytes_by_kind": dict(sorted(kinds.items())),
+    }

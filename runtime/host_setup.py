@@ -1,0 +1,158 @@
+"""Offload's host side: plan the copies, check the machine, fill the host store (from the model or its file).
+
+Order matters for memory: the preflight runs before any allocation; each
+copy kind is one allocation whose pages are committed only as they are
+written; the model's own weights (or the file's pages) are released block by
+block as the store fills; pinning comes last (`HostStore.set_pins`, called
+once the precision map's copies are built), because locking commits pages.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from . import host_arena, host_budget
+from . import precision as precisions
+from .blocks import StreamedLayerSpec
+from .host_plan import HostPlan, plan_host, preflight
+from .host_store import KEEP_FILE, HostStore
+from .weights_file import CheckpointError, WeightsFile
+
+log = logging.getLogger(__name__)
+
+
+def _in_ram(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size() if t.device.type == "cpu" and not t.is_meta else 0
+
+
+def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dict[int, str], config,
+                    device: torch.device, keep_full: str, checkpoint: WeightsFile | None,
+                    from_slab: bool) -> tuple[HostStore, HostPlan]:
+    """A planned, preflighted, still empty host store."""
+    pinner = host_arena.pinner_for(device, config.pin_memory)
+    has_master = []
+    for b in range(n_blocks):
+        block_layers = [s for s in layers if s.block == b]
+        has_master.append(all(not s.module.weight.is_meta or (checkpoint is not None and s.fqn + ".weight" in checkpoint)
+                              for s in block_layers))
+    freed = sum(_in_ram(s.module.weight) for s in layers)
+    machine = host_budget.probe_machine()
+    plan = plan_host(layers, n_blocks, precision_map, keep_full, pinner.locks, machine, has_master, freed,
+                     has_file=checkpoint is not None, from_slab=from_slab,
+                     int8_on_disk=from_slab and config.int8_tier == "disk")
+    preflight(plan, machine, precision_map, has_file=checkpoint is not None)
+    quant_device = device if device.type == "cuda" else None
+    store = HostStore(layers, n_blocks, pin=pinner.locks, quantizer=config.quantizer, quant_device=quant_device,
+                      pinner=pinner, keep_full=plan.keep_full)
+    log.info("stagehand: host plan keep_full=%s, %s", plan.keep_full,
+             ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in plan.bytes.items()))
+    return store, plan
+
+
+def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: str, progress) -> None:
+    """The Runtime's host store (`rt.store`, `rt.host_plan`): planned, preflighted, filled with the
+    masters (from the model or its checkpoint) and, given a slab, its INT8 rows."""
+    n = len(rt.blocks)
+    rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,
+                                             rt.checkpoint, slab_loader is not None)
+    meta_blocks = fill_masters(rt.store, rt.checkpoint, progress)
+    if slab_loader is not None:
+        if rt.config.int8_tier != "disk":  # the disk tier holds no INT8 in RAM
+            rt.store.reserve(precisions.INT8, list(range(n)))
+        slab_loader(rt)
+    elif meta_blocks:
+        raise RuntimeError(f"offload: block {rt.blocks[meta_blocks[0]]} has weights on the meta device and no slab "
+                           "was given (nor a checkpoint= holding them)")
+
+
+def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress) -> list[int]:
+    """Masters into the store (flat buffers, or views of the file); returns the blocks with none (meta, no file)."""
+    if store.keep_full == KEEP_FILE:
+        store.after_file_read = checkpoint.release_pages
+        for b in progress(range(len(store.blocks)), "offload: blocks mapped from the checkpoint"):
+            store.adopt_file(b, [_file_weight(checkpoint, spec, keep_in_file=True) for spec in store.blocks[b].layers])
+        return []
+
+    def source(spec: StreamedLayerSpec) -> torch.Tensor | None:
+        w = spec.module.weight
+        if not w.is_meta:
+            return w.detach()
+        if checkpoint is not None and spec.fqn + ".weight" in checkpoint:
+            return _file_weight(checkpoint, spec)
+        return None
+
+    with_master = [b for b, bb in enumerate(store.blocks) if all(source(spec) is not None for spec in bb.layers)]
+    store.reserve(precisions.FULL, with_master)
+    missing = []
+    for b in progress(range(len(store.blocks)), "offload: blocks to the host store"):
+        if b not in with_master or not store.adopt_full(b, source):
+            missing.append(b)
+        elif checkpoint is not None:
+            checkpoint.release_pages()  # the block's file pages were copied: out of our RSS
+    return missing
+
+
+def _file_weight(checkpoint: WeightsFile, spec: StreamedLayerSpec, keep_in_file: bool = False) -> torch.Tensor:
+    """The layer's weight in the file (the module's own layout); copied into the store unless kept in the file."""
+    w = spec.module.weight
+    name = spec.fqn + ".weight"
+    t = checkpoint.tensor_for(name, w, "weight", track=keep_in_file)
+    if keep_in_file and t.dtype != w.dtype:
+        raise CheckpointError(f"checkpoint {checkpoint.path!r}: {name} is {t.dtype}, the model's weight {w.dtype}; "
+                              "keep_full='file' streams the file's tensors as they are (save the checkpoint in "
+                              f"{w.dtype}, or keep_full='ram')")
+    if keep_in_file and not w.is_meta and not torch.equal(t, w.detach().cpu()):
+        raise CheckpointError(f"checkpoint {checkpoint.path!r}: {name} differs from the model's weight; "
+                              "keep_full='file' must be given the file the model's weights came from")
+    return t
+
+
+def load_resident(model: nn.Module, checkpoint: WeightsFile, device: torch.device, streamed: set[str],
+                  progress) -> None:
+    """Every meta parameter and buffer that is not a streamed weight, from the file, straight to `device`.
+
+    Tied parameters (one Parameter under two names) stay tied: each object is
+    replaced once, everywhere it is registered.
+    """
+    owners: dict[int, list[tuple]] = {}  # id(tensor) -> (module, "_parameters" | "_buffers", name, fqn, tensor)
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(module, kind).items():
+                fqn = f"{mod_name}.{name}" if mod_name else name
+                if t is not None and t.is_meta and fqn not in streamed:
+                    owners.setdefault(id(t), []).append((module, kind, name, fqn, t))
+    untied = []
+    for entries in progress(list(owners.values()), "offload: resident tensors from the checkpoint"):
+        found = next((e[3] for e in entries if e[3] in checkpoint), None)
+        if found is None:
+            untied.append(entries)  # e.g. a tied lm_head the file stores once, under the embedding's name
+            continue
+        t = entries[0][4]
+        value = checkpoint.tensor_for(found, t, "tensor").to(device=device, dtype=t.dtype, copy=True)
+        if entries[0][1] == "_parameters":
+            value = nn.Parameter(value, requires_grad=t.requires_grad)
+        for module, kind, name, *_ in entries:
+            getattr(module, kind)[name] = value
+    if untied and hasattr(model, "tie_weights"):  # transformers ties weights the file holds once
+        model.tie_weights()
+    for entries in untied:
+        module, kind, name, fqn, _ = entries[0]
+        if getattr(module, kind)[name] is None or getattr(module, kind)[name].is_meta:
+            raise CheckpointError(f"checkpoint {checkpoint.path!r} has no tensor for {fqn} (a meta "
+                                  f"{'parameter' if kind == '_parameters' else 'buffer'} of the model); build the "
+                                  "model with its buffers real (accelerate.init_empty_weights()) from the "
+                                  "checkpoint's own config")
+    checkpoint.release_pages()
+
+
+def progress(items, label: str):
+    """A progress bar on a terminal for the slow loops of offload (a 12B model takes a minute); silent elsewhere."""
+    items = list(items)
+    if len(items) < 8:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=label, unit="block", disable=None, leave=False)

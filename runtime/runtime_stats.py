@@ -1,0 +1,48 @@
+"""`Runtime.stats()`: one dict of what the runtime did since offload (the benches and tests read it)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from torch_stagehand import kernels
+
+from .host_plan import host_report
+from .planning import plan_stats, spill_stats
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+def runtime_stats(rt: "Runtime") -> dict[str, Any]:
+    s = rt.pool.stats
+    return {
+        "blocks": len(rt.blocks),
+        "streamed_layers": len(rt.layers),
+        "slots": len(rt.pool.slots),
+        "slot_bytes": rt.pool.slot_bytes,
+        "h2d_bytes": s.h2d_bytes,
+        "d2h_bytes": 0,  # the host copy is the master: nothing is ever copied back
+        "fetches": s.fetches,
+        "prefetches": s.prefetches,
+        "sync_fetches": s.sync_fetches,
+        "hits": s.hits,
+        "stale_slots": s.stale_slots,  # slot copies dropped because their block's weights were written
+        "requantized_blocks": rt.store.requantized_blocks,  # derived (INT8) copies rebuilt for the same reason
+        "denials": dict(s.denials),
+        "streamed_bytes_resident": s.resident_bytes,
+        "peak_streamed_bytes": s.peak_resident_bytes,
+        "host_bytes": rt.store.host_bytes(),
+        "host": host_report(rt.store),  # pinned bytes asked for / locked, bytes per copy kind, keep_full
+        "compiled_variants": rt.block_variant_count,
+        "compiled_units": rt.compile_count,
+        "compile_seconds": round(rt.compile_seconds, 3),
+        "autotune_seconds": round(kernels.tuning_seconds(), 3),  # process-wide (W8A16 tuning)
+        "steps": rt.phases.step,
+        "precision_counts": dict(Counter(rt._precision.values())),
+        "eager_linear_calls": rt.eager_linear_calls,
+        "eager_blocks": [rt.blocks[b] for b in sorted(rt.eager_blocks)],
+        "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
+        **plan_stats(rt.planner.plan, rt.pool), **spill_stats(rt.planner.spill),
+        "offload": rt.offload_summary,
+    }

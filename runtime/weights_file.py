@@ -1,0 +1,151 @@
+"""A model's safetensors checkpoint, memory-mapped: tensors by name as views of the file.
+
+`offload(model, checkpoint=...)` takes a `.safetensors` file, a
+`*.safetensors.index.json` (transformers / diffusers shards), or a folder
+holding either. Each file is mapped copy-on-write (`mmap.ACCESS_COPY`): a
+tensor is a view of the mapping (no read, no copy until its pages are
+touched; the pages are the page cache's, reclaimable), and a write to it
+stays in this process (the file never changes). The views serve two things:
+
+* loading without a second copy: a model built on the meta device gets its
+  resident tensors one at a time, and its streamed weights go straight from
+  the file into the host store;
+* `keep_full="file"`: the streamed weights stay views of the file.
+
+The format is the safetensors spec: 8 bytes little-endian header length, a JSON
+header {name: {dtype, shape, data_offsets}}, then the data.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+
+import torch
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+           "BOOL": torch.bool}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot serve the model: missing tensor, other shape or dtype, bad file (named)."""
+
+
+def resolve_files(path: str | os.PathLike) -> list[str]:
+    """The .safetensors files a file, an index json or a folder names."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        index = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+        if index:
+            path = os.path.join(path, index[0])
+        else:
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"checkpoint {path!r}: the folder has no .safetensors file or index json")
+            return files
+    if path.endswith(".json"):
+        try:
+            with open(path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, KeyError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"checkpoint index {path!r}: cannot read its weight_map ({e})") from e
+        folder = os.path.dirname(path)
+        return sorted({os.path.join(folder, name) for name in weight_map.values()})
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path!r}: no such file or folder")
+    return [path]
+
+
+class _MappedFile:
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            try:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self.header = json.loads(f.read(n))
+            except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"checkpoint {path!r}: not a safetensors file ({e})") from e
+            self.data_start = 8 + n
+            # The mapping outlives the file object; torch's views keep it alive (it is never closed
+            # by hand: a view of a closed mapping would read freed memory).
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.header.pop("__metadata__", None)
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8) if len(self.mm) else torch.empty(0, dtype=torch.uint8)
+
+
+class WeightsFile:
+    """Every tensor of a checkpoint (one file or shards), by name, as a view of its mapped file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.files = [_MappedFile(p) for p in resolve_files(path)]
+        self._where = {name: mf for mf in self.files for name in mf.header}
+        self._tracked: list[tuple[torch.Tensor, int]] = []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def view(self, name: str, track: bool = False) -> torch.Tensor:
+        """The tensor as it is in the file; `track`: it may be written (a keep_full="file" master), so
+        `release_pages` leaves the mapping alone once it was."""
+        mf = self._where.get(name)
+        if mf is None:
+            sample = ", ".join(list(self._where)[:3])
+            raise CheckpointError(f"checkpoint {self.path!r} has no tensor {name!r} (it has {sample}, ...)")
+        info = mf.header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"checkpoint {mf.path!r}: tensor {name!r} has dtype {info['dtype']}, not supported")
+        begin, end = (mf.data_start + o for o in info["data_offsets"])
+        if begin % dtype.itemsize:
+            raise CheckpointError(f"checkpoint {mf.path!r}: tensor {name!r} starts at byte {begin}, not aligned "
+                                  f"for {dtype}")
+        if end - begin != dtype.itemsize * _numel(info["shape"]):
+            raise CheckpointError(f"checkpoint {mf.path!r}: tensor {name!r} has {end - begin} bytes for shape "
+                                  f"{info['shape']} of {dtype}")
+        # A tensor of its own on the mapping's storage (not a view of it): its own version counter,
+        # so a write to one weight is seen as a write to that weight only.
+        shape = tuple(info["shape"])
+        t = torch.empty(0, dtype=dtype).set_(mf.base.untyped_storage(), begin // dtype.itemsize, shape,
+                                             _contiguous_strides(shape))
+        if track:
+            self._tracked.append((t, t._version))
+        return t
+
+    def tensor_for(self, name: str, like: torch.Tensor, what: str, track: bool = False) -> torch.Tensor:
+        """The file's tensor for `name`, checked against the model's (meta) tensor `like`."""
+        t = self.view(name, track)
+        if tuple(t.shape) != tuple(like.shape):
+            raise CheckpointError(f"checkpoint {self.path!r}: {name} has shape {tuple(t.shape)}, the model's {what} "
+                                  f"{tuple(like.shape)}")
+        return t
+
+    def release_pages(self) -> None:
+        """Drop the mapped pages from this process (they stay in the page cache), where none was written:
+        what was read to build the host store should not count in our RSS or cgroup."""
+        if any(t._version != v for t, v in self._tracked) or not hasattr(mmap, "MADV_DONTNEED"):
+            return  # a written page is this process's only copy of the write: never drop it
+        for mf in self.files:
+            if len(mf.mm):
+                mf.mm.madvise(mmap.MADV_DONTNEED)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _contiguous_strides(shape: tuple) -> tuple:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))

@@ -1,0 +1,264 @@
+"""Host memory (issue 13): exact pinning, only what streams pinned, where masters are kept, preflight.
+
+On the CPU nothing is page-locked, so a `RecordingPinner` stands in for
+cudaHostRegister: it records the ranges offload would lock, and the same
+arena code (one allocation per copy kind, page-aligned per-block views) runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import torch_stagehand as stagehand
+from torch_stagehand.kernels import quantize_per_row
+from torch_stagehand.runtime import host_arena, host_budget
+from torch_stagehand.runtime.host_arena import PAGE, page_round
+from torch_stagehand.runtime.host_budget import MachineMemory
+from torch_stagehand.runtime.config import ConfigError
+from torch_stagehand.runtime.host_plan import HostMemoryError
+from torch_stagehand.runtime.weights_file import CheckpointError
+
+from _helpers import RecordingPinner, int8_reference, rel_err, toy
+
+GiB = 2**30
+
+
+@pytest.fixture
+def pinner(monkeypatch):
+    fake = RecordingPinner()
+    monkeypatch.setattr(host_arena, "pinner_for", lambda device, pin: fake)
+    return fake
+
+
+def _ranges(rt):
+    """(start pointer, bytes, block, precision) of every host buffer."""
+    return [(buf.data_ptr(), buf.numel(), b, p) for b, bb in enumerate(rt.store.blocks) for p, buf in bb.buffers.items()]
+
+
+def _locked(rt):
+    return {(b, p) for ptr, n, b, p in _ranges(rt) if ptr in {a for arena in rt.store.arenas for a in arena.locked}}
+
+
+def test_one_allocation_per_copy_kind_page_aligned_views_no_overlap(pinner):
+    model, x = toy(n=4)
+    weights = [model.blocks[b].up.weight.detach().clone() for b in range(4)]
+    rt = stagehand.offload(model, device="cpu", precision="int8")
+    assert len(rt.store.arenas) == 2  # bf16 masters, int8 copies: never one allocation per block
+    spans = sorted((ptr, ptr + n) for ptr, n, *_ in _ranges(rt))
+    assert all(start % PAGE == 0 for start, _ in spans)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:])), "two block buffers overlap"
+    for b in range(4):  # the modules' weights are views of the master buffers, with the model's values
+        assert torch.equal(model.blocks[b].up.weight, weights[b])
+        q, s = quantize_per_row(weights[b])
+        lay = rt.store.layout(b, "int8")[0]
+        assert torch.equal(rt.store.buffer(b, "int8")[lay.offset: lay.offset + q.numel()].view(torch.int8), q.flatten())
+    with torch.no_grad():
+        assert rel_err(model(x), int8_reference(toy(n=4)[0], "int8")(x)) < 1e-6
+
+
+def test_only_the_streamed_copies_are_locked_at_their_exact_size(pinner):
+    model, _ = toy(n=4)
+    rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
+    assert _locked(rt) == {(b, "int8") for b in range(4)}  # the bf16 masters stay pageable
+    host = rt.stats()["host"]
+    int8 = sum(rt.store.nbytes(b, "int8") for b in range(4))
+    assert host["pinned_requested_bytes"] == int8
+    assert host["pinned_locked_bytes"] == sum(page_round(rt.store.nbytes(b, "int8")) for b in range(4))
+    assert sorted(pinner.locked.values()) == sorted(page_round(rt.store.nbytes(b, "int8")) for b in range(4))
+    assert host["bytes_by_kind"] == {"bf16 ram": sum(rt.store.nbytes(b, "bf16") for b in range(4)), "int8 pinned": int8}
+
+
+def test_a_precision_switch_moves_the_lock_to_what_now_streams(pinner):
+    model, x = toy(n=4)
+    rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
+    rt.set_precision({1: "bf16"})
+    assert _locked(rt) == {(0, "int8"), (1, "bf16"), (2, "int8"), (3, "int8")}
+    rt.set_precision({1: "int8"})
+    assert _locked(rt) == {(b, "int8") for b in range(4)}
+
+
+def test_keep_full_pinned_locks_the_masters_too(pinner):
+    model, _ = toy(n=3)
+    rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="pinned")
+    assert _locked(rt) == {(b, p) for b in range(3) for p in ("bf16", "int8")}
+    assert set(rt.stats()["host"]["bytes_by_kind"]) == {"bf16 pinned", "int8 pinned"}
+
+
+def test_restore_unlocks_and_frees_the_host_store_while_the_runtime_lives(pinner):
+    model, x = toy(n=4)
+    rt = stagehand.offload(model, device="cpu", precision={0: "bf16", 1: "int8"})
+    with torch.no_grad():
+        model(x)
+    buffers = [weakref.ref(buf) for bb in rt.store.blocks for buf in bb.buffers.values()]
+    arenas = [weakref.ref(a.base) for a in rt.store.arenas]
+    assert pinner.locked
+    rt.restore()
+    gc.collect()
+    assert pinner.locked == {}
+    assert all(r() is None for r in buffers + arenas), "a host buffer outlived restore()"
+    assert rt.stats()["host"]["pinned_locked_bytes"] == 0
+
+
+def test_a_failed_offload_unlocks_what_it_locked(monkeypatch, pinner):
+    model, _ = toy(n=3)
+
+    def pool(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated")
+
+    monkeypatch.setattr("torch_stagehand.runtime.runtime.SlotPool", pool)
+    with pytest.raises(torch.OutOfMemoryError):
+        stagehand.offload(model, device="cpu", precision="int8")
+    assert pinner.calls >= 3 and pinner.locked == {}
+
+
+# ---- keep_full="file" ---------------------------------------------------------------------------------
+
+
+def _saved(model, tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+def test_keep_full_file_keeps_no_master_in_ram_and_computes_the_same(tmp_path, pinner):
+    model, x = toy(n=4)
+    plain = toy(n=4)[0]
+    path = _saved(model, tmp_path)
+    before = path.read_bytes()
+    rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="file", checkpoint=path)
+    kinds = rt.stats()["host"]["bytes_by_kind"]
+    assert set(kinds) == {"bf16 file", "int8 pinned"} and rt.stats()["host"]["keep_full"] == "file"
+    assert rt.store.host_bytes() == kinds["int8 pinned"]  # no full-precision copy in RAM
+    assert torch.equal(model.blocks[2].down.weight, plain.blocks[2].down.weight)  # state_dict reads the file
+    with torch.no_grad():
+        assert rel_err(model(x), int8_reference(plain, "int8")(x)) < 1e-6
+        # A write reaches the next call (the INT8 copy is rebuilt from the file views) and never the file.
+        model.blocks[1].up.weight.mul_(0.5)
+        plain.blocks[1].up.weight.mul_(0.5)
+        assert rel_err(model(x), int8_reference(plain, "int8")(x)) < 1e-6
+    assert rt.stats()["requantized_blocks"] == 1
+    rt.set_precision({1: "bf16"})  # a flat copy derived from the file master streams, locked
+    assert (1, "bf16") in _locked(rt)
+    with torch.no_grad():
+        assert rel_err(model(x), int8_reference(plain, {0: "int8", 1: "bf16", 2: "int8", 3: "int8"})(x)) < 1e-6
+    rt.set_precision("int8")  # and goes again: the file holds those weights
+    assert not rt.store.has(1, "bf16")
+    rt.restore()
+    assert torch.equal(model.blocks[1].up.weight, plain.blocks[1].up.weight)
+    assert path.read_bytes() == before
+
+
+def test_keep_full_file_refuses_a_file_that_is_not_the_models(tmp_path):
+    model, _ = toy(n=3)
+    path = _saved(model, tmp_path)
+    with torch.no_grad():
+        model.blocks[1].down.weight.add_(1.0)
+    with pytest.raises(CheckpointError, match=r"blocks\.1\.down\.weight differs"):
+        stagehand.offload(model, device="cpu", precision="int8", keep_full="file", checkpoint=path)
+    assert not any(type(m).__name__.startswith("Streamed") for m in model.modules())
+
+
+def test_keep_full_file_without_a_checkpoint_says_what_to_pass():
+    model, _ = toy(n=2)
+    with pytest.raises(ValueError, match=r"checkpoint="):
+        stagehand.offload(model, device="cpu", precision="int8", keep_full="file")
+
+
+def test_keep_full_is_a_config_field_checked_by_name():
+    with pytest.raises(ConfigError, match="keep_full: must be"):
+        stagehand.Config(keep_full="disk").validate()
+
+
+# ---- preflight ----------------------------------------------------------------------------------------
+
+
+def _machine(monkeypatch, available, **kw):
+    fake = MachineMemory(total_bytes=8 * GiB, available_bytes=available, **kw)
+    monkeypatch.setattr(host_budget, "probe_machine", lambda: fake)
+    return fake
+
+
+def test_preflight_refuses_before_anything_moves_with_the_numbers_and_the_fix(monkeypatch):
+    model, _ = toy(n=4, d=64)
+    weights = dict(model.named_parameters())
+    _machine(monkeypatch, available=4096)  # a few KB: nothing but the smallest plan fits
+    with pytest.raises(HostMemoryError, match=r"does not fit.*more host memory.*MemAvailable.*keep_full='file'"):
+        stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
+    assert all(dict(model.named_parameters())[k] is v for k, v in weights.items())  # not a tensor was replaced
+
+
+def test_preflight_counts_a_cgroup_limit(monkeypatch):
+    model, _ = toy(n=4, d=64)
+    _machine(monkeypatch, available=8 * GiB, cgroup_limit_bytes=GiB, cgroup_used_bytes=GiB - 1000)
+    with pytest.raises(HostMemoryError, match=r"cgroup limit 1\.00 GiB"):
+        stagehand.offload(model, device="cpu", precision="int8", config=stagehand.Config(keep_full="pinned"))
+
+
+def test_preflight_refuses_more_pinned_memory_than_wsl_allows(monkeypatch, pinner):
+    model, _ = toy(n=4, d=64)
+    _machine(monkeypatch, available=8 * GiB, pinned_cap_bytes=1000, where="wsl")
+    with pytest.raises(HostMemoryError, match=r"wsl pins at most"):
+        stagehand.offload(model, device="cpu", precision="int8")
+
+
+def test_auto_keeps_masters_in_the_file_when_ram_is_short(monkeypatch, tmp_path):
+    model, x = toy(n=4, d=64)
+    path = _saved(model, tmp_path)
+    plain = copy.deepcopy(model)
+    int8 = 4 * (64 * 128 + 4 * 128 + 128 * 64 + 4 * 64)  # the INT8 copies of the 4 blocks, about
+    _machine(monkeypatch, available=int8 * 2)
+    # The model's weights are in RAM: moving its masters into the store takes no new memory.
+    rt = stagehand.offload(model, device="cpu", precision="int8", checkpoint=path)
+    assert rt.stats()["host"]["keep_full"] == "ram"
+    rt.restore()
+    # Built on the meta device, the masters would be new memory (4x the INT8 bytes in fp32): they stay in the file.
+    meta = copy.deepcopy(plain).to("meta")
+    rt = stagehand.offload(meta, device="cpu", precision="int8", checkpoint=path)
+    assert rt.stats()["host"]["keep_full"] == "file"
+    with torch.no_grad():
+        assert rel_err(meta(x), int8_reference(plain, "int8")(x)) < 1e-6
+
+
+# ---- on a CUDA device: real page-locking ----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pins_exactly_the_int8_copies_and_unpins_on_restore(tmp_path):
+    model, x = toy(d=512, n=6, dtype=torch.bfloat16)
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cuda", precision="int8", keep_full="ram")
+    int8 = [rt.store.buffer(b, "int8") for b in range(6)]
+    masters = [rt.store.buffer(b, "bf16") for b in range(6)]
+    assert all(buf.is_pinned() for buf in int8) and not any(buf.is_pinned() for buf in masters)
+    host = rt.stats()["host"]
+    assert host["pinned_requested_bytes"] == sum(b.numel() for b in int8)
+    assert host["pinned_locked_bytes"] <= sum(page_round(b.numel()) for b in int8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand")
+    with torch.no_grad():
+        got = compiled(x.cuda())
+        assert rel_err(got, int8_reference(plain, "int8").cuda()(x.cuda())) < 2e-2
+    rt.set_precision({0: "bf16"})  # block 0's master now streams: locked; its INT8 copy is not
+    assert rt.store.buffer(0, "bf16").is_pinned() and not rt.store.buffer(0, "int8").is_pinned()
+    with torch.no_grad():
+        compiled(x.cuda())
+    rt.restore()
+    assert not any(buf.is_pinned() for buf in int8)
+    assert all(torch.equal(a.weight, b.weight) for a, b in zip(model.modules(), plain.modules()) if hasattr(a, "weight")
+               and isinstance(a, torch.nn.Linear))
+
+
+def test_explain_says_where_the_host_copies_are(pinner):
+    model, x = toy(n=2)
+    rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
+    torch._dynamo.reset()
+    report = stagehand.explain(model, x)
+    assert "keep_full='ram'" in str(report) and "int8 pinned" in str(report) and "bf16 ram" in str(report)
+    assert report.stats["host"]["pinned_locked_bytes"] == sum(page_round(rt.store.nbytes(b, "int8")) for b in range(2))
