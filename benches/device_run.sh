@@ -30,8 +30,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/i
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
 for stage in $STAGES; do
   case $stage in
-    alltests) # every gpu-marked test but the kernel ones (stage ktests), 4 files at a time on the one GPU
-            timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rA -n ${TESTS_WORKERS:-4} \
+    alltests) # every gpu-marked test but the kernel ones (stage ktests), 4 files at a time on the one GPU (caplog: logging on)
+            timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider -rA -n ${TESTS_WORKERS:-4} \
               --dist loadfile --ignore tests/test_kernels.py tests/ 2>&1 | grep -vE "^DEBUG" > /tmp/alltests.log
             grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" /tmp/alltests.log | tee "$OUT/gpu_tests.log"
             sed -n '/= FAILURES =/,/short test summary/p;/= ERRORS =/,/short test summary/p' /tmp/alltests.log \

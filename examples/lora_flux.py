@@ -118,7 +118,9 @@ def main(argv=None):
         again = plain(**probe)[0]
     diff = (trained - again).abs().max().item()
     print(f"reloaded with diffusers' load_lora_adapter: max |output difference| = {diff:.3g}")
-    torch.testing.assert_close(again, trained)
+    # Within bf16 rounding: peft and diffusers apply the adapter in different op orders, which on
+    # a GPU moves some outputs by one bf16 step (measured on an H100: at most 0.0039).
+    torch.testing.assert_close(again, trained, atol=1e-2, rtol=1.6e-2)
     return diff
 
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch_stagehand import kernels
 
 from .host_plan import host_report
 from .planning import plan_stats, spill_stats
 
-if TYPE_CHECKING:
-    from .runtime import Runtime
-
-
-def runtime_stats(rt: "Runtime") -> dict[str, Any]:
+def runtime_stats(rt: Any) -> dict[str, Any]:
+    """`rt`: the Runtime (not imported: runtime.py imports this module)."""
     s = rt.pool.stats
     return {
         "blocks": len(rt.blocks),

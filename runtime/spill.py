@@ -27,6 +27,9 @@ class ActivationSpill:
     def __init__(self, device: torch.device, pin: bool):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            # "cuda" never equals a tensor's "cuda:0": with no index, the device that is current now.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pin = pin and self.cuda
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._free: dict[tuple, list[torch.Tensor]] = defaultdict(list)

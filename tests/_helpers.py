@@ -153,3 +153,24 @@ class RecordingPinner:
     def unregister(self, ptr: int) -> None:
         del self.locked[ptr]
         self.unlocked.append(ptr)
+
+
+def page_locked(t) -> bool:
+    """Are the pages under `t` page-locked for CUDA? Asks the driver about `t`'s own first byte.
+
+    `Tensor.is_pinned()` asks about its storage's first byte only, so it says False for a buffer
+    carved from a larger host allocation and locked in place (cudaHostRegister of its range),
+    which is how the host store pins exactly what streams.
+    """
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    if not paths:
+        raise RuntimeError("page_locked: libcudart is not loaded in this process")
+    cudart = ctypes.CDLL(sorted(paths)[0])
+    attributes = (ctypes.c_int * 64)()  # cudaPointerAttributes: the memory type is its first field
+    err = cudart.cudaPointerGetAttributes(attributes, ctypes.c_void_p(t.data_ptr()))
+    if err != 0:
+        raise RuntimeError(f"page_locked: cudaPointerGetAttributes failed with cudaError {err}")
+    return attributes[0] == 1  # cudaMemoryTypeHost: page-locked host memory (0: unregistered)

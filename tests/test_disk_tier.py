@@ -20,7 +20,7 @@ from torch_stagehand.runtime.host_budget import MachineMemory
 from torch_stagehand.runtime.host_plan import HostMemoryError
 from torch_stagehand.runtime.slab import build_slab_from_module
 
-from _helpers import rel_err, toy
+from _helpers import page_locked, rel_err, toy
 
 DISK = stagehand.Config(int8_tier="disk")
 
@@ -118,7 +118,7 @@ def test_cuda_disk_tier_trains_like_the_slab_in_ram(tmp_path):
     in_ram, on_disk = copy.deepcopy(model), copy.deepcopy(model)
     stagehand.offload(in_ram, device="cuda", precision="int8", slab=result.manifest_path)
     rt = stagehand.offload(on_disk, device="cuda", precision="int8", slab=result.manifest_path, config=DISK)
-    assert all(s.view.is_pinned() for s in rt.store.disk_tier.ring)
+    assert all(page_locked(s.view) for s in rt.store.disk_tier.ring)
     torch._dynamo.reset()
     reference, compiled = (torch.compile(m, backend="stagehand") for m in (in_ram, on_disk))
     for _ in range(3):  # the staging ring is reused many times over (6 blocks, 3 buffers, forward and backward)

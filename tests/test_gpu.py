@@ -12,12 +12,26 @@ import torch
 
 import torch_stagehand as stagehand
 
-from _helpers import block_bytes_by_precision, int8_reference, rel_err, toy, two_largest_blocks
+from _helpers import block_bytes_by_precision, int8_reference, page_locked, rel_err, toy, two_largest_blocks
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
+
+
+def _live_cuda_storages() -> dict[int, int]:
+    """data pointer -> bytes of every CUDA storage a Python tensor holds."""
+    import gc
+
+    found = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, torch.Tensor) and obj.is_cuda:
+                found[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+        except Exception:  # noqa: BLE001 - a half-built object in gc: skip it
+            continue
+    return found
 
 
 def _live_cuda_tensors(top: int = 12) -> str:
@@ -54,7 +68,7 @@ def test_cuda_training_matches_plain_model_with_pinned_host_and_side_stream(inne
     ref = _step(ref_model, ref_model, x.cuda())
     block_bytes = block_bytes_by_precision(model)
     rt = stagehand.offload(model, device="cuda")
-    assert all(rt.store.buffer(b, "bf16").is_pinned() for b in range(6))
+    assert all(page_locked(rt.store.buffer(b, "bf16")) for b in range(6))
     assert rt.pool.copy_stream != torch.cuda.current_stream()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
@@ -161,10 +175,14 @@ def test_dit_48x3072_peak_streamed_memory_at_most_three_blocks(record_property):
           f"allocated after offload {after_offload / 2**30:.2f} GiB, peak during steps {peak_step / 2**30:.2f} GiB, "
           f"h2d {stats['h2d_bytes'] / 2**30:.2f} GiB, sync fetches {stats['sync_fetches']}")
     assert stats["peak_streamed_bytes"] <= 3 * block_bytes
-    # Nothing else holds block weights on the device: after offload, what is allocated is
-    # the slots plus the resident parameters (norms, biases, embed/head: a few MiB) and
-    # allocator rounding, far below even one tenth of the blocks.
-    assert after_offload < stats["slots"] * stats["slot_bytes"] + 128 * 2**20, _live_cuda_tensors()
+    # Nothing else holds block weights on the device: after offload the live CUDA tensors are the
+    # slots plus the resident parameters (norms, biases, embed/head: a few MiB). (The allocator
+    # also reports ~140 MiB that no Python tensor holds on the H100 with torch 2.11, measured;
+    # bounded below by one block.)
+    slot_ptrs = {s.buf.untyped_storage().data_ptr() for s in rt.pool.slots}
+    others = sum(nbytes for ptr, nbytes in _live_cuda_storages().items() if ptr not in slot_ptrs)
+    assert others < 32 * 2**20, _live_cuda_tensors()
+    assert after_offload < stats["slots"] * stats["slot_bytes"] + block_bytes
     assert after_offload < total_block_bytes / 10
 
 

@@ -13,7 +13,7 @@ import torch
 
 import torch_stagehand as stagehand
 
-from _helpers import rel_err, toy
+from _helpers import page_locked, rel_err, toy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -47,10 +47,15 @@ def test_budget_plan_calibrates_replans_and_stays_under_its_budget(budget_blocks
     budget = base + int(budget_blocks * block_bytes) + 256 * 2**20  # room for activations and the glue
     rt = stagehand.offload(model, device="cuda", vram_budget=budget)
     assert rt.plan.kind == "calibrating"
+    # An attached optimizer ends each step at its step() (without one, a step ends only when the
+    # next forward begins, so the measured step would not be over yet). lr=0: the weights stay.
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    rt.attach(optimizer)
     compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
     torch._dynamo.reset()
     for _ in range(2):  # warm-up (compile), then the measured step
         _step(compiled, model, x)
+        optimizer.step()
     assert rt.plan.kind == "planned" and rt.planner.calibrated
     measured = rt.planner.cost_model
     assert measured.forward_s and all(t > 0 for t in measured.forward_s)
@@ -109,4 +114,4 @@ def test_spilled_activations_cross_pcie_both_ways_and_give_the_same_gradients(in
     assert rel_err(out, ref_out) < 1e-4 and max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-4
     stats = rt.stats()
     assert stats["d2h_bytes"] > 0 and stats["restored_bytes"] == stats["d2h_bytes"]
-    assert all(buf.is_pinned() for bufs in rt.planner.spill._free.values() for buf in bufs)
+    assert all(page_locked(buf) for bufs in rt.planner.spill._free.values() for buf in bufs)

@@ -24,7 +24,7 @@ from torch_stagehand.runtime.config import ConfigError
 from torch_stagehand.runtime.host_plan import HostMemoryError
 from torch_stagehand.runtime.weights_file import CheckpointError
 
-from _helpers import RecordingPinner, int8_reference, rel_err, toy
+from _helpers import RecordingPinner, int8_reference, page_locked, rel_err, toy
 
 GiB = 2**30
 
@@ -111,7 +111,7 @@ def test_a_failed_offload_unlocks_what_it_locked(monkeypatch, pinner):
     def pool(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr("torch_stagehand.runtime.runtime.SlotPool", pool)
+    monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)
     with pytest.raises(torch.OutOfMemoryError):
         stagehand.offload(model, device="cpu", precision="int8")
     assert pinner.calls >= 3 and pinner.locked == {}
@@ -236,7 +236,7 @@ def test_cuda_pins_exactly_the_int8_copies_and_unpins_on_restore(tmp_path):
     rt = stagehand.offload(model, device="cuda", precision="int8", keep_full="ram")
     int8 = [rt.store.buffer(b, "int8") for b in range(6)]
     masters = [rt.store.buffer(b, "bf16") for b in range(6)]
-    assert all(buf.is_pinned() for buf in int8) and not any(buf.is_pinned() for buf in masters)
+    assert all(page_locked(buf) for buf in int8) and not any(page_locked(buf) for buf in masters)
     host = rt.stats()["host"]
     assert host["pinned_requested_bytes"] == sum(b.numel() for b in int8)
     assert host["pinned_locked_bytes"] <= sum(page_round(b.numel()) for b in int8)
@@ -246,11 +246,11 @@ def test_cuda_pins_exactly_the_int8_copies_and_unpins_on_restore(tmp_path):
         got = compiled(x.cuda())
         assert rel_err(got, int8_reference(plain, "int8").cuda()(x.cuda())) < 2e-2
     rt.set_precision({0: "bf16"})  # block 0's master now streams: locked; its INT8 copy is not
-    assert rt.store.buffer(0, "bf16").is_pinned() and not rt.store.buffer(0, "int8").is_pinned()
+    assert page_locked(rt.store.buffer(0, "bf16")) and not page_locked(rt.store.buffer(0, "int8"))
     with torch.no_grad():
         compiled(x.cuda())
     rt.restore()
-    assert not any(buf.is_pinned() for buf in int8)
+    assert not any(page_locked(buf) for buf in int8)
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(model.modules(), plain.modules()) if hasattr(a, "weight")
                and isinstance(a, torch.nn.Linear))
 
