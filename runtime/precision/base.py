@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .layout import LayerLayout, align
+from .layout import DTYPE_CODES, LayerLayout, align
 
 if TYPE_CHECKING:
     from ..blocks import StreamedLayerSpec
@@ -84,3 +84,38 @@ class Precision(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<precision {self.name!r} code {self.code}>"
+
+
+class OneBytePerRow(Precision):
+    """One byte per weight plus one fp32 scale per output row, stored [out, in] ("int8", "fp8").
+
+    The layout, the views and the write are the same for every such precision; a
+    subclass names its `weight_dtype`, how a row is quantized, and the math.
+    """
+
+    weight_dtype: torch.dtype
+    derived_from_master = True
+
+    def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
+        return spec.out_features * spec.in_features, 4 * spec.out_features
+
+    def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
+        return LayerLayout(self.code, offset, spec.out_features, spec.in_features, scale_offset, False,
+                           DTYPE_CODES[self.weight_dtype])
+
+    def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
+        n, k = lay.out_features, lay.in_features
+        q = buf[lay.offset : lay.offset + n * k].view(self.weight_dtype).view(n, k)
+        s = buf[lay.scale_offset : lay.scale_offset + 4 * n].view(torch.float32)
+        return q, s
+
+    @abc.abstractmethod
+    def quantize(self, weight: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """[out, in] full-precision weight -> (one-byte rows, fp32 scale per row)."""
+        ...
+
+    def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
+        q, s = self.quantize(weight, quantizer)
+        q_view, s_view = self.views(buf, lay)
+        q_view.copy_(q)
+        s_view.copy_(s)

@@ -15,16 +15,10 @@ mean, without the activation rounding of the tensor-core path.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
-from .base import Precision
-from .layout import DTYPE_CODES, LayerLayout
-
-if TYPE_CHECKING:
-    from ..blocks import StreamedLayerSpec
+from .base import OneBytePerRow
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -90,29 +84,14 @@ def scaled_grad_input(dy: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     return dx.view(*dy.shape[:-1], k)
 
 
-class Fp8PerRow(Precision):
+class Fp8PerRow(OneBytePerRow):
     name = "fp8"
     code = 2
-    derived_from_master = True
+    weight_dtype = E4M3
 
-    def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
-        return spec.out_features * spec.in_features, 4 * spec.out_features
-
-    def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
-        return LayerLayout(self.code, offset, spec.out_features, spec.in_features, scale_offset, False, DTYPE_CODES[E4M3])
-
-    def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
-        n, k = lay.out_features, lay.in_features
-        q = buf[lay.offset : lay.offset + n * k].view(E4M3).view(n, k)
-        s = buf[lay.scale_offset : lay.scale_offset + 4 * n].view(torch.float32)
-        return q, s
-
-    def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
+    def quantize(self, weight: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:
         # `quantizer` names the INT8 clipping search; E4M3 keeps the row's absmax (its spacing is relative).
-        q, s = quantize_rows_e4m3(weight)
-        q_view, s_view = self.views(buf, lay)
-        q_view.copy_(q)
-        s_view.copy_(s)
+        return quantize_rows_e4m3(weight)
 
     def linear_from_slot(self, x, slot, bias, lay):
         q, s = self.views(slot, lay)
