@@ -124,7 +124,7 @@ def _bake_scalar_reads(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModu
     read with `.item()`. Units compile from real inputs, outside Dynamo, where such a read
     cannot be traced (no ShapeEnv; with one, AOTAutograd asks Dynamo, which is not there, to
     restart). The value becomes a constant of this variant instead, and the variant key holds
-    the value (units.input_signature), so another value compiles another variant, never a
+    the value (symbolic.input_key), so another value compiles another variant, never a
     stale number. `gm` itself is left as it is: other variants are compiled from it.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -38,6 +38,23 @@ def _is_symbolic(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(not isinstance(s, int) for s in value.shape)
 
 
+def input_key(a: Any, exact_sizes: bool) -> Any:
+    """One input's part of a variant key: with `exact_sizes`, a tensor's shape and strides too
+    (a static variant); without, only what a shape-generic variant's guard does not check."""
+    if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
+        # A Python float Dynamo passed as a tensor: a variant compiles its value in as a constant
+        # (inner._bake_scalar_reads), so the value is keyed. A CPU scalar: .item() reads host
+        # memory, never the device (normal graphs have no such input).
+        return (a.dtype, a.requires_grad, a.item())
+    if isinstance(a, torch.Tensor):
+        if exact_sizes:
+            return (tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
+        return (a.dtype, a.device, a.dim(), a.requires_grad)
+    if not exact_sizes and (isinstance(a, (int, float, bool)) or a is None):
+        return type(a).__name__  # a SymInt's value: the guard checks it
+    return a
+
+
 @dataclass(frozen=True)
 class SymbolicInputs:
     """Which inputs of a unit are symbolic, and in which dimensions (None for a plain input)."""
@@ -58,17 +75,7 @@ class SymbolicInputs:
 
     def coarse_key(self, args: Sequence[Any]) -> tuple:
         """What no guard checks and a variant fixes: per input, its type, dtype, device, rank, grad flag."""
-        key = []
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
-                key.append((a.dtype, a.requires_grad, a.item()))  # a float compiled in as a constant (inner.py)
-            elif isinstance(a, torch.Tensor):
-                key.append((a.dtype, a.device, a.dim(), a.requires_grad))
-            elif isinstance(a, (int, float, bool)) or a is None:
-                key.append(type(a).__name__)
-            else:
-                key.append(a)
-        return tuple(key)
+        return tuple(input_key(a, exact_sizes=False) for a in args)
 
     def fake(self, args: Sequence[Any]) -> "FakedInputs":
         """Fake `args` in a fresh ShapeEnv, the dynamic dimensions symbolic."""

@@ -35,7 +35,7 @@ import torch.nn as nn
 from .context import CompileContext, PassLog, VariantContext
 from .inner import compile_unit
 from .recompute import run_recomputed
-from .symbolic import SymbolicInputs
+from .symbolic import SymbolicInputs, input_key
 
 if TYPE_CHECKING:
     from .passes.assign_segments import Segment
@@ -64,18 +64,8 @@ def structure_key(gm: fx.GraphModule) -> str:
 
 
 def input_signature(args: tuple) -> tuple:
-    sig = []
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
-            # A Python float Dynamo passed as a tensor (dynamic=True): a variant compiles
-            # its value in as a constant (inner._bake_scalar_reads), so the value is keyed. A CPU
-            # scalar: .item() reads host memory, no device sync (normal graphs have no such input).
-            sig.append((a.dtype, a.requires_grad, a.item()))
-        elif isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
-        else:
-            sig.append(a)
-    return tuple(sig)
+    """The input part of a static variant's key: every tensor's exact shape and strides."""
+    return tuple(input_key(a, exact_sizes=True) for a in args)
 
 
 def _tuple_output(gm: fx.GraphModule) -> bool:
