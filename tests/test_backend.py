@@ -137,18 +137,25 @@ def test_graph_break_inside_a_block_is_correct():
     assert rt.stats()["sync_fetches"] == 0
 
 
-def test_a_second_sequence_length_compiles_one_shape_generic_variant_for_every_later_one():
-    model, x = toy(n=3)
+def _variants_over_shapes(n: int, shapes) -> tuple[list[int], object]:
+    """Run a compiled toy over (batch, length) pairs against the plain model; block variants after each."""
+    model, _ = toy(n=n)
     plain = copy.deepcopy(model)
     rt = stagehand.offload(model, device="cpu")
     compiled = _compile(model)
     counts = []
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("error")  # shape-generic variants: nothing to warn about
-        for seq in (5, 7, 9, 13):
-            xs = torch.randn(2, seq, 32)
-            assert rel_err(compiled(xs), plain(xs)) < 1e-6
+    with torch.no_grad():
+        for batch, seq in shapes:
+            xs = torch.randn(batch, seq, 32)
+            assert rel_err(compiled(xs), plain(xs)) < 1e-6, (batch, seq)
             counts.append(rt.stats()["compiled_variants"])
+    return counts, rt
+
+
+def test_a_second_sequence_length_compiles_one_shape_generic_variant_for_every_later_one():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # shape-generic variants: nothing to warn about
+        counts, rt = _variants_over_shapes(3, [(2, seq) for seq in (5, 7, 9, 13)])
     # 5: the static variant; 7: Dynamo makes the sequence dynamic and the block compiles once
     # for every length; 9 and 13 compile nothing.
     assert counts[0] == 1 and counts[1] == 2 and counts[3] == counts[1]
@@ -159,16 +166,7 @@ def test_a_shape_generic_variant_runs_only_where_its_guard_holds():
     # At (3, 3) batch and length are equal, so the shape-generic variant compiled there assumes they
     # are (Dynamo's duck sizing, kept as a guard); (4, 7) breaks that guard and must compile another
     # variant instead of running the first with the wrong sizes; (5, 5) satisfies it again.
-    model, _ = toy(n=2)
-    plain = copy.deepcopy(model)
-    rt = stagehand.offload(model, device="cpu")
-    compiled = _compile(model)
-    counts = []
-    with torch.no_grad():
-        for batch, seq in ((2, 5), (3, 3), (4, 7), (5, 5)):
-            xs = torch.randn(batch, seq, 32)
-            assert rel_err(compiled(xs), plain(xs)) < 1e-6, (batch, seq)
-            counts.append(rt.stats()["compiled_variants"])
+    counts, rt = _variants_over_shapes(2, [(2, 5), (3, 3), (4, 7), (5, 5)])
     assert counts == [1, 2, 3, 3]
     guarded = [e for e in variant_cache(rt).compiled.values() if hasattr(e, "entries")]
     assert any("size()[1] == L['t0'].size()[0]" in (g.code or "") for e in guarded for g, _ in e.entries)
