@@ -152,9 +152,15 @@ def test_loading_from_the_checkpoint_peaks_near_the_final_host_footprint(tmp_pat
     print(f"rss +{(after - before) / 2**20:.0f} MiB, peak +{(peak - before) / 2**20:.0f} MiB, host store {host / 2**20:.0f} MiB")
     slack = 40 * 2**20  # interpreter and allocator noise, one block's file pages in flight
     assert after - before <= host + slack  # the file's pages are not kept in our RSS
-    assert peak - before <= 1.2 * host + slack  # no second copy while loading
-    if keep == "file":
-        assert after - before < masters / 2  # the masters are not in RAM
+    if keep == "ram":
+        assert peak - before <= 1.2 * host + slack  # no second copy while loading
+    else:
+        # The file's pages count in RSS while a block is read and quantized, and the kernel's
+        # read-ahead maps more than one block at a time: measured +41 MiB over the store alone and
+        # +70 MiB on a loaded 2-core machine (masters: 128 MiB). Bounded by three quarters of the
+        # masters, so a whole second copy (the masters kept in RAM) still fails.
+        assert peak - before < host + 0.75 * masters
+        assert after - before < host + masters / 2  # the masters are not in RAM
 
 
 def test_a_meta_model_with_its_checkpoint_and_an_int8_slab_keeps_no_full_copy_in_ram(tmp_path):
