@@ -3,6 +3,7 @@
     python benches/host_memory.py --model flux --runs int8 bf16 --out benches/results/host_memory_flux.json
     python benches/host_memory.py --model qwen --runs int8 int8:file bf16
     python benches/host_memory.py --model flux --runs int8 --cgroup-gb 32    # each run inside a 32 GB cgroup
+    python benches/host_memory.py --model flux --runs int8@32 int8:ram       # the first inside 32 GB, the second free
     python benches/host_memory.py --model flux --runs disk                     # the disk tier (its own model)
     python benches/host_memory.py --model qwen --tiny --device cpu             # a smoke test of the bench itself
 
@@ -73,19 +74,67 @@ def _reset_peak() -> bool:
         return False
 
 
-def enter_cgroup(gb: float) -> str:
-    """Put this process in a new cgroup (v2) with memory.max = gb; returns what happened."""
-    root = "/sys/fs/cgroup"
-    path = os.path.join(root, f"stagehand_hostmem_{os.getpid()}")
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _enable_memory_controller(root: str) -> None:
+    """cgroup v2 lets a group hand the memory controller to children only while it holds no process itself
+    (a container's root is such a group): move every process of the root into a leaf first, then enable it."""
+    with open(os.path.join(root, "cgroup.subtree_control")) as f:
+        if "memory" in f.read().split():
+            return
+    leaf = os.path.join(root, "stagehand_rest")
+    os.makedirs(leaf, exist_ok=True)
+    with open(os.path.join(root, "cgroup.procs")) as f:
+        pids = f.read().split()
+    for pid in pids:
+        try:
+            _write(os.path.join(leaf, "cgroup.procs"), pid)
+        except OSError:  # a kernel thread or a process gone since
+            pass
+    _write(os.path.join(root, "cgroup.subtree_control"), "+memory")
+
+
+def enter_cgroup(gb: float) -> tuple[str, str | None]:
+    """Put this process in a new cgroup (v2) with memory.max = gb * 1e9 bytes and no swap.
+
+    Returns (what happened, the cgroup's folder or None). The limit is the whole footprint the kernel charges:
+    anonymous memory, page-locked memory and the page cache this process reads through (reclaimable)."""
+    path = os.path.join(CGROUP_ROOT, f"stagehand_hostmem_{os.getpid()}")
     try:
+        _enable_memory_controller(CGROUP_ROOT)
         os.mkdir(path)
-        with open(os.path.join(path, "memory.max"), "w") as f:
-            f.write(str(int(gb * 2**30)))
-        with open(os.path.join(path, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-        return f"in cgroup {path}, memory.max {gb} GiB"
+        _write(os.path.join(path, "memory.max"), str(int(gb * GB)))
+        if os.path.exists(os.path.join(path, "memory.swap.max")):
+            _write(os.path.join(path, "memory.swap.max"), "0")
+        _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
+        return f"in cgroup {path}, memory.max {gb} GB, no swap", path
     except OSError as e:
-        return f"no cgroup ({type(e).__name__}: {e})"
+        return f"no cgroup ({type(e).__name__}: {e})", None
+
+
+def cgroup_figures(path: str) -> dict:
+    """The cgroup's own account at the end of the run: its peak (kernel >= 5.19) and OOM events."""
+    out = {}
+    for name in ("memory.peak", "memory.current", "memory.max"):
+        try:
+            with open(os.path.join(path, name)) as f:
+                out[name.replace(".", "_") + "_gb"] = round(int(f.read().strip()) / GB, DIGITS)
+        except (OSError, ValueError):
+            pass
+    try:
+        with open(os.path.join(path, "memory.events")) as f:
+            events = dict(line.split() for line in f if line.strip())
+        out["oom_events"] = int(events.get("oom", 0))
+        out["oom_kills"] = int(events.get("oom_kill", 0))
+    except OSError:
+        pass
+    return out
 
 
 def pow2_pinned(rt) -> int:
@@ -129,22 +178,29 @@ def parent(args) -> int:
     env = print_header(env_info())
     folder, save_s = save_model(args) if any(r != "disk" for r in args.runs) else ("", 0.0)
     results = {"env": env, "model": args.model, "tiny": args.tiny, "checkpoint": folder, "save_s": save_s, "runs": []}
+    out = args.out or os.path.join(RESULTS, f"host_memory_{args.model}{'_tiny' if args.tiny else ''}.json")
     for run in args.runs:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", run, "--model", args.model, "--device", args.device,
                "--work", args.work, "--steps", str(args.steps)] + (["--tiny"] if args.tiny else [])
         if args.cgroup_gb:
             cmd += ["--cgroup-gb", str(args.cgroup_gb)]
         print(f"\n== run {run}: {' '.join(cmd[2:])}", flush=True)
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stdout:  # the child's progress as it happens; its result line kept
+            if line.startswith("RESULT "):
+                lines.append(line)
+            else:
+                print(line, end="", flush=True)
+        proc.wait()
         row = json.loads(lines[-1][7:]) if lines else {"run": run, "error": f"exit {proc.returncode}"}
         if proc.returncode and "error" not in row:
-            row["error"] = f"exit {proc.returncode}"
+            row["error"] = f"exit {proc.returncode}" + (" (killed: out of memory?)" if proc.returncode == -9 else "")
         results["runs"].append(row)
+        write_json(out, results)  # after every run: a later run cut off by a time limit loses only itself
     cols = ["run", "keep_full", "streamed_gb", "pinned_gb", "locked_gb", "old_pinned_gb", "locked_vs_streamed",
             "peak_rss_offload_gb", "rss_after_offload_gb", "peak_vs_final", "peak_rss_train_gb", "offload_s", "step_ms",
-            "step_ms_all_pinned", "ratio", "error"]
+            "step_ms_all_pinned", "ratio", "cgroup_gb", "memory_peak_gb", "oom_kills", "error"]
     print_table([[r.get(c, "") for c in cols] for r in results["runs"] if r["run"] != "disk"], headers=cols,
                 title=f"{args.model}{' (tiny)' if args.tiny else ''}: host memory, {env['device']}")
     disk = [r for r in results["runs"] if r["run"] == "disk"]
@@ -156,7 +212,7 @@ def parent(args) -> int:
     for r in results["runs"]:
         if r.get("bytes_by_kind"):
             print(f"{r['run']}: " + ", ".join(f"{k} {v / GB:.2f} GB" for k, v in r["bytes_by_kind"].items()))
-    write_json(args.out or os.path.join(RESULTS, f"host_memory_{args.model}{'_tiny' if args.tiny else ''}.json"), results)
+    write_json(out, results)
     if args.cleanup:
         shutil.rmtree(folder, ignore_errors=True)
     return 0 if all("error" not in r for r in results["runs"]) else 1
@@ -191,10 +247,13 @@ def child(args) -> dict:
     import models
     import torch_stagehand as stagehand
 
-    precision, _, keep_full = args.child.partition(":")
+    spec, _, limit = args.child.partition("@")  # "int8:file@32": precision, keep_full, a cgroup of 32 GB
+    precision, _, keep_full = spec.partition(":")
     row: dict = {"run": args.child}
-    if args.cgroup_gb:
-        row["cgroup"] = enter_cgroup(args.cgroup_gb)
+    cgroup, cgroup_gb = None, float(limit) if limit else args.cgroup_gb
+    if cgroup_gb:
+        row["cgroup"], cgroup = enter_cgroup(cgroup_gb)
+        row["cgroup_gb"] = cgroup_gb
         print(row["cgroup"], flush=True)
     device = args.device
     sync = models.Sync(device)
@@ -242,6 +301,8 @@ def child(args) -> dict:
         again = models.measure(f"stagehand {precision}, all pinned", step, args.steps, sync, rt)
         row["step_ms_all_pinned"] = again["step_ms"]
         row["ratio"] = round(row["step_ms"] / again["step_ms"], 3)
+    if cgroup:
+        row.update(cgroup_figures(cgroup))
     return row
 
 
@@ -326,7 +387,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["flux", "qwen"], required=True)
     parser.add_argument("--runs", nargs="+", default=["int8", "bf16"],
-                        help="precision[:keep_full], e.g. int8, int8:file, int8:pinned, bf16; or disk (the disk tier)")
+                        help="precision[:keep_full][@GB], e.g. int8, int8:file, int8:pinned, bf16, int8@32 (inside a 32 GB "
+                             "cgroup); or disk (the disk tier)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a small config of the same classes (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

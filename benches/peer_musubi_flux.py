@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, os.environ.get("MUSUBI_OFFLOAD_DIR", os.path.join(os.getcwd(), ".peer")))  # holds musubi_offload.py
 from musubi_offload import LoRAStreamOffloader
+from _common import host_memory, reset_host_peak  # benches/ is this script's folder
 
 dev = torch.device("cuda")
 torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 cuDNN SDPA backward faults at this shape on the H100
@@ -85,6 +86,7 @@ emit("env", {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "t
 ref_loss = None
 for n in [0] + SWAPS:
     try:
+        reset_host_peak()
         m, cfg = build(); kw = inputs(cfg)
         if n == 0:
             emit("params_b", round(sum(p.numel() for p in m.parameters()) / 1e9, 2))
@@ -96,6 +98,7 @@ for n in [0] + SWAPS:
             return loss.item()
         r = timed(step)
         if n == 0: ref_loss = r["loss"]
+        r.update(host_memory())  # RSS, peak RSS since this config began, PyTorch's pinned pool (musubi pins through it)
         r.update(prepare_s=prep_s, double_single_swapped=split, loss_equal_to_resident=(r["loss"] == ref_loss))
         emit("resident_hook_lora" if n == 0 else f"musubi_h2d_ring{RING}_swap{n}", r)
         del m, offs; torch.cuda.empty_cache()

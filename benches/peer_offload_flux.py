@@ -27,16 +27,18 @@ import time
 import traceback
 
 import torch
-from _common import RESULTS, env_info, print_header, print_table, write_json
+from _common import RESULTS, env_info, host_memory, print_header, print_table, reset_host_peak, write_json
 from models import LORA_TARGETS, Sync, build_flux, make_step, measure
 
 
 def build(args, device_for_weights: str):
+    """A fresh Flux with LoRA, its weights on `device_for_weights`; always built on args.device (random init of
+    12B parameters takes seconds on a GPU, minutes on the host) and moved, so every row has the same weights."""
     import peft
 
     torch.manual_seed(0)
-    model, inputs, shape = build_flux(args.tiny, device_for_weights)
-    inputs = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    model, inputs, shape = build_flux(args.tiny, args.device)
+    model.to(device_for_weights)
     model.requires_grad_(False)
     model.enable_gradient_checkpointing()
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS["flux"]))
@@ -50,7 +52,8 @@ def trainable(model):
 def row_resident(args, sync):
     model, inputs, _ = build(args, args.device)
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-5)
-    return measure("resident", make_step("flux", model, model, inputs, optimizer), args.steps, sync)
+    row = measure("resident", make_step("flux", model, model, inputs, optimizer), args.steps, sync)
+    return dict(row, **host_memory())
 
 
 def row_group_offload(args, sync, k: int):
@@ -63,7 +66,7 @@ def row_group_offload(args, sync, k: int):
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-5)
     row = measure(f"diffusers group offload, num_blocks_per_group={k}",
                   make_step("flux", model, model, inputs, optimizer), args.steps, sync)
-    return dict(row, prepare_s=round(prepare_s, 1))
+    return dict(row, prepare_s=round(prepare_s, 1), **host_memory())
 
 
 def row_accelerate(args, sync):
@@ -75,7 +78,7 @@ def row_accelerate(args, sync):
     prepare_s = time.perf_counter() - t0
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-5)
     row = measure("accelerate cpu_offload", make_step("flux", model, model, inputs, optimizer), args.steps, sync)
-    return dict(row, prepare_s=round(prepare_s, 1))
+    return dict(row, prepare_s=round(prepare_s, 1), **host_memory())
 
 
 def row_stagehand(args, sync, precision: str):
@@ -92,6 +95,7 @@ def row_stagehand(args, sync, precision: str):
                              options={"inner": "inductor" if args.device == "cuda" else "eager"})
     row = measure(f"stagehand {precision}", make_step("flux", model, compiled, inputs, optimizer), args.steps, sync,
                   rt=rt)
+    row.update(host_memory(), stagehand_pinned_gb=round(rt.stats()["host"]["pinned_locked_bytes"] / 1e9, 2))
     rt.close()
     return dict(row, prepare_s=round(prepare_s, 1))
 
@@ -122,6 +126,7 @@ def main(argv=None) -> dict:
     baseline = None
     for name, job in jobs:
         print(f"== {name}", flush=True)
+        reset_host_peak()
         try:
             row = job()
         except Exception as e:  # noqa: BLE001 - a peer that cannot train this set-up is a result
@@ -135,9 +140,10 @@ def main(argv=None) -> dict:
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    table = [[r["mode"], r.get("step_ms"), r.get("ratio"), r.get("peak_gib"), r.get("prepare_s"), r.get("first_step_s"),
-              r.get("error", "")] for r in results["rows"]]
-    print_table(table, headers=["mode", "step ms", "x resident", "peak GiB", "prepare s", "first step s", "error"],
+    table = [[r["mode"], r.get("step_ms"), r.get("ratio"), r.get("peak_gib"), r.get("rss_gb"), r.get("torch_pinned_gb"),
+              r.get("prepare_s"), r.get("first_step_s"), r.get("error", "")] for r in results["rows"]]
+    print_table(table, headers=["mode", "step ms", "x resident", "peak GiB", "host RSS GB", "torch pinned GB",
+                                "prepare s", "first step s", "error"],
                 title=f"Flux LoRA training step, {results['env']['device']}")
     write_json(args.out, results)
     return results
