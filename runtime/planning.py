@@ -75,6 +75,8 @@ class PlanDriver:
         self.replans = 0
         self.spill: ActivationSpill | None = None  # made when a plan first spills
         self.shrinks: list[str] = []  # budgets shrunk because a plan did not fit when applied
+        self._peak_check: str | None = None  # "pending" -> "measuring" over the first step of a new plan
+        self.peak_corrections: list[str] = []  # what the measured peaks taught the cost model
 
     # ---- making the plan --------------------------------------------------------------------
 
@@ -135,6 +137,8 @@ class PlanDriver:
             self._calibrate_at = self.rt.phases.step + WARMUP_STEPS if hasattr(self.rt, "phases") else WARMUP_STEPS
         self.plan = plan
         self.replans += 1
+        # The first step under a made plan measures its peak (`_check_peak`); a hand-made one is the user's.
+        self._peak_check = "pending" if plan.kind == "planned" and not given and self.rt.device.type == "cuda" else None
         if self._admit:
             self.window = self.conductor.reserve_plan(
                 [p.bytes for p in plan.blocks if p.resident], plan.slot_bytes, plan.slots, plan.lookahead)
@@ -153,12 +157,19 @@ class PlanDriver:
         return rt.pool
 
     def replan(self, cost_model: CostModel | None = None, vram_budget=None) -> Plan:
+        """All or nothing: a budget no plan fits raises and leaves the plan, budget and cost model in force
+        (the conductor's pressure rules read the budget: a refused one must not tighten them)."""
+        before = (self.cost_model, self.calibrated, self.budget, self.planning)
         if cost_model is not None:
             self.cost_model, self.calibrated = cost_model, True
         if vram_budget is not None:
             self.budget = budget_from(self.rt.config, vram_budget)
             self.planning = True
-        return self.apply("replan()")
+        try:
+            return self.apply("replan()")
+        except (BudgetError, torch.OutOfMemoryError):
+            self.cost_model, self.calibrated, self.budget, self.planning = before
+            raise
 
     def recompute_of(self, block: int) -> bool | None:
         return None if self.plan is None else self.plan.recompute_of(block)
@@ -254,8 +265,38 @@ class PlanDriver:
     def on_step_begin(self, step: int) -> None:
         if not self.calibrated and step == self._calibrate_at and self.calibration is None:
             self.calibration = Calibration(len(self.rt.blocks), self.rt.device)
+        if self._peak_check == "pending" and self.calibration is None:
+            torch.cuda.reset_peak_memory_stats(self.rt.device)  # host-side counters: no synchronisation
+            self._peak_check = "measuring"
+
+    def _check_peak(self, step: int, peak: int) -> None:
+        """The first step of a new plan, measured: a peak above the prediction corrects the cost model.
+
+        The planner predicts the peak from one calibrated step of another plan; what that misses (the
+        allocator's rounding, buffers that live only under other plans) shows here. The excess joins
+        `base_bytes` for every later plan, and a plan whose corrected peak is over the soft cap is
+        re-made at once, so the budget holds from the next step on. A host read of the allocator's
+        counter, once per plan."""
+        self._peak_check = None
+        plan = self.plan
+        plan.measured_peak_bytes = peak
+        excess = peak - plan.predicted_peak_bytes
+        if excess <= 0:
+            return
+        self.cost_model.base_bytes += excess
+        note = (f"step {step}: measured peak {peak / 2**30:.2f} GiB, {excess / 2**20:.0f} MiB over the plan's "
+                f"prediction; base bytes corrected")
+        over = self.budget.soft is not None and peak > self.budget.soft
+        if over:
+            note += f" and re-planned (over the soft cap {self.budget.soft / 2**30:.2f} GiB)"
+        self.peak_corrections.append(note)
+        log.warning("stagehand: %s", note) if over else log.info("stagehand: %s", note)
+        if over:
+            self.apply(f"measured peak over the budget at step {step}")
 
     def on_step_end(self, step: int) -> None:
+        if self._peak_check == "measuring":
+            self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
         if self.calibration is None:
             return
         calibration, self.calibration = self.calibration, None
@@ -281,7 +322,7 @@ def plan_stats(plan: Plan | None, pool: SlotPool | None) -> dict:
     return {"plan": plan.kind, "resident_blocks": counts["resident_blocks"], "spilled_blocks": counts["spilled_blocks"],
             "planned_recompute_blocks": counts["recomputed_blocks"], "lookahead": plan.lookahead,
             "predicted_step_ms": round(plan.predicted_step_s * 1e3, 3),
-            "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": plan.measured_peak_bytes,
             "streamed_device_bytes": None if pool is None else pool.device_bytes()}
 
 

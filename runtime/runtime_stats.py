@@ -41,5 +41,6 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "eager_blocks": [rt.blocks[b] for b in sorted(rt.eager_blocks)],
         "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
         **plan_stats(rt.planner.plan, rt.pool), **spill_stats(rt.planner.spill),
+        "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned
         "offload": rt.offload_summary,
     }

@@ -218,6 +218,39 @@ def test_explain_and_the_schedule_command_print_the_plan():
     assert any(float(line.split()[-1]) > 0 for line in streamed_rows)
 
 
+def test_a_refused_budget_leaves_the_plan_and_the_budget_in_force():
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    plan, budget = rt.plan, rt.planner.budget
+    with pytest.raises(BudgetError, match="no plan fits"):
+        rt.replan(vram_budget=_block_bytes() // 2)
+    # the conductor's pressure rules read the budget: a refused one must not tighten them
+    assert rt.plan is plan and rt.planner.budget == budget
+    _same(_step(model, model, x), ref)
+
+
+def test_a_measured_peak_over_the_prediction_corrects_the_cost_model_and_replans_under_the_budget():
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    ref = _step(plain, plain, x)
+    b = _block_bytes()
+    budget = _budget("everything")
+    rt = stagehand.offload(model, device="cpu", vram_budget=budget)
+    plan = rt.plan
+    assert len(plan.resident) == N and plan.predicted_peak_bytes <= budget
+    rt.planner._check_peak(step=1, peak=plan.predicted_peak_bytes - 1)  # under the prediction: nothing to learn
+    assert rt.plan is plan and rt.planner.cost_model.base_bytes == 0 and plan.measured_peak_bytes is not None
+    rt.planner._check_peak(step=2, peak=plan.predicted_peak_bytes + 2 * b)  # the step held two blocks more
+    assert rt.planner.cost_model.base_bytes == 2 * b
+    assert rt.plan is not plan and len(rt.plan.resident) < N
+    assert rt.plan.predicted_peak_bytes <= budget  # the corrected prediction fits again
+    notes = rt.stats()["plan_corrections"]
+    assert len(notes) == 1 and "over the plan's prediction" in notes[0] and "re-planned" in notes[0]
+    _same(_step(model, model, x), ref)
+
+
 def test_a_plan_that_does_not_fit_when_applied_shrinks_the_budget_and_says_so(monkeypatch):
     model, x = _model()
     plain = copy.deepcopy(model)

@@ -58,6 +58,7 @@ class Plan:
     costs: list[BlockCost] | None = field(default=None, repr=False)  # what it was predicted from (timeline)
     h2d_bps: float = 0.0
     d2h_bps: float | None = None
+    measured_peak_bytes: int | None = None  # the first step under this plan (CUDA; planning.py checks it)
 
     @property
     def resident(self) -> set[int]:
