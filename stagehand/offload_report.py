@@ -18,6 +18,7 @@ from typing import Any
 import torch.nn as nn
 
 from torch_stagehand.runtime.blocks import is_streamable_linear
+from torch_stagehand.runtime.host_plan import host_report
 
 
 class BlockListSkippedWarning(UserWarning):
@@ -84,10 +85,20 @@ class OffloadSummary:
     precision_bytes: dict[str, int]
     forward_bytes: int  # one forward streams each block once, in its precision
     host_bytes: int
-    pinned: bool
+    pinned: bool  # the store page-locks what streams (a CUDA device)
     slots: int
     slot_bytes: int
     seconds: dict[str, float] = field(default_factory=dict)
+    host_by_kind: dict[str, int] = field(default_factory=dict)  # stats()["host"]["bytes_by_kind"]: copy -> bytes
+    keep_full: str = ""
+
+    def host_line(self) -> str:
+        """Where each host copy is: "11,846.4 MB int8 pinned, 23,668.5 MB bf16 file" (not one word for all)."""
+        mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
+        if not self.host_by_kind:
+            return f"{mb(self.host_bytes)} ({'pinned' if self.pinned else 'pageable'})"
+        kinds = ", ".join(f"{mb(n)} {kind}" for kind, n in self.host_by_kind.items())
+        return kinds + (f" (keep_full={self.keep_full!r})" if self.keep_full else "")
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -106,8 +117,7 @@ class OffloadSummary:
             f"  precision: {precision}",
             f"  streamed per step: {mb(self.forward_bytes)} per forward (each block once); a training step up to "
             f"{mb(2 * self.forward_bytes)} (forward + backward, less what the slots keep across the turn)",
-            f"  host store: {mb(self.host_bytes)} ({'pinned' if self.pinned else 'pageable'}); "
-            f"device slots: {self.slots} x {mb(self.slot_bytes)}",
+            f"  host store: {self.host_line()}; device slots: {self.slots} x {mb(self.slot_bytes)}",
             f"  took {self.seconds.get('total', 0.0):.2f} s ({took})",
         ]
 
@@ -118,6 +128,7 @@ class OffloadSummary:
 def summarize(model: nn.Module, rt, seconds: dict[str, float]) -> OffloadSummary:
     precision = rt.precision
     counts = Counter(precision.values())
+    host = host_report(rt.store)
     per_precision: Counter = Counter()
     for block, p in precision.items():
         per_precision[p] += rt.block_nbytes(block, p)
@@ -127,6 +138,7 @@ def summarize(model: nn.Module, rt, seconds: dict[str, float]) -> OffloadSummary
         precision_blocks=dict(counts), precision_bytes=dict(per_precision), forward_bytes=sum(per_precision.values()),
         host_bytes=rt.store.host_bytes(), pinned=bool(rt.store.pin), slots=len(rt.pool.slots),
         slot_bytes=rt.pool.slot_bytes, seconds={k: round(v, 3) for k, v in seconds.items()},
+        host_by_kind=host["bytes_by_kind"], keep_full=host["keep_full"],
     )
 
 

@@ -56,6 +56,10 @@ def test_summary_counts_bytes_per_precision_and_reaches_stats_and_explain(capsys
     assert summary["host_bytes"] == rt.store.host_bytes() and summary["seconds"]["total"] >= 0
     err = capsys.readouterr().err
     assert f"int8 1 block ({summary['precision_bytes']['int8'] / 1e6:,.1f} MB)" in err
+    # the host line names each copy and where it is, as stats()["host"] does (not one word for all)
+    kinds = rt.stats()["host"]["bytes_by_kind"]
+    assert summary["host_by_kind"] == kinds and {"bf16 ram", "int8 ram"} <= set(kinds)
+    assert f"{kinds['int8 ram'] / 1e6:,.1f} MB int8 ram" in err and "keep_full=" in err
     with torch.no_grad():
         report = stagehand.explain(model, **inputs) if isinstance(inputs, dict) else stagehand.explain(model, *inputs)
     assert report.offload == summary and "precision int8 x1" in str(report)
