@@ -230,24 +230,30 @@ def main(argv=None) -> int:
             print("dynamic_fp8: skipped (no FP8 tensor cores here; --fp8-emulate forces an emulated run)", flush=True)
             runs.remove("dynamic_fp8")
     results = {}
+
+    def save(final: bool) -> None:
+        """The JSON of the runs so far (after every run: a run cut off by a time limit loses only itself)."""
+        rows = [dict(r["row"]) for r in results.values()]
+        base = results.get("bf16", {}).get("row")
+        for row in rows:
+            if base:
+                row["eval_vs_bf16_pct"] = 100 * (row["eval_loss"] / base["eval_loss"] - 1)
+                row["bytes_vs_bf16_pct"] = 100 * (row["h2d_mb_per_step"] / base["h2d_mb_per_step"] - 1)
+                row["bf16_step_ms_over_this"] = base["step_ms"] / row["step_ms"]
+        if final:
+            print_table(rows, title=f"convergence: {args.steps} LoRA steps after {pretrain_steps} pretraining steps "
+                                    f"(baseline bf16 measured in this run)")
+            figure(results, os.path.splitext(args.out)[0] + ".png")
+        write_json(args.out, {"env": info, "shape": shape, "steps": args.steps, "pretrain_steps": pretrain_steps,
+                              "complete": final, "sp_overrides": json.loads(args.sp),
+                              "fp8_policy": fp8_file and json.load(open(fp8_file)),
+                              "rows": rows, "losses": {k: v["losses"] for k, v in results.items()},
+                              "precision_maps": {k: v["maps"] for k, v in results.items() if k.startswith("dynamic")}})
+
     for name in runs:
         print(f"run {name}", flush=True)
         results[name] = run_one(name, shape, copy.deepcopy(state), data, args, device, fp8_file)
-    rows = [r["row"] for r in results.values()]
-    base = results.get("bf16", {}).get("row")
-    for row in rows:
-        if base:
-            row["eval_vs_bf16_pct"] = 100 * (row["eval_loss"] / base["eval_loss"] - 1)
-            row["bytes_vs_bf16_pct"] = 100 * (row["h2d_mb_per_step"] / base["h2d_mb_per_step"] - 1)
-            row["bf16_step_ms_over_this"] = base["step_ms"] / row["step_ms"]
-    print_table(rows, title=f"convergence: {args.steps} LoRA steps after {pretrain_steps} pretraining steps "
-                            f"(baseline bf16 measured in this run)")
-    png = os.path.splitext(args.out)[0] + ".png"
-    figure(results, png)
-    write_json(args.out, {"env": info, "shape": shape, "steps": args.steps, "pretrain_steps": pretrain_steps,
-                          "sp_overrides": json.loads(args.sp), "fp8_policy": fp8_file and json.load(open(fp8_file)),
-                          "rows": rows, "losses": {k: v["losses"] for k, v in results.items()},
-                          "precision_maps": {k: v["maps"] for k, v in results.items() if k.startswith("dynamic")}})
+        save(final=name == runs[-1])
     return 0
 
 
