@@ -77,6 +77,7 @@ class PlanDriver:
         self.shrinks: list[str] = []  # budgets shrunk because a plan did not fit when applied
         self._peak_check: str | None = None  # "pending" -> "measuring" over the first step of a new plan
         self.peak_corrections: list[str] = []  # what the measured peaks taught the cost model
+        self.peak_margin = 0  # the largest excess of a measured peak over its prediction (planned under the budget)
 
     # ---- making the plan --------------------------------------------------------------------
 
@@ -98,7 +99,24 @@ class PlanDriver:
                               budget=self.budget)
             plan.notes.append(f"runs {WARMUP_STEPS + 1} steps, the last one measured, then re-planned")
             return plan
-        return make_plan(costs, precision, self.budget, model)
+        return self._make_with_margin(costs, precision, model)
+
+    def _make_with_margin(self, costs, precision, model: CostModel) -> Plan:
+        """The planned plan, predicted `peak_margin` under the budget when a measured peak ever missed its
+        prediction (the first step of a new plan is not checked before it runs: the margin keeps it under
+        the hard cap); the budget itself when nothing fits with the margin."""
+        margin, budget = self.peak_margin, self.budget
+        if margin:
+            shrink = lambda v: None if v is None else max(1, v - margin)  # noqa: E731
+            try:
+                plan = make_plan(costs, precision, Budget(shrink(budget.soft), shrink(budget.hard)), model)
+                plan.budget = budget
+                plan.notes.append(f"planned {margin / 2**20:.0f} MiB under the budget: the largest peak a "
+                                  f"prediction missed in this run")
+                return plan
+            except BudgetError:
+                pass
+        return make_plan(costs, precision, budget, model)
 
     def apply(self, reason: str, plan: Plan | None = None) -> Plan:
         """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns.
@@ -284,6 +302,7 @@ class PlanDriver:
         if excess <= 0:
             return
         self.cost_model.base_bytes += excess
+        self.peak_margin = max(self.peak_margin, excess)
         note = (f"step {step}: measured peak {peak / 2**30:.2f} GiB, {excess / 2**20:.0f} MiB over the plan's "
                 f"prediction; base bytes corrected")
         over = self.budget.soft is not None and peak > self.budget.soft
