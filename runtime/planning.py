@@ -309,9 +309,11 @@ class PlanDriver:
         if over:
             note += f" and re-planned (over the soft cap {self.budget.soft / 2**30:.2f} GiB)"
         self.peak_corrections.append(note)
-        log.warning("stagehand: %s", note) if over else log.info("stagehand: %s", note)
-        if over:
-            self.apply(f"measured peak over the budget at step {step}")
+        if not over:
+            log.info("stagehand: %s", note)
+            return
+        log.warning("stagehand: %s", note)
+        self.apply(f"measured peak over the budget at step {step}")
 
     def on_step_end(self, step: int) -> None:
         if self._peak_check == "measuring":
