@@ -77,6 +77,17 @@ def write_json(path: str, payload: dict) -> str:
     return path
 
 
+def proc_status() -> dict[str, int]:
+    """VmHWM / VmRSS / RssAnon / RssFile of this process, bytes (Linux's /proc/self/status)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
 def host_memory() -> dict:
     """This process's host memory now: RSS, its peak (VmHWM), and what PyTorch's pinned allocator holds.
 
@@ -84,31 +95,29 @@ def host_memory() -> dict:
     two); memory a tool locks itself (cudaHostRegister) is not in it."""
     import torch
 
-    status = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                status[key] = int(rest.split()[0]) * 1024
+    status = proc_status()
     out = {"rss_gb": round(status.get("VmRSS", 0) / 1e9, 2), "peak_rss_gb": round(status.get("VmHWM", 0) / 1e9, 2)}
     if torch.cuda.is_available():
         out["torch_pinned_gb"] = round(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) / 1e9, 2)
     return out
 
 
-def reset_host_peak() -> None:
-    """Start a new host-memory window: VmHWM back to the current RSS (Linux), PyTorch's cached pinned blocks freed."""
+def reset_host_peak(free_pinned_cache: bool = True) -> bool:
+    """Start a new host-memory window: VmHWM back to the current RSS (Linux >= 4.0; returns whether it was),
+    and PyTorch's cached pinned blocks freed."""
     import torch
 
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        reset = True
     except OSError:
-        pass
+        reset = False
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
-        if torch.cuda.is_available() and hasattr(torch._C, name):
+        if free_pinned_cache and torch.cuda.is_available() and hasattr(torch._C, name):
             getattr(torch._C, name)()
             break
+    return reset
 
 
 def host_us_per_call(fn, calls: int = 200) -> float:

@@ -48,30 +48,10 @@ import tempfile
 import time
 
 import torch
-from _common import RESULTS, env_info, print_header, print_table, write_json
+from _common import RESULTS, env_info, print_header, print_table, proc_status, reset_host_peak, write_json
 
 GB = 1e9
 DIGITS = 2  # --tiny: 6 (its models are kilobytes)
-
-
-def _status() -> dict[str, int]:
-    """VmHWM / VmRSS / RssAnon / RssFile of this process, bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
-def _reset_peak() -> bool:
-    try:  # Linux >= 4.0: "5" resets VmHWM to the current RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -260,15 +240,15 @@ def child(args) -> dict:
     if device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11's cuDNN SDPA backward faults at Flux's shape
         torch.zeros(1, device=device)  # the CUDA context is part of the baseline, not of offload
-    row["rss_before_gb"] = round(_status()["VmRSS"] / GB, DIGITS)
+    row["rss_before_gb"] = round(proc_status()["VmRSS"] / GB, DIGITS)
     model, make_inputs = meta_model(args.model, args.tiny)
-    row["peak_reset"] = _reset_peak()
+    row["peak_reset"] = reset_host_peak(free_pinned_cache=False)
     t0 = time.perf_counter()
     rt = stagehand.offload(model, device=device, precision=precision, keep_full=keep_full or None,
                            checkpoint=os.path.join(args.work, f"{args.model}{'_tiny' if args.tiny else ''}"))
     sync()
     row["offload_s"] = round(time.perf_counter() - t0, 1)
-    st = _status()
+    st = proc_status()
     host = rt.stats()["host"]
     streamed = sum(rt.block_nbytes(b, rt.precision[b]) for b in range(len(rt.blocks)))
     row.update(
@@ -289,9 +269,9 @@ def child(args) -> dict:
     compiled = torch.compile(model, backend="stagehand")
     inputs = make_inputs(device)
     step = models.make_step(args.model, model, compiled, inputs, optimizer)
-    _reset_peak()
+    reset_host_peak(free_pinned_cache=False)
     measured = models.measure(f"stagehand {precision}", step, args.steps, sync, rt)
-    st = _status()
+    st = proc_status()
     row.update(step_ms=measured["step_ms"], first_step_s=measured["first_step_s"], peak_gib=measured["peak_gib"],
                peak_rss_train_gb=round(st["VmHWM"] / GB, DIGITS), rss_train_gb=round(st["VmRSS"] / GB, DIGITS))
     if host["keep_full"] != "file":  # the same program with every master locked too: does pinning less cost speed?

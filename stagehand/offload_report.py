@@ -88,17 +88,14 @@ class OffloadSummary:
     pinned: bool  # the store page-locks what streams (a CUDA device)
     slots: int
     slot_bytes: int
+    host_by_kind: dict[str, int]  # stats()["host"]["bytes_by_kind"]: copy -> bytes
+    keep_full: str
     seconds: dict[str, float] = field(default_factory=dict)
-    host_by_kind: dict[str, int] = field(default_factory=dict)  # stats()["host"]["bytes_by_kind"]: copy -> bytes
-    keep_full: str = ""
 
     def host_line(self) -> str:
         """Where each host copy is: "11,846.4 MB int8 pinned, 23,668.5 MB bf16 file" (not one word for all)."""
-        mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
-        if not self.host_by_kind:
-            return f"{mb(self.host_bytes)} ({'pinned' if self.pinned else 'pageable'})"
-        kinds = ", ".join(f"{mb(n)} {kind}" for kind, n in self.host_by_kind.items())
-        return kinds + (f" (keep_full={self.keep_full!r})" if self.keep_full else "")
+        kinds = ", ".join(f"{n / 1e6:,.1f} MB {kind}" for kind, n in self.host_by_kind.items())
+        return f"{kinds} (keep_full={self.keep_full!r})"
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
