@@ -50,6 +50,9 @@ class NoPinner:
     def register(self, ptr: int, nbytes: int) -> None:
         pass
 
+    def drain(self) -> None:
+        pass
+
     def unregister(self, ptr: int) -> None:
         pass
 
@@ -66,10 +69,17 @@ class CudaPinner:
         if err != 0:
             raise PinError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB failed with cudaError {err}")
 
-    def unregister(self, ptr: int) -> None:
+    def drain(self) -> None:
+        """Every copy still reading a locked range finishes: call once before a batch of `unregister`s
+        (a precision switch unlocks many blocks; one device synchronisation, not one per block)."""
         try:
-            # A copy still reading the range must finish before its pages lose their lock.
             torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - at interpreter exit CUDA may be gone
+            log.debug("stagehand: synchronize before cudaHostUnregister skipped: %s", e)
+
+    def unregister(self, ptr: int) -> None:
+        """Unlock a range; the caller drained first (a copy still reading it must not lose its pages)."""
+        try:
             err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
         except Exception as e:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the pages go with the process
             log.debug("stagehand: cudaHostUnregister skipped: %s", e)
@@ -121,9 +131,12 @@ class HostArena:
         self.pinner.register(ptr, nbytes)
         self.locked[ptr] = nbytes
 
-    def unlock(self, view: torch.Tensor) -> None:
+    def unlock(self, view: torch.Tensor, drained: bool = False) -> None:
+        """Unlock one buffer's range; `drained`: the caller already drained the pinner for a batch."""
         ptr = view.data_ptr()
         if self.locked.pop(ptr, None) is not None:
+            if not drained:
+                self.pinner.drain()
             self.pinner.unregister(ptr)
 
     def is_locked(self, view: torch.Tensor) -> bool:
@@ -138,6 +151,8 @@ class HostArena:
 
 
 def _unlock_all(pinner, locked: dict[int, int]) -> None:
+    if locked:
+        pinner.drain()
     for ptr in list(locked):
         locked.pop(ptr)
         pinner.unregister(ptr)

@@ -118,6 +118,7 @@ class HostStore:
         A flat full-precision copy derived from a file master is dropped when its
         block stops streaming it: the file holds those weights.
         """
+        unlock = []  # (arena, buffer): unlocked together after one drain of the copies in flight
         for block, bb in enumerate(self.blocks):
             streams = precision_map.get(block)
             if bb.file_master is not None and streams != precisions.FULL and precisions.FULL in bb.buffers:
@@ -130,7 +131,8 @@ class HostStore:
                 if not self.pin:
                     keep = False
                 if not keep:
-                    arena.unlock(buf)
+                    if arena.is_locked(buf):
+                        unlock.append((arena, buf))
                     continue
                 try:
                     arena.lock(buf)
@@ -138,6 +140,10 @@ class HostStore:
                     raise torch.OutOfMemoryError(
                         f"offload: could not pin block {block}'s {precision} copy ({buf.numel() / 2**20:.1f} MiB, "
                         f"first layer {bb.layers[0].fqn}): {e}") from e
+        if unlock:
+            unlock[0][0].pinner.drain()
+            for arena, buf in unlock:
+                arena.unlock(buf, drained=True)
 
     def _drop(self, block: int, precision: str) -> None:
         bb = self.blocks[block]

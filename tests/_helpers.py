@@ -140,6 +140,7 @@ class RecordingPinner:
         self.calls = 0
         self.locked: dict[int, int] = {}  # pointer -> bytes
         self.unlocked: list[int] = []
+        self.drains = 0  # device synchronisations before unlocking (one per batch)
 
     def register(self, ptr: int, nbytes: int) -> None:
         from torch_stagehand.runtime.host_arena import PinError
@@ -149,6 +150,9 @@ class RecordingPinner:
             raise PinError(f"simulated: cudaHostRegister of {nbytes} bytes failed")
         assert ptr not in self.locked
         self.locked[ptr] = nbytes
+
+    def drain(self) -> None:
+        self.drains += 1
 
     def unregister(self, ptr: int) -> None:
         del self.locked[ptr]

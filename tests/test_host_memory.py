@@ -83,6 +83,16 @@ def test_a_precision_switch_moves_the_lock_to_what_now_streams(pinner):
     assert _locked(rt) == {(b, "int8") for b in range(4)}
 
 
+def test_a_switch_of_many_blocks_waits_for_the_copies_in_flight_once(pinner):
+    model, _ = toy(n=4)
+    rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
+    drains, unlocked = pinner.drains, len(pinner.unlocked)
+    rt.set_precision({0: "bf16", 1: "bf16", 2: "bf16"})
+    assert len(pinner.unlocked) - unlocked == 3  # three INT8 ranges lose their lock...
+    assert pinner.drains - drains == 1  # ...after one device synchronisation, not one per block
+    assert _locked(rt) == {(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "int8")}
+
+
 def test_keep_full_pinned_locks_the_masters_too(pinner):
     model, _ = toy(n=3)
     rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="pinned")
