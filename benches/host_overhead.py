@@ -1,5 +1,11 @@
 """Host (CPU) cost per W8A16 call, against cuBLAS BF16, and where it goes.
 
+Rows: cuBLAS; the W8A16 call as a compiled block makes it after its first call
+(a replay of the recorded launch, kernels/launch_memo.py); the same call through
+the full path (arguments checked, config looked up, Triton's jit binding: what
+every call cost before the replay existed); and the `stagehand::linear` op on a
+slot, which is what a compiled graph calls (dispatcher, layout, views, replay).
+
     python benches/host_overhead.py [--out benches/results/host_overhead.json] [--calls 2000]
 
 At decode-like token counts a kernel runs for ~10 us; if the host needs longer
@@ -37,6 +43,22 @@ def top_functions(fn, calls, n=12):
     return rows[:n]
 
 
+def _slot(q, s):
+    """A device slot holding one INT8 layer (weight, then its scale), as the streamer fills it, and its layout."""
+    import torch
+
+    import torch_stagehand.runtime.ops  # noqa: F401  (registers torch.ops.stagehand)
+    from torch_stagehand.runtime.precision import INT8, LayerLayout, align, get
+
+    n, k = q.shape
+    scale_at = align(n * k)
+    slot = torch.zeros(align(scale_at + 4 * n), dtype=torch.uint8, device=q.device)
+    slot[: n * k].copy_(q.reshape(-1).view(torch.uint8))
+    slot[scale_at : scale_at + 4 * n].copy_(s.float().reshape(-1).view(torch.uint8))
+    lay = LayerLayout(get(INT8).code, 0, n, k, scale_at, False, 3)
+    return slot, lay.as_ints()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(RESULTS, "host_overhead.json"))
@@ -58,22 +80,35 @@ def main():
     dy = torch.randn(m, n, device="cuda").bfloat16()
     w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
     q, s = K.quantize_per_row(w.float(), "absmax")
+    for fn in (lambda: K.int8_linear(x, q, s), lambda: K.int8_linear_grad_input(dy, q, s)):
+        fn()  # autotune outside the timing
+    from torch_stagehand.kernels.tune import bucket
+
+    fwd_cfg = K.tuned_configs()[("fwd", x.device, bucket(m), n, k, x.dtype)]
+    bwd_cfg = K.tuned_configs()[("bwd", x.device, bucket(m), n, k, x.dtype)]
+    slot, layout = _slot(q, s)
+    tok = torch.tensor(0)
+    op = torch.ops.stagehand
     ops = {
         "cuBLAS x @ w.T": lambda: x @ w.t(),
         "int8_linear": lambda: K.int8_linear(x, q, s),
+        "int8_linear (full path)": lambda: K.int8_linear_triton(x, q, s, config=fwd_cfg),
+        "stagehand.linear op (int8)": lambda: op.linear.default(x, slot, None, tok, tok, layout),
         "cuBLAS dy @ w": lambda: dy @ w,
         "int8_linear_grad_input": lambda: K.int8_linear_grad_input(dy, q, s),
+        "int8_linear_grad_input (full path)": lambda: K.int8_linear_grad_input_triton(dy, q, s, config=bwd_cfg),
+        "stagehand.linear_grad_input op (int8)": lambda: op.linear_grad_input.default(dy, slot, layout),
     }
-    for fn in ops.values():  # autotune outside the timing
+    for fn in ops.values():
         fn()
     rows, profiles = [], {}
     for name, fn in ops.items():
         rows.append(dict(op=name, host_us_per_call=host_us_per_call(fn, args.calls)))
         if name.startswith("int8"):
             profiles[name] = top_functions(fn, args.calls)
-    base = {"int8_linear": rows[0]["host_us_per_call"], "int8_linear_grad_input": rows[2]["host_us_per_call"]}
-    for r in rows:
-        r["vs_cuBLAS"] = r["host_us_per_call"] / base[r["op"]] if r["op"] in base else 1.0
+    for r in rows:  # each row against the cuBLAS call of its direction
+        base = next(b for b in rows if b["op"] == ("cuBLAS dy @ w" if "grad_input" in r["op"] else "cuBLAS x @ w.T"))
+        r["vs_cuBLAS"] = r["host_us_per_call"] / base["host_us_per_call"]
     print_table(rows, title=f"host time per call, M={m} K={k} N={n} ({args.calls} back-to-back calls)", floatfmt=".1f")
     for name, prof in profiles.items():
         print_table(prof, title=f"{name}: own time per call (cProfile)", floatfmt=".2f")

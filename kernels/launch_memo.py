@@ -1,0 +1,199 @@
+"""Launches worked out once and replayed with new tensors: the host side of a W8A16 call.
+
+Triton's `kernel[grid](*args)` binds and specializes every argument on every
+call, and the launchers around it check, view and look up a config each time:
+~90 us of host time per W8A16 forward on an H100's host against cuBLAS's ~30
+(benches/results/host_overhead.json). A model whose GPU work per linear is
+short (Qwen-7B at 2048 tokens) is then bound by the host, not the GPU. A call
+site inside a compiled block sees the same shapes, strides, dtypes and
+alignments step after step, so:
+
+- the first call with a key (`call_key`: every property the argument checks,
+  the config choice and Triton's specialization depend on) runs the whole way
+  through an `Executor` that records what it resolved to: the buffers it
+  allocated (shape, dtype), and per step either a compiled Triton binary with
+  its grid and its arguments in signature order, or a torch call (the
+  dequantize + cuBLAS mode);
+- later calls with that key allocate the same buffers and call each binary's
+  launcher directly, passing only the new tensors (`Replay`).
+
+A launch is recorded only if every tensor it received is one the replay can
+supply (the caller's own, a buffer allocated in the call, or a persistent
+constant), and never under Triton's interpreter or with a launch hook set (a
+profiler such as proton wants every launch through Triton's own path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+_HOOKS: list = []
+
+
+def _launch_hook_set() -> bool:
+    """Is a Triton launch hook installed (a profiler)? Then every launch goes through Triton."""
+    if not _HOOKS:
+        try:
+            from triton import knobs
+
+            _HOOKS.append(knobs.runtime)
+        except Exception:  # noqa: BLE001 - an older Triton without knobs: no hooks to honour
+            _HOOKS.append(None)
+    runtime = _HOOKS[0]
+    return runtime is not None and (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None)
+
+
+def tensor_key(t: torch.Tensor | None):
+    """What a launch depends on in one tensor argument: shape, strides, dtype, device, 16-byte alignment."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+
+
+def bind(fn, args: tuple, kwargs: dict) -> list:
+    """The kernel's arguments in signature order (what a compiled binary's launcher takes), defaults filled."""
+    values = dict(zip(fn.arg_names, args))
+    for name, value in kwargs.items():
+        if name in fn.arg_names:
+            values[name] = value
+    out = []
+    for param in fn.params:
+        if param.name in values:
+            out.append(values[param.name])
+        elif param.has_default:
+            out.append(param.default)
+        else:
+            raise TypeError(f"{fn.arg_names}: no value for {param.name!r}")
+    return out
+
+
+@dataclass
+class KernelStep:
+    """One compiled Triton binary: grid and arguments fixed, the tensors named by role."""
+
+    compiled: object
+    grid: tuple[int, int, int]
+    args: list
+    roles: list[tuple[int, str]]  # (argument index, role) filled per call
+
+    def __call__(self, tensors: dict, stream: int) -> None:
+        args = list(self.args)
+        for index, role in self.roles:
+            args[index] = tensors[role]
+        c = self.compiled
+        c.run(*self.grid, stream, c.function, c.packed_metadata, None, None, None, *args)
+
+
+@dataclass
+class TorchStep:
+    """A torch call on the call's tensors (the dequantize + cuBLAS mode's GEMM)."""
+
+    fn: Callable[[dict], None]
+
+    def __call__(self, tensors: dict, stream: int) -> None:
+        self.fn(tensors)
+
+
+class Executor:
+    """Runs one call's launches (the slow path) and, with `record=True`, writes them down for a `Replay`."""
+
+    def __init__(self, tensors: dict, record: bool, constants: tuple = ()):
+        self.tensors = dict(tensors)
+        self.record = record
+        self.recordable = record
+        self.steps: list = []
+        self.buffers: list[tuple[str, tuple, torch.dtype]] = []
+        self._constant_ids = {id(t) for t in constants}
+
+    def buffer(self, role: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        """A buffer allocated in the call (output, split workspace, dequantized weight): a replay allocates it anew."""
+        t = torch.empty(shape, dtype=dtype, device=device)
+        self.tensors[role] = t
+        if self.record:
+            self.buffers.append((role, tuple(shape), dtype))
+        return t
+
+    def kernel(self, fn, grid: tuple, *args, **kwargs):
+        compiled = fn[grid](*args, **kwargs)
+        if self.recordable:
+            self._record_kernel(fn, grid, args, kwargs, compiled)
+        return compiled
+
+    def torch(self, fn: Callable[[dict], None]) -> None:
+        fn(self.tensors)
+        if self.recordable:
+            self.steps.append(TorchStep(fn))
+
+    def _record_kernel(self, fn, grid, args, kwargs, compiled) -> None:
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            self.recordable = False  # not a compiled binary (an interpreter's function): nothing to replay
+            return
+        role_of = {id(t): role for role, t in self.tensors.items() if t is not None}
+        values = bind(fn, args, kwargs)
+        roles = []
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                if id(v) in role_of:
+                    roles.append((i, role_of[id(v)]))
+                    values[i] = None
+                elif id(v) not in self._constant_ids:
+                    self.recordable = False  # a tensor the replay could not supply
+                    return
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self.steps.append(KernelStep(compiled, grid3, values, roles))
+
+    def replay(self, device) -> "Replay | None":
+        if not (self.recordable and self.steps):
+            return None
+        return Replay(device, list(self.buffers), list(self.steps))
+
+
+@dataclass
+class Replay:
+    """A recorded call: allocate its buffers, run its steps on the current stream."""
+
+    device: torch.device
+    buffers: list
+    steps: list
+    hits: int = field(default=0)
+
+    def __call__(self, tensors: dict) -> dict:
+        for role, shape, dtype in self.buffers:
+            tensors[role] = torch.empty(shape, dtype=dtype, device=self.device)
+        # Triton's own launch path asks torch for the same raw handle.
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index) if self.device.type == "cuda" else 0
+        for step in self.steps:
+            step(tensors, stream)
+        self.hits += 1
+        return tensors
+
+
+class LaunchMemo:
+    """key -> Replay for one launcher; a miss runs the slow path, which may add the key."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.replays: dict = {}
+        self.misses = 0
+
+    def enabled(self, interpreting: bool) -> bool:
+        return not interpreting and not _launch_hook_set()
+
+    def get(self, key):
+        return self.replays.get(key)
+
+    def add(self, key, executor: Executor, device) -> None:
+        self.misses += 1
+        replay = executor.replay(device)
+        if replay is not None:
+            self.replays[key] = replay
+
+    def clear(self) -> None:
+        self.replays.clear()
+        self.misses = 0
+
+    def stats(self) -> dict:
+        return {"keys": len(self.replays), "hits": sum(r.hits for r in self.replays.values()), "misses": self.misses}
