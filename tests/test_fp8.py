@@ -38,6 +38,27 @@ def test_quantize_rows_e4m3_maps_each_rows_absmax_to_448_and_round_trips():
     assert ((back - w).abs() <= w.abs() * 2**-4 + s[:, None] * 2**-9).all()
 
 
+def test_activation_quantizer_twin_is_per_row_absmax_with_an_optional_column_scale():
+    from torch_stagehand.kernels.fp8_quant import quantize_rows, quantize_rows_ref
+
+    torch.manual_seed(1)
+    x = (torch.randn(6, 40) * torch.logspace(-2, 2, 6)[:, None]).bfloat16()
+    x[3] = 0
+    col = torch.rand(40) + 0.5
+    for c in (None, col):
+        q, s = quantize_rows(x, c)  # on the CPU: the twin
+        v = x.double() * (1 if c is None else c.double())
+        assert s.shape == (6, 1) and q.dtype == E4M3
+        assert torch.allclose(s.double().squeeze(1), (v.abs().amax(1) / 448).clamp_min(1e-12), rtol=1e-6)
+        assert torch.all((q.float().abs().amax(1)[[0, 1, 2, 4, 5]] - 448).abs() < 1e-3)  # each row's max maps to 448
+        assert rel_err(q.double() * s.double(), v) < 0.04  # 3 mantissa bits
+        assert torch.equal(q.view(torch.uint8), quantize_rows_ref(x, c)[0].view(torch.uint8))
+    with pytest.raises(ValueError, match="col_scale has 39 elements"):
+        quantize_rows(x, col[:39])
+    with pytest.raises(ValueError, match="2-D"):
+        quantize_rows(x[0])
+
+
 def test_fp8_streams_one_byte_per_weight_plus_a_row_scale_aligned():
     model, _ = toy(d=32, n=2)
     specs = streamed_layers(model, find_blocks(model))
@@ -123,6 +144,24 @@ def test_the_policy_sends_a_block_to_fp8_only_where_its_layers_were_measured_fas
         new, _ = rt.selective.policy.update(10, rt.precision, [0.0, 4.0])
         assert new == {0: low, 1: "bf16"}
         rt.restore()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("k", [40, 3072, 12288])
+def test_gpu_activation_quantizer_kernel_equals_its_twin_bit_for_bit(k):
+    from torch_stagehand.kernels.fp8_quant import quantize_rows, quantize_rows_ref
+
+    torch.manual_seed(k)
+    big = (torch.randn(70, k + 8, device="cuda") * 4).bfloat16()
+    x = big[:, 8:]  # rows with a stride wider than k
+    x[7] = 0
+    col = torch.rand(k, device="cuda") + 0.5
+    for c in (None, col):
+        q, s = quantize_rows(x, c)
+        qr, sr = quantize_rows_ref(x, c)
+        assert torch.equal(s, sr)
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
 @pytest.mark.gpu

@@ -18,6 +18,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from torch_stagehand.kernels.fp8_quant import quantize_rows
+
 from .base import OneBytePerRow
 
 E4M3 = torch.float8_e4m3fn
@@ -53,19 +55,12 @@ def dequantize_rows_e4m3(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (q.float() * scale[:, None]).to(dtype)
 
 
-def _quantize_activation(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row E4M3 of a [m, k] activation / gradient, and its [m, 1] fp32 scale."""
-    scale = (x2.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp_min(_MIN_SCALE)
-    return (x2.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
-
-
 def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x @ (q * scale)^T (+ bias) on FP8 tensor cores."""
     n, k = q.shape
     if k % 16 or n % 16:
         raise ValueError(f"fp8: torch._scaled_mm needs in/out features divisible by 16, got [{n}, {k}]")
-    x2 = x.reshape(-1, k)
-    xq, xs = _quantize_activation(x2)
+    xq, xs = quantize_rows(x.reshape(-1, k))  # one fused kernel on the GPU (kernels/fp8_quant.py)
     # Row-wise scaled FP8 GEMMs return bf16 only; an fp16 / fp32 model gets its dtype back after.
     y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), out_dtype=torch.bfloat16).to(x.dtype)
     if bias is not None:
@@ -76,8 +71,7 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: t
 def scaled_grad_input(dy: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """dx = dy @ (q * scale) on FP8 tensor cores: the row scale (the reduction dim) goes into dy first."""
     n, k = q.shape
-    dy2 = dy.reshape(-1, n).float() * scale.view(1, n)
-    dq, ds = _quantize_activation(dy2)
+    dq, ds = quantize_rows(dy.reshape(-1, n), col_scale=scale)  # (dy * scale) quantized in one kernel
     ones = torch.ones(1, k, dtype=torch.float32, device=q.device)
     # _scaled_mm wants its second operand column-major: a transposed copy of the 1-byte weight.
     dx = torch._scaled_mm(dq, q.t().contiguous().t(), scale_a=ds, scale_b=ones, out_dtype=torch.bfloat16).to(dy.dtype)

@@ -1,0 +1,158 @@
+"""Workload A with FP8 allowed (issue 10): 48 blocks of 3072 at 4096 tokens, LoRA, against resident BF16.
+
+    python benches/fp8_workload.py --out benches/results/fp8_workload_a.json       # an FP8 GPU (Hopper, Ada)
+    python benches/fp8_workload.py --tiny --device cpu                              # a smoke test of the bench
+
+The model: diffusers `FluxTransformer2DModel` with 48 single-stream blocks of
+3072 (Flux's single block: to_q / to_k / to_v, a 12288-wide MLP in, a
+15360 -> 3072 projection out) and no double-stream blocks, 3584 image + 512
+text tokens = 4096 tokens through every block; random init on the GPU, bf16,
+base frozen, peft LoRA r=16 on to_q / to_k / to_v, AdamW. In this one process:
+
+1. the FP8 policy file for this GPU (`fp8_bench`: every Linear shape of the
+   block at 4096 tokens, fp8 forward + grad-input against cuBLAS bf16, speedup
+   threshold 1.0): where FP8 is allowed at all;
+2. resident bf16 under `torch.compile` (inductor): the baseline;
+3. stagehand fp8 with no budget: every block streamed through two slots;
+4. stagehand fp8 with a VRAM budget the whole model fits in (the plan keeps
+   every block resident, in fp8);
+5. stagehand bf16 with the same budget: the same program with bf16 weights,
+   which separates what fp8 gains from what stagehand itself costs.
+
+Per row: step time (median of `--steps` after warm-up), host time, peak GPU
+memory, H2D GB per step, plan counts, ratio to the resident step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+from _common import RESULTS, env_info, print_header, print_table, write_json
+from budget_sweep import plan_columns, timed
+from models import Sync, flux_config, flux_inputs, make_step
+
+import torch_stagehand as stagehand
+
+GiB = 2**30
+LORA_TARGETS = ["to_q", "to_k", "to_v"]
+
+
+def build(tiny: bool, device: str):
+    from diffusers import FluxTransformer2DModel
+
+    cfg = flux_config(tiny)
+    cfg.update(num_layers=0, num_single_layers=4 if tiny else 48)
+    with torch.device(device):
+        model = FluxTransformer2DModel(**cfg).to(torch.bfloat16)
+    inputs, _ = flux_inputs(cfg, tiny, device)
+    img, txt = (24, 8) if tiny else (3584, 512)
+    inputs["hidden_states"] = inputs["hidden_states"][:, :img]
+    inputs["img_ids"] = inputs["img_ids"][:img]
+    return model, inputs, {"blocks": cfg["num_single_layers"], "image_tokens": img, "text_tokens": txt,
+                           "tokens_per_block": img + txt}
+
+
+def fp8_policy(tokens: int, path: str) -> dict:
+    """Measure the block's Linear shapes at this token count; write the policy file; the measured rows."""
+    from torch_stagehand.runtime.selective import fp8_bench, fp8_rules
+
+    shapes = [(3072, 3072), (12288, 3072), (3072, 15360)]  # (out, in): q/k/v, proj_mlp, proj_out
+    rows = fp8_bench.measure(shapes, [tokens])
+    policy = fp8_rules.Fp8Policy(torch.cuda.get_device_name(), 1.0, fp8_rules.rules_from_measurements(rows, 1.0))
+    fp8_rules.save(policy, path)
+    return {"rows": rows, "file": os.path.basename(path), "rules": len(policy.rules)}
+
+
+def run(args) -> dict:
+    import peft
+
+    device, sync = args.device, Sync(args.device)
+    results: dict = {"env": print_header(env_info()), "tiny": args.tiny, "rows": []}
+    rows = results["rows"]
+    cuda = device == "cuda"
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11's cuDNN SDPA backward faults at Flux's shape
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model, inputs, shape = build(args.tiny, device)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    results.update(shape=shape, build_s=round(time.perf_counter() - t0, 1),
+                   params_b=round(sum(p.numel() for p in model.parameters()) / 1e9, 2))
+    print(f"built: {results['params_b']}B parameters, {shape}, {results['build_s']} s", flush=True)
+
+    if cuda and not args.tiny:
+        results["fp8_policy"] = fp8_policy(shape["tokens_per_block"], os.path.join(os.path.dirname(args.out),
+                                                                                    "fp8_policy_workload_a.json"))
+        print_table(results["fp8_policy"]["rows"], title="fp8 vs bf16 per Linear shape (forward + grad-input)")
+
+    def step_of(fn):
+        return make_step("flux", model, fn, inputs, optimizer)
+
+    def add(row: dict) -> None:
+        base = rows[0].get("step_ms") if rows else None
+        if base and row.get("step_ms"):
+            row["ratio"] = round(row["step_ms"] / base, 3)
+        rows.append(row)
+        write_json(args.out, results)  # after every row: a run cut off by a time limit keeps what it measured
+
+    compiled = torch.compile(model)
+    try:
+        add(timed("resident bf16 (inductor)", step_of(compiled), args.steps, sync, warmup=2))
+    except torch.OutOfMemoryError:
+        add({"mode": "resident bf16 (inductor)", "error": "out of GPU memory"})
+    del compiled
+    torch._dynamo.reset()
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+    precision = "fp8" if cuda else "bf16"  # the CPU has no FP8 tensor cores: the smoke run checks the stages
+    budget = "70GiB" if cuda else int(1e9)
+    t0 = time.perf_counter()
+    rt = stagehand.offload(model, device=device, precision=precision)
+    results["offload_s"] = round(time.perf_counter() - t0, 1)
+    rt.attach(optimizer)
+    compiled = torch.compile(model, backend="stagehand")
+    step = step_of(compiled)
+
+    def measured(label: str, warmup: int) -> None:
+        try:
+            add(dict(timed(label, step, args.steps, sync, rt, warmup=warmup), **plan_columns(rt)))
+        except torch.OutOfMemoryError:
+            add({"mode": label, "error": "out of GPU memory"})
+
+    measured(f"stagehand {precision}, no budget (two slots)", warmup=2)
+    rt.replan(vram_budget=budget)  # calibration steps (the smallest plan), then the plan the budget allows
+    measured(f"stagehand {precision}, budget {budget}", warmup=5)
+    rt.set_precision("bf16")  # same budget, the plan re-made for bf16 bytes
+    measured(f"stagehand bf16, budget {budget}", warmup=2)
+    results["stats"] = rt.stats()
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="a small config of the same class (smoke test)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "fp8_workload_a.json"))
+    args = parser.parse_args(argv)
+    results = run(args)
+    cols = ["mode", "step_ms", "host_ms", "ratio", "peak_gib", "h2d_gb_step", "resident", "streamed", "predicted_ms",
+            "error"]
+    print_table([[r.get(c, "") for c in cols] for r in results["rows"]], headers=cols,
+                title=f"workload A: {results['params_b']}B parameters, {results['shape']}, {results['env']['device']}")
+    write_json(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Per-row E4M3 quantization of an activation (or of a gradient times a column scale) in one kernel.
+
+The fp8 precision's GEMMs (`torch._scaled_mm`) take the activation in E4M3 with
+one fp32 scale per row. Written as torch ops that is five passes over an fp32
+copy (float, abs, amax, divide, clamp + cast): at 4096 x 12288 about 1 GB of
+memory traffic, which costs more than FP8 saves on the GEMM. This kernel reads
+each row twice (absmax, then scale + cast; the second read mostly hits L2) and
+writes one byte per element plus one scale:
+
+    v       = x[m, :] (* col_scale)          in fp32
+    scale_m = max(max|v| / 448, 1e-12)
+    q[m, :] = clamp(v / scale_m, -448, 448) -> E4M3 (round to nearest even)
+
+the same arithmetic as `quantize_rows_ref`, its torch twin (used on the CPU and
+by the tests). Triton's CPU interpreter rounds to E4M3 wrongly where rounding
+carries into the next power of two (125.0 -> 64 instead of 128, triton 3.9), so
+the kernel is checked bit for bit against the twin on the GPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # a broken Triton install must not break the CPU path (the twin)
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the install
+    HAS_TRITON = False
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
+_BLOCK = 1024
+
+
+def _jit(fn):
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+@_jit
+def _quant_rows_kernel(x_ptr, c_ptr, q_ptr, s_ptr, K, stride_xm, HAS_COL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        ok = offs < K
+        v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_COL:
+            v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        ok = offs < K
+        v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_COL:
+            v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)  # IEEE division, as torch
+        tl.store(q_ptr + row * K + offs, v.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def quantize_rows_ref(x2: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[m, k] -> (E4M3 [m, k], fp32 [m, 1]) in torch ops: the kernel's twin."""
+    v = x2.float()
+    if col_scale is not None:
+        v = v * col_scale.float().view(1, -1)
+    scale = (v.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp_min(MIN_SCALE)
+    return (v / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def quantize_rows(x2: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row E4M3 of a 2-D [m, k] tensor (optionally times an fp32 [k] column scale), and its [m, 1] scale."""
+    if x2.dim() != 2:
+        raise ValueError(f"fp8 quantize_rows: expected a 2-D [m, k] tensor, got shape {tuple(x2.shape)}")
+    if col_scale is not None and col_scale.numel() != x2.shape[1]:
+        raise ValueError(f"fp8 quantize_rows: col_scale has {col_scale.numel()} elements, the rows {x2.shape[1]}")
+    if not (x2.is_cuda and HAS_TRITON):
+        return quantize_rows_ref(x2, col_scale)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    q = torch.empty((m, k), dtype=E4M3, device=x2.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
+    if m == 0:
+        return q, scale
+    col = col_scale.reshape(-1).float().contiguous() if col_scale is not None else scale
+    _quant_rows_kernel[(m,)](x2, col, q, scale, k, x2.stride(0), HAS_COL=col_scale is not None, BLOCK=_BLOCK,
+                             num_warps=4)
+    return q, scale
