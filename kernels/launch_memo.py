@@ -43,7 +43,12 @@ def _launch_hook_set() -> bool:
         except Exception:  # noqa: BLE001 - an older Triton without knobs: no hooks to honour
             _HOOKS.append(None)
     runtime = _HOOKS[0]
-    return runtime is not None and (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None)
+    return runtime is not None and (_hook_in(runtime.launch_enter_hook) or _hook_in(runtime.launch_exit_hook))
+
+
+def _hook_in(hook) -> bool:
+    # Triton 3.6 keeps each hook as a HookChain (never None; empty when nothing is installed).
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def tensor_key(t: torch.Tensor | None):

@@ -194,3 +194,30 @@ def test_gpu_a_changed_key_takes_the_full_path():
     y_t = int8_linear_triton(aligned.t().contiguous().t()[:, :256], q, s)  # other strides
     assert FWD_MEMO.stats()["misses"] == 3
     assert _rel(y_t, int8_linear_ref(aligned, q, s)) < 1e-2
+
+
+def test_the_memo_steps_aside_while_a_launch_hook_is_installed():
+    pytest.importorskip("triton")
+    from triton import knobs
+
+    memo = LaunchMemo("fake")
+    assert memo.enabled(interpreting=False), "no hook installed: replays allowed"
+    assert not memo.enabled(interpreting=True)
+    hook = knobs.runtime.launch_enter_hook
+
+    def profiler(metadata):
+        return None
+
+    if hasattr(hook, "add"):  # Triton 3.6+: a HookChain
+        hook.add(profiler)
+        try:
+            assert not memo.enabled(interpreting=False)
+        finally:
+            hook.remove(profiler)
+    else:
+        knobs.runtime.launch_enter_hook = profiler
+        try:
+            assert not memo.enabled(interpreting=False)
+        finally:
+            knobs.runtime.launch_enter_hook = hook
+    assert memo.enabled(interpreting=False)
