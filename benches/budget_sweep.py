@@ -70,6 +70,65 @@ def timed(label: str, step, steps: int, sync: Sync, rt=None, warmup: int = 1) ->
     return row
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _measure(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(xs, ys) -> list[tuple[float, float]]:
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if a < b:
+            out.append((a, b))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def gpu_lanes(step) -> dict:
+    """One step under torch.profiler, as lanes: when the GPU computed, copied H2D / D2H, and sat idle.
+
+    Compute idle time while an H2D copy runs is time spent waiting for weights (the plan's transfer
+    model); idle time with no copy running is time the GPU waited for the host to issue work."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels, h2d, d2h = [], [], []
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        span = (e.time_range.start / 1e3, e.time_range.end / 1e3)  # ms
+        name = e.name.lower()
+        (h2d if "htod" in name else d2h if "dtoh" in name else kernels if "memcpy" not in name
+         and "memset" not in name else []).append(span)
+    compute, copy_in, copy_out = _union(kernels), _union(h2d), _union(d2h)
+    if not compute:
+        return {}
+    start, end = compute[0][0], compute[-1][1]
+    idle = _union([(a[1], b[0]) for a, b in zip(compute, compute[1:]) if b[0] > a[1]])
+    waiting_on_copy = _measure(_intersect(idle, copy_in))
+    return {"gpu_span_ms": round(end - start, 1), "compute_busy_ms": round(_measure(compute), 1),
+            "h2d_busy_ms": round(_measure(copy_in), 1), "d2h_busy_ms": round(_measure(copy_out), 1),
+            "compute_idle_ms": round(_measure(idle), 1), "idle_while_h2d_ms": round(waiting_on_copy, 1),
+            "idle_no_copy_ms": round(_measure(idle) - waiting_on_copy, 1)}
+
+
 def plan_columns(rt) -> dict:
     plan = rt.plan
     counts = plan.counts()
@@ -146,6 +205,9 @@ def run(args) -> dict:
             row["under_budget"] = row["peak_gib"] <= nbytes / GiB
         if base:
             row["ratio"] = round(row["step_ms"] / base, 3)
+        if device == "cuda" and row["budget_gib"] in args.trace_budgets:
+            row["gpu_lanes"] = gpu_lanes(step_of(compiled))
+            print(f"  budget {name}: GPU lanes {row['gpu_lanes']}", flush=True)
         rows.append(row)
         write_json(args.out, results)  # after every budget: a run cut off by a time limit keeps what it measured
     results["conductor_overhead"] = conductor_overhead(rt, step_of(compiled), sync)
@@ -201,6 +263,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a small config of the same class (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trace-budgets", nargs="*", type=float, default=[],
+                        help="GiB budgets to run one more step of under torch.profiler: compute / copy / idle lanes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.out = args.out or os.path.join(RESULTS, f"budget_sweep_{args.model}{'_tiny' if args.tiny else ''}.json")
