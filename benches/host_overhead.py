@@ -104,7 +104,7 @@ def main():
     rows, profiles = [], {}
     for name, fn in ops.items():
         rows.append(dict(op=name, host_us_per_call=host_us_per_call(fn, args.calls)))
-        if name.startswith("int8"):
+        if not name.startswith("cuBLAS"):
             profiles[name] = top_functions(fn, args.calls)
     for r in rows:  # each row against the cuBLAS call of its direction
         base = next(b for b in rows if b["op"] == ("cuBLAS dy @ w" if "grad_input" in r["op"] else "cuBLAS x @ w.T"))

@@ -7,6 +7,7 @@ Run on the device machine with `pytest -m gpu tests/test_gpu_budget.py`; skipped
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -79,6 +80,10 @@ def test_a_memory_fraction_below_the_budget_shrinks_the_plan_and_says_so(caplog)
     model, x = _trainable()
     x = x[:2, :16].contiguous()  # small activations: the cap below is about the weights
     total = torch.cuda.get_device_properties(0).total_memory
+    # The earlier tests' runtimes must be gone before the room is measured: one collected later,
+    # during the offload below, would hand its memory back inside the cap and nothing would shrink.
+    torch._dynamo.reset()
+    gc.collect()
     torch.cuda.empty_cache()
     used = torch.cuda.memory_reserved()
     # Room for four blocks' weights beyond what is in use (the two slots included): all eight
