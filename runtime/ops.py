@@ -103,39 +103,12 @@ streamed_linear.register_autograd(_streamed_backward, setup_context=_streamed_se
 # ---- scheduled ops ------------------------------------------------------------------
 
 
-def _prefetch(block_tok, after):
+@custom_op("stagehand::prefetch", mutates_args=())
+def prefetch(block_tok: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
     rt, block = registry.decode(block_tok)
     if rt is None:
         return registry_sentinel()
     return rt.op_prefetch(block)
-
-
-def _wait(fetch_tok, block_tok, nbytes, precision, device):
-    rt, block = registry.decode(block_tok)
-    return rt.op_wait(block, precision, nbytes, backward=False)
-
-
-def _wait_bw(block_tok, anchor, nbytes, precision, device):
-    rt, block = registry.decode(block_tok)
-    return rt.op_wait(block, precision, nbytes, backward=True)
-
-
-def _evict(block_tok, slot, readers, precision):
-    rt, block = registry.decode(block_tok)
-    return rt.op_release(block, precision)
-
-
-def _linear(x, slot, bias, block_tok, prev_tok, layout):
-    return linear_from_slot(x, slot, bias, layout)
-
-
-def _linear_grad_input(dy, slot, layout):
-    return grad_input_from_slot(dy, slot, layout)
-
-
-@custom_op("stagehand::prefetch", mutates_args=())
-def prefetch(block_tok: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
-    return _prefetch(block_tok, after)
 
 
 @prefetch.register_fake
@@ -145,7 +118,8 @@ def _(block_tok, after):
 
 @custom_op("stagehand::wait", mutates_args=())
 def wait(fetch_tok: torch.Tensor, block_tok: torch.Tensor, nbytes: int, precision: int, device: torch.device) -> torch.Tensor:
-    return _wait(fetch_tok, block_tok, nbytes, precision, device)
+    rt, block = registry.decode(block_tok)
+    return rt.op_wait(block, precision, nbytes, backward=False)
 
 
 @wait.register_fake
@@ -155,7 +129,8 @@ def _(fetch_tok, block_tok, nbytes, precision, device):
 
 @custom_op("stagehand::wait_bw", mutates_args=())
 def wait_bw(block_tok: torch.Tensor, anchor: torch.Tensor, nbytes: int, precision: int, device: torch.device) -> torch.Tensor:
-    return _wait_bw(block_tok, anchor, nbytes, precision, device)
+    rt, block = registry.decode(block_tok)
+    return rt.op_wait(block, precision, nbytes, backward=True)
 
 
 @wait_bw.register_fake
@@ -165,7 +140,8 @@ def _(block_tok, anchor, nbytes, precision, device):
 
 @custom_op("stagehand::evict", mutates_args=())
 def evict(block_tok: torch.Tensor, slot: torch.Tensor, readers: list[torch.Tensor], precision: int) -> torch.Tensor:
-    return _evict(block_tok, slot, readers, precision)
+    rt, block = registry.decode(block_tok)
+    return rt.op_release(block, precision)
 
 
 @evict.register_fake
@@ -182,7 +158,7 @@ def linear(
     prev_tok: torch.Tensor,
     layout: list[int],
 ) -> torch.Tensor:
-    return _linear(x, slot, bias, block_tok, prev_tok, layout)
+    return linear_from_slot(x, slot, bias, layout)
 
 
 @linear.register_fake
@@ -192,7 +168,7 @@ def _(x, slot, bias, block_tok, prev_tok, layout):
 
 @custom_op("stagehand::linear_grad_input", mutates_args=())
 def linear_grad_input(dy: torch.Tensor, slot: torch.Tensor, layout: list[int]) -> torch.Tensor:
-    return _linear_grad_input(dy, slot, layout)
+    return grad_input_from_slot(dy, slot, layout)
 
 
 @linear_grad_input.register_fake
@@ -245,21 +221,3 @@ SCHEDULE_OPS = {
     "linear_grad_input": torch.ops.stagehand.linear_grad_input.default,
 }
 STREAMED_LINEAR_OPS = (torch.ops.stagehand.streamed_linear, torch.ops.stagehand.streamed_linear.default)
-
-
-# ---- direct kernels: the scheduled ops without custom_op's per-call wrapper --------------
-# custom_op runs every call through a Python wrapper (autograd check, a Dynamo guard, an
-# output-aliasing check over the arguments): ~50 us of host time per call on an H100's host
-# (benches/results/host_overhead.json), more than the W8A16 launch itself. A compiled block
-# calls these ops several times per Linear, so the same functions are also registered
-# straight on the dispatcher's CPU and CUDA keys, which win over custom_op's
-# CompositeExplicitAutograd kernel. custom_op keeps everything else: the schema, the fake
-# (meta) kernels tracing uses, `linear`'s autograd formula. The outputs never alias inputs
-# (slots come from the pool, results are new tensors), which is what the skipped check checks.
-
-_DIRECT = torch.library.Library("stagehand", "IMPL")
-_DIRECT_IMPLS = {"prefetch": _prefetch, "wait": _wait, "wait_bw": _wait_bw, "evict": _evict, "linear": _linear,
-                 "linear_grad_input": _linear_grad_input}
-for _name, _fn in _DIRECT_IMPLS.items():
-    for _key in ("CPU", "CUDA"):
-        _DIRECT.impl(_name, _fn, _key)
