@@ -40,25 +40,28 @@ def _jit(fn):
 
 
 @_jit
+def _load_scaled(x_row, c_ptr, k0, K, HAS_COL: tl.constexpr, BLOCK: tl.constexpr):
+    """Elements k0 .. k0 + BLOCK of a row in fp32 (times the column scale), their offsets and mask."""
+    offs = k0 + tl.arange(0, BLOCK)
+    ok = offs < K
+    v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_COL:
+        v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+    return v, offs, ok
+
+
+@_jit
 def _quant_rows_kernel(x_ptr, c_ptr, q_ptr, s_ptr, K, stride_xm, HAS_COL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        ok = offs < K
-        v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_COL:
-            v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+        v, offs, ok = _load_scaled(x_row, c_ptr, k0, K, HAS_COL, BLOCK)
         amax = tl.maximum(amax, tl.abs(v))
     scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        ok = offs < K
-        v = tl.load(x_row + offs, mask=ok, other=0.0).to(tl.float32)
-        if HAS_COL:
-            v = v * tl.load(c_ptr + offs, mask=ok, other=0.0)
+        v, offs, ok = _load_scaled(x_row, c_ptr, k0, K, HAS_COL, BLOCK)
         v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)  # IEEE division, as torch
         tl.store(q_ptr + row * K + offs, v.to(q_ptr.dtype.element_ty), mask=ok)
 
