@@ -115,8 +115,12 @@ def gpu_lanes(step) -> dict:
             continue
         span = (e.time_range.start / 1e3, e.time_range.end / 1e3)  # ms
         name = e.name.lower()
-        (h2d if "htod" in name else d2h if "dtoh" in name else kernels if "memcpy" not in name
-         and "memset" not in name else []).append(span)
+        if "htod" in name:
+            h2d.append(span)
+        elif "dtoh" in name:
+            d2h.append(span)
+        elif "memcpy" not in name and "memset" not in name:  # device-to-device copies and memsets: neither lane
+            kernels.append(span)
     compute, copy_in, copy_out = _union(kernels), _union(h2d), _union(d2h)
     if not compute:
         return {}

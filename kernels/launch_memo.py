@@ -8,8 +8,9 @@ short (Qwen-7B at 2048 tokens) is then bound by the host, not the GPU. A call
 site inside a compiled block sees the same shapes, strides, dtypes and
 alignments step after step, so:
 
-- the first call with a key (`call_key`: every property the argument checks,
-  the config choice and Triton's specialization depend on) runs the whole way
+- the first call with a key (built by the launcher from `tensor_key` of each
+  tensor argument: every property the argument checks, the config choice and
+  Triton's specialization depend on) runs the whole way
   through an `Executor` that records what it resolved to: the buffers it
   allocated (shape, dtype), and per step either a compiled Triton binary with
   its grid and its arguments in signature order, or a torch call (the

@@ -18,13 +18,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from torch_stagehand.kernels.fp8_quant import quantize_rows
+from torch_stagehand.kernels.fp8_quant import E4M3, quantize_rows, quantize_rows_ref
 
 from .base import OneBytePerRow
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-_MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 
 
 class Fp8UnsupportedError(RuntimeError):
@@ -44,11 +40,11 @@ def _capability_at_least_89(index: int) -> bool:  # asked on every fp8 linear: o
 
 
 def quantize_rows_e4m3(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, k] -> (E4M3 [n, k], fp32 scale [n]) with w ~= q * scale[:, None]; absmax per row maps to 448."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1) / E4M3_MAX).clamp_min(_MIN_SCALE)
-    q = (w / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return q, scale
+    """[n, k] -> (E4M3 [n, k], fp32 scale [n]) with w ~= q * scale[:, None]; absmax per row maps to 448.
+
+    The activations' per-row arithmetic (kernels/fp8_quant.py), in torch ops wherever the weight is."""
+    q, scale = quantize_rows_ref(w)
+    return q, scale.view(-1)
 
 
 def dequantize_rows_e4m3(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
