@@ -81,7 +81,7 @@ def test_flux_recipe_trains_saves_and_reloads_into_diffusers(tmp_path):
 def test_examples_on_the_gpu(tmp_path):
     """The same examples on CUDA (bf16, inner compiler Inductor, pinned host store)."""
     out = run_example("quickstart.py", gpu=True, timeout=600)
-    assert "device cuda" in out and "(pinned)" in out
+    assert "device cuda" in out and "bf16 pinned" in out  # the report names each host copy and where it is
     save_tiny_llama(tmp_path / "llama")
     out = run_example("lora_causal_lm.py", str(tmp_path / "llama"), "--steps", "4", "--seq", "32",
                       "--out", str(tmp_path / "lora"), "--precision", "0:int8", gpu=True, timeout=600)
