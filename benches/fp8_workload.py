@@ -33,7 +33,7 @@ import time
 
 import torch
 from _common import RESULTS, env_info, print_header, print_table, write_json
-from budget_sweep import plan_columns, timed
+from budget_sweep import gpu_lanes, plan_columns, timed
 from models import Sync, flux_config, flux_inputs, make_step
 
 import torch_stagehand as stagehand
@@ -66,6 +66,22 @@ def fp8_policy(tokens: int, path: str) -> dict:
     policy = fp8_rules.Fp8Policy(torch.cuda.get_device_name(), 1.0, fp8_rules.rules_from_measurements(rows, 1.0))
     fp8_rules.save(policy, path)
     return {"rows": rows, "file": os.path.basename(path), "rules": len(policy.rules)}
+
+
+def write_profile(step, path: str) -> None:
+    """One step under torch.profiler: the ops by host (self CPU) time and the kernels by GPU time, as text."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+        f.write("\n\n")
+        f.write(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+    print(f"wrote {path}", flush=True)
 
 
 def run(args) -> dict:
@@ -106,6 +122,8 @@ def run(args) -> dict:
     compiled = torch.compile(model)
     try:
         add(timed("resident bf16 (inductor)", step_of(compiled), args.steps, sync, warmup=2))
+        if args.profile and cuda:
+            write_profile(step_of(compiled), f"{os.path.dirname(args.out)}/profile_resident_bf16.txt")
     except torch.OutOfMemoryError:
         add({"mode": "resident bf16 (inductor)", "error": "out of GPU memory"})
     del compiled
@@ -125,15 +143,21 @@ def run(args) -> dict:
 
     def measured(label: str, warmup: int) -> None:
         try:
-            add(dict(timed(label, step, args.steps, sync, rt, warmup=warmup), **plan_columns(rt)))
+            row = dict(timed(label, step, args.steps, sync, rt, warmup=warmup), **plan_columns(rt))
+            if args.profile and cuda:
+                row["lanes"] = gpu_lanes(step)
+                write_profile(step, f"{os.path.dirname(args.out)}/profile_{label.split(',')[0].replace(' ', '_')}.txt")
+            add(row)
         except torch.OutOfMemoryError:
             add({"mode": label, "error": "out of GPU memory"})
 
-    measured(f"stagehand {precision}, no budget (two slots)", warmup=2)
+    if not args.skip_two_slot:
+        measured(f"stagehand {precision}, no budget (two slots)", warmup=2)
     rt.replan(vram_budget=budget)  # calibration steps (the smallest plan), then the plan the budget allows
     measured(f"stagehand {precision}, budget {budget}", warmup=5)
-    rt.set_precision("bf16")  # same budget, the plan re-made for bf16 bytes
-    measured(f"stagehand bf16, budget {budget}", warmup=2)
+    if not args.skip_bf16_budget:
+        rt.set_precision("bf16")  # same budget, the plan re-made for bf16 bytes
+        measured(f"stagehand bf16, budget {budget}", warmup=2)
     results["stats"] = rt.stats()
     return results
 
@@ -143,6 +167,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a small config of the same class (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--skip-two-slot", action="store_true", help="no row for the fixed two-slot plan")
+    parser.add_argument("--skip-bf16-budget", action="store_true", help="no row for bf16 under the budget")
+    parser.add_argument("--profile", action="store_true", help="per stagehand row: GPU lanes and a profile table")
     parser.add_argument("--out", default=os.path.join(RESULTS, "fp8_workload_a.json"))
     args = parser.parse_args(argv)
     results = run(args)
