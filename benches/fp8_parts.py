@@ -9,7 +9,7 @@ included, as a step would pay it):
 
   bf16 fwd / grad-in        F.linear(x, w) / dy @ w (cuBLAS): the baseline
   quant x / quant dy        the per-row E4M3 kernel (kernels/fp8_quant.py)
-  transpose q               q.t().contiguous(): the column-major weight grad-input needs
+  transpose q               the column-major weight grad-input needs: torch's copy, the tiled kernel
   mm rowwise [fast]         torch._scaled_mm, row-wise scales, pre-quantized operands
   mm tensorwise [fast]      the same with one scale per operand (cuBLASLt)
   fwd / grad-in (stagehand) runtime/precision/fp8.py's scaled_linear / scaled_grad_input
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from _common import RESULTS, env_info, print_header, print_table, write_json
 
-from torch_stagehand.kernels.fp8_quant import quantize_rows
+from torch_stagehand.kernels.fp8_quant import quantize_rows, transpose_bytes
 from torch_stagehand.runtime.precision.fp8 import quantize_rows_e4m3, scaled_grad_input, scaled_linear
 
 SHAPES = [(3072, 3072), (12288, 3072), (3072, 15360)]  # (out, in): q/k/v, proj_mlp, proj_out
@@ -84,7 +84,9 @@ def pieces(n: int, k: int, m: int) -> dict:
         "bf16 grad-in": lambda: dy @ w,
         "quant x": lambda: quantize_rows(x),
         "quant dy (col scale)": lambda: quantize_rows(dy, col_scale=s),
-        "transpose q": lambda: q.t().contiguous(),
+        "transpose q (torch)": lambda: q.t().contiguous(),
+        "transpose q (kernel)": lambda: transpose_bytes(q),
+        "transpose q (kernel, tile 64)": lambda: transpose_bytes(q, tile=64),
         "fwd mm rowwise": lambda: mm(xq, q.t(), xs, sn, False),
         "fwd mm rowwise fast": lambda: mm(xq, q.t(), xs, sn, True),
         "fwd mm tensorwise": lambda: mm(xq, q.t(), one, one, False),

@@ -8,6 +8,7 @@ grad-input against the dequantized weights.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -148,7 +149,7 @@ def test_the_policy_sends_a_block_to_fp8_only_where_its_layers_were_measured_fas
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("k", [40, 3072, 12288])
+@pytest.mark.parametrize("k", [40, 3072, 12288, 20000])  # up to 16384 one read per row, longer two
 def test_gpu_activation_quantizer_kernel_equals_its_twin_bit_for_bit(k):
     from torch_stagehand.kernels.fp8_quant import QUANT_MEMO, quantize_rows, quantize_rows_ref
 
@@ -165,6 +166,54 @@ def test_gpu_activation_quantizer_kernel_equals_its_twin_bit_for_bit(k):
             assert torch.equal(s, sr)
             assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
     assert QUANT_MEMO.stats() == {"keys": 2, "hits": 2, "misses": 2}
+
+
+_TRANSPOSE_CHECK = """
+import torch
+from torch_stagehand.kernels.fp8_quant import transpose_bytes
+for n, k, tile in ((37, 70, 16), (130, 129, 64), (5, 300, 128)):
+    q = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    t = transpose_bytes(q, tile=tile)
+    assert t.shape == (k, n) and t.is_contiguous() and torch.equal(t, q.t().contiguous()), (n, k, tile)
+q8 = (torch.randn(33, 48) * 50).to(torch.float8_e4m3fn)
+t8 = transpose_bytes(q8, tile=16)
+assert t8.dtype == q8.dtype and torch.equal(t8.view(torch.uint8), q8.view(torch.uint8).t().contiguous())
+print("transpose ok")
+"""
+
+
+def test_byte_transpose_kernel_in_the_interpreter_on_ragged_tiles():
+    """The grad-input's column-major weight copy: the Triton kernel itself (TRITON_INTERPRET=1, in a
+    subprocess: the variable must be set before Triton is imported)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _TRANSPOSE_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "transpose ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_byte_transpose_refuses_what_it_cannot_copy_by_rows():
+    from torch_stagehand.kernels.fp8_quant import transpose_bytes
+
+    with pytest.raises(ValueError, match="contiguous 2-D 1-byte"):
+        transpose_bytes(torch.zeros(4, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous 2-D 1-byte"):
+        transpose_bytes(torch.zeros(6, 4, dtype=torch.uint8).t())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_byte_transpose_equals_torch_and_replays():
+    from torch_stagehand.kernels.fp8_quant import TRANSPOSE_MEMO, transpose_bytes
+
+    TRANSPOSE_MEMO.clear()
+    for attempt in range(2):  # the second call replays the recorded launch on a new tensor
+        q = (torch.randn(3072, 1000, device="cuda") * 40).to(E4M3)
+        t = transpose_bytes(q)
+        assert t.dtype == E4M3 and torch.equal(t.view(torch.uint8), q.view(torch.uint8).t().contiguous())
+    assert TRANSPOSE_MEMO.stats() == {"keys": 1, "hits": 1, "misses": 1}
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from torch_stagehand.kernels.fp8_quant import E4M3, quantize_rows, quantize_rows_ref
+from torch_stagehand.kernels.fp8_quant import E4M3, quantize_rows, quantize_rows_ref, transpose_bytes
 
 from .base import OneBytePerRow
 
@@ -58,19 +58,29 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: t
         raise ValueError(f"fp8: torch._scaled_mm needs in/out features divisible by 16, got [{n}, {k}]")
     xq, xs = quantize_rows(x.reshape(-1, k))  # one fused kernel on the GPU (kernels/fp8_quant.py)
     # Row-wise scaled FP8 GEMMs return bf16 only; an fp16 / fp32 model gets its dtype back after.
-    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), out_dtype=torch.bfloat16).to(x.dtype)
+    # Fast accumulation in the forward only, as torchao's float8 training recipe: 13% faster GEMMs on an H100
+    # (fp8_parts_h100.json); the grad-input keeps the promoted accumulation over its long reductions.
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), out_dtype=torch.bfloat16,
+                         use_fast_accum=True).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], n)
+
+
+@functools.lru_cache(maxsize=64)
+def _ones_row(k: int, device: torch.device) -> torch.Tensor:
+    """The grad-input's unit column scale (its real scale went into dy): one per width, not one per call."""
+    return torch.ones(1, k, dtype=torch.float32, device=device)
 
 
 def scaled_grad_input(dy: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """dx = dy @ (q * scale) on FP8 tensor cores: the row scale (the reduction dim) goes into dy first."""
     n, k = q.shape
     dq, ds = quantize_rows(dy.reshape(-1, n), col_scale=scale)  # (dy * scale) quantized in one kernel
-    ones = torch.ones(1, k, dtype=torch.float32, device=q.device)
-    # _scaled_mm wants its second operand column-major: a transposed copy of the 1-byte weight.
-    dx = torch._scaled_mm(dq, q.t().contiguous().t(), scale_a=ds, scale_b=ones, out_dtype=torch.bfloat16).to(dy.dtype)
+    # _scaled_mm wants its second operand column-major (Hopper's FP8 GEMMs are TN only): a transposed
+    # copy of the 1-byte weight, made by a tiled kernel (torch's own copy is ~8x slower at 1 byte).
+    dx = torch._scaled_mm(dq, transpose_bytes(q).t(), scale_a=ds, scale_b=_ones_row(k, q.device),
+                          out_dtype=torch.bfloat16).to(dy.dtype)
     return dx.view(*dy.shape[:-1], k)
 
 
