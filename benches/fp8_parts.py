@@ -4,8 +4,9 @@
 
 Per Linear shape of workload A's block at 4096 tokens, each piece timed on the
 GPU alone (captured in a CUDA graph and replayed `--iters` times between two
-events, so host issue time is left out) and eagerly back to back (host
-included, as a step would pay it):
+events, so host issue time is left out), eagerly back to back (host
+included, as a step would pay it), and as the host's own time to issue one
+call (`host_us`, at `--host-tokens` tokens, where the GPU never makes it wait):
 
   bf16 fwd / grad-in        F.linear(x, w) / dy @ w (cuBLAS): the baseline
   quant x / quant dy        the per-row E4M3 kernel (kernels/fp8_quant.py)
@@ -63,6 +64,21 @@ def eager_ms(fn, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def host_us(fn, iters: int = 300) -> float:
+    """Host time to issue one call, with GPU work so small that the host never waits on the GPU."""
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - start) / iters * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def pieces(n: int, k: int, m: int) -> dict:
     dev = torch.device("cuda")
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
@@ -75,6 +91,7 @@ def pieces(n: int, k: int, m: int) -> dict:
     one = torch.ones((), device=dev)
     ones_k = torch.ones(1, k, device=dev)
     sn = s.view(1, n)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
 
     def mm(a, b, sa, sb, fast):
         return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
@@ -89,12 +106,18 @@ def pieces(n: int, k: int, m: int) -> dict:
         "transpose q (kernel, tile 64)": lambda: transpose_bytes(q, tile=64),
         "fwd mm rowwise": lambda: mm(xq, q.t(), xs, sn, False),
         "fwd mm rowwise fast": lambda: mm(xq, q.t(), xs, sn, True),
+        "fwd mm rowwise fast + bias": lambda: torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=sn, bias=bias,
+                                                               out_dtype=torch.bfloat16, use_fast_accum=True),
+        "bf16 fwd + bias": lambda: F.linear(x, w, bias),
+        "empty x2": lambda: (torch.empty(m, k, device=dev, dtype=torch.float8_e4m3fn),
+                             torch.empty(m, 1, device=dev)),
         "fwd mm tensorwise": lambda: mm(xq, q.t(), one, one, False),
         "fwd mm tensorwise fast": lambda: mm(xq, q.t(), one, one, True),
         "grad mm rowwise": lambda: mm(dq, qt.t(), ds, ones_k, False),
         "grad mm rowwise fast": lambda: mm(dq, qt.t(), ds, ones_k, True),
         "grad mm tensorwise fast": lambda: mm(dq, qt.t(), one, one, True),
         "fwd (stagehand)": lambda: scaled_linear(x, q, s, None),
+        "fwd + bias (stagehand)": lambda: scaled_linear(x, q, s, bias),
         "grad-in (stagehand)": lambda: scaled_grad_input(dy, q, s),
     }
 
@@ -103,15 +126,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--host-tokens", type=int, default=16, help="token count of the host-time column (tiny GPU work)")
     ap.add_argument("--out", default=f"{RESULTS}/fp8_parts.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("fp8_parts: needs a CUDA GPU with FP8 tensor cores")
     results = {"env": print_header(env_info()), "tokens": args.tokens, "rows": []}
     for n, k in SHAPES:
+        small = pieces(n, k, args.host_tokens)
         for name, fn in pieces(n, k, args.tokens).items():
             row = {"shape": f"{n}x{k}", "piece": name, "gpu_ms": round(graph_ms(fn, args.iters), 4),
-                   "eager_ms": round(eager_ms(fn, args.iters), 4)}
+                   "eager_ms": round(eager_ms(fn, args.iters), 4), "host_us": round(host_us(small[name]), 1)}
             flops = 2 * n * k * args.tokens
             if "mm" in name or "bf16" in name or "stagehand" in name:
                 row["tflops"] = round(flops / row["gpu_ms"] / 1e9, 0)

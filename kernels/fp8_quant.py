@@ -3,10 +3,10 @@
 The fp8 precision's GEMMs (`torch._scaled_mm`) take the activation in E4M3 with
 one fp32 scale per row. Written as torch ops that is five passes over an fp32
 copy (float, abs, amax, divide, clamp + cast): at 4096 x 12288 about 1 GB of
-memory traffic, which costs more than FP8 saves on the GEMM. This kernel holds a
-row of up to 16384 elements in registers and reads it once (a longer row twice:
-absmax, then scale + cast, the second read mostly from L2), and writes one byte
-per element plus one scale:
+memory traffic, which costs more than FP8 saves on the GEMM. This kernel reads
+each row twice (absmax, then scale + cast; the second read mostly hits L2) and
+writes one byte per element plus one scale (holding a whole row in registers
+instead, one read, was slower at 3072 and 12288 wide on an H100):
 
     v       = x[m, :] (* col_scale)          in fp32
     scale_m = max(max|v| / 448, 1e-12)
@@ -38,7 +38,6 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 _BLOCK = 1024
-_ONE_PASS_MAX = 16384  # rows up to this long are held in registers (16 warps: 32 fp32 values a thread)
 # Two of these calls per fp8 Linear (forward, grad-input): replayed like the W8A16 launches.
 QUANT_MEMO = LaunchMemo("fp8 quantize_rows")
 # One per fp8 grad-input: the column-major copy of the 1-byte weight that _scaled_mm's second operand must be.
@@ -62,27 +61,19 @@ def _load_scaled(x_row, c_ptr, k0, K, HAS_COL: tl.constexpr, BLOCK: tl.constexpr
 
 
 @_jit
-def _quant_rows_kernel(x_ptr, c_ptr, q_ptr, s_ptr, K, stride_xm, HAS_COL: tl.constexpr, BLOCK: tl.constexpr,
-                       ONE_PASS: tl.constexpr):
+def _quant_rows_kernel(x_ptr, c_ptr, q_ptr, s_ptr, K, stride_xm, HAS_COL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
-    if ONE_PASS:  # the whole row in registers (BLOCK >= K): one read
-        v, offs, ok = _load_scaled(x_row, c_ptr, 0, K, HAS_COL, BLOCK)
-        scale = tl.maximum(tl.max(tl.abs(v), axis=0) / 448.0, 1e-12)
-        tl.store(s_ptr + row, scale)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        v, offs, ok = _load_scaled(x_row, c_ptr, k0, K, HAS_COL, BLOCK)
+        amax = tl.maximum(amax, tl.abs(v))
+    scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        v, offs, ok = _load_scaled(x_row, c_ptr, k0, K, HAS_COL, BLOCK)
         v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)  # IEEE division, as torch
         tl.store(q_ptr + row * K + offs, v.to(q_ptr.dtype.element_ty), mask=ok)
-    else:  # a long row: absmax in one sweep, scale + cast in a second (mostly from L2)
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            v, offs, ok = _load_scaled(x_row, c_ptr, k0, K, HAS_COL, BLOCK)
-            amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-        tl.store(s_ptr + row, scale)
-        for k0 in range(0, K, BLOCK):
-            v, offs, ok = _load_scaled(x_row, c_ptr, k0, K, HAS_COL, BLOCK)
-            v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0)
-            tl.store(q_ptr + row * K + offs, v.to(q_ptr.dtype.element_ty), mask=ok)
 
 
 @_jit
@@ -162,10 +153,8 @@ def quantize_rows(x2: torch.Tensor, col_scale: torch.Tensor | None = None) -> tu
     scale = ex.buffer("scale", (m, 1), torch.float32, x2.device)
     if m == 0:
         return q, scale
-    one_pass = k <= _ONE_PASS_MAX
-    block = triton.next_power_of_2(k) if one_pass else _BLOCK
     ex.kernel(_quant_rows_kernel, (m,), x2, scale if col is None else col, q, scale, k, x2.stride(0),
-              HAS_COL=col is not None, BLOCK=block, ONE_PASS=one_pass, num_warps=max(4, min(16, block // 1024)))
+              HAS_COL=col is not None, BLOCK=_BLOCK, num_warps=4)
     if memo:
         QUANT_MEMO.add(key, ex, x2.device)
     return q, scale
