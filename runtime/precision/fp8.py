@@ -57,16 +57,16 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: t
     if k % 16 or n % 16:
         raise ValueError(f"fp8: torch._scaled_mm needs in/out features divisible by 16, got [{n}, {k}]")
     xq, xs = quantize_rows(x.reshape(-1, k))  # one fused kernel on the GPU (kernels/fp8_quant.py)
-    # Row-wise scaled FP8 GEMMs return bf16 only; an fp16 / fp32 model gets its dtype back after. A bf16
-    # bias is added in the GEMM's epilogue (in fp32, before the output's rounding), any other after.
+    # Row-wise scaled FP8 GEMMs return bf16 only; an fp16 / fp32 model gets its dtype back after. The bias
+    # is a separate add: cuBLASLt refuses a bias with row-wise scales at some shapes (CUBLAS_STATUS_NOT_SUPPORTED
+    # at 16 x 3072 x 3072 on an H100, torch 2.11 + CUDA 13) though it takes it at others.
     # Fast accumulation in the forward only, as torchao's float8 training recipe: 13% faster GEMMs on an H100
     # (fp8_parts_h100.json); the grad-input keeps the promoted accumulation over its long reductions.
-    fused = bias is not None and bias.dtype == torch.bfloat16
-    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), bias=bias if fused else None,
-                         out_dtype=torch.bfloat16, use_fast_accum=True)
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), out_dtype=torch.bfloat16,
+                         use_fast_accum=True)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
-    if bias is not None and not fused:
+    if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], n)
 
