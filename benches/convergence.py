@@ -9,6 +9,9 @@ text, same seed and data order, and is evaluated on a held-out part:
   bf16         precision="bf16"
   int8         precision="int8"
   dynamic      precision="auto" (the selective-precision policy, seed defaults, calibrated first)
+  dynamic_from_int8  the same policy and defaults with the user's starting map all int8
+               (precision="int8", mode "dynamic"): ambiguous blocks keep int8, a block scored
+               at or above bf16_threshold goes back to bf16
   dynamic_fp8  the same, blocks sent down take fp8 where the FP8 policy file measured every
                layer faster than bf16 (the file is measured in this run on an FP8 GPU;
                on the CPU only with --fp8-emulate, which forces fp8 and says so: no speed claim)
@@ -121,8 +124,10 @@ def run_one(name: str, shape: dict, state: dict, data: dict, args, device: torch
     if name == "dynamic_fp8":
         sp.update(fp8_policy_file=fp8_file, fp8_tokens=shape["batch"] * shape["seq"],
                   fp8_emulate=device.type != "cuda" or not has_fp8_tensor_cores(device))
-    precision = {"bf16": "bf16", "int8": "int8"}.get(name, "auto")
-    config = Config.from_dict({"selective_precision": sp if precision == "auto" else {}})
+    precision = {"bf16": "bf16", "int8": "int8", "dynamic_from_int8": "int8"}.get(name, "auto")
+    if name == "dynamic_from_int8":
+        sp.setdefault("mode", "dynamic")  # a mode set: `precision` is the starting map
+    config = Config.from_dict({"selective_precision": sp if name.startswith("dynamic") else {}})
     rt = stagehand.offload(model, device=device, precision=precision, config=config)
     train_batches = ByteBatches(data["finetune"], shape["batch"], shape["seq"], seed=2)
     if rt.selective is not None:

@@ -38,9 +38,11 @@ def offload(
 
     precision: "bf16" (the weights as the model holds them), "int8", "fp8", or a map
     {block index or block FQN: precision}; blocks the map leaves out get "bf16".
-    "auto" turns selective precision on (starting all bf16); so does a config whose
-    selective_precision sets a mode, with `precision` as the starting map. Otherwise
-    the map stays exactly as given.
+    "auto" turns selective precision on (starting all bf16, `ambiguous_default` placing the
+    blocks scored between the thresholds); so does a config whose selective_precision sets a
+    mode, with `precision` as the starting map (a block scored between the thresholds keeps
+    its starting precision, as the seed's ambiguous zone does). Otherwise the map stays
+    exactly as given.
     slab: path to an INT8 slab (`{name}.manifest.json` or its directory + name)
     whose rows are read straight into the host store.
     vram_budget: device memory the plan may use, bytes or a string ("20GiB", "512MB"); the runtime
@@ -91,7 +93,7 @@ def offload(
     clock.mark("host store, precision copies, slots")
     if selective_precision_requested(config.selective_precision, auto):
         try:
-            rt.selective = SelectivePrecision(rt, precision_map)
+            rt.selective = SelectivePrecision(rt, precision_map, start_given=not auto)
             rt.on_close(rt.selective.close)
         except BaseException:
             rt.restore()

@@ -44,6 +44,19 @@ def test_ambiguous_default(default, expected):
     assert new[0] == expected
 
 
+@pytest.mark.parametrize("start", ["int8", "bf16"])
+@pytest.mark.parametrize("default", ["int8", "bf16"])
+def test_a_starting_map_the_user_gave_is_kept_in_the_ambiguous_zone(start, default):
+    """The seed: "an ambiguous zone where blocks keep their current assignment". A map the user
+    gave (precision= with a mode set) is that assignment; only "auto" leaves it to ambiguous_default.
+    Clear scores still move a block either way."""
+    c = cfg(mode="dynamic", ambiguous_default=default)
+    policy = SelectivePolicy(c, 3, start_given=True)
+    new, changes, _ = decide(c, [0.45, 0.1, 0.7], current={0: start, 1: start, 2: start}, policy=policy)
+    assert new == {0: start, 1: "int8", 2: "bf16"}
+    assert all(ch.block != 0 for ch in changes)
+
+
 @pytest.mark.parametrize("threshold,expected", [(0.3, "int8"), (0.2, "bf16")])
 def test_int8_threshold(threshold, expected):
     new, _, _ = decide(cfg(mode="dynamic", int8_threshold=threshold), [0.25])

@@ -141,6 +141,12 @@ def test_auto_runs_the_seed_defaults_and_a_mode_uses_precision_as_the_start(tmp_
     model, _ = lora_llama()
     rt = stagehand.offload(model, device="cpu", precision="auto")
     assert rt.selective.policy.mode == "dynamic" and rt.selective.cfg.warmup_steps == 10
+    assert not rt.selective.policy.start_given  # "auto": ambiguous_default places the ambiguous blocks
+    rt.restore()
+    model, _ = lora_llama()
+    rt = stagehand.offload(model, device="cpu", precision="int8",
+                           config=Config.from_dict({"selective_precision": {"mode": "dynamic"}}))
+    assert rt.selective.policy.start_given and rt.precision == {b: "int8" for b in range(4)}
     rt.restore()
     model, _ = lora_llama()
     rt = stagehand.offload(model, device="cpu", precision={2: "int8"},

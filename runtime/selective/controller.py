@@ -36,7 +36,9 @@ def selective_precision_requested(cfg, auto: bool) -> bool:
 
 
 class SelectivePrecision:
-    def __init__(self, rt, start: Mapping[int, str]):
+    def __init__(self, rt, start: Mapping[int, str], start_given: bool = False):
+        """start: the starting map; start_given: the user chose it (precision= a map or a name with a
+        mode set), so the ambiguous zone keeps it; else ("auto") `ambiguous_default` places those blocks."""
         self.rt = rt
         self.cfg = cfg = rt.config.selective_precision
         self.fp8 = None
@@ -51,7 +53,8 @@ class SelectivePrecision:
         slab_only = {b: INT8 for b in range(len(rt.blocks)) if not rt.store.can_stream(b, FULL)}
         force = {b: FULL for b in cfg.force_bf16_blocks} | {b: INT8 for b in cfg.force_int8_blocks}
         self.policy = SelectivePolicy(cfg, len(units), low_for=lambda u: self.low_for(units.block(u)),
-                                      pinned=units.of_blocks(slab_only), force=units.of_blocks(force))
+                                      pinned=units.of_blocks(slab_only), force=units.of_blocks(force),
+                                      start_given=start_given)
         self.telemetry = PrecisionTelemetry(cfg.telemetry_file if cfg.telemetry_enabled else None)
         self.stats: BlockGradStats | None = None
         self.errors: dict[int, float] | None = None  # calibration (None: gradients alone)

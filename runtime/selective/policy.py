@@ -6,7 +6,9 @@ error_score = min(calibration error / quant_error_threshold, 1); without calibra
 the gradient score alone (selective-precision.txt: "relies on gradient statistics alone").
 
 Decisions (dynamic mode): a block the policy has not decided yet takes bf16 at or above
-bf16_threshold, the low precision below int8_threshold, `ambiguous_default` in between.
+bf16_threshold, the low precision below int8_threshold, and in between ("the ambiguous
+zone where blocks keep their current assignment") the starting map's precision when the
+user gave one, else (`precision="auto"`) `ambiguous_default`.
 After that a bf16 block goes down only below int8_threshold - hysteresis_margin, a
 low-precision block comes back only at or above bf16_threshold, anything else keeps its
 precision, and no block changes within min_steps_between_switches of its last change.
@@ -42,11 +44,13 @@ def check_force_lists(cfg, n_blocks: int) -> None:
 
 class SelectivePolicy:
     def __init__(self, cfg, n_blocks: int, low_for: Callable[[int], str] | None = None,
-                 pinned: Mapping[int, str] | None = None, force: Mapping[int, str] | None = None):
+                 pinned: Mapping[int, str] | None = None, force: Mapping[int, str] | None = None,
+                 start_given: bool = False):
         """cfg: a PrecisionConfig (validated). low_for(block): the precision a block takes when the
         policy sends it to fewer bytes ("int8", or "fp8" where measured faster). pinned: blocks that
         can stream one precision only (loaded from an INT8 slab alone), treated like a force list.
-        force: {unit: precision} instead of cfg's force lists (the controller's per-layer units)."""
+        force: {unit: precision} instead of cfg's force lists (the controller's per-layer units).
+        start_given: the starting map is the user's, kept in the ambiguous zone (else ambiguous_default)."""
         self.cfg = cfg
         self.pinned = dict(pinned or {})
         self.n_blocks = n_blocks  # decision units: blocks, or (granularity "layer") a block's attention / MLP
@@ -58,6 +62,7 @@ class SelectivePolicy:
         self.mode = cfg.effective_mode
         self.last_switch: dict[int, int] = {}  # block -> step of its last policy change
         self.decided: set[int] = set()  # blocks the scores have placed at least once
+        self.start_given = start_given
         self.blocked_until: dict[int, int] = {}  # loss feedback: block -> step before which it stays bf16
         self.last_scores: dict[int, float] = {}
 
@@ -119,6 +124,8 @@ class SelectivePolicy:
                 return FULL
             if score < cfg.int8_threshold:
                 return low
+            if self.start_given:
+                return current
             return low if cfg.ambiguous_default != FULL else FULL
         if current == FULL:
             return low if score < cfg.int8_threshold - cfg.hysteresis_margin else FULL
