@@ -104,6 +104,38 @@ def test_fp8_emulation_when_asked_computes_the_dequantized_weights_compiled():
     assert rt.stats()["precision_counts"] == {"bf16": 2, "fp8": 1}
 
 
+def test_fp8_bias_is_an_add_in_the_graph_and_its_gradient_flows():
+    """fp8's GEMM takes no bias (cuBLASLt refuses it at some shapes): the rewrite passes the op none and
+    adds the bias in the graph, where Inductor fuses it into the next op. Numbers and gradients (the bias
+    trainable here) equal the dequantized model's."""
+    model, x = toy(d=32, n=3)
+    ref = toy(d=32, n=3)[0]
+    with torch.no_grad():
+        for lin in (ref.blocks[1].up, ref.blocks[1].down):
+            q, s = quantize_rows_e4m3(lin.weight)
+            lin.weight.copy_(dequantize_rows_e4m3(q, s, torch.float32))
+    for m in (model, ref):
+        m.blocks[1].up.bias.requires_grad_(True)
+    config = Config.from_dict({"selective_precision": {"fp8_emulate": True}})
+    rt = stagehand.offload(model, device="cpu", precision={1: "fp8"}, config=config, verbose=False)
+    report = stagehand.explain(model, x)
+    fp8_graph = next(g for k, g in report.graphs.items() if k.endswith("fp8].scheduled"))
+    bf16_graph = next(g for k, g in report.graphs.items() if k.endswith("bf16].scheduled"))
+    fp8_linears = [ln for ln in fp8_graph.splitlines() if "stagehand.linear.default(" in ln]
+    assert fp8_linears and all("wait_default, None," in ln for ln in fp8_linears)
+    assert "aten.add.Tensor(linear_default, " in fp8_graph
+    assert "aten.add.Tensor(linear_default" not in bf16_graph  # bf16's GEMM adds its bias itself
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    out = compiled(x)
+    expected = ref(x)
+    assert rel_err(out, expected) < 1e-5
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert rel_err(model.blocks[1].up.bias.grad, ref.blocks[1].up.bias.grad) < 1e-5
+    rt.restore()
+
+
 def test_fp8_rules_from_measurements_keep_only_shapes_faster_from_a_token_count_up(tmp_path):
     rows = [
         {"out_features": 64, "in_features": 64, "tokens": t, "speedup": s}

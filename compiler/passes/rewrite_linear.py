@@ -8,12 +8,19 @@ shape, dtype or INT8 + scale). The layer id disappears from the graph, so
 every block with the same structure and layout produces the same graph and
 shares one compiled variant. `schedule_forward` later feeds `weights` from a
 `wait`. A per-variant pass: the block and precision come from a `VariantContext`.
+
+A precision whose GEMM cannot add the bias in its epilogue (`bias_in_graph`: fp8)
+gets `stagehand.linear(x, weights, None, ...) + bias` instead, so Inductor fuses
+the add into the op that reads the output next (an activation, a residual add).
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
+import torch
+
+from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import VariantContext, compiler_pass
@@ -34,13 +41,15 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
             continue
         x, bias = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("bias")
         layout = rt.layer_layout(node.meta["stagehand_layer"], precision)
+        bias_add = bias is not None and precisions.by_code(layout[0]).bias_in_graph
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
-                SCHEDULE_OPS["linear"], (x, weights, bias, block_tok, prev_tok, layout)
+                SCHEDULE_OPS["linear"], (x, weights, None if bias_add else bias, block_tok, prev_tok, layout)
             )
+            out = gm.graph.call_function(torch.ops.aten.add.Tensor, (new, bias)) if bias_add else new
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["stagehand_precision"] = precision
-        node.replace_all_uses_with(new)
+        node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
         rewritten += 1
     gm.graph.lint()

@@ -29,6 +29,9 @@ class Precision(abc.ABC):
     # Built from the full-precision master (the host store rebuilds it when the master's
     # version counter moves); False only for the master itself.
     derived_from_master: bool = True
+    # The bias goes into the graph as its own add (where Inductor fuses it into the next pointwise
+    # op) instead of into the linear op: for a precision whose GEMM cannot add it in its epilogue.
+    bias_in_graph: bool = False
 
     # ---- host layout ------------------------------------------------------------
 

@@ -59,7 +59,8 @@ def scaled_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: t
     xq, xs = quantize_rows(x.reshape(-1, k))  # one fused kernel on the GPU (kernels/fp8_quant.py)
     # Row-wise scaled FP8 GEMMs return bf16 only; an fp16 / fp32 model gets its dtype back after. The bias
     # is a separate add: cuBLASLt refuses a bias with row-wise scales at some shapes (CUBLAS_STATUS_NOT_SUPPORTED
-    # at 16 x 3072 x 3072 on an H100, torch 2.11 + CUDA 13) though it takes it at others.
+    # at 16 x 3072 x 3072 on an H100, torch 2.11 + CUDA 13) though it takes it at others. In compiled blocks
+    # the rewrite puts that add in the graph instead (Fp8PerRow.bias_in_graph) and passes no bias here.
     # Fast accumulation in the forward only, as torchao's float8 training recipe: 13% faster GEMMs on an H100
     # (fp8_parts_h100.json); the grad-input keeps the promoted accumulation over its long reductions.
     y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.view(1, n), out_dtype=torch.bfloat16,
@@ -94,6 +95,9 @@ class Fp8PerRow(OneBytePerRow):
     name = "fp8"
     code = 2
     weight_dtype = E4M3
+    # cuBLASLt's row-wise FP8 GEMM takes no bias at some shapes; a separate add inside the op is a full
+    # pass over the output (0.11 ms at 4096 x 12288 on an H100), an add in the graph fuses into the next op.
+    bias_in_graph = True
 
     def quantize(self, weight: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:
         # `quantizer` names the INT8 clipping search; E4M3 keeps the row's absmax (its spacing is relative).
