@@ -2,7 +2,7 @@
 
 Times, per layer shape [out, in] and token count, the bf16 forward + grad-input
 (cuBLAS) against the fp8 ones (`torch._scaled_mm`, activation quantization
-included), with CUDA events after warm-up, and writes the rules
+included), calls back to back between CUDA events after warm-up, and writes the rules
 (`fp8_rules.rules_from_measurements`, speedup threshold 1.0 by default).
 Shapes default to the 3072-wide DiT block of workload A; pass --shapes
 "3072x3072,12288x3072,3072x12288" (out x in) for others.
@@ -21,17 +21,22 @@ from torch_stagehand.runtime.precision.fp8 import has_fp8_tensor_cores, quantize
 from . import fp8_rules
 
 
-def _time_ms(fn, iters: int) -> float:
+def _time_ms(fn, iters: int, repeats: int = 5) -> float:
+    """Per call, `iters` calls back to back between two events (median of `repeats`): what a step pays
+    when the host issues ahead of the GPU, the host's own time showing only where it is the longer.
+    (A sync after every call would charge each call its launch latency, which a step never waits for.)"""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(iters):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / iters)
     return statistics.median(times)
 
 
