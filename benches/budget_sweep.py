@@ -52,6 +52,7 @@ def timed(label: str, step, steps: int, sync: Sync, rt=None, warmup: int = 1) ->
     sync()
     sync.reset_peak()
     before = rt.stats() if rt is not None else None
+    gc_before = [g["collections"] for g in gc.get_stats()]
     times, host = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -60,7 +61,10 @@ def timed(label: str, step, steps: int, sync: Sync, rt=None, warmup: int = 1) ->
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     row = {"mode": label, "step_ms": round(statistics.median(times), 1), "host_ms": round(statistics.median(host), 1),
-           "steps_ms": [round(t, 1) for t in times], "peak_gib": sync.peak_gib()}
+           "steps_ms": [round(t, 1) for t in times], "peak_gib": sync.peak_gib(),
+           # Python's garbage collections per step by generation: a full (gen 2) one over a compiled
+           # model's heap can stall the host for tens of ms
+           "gc_per_step": [round((g["collections"] - b) / steps, 2) for g, b in zip(gc.get_stats(), gc_before)]}
     if rt is not None:
         after = rt.stats()
         row["h2d_gb_step"] = float(f"{(after['h2d_bytes'] - before['h2d_bytes']) / steps / 1e9:.4g}")

@@ -155,6 +155,13 @@ def run(args) -> dict:
         measured(f"stagehand {precision}, no budget (two slots)", warmup=2)
     rt.replan(vram_budget=budget)  # calibration steps (the smallest plan), then the plan the budget allows
     measured(f"stagehand {precision}, budget {budget}", warmup=5)
+    if args.gc_off_row:  # the same plan with Python's collector off while timed: what gc costs the host
+        gc.collect()
+        gc.disable()
+        try:
+            measured(f"stagehand {precision}, budget {budget}, gc off", warmup=1)
+        finally:
+            gc.enable()
     if not args.skip_bf16_budget:
         rt.set_precision("bf16")  # same budget, the plan re-made for bf16 bytes
         measured(f"stagehand bf16, budget {budget}", warmup=2)
@@ -169,6 +176,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--skip-two-slot", action="store_true", help="no row for the fixed two-slot plan")
     parser.add_argument("--skip-bf16-budget", action="store_true", help="no row for bf16 under the budget")
+    parser.add_argument("--gc-off-row", action="store_true", help="a row with Python's gc off while timed")
     parser.add_argument("--profile", action="store_true", help="per stagehand row: GPU lanes and a profile table")
     parser.add_argument("--out", default=os.path.join(RESULTS, "fp8_workload_a.json"))
     args = parser.parse_args(argv)
