@@ -136,6 +136,18 @@ def test_fp8_bias_is_an_add_in_the_graph_and_its_gradient_flows():
     rt.restore()
 
 
+def test_by_role_fp8_puts_the_bias_in_the_graph_for_its_fp8_layers_only():
+    """"fp8-mlp": attention in bf16 (its GEMM adds the bias), the MLP in fp8 (the graph adds it)."""
+    from torch_stagehand.runtime.precision import LayerLayout
+
+    entry = precisions.get("fp8-mlp")
+    stored = {role: LayerLayout(entry.code, 0, 64, 32, -1 if dtype != E4M3 else 2048, False,
+                                precisions.DTYPE_CODES[dtype]) for role, dtype in (("attn", torch.bfloat16),
+                                                                                   ("mlp", E4M3))}
+    assert not entry.bias_in_graph(stored["attn"]) and entry.bias_in_graph(stored["mlp"])
+    assert not precisions.get("int8").bias_in_graph(stored["mlp"])
+
+
 def test_fp8_rules_from_measurements_keep_only_shapes_faster_from_a_token_count_up(tmp_path):
     rows = [
         {"out_features": 64, "in_features": 64, "tokens": t, "speedup": s}

@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch
 
 from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.precision import LayerLayout
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import VariantContext, compiler_pass
@@ -41,7 +42,7 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
             continue
         x, bias = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("bias")
         layout = rt.layer_layout(node.meta["stagehand_layer"], precision)
-        bias_add = bias is not None and precisions.by_code(layout[0]).bias_in_graph
+        bias_add = bias is not None and precisions.by_code(layout[0]).bias_in_graph(LayerLayout.from_ints(layout))
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(
                 SCHEDULE_OPS["linear"], (x, weights, None if bias_add else bias, block_tok, prev_tok, layout)

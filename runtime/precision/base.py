@@ -29,9 +29,11 @@ class Precision(abc.ABC):
     # Built from the full-precision master (the host store rebuilds it when the master's
     # version counter moves); False only for the master itself.
     derived_from_master: bool = True
-    # The bias goes into the graph as its own add (where Inductor fuses it into the next pointwise
-    # op) instead of into the linear op: for a precision whose GEMM cannot add it in its epilogue.
-    bias_in_graph: bool = False
+
+    def bias_in_graph(self, lay: LayerLayout) -> bool:
+        """Should this layer's bias be its own add in the graph (where Inductor fuses it into the next
+        pointwise op) rather than go into the linear op? For a GEMM that cannot add it in its epilogue."""
+        return False
 
     # ---- host layout ------------------------------------------------------------
 

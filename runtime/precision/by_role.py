@@ -67,6 +67,9 @@ class ByRole(Precision):
     def write(self, buf, lay, weight, quantizer):
         self._stored(lay).write(buf, lay, weight, quantizer)
 
+    def bias_in_graph(self, lay) -> bool:
+        return self._stored(lay).bias_in_graph(lay)
+
     def linear_from_slot(self, x, slot, bias, lay):
         return self._stored(lay).linear_from_slot(x, slot, bias, lay)
 

@@ -95,9 +95,11 @@ class Fp8PerRow(OneBytePerRow):
     name = "fp8"
     code = 2
     weight_dtype = E4M3
-    # cuBLASLt's row-wise FP8 GEMM takes no bias at some shapes; a separate add inside the op is a full
-    # pass over the output (0.11 ms at 4096 x 12288 on an H100), an add in the graph fuses into the next op.
-    bias_in_graph = True
+
+    def bias_in_graph(self, lay) -> bool:
+        # cuBLASLt's row-wise FP8 GEMM takes no bias at some shapes; a separate add inside the op is a full
+        # pass over the output (0.11 ms at 4096 x 12288 on an H100), an add in the graph fuses into the next op.
+        return True
 
     def quantize(self, weight: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:
         # `quantizer` names the INT8 clipping search; E4M3 keeps the row's absmax (its spacing is relative).
