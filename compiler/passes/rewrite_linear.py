@@ -16,9 +16,8 @@ the add into the op that reads the output next (an activation, a residual add).
 
 from __future__ import annotations
 
-import torch.fx as fx
-
 import torch
+import torch.fx as fx
 
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.precision import LayerLayout
