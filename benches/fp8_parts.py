@@ -27,6 +27,7 @@ from _common import RESULTS, env_info, print_header, print_table, write_json
 
 from torch_stagehand.kernels.fp8_quant import quantize_rows, transpose_bytes
 from torch_stagehand.runtime.precision.fp8 import quantize_rows_e4m3, scaled_grad_input, scaled_linear
+from torch_stagehand.runtime.selective.fp8_bench import time_back_to_back
 
 SHAPES = [(3072, 3072), (12288, 3072), (3072, 15360)]  # (out, in): q/k/v, proj_mlp, proj_out
 
@@ -51,17 +52,8 @@ def graph_ms(fn, iters: int) -> float:
 
 
 def eager_ms(fn, iters: int) -> float:
-    """Per call with the host issuing each call (back to back, one sync at the end)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    """Per call with the host issuing each call (back to back): the policy bench's own measure."""
+    return time_back_to_back(fn, iters, repeats=1)
 
 
 def host_us(fn, iters: int = 300) -> float:

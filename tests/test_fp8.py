@@ -85,13 +85,20 @@ def test_fp8_is_refused_without_fp8_tensor_cores_and_the_model_is_left_as_it_was
     assert rt.precision == {0: "bf16", 1: "bf16"}
 
 
-def test_fp8_emulation_when_asked_computes_the_dequantized_weights_compiled():
+def toy_and_fp8_reference():
+    """The toy model, its input, and a copy whose block 1 holds the weights fp8 stores (dequantized)."""
     model, x = toy(d=32, n=3)
     ref = toy(d=32, n=3)[0]
     with torch.no_grad():
         for lin in (ref.blocks[1].up, ref.blocks[1].down):
             q, s = quantize_rows_e4m3(lin.weight)
             lin.weight.copy_(dequantize_rows_e4m3(q, s, torch.float32))
+    return model, x, ref
+
+
+def test_fp8_emulation_when_asked_computes_the_dequantized_weights_compiled():
+    model, x, ref = toy_and_fp8_reference()
+    with torch.no_grad():
         expected, plain = ref(x), toy(d=32, n=3)[0](x)
     config = Config.from_dict({"selective_precision": {"fp8_emulate": True}})
     rt = stagehand.offload(model, device="cpu", precision={1: "fp8"}, config=config)
@@ -108,12 +115,7 @@ def test_fp8_bias_is_an_add_in_the_graph_and_its_gradient_flows():
     """fp8's GEMM takes no bias (cuBLASLt refuses it at some shapes): the rewrite passes the op none and
     adds the bias in the graph, where Inductor fuses it into the next op. Numbers and gradients (the bias
     trainable here) equal the dequantized model's."""
-    model, x = toy(d=32, n=3)
-    ref = toy(d=32, n=3)[0]
-    with torch.no_grad():
-        for lin in (ref.blocks[1].up, ref.blocks[1].down):
-            q, s = quantize_rows_e4m3(lin.weight)
-            lin.weight.copy_(dequantize_rows_e4m3(q, s, torch.float32))
+    model, x, ref = toy_and_fp8_reference()
     for m in (model, ref):
         m.blocks[1].up.bias.requires_grad_(True)
     config = Config.from_dict({"selective_precision": {"fp8_emulate": True}})

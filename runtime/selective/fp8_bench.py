@@ -21,7 +21,7 @@ from torch_stagehand.runtime.precision.fp8 import has_fp8_tensor_cores, quantize
 from . import fp8_rules
 
 
-def _time_ms(fn, iters: int, repeats: int = 5) -> float:
+def time_back_to_back(fn, iters: int, repeats: int = 5) -> float:
     """Per call, `iters` calls back to back between two events (median of `repeats`): what a step pays
     when the host issues ahead of the GPU, the host's own time showing only where it is the longer.
     (A sync after every call would charge each call its launch latency, which a step never waits for.)"""
@@ -49,8 +49,8 @@ def measure(shapes: list[tuple[int, int]], token_counts: list[int], iters: int =
         for m in token_counts:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
-            bf16 = _time_ms(lambda: (torch.nn.functional.linear(x, w), dy @ w), iters)
-            fp8 = _time_ms(lambda: (scaled_linear(x, q, s, None), scaled_grad_input(dy, q, s)), iters)
+            bf16 = time_back_to_back(lambda: (torch.nn.functional.linear(x, w), dy @ w), iters)
+            fp8 = time_back_to_back(lambda: (scaled_linear(x, q, s, None), scaled_grad_input(dy, q, s)), iters)
             rows.append({"out_features": n, "in_features": k, "tokens": m, "bf16_ms": round(bf16, 4),
                          "fp8_ms": round(fp8, 4), "speedup": round(bf16 / fp8, 4)})
             print(f"  [{n} x {k}] tokens {m:>6}: bf16 {bf16:.3f} ms  fp8 {fp8:.3f} ms  speedup {bf16 / fp8:.2f}",
