@@ -73,3 +73,74 @@ def test_granularity_layer_switches_a_blocks_attention_and_mlp_apart(tmp_path):
     assert any(p == "int8" for p in units.values())
     assert units[6] == units[7] == "bf16"  # the force list holds both of block 3's units
     assert rt.selective.stats.read().steps == 2 and len(rt.selective.stats.read().l2) == 8
+
+
+def test_units_with_both_roles_low_in_different_precisions_map_to_one_by_role_precision():
+    units = Units(1, per_layer=True)
+    assert units.block_map({0: "int8", 1: "fp8"}) == {0: "int8-attn+fp8-mlp"}
+    assert units.block_map({0: "fp8", 1: "int8"}) == {0: "fp8-attn+int8-mlp"}
+    assert units.unit_map({0: "int8-attn+fp8-mlp"}) == {0: "int8", 1: "fp8"}
+
+
+def test_a_by_role_precision_needs_two_stored_dtypes():
+    from torch_stagehand.runtime import precision as precisions
+    from torch_stagehand.runtime.precision.by_role import ByRole
+
+    with pytest.raises(ValueError, match="store the same dtype"):
+        ByRole("int8-attn+int8-mlp", 99, attention=precisions.get("int8"), mlp=precisions.get("int8"))
+
+
+def fp8_dequantized_roles(model, block: int, role: str):
+    from torch_stagehand.runtime.precision.fp8 import dequantize_rows_e4m3, quantize_rows_e4m3
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for spec in streamed_layers(ref, find_blocks(ref)):
+            if spec.block == block and layer_role(spec.fqn) == role:
+                q, s = quantize_rows_e4m3(spec.module.weight.detach())
+                spec.module.weight.copy_(dequantize_rows_e4m3(q, s, spec.module.weight.dtype))
+    return ref
+
+
+def test_attention_int8_and_mlp_fp8_in_one_block_compute_what_each_stores():
+    """"int8-attn+fp8-mlp" (fp8 emulated on the CPU): one buffer of one byte per weight, each layer computed
+    by the precision that stored it."""
+    model, inputs = tiny_llama(dtype=torch.float32)
+    model.requires_grad_(False)
+    with torch.no_grad():
+        expected = first_tensor(fp8_dequantized_roles(quantized_roles(model, 1, "attn"), 1, "mlp")(**inputs))
+        all_int8 = first_tensor(quantized_roles(quantized_roles(model, 1, "attn"), 1, "mlp")(**inputs))
+    config = Config.from_dict({"selective_precision": {"fp8_emulate": True}})
+    rt = stagehand.offload(model, device="cpu", precision={1: "int8-attn+fp8-mlp"}, config=config, verbose=False)
+    assert rt.block_nbytes(1, "int8-attn+fp8-mlp") == rt.block_nbytes(1, "int8")  # a byte a weight either way
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    with torch.no_grad():
+        out = first_tensor(compiled(**inputs))
+    assert rel_err(out, expected) < 1e-5
+    assert rel_err(out, all_int8) > 1e-4  # the MLP really is fp8
+    rt.restore()
+
+
+def test_the_fp8_policy_file_picks_fp8_per_role_where_only_the_mlp_was_measured_faster(tmp_path):
+    from torch_stagehand.runtime.selective import fp8_rules
+
+    model, inputs = lora_llama()
+    mlp_shapes = {(s.out_features, s.in_features) for s in streamed_layers(model, find_blocks(model))
+                  if layer_role(s.fqn) == "mlp"}
+    attn_shapes = {(s.out_features, s.in_features) for s in streamed_layers(model, find_blocks(model))
+                   if layer_role(s.fqn) == "attn"}
+    assert not mlp_shapes & attn_shapes  # the rules tell the roles apart
+    path = str(tmp_path / "fp8.json")
+    fp8_rules.save(fp8_rules.Fp8Policy("cpu", 1.0, [fp8_rules.Fp8Rule(n, k, 64, 1.3) for n, k in mlp_shapes]), path)
+    for granularity, lows in [("layer", ["int8", "fp8"]), ("block", ["int8"])]:
+        model, inputs = lora_llama()
+        rt = stagehand.offload(model, device="cpu", verbose=False, config=sp_config(
+            tmp_path, granularity=granularity, fp8_policy_file=path, fp8_tokens=1024, fp8_emulate=True))
+        sel = rt.selective
+        assert [sel.low_for_unit(u) for u in range(len(lows))] == lows
+        assert sel.low_for(0) == ("int8-attn+fp8-mlp" if granularity == "layer" else "int8")
+        units = len(sel.units)
+        new, _ = sel.policy.update(10, sel.units.unit_map(rt.precision), [0.0] * units)  # every unit goes down
+        assert sel.units.block_map(new)[0] == sel.low_for(0)
+        rt.restore()

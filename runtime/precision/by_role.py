@@ -2,7 +2,9 @@
 
 A block streams as one buffer in one precision; a *by-role* precision is one
 whose buffer holds the block's attention projections in one precision and the
-rest (the MLP) in another, e.g. "int8-mlp": attention bf16, MLP int8. Every
+rest (the MLP) in another, e.g. "int8-mlp": attention bf16, MLP int8, or both
+in different low precisions ("int8-attn+fp8-mlp": where the FP8 policy file
+measured only the MLP's shapes faster). Every
 layer's layout carries this entry's code (the backward's `wait_bw` takes the
 block's precision from a layer's layout) and the stored dtype of the role's
 precision, which is how this entry hands each layer to the entry that
@@ -41,8 +43,12 @@ class ByRole(Precision):
     def __init__(self, name: str, code: int, attention: Precision, mlp: Precision):
         self.name, self.code = name, code
         self.roles = {ATTENTION: attention, MLP: mlp}
-        self._full = attention if not attention.derived_from_master else mlp
-        self._low = mlp if self._full is attention else attention
+        # A layer's stored dtype tells which role's entry wrote it, so the two must store different
+        # dtypes: full precision (a float) and a low one, or two low ones (int8 and E4M3).
+        self._by_stored = {_stored_kind(entry): entry for entry in (attention, mlp)}
+        if len(self._by_stored) != 2:
+            raise ValueError(f"by-role precision {name!r}: attention ({attention.name}) and MLP ({mlp.name}) "
+                             "store the same dtype; use that precision for the whole block")
 
     def role_precision(self, role: str) -> str:
         return self.roles[role].name
@@ -51,9 +57,8 @@ class ByRole(Precision):
         return self.roles[layer_role(spec.fqn)]
 
     def _stored(self, lay: LayerLayout) -> Precision:
-        """The entry that stored this layer, told by its stored dtype (the full precision's are floats)."""
-        floats = (torch.bfloat16, torch.float16, torch.float32)
-        return self._full if lay.dtype in floats else self._low
+        """The entry that stored this layer, told by its stored dtype."""
+        return self._by_stored[_FLOAT if lay.dtype in _FLOATS else lay.dtype]
 
     def layer_nbytes(self, spec):
         return self._for(spec).layer_nbytes(spec)
@@ -84,3 +89,17 @@ class ByRole(Precision):
 def by_role_name(low: str, role: str) -> str:
     """The by-role precision that stores `role` layers in `low` and the others in full precision."""
     return f"{low}-{role}"
+
+
+def by_roles_name(attention: str, mlp: str) -> str:
+    """The by-role precision with both roles in (different) low precisions: "int8-attn+fp8-mlp"."""
+    return f"{attention}-{ATTENTION}+{mlp}-{MLP}"
+
+
+_FLOAT = "float"
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _stored_kind(entry: Precision):
+    """What a layer stored by `entry` holds: "float" for the full precision, else its weight dtype."""
+    return _FLOAT if not entry.derived_from_master else entry.weight_dtype

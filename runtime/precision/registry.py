@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import Precision
-from .by_role import ATTENTION, MLP, ByRole, by_role_name
+from .by_role import ATTENTION, MLP, ByRole, by_role_name, by_roles_name
 from .fp8 import Fp8PerRow
 from .full import FullPrecision
 from .int8 import Int8PerRow
@@ -76,3 +76,6 @@ FP8 = register(Fp8PerRow()).name
 for _code, (_low, _role) in enumerate([(INT8, ATTENTION), (INT8, MLP), (FP8, ATTENTION), (FP8, MLP)], start=3):
     register(ByRole(by_role_name(_low, _role), _code, attention=_BY_NAME[_low if _role == ATTENTION else FULL],
                     mlp=_BY_NAME[_low if _role == MLP else FULL]))
+# Both roles low but in different precisions (the FP8 policy file chooses per layer shape).
+for _code, (_attention, _mlp) in enumerate([(INT8, FP8), (FP8, INT8)], start=7):
+    register(ByRole(by_roles_name(_attention, _mlp), _code, attention=_BY_NAME[_attention], mlp=_BY_NAME[_mlp]))

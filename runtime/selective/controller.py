@@ -42,17 +42,17 @@ class SelectivePrecision:
         self.rt = rt
         self.cfg = cfg = rt.config.selective_precision
         self.fp8 = None
-        self._fp8_blocks: set[int] = set()
+        check_force_lists(cfg, len(rt.blocks))
+        self.units = units = Units(len(rt.blocks), cfg.granularity == "layer")
+        self._fp8_units: set[int] = set()  # units whose every layer the FP8 policy file measured faster
         if cfg.fp8_policy_file is not None:
             device_name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else None
             self.fp8 = fp8_rules.load(cfg.fp8_policy_file, device_name)
-            self._fp8_blocks = {b for b in range(len(rt.blocks)) if self.fp8.block_takes_fp8(
-                [(s.out_features, s.in_features) for s in rt.layers if s.block == b], cfg.fp8_tokens)}
-        check_force_lists(cfg, len(rt.blocks))
-        self.units = units = Units(len(rt.blocks), cfg.granularity == "layer")
+            self._fp8_units = {u for u in range(len(units)) if self.fp8.block_takes_fp8(
+                [(s.out_features, s.in_features) for s in units.layers_of(u, rt.layers)], cfg.fp8_tokens)}
         slab_only = {b: INT8 for b in range(len(rt.blocks)) if not rt.store.can_stream(b, FULL)}
         force = {b: FULL for b in cfg.force_bf16_blocks} | {b: INT8 for b in cfg.force_int8_blocks}
-        self.policy = SelectivePolicy(cfg, len(units), low_for=lambda u: self.low_for(units.block(u)),
+        self.policy = SelectivePolicy(cfg, len(units), low_for=self.low_for_unit,
                                       pinned=units.of_blocks(slab_only), force=units.of_blocks(force),
                                       start_given=start_given)
         self.telemetry = PrecisionTelemetry(cfg.telemetry_file if cfg.telemetry_enabled else None)
@@ -95,15 +95,23 @@ class SelectivePrecision:
         self.errors = dict(self.calibration.errors)
         return self.calibration
 
+    def low_for_unit(self, unit: int) -> str:
+        """Where the policy sends a unit for fewer bytes: fp8 where measured faster than bf16, else int8."""
+        return FP8 if unit in self._fp8_units else INT8
+
     def low_for(self, block: int) -> str:
-        """Where the policy sends a block for fewer bytes: fp8 where measured faster than bf16, else int8."""
-        return FP8 if block in self._fp8_blocks else INT8
+        """The block's precision with every unit of it sent down ("int8-attn+fp8-mlp" per layer): what
+        calibration measures the error of."""
+        units = self.units
+        down = {u: self.low_for_unit(u) if units.block(u) == block else FULL for u in range(len(units))}
+        return units.block_map(down)[block]
 
     def summary(self) -> dict[str, Any]:
         return {"mode": self.policy.mode, "steps": self.step, "switches": len(self.changes),
                 "grad_stat_reads": 0 if self.stats is None else self.stats.host_reads,
                 "calibrated_blocks": 0 if self.errors is None else len(self.errors),
-                "fp8_blocks": sorted(self._fp8_blocks)}
+                "fp8_blocks": sorted({self.units.block(u) for u in self._fp8_units}),
+                "fp8_units": [self.units.label(u) for u in sorted(self._fp8_units)]}
 
     def close(self) -> None:
         self.telemetry.close()

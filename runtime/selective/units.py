@@ -3,7 +3,7 @@
 granularity "block": one unit per block, the unit map is the block map.
 granularity "layer": two units per block, its attention layers and the rest (MLP); a
 block whose two units differ streams a by-role precision ("int8-mlp": attention bf16,
-MLP int8; runtime/precision/by_role.py).
+MLP int8; "int8-attn+fp8-mlp"; runtime/precision/by_role.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Mapping
 import torch
 
 from .. import precision as precisions
-from ..precision.by_role import ATTENTION, MLP, ByRole, by_role_name, layer_role
+from ..precision.by_role import ATTENTION, MLP, ByRole, by_role_name, by_roles_name, layer_role
 
 FULL = precisions.FULL
 
@@ -59,8 +59,15 @@ class Units:
             elif mlp == FULL:
                 out[b] = by_role_name(attention, ATTENTION)
             else:
+                out[b] = by_roles_name(attention, mlp)
+            if out[b] not in precisions.names():
                 raise ValueError(f"block {b}: attention in {attention} and MLP in {mlp}: no such precision")
         return out
+
+    def layers_of(self, unit: int, layers) -> list:
+        """The streamed layers (StreamedLayerSpec) a unit holds: its block's, or those of its role."""
+        b, role = self.units[unit]
+        return [s for s in layers if s.block == b and (role is None or layer_role(s.fqn) == role)]
 
     def params(self, model: torch.nn.Module, block_fqns: list[str]) -> list[list[torch.Tensor]]:
         """Each unit's trainable parameters (a block's; per layer, split by the name's role)."""
