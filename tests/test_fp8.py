@@ -255,7 +255,7 @@ def test_gpu_byte_transpose_equals_torch_and_replays():
     from torch_stagehand.kernels.fp8_quant import TRANSPOSE_MEMO, transpose_bytes
 
     TRANSPOSE_MEMO.clear()
-    for attempt in range(2):  # the second call replays the recorded launch on a new tensor
+    for _ in range(2):  # the second call replays the recorded launch on a new tensor
         q = (torch.randn(3072, 1000, device="cuda") * 40).to(E4M3)
         t = transpose_bytes(q)
         assert t.dtype == E4M3 and torch.equal(t.view(torch.uint8), q.view(torch.uint8).t().contiguous())
