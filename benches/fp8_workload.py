@@ -142,7 +142,7 @@ def run(args) -> dict:
     compiled = torch.compile(model, backend="stagehand")
     step = step_of(compiled)
 
-    def measured(label: str, warmup: int) -> None:
+    def measured(label: str, warmup: int, step=step) -> None:
         try:
             row = dict(timed(label, step, args.steps, sync, rt, warmup=warmup), **plan_columns(rt))
             if args.profile and cuda:
@@ -163,14 +163,23 @@ def run(args) -> dict:
             measured(f"stagehand {precision}, budget {budget}, gc off", warmup=1)
         finally:
             gc.enable()
+    if cuda and args.op_path_row:
+        # The same plan with every fp8 Linear as the opaque stagehand::linear op (its quantization and GEMM
+        # launched from Python per call) instead of traced into the block's graph: what the tracing buys.
+        torch._dynamo.reset()
+        op_step = step_of(torch.compile(model, backend="stagehand", options={"linear_math": "op"}))
+        measured(f"stagehand {precision}, budget {budget}, fp8 as the op", warmup=3, step=op_step)
+        del op_step
+        torch._dynamo.reset()
+        step = step_of(torch.compile(model, backend="stagehand"))
     if cuda and args.fp8_mlp_row:
         # FP8 where the policy file measured it faster (the MLP's 12288- and 15360-wide GEMMs), bf16 for the
         # attention projections (3072 x 3072: measured slower, host-bound): the per-layer map "fp8-mlp".
         rt.set_precision("fp8-mlp")
-        measured("stagehand fp8-mlp (attention bf16), budget " + str(budget), warmup=3)
+        measured("stagehand fp8-mlp (attention bf16), budget " + str(budget), warmup=3, step=step)
     if not args.skip_bf16_budget:
         rt.set_precision("bf16")  # same budget, the plan re-made for bf16 bytes
-        measured(f"stagehand bf16, budget {budget}", warmup=2)
+        measured(f"stagehand bf16, budget {budget}", warmup=2, step=step)
     results["stats"] = rt.stats()
     return results
 
@@ -183,6 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-two-slot", action="store_true", help="no row for the fixed two-slot plan")
     parser.add_argument("--skip-bf16-budget", action="store_true", help="no row for bf16 under the budget")
     parser.add_argument("--fp8-mlp-row", action="store_true", help="a row with the MLP in fp8, attention bf16")
+    parser.add_argument("--op-path-row", action="store_true",
+                        help="a row with fp8 Linears as the stagehand::linear op, not traced into the graph")
     parser.add_argument("--gc-off-row", action="store_true", help="a row with Python's gc off while timed")
     parser.add_argument("--profile", action="store_true", help="per stagehand row: GPU lanes and a profile table")
     parser.add_argument("--out", default=os.path.join(RESULTS, "fp8_workload_a.json"))

@@ -29,6 +29,7 @@ log = logging.getLogger("torch_stagehand.compiler")
 
 INNER_COMPILERS = ("inductor", "eager")
 RECOMPUTE_MODES = (None, "blocks")
+LINEAR_MATH = ("graph", "op")
 
 
 class BackendOptionsError(ValueError):
@@ -42,15 +43,24 @@ class BackendOptions:
     # activations), whatever the model's own checkpointing flag; None: only the blocks the
     # model itself checkpoints.
     recompute: str | None = None
+    # "graph": a precision that can write its linear as graph ops (fp8 on FP8 tensor cores) is traced
+    # into the block's graph, where Inductor fuses its quantization and calls its GEMM directly;
+    # "op": every streamed linear stays the opaque `stagehand::linear` op (the A/B reference).
+    linear_math: str = "graph"
 
     @staticmethod
     def from_dict(options: dict[str, Any] | None) -> "BackendOptions":
         options = dict(options or {})
         inner = options.pop("inner", "inductor")
         recompute = options.pop("recompute", None)
+        linear_math = options.pop("linear_math", "graph")
         if options:
             raise BackendOptionsError(
-                f"backend 'stagehand': unknown option(s) {sorted(options)} (known: inner, recompute)"
+                f"backend 'stagehand': unknown option(s) {sorted(options)} (known: inner, recompute, linear_math)"
+            )
+        if linear_math not in LINEAR_MATH:
+            raise BackendOptionsError(
+                f"backend 'stagehand': options['linear_math'] must be one of {LINEAR_MATH}, got {linear_math!r}"
             )
         if recompute not in RECOMPUTE_MODES:
             raise BackendOptionsError(
@@ -60,7 +70,7 @@ class BackendOptions:
             raise BackendOptionsError(
                 f"backend 'stagehand': options['inner'] must be one of {INNER_COMPILERS}, got {inner!r}"
             )
-        return BackendOptions(inner=inner, recompute=recompute)
+        return BackendOptions(inner=inner, recompute=recompute, linear_math=linear_math)
 
 
 T = TypeVar("T")

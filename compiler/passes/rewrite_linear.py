@@ -12,6 +12,12 @@ shares one compiled variant. `schedule_forward` later feeds `weights` from a
 A precision whose GEMM cannot add the bias in its epilogue (`bias_in_graph`: fp8)
 gets `stagehand.linear(x, weights, None, ...) + bias` instead, so Inductor fuses
 the add into the op that reads the output next (an activation, a residual add).
+
+A precision that can write its math in graph ops (`graph_linear`: fp8 on FP8
+tensor cores) gets `graph_linear(x, weights, block_tok, prev_tok, layout) + bias`:
+a Python call that AOTAutograd traces into aten ops, so Inductor fuses the
+activation's quantization and calls the GEMM from its own code, with none of the
+op's per-call host work. The backend option `linear_math="op"` keeps the op.
 """
 
 from __future__ import annotations
@@ -35,17 +41,23 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     weights = add_placeholder(gm, WEIGHTS)
     block_tok = add_placeholder(gm, BLOCK_TOK)
     prev_tok = add_placeholder(gm, PREV_TOK)
-    rewritten = 0
+    rewritten = in_graph = 0
     for node in list(gm.graph.nodes):
         if not is_streamed_linear(node):
             continue
         x, bias = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("bias")
         layout = rt.layer_layout(node.meta["stagehand_layer"], precision)
-        bias_add = bias is not None and precisions.by_code(layout[0]).bias_in_graph(LayerLayout.from_ints(layout))
+        entry, lay = precisions.by_code(layout[0]), LayerLayout.from_ints(layout)
+        traced = entry.graph_linear(lay, ctx.device) if ctx.parent.options.linear_math == "graph" else None
+        bias_add = bias is not None and (traced is not None or entry.bias_in_graph(lay))
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                SCHEDULE_OPS["linear"], (x, weights, None if bias_add else bias, block_tok, prev_tok, layout)
-            )
+            if traced is not None:
+                new = gm.graph.call_function(traced, (x, weights, block_tok, prev_tok, layout))
+                in_graph += 1
+            else:
+                new = gm.graph.call_function(
+                    SCHEDULE_OPS["linear"], (x, weights, None if bias_add else bias, block_tok, prev_tok, layout)
+                )
             out = gm.graph.call_function(torch.ops.aten.add.Tensor, (new, bias)) if bias_add else new
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["stagehand_precision"] = precision
@@ -54,5 +66,6 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
         rewritten += 1
     gm.graph.lint()
     gm.recompile()
-    ctx.note(f"{rewritten} streamed linears -> stagehand.linear ({precision})")
+    ctx.note(f"{rewritten} streamed linears -> stagehand.linear ({precision})"
+             + (f", {in_graph} of them as graph ops" if in_graph else ""))
     return gm

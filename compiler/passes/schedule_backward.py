@@ -56,7 +56,7 @@ def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
                 seen_prefetch.add(node.args[0])
     position = {n: i for i, n in enumerate(graph.nodes)}
     for (block_tok, _nbytes, code), slot in kept.items():
-        readers = [u for u in slot.users if u.target is not prefetch]
+        readers = _readers(slot, prefetch)
         last = max(readers, key=position.__getitem__)
         with graph.inserting_after(last):
             node = graph.call_function(evict, (block_tok, slot, readers, code))
@@ -66,6 +66,20 @@ def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
         ctx.note(f"{waits} wait_bw -> {len(kept)} (one per block), {dropped_prefetches} duplicate prefetches "
                  f"dropped, {len(kept)} evicts after the last reader")
     return graph
+
+
+def _readers(slot: fx.Node, prefetch) -> list[fx.Node]:
+    """The nodes that read the slot's bytes: its users, and past a view (a layer's weight sliced out of
+    the slot, reinterpreted as E4M3, transposed: fp8's linear traced as graph ops) the view's users. A view
+    reads nothing, so an evict ordered after views alone could free the slot before the GEMM that reads it."""
+    readers, todo = [], [u for u in slot.users if u.target is not prefetch]
+    while todo:
+        node = todo.pop()
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+            todo.extend(node.users)
+        elif node not in readers:
+            readers.append(node)
+    return readers
 
 
 def _set_fake_token_meta(node: fx.Node, like: fx.Node) -> None:

@@ -11,7 +11,7 @@ ask the registry for the entry; none of them branches on which precision it is.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -34,6 +34,12 @@ class Precision(abc.ABC):
         """Should this layer's bias be its own add in the graph (where Inductor fuses it into the next
         pointwise op) rather than go into the linear op? For a GEMM that cannot add it in its epilogue."""
         return False
+
+    def graph_linear(self, lay: LayerLayout, device: torch.device) -> "Callable | None":
+        """This layer's linear written in graph ops, `(x, slot, block_tok, prev_tok, layout) -> y` with no
+        bias (the rewrite adds it in the graph), which compiled blocks trace in place of the
+        `stagehand::linear` op so the inner compiler sees the math; None: the op (its math is opaque)."""
+        return None
 
     # ---- host layout ------------------------------------------------------------
 

@@ -75,6 +75,9 @@ class ByRole(Precision):
     def bias_in_graph(self, lay) -> bool:
         return self._stored(lay).bias_in_graph(lay)
 
+    def graph_linear(self, lay, device):
+        return self._stored(lay).graph_linear(lay, device)
+
     def linear_from_slot(self, x, slot, bias, lay):
         return self._stored(lay).linear_from_slot(x, slot, bias, lay)
 

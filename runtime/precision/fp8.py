@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch_stagehand.kernels.fp8_quant import E4M3, quantize_rows, quantize_rows_ref, transpose_bytes
 
 from .base import OneBytePerRow
+from .fp8_graph import fp8_linear_in_graph
 
 
 class Fp8UnsupportedError(RuntimeError):
@@ -100,6 +101,10 @@ class Fp8PerRow(OneBytePerRow):
         # cuBLASLt's row-wise FP8 GEMM takes no bias at some shapes; a separate add inside the op is a full
         # pass over the output (0.13 ms at 4096 x 12288 on an H100), an add in the graph fuses into the next op.
         return True
+
+    def graph_linear(self, lay, device):
+        # The tensor-core math only: the emulation stays the op's (asked for explicitly, never fast).
+        return fp8_linear_in_graph if has_fp8_tensor_cores(device) else None
 
     def quantize(self, weight: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:
         # `quantizer` names the INT8 clipping search; E4M3 keeps the row's absmax (its spacing is relative).
