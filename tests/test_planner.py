@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torch_stagehand.runtime.conductor.costs import BlockCost, Budget, BudgetError, CostModel, parse_bytes
-from torch_stagehand.runtime.conductor.planner import (KEEP, RECOMPUTE, activation_peak, make_plan,
+from torch_stagehand.runtime.conductor.planner import (KEEP, RECOMPUTE, activation_peak, build_plan, make_plan,
                                                        predicted_peak, simulate, spread)
 
 MiB, GiB = 2**20, 2**30
@@ -140,3 +140,46 @@ def test_the_predicted_timeline_has_a_copy_per_streamed_fetch_and_a_compute_bar_
     assert max(end for _, _, _, end in lanes) == pytest.approx(plan.predicted_step_s)
     for _, _, start, end in lanes:
         assert 0 <= start <= end
+
+
+def test_a_host_slower_than_the_gpu_sets_the_predicted_pace():
+    """The GPU cannot finish a block before the host has issued it: with host issue times above the GPU's,
+    the step is the host's sum; below them, the prediction is the GPU's as before; recompute adds its
+    host time to the backward's."""
+    from dataclasses import replace
+
+    gpu = _uniform(n=6, act=0, inp=0)
+    resident = set(range(6))
+    gpu_only, _, _ = simulate(gpu, resident, set(), 0, 50e9)
+    quick_host = [replace(c, host_forward_s=1e-4, host_backward_s=1e-4) for c in gpu]
+    assert simulate(quick_host, resident, set(), 0, 50e9)[0] == pytest.approx(gpu_only)
+    slow_host = [replace(c, host_forward_s=5e-3, host_recompute_s=5e-3, host_backward_s=9e-3) for c in gpu]
+    assert simulate(slow_host, resident, set(), 0, 50e9)[0] == pytest.approx(6 * (5e-3 + 9e-3))
+    assert simulate(slow_host, resident, {0, 1}, 0, 50e9)[0] == pytest.approx(6 * (5e-3 + 9e-3) + 2 * 5e-3)
+    # The timeline shows the host lane, and no compute bar ends before its host bar.
+    plan = build_plan(slow_host, ["bf16"] * 6, resident, set(), 0, _model(), kind="planned")
+    lanes = plan.timeline()
+    host = {(b, i // 6): end for i, (lane, b, _, end) in enumerate(e for e in lanes if e[0] == "host")}
+    compute = {(b, i // 6): end for i, (lane, b, _, end) in enumerate(e for e in lanes if e[0] == "compute")}
+    assert len(host) == 12 and all(compute[k] >= host[k] - 1e-12 for k in host)
+
+
+def test_calibration_measures_the_hosts_issue_time_per_block_and_kind(monkeypatch):
+    """Host clock from one block's wait to the next (the glue between included); the last to its release."""
+    import torch
+
+    from torch_stagehand.runtime.conductor import calibrate
+
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: next(clock))
+    cal = calibrate.Calibration(2, torch.device("cpu"))
+    for block, kind in ((0, "forward"), (1, "forward"), (1, "recompute"), (1, "backward"),
+                        (0, "recompute"), (0, "backward")):
+        cal.on_wait(block, kind)
+        cal.on_release(block)
+    model = cal.finish(CostModel(frozen=True), lambda m: (0.0, 0))
+    # Each wait reads the clock twice (CPU event, host mark), each release twice (event, host mark):
+    # a wait's mark is at 4k + 2, so every block's host span is 4 ticks; the last ends at its release (+2).
+    assert model.host_s == {"forward": [4.0, 4.0], "recompute": [4.0, 4.0], "backward": [2.0, 4.0]}
+    costs = model.block_costs([1, 1])
+    assert (costs[0].host_forward_s, costs[0].host_recompute_s, costs[0].host_backward_s) == (4.0, 4.0, 2.0)

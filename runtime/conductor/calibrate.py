@@ -9,7 +9,12 @@ each block's activation decision. Per block:
 - `activation_bytes`: memory allocated between the block's recompute `wait`
   and its backward `wait_bw` (what its forward saves when it is not recomputed);
 - `forward_s`: the recompute's forward (the training variant), wait to evict;
-- `backward_s`: the backward, wait_bw to evict.
+- `backward_s`: the backward, wait_bw to evict;
+- `host_s`: the host's time from one block's wait to the next block's (forward,
+  recompute, backward; the glue between them included), from its own clock: what
+  the host needs to issue the block, whatever the GPU does meanwhile. In the
+  calibration step the copies often hide it (the GPU waits on PCIe); in a plan
+  with fewer copies it can be what sets the step's pace.
 
 Times come from CUDA events on the compute stream, read once at the end of
 the step (the one host synchronisation calibration costs); memory from the
@@ -42,6 +47,8 @@ class Calibration:
         self._alloc: dict[tuple[int, str], int] = {}
         self._forward_order: list[int] = []
         self._kind_of_block: dict[int, str] = {}
+        self._host_marks: list[tuple[int, str, float]] = []  # (block, kind, host clock at its wait)
+        self._host_last = 0.0  # host clock at the last release
         self.cuda = device.type == "cuda"
         if self.cuda:
             torch.cuda.synchronize(device)
@@ -70,12 +77,14 @@ class Calibration:
             self._forward_order.append(block)
         self._open[key] = self._event()
         self._kind_of_block[block] = kind
+        self._host_marks.append((block, kind, time.perf_counter()))
 
     def on_release(self, block: int) -> None:
         kind = self._kind_of_block.get(block)
         start = self._open.pop((block, kind), None) if kind is not None else None
         if start is not None:
             self._spans.append((block, kind, start, self._event()))
+        self._host_last = time.perf_counter()
 
     def finish(self, base: CostModel, predict: Callable[[CostModel], tuple[float, int]]) -> CostModel:
         """The measured cost model; `predict(model)` is (step s, peak bytes) of the calibration plan under it."""
@@ -98,9 +107,18 @@ class Calibration:
                 for b in range(self.n)]
         forward = [seconds[RECOMPUTE][b] or seconds[FORWARD][b] for b in range(self.n)]
         model = base.with_(forward_s=forward, backward_s=seconds[BACKWARD], activation_bytes=acts,
-                           input_bytes=inputs, base_bytes=0, other_s=0.0)
+                           input_bytes=inputs, host_s=self._host_seconds(), base_bytes=0, other_s=0.0)
         predicted_s, predicted_peak = predict(model)
         model.base_bytes = max(0, peak - predicted_peak)
         model.other_s = max(0.0, step_s - predicted_s)
-        model.measured = dict(base.measured, calibration_step_s=round(step_s, 4), calibration_peak_bytes=peak)
+        model.measured = dict(base.measured, calibration_step_s=round(step_s, 4), calibration_peak_bytes=peak,
+                              calibration_host_s=round(sum(map(sum, model.host_s.values())), 4))
         return model
+
+    def _host_seconds(self) -> dict[str, list[float]]:
+        """Per kind and block: host clock from the block's wait to the next wait (the last: to its release)."""
+        host = {FORWARD: [0.0] * self.n, RECOMPUTE: [0.0] * self.n, BACKWARD: [0.0] * self.n}
+        marks = self._host_marks
+        for (block, kind, t), nxt in zip(marks, [m[2] for m in marks[1:]] + [self._host_last]):
+            host[kind][block] += max(0.0, nxt - t)
+        return host

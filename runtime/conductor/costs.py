@@ -91,6 +91,11 @@ class BlockCost:
     backward_s: float = 2 * DEFAULT_BLOCK_SECONDS  # the backward alone (a recompute adds forward_s)
     activation_bytes: int = 0  # saved for backward when the activations are kept
     input_bytes: int = 0  # saved instead when the block recomputes (its inputs)
+    # The host's time to issue the block's forward, its recompute, its backward (and the glue up to the
+    # next block): the GPU cannot finish a block before the host has issued it. 0: not measured.
+    host_forward_s: float = 0.0
+    host_recompute_s: float = 0.0
+    host_backward_s: float = 0.0
 
 
 @dataclass
@@ -103,6 +108,7 @@ class CostModel:
     backward_s: list[float] | None = None
     activation_bytes: list[int] | None = None
     input_bytes: list[int] | None = None
+    host_s: dict[str, list[float]] | None = None  # "forward" / "recompute" / "backward" -> per block (host issue)
     base_bytes: int = 0  # device bytes that are no block's streamed weights or saved activations, at the peak
     other_s: float = 0.0  # step time outside the blocks (glue, loss, optimizer), added to every plan
     frozen: bool = False  # injected constants: the runtime does not overwrite them with measurements
@@ -112,9 +118,11 @@ class CostModel:
         def pick(values, b, default):
             return default if values is None else values[b]
 
+        host = self.host_s or {}
         return [BlockCost(n, pick(self.forward_s, b, DEFAULT_BLOCK_SECONDS),
                           pick(self.backward_s, b, 2 * DEFAULT_BLOCK_SECONDS),
-                          int(pick(self.activation_bytes, b, 0)), int(pick(self.input_bytes, b, 0)))
+                          int(pick(self.activation_bytes, b, 0)), int(pick(self.input_bytes, b, 0)),
+                          *(pick(host.get(kind), b, 0.0) for kind in ("forward", "recompute", "backward")))
                 for b, n in enumerate(nbytes)]
 
     def with_(self, **changes) -> "CostModel":

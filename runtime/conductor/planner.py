@@ -102,7 +102,7 @@ class Plan:
         return f"{self.summary()}\n{self.table()}"
 
     def timeline(self) -> list[tuple[str, int, float, float]]:
-        """The predicted step as (lane, block, start s, end s) on the "h2d", "d2h" and "compute" lanes."""
+        """The predicted step as (lane, block, start s, end s) on the "host", "h2d", "d2h" and "compute" lanes."""
         lanes: list = []
         costs = self.costs or []
         if costs:
@@ -141,7 +141,10 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
              lanes: list | None = None) -> tuple[float, list[float], list[int]]:
     """Predicted seconds of the blocks' forward + backward, per-block seconds, per-block H2D bytes.
 
-    One copy engine, one compute stream. A streamed block's copy starts when it is
+    One host issuing the blocks in order, one copy engine, one compute stream.
+    A block's compute cannot start before the host starts issuing it nor end
+    before the host has issued all of it (`BlockCost.host_*_s`): where the host
+    is slower than the GPU, the host sets the pace. A streamed block's copy starts when it is
     issued (the computing block prefetches `lookahead_of(slots)` streamed blocks
     ahead, skipping resident ones), when the copy engine is free, and when the slot it
     reuses was released; its compute starts when the copy is done and the block
@@ -156,8 +159,9 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     n = len(costs)
     per_block, h2d = [0.0] * n, [0] * n
     order = list(range(n))
-    forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident else None) for b in order]
-    t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0, lanes)
+    forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident else None, costs[b].host_forward_s)
+               for b in order]
+    t, host_t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0, 0.0, lanes)
     if spill:
         t = max(t, _d2h_lane(costs, spill, d2h_bps or h2d_bps, per_block, lanes))
     if backward:
@@ -165,8 +169,10 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
         still_in_slots = set(streamed_fw[-slots:]) if slots else set()
         items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0)
                   + (costs[b].activation_bytes / h2d_bps if b in spill else 0.0),
-                  None if b in resident else (0 if b in still_in_slots else costs[b].bytes)) for b in reversed(order)]
-        t = _pass(items, slots, h2d_bps, per_block, h2d, t, lanes)
+                  None if b in resident else (0 if b in still_in_slots else costs[b].bytes),
+                  costs[b].host_backward_s + (costs[b].host_recompute_s if b in recompute else 0.0))
+                 for b in reversed(order)]
+        t, _ = _pass(items, slots, h2d_bps, per_block, h2d, t, host_t, lanes)
     return t, per_block, h2d
 
 
@@ -187,25 +193,30 @@ def _d2h_lane(costs, spill, d2h_bps: float, per_block: list[float], lanes: list 
     return lane
 
 
-def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int], t0: float,
-          lanes: list | None = None) -> float:
+def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int], t0: float, host_t: float,
+          lanes: list | None = None) -> tuple[float, float]:
+    """One pass (forward or backward) of (block, GPU s, bytes or None if resident, host s) items from `t0`
+    on the GPU and `host_t` on the host: (the GPU's end, the host's end)."""
     depth = lookahead_of(slots)
     streamed_before = []  # streamed items in [0, j]
     count = 0
-    for _, _, nbytes in items:
+    for _, _, nbytes, _ in items:
         count += nbytes is not None
         streamed_before.append(count)
     copy_free, compute_end = t0, t0
     starts, releases = [0.0] * len(items), []  # compute start per item; release time per streamed ordinal
     issuer = 0
-    for j, (block, seconds, nbytes) in enumerate(items):
-        ready = compute_end
+    for j, (block, seconds, nbytes, host_s) in enumerate(items):
+        host_start, host_t = host_t, host_t + host_s
+        if lanes is not None and host_s:
+            lanes.append(("host", block, host_start, host_t))
+        ready = max(compute_end, host_start)
         if nbytes is not None:
             ordinal = streamed_before[j]  # 1-based
             # Issued at the start of the earliest earlier item within `depth` streamed blocks of this one.
             while issuer < j and streamed_before[issuer] < ordinal - depth:
                 issuer += 1
-            issued = starts[issuer] if issuer < j else compute_end  # else fetched by its own wait
+            issued = starts[issuer] if issuer < j else ready  # else fetched by its own wait
             slot_free = releases[ordinal - 1 - slots] if slots and ordinal > slots else t0
             begin = max(issued, copy_free, slot_free)
             copy_free = begin + nbytes / bps
@@ -214,13 +225,14 @@ def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int],
                 lanes.append(("h2d", block, begin, copy_free))
             ready = max(ready, copy_free)
         starts[j] = ready
-        per_block[block] += ready - compute_end + seconds
+        end = max(ready + seconds, host_t)  # a host slower than the GPU stretches the block to its issue
+        per_block[block] += end - compute_end
         if lanes is not None:
-            lanes.append(("compute", block, ready, ready + seconds))
-        compute_end = ready + seconds
+            lanes.append(("compute", block, ready, end))
+        compute_end = end
         if nbytes is not None:
             releases.append(compute_end)
-    return compute_end
+    return compute_end, host_t
 
 
 # ---- the search ---------------------------------------------------------------------------------

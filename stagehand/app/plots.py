@@ -95,14 +95,15 @@ def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list
 
 
 def timeline_figure(lanes: list[tuple[str, int, float, float]], blocks: list[str], path: str, title: str) -> str:
-    """One step's lanes (H2D, D2H, compute) as bars per block: where the copies hide behind compute."""
+    """One step's lanes (host issue, H2D, D2H, compute) as bars per block: where the copies hide behind compute,
+    and where the host, not the GPU, sets the pace."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["h2d", "d2h", "compute"]
-    colors = {"h2d": "#3b6fb6", "d2h": "#e8892b", "compute": "#2e9e5b"}
+    names = ["host", "h2d", "d2h", "compute"]
+    colors = {"host": "#8a8a8a", "h2d": "#3b6fb6", "d2h": "#e8892b", "compute": "#2e9e5b"}
     fig, ax = plt.subplots(figsize=(11, 2.8))
     for lane, block, start, end in lanes:
         y = names.index(lane)
@@ -110,7 +111,7 @@ def timeline_figure(lanes: list[tuple[str, int, float, float]], blocks: list[str
                        edgecolors="white", linewidth=0.4)
         if len(blocks) <= 24 and end - start > 0:
             ax.text((start + end) / 2 * 1e3, y, str(block), ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(range(len(names)), [n.upper() if n != "compute" else "compute" for n in names])
+    ax.set_yticks(range(len(names)), [n.upper() if n in ("h2d", "d2h") else n for n in names])
     ax.set_xlabel("ms (predicted)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
