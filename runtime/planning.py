@@ -19,6 +19,8 @@ step ends. A new precision map re-plans at once (bytes per block changed).
 
 from __future__ import annotations
 
+import time
+
 import logging
 
 import torch
@@ -247,6 +249,11 @@ class PlanDriver:
     def on_release(self, block: int) -> None:
         if self.calibration is not None:
             self.calibration.on_release(block)
+
+    def schedule_op_took(self, t0: float) -> None:
+        """A schedule op (wait / prefetch / evict) started at host clock `t0` and ends now."""
+        if self.calibration is not None:
+            self.calibration.on_schedule_op(time.perf_counter() - t0)
 
     def on_phase(self, phase, step: int) -> None:
         if self._admit:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -258,17 +259,23 @@ class Runtime(SelectivePrecisionAPI):
 
     # ---- called by the ops -------------------------------------------------------------
 
+    # Each schedule op reports its host time to the planner (calibration: the share of a block's issue
+    # time that a resident block mostly skips).
     def op_prefetch(self, block: int) -> torch.Tensor:
+        t0 = time.perf_counter()
         self.planner.prefetch(block)
+        self.planner.schedule_op_took(t0)
         return self._fetch_tokens[block]
 
     def op_wait(self, block: int, precision_code: int, nbytes: int, backward: bool) -> torch.Tensor:
         # A forward `wait` inside a backward is a block recompute: it belongs to the backward phase.
         kind = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+        t0 = time.perf_counter()
         (self.phases.forward_op if kind == "forward" else self.phases.backward_op)()
         precision = precisions.by_code(precision_code).name
         slot = self.pool.acquire(block, precision)
         self.planner.on_wait(block, kind)  # after the stream waited for the copy: calibration times compute
+        self.planner.schedule_op_took(t0)
         if slot.numel() != nbytes:
             raise RuntimeError(
                 f"stagehand: block {block} ({self.blocks[block]}, {precision}) holds {slot.numel()} bytes but the "
@@ -277,8 +284,10 @@ class Runtime(SelectivePrecisionAPI):
         return slot
 
     def op_release(self, block: int, precision_code: int) -> torch.Tensor:
+        t0 = time.perf_counter()
         self.pool.release(block, precisions.by_code(precision_code).name)
         self.planner.on_release(block)
+        self.planner.schedule_op_took(t0)
         return self._free_tokens[block]
 
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -156,6 +156,10 @@ def test_a_host_slower_than_the_gpu_sets_the_predicted_pace():
     slow_host = [replace(c, host_forward_s=5e-3, host_recompute_s=5e-3, host_backward_s=9e-3) for c in gpu]
     assert simulate(slow_host, resident, set(), 0, 50e9)[0] == pytest.approx(6 * (5e-3 + 9e-3))
     assert simulate(slow_host, resident, {0, 1}, 0, 50e9)[0] == pytest.approx(6 * (5e-3 + 9e-3) + 2 * 5e-3)
+    # A resident block skips its fetch work: the share of host time the calibration saw in schedule ops.
+    halved = [replace(c, host_fetch_share=0.5) for c in slow_host]
+    assert simulate(halved, resident, set(), 0, 50e9)[0] == pytest.approx(6 * (5e-3 + 9e-3) / 2)
+    assert simulate(halved, set(), set(), 6, 50e9)[0] >= 6 * (5e-3 + 9e-3)  # streamed: all of it
     # The timeline shows the host lane, and no compute bar ends before its host bar.
     plan = build_plan(slow_host, ["bf16"] * 6, resident, set(), 0, _model(), kind="planned")
     lanes = plan.timeline()
@@ -176,6 +180,8 @@ def test_calibration_measures_the_hosts_issue_time_per_block_and_kind(monkeypatc
     for block, kind in ((0, "forward"), (1, "forward"), (1, "recompute"), (1, "backward"),
                         (0, "recompute"), (0, "backward")):
         cal.on_wait(block, kind)
+        if block == 0:
+            cal.on_schedule_op(1.0)  # host seconds inside a wait / prefetch / evict of block 0
         cal.on_release(block)
     model = cal.finish(CostModel(frozen=True), lambda m: (0.0, 0))
     # Each wait reads the clock twice (CPU event, host mark), each release twice (event, host mark):
@@ -183,3 +189,4 @@ def test_calibration_measures_the_hosts_issue_time_per_block_and_kind(monkeypatc
     assert model.host_s == {"forward": [4.0, 4.0], "recompute": [4.0, 4.0], "backward": [2.0, 4.0]}
     costs = model.block_costs([1, 1])
     assert (costs[0].host_forward_s, costs[0].host_recompute_s, costs[0].host_backward_s) == (4.0, 4.0, 2.0)
+    assert model.host_fetch_share == [pytest.approx(3 / 10), 0.0]

@@ -14,7 +14,9 @@ each block's activation decision. Per block:
   recompute, backward; the glue between them included), from its own clock: what
   the host needs to issue the block, whatever the GPU does meanwhile. In the
   calibration step the copies often hide it (the GPU waits on PCIe); in a plan
-  with fewer copies it can be what sets the step's pace.
+  with fewer copies it can be what sets the step's pace. `host_fetch_share`: the
+  part of it spent in the schedule ops (wait / prefetch / evict: fetches,
+  admission, slot bookkeeping), which a resident block mostly skips.
 
 Times come from CUDA events on the compute stream, read once at the end of
 the step (the one host synchronisation calibration costs); memory from the
@@ -49,6 +51,7 @@ class Calibration:
         self._kind_of_block: dict[int, str] = {}
         self._host_marks: list[tuple[int, str, float]] = []  # (block, kind, host clock at its wait)
         self._host_last = 0.0  # host clock at the last release
+        self._host_in_ops = [0.0] * n_blocks  # host seconds inside schedule ops, per block of the current item
         self.cuda = device.type == "cuda"
         if self.cuda:
             torch.cuda.synchronize(device)
@@ -86,6 +89,11 @@ class Calibration:
             self._spans.append((block, kind, start, self._event()))
         self._host_last = time.perf_counter()
 
+    def on_schedule_op(self, seconds: float) -> None:
+        """Host time spent in a schedule op, charged to the block whose item the host is issuing."""
+        if self._host_marks:
+            self._host_in_ops[self._host_marks[-1][0]] += seconds
+
     def finish(self, base: CostModel, predict: Callable[[CostModel], tuple[float, int]]) -> CostModel:
         """The measured cost model; `predict(model)` is (step s, peak bytes) of the calibration plan under it."""
         end = self._event()
@@ -108,6 +116,9 @@ class Calibration:
         forward = [seconds[RECOMPUTE][b] or seconds[FORWARD][b] for b in range(self.n)]
         model = base.with_(forward_s=forward, backward_s=seconds[BACKWARD], activation_bytes=acts,
                            input_bytes=inputs, host_s=self._host_seconds(), base_bytes=0, other_s=0.0)
+        totals = [sum(model.host_s[kind][b] for kind in model.host_s) for b in range(self.n)]
+        model.host_fetch_share = [min(1.0, ops / total) if total > 0 else 0.0
+                                  for ops, total in zip(self._host_in_ops, totals)]
         predicted_s, predicted_peak = predict(model)
         model.base_bytes = max(0, peak - predicted_peak)
         model.other_s = max(0.0, step_s - predicted_s)

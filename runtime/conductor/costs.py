@@ -96,6 +96,7 @@ class BlockCost:
     host_forward_s: float = 0.0
     host_recompute_s: float = 0.0
     host_backward_s: float = 0.0
+    host_fetch_share: float = 0.0  # of those, the share spent in schedule ops: what a resident block skips
 
 
 @dataclass
@@ -109,6 +110,7 @@ class CostModel:
     activation_bytes: list[int] | None = None
     input_bytes: list[int] | None = None
     host_s: dict[str, list[float]] | None = None  # "forward" / "recompute" / "backward" -> per block (host issue)
+    host_fetch_share: list[float] | None = None  # per block: the share of its host time in schedule ops
     base_bytes: int = 0  # device bytes that are no block's streamed weights or saved activations, at the peak
     other_s: float = 0.0  # step time outside the blocks (glue, loss, optimizer), added to every plan
     frozen: bool = False  # injected constants: the runtime does not overwrite them with measurements
@@ -122,7 +124,8 @@ class CostModel:
         return [BlockCost(n, pick(self.forward_s, b, DEFAULT_BLOCK_SECONDS),
                           pick(self.backward_s, b, 2 * DEFAULT_BLOCK_SECONDS),
                           int(pick(self.activation_bytes, b, 0)), int(pick(self.input_bytes, b, 0)),
-                          *(pick(host.get(kind), b, 0.0) for kind in ("forward", "recompute", "backward")))
+                          *(pick(host.get(kind), b, 0.0) for kind in ("forward", "recompute", "backward")),
+                          pick(self.host_fetch_share, b, 0.0))
                 for b, n in enumerate(nbytes)]
 
     def with_(self, **changes) -> "CostModel":

@@ -148,7 +148,8 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     issued (the computing block prefetches `lookahead_of(slots)` streamed blocks
     ahead, skipping resident ones), when the copy engine is free, and when the slot it
     reuses was released; its compute starts when the copy is done and the block
-    before it finished. The last `slots` streamed blocks of the forward are still
+    before it finished. A resident block's host time loses the share the
+    calibration measured in the schedule ops (no fetch to issue). The last `slots` streamed blocks of the forward are still
     in their slots at the turn: the backward finds them there. A spilled block's
     activations go out on the D2H lane after its forward (the other direction:
     they overlap the weights coming in; the backward waits for the lane to
@@ -159,8 +160,9 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     n = len(costs)
     per_block, h2d = [0.0] * n, [0] * n
     order = list(range(n))
-    forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident else None, costs[b].host_forward_s)
-               for b in order]
+    host = [1.0 - costs[b].host_fetch_share if b in resident else 1.0 for b in order]  # resident: no fetch work
+    forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident else None,
+                costs[b].host_forward_s * host[b]) for b in order]
     t, host_t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0, 0.0, lanes)
     if spill:
         t = max(t, _d2h_lane(costs, spill, d2h_bps or h2d_bps, per_block, lanes))
@@ -170,7 +172,7 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
         items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0)
                   + (costs[b].activation_bytes / h2d_bps if b in spill else 0.0),
                   None if b in resident else (0 if b in still_in_slots else costs[b].bytes),
-                  costs[b].host_backward_s + (costs[b].host_recompute_s if b in recompute else 0.0))
+                  (costs[b].host_backward_s + (costs[b].host_recompute_s if b in recompute else 0.0)) * host[b])
                  for b in reversed(order)]
         t, _ = _pass(items, slots, h2d_bps, per_block, h2d, t, host_t, lanes)
     return t, per_block, h2d
