@@ -187,6 +187,9 @@ def test_calibration_measures_the_hosts_issue_time_per_block_and_kind(monkeypatc
     # Each wait reads the clock twice (CPU event, host mark), each release twice (event, host mark):
     # a wait's mark is at 4k + 2, so every block's host span is 4 ticks; the last ends at its release (+2).
     assert model.host_s == {"forward": [4.0, 4.0], "recompute": [4.0, 4.0], "backward": [2.0, 4.0]}
+    # A forward span above its recompute's (the host held back by a full launch queue) counts as the recompute.
+    cal._host_marks[0] = (0, "forward", cal._host_marks[0][2] - 3.0)
+    assert cal._host_seconds()["forward"] == [4.0, 4.0]
     costs = model.block_costs([1, 1])
     assert (costs[0].host_forward_s, costs[0].host_recompute_s, costs[0].host_backward_s) == (4.0, 4.0, 2.0)
     assert model.host_fetch_share == [pytest.approx(3 / 10), 0.0]

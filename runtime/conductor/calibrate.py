@@ -127,9 +127,16 @@ class Calibration:
         return model
 
     def _host_seconds(self) -> dict[str, list[float]]:
-        """Per kind and block: host clock from the block's wait to the next wait (the last: to its release)."""
+        """Per kind and block: host clock from the block's wait to the next wait (the last: to its release).
+
+        A host far ahead of the GPU blocks in a launch once CUDA's launch queue is full, and then
+        its clock runs at the GPU's pace: the copy-bound forward of this step inflates its host
+        spans that way. The step issues each recomputed block's forward twice (forward, recompute:
+        the same work, the recompute with autograd's bookkeeping on top), so the smaller of the two
+        is the forward's issue time."""
         host = {FORWARD: [0.0] * self.n, RECOMPUTE: [0.0] * self.n, BACKWARD: [0.0] * self.n}
         marks = self._host_marks
         for (block, kind, t), nxt in zip(marks, [m[2] for m in marks[1:]] + [self._host_last]):
             host[kind][block] += max(0.0, nxt - t)
+        host[FORWARD] = [min(f, r) if r > 0 else f for f, r in zip(host[FORWARD], host[RECOMPUTE])]
         return host
