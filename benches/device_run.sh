@@ -61,9 +61,9 @@ for stage in $STAGES; do
     fp8a)   timeout ${FP8A_TIMEOUT:-540} python3 benches/fp8_workload.py ${FP8A_ARGS:-} --out "$OUT/fp8_workload_a.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/fp8_workload_a.log" ;;
     fp8parts) timeout 180 python3 benches/fp8_parts.py ${FP8PARTS_ARGS:-} --out "$OUT/fp8_parts.json" 2>&1 | tee "$OUT/fp8_parts.log" ;;
-    graphtests) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs tests/test_fp8_graph.py 2>&1 \
-              | tail -5 | tee "$OUT/fp8_graph_tests.log" ;;
-    sptests) timeout ${SPTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py tests/test_fp8_graph.py \
+    graphtests) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs tests/test_traced_linear.py 2>&1 \
+              | tail -5 | tee "$OUT/traced_linear_tests.log" ;;
+    sptests) timeout ${SPTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py tests/test_traced_linear.py \
               tests/test_selective_gpu.py 2>&1 | tail -20 | tee "$OUT/sp_tests.log" ;;
     sweep)  timeout ${SWEEP_TIMEOUT:-540} python3 benches/budget_sweep.py --model ${MODEL:-qwen} ${SWEEP_ARGS:-} \
               --out "$OUT/budget_sweep_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/budget_sweep_${MODEL:-qwen}.log" ;;

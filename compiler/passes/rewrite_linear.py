@@ -14,7 +14,7 @@ gets `stagehand.linear(x, weights, None, ...) + bias` instead, so Inductor fuses
 the add into the op that reads the output next (an activation, a residual add).
 
 A precision that can write its math in graph ops (`graph_linear`: fp8 on FP8
-tensor cores) gets `graph_linear(x, weights, block_tok, prev_tok, layout) + bias`:
+tensor cores, int8 at many rows) gets `graph_linear(x, weights, block_tok, prev_tok, layout) + bias`:
 a Python call that AOTAutograd traces into aten ops, so Inductor fuses the
 activation's quantization and calls the GEMM from its own code, with none of the
 op's per-call host work. The backend option `linear_math="op"` keeps the op.
@@ -35,6 +35,14 @@ from ..graph_nodes import add_placeholder, is_streamed_linear
 WEIGHTS, BLOCK_TOK, PREV_TOK = "stagehand_weights", "stagehand_block_tok", "stagehand_prev_tok"
 
 
+def _rows(x: fx.Node, in_features: int) -> int | None:
+    """The rows (tokens) of the Linear's input as captured, or None where they are symbolic or unknown."""
+    value = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in value.shape) or not in_features:
+        return None
+    return value.numel() // in_features
+
+
 @compiler_pass("rewrite_linear")
 def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     rt, precision = ctx.runtime, ctx.precision
@@ -48,7 +56,8 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
         x, bias = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("bias")
         layout = rt.layer_layout(node.meta["stagehand_layer"], precision)
         entry, lay = precisions.by_code(layout[0]), LayerLayout.from_ints(layout)
-        traced = entry.graph_linear(lay, ctx.device) if ctx.parent.options.linear_math == "graph" else None
+        traced = (entry.graph_linear(lay, ctx.device, _rows(x, lay.in_features))
+                  if ctx.parent.options.linear_math == "graph" else None)
         bias_add = bias is not None and (traced is not None or entry.bias_in_graph(lay))
         with gm.graph.inserting_before(node):
             if traced is not None:

@@ -35,10 +35,11 @@ class Precision(abc.ABC):
         pointwise op) rather than go into the linear op? For a GEMM that cannot add it in its epilogue."""
         return False
 
-    def graph_linear(self, lay: LayerLayout, device: torch.device) -> "Callable | None":
+    def graph_linear(self, lay: LayerLayout, device: torch.device, rows: int | None) -> "Callable | None":
         """This layer's linear written in graph ops, `(x, slot, block_tok, prev_tok, layout) -> y` with no
         bias (the rewrite adds it in the graph), which compiled blocks trace in place of the
-        `stagehand::linear` op so the inner compiler sees the math; None: the op (its math is opaque)."""
+        `stagehand::linear` op so the inner compiler sees the math (precision/traced.py); None: the op.
+        `rows`: the activation's rows (tokens) where the captured graph knows them, else None."""
         return None
 
     # ---- host layout ------------------------------------------------------------

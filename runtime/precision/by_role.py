@@ -75,8 +75,8 @@ class ByRole(Precision):
     def bias_in_graph(self, lay) -> bool:
         return self._stored(lay).bias_in_graph(lay)
 
-    def graph_linear(self, lay, device):
-        return self._stored(lay).graph_linear(lay, device)
+    def graph_linear(self, lay, device, rows):
+        return self._stored(lay).graph_linear(lay, device, rows)
 
     def linear_from_slot(self, x, slot, bias, lay):
         return self._stored(lay).linear_from_slot(x, slot, bias, lay)

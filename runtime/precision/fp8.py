@@ -102,7 +102,7 @@ class Fp8PerRow(OneBytePerRow):
         # pass over the output (0.13 ms at 4096 x 12288 on an H100), an add in the graph fuses into the next op.
         return True
 
-    def graph_linear(self, lay, device):
+    def graph_linear(self, lay, device, rows):
         # The tensor-core math only: the emulation stays the op's (asked for explicitly, never fast).
         return fp8_linear_in_graph if has_fp8_tensor_cores(device) else None
 

@@ -10,10 +10,17 @@ kernels work on rows of output features.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from torch_stagehand import kernels
 
 from .base import OneBytePerRow
+from .traced import TracedLinear, TracedMath
+
+# From this many rows (tokens) up the W8A16 autotuner picks dequantize + cuBLAS over its fused kernels on an
+# H100 (README, "kernels": the fused kernels reach 0.47-0.85 of cuBLAS at M >= 256 and the dequantize pass
+# pays for itself above 512). That path is plain aten ops, so compiled blocks trace it into their graph.
+TRACED_MIN_ROWS = 513
 
 
 class Int8PerRow(OneBytePerRow):
@@ -24,6 +31,10 @@ class Int8PerRow(OneBytePerRow):
     def quantize(self, weight: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.quantize_per_row(weight, method=quantizer)
 
+    def graph_linear(self, lay, device, rows):
+        # A known, large row count only: below it the fused kernels win, and a symbolic one may be small.
+        return int8_linear_in_graph if rows is not None and rows >= TRACED_MIN_ROWS else None
+
     def linear_from_slot(self, x, slot, bias, lay):
         q, s = self.views(slot, lay)
         return kernels.int8_linear(x, q, s, bias)
@@ -31,3 +42,28 @@ class Int8PerRow(OneBytePerRow):
     def grad_input_from_slot(self, dy, slot, lay):
         q, s = self.views(slot, lay)
         return kernels.int8_linear_grad_input(dy, q, s, lay.in_features)
+
+
+def _dequantized(slot: torch.Tensor, lay, dtype: torch.dtype) -> torch.Tensor:
+    q, s = _LAYOUT.views(slot, lay)
+    return kernels.dequantize(q, s, dtype)  # one Inductor kernel over the weight, as the op's dequant mode
+
+
+def _forward(x: torch.Tensor, slot: torch.Tensor, lay) -> torch.Tensor:
+    return F.linear(x, _dequantized(slot, lay, x.dtype))
+
+
+def _grad_input(dy: torch.Tensor, slot: torch.Tensor, lay) -> torch.Tensor:
+    return dy @ _dequantized(slot, lay, dy.dtype)
+
+
+INT8_MATH = TracedMath(_forward, _grad_input)
+
+
+def int8_linear_in_graph(x: torch.Tensor, slot: torch.Tensor, block_tok: torch.Tensor, prev_tok: torch.Tensor,
+                         layout: list[int]) -> torch.Tensor:
+    """y = x @ dequantize(W)^T for an int8 layer of `slot`, as ops AOTAutograd traces into the block's graph."""
+    return TracedLinear.apply(x, slot, block_tok, prev_tok, tuple(layout), INT8_MATH)
+
+
+_LAYOUT = Int8PerRow()  # stateless: its `views` for the traced math

@@ -1,4 +1,9 @@
-"""fp8's Linear traced into the block's graph (runtime/precision/fp8_graph.py), on the CPU.
+"""A precision's Linear traced into the block's graph (runtime/precision/traced.py): fp8, and int8 at many rows.
+
+int8 (CPU): from TRACED_MIN_ROWS rows up its Linear is dequantize + GEMM in graph ops, below it the op
+(the fused W8A16 kernels win at few rows).
+
+fp8, on the CPU:
 
 torch's CPU `_scaled_mm` multiplies E4M3 by E4M3 with fp32 row and column scales, the
 GPU's arithmetic, so with FP8 tensor cores pretended (`has_fp8_tensor_cores`) the
@@ -9,6 +14,8 @@ backward, the evict after the GEMMs that read the slot, not after their views).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -76,8 +83,8 @@ def _fork(seed: int = 0):
     return model, torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(seed + 1))
 
 
-def _train(model, x, linear_math: str, inner: str = "eager"):
-    rt = stagehand.offload(model, device="cpu", precision={1: "fp8", 2: "fp8"}, verbose=False)
+def _train(model, x, linear_math: str, inner: str = "eager", low: str = "fp8"):
+    rt = stagehand.offload(model, device="cpu", precision={1: low, 2: low}, verbose=False)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": inner, "linear_math": linear_math})
     x = x.clone().requires_grad_(True)
@@ -141,6 +148,38 @@ def test_traced_fp8_compiles_with_inductor_and_trains(tensor_cores):
     rt.restore()
 
 
+def test_int8_from_many_rows_is_traced_and_equals_the_op_path():
+    from torch_stagehand.runtime.precision.int8 import TRACED_MIN_ROWS
+
+    model, _ = _fork()
+    x = torch.randn(2, TRACED_MIN_ROWS // 2 + 1, 32, generator=torch.Generator().manual_seed(3))
+    rt_op, out_op, dx_op, dw_op, _ = _train(model, x, "op", low="int8")
+    rt_op.restore()
+    model, _ = _fork()
+    rt, out, dx, dw, saved = _train(model, x, "graph", low="int8")
+    assert rel_err(out, out_op) < 1e-6 and rel_err(dx, dx_op) < 1e-6 and rel_err(dw, dw_op) < 1e-6
+    graphs = _block_graphs(rt, "int8")
+    fw, bw = graphs["forward"], graphs["backward"]
+    assert "stagehand.linear.default(" not in fw and "stagehand.linear_grad_input.default(" not in bw
+    assert bw.count("stagehand.wait_bw.default(") == 1 and bw.count("stagehand.evict.default(") == 1
+    lines = [ln.strip() for ln in bw.splitlines() if "= torch.ops." in ln]
+    evict = next(i for i, ln in enumerate(lines) if "stagehand.evict.default(" in ln)
+    # Each weight's dequantization reads the slot (the int8 rows converted, times their scales): the evict
+    # takes those conversions as readers, so it comes after them.
+    i8_views = {ln.split(":")[0] for ln in lines if '"i8[' in ln and "aten.view.default(" in ln}
+    converts = [ln.split(":")[0] for ln in lines if "aten._to_copy.default(" in ln
+                and ln.split("aten._to_copy.default(")[1].split(",")[0] in i8_views]
+    assert len(converts) == 3 and all(re.search(rf"\b{name}\b", lines[evict]) for name in converts)
+    forbidden = {s.buf.untyped_storage().data_ptr() for s in rt.pool.slots}
+    assert not [t for t in saved if t.untyped_storage().data_ptr() in forbidden or t.dtype == torch.int8]
+    rt.restore()
+    # Few rows: the op, whose fused kernels win there.
+    model, x_small = _fork()
+    rt, *_ = _train(model, x_small, "graph", low="int8")
+    assert "stagehand.linear.default(" in _block_graphs(rt, "int8")["forward"]
+    rt.restore()
+
+
 def test_without_tensor_cores_fp8_stays_the_op_and_bad_linear_math_is_refused():
     model, x = toy(d=32, n=3)
     config = stagehand.Config.from_dict({"selective_precision": {"fp8_emulate": True}})
@@ -156,17 +195,19 @@ def test_without_tensor_cores_fp8_stays_the_op_and_bad_linear_math_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs FP8 tensor cores")
-def test_gpu_traced_fp8_trains_like_the_op_path_with_inductor():
-    """On the GPU the op path quantizes with the Triton kernel and the traced path with Inductor's
-    kernel: the same formula, so the same numbers up to E4M3 rounding flips."""
+@pytest.mark.parametrize("low", ["fp8", "int8"])
+def test_gpu_traced_linear_trains_like_the_op_path_with_inductor(low):
+    """On the GPU the op path quantizes (fp8) with the Triton kernel and the traced path with Inductor's
+    kernel: the same formula, so the same numbers up to E4M3 rounding flips; int8 at 640 rows runs the
+    W8A16 autotuner's pick on the op path and dequantize + cuBLAS traced."""
     results = {}
     for linear_math in ("op", "graph"):
         torch.manual_seed(0)
         model = ForkModel(d=256).to(torch.bfloat16)
         model.requires_grad_(False)
         model.embed.requires_grad_(True)
-        x = torch.randn(4, 128, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
-        rt = stagehand.offload(model, device="cuda", precision={1: "fp8", 2: "fp8"}, verbose=False)
+        x = torch.randn(4, 160, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
+        rt = stagehand.offload(model, device="cuda", precision={1: low, 2: low}, verbose=False)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="stagehand", options={"linear_math": linear_math})
         x.requires_grad_(True)
@@ -174,6 +215,8 @@ def test_gpu_traced_fp8_trains_like_the_op_path_with_inductor():
             x.grad = model.embed.weight.grad = None
             out = compiled(x)
             out.float().square().mean().backward()
+        graph = _block_graphs(rt, low)["forward"]
+        assert ("stagehand.linear.default(" in graph) == (linear_math == "op")
         results[linear_math] = (out.detach(), x.grad, model.embed.weight.grad, rt.stats()["h2d_bytes"])
         rt.restore()
     (out_op, dx_op, dw_op, h2d_op), (out, dx, dw, h2d) = results["op"], results["graph"]
