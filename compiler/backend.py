@@ -5,8 +5,9 @@
 On each Dynamo graph it finds the offloaded runtime the graph streams from,
 builds a `CompileContext` (the runtime through the `StreamingRuntime`
 protocol, the options, the runtime's `VariantCache`, the per-variant and
-joint pass lists) and runs `passes.GRAPH_PASSES` (annotate_blocks ->
-assign_segments -> split_segments -> link_units). The result is an outer
+joint pass lists) and runs `passes.GRAPH_PASSES` (inline_checkpoints ->
+causal_attention -> annotate_blocks -> assign_segments -> split_segments ->
+link_units). The result is an outer
 graph that calls one unit per segment; block units run `VARIANT_PASSES` and
 the inner compiler (with `JOINT_PASSES` on the joint graph) lazily, per
 precision. The order of every stage is written once, in passes/__init__.py.

@@ -225,7 +225,7 @@ def test_schedule_backward_keeps_one_wait_and_prefetch_and_evicts_after_the_last
 
 def test_pass_lists_are_ordered_and_named():
     assert passes.pass_names(passes.GRAPH_PASSES) == [
-        "inline_checkpoints", "annotate_blocks", "assign_segments", "split_segments", "link_units"]
+        "inline_checkpoints", "causal_attention", "annotate_blocks", "assign_segments", "split_segments", "link_units"]
     assert passes.pass_names(passes.VARIANT_PASSES) == ["rewrite_linear", "schedule_forward"]
     assert passes.pass_names(passes.JOINT_PASSES) == ["schedule_backward"]
 

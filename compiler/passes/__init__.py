@@ -6,7 +6,8 @@ passes that ran in order (`explain()` lists them). Three stages:
 
 - `GRAPH_PASSES`, once per Dynamo graph, `(gm, CompileContext) -> gm`:
   inline_checkpoints (a model's own checkpointed blocks become block
-  recompute) -> annotate_blocks -> assign_segments (records the segments and their DAG on
+  recompute) -> causal_attention (a constant causal mask becomes
+  is_causal) -> annotate_blocks -> assign_segments (records the segments and their DAG on
   the context) -> split_segments (returns the outer graph) -> link_units.
 - `VARIANT_PASSES`, once per block unit and precision, on a copy of the
   block's segment, `(gm, VariantContext) -> gm`: rewrite_linear -> schedule_forward.
@@ -27,6 +28,7 @@ from typing import Callable, Sequence
 from ..source_hash import passes_uuid
 from .annotate_blocks import annotate_blocks
 from .assign_segments import assign_segments
+from .causal_attention import causal_attention
 from .inline_checkpoints import inline_checkpoints
 from .link_units import link_units
 from .rewrite_linear import rewrite_linear
@@ -34,7 +36,7 @@ from .schedule_backward import schedule_backward
 from .schedule_forward import schedule_forward
 from .split_segments import split_segments
 
-GRAPH_PASSES = (inline_checkpoints, annotate_blocks, assign_segments, split_segments, link_units)
+GRAPH_PASSES = (inline_checkpoints, causal_attention, annotate_blocks, assign_segments, split_segments, link_units)
 VARIANT_PASSES = (rewrite_linear, schedule_forward)
 JOINT_PASSES = (schedule_backward,)
 
@@ -50,6 +52,6 @@ def joint_passes_uuid() -> str:
 
 __all__ = [
     "GRAPH_PASSES", "VARIANT_PASSES", "JOINT_PASSES", "joint_passes_uuid", "pass_names",
-    "inline_checkpoints", "annotate_blocks", "assign_segments", "split_segments", "link_units",
+    "inline_checkpoints", "causal_attention", "annotate_blocks", "assign_segments", "split_segments", "link_units",
     "rewrite_linear", "schedule_forward", "schedule_backward",
 ]
