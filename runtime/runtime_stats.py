@@ -42,5 +42,6 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
         **plan_stats(rt.planner.plan, rt.pool), **spill_stats(rt.planner.spill),
         "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned
+        "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
         "offload": rt.offload_summary,
     }

@@ -317,3 +317,43 @@ def test_spilled_activations_come_back_for_the_backward_with_the_same_gradients(
     stats = rt.stats()
     assert stats["spilled_blocks"] == len(rt.plan.spilled) and stats["recomputed_blocks"] == 0
     assert stats["d2h_bytes"] > 0 and stats["restored_bytes"] == stats["d2h_bytes"]
+
+
+def test_later_plans_measure_the_host_again_and_keep_the_smaller_issue_time():
+    """The calibration step's host spans read high (a full launch queue holds the host back); the first
+    HOST_STEPS steps of each later plan measure them again, per kind and block, and the smaller value stays
+    for the next plan made. The plan running keeps its prediction; a later step changes nothing."""
+    from torch_stagehand.runtime.planning import HOST_STEPS
+
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    slow = 10.0  # seconds per block: what a held-back host might have read
+    rt.replan(CostModel(host_s={k: [slow] * N for k in ("forward", "recompute", "backward")},
+                        host_fetch_share=[0.5] * N))
+    predicted = rt.plan.predicted_step_s
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    torch._dynamo.reset()
+    for _ in range(HOST_STEPS + 1):  # no optimizer attached: the first step ends when the second begins
+        _step(compiled, model, x)
+    host = rt.planner.cost_model.host_s
+    assert all(0 < s < slow for s in host["forward"]) and all(0 < s < slow for s in host["backward"])
+    assert host["recompute"] == [slow if b not in rt.plan.recomputed else host["recompute"][b] for b in range(N)]
+    assert rt.plan.predicted_step_s == predicted and rt.stats()["host_refinements"] >= 2 * N
+    before = copy.deepcopy(host)
+    _step(compiled, model, x)
+    assert rt.planner.cost_model.host_s == before and rt.planner.host_clock is None
+    assert rt.replan().predicted_step_s < predicted  # the next plan is made from the lowered times
+
+
+def test_refine_host_keeps_the_minimum_and_scales_a_resident_blocks_span_back():
+    model = CostModel(host_s={"forward": [4.0, 4.0, 0.0], "recompute": [4.0] * 3, "backward": [4.0] * 3},
+                      host_fetch_share=[0.5, 0.5, 0.5])
+    lowered = model.refine_host({"forward": [3.0, 5.0, 2.0], "recompute": [0.0] * 3, "backward": [1.5, 0, 0]},
+                                resident={2})
+    # block 0 lowered; block 1 measured higher (kept); block 2 had nothing and was resident (2 s / (1 - 0.5));
+    # recompute did not run; the resident-free block 0 backward lowered as measured.
+    assert model.host_s == {"forward": [3.0, 4.0, 4.0], "recompute": [4.0] * 3, "backward": [1.5, 4.0, 4.0]}
+    assert lowered == 3
+    frozen = CostModel(host_s={"forward": [4.0]}, frozen=True)
+    assert frozen.refine_host({"forward": [1.0]}, set()) == 0 and frozen.host_s == {"forward": [4.0]}
+    assert CostModel().refine_host({"forward": [1.0]}, set()) == 0

@@ -11,10 +11,12 @@ each block's activation decision. Per block:
 - `forward_s`: the recompute's forward (the training variant), wait to evict;
 - `backward_s`: the backward, wait_bw to evict;
 - `host_s`: the host's time from one block's wait to the next block's (forward,
-  recompute, backward; the glue between them included), from its own clock: what
-  the host needs to issue the block, whatever the GPU does meanwhile. In the
-  calibration step the copies often hide it (the GPU waits on PCIe); in a plan
-  with fewer copies it can be what sets the step's pace. `host_fetch_share`: the
+  recompute, backward; the glue between them included), from its own clock
+  (`HostClock`): what the host needs to issue the block, whatever the GPU does
+  meanwhile. In the calibration step the copies often hide it (the GPU waits on
+  PCIe); in a plan with fewer copies it can be what sets the step's pace. A host
+  held back by a full launch queue reads high here; the first steps of every
+  later plan measure it again and the smaller value stays (planning.py). `host_fetch_share`: the
   part of it spent in the schedule ops (wait / prefetch / evict: fetches,
   admission, slot bookkeeping), which a resident block mostly skips.
 
@@ -40,6 +42,37 @@ from .costs import CostModel
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 
 
+class HostClock:
+    """The host's issue time per kind and block, from its own clock: from one block's wait to the next
+    block's (the glue between included), the last to its release.
+
+    A host far ahead of the GPU blocks in a launch once CUDA's launch queue is full, and then
+    its clock runs at the GPU's pace: a copy-bound or GPU-bound stretch inflates the spans it
+    covers. The step issues each recomputed block's forward twice (forward, recompute: the same
+    work, the recompute with autograd's bookkeeping on top), so the smaller of the two is the
+    forward's issue time. Spans from several steps and plans keep their minimum
+    (`CostModel.refine_host`): the step that held the host back least is the best measure."""
+
+    def __init__(self, n_blocks: int):
+        self.n = n_blocks
+        self.marks: list[tuple[int, str, float]] = []  # (block, kind, host clock at its wait)
+        self.last = 0.0  # host clock at the last release
+
+    def mark(self, block: int, kind: str) -> None:
+        self.marks.append((block, kind, time.perf_counter()))
+
+    def release(self) -> None:
+        self.last = time.perf_counter()
+
+    def seconds(self) -> dict[str, list[float]]:
+        host = {FORWARD: [0.0] * self.n, RECOMPUTE: [0.0] * self.n, BACKWARD: [0.0] * self.n}
+        marks = self.marks
+        for (block, kind, t), nxt in zip(marks, [m[2] for m in marks[1:]] + [self.last]):
+            host[kind][block] += max(0.0, nxt - t)
+        host[FORWARD] = [min(f, r) if r > 0 else f for f, r in zip(host[FORWARD], host[RECOMPUTE])]
+        return host
+
+
 class Calibration:
     def __init__(self, n_blocks: int, device: torch.device):
         self.n = n_blocks
@@ -49,8 +82,8 @@ class Calibration:
         self._alloc: dict[tuple[int, str], int] = {}
         self._forward_order: list[int] = []
         self._kind_of_block: dict[int, str] = {}
-        self._host_marks: list[tuple[int, str, float]] = []  # (block, kind, host clock at its wait)
-        self._host_last = 0.0  # host clock at the last release
+        self.host = HostClock(n_blocks)
+        self._host_marks = self.host.marks
         self._host_in_ops = [0.0] * n_blocks  # host seconds inside schedule ops, per block of the current item
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -80,14 +113,14 @@ class Calibration:
             self._forward_order.append(block)
         self._open[key] = self._event()
         self._kind_of_block[block] = kind
-        self._host_marks.append((block, kind, time.perf_counter()))
+        self.host.mark(block, kind)
 
     def on_release(self, block: int) -> None:
         kind = self._kind_of_block.get(block)
         start = self._open.pop((block, kind), None) if kind is not None else None
         if start is not None:
             self._spans.append((block, kind, start, self._event()))
-        self._host_last = time.perf_counter()
+        self.host.release()
 
     def on_schedule_op(self, seconds: float) -> None:
         """Host time spent in a schedule op, charged to the block whose item the host is issuing."""
@@ -127,16 +160,5 @@ class Calibration:
         return model
 
     def _host_seconds(self) -> dict[str, list[float]]:
-        """Per kind and block: host clock from the block's wait to the next wait (the last: to its release).
-
-        A host far ahead of the GPU blocks in a launch once CUDA's launch queue is full, and then
-        its clock runs at the GPU's pace: the copy-bound forward of this step inflates its host
-        spans that way. The step issues each recomputed block's forward twice (forward, recompute:
-        the same work, the recompute with autograd's bookkeeping on top), so the smaller of the two
-        is the forward's issue time."""
-        host = {FORWARD: [0.0] * self.n, RECOMPUTE: [0.0] * self.n, BACKWARD: [0.0] * self.n}
-        marks = self._host_marks
-        for (block, kind, t), nxt in zip(marks, [m[2] for m in marks[1:]] + [self._host_last]):
-            host[kind][block] += max(0.0, nxt - t)
-        host[FORWARD] = [min(f, r) if r > 0 else f for f, r in zip(host[FORWARD], host[RECOMPUTE])]
-        return host
+        """Per kind and block: the host's issue time in this step (`HostClock`)."""
+        return self.host.seconds()

@@ -131,6 +131,27 @@ class CostModel:
     def with_(self, **changes) -> "CostModel":
         return replace(self, **changes)
 
+    def refine_host(self, seconds: dict[str, list[float]], resident: set[int]) -> int:
+        """Keep the smaller of the known and a newly measured host issue time, per kind and block; the count
+        of values lowered. A span measured while `block` was resident lacks its fetch work: it is scaled back
+        to a streamed block's (by `host_fetch_share`) so every stored value means the same thing."""
+        if self.host_s is None or self.frozen:
+            return 0
+        lowered = 0
+        for kind, values in seconds.items():
+            known = self.host_s.get(kind)
+            if known is None:
+                continue
+            for b, new in enumerate(values):
+                share = self.host_fetch_share[b] if self.host_fetch_share and b in resident else 0.0
+                if new <= 0 or share >= 1.0:
+                    continue
+                new /= 1.0 - share
+                if known[b] <= 0 or new < known[b]:
+                    known[b] = new
+                    lowered += 1
+        return lowered
+
 
 # ---- H2D bandwidth, measured once per machine --------------------------------------------------
 
