@@ -37,6 +37,11 @@ def env_info() -> dict:
         info["triton"] = triton.__version__
     except Exception:  # noqa: BLE001 - a bench without Triton still reports
         info["triton"] = None
+    for lib in ("transformers", "diffusers", "peft"):  # the model libraries decide what the graph holds
+        try:
+            info[lib] = __import__(lib).__version__
+        except Exception:  # noqa: BLE001 - a bench that builds no such model still reports
+            info[lib] = None
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info.update(

@@ -35,7 +35,7 @@ import time
 
 import torch
 from _common import RESULTS, env_info, print_header, print_table, write_json
-from models import LORA_TARGETS, Sync, build_flux, build_qwen, loss_of, make_step, set_checkpointing
+from models import LORA_TARGETS, Sync, build_flux, build_qwen, loss_of, make_step, profile_step, set_checkpointing
 
 import torch_stagehand as stagehand
 
@@ -137,6 +137,33 @@ def gpu_lanes(step) -> dict:
             "idle_no_copy_ms": round(_measure(idle) - waiting_on_copy, 1)}
 
 
+def host_profile(step, sync, rows: int = 30) -> str:
+    """One step under cProfile: the Python functions by own time and by cumulative time (what the host spends
+    issuing the step; the GPU runs behind it)."""
+    import cProfile
+    import io
+    import pstats
+
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    sync()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumtime").print_stats(rows + 20)
+    out = "\n".join(line[:200] for line in text.getvalue().splitlines() if line.strip())
+    print(out, flush=True)
+    return out
+
+
+def profiles(step, sync) -> dict:
+    """GPU op table and host profile of one step each (`--profile-budgets`)."""
+    return {"ops": profile_step(step), "host": host_profile(step, sync)}
+
+
 def plan_columns(rt) -> dict:
     plan = rt.plan
     counts = plan.counts()
@@ -168,13 +195,16 @@ def run(args) -> dict:
         return make_step(args.model, model, fn, inputs, optimizer)
 
     refs = {}
-    for label, on in [("resident", ckpt)] + ([("resident ckpt", True)] if args.model == "qwen" else []):
+    with_ckpt_ref = args.model == "qwen" and not args.skip_ckpt_ref
+    for label, on in [("resident", ckpt)] + ([("resident ckpt", True)] if with_ckpt_ref else []):
         set_checkpointing(args.model, model, on)
         try:
             refs[label] = timed(label, step_of(model), args.steps, sync)
         except torch.OutOfMemoryError:
             refs[label] = {"mode": label, "error": "out of GPU memory"}
         rows.append(dict(refs[label], ckpt=on))
+        if device == "cuda" and label == "resident" and args.profile_budgets and "error" not in refs[label]:
+            results.setdefault("profiles", {})[label] = profiles(step_of(model), sync)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -216,6 +246,8 @@ def run(args) -> dict:
         if device == "cuda" and row["budget_gib"] in args.trace_budgets:
             row["gpu_lanes"] = gpu_lanes(step_of(compiled))
             print(f"  budget {name}: GPU lanes {row['gpu_lanes']}", flush=True)
+        if device == "cuda" and row["budget_gib"] in args.profile_budgets:
+            results.setdefault("profiles", {})[f"budget {name}"] = profiles(step_of(compiled), sync)
         rows.append(row)
         write_json(args.out, results)  # after every budget: a run cut off by a time limit keeps what it measured
     results["conductor_overhead"] = conductor_overhead(rt, step_of(compiled), sync)
@@ -273,6 +305,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--trace-budgets", nargs="*", type=float, default=[],
                         help="GiB budgets to run one more step of under torch.profiler: compute / copy / idle lanes")
+    parser.add_argument("--profile-budgets", nargs="*", type=float, default=[],
+                        help="GiB budgets (and the resident row) to profile one more step of: GPU ops, host functions")
+    parser.add_argument("--skip-ckpt-ref", action="store_true", help="no resident checkpointed row (Qwen)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.out = args.out or os.path.join(RESULTS, f"budget_sweep_{args.model}{'_tiny' if args.tiny else ''}.json")
