@@ -139,9 +139,9 @@ class CostModel:
             return 0
         lowered = 0
         for kind, values in seconds.items():
-            known = self.host_s.get(kind)
-            if known is None:
+            if kind not in self.host_s:
                 continue
+            known = self.host_s[kind] = list(self.host_s[kind])  # never write into a caller's list
             for b, new in enumerate(values):
                 share = self.host_fetch_share[b] if self.host_fetch_share and b in resident else 0.0
                 if new <= 0 or share >= 1.0:
