@@ -164,6 +164,16 @@ def profiles(step, sync) -> dict:
     return {"ops": profile_step(step), "host": host_profile(step, sync)}
 
 
+def cost_model_record(rt) -> dict:
+    """The planner's cost model for the JSON: per-block seconds in ms (GPU, host), the rest as it is."""
+    model = vars(rt.planner.cost_model)
+    ms = lambda values: None if values is None else [round(v * 1e3, 3) for v in values]  # noqa: E731
+    record = {k: v for k, v in model.items() if k not in ("forward_s", "backward_s", "host_s")}
+    record.update(forward_ms=ms(model["forward_s"]), backward_ms=ms(model["backward_s"]),
+                  host_ms={kind: ms(v) for kind, v in (model["host_s"] or {}).items()})
+    return record
+
+
 def plan_columns(rt) -> dict:
     plan = rt.plan
     counts = plan.counts()
@@ -226,7 +236,7 @@ def run(args) -> dict:
     for _ in range(2):
         step_of(compiled)()
     sync()
-    results["cost_model"] = {k: v for k, v in vars(rt.planner.cost_model).items() if not isinstance(v, list)}
+    results["cost_model"] = cost_model_record(rt)  # as calibrated
     base = refs["resident"].get("step_ms")
     for name, nbytes in budgets:
         try:
@@ -250,6 +260,7 @@ def run(args) -> dict:
             results.setdefault("profiles", {})[f"budget {name}"] = profiles(step_of(compiled), sync)
         rows.append(row)
         write_json(args.out, results)  # after every budget: a run cut off by a time limit keeps what it measured
+    results["cost_model_final"] = cost_model_record(rt)  # as the plans' first steps refined it
     results["conductor_overhead"] = conductor_overhead(rt, step_of(compiled), sync)
     results["stats"] = rt.stats()
     return results

@@ -14,12 +14,13 @@ reach the compiled program through `Runtime.planned_recompute`.
 On CUDA, unless the cost model was injected (`frozen`), the first steps run
 the smallest plan and the second of them is measured (conductor/calibrate.py;
 the first one compiles); the plan is re-made from the measurements when that
-step ends. The first `HOST_STEPS` steps of every later plan measure the host's
-issue time again (`HostClock`): the calibration step's copies hold the host back
-in a full launch queue, so its spans read high, and a plan with fewer copies
-shows less; the smaller value stays for the next plan made (the plan running
-keeps the prediction it was chosen by). A new precision map re-plans at once
-(bytes per block changed).
+step ends. The first `HOST_STEPS` steps of every later plan measure each
+block again, the host's issue time (`HostClock`) and the GPU's time
+(`BlockTimer`, one synchronisation at the step's end): the calibration step's
+copies hold the host back in a full launch queue, and a slow host leaves the
+GPU waiting inside a block, so both read high there and never low; the smaller
+value stays for the next plan made (the plan running keeps the prediction it
+was chosen by). A new precision map re-plans at once (bytes per block changed).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import logging
 import torch
 
 from .conductor.arbiter import Conductor
-from .conductor.calibrate import FORWARD, Calibration, HostClock
+from .conductor.calibrate import FORWARD, BlockTimer, Calibration, HostClock
 from .conductor.costs import Budget, BudgetError, CostModel, h2d_bandwidth, parse_bytes
 from .conductor.planner import Plan, build_plan, make_plan
 from .registry import NO_BLOCK
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 # Steps run under the smallest plan before the measured one: the first compiles and autotunes,
 # so its times say nothing about the next ones.
 WARMUP_STEPS = 1
-HOST_STEPS = 2  # steps of a new plan whose host issue times refine the cost model (the first one compiles)
+HOST_STEPS = 2  # steps of a new plan whose host and GPU times per block refine the cost model (the first compiles)
 # A plan that does not fit when applied (the device has less than the budget says) is re-made
 # under a budget with this fraction of its streamed-weight bytes fewer, up to SHRINK_TRIES times.
 SHRINK_FRACTION, SHRINK_TRIES = 0.25, 10
@@ -87,8 +88,10 @@ class PlanDriver:
         self.peak_corrections: list[str] = []  # what the measured peaks taught the cost model
         self.peak_margin = 0  # the largest excess of a measured peak over its prediction (planned under the budget)
         self.host_clock: HostClock | None = None  # over the first HOST_STEPS steps of a planned plan
+        self.block_timer: BlockTimer | None = None  # the same steps, on the GPU's clock
         self._host_steps = 0
         self.host_refinements = 0  # host issue times the later plans' steps lowered
+        self.compute_refinements = 0  # GPU times per block the later plans' steps lowered
 
     # ---- making the plan --------------------------------------------------------------------
 
@@ -257,12 +260,14 @@ class PlanDriver:
             self.calibration.on_wait(block, kind)
         if self.host_clock is not None:
             self.host_clock.mark(block, kind)
+            self.block_timer.open(block, kind)
 
     def on_release(self, block: int) -> None:
         if self.calibration is not None:
             self.calibration.on_release(block)
         if self.host_clock is not None:
             self.host_clock.release()
+            self.block_timer.close(block)
 
     def schedule_op_took(self, t0: float) -> None:
         """A schedule op (wait / prefetch / evict) started at host clock `t0` and ends now."""
@@ -309,6 +314,7 @@ class PlanDriver:
             self._peak_check = "measuring"
         if self._host_steps and self.calibration is None and self.cost_model.host_s is not None:
             self.host_clock = HostClock(len(self.rt.blocks))
+            self.block_timer = BlockTimer(len(self.rt.blocks), self.rt.device)
 
     def _check_peak(self, step: int, peak: int) -> None:
         """The first step of a new plan, measured: a peak above the prediction corrects the cost model.
@@ -342,9 +348,12 @@ class PlanDriver:
         if self._peak_check == "measuring":
             self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
         if self.host_clock is not None:
-            clock, self.host_clock = self.host_clock, None
+            clock, timer, self.host_clock, self.block_timer = self.host_clock, self.block_timer, None, None
             self._host_steps -= 1
             self.host_refinements += self.cost_model.refine_host(clock.seconds(), self.plan.resident)
+            if timer.cuda:
+                torch.cuda.synchronize(self.rt.device)  # the events are read: once per measured step
+            self.compute_refinements += self.cost_model.refine_compute(timer.seconds())
         if self.calibration is None:
             return
         calibration, self.calibration = self.calibration, None

@@ -43,5 +43,6 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         **plan_stats(rt.planner.plan, rt.pool), **spill_stats(rt.planner.spill),
         "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned
         "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
+        "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered
         "offload": rt.offload_summary,
     }

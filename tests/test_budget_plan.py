@@ -319,17 +319,18 @@ def test_spilled_activations_come_back_for_the_backward_with_the_same_gradients(
     assert stats["d2h_bytes"] > 0 and stats["restored_bytes"] == stats["d2h_bytes"]
 
 
-def test_later_plans_measure_the_host_again_and_keep_the_smaller_issue_time():
-    """The calibration step's host spans read high (a full launch queue holds the host back); the first
-    HOST_STEPS steps of each later plan measure them again, per kind and block, and the smaller value stays
-    for the next plan made. The plan running keeps its prediction; a later step changes nothing."""
+def test_later_plans_measure_the_blocks_again_and_keep_the_smaller_times():
+    """The calibration step's spans read high (a full launch queue holds the host back; a slow host leaves
+    the GPU waiting inside a block); the first HOST_STEPS steps of each later plan measure host and GPU
+    time again, per kind and block, and the smaller value stays for the next plan made. The plan running
+    keeps its prediction; a later step changes nothing."""
     from torch_stagehand.runtime.planning import HOST_STEPS
 
     model, x = _model()
     rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
     slow = 10.0  # seconds per block: what a held-back host might have read
     rt.replan(CostModel(host_s={k: [slow] * N for k in ("forward", "recompute", "backward")},
-                        host_fetch_share=[0.5] * N))
+                        host_fetch_share=[0.5] * N, forward_s=[slow] * N, backward_s=[slow] * N))
     predicted = rt.plan.predicted_step_s
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     torch._dynamo.reset()
@@ -339,9 +340,12 @@ def test_later_plans_measure_the_host_again_and_keep_the_smaller_issue_time():
     assert all(0 < s < slow for s in host["forward"]) and all(0 < s < slow for s in host["backward"])
     assert host["recompute"] == [slow if b not in rt.plan.recomputed else host["recompute"][b] for b in range(N)]
     assert rt.plan.predicted_step_s == predicted and rt.stats()["host_refinements"] >= 2 * N
-    before = copy.deepcopy(host)
+    gpu = rt.planner.cost_model
+    assert all(0 < s < slow for s in gpu.forward_s + gpu.backward_s) and rt.stats()["compute_refinements"] >= 2 * N
+    before = copy.deepcopy((host, gpu.forward_s, gpu.backward_s))
     _step(compiled, model, x)
-    assert rt.planner.cost_model.host_s == before and rt.planner.host_clock is None
+    assert (rt.planner.cost_model.host_s, gpu.forward_s, gpu.backward_s) == before
+    assert rt.planner.host_clock is None and rt.planner.block_timer is None
     assert rt.replan().predicted_step_s < predicted  # the next plan is made from the lowered times
 
 
@@ -357,3 +361,33 @@ def test_refine_host_keeps_the_minimum_and_scales_a_resident_blocks_span_back():
     frozen = CostModel(host_s={"forward": [4.0]}, frozen=True)
     assert frozen.refine_host({"forward": [1.0]}, set()) == 0 and frozen.host_s == {"forward": [4.0]}
     assert CostModel().refine_host({"forward": [1.0]}, set()) == 0
+
+
+def test_refine_compute_takes_a_recompute_for_the_forward_and_keeps_the_minimum():
+    caller = [4.0, 4.0, 4.0]
+    model = CostModel(forward_s=caller, backward_s=[8.0, 8.0, 8.0])
+    lowered = model.refine_compute({"forward": [3.0, 1.0, 0.0], "recompute": [0.0, 2.0, 0.0],
+                                    "backward": [9.0, 7.0, 0.0]})
+    # block 1 recomputed: its forward counts the recompute (the training variant), 2.0, not the 1.0 forward;
+    # block 0's backward measured higher (kept); block 2 did not run.
+    assert model.forward_s == [3.0, 2.0, 4.0] and model.backward_s == [8.0, 7.0, 8.0] and lowered == 3
+    assert caller == [4.0, 4.0, 4.0]  # the caller's list is not written
+    assert CostModel().refine_compute({"forward": [1.0], "recompute": [0.0], "backward": [1.0]}) == 0
+
+
+def test_the_gpu_time_outside_the_blocks_is_at_least_the_measured_turn_and_tail(monkeypatch):
+    """other_s: the calibration step's residual, or the measured turn (last forward release to the first
+    backward start) plus tail (last release to the step's end) where that is more, on the GPU's clock."""
+    from torch_stagehand.runtime.conductor import calibrate
+
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: next(clock))
+    cal = calibrate.Calibration(2, torch.device("cpu"))
+    for block, kind in ((0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")):
+        cal.on_wait(block, kind)
+        cal.on_release(block)
+    # Each wait / release reads the clock twice (timer event, host mark): block 1's forward release event
+    # at tick 7, block 1's backward start at 9, the last release at 15, the finish's end event at 17.
+    assert cal.timer.glue_seconds(17.0) == (9 - 7) + (17 - 15)
+    model = cal.finish(CostModel(frozen=True), lambda m: (100.0, 0))  # a residual of zero
+    assert model.other_s == 4.0 and model.measured["calibration_glue_s"] == 4.0

@@ -152,6 +152,23 @@ class CostModel:
                     lowered += 1
         return lowered
 
+    def refine_compute(self, seconds: dict[str, list[float]]) -> int:
+        """Keep the smaller of the known and a newly measured GPU time per block (`BlockTimer` spans): the
+        forward from a recompute where the block recomputed (the training variant, as calibration takes it),
+        else from its forward; the backward as measured. The count of values lowered."""
+        if self.forward_s is None or self.backward_s is None or self.frozen:
+            return 0
+        forward = [r or f for f, r in zip(seconds["forward"], seconds["recompute"])]
+        lowered = 0
+        for name, values in (("forward_s", forward), ("backward_s", seconds["backward"])):
+            known = list(getattr(self, name))  # never write into a caller's list
+            for b, new in enumerate(values):
+                if new > 0 and (known[b] <= 0 or new < known[b]):
+                    known[b] = new
+                    lowered += 1
+            setattr(self, name, known)
+        return lowered
+
 
 # ---- H2D bandwidth, measured once per machine --------------------------------------------------
 
