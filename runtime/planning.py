@@ -14,7 +14,7 @@ reach the compiled program through `Runtime.planned_recompute`.
 On CUDA, unless the cost model was injected (`frozen`), the first steps run
 the smallest plan and the second of them is measured (conductor/calibrate.py;
 the first one compiles); the plan is re-made from the measurements when that
-step ends. The first `HOST_STEPS` steps of every later plan measure each
+step ends. The first `REFINE_STEPS` steps of every later plan measure each
 block again, the host's issue time (`HostClock`) and the GPU's time
 (`BlockTimer`, one synchronisation at the step's end): the calibration step's
 copies hold the host back in a full launch queue, and a slow host leaves the
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 # Steps run under the smallest plan before the measured one: the first compiles and autotunes,
 # so its times say nothing about the next ones.
 WARMUP_STEPS = 1
-HOST_STEPS = 2  # steps of a new plan whose host and GPU times per block refine the cost model (the first compiles)
+REFINE_STEPS = 2  # steps of a new plan whose host and GPU times per block refine the cost model (the first compiles)
 # A plan that does not fit when applied (the device has less than the budget says) is re-made
 # under a budget with this fraction of its streamed-weight bytes fewer, up to SHRINK_TRIES times.
 SHRINK_FRACTION, SHRINK_TRIES = 0.25, 10
@@ -87,9 +87,9 @@ class PlanDriver:
         self._peak_check: str | None = None  # "pending" -> "measuring" over the first step of a new plan
         self.peak_corrections: list[str] = []  # what the measured peaks taught the cost model
         self.peak_margin = 0  # the largest excess of a measured peak over its prediction (planned under the budget)
-        self.host_clock: HostClock | None = None  # over the first HOST_STEPS steps of a planned plan
+        self.host_clock: HostClock | None = None  # over the first REFINE_STEPS steps of a planned plan
         self.block_timer: BlockTimer | None = None  # the same steps, on the GPU's clock
-        self._host_steps = 0
+        self._refine_steps = 0
         self.host_refinements = 0  # host issue times the later plans' steps lowered
         self.compute_refinements = 0  # GPU times per block the later plans' steps lowered
 
@@ -171,7 +171,7 @@ class PlanDriver:
         self.replans += 1
         # The first step under a made plan measures its peak (`_check_peak`); a hand-made one is the user's.
         self._peak_check = "pending" if plan.kind == "planned" and not given and self.rt.device.type == "cuda" else None
-        self._host_steps = HOST_STEPS if plan.kind == "planned" else 0
+        self._refine_steps = REFINE_STEPS if plan.kind == "planned" else 0
         if self._admit:
             self.window = self.conductor.reserve_plan(
                 [p.bytes for p in plan.blocks if p.resident], plan.slot_bytes, plan.slots, plan.lookahead)
@@ -312,7 +312,7 @@ class PlanDriver:
         if self._peak_check == "pending" and self.calibration is None:
             torch.cuda.reset_peak_memory_stats(self.rt.device)  # host-side counters: no synchronisation
             self._peak_check = "measuring"
-        if self._host_steps and self.calibration is None and self.cost_model.host_s is not None:
+        if self._refine_steps and self.calibration is None and self.cost_model.host_s is not None:
             self.host_clock = HostClock(len(self.rt.blocks))
             self.block_timer = BlockTimer(len(self.rt.blocks), self.rt.device)
 
@@ -345,15 +345,15 @@ class PlanDriver:
         self.apply(f"measured peak over the budget at step {step}")
 
     def on_step_end(self, step: int) -> None:
-        if self._peak_check == "measuring":
-            self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
-        if self.host_clock is not None:
+        if self.host_clock is not None:  # before the peak check, which may re-plan
             clock, timer, self.host_clock, self.block_timer = self.host_clock, self.block_timer, None, None
-            self._host_steps -= 1
+            self._refine_steps -= 1
             self.host_refinements += self.cost_model.refine_host(clock.seconds(), self.plan.resident)
             if timer.cuda:
                 torch.cuda.synchronize(self.rt.device)  # the events are read: once per measured step
             self.compute_refinements += self.cost_model.refine_compute(timer.seconds())
+        if self._peak_check == "measuring":
+            self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
         if self.calibration is None:
             return
         calibration, self.calibration = self.calibration, None

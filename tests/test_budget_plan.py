@@ -321,10 +321,10 @@ def test_spilled_activations_come_back_for_the_backward_with_the_same_gradients(
 
 def test_later_plans_measure_the_blocks_again_and_keep_the_smaller_times():
     """The calibration step's spans read high (a full launch queue holds the host back; a slow host leaves
-    the GPU waiting inside a block); the first HOST_STEPS steps of each later plan measure host and GPU
+    the GPU waiting inside a block); the first REFINE_STEPS steps of each later plan measure host and GPU
     time again, per kind and block, and the smaller value stays for the next plan made. The plan running
     keeps its prediction; a later step changes nothing."""
-    from torch_stagehand.runtime.planning import HOST_STEPS
+    from torch_stagehand.runtime.planning import REFINE_STEPS
 
     model, x = _model()
     rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
@@ -334,7 +334,7 @@ def test_later_plans_measure_the_blocks_again_and_keep_the_smaller_times():
     predicted = rt.plan.predicted_step_s
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     torch._dynamo.reset()
-    for _ in range(HOST_STEPS + 1):  # no optimizer attached: the first step ends when the second begins
+    for _ in range(REFINE_STEPS + 1):  # no optimizer attached: the first step ends when the second begins
         _step(compiled, model, x)
     host = rt.planner.cost_model.host_s
     assert all(0 < s < slow for s in host["forward"]) and all(0 < s < slow for s in host["backward"])
