@@ -1,7 +1,10 @@
-"""Small FX helpers the passes share: which nodes stream, and placeholder plumbing."""
+"""Small FX helpers the passes share: which nodes stream, what a node held when captured, and placeholder plumbing."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.fx as fx
 
 from torch_stagehand.runtime.ops import STREAMED_LINEAR_OPS
@@ -10,6 +13,16 @@ from torch_stagehand.runtime.ops import STREAMED_LINEAR_OPS
 # Node meta key: the node came from the body of the model's own activation checkpoint
 # (set by passes/inline_checkpoints, read by assign_segments: the block recomputes).
 RECOMPUTE = "stagehand_recompute"
+
+
+def example_value(node: Any) -> Any:
+    """What the node held when Dynamo captured it (its fake value), or None (not a node, or no record)."""
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def has_static_shape(value: Any) -> bool:
+    """A tensor whose every size is a plain int (no symbolic dimension)."""
+    return isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in value.shape)
 
 
 def is_streamed_linear(node: fx.Node) -> bool:

@@ -27,9 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-
-def _example_value(node: fx.Node) -> Any:
-    return node.meta.get("example_value", node.meta.get("val"))
+from .graph_nodes import example_value
 
 
 def _is_symbolic(value: Any) -> bool:
@@ -65,7 +63,7 @@ class SymbolicInputs:
     @staticmethod
     def of(gm: fx.GraphModule) -> "SymbolicInputs | None":
         """The symbolic inputs of `gm`, or None when Dynamo gave it static shapes."""
-        values = [_example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        values = [example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
         if not any(_is_symbolic(v) for v in values):
             return None
         dims = tuple(

@@ -15,8 +15,8 @@ On CUDA, unless the cost model was injected (`frozen`), the first steps run
 the smallest plan and the second of them is measured (conductor/calibrate.py;
 the first one compiles); the plan is re-made from the measurements when that
 step ends. The first `REFINE_STEPS` steps of every later plan measure each
-block again, the host's issue time (`HostClock`) and the GPU's time
-(`BlockTimer`, one synchronisation at the step's end): the calibration step's
+block again (`BlockClocks`): the host's issue time and the GPU's time
+(one synchronisation at the step's end): the calibration step's
 copies hold the host back in a full launch queue, and a slow host leaves the
 GPU waiting inside a block, so both read high there and never low; the smaller
 value stays for the next plan made (the plan running keeps the prediction it
@@ -32,7 +32,7 @@ import logging
 import torch
 
 from .conductor.arbiter import Conductor
-from .conductor.calibrate import FORWARD, BlockTimer, Calibration, HostClock
+from .conductor.calibrate import FORWARD, BlockClocks, Calibration
 from .conductor.costs import Budget, BudgetError, CostModel, h2d_bandwidth, parse_bytes
 from .conductor.planner import Plan, build_plan, make_plan
 from .registry import NO_BLOCK
@@ -87,8 +87,7 @@ class PlanDriver:
         self._peak_check: str | None = None  # "pending" -> "measuring" over the first step of a new plan
         self.peak_corrections: list[str] = []  # what the measured peaks taught the cost model
         self.peak_margin = 0  # the largest excess of a measured peak over its prediction (planned under the budget)
-        self.host_clock: HostClock | None = None  # over the first REFINE_STEPS steps of a planned plan
-        self.block_timer: BlockTimer | None = None  # the same steps, on the GPU's clock
+        self.refining: BlockClocks | None = None  # over the first REFINE_STEPS steps of a planned plan
         self._refine_steps = 0
         self.host_refinements = 0  # host issue times the later plans' steps lowered
         self.compute_refinements = 0  # GPU times per block the later plans' steps lowered
@@ -258,16 +257,14 @@ class PlanDriver:
                 self.rt.fetch_order.record_forward(block)
         if self.calibration is not None:
             self.calibration.on_wait(block, kind)
-        if self.host_clock is not None:
-            self.host_clock.mark(block, kind)
-            self.block_timer.open(block, kind)
+        if self.refining is not None:
+            self.refining.on_wait(block, kind)
 
     def on_release(self, block: int) -> None:
         if self.calibration is not None:
             self.calibration.on_release(block)
-        if self.host_clock is not None:
-            self.host_clock.release()
-            self.block_timer.close(block)
+        if self.refining is not None:
+            self.refining.on_release(block)
 
     def schedule_op_took(self, t0: float) -> None:
         """A schedule op (wait / prefetch / evict) started at host clock `t0` and ends now."""
@@ -313,8 +310,7 @@ class PlanDriver:
             torch.cuda.reset_peak_memory_stats(self.rt.device)  # host-side counters: no synchronisation
             self._peak_check = "measuring"
         if self._refine_steps and self.calibration is None and self.cost_model.host_s is not None:
-            self.host_clock = HostClock(len(self.rt.blocks))
-            self.block_timer = BlockTimer(len(self.rt.blocks), self.rt.device)
+            self.refining = BlockClocks(len(self.rt.blocks), self.rt.device)
 
     def _check_peak(self, step: int, peak: int) -> None:
         """The first step of a new plan, measured: a peak above the prediction corrects the cost model.
@@ -345,13 +341,13 @@ class PlanDriver:
         self.apply(f"measured peak over the budget at step {step}")
 
     def on_step_end(self, step: int) -> None:
-        if self.host_clock is not None:  # before the peak check, which may re-plan
-            clock, timer, self.host_clock, self.block_timer = self.host_clock, self.block_timer, None, None
+        if self.refining is not None:  # before the peak check, which may re-plan
+            clocks, self.refining = self.refining, None
             self._refine_steps -= 1
-            self.host_refinements += self.cost_model.refine_host(clock.seconds(), self.plan.resident)
-            if timer.cuda:
+            self.host_refinements += self.cost_model.refine_host(clocks.host.seconds(), self.plan.resident)
+            if clocks.gpu.cuda:
                 torch.cuda.synchronize(self.rt.device)  # the events are read: once per measured step
-            self.compute_refinements += self.cost_model.refine_compute(timer.seconds())
+            self.compute_refinements += self.cost_model.refine_compute(clocks.gpu.seconds())
         if self._peak_check == "measuring":
             self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
         if self.calibration is None:

@@ -338,14 +338,15 @@ def test_later_plans_measure_the_blocks_again_and_keep_the_smaller_times():
         _step(compiled, model, x)
     host = rt.planner.cost_model.host_s
     assert all(0 < s < slow for s in host["forward"]) and all(0 < s < slow for s in host["backward"])
-    assert host["recompute"] == [slow if b not in rt.plan.recomputed else host["recompute"][b] for b in range(N)]
+    # a recompute is measured only where the plan recomputes; elsewhere the known value stays
+    assert all((s < slow) == (b in rt.plan.recomputed) for b, s in enumerate(host["recompute"]))
     assert rt.plan.predicted_step_s == predicted and rt.stats()["host_refinements"] >= 2 * N
     gpu = rt.planner.cost_model
     assert all(0 < s < slow for s in gpu.forward_s + gpu.backward_s) and rt.stats()["compute_refinements"] >= 2 * N
     before = copy.deepcopy((host, gpu.forward_s, gpu.backward_s))
     _step(compiled, model, x)
     assert (rt.planner.cost_model.host_s, gpu.forward_s, gpu.backward_s) == before
-    assert rt.planner.host_clock is None and rt.planner.block_timer is None
+    assert rt.planner.refining is None
     assert rt.replan().predicted_step_s < predicted  # the next plan is made from the lowered times
 
 
@@ -388,6 +389,6 @@ def test_the_gpu_time_outside_the_blocks_is_at_least_the_measured_turn_and_tail(
         cal.on_release(block)
     # Each wait / release reads the clock twice (timer event, host mark): block 1's forward release event
     # at tick 7, block 1's backward start at 9, the last release at 15, the finish's end event at 17.
-    assert cal.timer.glue_seconds(17.0) == (9 - 7) + (17 - 15)
+    assert cal.clocks.gpu.glue_seconds(17.0) == (9 - 7) + (17 - 15)
     model = cal.finish(CostModel(frozen=True), lambda m: (100.0, 0))  # a residual of zero
     assert model.other_s == 4.0 and model.measured["calibration_glue_s"] == 4.0

@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from ..context import CompileContext, compiler_pass
+from ..graph_nodes import example_value, has_static_shape
 
 _MASK_ARG, _CAUSAL_ARG = 3, 5  # positions in scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
 
@@ -105,18 +106,13 @@ def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
 
 def _static(node: fx.Node) -> bool:
     """No symbolic size in what the node produced (a dynamic length would change the mask per call)."""
-    value = node.meta.get("example_value", node.meta.get("val"))
-    if isinstance(value, torch.Tensor):
-        return all(isinstance(s, int) for s in value.shape)
-    return not isinstance(value, torch.SymInt)
+    value = example_value(node)
+    return has_static_shape(value) if isinstance(value, torch.Tensor) else not isinstance(value, torch.SymInt)
 
 
 def _static_dim(node, dim: int) -> int | None:
-    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
-    if not isinstance(value, torch.Tensor) or value.dim() < 2:
-        return None
-    size = value.shape[dim]
-    return size if isinstance(size, int) else None
+    value = example_value(node)
+    return value.shape[dim] if has_static_shape(value) and value.dim() >= 2 else None
 
 
 def _evaluate(gm: fx.GraphModule, ancestors: list[fx.Node], mask: fx.Node):

@@ -30,15 +30,15 @@ from torch_stagehand.runtime.precision import LayerLayout
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import VariantContext, compiler_pass
-from ..graph_nodes import add_placeholder, is_streamed_linear
+from ..graph_nodes import add_placeholder, example_value, has_static_shape, is_streamed_linear
 
 WEIGHTS, BLOCK_TOK, PREV_TOK = "stagehand_weights", "stagehand_block_tok", "stagehand_prev_tok"
 
 
 def _rows(x: fx.Node, in_features: int) -> int | None:
     """The rows (tokens) of the Linear's input as captured, or None where they are symbolic or unknown."""
-    value = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
-    if not isinstance(value, torch.Tensor) or not all(isinstance(d, int) for d in value.shape) or not in_features:
+    value = example_value(x)
+    if not has_static_shape(value) or not in_features:
         return None
     return value.numel() // in_features
 

@@ -135,15 +135,31 @@ class BlockTimer:
         return seconds
 
 
+class BlockClocks:
+    """The host's clock and the GPU's over one step, both opened at a block's wait (after the stream waited
+    for its copy) and closed at its release: what calibration and every plan's first steps measure."""
+
+    def __init__(self, n_blocks: int, device: torch.device):
+        self.host = HostClock(n_blocks)
+        self.gpu = BlockTimer(n_blocks, device)
+
+    def on_wait(self, block: int, kind: str) -> None:
+        self.gpu.open(block, kind)
+        self.host.mark(block, kind)
+
+    def on_release(self, block: int) -> None:
+        self.gpu.close(block)
+        self.host.release()
+
+
 class Calibration:
     def __init__(self, n_blocks: int, device: torch.device):
         self.n = n_blocks
         self.device = device
-        self.timer = BlockTimer(n_blocks, device)
+        self.clocks = BlockClocks(n_blocks, device)
         self._alloc: dict[tuple[int, str], int] = {}
         self._forward_order: list[int] = []
-        self.host = HostClock(n_blocks)
-        self._host_marks = self.host.marks
+        self._host_marks = self.clocks.host.marks
         self._host_in_ops = [0.0] * n_blocks  # host seconds inside schedule ops, per block of the current item
         self.cuda = device.type == "cuda"
         if self.cuda:
@@ -152,10 +168,10 @@ class Calibration:
         self._start = self._event()
 
     def _event(self):
-        return self.timer.event()
+        return self.clocks.gpu.event()
 
     def _seconds(self, start, stop) -> float:
-        return self.timer.elapsed(start, stop)
+        return self.clocks.gpu.elapsed(start, stop)
 
     def _allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.cuda else 0
@@ -167,12 +183,10 @@ class Calibration:
         self._alloc[key] = self._allocated()
         if kind == FORWARD:
             self._forward_order.append(block)
-        self.timer.open(block, kind)
-        self.host.mark(block, kind)
+        self.clocks.on_wait(block, kind)
 
     def on_release(self, block: int) -> None:
-        self.timer.close(block)
-        self.host.release()
+        self.clocks.on_release(block)
 
     def on_schedule_op(self, seconds: float) -> None:
         """Host time spent in a schedule op, charged to the block whose item the host is issuing."""
@@ -186,7 +200,7 @@ class Calibration:
             torch.cuda.synchronize(self.device)
         step_s = self._seconds(self._start, end)
         peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
-        seconds = self.timer.seconds()
+        seconds = self.clocks.gpu.seconds()
         order = self._forward_order
         inputs = [0] * self.n
         for a, b in zip(order, order[1:]):
@@ -206,7 +220,7 @@ class Calibration:
         model.base_bytes = max(0, peak - predicted_peak)
         # What the step spends outside the blocks: at least the GPU's measured turn and tail (in this
         # host-bound, copy-bound step the residual can hide them, and a resident plan pays them in full).
-        glue_s = self.timer.glue_seconds(end)
+        glue_s = self.clocks.gpu.glue_seconds(end)
         model.other_s = max(0.0, step_s - predicted_s, glue_s)
         model.measured = dict(base.measured, calibration_step_s=round(step_s, 4), calibration_peak_bytes=peak,
                               calibration_host_s=round(sum(map(sum, model.host_s.values())), 4),
@@ -215,4 +229,4 @@ class Calibration:
 
     def _host_seconds(self) -> dict[str, list[float]]:
         """Per kind and block: the host's issue time in this step (`HostClock`)."""
-        return self.host.seconds()
+        return self.clocks.host.seconds()

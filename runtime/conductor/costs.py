@@ -137,19 +137,14 @@ class CostModel:
         to a streamed block's (by `host_fetch_share`) so every stored value means the same thing."""
         if self.host_s is None or self.frozen:
             return 0
+        share = [self.host_fetch_share[b] if self.host_fetch_share and b in resident else 0.0
+                 for b in range(len(next(iter(seconds.values()), [])))]
+        streamed_equivalent = [1.0 / (1.0 - f) if f < 1.0 else 0.0 for f in share]  # 0: nothing to learn
         lowered = 0
         for kind, values in seconds.items():
-            if kind not in self.host_s:
-                continue
-            known = self.host_s[kind] = list(self.host_s[kind])  # never write into a caller's list
-            for b, new in enumerate(values):
-                share = self.host_fetch_share[b] if self.host_fetch_share and b in resident else 0.0
-                if new <= 0 or share >= 1.0:
-                    continue
-                new /= 1.0 - share
-                if known[b] <= 0 or new < known[b]:
-                    known[b] = new
-                    lowered += 1
+            if kind in self.host_s:
+                self.host_s[kind], n = _keep_smaller(self.host_s[kind], values, streamed_equivalent)
+                lowered += n
         return lowered
 
     def refine_compute(self, seconds: dict[str, list[float]]) -> int:
@@ -159,15 +154,22 @@ class CostModel:
         if self.forward_s is None or self.backward_s is None or self.frozen:
             return 0
         forward = [r or f for f, r in zip(seconds["forward"], seconds["recompute"])]
-        lowered = 0
-        for name, values in (("forward_s", forward), ("backward_s", seconds["backward"])):
-            known = list(getattr(self, name))  # never write into a caller's list
-            for b, new in enumerate(values):
-                if new > 0 and (known[b] <= 0 or new < known[b]):
-                    known[b] = new
-                    lowered += 1
-            setattr(self, name, known)
-        return lowered
+        self.forward_s, n_forward = _keep_smaller(self.forward_s, forward)
+        self.backward_s, n_backward = _keep_smaller(self.backward_s, seconds["backward"])
+        return n_forward + n_backward
+
+
+def _keep_smaller(known: list[float], measured: list[float], scale: list[float] | None = None):
+    """A new list (never a caller's, written in place) with each measured value, scaled, where it is below the
+    known one or the known one is unset; and how many it lowered. A measured 0 (the block did not run) or a
+    scale of 0 teaches nothing."""
+    out, lowered = list(known), 0
+    for b, value in enumerate(measured):
+        value *= 1.0 if scale is None else scale[b]
+        if value > 0 and (out[b] <= 0 or value < out[b]):
+            out[b] = value
+            lowered += 1
+    return out, lowered
 
 
 # ---- H2D bandwidth, measured once per machine --------------------------------------------------
