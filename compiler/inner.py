@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from .context import PassLog
+from .mutation import MutationIndex
 from .source_hash import passes_uuid
 
 if TYPE_CHECKING:
@@ -117,6 +118,24 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph:
 
 
 
+class ScalarReadAfterWriteError(RuntimeError):
+    """A unit reads `.item()` of an input after writing into it: the value at call time cannot be baked in."""
+
+
+def _refuse_reads_after_writes(gm: fx.GraphModule, reads: list[fx.Node]) -> None:
+    """Baking folds a read to the input's value at the call; a write before the read would change it
+    (compiler/mutation.py: the rule for every pass that folds graph values)."""
+    writes = MutationIndex.of(gm.graph)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for read in reads:
+        before = [w.name for w in writes.writers([read.args[0]]) if order[w] < order[read]]
+        if before:
+            raise ScalarReadAfterWriteError(
+                f"stagehand: input {read.args[0].name} is written in place ({', '.join(before)}) before its "
+                f".item() is read ({read.name}); under dynamic shapes that read is compiled in as the input's "
+                "value, which the write changes. Compile with dynamic=False, or move the write out of the model")
+
+
 def _bake_scalar_reads(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
     """A copy of `gm` in which `.item()` of a 0-dim input is the number the input holds now.
 
@@ -132,6 +151,7 @@ def _bake_scalar_reads(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModu
              and n.args[0] in placeholders and isinstance(example_inputs[placeholders.index(n.args[0])], torch.Tensor)]
     if not reads:
         return gm
+    _refuse_reads_after_writes(gm, reads)
     import copy
 
     baked = copy.deepcopy(gm)

@@ -19,6 +19,22 @@ passes that ran in order (`explain()` lists them). Three stages:
 The backend driver (backend.py) runs GRAPH_PASSES and hands the other two
 lists to the units through the context, so this package is the only place
 that knows the order.
+
+Rules for pass authors:
+
+- A pass never reaches into runtime state; it reads its context and the graph.
+- A pass that evaluates, folds or proves something about a graph value
+  respects mutation. Dynamo's graph is not functional: a value written in
+  place (an in-place op, `setitem`, `out=`, a write into a view's base) after
+  its node ran is not the value its construction shows, and no data edge
+  leads from the write to the value's later readers. Before using a value's
+  construction, ask `compiler.mutation.MutationIndex.writers(...)` about the
+  value, everything it is computed from, and (through the fake storages)
+  everything aliasing them; if anything writes there, leave the value alone
+  (causal_attention, inner._bake_scalar_reads), or run on the functionalized
+  graph inside AOTAutograd, where every write is explicit (JOINT_PASSES).
+- A pass records what it changed, and what it declined to change with the
+  reason, through `ctx.note` (`explain()` and `stagehand inspect` print it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pass `causal_attention`: a constant causal mask handed to attention becomes `is_causal=True`.
+"""Pass `causal_attention`: a causal mask built from constants becomes `is_causal=True`.
 
 Under torch.compile, transformers cannot look at data, so in training (no KV
 cache) it builds the causal mask as a tensor: it would have to read the
@@ -10,14 +10,26 @@ shape at 2048 tokens that costs 4x in the attention backward and ~40 ms a
 step on an H100, against the same model run eagerly, where transformers checks
 the data and passes `is_causal=True`.
 
-When the mask is built from constants alone (no graph input, no parameter or
-buffer among its ancestors: the position ids are an `arange` the model made
-itself) its value is fixed for this graph. The pass evaluates it once, on the
-device, and where it is exactly the lower triangle over (L, L), broadcast,
-drops the mask and sets `is_causal=True`: the same attention, and SDPA may
-pick flash. A mask that depends on an input (padding, packed sequences),
-a symbolic size, or anything but the plain causal pattern (sliding window,
-prefix-LM, an additive bias) is left as it is.
+A mask is rewritten only when all of these hold:
+
+1. It is built from constants: no graph input, parameter or buffer among the
+   nodes it is computed from, other than sizes (a symbolic length is fine).
+2. Nothing writes in place into it, into anything it is computed from, or into
+   anything sharing their storage (`compiler/mutation.py`). Dynamo's graph is
+   not functional: `mask.logical_and_(keep)`, `causal[..., :n] = ...masked_fill(pad)`
+   (transformers <= 4.47 and much remote code) or `base.mul_(keep)` after
+   `mask = base[:, None]` put the batch's padding into a mask whose
+   construction shows only the triangle.
+3. Its construction is the causal triangle over (L, L) for every length
+   (`compiler/mask_proof.py`: aranges, comparisons, tril / triu, ones / full,
+   broadcasting and indexing as closed forms of the indices). Where the
+   construction uses an op that proof does not model and every size is
+   static, the mask is evaluated once instead (its value is then fixed).
+
+A mask that depends on an input (padding, packed sequences), that is written
+after it was built, or that is anything but the plain causal pattern (sliding
+window, prefix-LM, an additive bias, L != S) is left as it is, and the pass
+says why.
 """
 
 from __future__ import annotations
@@ -27,8 +39,11 @@ import torch.fx as fx
 
 from ..context import CompileContext, compiler_pass
 from ..graph_nodes import example_value, has_static_shape
+from ..mask_proof import prove_causal, size_key
+from ..mutation import MutationIndex
 
 _MASK_ARG, _CAUSAL_ARG = 3, 5  # positions in scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+_SIZE_READS = {"size", "sym_size", "sym_numel", "dim"}  # read a tensor's shape, not its data
 
 
 def is_sdpa(node: fx.Node) -> bool:
@@ -37,103 +52,128 @@ def is_sdpa(node: fx.Node) -> bool:
 
 @compiler_pass("causal_attention")
 def causal_attention(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    verdicts: dict[fx.Node, bool] = {}  # one evaluation per mask node (every layer shares the model's one mask)
+    writes = MutationIndex.of(gm.graph)
+    verdicts: dict[fx.Node, tuple[bool, str]] = {}  # one decision per mask node (every layer shares the model's one)
     rewritten = 0
     for node in list(gm.graph.nodes):
         mask = _arg(node, "attn_mask", _MASK_ARG) if is_sdpa(node) else None
         if not isinstance(mask, fx.Node) or _arg(node, "is_causal", _CAUSAL_ARG):
             continue
         if mask not in verdicts:
-            verdicts[mask] = _is_constant_causal(gm, node, mask)
-        if verdicts[mask]:
+            verdicts[mask] = _decide(gm, node, mask, writes)
+        if verdicts[mask][0]:
             _set(node, "attn_mask", _MASK_ARG, None)
             _set(node, "is_causal", _CAUSAL_ARG, True)
             rewritten += 1
     if rewritten:
-        for mask, causal in verdicts.items():
+        for mask, (causal, _) in verdicts.items():
             if causal:
                 _erase_unused(gm.graph, mask)
         gm.recompile()
+        how = sorted({why for causal, why in verdicts.values() if causal})
         ctx.note(f"{rewritten} attention call(s): a constant causal mask became is_causal=True (flash attention "
-                 "may run; the mask is no longer built)")
-    kept = [m.name for m, causal in verdicts.items() if not causal]
-    if kept:
-        ctx.note(f"attention mask(s) {kept} kept: built from inputs, or not the plain causal pattern")
+                 f"may run; the mask is no longer built): {'; '.join(how)}")
+    for mask, (causal, why) in verdicts.items():
+        if not causal:
+            ctx.note(f"attention mask {mask.name} kept: {why}")
     return gm
 
 
-def _is_constant_causal(gm: fx.GraphModule, sdpa: fx.Node, mask: fx.Node) -> bool:
-    ancestors = _ancestors(mask)
-    if ancestors is None:
-        return False
+def _decide(gm: fx.GraphModule, sdpa: fx.Node, mask: fx.Node, writes: MutationIndex) -> tuple[bool, str]:
+    """(rewrite?, why) for one mask."""
+    built_from = _construction(mask)
+    if built_from is None:
+        return False, "built from an input, a parameter or a buffer"
+    writers = writes.writers(built_from)
+    if writers:
+        return False, f"written in place after it was built ({', '.join(sorted(w.name for w in writers))})"
     query = sdpa.args[0] if sdpa.args else sdpa.kwargs.get("query")
     key = sdpa.args[1] if len(sdpa.args) > 1 else sdpa.kwargs.get("key")
-    q_len, k_len = _static_dim(query, -2), _static_dim(key, -2)
-    if q_len is None or q_len != k_len:
-        return False  # is_causal is top-left aligned: the same mask only when L == S
-    value = _evaluate(gm, ancestors, mask)
-    if not isinstance(value, torch.Tensor) or value.dim() < 2 or tuple(value.shape[-2:]) != (q_len, k_len):
-        return False
-    if value.dtype == torch.bool:
-        allowed = value
-    elif value.is_floating_point():
-        lowest = torch.finfo(value.dtype).min
-        blocked = torch.isneginf(value) | (value == lowest)
-        if not bool(((value == 0) | blocked).all()):
-            return False  # an additive bias (ALiBi, relative positions): not a mask alone
-        allowed = ~blocked
-    else:
-        return False
-    causal = torch.ones(q_len, k_len, dtype=torch.bool, device=allowed.device).tril()
-    return bool(torch.equal(allowed, causal.expand_as(allowed)))
+    q_len, k_len, fake = _dim(query, -2), _dim(key, -2), example_value(mask)
+    if q_len is None or k_len is None or size_key(q_len) != size_key(k_len):
+        return False, "queries and keys of different lengths (is_causal is top-left aligned)"
+    if not isinstance(fake, torch.Tensor) or fake.dim() < 2 or \
+            [size_key(s) for s in fake.shape[-2:]] != [size_key(q_len), size_key(k_len)]:
+        return False, "not an L x L mask"
+    verdict, why = prove_causal(built_from)
+    if verdict == "causal":
+        static = all(has_static_shape(v) for v in map(example_value, built_from) if isinstance(v, torch.Tensor))
+        return True, why + ("" if static else " (for every length)")
+    if verdict == "other":
+        return False, why
+    if not all(_static(n) for n in built_from):
+        return False, f"symbolic sizes, and the construction is not one the proof models ({why})"
+    evaluated = _evaluate_causal(gm, built_from, mask)
+    return evaluated, "evaluated: the causal triangle" if evaluated else f"evaluated: not the causal triangle ({why})"
 
 
-def _ancestors(mask: fx.Node) -> list[fx.Node] | None:
-    """The nodes the mask is computed from, in graph order; None if any is an input, a parameter or a buffer."""
+def _construction(mask: fx.Node) -> list[fx.Node] | None:
+    """The nodes the mask is computed from, in graph order; None if any reads an input's, parameter's or
+    buffer's data. A read of a size (`x.size(1)`, a SymInt input) is a leaf: it carries no data."""
     seen: set[fx.Node] = set()
     stack = [mask]
     while stack:
         node = stack.pop()
         if node in seen:
             continue
-        if node.op in ("placeholder", "get_attr") or not _static(node):
-            return None
         seen.add(node)
+        value = example_value(node)
+        if node.op == "placeholder" and isinstance(value, (int, torch.SymInt)):
+            continue  # a (symbolic) size passed in
+        if node.op == "call_method" and node.target in _SIZE_READS or \
+                node.op == "call_function" and getattr(node.target, "__name__", "") in _SIZE_READS:
+            continue  # reads the shape only
+        if node.op in ("placeholder", "get_attr"):
+            return None
         stack.extend(node.all_input_nodes)
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     return sorted(seen, key=order.__getitem__)
 
 
 def _static(node: fx.Node) -> bool:
-    """No symbolic size in what the node produced (a dynamic length would change the mask per call)."""
+    """No symbolic size in what the node produced, and not a placeholder or a size read (evaluation reads none)."""
     value = example_value(node)
-    return has_static_shape(value) if isinstance(value, torch.Tensor) else not isinstance(value, torch.SymInt)
+    if node.op == "placeholder" or isinstance(value, torch.SymInt):
+        return False
+    return has_static_shape(value) if isinstance(value, torch.Tensor) else True
 
 
-def _static_dim(node, dim: int) -> int | None:
+def _dim(node, dim: int):
     value = example_value(node)
-    return value.shape[dim] if has_static_shape(value) and value.dim() >= 2 else None
+    return value.shape[dim] if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
 
 
-def _evaluate(gm: fx.GraphModule, ancestors: list[fx.Node], mask: fx.Node):
-    """Run the mask's subgraph once (it reads no input) and return its value; None if it fails to run."""
+def _evaluate_causal(gm: fx.GraphModule, built_from: list[fx.Node], mask: fx.Node) -> bool:
+    """Run the mask's construction once (static sizes, nothing written into it) and compare with the triangle."""
     graph = fx.Graph()
     copies: dict[fx.Node, fx.Node] = {}
-    for node in ancestors:
+    for node in built_from:
         copies[node] = graph.node_copy(node, copies.__getitem__)
     graph.output(copies[mask])
     try:
         with torch.no_grad():
-            return fx.GraphModule(gm, graph)()
+            value = fx.GraphModule(gm, graph)()
     except Exception:  # noqa: BLE001 - an op that cannot run eagerly here: keep the mask, change nothing
-        return None
+        return False
+    if not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return False
+    if value.dtype == torch.bool:
+        allowed = value
+    elif value.is_floating_point():
+        blocked = torch.isneginf(value) | (value == torch.finfo(value.dtype).min)
+        if not bool(((value == 0) | blocked).all()):
+            return False  # an additive bias (ALiBi, relative positions): not a mask alone
+        allowed = ~blocked
+    else:
+        return False
+    causal = torch.ones(value.shape[-2:], dtype=torch.bool, device=allowed.device).tril()
+    return bool(torch.equal(allowed, causal.expand_as(allowed)))
 
 
 def _erase_unused(graph: fx.Graph, mask: fx.Node) -> None:
     """Remove the mask and what only it used (in reverse order, so users go before their inputs)."""
-    ancestors = _ancestors(mask) or []
-    for node in reversed(ancestors):
-        if not node.users:
+    for node in reversed(_construction(mask) or []):
+        if not node.users and node.op != "placeholder":
             graph.erase_node(node)
 
 
