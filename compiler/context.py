@@ -138,13 +138,15 @@ class CompileContext(PassLog):
 
 
 class VariantContext(PassLog):
-    """What a per-variant pass (rewrite_linear, schedule_forward) reads: the block and its precision."""
+    """What a per-variant pass (rewrite_linear, schedule_forward) reads: the block, its precision, and
+    the positions of its streamed layers whose weights train (their gradients are computed in backward)."""
 
-    def __init__(self, parent: CompileContext, block: int, precision: str):
+    def __init__(self, parent: CompileContext, block: int, precision: str, trainable: tuple[int, ...] = ()):
         super().__init__()
         self.parent = parent
         self.block = block
         self.precision = precision
+        self.trainable = trainable
 
     @property
     def runtime(self) -> StreamingRuntime:

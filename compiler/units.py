@@ -177,15 +177,17 @@ class BlockUnit(_Unit):
         super().__init__(template, ctx, segment, name)
         self.block = segment.block
         self.returns_tuple = _tuple_output(template)
-        self._variants: dict[str, tuple[fx.GraphModule, str, VariantContext]] = {}
+        self._variants: dict[tuple, tuple[fx.GraphModule, str, VariantContext]] = {}
 
-    def variant_graph(self, precision: str) -> tuple[fx.GraphModule, str, VariantContext]:
-        """The variant graph for `precision` (built once per unit), its structure key, and its pass log."""
-        if precision not in self._variants:
-            vctx = VariantContext(self.ctx, self.block, precision)
+    def variant_graph(self, precision: str, trainable: tuple[int, ...] = ()) -> tuple[fx.GraphModule, str, VariantContext]:
+        """The variant graph for `precision` and the layers that train (built once per unit and pair),
+        its structure key, and its pass log."""
+        key = (precision, trainable)
+        if key not in self._variants:
+            vctx = VariantContext(self.ctx, self.block, precision, trainable)
             gm = vctx.run(self.ctx.variant_passes, copy.deepcopy(self.template))
-            self._variants[precision] = (gm, structure_key(gm), vctx)
-        return self._variants[precision]
+            self._variants[key] = (gm, structure_key(gm), vctx)
+        return self._variants[key]
 
     @property
     def recomputes(self) -> bool:
@@ -218,7 +220,9 @@ class BlockUnit(_Unit):
     def _run_variant(self, args: tuple, precision: str):
         """Run the compiled variant for `precision` and the current grad mode."""
         rt = self.ctx.runtime
-        gm, skey, vctx = self.variant_graph(precision)
+        # The layers whose weights train get their grad-weight GEMM in the backward (no grad: none).
+        trainable = rt.trainable_positions(self.block) if torch.is_grad_enabled() else ()
+        gm, skey, vctx = self.variant_graph(precision, trainable)
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
                                self.recomputes)

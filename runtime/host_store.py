@@ -109,6 +109,27 @@ class HostStore:
             self._reserved[(b, precision)] = arena.carve(n)
             self._arena_of[(b, precision)] = arena
 
+    def grad_buffers(self, blocks: list[int]) -> dict[int, torch.Tensor]:
+        """Host gradient buffers for blocks whose weights train (grads.py): each the size and layout of
+        the block's master, one allocation, page-locked where the store pins (the D2H copies land there)."""
+        sizes = [precisions.master().layout(self.blocks[b].layers)[1] for b in blocks]
+        try:
+            arena = self._new_arena("grad", sizes)
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
+            raise torch.OutOfMemoryError(f"stagehand: no host memory for the gradients of blocks {blocks} "
+                                         f"({sum(sizes) / 2**20:.1f} MiB): {e}") from e
+        self.arenas.append(arena)
+        out = {}
+        for block, n in zip(blocks, sizes):
+            out[block] = arena.carve(n)
+            if self.pin:
+                try:
+                    arena.lock(out[block])
+                except PinError as e:
+                    raise torch.OutOfMemoryError(f"stagehand: could not pin block {block}'s gradient buffer "
+                                                 f"({n / 2**20:.1f} MiB): {e}") from e
+        return out
+
     def _is_master(self, block: int, precision: str) -> bool:
         return precision == precisions.FULL and self.blocks[block].file_master is None
 

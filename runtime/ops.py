@@ -60,13 +60,15 @@ def _linear_out(x: torch.Tensor, n_out: int) -> torch.Tensor:
 
 
 @custom_op("stagehand::streamed_linear", mutates_args=())
-def streamed_linear(x: torch.Tensor, bias: torch.Tensor | None, layer: int) -> torch.Tensor:
+def streamed_linear(x: torch.Tensor, bias: torch.Tensor | None, layer: int,
+                    anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """`anchor`: the block's grad anchor (grads.py); it requires grad when the layer's weight may train."""
     rt, index = registry.layer(layer)
     return rt.eager_linear(index, x, bias)
 
 
 @streamed_linear.register_fake
-def _(x, bias, layer):
+def _(x, bias, layer, anchor=None):
     rt, index = registry.layer(layer)
     return _linear_out(x, rt.layers[index].out_features)
 
@@ -83,18 +85,36 @@ def _(dy, layer):
     return dy.new_empty(*dy.shape[:-1], rt.layers[index].in_features)
 
 
+@custom_op("stagehand::streamed_linear_grad_weight", mutates_args=())
+def streamed_linear_grad_weight(dy: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
+    """The layer's weight gradient, computed and sent to its host buffer (grads.py); returns a token."""
+    rt, index = registry.layer(layer)
+    rt.grads.grad_weight(index, dy, x)
+    return registry_sentinel()
+
+
+@streamed_linear_grad_weight.register_fake
+def _(dy, x, layer):
+    return torch.empty((), dtype=torch.int64)
+
+
 def _streamed_setup(ctx, inputs, output):
-    x, bias, layer = inputs
+    x, bias, layer, anchor = inputs
     ctx.layer = layer
     ctx.bias_needs_grad = bias is not None and bias.requires_grad
-    if ctx.bias_needs_grad:
-        ctx.save_for_backward(bias)
+    rt, index = registry.layer(layer)
+    ctx.weight_trains = anchor is not None and anchor.requires_grad and rt.grads.trainable(index)
+    ctx.save_for_backward(*([bias] if ctx.bias_needs_grad else []), *([x] if ctx.weight_trains else []))
 
 
 def _streamed_backward(ctx, dy):
-    dx = torch.ops.stagehand.streamed_linear_grad_input(dy, ctx.layer)
-    dbias = _bias_grad(dy, ctx.saved_tensors[0]) if ctx.bias_needs_grad else None
-    return dx, dbias, None
+    saved = list(ctx.saved_tensors)
+    bias = saved.pop(0) if ctx.bias_needs_grad else None
+    if ctx.weight_trains:
+        torch.ops.stagehand.streamed_linear_grad_weight(dy, saved.pop(0), ctx.layer)
+    dx = torch.ops.stagehand.streamed_linear_grad_input(dy, ctx.layer) if ctx.needs_input_grad[0] else None
+    dbias = _bias_grad(dy, bias) if ctx.bias_needs_grad else None
+    return dx, dbias, None, None
 
 
 streamed_linear.register_autograd(_streamed_backward, setup_context=_streamed_setup)
@@ -198,6 +218,46 @@ def _linear_backward(ctx, dy):
 linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
+@custom_op("stagehand::grad_weight", mutates_args=())
+def grad_weight(dy: torch.Tensor, x: torch.Tensor, block_tok: torch.Tensor, position: int) -> torch.Tensor:
+    """In a compiled block's backward: the weight gradient of the block's `position`-th streamed layer,
+    computed and sent to its host buffer (grads.py). Returns a token nothing reads (kept: side effect)."""
+    rt, block = registry.decode(block_tok)
+    rt.op_grad_weight(block, position, dy, x)
+    return registry_sentinel()
+
+
+@grad_weight.register_fake
+def _(dy, x, block_tok, position):
+    return torch.empty((), dtype=torch.int64)
+
+
+class GradTap(torch.autograd.Function):
+    """`y = tap(linear(x, slot, ...), x, anchor)`: the identity forward; in backward, the weight gradient.
+
+    rewrite_linear puts it after each streamed Linear whose weight trains, so the grad-weight GEMM runs
+    in the block's compiled backward beside the grad-input (both read `dy`). It saves the Linear's input
+    (an activation), never the slot. `anchor` (the block's grad anchor) makes autograd run this backward
+    even when nothing upstream requires grad; its own gradient is None."""
+
+    @staticmethod
+    def forward(ctx, y, x, anchor, block_tok, position):
+        ctx.position = position
+        ctx.save_for_backward(x, block_tok)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, block_tok = ctx.saved_tensors
+        torch.ops.stagehand.grad_weight(dy, x, block_tok, ctx.position)
+        return dy, None, None, None, None
+
+
+def grad_tap(y: torch.Tensor, x: torch.Tensor, anchor: torch.Tensor, block_tok: torch.Tensor,
+             position: int) -> torch.Tensor:
+    return GradTap.apply(y, x, anchor, block_tok, position)
+
+
 _SENTINEL: list[torch.Tensor] = []
 
 
@@ -209,7 +269,8 @@ def registry_sentinel() -> torch.Tensor:
 
 
 # Keep ordering-only ops alive through FX/AOT dead-code elimination and Inductor's.
-for _op in (torch.ops.stagehand.prefetch.default, torch.ops.stagehand.evict.default):
+for _op in (torch.ops.stagehand.prefetch.default, torch.ops.stagehand.evict.default,
+            torch.ops.stagehand.grad_weight.default, torch.ops.stagehand.streamed_linear_grad_weight.default):
     torch.fx.node.has_side_effect(_op)
 
 SCHEDULE_OPS = {

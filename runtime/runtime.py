@@ -11,6 +11,7 @@ reads: it only runs the compiler's on-close callbacks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
 from .eager_notice import EagerFallbackWarning, warn_eager_once  # noqa: F401 (the warning's home)
 from .events import RuntimeEvents, progress, unwrap_optimizer
+from .grads import GradLane
 from .host_setup import build_host_store, load_resident
 from .host_store import check_master_dtypes
 from .offload_undo import OffloadUndo
@@ -107,13 +109,16 @@ class Runtime(SelectivePrecisionAPI):
         model, layers = self.model, self.layers
         # self.store: planned and checked against the machine's memory before anything is allocated.
         build_host_store(self, precision, slab_loader, self._keep_full, progress)
+        self.grads = GradLane(layers, self.store, self.device)  # trainable weights' gradients, landed on the host
         for index, spec in enumerate(layers):
-            make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn)
+            make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn, self.grads.anchors[spec.block],
+                          functools.partial(self.grads.sync_anchor, spec.block))
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
         if self.checkpoint is not None:  # a model built on the meta device: its resident tensors, one by one
             load_resident(model, self.checkpoint, self.device, {s.fqn + ".weight" for s in layers}, progress)
         model.to(self.device)  # everything but the streamed weights becomes resident
+        self.grads.sync_all()
 
         self._precision: dict[int, str] = {}
         self.planner = PlanDriver(self, budget, cost_model)
@@ -289,6 +294,15 @@ class Runtime(SelectivePrecisionAPI):
         self.planner.on_release(block)
         self.planner.schedule_op_took(t0)
         return self._free_tokens[block]
+
+    def op_grad_weight(self, block: int, position: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+        self.grads.grad_weight(self._block_first_layer[block] + position, dy, x)
+
+    def trainable_positions(self, block: int) -> tuple[int, ...]:
+        return self.grads.trainable_positions(block)
+
+    def layer_position(self, index: int) -> int:
+        return index - self._block_first_layer[self.layers[index].block]
 
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A forward run inside backward is activation checkpointing recomputing a block:

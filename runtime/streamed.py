@@ -8,8 +8,9 @@ same, and `restore()` swaps the class back. The subclass:
 * forwards through `stagehand::streamed_linear`, the op the backend rewrites;
 * keeps its weight on the host when the model is moved (`_apply` touches only
   the bias and buffers), like SquareQ's dtype protection;
-* refuses to run when a streamed weight requires grad while grad is enabled:
-  streamed weights are frozen bases (LoRA adapters stay resident and train);
+* hands its block's grad anchor to the op, so a weight that requires grad gets
+  its gradient in backward, landed in a host buffer (grads.py): the host copy
+  is the master, and any optimizer over `model.parameters()` steps it;
 * refuses `.half()` / `.to(dtype)` and the like, which would convert its bias
   but not its weight (`refuse_dtype_conversion`; `guard_conversions` installs
   the same check on its ancestors, so `model.half()` refuses before anything
@@ -31,10 +32,6 @@ import torch
 import torch.nn as nn
 
 
-class StreamedWeightTrainableError(RuntimeError):
-    pass
-
-
 class StreamedWeightAssignmentError(ValueError):
     """A value that can not become a streamed weight's master (shape, dtype, no values); nothing was changed."""
 
@@ -54,6 +51,24 @@ class HostMasterParameter(nn.Parameter):
     """
 
     _sh_fqn: str
+    _sh_on_requires_grad = None  # the runtime's callback: the block's grad anchor follows the flag
+
+    # requires_grad decides whether the weight gets a gradient in backward: the block's grad anchor
+    # (grads.py) must follow it, however the flag is set (`requires_grad_`, `model.requires_grad_()`,
+    # or assignment).
+    def requires_grad_(self, requires_grad: bool = True):
+        super().requires_grad_(requires_grad)
+        if self._sh_on_requires_grad is not None:
+            self._sh_on_requires_grad()
+        return self
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch._C.TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self.requires_grad_(value)
 
     @property
     def data(self) -> torch.Tensor:
@@ -69,7 +84,7 @@ class HostMasterParameter(nn.Parameter):
         # same host bytes, so the swapped-in weight is still the master.
         copy_into_master(self, other, self._sh_fqn)
         alias = HostMasterParameter(self.detach(), requires_grad=self.requires_grad)
-        alias._sh_fqn = self._sh_fqn
+        alias._sh_fqn, alias._sh_on_requires_grad = self._sh_fqn, self._sh_on_requires_grad
         return alias
 
     def __repr__(self) -> str:
@@ -126,15 +141,10 @@ def refuse_dtype_conversion(fn, modules) -> None:
 class StreamedMixin:
     _sh_layer: int  # global layer id (registry)
     _sh_fqn: str
+    _sh_anchor: torch.Tensor  # the block's grad anchor (grads.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.requires_grad and torch.is_grad_enabled():
-            raise StreamedWeightTrainableError(
-                f"stagehand: {self._sh_fqn}.weight requires grad but streams from the host store; "
-                "streamed weights are frozen (train LoRA adapters, or call "
-                f"{self._sh_fqn}.weight.requires_grad_(False), or run under torch.no_grad())"
-            )
-        return torch.ops.stagehand.streamed_linear(x, self.bias, self._sh_layer)
+        return torch.ops.stagehand.streamed_linear(x, self.bias, self._sh_layer, self._sh_anchor)
 
     def _apply(self, fn, recurse=True):
         # Only the bias and buffers follow .to()/.cuda(): the weight is the host store's
@@ -188,13 +198,16 @@ def streamed_class(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def make_streamed(module: nn.Module, layer_id: int, fqn: str) -> None:
+def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tensor, on_requires_grad) -> None:
+    """`anchor`: the block's grad anchor; `on_requires_grad()`: called when the weight's flag changes."""
     module.__class__ = streamed_class(type(module))
     module._sh_layer = layer_id
     module._sh_fqn = fqn
+    module._sh_anchor = anchor
     weight = module._parameters["weight"]
     weight.__class__ = HostMasterParameter
     weight._sh_fqn = fqn
+    weight._sh_on_requires_grad = on_requires_grad
 
 
 def guard_conversions(model: nn.Module, streamed_fqns: list[str]) -> list[nn.Module]:
@@ -231,6 +244,7 @@ def make_plain(module: nn.Module) -> None:
     module.__class__ = module._sh_original_class
     del module._sh_layer
     del module._sh_fqn
+    del module._sh_anchor
 
 
 def is_streamed(module: nn.Module) -> bool:

@@ -141,13 +141,19 @@ def test_load_state_dict_under_swap_tensors_keeps_the_weight_in_the_host_store()
     assert weight.untyped_storage().data_ptr() == rt.store.buffer(1, "bf16").untyped_storage().data_ptr()
 
 
-def test_a_new_parameter_that_requires_grad_is_refused_at_the_next_call_with_grad():
+def test_a_new_parameter_that_requires_grad_makes_the_streamed_weight_train():
     model, x = toy(n=2)
-    stagehand.offload(model, device="cpu")
+    model.requires_grad_(False)
+    rt = stagehand.offload(model, device="cpu")
+    assert not rt.grads.anchors[0].requires_grad
     model.blocks[0].up.weight = nn.Parameter(torch.zeros_like(model.blocks[0].up.weight))
-    assert model.blocks[0].up.weight.requires_grad  # the assignment's requires_grad is kept...
-    with pytest.raises(RuntimeError, match=r"blocks\.0\.up\.weight requires grad"):
-        model(x)  # ...and streamed weights are frozen: the existing clear error
+    weight = model.blocks[0].up.weight
+    assert weight.requires_grad and isinstance(weight, HostMasterParameter)  # the assignment's flag is kept...
+    assert rt.grads.anchors[0].requires_grad and not rt.grads.anchors[1].requires_grad  # ...and its block's anchor follows
+    model(x).sum().backward()
+    assert weight.grad is not None and weight.grad.abs().sum() > 0  # ...so the weight trains
+    weight.requires_grad = False  # assignment of the flag is followed as well
+    assert not rt.grads.anchors[0].requires_grad
 
 
 @pytest.mark.parametrize("assign, match", [

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch_stagehand as stagehand
 from torch_stagehand.runtime.blocks import BlockSelectionError
 from torch_stagehand.runtime.runtime import PrecisionMapError
-from torch_stagehand.runtime.streamed import StreamedWeightTrainableError, is_streamed
+from torch_stagehand.runtime.streamed import is_streamed
 
 from _helpers import block_bytes_by_precision, int8_reference, rel_err, toy, two_largest_blocks
 
@@ -116,14 +116,23 @@ def test_state_dict_sees_and_load_state_dict_updates_real_weights():
     assert rt.store.blocks[0].full.data_ptr() == model.blocks[0].up.weight.data_ptr()  # still views
 
 
-def test_trainable_streamed_weight_is_a_clear_error():
+def test_a_trainable_streamed_weight_gets_its_gradient_on_the_host():
+    """Full fine-tuning, eagerly: the streamed weight's `.grad` is a host tensor equal to the plain model's."""
     model, x = toy()
+    model.requires_grad_(False)
     model.blocks[2].down.weight.requires_grad_(True)
-    stagehand.offload(model, device="cpu")
-    with pytest.raises(StreamedWeightTrainableError, match=r"blocks\.2\.down\.weight requires grad"):
-        model(x)
+    ref = copy.deepcopy(model)
+    ref(x).square().mean().backward()
+    rt = stagehand.offload(model, device="cpu")
+    model(x).square().mean().backward()
+    grad = model.blocks[2].down.weight.grad
+    assert grad is not None and grad.device.type == "cpu"
+    assert torch.equal(grad, ref.blocks[2].down.weight.grad)  # fp32 streamed: the same GEMM
+    assert all(m.weight.grad is None for b in model.blocks for m in (b.up, b.down) if m is not model.blocks[2].down)
+    assert rt.grads.grad_gemms == 1
     with torch.no_grad():
-        model(x)  # inference is fine
+        model(x)  # inference computes no gradient
+    assert rt.grads.grad_gemms == 1
 
 
 def test_deepcopy_of_an_offloaded_model_is_refused():

@@ -18,6 +18,12 @@ tensor cores, int8 at many rows) gets `graph_linear(x, weights, block_tok, prev_
 a Python call that AOTAutograd traces into aten ops, so Inductor fuses the
 activation's quantization and calls the GEMM from its own code, with none of the
 op's per-call host work. The backend option `linear_math="op"` keeps the op.
+
+A layer whose weight trains (full fine-tuning; `ctx.trainable` holds its position
+in the block) gets `grad_tap(y, x, anchor, block_tok, position)` after its linear:
+the identity forward, and in backward the grad-weight GEMM beside the grad-input,
+its result sent to the weight's host gradient buffer (runtime/grads.py). The
+anchor is the block's grad anchor, which the captured `streamed_linear` takes.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch.fx as fx
 
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.precision import LayerLayout
-from torch_stagehand.runtime.ops import SCHEDULE_OPS
+from torch_stagehand.runtime.ops import SCHEDULE_OPS, grad_tap
 
 from ..context import VariantContext, compiler_pass
 from ..graph_nodes import add_placeholder, example_value, has_static_shape, is_streamed_linear
@@ -49,11 +55,14 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     weights = add_placeholder(gm, WEIGHTS)
     block_tok = add_placeholder(gm, BLOCK_TOK)
     prev_tok = add_placeholder(gm, PREV_TOK)
-    rewritten = in_graph = 0
+    rewritten = in_graph = tapped = 0
     for node in list(gm.graph.nodes):
         if not is_streamed_linear(node):
             continue
         x, bias = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("bias")
+        anchor = node.args[3] if len(node.args) > 3 else node.kwargs.get("anchor")
+        position = rt.layer_position(node.meta["stagehand_layer"])
+        trains = position in ctx.trainable and isinstance(anchor, fx.Node)
         layout = rt.layer_layout(node.meta["stagehand_layer"], precision)
         entry, lay = precisions.by_code(layout[0]), LayerLayout.from_ints(layout)
         traced = (entry.graph_linear(lay, ctx.device, _rows(x, lay.in_features))
@@ -67,7 +76,9 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
                 new = gm.graph.call_function(
                     SCHEDULE_OPS["linear"], (x, weights, None if bias_add else bias, block_tok, prev_tok, layout)
                 )
-            out = gm.graph.call_function(torch.ops.aten.add.Tensor, (new, bias)) if bias_add else new
+            tap = gm.graph.call_function(grad_tap, (new, x, anchor, block_tok, position)) if trains else new
+            tapped += trains
+            out = gm.graph.call_function(torch.ops.aten.add.Tensor, (tap, bias)) if bias_add else tap
         new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["stagehand_precision"] = precision
         node.replace_all_uses_with(out)
@@ -76,5 +87,6 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     ctx.note(f"{rewritten} streamed linears -> stagehand.linear ({precision})"
-             + (f", {in_graph} of them as graph ops" if in_graph else ""))
+             + (f", {in_graph} of them as graph ops" if in_graph else "")
+             + (f", {tapped} with their weight gradient (full fine-tuning)" if tapped else ""))
     return gm

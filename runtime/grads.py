@@ -1,0 +1,184 @@
+"""Gradients of trainable streamed weights: computed on the device in backward, landed in host buffers.
+
+Full fine-tuning of a streamed weight: the host copy is the master and the
+optimizer updates it there, so the weight's gradient must reach the host. The
+block's compiled backward computes each trainable layer's grad-weight GEMM
+beside its grad-input (`stagehand::grad_weight`, placed by rewrite_linear's
+grad tap) into a small ring of device staging buffers, and the D2H stream
+copies it into the block's host gradient buffer (pinned, laid out like the
+block's master) as soon as it is computed: the compute stream never waits
+for the host, the host never waits for the GPU, and the block's weight slot
+is free as soon as its backward ends. Only when the gradients are needed
+(`finish`, queued to run when autograd's backward pass ends) does the host
+wait for the copies still in flight, then each weight's `.grad` is a view of
+its host gradient buffer, as for any CPU parameter: any torch optimizer over
+`model.parameters()` steps the master, whose version counter moves, so the
+slots and the INT8 / FP8 copies are refreshed before the next fetch.
+
+Accumulation follows PyTorch: a weight whose `.grad` is None gets the new
+gradient (written straight into its buffer); one that has a `.grad` (no
+`zero_grad`, `set_to_none=False`, a layer run twice) adds to it.
+
+Autograd needs a reason to run the backward of a block whose inputs do not
+require grad (the first block of a model with a frozen embedding): each block
+has a grad *anchor*, a 0-dim device tensor that requires grad exactly when one
+of the block's streamed weights does (`HostMasterParameter` keeps it in step)
+and that its streamed Linears take as an input. Its own gradient is always
+None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import precision as precisions
+from .blocks import StreamedLayerSpec
+
+STAGING_RING = 3  # device staging buffers: a GEMM may fill one while two copies are in flight
+
+
+@dataclass
+class _Landing:
+    """One gradient on its way to the host: where it lands, and whether it adds to the weight's `.grad`."""
+    index: int
+    target: torch.Tensor
+    event: "torch.cuda.Event | None"
+    direct: bool  # written straight into the weight's host gradient buffer (the weight had no .grad)
+
+
+class GradLane:
+    def __init__(self, layers: list[StreamedLayerSpec], store, device: torch.device):
+        self.layers, self.store, self.device = layers, store, torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.n_blocks = len(store.blocks)
+        self.first_layer: dict[int, int] = {}
+        for index, spec in enumerate(layers):
+            self.first_layer.setdefault(spec.block, index)
+        self.anchors = [torch.zeros((), device=self.device) for _ in range(self.n_blocks)]
+        self.host: dict[int, torch.Tensor] = {}  # block -> flat host gradient buffer (the master's layout)
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._staging: list[torch.Tensor] = []
+        self._staging_free: list["torch.cuda.Event | None"] = [None] * STAGING_RING
+        self._next_staging = 0
+        self._landing: list[_Landing] = []
+        self._queued_for: int | None = None  # the backward (graph task) whose end runs finish()
+        self.landed_listeners: list[Callable[[list[int]], None]] = []  # layers whose .grad was set or added to
+        self.d2h_bytes = 0
+        self.grad_gemms = 0
+
+    # ---- which weights train -----------------------------------------------------------
+
+    def trainable(self, index: int) -> bool:
+        return self.layers[index].module._parameters["weight"].requires_grad
+
+    def trainable_positions(self, block: int) -> tuple[int, ...]:
+        first = self.first_layer[block]
+        return tuple(i - first for i in range(first, first + len(self.store.blocks[block].layers)) if self.trainable(i))
+
+    def sync_anchor(self, block: int) -> None:
+        """The block's anchor requires grad exactly while one of its streamed weights does."""
+        wants = bool(self.trainable_positions(block))
+        if self.anchors[block].requires_grad != wants:
+            self.anchors[block].requires_grad_(wants)
+        if wants and block not in self.host:
+            self.host.update(self.store.grad_buffers([block]))
+
+    def sync_all(self) -> None:
+        """Every anchor from the weights' flags; the gradient buffers of every training block in one allocation."""
+        training = [b for b in range(self.n_blocks) if self.trainable_positions(b) and b not in self.host]
+        if training:
+            self.host.update(self.store.grad_buffers(training))
+        for block in range(self.n_blocks):
+            self.sync_anchor(block)
+
+    def trainable_bytes(self) -> int:
+        return sum(buf.numel() for buf in self.host.values())
+
+    # ---- backward ------------------------------------------------------------------------
+
+    def grad_weight(self, index: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """Compute layer `index`'s weight gradient from its output gradient and its input, and send it home."""
+        spec = self.layers[index]
+        weight = spec.module._parameters["weight"]
+        if not weight.requires_grad:
+            return  # frozen after the graph was compiled: nothing to deliver
+        self._queue_finish()
+        position = index - self.first_layer[spec.block]
+        lay = self.store.layout(spec.block, precisions.FULL)[position]
+        home = precisions.master().views(self.host[spec.block], lay)[0]  # the weight's stored orientation
+        direct = weight.grad is None and not any(land.index == index for land in self._landing)
+        target = home if direct else torch.empty_like(home, pin_memory=self.cuda)
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        # dW = dy^T x for a Linear ([out, in]); a transposed layer (Conv1D) stores [in, out]: x^T dy
+        a, b = (x2, dy2) if spec.transposed else (dy2, x2)
+        with torch.no_grad():
+            if self.cuda:
+                event = self._to_host(a, b, target)
+            else:
+                target.copy_(a.t() @ b)
+                event = None
+        self._landing.append(_Landing(index, target, event, direct))
+        self.d2h_bytes += target.numel() * target.element_size()
+        self.grad_gemms += 1
+
+    def _to_host(self, a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> "torch.cuda.Event":
+        """The GEMM into a staging buffer on the compute stream, its copy to `target` on the D2H stream."""
+        compute = torch.cuda.current_stream(self.device)
+        i = self._next_staging
+        self._next_staging = (i + 1) % STAGING_RING
+        staging = self._staging_buffer(i, target)
+        if self._staging_free[i] is not None:
+            compute.wait_event(self._staging_free[i])  # the copy that read it last is done
+        if a.dtype == staging.dtype:
+            torch.mm(a.t(), b, out=staging)
+        else:
+            staging.copy_(a.t() @ b)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            target.copy_(staging, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(self.stream)
+        self._staging_free[i] = landed
+        return landed
+
+    def _staging_buffer(self, i: int, target: torch.Tensor) -> torch.Tensor:
+        if not self._staging:  # allocated at the first gradient: LoRA runs never hold them
+            largest = max(s.out_features * s.in_features * s.module._parameters["weight"].element_size()
+                          for s in self.layers)
+            self._staging = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(STAGING_RING)]
+        n = target.numel() * target.element_size()
+        return self._staging[i][:n].view(target.dtype).view(target.shape)
+
+    def _queue_finish(self) -> None:
+        """Run `finish` when this backward ends (once per backward; outside one, the caller finishes)."""
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._queued_for:
+            return
+        self._queued_for = task
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def finish(self) -> None:
+        """Wait for the gradients in flight, then give each weight its `.grad` (set, or added to)."""
+        self._queued_for = None
+        landing, self._landing = self._landing, []
+        for land in landing:
+            if land.event is not None:
+                land.event.synchronize()
+            weight = self.layers[land.index].module._parameters["weight"]
+            if land.direct:
+                weight.grad = land.target
+            else:
+                weight.grad.add_(land.target)
+        if landing:
+            for listener in list(self.landed_listeners):
+                listener(sorted({land.index for land in landing}))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._landing)
+
+
+__all__ = ["GradLane", "STAGING_RING"]
