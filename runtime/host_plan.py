@@ -82,8 +82,9 @@ def _count(per_block, precision_map, keep_full: str, pin: bool, has_master, from
 
 def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dict[int, str], keep_full: str,
               pin: bool, machine: MachineMemory, has_master: list[bool], freed_bytes: int, has_file: bool,
-              from_slab: bool = False, int8_on_disk: bool = False) -> HostPlan:
-    """Count the bytes of every copy kind, resolving keep_full="auto" from the RAM there is."""
+              from_slab: bool = False, int8_on_disk: bool = False, training_blocks: tuple[int, ...] = ()) -> HostPlan:
+    """Count the bytes of every copy kind, resolving keep_full="auto" from the RAM there is.
+    `training_blocks`: blocks with a streamed weight that trains; each gets a host gradient buffer."""
     if keep_full not in KEEP_FULL_CHOICES:
         raise ValueError(f"offload: keep_full must be one of {', '.join(map(repr, KEEP_FULL_CHOICES))}, got {keep_full!r}")
     if keep_full == KEEP_FILE and not has_file:
@@ -97,6 +98,9 @@ def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dic
             if sum(ram.values()) - freed_bytes > AUTO_RAM_SHARE * machine.usable_bytes and has_file:
                 keep_full = KEEP_FILE
     counted = _count(per_block, precision_map, keep_full, pin, has_master, from_slab, int8_on_disk)
+    if training_blocks:  # full fine-tuning: the D2H gradients land in a buffer the size of the master
+        counted[f"grad {'pinned' if pin else 'ram'}"] = sum(
+            _block_bytes(per_block[b], precisions.FULL) for b in training_blocks)
     if int8_on_disk:
         from .disk_tier import RING
 
@@ -126,6 +130,9 @@ def preflight(plan: HostPlan, machine: MachineMemory, precision_map: dict[int, s
         fixes.append(f"keep_full='file'{how} (the bf16 masters of int8 blocks, up to {gib(master)}, stay in the file)")
     if plan.from_slab and not any(kind.endswith(" disk") for kind in plan.bytes):
         fixes.append("Config(int8_tier='disk') (the INT8 rows stay in the slab file, read at each fetch)")
+    if any(kind.startswith("grad ") for kind in plan.bytes):
+        fixes.append("freeze some streamed weights (each training block holds a host gradient buffer the size "
+                     "of its weights), or train LoRA adapters instead")
     fixes.append("fewer or smaller blocks on this machine, or a machine (or cgroup) with more memory")
     raise HostMemoryError(
         f"offload: the host store does not fit: {'; '.join(problems)} (keep_full={plan.keep_full!r}: {kinds}; "

@@ -40,9 +40,10 @@ def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_ma
                               for s in block_layers))
     freed = sum(_in_ram(s.module.weight) for s in layers)
     machine = host_budget.probe_machine()
+    training = tuple(sorted({s.block for s in layers if s.module.weight.requires_grad}))
     plan = plan_host(layers, n_blocks, precision_map, keep_full, pinner.locks, machine, has_master, freed,
                      has_file=checkpoint is not None, from_slab=from_slab,
-                     int8_on_disk=from_slab and config.int8_tier == "disk")
+                     int8_on_disk=from_slab and config.int8_tier == "disk", training_blocks=training)
     preflight(plan, machine, precision_map, has_file=checkpoint is not None)
     quant_device = device if device.type == "cuda" else None
     store = HostStore(layers, n_blocks, pin=pinner.locks, quantizer=config.quantizer, quant_device=quant_device,

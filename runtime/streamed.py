@@ -151,11 +151,15 @@ class StreamedMixin:
         # view, and converting it would silently duplicate or corrupt it. A dtype
         # conversion (.half()) is refused: the bias would follow and the weight not.
         refuse_dtype_conversion(fn, [self])
+        order = list(self._parameters)
         weight = self._parameters.pop("weight")
         try:
             return super()._apply(fn, recurse)
         finally:
+            # Back in its place: named_parameters() keeps the model's order (optimizer state follows it).
             self._parameters["weight"] = weight
+            for name in order:
+                self._parameters[name] = self._parameters.pop(name)
 
     def __setattr__(self, name, value):
         # `module.weight = nn.Parameter(w)` (and load_state_dict(assign=True), which does the
