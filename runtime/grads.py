@@ -30,7 +30,6 @@ None.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -65,7 +64,10 @@ class GradLane:
         self._next_staging = 0
         self._landing: list[_Landing] = []
         self._queued_for: int | None = None  # the backward (graph task) whose end runs finish()
-        self.landed_listeners: list[Callable[[list[int]], None]] = []  # layers whose .grad was set or added to
+        # A host optimizer that steps blocks as their gradients land (host_optim.py): it gets each landing
+        # while `accepting`, and `backward_ended()` at the end of every backward.
+        self.consumer = None
+        self._consumed: set[int] = set()  # layers handed to the consumer in this backward
         self.d2h_bytes = 0
         self.grad_gemms = 0
 
@@ -109,7 +111,7 @@ class GradLane:
         position = index - self.first_layer[spec.block]
         lay = self.store.layout(spec.block, precisions.FULL)[position]
         home = precisions.master().views(self.host[spec.block], lay)[0]  # the weight's stored orientation
-        direct = weight.grad is None and not any(land.index == index for land in self._landing)
+        direct = weight.grad is None and index not in self._consumed and not any(l.index == index for l in self._landing)
         target = home if direct else torch.empty_like(home, pin_memory=self.cuda)
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         # dW = dy^T x for a Linear ([out, in]); a transposed layer (Conv1D) stores [in, out]: x^T dy
@@ -120,7 +122,12 @@ class GradLane:
             else:
                 target.copy_(a.t() @ b)
                 event = None
-        self._landing.append(_Landing(index, target, event, direct))
+        land = _Landing(index, target, event, direct)
+        if self.consumer is not None and self.consumer.accepting:
+            self.consumer.landed(land)  # the host optimizer applies it as it lands (host_optim.py)
+            self._consumed.add(index)
+        else:
+            self._landing.append(land)
         self.d2h_bytes += target.numel() * target.element_size()
         self.grad_gemms += 1
 
@@ -164,21 +171,32 @@ class GradLane:
         """Wait for the gradients in flight, then give each weight its `.grad` (set, or added to)."""
         self._queued_for = None
         landing, self._landing = self._landing, []
+        self._consumed.clear()
         for land in landing:
-            if land.event is not None:
-                land.event.synchronize()
-            weight = self.layers[land.index].module._parameters["weight"]
-            if land.direct:
-                weight.grad = land.target
-            else:
-                weight.grad.add_(land.target)
-        if landing:
-            for listener in list(self.landed_listeners):
-                listener(sorted({land.index for land in landing}))
+            self.apply(land)
+        # The optimizer will write these masters, maybe without moving their version counter (torch's
+        # fused CPU AdamW does not): mark them written now, so no stale slot or INT8 copy is served.
+        for block in sorted({self.block_of(land.index) for land in landing}):
+            self.store.mark_written(block)
+        if self.consumer is not None:
+            self.consumer.backward_ended()
+
+    def apply(self, land: _Landing) -> None:
+        """Once its copy is done: the gradient becomes the weight's `.grad`, or is added to it."""
+        if land.event is not None:
+            land.event.synchronize()
+        weight = self.layers[land.index].module._parameters["weight"]
+        if land.direct:
+            weight.grad = land.target
+        else:
+            weight.grad.add_(land.target)
 
     @property
     def in_flight(self) -> int:
         return len(self._landing)
+
+    def block_of(self, index: int) -> int:
+        return self.layers[index].block
 
 
 __all__ = ["GradLane", "STAGING_RING"]

@@ -323,6 +323,14 @@ class HostStore:
             self.build(block, precision)
             self.requantized_blocks += 1
 
+    def mark_written(self, block: int) -> None:
+        """The block's master is (about to be) written by something that does not move its version
+        counter (torch's fused CPU optimizers write in place without): move it, so every slot copy and
+        derived copy of the block is refreshed before it is served again."""
+        bb = self.blocks[block]
+        for t in bb.file_master if bb.file_master is not None else [bb.full] if bb.full is not None else []:
+            torch.autograd.graph.increment_version(t)
+
     def master_version(self, block: int) -> int | None:
         """The version counter of the block's master (None: no master). Every write to a streamed
         weight moves it: the weights are views of one buffer (the block's, or the mapped file's)

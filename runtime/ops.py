@@ -110,9 +110,9 @@ def _streamed_setup(ctx, inputs, output):
 def _streamed_backward(ctx, dy):
     saved = list(ctx.saved_tensors)
     bias = saved.pop(0) if ctx.bias_needs_grad else None
-    if ctx.weight_trains:
-        torch.ops.stagehand.streamed_linear_grad_weight(dy, saved.pop(0), ctx.layer)
     dx = torch.ops.stagehand.streamed_linear_grad_input(dy, ctx.layer) if ctx.needs_input_grad[0] else None
+    if ctx.weight_trains:  # after the grad-input: a host optimizer may step the weight once its gradient lands
+        torch.ops.stagehand.streamed_linear_grad_weight(dy, saved.pop(0), ctx.layer)
     dbias = _bias_grad(dy, bias) if ctx.bias_needs_grad else None
     return dx, dbias, None, None
 

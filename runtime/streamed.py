@@ -51,6 +51,7 @@ class HostMasterParameter(nn.Parameter):
     """
 
     _sh_fqn: str
+    _sh_layer: int  # the layer's global id (registry): which runtime and layer it belongs to
     _sh_on_requires_grad = None  # the runtime's callback: the block's grad anchor follows the flag
 
     # requires_grad decides whether the weight gets a gradient in backward: the block's grad anchor
@@ -84,7 +85,7 @@ class HostMasterParameter(nn.Parameter):
         # same host bytes, so the swapped-in weight is still the master.
         copy_into_master(self, other, self._sh_fqn)
         alias = HostMasterParameter(self.detach(), requires_grad=self.requires_grad)
-        alias._sh_fqn, alias._sh_on_requires_grad = self._sh_fqn, self._sh_on_requires_grad
+        alias._sh_fqn, alias._sh_layer, alias._sh_on_requires_grad = self._sh_fqn, self._sh_layer, self._sh_on_requires_grad
         return alias
 
     def __repr__(self) -> str:
@@ -210,7 +211,7 @@ def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tens
     module._sh_anchor = anchor
     weight = module._parameters["weight"]
     weight.__class__ = HostMasterParameter
-    weight._sh_fqn = fqn
+    weight._sh_fqn, weight._sh_layer = fqn, layer_id
     weight._sh_on_requires_grad = on_requires_grad
 
 

@@ -1,0 +1,195 @@
+"""AdamW on the host for streamed weights: a block steps as soon as its gradients have landed.
+
+The gradients of a block's trainable streamed weights land in host memory at
+the end of the block's backward (grads.py). Waiting for the whole backward to
+end before the optimizer runs (what a torch optimizer over `.grad` does, and
+DeepSpeed's ZeRO-Offload without its delayed update) leaves the host idle for
+the backward and the GPU idle for the optimizer. Here a worker thread takes
+each gradient as it lands, and once every trainable weight of a block has its
+gradient for this step, steps that block on the host while the GPU runs the
+backward of the blocks before it (torch's fused CPU AdamW releases the GIL and
+runs on all cores). The math is AdamW's exactly, applied at the same point of
+the step: nothing is delayed.
+
+Per weight: an fp32 master (when the weight is bf16 / fp16; an fp32 weight is
+its own master), fp32 `exp_avg` / `exp_avg_sq`: 12 bytes a parameter beside the
+streamed copy. `master="bf16"` keeps no separate master: the update is
+computed in fp32 and written back to the bf16 weight with stochastic rounding
+(an unbiased rounding, so small updates are not lost), 8 bytes a parameter.
+After each step the weight's bytes that stream (bf16 itself, or its INT8 / FP8
+copy, rebuilt here off the hot path) are fresh for the next forward.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.optim.adam import adam as adam_functional
+
+MASTERS = ("fp32", "bf16")
+
+
+def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """Write fp32 `src` into bf16 `dst`, rounding up with probability equal to the distance (unbiased).
+
+    bf16 is fp32's upper 16 bits: adding a uniform random 16-bit integer to the fp32 bits and truncating
+    the lower half rounds up exactly with probability (dropped bits / 2**16)."""
+    bits = src.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, generator=generator)
+    rounded = (bits + noise) & -65536  # keep the upper 16 bits (0xFFFF0000 as a signed int32)
+    dst.copy_(rounded.view(torch.float32))  # exact: the value is a bf16 value
+
+
+@dataclass
+class Hyper:
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+class Scratch:
+    """fp32 working buffers for one block's step, carved from one allocation kept across steps (a fresh
+    multi-GB allocation per step would fault its pages in again every time)."""
+
+    def __init__(self):
+        self._buf = torch.empty(0, dtype=torch.float32)
+
+    def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        need = sum(math.prod(s) for s in shapes)
+        if self._buf.numel() < need:
+            self._buf = torch.empty(need, dtype=torch.float32)
+        out, at = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            out.append(self._buf[at:at + n].view(shape))
+            at += n
+        return out
+
+
+def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], hyper: Hyper,
+               master: str, scratch: tuple[Scratch, Scratch], generator: torch.Generator | None = None) -> None:
+    """One AdamW step of host weights from their gradients, in fp32, written back in the weights' dtype.
+
+    `states[i]`: the weight's `step` (a float32 scalar tensor, as torch keeps it), `exp_avg`, `exp_avg_sq`
+    and, for a master="fp32" low-precision weight, its fp32 `master`. `scratch`: (for gradients, for
+    weights stepped in fp32 and rounded back) working buffers."""
+    low = [g.dtype != torch.float32 for g in grads]
+    grads32 = scratch[0].views([g.shape for g, is_low in zip(grads, low) if is_low])[::-1]
+    grads32 = [grads32.pop().copy_(g) if is_low else g for g, is_low in zip(grads, low)]
+    rounded = [p.dtype != torch.float32 and "master" not in st for p, st in zip(params, states)]
+    copies = scratch[1].views([p.shape for p, r in zip(params, rounded) if r])[::-1]
+    targets = [copies.pop().copy_(p.detach()) if r else st.get("master", p) for p, st, r in zip(params, states, rounded)]
+    adam_functional(
+        targets, grads32, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states], [],
+        [st["step"] for st in states], fused=True, decoupled_weight_decay=True, amsgrad=False,
+        beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay, eps=hyper.eps,
+        maximize=False)
+    with torch.no_grad():
+        for p, target, r in zip(params, targets, rounded):
+            if target is p:  # stepped in place by the fused kernel, which leaves the version counter alone
+                torch.autograd.graph.increment_version(p)
+                continue
+            if r and master == "bf16" and p.dtype == torch.bfloat16:
+                stochastic_round_(p.detach(), target, generator)
+            else:
+                p.detach().copy_(target)  # round to nearest; an fp32 master keeps the exact value
+
+
+def new_state(p: torch.Tensor, master: str) -> dict:
+    """fp32 moments (and an fp32 master copy of a low-precision weight under master="fp32")."""
+    state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
+             "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
+    if master == "fp32" and p.dtype != torch.float32:
+        state["master"] = p.detach().float()
+    return state
+
+
+def state_bytes(p: torch.Tensor, master: str) -> int:
+    return p.numel() * (8 + (4 if master == "fp32" and p.dtype != torch.float32 else 0))
+
+
+class LandingWorker:
+    """A thread that applies each landed gradient (grads.py `GradLane.apply`) and steps a block when its
+    last trainable weight's gradient of this step has landed.
+
+    `blocks`: block -> the layer indices this optimizer steps in it; `step_block(block)` runs the step.
+    The GradLane hands it landings only in the backward that ends an accumulation cycle."""
+
+    def __init__(self, lane, blocks: dict[int, set[int]], step_block: Callable[[int], None],
+                 accumulation_steps: int):
+        self.lane, self.blocks, self.step_block = lane, blocks, step_block
+        self.accumulation_steps = accumulation_steps
+        self.backwards = 0  # backwards since the last optimizer step
+        self._landed: dict[int, set[int]] = {b: set() for b in blocks}
+        self.stepped: set[int] = set()  # blocks stepped in this step
+        self._queue: queue.Queue = queue.Queue()  # join() waits for every landing put so far
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="stagehand-host-adamw", daemon=True)
+        self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        """Is this backward the one whose gradients complete a step (the last of an accumulation cycle)?"""
+        return self.backwards == self.accumulation_steps - 1
+
+    def landed(self, land) -> None:
+        self._queue.put(land)
+
+    def backward_ended(self) -> None:
+        self.backwards += 1
+
+    def _run(self) -> None:
+        while True:
+            land = self._queue.get()
+            try:
+                if land is None:
+                    return
+                if self._error is None:
+                    self._take(land)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread at the optimizer step
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def _take(self, land) -> None:
+        block = self.lane.block_of(land.index)
+        if block in self.stepped:
+            raise RuntimeError(
+                f"stagehand HostAdamW: {self.lane.layers[land.index].fqn}.weight got another gradient after its "
+                "block was stepped in this step (a layer run twice, or shared weights): use overlap=False")
+        self.lane.apply(land)
+        landed = self._landed.get(block)
+        if landed is None:
+            return  # a weight this optimizer does not step
+        landed.add(land.index)
+        if landed >= self.blocks[block]:
+            self.step_block(block)
+            self.stepped.add(block)
+
+    def drain(self) -> None:
+        """Wait until every landing so far is applied (and its block stepped); re-raise a worker's error."""
+        self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def next_step(self) -> None:
+        """The optimizer stepped: a new accumulation cycle begins."""
+        self.backwards = 0
+        self.stepped.clear()
+        for landed in self._landed.values():
+            landed.clear()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+
+__all__ = ["LandingWorker", "Hyper", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_", "MASTERS"]

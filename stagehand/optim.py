@@ -1,0 +1,213 @@
+"""`HostAdamW`: the optimizer for full fine-tuning of an offloaded model.
+
+    rt = stagehand.offload(model, device="cuda", vram_budget="24GiB")   # weights keep requires_grad=True
+    opt = stagehand.optim.HostAdamW(model.parameters(), lr=1e-5)       # instead of torch.optim.AdamW
+    loss = compiled(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()
+
+Any torch optimizer trains a streamed weight correctly: its `.grad` is a host
+tensor at the end of backward, and the optimizer steps the host master. This
+one is faster: a streamed block steps on the host as soon as its gradients
+have landed, overlapped with the backward of the blocks before it
+(runtime/host_optim.py), and every other parameter (embeddings, heads, norms,
+LoRA adapters: resident) steps where it lives with torch's own AdamW. The
+update is AdamW's, at the same point of the step; nothing is delayed.
+
+- `master="fp32"` (default): an fp32 master and fp32 moments per streamed
+  weight, 12 bytes a parameter on the host. `master="bf16"`: the bf16 weight
+  is its own master, updated with stochastic rounding (8 bytes a parameter).
+- `overlap=False` steps every block in `step()` (after the backward).
+- `accumulation_steps=k`: `step()` is called after every k backwards; the
+  blocks step during the k-th. A different cadence is an error at `step()`.
+- `max_grad_norm`: clips by the global norm of every gradient, streamed and
+  resident (overlap then waits for the whole backward: the norm needs every
+  gradient before any block may step). `torch.nn.utils.clip_grad_norm_` does
+  not see the streamed weights' gradients under overlap (they are consumed as
+  they land); use this argument.
+
+The host memory the states need is checked before anything is allocated; a
+host too small is a `HostMemoryError` with the numbers per component.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.optim.adam import adam as adam_functional
+
+from torch_stagehand.runtime import registry
+from torch_stagehand.runtime.events import progress
+from torch_stagehand.runtime.host_budget import gib, probe_machine
+from torch_stagehand.runtime.host_optim import (MASTERS, Hyper, LandingWorker, Scratch, adamw_step, new_state,
+                                                 state_bytes)
+from torch_stagehand.runtime.host_plan import HostMemoryError
+from torch_stagehand.runtime.streamed import HostMasterParameter
+
+
+class HostAdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, master: str = "fp32", overlap: bool = True,
+                 accumulation_steps: int = 1, max_grad_norm: float | None = None, seed: int = 0):
+        if master not in MASTERS:
+            raise ValueError(f"HostAdamW: master must be one of {MASTERS}, got {master!r}")
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(f"HostAdamW: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.master, self.max_grad_norm, self.accumulation_steps = master, max_grad_norm, accumulation_steps
+        self._generator = torch.Generator().manual_seed(seed)  # stochastic rounding, reproducible
+        self._scratch = (Scratch(), Scratch())  # one block's fp32 gradients / rounded weights, kept across steps
+        self._streamed = [p for g in self.param_groups for p in g["params"] if isinstance(p, HostMasterParameter)]
+        self.runtime = _one_runtime(self._streamed)
+        self._block_params: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for p in self._streamed:
+            self._block_params[self._layer(p)[1]].append(p)
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._preflight()
+        for p in progress([p for p in self._streamed if p.requires_grad], "HostAdamW: host optimizer states"):
+            self.state[p] = new_state(p, master)
+        self.worker = None
+        if self.runtime is not None:
+            self.runtime.attach(self)  # step phases, telemetry
+            if overlap and max_grad_norm is None:
+                self._start_worker()
+
+    # ---- set-up ---------------------------------------------------------------------------------------
+
+    def _layer(self, p: torch.Tensor) -> tuple[int, int]:
+        """(layer index, block) of a streamed weight."""
+        _, index = registry.layer(p._sh_layer)
+        return index, self.runtime.layers[index].block
+
+    def _preflight(self) -> None:
+        need = {"fp32 masters": 0, "fp32 moments (exp_avg, exp_avg_sq)": 0}
+        for p in self._streamed:
+            if p.requires_grad:
+                total = state_bytes(p, self.master)
+                need["fp32 moments (exp_avg, exp_avg_sq)"] += 8 * p.numel()
+                need["fp32 masters"] += total - 8 * p.numel()
+        machine = probe_machine()
+        if sum(need.values()) <= machine.usable_bytes:
+            return
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items() if v)
+        fix = "master='bf16' (the bf16 weights are their own master: 8 bytes a parameter instead of 12); " \
+            if self.master == "fp32" and need["fp32 masters"] else ""
+        raise HostMemoryError(
+            f"HostAdamW: the optimizer states of {len(self._streamed)} streamed weights need {gib(sum(need.values()))} "
+            f"of host memory ({parts}) and {gib(machine.usable_bytes)} can be had ({machine.describe()}). To fit: "
+            f"{fix}freeze some streamed weights, or train LoRA adapters instead")
+
+    def _start_worker(self) -> None:
+        lane = self.runtime.grads
+        if lane.consumer is not None:
+            raise ValueError("HostAdamW: another HostAdamW already steps this model's streamed weights as they land; "
+                             "one optimizer per offloaded model (or overlap=False)")
+        blocks = {b: {self._layer(p)[0] for p in ps if p.requires_grad} for b, ps in self._block_params.items()}
+        self.worker = LandingWorker(lane, {b: s for b, s in blocks.items() if s}, self._step_block,
+                                    self.accumulation_steps)
+        lane.consumer = self.worker
+        self.runtime.on_close(self.close)
+
+    def close(self) -> None:
+        """Stop the landing worker (the runtime closes it with itself)."""
+        if self.worker is not None:
+            self.worker.close()
+            if self.runtime.grads.consumer is self.worker:
+                self.runtime.grads.consumer = None
+            self.worker = None
+
+    # ---- stepping ---------------------------------------------------------------------------------------
+
+    def _hyper(self, group: dict) -> Hyper:
+        beta1, beta2 = group["betas"]
+        return Hyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _step_block(self, block: int, scale: float = 1.0) -> None:
+        """Step the block's streamed weights that have a gradient; refresh the block's streamed copy."""
+        by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
+        for p in self._block_params[block]:
+            if p.grad is not None and p in self.state:
+                by_group[id(self._group_of[p])].append(p)
+        if not by_group:
+            return
+        for ps in by_group.values():
+            grads = [p.grad if scale == 1.0 else p.grad * scale for p in ps]
+            adamw_step(ps, grads, [self.state[p] for p in ps], self._hyper(self._group_of[ps[0]]), self.master,
+                       self._scratch, self._generator)
+            for p in ps:
+                p.grad = None  # consumed: the next backward lands a new one
+        rt = self.runtime
+        rt.store.ensure_fresh(block, rt.precision[block])  # an INT8 / FP8 stream is rebuilt now, off the hot path
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped: set[int] = set()
+        if self.worker is not None:
+            self.worker.drain()
+            if self.worker.backwards > self.accumulation_steps:
+                raise RuntimeError(
+                    f"HostAdamW: {self.worker.backwards} backward passes ran since the last step, but "
+                    f"accumulation_steps={self.accumulation_steps}: the blocks already stepped during backward "
+                    f"{self.accumulation_steps}; call step() every {self.accumulation_steps} backward(s), or pass "
+                    "overlap=False")
+            stepped = set(self.worker.stepped)
+        scale = self._clip_scale() if self.max_grad_norm is not None else 1.0
+        for block in self._block_params:
+            if block not in stepped:
+                self._step_block(block, scale)
+        self._step_resident(scale)
+        if self.worker is not None:
+            self.worker.next_step()
+        return loss
+
+    def _step_resident(self, scale: float) -> None:
+        """Every parameter that is not streamed steps where it lives, with torch's AdamW (foreach on a GPU)."""
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if not isinstance(p, HostMasterParameter) and p.grad is not None]
+            if not ps:
+                continue
+            for p in ps:
+                if p not in self.state:
+                    self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
+            if scale != 1.0:
+                torch._foreach_mul_([p.grad for p in ps], scale)
+            hyper = self._hyper(group)
+            states = [self.state[p] for p in ps]
+            adam_functional(
+                ps, [p.grad for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+                [s["step"] for s in states], foreach=ps[0].device.type == "cuda", decoupled_weight_decay=True,
+                amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr,
+                weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
+
+    def _clip_scale(self) -> float:
+        """min(1, max_grad_norm / the global L2 norm of every gradient): one number read on the host."""
+        squares = [p.grad.float().square().sum() for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = math.sqrt(sum(float(s) for s in squares))
+        return min(1.0, self.max_grad_norm / (total + 1e-6))
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that a streamed weight's states stay fp32 (torch casts them to the weight's dtype)."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        exact = {params[i]: {k: v.clone() for k, v in st.items()}
+                 for i, st in state_dict["state"].items() if isinstance(params[i], HostMasterParameter)}
+        super().load_state_dict(state_dict)
+        for p, st in exact.items():
+            self.state[p] = st
+
+
+def _one_runtime(streamed: list[HostMasterParameter]):
+    """The runtime whose streamed weights these are (one offloaded model per optimizer)."""
+    runtimes = {id(registry.layer(p._sh_layer)[0]): registry.layer(p._sh_layer)[0] for p in streamed}
+    if len(runtimes) > 1:
+        raise ValueError("HostAdamW: the parameters stream from two offloaded models; one optimizer per model")
+    return next(iter(runtimes.values()), None)
+
+
+__all__ = ["HostAdamW"]

@@ -1,0 +1,213 @@
+"""`stagehand.optim.HostAdamW`: AdamW on the host for streamed weights, stepped block by block as gradients land.
+
+It must be AdamW exactly (equal to `torch.optim.AdamW` on an fp32 model, with
+accumulation and clipping), step blocks during the backward (before `step()`
+is called), keep its states fp32 through a checkpoint, round a bf16 weight
+from an fp32 master (or stochastically, unbiased), refresh INT8 streams off
+the hot path, and refuse a host too small for its states before allocating.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torch_stagehand as stagehand
+from torch_stagehand.optim import HostAdamW
+from torch_stagehand.runtime.host_optim import Hyper, Scratch, adamw_step, new_state, stochastic_round_
+
+from _helpers import rel_err, toy
+
+LR = 1e-2
+
+
+def _model(n=3):
+    model, x = toy(n=n)
+    return model.requires_grad_(True), x
+
+
+def _loss(forward, x, target):
+    return (forward(x) - target).square().mean()
+
+
+def _run_plain(model, x, target, steps, accumulation=1, clip=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(steps):
+        for _ in range(accumulation):
+            loss = _loss(model, x, target)
+            loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _run_host(model, forward, x, target, steps, accumulation=1, **kw):
+    opt = HostAdamW(model.parameters(), lr=LR, accumulation_steps=accumulation, **kw)
+    losses = []
+    for _ in range(steps):
+        for _ in range(accumulation):
+            loss = _loss(forward, x, target)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, opt
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("case", ["plain", "accumulate 2", "clip", "no overlap"])
+def test_host_adamw_equals_torch_adamw(case, compiled):
+    kw, accumulation, clip = {}, 1, None
+    if case == "accumulate 2":
+        accumulation = 2
+    elif case == "clip":
+        clip = kw["max_grad_norm"] = 0.05
+    elif case == "no overlap":
+        kw["overlap"] = False
+    model, x = _model()
+    target = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3))
+    plain = copy.deepcopy(model)
+    expected = _run_plain(plain, x, target, 4, accumulation, clip)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    try:
+        torch._dynamo.reset()
+        forward = torch.compile(model, backend="stagehand", options={"inner": "eager"}) if compiled else model
+        losses, opt = _run_host(model, forward, x, target, 4, accumulation, **kw)
+        assert losses == pytest.approx(expected, rel=1e-5)  # measured: within 1e-7 (fused vs for-loop AdamW)
+        reference = dict(plain.named_parameters())
+        for name, p in model.named_parameters():
+            assert rel_err(p, reference[name]) < 1e-5, name  # measured: within 3e-7
+        assert (opt.worker is not None) == (case in ("plain", "accumulate 2"))
+    finally:
+        rt.close()
+
+
+def test_blocks_step_during_the_backward_before_step_is_called():
+    model, x = _model(n=4)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR)
+    before = [b.up.weight.detach().clone() for b in model.blocks]
+    model(x).square().mean().backward()
+    opt.worker.drain()  # wait for the worker, without stepping
+    assert opt.worker.stepped == set(range(4))
+    assert all(not torch.equal(b.up.weight, w) for b, w in zip(model.blocks, before))  # stepped already
+    assert model.embed.weight.grad is not None  # resident parameters wait for step()
+    embed = model.embed.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model.embed.weight, embed)
+    rt.close()
+
+
+def test_a_step_cadence_that_does_not_match_accumulation_steps_is_an_error():
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR)
+    model(x).square().mean().backward()
+    model(x).square().mean().backward()  # two backwards, accumulation_steps=1: the first already stepped
+    with pytest.raises(RuntimeError, match="2 backward passes ran since the last step, but accumulation_steps=1"):
+        opt.step()
+    rt.close()
+
+
+def test_a_bf16_weight_steps_from_its_fp32_master_and_rounds_to_nearest():
+    torch.manual_seed(0)
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    g = torch.randn(64, 32).to(torch.bfloat16)
+    state = new_state(w, "fp32")
+    ref = w.float().clone().requires_grad_(True)
+    ref_opt = torch.optim.AdamW([ref], lr=LR)
+    hyper = Hyper(lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
+    for _ in range(3):
+        adamw_step([w], [g], [state], hyper, "fp32", (Scratch(), Scratch()))
+        ref.grad = g.float()
+        ref_opt.step()
+    assert rel_err(state["master"], ref.detach()) < 1e-6  # the master is fp32 AdamW (measured 1e-8)
+    assert torch.equal(w, state["master"].to(torch.bfloat16))  # the streamed weight is its rounding
+
+
+def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
+    gen = torch.Generator().manual_seed(0)
+    src = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1 to the next bf16 value (1 + 2**-7)
+    dst = torch.empty_like(src, dtype=torch.bfloat16)
+    stochastic_round_(dst, src, gen)
+    up = (dst.float() > 1.0).float().mean().item()
+    assert abs(up - 0.125) < 0.005  # rounds up 1/8 of the time: 2**-10 / 2**-7
+    assert abs(dst.float().mean().item() - src[0].item()) < 2e-5
+    exact = torch.randn(1000).to(torch.bfloat16).float()
+    stochastic_round_(dst[:1000], exact, gen)
+    assert torch.equal(dst[:1000].float(), exact)
+
+
+def test_checkpoint_and_resume_keep_fp32_states_of_bf16_weights(tmp_path):
+    model, x = _model()
+    model.to(torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR)
+    for _ in range(2):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    after = []
+    for _ in range(2):
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        after.append(loss.item())
+    rt.close()
+
+    again, _ = _model()
+    again.to(torch.bfloat16)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    again.load_state_dict(saved["model"])
+    rt2 = stagehand.offload(again, device="cpu", verbose=False)
+    opt2 = HostAdamW(again.parameters(), lr=LR)
+    opt2.load_state_dict(saved["opt"])
+    streamed = [p for p in again.parameters() if p in opt2.state and "master" in opt2.state[p]]
+    assert streamed and all(opt2.state[p]["exp_avg"].dtype == torch.float32 and
+                            opt2.state[p]["master"].dtype == torch.float32 for p in streamed)
+    resumed = []
+    for _ in range(2):
+        loss = again(x).float().square().mean()
+        loss.backward()
+        opt2.step()
+        opt2.zero_grad()
+        resumed.append(loss.item())
+    assert resumed == after
+    rt2.close()
+
+
+def test_an_int8_stream_is_rebuilt_by_the_worker_after_its_block_steps():
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", precision="int8", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR)
+    model(x).square().mean().backward()
+    opt.step()
+    for block in range(len(rt.blocks)):  # fresh before any forward asks for it
+        assert rt.store.blocks[block].source_versions["int8"] == rt.store.master_version(block)
+    assert rt.store.requantized_blocks == len(rt.blocks)
+    rt.close()
+
+
+def test_a_host_too_small_for_the_states_is_refused_before_allocating(monkeypatch):
+    from torch_stagehand.runtime import host_budget
+    from torch_stagehand.runtime.host_budget import MachineMemory
+    from torch_stagehand.runtime.host_plan import HostMemoryError
+
+    model, _ = _model()
+    model.to(torch.bfloat16)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    monkeypatch.setattr(host_budget, "probe_machine", lambda: MachineMemory(total_bytes=2**30, available_bytes=1000))
+    import torch_stagehand.optim as optim_module
+    monkeypatch.setattr(optim_module, "probe_machine", host_budget.probe_machine)
+    with pytest.raises(HostMemoryError, match=r"fp32 masters .*fp32 moments.*master='bf16'"):
+        HostAdamW(model.parameters(), lr=LR)
+    rt.close()
