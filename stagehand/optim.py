@@ -31,6 +31,7 @@ host too small is a `HostMemoryError` with the numbers per component.
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 
 import torch
@@ -67,6 +68,8 @@ class HostAdamW(torch.optim.Optimizer):
         for p in progress([p for p in self._streamed if p.requires_grad], "HostAdamW: host optimizer states"):
             self.state[p] = new_state(p, master)
         self.worker = None
+        self.host_seconds = 0.0  # time spent stepping streamed blocks on the host (benches read it)
+        self.blocks_stepped_in_backward = 0  # blocks stepped by the worker while the backward ran
         if self.runtime is not None:
             self.runtime.attach(self)  # step phases, telemetry
             if overlap and max_grad_norm is None:
@@ -130,6 +133,7 @@ class HostAdamW(torch.optim.Optimizer):
                 by_group[id(self._group_of[p])].append(p)
         if not by_group:
             return
+        t0 = time.perf_counter()
         for ps in by_group.values():
             grads = [p.grad if scale == 1.0 else p.grad * scale for p in ps]
             adamw_step(ps, grads, [self.state[p] for p in ps], self._hyper(self._group_of[ps[0]]), self.master,
@@ -138,6 +142,7 @@ class HostAdamW(torch.optim.Optimizer):
                 p.grad = None  # consumed: the next backward lands a new one
         rt = self.runtime
         rt.store.ensure_fresh(block, rt.precision[block])  # an INT8 / FP8 stream is rebuilt now, off the hot path
+        self.host_seconds += time.perf_counter() - t0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -155,6 +160,7 @@ class HostAdamW(torch.optim.Optimizer):
                     f"{self.accumulation_steps}; call step() every {self.accumulation_steps} backward(s), or pass "
                     "overlap=False")
             stepped = set(self.worker.stepped)
+            self.blocks_stepped_in_backward += len(stepped)
         scale = self._clip_scale() if self.max_grad_norm is not None else 1.0
         for block in self._block_params:
             if block not in stepped:

@@ -1,0 +1,270 @@
+"""Full fine-tuning of a model whose weights do not fit with their optimizer: stagehand against the engines people use.
+
+    python benches/full_finetune.py --model qwen --budgets 24 16                       # every row, each its own process
+    python benches/full_finetune.py --model qwen --rows stagehand torchao deepspeed2 deepspeed3
+    python benches/full_finetune.py --model qwen --tiny --device cpu --rows stagehand  # a smoke test of the bench
+
+Qwen2.5-7B shape (benches/models.py), sequence 2048, every parameter trained,
+AdamW (lr 1e-5, weight decay 0.01), bf16 weights, no checkpointing unless the
+plan recomputes. Each row runs in a fresh process (the host memory of one
+engine must not count against the next), builds the model on the GPU with
+random init, takes one warm-up step (compiles, calibrates) and `--steps`
+timed ones:
+
+- `stagehand`: `offload(model, vram_budget=...)` for each budget (re-planned in
+  the one process), `stagehand.optim.HostAdamW` (fp32 master and moments on the
+  host, blocks stepped as their gradients land), `torch.compile(backend=
+  "stagehand")`. The three limits of the step are printed beside it: the H2D
+  of the streamed weights and the D2H of their gradients at the pinned
+  bandwidths measured in the same process, and the host optimizer's measured
+  time per step.
+- `torchao`: torchao's `CPUOffloadOptimizer` (AdamW states and step on the CPU)
+  with the whole model resident, compiled with Inductor: where the weights fit.
+- `deepspeed2`: DeepSpeed ZeRO-2 with `offload_optimizer: cpu` (its CPU Adam,
+  built on the machine); `deepspeed3`: ZeRO-3 with `offload_param` and
+  `offload_optimizer` on the CPU. One process each, world size 1.
+
+Per row: step ms (median), first step s, GPU peak allocated and reserved,
+host peak RSS, loss of each step. A row that does not fit (GPU or host) says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from _common import RESULTS, env_info, print_header, print_table, proc_status, write_json
+
+GiB = 2**30
+LR, WD = 1e-5, 0.01
+
+
+# ---- one row (runs in its own process) -------------------------------------------------------------
+
+def _build(args):
+    from models import build_flux, build_qwen
+
+    model, inputs, shape = (build_qwen if args.model == "qwen" else build_flux)(args.tiny, args.device)
+    model.requires_grad_(True)
+    model.train()
+    return model, inputs, shape
+
+
+def _loss(args, out) -> torch.Tensor:
+    return out.loss if args.model == "qwen" else out[0].float().square().mean()
+
+
+def _peaks(device: str) -> dict:
+    out = {"peak_rss_gb": round(proc_status().get("VmHWM", 0) / 1e9, 2)}
+    if device == "cuda":
+        out.update(peak_gib=round(torch.cuda.max_memory_allocated() / GiB, 2),
+                   peak_reserved_gib=round(torch.cuda.max_memory_reserved() / GiB, 2))
+    return out
+
+
+def _timed(label: str, step, steps: int, device: str) -> dict:
+    """The first step timed alone (compile, calibration), then `steps` timed steps."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    losses = [step()]
+    sync()
+    first_s = time.perf_counter() - t0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        print(f"  {label}: step {i + 1}/{steps} {times[-1]:.0f} ms", flush=True)
+    return {"mode": label, "step_ms": round(statistics.median(times), 1), "steps_ms": [round(t, 1) for t in times],
+            "first_step_s": round(first_s, 1), "losses": [round(float(x), 4) for x in losses], **_peaks(device)}
+
+
+def _pinned_gbps(direction: str, nbytes: int = 512 * 2**20, reps: int = 8) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src, dst = (host, dev) if direction == "h2d" else (dev, host)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+
+
+def row_stagehand(args) -> list[dict]:
+    import torch_stagehand as stagehand
+    from torch_stagehand.optim import HostAdamW
+
+    model, inputs, shape = _build(args)
+    budgets = sorted(args.budgets, reverse=True)
+    t0 = time.perf_counter()
+    rt = stagehand.offload(model, device=args.device, vram_budget=f"{budgets[0]}GiB" if args.device == "cuda" else None,
+                           verbose=False)
+    offload_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD)
+    states_s = time.perf_counter() - t0
+    inner = "inductor" if args.device == "cuda" else "eager"
+    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
+
+    def step():
+        loss = _loss(args, compiled(**inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    streamed_bytes = sum(s.module.weight.numel() * s.module.weight.element_size() for s in rt.layers)
+    h2d = _pinned_gbps("h2d") if args.device == "cuda" else None
+    d2h = _pinned_gbps("d2h") if args.device == "cuda" else None
+    rows = []
+    for i, budget in enumerate(budgets):
+        if i and args.device == "cuda":
+            rt.replan(vram_budget=f"{budget}GiB")
+        step()  # a new plan's first step (its variants compile; calibration on the first)
+        stats0, host0, overlapped0, d2h0 = rt.stats(), opt.host_seconds, opt.blocks_stepped_in_backward, rt.grads.d2h_bytes
+        row = _timed(f"stagehand HostAdamW, vram_budget {budget} GiB", step, args.steps, args.device)
+        after = rt.stats()
+        n = args.steps + 1  # _timed runs a first step too
+        h2d_gb = (after["h2d_bytes"] - stats0["h2d_bytes"]) / n / 1e9
+        d2h_gb = (rt.grads.d2h_bytes - d2h0) / n / 1e9
+        host_opt_ms = (opt.host_seconds - host0) / n * 1e3
+        row.update(budget_gib=budget, h2d_gb_step=round(h2d_gb, 2), d2h_grad_gb_step=round(d2h_gb, 2),
+                   host_optimizer_ms=round(host_opt_ms, 1),
+                   blocks_stepped_in_backward_per_step=round((opt.blocks_stepped_in_backward - overlapped0) / n, 1),
+                   plan=after.get("plan"), resident_blocks=after.get("resident_blocks"),
+                   recomputed_blocks=after.get("planned_recompute_blocks"),
+                   predicted_step_ms=after.get("predicted_step_ms"), offload_s=round(offload_s, 1),
+                   optimizer_states_s=round(states_s, 1), streamed_gb=round(streamed_bytes / 1e9, 2))
+        if h2d:
+            row.update(h2d_gbps=round(h2d, 1), d2h_gbps=round(d2h, 1),
+                       limit_h2d_ms=round(h2d_gb / h2d * 1e3, 1), limit_d2h_ms=round(d2h_gb / d2h * 1e3, 1),
+                       limit_host_optimizer_ms=round(host_opt_ms, 1))
+            row["slowest_limit_ms"] = max(row["limit_h2d_ms"], row["limit_d2h_ms"], row["limit_host_optimizer_ms"])
+            row["x_slowest_limit"] = round(row["step_ms"] / row["slowest_limit_ms"], 2)
+        rows.append(row)
+    rt.close()
+    return rows
+
+
+def row_torchao(args) -> list[dict]:
+    from torchao.optim import CPUOffloadOptimizer
+
+    model, inputs, _ = _build(args)
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD, fused=True)
+    compiled = torch.compile(model)
+
+    def step():
+        loss = _loss(args, compiled(**inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return [_timed("torchao CPUOffloadOptimizer (model resident, Inductor)", step, args.steps, args.device)]
+
+
+def _deepspeed_config(stage: int) -> dict:
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True, "contiguous_gradients": True}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+            "zero_optimization": zero, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "wall_clock_breakdown": False}
+
+
+def row_deepspeed(args, stage: int) -> list[dict]:
+    import deepspeed
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                       ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed()
+    model, inputs, _ = _build(args)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_deepspeed_config(stage))
+
+    def step():
+        loss = _loss(args, engine(**inputs))
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    label = "DeepSpeed ZeRO-2, offload_optimizer cpu" if stage == 2 else \
+        "DeepSpeed ZeRO-3, offload_param + offload_optimizer cpu"
+    return [_timed(label, step, args.steps, args.device)]
+
+
+ROWS = {"stagehand": row_stagehand, "torchao": row_torchao,
+        "deepspeed2": lambda a: row_deepspeed(a, 2), "deepspeed3": lambda a: row_deepspeed(a, 3)}
+
+
+# ---- the driver: one process per row ---------------------------------------------------------------
+
+def run_row(name: str, args) -> list[dict]:
+    """Run one row in a fresh process; its rows, or one row saying why it failed (out of memory, an error)."""
+    part = os.path.join(args.workdir, f"row_{name}.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--row", name, "--part", part, "--model", args.model,
+           "--device", args.device, "--steps", str(args.steps), "--budgets", *map(str, args.budgets)]
+    cmd += ["--tiny"] if args.tiny else []
+    print(f"== {name}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, timeout=args.row_timeout, text=True, capture_output=False)
+    if proc.returncode == 0 and os.path.exists(part):
+        with open(part) as f:
+            return json.load(f)
+    why = "killed (host out of memory?)" if proc.returncode in (-9, 137) else f"exit status {proc.returncode}"
+    return [{"mode": name, "error": why, "seconds": round(time.perf_counter() - t0, 1)}]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["qwen", "flux"], default="qwen")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[24, 16])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)
+    parser.add_argument("--part", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default="/tmp/stagehand-fullft")
+    parser.add_argument("--row-timeout", type=int, default=420)
+    parser.add_argument("--out", default=os.path.join(RESULTS, "full_finetune_qwen.json"))
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if args.row:  # a child: one row, written to --part
+        if args.device == "cuda":
+            torch.backends.cuda.enable_cudnn_sdp(False)  # its backward fails at large shapes on torch 2.11
+        rows = ROWS[args.row](args)
+        with open(args.part, "w") as f:
+            json.dump(rows, f)
+        return
+    info = print_header(env_info())
+    os.makedirs(args.workdir, exist_ok=True)
+    rows = [r for name in args.rows for r in run_row(name, args)]
+    peers = [r["step_ms"] for r in rows if r.get("step_ms") and r["mode"].startswith("DeepSpeed")]
+    best_peer = min(peers) if peers else None
+    for r in rows:
+        if best_peer and r.get("step_ms"):
+            r["x_best_deepspeed"] = round(r["step_ms"] / best_peer, 2)
+    cols = ["mode", "step_ms", "x_best_deepspeed", "peak_gib", "peak_reserved_gib", "peak_rss_gb", "first_step_s",
+            "limit_h2d_ms", "limit_d2h_ms", "limit_host_optimizer_ms", "x_slowest_limit", "error"]
+    print_table([[r.get(c) for c in cols] for r in rows], headers=cols,
+                title=f"Full fine-tune, {args.model} ({'tiny' if args.tiny else 'full size'}), AdamW, every parameter")
+    write_json(args.out, {"env": info, "model": args.model, "tiny": args.tiny, "steps": args.steps, "lr": LR,
+                          "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
