@@ -64,10 +64,13 @@ class GradLane:
         self._next_staging = 0
         self._landing: list[_Landing] = []
         self._queued_for: int | None = None  # the backward (graph task) whose end runs finish()
-        # A host optimizer that steps blocks as their gradients land (host_optim.py): it gets each landing
-        # while `accepting`, and `backward_ended()` at the end of every backward.
+        # A host optimizer that steps blocks as their gradients land (host_optim.py): `begin_backward()` at
+        # the first gradient of every backward, then each landing while it is `accepting`.
         self.consumer = None
         self._consumed: set[int] = set()  # layers handed to the consumer in this backward
+        # A backward is everything between two forwards: a recomputed block's nested backward (its own
+        # autograd graph task, its own end-of-backward callback) is part of the outer one.
+        self._in_backward = False
         self.d2h_bytes = 0
         self.grad_gemms = 0
 
@@ -107,6 +110,11 @@ class GradLane:
         weight = spec.module._parameters["weight"]
         if not weight.requires_grad:
             return  # frozen after the graph was compiled: nothing to deliver
+        if not self._in_backward:
+            self._in_backward = True
+            self._consumed.clear()
+            if self.consumer is not None:
+                self.consumer.begin_backward()
         self._queue_finish()
         position = index - self.first_layer[spec.block]
         lay = self.store.layout(spec.block, precisions.FULL)[position]
@@ -171,15 +179,16 @@ class GradLane:
         """Wait for the gradients in flight, then give each weight its `.grad` (set, or added to)."""
         self._queued_for = None
         landing, self._landing = self._landing, []
-        self._consumed.clear()
         for land in landing:
             self.apply(land)
         # The optimizer will write these masters, maybe without moving their version counter (torch's
         # fused CPU AdamW does not): mark them written now, so no stale slot or INT8 copy is served.
         for block in sorted({self.block_of(land.index) for land in landing}):
             self.store.mark_written(block)
-        if self.consumer is not None:
-            self.consumer.backward_ended()
+
+    def forward_ran(self) -> None:
+        """A forward op ran (not a recompute inside backward): the next gradient begins a new backward."""
+        self._in_backward = False
 
     def apply(self, land: _Landing) -> None:
         """Once its copy is done: the gradient becomes the weight's `.grad`, or is added to it."""

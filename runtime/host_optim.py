@@ -137,13 +137,13 @@ class LandingWorker:
     @property
     def accepting(self) -> bool:
         """Is this backward the one whose gradients complete a step (the last of an accumulation cycle)?"""
-        return self.backwards == self.accumulation_steps - 1
+        return self.backwards == self.accumulation_steps
+
+    def begin_backward(self) -> None:
+        self.backwards += 1
 
     def landed(self, land) -> None:
         self._queue.put(land)
-
-    def backward_ended(self) -> None:
-        self.backwards += 1
 
     def _run(self) -> None:
         while True:

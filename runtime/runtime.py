@@ -277,6 +277,8 @@ class Runtime(SelectivePrecisionAPI):
         kind = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
         t0 = time.perf_counter()
         (self.phases.forward_op if kind == "forward" else self.phases.backward_op)()
+        if kind == "forward":
+            self.grads.forward_ran()
         precision = precisions.by_code(precision_code).name
         slot = self.pool.acquire(block, precision)
         self.planner.on_wait(block, kind)  # after the stream waited for the copy: calibration times compute
@@ -309,6 +311,8 @@ class Runtime(SelectivePrecisionAPI):
         # it belongs to the backward phase, and the next block needed is the previous one.
         backward = torch._C._current_graph_task_id() != -1
         (self.phases.backward_op if backward else self.phases.forward_op)()
+        if not backward:
+            self.grads.forward_ran()
         with self._eager_slot(index, backward) as (slot, layout):
             return linear_from_slot(x, slot, bias, layout)
 
