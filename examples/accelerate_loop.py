@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import torch_stagehand as stagehand
 from torch_stagehand.trainers import stagehand_dynamo_plugin
 
+from _checkpoint import CAUSAL_LM, require_checkpoint  # beside this script
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,6 +38,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require_checkpoint(args.model, "causal LM", CAUSAL_LM)  # a missing folder is not a Hub id to look up
     set_seed(0)  # LoRA's initial A, the shuffle: a resumed run continues the same run
     on_gpu = torch.cuda.is_available()
     accelerator = Accelerator(cpu=not on_gpu,

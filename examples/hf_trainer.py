@@ -7,9 +7,12 @@ The model is offloaded before the Trainer wraps it; `TrainingArguments(torch_com
 torch_compile_backend="stagehand")` does the compile. `StagehandTrainer` is a `Trainer` that
 accelerate accepts that backend name from, and that attaches its optimizer to the runtime.
 Checkpoints are peft adapters (plus optimizer and scheduler state), as with any peft model.
+After training, the adapter is saved to OUT/adapter with peft's `save_pretrained`, loaded back into
+the plain transformers model, and its outputs checked against the trained model's.
 """
 
 import argparse
+import os
 
 import peft
 import torch
@@ -17,6 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments,
 
 import torch_stagehand as stagehand
 from torch_stagehand.trainers import StagehandTrainer
+
+from _checkpoint import CAUSAL_LM, require_checkpoint  # beside this script
 
 
 class Windows(torch.utils.data.Dataset):
@@ -49,11 +54,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    require_checkpoint(args.model, "causal LM", CAUSAL_LM)  # a missing folder is not a Hub id to look up
     set_seed(0)  # LoRA's initial A: a resumed run continues the same run
     on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     ids = tokenizer(open(args.text, encoding="utf-8").read(), return_tensors="pt").input_ids[0]
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.requires_grad_(False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
     rt = stagehand.offload(model, precision=args.precision)  # before the Trainer wraps the model
@@ -68,7 +75,28 @@ def main(argv=None):
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     print(f"global step {trainer.state.global_step}; stagehand ran {rt.stats()['steps']} steps here, "
           f"streamed {rt.stats()['h2d_bytes'] / 1e6:,.1f} MB")
+
+    adapter = os.path.join(args.out, "adapter")
+    model.save_pretrained(adapter)  # peft: adapter_config.json + adapter_model.safetensors
+    print(f"saved the adapter to {adapter}")
+    rt.restore()  # plain nn.Linear modules again
+    check_reload(model, args.model, adapter, Windows(ids, args.seq)[0]["input_ids"][None], dtype,
+                 training_args.device)
     return trainer, rt
+
+
+def check_reload(model, folder, adapter, probe, dtype, device):
+    """The adapter in the plain library model: the same outputs as the trained model."""
+    model.to(device).eval()
+    probe = probe.to(device)
+    with torch.no_grad():
+        trained = model(input_ids=probe).logits
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+        again = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=probe).logits
+    diff = (trained - again).abs().max().item()
+    print(f"reloaded with PeftModel.from_pretrained: max |logits difference| = {diff:.3g}")
+    torch.testing.assert_close(again, trained)
+    return diff
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import torch_stagehand as stagehand
 
+from _checkpoint import CAUSAL_LM, require_checkpoint  # beside this script
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -39,6 +41,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     inner = "inductor" if device.type == "cuda" else "eager"  # Inductor's C++ compile is slow on a CPU
 
+    require_checkpoint(args.model, "causal LM", CAUSAL_LM)  # a missing folder is not a Hub id to look up
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     ids = tokenizer(open(args.text, encoding="utf-8").read(), return_tensors="pt").input_ids[0]
     if ids.numel() <= args.seq:

@@ -24,6 +24,8 @@ from diffusers import FluxTransformer2DModel
 
 import torch_stagehand as stagehand
 
+from _checkpoint import DIFFUSERS_MODEL, require_checkpoint  # beside this script
+
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # diffusers' Flux LoRA scripts' default
 
 
@@ -42,9 +44,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def transformer_subfolder(folder):
+    return "transformer" if os.path.isdir(os.path.join(folder, "transformer")) else None
+
+
 def load_transformer(folder, dtype):
-    sub = "transformer" if os.path.isdir(os.path.join(folder, "transformer")) else None
-    return FluxTransformer2DModel.from_pretrained(folder, subfolder=sub, torch_dtype=dtype)
+    return FluxTransformer2DModel.from_pretrained(folder, subfolder=transformer_subfolder(folder), torch_dtype=dtype)
 
 
 def load_cache(path, config, batch):
@@ -74,6 +79,9 @@ def main(argv=None):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     inner = "inductor" if device.type == "cuda" else "eager"  # Inductor's C++ compile is slow on a CPU
 
+    sub = transformer_subfolder(args.model)  # a pipeline's transformer/, else the folder itself
+    require_checkpoint(args.model, "diffusers Flux", DIFFUSERS_MODEL,
+                       inside=os.path.join(args.model, sub) if sub else args.model)
     model = load_transformer(args.model, dtype)  # on the CPU: offload streams from there
     config = model.config
     cache = load_cache(args.cache, config, args.batch)

@@ -2,21 +2,26 @@
 
 `int8_linear` / `int8_linear_grad_input` take the fused Triton kernels when the
 activation is on a CUDA device and Triton imports, and the reference twin
-otherwise (same numbers within bf16 rounding). `int8_linear_triton` /
+otherwise (same numbers within bf16 rounding); a CUDA call that takes the twin
+because Triton failed to import warns once (`TritonUnavailableWarning`, naming
+`TRITON_IMPORT_ERROR`). `int8_linear_triton` /
 `int8_linear_grad_input_triton` always take the Triton path (the tests run them
 under TRITON_INTERPRET=1 on the CPU).
 """
 
+from .fallback import TritonUnavailableWarning, warn_reference_fallback
 from .quantize import dequantize, quantize_per_row
 from .reference import int8_linear_grad_input_ref, int8_linear_ref
 
+TRITON_IMPORT_ERROR: BaseException | None = None  # why the fused kernels are missing, if they are
 try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
     from .launch import int8_linear_grad_input_triton, int8_linear_triton
     from .tune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
 
     HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the install
+except Exception as e:  # pragma: no cover - depends on the install
     HAS_TRITON = False
+    TRITON_IMPORT_ERROR = e
     LaunchConfig = None
 
     def _no_triton(*args, **kwargs):
@@ -34,16 +39,25 @@ except Exception:  # pragma: no cover - depends on the install
         return 0.0
 
 
+def _fused(x) -> bool:
+    """Whether a call on `x` takes the Triton kernel; a CUDA call that cannot says why, once."""
+    if HAS_TRITON:
+        return x.is_cuda
+    if x.is_cuda:
+        warn_reference_fallback("the W8A16 kernels", TRITON_IMPORT_ERROR)
+    return False
+
+
 def int8_linear(x, qweight, scale, bias=None, activation=None):
     """y = (x @ qweight[:, :K].T) * scale + bias, optional "gelu_tanh"; K = x.shape[-1]."""
-    if HAS_TRITON and x.is_cuda:
+    if _fused(x):
         return int8_linear_triton(x, qweight, scale, bias, activation)
     return int8_linear_ref(x, qweight, scale, bias, activation)
 
 
 def int8_linear_grad_input(dy, qweight, scale, k=None):
     """dx = (dy * scale) @ qweight[:, :k]; k defaults to qweight.shape[1]."""
-    if HAS_TRITON and dy.is_cuda:
+    if _fused(dy):
         return int8_linear_grad_input_triton(dy, qweight, scale, k)
     return int8_linear_grad_input_ref(dy, qweight, scale, k)
 
@@ -51,6 +65,8 @@ def int8_linear_grad_input(dy, qweight, scale, k=None):
 __all__ = [
     "HAS_TRITON",
     "LaunchConfig",
+    "TRITON_IMPORT_ERROR",
+    "TritonUnavailableWarning",
     "dequantize",
     "int8_linear",
     "int8_linear_grad_input",

@@ -24,15 +24,18 @@ import os
 
 import torch
 
+from .fallback import warn_reference_fallback
 from .launch_memo import Executor, LaunchMemo, tensor_key
 
-try:  # a broken Triton install must not break the CPU path (the twin)
+TRITON_IMPORT_ERROR: BaseException | None = None
+try:  # a broken Triton install must not break the CPU path (the twin); CUDA calls then warn once
     import triton
     import triton.language as tl
 
     HAS_TRITON = True
-except Exception:  # pragma: no cover - depends on the install
+except Exception as e:  # pragma: no cover - depends on the install
     HAS_TRITON = False
+    TRITON_IMPORT_ERROR = e
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -99,6 +102,8 @@ def transpose_bytes(q: torch.Tensor, tile: int = _TILE) -> torch.Tensor:
     # The CPU tests run the kernel under the interpreter; a GPU call (every fp8 grad-input) skips the env read.
     interpreting = not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") == "1"
     if not (HAS_TRITON and (q.is_cuda or interpreting)):
+        if q.is_cuda:
+            warn_reference_fallback("the fp8 quantize and transpose kernels", TRITON_IMPORT_ERROR)
         return q.t().contiguous()
     n, k = q.shape
     memo = TRANSPOSE_MEMO.enabled(interpreting)
@@ -134,6 +139,8 @@ def quantize_rows(x2: torch.Tensor, col_scale: torch.Tensor | None = None) -> tu
     if col_scale is not None and col_scale.numel() != x2.shape[1]:
         raise ValueError(f"fp8 quantize_rows: col_scale has {col_scale.numel()} elements, the rows {x2.shape[1]}")
     if not (x2.is_cuda and HAS_TRITON):
+        if x2.is_cuda:
+            warn_reference_fallback("the fp8 quantize and transpose kernels", TRITON_IMPORT_ERROR)
         return quantize_rows_ref(x2, col_scale)
     # An interpreted launch is never recorded (the Executor sees no compiled binary), so no interpreter check.
     memo = QUANT_MEMO.enabled(interpreting=False)

@@ -10,7 +10,8 @@ from torch_stagehand.runtime.runtime import EagerFallbackWarning, Runtime
 
 from .api import explain, offload, runtime_of
 from .config import ConductorConfig, Config, ConfigError, PrecisionConfig
+from .version import __version__
 
-__all__ = ["Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning", "NotOffloadedWarning",
+__all__ = ["__version__", "Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning", "NotOffloadedWarning",
            "PrecisionConfig", "Runtime", "explain",
            "offload", "runtime_of"]

@@ -45,9 +45,10 @@ def offload(
     exactly as given.
     slab: path to an INT8 slab (`{name}.manifest.json` or its directory + name)
     whose rows are read straight into the host store.
-    vram_budget: device memory the plan may use, bytes or a string ("20GiB", "512MB"); the runtime
-    keeps as many blocks resident and recomputes as few as fit (`rt.plan`). On the CPU it bounds
-    the device copy of the streamed weights. Same as `Config.conductor.vram_soft_cap_mb`.
+    vram_budget: device memory the plan may use, a string with its unit ("20GiB", "512MB"; a bare
+    "20" is refused) or a number of bytes (at least 4 KiB: 20 is refused as a unit mistake); the
+    runtime keeps as many blocks resident and recomputes as few as fit (`rt.plan`). On the CPU it
+    bounds the device copy of the streamed weights. Same as `Config.conductor.vram_soft_cap_mb`.
     keep_full: where the full-precision master of a block that streams INT8 is
     kept: "pinned", "ram" (pageable), "file" (not in RAM: read from
     `checkpoint` when needed) or "auto" (default: `config.keep_full`).

@@ -81,8 +81,7 @@ class Report:
                 moved[r.block] = moved.get(r.block, 0) + r.bytes
         rows = [row + [f"{moved.get(p.block, 0) / 2**20:.3f}"] for row, p in zip(self.plan.rows(self.blocks),
                                                                                self.plan.blocks)]
-        headers = ["block", "name", "precision", "weights", "MiB", "activations", "predicted ms",
-                   "predicted H2D MiB/step", "H2D MiB this call"]
+        headers = self.plan.headers()[:-1] + ["predicted H2D MiB/step", "H2D MiB this call"]
         return f"{self.plan.summary()}\n" + tabulate(rows, headers=headers, tablefmt=tablefmt)
 
     def schedule_rows(self) -> list[list]:

@@ -11,7 +11,9 @@ import pytest
 
 import torch
 
+from torch_stagehand.app import telemetry_plots
 from torch_stagehand.app.cli import UsageError, check_precision_range, main, parse_precision, prepare_training
+from torch_stagehand.app.usage import user_errors
 
 
 def test_parse_precision_maps():
@@ -60,6 +62,16 @@ def test_inspect_prints_rewritten_graphs(capsys):
     (["schedule", "nofile.py:build", "--device", "cpu"], "no file", True),
     (["schedule", "tiny-llama", "--device", "cpu", "--precision", "9:int8"], r"block\(s\) \[9\]", False),
     (["inspect", "tiny-llama", "--device", "cpu", "--graph", "nothing-like-this"], "matches none", False),
+    # A bare number is refused before anything is built: 20 bytes is never what was meant.
+    (["schedule", "tiny-llama", "--device", "cpu", "--vram-budget", "20"],
+     r"--vram-budget: '20' has no unit; write .*'20GiB'.*'20GB'", True),
+    # Library errors for what was asked (issue 29: fp8 on the CPU ended in a 30-line traceback).
+    (["schedule", "tiny-llama", "--device", "cpu", "--precision", "fp8"],
+     r"precision 'fp8' needs FP8 tensor cores.*fp8_emulate", False),
+    (["schedule", "tiny-llama", "--device", "cpu", "--config",
+      '{"selective_precision": {"mode": "static", "force_int8_blocks": [9]}}'], "block 9 does not exist", False),
+    (["schedule", "tiny-llama", "--device", "cpu", "--config", '{"telemetry_file": "/no/such/folder/t.jsonl"}'],
+     r"telemetry_file: .*its folder '/no/such/folder' does not exist", False),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, message, before_build, capsys):
     assert main(argv) == 2
@@ -211,4 +223,41 @@ def test_schedule_with_a_vram_budget_prints_and_writes_the_plan(tmp_path, capsys
     assert plan["summary"].startswith("planned plan") and len(plan["blocks"]) == 4
     assert sum(b["resident"] for b in plan["blocks"]) >= 1
     assert main(["schedule", "tiny-llama", "--device", "cpu", "--vram-budget", "lots"]) == 2
-    assert "vram_budget" in capsys.readouterr().err
+    assert "stagehand schedule: error: --vram-budget: cannot read 'lots'" in capsys.readouterr().err
+
+
+def test_a_plan_from_the_default_cost_model_says_so_in_the_table_and_the_json(tmp_path, capsys):
+    out = tmp_path / "schedule.json"
+    assert main(["schedule", "tiny-llama", "--device", "cpu", "--vram-budget", "300KB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ms (default cost model)" in text and "predicted ms (default cost model)" in text
+    plan = json.loads(out.read_text())["plan"]
+    assert plan["cost_model"] == "default" and "(default cost model)" in plan["summary"]
+
+
+def test_the_demo_reports_a_precision_the_device_cannot_run_in_one_line(tmp_path):
+    result = _run_cli("demo", "--device", "cpu", "--steps", "1", "--precision", "fp8", "--out", str(tmp_path / "o"))
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert err[-1].startswith("stagehand demo: error: precision 'fp8' needs FP8 tensor cores")
+
+
+@pytest.mark.parametrize("error", user_errors(), ids=lambda cls: cls.__name__)
+def test_every_library_user_error_is_one_line_and_exit_2(error, tmp_path, monkeypatch, capsys):
+    def fails(*args, **kwargs):
+        raise error("what was asked cannot be done\n  (the message's second line)")
+
+    monkeypatch.setattr(telemetry_plots, "plot_telemetry", fails)
+    assert main(["plot", str(tmp_path / "telemetry.jsonl")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "stagehand plot: error: what was asked cannot be done (the message's second line)"]
+
+
+@pytest.mark.parametrize("bug", [ValueError, KeyError, RuntimeError, TypeError])
+def test_a_bug_keeps_its_traceback(bug, tmp_path, monkeypatch):
+    def fails(*args, **kwargs):
+        raise bug("a bug in stagehand")
+
+    monkeypatch.setattr(telemetry_plots, "plot_telemetry", fails)
+    with pytest.raises(bug, match="a bug in stagehand"):  # not caught: the interpreter prints the traceback
+        main(["plot", str(tmp_path / "telemetry.jsonl")])

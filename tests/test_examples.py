@@ -1,5 +1,6 @@
 """The examples run as written, each on a tiny checkpoint this test saves first (random init from a
-small config), and the README's quick start is exactly examples/quickstart.py."""
+small config), and the README's quick start is exactly examples/quickstart.py. An example given a
+folder that is missing, or that holds no checkpoint, says so in one line naming it."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def run_example(name: str, *args: str, timeout: int = 240, gpu: bool = False) -> str:
+def _run(name: str, *args: str, timeout: int = 240, gpu: bool = False) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning")
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""  # CI's CPU run, also on a machine with a GPU
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
+
+
+def run_example(name: str, *args: str, timeout: int = 240, gpu: bool = False) -> str:
+    proc = _run(name, *args, timeout=timeout, gpu=gpu)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout + proc.stderr
 
@@ -75,6 +80,49 @@ def test_flux_recipe_trains_saves_and_reloads_into_diffusers(tmp_path):
     assert any(k.startswith("base_model.model.single_transformer_blocks.") for k in keys)  # both block lists
     assert any(k.startswith("base_model.model.transformer_blocks.") for k in keys)
     assert all(t.abs().sum() > 0 for k, t in keys.items() if "lora_B" in k)
+
+
+def test_hf_trainer_reloads_its_adapter_into_the_plain_model(tmp_path):
+    save_tiny_llama(tmp_path / "model")
+    out = run_example("hf_trainer.py", str(tmp_path / "model"), "--steps", "2", "--save-steps", "2", "--seq", "32",
+                      "--out", str(tmp_path / "run"))
+    assert f"saved the adapter to {tmp_path / 'run' / 'adapter'}" in out
+    assert "reloaded with PeftModel.from_pretrained: max |logits difference|" in out  # assert_close passed after it
+    lora_b = [t for k, t in adapter_tensors(tmp_path / "run" / "adapter").items() if "lora_B" in k]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # trained, so the comparison can tell
+
+
+FOLDER_EXAMPLES = ["lora_causal_lm.py", "hf_trainer.py", "accelerate_loop.py", "lora_flux.py"]
+
+
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("name", FOLDER_EXAMPLES)
+def test_a_missing_folder_is_named_in_one_line_not_looked_up_on_the_hub(name, tmp_path):
+    missing = tmp_path / "no-such-model"
+    line = _one_line_error(_run(name, str(missing)))
+    assert f"{str(missing)!r} does not exist" in line and "checkpoint folder" in line
+    assert "huggingface" not in line.lower() and "hub" not in line.lower()
+
+
+def test_a_folder_that_is_no_checkpoint_says_what_it_lacks(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    line = _one_line_error(_run("lora_causal_lm.py", str(tmp_path)))
+    assert f"{str(tmp_path)!r} does not look like a causal LM checkpoint" in line
+    assert "no config.json" in line and "no weights" in line and "no tokenizer" in line
+    line = _one_line_error(_run("lora_flux.py", str(tmp_path / "notes.txt")))
+    assert "is a file, not a folder" in line
+
+
+def test_the_examples_output_folders_are_ignored_by_git():
+    ignored = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()]
+    for name in FOLDER_EXAMPLES:
+        default = re.search(r'add_argument\("--out", default="([^"]+)"', (EXAMPLES / name).read_text()).group(1)
+        assert f"{default}/" in ignored, f"{name}: --out {default} is not in .gitignore"
 
 
 @pytest.mark.gpu

@@ -8,10 +8,14 @@ once per device and cached on disk) and the bytes of everything that is not a
 block (resident parameters, glue activations, optimizer state), calibrated
 from a measured step. On the CPU there is nothing to measure memory with, so
 the defaults make the budget bound the device copy of the streamed weights
-alone, and tests inject constants.
+alone, and tests inject constants. `CostModel.source` says which of these a
+prediction rests on ("default", "measured", "given"): a time predicted from the
+defaults is a guess, and every place that shows one says so.
 
 `parse_bytes` reads a budget: an int of bytes or a string such as "20GiB",
-"512 MB", "1.5g".
+"512 MB", "1.5g". A string needs its unit ("20" is refused, not read as 20
+bytes), and a number of bytes below `MIN_BUDGET_BYTES` is refused as a unit
+mistake (20 meant as GiB, 512 as MB).
 """
 
 from __future__ import annotations
@@ -29,31 +33,48 @@ import torch
 DEFAULT_BLOCK_SECONDS = 1e-3
 # Host-to-device bandwidth assumed where nothing can be measured (the CPU "device").
 DEFAULT_H2D_BPS = 20e9
+# Where a cost model's block times come from (`CostModel.source`).
+DEFAULT, MEASURED, GIVEN = "default", "measured", "given"
 
 
 class BudgetError(ValueError):
     """A VRAM budget that cannot be read, or that no plan fits under."""
 
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+_UNITS = {"b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNIT_HINT = "a size with a unit: '20GiB', '512MiB' (GiB = 2**30 bytes) or '20GB', '512MB' (GB = 10**9 bytes)"
+# The fewest bytes a budget given as a number may be: fewer is a unit mistake (20 meant as GiB, 512 as MB).
+# Not 1 MiB, though no device budget is that small: on the CPU the budget bounds the streamed weights
+# alone, and toy models are planned in KiB there (the CPU suite's blocks are 16 KiB, its budgets 4 KiB up).
+MIN_BUDGET_BYTES = 4 * 2**10
 
 
 def parse_bytes(value: int | float | str, what: str = "vram_budget") -> int:
-    """Bytes from an int / float of bytes or a string with a unit ("20GiB", "512MB"); GiB and GB differ."""
+    """Bytes from a number of bytes (at least MIN_BUDGET_BYTES) or a string with a unit ("20GiB", "512MB")."""
     if isinstance(value, bool):
-        raise BudgetError(f"{what}: expected bytes or a string like '20GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise BudgetError(f"{what}: cannot read {value!r}; write bytes or a size like '20GiB', '512MB'")
-        number = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    else:
-        raise BudgetError(f"{what}: expected bytes or a string like '20GiB', got {type(value).__name__}")
-    if number <= 0:
+        raise BudgetError(f"{what}: expected bytes or {_UNIT_HINT}, got {value!r}")
+    if isinstance(value, str):
+        return _parse_size(value, what)
+    if not isinstance(value, (int, float)):
+        raise BudgetError(f"{what}: expected bytes or {_UNIT_HINT}, got {type(value).__name__}")
+    if value <= 0:
         raise BudgetError(f"{what}: must be positive, got {value!r}")
+    if value < MIN_BUDGET_BYTES:
+        raise BudgetError(f"{what}: {value!r} is {value!r} bytes (a number is read as bytes), fewer than "
+                          f"{MIN_BUDGET_BYTES} and too few to be meant; write {_UNIT_HINT}")
+    return int(value)
+
+
+def _parse_size(text: str, what: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is not None and not m.group(2):
+        raise BudgetError(f"{what}: {text!r} has no unit; write {_UNIT_HINT}")
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise BudgetError(f"{what}: cannot read {text!r}; write {_UNIT_HINT}")
+    number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if number <= 0:
+        raise BudgetError(f"{what}: must be positive, got {text!r}")
     return int(number)
 
 
@@ -115,6 +136,18 @@ class CostModel:
     other_s: float = 0.0  # step time outside the blocks (glue, loss, optimizer), added to every plan
     frozen: bool = False  # injected constants: the runtime does not overwrite them with measurements
     measured: dict = field(default_factory=dict)  # where the numbers came from (printed with the plan)
+
+    @property
+    def source(self) -> str:
+        """MEASURED: a calibration step measured the block times (`Calibration.finish`, also when the model was
+        kept and loaded again); GIVEN: a caller set them (tests, `rt.replan(cost_model=...)`); DEFAULT: no block
+        time is known, so every predicted time rests on DEFAULT_BLOCK_SECONDS (a measured H2D bandwidth alone
+        does not make it measured: the compute it overlaps is still the guess)."""
+        if "calibration_step_s" in self.measured:
+            return MEASURED
+        if self.forward_s is None and self.backward_s is None and self.host_s is None:
+            return DEFAULT
+        return GIVEN
 
     def block_costs(self, nbytes: list[int]) -> list[BlockCost]:
         def pick(values, b, default):

@@ -17,6 +17,10 @@ with the smallest peak any plan reaches.
 
 Predicted peak = base + resident weights + slots x slot bytes + the most
 saved-for-backward bytes alive at once (`activation_peak`).
+
+A plan predicted from the default cost model (no block time measured: the CPU,
+or CUDA before its calibration step) says "(default cost model)" beside every
+predicted time it prints (`Plan.cost_note`).
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from typing import Sequence
 
 from tabulate import tabulate
 
-from .costs import BlockCost, Budget, BudgetError, CostModel, human
+from .costs import DEFAULT, BlockCost, Budget, BudgetError, CostModel, human
 
 KEEP, RECOMPUTE, SPILL, MODEL = "keep", "recompute", "spill", "model"  # MODEL: the model's checkpointing decides
 MAX_SLOTS = 4
+DEFAULT_COST_NOTE = " (default cost model)"
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,12 @@ class Plan:
     h2d_bps: float = 0.0
     d2h_bps: float | None = None
     measured_peak_bytes: int | None = None  # the first step under this plan (CUDA; planning.py checks it)
+    cost_model: str = DEFAULT  # `CostModel.source` of the model its predictions came from
+
+    @property
+    def cost_note(self) -> str:
+        """What follows a predicted time shown to a person: nothing, or that it is the default model's guess."""
+        return DEFAULT_COST_NOTE if self.cost_model == DEFAULT else ""
 
     @property
     def resident(self) -> set[int]:
@@ -86,7 +97,7 @@ class Plan:
         over = " (over the soft cap: nothing fitted it)" if self.over_soft_cap else ""
         return (f"{self.kind} plan{over}: {c['resident_blocks']} resident, {c['streamed_blocks']} streamed, "
                 f"{c['recomputed_blocks']} recomputed, {c['spilled_blocks']} spilled; {self.slots} slots of {human(self.slot_bytes)}, "
-                f"lookahead {self.lookahead}; predicted step {self.predicted_step_s * 1e3:.1f} ms, "
+                f"lookahead {self.lookahead}; predicted step {self.predicted_step_s * 1e3:.1f} ms{self.cost_note}, "
                 f"peak {human(self.predicted_peak_bytes)}; budget {self.budget.describe()}")
 
     def rows(self, names: Sequence[str] | None = None) -> list[list]:
@@ -94,9 +105,13 @@ class Plan:
                  f"{p.bytes / 2**20:.3f}", p.activations, f"{p.predicted_s * 1e3:.2f}", f"{p.h2d_bytes / 2**20:.3f}"]
                 for p in self.blocks]
 
+    def headers(self) -> list[str]:
+        """The columns of `rows`; the predicted time's header carries `cost_note`."""
+        return ["block", "name", "precision", "weights", "MiB", "activations", f"predicted ms{self.cost_note}",
+                "H2D MiB/step"]
+
     def table(self, names: Sequence[str] | None = None, tablefmt: str = "simple") -> str:
-        headers = ["block", "name", "precision", "weights", "MiB", "activations", "predicted ms", "H2D MiB/step"]
-        return tabulate(self.rows(names), headers=headers, tablefmt=tablefmt)
+        return tabulate(self.rows(names), headers=self.headers(), tablefmt=tablefmt)
 
     def __str__(self) -> str:
         return f"{self.summary()}\n{self.table()}"
@@ -280,7 +295,7 @@ def build_plan(costs: Sequence[BlockCost], precision: Sequence[str], resident: s
                         (RECOMPUTE if b in recompute else SPILL if b in spill else KEEP), c.bytes, per_block[b], h2d[b])
               for b, c in enumerate(costs)]
     return Plan(blocks, slots, slot_bytes, lookahead_of(slots), step_s + model.other_s, peak, budget, kind,
-                costs=list(costs), h2d_bps=model.h2d_bps, d2h_bps=model.d2h_bps)
+                costs=list(costs), h2d_bps=model.h2d_bps, d2h_bps=model.d2h_bps, cost_model=model.source)
 
 
 def _search(costs: Sequence[BlockCost], limit: int, model: CostModel, max_slots: int):

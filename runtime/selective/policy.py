@@ -38,7 +38,11 @@ class Change:
 def check_force_lists(cfg, n_blocks: int) -> None:
     bad = [b for b in (*cfg.force_bf16_blocks, *cfg.force_int8_blocks) if b >= n_blocks]
     if bad:
-        raise ValueError(f"selective_precision.force_*_blocks: block {bad[0]} does not exist "
+        # A config that does not fit the model (a ValueError still; the CLI reports ConfigError in one line).
+        # Imported here: the engine itself stays free of torch.
+        from torch_stagehand.runtime.config import ConfigError
+
+        raise ConfigError(f"selective_precision.force_*_blocks: block {bad[0]} does not exist "
                          f"(the model has blocks 0..{n_blocks - 1})")
 
 

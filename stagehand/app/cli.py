@@ -8,8 +8,10 @@
 
 TARGET is a preset (tiny-llama, tiny-gpt2, tiny-flux, dit-48x3072) or
 `path/to/file.py:factory` naming a function that returns (model, example_inputs).
-Usage errors (unknown target, bad precision map, bad config, ...) print one
-line to stderr and exit with status 2.
+Usage errors (unknown target, bad precision map, bad config, a precision the
+device cannot run, a budget without a unit, ...: `UsageError` and the library
+errors `usage.user_errors` lists) print one line to stderr and exit with status
+2; any other exception is a bug and prints its traceback.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from typing import Any
 
 from torch_stagehand.app.progress import Stage
 from torch_stagehand.app.usage import (  # noqa: F401  (parse_precision, PrecisionRanges: the CLI's API)
-    PrecisionRanges, TargetFailed, UsageError, check_output_path, check_precision_range, parse_precision,
+    PrecisionRanges, TargetFailed, UsageError, check_output_path, check_precision_range, check_vram_budget, one_line,
+    parse_precision, user_errors,
 )
 from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.version import __version__
 
 DIT_CPU_TOKENS = 16
 
@@ -144,11 +148,10 @@ def explain_target(args) -> tuple[Any, Any]:
     import torch_stagehand as stagehand
     from torch_stagehand.config import Config
     from .presets import PRESETS, call_model
-    from torch_stagehand.runtime.blocks import BlockSelectionError, find_blocks
-    from torch_stagehand.runtime.conductor.costs import BudgetError
-    from torch_stagehand.runtime.runtime import PrecisionMapError
+    from torch_stagehand.runtime.blocks import find_blocks
 
     precision = parse_precision(args.precision)
+    vram_budget = check_vram_budget(args.vram_budget)
     config = load_config(args.config)
     device = resolve_device(args.device)
     if config is None and args.target == "dit-48x3072":
@@ -159,21 +162,15 @@ def explain_target(args) -> tuple[Any, Any]:
     building = Stage(f"building {args.target}") if args.target in PRESETS else contextlib.nullcontext()
     with building, _quiet_library_logs(preimport=args.target == "tiny-flux"):
         model, inputs = build_target(args.target, device)
-    try:
-        n_blocks = len(find_blocks(model))
-    except BlockSelectionError as e:
-        raise UsageError(str(e)) from None
+    n_blocks = len(find_blocks(model))  # no blocks: BlockSelectionError, one line like every usage.user_errors()
     precision = check_precision_range(precision, n_blocks)
     how = "inference, no grad"
     if args.train:
         model, inputs, how = prepare_training(model, inputs)
-    try:
-        with Stage(f"offloading {n_blocks} blocks to the host store (precision {args.precision}, device {device})"):
-            # verbose=False: this Stage line is the progress; the summary would split it
-            rt = stagehand.offload(model, device=device, precision=precision, config=config, verbose=False,
-                                   vram_budget=args.vram_budget)
-    except (PrecisionMapError, BlockSelectionError, BudgetError) as e:
-        raise UsageError(str(e)) from None
+    with Stage(f"offloading {n_blocks} blocks to the host store (precision {args.precision}, device {device})"):
+        # verbose=False: this Stage line is the progress; the summary would split it
+        rt = stagehand.offload(model, device=device, precision=precision, config=config, verbose=False,
+                               vram_budget=vram_budget)
     inputs = map_tensors(lambda t: t.to(device), inputs)
     torch._dynamo.reset()  # a fresh Dynamo cache: every graph of this target is compiled (and reported) anew
     grad = torch.enable_grad() if args.train else torch.no_grad()
@@ -229,7 +226,8 @@ def cmd_schedule(args) -> int:
         from .plots import timeline_figure
 
         timeline_figure(rt.plan.timeline(), report.blocks, args.timeline,
-                        f"{args.target}: one step as the plan predicts it ({rt.plan.summary().split(';')[0]})")
+                        f"{args.target}: one step as the plan predicts it{rt.plan.cost_note} "
+                        f"({rt.plan.summary().split(';')[0]})")
         print(f"wrote the predicted step timeline to {args.timeline}", file=sys.stderr)
     if args.json:
         payload = {
@@ -240,7 +238,7 @@ def cmd_schedule(args) -> int:
             "graph_breaks": report.graph_breaks,
             "rows": [dict(row.as_dict(), block_name=report.blocks[row.block]) for row in report.schedule],
             "plan": {"summary": rt.plan.summary(), "slots": rt.plan.slots, "lookahead": rt.plan.lookahead,
-                     "predicted_step_s": rt.plan.predicted_step_s,
+                     "predicted_step_s": rt.plan.predicted_step_s, "cost_model": rt.plan.cost_model,
                      "predicted_peak_bytes": rt.plan.predicted_peak_bytes,
                      "blocks": [dict(p.__dict__) for p in rt.plan.blocks]},
         }
@@ -282,27 +280,14 @@ def cmd_demo(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .telemetry_plots import TelemetryFileError, plot_telemetry
+    from .telemetry_plots import plot_telemetry
 
     out = args.out or os.path.dirname(os.path.abspath(args.telemetry))
     check_output_path("--out", out, folder=True)
-    try:
-        files = plot_telemetry(args.telemetry, out, title=args.title)
-    except TelemetryFileError as e:
-        raise UsageError(str(e)) from None
+    files = plot_telemetry(args.telemetry, out, title=args.title)  # a bad file: TelemetryFileError, one line
     for what, path in files.items():
         print(f"wrote {what:9s} {path}")
     return 0
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("torch-stagehand")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
 
 
 # ---- argument parsing -------------------------------------------------------------------
@@ -324,14 +309,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "grad enabled; the backward graphs and schedule appear")
     p.add_argument("--config", default=None, metavar="JSON", help="a Config as a JSON file or JSON text")
     p.add_argument("--vram-budget", default=None, metavar="SIZE",
-                   help="device memory the plan may use, e.g. 20GiB (the fastest plan that fits: blocks kept "
-                        "resident, slots, recompute); on the CPU it bounds the device copy of the streamed weights")
+                   help="device memory the plan may use, with its unit: 20GiB, 512MB (the fastest plan that fits: "
+                        "blocks kept resident, slots, recompute); on the CPU it bounds the device copy of the "
+                        "streamed weights")
     p.add_argument("--debug", action="store_true", help="when a file target fails, print its traceback too")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="stagehand", description="torch-stagehand: look inside the backend, or run the demo.")
-    parser.add_argument("--version", action="version", version=f"stagehand (torch-stagehand) {version()}")
+    parser.add_argument("--version", action="version", version=f"stagehand (torch-stagehand) {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("inspect", help="print the segment table and the rewritten graphs")
@@ -374,11 +360,19 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         if isinstance(e, TargetFailed) and getattr(args, "debug", False):
             traceback.print_exception(e.error)
-        print(f"stagehand {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _usage_error(args, e)
     except KeyboardInterrupt:
         print("stagehand: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if isinstance(e, user_errors()):
+            return _usage_error(args, e)
+        raise  # a bug: its traceback is the report
+
+
+def _usage_error(args, error: BaseException) -> int:
+    print(f"stagehand {args.command}: error: {one_line(error)}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -10,12 +10,7 @@ from typing import Any
 
 from torch_stagehand.runtime import precision as precisions
 
-# One color per registered precision, in registration order: bf16 blue, int8 orange, then the rest.
-_PALETTE = ("#3b6fb6", "#e8892b", "#2e9e5b", "#8e44ad", "#7f8c8d")
-
-
-def precision_colors() -> dict[str, str]:
-    return {name: _PALETTE[i % len(_PALETTE)] for i, name in enumerate(precisions.names())}
+from .colors import precision_colors
 
 
 def _short(name: str) -> str:
@@ -42,8 +37,6 @@ def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
 
     fig, (ax_loss, ax_bytes, ax_prec) = plt.subplots(
         3, 1, figsize=(9, 8.5), gridspec_kw={"height_ratios": [3, 1.6, 1.6]}, constrained_layout=True)
@@ -73,25 +66,37 @@ def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list
     ax_bytes.set_title(f"weights streamed per step (telemetry; {sum(mb):.1f} MB in all)")
     ax_bytes.grid(alpha=0.3, axis="y")
 
-    colors = precision_colors()
-    names = list(colors)
-    grid = [[names.index(r.get("precision", {}).get(str(b), precisions.FULL)) for r in records] for b in range(len(blocks))]
-    if not records:
-        grid = [[0] for _ in blocks]
-    ax_prec.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(list(colors.values())),
-                   vmin=0, vmax=len(names) - 1, origin="upper",
-                   extent=(-0.5, max(len(records), 1) - 0.5, len(blocks) - 0.5, -0.5))
+    draw_precision_map(ax_prec, records, list(range(len(blocks))),
+                       extent=(-0.5, max(len(records), 1) - 0.5, len(blocks) - 0.5, -0.5))
     ax_prec.set_yticks(range(len(blocks)))
     ax_prec.set_yticklabels([f"{i} {_short(b)}" for i, b in enumerate(blocks)], fontsize=8)
     ax_prec.set_xlabel("step")
     ax_prec.set_title("precision of each block's weight stream")
-    ax_prec.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()],
-                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def draw_precision_map(ax, records: list[dict[str, Any]], blocks: list[int], extent: tuple) -> dict[str, str]:
+    """Each block's precision at each record (`record["precision"][str(block)]`) as a heatmap on `ax`, and
+    its legend, in the colours of `precision_colors` (also for a precision this process has not
+    registered); returns the colours used."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    colors = precision_colors(p for r in records for p in r.get("precision", {}).values())
+    names = list(colors)
+    grid = [[names.index(r.get("precision", {}).get(str(b), precisions.FULL)) for r in records] for b in blocks]
+    if not records:
+        grid = [[0] for _ in blocks]
+    # vmin / vmax at the first and last index: index i takes exactly the i-th colour of the list.
+    ax.imshow(grid or [[0]], aspect="auto", interpolation="nearest", cmap=ListedColormap(list(colors.values())),
+              vmin=0, vmax=max(len(names) - 1, 1), origin="upper", extent=extent)
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return colors
 
 
 def timeline_figure(lanes: list[tuple[str, int, float, float]], blocks: list[str], path: str, title: str) -> str:

@@ -16,9 +16,7 @@ import json
 import os
 from typing import Any
 
-from torch_stagehand.runtime import precision as precisions
-
-from .plots import precision_colors
+from .plots import draw_precision_map
 
 PHASE_COLORS = {"forward": "#3b6fb6", "backward": "#e8892b", "optimizer": "#2e9e5b", "step_begin": "#7f8c8d"}
 
@@ -123,24 +121,15 @@ def memory_figure(records: list[dict[str, Any]], path: str, title: str) -> str:
 
 def precision_figure(records: list[dict[str, Any]], path: str, title: str) -> str:
     plt = _plt()
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
-    colors = precision_colors()
-    names = list(colors)
     blocks = sorted({int(b) for r in records for b in r.get("precision", {})})
-    grid = [[names.index(r.get("precision", {}).get(str(b), precisions.FULL)) for r in records] for b in blocks]
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.3 * max(len(blocks), 2)), constrained_layout=True)
     steps = [r["step_id"] for r in records]
-    ax.imshow(grid or [[0]], aspect="auto", interpolation="nearest", cmap=ListedColormap(list(colors.values())),
-              vmin=0, vmax=len(names) - 1, extent=(steps[0] - 0.5, steps[-1] + 0.5, len(blocks) - 0.5, -0.5))
+    draw_precision_map(ax, records, blocks, extent=(steps[0] - 0.5, steps[-1] + 0.5, len(blocks) - 0.5, -0.5))
     ax.set_yticks(range(len(blocks)))
     ax.set_yticklabels([f"block {b}" for b in blocks], fontsize=8)
     ax.set_xlabel("step")
     changes = sum(1 for a, b in zip(records, records[1:]) if a.get("precision") != b.get("precision"))
     ax.set_title(f"{title}: precision of each block's weight stream ({changes} map changes)", fontsize=11)
-    ax.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=8)
     return _save(fig, path)
 
 

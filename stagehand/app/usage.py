@@ -1,6 +1,7 @@
-"""What the user typed, checked: usage errors, precision maps (as ranges until checked), output paths.
+"""What the user typed, checked: usage errors, precision maps (as ranges until checked), output paths, sizes.
 
-Every mistake here is a UsageError: the command prints it as one line and exits with status 2.
+Every mistake here is a UsageError: the command prints it as one line and exits with status 2. So are
+the library's own errors for a mistake in what was asked (`user_errors`), whatever raises them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,43 @@ class TargetFailed(UsageError):
         first_line = (str(error).strip().splitlines() or [""])[0]  # Dynamo appends the user's stack on more lines
         super().__init__(f"target {target!r}: {what}{type(error).__name__}: {first_line}")
         self.error = error
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The library's exceptions that mean "what you asked for cannot be done", each with a message naming the
+    field, block, device or file: a bad config or budget, a precision the device cannot run, host copies that
+    do not fit, an unreadable telemetry file. A command reports them as usage errors; any other exception is a
+    bug and keeps its traceback. Imported when called (a command failed), not with this module."""
+    from torch_stagehand.config import ConfigError
+    from torch_stagehand.runtime.blocks import BlockSelectionError
+    from torch_stagehand.runtime.conductor.costs import BudgetError
+    from torch_stagehand.runtime.conductor.telemetry import TelemetryPathError
+    from torch_stagehand.runtime.host_plan import HostMemoryError
+    from torch_stagehand.runtime.precision.fp8 import Fp8UnsupportedError
+    from torch_stagehand.runtime.selective.fp8_rules import Fp8PolicyError
+
+    from .telemetry_plots import TelemetryFileError
+    from .textdata import CorpusError
+
+    return (ConfigError, precisions.PrecisionMapError, BlockSelectionError, BudgetError, TelemetryPathError,
+            HostMemoryError, Fp8UnsupportedError, Fp8PolicyError, TelemetryFileError, CorpusError)
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line (a library message may wrap; the command's report may not)."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+def check_vram_budget(text: str | None) -> str | None:
+    """`--vram-budget`, read before anything is built: a size with a unit, never a bare number."""
+    from torch_stagehand.runtime.conductor.costs import BudgetError, parse_bytes
+
+    if text is not None:
+        try:
+            parse_bytes(text, "--vram-budget")
+        except BudgetError as e:
+            raise UsageError(str(e)) from None
+    return text
 
 
 # ---- precision maps ---------------------------------------------------------------
