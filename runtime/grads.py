@@ -71,6 +71,7 @@ class GradLane:
         # A backward is everything between two forwards: a recomputed block's nested backward (its own
         # autograd graph task, its own end-of-backward callback) is part of the outer one.
         self._in_backward = False
+        self.optimizer_seconds: dict[int, float] = {}  # block -> its last host optimizer step, measured
         self.d2h_bytes = 0
         self.grad_gemms = 0
 
@@ -99,8 +100,18 @@ class GradLane:
         for block in range(self.n_blocks):
             self.sync_anchor(block)
 
-    def trainable_bytes(self) -> int:
-        return sum(buf.numel() for buf in self.host.values())
+    def grad_bytes(self) -> list[int]:
+        """Per block: the bytes of its training weights' gradients, landed on the host each step (the planner)."""
+        out = [0] * self.n_blocks
+        for index, spec in enumerate(self.layers):
+            weight = spec.module._parameters["weight"]
+            if weight.requires_grad:
+                out[spec.block] += weight.numel() * weight.element_size()
+        return out
+
+    def record_optimizer(self, block: int, seconds: float) -> None:
+        """A host optimizer stepping blocks as their gradients land measured one block's step (HostAdamW)."""
+        self.optimizer_seconds[block] = seconds
 
     # ---- backward ------------------------------------------------------------------------
 

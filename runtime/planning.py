@@ -97,6 +97,7 @@ class PlanDriver:
     def make(self) -> Plan:
         """The plan for the current precision map and cost model (not applied)."""
         rt, model = self.rt, self.cost_model
+        self._training_costs(model)
         precision = [rt.precision[b] for b in range(len(rt.blocks))]
         costs = model.block_costs([rt.store.nbytes(b, p) for b, p in enumerate(precision)])
         if not self.planning:
@@ -113,6 +114,18 @@ class PlanDriver:
             plan.notes.append(f"runs {WARMUP_STEPS + 1} steps, the last one measured, then re-planned")
             return plan
         return self._make_with_margin(costs, precision, model)
+
+    def _training_costs(self, model: CostModel) -> None:
+        """Full fine-tuning's part of the cost model: the gradient bytes each block sends home (a fact of the
+        weights that train now) and the host optimizer's measured step per block, when it overlaps the
+        backward (HostAdamW; an optimizer that runs after the backward is in the step's measured tail)."""
+        grads = self.rt.grads
+        grad_bytes = grads.grad_bytes()
+        model.grad_bytes = grad_bytes if any(grad_bytes) else None
+        if grads.optimizer_seconds and not model.frozen:
+            known = grads.optimizer_seconds
+            mean = sum(known.values()) / len(known)
+            model.optimizer_s = [known.get(b, mean) if n else 0.0 for b, n in enumerate(grad_bytes)]
 
     def _make_with_margin(self, costs, precision, model: CostModel) -> Plan:
         """The planned plan, predicted `peak_margin` under the budget when a measured peak ever missed its
@@ -354,6 +367,7 @@ class PlanDriver:
             return
         calibration, self.calibration = self.calibration, None
         plan = self.plan
+        self._training_costs(self.cost_model)  # the step's optimizer lane is predicted, not left in its residual
 
         def predict(model: CostModel) -> tuple[float, int]:
             precision = [p.precision for p in plan.blocks]

@@ -383,6 +383,8 @@ class Runtime(SelectivePrecisionAPI):
                 "sync_fetches": s.sync_fetches, "hits": s.hits}
 
     def _record_step(self, step: int, durations: dict[str, float]) -> None:
+        if self.grads.host:  # full fine-tuning: resident blocks the optimizer stepped are copied in ahead
+            self.pool.refresh_resident()
         now = self._counters()
         record: dict[str, Any] = {"step_id": step, "phase_durations": {k: round(v, 6) for k, v in durations.items()}}
         record.update({k: now[k] - self._step_base[k] for k in now})

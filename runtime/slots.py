@@ -219,6 +219,17 @@ class SlotPool:
             self._issue_copy(own, block, precision)
             own.state = SlotState.READY
 
+    def refresh_resident(self) -> int:
+        """Copy in now every resident block whose weights were written since (full fine-tuning: the optimizer
+        stepped them), between steps, so the next forward finds them on their way instead of fetching each at
+        its wait. Returns the blocks refreshed."""
+        stale = [(b, s) for b, s in self.resident_slots.items()
+                 if s.key is not None and not s.holds and s.master_version != self.store.master_version(b)]
+        for block, slot in stale:
+            self.stats.stale_slots += 1
+            self._issue_copy(slot, block, slot.key[1])
+        return len(stale)
+
     # ---- transitions ------------------------------------------------------------
 
     def _victim(self, steal_loading: bool = False) -> Slot | None:

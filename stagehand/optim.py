@@ -142,7 +142,10 @@ class HostAdamW(torch.optim.Optimizer):
                 p.grad = None  # consumed: the next backward lands a new one
         rt = self.runtime
         rt.store.ensure_fresh(block, rt.precision[block])  # an INT8 / FP8 stream is rebuilt now, off the hot path
-        self.host_seconds += time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.host_seconds += seconds
+        if self.worker is not None:  # overlapped with the backward: the planner models it as a lane of its own
+            rt.grads.record_optimizer(block, seconds)
 
     @torch.no_grad()
     def step(self, closure=None):

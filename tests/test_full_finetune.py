@@ -235,3 +235,79 @@ def test_a_host_too_small_for_the_gradients_is_refused_before_anything_moves(mon
     with pytest.raises(HostMemoryError, match=r"grad ram.*freeze some streamed weights"):
         stagehand.offload(model, device="cpu", verbose=False)  # training: + a gradient buffer each
     assert all(dict(model.named_parameters())[k] is v for k, v in weights.items())
+
+
+# ---- the plan under full fine-tuning -------------------------------------------------------------------
+
+def _block_bytes(model) -> int:
+    block = model.blocks[0]
+    return sum(p.numel() * p.element_size() for p in (block.up.weight, block.down.weight))
+
+
+@pytest.mark.parametrize("resident", ["some", "none"])
+def test_resident_and_streamed_blocks_train_correctly_under_a_budget(resident):
+    """A resident block's weights change every step: it is copied in again at the step's end (no stale copy
+    computes the next forward), and the training equals plain training whatever the plan. (A training block
+    saves no H2D by being resident, its master changes every step: the planner keeps only what fits beside
+    the slots resident.)"""
+    model, x = _trainable_toy(n=6)
+    target = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(2))
+    plain = copy.deepcopy(model)
+    loss_fn = lambda forward, _: (forward(x) - target).square().mean()  # noqa: E731
+    expected, _ = _train(plain, plain, loss_fn, None, steps=4)
+    b = _block_bytes(model)
+    rt = stagehand.offload(model, device="cpu", vram_budget={"some": 6 * b, "none": 2 * b}[resident], verbose=False)
+    try:
+        n_resident = len(rt.plan.resident)
+        assert (n_resident > 0) == (resident == "some")
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+        losses, _ = _train(model, compiled, loss_fn, None, steps=4, rt=rt)
+        assert losses == pytest.approx(expected, rel=1e-6)
+        if n_resident:  # copied in again at each step's end, before the next forward asks for them
+            assert all(slot.master_version == rt.store.master_version(block)
+                       for block, slot in rt.pool.resident_slots.items())
+            assert rt.pool.stats.stale_slots >= 4 * n_resident
+    finally:
+        rt.close()
+
+
+def test_the_plan_predicts_the_gradient_copies_and_the_host_optimizer_lane():
+    """Each block's gradients go home after its backward (D2H lane), the host optimizer steps it once they
+    landed (one block at a time): the step ends when the optimizer lane does, not when the GPU does."""
+    from torch_stagehand.runtime.conductor.costs import BlockCost
+    from torch_stagehand.runtime.conductor.planner import simulate
+
+    costs = [BlockCost(bytes=10**6, forward_s=0.1, backward_s=0.2, grad_bytes=10**9, optimizer_s=1.0)
+             for _ in range(3)]
+    lanes: list = []
+    t, _, h2d = simulate(costs, resident={0}, recompute=set(), slots=2, h2d_bps=1e12, d2h_bps=1e10, lanes=lanes)
+    optimizer = sorted((start, end, b) for lane, b, start, end in lanes if lane == "optimizer")
+    d2h = {b: (start, end) for lane, b, start, end in lanes if lane == "d2h"}
+    gpu_end = max(end for lane, _, _, end in lanes if lane == "compute")
+    assert [b for *_, b in optimizer] == [2, 1, 0]  # backward order
+    assert optimizer[0][0] == pytest.approx(d2h[2][1])  # starts when block 2's gradients landed
+    assert t == pytest.approx(optimizer[-1][1]) and t == pytest.approx(d2h[2][1] + 3.0)
+    assert t > gpu_end + 1.0
+    assert h2d[0] >= 10**6  # a resident block that trains is fetched again (its master changed)
+    frozen, _, frozen_h2d = simulate([BlockCost(bytes=10**6, forward_s=0.1, backward_s=0.2) for _ in range(3)],
+                                     resident={0}, recompute=set(), slots=2, h2d_bps=1e12)
+    assert frozen < 1.0 and frozen_h2d[0] == 0
+
+
+def test_host_adamw_measures_each_blocks_step_for_the_planner():
+    from torch_stagehand.optim import HostAdamW
+
+    model, x = _trainable_toy(n=3)
+    b = _block_bytes(model)
+    rt = stagehand.offload(model, device="cpu", vram_budget=2 * b, verbose=False)
+    try:
+        opt = HostAdamW(model.parameters(), lr=1e-3)
+        model(x).square().mean().backward()
+        opt.step()
+        assert sorted(rt.grads.optimizer_seconds) == [0, 1, 2]
+        plan = rt.replan()
+        assert [c.grad_bytes for c in plan.costs] == [b] * 3
+        assert all(c.optimizer_s > 0 for c in plan.costs)
+    finally:
+        rt.close()

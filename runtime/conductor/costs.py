@@ -118,6 +118,11 @@ class BlockCost:
     host_recompute_s: float = 0.0
     host_backward_s: float = 0.0
     host_fetch_share: float = 0.0  # of those, the share spent in schedule ops: what a resident block skips
+    # Full fine-tuning (grads.py): the bytes of the block's weight gradients sent D2H after its backward, and
+    # the host optimizer's time to step the block once they landed (HostAdamW, overlapped with the backward of
+    # the blocks before it; 0 when the optimizer runs after the backward and the step's tail holds it).
+    grad_bytes: int = 0
+    optimizer_s: float = 0.0
 
 
 @dataclass
@@ -132,6 +137,8 @@ class CostModel:
     input_bytes: list[int] | None = None
     host_s: dict[str, list[float]] | None = None  # "forward" / "recompute" / "backward" -> per block (host issue)
     host_fetch_share: list[float] | None = None  # per block: the share of its host time in schedule ops
+    grad_bytes: list[int] | None = None  # per block: weight-gradient bytes landed on the host (full fine-tuning)
+    optimizer_s: list[float] | None = None  # per block: the host optimizer's step, measured (HostAdamW)
     base_bytes: int = 0  # device bytes that are no block's streamed weights or saved activations, at the peak
     other_s: float = 0.0  # step time outside the blocks (glue, loss, optimizer), added to every plan
     frozen: bool = False  # injected constants: the runtime does not overwrite them with measurements
@@ -158,7 +165,8 @@ class CostModel:
                           pick(self.backward_s, b, 2 * DEFAULT_BLOCK_SECONDS),
                           int(pick(self.activation_bytes, b, 0)), int(pick(self.input_bytes, b, 0)),
                           *(pick(host.get(kind), b, 0.0) for kind in ("forward", "recompute", "backward")),
-                          pick(self.host_fetch_share, b, 0.0))
+                          pick(self.host_fetch_share, b, 0.0), int(pick(self.grad_bytes, b, 0)),
+                          pick(self.optimizer_s, b, 0.0))
                 for b, n in enumerate(nbytes)]
 
     def with_(self, **changes) -> "CostModel":

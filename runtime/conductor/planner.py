@@ -169,14 +169,19 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     activations go out on the D2H lane after its forward (the other direction:
     they overlap the weights coming in; the backward waits for the lane to
     drain) and come back before its backward, on the compute stream.
+    Full fine-tuning: a resident block whose weights train is refreshed each
+    step (the optimizer wrote its master), so its forward fetches it; after a
+    block's backward its gradients go home on the D2H lane, and the host
+    optimizer steps the block once they landed (`_gradient_lanes`): the step
+    ends when both the GPU and the host optimizer are done.
     `lanes`, if given, receives (lane, block, start s, end s) for the "h2d",
-    "d2h" and "compute" lanes: the predicted timeline of one step.
+    "d2h", "optimizer" and "compute" lanes: the predicted timeline of one step.
     """
     n = len(costs)
     per_block, h2d = [0.0] * n, [0] * n
     order = list(range(n))
     host = [1.0 - costs[b].host_fetch_share if b in resident else 1.0 for b in order]  # resident: no fetch work
-    forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident else None,
+    forward = [(b, costs[b].forward_s, costs[b].bytes if b not in resident or costs[b].grad_bytes else None,
                 costs[b].host_forward_s * host[b]) for b in order]
     t, host_t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0, 0.0, lanes)
     if spill:
@@ -189,7 +194,10 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
                   None if b in resident else (0 if b in still_in_slots else costs[b].bytes),
                   (costs[b].host_backward_s + (costs[b].host_recompute_s if b in recompute else 0.0)) * host[b])
                  for b in reversed(order)]
-        t, _ = _pass(items, slots, h2d_bps, per_block, h2d, t, host_t, lanes)
+        ends: dict[int, float] = {}
+        t, _ = _pass(items, slots, h2d_bps, per_block, h2d, t, host_t, lanes, ends)
+        if any(c.grad_bytes for c in costs):
+            t = max(t, _gradient_lanes(costs, ends, d2h_bps or h2d_bps, lanes))
     return t, per_block, h2d
 
 
@@ -210,10 +218,29 @@ def _d2h_lane(costs, spill, d2h_bps: float, per_block: list[float], lanes: list 
     return lane
 
 
+def _gradient_lanes(costs, ends: dict[int, float], d2h_bps: float, lanes: list | None = None) -> float:
+    """When the host optimizer is done with the step: each block's gradients go home after its backward,
+    one copy at a time on the D2H lane; the host steps a block once its copy landed, one block at a time."""
+    d2h = host = 0.0
+    for b in sorted(ends, key=ends.get):  # backward order
+        if not costs[b].grad_bytes:
+            continue
+        start = max(d2h, ends[b])
+        d2h = start + costs[b].grad_bytes / d2h_bps
+        if lanes is not None:
+            lanes.append(("d2h", b, start, d2h))
+        if costs[b].optimizer_s:
+            begin = max(host, d2h)
+            host = begin + costs[b].optimizer_s
+            if lanes is not None:
+                lanes.append(("optimizer", b, begin, host))
+    return max(d2h, host)
+
+
 def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int], t0: float, host_t: float,
-          lanes: list | None = None) -> tuple[float, float]:
+          lanes: list | None = None, ends: dict | None = None) -> tuple[float, float]:
     """One pass (forward or backward) of (block, GPU s, bytes or None if resident, host s) items from `t0`
-    on the GPU and `host_t` on the host: (the GPU's end, the host's end)."""
+    on the GPU and `host_t` on the host: (the GPU's end, the host's end). `ends` receives each block's end."""
     depth = lookahead_of(slots)
     streamed_before = []  # streamed items in [0, j]
     count = 0
@@ -244,6 +271,8 @@ def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int],
         starts[j] = ready
         end = max(ready + seconds, host_t)  # a host slower than the GPU stretches the block to its issue
         per_block[block] += end - compute_end
+        if ends is not None:
+            ends[block] = end
         if lanes is not None:
             lanes.append(("compute", block, ready, end))
         compute_end = end

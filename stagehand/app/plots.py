@@ -100,15 +100,15 @@ def draw_precision_map(ax, records: list[dict[str, Any]], blocks: list[int], ext
 
 
 def timeline_figure(lanes: list[tuple[str, int, float, float]], blocks: list[str], path: str, title: str) -> str:
-    """One step's lanes (host issue, H2D, D2H, compute) as bars per block: where the copies hide behind compute,
-    and where the host, not the GPU, sets the pace."""
+    """One step's lanes (host issue, H2D, D2H, compute, and under full fine-tuning the host optimizer) as bars per
+    block: where the copies hide behind compute, and where the host, not the GPU, sets the pace."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["host", "h2d", "d2h", "compute"]
-    colors = {"host": "#8a8a8a", "h2d": "#3b6fb6", "d2h": "#e8892b", "compute": "#2e9e5b"}
+    names = ["host", "h2d", "d2h", "compute"] + (["optimizer"] if any(lane[0] == "optimizer" for lane in lanes) else [])
+    colors = {"host": "#8a8a8a", "h2d": "#3b6fb6", "d2h": "#e8892b", "compute": "#2e9e5b", "optimizer": "#8e44ad"}
     fig, ax = plt.subplots(figsize=(11, 2.8))
     for lane, block, start, end in lanes:
         y = names.index(lane)
