@@ -8,20 +8,36 @@ Per model (benches/models.py builders: Qwen2.5-7B shape at sequence 2048 with
 its checkpointing off, Flux-dev 12B with its checkpointing on; LoRA r=16,
 AdamW), in this one process:
 
-1. the resident baseline (everything on the GPU, eager): step time and peak;
-   for Qwen also with checkpointing on (the target at 8 GiB is to beat it);
+1. the resident baselines (everything on the GPU), each labelled:
+   "resident (eager)" and "resident (inductor)", the same model and step
+   function under `torch.compile` with its default backend and options (its
+   first step is the compile: `compile_s`; `--inductor-limit-s` bounds it,
+   `--baselines eager` leaves it out); for Qwen also with checkpointing on,
+   eager, and under Inductor with `--ckpt-inductor`;
 2. `offload(precision="int8")` with no budget: the fixed two-slot plan;
 3. one budget set (the largest): two steps under the smallest plan, the
    second measured (calibration: per-block times and activation bytes);
-4. per budget: `rt.replan(vram_budget=...)`, one warm-up step (new variants
-   compile), then `--steps` measured steps: step time, peak GPU memory
-   (max allocated over the measured steps; must be under the budget), H2D
-   and D2H GB per step, the plan's counts, predicted vs measured step time.
+4. "resident int8": the stagehand runtime, int8, with a budget every block
+   fits in (`--resident-int8-gib`, 70): what streaming costs against int8
+   weights that never move;
+5. per budget: `rt.replan(vram_budget=...)`, the plan's first step (new
+   variants compile), one more, then `--steps` measured steps: step time,
+   peak GPU memory (must be under the budget), H2D and D2H GB per step, the
+   plan's counts, predicted vs measured step time.
 
-Table, JSON and a PNG of step time against budget with the resident and the
-two-slot plan as reference lines. On the CPU (`--tiny`) budgets are fractions
-of the streamed bytes (the budget bounds the device copy of the weights
-there) and the run only checks that every stage works.
+Every stagehand row has `ratio_inductor` (to the compiled resident: the ratio
+that counts, printed first) and `ratio_eager` (Qwen also `*_ckpt`, to the
+checkpointed resident); `ratio` is the old field (= ratio_eager). Peaks, every
+row: `peak_gib` (max_memory_allocated) and `peak_reserved_gib`
+(max_memory_reserved) over the timed steps, and `first_step_s`,
+`first_step_peak_gib`, `first_step_peak_reserved_gib` for the row's first step
+alone (for a plan, the step that compiles its variants and checks its peak).
+
+Tables, JSON (written after every row) and a PNG of step time against budget
+with the baselines and the two-slot plan as reference lines. On the CPU
+(`--tiny`) budgets are fractions of the streamed bytes (the budget bounds the
+device copy of the weights there) and the run only checks that every stage
+works.
 """
 
 from __future__ import annotations
@@ -34,8 +50,9 @@ import sys
 import time
 
 import torch
-from _common import RESULTS, env_info, print_header, print_table, write_json
-from models import LORA_TARGETS, Sync, build_flux, build_qwen, loss_of, make_step, profile_step, set_checkpointing
+from _common import (PEAK_COLUMNS, RATIO_COLUMNS, RATIOS_NOTE, RESULTS, Sync, add_ratios, env_info, first_step,
+                     inductor_settings, print_header, print_rows, resident_label, resident_row, write_json)
+from models import LORA_TARGETS, build_flux, build_qwen, make_step, profile_step, set_checkpointing
 
 import torch_stagehand as stagehand
 
@@ -43,13 +60,14 @@ GiB = 2**30
 
 
 def timed(label: str, step, steps: int, sync: Sync, rt=None, warmup: int = 1) -> dict:
-    """`warmup` steps, then `steps` timed ones; peak over the timed ones only.
+    """The first step on its own, `warmup - 1` more untimed, then `steps` timed ones.
 
-    A new plan takes two: its first step compiles the variants it needs and measures its peak
-    against the prediction (a peak over the budget re-plans at that step's end)."""
-    for _ in range(warmup):
+    A new plan's first step compiles the variants it needs and measures its peak against the prediction (a
+    peak over the budget re-plans at that step's end): its seconds and peaks (allocated, reserved) are the
+    row's first_step_* fields; peak_gib / peak_reserved_gib are over the timed steps only."""
+    first = first_step(step, sync)
+    for _ in range(warmup - 1):
         step()
-    sync()
     sync.reset_peak()
     before = rt.stats() if rt is not None else None
     gc_before = [g["collections"] for g in gc.get_stats()]
@@ -61,7 +79,7 @@ def timed(label: str, step, steps: int, sync: Sync, rt=None, warmup: int = 1) ->
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     row = {"mode": label, "step_ms": round(statistics.median(times), 1), "host_ms": round(statistics.median(host), 1),
-           "steps_ms": [round(t, 1) for t in times], "peak_gib": sync.peak_gib(),
+           "steps_ms": [round(t, 1) for t in times], **sync.peaks(), **first,
            # Python's garbage collections per step by generation: a full (gen 2) one over a compiled
            # model's heap can stall the host for tens of ms
            "gc_per_step": [round((g["collections"] - b) / steps, 2) for g, b in zip(gc.get_stats(), gc_before)]}
@@ -70,7 +88,9 @@ def timed(label: str, step, steps: int, sync: Sync, rt=None, warmup: int = 1) ->
         row["h2d_gb_step"] = float(f"{(after['h2d_bytes'] - before['h2d_bytes']) / steps / 1e9:.4g}")
         row["d2h_gb_step"] = float(f"{(after['d2h_bytes'] - before['d2h_bytes']) / steps / 1e9:.4g}")
         row["sync_fetches_step"] = (after["sync_fetches"] - before["sync_fetches"]) / steps
-    print(f"  {label}: {row['step_ms']} ms (steps {row['steps_ms']}), peak {row['peak_gib']} GiB", flush=True)
+    print(f"  {label}: {row['step_ms']} ms (steps {row['steps_ms']}), peak {row['peak_gib']} GiB allocated, "
+          f"{row['peak_reserved_gib']} reserved; first step {row['first_step_s']} s, peak {row['first_step_peak_gib']}"
+          f" GiB allocated, {row['first_step_peak_reserved_gib']} reserved", flush=True)
     return row
 
 
@@ -191,6 +211,7 @@ def run(args) -> dict:
     results: dict = {"env": env, "model": args.model, "tiny": args.tiny, "rows": []}
     if device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11's cuDNN SDPA backward faults at Flux's shape
+    results["inductor"] = inductor_settings()  # before any compile: how warm its cache was
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model, inputs, shape = (build_flux if args.model == "flux" else build_qwen)(args.tiny, device)
@@ -199,26 +220,51 @@ def run(args) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     ckpt = args.model == "flux"  # the issue's set-ups: Qwen without checkpointing, Flux with
     results.update(shape=shape, build_s=round(time.perf_counter() - t0, 1), ckpt=ckpt)
+    results["ratios"] = dict(RATIOS_NOTE, **{f"{r}_ckpt": f"as {r}, to the checkpointed resident (Qwen)"
+                                           for r in RATIO_COLUMNS})
     rows = results["rows"]
 
     def step_of(fn):
         return make_step(args.model, model, fn, inputs, optimizer)
 
-    refs = {}
-    with_ckpt_ref = args.model == "qwen" and not args.skip_ckpt_ref
-    for label, on in [("resident", ckpt)] + ([("resident ckpt", True)] if with_ckpt_ref else []):
+    def measured(label: str, step) -> dict:
+        return timed(label, step, args.steps, sync)
+
+    def profile_resident(label: str, step) -> None:
+        if device == "cuda" and args.profile_budgets:
+            results.setdefault("profiles", {})[label] = profiles(step, sync)
+
+    # The resident baselines, at the sweep's checkpointing and (Qwen) with checkpointing on too: eager, and the
+    # same model and step under torch.compile's defaults. baselines[ckpt][compiler] is the row.
+    baselines: dict[bool, dict[str, dict]] = {False: {}, True: {}}
+    sets = [(ckpt, "resident")] + ([(True, "resident ckpt")] if args.model == "qwen" and not args.skip_ckpt_ref else [])
+    for on, what in sets:
         set_checkpointing(args.model, model, on)
-        try:
-            refs[label] = timed(label, step_of(model), args.steps, sync)
-        except torch.OutOfMemoryError:
-            refs[label] = {"mode": label, "error": "out of GPU memory"}
-        rows.append(dict(refs[label], ckpt=on))
-        if device == "cuda" and label == "resident" and args.profile_budgets and "error" not in refs[label]:
-            results.setdefault("profiles", {})[label] = profiles(step_of(model), sync)
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        for compiler in ("eager", "inductor"):
+            if compiler not in args.baselines or (compiler == "inductor" and on != ckpt and not args.ckpt_inductor):
+                continue
+            row = resident_row(compiler, model, step_of, measured, resident_label(compiler, what),
+                               args.inductor_limit_s, also=profile_resident)
+            baselines[on][compiler] = row
+            rows.append(dict(row, ckpt=on))
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
     set_checkpointing(args.model, model, ckpt)
+
+    def with_ratios(row: dict) -> dict:
+        add_ratios(row, baselines[ckpt])
+        if not ckpt and baselines[True]:  # Qwen: also to the checkpointed resident (the target at small budgets)
+            add_ratios(row, baselines[True], suffix="_ckpt")
+        if row.get("ratio_eager") is not None:
+            row["ratio"] = row["ratio_eager"]  # the field's old meaning (before ratio_inductor existed)
+        return row
+
+    for row in rows:  # the baselines against each other
+        add_ratios(row, baselines[row["ckpt"]])
+    write_json(args.out, results)
+    if args.baselines_only:
+        return results
 
     t0 = time.perf_counter()
     rt = stagehand.offload(model, device=device, precision="int8")
@@ -226,38 +272,48 @@ def run(args) -> dict:
     rt.attach(optimizer)
     streamed = sum(rt.block_nbytes(b, "int8") for b in range(len(rt.blocks)))
     compiled = torch.compile(model, backend="stagehand")
-    refs["two-slot"] = dict(timed("two-slot (no budget)", step_of(compiled), args.steps, sync, rt), **plan_columns(rt))
-    rows.append(dict(refs["two-slot"], ckpt=ckpt))
+    rows.append(with_ratios(dict(timed("two-slot (no budget)", step_of(compiled), args.steps, sync, rt),
+                                 **plan_columns(rt), ckpt=ckpt)))
+    write_json(args.out, results)
 
     budgets = [(f"{b} GiB", int(b * GiB)) for b in args.budgets] if not args.tiny else \
         [(f"{f:.2f} x weights", int(f * streamed)) for f in args.fractions]
     budgets.sort(key=lambda item: -item[1])
-    rt.replan(vram_budget=budgets[0][1])  # calibrate once, under the smallest plan
+    plans = [(f"budget {name}", nbytes, False) for name, nbytes in budgets]
+    if not args.skip_resident_int8:  # every block resident in int8: the budget far above what the model needs
+        nbytes = int(args.resident_int8_fraction * streamed) if args.tiny else int(args.resident_int8_gib * GiB)
+        plans.insert(0, (f"resident int8 (stagehand, budget {nbytes / GiB:.3g} GiB)", nbytes, True))
+    rt.replan(vram_budget=plans[0][1])  # calibrate once, under the smallest plan
     for _ in range(2):
         step_of(compiled)()
     sync()
     results["cost_model"] = cost_model_record(rt)  # as calibrated
-    base = refs["resident"].get("step_ms")
-    for name, nbytes in budgets:
+    for label, nbytes, all_resident in plans:
         try:
             rt.replan(vram_budget=nbytes)
         except ValueError as e:  # BudgetError: no plan fits
-            rows.append({"mode": f"budget {name}", "budget_gib": round(nbytes / GiB, 3), "error": str(e)[:120]})
-            print(f"  budget {name}: {e}", flush=True)
+            rows.append({"mode": label, "vram_budget_gib" if all_resident else "budget_gib": round(nbytes / GiB, 3),
+                         "error": str(e)[:120]})
+            print(f"  {label}: {e}", flush=True)
             continue
-        row = dict(timed(f"budget {name}", step_of(compiled), args.steps, sync, rt, warmup=2), **plan_columns(rt))
+        row = dict(timed(label, step_of(compiled), args.steps, sync, rt, warmup=2), **plan_columns(rt))
         row["plan_corrections"] = list(rt.stats()["plan_corrections"])
-        row.update(budget_gib=round(nbytes / GiB, 6), ckpt=ckpt,
+        budget_gib = round(nbytes / GiB, 6)
+        # the resident int8 row's budget is no sweep point: its own key, so readers of budget_gib skip it
+        row.update({"vram_budget_gib" if all_resident else "budget_gib": budget_gib}, ckpt=ckpt,
                    pred_err=round(row["predicted_ms"] / row["step_ms"] - 1, 3) if row["step_ms"] else None)
+        if all_resident:
+            row["all_resident"] = row["resident"] == len(rt.blocks)
+            if not row["all_resident"]:
+                print(f"  {label}: only {row['resident']} of {len(rt.blocks)} blocks resident", flush=True)
         if row["peak_gib"] is not None:
             row["under_budget"] = row["peak_gib"] <= nbytes / GiB
-        if base:
-            row["ratio"] = round(row["step_ms"] / base, 3)
-        if device == "cuda" and row["budget_gib"] in args.trace_budgets:
+        with_ratios(row)
+        if device == "cuda" and budget_gib in args.trace_budgets:
             row["gpu_lanes"] = gpu_lanes(step_of(compiled))
-            print(f"  budget {name}: GPU lanes {row['gpu_lanes']}", flush=True)
-        if device == "cuda" and row["budget_gib"] in args.profile_budgets:
-            results.setdefault("profiles", {})[f"budget {name}"] = profiles(step_of(compiled), sync)
+            print(f"  {label}: GPU lanes {row['gpu_lanes']}", flush=True)
+        if device == "cuda" and budget_gib in args.profile_budgets:
+            results.setdefault("profiles", {})[label] = profiles(step_of(compiled), sync)
         rows.append(row)
         write_json(args.out, results)  # after every budget: a run cut off by a time limit keeps what it measured
     results["cost_model_final"] = cost_model_record(rt)  # as the plans' first steps refined it
@@ -288,13 +344,14 @@ def plot(results: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sweep = [r for r in results["rows"] if "budget_gib" in r and "step_ms" in r]
+    sweep = [r for r in results["rows"] if r.get("mode", "").startswith("budget") and r.get("step_ms")]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot([r["budget_gib"] for r in sweep], [r["step_ms"] for r in sweep], "o-", label="planned (measured)")
     ax.plot([r["budget_gib"] for r in sweep], [r["predicted_ms"] for r in sweep], "x--", label="planned (predicted)")
     for r in results["rows"]:
         if r.get("mode", "").startswith(("resident", "two-slot")) and r.get("step_ms"):
-            ax.axhline(r["step_ms"], linestyle=":", color="gray")
+            style = "-" if r.get("baseline") == "inductor" else ":"  # the compiled baseline drawn solid
+            ax.axhline(r["step_ms"], linestyle=style, color="gray")
             ax.annotate(f"{r['mode']} ({r.get('peak_gib')} GiB)", (ax.get_xlim()[0], r["step_ms"]), fontsize=8)
     ax.set_xlabel("VRAM budget (GiB)")
     ax.set_ylabel("step time (ms)")
@@ -318,18 +375,44 @@ def main(argv=None) -> int:
                         help="GiB budgets to run one more step of under torch.profiler: compute / copy / idle lanes")
     parser.add_argument("--profile-budgets", nargs="*", type=float, default=[],
                         help="GiB budgets (and the resident row) to profile one more step of: GPU ops, host functions")
-    parser.add_argument("--skip-ckpt-ref", action="store_true", help="no resident checkpointed row (Qwen)")
+    parser.add_argument("--skip-ckpt-ref", action="store_true", help="no resident checkpointed rows (Qwen)")
+    parser.add_argument("--baselines", nargs="+", choices=["eager", "inductor"], default=["eager", "inductor"],
+                        help="the resident baselines to measure: eager, and torch.compile with its default backend "
+                             "(Inductor) and options; the ratio to inductor is the one that counts")
+    parser.add_argument("--ckpt-inductor", action="store_true",
+                        help="Qwen: also the checkpointed resident under Inductor (one more whole-model compile)")
+    parser.add_argument("--inductor-limit-s", type=float, default=0,
+                        help="stop a resident Inductor row after this many seconds, compile included; the row then "
+                             "records the error and the sweep goes on (0: no limit)")
+    parser.add_argument("--baselines-only", action="store_true",
+                        help="stop after the resident rows (e.g. to fill Inductor's cache before a timed-out run)")
+    parser.add_argument("--skip-resident-int8", action="store_true", help="no 'resident int8' row")
+    parser.add_argument("--resident-int8-gib", type=float, default=70,
+                        help="the budget of the 'resident int8' row (large enough that every block stays resident)")
+    parser.add_argument("--resident-int8-fraction", type=float, default=10,
+                        help="--tiny: that budget as a multiple of the streamed INT8 bytes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     args.out = args.out or os.path.join(RESULTS, f"budget_sweep_{args.model}{'_tiny' if args.tiny else ''}.json")
     results = run(args)
-    cols = ["mode", "ckpt", "step_ms", "ratio", "peak_gib", "under_budget", "h2d_gb_step", "d2h_gb_step", "resident",
-            "streamed", "recomputed", "spilled", "slots", "predicted_ms", "pred_err", "error"]
-    print_table([[r.get(c, "") for c in cols] for r in results["rows"]], headers=cols,
-                title=f"budget sweep, {args.model} {results['shape']}, int8, {results['env']['device']}")
-    print(f"conductor admission host cost: {results['conductor_overhead']}")
+    rows, env = results["rows"], results["env"]
+    title = f"budget sweep, {args.model} {results['shape']}, int8, {env['device']}, commit {env['commit'][:12]}"
+    print_rows(rows, ["mode", "ckpt", "step_ms", *RATIO_COLUMNS, *(f"{r}_ckpt" for r in RATIO_COLUMNS),
+                      "peak_gib", "peak_reserved_gib", "budget_gib", "under_budget", "error"],
+               title=f"{title}: step time against the resident baselines (same run)")
+    print_rows(rows, ["mode", *PEAK_COLUMNS[2:], "compile_s", "h2d_gb_step", "d2h_gb_step", "resident", "streamed",
+                      "recomputed", "spilled", "slots", "predicted_ms", "pred_err"],
+               title=f"{title}: first steps and plans")
+    print("baselines: resident (inductor) = the plain model under torch.compile's default backend and options; "
+          "resident (eager) = the plain model run eagerly; both every weight on the device", flush=True)
+    if not any(r.get("baseline") == "inductor" and r.get("step_ms") for r in rows):
+        print("NOTE: no resident (inductor) step in this run: the ratios are to the eager resident only, which "
+              "flatters them", flush=True)
+    if "conductor_overhead" in results:
+        print(f"conductor admission host cost: {results['conductor_overhead']}")
     write_json(args.out, results)
-    plot(results, os.path.splitext(args.out)[0] + ".png")
+    if not args.baselines_only:
+        plot(results, os.path.splitext(args.out)[0] + ".png")
     return 0
 
 

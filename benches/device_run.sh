@@ -3,7 +3,7 @@
 # Logs and results land under $OUT (the device tool brings back at most 8 files).
 #   STAGES="ktests tests demo" bash benches/device_run.sh
 #   STAGES="stream" STREAM_ARGS="--tokens 1024 4096" bash benches/device_run.sh
-#   STAGES="alltests" bash benches/device_run.sh                      # every gpu test but the kernels', 4 files at a time
+#   STAGES="alltests" bash benches/device_run.sh                      # every gpu test but the kernels', one run, 4 files at a time
 #   STAGES="tests models" MODEL=qwen bash benches/device_run.sh       # full-size models (benches/models.py)
 #   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
 #   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8 bf16" bash benches/device_run.sh   # host memory (benches/host_memory.py)
@@ -15,13 +15,64 @@
 #   STAGES="fp8parts" bash benches/device_run.sh                      # an fp8 Linear piece by piece against cuBLAS bf16
 #   STAGES="fp8a" FP8A_ARGS="--skip-two-slot --fp8-mlp-row --steps 8" bash benches/device_run.sh   # workload A (carry .whl)
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
+#   STAGES="sweep" MODEL=flux SWEEP_ARGS="--baselines inductor --baselines-only" SWEEP_TIMEOUT=570 bash benches/device_run.sh
+#                  # Flux's resident Inductor compile alone (~6 min cold): fills Inductor's cache in /tmp for the full
+#                  # sweep in a next call on the same (still warm) machine, whose JSON says how warm the cache was
 # Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
 # the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
+#
+# The device copy has no .git: the caller names the commit and whether the tree was clean, and every
+# GPU test log (and every bench's JSON env) carries them. A log without them says "commit unknown":
+#   COMMIT=$(git rev-parse HEAD) DIRTY=$(git status --porcelain | wc -l) STAGES="alltests" bash benches/device_run.sh
+# A test log is one pytest run at that commit: its header, the command, its lines, its own summary and exit code.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+export COMMIT=${COMMIT:-} DIRTY=${DIRTY:-}
 OUT=${OUT:-/tmp/stagehand-out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"tests stream"}
+
+# log_header LOG STAGE: start LOG (truncating it) with the commit, the tree state, the time and the GPU.
+log_header() {
+  local tree
+  case "$DIRTY" in
+    0|clean) tree="clean tree" ;;
+    "")      tree="tree state UNKNOWN (DIRTY not passed)" ;;
+    *)       tree="DIRTY tree ($DIRTY changed or untracked files ran, not the commit alone)" ;;
+  esac
+  if [[ "$COMMIT" =~ ^[0-9a-f]{40}$ ]]; then
+    echo "# stage $2 | commit $COMMIT | $tree | $(date -u +%FT%TZ) | $(head -1 "$OUT/gpu.txt" 2>/dev/null)" > "$1"
+  else
+    echo "# !!! stage $2 | commit unknown (COMMIT='$COMMIT' is not a 40-hex commit: pass COMMIT=\$(git rev-parse HEAD))" \
+      "| $tree | $(date -u +%FT%TZ) | this log is NOT labelled with a commit !!!" > "$1"
+    echo "device_run: COMMIT unknown: the $2 log says so in its first line" >&2
+  fi
+}
+
+# run_tests STAGE LOG TIMEOUT KEEP PYTEST_ARGS...: one pytest run into LOG (after its header). KEEP: "results"
+# (the -rA result lines), "all" (every line but DEBUG) or a number (that many last lines). Then the run's own
+# summary line and exit code; a run that timed out says so (it has no summary).
+run_tests() {
+  local stage=$1 log=$2 limit=$3 keep=$4 raw=/tmp/$1.pytest.log rc summary
+  shift 4
+  log_header "$log" "$stage"
+  echo "# one run: timeout $limit python3 -m pytest $*" >> "$log"
+  timeout "$limit" python3 -m pytest "$@" > "$raw" 2>&1
+  rc=$?
+  case $keep in
+    results) grep -E "^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) " "$raw" ;;
+    all)     grep -vE "^DEBUG" "$raw" ;;
+    *)       grep -vE "^DEBUG" "$raw" | tail -"$keep" ;;
+  esac >> "$log"
+  summary=$(grep -E "[0-9]+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed)" "$raw" | grep -E " in [0-9.]+s" | tail -1)
+  echo "# summary of this run: ${summary:-NONE (no pytest summary line)}" >> "$log"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "# pytest exit $rc: TIMED OUT after $limit s, the run is incomplete" >> "$log"
+  else
+    echo "# pytest exit $rc" >> "$log"
+  fi
+  cat "$log"
+}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -32,15 +83,16 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/i
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
 for stage in $STAGES; do
   case $stage in
-    alltests) # every gpu-marked test but the kernel ones (stage ktests), 4 files at a time on the one GPU (caplog: logging on)
-            timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu -p no:cacheprovider -rA -n ${TESTS_WORKERS:-4} \
-              --dist loadfile --ignore tests/test_kernels.py tests/ 2>&1 | grep -vE "^DEBUG" > /tmp/alltests.log
-            grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|[0-9]+ (passed|failed)" /tmp/alltests.log | tee "$OUT/gpu_tests.log"
-            sed -n '/= FAILURES =/,/short test summary/p;/= ERRORS =/,/short test summary/p' /tmp/alltests.log \
+    alltests) # every gpu-marked test but the kernel ones (stage ktests) in ONE pytest run, 4 files at a time on the
+            # one GPU (caplog: logging on); gpu_tests.log is that run's result lines and its summary, nothing merged
+            run_tests alltests "$OUT/gpu_tests.log" ${TESTS_TIMEOUT:-540} results -q -m gpu -p no:cacheprovider -rA \
+              -n ${TESTS_WORKERS:-4} --dist loadfile --ignore tests/test_kernels.py tests/
+            sed -n '/= FAILURES =/,/short test summary/p;/= ERRORS =/,/short test summary/p' /tmp/alltests.pytest.log \
               | grep -E "^E |^____|^tests/.*Error|^>" | head -200 > "$OUT/gpu_test_failures.log" ;;
-    ktests) timeout ${KTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -n 12 tests/test_kernels.py 2>&1 | tail -15 | tee "$OUT/kernel_tests.log" ;;
-    tests)  timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs tests/test_gpu.py tests/test_host_memory.py tests/test_disk_tier.py 2>&1 \
-              | grep -vE "^DEBUG" | tee "$OUT/gpu_tests.log" ;;
+    ktests) run_tests ktests "$OUT/kernel_tests.log" ${KTESTS_TIMEOUT:-240} 15 -q -m gpu -p no:cacheprovider -n 12 \
+              tests/test_kernels.py ;;
+    tests)  run_tests tests "$OUT/gpu_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -p no:logging -rs \
+              tests/test_gpu.py tests/test_host_memory.py tests/test_disk_tier.py ;;
     demo)   timeout 240 stagehand demo --steps ${DEMO_STEPS:-60} --out /tmp/demo 2>&1 | grep -v "it/s\|step/s" | tail -45 | tee "$OUT/demo.log"
             cp /tmp/demo/demo.png /tmp/demo/summary.json "$OUT/" 2>/dev/null ;;
     stream) timeout 420 python3 benches/streaming.py ${STREAM_ARGS:-} --out "$OUT/streaming.json" 2>&1 | grep -vE "^DEBUG" | tee "$OUT/streaming.log" ;;
@@ -57,19 +109,24 @@ for stage in $STAGES; do
     convergence) timeout ${CONV_TIMEOUT:-540} python3 benches/convergence.py --steps ${CONV_STEPS:-600} ${CONV_ARGS:-} \
               --out "$OUT/convergence.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/convergence.log" ;;
     hostovh) timeout 240 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -40 | tee "$OUT/host_overhead.log" ;;
-    memotests) timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_launch_memo.py 2>&1 | tail -15 | tee "$OUT/memo_tests.log" ;;
+    memotests) run_tests memotests "$OUT/memo_tests.log" 240 15 -q -m gpu -p no:cacheprovider -rA tests/test_launch_memo.py ;;
     fp8a)   timeout ${FP8A_TIMEOUT:-540} python3 benches/fp8_workload.py ${FP8A_ARGS:-} --out "$OUT/fp8_workload_a.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/fp8_workload_a.log" ;;
     fp8parts) timeout 180 python3 benches/fp8_parts.py ${FP8PARTS_ARGS:-} --out "$OUT/fp8_parts.json" 2>&1 | tee "$OUT/fp8_parts.log" ;;
-    graphtests) timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging -rs tests/test_traced_linear.py 2>&1 \
-              | tail -5 | tee "$OUT/traced_linear_tests.log" ;;
-    sptests) timeout ${SPTESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py tests/test_traced_linear.py \
-              tests/test_selective_gpu.py 2>&1 | tail -20 | tee "$OUT/sp_tests.log" ;;
+    graphtests) run_tests graphtests "$OUT/traced_linear_tests.log" 120 5 -q -m gpu -p no:cacheprovider -p no:logging -rs \
+              tests/test_traced_linear.py ;;
+    sptests) run_tests sptests "$OUT/sp_tests.log" ${SPTESTS_TIMEOUT:-240} 20 -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py \
+              tests/test_traced_linear.py tests/test_selective_gpu.py ;;
     sweep)  timeout ${SWEEP_TIMEOUT:-540} python3 benches/budget_sweep.py --model ${MODEL:-qwen} ${SWEEP_ARGS:-} \
               --out "$OUT/budget_sweep_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/budget_sweep_${MODEL:-qwen}.log" ;;
-    btests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rs -s tests/test_gpu_budget.py 2>&1 \
-              | grep -vE "^DEBUG" | tee "$OUT/gpu_budget_tests.log" ;;
+    btests) run_tests btests "$OUT/gpu_budget_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -rs -s \
+              tests/test_gpu_budget.py ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done
-echo "== summary"; grep -hE "[0-9]+ passed|[0-9]+ failed|error" "$OUT"/*tests.log 2>/dev/null | tail -5
+echo "== summary"
+for log in "$OUT"/*tests.log; do
+  [ -f "$log" ] || continue
+  echo "$(basename "$log"): $(head -1 "$log")"
+  grep -E "^# (summary of this run|pytest exit)" "$log"
+done

@@ -12,7 +12,9 @@ base frozen, peft LoRA r=16 on to_q / to_k / to_v, AdamW. In this one process:
 1. the FP8 policy file for this GPU (`fp8_bench`: every Linear shape of the
    block at 4096 tokens, fp8 forward + grad-input against cuBLAS bf16, speedup
    threshold 1.0): where FP8 is allowed at all;
-2. resident bf16 under `torch.compile` (inductor): the baseline;
+2. "resident bf16 (inductor)": the resident model under `torch.compile`
+   with its default backend and options, the baseline (`ratio_inductor`);
+   with `--resident-eager` also "resident bf16 (eager)" (`ratio_eager`);
 3. stagehand fp8 with no budget: every block streamed through two slots;
 4. stagehand fp8 with a VRAM budget the whole model fits in (the plan keeps
    every block resident, in fp8); with `--fp8-mlp-row` also the per-layer map
@@ -21,7 +23,9 @@ base frozen, peft LoRA r=16 on to_q / to_k / to_v, AdamW. In this one process:
    which separates what fp8 gains from what stagehand itself costs.
 
 Per row: step time (median of `--steps` after warm-up), host time, peak GPU
-memory, H2D GB per step, plan counts, ratio to the resident step.
+memory allocated and reserved (timed steps; and the first step alone), H2D
+GB per step, plan counts, ratio to each resident baseline (`ratio` is the
+old field, = ratio_inductor).
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ import sys
 import time
 
 import torch
-from _common import RESULTS, env_info, print_header, print_table, write_json
+from _common import (PEAK_COLUMNS, RATIO_COLUMNS, RATIOS_NOTE, RESULTS, Sync, add_ratios, env_info, inductor_settings,
+                     print_header, print_rows, print_table, resident_label, resident_row, write_json)
 from budget_sweep import gpu_lanes, plan_columns, timed
-from models import Sync, flux_config, flux_inputs, make_step
+from models import flux_config, flux_inputs, make_step
 
 import torch_stagehand as stagehand
 
@@ -113,23 +118,32 @@ def run(args) -> dict:
     def step_of(fn):
         return make_step("flux", model, fn, inputs, optimizer)
 
+    baselines: dict[str, dict] = {}
+    results["ratios"] = dict(RATIOS_NOTE, ratio="old field, kept for readers of earlier files: the same as "
+                                               "ratio_inductor (this bench's baseline was always the compiled one)")
+    results["inductor"] = inductor_settings()
+
     def add(row: dict) -> None:
-        base = rows[0].get("step_ms") if rows else None
-        if base and row.get("step_ms"):
-            row["ratio"] = round(row["step_ms"] / base, 3)
+        add_ratios(row, baselines)
+        if row.get("ratio_inductor") is not None:
+            row["ratio"] = row["ratio_inductor"]
         rows.append(row)
         write_json(args.out, results)  # after every row: a run cut off by a time limit keeps what it measured
 
-    compiled = torch.compile(model)
-    try:
-        add(timed("resident bf16 (inductor)", step_of(compiled), args.steps, sync, warmup=2))
+    def profile_resident(label: str, step) -> None:
         if args.profile and cuda:
-            write_profile(step_of(compiled), f"{os.path.dirname(args.out)}/profile_resident_bf16.txt")
-    except torch.OutOfMemoryError:
-        add({"mode": "resident bf16 (inductor)", "error": "out of GPU memory"})
-    del compiled
-    torch._dynamo.reset()
-    gc.collect()
+            name = label.replace(" (inductor)", "").replace(" (", "_").replace(")", "").replace(" ", "_")
+            write_profile(step, f"{os.path.dirname(args.out)}/profile_{name}.txt")
+
+    # the resident bf16 model: under torch.compile's defaults (the baseline), and eagerly with --resident-eager
+    for compiler in ("inductor", "eager") if args.resident_eager else ("inductor",):
+        baselines[compiler] = resident_row(compiler, model, step_of,
+                                           lambda label, step: timed(label, step, args.steps, sync, warmup=2),
+                                           resident_label(compiler, "resident bf16"), args.inductor_limit_s,
+                                           also=profile_resident)
+        add(baselines[compiler])
+    for row in baselines.values():
+        add_ratios(row, baselines)
     if cuda:
         torch.cuda.empty_cache()
 
@@ -196,13 +210,18 @@ def main(argv=None) -> int:
                         help="a row with fp8 Linears as the stagehand::linear op, not traced into the graph")
     parser.add_argument("--gc-off-row", action="store_true", help="a row with Python's gc off while timed")
     parser.add_argument("--profile", action="store_true", help="per stagehand row: GPU lanes and a profile table")
+    parser.add_argument("--resident-eager", action="store_true",
+                        help="also the resident bf16 model run eagerly (ratio_eager; the compiled one stays first)")
+    parser.add_argument("--inductor-limit-s", type=float, default=0,
+                        help="stop the resident Inductor row after this many seconds, compile included (0: no limit)")
     parser.add_argument("--out", default=os.path.join(RESULTS, "fp8_workload_a.json"))
     args = parser.parse_args(argv)
     results = run(args)
-    cols = ["mode", "step_ms", "host_ms", "ratio", "peak_gib", "h2d_gb_step", "resident", "streamed", "predicted_ms",
-            "error"]
-    print_table([[r.get(c, "") for c in cols] for r in results["rows"]], headers=cols,
-                title=f"workload A: {results['params_b']}B parameters, {results['shape']}, {results['env']['device']}")
+    cols = ["mode", "step_ms", "host_ms", *RATIO_COLUMNS, *PEAK_COLUMNS, "h2d_gb_step", "resident", "streamed",
+            "predicted_ms", "compile_s", "error"]
+    print_rows(results["rows"], cols,
+               title=f"workload A: {results['params_b']}B parameters, {results['shape']}, {results['env']['device']};"
+                     f" baselines: resident bf16 (inductor) = torch.compile's defaults, (eager) = run eagerly")
     write_json(args.out, results)
     return 0
 

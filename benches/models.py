@@ -14,14 +14,19 @@ the attention projections, AdamW on the adapters, the model's own gradient
 checkpointing on (`--ckpt on`), off, or both. The model is built once; every
 row is measured on it in this one process, in this order:
 
-1. resident eager (and resident `torch.compile` with `--resident-compile`),
-   the baseline every ratio is taken against (same checkpointing);
+1. the resident baselines (same checkpointing): "resident (eager)" and
+   "resident (inductor)", the plain model under `torch.compile` with its
+   default backend and options (`--no-resident-compile` leaves it out; its
+   first step is its compile, `--inductor-limit-s` bounds it). Every row has
+   `ratio_inductor` (to the compiled one, the ratio that counts, printed
+   first) and `ratio_eager`; `ratio` is the old field (= ratio_eager);
 2. `offload()` (the weights go to pinned host memory; the timing includes
    quantizing to INT8), then stagehand with the inductor inner compiler, for
    the maps int8, bf16 and mixed (first and last two blocks bf16, the rest
    int8): one compiled program, re-linked per map.
 
-Per row: median step time (after a warm-up step), peak GPU memory, H2D GB per
+Per row: median step time (after a warm-up step), peak GPU memory allocated
+and reserved over the timed steps and over the first step alone, H2D GB per
 step, the PCIe floor (those bytes over the pinned H2D bandwidth measured at
 the start), synchronous fetches per step after the first, eager-op calls,
 offload and first-step seconds. torch 2.11's cuDNN SDPA backward fails at
@@ -39,7 +44,8 @@ import sys
 import time
 
 import torch
-from _common import RESULTS, env_info, print_header, print_table, write_json
+from _common import (PEAK_COLUMNS, RATIO_COLUMNS, RATIOS_NOTE, RESULTS, Sync, add_ratios, env_info, first_step,
+                     inductor_settings, print_header, print_rows, resident_row, write_json)
 
 import torch_stagehand as stagehand
 
@@ -122,23 +128,6 @@ def loss_of(kind: str, out) -> torch.Tensor:
     return out[0].float().square().mean() if kind == "flux" else out.loss
 
 
-class Sync:
-    def __init__(self, device: str):
-        self.cuda = device == "cuda"
-
-    def __call__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def reset_peak(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def peak_gib(self) -> float | None:
-        return round(torch.cuda.max_memory_allocated() / 2**30, 2) if self.cuda else None
-
-
 def pinned_h2d_gbps(nbytes: int = 512 * 2**20, reps: int = 8) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -152,13 +141,11 @@ def pinned_h2d_gbps(nbytes: int = 512 * 2**20, reps: int = 8) -> float:
 
 
 def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
-    """First step (compile + warm-up) timed on its own, then the median of `steps`."""
-    sync.reset_peak()
+    """First step (compile + warm-up) timed on its own with its own peaks, then the median of `steps` and their
+    peaks (allocated and reserved, counted from after the first step)."""
     first_before = (rt.stats(), dynamo_seconds()) if rt is not None else None
-    t0 = time.perf_counter()
-    step()
-    sync()
-    first_s = time.perf_counter() - t0
+    first = first_step(step, sync)
+    sync.reset_peak()
     before = rt.stats() if rt is not None else None
     times, host = [], []
     for i in range(steps):
@@ -169,7 +156,7 @@ def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
         times.append((time.perf_counter() - t0) * 1e3)
         print(f"  {label}: step {i + 1}/{steps} {times[-1]:.0f} ms (host {host[-1]:.0f} ms)", flush=True)
     row = {"mode": label, "step_ms": round(statistics.median(times), 1), "steps_ms": [round(t, 1) for t in times],
-           "host_ms": round(statistics.median(host), 1), "first_step_s": round(first_s, 1), "peak_gib": sync.peak_gib()}
+           "host_ms": round(statistics.median(host), 1), **sync.peaks(), **first}
     if rt is not None:
         stats0, dynamo0 = first_before
         row["first_step_parts_s"] = {  # what the first step was made of
@@ -249,34 +236,38 @@ def run(args) -> dict:
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.ckpt]
     rows = results["rows"]
 
-    def add(row: dict, ckpt: bool, baseline: dict | None) -> None:
+    results["inductor"] = inductor_settings()
+    results["ratios"] = RATIOS_NOTE
+    baselines: dict[bool, dict[str, dict]] = {ckpt: {} for ckpt in modes}
+
+    def with_ratios(row: dict) -> dict:
+        add_ratios(row, baselines[row["ckpt"]])
+        if row.get("ratio_eager") is not None:
+            row["ratio"] = row["ratio_eager"]  # the field's old meaning (before ratio_inductor existed)
+        return row
+
+    def add(row: dict, ckpt: bool) -> None:
         row["ckpt"] = ckpt
-        if baseline is not None and baseline.get("step_ms"):
-            row["ratio"] = round(row["step_ms"] / baseline["step_ms"], 3)
+        with_ratios(row)
         if "h2d_gb_step" in row and results.get("pinned_h2d_gbps"):
             row["floor_ms"] = round(row["h2d_gb_step"] / results["pinned_h2d_gbps"] * 1e3, 1)
             row["vs_floor"] = round(row["step_ms"] / row["floor_ms"], 3) if row["floor_ms"] else None
         rows.append(row)
         print({k: v for k, v in row.items() if k != "steps_ms"}, flush=True)
 
-    baselines: dict[bool, dict] = {}
+    def measured(label: str, step) -> dict:
+        return measure(label, step, args.steps, sync)
+
     for ckpt in modes:
         set_checkpointing(args.model, model, ckpt)
-        try:
-            row = measure("resident eager", make_step(args.model, model, model, inputs, optimizer), args.steps, sync)
-        except torch.OutOfMemoryError:
-            row = {"mode": "resident eager", "error": "out of GPU memory"}
-        baselines[ckpt] = row
-        add(row, ckpt, None)
-        if args.resident_compile and "error" not in row:
-            torch._dynamo.reset()
-            compiled = torch.compile(model)
-            try:
-                add(measure("resident inductor", make_step(args.model, model, compiled, inputs, optimizer),
-                            args.steps, sync), ckpt, row)
-            except torch.OutOfMemoryError:
-                add({"mode": "resident inductor", "error": "out of GPU memory"}, ckpt, row)
-            del compiled
+        for compiler in ("eager", "inductor") if args.resident_compile else ("eager",):
+            row = resident_row(compiler, model, lambda fn: make_step(args.model, model, fn, inputs, optimizer),
+                               measured, limit_s=args.inductor_limit_s)
+            baselines[ckpt][compiler] = row
+            row["ckpt"] = ckpt
+            rows.append(row)
+        for row in baselines[ckpt].values():  # both measured: each baseline's ratio to the other
+            with_ratios(row)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -305,7 +296,7 @@ def run(args) -> dict:
                               args.steps, sync, rt)
             except torch.OutOfMemoryError:
                 row = {"mode": f"stagehand {name}", "error": "out of GPU memory"}
-            add(row, ckpt, baselines[ckpt])
+            add(row, ckpt)
             if args.profile == name and device == "cuda" and "error" not in row:
                 results.setdefault("profiles", {})[f"{name}, ckpt {ckpt}"] = profile_step(
                     make_step(args.model, model, compiled, inputs, optimizer))
@@ -321,17 +312,20 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a small config of the same class (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--resident-compile", action="store_true", help="also time the resident model under inductor")
+    parser.add_argument("--resident-compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the resident model under torch.compile (Inductor) beside eager (default: on; the "
+                             "ratio to it is the one reported first)")
+    parser.add_argument("--inductor-limit-s", type=float, default=0,
+                        help="stop a resident Inductor row after this many seconds, compile included (0: no limit)")
     parser.add_argument("--profile", choices=["int8", "bf16", "mixed"], default=None,
                         help="also profile one step of this map (GPU), tables into the JSON")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     results = run(args)
-    cols = ["ckpt", "mode", "step_ms", "host_ms", "ratio", "peak_gib", "h2d_gb_step", "floor_ms", "vs_floor", "sync_fetches_step",
-            "recomputed_blocks_step", "eager_linear_calls", "first_step_s", "error"]
-    print_table([[r.get(c, "") for c in cols] for r in results["rows"]], headers=cols,
-                title=f"{args.model}: {results['params_b']}B parameters, {results['shape']}, "
-                      f"offload {results['offload_s']} s, {results['env']['device']}")
+    cols = ["ckpt", "mode", "step_ms", "host_ms", *RATIO_COLUMNS, *PEAK_COLUMNS, "h2d_gb_step", "floor_ms", "vs_floor",
+            "sync_fetches_step", "recomputed_blocks_step", "eager_linear_calls", "compile_s", "error"]
+    print_rows(results["rows"], cols, title=f"{args.model}: {results['params_b']}B parameters, {results['shape']}, "
+                                            f"offload {results['offload_s']} s, {results['env']['device']}")
     out = args.out or os.path.join(RESULTS, f"models_{args.model}{'_tiny' if args.tiny else ''}.json")
     write_json(out, results)
     return 0

@@ -6,12 +6,18 @@ One training step = forward + backward with the block weights frozen (the
 embedding trains, so gradients flow back through every block), the LoRA-style
 workload. Rows, all measured in the same run on the same model shape:
 
-* resident: the plain model, all weights on the GPU, torch.compile(inductor):
-  the speed of the hardware, the baseline the ratio is taken against;
-* stagehand bf16 / int8 / mixed: weights streamed from pinned host memory.
+* resident (inductor): the plain model, all weights on the GPU, under
+  torch.compile's default backend and options: the speed of the hardware,
+  the baseline that counts (`ratio_inductor`, printed first);
+* resident (eager): the same model run eagerly (`ratio_eager`);
+* stagehand bf16 / int8 / mixed (and fp8 on an FP8 GPU): weights streamed
+  from pinned host memory.
 
-Also printed: the H2D floor (the bytes a step must move over the measured
-pinned copy bandwidth), the achieved H2D rate, and peak device memory.
+Ratios are step times over the baseline's (`ratio` is the old field, the other
+way up: resident (inductor) / this). Also printed: the H2D floor (the bytes a
+step must move over the measured pinned copy bandwidth), and peak device
+memory allocated and reserved, over the timed steps and over the first step
+(the compile) alone.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import sys
 import time
 
 import torch
-from _common import RESULTS, env_info, print_header, print_table, write_json
+from _common import (PEAK_COLUMNS, RATIO_COLUMNS, RATIOS_NOTE, RESULTS, Sync, add_ratios, env_info, first_step,
+                     inductor_settings, print_header, print_rows, resident_row, write_json)
 
 import torch_stagehand as stagehand
 from torch_stagehand.app.presets import dit
@@ -85,8 +92,27 @@ def fp8_where_faster(rt, tokens: int, x: torch.Tensor) -> dict[int, str]:
             else "bf16" for b in range(len(rt.blocks))}
 
 
+def measured_row(mode: str, step, steps: int, sync: Sync, rt=None) -> dict:
+    """The program's first step on its own (its compile), one more, then `steps` timed: ms, host ms, peaks."""
+    first = first_step(step, sync)
+    time_steps(step, 1)
+    sync.reset_peak()
+    before = rt.stats() if rt is not None else None
+    times, host = time_steps(step, steps)
+    row = {"mode": mode, "step_ms": median(times), "host_ms": median(host), **sync.peaks(), **first,
+           "h2d_gb_step": 0.0, "floor_ms": 0.0, "sync_fetches": 0}
+    if rt is not None:
+        after = rt.stats()
+        row["h2d_gb_step"] = (after["h2d_bytes"] - before["h2d_bytes"]) / steps / 1e9
+        row["sync_fetches"] = (after["sync_fetches"] - before["sync_fetches"]) / steps
+    return row
+
+
 def run(args) -> dict:
-    results = {"env": print_header(env_info()), "rows": []}
+    results = {"env": print_header(env_info()), "rows": [], "inductor": inductor_settings(),
+               "ratios": dict(RATIOS_NOTE, ratio="old field, the other way up: step_ms of resident (inductor) / "
+                                                 "this row's step_ms (a speed ratio)")}
+    sync = Sync("cuda")
     gbps = pinned_h2d_gbps()
     results["pinned_h2d_gbps"] = gbps
     print(f"pinned H2D {gbps:.1f} GB/s", flush=True)
@@ -96,18 +122,14 @@ def run(args) -> dict:
         block_bytes = sum(p.numel() * p.element_size() for n, p in model.blocks[0].named_parameters()
                           if n.endswith("weight") and p.dim() == 2)
 
-        torch._dynamo.reset()
-        torch.cuda.reset_peak_memory_stats()
-        compiled = torch.compile(model)
-        step = step_fn(model, compiled, x)
-        time_steps(step, 2)  # compile + warm up
-        base, base_host = time_steps(step, args.steps)
-        base_ms = median(base)
-        rows = [{"tokens": tokens, "mode": "resident (inductor)", "step_ms": base_ms, "host_ms": median(base_host),
-                 "ratio": 1.0,
-                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gb_step": 0.0, "floor_ms": 0.0,
-                 "sync_fetches": 0}]
-        print(f"tokens {tokens}: resident {base_ms:.1f} ms", flush=True)
+        # the resident baselines: every weight on the GPU, under torch.compile's defaults and eagerly
+        baselines = {compiler: dict(resident_row(compiler, model, lambda fn: step_fn(model, fn, x),
+                                                 lambda mode, step: measured_row(mode, step, args.steps, sync)),
+                                    tokens=tokens)
+                     for compiler in ("inductor", "eager")}
+        rows = list(baselines.values())
+        print(f"tokens {tokens}: resident {baselines['inductor'].get('step_ms')} ms (inductor), "
+              f"{baselines['eager'].get('step_ms')} ms (eager)", flush=True)
 
         rt = stagehand.offload(model, device="cuda")
         torch.cuda.empty_cache()
@@ -118,26 +140,20 @@ def run(args) -> dict:
         for mode, precision in modes:
             rt.set_precision(precision)
             torch._dynamo.reset()
-            torch.cuda.reset_peak_memory_stats()
             compiled = torch.compile(model, backend="stagehand")
-            step = step_fn(model, compiled, x)
-            time_steps(step, 2)
-            before = rt.stats()
-            times, host = time_steps(step, args.steps)
-            after = rt.stats()
-            ms = median(times)
-            h2d = (after["h2d_bytes"] - before["h2d_bytes"]) / args.steps
-            rows.append({
-                "tokens": tokens, "mode": mode, "step_ms": ms, "host_ms": median(host), "ratio": base_ms / ms,
-                "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "h2d_gb_step": h2d / 1e9,
-                "floor_ms": h2d / (gbps * 1e9) * 1e3,
-                "sync_fetches": (after["sync_fetches"] - before["sync_fetches"]) / args.steps,
-            })
-            print(f"tokens {tokens}: {mode} {ms:.1f} ms", flush=True)
+            row = dict(measured_row(mode, step_fn(model, compiled, x), args.steps, sync, rt), tokens=tokens)
+            row["floor_ms"] = row["h2d_gb_step"] / gbps * 1e3
+            rows.append(row)
+            print(f"tokens {tokens}: {mode} {row['step_ms']:.1f} ms", flush=True)
+        for row in rows:
+            add_ratios(row, baselines)
+            base = baselines["inductor"].get("step_ms")
+            row["ratio"] = base / row["step_ms"] if base and row.get("step_ms") else None
         results["rows"] += rows
         results.setdefault("block_mib", block_bytes / 2**20)
         rt.close()
         del model, compiled, rt
+        torch._dynamo.reset()
         torch.cuda.empty_cache()
     return results
 
@@ -152,15 +168,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benches/streaming.py needs a CUDA device")
     results = run(args)
-    headers = ["tokens", "mode", "step ms", "host issue ms", "resident/this", "H2D GB/step", "H2D floor ms",
-               "sync fetches/step", "peak GiB"]
-    table = [[r["tokens"], r["mode"], f"{r['step_ms']:.1f}", f"{r['host_ms']:.1f}", f"{r['ratio']:.2f}",
-              f"{r['h2d_gb_step']:.2f}",
-              f"{r['floor_ms']:.1f}", f"{r['sync_fetches']:.1f}", f"{r['peak_gib']:.2f}"] for r in results["rows"]]
+    cols = ["tokens", "mode", "step_ms", "host_ms", *RATIO_COLUMNS, "h2d_gb_step", "floor_ms", "sync_fetches",
+            *PEAK_COLUMNS, "compile_s", "error"]
     env = results["env"]
-    print_table(table, headers, title=(
+    print_rows(results["rows"], cols, title=(
         f"DiT depth {args.depth}, hidden 3072, {results['block_mib']:.1f} MiB BF16 Linear weights per block; "
-        f"pinned H2D {results['pinned_h2d_gbps']:.1f} GB/s; {env['device']}, torch {env['torch']}"))
+        f"pinned H2D {results['pinned_h2d_gbps']:.1f} GB/s; {env['device']}, torch {env['torch']}; baselines: "
+        f"resident (inductor) = torch.compile's defaults, resident (eager) = run eagerly"))
     write_json(args.out, results)
 
 
