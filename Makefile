@@ -33,3 +33,8 @@ test: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) stagehand-demo-out
+
+# Regenerate the figures README.md and docs/ quote from benches/results/ (the check: python benches/figures.py).
+.PHONY: figures
+figures: $(VENV)/.installed
+	$(PY) benches/figures.py --write

@@ -1,0 +1,917 @@
+"""The figures README.md and docs/ quote, generated from the files that hold them.
+
+A document quotes a figure through a generated block:
+
+    <!-- figures:NAME -->
+    ...what FIGURES[NAME] gives, written by --write...
+    <!-- /figures:NAME -->
+
+    python benches/figures.py            # --check (the default): exit 1 naming every block that differs from what
+                                         # its files give now, every unknown or unclosed block, and every cited
+                                         # benches/results/... path that does not exist
+    python benches/figures.py --write    # regenerate every block in README.md and docs/**/*.md (`make figures`)
+    python benches/figures.py --list     # the registry: each figure and the files it reads
+    python benches/figures.py --show NAME
+
+Every figure is a function that reads result files under benches/results/ and returns markdown: a caption line
+naming its source file(s) and the run's environment as the file records it (GPU, torch, the run's date, the commit
+when the file records one), then a table. Columns are optional: a column appears when some row has its field, so a
+newer file with more fields (a `resident (inductor)` baseline beside `resident (eager)`, `peak_reserved_gib`,
+`first_step_s`, a `resident int8` row) shows them with no change here. Ratios to the resident model are taken here,
+from the rows of the same file: `step_ms / step_ms` of its resident (eager) and resident (inductor) rows.
+
+Two figures are not read from files: `offload_report` runs the quick start's `offload` and its first training step
+on the CPU and quotes what they print (compared with times normalised: they vary from run to run), and
+`demo_shapes` reads the demo's shapes from its code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benches" / "results"
+REL = "benches/results"
+BLOCK = re.compile(r"<!-- figures:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /figures:(?P=name) -->", re.S)
+OPENER = re.compile(r"<!-- (/?)figures:([\w.-]+) -->")
+CITED = re.compile(r"benches/results/[\w.*<>-]+(?:/[\w.-]+)*")
+SECONDS = re.compile(r"\d+(?:\.\d+)? s\b")
+
+
+# ---- reading result files ------------------------------------------------------------------------------------------
+
+
+def load(name: str):
+    """A result file: JSON, or JSON lines (each line that is a JSON object; other lines are the run's log)."""
+    path = RESULTS / name
+    text = path.read_text()
+    if name.endswith(".jsonl"):
+        records = {}
+        for line in text.splitlines():
+            if line.startswith("{"):
+                records.update(json.loads(line))
+        return records
+    return json.loads(text)
+
+
+def env_of(data: dict) -> dict:
+    return data.get("env") or {}
+
+
+def env_words(env: dict) -> str:
+    """GPU (or CPU), torch, the run's date, the commit: as the file records them."""
+    device = env.get("device") or env.get("gpu")
+    if device in (None, "cpu"):
+        threads = env.get("cpu_threads")
+        device = "CPU" + (f" ({threads} threads)" if threads else "")
+    words = [device, f"torch {env['torch']}" if env.get("torch") else "torch not recorded"]
+    if env.get("time_utc"):
+        words.append(f"run {env['time_utc'][:10]}")
+    commit = env.get("commit")
+    if commit and commit != "unknown":
+        tree = env.get("tree")
+        words.append(f"commit {commit[:12]}" + (f" ({tree} tree)" if tree and tree != "unknown" else ""))
+    else:
+        words.append("commit not recorded")
+    return ", ".join(words)
+
+
+def cite(name: str) -> str:
+    """`benches/results/NAME`, and its log beside it when the run wrote one."""
+    log = Path(name).with_suffix(".log").name
+    extra = f" (log `{REL}/{log}`)" if log != name and (RESULTS / log).exists() else ""
+    return f"`{REL}/{name}`{extra}"
+
+
+def caption(*names: str, what: str = "") -> str:
+    """One line: what the table is, then each source file with its run's environment."""
+    envs = [(n, env_words(env_of(load(n)))) for n in names]
+    if len({e for _, e in envs}) == 1:
+        sources = ", ".join(cite(n) for n, _ in envs) + f": {envs[0][1]}"
+    else:
+        sources = "; ".join(f"{cite(n)}: {e}" for n, e in envs)
+    return (f"{what.rstrip('.')}. " if what else "") + f"Source{'s' * (len(names) > 1)}: {sources}."
+
+
+# ---- formatting ----------------------------------------------------------------------------------------------------
+
+
+def ms(v) -> str:
+    if v is None or v == "":
+        return ""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
+
+
+def num(v, digits: int = 2) -> str:
+    if v is None or v == "":
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.{digits}f}"
+
+
+def pct(v, digits: int = 1) -> str:
+    return "" if v is None else f"{v:+.{digits}f}%"
+
+
+@dataclass
+class Col:
+    header: str
+    cell: Callable[[dict], str]
+
+
+def table(rows: list[dict], cols: list[Col]) -> str:
+    """A markdown table; a column whose cells are all empty is left out (fields a file does not have)."""
+    cells = [[str(c.cell(r) if c.cell(r) is not None else "") for c in cols] for r in rows]
+    keep = [i for i in range(len(cols)) if any(row[i] != "" for row in cells)]
+    lines = ["| " + " | ".join(cols[i].header for i in keep) + " |", "|" + "---|" * len(keep)]
+    lines += ["| " + " | ".join(row[i].replace("|", "\\|") for i in keep) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def field(key: str, fmt=num, *args) -> Callable[[dict], str]:
+    return lambda r: fmt(r.get(key), *args) if r.get(key) is not None else ""
+
+
+# ---- resident baselines and ratios ---------------------------------------------------------------------------------
+
+
+def baseline_kind(row: dict) -> str | None:
+    """"eager" or "inductor" for a resident baseline row, else None. Resident rows from before the compiled
+    baseline existed ("resident", "resident ckpt", "resident eager") ran eagerly."""
+    mode = row.get("mode", "")
+    if not mode.startswith("resident") or "stagehand" in mode or not row.get("step_ms"):
+        return None
+    if row.get("baseline") in ("eager", "inductor"):
+        return row["baseline"]
+    return "inductor" if "inductor" in mode else "eager"
+
+
+def baselines(rows: list[dict], group=lambda r: r.get("ckpt")) -> dict:
+    """{(group, kind): row} of a file's resident baselines."""
+    out = {}
+    for r in rows:
+        kind = baseline_kind(r)
+        if kind is not None:
+            out.setdefault((group(r), kind), r)
+    return out
+
+
+def ratio(row: dict, base: dict | None) -> str:
+    if not base or not row.get("step_ms"):
+        return ""
+    return f"{row['step_ms'] / base['step_ms']:.2f}"
+
+
+def ratio_cols(bases: dict, group=lambda r: r.get("ckpt"), label: str = "resident") -> list[Col]:
+    """x resident (inductor) first, then x resident (eager): each row against the baseline of its own group."""
+    return [Col(f"x {label} ({kind})", lambda r, k=kind: ratio(r, bases.get((group(r), k))))
+            for kind in ("inductor", "eager")]
+
+
+# ---- the budget sweeps ---------------------------------------------------------------------------------------------
+
+MODELS = {
+    "flux": "Flux-dev 12B (`FluxTransformer2DModel`)",
+    "qwen": "Qwen2.5-7B shape (`Qwen2ForCausalLM`)",
+}
+
+
+def model_words(data: dict) -> str:
+    shape = data.get("shape") or {}
+    words = MODELS.get(data.get("model"), str(data.get("model", "")))
+    if "image_tokens" in shape:
+        words += f", {shape['image_tokens']} image + {shape['text_tokens']} text tokens"
+    if "sequence" in shape:
+        words += f", sequence {shape['sequence']}"
+    if data.get("ckpt") is not None:
+        words += f", the model's gradient checkpointing {'on' if data['ckpt'] else 'off'}"
+    return words
+
+
+def sweep_label(row: dict) -> str:
+    mode = row.get("mode", "")
+    mode = {"resident": "resident (eager)", "resident ckpt": "resident ckpt (eager)"}.get(mode, mode)
+    mode = mode.replace("resident ckpt (", "resident, checkpointing on (")
+    mode = mode.replace("two-slot (no budget)", "no budget (two slots)")
+    m = re.fullmatch(r"budget ([\d.]+) GiB", mode)
+    if m:
+        mode = f"`vram_budget` {float(m.group(1)):g} GiB"
+    return mode
+
+
+def plan_blocks(row: dict, ckpt: bool) -> str:
+    if "resident" not in row or row.get("step_ms") is None:
+        return ""
+    recomputed = "model's" if row.get("plan") == "fixed" and ckpt else row.get("recomputed")
+    return f"{row['resident']} / {row['streamed']} / {recomputed}"
+
+
+def predicted(row: dict) -> str:
+    if row.get("pred_err") is None or row.get("predicted_ms") is None:
+        return ""
+    return f"{ms(row['predicted_ms'])} ({row['pred_err'] * 100:+.1f}%)"
+
+
+def note(row: dict) -> str:
+    error = row.get("error")
+    if not error:
+        return ""
+    return error.removeprefix("planner: ").split(";")[0]
+
+
+def sweep_cols(data: dict) -> list[Col]:
+    rows, ckpt = data["rows"], bool(data.get("ckpt"))
+    bases = baselines(rows)
+    cols = [Col("setting", sweep_label), Col("step ms", field("step_ms", ms))]
+    for on in (ckpt, not ckpt):  # the sweep's own checkpointing first; Qwen's sweep also has checkpointed baselines
+        for kind in ("inductor", "eager"):
+            base = bases.get((on, kind))
+            header = f"x resident ({kind})" if on == ckpt else f"x resident, checkpointing {'on' if on else 'off'} ({kind})"
+            cols.append(Col(header, lambda r, b=base: ratio(r, b)))
+    return cols + [
+        Col("peak GiB", field("peak_gib")),
+        Col("peak reserved GiB", field("peak_reserved_gib")),
+        Col("first step s", field("first_step_s", num, 1)),
+        Col("first step peak GiB", field("first_step_peak_gib")),
+        Col("first step reserved GiB", field("first_step_peak_reserved_gib")),
+        Col("H2D GB / step", field("h2d_gb_step")),
+        Col("D2H GB / step", lambda r: num(r["d2h_gb_step"]) if r.get("d2h_gb_step") else ""),
+        Col("resident / streamed / recomputed blocks", lambda r: plan_blocks(r, ckpt)),
+        Col("spilled blocks", lambda r: num(r["spilled"]) if r.get("spilled") else ""),
+        Col("predicted ms (error)", predicted),
+        Col("note", note),
+    ]
+
+
+def sweep(name: str) -> str:
+    data = load(name)
+    rows = data["rows"]
+    h2d = (data.get("cost_model") or {}).get("h2d_bps")
+    what = f"{model_words(data)}; LoRA r=16, AdamW, int8" + (f"; pinned H2D measured {h2d / 1e9:.1f} GB/s" if h2d else "")
+    planned = [r for r in rows if r.get("under_budget") is not None]
+    over = [sweep_label(r) for r in planned if not r["under_budget"]]
+    after = ("Every plan's peak stayed under its budget." if planned and not over else
+             f"Over their budget: {', '.join(over)}." if over else "")
+    return f"{caption(name, what=what)}\n\n{table(rows, sweep_cols(data))}\n" + (f"\n{after}\n" if after else "")
+
+
+def sweep_points(rows: list[dict]) -> list[dict]:
+    """The budget rows that ran (not the resident int8 row: its budget is `vram_budget_gib`)."""
+    return [r for r in rows if r.get("budget_gib") is not None and r.get("step_ms")]
+
+
+def sweep_picks(data: dict) -> list[dict]:
+    """Headline rows: the baselines at the sweep's checkpointing, no budget, the fastest and the smallest budget."""
+    rows, ckpt = data["rows"], data.get("ckpt")
+    picks = [r for r in rows if baseline_kind(r) and r.get("ckpt") == ckpt]
+    picks += [r for r in rows if r.get("mode", "").startswith("two-slot")]
+    points = sweep_points(rows)
+    if points:
+        for r in (min(points, key=lambda r: r["step_ms"]), min(points, key=lambda r: r["budget_gib"])):
+            if r not in picks:
+                picks.append(r)
+    return picks
+
+
+def headline_qwen() -> str:
+    name = "budget_sweep_qwen.json"
+    data = load(name)
+    cols = [c for c in sweep_cols(data) if c.header in ("setting", "step ms", "peak GiB", "peak reserved GiB")
+            or c.header.startswith("x resident")]
+    return f"{caption(name, what=model_words(data) + ', int8')}\n\n{table(sweep_picks(data), cols)}\n"
+
+
+# ---- models and peers ----------------------------------------------------------------------------------------------
+
+MODE_WORDS = {
+    "resident eager": "resident (eager)",
+    "resident": "resident (eager)",
+    "stagehand int8": "stagehand, all blocks int8",
+    "stagehand bf16": "stagehand, all blocks bf16",
+    "stagehand mixed": "stagehand, mixed (first and last two blocks bf16, the rest int8)",
+    "diffusers group offload, num_blocks_per_group=1": "diffusers `enable_group_offload`, `block_level`, "
+                                                       "`num_blocks_per_group=1`, `use_stream=True`",
+    "diffusers group offload, num_blocks_per_group=4": "the same, asked for `num_blocks_per_group=4`",
+    "accelerate cpu_offload": "accelerate `cpu_offload`",
+}
+
+
+def mode_words(row: dict) -> str:
+    return MODE_WORDS.get(row.get("mode", ""), row.get("mode", ""))
+
+
+def models_table() -> str:
+    names = ["models_flux.json", "models_qwen.json"]
+    rows = []
+    for n in names:
+        data = load(n)
+        label = {"flux": "Flux 12B", "qwen": "Qwen 7B"}.get(data["model"], data["model"])
+        rows += [dict(r, _model=label, _file=n) for r in data["rows"]]
+    group = lambda r: (r["_file"], r.get("ckpt"))  # noqa: E731
+    bases = baselines(rows, group)
+    cols = [Col("model", lambda r: r["_model"]), Col("checkpointing", lambda r: "on" if r.get("ckpt") else "off"),
+            Col("mode", mode_words), Col("step ms", field("step_ms", ms)), *ratio_cols(bases, group),
+            Col("peak GiB", field("peak_gib")), Col("peak reserved GiB", field("peak_reserved_gib")),
+            Col("H2D GB / step", field("h2d_gb_step")), Col("PCIe floor ms", field("floor_ms", ms)),
+            Col("sync fetches / step", field("sync_fetches_step", num, 0)),
+            Col("first step s", field("first_step_s", num, 1)), Col("note", note)]
+    shapes = "; ".join(f"{model_words(dict(load(n), ckpt=None)).split(' (')[0]}, "
+                       f"{model_words(dict(load(n), ckpt=None)).split(', ', 1)[1]}, {load(n).get('params_b')}B parameters"
+                       for n in names)
+    what = (f"{shapes}; LoRA r=16 on the attention projections, AdamW; PCIe floor = H2D bytes per step over the "
+            "pinned H2D bandwidth measured in the run (" + " and ".join(f"{load(n).get('pinned_h2d_gbps')} GB/s"
+                                                                        for n in names) + ")")
+    return f"{caption(*names, what=what)}\n\n{table(rows, cols)}\n"
+
+
+def first_step_table() -> str:
+    names = ["models_qwen_firststep_run1.json", "models_qwen_firststep_run2.json"]
+    rows = []
+    for i, n in enumerate(names):
+        for r in load(n)["rows"]:
+            if r.get("first_step_parts_s"):
+                rows.append(dict(r, _process=f"{i + 1}", **{f"_{k}": v for k, v in r["first_step_parts_s"].items()}))
+    cols = [Col("process", lambda r: r["_process"]), Col("mode", mode_words),
+            Col("first step s", field("first_step_s", num, 1)), Col("Dynamo capture s", field("_dynamo_capture", num, 1)),
+            Col("AOTAutograd + Inductor s", field("_aot_inductor", num, 1)),
+            Col("W8A16 autotuning s", field("_w8a16_autotune", num, 1)), Col("later steps ms", field("step_ms", ms))]
+    what = ("The first step of a fresh process, Qwen2.5-7B shape, sequence 2048, checkpointing on, int8; "
+            "two processes one after the other on the same machine")
+    return f"{caption(*names, what=what)}\n\n{table(rows, cols)}\n"
+
+
+PEER_FILES = ["peer_offload_flux.json", "peer_musubi_flux_h100.jsonl", "peer_musubi_flux_h200.jsonl"]
+
+
+def musubi_rows(name: str) -> list[dict]:
+    """peer_musubi_flux_*.jsonl: {label: {ms: [...], peak_gib, ...}} as rows (step_ms: the median)."""
+    rows = []
+    for key, r in load(name).items():
+        if not isinstance(r, dict) or "ms" not in r:
+            continue
+        times = sorted(r["ms"])
+        row = dict(r, step_ms=times[len(times) // 2], rss_gb=r.get("rss_gb"), pinned_gb=r.get("torch_pinned_gb"))
+        if key.startswith("resident"):
+            row.update(mode="resident (eager), LoRA as hooks", baseline="eager")
+        else:
+            swaps = re.search(r"swap(\d+)", key)
+            split = r.get("double_single_swapped") or ["?", "?"]
+            row["mode"] = (f"musubi-tuner's block swap, {swaps.group(1) if swaps else '?'} blocks swapped "
+                           f"({split[0]} double + {split[1]} single streaming, ring of {load(name)['env'].get('ring')})")
+        rows.append(row)
+    return rows
+
+
+def peer_label(row: dict) -> str:
+    if row["_file"].startswith("budget_sweep"):
+        return sweep_label(row) if baseline_kind(row) else "stagehand int8, " + sweep_label(row)
+    return mode_words(row)
+
+
+def peer_rows(with_models: bool = True) -> list[dict]:
+    """Every Flux training set-up measured beside its own resident model, each row with its file and label."""
+    rows = []
+    if with_models:
+        rows += [dict(r, _file="models_flux.json") for r in load("models_flux.json")["rows"]]
+        rows += [dict(r, _file="budget_sweep_flux.json") for r in sweep_picks(load("budget_sweep_flux.json"))]
+    rows += [dict(r, _file="peer_offload_flux.json", pinned_gb=r.get("torch_pinned_gb"))
+             for r in load("peer_offload_flux.json")["rows"]]
+    for n in PEER_FILES[1:]:
+        rows += [dict(r, _file=n) for r in musubi_rows(n)]
+    return [dict(r, _label=peer_label(r)) for r in rows]
+
+
+def gpu_of(name: str) -> str:
+    env = env_of(load(name))
+    return (env.get("device") or env.get("gpu") or "").replace("NVIDIA ", "").replace(" HBM3", "")
+
+
+def peers_table(headline: bool = False) -> str:
+    rows = peer_rows()
+    group = lambda r: r["_file"]  # noqa: E731
+    bases = baselines(rows, group)
+    if headline:  # stagehand's sweep rows, and each peer measured on the sweep's GPU (without its resident row)
+        gpu = gpu_of("budget_sweep_flux.json")
+        rows = [r for r in rows if r["_file"] != "models_flux.json" and gpu_of(r["_file"]) == gpu
+                and not (baseline_kind(r) and r["_file"] != "budget_sweep_flux.json")]
+    cols = [Col("tool, setting", lambda r: r["_label"]), Col("GPU", lambda r: gpu_of(r["_file"])),
+            Col("step ms", field("step_ms", ms)), *ratio_cols(bases, group), Col("peak GiB", field("peak_gib")),
+            Col("peak reserved GiB", field("peak_reserved_gib")), Col("note", note),
+            Col("file", lambda r: f"`{r['_file']}`")]
+    files = list(dict.fromkeys(r["_file"] for r in rows))
+    what = ("Flux-dev 12B, 4096 image + 512 text tokens, LoRA r=16 on the attention projections, AdamW, the "
+            "model's gradient checkpointing on; each ratio is to the resident model of the same file (run)")
+    return f"{caption(*files, what=what)}\n\n{table(rows, [c for c in cols if not (headline and c.header == 'GPU')])}\n"
+
+
+def host_memory_of_peers() -> str:
+    rows = [r for r in peer_rows(with_models=False) if r.get("rss_gb") is not None]
+    for r in load("host_memory_flux.json")["runs"]:
+        rows.append(dict(r, _file="host_memory_flux.json", rss_gb=r.get("rss_train_gb"),
+                         _label=f"stagehand {r['run'].split('@')[0].split(':')[0]}, `keep_full=\"{r['keep_full']}\"`"
+                              + (f", inside a {r['cgroup_gb']:g} GB cgroup" if r.get("cgroup_gb") else "")))
+    cols = [Col("tool, setting", lambda r: r["_label"]), Col("host RSS GB", field("rss_gb")),
+            Col("page-locked GB", field("pinned_gb")), Col("GPU peak GiB", field("peak_gib")),
+            Col("file", lambda r: f"`{r['_file']}`")]
+    files = list(dict.fromkeys(r["_file"] for r in rows))
+    what = ("Host memory of the same Flux set-ups: RSS after the measured steps, and the page-locked bytes (for "
+            "the peers, what PyTorch's pinned pool holds; for stagehand, its host store locked in place)")
+    return f"{caption(*files, what=what)}\n\n{table(rows, cols)}\n"
+
+
+def diffusers_reset() -> str:
+    """The line diffusers logs when it is asked for num_blocks_per_group > 1 with streams."""
+    lines = [l.strip() for l in (RESULTS / "peer_offload_flux.log").read_text().splitlines() if "Setting it to" in l]
+    if not lines:
+        return f"`{REL}/peer_offload_flux.log` records no reset of `num_blocks_per_group`.\n"
+    quote = re.sub(r"^.*?(Using streams)", r"\1", lines[0])
+    return f"> {quote}\n\n(`{REL}/peer_offload_flux.log`)\n"
+
+
+# ---- streaming, fp8, kernels ---------------------------------------------------------------------------------------
+
+
+def streaming_table() -> str:
+    data = load("streaming.json")
+    rows = data["rows"]
+    group = lambda r: r.get("tokens")  # noqa: E731
+    bases = baselines(rows, group)
+    cols = [Col("tokens", field("tokens")), Col("mode", lambda r: r.get("mode", "")),
+            Col("step ms", field("step_ms", ms)), Col("host issue ms", field("host_ms", ms)),
+            *ratio_cols(bases, group), Col("H2D GB / step", lambda r: num(r["h2d_gb_step"]) if r.get("h2d_gb_step") else ""),
+            Col("H2D floor ms", lambda r: ms(r["floor_ms"]) if r.get("floor_ms") else ""),
+            Col("x floor", lambda r: num(r["step_ms"] / r["floor_ms"]) if r.get("floor_ms") else ""),
+            Col("peak GiB", field("peak_gib")), Col("peak reserved GiB", field("peak_reserved_gib")),
+            Col("first step s", field("first_step_s", num, 1)),
+            Col("sync fetches / step", lambda r: num(r.get("sync_fetches"), 0) if baseline_kind(r) is None else "")]
+    what = (f"`dit-48x3072` training step (forward + backward, base frozen, batch 1), 48 blocks of "
+            f"{data.get('block_mib', 0):g} MiB of bf16 Linear weights; pinned H2D measured "
+            f"{data.get('pinned_h2d_gbps', 0):.1f} GB/s")
+    return f"{caption('streaming.json', what=what)}\n\n{table(rows, cols)}\n"
+
+
+def fp8_workload() -> str:
+    data = load("fp8_workload_a.json")
+    rows = data["rows"]
+    group = lambda r: None  # noqa: E731
+    bases = baselines(rows, group)
+    cols = [Col("mode", lambda r: r.get("mode", "")), Col("step ms", field("step_ms", ms)),
+            Col("host issue ms", field("host_ms", ms)), *ratio_cols(bases, group, "resident bf16"),
+            Col("peak GiB", field("peak_gib")), Col("peak reserved GiB", field("peak_reserved_gib")),
+            Col("first step s", field("first_step_s", num, 1)),
+            Col("resident / streamed blocks", lambda r: f"{r['resident']} / {r['streamed']}" if "resident" in r else ""),
+            Col("note", note)]
+    shape = data.get("shape", {})
+    what = (f"Workload A: {shape.get('blocks')} Flux single-stream blocks of 3072 at {shape.get('tokens_per_block')} "
+            f"tokens ({data.get('params_b')}B parameters), LoRA r=16, AdamW")
+    return f"{caption('fp8_workload_a.json', what=what)}\n\n{table(rows, cols)}\n"
+
+
+def fp8_policy() -> str:
+    data = load("fp8_workload_a.json")
+    rows = (data.get("fp8_policy") or {}).get("rows", [])
+    cols = [Col("Linear (out x in)", lambda r: f"{r['out_features']}x{r['in_features']}"), Col("tokens", field("tokens")),
+            Col("bf16 ms", field("bf16_ms", num, 3)), Col("fp8 ms", field("fp8_ms", num, 3)),
+            Col("fp8 speed-up", field("speedup"))]
+    what = ("The FP8 policy file of the same run (forward + grad-input per Linear shape of the block; "
+            f"written to `{REL}/fp8_policy_workload_a.json`)")
+    return f"{caption('fp8_workload_a.json', what=what)}\n\n{table(rows, cols)}\n"
+
+
+def fp8_parts() -> str:
+    data = load("fp8_parts_h100.json")
+    shapes = list(dict.fromkeys(r["shape"] for r in data["rows"]))
+    pieces = list(dict.fromkeys(r["piece"] for r in data["rows"]))
+    by = {(r["shape"], r["piece"]): r for r in data["rows"]}
+
+    def cell(piece, shape, key, digits):
+        r = by.get((shape, piece)) or {}
+        return "error" if r.get("error") else num(r.get(key), digits)
+
+    rows = [{"piece": p} for p in pieces]
+    cols = [Col("piece", lambda r: r["piece"])]
+    for s in shapes:
+        cols.append(Col(f"{s} GPU ms", lambda r, s=s: cell(r["piece"], s, "gpu_ms", 4)))
+        cols.append(Col(f"{s} host us", lambda r, s=s: cell(r["piece"], s, "host_us", 1)))
+    what = (f"The pieces of an FP8 Linear at {data.get('tokens')} tokens, one at a time: GPU time (CUDA graph) and "
+            "the host's time to issue it")
+    return f"{caption('fp8_parts_h100.json', what=what)}\n\n{table(rows, cols)}\n"
+
+
+def chosen_words(row: dict) -> str:
+    chosen = row.get("chosen", "")
+    if "mode='dequant'" in chosen:
+        return "dequantize + cuBLAS"
+    split = re.search(r"split=(\d+)", chosen)
+    return "fused" + (f" split-K {split.group(1)}" if split and split.group(1) != "1" else "")
+
+
+def kernels_table() -> str:
+    data = load("kernels.json")
+    rows = sorted(data["rows"], key=lambda r: (r["kind"] != "fwd", r["M"]))
+
+    def target(r):
+        if r.get("target") is None:
+            return ""
+        return f"{num(r['target'])} {'met' if r['ratio'] >= r['target'] else 'missed'}"
+
+    cols = [Col("op", lambda r: {"fwd": "forward", "bwd": "grad-input"}.get(r["kind"], r["kind"])),
+            Col("M", field("M")), Col("K x N", lambda r: f"{r['K']}x{r['N']}"),
+            Col("cuBLAS bf16 us", field("cublas_us", num, 1)), Col("ours us", field("ours_us", num, 1)),
+            Col("cuBLAS / ours", field("ratio")), Col("target", target),
+            Col("torchao int8 weight-only us", field("torchao_int8wo_us", num, 1)),
+            Col("`torch._weight_int8pack_mm` us", field("torch_int8pack_mm_us", num, 0)),
+            Col("what runs", chosen_words), Col("ours GB/s", field("ours_GBps", num, 0)),
+            Col("ours TFLOP/s", field("ours_TFLOPs", num, 0))]
+    what = ("W8A16 forward and grad-input against cuBLAS bf16: GPU time from CUDA-graph replays over rotating weight "
+            f"copies (more than twice L2, so weights arrive cold); device copy bandwidth {data.get('copy_GBps', 0):.0f} GB/s")
+    return f"{caption('kernels.json', what=what)}\n\n{table(rows, cols)}\n"
+
+
+def weight_layout() -> str:
+    data = load("kernels_smem_weight_experiment.json")
+    cols = [Col("op", lambda r: {"fwd": "forward", "bwd": "grad-input"}.get(r["kind"], r["kind"])),
+            Col("M", field("M")), Col("K x N", lambda r: f"{r['K']}x{r['N']}"),
+            Col("cuBLAS bf16 us", field("cublas_us", num, 1)),
+            Col("int8 weight as the register operand us", field("register_weight_us", num, 1)),
+            Col("int8 weight through shared memory us", field("smem_weight_us", num, 1))]
+    return (f"{caption('kernels_smem_weight_experiment.json', what='The two layouts of the fused kernel')}\n\n"
+            f"{table(data['rows'], cols)}\n")
+
+
+def host_overhead() -> str:
+    data = load("host_overhead.json")
+    shape = data.get("shape", {})
+    cols = [Col("call", lambda r: f"`{r['op']}`"), Col("host us per call", field("host_us_per_call", num, 1)),
+            Col("x cuBLAS forward", field("vs_cuBLAS"))]
+    what = (f"Host time to issue one call at M={shape.get('m')}, K={shape.get('k')}, N={shape.get('n')} "
+            "(the replayed launch, the full launch path, and the `stagehand` op around it)")
+    return f"{caption('host_overhead.json', what=what)}\n\n{table(data['rows'], cols)}\n"
+
+
+def int8_accuracy() -> str:
+    data = load("int8_accuracy.json")
+    summary = data["summary"]
+    rows = [dict(summary[q], quantizer=q) for q in ("absmax", "mse") if q in summary]
+    cols = [Col("quantizer", lambda r: f"`{r['quantizer']}`"), Col("mean cosine per layer", field("mean", num, 7)),
+            Col("min cosine per layer", field("min", num, 7)), Col("weight MSE", lambda r: f"{r['wmse']:.3g}" if r.get("wmse") is not None else ""),
+            Col("model embedding cosine, mean", lambda r: num((r.get("model_embedding") or {}).get("mean"), 7))]
+    what = (f"INT8 against bf16 outputs per Linear on real pretrained weights, {data.get('model')}, "
+            f"{data.get('sentences')} sentences")
+    return f"{caption('int8_accuracy.json', what=what)}\n\n{table(rows, cols)}\n"
+
+
+def slab_build() -> str:
+    data = load("slab_build.json")
+    res, ck, host = data["result"], data["checkpoint"], data.get("host", {})
+    rows = [{"checkpoint": f"{ck['checkpoint_bytes'] / 1e9:.2f} GB in {ck['shards']} shards",
+             "slab": f"{res['slab_bytes'] / 1e9:.2f} GB, {res['layers']} layers",
+             "delta": res["delta_mb"], "target": res["target_mb"], "seconds": res["build_seconds"]}]
+    cols = [Col("checkpoint", lambda r: r["checkpoint"]), Col("slab", lambda r: r["slab"]),
+            Col("peak RSS above the interpreter MB", field("delta", num, 0)),
+            Col("target MB", field("target", num, 0)), Col("build s", field("seconds", num, 0))]
+    where = f"CPU ({host.get('cpus', '?')} cores), python {host.get('python', '?')}, torch not recorded"
+    return (f"`build_slab_from_checkpoint(blocks_only=True)` on a synthetic sharded bf16 checkpoint, quantizer "
+            f"`{data.get('quantizer')}`. Source: `{REL}/slab_build.json`: {where}, commit not recorded.\n\n"
+            f"{table(rows, cols)}\n")
+
+
+# ---- convergence, host memory --------------------------------------------------------------------------------------
+
+RUN_WORDS = {
+    "bf16": "all bf16",
+    "int8": "all int8",
+    "dynamic": "dynamic, `precision=\"auto\"`",
+    "dynamic_from_int8": "dynamic, starting map int8",
+    "dynamic_fp8": "dynamic + fp8 allowed, `precision=\"auto\"`",
+}
+
+
+def convergence(name: str) -> str:
+    data = load(name)
+    cols = [Col("run", lambda r: RUN_WORDS.get(r["run"], r["run"])), Col("eval loss", field("eval_loss", num, 4)),
+            Col("vs bf16", field("eval_vs_bf16_pct", pct, 2)), Col("train loss, last steps", field("final_loss", num, 4)),
+            Col("weight MB / step", field("h2d_mb_per_step", num, 1)), Col("vs bf16 ", field("bytes_vs_bf16_pct", pct, 1)),
+            Col("blocks bf16 / int8 / fp8 at the end",
+                lambda r: f"{r.get('bf16_blocks')} / {r.get('int8_blocks')} / {r.get('fp8_blocks')}"),
+            Col("switches", field("switches")), Col("step ms", field("step_ms", ms))]
+    s = data.get("shape", {})
+    what = (f"{data.get('steps')} LoRA steps on real text after {data.get('pretrain_steps')} steps of pretraining a "
+            f"{s.get('layers')}-block Llama (hidden {s.get('hidden')}, sequence {s.get('seq')}, batch {s.get('batch')}), "
+            "same seed and data order")
+    overrides = data.get("sp_overrides") or {}
+    if overrides:
+        what += "; selective precision " + ", ".join(f"`{k}={v!r}`" for k, v in overrides.items())
+    policy = data.get("fp8_policy")
+    if policy:
+        what += f"; FP8 policy file measured on the same GPU with {len(policy.get('rules', []))} rules"
+    return f"{caption(name, what=what)}\n\n{table(data['rows'], cols)}\n"
+
+
+def host_memory() -> str:
+    names = ["host_memory_flux.json", "host_memory_qwen.json"]
+    rows = []
+    for n in names:
+        data = load(n)
+        rows += [dict(r, _model={"flux": "Flux 12B", "qwen": "Qwen 7B"}.get(data["model"], data["model"]))
+                 for r in data["runs"]]
+
+    def precision(r):
+        return r["run"].split("@")[0].split(":")[0]
+
+    cols = [Col("model", lambda r: r["_model"]), Col("precision", precision),
+            Col("`keep_full`", lambda r: f"`\"{r['keep_full']}\"`"),
+            Col("cgroup `memory.max` GB", lambda r: num(r.get("cgroup_gb"), 0) if r.get("cgroup_gb") else "none"),
+            Col("page-locked GB (x streamed)", lambda r: f"{r['pinned_gb']:.2f} ({r['locked_vs_streamed']:.2f}x)"),
+            Col("pinned per tensor, power-of-two rounded GB", field("old_pinned_gb")),
+            Col("peak RSS loading / after GB", lambda r: f"{r['peak_rss_offload_gb']:.2f} / {r['rss_after_offload_gb']:.2f}"),
+            Col("RSS training GB", field("rss_train_gb")),
+            Col("cgroup `memory.peak` GB", field("memory_peak_gb")), Col("OOM kills", field("oom_kills")),
+            Col("offload s", field("offload_s", num, 1)), Col("step ms", field("step_ms", ms)),
+            Col("step ms, every master page-locked too", field("step_ms_all_pinned", ms))]
+    what = ("The model saved with `save_pretrained`, built on the meta device and loaded with "
+            "`offload(model, checkpoint=folder)`; each run a fresh process")
+    return f"{caption(*names, what=what)}\n\n{table(rows, cols)}\n"
+
+
+def disk_tier() -> str:
+    data = load("host_memory_disk_tier_h100.json")
+    cols = [Col("blocks", field("blocks")), Col("INT8 GB", field("int8_gb")),
+            Col("page cache dropped", field("evicted")), Col("step ms, INT8 in RAM", field("step_ms_ram", ms)),
+            Col("step ms, INT8 read from the slab", field("step_ms_disk", ms)), Col("x", field("ratio", num, 1)),
+            Col("disk read GB/s", field("read_gbps"))]
+    what = "`Config(int8_tier=\"disk\")`: Flux-single-shaped blocks read from the slab file at each fetch"
+    return f"{caption('host_memory_disk_tier_h100.json', what=what)}\n\n{table(data['runs'], cols)}\n"
+
+
+def gpu_test_logs() -> str:
+    """Each GPU test log: the device and versions it records, and every pytest summary line in it as written, under
+    the comment that names its run."""
+    rows = []
+    for path in sorted(RESULTS.glob("*tests*.log")):
+        lines = path.read_text(errors="replace").splitlines()
+        header, summary, run = [], [], ""
+        if any(l.startswith("# summary of this run:") for l in lines):  # benches/device_run.sh: one run per log
+            header = [l.lstrip("#! ").strip() for l in lines if re.match(r"# (!!! )?stage ", l)]
+            summary = [l[2:].strip() for l in lines if l.startswith(("# summary of this run:", "# pytest exit"))]
+        else:  # an older log: its own comments name the device and each run
+            for line in lines:
+                if line.startswith(("# device", "# torch")):
+                    header.append(line[2:].strip())
+                elif re.match(r"# (run|kernel tests)", line):
+                    run = line[2:].split(": ", 1)[0].strip().rstrip(":")
+                elif re.search(r"\b\d+ (passed|failed|error)", line) and re.search(r" in \d+(\.\d+)?s", line):
+                    summary.append((f"{run}: " if run else "") + line.strip("= ").strip())
+        rows.append({"log": f"`{REL}/{path.name}`", "header": "; ".join(header) or "not recorded",
+                     "summary": "<br>".join(summary) or "no pytest summary line"})
+    cols = [Col("log", lambda r: r["log"]), Col("device and versions it records", lambda r: r["header"]),
+            Col("pytest summary lines, as written (after the run the log names)", lambda r: r["summary"])]
+    return ("Every GPU test log under `benches/results/`, quoted: a log with several summary lines holds several "
+            f"pytest runs, each counted on its own.\n\n{table(rows, cols)}\n")
+
+
+# ---- figures from the code: the quick start's offload report, the demo's shapes ------------------------------------
+
+
+def offload_report() -> str:
+    """What the quick start prints when it offloads and runs its first training step, on the CPU."""
+    import torch
+
+    source = (ROOT / "examples" / "quickstart.py").read_text()
+    head = source.split("\nfor step in", 1)[0]
+    if "torch.cuda.is_available()" not in head or "rt = stagehand.offload(" not in head:
+        raise RuntimeError("offload_report: examples/quickstart.py no longer reads as this figure expects")
+    head = head.replace("torch.cuda.is_available()", "False")  # the CPU, on any machine
+    out = io.StringIO()
+    scope: dict = {}
+    with warnings.catch_warnings(), contextlib.redirect_stderr(out):
+        warnings.simplefilter("ignore")
+        torch._dynamo.reset()
+        try:
+            exec(compile(head, "examples/quickstart.py", "exec"), scope)
+            loss = scope["compiled"](**scope["batch"]).loss
+            loss.backward()
+            scope["optimizer"].step()
+        finally:
+            if "rt" in scope:
+                scope["rt"].restore()
+            torch._dynamo.reset()
+    lines = [l for l in out.getvalue().splitlines() if l.startswith(("stagehand", "  "))]
+    return "```\n" + "\n".join(lines) + "\n```\n"
+
+
+def normalise_seconds(text: str) -> str:
+    return SECONDS.sub("N s", text)
+
+
+def demo_shapes() -> str:
+    from torch_stagehand.app.demo import CPU_SHAPE, GPU_SHAPE
+
+    shapes = {"CPU (the default without a GPU)": CPU_SHAPE, "GPU": GPU_SHAPE}
+    rows = [{"what": "model"}, {"what": "batch x sequence, steps"}, {"what": "inner compiler"}]
+    cols = [Col("", lambda r: r["what"])]
+    for label, s in shapes.items():
+        cells = {"model": f"{s.layers} blocks, hidden {s.hidden}, {s.dtype}",
+                 "batch x sequence, steps": f"{s.batch} x {s.seq}, {s.steps}", "inner compiler": s.inner}
+        cols.append(Col(label, lambda r, c=cells: c[r["what"]]))
+    return table(rows, cols) + "\n"
+
+
+# ---- the registry --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Figure:
+    make: Callable[[], str]
+    sources: tuple[str, ...]
+    normalise: Callable[[str], str] = lambda text: text
+
+
+FIGURES: dict[str, Figure] = {
+    "sweep_flux": Figure(lambda: sweep("budget_sweep_flux.json"), ("budget_sweep_flux.json",)),
+    "sweep_qwen": Figure(lambda: sweep("budget_sweep_qwen.json"), ("budget_sweep_qwen.json",)),
+    "headline": Figure(lambda: peers_table(headline=True), ("budget_sweep_flux.json", *PEER_FILES)),
+    "headline_qwen": Figure(headline_qwen, ("budget_sweep_qwen.json",)),
+    "models": Figure(models_table, ("models_flux.json", "models_qwen.json")),
+    "first_step": Figure(first_step_table, ("models_qwen_firststep_run1.json", "models_qwen_firststep_run2.json")),
+    "peers_flux": Figure(peers_table, ("models_flux.json", "budget_sweep_flux.json", *PEER_FILES)),
+    "peers_host_memory": Figure(host_memory_of_peers, (*PEER_FILES, "host_memory_flux.json")),
+    "diffusers_reset": Figure(diffusers_reset, ("peer_offload_flux.log",)),
+    "streaming": Figure(streaming_table, ("streaming.json",)),
+    "fp8_workload": Figure(fp8_workload, ("fp8_workload_a.json",)),
+    "fp8_policy": Figure(fp8_policy, ("fp8_workload_a.json",)),
+    "fp8_parts": Figure(fp8_parts, ("fp8_parts_h100.json",)),
+    "kernels": Figure(kernels_table, ("kernels.json",)),
+    "weight_layout": Figure(weight_layout, ("kernels_smem_weight_experiment.json",)),
+    "host_overhead": Figure(host_overhead, ("host_overhead.json",)),
+    "int8_accuracy": Figure(int8_accuracy, ("int8_accuracy.json",)),
+    "slab_build": Figure(slab_build, ("slab_build.json",)),
+    "convergence": Figure(lambda: convergence("convergence_h100.json"), ("convergence_h100.json",)),
+    "convergence_from_int8": Figure(lambda: convergence("convergence_from_int8_h100.json"),
+                                    ("convergence_from_int8_h100.json",)),
+    "convergence_ambiguous_int8": Figure(lambda: convergence("convergence_ambiguous_int8_h100.json"),
+                                         ("convergence_ambiguous_int8_h100.json",)),
+    "host_memory": Figure(host_memory, ("host_memory_flux.json", "host_memory_qwen.json")),
+    "disk_tier": Figure(disk_tier, ("host_memory_disk_tier_h100.json",)),
+    "gpu_test_logs": Figure(gpu_test_logs, ("*tests*.log",)),
+    "offload_report": Figure(offload_report, ("examples/quickstart.py (run on the CPU)",), normalise_seconds),
+    "demo_shapes": Figure(demo_shapes, ("stagehand/app/demo.py",)),
+}
+
+
+# ---- documents: find, check, write ---------------------------------------------------------------------------------
+
+
+def documents(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+@dataclass
+class Problem:
+    doc: str
+    block: str  # the figure's name, or "" for a cited path
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.doc}: " + (f"block figures:{self.block}: " if self.block else "") + self.what
+
+
+class Renderer:
+    """Each figure made once per run of the check (a document may quote one figure twice)."""
+
+    def __init__(self):
+        self.made: dict[str, str] = {}
+
+    def __call__(self, name: str) -> str:
+        if name not in self.made:
+            self.made[name] = FIGURES[name].make()
+        return self.made[name]
+
+
+def _structure_problems(doc: str, text: str) -> list[Problem]:
+    problems, open_name = [], None
+    for m in OPENER.finditer(text):
+        closing, name = m.group(1) == "/", m.group(2)
+        if not closing and open_name is None:
+            open_name = name
+        elif closing and name == open_name:
+            open_name = None
+        else:
+            what = f"closes figures:{name} while figures:{open_name} is open" if closing and open_name else \
+                f"closes figures:{name}, which is not open" if closing else f"opens inside figures:{open_name}"
+            problems.append(Problem(doc, name, what))
+    if open_name is not None:
+        problems.append(Problem(doc, open_name, "is never closed (<!-- /figures:NAME -->)"))
+    return problems
+
+
+def check_text(doc: str, text: str, render: Renderer, root: Path = ROOT) -> list[Problem]:
+    """What is wrong in one document: blocks that differ from their files, bad blocks, cited files missing."""
+    problems = _structure_problems(doc, text)
+    for m in BLOCK.finditer(text):
+        name, body = m.group("name"), m.group("body")
+        if name not in FIGURES:
+            problems.append(Problem(doc, name, f"no such figure (known: {', '.join(FIGURES)})"))
+            continue
+        try:
+            want = render(name)
+        except Exception as e:  # noqa: BLE001 - a file that is gone or changed shape: say which block needs it
+            problems.append(Problem(doc, name, f"cannot be made from {', '.join(FIGURES[name].sources)}: "
+                                               f"{type(e).__name__}: {e}"))
+            continue
+        norm = FIGURES[name].normalise
+        if norm(body) != norm(want):
+            problems.append(Problem(doc, name, "differs from what its files give now: " + first_difference(body, want)
+                                    + " (python benches/figures.py --write)"))
+    for path in sorted(set(CITED.findall(text))):
+        path = path.rstrip(".")
+        if "*" in path or "<" in path:
+            continue  # a pattern, not a file
+        if not (root / path).exists():
+            problems.append(Problem(doc, "", f"cites {path}, which does not exist"))
+    return problems
+
+
+def first_difference(have: str, want: str) -> str:
+    a, b = have.splitlines(), want.splitlines()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"line {i + 1} of the block reads {x[:160]!r}, its files give {y[:160]!r}"
+    return f"the block has {len(a)} lines, its files give {len(b)}"
+
+
+def check(docs: list[Path] | None = None, root: Path = ROOT, render: Renderer | None = None) -> list[Problem]:
+    render = render or Renderer()
+    problems = []
+    for path in docs or documents(root):
+        doc = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+        problems += check_text(doc, path.read_text(), render, root)
+    return problems
+
+
+def write(docs: list[Path] | None = None, root: Path = ROOT, render: Renderer | None = None) -> list[str]:
+    """Regenerate every block; returns "doc: name" for each block that changed."""
+    render = render or Renderer()
+    changed = []
+    for path in docs or documents(root):
+        text = path.read_text()
+
+        def fill(m):
+            name = m.group("name")
+            if name not in FIGURES:
+                return m.group(0)
+            want = render(name)
+            if FIGURES[name].normalise(m.group("body")) == FIGURES[name].normalise(want):
+                return m.group(0)  # the same figures (times aside): leave the block as it is
+            changed.append(f"{path.relative_to(root)}: {name}")
+            return f"<!-- figures:{name} -->\n{want}<!-- /figures:{name} -->"
+
+        new = BLOCK.sub(fill, text)
+        if new != text:
+            path.write_text(new)
+    return changed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="(default) exit 1 when a block or a cited path is wrong")
+    mode.add_argument("--write", action="store_true", help="regenerate every block in README.md and docs/")
+    mode.add_argument("--list", action="store_true", help="each figure and the files it reads")
+    mode.add_argument("--show", metavar="NAME", help="print one figure")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, fig in FIGURES.items():
+            print(f"{name:28s} {', '.join(fig.sources)}")
+        return 0
+    if args.show:
+        if args.show not in FIGURES:
+            parser.error(f"no figure {args.show!r} (known: {', '.join(FIGURES)})")
+        print(FIGURES[args.show].make(), end="")
+        return 0
+    render = Renderer()
+    if args.write:
+        changed = write(render=render)
+        print("\n".join(f"wrote {c}" for c in changed) or "every block is up to date")
+    problems = check(render=render)
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"{len(problems)} problem(s); `python benches/figures.py --write` regenerates the blocks", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
