@@ -292,17 +292,38 @@ def time_limit(seconds: float, what: str):
         signal.signal(signal.SIGALRM, previous)
 
 
+def _compile_blocks(model) -> list:
+    """Regional compilation (diffusers' `compile_repeated_blocks`, accelerate's regional compile): every
+    repeated block compiled in place with torch.compile's defaults, one program per block structure. The
+    blocks; `_uncompile` puts them back."""
+    from torch_stagehand.runtime.blocks import find_blocks
+
+    blocks = [model.get_submodule(fqn) for fqn in find_blocks(model)]
+    for block in blocks:
+        block.compile()
+    return blocks
+
+
+def _uncompile(blocks: list) -> None:
+    for block in blocks:
+        block._compiled_call_impl = None
+
+
 def resident_row(compiler: str, model, step_of, run, label: str | None = None, limit_s: float = 0,
-                 also=None) -> dict:
+                 also=None, regional: bool = False) -> dict:
     """One baseline row: `run(label, step)` on `step_of(model)` ("eager") or on `step_of(torch.compile(model))`
-    ("inductor": the default backend with its default options, the same step function). The inductor row's
-    first step is its compile: `compile_s` is that step less a measured one. `limit_s` bounds the row;
-    `also(label, step)` runs after a measured row, while the compiled program is still there (profiles)."""
+    ("inductor": the default backend with its default options, the same step function; `regional`: each
+    repeated block compiled instead of the whole model, for a model whose whole-graph compile takes minutes).
+    The inductor row's first step is its compile: `compile_s` is that step less a measured one. `limit_s`
+    bounds the row; `also(label, step)` runs after a measured row, while the compiled program is there."""
     label = label or resident_label(compiler)
-    fn = model
+    fn, compiled_blocks = model, []
     if compiler == "inductor":
         torch._dynamo.reset()
-        fn = torch.compile(model)
+        if regional:
+            compiled_blocks = _compile_blocks(model)
+        else:
+            fn = torch.compile(model)
     try:
         with time_limit(limit_s if compiler == "inductor" else 0, label):
             row = run(label, step_of(fn))
@@ -318,9 +339,12 @@ def resident_row(compiler: str, model, step_of, run, label: str | None = None, l
     finally:
         if compiler == "inductor":
             del fn
+            _uncompile(compiled_blocks)
             torch._dynamo.reset()
         gc.collect()
     row["baseline"] = compiler
+    if regional and compiler == "inductor":
+        row["compiled"] = "regional: each repeated block (torch.compile defaults)"
     if compiler == "inductor" and row.get("first_step_s") is not None and row.get("step_ms"):
         row["compile_s"] = round(row["first_step_s"] - row["step_ms"] / 1e3, 1)
         print(f"  {label}: first step {row['first_step_s']} s, of which compiling ~{row['compile_s']} s", flush=True)

@@ -243,8 +243,10 @@ def run(args) -> dict:
         for compiler in ("eager", "inductor"):
             if compiler not in args.baselines or (compiler == "inductor" and on != ckpt and not args.ckpt_inductor):
                 continue
-            row = resident_row(compiler, model, step_of, measured, resident_label(compiler, what),
-                               args.inductor_limit_s, also=profile_resident)
+            label = resident_label(compiler, what) if compiler == "eager" or not args.inductor_regional else \
+                f"{what} (inductor, regional)"
+            row = resident_row(compiler, model, step_of, measured, label, args.inductor_limit_s, also=profile_resident,
+                               regional=args.inductor_regional)
             baselines[on][compiler] = row
             rows.append(dict(row, ckpt=on))
             gc.collect()
@@ -379,6 +381,9 @@ def main(argv=None) -> int:
     parser.add_argument("--baselines", nargs="+", choices=["eager", "inductor"], default=["eager", "inductor"],
                         help="the resident baselines to measure: eager, and torch.compile with its default backend "
                              "(Inductor) and options; the ratio to inductor is the one that counts")
+    parser.add_argument("--inductor-regional", action="store_true",
+                        help="compile the resident baseline per repeated block (diffusers' compile_repeated_blocks) "
+                             "instead of as one graph: Flux's whole-graph compile takes ~6 minutes")
     parser.add_argument("--ckpt-inductor", action="store_true",
                         help="Qwen: also the checkpointed resident under Inductor (one more whole-model compile)")
     parser.add_argument("--inductor-limit-s", type=float, default=0,
