@@ -48,9 +48,18 @@ LR, WD = 1e-5, 0.01
 # ---- one row (runs in its own process) -------------------------------------------------------------
 
 def _build(args):
-    from models import build_flux, build_qwen
+    from models import build_flux, build_qwen, qwen_config, qwen_inputs
 
-    model, inputs, shape = (build_qwen if args.model == "qwen" else build_flux)(args.tiny, args.device)
+    if args.model == "qwen" and args.layers:  # Qwen2.5-7B's width, fewer layers: a host that DeepSpeed fits
+        from transformers import Qwen2ForCausalLM
+
+        config = qwen_config(args.tiny)
+        config.num_hidden_layers = args.layers
+        with torch.device(args.device):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        inputs, shape = qwen_inputs(config, args.tiny, args.device)
+    else:
+        model, inputs, shape = (build_qwen if args.model == "qwen" else build_flux)(args.tiny, args.device)
     model.requires_grad_(True)
     model.train()
     return model, inputs, shape
@@ -88,19 +97,6 @@ def _timed(label: str, step, steps: int, device: str) -> dict:
             "first_step_s": round(first_s, 1), "losses": [round(float(x), 4) for x in losses], **_peaks(device)}
 
 
-def _pinned_gbps(direction: str, nbytes: int = 512 * 2**20, reps: int = 8) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    src, dst = (host, dev) if direction == "h2d" else (dev, host)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return nbytes * reps / (time.perf_counter() - t0) / 1e9
-
-
 def row_stagehand(args) -> list[dict]:
     import torch_stagehand as stagehand
     from torch_stagehand.optim import HostAdamW
@@ -125,8 +121,10 @@ def row_stagehand(args) -> list[dict]:
         return loss.detach()
 
     streamed_bytes = sum(s.module.weight.numel() * s.module.weight.element_size() for s in rt.layers)
-    h2d = _pinned_gbps("h2d") if args.device == "cuda" else None
-    d2h = _pinned_gbps("d2h") if args.device == "cuda" else None
+    from models import pinned_h2d_gbps
+
+    h2d = pinned_h2d_gbps() if args.device == "cuda" else None
+    d2h = pinned_h2d_gbps(direction="d2h") if args.device == "cuda" else None
     rows = []
     for i, budget in enumerate(budgets):
         if i and args.device == "cuda":
@@ -218,6 +216,7 @@ def run_row(name: str, args) -> list[dict]:
     cmd = [sys.executable, os.path.abspath(__file__), "--row", name, "--part", part, "--model", args.model,
            "--device", args.device, "--steps", str(args.steps), "--budgets", *map(str, args.budgets)]
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--layers", str(args.layers)] if args.layers else []
     print(f"== {name}", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, timeout=args.row_timeout, text=True, capture_output=False)
@@ -236,6 +235,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--layers", type=int, default=0, help="Qwen: this many layers of Qwen2.5-7B's width")
     parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default="/tmp/stagehand-fullft")
@@ -262,8 +262,8 @@ def main() -> None:
             "limit_h2d_ms", "limit_d2h_ms", "limit_host_optimizer_ms", "x_slowest_limit", "error"]
     print_table([[r.get(c) for c in cols] for r in rows], headers=cols,
                 title=f"Full fine-tune, {args.model} ({'tiny' if args.tiny else 'full size'}), AdamW, every parameter")
-    write_json(args.out, {"env": info, "model": args.model, "tiny": args.tiny, "steps": args.steps, "lr": LR,
-                          "rows": rows})
+    write_json(args.out, {"env": info, "model": args.model, "tiny": args.tiny, "layers": args.layers or None,
+                          "steps": args.steps, "lr": LR, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -128,9 +128,11 @@ def loss_of(kind: str, out) -> torch.Tensor:
     return out[0].float().square().mean() if kind == "flux" else out.loss
 
 
-def pinned_h2d_gbps(nbytes: int = 512 * 2**20, reps: int = 8) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+def pinned_h2d_gbps(nbytes: int = 512 * 2**20, reps: int = 8, direction: str = "h2d") -> float:
+    """GB/s of copies between pinned host memory and the GPU, host-to-device (or "d2h")."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src, dst = (host, dev) if direction == "h2d" else (dev, host)
     dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
