@@ -219,7 +219,10 @@ def run_row(name: str, args) -> list[dict]:
     cmd += ["--layers", str(args.layers)] if args.layers else []
     print(f"== {name}", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, timeout=args.row_timeout, text=True, capture_output=False)
+    try:
+        proc = subprocess.run(cmd, timeout=args.row_timeout, text=True, capture_output=False)
+    except subprocess.TimeoutExpired:
+        return [{"mode": name, "error": f"did not finish in {args.row_timeout} s"}]
     if proc.returncode == 0 and os.path.exists(part):
         with open(part) as f:
             return json.load(f)
