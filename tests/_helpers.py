@@ -18,6 +18,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def assert_exact(actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
+    """Bitwise-equal values (shape and dtype too): for an fp32 path that runs the reference's own ops."""
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=msg)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """`rel_err(a, b) < tol`, where `tol == 0` asks for bitwise-equal values (a parametrised exact case)."""
+    if tol == 0:
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return rel_err(a, b) < tol
+
+
 def first_tensor(out):
     if isinstance(out, torch.Tensor):
         return out

@@ -94,9 +94,10 @@ def run_case(name, spec):
     err = (out.double() - ref.double()).norm().item() / denom if denom > 0 else (out.double().norm().item())
     # Elementwise: each output within one rounding of the fp32 result. One ulp, not half:
     # the interpreter rounds fp32 -> bf16 toward zero. The small absolute term covers
-    # summation-order differences where terms cancel.
+    # summation-order differences where terms cancel: measured up to 5.5e-9 of the largest
+    # output (CPU, torch 2.13, every case).
     rtol = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 1e-5}[dtype]
-    atol = 1e-5 * ref32.abs().max().item() if ref32.numel() else 0.0
+    atol = 1.5e-8 * ref32.abs().max().item() if ref32.numel() else 0.0
     excess = ((out.double() - ref32.double()).abs() - (rtol * ref32.double().abs() + atol)).max().item() if out.numel() else -1.0
     return dict(
         name=name, err=err, max_excess=excess, loose=bool(spec.get("loose")), finite=bool(torch.isfinite(out).all()), shape=list(out.shape),

@@ -12,7 +12,7 @@ import torch_stagehand as stagehand
 from torch_stagehand.compiler.context import BackendOptionsError
 from torch_stagehand.compiler.variants import variant_cache
 
-from _helpers import int8_reference, rel_err, toy
+from _helpers import assert_exact, close, int8_reference, rel_err, toy
 
 
 def _compile(model, inner="eager"):
@@ -39,9 +39,10 @@ def test_fp32_training_step_matches_plain_model(inner):
     ref = _train_step(ref_model, ref_model, x)
     rt = stagehand.offload(model, device="cpu")
     got = _train_step(_compile(model, inner), model, x)
-    tol = 1e-6 if inner == "eager" else 1e-5
-    assert rel_err(got[0], ref[0]) < tol and rel_err(got[1], ref[1]) < tol
-    assert got[2].keys() == ref[2].keys() and all(rel_err(got[2][k], ref[2][k]) < tol for k in ref[2])
+    # eager runs the plain model's own ops: measured 0; Inductor 3.0e-7 (CPU, torch 2.13, 3 seeds)
+    tol = 0 if inner == "eager" else 8e-7
+    assert close(got[0], ref[0], tol) and close(got[1], ref[1], tol)
+    assert got[2].keys() == ref[2].keys() and all(close(got[2][k], ref[2][k], tol) for k in ref[2])
     stats = rt.stats()
     assert stats["compiled_variants"] == 1  # four identical blocks share one compiled variant
     assert stats["sync_fetches"] == 0  # every wait found its block prefetched or still resident
@@ -53,17 +54,18 @@ def test_mixed_precision_and_switching_back_compiles_nothing():
     rt = stagehand.offload(model, device="cpu")
     compiled = _compile(model)
     with torch.no_grad():
-        assert rel_err(compiled(x), plain(x)) < 1e-6
+        assert_exact(compiled(x), plain(x))  # measured 0 (CPU, torch 2.13): the same F.linear on the same weights
         mixed = {0: "int8", 2: "int8"}
         rt.set_precision(mixed)
-        assert rel_err(compiled(x), int8_reference(plain, mixed)(x)) < 1e-5
+        # measured 2.2e-7 (CPU, torch 2.13, 3 seeds)
+        assert rel_err(compiled(x), int8_reference(plain, mixed)(x)) < 6e-7
         assert rt.stats()["compiled_variants"] == 2  # a bf16 and an int8 variant
         rt.set_precision("bf16")
         compiled(x)
         rt.set_precision(mixed)
         out = compiled(x)
     assert rt.stats()["compiled_variants"] == 2
-    assert rel_err(out, int8_reference(plain, mixed)(x)) < 1e-5
+    assert rel_err(out, int8_reference(plain, mixed)(x)) < 6e-7  # measured 2.2e-7 (CPU, torch 2.13, 3 seeds)
 
 
 def test_weights_are_never_saved_for_backward():
@@ -113,8 +115,9 @@ def test_compiled_autograd_runs_the_backward_schedule():
     compiled = _compile(model)
     with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
         got = _train_step(compiled, model, x)
-    assert rel_err(got[1], ref[1]) < 1e-6
-    assert all(rel_err(got[2][k], ref[2][k]) < 1e-6 for k in ref[2])
+    assert_exact(got[1], ref[1])  # measured 0 (CPU, torch 2.13, 3 seeds): eager inner, the plain model's ops
+    for k in ref[2]:
+        assert_exact(got[2][k], ref[2][k], msg=k)
     assert rt.stats()["sync_fetches"] == 0
 
 
@@ -131,7 +134,8 @@ def test_graph_break_inside_a_block_is_correct():
     assert report.graph_count >= 2 and report.graph_breaks
     got = _train_step(_compile(model), model, x)
     for a, b in ((got, ref), (eager, ref)):
-        assert rel_err(a[0], b[0]) < 1e-6 and rel_err(a[1], b[1]) < 1e-6
+        assert_exact(a[0], b[0])  # measured 0 (CPU, torch 2.13, 3 seeds): eager inner, the plain model's ops
+        assert_exact(a[1], b[1])
     parts = [s for s in report.segments if s["block"].startswith("1 ")]
     assert len(parts) == 2  # block 1 runs as two partial units, one per graph
     assert rt.stats()["sync_fetches"] == 0
@@ -147,7 +151,7 @@ def _variants_over_shapes(n: int, shapes) -> tuple[list[int], object]:
     with torch.no_grad():
         for batch, seq in shapes:
             xs = torch.randn(batch, seq, 32)
-            assert rel_err(compiled(xs), plain(xs)) < 1e-6, (batch, seq)
+            assert_exact(compiled(xs), plain(xs), msg=f"{(batch, seq)}")  # measured 0 (CPU, torch 2.13, 3 seeds)
             counts.append(rt.stats()["compiled_variants"])
     return counts, rt
 
@@ -181,13 +185,15 @@ def test_training_over_changing_lengths_is_correct_and_compiles_once_per_grad_mo
     ref_model = int8_reference(model, precision)
     rt = stagehand.offload(model, device="cpu", precision=precision)
     compiled = _compile(model, inner)
-    tol = 1e-5 if inner == "eager" else 1e-4
+    # bf16 (the fp32 weights as they are) under eager: the plain model's ops, measured 0; otherwise
+    # 3.6e-7 (CPU, torch 2.13, 3 seeds; int8 dequantizes in another order, Inductor fuses)
+    tol = 0 if (inner, precision) == ("eager", "bf16") else 1e-6
     compiles_after = []
     for batch, seq in ((2, 5), (3, 7), (4, 11), (2, 16)):
         xs = torch.randn(batch, seq, 32)
         got, ref = _train_step(compiled, model, xs), _train_step(ref_model, ref_model, xs)
-        assert rel_err(got[0], ref[0]) < tol and rel_err(got[1], ref[1]) < tol, (batch, seq)
-        assert got[2].keys() == ref[2].keys() and all(rel_err(got[2][k], ref[2][k]) < tol for k in ref[2])
+        assert close(got[0], ref[0], tol) and close(got[1], ref[1], tol), (batch, seq)
+        assert got[2].keys() == ref[2].keys() and all(close(got[2][k], ref[2][k], tol) for k in ref[2])
         compiles_after.append(rt.stats()["compiled_variants"])
     assert compiles_after[2] == compiles_after[3] == compiles_after[1]  # lengths 11 and 16 compile nothing
 
@@ -202,7 +208,7 @@ def test_static_shapes_compile_per_shape_and_say_so_once():
         compiled(torch.randn(2, 5, 32))
         with pytest.warns(UserWarning, match="second input shape with static shapes"):
             xs = torch.randn(2, 7, 32)
-            assert rel_err(compiled(xs), plain(xs)) < 1e-6
+            assert_exact(compiled(xs), plain(xs))  # measured 0 (CPU, torch 2.13, 3 seeds)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # said once
             compiled(torch.randn(2, 9, 32))
@@ -270,13 +276,13 @@ def test_dynamic_true_compiles_once_for_all_shapes_and_matches_the_plain_model()
     with torch.no_grad():
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # one shape: nothing to say
-            assert rel_err(compiled(x), ref(x)) < 1e-5
+            assert_exact(compiled(x), ref(x))  # measured 0 (CPU, torch 2.13, 3 seeds): the plain model's ops
         before = rt.stats()["compiled_variants"]
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # shape-generic variants: a new shape is nothing to warn about
             for shape in ((3, 7, 32), (4, 3, 32)):
                 x2 = torch.randn(*shape)
-                assert rel_err(compiled(x2), ref(x2)) < 1e-5
+                assert_exact(compiled(x2), ref(x2))  # measured 0
         assert rt.stats()["compiled_variants"] == before  # compiled once, for all sizes
         # Dynamo passes the norms' eps as tensor inputs here; a variant compiles the value in,
         # so a new value must reach a new variant, never an old constant.
@@ -285,4 +291,4 @@ def test_dynamic_true_compiles_once_for_all_shapes_and_matches_the_plain_model()
             for block in m.blocks:
                 block.norm.eps = 0.5
         assert rel_err(ref(x), small_eps) > 1e-3  # the new eps changes the numbers
-        assert rel_err(compiled(x), ref(x)) < 1e-5
+        assert_exact(compiled(x), ref(x))  # measured 0

@@ -18,7 +18,7 @@ from torch_stagehand.runtime.conductor.costs import BudgetError, CostModel
 from torch_stagehand.runtime.conductor import trace as tr
 from torch_stagehand.runtime.conductor.trace import recording
 
-from _helpers import block_bytes_by_precision, rel_err, toy
+from _helpers import block_bytes_by_precision, close, rel_err, toy
 
 N = 6
 
@@ -40,12 +40,16 @@ def _step(call, model, x):
     return out.detach(), grads, x.grad.clone()
 
 
-def _same(a, b):
+def _same(a, b, inner="eager"):
+    # Eagerly or with the eager inner compiler every plan runs the plain model's own ops: bitwise equal
+    # (measured 0). Inductor fuses and reorders: measured 3.8e-7 (out, dx) and 5.1e-7 (grads)
+    # (CPU, torch 2.13, 3 seeds).
+    tol, grad_tol = (0, 0) if inner == "eager" else (1e-6, 1.5e-6)
     out_a, grads_a, dx_a = a
     out_b, grads_b, dx_b = b
-    assert rel_err(out_a, out_b) < 1e-5 and rel_err(dx_a, dx_b) < 1e-5
+    assert close(out_a, out_b, tol) and close(dx_a, dx_b, tol)
     assert grads_a.keys() == grads_b.keys() and grads_a
-    assert max(rel_err(grads_a[k], grads_b[k]) for k in grads_a) < 1e-5
+    assert all(close(grads_a[k], grads_b[k], grad_tol) for k in grads_a)
 
 
 def _block_bytes():
@@ -124,14 +128,14 @@ def test_a_small_budget_with_measured_activations_recomputes_in_the_compiled_pro
     assert rt.stats()["planned_recompute_blocks"] == len(rt.plan.recomputed)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
-    _same(_step(compiled, model, x), ref)
+    _same(_step(compiled, model, x), ref, inner)
     recomputed = rt.stats()["recomputed_blocks"]
     assert recomputed == len(rt.plan.recomputed)
     # A budget with room for everything keeps every activation: the next step recomputes nothing.
     rt.planner.budget = type(rt.planner.budget)(soft=100 * b, hard=100 * b)
     rt.replan()
     assert rt.plan.recomputed == set() and rt.plan.resident == set(range(N))
-    _same(_step(compiled, model, x), ref)
+    _same(_step(compiled, model, x), ref, inner)
     assert rt.stats()["recomputed_blocks"] == recomputed
 
 
@@ -146,7 +150,7 @@ def test_a_resident_block_sees_writes_to_its_weights():
     assert rt.stats()["stale_slots"] >= 1
     restored = copy.deepcopy(rt.restore())
     with torch.no_grad():
-        assert rel_err(restored(x), after) < 1e-6
+        assert torch.equal(restored(x), after)  # measured 0 (CPU, torch 2.13, 3 seeds): the same weights and ops
 
 
 def test_a_precision_switch_replans():
@@ -313,7 +317,7 @@ def test_spilled_activations_come_back_for_the_backward_with_the_same_gradients(
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
     for _ in range(2):
-        _same(_step(compiled, model, x), ref)
+        _same(_step(compiled, model, x), ref, inner)
     stats = rt.stats()
     assert stats["spilled_blocks"] == len(rt.plan.spilled) and stats["recomputed_blocks"] == 0
     assert stats["d2h_bytes"] > 0 and stats["restored_bytes"] == stats["d2h_bytes"]

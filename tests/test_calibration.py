@@ -34,7 +34,8 @@ def test_calibration_measures_each_block_and_reuses_the_cache(tmp_path):
     first = rt.calibrate(batches)
     assert not first.from_cache and os.path.exists(first.path)
     assert sorted(first.errors) == [0, 1, 2, 3]
-    assert all(0 < e < 0.1 for e in first.errors.values())  # INT8 error: real and small
+    # INT8 error: real and small; measured 4.2e-3 to 4.9e-3 per block (CPU, torch 2.13, 3 seeds)
+    assert all(0 < e < 1.4e-2 for e in first.errors.values())
     assert rt.selective.errors == first.errors
     assert rt.precision == {b: "bf16" for b in range(4)}  # calibration leaves the map as it was
     again = rt.calibrate(batches)
@@ -63,7 +64,7 @@ def test_a_changed_weight_quantizer_or_batch_invalidates_the_cache(tmp_path):
         model.model.layers[2].mlp.up_proj.weight.mul_(1.5)  # writes the host master
     changed_weight = rt.calibrate(batches)
     assert not changed_weight.from_cache and changed_weight.fingerprint != base.fingerprint
-    assert changed_weight.errors[0] == pytest.approx(base.errors[0])  # block 0 untouched
+    assert changed_weight.errors[0] == base.errors[0]  # block 0 untouched: the same computation (measured equal)
     changed_batch = rt.calibrate([batches[1], batches[0]])
     assert not changed_batch.from_cache
     rt.restore()

@@ -16,7 +16,7 @@ from accelerate import init_empty_weights
 import torch_stagehand as stagehand
 from torch_stagehand.runtime.weights_file import CheckpointError
 
-from _helpers import int8_reference, rel_err
+from _helpers import close, int8_reference, rel_err
 
 
 def _qwen_config(tie: bool):
@@ -45,8 +45,10 @@ def test_a_meta_transformers_model_offloaded_from_its_folder_equals_the_loaded_o
     rt = stagehand.offload(meta, device="cpu", precision=precision, checkpoint=folder)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     reference = int8_reference(loaded, precision) if precision == "int8" else loaded
+    # bf16: the loaded weights, the same ops (measured 0); int8: 2.1e-7 (CPU, torch 2.13, 3 seeds)
+    tol = 0 if precision == "bf16" else 6e-7
     with torch.no_grad():
-        assert rel_err(meta(ids).logits, reference(ids).logits) < 1e-6
+        assert close(meta(ids).logits, reference(ids).logits, tol)
     assert not any(t.is_meta for t in meta.state_dict().values())
     if meta.config.tie_word_embeddings:
         assert meta.lm_head.weight is meta.model.embed_tokens.weight
@@ -62,7 +64,8 @@ def test_a_meta_model_keeping_its_masters_in_the_file_streams_int8(saved_qwen):
     assert "bf16 ram" not in rt.stats()["host"]["bytes_by_kind"]
     ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert rel_err(meta(ids).logits, int8_reference(loaded, "int8")(ids).logits) < 1e-6
+        # measured 2.1e-7 (CPU, torch 2.13, 3 seeds)
+        assert rel_err(meta(ids).logits, int8_reference(loaded, "int8")(ids).logits) < 6e-7
 
 
 def test_a_failed_checkpoint_offload_leaves_the_meta_model_as_it_was(saved_qwen):
@@ -108,7 +111,8 @@ def test_a_meta_diffusers_flux_offloaded_from_its_folder_equals_the_loaded_one(t
                   pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
                   img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(4, 3), return_dict=False)
     with torch.no_grad():
-        assert rel_err(meta(**inputs)[0], int8_reference(loaded, "int8")(**inputs)[0]) < 1e-5
+        # measured 1.1e-7 (CPU, torch 2.13, 3 seeds)
+        assert rel_err(meta(**inputs)[0], int8_reference(loaded, "int8")(**inputs)[0]) < 3e-7
 
 
 _RSS_SCRIPT = """

@@ -33,7 +33,7 @@ import torch.utils.checkpoint as checkpoint
 import torch_stagehand as stagehand
 from torch_stagehand.app.presets import tiny_flux, tiny_llama
 
-from _helpers import CheckpointedToy, first_tensor, rel_err, toy
+from _helpers import CheckpointedToy, assert_exact, close, first_tensor, rel_err, toy
 
 peft = pytest.importorskip("peft")
 
@@ -198,10 +198,13 @@ def _check_model(kind: str, inner: str):
 
     grads = _lora_grads(model)
     assert grads.keys() == ref_grads.keys() and grads
-    assert rel_err(loss, ref_loss) < 1e-2
+    # Measured over the models (CPU, torch 2.13, 3 seeds): eager inner: loss 0 (the plain model's bf16 forward),
+    # worst LoRA grad 1.9e-2 (llama), 1 - cosine 1.7e-4; Inductor: loss 1.8e-3, grad 3.4e-2, 1 - cosine 5.6e-4 (qwen2).
+    loss_tol, grad_tol, cos_tol = (0, 5e-2, 5e-4) if inner == "eager" else (5e-3, 8e-2, 1.5e-3)
+    assert close(loss, ref_loss, loss_tol)
     for name, g in grads.items():
-        assert _cosine(g, ref_grads[name]) > 0.99, f"{name}: LoRA gradient points elsewhere"
-        assert rel_err(g, ref_grads[name]) < 8e-2, name
+        assert 1 - _cosine(g, ref_grads[name]) < cos_tol, f"{name}: LoRA gradient points elsewhere"
+        assert rel_err(g, ref_grads[name]) < grad_tol, name
 
     n = len(rt.blocks)
     assert after["eager_linear_calls"] == 0 and after["eager_blocks"] == []
@@ -285,9 +288,11 @@ def test_backend_recompute_option_matches_and_saves_less(inner):
             out = compiled(x)
         out.float().square().mean().backward()
         grads = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
-        assert rel_err(out, ref_out) < 1e-4
+        # eager inner: the plain model's ops, measured 0; Inductor: out 1.8e-7, grads 3.8e-7 (CPU, torch 2.13, 3 seeds)
+        tol, grad_tol = (0, 0) if inner == "eager" else (5e-7, 1e-6)
+        assert close(out, ref_out, tol)
         assert grads.keys() == ref_grads.keys()
-        assert max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-4
+        assert all(close(grads[k], ref_grads[k], grad_tol) for k in grads)
         saved_bytes[recompute] = sum(t.numel() * t.element_size() for t in {id(t): t for t in saved.saved}.values())
         assert rt.stats()["recomputed_blocks"] == (len(rt.blocks) if recompute else 0)
     assert saved_bytes["blocks"] < saved_bytes[None]
@@ -303,7 +308,7 @@ def test_model_checkpointing_and_backend_recompute_recompute_once():
     _loss("llama", compiled, inputs).backward()
     assert rt.stats()["recomputed_blocks"] == len(rt.blocks)
     grads, ref_grads = _lora_grads(model), _lora_grads(ref)
-    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 8e-2
+    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 5e-2  # measured 1.9e-2 (CPU, torch 2.13, 3 seeds)
 
 
 class _DropoutBlock(nn.Module):
@@ -328,8 +333,8 @@ def test_recompute_replays_the_forward_dropout_masks(inner):
     grads = {}
     with inductor_config.patch(fallback_random=True):
         _dropout_grads(model, x, inner, grads)
-    for name, g in grads[None].items():
-        assert rel_err(grads["blocks"][name], g) < 1e-5, name
+    for name, g in grads[None].items():  # measured 0 under both inner compilers (CPU, torch 2.13, 3 seeds)
+        assert_exact(grads["blocks"][name], g, msg=name)
 
 
 def _dropout_grads(model, x, inner, grads):
@@ -364,8 +369,9 @@ def test_nested_checkpoints_are_inlined_too():
     rt = stagehand.offload(wrapped, device="cpu", blocks="inner.blocks")
     torch._dynamo.reset()
     out, grads = _toy_grads(wrapped, x, torch.compile(wrapped, backend="stagehand", options={"inner": "eager"}))
-    assert rel_err(out, ref_out) < 1e-4
-    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-4
+    assert_exact(out, ref_out)  # measured 0 (CPU, torch 2.13, 3 seeds): the plain model's ops, recomputed
+    for k in ref_grads:
+        assert_exact(grads[k], ref_grads[k], msg=k)
     stats = rt.stats()
     assert stats["eager_linear_calls"] == 0 and stats["recomputed_blocks"] == 3
 
@@ -384,8 +390,8 @@ def test_a_precision_switch_between_forward_and_backward_recomputes_in_the_forwa
         rt.set_precision("int8")  # after the forward: this step's backward still belongs to bf16
         out.float().square().mean().backward()
         grads[recompute] = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
-    for name, g in grads[None].items():
-        assert rel_err(grads["blocks"][name], g) < 1e-6, name
+    for name, g in grads[None].items():  # measured 0 (CPU, torch 2.13, 3 seeds)
+        assert_exact(grads["blocks"][name], g, msg=name)
 
 
 def test_gradients_of_gradients_through_a_recomputed_block_are_refused():
@@ -426,8 +432,9 @@ def test_reentrant_checkpointing_is_placed_too():
     """Dynamo captures `use_reentrant=True` as the same checkpoint op: compiled, recomputed, exact."""
     wrapped, x, rt, compiled, ref_out, ref_grads = _offloaded_and_compiled(lambda m: CheckpointedToy(m, use_reentrant=True))
     out, grads = _toy_grads(wrapped, x, compiled)
-    assert rel_err(out, ref_out) < 1e-4
-    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-4
+    assert_exact(out, ref_out)  # measured 0 (CPU, torch 2.13, 3 seeds)
+    for k in ref_grads:
+        assert_exact(grads[k], ref_grads[k], msg=k)
     stats = rt.stats()
     assert stats["eager_linear_calls"] == 0 and stats["recomputed_blocks"] == 3
 
@@ -454,8 +461,9 @@ def test_a_block_the_backend_cannot_place_is_correct_counted_and_reported():
     wrapped, x, rt, compiled, ref_out, ref_grads = _offloaded_and_compiled(_DisabledBlockToy)
     with pytest.warns(stagehand.EagerFallbackWarning, match="inner.blocks.1") as record:
         out, grads = _toy_grads(wrapped, x, compiled)
-    assert rel_err(out, ref_out) < 1e-4
-    assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 1e-4
+    assert_exact(out, ref_out)  # measured 0 (CPU, torch 2.13, 3 seeds)
+    for k in ref_grads:
+        assert_exact(grads[k], ref_grads[k], msg=k)
     causes = {str(w.message) for w in record if issubclass(w.category, stagehand.EagerFallbackWarning)}
     assert any("recomputed in backward" in c for c in causes) and any("outside the compiled" in c for c in causes)
     stats = rt.stats()
@@ -486,4 +494,4 @@ def test_blocks_called_out_of_registration_order_are_correct_eagerly():
         expected = wrapped(x)
         stagehand.offload(wrapped, device="cpu")
         for _ in range(2):
-            assert rel_err(wrapped(x), expected) < 1e-5
+            assert_exact(wrapped(x), expected)  # measured 0 (CPU, torch 2.13, 3 seeds)

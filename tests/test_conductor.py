@@ -11,7 +11,7 @@ from torch_stagehand.runtime.conductor.trace import WAIT
 from torch_stagehand.runtime.conductor import trace as tr
 from torch_stagehand.runtime.registry import NO_BLOCK
 
-from _helpers import ToyModel, rel_err, toy
+from _helpers import ToyModel, assert_exact, toy
 
 # ---- fetch order: the pure rule ------------------------------------------------------------
 
@@ -71,7 +71,7 @@ def test_eager_calls_prefetch_in_the_order_blocks_ran():
             model(x)
         with recording(rt.pool) as second:
             out = model(x)
-    assert rel_err(out, ref) < 1e-6
+    assert_exact(out, ref)  # measured 0 (CPU, torch 2.13, 3 seeds): the same ops, whatever the prefetch order
     # First call: registration order (1 -> 2, 0 -> 1); then the recorded order (1 -> 0, 0 -> 2, 2 -> none).
     assert [r.block for r in first.rows if r.action == tr.PREFETCH] == [2, 1]
     assert [r.block for r in second.rows if r.action == tr.PREFETCH] == [0, 2]

@@ -18,7 +18,7 @@ from torch_stagehand.runtime.conductor.planner import build_plan
 from torch_stagehand.runtime.conductor.policy import HeuristicPolicyBridgeV0
 from torch_stagehand.runtime.conductor.transfer import Direction, TransferDenial, TransferManager
 
-from _helpers import block_bytes_by_precision, rel_err, toy
+from _helpers import assert_exact, block_bytes_by_precision, toy
 
 # ---- budget manager ----------------------------------------------------------------------------
 
@@ -181,6 +181,14 @@ def _train(model, x, steps=2, call=None):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same(out, grads, ref_out, ref_grads):
+    # However the conductor fetches, the same ops run on the same weights: measured 0 (CPU, torch 2.13, 3 seeds).
+    assert_exact(out, ref_out)
+    assert grads.keys() == ref_grads.keys()
+    for k in grads:
+        assert_exact(grads[k], ref_grads[k], msg=k)
+
+
 def _trainable_toy():
     model, x = toy(n=N)
     for block in model.blocks:
@@ -199,7 +207,7 @@ def test_rule_1_in_the_runtime_denied_speculative_prefetches_degrade_to_later_fe
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     torch._dynamo.reset()
     out, grads = _train(model, x, call=compiled)
-    assert rel_err(out, ref_out) < 1e-5 and max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-5
+    _assert_same(out, grads, ref_out, ref_grads)
     denials = rt.planner.conductor.denials
     assert denials.get(WINDOW_CAP, 0) > 0  # backward prefetched one block ahead only
     assert rt.stats()["stale_slots"] == 0
@@ -222,8 +230,8 @@ def test_an_allocation_failure_during_a_prefetch_shrinks_the_window_and_the_step
 
     monkeypatch.setattr(rt.pool, "prefetch", flaky)
     out, grads = _train(model, x, steps=1)
-    assert failures and rel_err(out, ref_out) < 1e-5
-    assert max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-5
+    assert failures
+    _assert_same(out, grads, ref_out, ref_grads)
     conductor = rt.planner.conductor
     assert conductor.denials.get("allocation_failed") == 1
     assert any("could not allocate" in note and "window cut to 2" in note for note in conductor.window_notes)
@@ -238,7 +246,7 @@ def test_disabled_conductor_allocates_nothing_and_changes_nothing():
     conductor = rt.planner.conductor
     assert not conductor.enabled and vars(conductor) == {"enabled": False}  # no sub-object at all
     out, grads = _train(model, x, steps=1)
-    assert rel_err(out, ref_out) < 1e-5 and max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-5
+    _assert_same(out, grads, ref_out, ref_grads)
     with torch.no_grad():
         model(x)  # a new step: the last one is recorded
     record = rt.telemetry.records[-1]

@@ -13,7 +13,7 @@ def test_backend_resolves_through_the_entry_point():
         assert "torch_stagehand" not in sys.modules
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
         out = torch.compile(model, backend="stagehand", options={"inner": "eager"})(torch.ones(2, 4))
-        assert torch.allclose(out, model(torch.ones(2, 4)))
+        assert torch.equal(out, model(torch.ones(2, 4)))  # measured equal (CPU, torch 2.13, 3 seeds): the same ops
         assert "torch_stagehand.compiler" in sys.modules
         print("ok")
     """)

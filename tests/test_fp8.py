@@ -22,7 +22,7 @@ from torch_stagehand.runtime.precision.fp8 import (
 from torch_stagehand.runtime.selective import fp8_rules
 from torch_stagehand.runtime.selective.fp8_rules import Fp8PolicyError
 
-from _helpers import rel_err, toy
+from _helpers import assert_exact, rel_err, toy
 
 
 def test_quantize_rows_e4m3_maps_each_rows_absmax_to_448_and_round_trips():
@@ -31,7 +31,7 @@ def test_quantize_rows_e4m3_maps_each_rows_absmax_to_448_and_round_trips():
     w[5] = 0.0
     q, s = quantize_rows_e4m3(w)
     assert q.dtype == E4M3 and s.dtype == torch.float32 and s.shape == (64,)
-    assert torch.allclose(q.float().abs().amax(1)[w.abs().amax(1) > 0], torch.tensor(448.0))
+    assert (q.float().abs().amax(1)[w.abs().amax(1) > 0] == 448.0).all()  # exactly: 448 is E4M3's largest value
     back = dequantize_rows_e4m3(q, s, torch.float32)
     assert (back[5] == 0).all()
     # E4M3 has 3 mantissa bits: relative error per element <= 2^-4, per row far less.
@@ -50,8 +50,9 @@ def test_activation_quantizer_twin_is_per_row_absmax_with_an_optional_column_sca
         q, s = quantize_rows(x, c)  # on the CPU: the twin
         v = x.double() * (1 if c is None else c.double())
         assert s.shape == (6, 1) and q.dtype == E4M3
-        assert torch.allclose(s.double().squeeze(1), (v.abs().amax(1) / 448).clamp_min(1e-12), rtol=1e-6)
-        assert torch.all((q.float().abs().amax(1)[[0, 1, 2, 4, 5]] - 448).abs() < 1e-3)  # each row's max maps to 448
+        # the fp32 scale against float64: one rounding, measured 7.8e-8 relative (CPU, torch 2.13, 3 seeds)
+        assert torch.allclose(s.double().squeeze(1), (v.abs().amax(1) / 448).clamp_min(1e-12), rtol=2e-7, atol=0)
+        assert (q.float().abs().amax(1)[[0, 1, 2, 4, 5]] == 448).all()  # each row's max maps to 448, exactly
         assert rel_err(q.double() * s.double(), v) < 0.04  # 3 mantissa bits
         assert torch.equal(q.view(torch.uint8), quantize_rows_ref(x, c)[0].view(torch.uint8))
     with pytest.raises(ValueError, match="col_scale has 39 elements"):
@@ -106,8 +107,8 @@ def test_fp8_emulation_when_asked_computes_the_dequantized_weights_compiled():
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     with torch.no_grad():
         out = compiled(x)
-    assert rel_err(out, expected) < 1e-5
-    assert 0 < rel_err(out, plain) < 0.05
+    assert_exact(out, expected)  # measured 0 (CPU, torch 2.13, 3 seeds): emulation is F.linear on those weights
+    assert 0 < rel_err(out, plain) < 3e-2  # measured 1.1e-2 (CPU, torch 2.13, 3 seeds)
     assert rt.stats()["precision_counts"] == {"bf16": 2, "fp8": 1}
 
 
@@ -131,10 +132,10 @@ def test_fp8_bias_is_an_add_in_the_graph_and_its_gradient_flows():
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     out = compiled(x)
     expected = ref(x)
-    assert rel_err(out, expected) < 1e-5
+    assert_exact(out, expected)  # measured 0 (CPU, torch 2.13, 3 seeds), the bias added in the graph or not
     out.square().sum().backward()
     expected.square().sum().backward()
-    assert rel_err(model.blocks[1].up.bias.grad, ref.blocks[1].up.bias.grad) < 1e-5
+    assert_exact(model.blocks[1].up.bias.grad, ref.blocks[1].up.bias.grad)  # measured 0
     rt.restore()
 
 

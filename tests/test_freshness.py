@@ -21,7 +21,7 @@ import torch_stagehand as stagehand
 from torch_stagehand.runtime.streamed import (HostMasterParameter, StreamedDtypeError,
                                               StreamedWeightAssignmentError)
 
-from _helpers import int8_reference, rel_err, toy
+from _helpers import close, int8_reference, rel_err, toy
 
 MODES = [("bf16", False), ("bf16", True), ("int8", False), ("int8", True)]
 MODE_IDS = ["bf16-eager", "bf16-compiled", "int8-eager", "int8-compiled"]
@@ -52,7 +52,8 @@ def _expected(plain: nn.Module, precision: str, x: torch.Tensor) -> torch.Tensor
 def _check(run, plain, precision, x, rt, compiled):
     with torch.no_grad():
         got = run(x)
-    assert rel_err(got, _expected(plain, precision, x)) < 1e-6
+    # bf16 streams the model's own fp32 weights through the same ops: measured 0; int8 3.6e-7 (CPU, torch 2.13, 3 seeds)
+    assert close(got, _expected(plain, precision, x), 0 if precision == "bf16" else 1e-6)
     if compiled:
         assert rt.stats()["eager_linear_calls"] == 0  # the compiled path served it, not the eager fallback
 
@@ -97,7 +98,7 @@ def test_an_int8_block_written_through_data_is_requantized_after_it_left_its_slo
     model.blocks[0].up.weight.data.mul_(-1.0)
     plain.blocks[0].up.weight.data.mul_(-1.0)
     with torch.no_grad():
-        assert rel_err(model(x), _expected(plain, "int8", x)) < 1e-6
+        assert rel_err(model(x), _expected(plain, "int8", x)) < 7e-7  # measured 2.4e-7 (CPU, torch 2.13, 3 seeds)
     assert rt.stats()["requantized_blocks"] == 1
 
 
@@ -259,10 +260,11 @@ def test_fp16_bf16_and_fp32_models_stream_in_their_own_dtype(dtype, precision, c
     with torch.no_grad():
         got = run(x)
     assert got.dtype == dtype
-    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
-    assert rel_err(got, _expected(plain, precision, x)) < tolerance
     if precision == "bf16":
         assert torch.equal(got, _expected(plain, precision, x))  # the master stream is the model's own weights
+    else:  # int8, measured 2.0e-7 (fp32), 4.2e-4 (fp16), 3.7e-3 (bf16) (CPU, torch 2.13, 3 seeds)
+        tolerance = {torch.float32: 6e-7, torch.float16: 1.2e-3, torch.bfloat16: 1e-2}[dtype]
+        assert rel_err(got, _expected(plain, precision, x)) < tolerance
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64], ids=str)

@@ -59,7 +59,8 @@ def test_one_allocation_per_copy_kind_page_aligned_views_no_overlap(pinner):
         lay = rt.store.layout(b, "int8")[0]
         assert torch.equal(rt.store.buffer(b, "int8")[lay.offset: lay.offset + q.numel()].view(torch.int8), q.flatten())
     with torch.no_grad():
-        assert rel_err(model(x), int8_reference(toy(n=4)[0], "int8")(x)) < 1e-6
+        # measured 2.3e-7 (CPU, torch 2.13, 3 seeds)
+        assert rel_err(model(x), int8_reference(toy(n=4)[0], "int8")(x)) < 6e-7
 
 
 def test_only_the_streamed_copies_are_locked_at_their_exact_size(pinner):
@@ -147,16 +148,17 @@ def test_keep_full_file_keeps_no_master_in_ram_and_computes_the_same(tmp_path, p
     assert rt.store.host_bytes() == kinds["int8 pinned"]  # no full-precision copy in RAM
     assert torch.equal(model.blocks[2].down.weight, plain.blocks[2].down.weight)  # state_dict reads the file
     with torch.no_grad():
-        assert rel_err(model(x), int8_reference(plain, "int8")(x)) < 1e-6
+        assert rel_err(model(x), int8_reference(plain, "int8")(x)) < 6e-7  # measured 2.3e-7 (CPU, torch 2.13, 3 seeds)
         # A write reaches the next call (the INT8 copy is rebuilt from the file views) and never the file.
         model.blocks[1].up.weight.mul_(0.5)
         plain.blocks[1].up.weight.mul_(0.5)
-        assert rel_err(model(x), int8_reference(plain, "int8")(x)) < 1e-6
+        assert rel_err(model(x), int8_reference(plain, "int8")(x)) < 6e-7  # measured 2.2e-7
     assert rt.stats()["requantized_blocks"] == 1
     rt.set_precision({1: "bf16"})  # a flat copy derived from the file master streams, locked
     assert (1, "bf16") in _locked(rt)
     with torch.no_grad():
-        assert rel_err(model(x), int8_reference(plain, {0: "int8", 1: "bf16", 2: "int8", 3: "int8"})(x)) < 1e-6
+        # measured 2.1e-7 (CPU, torch 2.13, 3 seeds)
+        assert rel_err(model(x), int8_reference(plain, {0: "int8", 1: "bf16", 2: "int8", 3: "int8"})(x)) < 6e-7
     rt.set_precision("int8")  # and goes again: the file holds those weights
     assert not rt.store.has(1, "bf16")
     rt.restore()
@@ -232,7 +234,7 @@ def test_auto_keeps_masters_in_the_file_when_ram_is_short(monkeypatch, tmp_path)
     rt = stagehand.offload(meta, device="cpu", precision="int8", checkpoint=path)
     assert rt.stats()["host"]["keep_full"] == "file"
     with torch.no_grad():
-        assert rel_err(meta(x), int8_reference(plain, "int8")(x)) < 1e-6
+        assert rel_err(meta(x), int8_reference(plain, "int8")(x)) < 9e-7  # measured 3.3e-7 (CPU, torch 2.13, 3 seeds)
 
 
 # ---- on a CUDA device: real page-locking ----------------------------------------------------------

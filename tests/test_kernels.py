@@ -67,7 +67,9 @@ def test_triton_kernel_matches_twin_in_interpreter(interp_results, name):
     # within one ulp of the fp32 result, and the norm error is at bf16 rounding level.
     # ("loose": the dequantize + cuBLAS mode rounds the weight to bf16 first.)
     assert rec["loose"] or rec["max_excess"] <= 0.0, f"an element is off by more than one rounding: {rec}"
-    assert rec["err"] < 8e-3, rec
+    # measured (CPU, torch 2.13): bf16 4.5e-3 (one bf16 rounding; the interpreter's toward zero), fp16 and fp32 7.3e-8
+    # (both sides compute in fp32 and round alike, only summation order differs)
+    assert rec["err"] < (8e-3 if rec["dtype"] == "torch.bfloat16" else 2e-7), rec
 
 
 # ----------------------------------------------------------------------------- twins
@@ -82,7 +84,12 @@ def _f64_linear(x, q, s, bias=None, act=None):
     return y
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 8e-3), (torch.float16, 1e-3), (torch.float32, 1e-6)])
+# Forward and grad-input twins against float64, measured over 8 seeds (CPU, torch 2.13): bf16 1.9e-3,
+# fp16 2.5e-4, fp32 1.7e-7.
+TWIN_TOLERANCES = [(torch.bfloat16, 5e-3), (torch.float16, 7e-4), (torch.float32, 5e-7)]
+
+
+@pytest.mark.parametrize("dtype,tol", TWIN_TOLERANCES)
 @pytest.mark.parametrize("act", [None, "gelu_tanh"])
 def test_twin_forward_matches_float64(dtype, tol, act):
     g = torch.Generator().manual_seed(1)
@@ -95,7 +102,7 @@ def test_twin_forward_matches_float64(dtype, tol, act):
     assert _rel(out, _f64_linear(x, q[:, :70], s, b, act)) < tol
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 8e-3), (torch.float16, 1e-3), (torch.float32, 1e-6)])
+@pytest.mark.parametrize("dtype,tol", TWIN_TOLERANCES)
 def test_twin_grad_input_matches_float64(dtype, tol):
     g = torch.Generator().manual_seed(2)
     dy = torch.randn(4, 7, 33, generator=g).to(dtype)
@@ -116,7 +123,7 @@ def test_grad_input_is_the_transpose_of_forward():
     s = torch.rand(24, generator=g) * 0.01
     lhs = (int8_linear_ref(x, q, s) * dy).sum()
     rhs = (x * int8_linear_grad_input_ref(dy, q, s, k=40)).sum()
-    assert torch.allclose(lhs, rhs, rtol=1e-4)
+    assert torch.allclose(lhs, rhs, rtol=3e-6, atol=0)  # measured 0 here, up to 1.0e-6 over 8 seeds (CPU, torch 2.13)
 
 
 def test_dispatch_takes_the_twin_on_cpu():
@@ -237,7 +244,7 @@ def test_quantize_round_trip_error_is_bounded(method):
     absmax = w.abs().amax(dim=1, keepdim=True)
     if method == "absmax":  # round to nearest, nothing clipped: error <= half a step
         assert ((d - w).abs() <= s[:, None] / 2 * (1 + 1e-5)).all()
-        assert torch.allclose(s, absmax.squeeze(1) / 127)
+        assert torch.equal(s, absmax.squeeze(1) / 127)  # measured equal (CPU, torch 2.13, 8 seeds)
     # Either way the error stays a small fraction of each row's range.
     assert ((d - w).abs() <= absmax * 0.02).all()
 

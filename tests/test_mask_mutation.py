@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import torch_stagehand as stagehand
 from torch_stagehand.app.presets import tiny_llama
 
-from _helpers import rel_err
+from _helpers import assert_exact, rel_err
 
 D, HEADS, L, B, PAD = 32, 2, 12, 2, 3
 
@@ -121,9 +121,10 @@ def test_padding_written_in_place_is_never_dropped(pattern):
         assert any("kept: written in place" in m for m in notes), notes
         assert not any("became is_causal" in m for m in notes), notes
         real = keep[:, :, None].expand_as(got)
-        # without the mutation check row 1's real tokens were off by 21%; fp32 streaming: measured 0 (CPU, torch 2.13)
-        assert rel_err(got[real], expected[real]) < 1e-6
-        assert rel_err(got[1, PAD:], expected[1, PAD:]) < 1e-6
+        # without the mutation check row 1's real tokens were off by 21%; the mask kept, fp32 streaming runs the
+        # plain model's ops: measured 0 (CPU, torch 2.13, 3 seeds)
+        assert_exact(got[real], expected[real])
+        assert_exact(got[1, PAD:], expected[1, PAD:])
     finally:
         rt.close()
 
@@ -148,7 +149,9 @@ def test_causal_mask_of_a_symbolic_length_is_rewritten_and_correct_at_three_leng
         assert any("3 attention call(s)" in m and "(for every length)" in m for m in notes), notes
         for n, g, e in zip(lengths, got, expected):
             assert g.shape[1] == n
-            assert rel_err(g, e) < 1e-6, n  # measured 0 at each length (CPU, torch 2.13)
+            # measured 0 at each length (CPU, torch 2.13, 3 seeds); a bound, not equality: the rewrite swaps
+            # the mask for is_causal, another attention path, equal here by the kernels' choice, not by construction
+            assert rel_err(g, e) < 1e-6, n
     finally:
         rt.close()
 

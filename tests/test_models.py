@@ -16,7 +16,8 @@ import torch
 import torch_stagehand as stagehand
 from torch_stagehand.app.presets import tiny_flux, tiny_gpt2, tiny_llama
 
-from _helpers import block_bytes_by_precision, first_tensor, int8_reference, rel_err, two_largest_blocks
+from _helpers import (assert_exact, block_bytes_by_precision, close, first_tensor, int8_reference, rel_err,
+                      two_largest_blocks)
 
 peft = pytest.importorskip("peft")
 
@@ -27,6 +28,12 @@ LORA_TARGETS = {
     "flux": ["to_q", "to_v", "proj_mlp", "ff.net.2"],
 }
 BUILDERS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "flux": tiny_flux}
+
+
+def _whole_map(rt, pmap):
+    """`pmap` naming every block: `set_precision` with a dict changes only the blocks it names, so "mixed" run
+    after "int8" stayed all-int8 (against a mixed reference, 0.9% off in the output) until the rest was spelled out."""
+    return pmap if isinstance(pmap, str) else {b: pmap.get(b, "bf16") for b in range(len(rt.blocks))}
 
 
 def _with_lora(kind: str):
@@ -65,17 +72,20 @@ def test_inference_matches_unmodified_model(kind):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     for name, pmap in MAPS.items():
-        rt.set_precision(pmap)
+        rt.set_precision(_whole_map(rt, pmap))
         with torch.no_grad():
             out = first_tensor(compiled(**inputs))
             stats = rt.stats()
             eager_out = first_tensor(model(**inputs))  # the same offloaded model, uncompiled
-        assert rel_err(out, expected[name]) < 1e-2, name
-        assert rel_err(eager_out, expected[name]) < 1e-2, name
+        # bf16 streams the model's own weights through its own ops: measured 0; int8 and mixed 8.0e-3
+        # (the dequantized weights are not rounded to bf16 here) (CPU, torch 2.13, 3 seeds)
+        tol = 0 if name == "bf16" else 2e-2
+        assert close(out, expected[name], tol), name
+        assert close(eager_out, expected[name], tol), name
         if name == "bf16":
-            assert rel_err(out, unquantized) < 1e-2
-        else:
-            assert 0 < rel_err(out, unquantized) < 0.1, name  # the quantizer's error: real, and small
+            assert_exact(out, unquantized)
+        else:  # the quantizer's error: real, and small; measured 1.5e-2 (CPU, torch 2.13, 3 seeds)
+            assert 0 < rel_err(out, unquantized) < 4e-2, name
         # Two slots: never more streamed bytes than the two largest blocks of any map run so far.
         bound = max(bound, two_largest_blocks(block_bytes, pmap))
         assert max(block_bytes["bf16"]) <= stats["peak_streamed_bytes"] <= bound, name
@@ -96,7 +106,7 @@ def _training_matrix(kind: str, inner: str):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
     for name, pmap in MAPS.items():
-        rt.set_precision(pmap)
+        rt.set_precision(_whole_map(rt, pmap))
         for p in model.parameters():
             p.grad = None
         loss = _loss(kind, compiled, inputs)
@@ -104,11 +114,13 @@ def _training_matrix(kind: str, inner: str):
         grads = _lora_grads(model)
         ref_loss, ref_grads = references[name]
         assert grads.keys() == ref_grads.keys() and len(grads) > 0
-        assert rel_err(loss, ref_loss) < 1e-2, name
-        # bf16 noise floor: the plain model under Inductor vs eager differs by up to 2.6% in a
-        # LoRA grad here (measured); INT8 blocks also skip the bf16 rounding of dequantized weights.
+        # Measured over the models (CPU, torch 2.13, 3 seeds). Eager inner: bf16 0 (the plain model's own ops);
+        # int8 and mixed: loss 6.4e-4, worst LoRA grad 3.8e-2 (INT8 blocks skip the bf16 rounding of the
+        # dequantized weights). Inductor: loss 2.7e-3, worst grad 4.4e-2 (bf16 alone 3.2e-2).
+        exact = inner == "eager" and name == "bf16"
+        assert close(loss, ref_loss, 0 if exact else (1.8e-3 if inner == "eager" else 7e-3)), name
         worst = max(rel_err(grads[k], ref_grads[k]) for k in grads)
-        assert worst < 8e-2, f"{name}: worst LoRA grad rel err {worst:.3g}"
+        assert (worst == 0) if exact else (worst < 8e-2), f"{name}: worst LoRA grad rel err {worst:.3g}"
     stats = rt.stats()
     assert stats["compiled_variants"] >= 2  # at least a bf16 and an int8 block variant
     # bf16 ran first and is the largest: two slots hold at most its two largest blocks.
@@ -157,8 +169,8 @@ def test_activation_checkpointing_is_correct_and_streams_ahead_in_both_direction
     loss = _loss("llama", compiled, inputs)
     loss.backward()
     grads, ref_grads = _lora_grads(model), _lora_grads(ref)
-    assert rel_err(loss, ref_loss) < 1e-2
-    assert max(rel_err(grads[k], ref_grads[k]) for k in grads) < 8e-2
+    assert_exact(loss, ref_loss)  # measured 0 (CPU, torch 2.13, 3 seeds): the plain model's bf16 forward
+    assert max(rel_err(grads[k], ref_grads[k]) for k in grads) < 4e-2  # measured 1.4e-2 (CPU, torch 2.13, 3 seeds)
     stats = rt.stats()
     assert stats["sync_fetches"] <= 1  # only the very first block; the recompute prefetches backwards
     assert rt.phases.phase.value == "backward" and stats["steps"] == 0  # recompute did not start a step
@@ -187,6 +199,8 @@ def test_peft_lora_llama_over_changing_sequence_lengths_compiles_blocks_once_for
         ref_loss.backward()
         ref_grads = _lora_grads(model)
         assert rt.precision == rt_state
-        assert rel_err(loss, ref_loss) < 1e-2, seq
-        assert max(rel_err(grads[k], ref_grads[k]) for k in ref_grads) < 8e-2, seq
+        # the same offloaded model and ops, compiled or not: measured 0 at each length (CPU, torch 2.13, 3 seeds)
+        assert_exact(loss, ref_loss, msg=f"length {seq}")
+        for k in ref_grads:
+            assert_exact(grads[k], ref_grads[k], msg=f"length {seq}: {k}")
     assert variants[2] == variants[1] > variants[0]  # length 40 compiled no block variant

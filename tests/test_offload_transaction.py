@@ -24,7 +24,7 @@ from torch_stagehand.runtime.conductor.telemetry import TelemetryPathError
 from torch_stagehand.runtime.slab import SlabError, build_slab_from_module
 from torch_stagehand.runtime.streamed import is_streamed
 
-from _helpers import RecordingPinner, toy
+from _helpers import RecordingPinner, assert_exact, toy
 
 
 def _snapshot(model: nn.Module) -> dict[str, tuple]:
@@ -57,7 +57,7 @@ def _assert_offload_works_again(model: nn.Module, x: torch.Tensor, **kwargs) -> 
     expected = copy.deepcopy(model)(x)
     rt = stagehand.offload(model, device="cpu", **kwargs)
     with torch.no_grad():
-        assert torch.allclose(model(x), expected, atol=1e-6)
+        assert_exact(model(x), expected)  # measured 0 (CPU, torch 2.13, 3 seeds): the same weights and ops
     rt.restore()
 
 
@@ -208,7 +208,7 @@ def test_compiling_a_model_that_was_never_offloaded_warns_once(monkeypatch):
     torch._dynamo.reset()
     with pytest.warns(backend_module.NotOffloadedWarning, match="no model is offloaded"):
         out = torch.compile(model, backend="stagehand", options={"inner": "eager"})(x)
-    assert torch.allclose(out, model(x))
+    assert_exact(out, model(x))  # measured 0 (CPU, torch 2.13, 3 seeds)
     other, y = toy(n=2, d=16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", backend_module.NotOffloadedWarning)
@@ -226,7 +226,7 @@ def test_glue_graphs_of_an_offloaded_model_do_not_warn(monkeypatch):
         warnings.simplefilter("error", backend_module.NotOffloadedWarning)
         with torch.no_grad():
             out = torch.compile(model, backend="stagehand", options={"inner": "eager"})(x)
-    assert torch.allclose(out, expected, atol=1e-5)
+    assert_exact(out, expected)  # measured 0 (CPU, torch 2.13, 3 seeds)
     rt.restore()
     torch._dynamo.reset()
 
@@ -259,15 +259,18 @@ def test_peft_added_after_a_cpu_offload_computes_what_peft_before_offload_comput
     rt = stagehand.offload(model, device="cpu")
     wrapped = _lora(model)
     expected = reference(x)
-    assert torch.allclose(wrapped(x), expected, atol=1e-6)  # eager
+    # peft's own ops on the same weights, eagerly and compiled: measured 0 (CPU, torch 2.13, 3 seeds)
+    assert_exact(wrapped(x), expected)  # eager
     torch._dynamo.reset()
     out = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})(x)
-    assert torch.allclose(out, expected, atol=1e-6)
+    assert_exact(out, expected)
     out.square().sum().backward()
     expected.square().sum().backward()
     lora_grads = [(n, p.grad) for n, p in wrapped.named_parameters() if "lora_" in n]
     reference_grads = dict((n, p.grad) for n, p in reference.named_parameters() if "lora_" in n)
-    assert lora_grads and all(torch.allclose(g, reference_grads[n], atol=1e-5) for n, g in lora_grads)
+    assert lora_grads
+    for n, g in lora_grads:
+        assert_exact(g, reference_grads[n], msg=n)  # measured 0
     rt.restore()
     torch._dynamo.reset()
 

@@ -31,7 +31,7 @@ from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 from torch_stagehand.runtime.slots import SlotState
 
-from _helpers import rel_err, toy
+from _helpers import assert_exact, toy
 
 OPS = SCHEDULE_OPS
 
@@ -92,7 +92,7 @@ def test_annotate_blocks_tags_every_block_node_and_keeps_numbers(captured):
     assert [n.meta["stagehand_block"] for n in norms] == [0, 1, 2]
     assert gm.graph.find_nodes(op="output")[0].meta["stagehand_block"] is None
     assert [r.name for r in ctx.passes_ran] == ["annotate_blocks"] and "6 streamed linears" in ctx.passes_ran[0].notes[0]
-    assert rel_err(_run(gm, inputs), expected) < 1e-6
+    assert_exact(_run(gm, inputs), expected)  # measured 0 (CPU, torch 2.13, 3 seeds): the same ops run
 
 
 def test_annotate_blocks_refuses_a_layer_of_another_runtime(captured):
@@ -128,7 +128,7 @@ def test_split_segments_calls_one_submodule_per_segment_and_keeps_numbers(captur
     assert calls == [f"submod_{i}" for i in range(5)]
     assert not [n for n in outer.graph.nodes if is_streamed_linear(n)]  # they all moved into the submodules
     assert sum(is_streamed_linear(n) for n in outer.get_submodule("submod_2").graph.nodes) == 2
-    assert rel_err(_run(outer, inputs), expected) < 1e-6
+    assert_exact(_run(outer, inputs), expected)  # measured 0
 
 
 def test_link_units_makes_units_and_threads_tokens(captured):
@@ -144,7 +144,7 @@ def test_link_units_makes_units_and_threads_tokens(captured):
     block_calls = [n for n in outer.graph.nodes if n.op == "call_module" and n.target.startswith("block_")]
     assert block_calls[1].args[-4].target is operator.getitem and block_calls[1].args[-4].args[0] is block_calls[0]
     assert len(ctx.variants) == 0  # nothing compiles before the first call
-    assert rel_err(_run(outer, inputs), expected) < 1e-6
+    assert_exact(_run(outer, inputs), expected)  # measured 0
     assert len(ctx.variants) == 3  # glue, one block variant shared by all three blocks, glue
 
 
@@ -162,7 +162,7 @@ def test_rewrite_linear_reads_weights_from_a_slot(captured, precision):
     weights = rt.store.buffer(1, precision)  # the host bytes a slot would hold
     got = _run(rewritten, (*args, weights, rt.block_tokens[1], rt.block_tokens[0]))
     want = _run(template, args)  # the eager op reads the same bytes through the pool
-    assert rel_err(got, want) < 1e-6
+    assert_exact(got, want)  # measured 0
 
 
 def test_schedule_forward_waits_prefetches_and_evicts(captured):
@@ -183,7 +183,7 @@ def test_schedule_forward_waits_prefetches_and_evicts(captured):
     toks = (rt.block_tokens[1], rt.block_tokens[1], rt.block_tokens[2], rt.block_tokens[0])  # fetch, block, next, prev
     with torch.no_grad():
         out = scheduled(*args, *toks)
-    assert rel_err(out[0], _run(template, args)) < 1e-6
+    assert_exact(out[0], _run(template, args))  # measured 0
     assert out[-1].dtype == torch.int64  # the next block's fetch token
     assert not [s for s in rt.pool.slots if s.state is SlotState.IN_USE]  # the evict released the block
 
@@ -219,7 +219,7 @@ def test_schedule_backward_keeps_one_wait_and_prefetch_and_evicts_after_the_last
     evict = nodes[-1]
     assert evict.target is OPS["evict"] and len(evict.args[2]) == 2  # both readers, after the last one
     assert "2 wait_bw -> 1" in log.passes_ran[0].notes[0]
-    assert rel_err(after(*args)[0], want) < 1e-6
+    assert_exact(after(*args)[0], want)  # measured 0
     assert not [s for s in rt.pool.slots if s.state is SlotState.IN_USE]
 
 
@@ -300,7 +300,7 @@ def test_inline_checkpoints_turns_checkpoint_bodies_into_block_recompute():
     assert len(linears) == 6 and all(n.meta.get(RECOMPUTE) for n in linears)
     assert not any(n.meta.get(RECOMPUTE) for n in gm.graph.nodes if n.op == "placeholder")
     assert "3 checkpointed regions inlined" in ctx.passes_ran[0].notes[0]
-    assert rel_err(_run(gm, inputs), expected) < 1e-6
+    assert_exact(_run(gm, inputs), expected)  # measured 0
     # the partition then finds the three blocks, each marked to recompute
     gm = ctx.run([passes.annotate_blocks, passes.assign_segments], gm)
     assert [s.block for s in ctx.segments if s.recompute] == [0, 1, 2]

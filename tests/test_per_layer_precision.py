@@ -48,7 +48,7 @@ def test_a_by_role_precision_quantizes_only_that_role(role):
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     with torch.no_grad():
         out = first_tensor(compiled(**inputs))
-    assert rel_err(out, expected) < 1e-5
+    assert rel_err(out, expected) < 9e-7  # measured 2.9e-7 (CPU, torch 2.13, 3 seeds)
     assert rel_err(out, whole_block) > 1e-4  # the other role really stayed full precision
 
 
@@ -117,7 +117,7 @@ def test_attention_int8_and_mlp_fp8_in_one_block_compute_what_each_stores():
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     with torch.no_grad():
         out = first_tensor(compiled(**inputs))
-    assert rel_err(out, expected) < 1e-5
+    assert rel_err(out, expected) < 9e-7  # measured 3.1e-7 (CPU, torch 2.13, 3 seeds)
     assert rel_err(out, all_int8) > 1e-4  # the MLP really is fp8
     rt.restore()
 

@@ -44,8 +44,8 @@ def test_eager_int8_matches_dequantized_reference():
     plain = copy.deepcopy(model)(x)
     stagehand.offload(model, device="cpu", precision="int8")
     out = model(x)
-    assert rel_err(out, ref) < 1e-5
-    assert 1e-5 < rel_err(out, plain) < 2e-2  # INT8 is not free, but close
+    assert rel_err(out, ref) < 6e-7  # measured 2.3e-7 (CPU, torch 2.13, 3 seeds)
+    assert 1e-5 < rel_err(out, plain) < 1.2e-2  # INT8 is not free, but close: measured 4.6e-3 (3 seeds)
 
 
 def test_eager_backward_matches_and_saves_no_weight():
@@ -59,7 +59,7 @@ def test_eager_backward_matches_and_saves_no_weight():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = model(xs)
     out.square().sum().backward()
-    assert torch.allclose(xs.grad, xr.grad, atol=1e-6)
+    assert torch.equal(xs.grad, xr.grad)  # measured 0 (CPU, torch 2.13, 3 seeds): the plain model's ops
     forbidden = {rt.store.buffer(b, "bf16").untyped_storage().data_ptr() for b in range(4)}
     forbidden |= {s.buf.untyped_storage().data_ptr() for s in rt.pool.slots}
     assert saved and not any(t.untyped_storage().data_ptr() in forbidden for t in saved)
@@ -112,7 +112,7 @@ def test_state_dict_sees_and_load_state_dict_updates_real_weights():
     model.load_state_dict(new)
     original.load_state_dict(new)
     ref = int8_reference(original, {2: "int8"})(x)
-    assert rel_err(model(x), ref) < 1e-5  # stale slots dropped, INT8 re-quantized
+    assert rel_err(model(x), ref) < 5e-7  # stale slots dropped, INT8 re-quantized; measured 1.7e-7 (3 seeds)
     assert rt.store.blocks[0].full.data_ptr() == model.blocks[0].up.weight.data_ptr()  # still views
 
 

@@ -165,7 +165,7 @@ def test_report_json_and_quantizer_comparison(tmp_path):
     assert len(rep["layers"]) == 10
     for row in rep["layers"]:
         assert set(row) >= {"name", "shape", "bf16_bytes", "int8_bytes", "cosine", "cosine_alt", "seconds"}
-        assert 0.999 < row["cosine"] <= 1.0 + 1e-9
+        assert 1 - 2e-5 < row["cosine"] <= 1.0 + 1e-9  # 1 - cosine measured 7.5e-6 (CPU, torch 2.13, 5 seeds)
     assert "blocks.0.fc" in res.table()
     # Long Gaussian rows: mse clips the tails and beats absmax; both columns are real.
     torch.manual_seed(0)
@@ -526,7 +526,8 @@ def test_our_slab_passes_squareq_checks(tmp_path):
         assert tensors[l["scale_key"]].dtype == torch.float32 and not (tensors[l["zero_point_key"]] != 0).any()
         w = model.get_submodule(l["canonical_name"]).weight.float()
         deq = q.float()[:, : w.shape[1]] * tensors[l["scale_key"]][:, None]  # SquareQ's QuantLinear math
-        assert torch.nn.functional.cosine_similarity(deq.flatten(), w.flatten(), dim=0) > 0.999
+        # 1 - cosine measured 7.4e-6 (CPU, torch 2.13, 3 seeds)
+        assert torch.nn.functional.cosine_similarity(deq.flatten(), w.flatten(), dim=0) > 1 - 2e-5
         if l["bias_key"]:
             assert tensors[l["bias_key"]].dtype == torch.float32
 

@@ -77,7 +77,7 @@ def test_slab_of_other_weights_is_refused_naming_the_first_layer(slab):
     ref = int8_reference(other, "int8")
     stagehand.offload(other, device="cpu", precision="int8")
     with torch.no_grad():
-        assert rel_err(other(x), ref(x)) < 1e-5
+        assert rel_err(other(x), ref(x)) < 9e-7  # measured 3.4e-7 (CPU, torch 2.13, 3 seeds)
 
 
 def test_own_slab_loads_and_computes_its_own_weights(slab):
@@ -87,7 +87,7 @@ def test_own_slab_loads_and_computes_its_own_weights(slab):
         warnings.simplefilter("error", SlabIdentityWarning)
         stagehand.offload(model, device="cpu", precision="int8", slab=manifest)
     with torch.no_grad():
-        assert rel_err(model(x), ref(x)) < 1e-5
+        assert rel_err(model(x), ref(x)) < 9e-7  # measured 3.4e-7
 
 
 def test_an_edited_sampled_row_is_caught_in_that_layer(slab):
@@ -143,7 +143,7 @@ def test_slab_without_identity_warns_or_is_refused_when_required(slab):
     with pytest.warns(SlabIdentityWarning, match=r"toy_int8\.manifest\.json: layer 'blocks\.0\.up'.*cannot be checked"):
         stagehand.offload(model, device="cpu", precision="int8", slab=manifest)
     with torch.no_grad():
-        assert rel_err(model(x), ref(x)) < 1e-5
+        assert rel_err(model(x), ref(x)) < 9e-7  # measured 3.4e-7
     with pytest.raises(ConfigError, match="require_slab_identity"):
         Config(require_slab_identity="yes").validate()
 
@@ -159,7 +159,7 @@ def test_meta_model_has_nothing_to_check_and_loads_quietly(slab):
         stagehand.offload(meta_model, device="cpu", precision="int8", slab=manifest,
                           config=Config(require_slab_identity=True))
     with torch.no_grad():
-        assert rel_err(meta_model(x), int8_reference(model, "int8")(x)) < 1e-5
+        assert rel_err(meta_model(x), int8_reference(model, "int8")(x)) < 9e-7  # measured 3.4e-7
 
 
 @pytest.mark.parametrize("record, problem", [

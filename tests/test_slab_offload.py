@@ -13,7 +13,7 @@ from torch_stagehand.kernels import dequantize
 from torch_stagehand.runtime.runtime import PrecisionMapError
 from torch_stagehand.runtime.slab import SlabError, SlabReader, build_slab_from_module
 
-from _helpers import ToyModel, rel_err, toy
+from _helpers import ToyModel, assert_exact, rel_err, toy
 
 
 @pytest.fixture
@@ -49,10 +49,10 @@ def test_int8_from_slab_matches_the_slab_exactly(slab):
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     with torch.no_grad():
-        assert rel_err(compiled(x), ref) < 1e-5
+        assert rel_err(compiled(x), ref) < 9e-7  # measured 3.4e-7 (CPU, torch 2.13, 3 seeds)
     rt.set_precision("bf16")  # the live model also has its full-precision weights
     with torch.no_grad():
-        assert rel_err(compiled(x), full_ref) < 1e-6
+        assert_exact(compiled(x), full_ref)  # measured 0 (CPU, torch 2.13, 3 seeds): the model's own weights and ops
 
 
 def test_meta_model_streams_int8_only_from_the_slab(slab):
@@ -66,7 +66,7 @@ def test_meta_model_streams_int8_only_from_the_slab(slab):
     rt = stagehand.offload(meta_model, device="cpu", precision="int8", slab=manifest)
     assert rt.store.blocks[0].full is None and rt.stats()["slot_bytes"] == rt.store.nbytes(0, "int8")
     with torch.no_grad():
-        assert rel_err(meta_model(x), ref) < 1e-5
+        assert rel_err(meta_model(x), ref) < 9e-7  # measured 3.4e-7
     with pytest.raises(PrecisionMapError, match="no full-precision weights"):
         rt.set_precision({0: "bf16"})
     with pytest.raises(RuntimeError, match="INT8 slab only"):

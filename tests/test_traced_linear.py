@@ -106,9 +106,10 @@ def test_traced_fp8_linear_equals_the_op_path_forward_and_backward(tensor_cores)
     rt_op.restore()
     model, x = _fork()
     rt, out, dx, dw, _ = _train(model, x, "graph")
-    # Same quantization formula, same GEMM: what is left is the order of fp32 additions.
-    assert rel_err(out, out_op) < 1e-5
-    assert rel_err(dx, dx_op) < 1e-5 and rel_err(dw, dw_op) < 1e-5
+    # Same quantization formula, same GEMM: what is left is the order of fp32 additions. Measured 0
+    # (CPU, torch 2.13, 3 seeds); a bound, not equality: the traced math goes through other code (decompositions).
+    assert rel_err(out, out_op) < 1e-6
+    assert rel_err(dx, dx_op) < 1e-6 and rel_err(dw, dw_op) < 1e-6
     assert rt.stats()["h2d_bytes"] == rt_op.stats()["h2d_bytes"]
     rt.restore()
 
@@ -143,8 +144,9 @@ def test_traced_fp8_compiles_with_inductor_and_trains(tensor_cores):
     rt_op.restore()
     model, x = _fork()
     rt, out, dx, dw, _ = _train(model, x, "graph", inner="inductor")
-    # Inductor's own division and reductions: E4M3 rounding may flip on a few elements.
-    assert rel_err(out, out_op) < 0.02 and rel_err(dx, dx_op) < 0.02 and rel_err(dw, dw_op) < 0.02
+    # Inductor's own division and reductions: E4M3 rounding may flip on a few elements. Measured (CPU, torch 2.13)
+    # 1.3e-7 at this seed, no flip; over 80 seeds a flip shows in 6 of them, at most 2.2e-4.
+    assert rel_err(out, out_op) < 6e-4 and rel_err(dx, dx_op) < 6e-4 and rel_err(dw, dw_op) < 6e-4
     rt.restore()
 
 
@@ -157,7 +159,8 @@ def test_int8_from_many_rows_is_traced_and_equals_the_op_path():
     rt_op.restore()
     model, _ = _fork()
     rt, out, dx, dw, saved = _train(model, x, "graph", low="int8")
-    assert rel_err(out, out_op) < 1e-6 and rel_err(dx, dx_op) < 1e-6 and rel_err(dw, dw_op) < 1e-6
+    # measured 1.8e-7 (CPU, torch 2.13, 3 seeds)
+    assert rel_err(out, out_op) < 5e-7 and rel_err(dx, dx_op) < 5e-7 and rel_err(dw, dw_op) < 5e-7
     graphs = _block_graphs(rt, "int8")
     fw, bw = graphs["forward"], graphs["backward"]
     assert "stagehand.linear.default(" not in fw and "stagehand.linear_grad_input.default(" not in bw
