@@ -82,6 +82,10 @@ def source_state() -> dict:
     if not commit:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         try:
+            top = subprocess.run(["git", "-C", repo, "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                                 timeout=10, check=True).stdout.strip()
+            if os.path.realpath(top) != os.path.realpath(repo):  # a copy inside another checkout: not its commit
+                raise subprocess.SubprocessError(f"{repo} is not the root of the checkout at {top}")
             commit = subprocess.run(["git", "-C", repo, "rev-parse", "HEAD"], capture_output=True, text=True,
                                     timeout=10, check=True).stdout.strip()
             dirty = str(len(subprocess.run(["git", "-C", repo, "status", "--porcelain"], capture_output=True,

@@ -732,6 +732,26 @@ def demo_shapes() -> str:
 # ---- the registry --------------------------------------------------------------------------------------------------
 
 
+def full_finetune(name: str) -> str:
+    """Full fine-tuning rows of one run (benches/full_finetune.py): step, memory, the limits beside stagehand."""
+    data = load(name)
+    rows = data["rows"]
+    cols = [Col("mode", lambda r: r.get("mode", "")), Col("step ms", field("step_ms", ms)),
+            Col("x DeepSpeed ZeRO-2 (same run)", field("x_best_deepspeed")),
+            Col("GPU peak GiB", field("peak_gib")), Col("GPU peak reserved GiB", field("peak_reserved_gib")),
+            Col("host peak RSS GB", field("peak_rss_gb", num, 1)),
+            Col("H2D limit ms", field("limit_h2d_ms", ms)), Col("D2H limit ms", field("limit_d2h_ms", ms)),
+            Col("host optimizer ms", field("limit_host_optimizer_ms", ms)),
+            Col("x slowest limit", field("x_slowest_limit")),
+            Col("blocks stepped during backward", field("blocks_stepped_in_backward_per_step", num, 0)),
+            Col("", lambda r: r.get("error", ""))]
+    layers = data.get("layers")
+    shape = f"Qwen2.5-7B's width, {layers} of its 28 layers" if layers else "Qwen2.5-7B shape"
+    what = (f"{shape}, sequence 2048, every parameter trained, AdamW (lr {data.get('lr')}), bf16 weights; one "
+            f"process per row; median of {data.get('steps')} steps")
+    return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n"
+
+
 @dataclass
 class Figure:
     make: Callable[[], str]
@@ -768,6 +788,10 @@ FIGURES: dict[str, Figure] = {
     "gpu_test_logs": Figure(gpu_test_logs, ("*tests*.log",)),
     "offload_report": Figure(offload_report, ("examples/quickstart.py (run on the CPU)",), normalise_seconds),
     "demo_shapes": Figure(demo_shapes, ("stagehand/app/demo.py",)),
+    "full_finetune_qwen": Figure(lambda: full_finetune("full_finetune_qwen.json"), ("full_finetune_qwen.json",)),
+    "full_finetune_qwen_deepspeed": Figure(lambda: full_finetune("full_finetune_qwen_deepspeed.json"),
+                                           ("full_finetune_qwen_deepspeed.json",)),
+    "full_finetune_qwen14": Figure(lambda: full_finetune("full_finetune_qwen14.json"), ("full_finetune_qwen14.json",)),
 }
 
 
