@@ -77,6 +77,17 @@ def _peaks(device: str) -> dict:
     return out
 
 
+def _train_step(args, forward, inputs, opt):
+    """One training step with a torch-style optimizer: forward, loss, backward, step, zero_grad."""
+    def step():
+        loss = _loss(args, forward(**inputs))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+    return step
+
+
 def _timed(label: str, step, steps: int, device: str) -> dict:
     """The first step timed alone (compile, calibration), then `steps` timed steps."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -111,15 +122,7 @@ def row_stagehand(args) -> list[dict]:
     opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD)
     states_s = time.perf_counter() - t0
     inner = "inductor" if args.device == "cuda" else "eager"
-    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
-
-    def step():
-        loss = _loss(args, compiled(**inputs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = _train_step(args, torch.compile(model, backend="stagehand", options={"inner": inner}), inputs, opt)
     streamed_bytes = sum(s.module.weight.numel() * s.module.weight.element_size() for s in rt.layers)
     from models import pinned_h2d_gbps
 
@@ -160,15 +163,7 @@ def row_torchao(args) -> list[dict]:
 
     model, inputs, _ = _build(args)
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WD, fused=True)
-    compiled = torch.compile(model)
-
-    def step():
-        loss = _loss(args, compiled(**inputs))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = _train_step(args, torch.compile(model), inputs, opt)
     return [_timed("torchao CPUOffloadOptimizer (model resident, Inductor)", step, args.steps, args.device)]
 
 

@@ -25,7 +25,6 @@ algebra reads each node as the value its construction shows.
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,131 +33,9 @@ import torch
 import torch.fx as fx
 
 from .graph_nodes import example_value
-
-Coefs = tuple[tuple[int, int], ...]  # ((axis, coef), ...), sorted, no zero coef
-
-
-class Unknown(Exception):
-    """The construction uses something the algebra does not model (the proof cannot decide)."""
-
-
-def _coefs(d: dict[int, int]) -> Coefs:
-    return tuple(sorted((a, c) for a, c in d.items() if c))
-
-
-@dataclass(frozen=True)
-class Affine:
-    const: float
-    coefs: Coefs = ()
-    integral: bool = True  # every element an integer (comparisons may then be tightened: x < y <=> x + 1 <= y)
-
-    def scaled(self, k: float) -> "Affine":
-        return Affine(self.const * k, _coefs({a: c * k for a, c in self.coefs}), self.integral and float(k).is_integer())
-
-
-@dataclass(frozen=True)
-class Conj:
-    atoms: frozenset = frozenset()  # of (const, coefs): const + sum(coef * index) <= 0
-    false: bool = False
-
-
-@dataclass(frozen=True)
-class Select:
-    cond: Conj
-    on: float
-    off: float
-
-
-TRUE, FALSE = Conj(), Conj(false=True)
-Value = Affine | Conj | Select
-
-
-def _atom(const: float, coefs: dict[int, int]) -> Conj:
-    """`const + sum(coef * i) <= 0` as a Conj: constant atoms decide at once; others reduced by their gcd."""
-    coefs = {a: c for a, c in coefs.items() if c}
-    if not coefs:
-        return TRUE if const <= 0 else FALSE
-    if any(not float(c).is_integer() for c in coefs.values()) or not float(const).is_integer():
-        raise Unknown("a comparison with non-integer coefficients")
-    g = math.gcd(*(int(c) for c in coefs.values()))
-    # integers: sum(a x) + c <= 0  <=>  sum(a/g x) <= floor(-c/g)  <=>  sum(a/g x) + ceil(c/g) <= 0
-    return Conj(frozenset({(math.ceil(const / g), _coefs({a: int(c) // g for a, c in coefs.items()}))}))
-
-
-def _and(x: Conj, y: Conj) -> Conj:
-    return FALSE if x.false or y.false else Conj(x.atoms | y.atoms)
-
-
-def _not(x: Conj) -> Conj:
-    if x.false:
-        return TRUE
-    if not x.atoms:
-        return FALSE
-    if len(x.atoms) > 1:
-        raise Unknown("the negation of several conditions (an OR)")
-    (const, coefs), = x.atoms
-    return _atom(1 - const, {a: -c for a, c in coefs})  # not(e <= 0) <=> e >= 1 <=> -e + 1 <= 0
-
-
-def _constant(x: Value) -> float | None:
-    if isinstance(x, Affine) and not x.coefs:
-        return x.const
-    if isinstance(x, Conj) and (x.false or not x.atoms):
-        return 0.0 if x.false else 1.0
-    if isinstance(x, Select) and x.on == x.off:
-        return x.on
-    return None
-
-
-# ---- substitution: re-express a value in another node's axes --------------------------------------
-
-Subst = dict[int, tuple[float, dict[int, int]]]  # old axis -> (offset, {new axis: coef})
-
-
-def _subst_linear(const: float, coefs: Coefs, subst: Subst) -> tuple[float, dict[int, int]]:
-    new_const, new = const, {}
-    for axis, coef in coefs:
-        if axis not in subst:
-            raise Unknown(f"axis {axis} has no image")
-        offset, image = subst[axis]
-        new_const += coef * offset
-        for b, m in image.items():
-            new[b] = new.get(b, 0) + coef * m
-    return new_const, new
-
-
-def substitute(x: Value, subst: Subst) -> Value:
-    if isinstance(x, Affine):
-        const, coefs = _subst_linear(x.const, x.coefs, subst)
-        return Affine(const, _coefs(coefs), x.integral)
-    if isinstance(x, Conj):
-        out = TRUE if not x.false else FALSE
-        for const, coefs in x.atoms:
-            out = _and(out, _atom(*_subst_linear(const, coefs, subst)))
-        return out
-    return Select(substitute(x.cond, subst), x.on, x.off)
-
-
-def shifted(x: Value, by: int) -> Value:
-    """The value seen from a node with `by` more leading axes (broadcasting)."""
-    axes = {a for a, _ in x.coefs} if isinstance(x, Affine) else {a for _, cs in _conj_of(x).atoms for a, _ in cs}
-    return substitute(x, {a: (0, {a + by: 1}) for a in axes}) if by else x
-
-
-def _conj_of(x: Value) -> Conj:
-    return x if isinstance(x, Conj) else x.cond if isinstance(x, Select) else TRUE
-
-
-# ---- sizes ------------------------------------------------------------------------------------------
-
-def size_key(size) -> Any:
-    """A size compared structurally: an int, or a SymInt's sympy expression (no guard is created)."""
-    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
-
-
-def _is_one(size) -> bool:
-    return isinstance(size, int) and size == 1
-
+from .mask_algebra import (FALSE, TRUE, Affine, Conj, Select, Unknown, Value, _and, _atom, _coefs, _constant, _is_one,
+                           _not, allowed_positions, const_value, is_causal_triangle, shifted, size_key, substitute)
+from .mask_layout import LAYOUT_HANDLERS, node_arg
 
 # ---- the interpreter --------------------------------------------------------------------------------
 
@@ -205,14 +82,10 @@ class MaskInterpreter:
             known = self.known.get(x)
             if known is None or known.value is None:
                 if known is not None and isinstance(known.fake, (int, float, bool)):
-                    return _const_value(float(known.fake), isinstance(known.fake, (int, bool)))
+                    return const_value(float(known.fake), isinstance(known.fake, (int, bool)))
                 raise Unknown(f"{x.name} is not a tensor of the mask's construction")
             return shifted(known.value, out_ndim - known.fake.dim())
-        return _const_value(_scalar(x), isinstance(x, (int, bool)))
-
-
-def _const_value(c: float, integral: bool) -> Affine:
-    return Affine(c, (), integral and float(c).is_integer())
+        return const_value(_scalar(x), isinstance(x, (int, bool)))
 
 
 def _normalise(x: Value, fake: torch.Tensor) -> Value:
@@ -230,7 +103,7 @@ def _normalise(x: Value, fake: torch.Tensor) -> Value:
         return TRUE if c != 0 else FALSE
     if fake.dtype != torch.bool and isinstance(x, Conj):
         c = _constant(x)
-        return _const_value(c, True) if c is not None else Select(x, 1.0, 0.0)
+        return const_value(c, True) if c is not None else Select(x, 1.0, 0.0)
     return x
 
 
@@ -240,12 +113,6 @@ def _op_name(node: fx.Node) -> str | None:
     if node.op == "call_function":
         return _FUNCTION_NAMES.get(node.target)
     return None
-
-
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
 
 
 # sources ------------------------------------------------------------------------------------------
@@ -263,7 +130,7 @@ def _arange(it: MaskInterpreter, node: fx.Node) -> Value:
 def _filled(fill: Callable[[fx.Node], Any]) -> Callable:
     def handler(it: MaskInterpreter, node: fx.Node) -> Value:
         value = fill(node)
-        return _const_value(_scalar(value), isinstance(value, (int, bool)))
+        return const_value(_scalar(value), isinstance(value, (int, bool)))
     return handler
 
 
@@ -271,7 +138,7 @@ def _filled(fill: Callable[[fx.Node], Any]) -> Callable:
 
 def _binary(it: MaskInterpreter, node: fx.Node) -> tuple[Value, Value]:
     n = it.ndim(node)
-    return it.operand(_arg(node, 0, "input"), n), it.operand(_arg(node, 1, "other"), n)
+    return it.operand(node_arg(node, 0, "input"), n), it.operand(node_arg(node, 1, "other"), n)
 
 
 def _add(sign: int, reverse: bool = False) -> Callable:
@@ -396,7 +263,7 @@ def _triangle(lower: bool) -> Callable:
     def handler(it: MaskInterpreter, node: fx.Node) -> Value:
         n = it.ndim(node)
         x = it.operand(node.args[0], n)
-        diagonal = _arg(node, 1, "diagonal", 0)
+        diagonal = node_arg(node, 1, "diagonal", 0)
         if not isinstance(diagonal, int):
             raise Unknown("tril / triu with a non-constant diagonal")
         row, col = n - 2, n - 1
@@ -423,8 +290,8 @@ def _where(it: MaskInterpreter, node: fx.Node) -> Value:
 def _masked_fill(it: MaskInterpreter, node: fx.Node) -> Value:
     n = it.ndim(node)
     x = it.operand(node.args[0], n)
-    where = _as_conj(it.operand(_arg(node, 1, "mask"), n))
-    value = _constant(it.operand(_arg(node, 2, "value"), n))
+    where = _as_conj(it.operand(node_arg(node, 1, "mask"), n))
+    value = _constant(it.operand(node_arg(node, 2, "value"), n))
     if value is None:
         raise Unknown("masked_fill with a tensor value")
     if isinstance(x, Conj):  # bool: filled False removes `where`, filled True is an OR
@@ -440,7 +307,7 @@ def _masked_fill(it: MaskInterpreter, node: fx.Node) -> Value:
 def _cumsum(it: MaskInterpreter, node: fx.Node) -> Value:
     n = it.ndim(node)
     c = _constant(it.operand(node.args[0], n))
-    dim = _arg(node, 1, "dim")
+    dim = node_arg(node, 1, "dim")
     if c is None or not isinstance(dim, int):
         raise Unknown("cumsum of a non-constant tensor")
     return Affine(c, _coefs({dim % n: c}), float(c).is_integer())  # c * (i + 1)
@@ -450,9 +317,9 @@ def _diff(it: MaskInterpreter, node: fx.Node) -> Value:
     """diff of `a * i + rest` along its axis is `a`; with `prepend`, its first element must be `a` too."""
     n = it.ndim(node)
     x = it.operand(node.args[0], n)
-    if _arg(node, 1, "n", 1) != 1 or node.kwargs.get("append") is not None or not isinstance(x, Affine):
+    if node_arg(node, 1, "n", 1) != 1 or node.kwargs.get("append") is not None or not isinstance(x, Affine):
         raise Unknown("diff other than one step of an affine tensor")
-    dim = _arg(node, 2, "dim", -1) % n
+    dim = node_arg(node, 2, "dim", -1) % n
     step = dict(x.coefs).get(dim, 0)
     prepend = node.kwargs.get("prepend", node.args[3] if len(node.args) > 3 else None)
     if prepend is not None:
@@ -468,100 +335,6 @@ def _diff(it: MaskInterpreter, node: fx.Node) -> Value:
 
 
 # layout: indexing, views, broadcasting ------------------------------------------------------------
-
-def _identity(it: MaskInterpreter, node: fx.Node) -> Value:
-    return it.operand(node.args[0], it.ndim(node))  # dtype and device changes: _normalise adapts the kind
-
-
-def _expand(it: MaskInterpreter, node: fx.Node) -> Value:
-    return it.operand(node.args[0], it.ndim(node))  # new leading axes; size-1 axes carry no coefficient
-
-
-def _axis_map(it: MaskInterpreter, node: fx.Node, image: Callable[[int], int]) -> Value:
-    source = node.args[0]
-    x = it.known[source].value
-    return substitute(x, {a: (0, {image(a): 1}) for a in range(it.ndim(source))})
-
-
-def _unsqueeze(it: MaskInterpreter, node: fx.Node) -> Value:
-    d = _arg(node, 1, "dim") % it.ndim(node)
-    return _axis_map(it, node, lambda a: a if a < d else a + 1)
-
-
-def _permute(it: MaskInterpreter, node: fx.Node) -> Value:
-    dims = node.args[1:] if len(node.args) > 2 or not isinstance(_arg(node, 1, "dims"), (tuple, list)) \
-        else _arg(node, 1, "dims")
-    n = it.ndim(node)
-    order = [d % n for d in dims]
-    return _axis_map(it, node, order.index)
-
-
-def _transpose(it: MaskInterpreter, node: fx.Node) -> Value:
-    n = it.ndim(node)
-    a, b = _arg(node, 1, "dim0") % n, _arg(node, 2, "dim1") % n
-    return _axis_map(it, node, lambda x: b if x == a else a if x == b else x)
-
-
-def _reshape(it: MaskInterpreter, node: fx.Node) -> Value:
-    """A view that only adds or removes size-1 axes: the other axes keep their order and sizes."""
-    source = node.args[0]
-    old = [(a, s) for a, s in enumerate(example_value(source).shape) if not _is_one(s)]
-    new = [(a, s) for a, s in enumerate(example_value(node).shape) if not _is_one(s)]
-    if [size_key(s) for _, s in old] != [size_key(s) for _, s in new]:
-        raise Unknown("a reshape that merges or splits axes")
-    image = {a: b for (a, _), (b, _) in zip(old, new)}
-    return substitute(it.known[source].value, {a: (0, {image[a]: 1}) for a in image})
-
-
-def _getitem(it: MaskInterpreter, node: fx.Node) -> Value:
-    source, index = node.args
-    src_fake = example_value(source)
-    items = list(index) if isinstance(index, tuple) else [index]
-    consuming = sum(1 for i in items if i is not None and i is not Ellipsis)
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
-        items[at:at + 1] = [slice(None)] * (src_fake.dim() - consuming)
-    items += [slice(None)] * (src_fake.dim() - sum(1 for i in items if i is not None))
-    advanced = [k for k, i in enumerate(items) if isinstance(i, fx.Node)]
-    if advanced and any(i is None for i in items):
-        raise Unknown("advanced indexing mixed with None")
-    adjacent = advanced == list(range(advanced[0], advanced[-1] + 1)) if advanced else True
-    group = max((it.ndim(items[k]) for k in advanced), default=0)
-    # output axes: basic items in order, the advanced group where its first index stands (or in front)
-    subst: Subst = {}
-    out_axis = group if advanced and not adjacent else 0
-    src_axis = 0
-    group_start = None
-    for k, item in enumerate(items):
-        if item is None:
-            out_axis += 1
-            continue
-        if isinstance(item, fx.Node):
-            if group_start is None:
-                group_start = out_axis if adjacent else 0
-                if adjacent:
-                    out_axis += group
-            idx = it.operand(item, group)
-            if not isinstance(idx, Affine) or not idx.integral:
-                raise Unknown("indexing with a non-affine or boolean index")
-            subst[src_axis] = (idx.const, {a + group_start: c for a, c in idx.coefs})
-        elif isinstance(item, slice):
-            start, step = item.start or 0, item.step or 1
-            if not (isinstance(start, int) and isinstance(step, int)) or start < 0 or step < 1:
-                raise Unknown("a slice with a negative or symbolic start or step")
-            subst[src_axis] = (start, {out_axis: step})
-            out_axis += 1
-        elif isinstance(item, int):
-            if item < 0:
-                raise Unknown("a negative integer index")
-            subst[src_axis] = (item, {})
-        else:
-            raise Unknown(f"index {item!r}")
-        src_axis += 1
-    if out_axis != it.ndim(node):
-        raise Unknown("indexing whose result axes could not be placed")
-    return substitute(it.known[source].value, subst)
-
 
 _FUNCTION_NAMES: dict[Any, str] = {
     torch.arange: "arange", torch.ones: "ones", torch.zeros: "zeros", torch.full: "full",
@@ -592,43 +365,18 @@ _HANDLERS: dict[str, Callable[[MaskInterpreter, fx.Node], Value]] = {
     "arange": _arange,
     "ones": _filled(lambda n: 1), "ones_like": _filled(lambda n: 1),
     "zeros": _filled(lambda n: 0), "zeros_like": _filled(lambda n: 0),
-    "full": _filled(lambda n: _arg(n, 1, "fill_value")), "full_like": _filled(lambda n: _arg(n, 1, "fill_value")),
-    "new_full": _filled(lambda n: _arg(n, 2, "fill_value")),
+    "full": _filled(lambda n: node_arg(n, 1, "fill_value")), "full_like": _filled(lambda n: node_arg(n, 1, "fill_value")),
+    "new_full": _filled(lambda n: node_arg(n, 2, "fill_value")),
     "add": _add(1), "sub": _add(-1), "rsub": _add(-1, reverse=True), "mul": _mul, "neg": _neg,
     **{name: _compare(name) for name in _COMPARE},
     "and": _logical("and"), "or": _logical("or"), "invert": _invert,
     "tril": _triangle(lower=True), "triu": _triangle(lower=False), "where": _where, "masked_fill": _masked_fill,
     "cumsum": _cumsum, "diff": _diff,
-    "getitem": _getitem, "unsqueeze": _unsqueeze, "permute": _permute, "transpose": _transpose,
-    "reshape": _reshape, "expand": _expand, "identity": _identity,
+    **LAYOUT_HANDLERS,
 }
 
 
 # the verdict ---------------------------------------------------------------------------------------
-
-def allowed_positions(mask: Value, dtype: torch.dtype) -> Conj | None:
-    """Where attention may look: the mask itself (bool) or where an additive mask adds 0 and blocks elsewhere."""
-    if isinstance(mask, Conj):
-        return mask
-    if isinstance(mask, Select) and dtype.is_floating_point:
-        lowest = torch.finfo(dtype).min
-
-        def blocked(v: float) -> bool:
-            return v == float("-inf") or v <= lowest
-        if mask.on == 0 and blocked(mask.off):
-            return mask.cond
-        if blocked(mask.on) and mask.off == 0:
-            return _not(mask.cond)
-    return None
-
-
-def is_causal_triangle(allowed: Conj, ndim: int) -> bool:
-    """Exactly `key index <= query index` over the last two axes; atoms true at every index >= 0 dropped."""
-    if allowed.false:
-        return False
-    real = {(c, cs) for c, cs in allowed.atoms if not (c <= 0 and all(k <= 0 for _, k in cs))}
-    return real == {(0, ((ndim - 2, -1), (ndim - 1, 1)))}
-
 
 def prove_causal(nodes: list[fx.Node]) -> tuple[str, str]:
     """('causal' | 'other' | 'unknown', why) for the mask that `nodes` (its construction, in order) build."""

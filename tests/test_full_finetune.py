@@ -71,6 +71,21 @@ def _train(model, forward, loss_fn, inputs, steps=STEPS, rt=None, lr=1e-3):
     return losses, optimizer
 
 
+def _offloaded_and_plain(model, loss_fn, inputs):
+    """Train a plain deep copy, then the model offloaded and compiled: (runtime, losses, plain losses, copy)."""
+    plain = copy.deepcopy(model)
+    expected, _ = _train(plain, plain, loss_fn, inputs)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    try:
+        losses, _ = _train(model, compiled, loss_fn, inputs, rt=rt)
+    except BaseException:
+        rt.close()
+        raise
+    return rt, losses, expected, plain
+
+
 def _checkpointing(model, style):
     if style == "hf":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -86,14 +101,8 @@ def test_full_finetune_through_the_backend_equals_plain_training(kind, ckpt):
     model.train()
     if ckpt:
         _checkpointing(model, style)
-    plain = copy.deepcopy(model)
-    expected, _ = _train(plain, plain, loss_fn, inputs)
-
-    rt = stagehand.offload(model, device="cpu", verbose=False)
+    rt, losses, expected, plain = _offloaded_and_plain(model, loss_fn, inputs)
     try:
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
-        losses, _ = _train(model, compiled, loss_fn, inputs, rt=rt)
         assert rt.eager_linear_calls == 0, "every block ran compiled"
         assert rt.grads.grad_gemms == STEPS * len(rt.layers)
         assert losses == pytest.approx(expected, rel=1e-6)  # measured: equal (CPU, torch 2.13)
@@ -119,13 +128,8 @@ def test_lora_on_attention_and_full_training_of_the_mlps_mix():
     for name, p in model.named_parameters():
         if ".mlp." in name or "norm" in name:
             p.requires_grad_(True)
-    plain = copy.deepcopy(model)
-    expected, _ = _train(plain, plain, _lm_loss, inputs)
-    rt = stagehand.offload(model, device="cpu", verbose=False)
+    rt, losses, expected, plain = _offloaded_and_plain(model, _lm_loss, inputs)
     try:
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
-        losses, _ = _train(model, compiled, _lm_loss, inputs, rt=rt)
         training = [s.fqn for s in rt.layers if s.module.weight.requires_grad]
         assert training and all(".mlp." in f for f in training)
         assert rt.grads.grad_gemms == STEPS * len(training)

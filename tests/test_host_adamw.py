@@ -146,24 +146,26 @@ def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
     assert torch.equal(dst[:1000].float(), exact)
 
 
+def _square_steps(model, x, opt, n: int) -> list[float]:
+    losses = []
+    for _ in range(n):
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_checkpoint_and_resume_keep_fp32_states_of_bf16_weights(tmp_path):
     model, x = _model()
     model.to(torch.bfloat16)
     x = x.to(torch.bfloat16)
     rt = stagehand.offload(model, device="cpu", verbose=False)
     opt = HostAdamW(model.parameters(), lr=LR)
-    for _ in range(2):
-        model(x).float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    _square_steps(model, x, opt, 2)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
-    after = []
-    for _ in range(2):
-        loss = model(x).float().square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        after.append(loss.item())
+    after = _square_steps(model, x, opt, 2)
     rt.close()
 
     again, _ = _model()
@@ -176,14 +178,7 @@ def test_checkpoint_and_resume_keep_fp32_states_of_bf16_weights(tmp_path):
     streamed = [p for p in again.parameters() if p in opt2.state and "master" in opt2.state[p]]
     assert streamed and all(opt2.state[p]["exp_avg"].dtype == torch.float32 and
                             opt2.state[p]["master"].dtype == torch.float32 for p in streamed)
-    resumed = []
-    for _ in range(2):
-        loss = again(x).float().square().mean()
-        loss.backward()
-        opt2.step()
-        opt2.zero_grad()
-        resumed.append(loss.item())
-    assert resumed == after
+    assert _square_steps(again, x, opt2, 2) == after
     rt2.close()
 
 
