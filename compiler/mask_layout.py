@@ -6,15 +6,22 @@ axes: a substitution of the source's axes by the result's, never a change of the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch.fx as fx
 
 from .graph_nodes import example_value
 from .mask_algebra import Affine, Subst, Unknown, Value, _is_one, size_key, substitute
 
-if TYPE_CHECKING:
-    from .mask_proof import MaskInterpreter
+
+class MaskInterpreter(Protocol):
+    """What a layout handler reads of the interpreter (mask_proof.py): the values known so far, per node."""
+
+    known: dict[fx.Node, Any]  # node -> its value and fake tensor
+
+    def ndim(self, node: fx.Node) -> int: ...
+
+    def operand(self, x, out_ndim: int) -> Value: ...
 
 
 def node_arg(node: fx.Node, index: int, name: str, default=None):
