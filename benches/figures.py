@@ -406,14 +406,19 @@ def peers_table(headline: bool = False) -> str:
         gpu = gpu_of("budget_sweep_flux.json")
         rows = [r for r in rows if r["_file"] != "models_flux.json" and gpu_of(r["_file"]) == gpu
                 and not (baseline_kind(r) and r["_file"] != "budget_sweep_flux.json")]
-    cols = [Col("tool, setting", lambda r: r["_label"]), Col("GPU", lambda r: gpu_of(r["_file"])),
+    cols = [Col("tool, setting", lambda r: r["_label"]), *([] if headline else [Col("GPU", lambda r: gpu_of(r["_file"]))]),
             Col("step ms", field("step_ms", ms)), *ratio_cols(bases, group), Col("peak GiB", field("peak_gib")),
-            Col("peak reserved GiB", field("peak_reserved_gib")), Col("note", note),
-            Col("file", lambda r: f"`{r['_file']}`")]
-    files = list(dict.fromkeys(r["_file"] for r in rows))
+            Col("peak reserved GiB", field("peak_reserved_gib")), Col("note", note)]
     what = ("Flux-dev 12B, 4096 image + 512 text tokens, LoRA r=16 on the attention projections, AdamW, the "
             "model's gradient checkpointing on; each ratio is to the resident model of the same file (run)")
-    return f"{caption(*files, what=what)}\n\n{table(rows, [c for c in cols if not (headline and c.header == 'GPU')])}\n"
+    return files_table(rows, cols, what)
+
+
+def files_table(rows: list[dict], cols: list[Col], what: str) -> str:
+    """Rows gathered from several result files (`_file`): the table with a file column, captioned by every file."""
+    files = list(dict.fromkeys(r["_file"] for r in rows))
+    file_col = Col("file", lambda r: f"`{r['_file']}`")
+    return f"{caption(*files, what=what)}\n\n{table(rows, [*cols, file_col])}\n"
 
 
 def host_memory_of_peers() -> str:
@@ -423,12 +428,10 @@ def host_memory_of_peers() -> str:
                          _label=f"stagehand {r['run'].split('@')[0].split(':')[0]}, `keep_full=\"{r['keep_full']}\"`"
                               + (f", inside a {r['cgroup_gb']:g} GB cgroup" if r.get("cgroup_gb") else "")))
     cols = [Col("tool, setting", lambda r: r["_label"]), Col("host RSS GB", field("rss_gb")),
-            Col("page-locked GB", field("pinned_gb")), Col("GPU peak GiB", field("peak_gib")),
-            Col("file", lambda r: f"`{r['_file']}`")]
-    files = list(dict.fromkeys(r["_file"] for r in rows))
+            Col("page-locked GB", field("pinned_gb")), Col("GPU peak GiB", field("peak_gib"))]
     what = ("Host memory of the same Flux set-ups: RSS after the measured steps, and the page-locked bytes (for "
             "the peers, what PyTorch's pinned pool holds; for stagehand, its host store locked in place)")
-    return f"{caption(*files, what=what)}\n\n{table(rows, cols)}\n"
+    return files_table(rows, cols, what)
 
 
 def diffusers_reset() -> str:

@@ -49,13 +49,12 @@ class _Landing:
 
 
 class GradLane:
-    def __init__(self, layers: list[StreamedLayerSpec], store, device: torch.device):
+    def __init__(self, layers: list[StreamedLayerSpec], store, device: torch.device, first_layer: dict[int, int]):
+        """`first_layer`: block -> the index in `layers` of its first streamed layer (the runtime's)."""
         self.layers, self.store, self.device = layers, store, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.n_blocks = len(store.blocks)
-        self.first_layer: dict[int, int] = {}
-        for index, spec in enumerate(layers):
-            self.first_layer.setdefault(spec.block, index)
+        self.first_layer = first_layer
         self.anchors = [torch.zeros((), device=self.device) for _ in range(self.n_blocks)]
         self.host: dict[int, torch.Tensor] = {}  # block -> flat host gradient buffer (the master's layout)
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -79,6 +78,10 @@ class GradLane:
 
     def trainable(self, index: int) -> bool:
         return self.layers[index].module._parameters["weight"].requires_grad
+
+    def position(self, index: int) -> int:
+        """Where layer `index` sits among its block's streamed layers."""
+        return index - self.first_layer[self.layers[index].block]
 
     def trainable_positions(self, block: int) -> tuple[int, ...]:
         first = self.first_layer[block]
@@ -115,6 +118,10 @@ class GradLane:
 
     # ---- backward ------------------------------------------------------------------------
 
+    def grad_weight_at(self, block: int, position: int, dy: torch.Tensor, x: torch.Tensor) -> None:
+        """`grad_weight` of the block's `position`-th streamed layer (how a compiled block names it)."""
+        self.grad_weight(self.first_layer[block] + position, dy, x)
+
     def grad_weight(self, index: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         """Compute layer `index`'s weight gradient from its output gradient and its input, and send it home."""
         spec = self.layers[index]
@@ -127,8 +134,7 @@ class GradLane:
             if self.consumer is not None:
                 self.consumer.begin_backward()
         self._queue_finish()
-        position = index - self.first_layer[spec.block]
-        lay = self.store.layout(spec.block, precisions.FULL)[position]
+        lay = self.store.layout(spec.block, precisions.FULL)[self.position(index)]
         home = precisions.master().views(self.host[spec.block], lay)[0]  # the weight's stored orientation
         direct = weight.grad is None and index not in self._consumed and not any(l.index == index for l in self._landing)
         target = home if direct else torch.empty_like(home, pin_memory=self.cuda)
@@ -206,7 +212,9 @@ class GradLane:
         if land.event is not None:
             land.event.synchronize()
         weight = self.layers[land.index].module._parameters["weight"]
-        if land.direct:
+        # A landing meant to add may find no .grad: a host optimizer consumed it in between (a second
+        # backward before its step, which step() then refuses). The gradient is then the landing's own.
+        if land.direct or weight.grad is None:
             weight.grad = land.target
         else:
             weight.grad.add_(land.target)

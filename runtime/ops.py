@@ -223,7 +223,7 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, block_tok: torch.Tensor, posi
     """In a compiled block's backward: the weight gradient of the block's `position`-th streamed layer,
     computed and sent to its host buffer (grads.py). Returns a token nothing reads (kept: side effect)."""
     rt, block = registry.decode(block_tok)
-    rt.op_grad_weight(block, position, dy, x)
+    rt.grads.grad_weight_at(block, position, dy, x)
     return registry_sentinel()
 
 

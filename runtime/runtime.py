@@ -109,7 +109,9 @@ class Runtime(SelectivePrecisionAPI):
         model, layers = self.model, self.layers
         # self.store: planned and checked against the machine's memory before anything is allocated.
         build_host_store(self, precision, slab_loader, self._keep_full, progress)
-        self.grads = GradLane(layers, self.store, self.device)  # trainable weights' gradients, landed on the host
+        # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
+        self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
+        self.trainable_positions, self.layer_position = self.grads.trainable_positions, self.grads.position
         for index, spec in enumerate(layers):
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn, self.grads.anchors[spec.block],
                           functools.partial(self.grads.sync_anchor, spec.block))
@@ -297,15 +299,6 @@ class Runtime(SelectivePrecisionAPI):
         self.planner.schedule_op_took(t0)
         return self._free_tokens[block]
 
-    def op_grad_weight(self, block: int, position: int, dy: torch.Tensor, x: torch.Tensor) -> None:
-        self.grads.grad_weight(self._block_first_layer[block] + position, dy, x)
-
-    def trainable_positions(self, block: int) -> tuple[int, ...]:
-        return self.grads.trainable_positions(block)
-
-    def layer_position(self, index: int) -> int:
-        return index - self._block_first_layer[self.layers[index].block]
-
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # A forward run inside backward is activation checkpointing recomputing a block:
         # it belongs to the backward phase, and the next block needed is the previous one.
@@ -375,7 +368,7 @@ class Runtime(SelectivePrecisionAPI):
     def _after_load_state_dict(self, module, incompatible_keys) -> None:
         # load_state_dict wrote the host master in place; drop stale device copies.
         # (INT8 copies notice through the buffer's version counter and re-quantize.)
-        self.pool.invalidate(self.layers[_layer_index(module, self)].block)
+        self.pool.invalidate(self.layers[registry.layer(module._sh_layer)[1]].block)
 
     def _counters(self) -> dict[str, int]:
         s = self.pool.stats
@@ -404,7 +397,3 @@ class Runtime(SelectivePrecisionAPI):
         if self._closed:
             raise RuntimeError("stagehand: this Runtime was closed (restore() or close() was called); "
                                "offload the model again to stream it")
-
-
-def _layer_index(module: nn.Module, rt: Runtime) -> int:
-    return registry.layer(module._sh_layer)[1]

@@ -226,8 +226,7 @@ class SlotPool:
         stale = [(b, s) for b, s in self.resident_slots.items()
                  if s.key is not None and not s.holds and s.master_version != self.store.master_version(b)]
         for block, slot in stale:
-            self.stats.stale_slots += 1
-            self._issue_copy(slot, block, slot.key[1])
+            self._find_fresh(block, slot.key[1])  # a stale resident copy is refilled in place, and counted
         return len(stale)
 
     # ---- transitions ------------------------------------------------------------
