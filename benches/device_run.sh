@@ -14,6 +14,7 @@
 #   STAGES="sptests" bash benches/device_run.sh                       # fp8 + selective-precision GPU tests
 #   STAGES="fp8parts" bash benches/device_run.sh                      # an fp8 Linear piece by piece against cuBLAS bf16
 #   STAGES="fp8a" FP8A_ARGS="--skip-two-slot --fp8-mlp-row --steps 8" bash benches/device_run.sh   # workload A (carry .whl)
+#   STAGES="start" MODEL=qwen START_ROWS="qwen:int8 qwen:resident" START_MODES="cold warm bundle"   # seconds to the first step
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
 #   STAGES="sweep" MODEL=flux SWEEP_ARGS="--baselines inductor --baselines-only" SWEEP_TIMEOUT=570 bash benches/device_run.sh
 #                  # Flux's resident Inductor compile alone (~6 min cold): fills Inductor's cache in /tmp for the full
@@ -121,6 +122,9 @@ for stage in $STAGES; do
               --out "$OUT/budget_sweep_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/budget_sweep_${MODEL:-qwen}.log" ;;
     btests) run_tests btests "$OUT/gpu_budget_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -rs -s \
               tests/test_gpu_budget.py ;;
+    start)  timeout ${START_TIMEOUT:-570} python3 benches/start_time.py --rows ${START_ROWS:-qwen:int8 qwen:bf16 qwen:resident} \
+              --modes ${START_MODES:-cold warm} ${START_ARGS:-} --out "$OUT/start_time_${MODEL:-qwen}.json" 2>&1 \
+              | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/start_time_${MODEL:-qwen}.log" ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

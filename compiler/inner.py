@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .compile_cache import cacheable_functions, ops_fingerprint
 from .context import PassLog
 from .mutation import MutationIndex
 from .source_hash import passes_uuid
+from .symbolic import fake_static
 
 if TYPE_CHECKING:
     from .symbolic import FakedInputs
@@ -75,7 +77,8 @@ class JointPasses:
         self.log.run(self.passes, graph)
 
     def uuid(self) -> str:
-        return passes_uuid(self.passes)
+        # The ops' fake and autograd rules are traced into the joint graph too: an edit to them must miss.
+        return f"{passes_uuid(self.passes)}-ops-{ops_fingerprint()}"
 
 
 def _custom_pass(joint: JointPasses):
@@ -98,7 +101,10 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
 
     # A recomputed block's two variants must draw random numbers as eager does (from the generators
     # the recompute restores, in program order), not from Inductor's own seeds.
-    patches = dict(joint_custom_post_pass=_custom_pass(joint)) | (dict(fallback_random=True) if replay_rng else {})
+    patches = dict(joint_custom_post_pass=_custom_pass(joint),
+                   unsafe_marked_cacheable_functions={**inductor_config.unsafe_marked_cacheable_functions,
+                                                      **cacheable_functions()})
+    patches |= dict(fallback_random=True) if replay_rng else {}
     with inductor_config.patch(**patches), _eager_backward_lowering():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
@@ -110,6 +116,8 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph:
     `faked`: compile shape-generic, from these fake inputs (symbolic.py), instead of the real ones."""
     joint = JointPasses(joint_passes, log)
     gm = _bake_scalar_reads(gm, example_inputs)
+    if faked is None and inner == "inductor":
+        faked = fake_static(example_inputs)  # the compile caches need a ShapeEnv (compile_cache.py)
     inputs, context = (example_inputs, contextlib.nullcontext()) if faked is None else (faked.values, faked.tracing())
     with context:
         if inner == "eager":

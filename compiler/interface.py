@@ -20,6 +20,8 @@ class StreamedLayer(Protocol):
 
     fqn: str  # relative to its block
     block: int
+    out_features: int
+    in_features: int
 
 
 @runtime_checkable
@@ -61,8 +63,8 @@ class StreamingRuntime(Protocol):
         """A compiled unit raised before its evict ran: release every block it held."""
         ...
 
-    def record_compile(self, seconds: float, block_variant: bool) -> None:
-        """Count one compiled unit in `stats()`."""
+    def record_compile(self, seconds: float, block_variant: bool, loaded: bool = False) -> None:
+        """Count one compiled unit in `stats()` (`loaded`: from the compile caches, not compiled)."""
         ...
 
     def planned_recompute(self, block: int) -> bool | None:

@@ -104,6 +104,12 @@ class SymbolicInputs:
         return FakedInputs(mode, fakes)
 
 
+def fake_static(args: Sequence[Any]) -> "FakedInputs":
+    """Fake `args` with every size static, in a fresh ShapeEnv: what Inductor's FX graph cache and
+    AOTAutograd's cache need to run at all (their guards live in a ShapeEnv; without one both bypass)."""
+    return SymbolicInputs((), ()).fake(args)
+
+
 @dataclass
 class FakedInputs:
     mode: Any  # FakeTensorMode

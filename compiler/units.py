@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import compile_cache
 from .context import CompileContext, PassLog, VariantContext
 from .inner import compile_unit
 from .recompute import run_recomputed
@@ -110,18 +111,23 @@ class _Unit(nn.Module):
             graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
 
         faked = None if self.symbolic is None else self.symbolic.fake(args)
+        cache.before_compile()
         start = time.perf_counter()
-        compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes, pass_log,
-                                replay_rng=self.recomputes, faked=faked)
+        with compile_cache.track() as outcome:
+            compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes,
+                                    pass_log, replay_rng=self.recomputes, faked=faked)
         seconds = time.perf_counter() - start
-        rt.record_compile(seconds, block_variant)
+        rt.record_compile(seconds, block_variant, outcome.loaded)
         cache.add(key, compiled, {
             "label": label, "graphs": graphs, "seconds": seconds, "shape_generic": faked is not None,
+            "cache": outcome.state,
             "scheduled": gm.print_readable(print_output=False, include_stride=False, include_device=True),
             "passes": [r.as_dict() for r in pass_log.passes_ran],
         }, guard=None if faked is None else faked.guard())
-        log.info("stagehand: compiled %s (%s%s) in %.2fs", label, self.ctx.options.inner,
-                 "" if faked is None else ", all sizes of the dynamic dimensions", seconds)
+        cache.after_compile(outcome.loaded)
+        log.info("stagehand: %s %s (%s%s) in %.2fs (cache: %s)", "loaded" if outcome.loaded else "compiled", label,
+                 self.ctx.options.inner, "" if faked is None else ", all sizes of the dynamic dimensions", seconds,
+                 outcome.state)
         if faked is None:
             self._warn_on_a_second_shape(key[0], args, label, block_variant)
         per_structure = cache.count_structure(key[0])

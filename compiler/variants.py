@@ -11,15 +11,19 @@ the compiled code when the model is restored or its runtime closed.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from typing import Any, Callable, Hashable
 
+from .compile_cache import CompileBundle, enabled as bundle_enabled
 from .interface import StreamingRuntime
 from .symbolic import Guard, GuardedVariants
 
 
 class VariantCache:
-    def __init__(self) -> None:
+    def __init__(self, bundle: CompileBundle | None = None) -> None:
+        self.bundle = bundle  # this model's compiled units on disk (compile_cache.py); None: off
+        self._bundle_loaded = False
         self.compiled: dict[Hashable, Callable] = {}
         self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
         self.warned_shapes = False  # the second-input-shape warning is given once per runtime
@@ -36,6 +40,17 @@ class VariantCache:
         else:
             self.compiled.setdefault(key, GuardedVariants()).add(guard, compiled)
         self.info[key] = info
+
+    def before_compile(self) -> None:
+        """The first compile of this runtime loads the model's bundle into torch's caches (once)."""
+        if self.bundle is not None and not self._bundle_loaded:
+            self._bundle_loaded = True
+            self.bundle.load()
+
+    def after_compile(self, loaded: bool) -> None:
+        """A unit compiled cold: write the bundle again, so a run killed later still leaves what it compiled."""
+        if self.bundle is not None and not loaded:
+            self.bundle.save()
 
     def count_structure(self, structure: Hashable) -> int:
         """How many variants share this structure key (one per input signature / guard / grad mode)."""
@@ -57,6 +72,14 @@ def variant_cache(rt: StreamingRuntime) -> VariantCache:
     """The runtime's variant cache (created on first use; emptied when the runtime closes)."""
     cache = _caches.get(rt)
     if cache is None:
-        cache = _caches[rt] = VariantCache()
+        bundle = CompileBundle.for_model(model_fingerprint(rt), rt.device) if bundle_enabled() else None
+        cache = _caches[rt] = VariantCache(bundle)
         rt.on_close(cache.clear)
     return cache
+
+
+def model_fingerprint(rt: StreamingRuntime) -> str:
+    """Names the model's bundle: its blocks and every streamed layer's place and shape (not the precision
+    map: one file holds the variants of every map a run used)."""
+    parts = [rt.device.type, *rt.blocks, *(f"{l.block}:{l.fqn}:{l.out_features}x{l.in_features}" for l in rt.layers)]
+    return f"{len(rt.blocks)}blocks-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -11,15 +11,16 @@ import torch
 class RuntimeEvents:
     def __init__(self):
         self.step_listeners: list[Callable[[dict[str, Any]], None]] = []  # each step's telemetry record
-        self.compile_listeners: list[Callable[[str, float], None]] = []  # ("graph" | "unit" | "block variant", s)
+        # ("graph" | "unit" | "block variant", seconds, loaded from the compile caches)
+        self.compile_listeners: list[Callable[[str, float, bool], None]] = []
 
     def step(self, record: dict[str, Any]) -> None:
         for listener in list(self.step_listeners):
             listener(record)
 
-    def compiled(self, kind: str, seconds: float) -> None:
+    def compiled(self, kind: str, seconds: float, loaded: bool = False) -> None:
         for listener in list(self.compile_listeners):
-            listener(kind, seconds)
+            listener(kind, seconds, loaded)
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -16,7 +16,7 @@ the smallest plan and the second of them is measured (conductor/calibrate.py;
 the first one compiles); the plan is re-made from the measurements when that
 step ends. The first `REFINE_STEPS` steps of every later plan measure each
 block again (`BlockClocks`): the host's issue time and the GPU's time
-(one synchronisation at the step's end): the calibration step's
+(its events read at a later step's end, once reached: no synchronisation): the calibration step's
 copies hold the host back in a full launch queue, and a slow host leaves the
 GPU waiting inside a block, so both read high there and never low; the smaller
 value stays for the next plan made (the plan running keeps the prediction it
@@ -25,9 +25,8 @@ was chosen by). A new precision map re-plans at once (bytes per block changed).
 
 from __future__ import annotations
 
-import time
-
 import logging
+import time
 
 import torch
 
@@ -88,7 +87,7 @@ class PlanDriver:
         self.peak_corrections: list[str] = []  # what the measured peaks taught the cost model
         self.peak_margin = 0  # the largest excess of a measured peak over its prediction (planned under the budget)
         self.refining: BlockClocks | None = None  # over the first REFINE_STEPS steps of a planned plan
-        self._refine_steps = 0
+        self._refine_steps, self._unread = 0, []  # _unread: measured steps' GPU clocks not yet reached
         self.host_refinements = 0  # host issue times the later plans' steps lowered
         self.compute_refinements = 0  # GPU times per block the later plans' steps lowered
 
@@ -358,9 +357,11 @@ class PlanDriver:
             clocks, self.refining = self.refining, None
             self._refine_steps -= 1
             self.host_refinements += self.cost_model.refine_host(clocks.host.seconds(), self.plan.resident)
-            if clocks.gpu.cuda:
-                torch.cuda.synchronize(self.rt.device)  # the events are read: once per measured step
-            self.compute_refinements += self.cost_model.refine_compute(clocks.gpu.seconds())
+            self._unread.append(clocks.gpu)
+        # GPU times are read once their events are reached (this step's end or a later one's), never waited for;
+        reached = [(t, t.done()) for t in self._unread]  # each asked once: an event may be reached meanwhile.
+        self._unread = [t for t, done in reached if not done]
+        self.compute_refinements += sum(self.cost_model.refine_compute(t.seconds()) for t, done in reached if done)
         if self._peak_check == "measuring":
             self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
         if self.calibration is None:
@@ -378,7 +379,6 @@ class PlanDriver:
         self.cost_model = calibration.finish(self.cost_model, predict)
         self.calibrated = True
         self.apply(f"calibrated on step {step}")
-
 
 
 def plan_stats(plan: Plan | None, pool: SlotPool | None) -> dict:

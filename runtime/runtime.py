@@ -95,6 +95,7 @@ class Runtime(SelectivePrecisionAPI):
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
         self.compile_seconds = 0.0
         self.compile_count = 0  # every compiled unit (block variants and glue)
+        self.units_loaded = 0  # of those, loaded from the compile caches (a warm start), not compiled
         self.block_variant_count = 0
         self.graph_breaks: list[str] = []
         self.eager_linear_calls = 0
@@ -251,11 +252,11 @@ class Runtime(SelectivePrecisionAPI):
         """A compiled unit raised before its evict ran: release every slot it held."""
         self.pool.release_all()
 
-    def record_compile(self, seconds: float, block_variant: bool) -> None:
-        self.compile_seconds += seconds
-        self.compile_count += 1
+    def record_compile(self, seconds: float, block_variant: bool, loaded: bool = False) -> None:
+        self.compile_seconds, self.compile_count, self.units_loaded = (
+            self.compile_seconds + seconds, self.compile_count + 1, self.units_loaded + loaded)
         self.block_variant_count += block_variant
-        self.events.compiled("block variant" if block_variant else "unit", seconds)
+        self.events.compiled("block variant" if block_variant else "unit", seconds, loaded)
 
     def record_graph(self, record: Any) -> None:
         self.graph_records.append(record)

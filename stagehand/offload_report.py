@@ -171,8 +171,10 @@ def first_step_line(record: dict[str, Any], stats: dict[str, Any]) -> str:
     phases = record.get("phase_durations", {})
     total = sum(phases.values())
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if v >= 0.005)
+    loaded = stats.get("units_loaded", 0)
+    cache = f"; {loaded} loaded from the compile cache" if loaded else ""
     return (f"stagehand: first step took {total:.1f} s ({parts}); it compiled {stats['compiled_units']} units "
-            f"({stats['compiled_variants']} block variants) in {stats['compile_seconds']:.1f} s; "
+            f"({stats['compiled_variants']} block variants{cache}) in {stats['compile_seconds']:.1f} s; "
             "later steps reuse them")
 
 
@@ -184,7 +186,7 @@ class FirstCallProgress:
         self.rt = rt
         self.stream = stream if stream is not None else sys.stderr
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.units = self.variants = 0
+        self.units = self.variants = self.loaded = 0
         self.seconds = 0.0
         self.announced = False
         rt.events.compile_listeners.append(self.on_compile)
@@ -194,7 +196,7 @@ class FirstCallProgress:
         self.stream.write(text)
         self.stream.flush()
 
-    def on_compile(self, kind: str, seconds: float) -> None:
+    def on_compile(self, kind: str, seconds: float, loaded: bool = False) -> None:
         if kind == "graph":
             if not self.announced:
                 self.announced = True
@@ -203,9 +205,12 @@ class FirstCallProgress:
             return
         self.units += 1
         self.variants += kind == "block variant"
+        self.loaded += loaded
         self.seconds += seconds
         if self.live:
-            self._write(f"\r  compiled {self.units} units ({self.variants} block variants) in {self.seconds:.1f} s")
+            cache = f", {self.loaded} loaded from the compile cache" if self.loaded else ""
+            self._write(f"\r  compiled {self.units} units ({self.variants} block variants{cache}) "
+                        f"in {self.seconds:.1f} s")
 
     def on_step(self, record: dict[str, Any]) -> None:
         self.rt.events.compile_listeners.remove(self.on_compile)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from ..source_hash import passes_uuid
 from .annotate_blocks import annotate_blocks
 from .assign_segments import assign_segments
 from .causal_attention import causal_attention
@@ -62,8 +61,11 @@ def pass_names(passes: Sequence[Callable]) -> list[str]:
 
 
 def joint_passes_uuid() -> str:
-    """The cache uuid Inductor sees for JOINT_PASSES (changes whenever their modules' source does)."""
-    return passes_uuid(JOINT_PASSES)
+    """The cache uuid Inductor sees for JOINT_PASSES (changes whenever their modules' source, or the ops'
+    registrations they trace through, do: inner.JointPasses.uuid)."""
+    from ..inner import JointPasses
+
+    return JointPasses(JOINT_PASSES).uuid()
 
 
 __all__ = [

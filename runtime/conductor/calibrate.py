@@ -127,8 +127,12 @@ class BlockTimer:
             return 0.0
         return self.elapsed(forward_ends[-1], backward_starts[0]) + self.elapsed(spans[-1][3], end)
 
+    def done(self) -> bool:
+        """Have the GPU's events all been reached (a host query, never a wait)? On the CPU: always."""
+        return not self.cuda or not self._spans or self._spans[-1][3].query()
+
     def seconds(self) -> dict[str, list[float]]:
-        """Per kind and block (on CUDA, after the caller synchronised)."""
+        """Per kind and block (on CUDA, once `done()` or after the caller synchronised)."""
         seconds = {FORWARD: [0.0] * self.n, RECOMPUTE: [0.0] * self.n, BACKWARD: [0.0] * self.n}
         for block, kind, start, stop in self._spans:
             seconds[kind][block] += self.elapsed(start, stop)

@@ -1,0 +1,195 @@
+"""Seconds to the first step: cold start, warm start, and the steps after a new plan.
+
+    python benches/start_time.py --rows qwen:int8 qwen:bf16 qwen:resident --out benches/results/start_time_qwen.json
+    python benches/start_time.py --rows flux:int8 flux:bf16 --out benches/results/start_time_flux.json
+    python benches/start_time.py --tiny --device cpu --rows qwen:int8 --steps 4     # a smoke test of the bench
+
+Every run is a fresh process (the thing a user starts many times a day), on the full-size model of
+benches/models.py (random init on the GPU, bf16, peft LoRA r=16 on the attention projections, AdamW;
+Flux with its own checkpointing, Qwen without), offloaded under the README's budget for it (Flux 16 GiB,
+Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precision) the runs are, in order:
+
+- cold: empty caches (stagehand's: the W8A16 tune file, the compile bundle; Inductor's; Triton's);
+- warm: a second process on the same machine, every cache as the cold run left it;
+- bundle (`--bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
+  with only the compile bundle (compiler/compile_cache.py) to start from.
+
+"resident" rows are the baseline: the plain model, every weight on the GPU, under torch.compile's
+default backend (Inductor), cold and warm the same way. Per run: offload seconds (with a profile of
+the cold int8 offload: where its seconds go), the first step's seconds, each later step's milliseconds
+(the calibration and new-plan steps among them, the plan kind beside each), the steady step (median of
+the last three), units compiled and loaded, compile and autotune seconds, and the first step's loss:
+a warm run computes the cold run's number exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+BUDGETS = {"flux": "16GiB", "qwen": "20GiB"}
+ROOT = os.environ.get("START_TIME_CACHE_ROOT", "/tmp/stagehand-start-time")
+
+
+def child(args) -> dict:
+    """One process: build, offload, compile, `--steps` steps, each synchronised and timed."""
+    import peft
+    import torch
+    from models import LORA_TARGETS, build_flux, build_qwen, loss_of, set_checkpointing
+
+    import torch_stagehand as stagehand
+
+    device = args.device
+    cuda = device == "cuda"
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as benches/models.py: cuDNN SDPA backward faults at Flux's shape
+    kind, precision = args.row.split(":")
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model, inputs, shape = (build_flux if kind == "flux" else build_qwen)(args.tiny, device)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS[kind]))
+    set_checkpointing(kind, model, kind == "flux")
+    build_s = time.perf_counter() - t0
+    out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(build_s, 1)}
+    rt = None
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if precision != "resident":
+        profiler = cProfile.Profile() if args.profile_offload else None
+        t0 = time.perf_counter()
+        if profiler:
+            profiler.enable()
+        rt = stagehand.offload(model, device=device, precision=precision,
+                               vram_budget=None if args.tiny else BUDGETS[kind], verbose=False)
+        sync()
+        if profiler:
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+            out["offload_profile"] = text.getvalue()[-6000:]
+        out["offload_s"] = round(time.perf_counter() - t0, 2)
+        compiled = torch.compile(model, backend="stagehand")
+    else:
+        compiled = torch.compile(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    if rt is not None:
+        rt.attach(optimizer)
+    steps, losses, plans = [], [], []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        loss = loss_of(kind, compiled(**inputs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        steps.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        plans.append(rt.plan.kind if rt is not None and rt.plan is not None else "")
+    out.update(first_step_s=round(steps[0], 2), step_ms=[round(s * 1e3, 1) for s in steps[1:]], plan_kinds=plans,
+               steady_ms=round(statistics.median(steps[-3:]) * 1e3, 1), first_loss=losses[0])
+    if rt is not None:
+        s = rt.stats()
+        out.update({k: s[k] for k in ("compiled_units", "units_loaded", "units_compiled_cold", "compile_seconds",
+                                      "autotune_seconds", "compiled_variants")})
+        out["replans"] = rt.planner.replans
+    else:
+        from torch._dynamo.utils import counters
+
+        out.update(units_loaded=counters["aot_autograd"].get("autograd_cache_hit", 0),
+                   units_compiled_cold=counters["aot_autograd"].get("autograd_cache_miss", 0))
+    return out
+
+
+def caches(row: str, mode: str) -> dict[str, str]:
+    """The cache folders of one run: per row; cold empties them all, bundle keeps stagehand's alone."""
+    base = os.path.join(ROOT, row.replace(":", "-"))
+    env = {"STAGEHAND_CACHE_DIR": os.path.join(base, "stagehand"),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(base, "inductor"),
+           "TRITON_CACHE_DIR": os.path.join(base, "triton")}
+    wipe = {"cold": list(env.values()), "warm": [], "bundle": [env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]]}
+    for folder in wipe[mode]:
+        shutil.rmtree(folder, ignore_errors=True)
+    return env
+
+
+def run_one(args, row: str, mode: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
+           "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + \
+          (["--profile-offload"] if mode == "cold" and row.endswith(":int8") else [])
+    env = dict(os.environ, **caches(row, mode), STAGEHAND_TUNE_CACHE="1", STAGEHAND_COMPILE_CACHE="1")
+    print(f"start_time: {row} {mode} ...", flush=True)
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if result is None:
+        return {"row": row, "mode": mode, "error": f"exit {done.returncode}: {done.stderr[-2000:]}",
+                "process_s": round(wall, 1)}
+    return dict(result, process_s=round(wall, 1))
+
+
+def table_rows(results: list[dict]) -> list[dict]:
+    cold = {r["row"]: r for r in results if r.get("mode") == "cold"}
+    out = []
+    for r in results:
+        if "error" in r:
+            out.append({"row": r["row"], "mode": r["mode"], "error": r["error"][:80]})
+            continue
+        base = cold.get(r["row"])
+        out.append({
+            "row": r["row"], "mode": r["mode"], "process_s": r["process_s"], "offload_s": r.get("offload_s", ""),
+            "first_step_s": r["first_step_s"], "steps_2_4_ms": " / ".join(f"{x:.0f}" for x in r["step_ms"][:3]),
+            "steady_ms": r["steady_ms"], "units": r.get("compiled_units", ""), "loaded": r.get("units_loaded", ""),
+            "cold_units": r.get("units_compiled_cold", ""), "compile_s": r.get("compile_seconds", ""),
+            "autotune_s": r.get("autotune_seconds", ""),
+            "loss_as_cold": "" if base is None or r is base else r["first_loss"] == base["first_loss"],
+        })
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", default=["qwen:int8", "qwen:bf16", "qwen:resident"])
+    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm", "bundle"])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--timeout", type=int, default=540)
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--row", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--profile-offload", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return 0
+    from _common import env_info, print_header, print_table, write_json
+
+    env = print_header(env_info())
+    # A resident row has no compile bundle: its "bundle" run would be a second cold one.
+    results: list[dict] = []
+    for row in args.rows:
+        for mode in args.modes:
+            if mode == "bundle" and row.endswith(":resident"):
+                continue  # a resident row has no compile bundle: its "bundle" run would be a second cold one
+            results.append(run_one(args, row, mode))
+            if args.out:  # after every run: a call cut at its time limit keeps the runs it made
+                write_json(args.out, {"env": env, "budgets": BUDGETS, "steps": args.steps,
+                                      "rows": table_rows(results), "runs": results})
+    print_table(table_rows(results), title="seconds to the first step (each run a fresh process)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

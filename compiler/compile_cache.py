@@ -1,0 +1,268 @@
+"""Warm starts: a unit compiled once is loaded, not compiled, by the next process.
+
+Units compile outside Dynamo (units.py) through AOTAutograd and Inductor, so
+torch's own caches do the keeping: AOTAutograd's cache and Inductor's FX graph
+cache key a unit on everything that makes its code (the variant graph, which
+holds the block's precision in rewrite_linear's ops; the inputs' shapes,
+strides and dtypes; Inductor's config, where our joint passes sit with a uuid
+that hashes their source and the ops' registrations; torch and triton
+versions; the device), and Triton's and the autotuner's caches keep the
+kernels. Two things would make both caches step aside for every unit, and
+are taken care of here and in inner.py:
+
+- no ShapeEnv: their guards live in one, and a unit compiles outside
+  Dynamo's context. `inner.compile_unit` fakes static inputs too (symbolic.py).
+- a call the cache cannot vouch for: `grad_tap` (full fine-tuning's weight
+  gradient) is a Python function around an autograd.Function; it is marked
+  cacheable under a hash of its module's source, so an edit to it misses.
+
+Each compile says how it went (`CompileOutcome`: "hit", "miss" = compiled and
+stored, "bypass: <torch's reason>"); `stats()` counts the units loaded.
+
+torch's caches live in TORCHINDUCTOR_CACHE_DIR (a folder under /tmp by
+default), which a container or a fresh node does not keep. `CompileBundle`
+writes what this process compiled or loaded (`torch.compiler.
+save_cache_artifacts`) to one file per model under the stagehand cache dir,
+behind a header (format, torch / triton versions, device, a sha256 of the
+payload), and loads it before the first unit compiles. A file written by
+other versions or another device is ignored with one line that says why; a
+file whose payload does not match its checksum is never loaded. Writes go to
+a temporary name and are renamed: a killed process leaves the old file or
+none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from torch_stagehand.runtime.conductor.costs import cache_dir
+
+log = logging.getLogger("torch_stagehand.compiler")
+
+_MAGIC = b"STAGEHAND-COMPILE-BUNDLE"
+_FORMAT = 1
+
+
+def enabled() -> bool:
+    """`STAGEHAND_COMPILE_CACHE=0` turns the bundle off (torch's own caches follow their own switches)."""
+    return os.environ.get("STAGEHAND_COMPILE_CACHE", "1") != "0"
+
+
+# ---- making units cacheable ------------------------------------------------------------------
+
+def _module_hash(obj: Any) -> str:
+    return hashlib.sha256(inspect.getsource(inspect.getmodule(obj)).encode()).hexdigest()[:16]
+
+
+def cacheable_functions() -> dict[str, str]:
+    """The Python functions our variant graphs call, for `unsafe_marked_cacheable_functions`: name -> a hash
+    of the source that defines what they trace to (an edit to it changes every key that holds them)."""
+    from torch_stagehand.runtime.ops import grad_tap
+
+    return {f"{grad_tap.__module__}.{grad_tap.__name__}": _module_hash(grad_tap)}
+
+
+def ops_fingerprint() -> str:
+    """A hash of the modules that register the stagehand ops: their fake and autograd rules are traced into
+    every unit's graph, so the joint passes' uuid (the caches' key) holds it."""
+    from torch_stagehand.runtime import ops
+
+    return _module_hash(ops)
+
+
+# ---- how one compile went --------------------------------------------------------------------
+
+@dataclass
+class CompileOutcome:
+    """"hit" (loaded from AOTAutograd's cache), "miss" (compiled, and stored for the next process),
+    "bypass: <why>" (compiled, not storable), or "uncached" (the eager inner compiler keeps nothing)."""
+
+    state: str = "uncached"
+
+    @property
+    def loaded(self) -> bool:
+        return self.state == "hit"
+
+
+class _BypassReasons(logging.Handler):
+    """AOTAutograd says why it steps aside only in its log: keep the reason."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "Bypassing autograd cache" in text:
+            self.reasons.append(text.split("due to:", 1)[-1].strip().splitlines()[0].strip())
+
+
+@contextlib.contextmanager
+def track() -> Iterator[CompileOutcome]:
+    """Around one unit's compile: which of AOTAutograd's counters moved says how it went."""
+    from torch._dynamo.utils import counters
+
+    outcome = CompileOutcome()
+    before = dict(counters["aot_autograd"])
+    logger = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    handler, level = _BypassReasons(), logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield outcome
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    moved = {k for k, v in counters["aot_autograd"].items() if v != before.get(k, 0)}
+    if "autograd_cache_hit" in moved:
+        outcome.state = "hit"
+    elif "autograd_cache_miss" in moved:
+        outcome.state = "miss"
+    elif "autograd_cache_bypass" in moved:
+        outcome.state = "bypass: " + (handler.reasons[0] if handler.reasons else "no reason given")
+
+
+# ---- the bundle file ---------------------------------------------------------------------------
+
+def _environment(device: torch.device) -> dict[str, str]:
+    """What a bundle must have been written under to be loaded here."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        device_name = f"{props.name} sm{props.major}{props.minor}"
+    else:
+        device_name = device.type
+    # No stagehand version: what stagehand puts in a unit (its graph, the joint passes' and ops' sources) is in
+    # torch's own keys already.
+    return {"torch": torch.__version__, "triton": triton_version, "device": device_name}
+
+
+class CompileBundle:
+    """One model's compiled units on disk: a header line of JSON, then torch's serialized cache artifacts."""
+
+    def __init__(self, path: str, device: torch.device):
+        self.path = path
+        self.env = _environment(device)
+        self.loaded_artifacts = 0  # artifacts put back into torch's caches by `load`
+        self.message: str | None = None  # what `load` found (one line), for the offload report and logs
+
+    @staticmethod
+    def for_model(name: str, device: torch.device) -> "CompileBundle":
+        return CompileBundle(os.path.join(cache_dir(), "compile", f"{name}.bundle"), device)
+
+    def load(self) -> bool:
+        """Put the file's artifacts into torch's caches; False (and `message` says why) when it is not used."""
+        if not os.path.exists(self.path):
+            self.message = f"no compile cache yet at {self.path}: this run compiles cold and writes it"
+            return False
+        try:
+            with open(self.path, "rb") as f:
+                data = f.read()
+            header, payload = _split(data)
+        except (OSError, ValueError) as e:
+            self.message = f"compile cache {self.path} ignored: unreadable ({e})"
+            log.warning("stagehand: %s", self.message)
+            return False
+        mismatch = [f"{k} {header.get('env', {}).get(k)!r} (here {v!r})" for k, v in self.env.items()
+                    if header.get("env", {}).get(k) != v]
+        if mismatch:
+            self.message = f"compile cache {self.path} ignored: written under " + ", ".join(mismatch)
+            log.warning("stagehand: %s", self.message)
+            return False
+        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+            self.message = f"compile cache {self.path} ignored: corrupt (its payload does not match its sha256)"
+            log.warning("stagehand: %s", self.message)
+            return False
+        info = _load_artifacts(payload)
+        if info is None:
+            self.message = f"compile cache {self.path} ignored: torch could not read its artifacts"
+            log.warning("stagehand: %s", self.message)
+            return False
+        self.loaded_artifacts = sum(len(v) for v in _artifact_lists(info))
+        self.message = f"compile cache {self.path}: {self.loaded_artifacts} artifacts loaded"
+        log.info("stagehand: %s", self.message)
+        return True
+
+    def save(self) -> bool:
+        """Write every artifact this process compiled or loaded so far (atomically); False when there is none
+        or the folder is not writable (the run goes on: the bundle only saves time)."""
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return False
+        payload = saved[0]
+        header = {"format": _FORMAT, "env": self.env, "sha256": hashlib.sha256(payload).hexdigest(),
+                  "artifacts": sum(len(v) for v in _artifact_lists(saved[1]))}
+        folder = os.path.dirname(self.path)
+        tmp = None
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(_join(header, payload))
+            os.replace(tmp, self.path)
+            return True
+        except OSError as e:
+            log.warning("stagehand: compile cache %s not written: %s", self.path, e)
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            return False
+
+
+def _load_artifacts(payload: bytes) -> Any:
+    """`torch.compiler.load_cache_artifacts`, keeping every chunk: a process that saved several times wrote one
+    chunk per save, and torch's own loader keeps only the last chunk of each kind (it builds a dict)."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
+        from torch.utils._appending_byte_serializer import AppendingByteSerializer
+    except ImportError:  # another torch layout: its public loader (the last chunk of each kind)
+        return torch.compiler.load_cache_artifacts(payload)
+    try:
+        CacheArtifactManager._ensure_cache_artifacts_registered()
+        chunks = AppendingByteSerializer.to_list(payload, deserialize_fn=_deserialize_single_cache)
+    except Exception as e:  # noqa: BLE001 - a payload torch cannot read is reported, never half-used
+        log.warning("stagehand: compile cache artifacts unreadable: %s", e)
+        return None
+    merged: dict[str, list] = {}
+    for kind, artifacts in chunks:
+        merged.setdefault(kind, []).extend(artifacts)
+    return CacheArtifactManager.populate_caches(merged)
+
+
+def _artifact_lists(info: Any) -> list[list]:
+    artifacts = getattr(info, "artifacts", {})
+    return list(artifacts.values()) if isinstance(artifacts, dict) else []
+
+
+def _join(header: dict, payload: bytes) -> bytes:
+    text = json.dumps(header, sort_keys=True).encode()
+    return _MAGIC + struct.pack("<I", len(text)) + text + payload
+
+
+def _split(data: bytes) -> tuple[dict, bytes]:
+    if not data.startswith(_MAGIC):
+        raise ValueError("not a stagehand compile bundle")
+    start = len(_MAGIC) + 4
+    if len(data) < start:
+        raise ValueError("truncated header")
+    (size,) = struct.unpack("<I", data[len(_MAGIC):start])
+    header = json.loads(data[start:start + size])
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        raise ValueError(f"format {header.get('format') if isinstance(header, dict) else '?'} (this reads {_FORMAT})")
+    return header, data[start + size:]

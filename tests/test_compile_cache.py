@@ -1,0 +1,144 @@
+"""Warm starts (compiler/compile_cache.py): a second process loads every unit the first one compiled.
+
+Each run is a fresh process with its own Inductor cache folder, so only the stagehand bundle carries
+compiled units from one to the next (as on a machine that lost /tmp). The model is a tiny random Llama,
+full fine-tuned (its streamed weights train: the grad-weight taps are in the units), INT8-streamed, compiled
+with Inductor on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from torch_stagehand.compiler import compile_cache
+from torch_stagehand.compiler.compile_cache import CompileBundle, _join
+
+CHILD = textwrap.dedent(r'''
+    import inspect, json, sys
+    import torch
+    import torch_stagehand as stagehand
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mode = sys.argv[1]
+    if mode == "edited":  # a pass whose source changed since the bundle was written
+        import torch_stagehand.compiler.passes  # noqa: F401 - the package names its function like its module
+        edited = sys.modules["torch_stagehand.compiler.passes.schedule_backward"]
+        getsource = inspect.getsource
+        inspect.getsource = lambda obj: getsource(obj) + ("\n# edited\n" if obj is edited else "")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = LlamaForCausalLM(config)
+    rt = stagehand.offload(model, device="cpu", precision="int8")
+    compiled = torch.compile(model, backend="stagehand")
+
+    def step(tokens):
+        ids = torch.arange(2 * tokens).reshape(2, tokens) % 128
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad.double().norm().item() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        s = rt.stats()
+        return {"loss": loss.item(), "grads": grads, "units": s["compiled_units"], "loaded": s["units_loaded"],
+                "cold": s["units_compiled_cold"]}
+
+    out = {"first": step(16)}
+    if mode == "warm":
+        rt.set_precision({0: "bf16", 1: "int8"})  # a precision the bundle never saw
+        out["precision"] = step(16)
+        out["shape"] = step(24)  # a shape it never saw
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def _run(mode: str, stagehand_dir, inductor_dir) -> dict:
+    env = dict(os.environ, STAGEHAND_CACHE_DIR=str(stagehand_dir), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
+               STAGEHAND_COMPILE_CACHE="1")
+    done = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]) | {"stderr": done.stderr}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The cold run, then a warm one and one with an edited pass, each with a fresh Inductor cache."""
+    root = tmp_path_factory.mktemp("warm_start")
+    stagehand_dir = root / "stagehand"
+    cold = _run("cold", stagehand_dir, root / "inductor-cold")
+    bundles = list((stagehand_dir / "compile").glob("*.bundle"))
+    warm = _run("warm", stagehand_dir, root / "inductor-warm")
+    edited = _run("edited", stagehand_dir, root / "inductor-edited")
+    return cold, warm, edited, bundles
+
+
+def test_the_second_process_compiles_nothing_and_computes_the_same(runs):
+    cold, warm, _, bundles = runs
+    assert len(bundles) == 1, "the cold run writes one bundle for the model"
+    assert cold["first"]["units"] >= 3 and cold["first"]["loaded"] == 0  # glue + block variant + glue
+    assert warm["first"]["cold"] == 0, warm["stderr"][-3000:]
+    assert warm["first"]["loaded"] == warm["first"]["units"] == cold["first"]["units"]
+    # the same compiled code: the same numbers, bit for bit
+    assert warm["first"]["loss"] == cold["first"]["loss"]
+    assert warm["first"]["grads"] == cold["first"]["grads"] and len(cold["first"]["grads"]) > 10
+
+
+def test_a_new_precision_or_shape_misses_the_cache(runs):
+    _, warm, _, _ = runs
+    assert warm["precision"]["cold"] >= 1  # block 0's bf16 variant was never compiled
+    assert warm["shape"]["cold"] > warm["precision"]["cold"]  # a new length compiles its units
+
+
+def test_an_edited_pass_misses_every_unit(runs):
+    _, _, edited, _ = runs
+    assert edited["first"]["loaded"] == 0 and edited["first"]["cold"] == edited["first"]["units"] >= 3
+
+
+# ---- the bundle file's checks (no compile) ------------------------------------------------------------
+
+def _bundle(tmp_path, header_env=None, payload=b"payload", sha=None) -> CompileBundle:
+    bundle = CompileBundle(str(tmp_path / "model.bundle"), torch.device("cpu"))
+    header = {"format": 1, "env": header_env or bundle.env, "artifacts": 1,
+              "sha256": sha or __import__("hashlib").sha256(payload).hexdigest()}
+    (tmp_path / "model.bundle").write_bytes(_join(header, payload))
+    return bundle
+
+
+@pytest.fixture
+def no_populate(monkeypatch):
+    """Fail the test if a refused bundle reaches torch's caches."""
+    def refuse(_payload):
+        raise AssertionError("a refused bundle was loaded")
+    monkeypatch.setattr(compile_cache, "_load_artifacts", refuse)
+
+
+def test_a_corrupt_bundle_is_ignored_with_its_reason(tmp_path, no_populate, caplog):
+    bundle = _bundle(tmp_path, sha="0" * 64)
+    assert not bundle.load()
+    assert "corrupt" in bundle.message and str(tmp_path) in bundle.message
+    assert "corrupt" in caplog.text
+
+
+def test_a_bundle_from_other_versions_is_ignored_and_says_which(tmp_path, no_populate):
+    bundle = _bundle(tmp_path, header_env={**CompileBundle("x", torch.device("cpu")).env, "torch": "2.0.0"})
+    assert not bundle.load()
+    assert "torch '2.0.0'" in bundle.message and f"here '{torch.__version__}'" in bundle.message
+
+
+@pytest.mark.parametrize("content", [b"", b"not a bundle", b"STAGEHAND-COMPILE-BUNDLE\x05\x00\x00\x00{bad"])
+def test_an_unreadable_bundle_is_ignored(tmp_path, no_populate, content):
+    (tmp_path / "model.bundle").write_bytes(content)
+    bundle = CompileBundle(str(tmp_path / "model.bundle"), torch.device("cpu"))
+    assert not bundle.load() and "unreadable" in bundle.message
+
+
+def test_no_bundle_yet_says_it_compiles_cold(tmp_path, no_populate):
+    bundle = CompileBundle(str(tmp_path / "absent.bundle"), torch.device("cpu"))
+    assert not bundle.load() and "compiles cold" in bundle.message
