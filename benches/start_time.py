@@ -101,6 +101,10 @@ def child(args) -> dict:
         out.update({k: s[k] for k in ("compiled_units", "units_loaded", "units_compiled_cold", "compile_seconds",
                                       "autotune_seconds", "compiled_variants")})
         out["replans"] = rt.planner.replans
+        from torch_stagehand.compiler.variants import variant_cache
+
+        # How each unit came to be: "hit", "miss" (compiled and stored) or "bypass: <torch's reason>".
+        out["unit_cache"] = [f"{info['label']}: {info.get('cache')}" for info in variant_cache(rt).info.values()]
     else:
         from torch._dynamo.utils import counters
 

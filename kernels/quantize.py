@@ -27,8 +27,11 @@ QMAX = 127
 _COARSE = torch.linspace(1.0, 0.3, 15).tolist()
 _FINE = torch.linspace(-0.025, 0.025, 11).tolist()
 _REFITS = 2
-# Rows per chunk, so a 12288 x 3072 weight never needs many fp32 copies at once.
+# Rows per chunk, so a 12288 x 3072 weight never needs many fp32 copies at once. On a GPU the search is bound
+# by its launches (~30 small ops per candidate scale), so a chunk there holds ~64 M elements (a 7B model's
+# widest weight in two chunks): 7x fewer launches than 1024 rows. Rows are independent: the same result.
 _ROWS_PER_CHUNK = 1024
+_GPU_CHUNK_ELEMENTS = 64 * 2**20
 METHODS = ("mse", "absmax")
 
 
@@ -46,8 +49,9 @@ def quantize_per_row(w: torch.Tensor, method: str = "mse") -> tuple[torch.Tensor
         raise ValueError("quantize_per_row: weight holds NaN or Inf")
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    for start in range(0, w.shape[0], _ROWS_PER_CHUNK):
-        rows = w[start : start + _ROWS_PER_CHUNK].float()
+    chunk = max(_ROWS_PER_CHUNK, _GPU_CHUNK_ELEMENTS // max(1, w.shape[1])) if w.is_cuda else _ROWS_PER_CHUNK
+    for start in range(0, w.shape[0], chunk):
+        rows = w[start : start + chunk].float()
         s = _best_scale(rows) if method == "mse" else _absmax_scale(rows)
         scale[start : start + rows.shape[0]] = s
         q[start : start + rows.shape[0]] = _quantize(rows, s)

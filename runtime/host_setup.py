@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from . import host_arena, host_budget
+from . import host_arena, host_budget, host_copy
 from . import precision as precisions
 from .blocks import StreamedLayerSpec
 from .host_plan import HostPlan, plan_host, preflight
@@ -93,6 +93,7 @@ def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress) -> 
             missing.append(b)
         elif checkpoint is not None:
             checkpoint.release_pages()  # the block's file pages were copied: out of our RSS
+    host_copy.release()  # a model on the GPU came through the pinned bounce buffer
     return missing
 
 

@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from . import host_copy
 from . import precision as precisions
 from .blocks import StreamedLayerSpec
 from .host_arena import HostArena, NoPinner, PinError
@@ -273,6 +274,7 @@ class HostStore:
             self.build(block, precision)
             if self.after_file_read is not None and self.blocks[block].file_master is not None:
                 self.after_file_read()  # the file pages just read leave our RSS (they stay in the page cache)
+        host_copy.release()
 
     def _write_derived(self, block: int, precision: str) -> None:
         bb, entry = self.blocks[block], precisions.get(precision)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from ..host_copy import copy_to_host
 from .layout import DTYPE_CODES, LayerLayout, align
 
 if TYPE_CHECKING:
@@ -129,5 +130,5 @@ class OneBytePerRow(Precision):
     def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
         q, s = self.quantize(weight, quantizer)
         q_view, s_view = self.views(buf, lay)
-        q_view.copy_(q)
-        s_view.copy_(s)
+        copy_to_host(q_view, q)  # quantized on the GPU (HostStore.quant_device): staged through pinned memory
+        copy_to_host(s_view, s)

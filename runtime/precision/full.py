@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..host_copy import copy_to_host
 from .base import Precision
 from .layout import DTYPE_CODES, LayerLayout, dense_view, logical
 
@@ -41,7 +42,7 @@ class FullPrecision(Precision):
         return (dense_view(buf, lay),)
 
     def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
-        logical(dense_view(buf, lay), lay).copy_(weight)
+        copy_to_host(logical(dense_view(buf, lay), lay), weight)
 
     def linear_from_slot(self, x, slot, bias, lay):
         return F.linear(x, logical(dense_view(slot, lay), lay), bias)

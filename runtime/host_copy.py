@@ -1,0 +1,47 @@
+"""Device-to-host copies into the store's pageable buffers, through one pinned bounce buffer.
+
+The store's buffers stay pageable until `HostStore.set_pins` locks what streams (host_arena.py says
+why). A copy from the GPU into pageable memory goes through the driver's own small staging buffers at
+a few GB/s: a 7B model built on the GPU took 10.7 s to reach the host store, and its INT8 copies
+(quantized on the GPU) as long again (H100, benches/results/start_time_qwen.json). Through one
+pinned buffer the bytes cross at the link's speed and the host copies them into place.
+
+The bounce buffer is allocated on first use at the size of the largest tensor copied so far (a layer:
+~100 MB for a 7B model) and released by `release()` when the store is built (offload, a new precision
+map), so no pinned memory outlives the build.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_bounce: list[torch.Tensor] = []  # [] or [one pinned uint8 buffer]
+
+
+def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)`, staged through pinned memory when `src` is on a GPU and `dst` is pageable host memory."""
+    if not (src.is_cuda and dst.device.type == "cpu" and not dst.is_pinned()):
+        dst.copy_(src)
+        return
+    if not dst.is_contiguous() and dst.dim() == 2 and dst.t().is_contiguous():
+        dst, src = dst.t(), src.t()  # a transposed view of a flat buffer: copy in its storage order
+    if not dst.is_contiguous():
+        dst.copy_(src)  # a layout the bounce does not model: the driver's path (slower, the same bytes)
+        return
+    src = src.to(dst.dtype).contiguous()
+    nbytes = src.numel() * src.element_size()
+    if not _bounce or _bounce[0].numel() < nbytes:
+        _bounce[:] = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)]
+    staged = _bounce[0][:nbytes]
+    staged.copy_(src.view(-1).view(torch.uint8))  # device -> pinned: synchronous, at the link's speed
+    dst.view(-1).view(torch.uint8).copy_(staged)
+
+
+def release() -> None:
+    """Free the bounce buffer (after a build: no pinned memory is held between builds)."""
+    if not _bounce:
+        return
+    _bounce.clear()
+    empty_cache = getattr(torch._C, "_host_emptyCache", None)  # the caching host allocator keeps freed blocks
+    if empty_cache is not None:
+        empty_cache()
