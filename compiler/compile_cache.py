@@ -61,16 +61,33 @@ def enabled() -> bool:
 
 # ---- making units cacheable ------------------------------------------------------------------
 
-def _module_hash(obj: Any) -> str:
-    return hashlib.sha256(inspect.getsource(inspect.getmodule(obj)).encode()).hexdigest()[:16]
+def _sources_hash(modules: list[Any]) -> str:
+    """A hash of the source files of these modules and packages (every .py file of a package)."""
+    files: list[str] = []
+    for module in modules:
+        paths = getattr(module, "__path__", None)
+        if paths:  # a package: all its modules, their names sorted
+            files += sorted(os.path.join(root, name) for root in paths for name in os.listdir(root)
+                            if name.endswith(".py"))
+        else:
+            files.append(inspect.getsourcefile(module))
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
 
 
 def cacheable_functions() -> dict[str, str]:
     """The Python functions our variant graphs call, for `unsafe_marked_cacheable_functions`: name -> a hash
-    of the source that defines what they trace to (an edit to it changes every key that holds them)."""
-    from torch_stagehand.runtime.ops import grad_tap
+    of the source that decides what they trace to (the stagehand ops, the precisions' traced math and the
+    kernels' torch code they call): an edit there changes every key that holds them."""
+    from torch_stagehand import kernels
+    from torch_stagehand.runtime import ops, precision
+    from torch_stagehand.runtime.precision.traced import IN_GRAPH_FUNCTIONS
 
-    return {f"{grad_tap.__module__}.{grad_tap.__name__}": _module_hash(grad_tap)}
+    source = _sources_hash([ops, precision, kernels])
+    return {f"{fn.__module__}.{fn.__name__}": source for fn in (ops.grad_tap, *IN_GRAPH_FUNCTIONS)}
 
 
 def ops_fingerprint() -> str:
@@ -78,7 +95,7 @@ def ops_fingerprint() -> str:
     every unit's graph, so the joint passes' uuid (the caches' key) holds it."""
     from torch_stagehand.runtime import ops
 
-    return _module_hash(ops)
+    return _sources_hash([ops])
 
 
 # ---- how one compile went --------------------------------------------------------------------

@@ -142,3 +142,25 @@ def test_an_unreadable_bundle_is_ignored(tmp_path, no_populate, content):
 def test_no_bundle_yet_says_it_compiles_cold(tmp_path, no_populate):
     bundle = CompileBundle(str(tmp_path / "absent.bundle"), torch.device("cpu"))
     assert not bundle.load() and "compiles cold" in bundle.message
+
+
+def test_every_function_a_variant_graph_calls_is_marked_cacheable():
+    from torch_stagehand.runtime.ops import grad_tap
+    from torch_stagehand.runtime.precision.int8 import int8_linear_in_graph
+    from torch_stagehand.runtime.precision.traced import IN_GRAPH_FUNCTIONS
+
+    marked = compile_cache.cacheable_functions()
+    assert int8_linear_in_graph in IN_GRAPH_FUNCTIONS  # int8 at many rows is traced into the block's graph
+    for fn in (grad_tap, *IN_GRAPH_FUNCTIONS):
+        assert f"{fn.__module__}.{fn.__name__}" in marked
+
+
+def test_the_source_hash_follows_every_file_of_a_package(tmp_path):
+    import types
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    package = types.SimpleNamespace(__path__=[str(tmp_path)])
+    before = compile_cache._sources_hash([package])
+    (tmp_path / "b.py").write_text("y = 3\n")
+    assert compile_cache._sources_hash([package]) != before

@@ -12,7 +12,7 @@ import torch
 from torch_stagehand.kernels.fp8_quant import E4M3, quantize_rows_ref
 
 from .layout import LayerLayout
-from .traced import TracedLinear, TracedMath, cast_to
+from .traced import TracedLinear, TracedMath, in_graph, cast_to
 
 
 def _views(slot: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +49,7 @@ def _grad_input(dy: torch.Tensor, slot: torch.Tensor, lay: LayerLayout) -> torch
 FP8_MATH = TracedMath(_forward, _grad_input)
 
 
+@in_graph
 def fp8_linear_in_graph(x: torch.Tensor, slot: torch.Tensor, block_tok: torch.Tensor, prev_tok: torch.Tensor,
                         layout: list[int]) -> torch.Tensor:
     """y = x @ W^T for an fp8 layer of `slot`, as ops AOTAutograd traces into the block's graph (no bias)."""

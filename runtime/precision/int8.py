@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch_stagehand import kernels
 
 from .base import OneBytePerRow
-from .traced import TracedLinear, TracedMath
+from .traced import TracedLinear, TracedMath, in_graph
 
 # From this many rows (tokens) up the W8A16 autotuner picks dequantize + cuBLAS over its fused kernels on an
 # H100 (README, "kernels": the fused kernels reach 0.47-0.85 of cuBLAS at M >= 256 and the dequantize pass
@@ -60,6 +60,7 @@ def _grad_input(dy: torch.Tensor, slot: torch.Tensor, lay) -> torch.Tensor:
 INT8_MATH = TracedMath(_forward, _grad_input)
 
 
+@in_graph
 def int8_linear_in_graph(x: torch.Tensor, slot: torch.Tensor, block_tok: torch.Tensor, prev_tok: torch.Tensor,
                          layout: list[int]) -> torch.Tensor:
     """y = x @ dequantize(W)^T for an int8 layer of `slot`, as ops AOTAutograd traces into the block's graph."""

@@ -32,6 +32,17 @@ import torch
 from .layout import LayerLayout
 
 
+# The Python functions rewrite_linear puts in a variant graph (each calls TracedLinear with its math): the
+# compile caches must be told they are safe to key by name (compiler/compile_cache.py).
+IN_GRAPH_FUNCTIONS: list[Callable] = []
+
+
+def in_graph(fn: Callable) -> Callable:
+    """Register a precision's in-graph linear (`Precision.graph_linear` returns it)."""
+    IN_GRAPH_FUNCTIONS.append(fn)
+    return fn
+
+
 class TracedMath(NamedTuple):
     forward: Callable[[torch.Tensor, torch.Tensor, LayerLayout], torch.Tensor]
     grad_input: Callable[[torch.Tensor, torch.Tensor, LayerLayout], torch.Tensor]
