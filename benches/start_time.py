@@ -101,15 +101,23 @@ def child(args) -> dict:
         out.update({k: s[k] for k in ("compiled_units", "units_loaded", "units_compiled_cold", "compile_seconds",
                                       "autotune_seconds", "compiled_variants")})
         out["replans"] = rt.planner.replans
+        out["cost_model_cache"] = s["cost_model_cache"]  # a warm run plans from the model the cold run measured
         from torch_stagehand.compiler.variants import variant_cache
 
-        # How each unit came to be: "hit", "miss" (compiled and stored) or "bypass: <torch's reason>".
-        out["unit_cache"] = [f"{info['label']}: {info.get('cache')}" for info in variant_cache(rt).info.values()]
+        # How each unit came to be: "hit", "miss" (compiled and stored) or "bypass: <torch's reason>", and its seconds.
+        out["unit_cache"] = [f"{info['label']}: {info.get('cache')} {info['seconds']:.2f}s"
+                             for info in variant_cache(rt).info.values()]
     else:
         from torch._dynamo.utils import counters
 
         out.update(units_loaded=counters["aot_autograd"].get("autograd_cache_hit", 0),
                    units_compiled_cold=counters["aot_autograd"].get("autograd_cache_miss", 0))
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+
+    # Where the first step's seconds went: Dynamo's capture (with the backend's graph passes; stagehand's units
+    # compile later, lazily, in compile_seconds), the units, the W8A16 autotuning; the rest ran the step.
+    out["dynamo_s"] = round(sum(metrics.get("_compile.compile_inner", [])), 2)
+    out["first_step_rest_s"] = round(out["first_step_s"] - out["dynamo_s"] - out.get("compile_seconds", 0), 2)
     return out
 
 
@@ -151,7 +159,7 @@ def table_rows(results: list[dict]) -> list[dict]:
         base = cold.get(r["row"])
         out.append({
             "row": r["row"], "mode": r["mode"], "process_s": r["process_s"], "offload_s": r.get("offload_s", ""),
-            "first_step_s": r["first_step_s"], "steps_2_4_ms": " / ".join(f"{x:.0f}" for x in r["step_ms"][:3]),
+            "first_step_s": r["first_step_s"], "dynamo_s": r.get("dynamo_s", ""), "steps_2_4_ms": " / ".join(f"{x:.0f}" for x in r["step_ms"][:3]),
             "steady_ms": r["steady_ms"], "units": r.get("compiled_units", ""), "loaded": r.get("units_loaded", ""),
             "cold_units": r.get("units_compiled_cold", ""), "compile_s": r.get("compile_seconds", ""),
             "autotune_s": r.get("autotune_seconds", ""),

@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import networkx as nx
+import torch
 import torch.fx as fx
 
 from torch_stagehand.runtime import registry
@@ -54,6 +55,7 @@ class GraphRecord:
     dag: nx.DiGraph
     outer: fx.GraphModule
     passes: list[PassRecord] = field(default_factory=list)  # the graph-level passes that ran, in order
+    input_shapes: list[str] = field(default_factory=list)  # each graph input's shape and dtype (the cost model's key)
 
     @property
     def changes(self) -> list[str]:
@@ -75,8 +77,14 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         return compile_unit(gm, list(example_inputs), opts.inner, lambda *_: None, JOINT_PASSES, PassLog())
     ctx = CompileContext(rt, opts, variant_cache(rt), VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids))
     outer = ctx.run(GRAPH_PASSES, gm)
-    rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran))
+    rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran,
+                                _input_shapes(example_inputs)))
     return outer
+
+
+def _input_shapes(example_inputs) -> list[str]:
+    """`shape:dtype` per tensor input (a symbolic size reads as its symbol), the value of any other."""
+    return [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
 
 
 def _warn_if_nothing_offloaded() -> None:

@@ -179,6 +179,7 @@ class CompileBundle:
         self.env = _environment(device)
         self.loaded_artifacts = 0  # artifacts put back into torch's caches by `load`
         self.message: str | None = None  # what `load` found (one line), for the offload report and logs
+        self.last_run_units = 0  # the units the run that wrote the file had compiled or loaded (progress estimate)
 
     @staticmethod
     def for_model(name: str, device: torch.device) -> "CompileBundle":
@@ -213,19 +214,21 @@ class CompileBundle:
             log.warning("stagehand: %s", self.message)
             return False
         self.loaded_artifacts = sum(len(v) for v in _artifact_lists(info))
+        self.last_run_units = int(header.get("units", 0) or 0)
         self.message = f"compile cache {self.path}: {self.loaded_artifacts} artifacts loaded"
         log.info("stagehand: %s", self.message)
         return True
 
-    def save(self) -> bool:
-        """Write every artifact this process compiled or loaded so far (atomically); False when there is none
-        or the folder is not writable (the run goes on: the bundle only saves time)."""
+    def save(self, units: int = 0) -> bool:
+        """Write every artifact this process compiled or loaded so far (atomically), and `units`, how many
+        units it has; False when there is none or the folder is not writable (the run goes on: the bundle
+        only saves time)."""
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return False
         payload = saved[0]
         header = {"format": _FORMAT, "env": self.env, "sha256": hashlib.sha256(payload).hexdigest(),
-                  "artifacts": sum(len(v) for v in _artifact_lists(saved[1]))}
+                  "artifacts": sum(len(v) for v in _artifact_lists(saved[1])), "units": units}
         folder = os.path.dirname(self.path)
         tmp = None
         try:

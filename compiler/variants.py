@@ -11,9 +11,10 @@ the compiled code when the model is restored or its runtime closed.
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from typing import Any, Callable, Hashable
+
+from torch_stagehand.runtime.blocks import layout_fingerprint
 
 from .compile_cache import CompileBundle, enabled as bundle_enabled
 from .interface import StreamingRuntime
@@ -50,7 +51,7 @@ class VariantCache:
     def after_compile(self, loaded: bool) -> None:
         """A unit compiled cold: write the bundle again, so a run killed later still leaves what it compiled."""
         if self.bundle is not None and not loaded:
-            self.bundle.save()
+            self.bundle.save(units=len(self.info))
 
     def count_structure(self, structure: Hashable) -> int:
         """How many variants share this structure key (one per input signature / guard / grad mode)."""
@@ -81,5 +82,4 @@ def variant_cache(rt: StreamingRuntime) -> VariantCache:
 def model_fingerprint(rt: StreamingRuntime) -> str:
     """Names the model's bundle: its blocks and every streamed layer's place and shape (not the precision
     map: one file holds the variants of every map a run used)."""
-    parts = [rt.device.type, *rt.blocks, *(f"{l.block}:{l.fqn}:{l.out_features}x{l.in_features}" for l in rt.layers)]
-    return f"{len(rt.blocks)}blocks-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    return layout_fingerprint(rt.device.type, rt.blocks, rt.layers)

@@ -11,6 +11,7 @@ order for correctness: it schedules by the order blocks appear in the graph.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -139,6 +140,13 @@ def streamed_layers(model: nn.Module, block_fqns: list[str]) -> list[StreamedLay
             fqn = f"{block_fqn}.{name}" if name else block_fqn
             specs.append(StreamedLayerSpec(fqn, index, module, int(out_f), int(in_f), transposed))
     return specs
+
+
+def layout_fingerprint(device_type: str, blocks: list[str], layers) -> str:
+    """The model's streamed layout in one name: its blocks and every streamed layer's place and shape (what
+    the compile bundle and the kept cost model are of; `layers` have block, fqn, out/in_features)."""
+    parts = [device_type, *blocks, *(f"{l.block}:{l.fqn}:{l.out_features}x{l.in_features}" for l in layers)]
+    return f"{len(blocks)}blocks-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 class WrappedAfterOffloadError(RuntimeError):

@@ -21,6 +21,8 @@ copies hold the host back in a full launch queue, and a slow host leaves the
 GPU waiting inside a block, so both read high there and never low; the smaller
 value stays for the next plan made (the plan running keeps the prediction it
 was chosen by). A new precision map re-plans at once (bytes per block changed).
+The measured model is kept on disk (conductor/cost_cache.py, keyed by the first compiled graph's inputs
+too): a later run of the same job loads it when that graph is captured and plans from its first step.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import time
 
 import torch
 
+from .conductor import cost_cache
 from .conductor.arbiter import Conductor
 from .conductor.calibrate import FORWARD, BlockClocks, Calibration
 from .conductor.costs import Budget, BudgetError, CostModel, h2d_bandwidth, parse_bytes
@@ -90,6 +93,7 @@ class PlanDriver:
         self._refine_steps, self._unread = 0, []  # _unread: measured steps' GPU clocks not yet reached
         self.host_refinements = 0  # host issue times the later plans' steps lowered
         self.compute_refinements = 0  # GPU times per block the later plans' steps lowered
+        self.kept = cost_cache.KeptCostModel(rt)  # the measured model on disk, for the next run of this job
 
     # ---- making the plan --------------------------------------------------------------------
 
@@ -214,6 +218,16 @@ class PlanDriver:
         except (BudgetError, torch.OutOfMemoryError):
             self.cost_model, self.calibrated, self.budget, self.planning = before
             raise
+
+    def on_graph(self, input_shapes: list[str]) -> None:
+        """The first compiled graph, before it runs: a run that has not calibrated yet starts from the model an
+        earlier run of the same job kept, when there is one, and applies the plan made from it."""
+        if not self.planning:
+            return
+        model = self.kept.on_graph(input_shapes, load=not self.calibrated)
+        if model is not None:
+            self.cost_model, self.calibrated, self._calibrate_at = model, True, None
+            self.apply("the calibrated cost model of an earlier run")
 
     def recompute_of(self, block: int) -> bool | None:
         return None if self.plan is None else self.plan.recompute_of(block)
@@ -353,6 +367,7 @@ class PlanDriver:
         self.apply(f"measured peak over the budget at step {step}")
 
     def on_step_end(self, step: int) -> None:
+        learned = self.host_refinements + self.compute_refinements + len(self.peak_corrections)
         if self.refining is not None:  # before the peak check, which may re-plan
             clocks, self.refining = self.refining, None
             self._refine_steps -= 1
@@ -365,6 +380,8 @@ class PlanDriver:
         if self._peak_check == "measuring":
             self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
         if self.calibration is None:
+            if learned != self.host_refinements + self.compute_refinements + len(self.peak_corrections):
+                self.kept.keep(self.cost_model)  # refined or corrected: the next run starts from this
             return
         calibration, self.calibration = self.calibration, None
         plan = self.plan
@@ -379,22 +396,5 @@ class PlanDriver:
         self.cost_model = calibration.finish(self.cost_model, predict)
         self.calibrated = True
         self.apply(f"calibrated on step {step}")
+        self.kept.keep(self.cost_model)
 
-
-def plan_stats(plan: Plan | None, pool: SlotPool | None) -> dict:
-    """What `Runtime.stats()` reports of the plan."""
-    if plan is None:
-        return {}
-    counts = plan.counts()
-    return {"plan": plan.kind, "resident_blocks": counts["resident_blocks"], "spilled_blocks": counts["spilled_blocks"],
-            "planned_recompute_blocks": counts["recomputed_blocks"], "lookahead": plan.lookahead,
-            "predicted_step_ms": round(plan.predicted_step_s * 1e3, 3),
-            "cost_model": plan.cost_model,  # what predicted_step_ms rests on: "default", "measured" or "given"
-            "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": plan.measured_peak_bytes,
-            "streamed_device_bytes": None if pool is None else pool.device_bytes()}
-
-
-def spill_stats(spill: ActivationSpill | None) -> dict:
-    if spill is None:
-        return {}
-    return {"d2h_bytes": spill.d2h_bytes, "restored_bytes": spill.h2d_bytes, "spilled_tensors": spill.spilled_tensors}

@@ -93,8 +93,7 @@ class Runtime(SelectivePrecisionAPI):
         self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
         self._step_base = self._counters()
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
-        self.compile_seconds = 0.0
-        self.compile_count = 0  # every compiled unit (block variants and glue)
+        self.compile_seconds, self.compile_count = 0.0, 0  # every compiled unit (block variants and glue)
         self.units_loaded = 0  # of those, loaded from the compile caches (a warm start), not compiled
         self.block_variant_count = 0
         self.graph_breaks: list[str] = []
@@ -260,6 +259,7 @@ class Runtime(SelectivePrecisionAPI):
 
     def record_graph(self, record: Any) -> None:
         self.graph_records.append(record)
+        self.planner.on_graph(getattr(record, "input_shapes", []))  # the first graph's inputs key the kept cost model
         self.events.compiled("graph", 0.0)
 
     def on_close(self, callback: Callable[[], None]) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 from torch_stagehand import kernels
 
 from .host_plan import host_report
-from .planning import plan_stats, spill_stats
+from .slots import SlotPool
+from .spill import ActivationSpill
 
 def runtime_stats(rt: Any) -> dict[str, Any]:
     """`rt`: the Runtime (not imported: runtime.py imports this module)."""
@@ -46,5 +47,25 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned
         "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
         "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered
+        "cost_model_cache": rt.planner.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
         "offload": rt.offload_summary,
     }
+
+
+def plan_stats(plan: Any, pool: SlotPool | None) -> dict:
+    """What `Runtime.stats()` reports of the plan."""
+    if plan is None:
+        return {}
+    counts = plan.counts()
+    return {"plan": plan.kind, "resident_blocks": counts["resident_blocks"], "spilled_blocks": counts["spilled_blocks"],
+            "planned_recompute_blocks": counts["recomputed_blocks"], "lookahead": plan.lookahead,
+            "predicted_step_ms": round(plan.predicted_step_s * 1e3, 3),
+            "cost_model": plan.cost_model,  # what predicted_step_ms rests on: "default", "measured" or "given"
+            "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": plan.measured_peak_bytes,
+            "streamed_device_bytes": None if pool is None else pool.device_bytes()}
+
+
+def spill_stats(spill: ActivationSpill | None) -> dict:
+    if spill is None:
+        return {}
+    return {"d2h_bytes": spill.d2h_bytes, "restored_bytes": spill.h2d_bytes, "spilled_tensors": spill.spilled_tensors}

@@ -209,8 +209,24 @@ class FirstCallProgress:
         self.seconds += seconds
         if self.live:
             cache = f", {self.loaded} loaded from the compile cache" if self.loaded else ""
-            self._write(f"\r  compiled {self.units} units ({self.variants} block variants{cache}) "
-                        f"in {self.seconds:.1f} s")
+            self._write(f"\r  compiled {self.units}{self._of()} units ({self.variants} block variants{cache}) "
+                        f"in {self.seconds:.1f} s{self._left()}")
+
+    def _expected(self) -> int:
+        """The units the last run of this model had when it wrote its compile bundle (0: no earlier run)."""
+        from torch_stagehand.compiler.variants import variant_cache
+
+        bundle = variant_cache(self.rt).bundle
+        return 0 if bundle is None else bundle.last_run_units
+
+    def _of(self) -> str:
+        expected = self._expected()
+        return f" of ~{expected}" if expected >= self.units else ""
+
+    def _left(self) -> str:
+        """An estimate: the units the last run had, left to do at this run's pace so far."""
+        left = self._expected() - self.units
+        return f", ~{left * self.seconds / self.units:.0f} s left" if left > 0 and self.units else ""
 
     def on_step(self, record: dict[str, Any]) -> None:
         self.rt.events.compile_listeners.remove(self.on_compile)

@@ -12,6 +12,8 @@ os.environ["STAGEHAND_TUNE_CACHE"] = "0"
 # Nor may a compile bundle (compiler/compile_cache.py) carry units from one test (or run) to the next:
 # tests/test_compile_cache.py turns it on in the processes it starts.
 os.environ["STAGEHAND_COMPILE_CACHE"] = "0"
+# Nor a calibrated cost model (runtime/conductor/cost_cache.py): every test on a GPU calibrates.
+os.environ["STAGEHAND_COST_CACHE"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -50,6 +50,8 @@ CHILD = textwrap.dedent(r'''
                 "cold": s["units_compiled_cold"]}
 
     out = {"first": step(16)}
+    from torch_stagehand.compiler.variants import variant_cache
+    out["last_run_units"] = variant_cache(rt).bundle.last_run_units  # what the progress line estimates from
     if mode == "warm":
         rt.set_precision({0: "bf16", 1: "int8"})  # a precision the bundle never saw
         out["precision"] = step(16)
@@ -85,6 +87,7 @@ def test_the_second_process_compiles_nothing_and_computes_the_same(runs):
     assert cold["first"]["units"] >= 3 and cold["first"]["loaded"] == 0  # glue + block variant + glue
     assert warm["first"]["cold"] == 0, warm["stderr"][-3000:]
     assert warm["first"]["loaded"] == warm["first"]["units"] == cold["first"]["units"]
+    assert cold["last_run_units"] == 0 and warm["last_run_units"] == cold["first"]["units"]
     # the same compiled code: the same numbers, bit for bit
     assert warm["first"]["loss"] == cold["first"]["loss"]
     assert warm["first"]["grads"] == cold["first"]["grads"] and len(cold["first"]["grads"]) > 10

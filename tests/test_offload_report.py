@@ -3,6 +3,9 @@ bytes per step, host bytes, seconds; the same in stats() and explain(); a line a
 
 from __future__ import annotations
 
+import io
+import types
+
 import pytest
 import torch
 
@@ -89,3 +92,25 @@ def test_quiet_offload_prints_nothing_and_first_step_line(capsys):
     err = capsys.readouterr().err
     assert err.count("stagehand: first step took") == 1 and "block variants" in err
     rt.restore()
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("last_run, expect", [(8, "compiled 2 of ~8 units (1 block variants) in 3.0 s, ~9 s left"),
+                                               (0, "compiled 2 units (1 block variants) in 3.0 s")])
+def test_the_first_compiles_live_line_estimates_from_the_last_run(monkeypatch, last_run, expect):
+    """On a terminal the first call counts its units; with the count the last run's compile bundle holds, it
+    says how many to expect and the seconds left at this run's pace (2 units in 3 s, 6 to go: ~9 s)."""
+    from torch_stagehand.offload_report import FirstCallProgress
+
+    events = types.SimpleNamespace(compile_listeners=[], step_listeners=[])
+    monkeypatch.setattr(FirstCallProgress, "_expected", lambda self: last_run)
+    stream = _Tty()
+    progress = FirstCallProgress(types.SimpleNamespace(events=events), stream=stream)
+    progress.on_compile("graph", 0.0)
+    progress.on_compile("unit", 1.0)
+    progress.on_compile("block variant", 2.0)
+    assert stream.getvalue().rsplit("\r", 1)[-1] == "  " + expect

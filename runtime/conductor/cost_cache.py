@@ -1,0 +1,159 @@
+"""The calibrated cost model, kept on disk for the next run of the same job (a warm start).
+
+Calibration costs a run its first steps: two under the smallest plan (every block streamed and
+recomputed; the first compiles), one measured, then a re-plan whose variants compile again. A second
+process with the same job starts from the model the first one measured and refined, and runs the
+planned plan from its first step. The entry is keyed as the H2D bandwidth is (the device's name, the
+torch version) and by what the numbers are of: the blocks and every streamed layer's place and shape,
+the precision map, the weights that train (gradient bytes per block) and the compiled graph's input
+shapes and dtypes (batch, sequence, the LoRA adapters; the budget is not in it: the model is what the
+planner plans every budget from). An entry is one JSON file under `<cache_dir>/cost_models/`, named by
+a hash of its key and holding the key itself, so a hash collision reads as a mismatch.
+
+An entry that cannot be read, does not parse, holds another key or a list without one finite, non-negative
+value per block is never used: the run calibrates, and one line says why. The first peak of the
+planned plan is still measured (`PlanDriver._check_peak`): a base that grew since (another optimizer, say)
+corrects the model as in any run. `STAGEHAND_COST_CACHE=0` turns the cache off (the test suite does: each
+test calibrates).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+
+import torch
+
+from ..blocks import layout_fingerprint
+from .costs import MEASURED, CostModel, cache_dir
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+# The fields kept: what calibration measured and later steps refined. Not `grad_bytes` / `optimizer_s`
+# (facts of this run's trainable weights and optimizer, set when a plan is made) nor `frozen`.
+PER_BLOCK = ("forward_s", "backward_s", "activation_bytes", "input_bytes", "host_fetch_share")
+SCALARS = ("h2d_bps", "d2h_bps", "base_bytes", "other_s")
+HOST_KINDS = ("forward", "recompute", "backward")
+
+
+def enabled() -> bool:
+    return os.environ.get("STAGEHAND_COST_CACHE", "1") != "0"
+
+
+def input_signature(input_shapes: list[str]) -> str:
+    """The compiled graph's inputs as the cost model depends on them (`GraphRecord.input_shapes`: each
+    one's shape and dtype), hashed."""
+    return hashlib.sha256("|".join(input_shapes).encode()).hexdigest()[:16]
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def cost_key(rt, inputs: str) -> dict:
+    """What a cost model measured for `rt` with graph inputs `inputs` is a model of."""
+    return {"format": FORMAT, "device": _device_name(rt.device), "torch": torch.__version__,
+            "layout": layout_fingerprint(rt.device.type, rt.blocks, rt.layers),
+            "precision": [rt.precision[b] for b in range(len(rt.blocks))],
+            "grad_bytes": list(rt.grads.grad_bytes()), "inputs": inputs}
+
+
+def entry_path(key: dict, root: str | None = None) -> str:
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return os.path.join(root or cache_dir(), "cost_models", f"{name}.json")
+
+
+def save_entry(model: CostModel, key: dict, root: str | None = None) -> str | None:
+    """Write `model` under `key` (atomically: a reader never sees half a file); the path, or None when the
+    cache directory cannot be written (the next run calibrates again, nothing else is lost)."""
+    path = entry_path(key, root)
+    data = {name: getattr(model, name) for name in PER_BLOCK + SCALARS}
+    data["host_s"] = model.host_s
+    data["measured"] = {k: v for k, v in model.measured.items() if k != "cost_cache"}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "model": data}, f)
+        os.replace(tmp, path)
+        return path
+    except OSError as e:
+        log.info("stagehand: the calibrated cost model was not kept (%s): the next run calibrates again", e)
+        return None
+
+
+def load_entry(key: dict, n_blocks: int, root: str | None = None) -> tuple[CostModel | None, str]:
+    """The model kept under `key` and a line for the log: (model, "loaded from PATH"), or (None, why not).
+    No entry is a plain miss; an entry that is not usable is named with what is wrong with it."""
+    path = entry_path(key, root)
+    if not os.path.exists(path):
+        return None, "no calibrated cost model kept for this model, precision map, trainable set and input shapes"
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+        if not isinstance(entry, dict) or entry.get("key") != key:
+            raise ValueError("it holds another key")
+        model = _model_from(entry.get("model"), n_blocks)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return None, f"cost model cache {path} ignored: {e}"
+    model.measured = dict(model.measured, cost_cache=path)
+    return model, f"calibrated cost model loaded from {path}"
+
+
+def _model_from(data, n: int) -> CostModel:
+    if not isinstance(data, dict):
+        raise ValueError("no model in it")
+
+    def per_block(name: str, values) -> list:
+        if not isinstance(values, list) or len(values) != n or not all(_number(v) for v in values):
+            raise ValueError(f"{name} is not {n} finite non-negative numbers")
+        return values
+
+    fields = {name: per_block(name, data[name]) for name in PER_BLOCK}
+    host = data["host_s"]
+    if not isinstance(host, dict) or set(host) != set(HOST_KINDS):
+        raise ValueError(f"host_s does not have the kinds {HOST_KINDS}")
+    fields["host_s"] = {kind: per_block(f"host_s.{kind}", host[kind]) for kind in HOST_KINDS}
+    for name in SCALARS:
+        value = data[name]
+        if not (value is None and name == "d2h_bps") and not _number(value):
+            raise ValueError(f"{name} is not a finite non-negative number")
+        fields[name] = value
+    measured = data.get("measured", {})
+    if not isinstance(measured, dict) or "calibration_step_s" not in measured:
+        raise ValueError("it was not measured by a calibration step")
+    return CostModel(**fields, measured=dict(measured))
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+class KeptCostModel:
+    """One runtime's entry in the cache: keyed once the first compiled graph's inputs are known."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.inputs: str | None = None  # input_signature of the first compiled graph
+        self.note: str | None = None  # what the lookup found (the log line)
+
+    def on_graph(self, input_shapes: list[str], load: bool) -> CostModel | None:
+        """The first graph's inputs complete the key; with `load`, the kept model, if one is usable."""
+        if self.inputs is not None or not enabled():
+            return None
+        self.inputs = input_signature(input_shapes)
+        if not load:
+            return None
+        model, self.note = load_entry(cost_key(self.rt, self.inputs), len(self.rt.blocks))
+        (log.warning if model is None and "ignored" in self.note else log.info)("stagehand: %s", self.note)
+        return model
+
+    def keep(self, model: CostModel) -> None:
+        """Write a measured model (after calibration, and when later steps refined or corrected it)."""
+        if self.inputs is not None and model.source == MEASURED and not model.frozen:
+            save_entry(model, cost_key(self.rt, self.inputs))
