@@ -68,7 +68,7 @@ def test_triton_kernel_matches_twin_in_interpreter(interp_results, name):
     # ("loose": the dequantize + cuBLAS mode rounds the weight to bf16 first.)
     assert rec["loose"] or rec["max_excess"] <= 0.0, f"an element is off by more than one rounding: {rec}"
     # measured (CPU, torch 2.13): bf16 4.5e-3 (one bf16 rounding; the interpreter's toward zero), fp16 and fp32 7.3e-8
-    # (both sides compute in fp32 and round alike, only summation order differs)
+    # with triton 3.6, up to 1.1e-7 with 3.9 (both sides compute in fp32 and round alike, only summation order differs)
     assert rec["err"] < (8e-3 if rec["dtype"] == "torch.bfloat16" else 2e-7), rec
 
 
