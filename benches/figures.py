@@ -352,6 +352,41 @@ def first_step_table() -> str:
     return f"{caption(*names, what=what)}\n\n{table(rows, cols)}\n"
 
 
+def start_time_table(name: str = "start_time_mixed.json") -> str:
+    """Seconds to the first step (benches/start_time.py): each run a fresh process, cold then warm."""
+    data = load(name)
+    runs = [r for r in data["runs"] if "error" not in r]
+    cold = {r["row"]: r for r in runs if r["mode"] == "cold"}
+    model = {"flux": "Flux-dev 12B", "qwen": "Qwen2.5-7B shape"}
+
+    def same_loss(r: dict) -> str:
+        base = cold.get(r["row"])
+        if base is None or r is base:
+            return ""
+        diff = abs(r["first_loss"] - base["first_loss"]) / abs(base["first_loss"])
+        return "the same" if diff == 0 else f"{diff:.1e} apart (another plan)"
+
+    def units(r: dict) -> str:
+        return f"{r['units_compiled_cold']} / {r['units_loaded']}" if "units_loaded" in r else ""
+
+    cols = [Col("model", lambda r: model.get(r["row"].split(":")[0], r["row"])),
+            Col("precision", lambda r: r["row"].split(":")[1]), Col("run", lambda r: r["mode"]),
+            Col("offload s", field("offload_s", num, 1)), Col("first step s", field("first_step_s", num, 1)),
+            Col("Dynamo capture s", field("dynamo_s", num, 1)),
+            Col("units compiled / loaded in the run", units), Col("their s", field("compile_seconds", num, 1)),
+            Col("W8A16 autotune s", field("autotune_seconds", num, 1)),
+            Col("steps 2-4 ms", lambda r: " / ".join(ms(v) for v in r["step_ms"][:3])),
+            Col("steady ms", field("steady_ms", ms)), Col("first loss against cold", same_loss),
+            Col("cost model", lambda r: "kept, loaded" if "loaded from" in (r.get("cost_model_cache") or "")
+                else "calibrated" if r.get("cost_model_cache") else "")]
+    budgets = ", ".join(f"{model[k]} {v}" for k, v in data["budgets"].items())
+    what = (f"Each run a fresh process (`benches/start_time.py`): the full-size model built on the GPU, LoRA r=16, "
+            f"AdamW, `vram_budget` {budgets}; cold: every cache empty; warm: a second process on the same machine. "
+            "Dynamo capture holds the backend's graph passes; units compile lazily as they first run, in the first "
+            "step and in the step after the re-plan (steps 2-4 begin with it)")
+    return f"{caption(name, what=what)}\n\n{table(runs, cols)}\n"
+
+
 PEER_FILES = ["peer_offload_flux.json", "peer_musubi_flux_h100.jsonl", "peer_musubi_flux_h200.jsonl"]
 
 
@@ -769,6 +804,7 @@ FIGURES: dict[str, Figure] = {
     "headline_qwen": Figure(headline_qwen, ("budget_sweep_qwen.json",)),
     "models": Figure(models_table, ("models_flux.json", "models_qwen.json")),
     "first_step": Figure(first_step_table, ("models_qwen_firststep_run1.json", "models_qwen_firststep_run2.json")),
+    "start_time": Figure(start_time_table, ("start_time_mixed.json",)),
     "peers_flux": Figure(peers_table, ("models_flux.json", "budget_sweep_flux.json", *PEER_FILES)),
     "peers_host_memory": Figure(host_memory_of_peers, (*PEER_FILES, "host_memory_flux.json")),
     "diffusers_reset": Figure(diffusers_reset, ("peer_offload_flux.log",)),
