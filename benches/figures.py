@@ -404,6 +404,18 @@ def capture_split_table(name: str = "capture_split_cpu.json") -> str:
     return f"{caption(name, what=what)}\n\n{table(data['rows'], cols)}\n"
 
 
+def host_adamw_states(name: str = "host_adamw_states_cpu.json") -> str:
+    """The host AdamW step per kind of state (benches/host_adamw_states.py)."""
+    data = load(name)
+    cols = [Col("master", lambda r: r["master"]), Col("moments", lambda r: r["states"]),
+            Col("optimizer bytes a parameter (beside the bf16 weight)", field("optimizer_bytes_per_param")),
+            Col("M parameters a second", field("mparams_per_s", num, 1)),
+            Col("x fp32 master and moments", field("x_fp32_rate"))]
+    what = (f"`adamw_step` over {data['rows'][0]['params_m']}M bf16 parameters (four Linear weights), the median "
+            "of 5 steps; a machine with more cores steps proportionally more")
+    return f"{caption(name, what=what)}\n\n{table(data['rows'], cols)}\n"
+
+
 PEER_FILES = ["peer_offload_flux.json", "peer_musubi_flux_h100.jsonl", "peer_musubi_flux_h200.jsonl"]
 
 
@@ -825,6 +837,7 @@ FIGURES: dict[str, Figure] = {
     "first_step": Figure(first_step_table, ("models_qwen_firststep_run1.json", "models_qwen_firststep_run2.json")),
     "start_time": Figure(start_time_table, ("start_time_mixed.json",)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
+    "host_adamw_states": Figure(host_adamw_states, ("host_adamw_states_cpu.json",)),
     "peers_flux": Figure(peers_table, ("models_flux.json", "budget_sweep_flux.json", *PEER_FILES)),
     "peers_host_memory": Figure(host_memory_of_peers, (*PEER_FILES, "host_memory_flux.json")),
     "diffusers_reset": Figure(diffusers_reset, ("peer_offload_flux.log",)),

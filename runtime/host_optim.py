@@ -18,6 +18,16 @@ computed in fp32 and written back to the bf16 weight with stochastic rounding
 (an unbiased rounding, so small updates are not lost), 8 bytes a parameter.
 After each step the weight's bytes that stream (bf16 itself, or its INT8 / FP8
 copy, rebuilt here off the hot path) are fresh for the next forward.
+
+The moments can be smaller too (`states=`): "bf16" (4 bytes a parameter for both,
+stochastically rounded after each step: an exponential average moves by less than a
+bf16 rounding step per step, so round-to-nearest would freeze it) or "int8" (2 bytes
+and a scale per 128 elements: `exp_avg` as signed codes of its block's absmax,
+`exp_avg_sq` as codes of its square root, which halves its dynamic range; both
+stochastically rounded, and a nonzero second moment never reads back as zero: a zero
+denominator would turn a small momentum into a step of lr / eps). Each chunk is decoded
+to fp32, stepped by the same fused kernel and encoded again. bf16 master + int8 states
+is 4 bytes a parameter with the bf16 weight: a 12B model's full fine-tune in 48 GB of host memory.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ import torch
 from torch.optim.adam import adam as adam_functional
 
 MASTERS = ("fp32", "bf16")
+STATES = ("fp32", "bf16", "int8")
+QBLOCK = 128  # elements per scale of int8 moments
+STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / QBLOCK}  # exp_avg + exp_avg_sq, a parameter
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
@@ -81,29 +94,33 @@ CHUNK = 1 << 21
 
 
 def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], hyper: Hyper,
-               master: str, scratch: tuple[Scratch, Scratch], generator: torch.Generator | None = None) -> None:
+               master: str, scratch: tuple[Scratch, ...], generator: torch.Generator | None = None) -> None:
     """One AdamW step of host weights from their gradients, in fp32, written back in the weights' dtype.
 
     `states[i]`: the weight's `step` (a float32 scalar tensor, as torch keeps it), `exp_avg`, `exp_avg_sq`
-    and, for a master="fp32" low-precision weight, its fp32 `master`. `scratch`: (for gradients, for
-    weights stepped in fp32 and rounded back) working buffers of a chunk."""
-    grad32, weight32 = (sc.views([torch.Size([CHUNK])])[0] for sc in scratch)
+    (fp32, bf16, or int8 / uint8 codes with `exp_avg_scale` / `exp_avg_sq_scale`: `new_state`) and, for a
+    master="fp32" low-precision weight, its fp32 `master`. `scratch`: working buffers of a chunk (for
+    gradients, for weights stepped in fp32 and rounded back; two more for decoded moments)."""
+    grad32, weight32 = (sc.views([torch.Size([CHUNK])])[0] for sc in scratch[:2])
     step = torch.zeros((), dtype=torch.float32)
     for p, g, st in zip(params, grads, states):
-        w, g, m, v = p.detach().view(-1), g.view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
+        w, g = p.detach().view(-1), g.view(-1)
         fp32_master = st["master"].view(-1) if "master" in st else None
         rounded = fp32_master is None and w.dtype != torch.float32  # master="bf16": stochastic rounding
-        for a in range(0, w.numel(), CHUNK):
-            b = min(w.numel(), a + CHUNK)
+        moments = Moments(st, scratch[2:], generator)
+        for a in range(0, w.numel(), moments.chunk):
+            b = min(w.numel(), a + moments.chunk)
             g32 = g[a:b] if g.dtype == torch.float32 else grad32[: b - a].copy_(g[a:b])
             target = fp32_master[a:b] if fp32_master is not None else \
                 weight32[: b - a].copy_(w[a:b]) if rounded else w[a:b]
+            m, v = moments.decode(a, b)
             step.copy_(st["step"])  # the kernel counts the step on each call: every chunk starts from the same
             adam_functional(
-                [target], [g32], [m[a:b]], [v[a:b]], [], [step], fused=True, decoupled_weight_decay=True,
+                [target], [g32], [m], [v], [], [step], fused=True, decoupled_weight_decay=True,
                 amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay,
                 eps=hyper.eps, maximize=False)
             with torch.no_grad():
+                moments.encode(a, b)
                 if rounded:
                     stochastic_round_(w[a:b], target, generator)
                 elif fp32_master is not None:
@@ -114,17 +131,84 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
         torch.autograd.graph.increment_version(p)
 
 
-def new_state(p: torch.Tensor, master: str) -> dict:
-    """fp32 moments (and an fp32 master copy of a low-precision weight under master="fp32")."""
-    state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape, dtype=torch.float32),
-             "exp_avg_sq": torch.zeros(p.shape, dtype=torch.float32)}
+class Moments:
+    """One weight's `exp_avg` / `exp_avg_sq` as the fused kernel wants them: fp32 views of the chunk being
+    stepped (the states themselves when they are fp32; decoded into scratch, and encoded back, otherwise)."""
+
+    def __init__(self, state: dict, scratch: tuple[Scratch, ...], generator: torch.Generator | None):
+        self.st, self.generator = state, generator
+        self.kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[state["exp_avg"].dtype]
+        # int8 chunks hold whole scale blocks (CHUNK is a multiple of QBLOCK; a test's small one is rounded up)
+        self.chunk = CHUNK if self.kind != "int8" else max(QBLOCK, CHUNK // QBLOCK * QBLOCK)
+        if self.kind != "fp32":
+            self.m32, self.v32 = (sc.views([torch.Size([self.chunk])])[0] for sc in scratch)
+
+    def decode(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m, v = self.st["exp_avg"].view(-1), self.st["exp_avg_sq"].view(-1)
+        if self.kind == "fp32":
+            return m[a:b], v[a:b]
+        n = b - a
+        if self.kind == "bf16":
+            return self.m32[:n].copy_(m[a:b]), self.v32[:n].copy_(v[a:b])
+        blocks = slice(a // QBLOCK, -(-b // QBLOCK))
+        m32, v32 = self._padded(self.m32, m[a:b]), self._padded(self.v32, v[a:b])
+        m32.view(-1, QBLOCK).mul_(self.st["exp_avg_scale"][blocks, None])
+        v32.view(-1, QBLOCK).mul_(self.st["exp_avg_sq_scale"][blocks, None]).square_()  # codes of sqrt(v)
+        return m32[:n], v32[:n]
+
+    @staticmethod
+    def _padded(buf: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """`codes` as fp32 in `buf`, zero-padded to whole scale blocks."""
+        n = codes.numel()
+        out = buf[:-(-n // QBLOCK) * QBLOCK]
+        out[:n].copy_(codes)
+        out[n:].zero_()
+        return out
+
+    def encode(self, a: int, b: int) -> None:
+        if self.kind == "fp32":
+            return
+        m, v, n = self.st["exp_avg"].view(-1), self.st["exp_avg_sq"].view(-1), b - a
+        if self.kind == "bf16":
+            stochastic_round_(m[a:b], self.m32[:n], self.generator)
+            stochastic_round_(v[a:b], self.v32[:n], self.generator)
+            return
+        blocks = slice(a // QBLOCK, -(-b // QBLOCK))
+        padded = -(-n // QBLOCK) * QBLOCK
+        m32, v32 = self.m32[:padded].view(-1, QBLOCK), self.v32[:padded].view(-1, QBLOCK)
+        m[a:b].copy_(self._codes(m32, 127, self.st["exp_avg_scale"][blocks]).view(-1)[:n])
+        nonzero = v32 > 0
+        codes = self._codes(v32.sqrt_(), 255, self.st["exp_avg_sq_scale"][blocks])
+        v[a:b].copy_(torch.maximum(codes, nonzero.float()).view(-1)[:n])  # a nonzero moment never decodes to 0
+
+    def _codes(self, x: torch.Tensor, top: int, scale: torch.Tensor) -> torch.Tensor:
+        """Stochastically rounded codes of `x` (blocks of QBLOCK) in [-top, top], its blocks' scales written to
+        `scale` (absmax / top): floor(x / scale + U[0, 1)) is x / scale rounded up with probability equal to
+        its fraction, so the decoded value is unbiased."""
+        torch.div(x.abs().amax(dim=1), top, out=scale)
+        x.div_(scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
+        x.add_(torch.rand(x.shape, generator=self.generator)).floor_()
+        return x.clamp_(-top, top)
+
+
+def new_state(p: torch.Tensor, master: str, states: str = "fp32") -> dict:
+    """The moments in `states` (STATES), and an fp32 master copy of a low-precision weight under master="fp32"."""
+    if states == "int8":
+        n, blocks = p.numel(), -(-p.numel() // QBLOCK)
+        state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(n, dtype=torch.int8),
+                 "exp_avg_scale": torch.zeros(blocks), "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
+                 "exp_avg_sq_scale": torch.zeros(blocks)}
+    else:
+        dtype = torch.float32 if states == "fp32" else torch.bfloat16
+        state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape, dtype=dtype),
+                 "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
     if master == "fp32" and p.dtype != torch.float32:
         state["master"] = p.detach().float()
     return state
 
 
-def state_bytes(p: torch.Tensor, master: str) -> int:
-    return p.numel() * (8 + (4 if master == "fp32" and p.dtype != torch.float32 else 0))
+def state_bytes(p: torch.Tensor, master: str, states: str = "fp32") -> int:
+    return int(p.numel() * (STATE_BYTES[states] + (4 if master == "fp32" and p.dtype != torch.float32 else 0)))
 
 
 class LandingWorker:
@@ -204,4 +288,5 @@ class LandingWorker:
         self._thread.join(timeout=60)
 
 
-__all__ = ["LandingWorker", "Hyper", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_", "MASTERS"]
+__all__ = ["LandingWorker", "Hyper", "Moments", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_",
+           "MASTERS", "STATES", "STATE_BYTES"]

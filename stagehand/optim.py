@@ -15,6 +15,13 @@ update is AdamW's, at the same point of the step; nothing is delayed.
 - `master="fp32"` (default): an fp32 master and fp32 moments per streamed
   weight, 12 bytes a parameter on the host. `master="bf16"`: the bf16 weight
   is its own master, updated with stochastic rounding (8 bytes a parameter).
+- `states="fp32"` (default), `"bf16"` or `"int8"`: the moments' bytes, 8, 4
+  or 2 a parameter (the smaller ones stochastically rounded after each step;
+  runtime/host_optim.py says how). With `master="bf16"`, `states="int8"`
+  needs 2 bytes a parameter beside the bf16 weight. Smaller states cost host
+  time: each is decoded, stepped and encoded again (benches/host_adamw_states.py).
+  The random stream is in `state_dict()`, so a resumed run rounds as the
+  uninterrupted one would.
 - `overlap=False` steps every block in `step()` (after the backward).
 - `accumulation_steps=k`: `step()` is called after every k backwards; the
   blocks step during the k-th. A different cadence is an error at `step()`.
@@ -40,24 +47,28 @@ from torch.optim.adam import adam as adam_functional
 from torch_stagehand.runtime import registry
 from torch_stagehand.runtime.events import progress
 from torch_stagehand.runtime.host_budget import gib, probe_machine
-from torch_stagehand.runtime.host_optim import (MASTERS, Hyper, LandingWorker, Scratch, adamw_step, new_state,
-                                                 state_bytes)
+from torch_stagehand.runtime.host_optim import (MASTERS, STATE_BYTES, STATES, Hyper, LandingWorker, Scratch,
+                                                 adamw_step, new_state, state_bytes)
 from torch_stagehand.runtime.host_plan import HostMemoryError
 from torch_stagehand.runtime.streamed import HostMasterParameter
 
 
 class HostAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, master: str = "fp32", overlap: bool = True,
+                 weight_decay: float = 1e-2, *, master: str = "fp32", states: str = "fp32", overlap: bool = True,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, seed: int = 0):
         if master not in MASTERS:
             raise ValueError(f"HostAdamW: master must be one of {MASTERS}, got {master!r}")
+        if states not in STATES:
+            raise ValueError(f"HostAdamW: states must be one of {STATES}, got {states!r}")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"HostAdamW: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.master, self.max_grad_norm, self.accumulation_steps = master, max_grad_norm, accumulation_steps
+        self.states = states
         self._generator = torch.Generator().manual_seed(seed)  # stochastic rounding, reproducible
-        self._scratch = (Scratch(), Scratch())  # one block's fp32 gradients / rounded weights, kept across steps
+        # a chunk's fp32 gradients, rounded weights and decoded moments, kept across steps
+        self._scratch = (Scratch(), Scratch(), Scratch(), Scratch())
         self._streamed = [p for g in self.param_groups for p in g["params"] if isinstance(p, HostMasterParameter)]
         self.runtime = _one_runtime(self._streamed)
         self._block_params: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -66,7 +77,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._preflight()
         for p in progress([p for p in self._streamed if p.requires_grad], "HostAdamW: host optimizer states"):
-            self.state[p] = new_state(p, master)
+            self.state[p] = new_state(p, master, states)
         self.worker = None
         self.host_seconds = 0.0  # time spent stepping streamed blocks on the host (benches read it)
         self.blocks_stepped_in_backward = 0  # blocks stepped by the worker while the backward ran
@@ -83,18 +94,21 @@ class HostAdamW(torch.optim.Optimizer):
         return index, self.runtime.layers[index].block
 
     def _preflight(self) -> None:
-        need = {"fp32 masters": 0, "fp32 moments (exp_avg, exp_avg_sq)": 0}
+        moments = f"{self.states} moments (exp_avg, exp_avg_sq)"
+        need = {"fp32 masters": 0, moments: 0}
         for p in self._streamed:
             if p.requires_grad:
-                total = state_bytes(p, self.master)
-                need["fp32 moments (exp_avg, exp_avg_sq)"] += 8 * p.numel()
-                need["fp32 masters"] += total - 8 * p.numel()
+                total = state_bytes(p, self.master, self.states)
+                need[moments] += int(STATE_BYTES[self.states] * p.numel())
+                need["fp32 masters"] += total - int(STATE_BYTES[self.states] * p.numel())
         machine = probe_machine()
         if sum(need.values()) <= machine.usable_bytes:
             return
         parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items() if v)
-        fix = "master='bf16' (the bf16 weights are their own master: 8 bytes a parameter instead of 12); " \
+        fix = "master='bf16' (the bf16 weights are their own master: 4 bytes a parameter fewer); " \
             if self.master == "fp32" and need["fp32 masters"] else ""
+        fix += f"states='int8' (2 bytes a parameter for the moments instead of {STATE_BYTES[self.states]:.0f}); " \
+            if self.states != "int8" else ""
         raise HostMemoryError(
             f"HostAdamW: the optimizer states of {len(self._streamed)} streamed weights need {gib(sum(need.values()))} "
             f"of host memory ({parts}) and {gib(machine.usable_bytes)} can be had ({machine.describe()}). To fit: "
@@ -201,14 +215,29 @@ class HostAdamW(torch.optim.Optimizer):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 
+    def state_dict(self) -> dict:
+        """torch's, with the stochastic rounding's random stream (a resumed run rounds as this one would)."""
+        return dict(super().state_dict(), stagehand_rng=self._generator.get_state())
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, except that a streamed weight's states stay fp32 (torch casts them to the weight's dtype)."""
+        """torch's, except that a streamed weight's states stay as kept (torch casts them to the weight's dtype:
+        fp32 moments of a bf16 weight, int8 codes), and the random stream continues where it was saved."""
         params = [p for g in self.param_groups for p in g["params"]]
         exact = {params[i]: {k: v.clone() for k, v in st.items()}
                  for i, st in state_dict["state"].items() if isinstance(params[i], HostMasterParameter)}
+        for p, st in exact.items():
+            kept = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}.get(st["exp_avg"].dtype)
+            if kept != self.states:
+                raise ValueError(f"HostAdamW.load_state_dict: the saved moments are {kept}, this optimizer keeps "
+                                 f"states={self.states!r}")
+        rng = state_dict.get("stagehand_rng")
+        state_dict = {k: v for k, v in state_dict.items() if k != "stagehand_rng"} | \
+            {"state": {i: st for i, st in state_dict["state"].items() if params[i] not in exact}}
         super().load_state_dict(state_dict)
         for p, st in exact.items():
             self.state[p] = st
+        if rng is not None:
+            self._generator.set_state(rng)
 
 
 def _one_runtime(streamed: list[HostMasterParameter]):
