@@ -5,6 +5,8 @@ accumulation and clipping), step blocks during the backward (before `step()`
 is called), keep its states fp32 through a checkpoint, round a bf16 weight
 from an fp32 master (or stochastically, unbiased), refresh INT8 streams off
 the hot path, and refuse a host too small for its states before allocating.
+Its smaller moments (bf16, int8 codes) follow the fp32 ones, decode unbiased
+and never to a zero second moment, and resume exactly from a checkpoint.
 """
 
 from __future__ import annotations
