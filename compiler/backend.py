@@ -31,7 +31,7 @@ from torch_stagehand.runtime import registry
 
 from .context import BackendOptions, CompileContext, PassLog, PassRecord
 from .graph_nodes import layer_id_of, streams
-from .inner import compile_unit
+from .inner import compile_unit, warm_compile_workers
 from .interface import StreamingRuntime
 from .passes import GRAPH_PASSES, JOINT_PASSES, VARIANT_PASSES
 from .passes.assign_segments import Segment
@@ -75,6 +75,8 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         _warn_if_nothing_offloaded()
         log.info("stagehand: graph has no streamed layers; compiling it with %s alone", opts.inner)
         return compile_unit(gm, list(example_inputs), opts.inner, lambda *_: None, JOINT_PASSES, PassLog())
+    if opts.inner == "inductor":
+        warm_compile_workers(rt.device)  # offload() started them; a runtime made otherwise starts them here
     ctx = CompileContext(rt, opts, variant_cache(rt), VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids))
     outer = ctx.run(GRAPH_PASSES, gm)
     rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran,

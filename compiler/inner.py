@@ -29,6 +29,20 @@ if TYPE_CHECKING:
 OnGraph = Callable[[str, fx.GraphModule], None]
 
 
+def warm_compile_workers(device: torch.device) -> bool:
+    """Start Inductor's compile workers now. torch's own inductor backend does when Dynamo hands it a graph; a
+    backend that calls `compile_fx` per unit must do it itself: the workers take seconds to come up, and until
+    they are ready every Triton kernel of the first units compiles in the main process, one after another.
+    Only on CUDA (the pool serves Triton; CPU kernels compile in process). `TORCH_WARM_POOL=0` and
+    `TORCHINDUCTOR_COMPILE_THREADS=1` turn it off, as they do for torch. True when the pool was asked for."""
+    if device.type != "cuda":
+        return False
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()  # idempotent: the pool is made once per process
+    return True
+
+
 def _eager_backward_lowering():
     # Compile the backward with the forward (first call), not at the first backward;
     # explain() then sees every graph without running a backward. Older torch lacks it.

@@ -167,3 +167,36 @@ def test_the_source_hash_follows_every_file_of_a_package(tmp_path):
     before = compile_cache._sources_hash([package])
     (tmp_path / "b.py").write_text("y = 3\n")
     assert compile_cache._sources_hash([package]) != before
+
+
+# ---- Inductor's compile workers ------------------------------------------------------------------------------
+
+WORKERS_CHILD = textwrap.dedent(r'''
+    import json, torch
+    import torch_stagehand as stagehand
+    from torch._inductor.async_compile import AsyncCompile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    before = AsyncCompile.process_pool.cache_info().currsize
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    stagehand.offload(model, device="cuda", verbose=False)
+    print("RESULT " + json.dumps({"before": before, "after": AsyncCompile.process_pool.cache_info().currsize}))
+''')
+
+
+def test_the_compile_workers_are_started_for_cuda_alone():
+    from torch_stagehand.compiler.inner import warm_compile_workers
+
+    assert not warm_compile_workers(torch.device("cpu"))  # CPU kernels compile in process: no pool to start
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_starts_inductors_compile_workers_before_the_first_compile():
+    """A fresh process: no pool before offload, one after it (before anything compiled), as torch's own
+    inductor backend has once it is handed a graph."""
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="4", TORCH_WARM_POOL="1")
+    done = subprocess.run([sys.executable, "-c", WORKERS_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
+    assert result == {"before": 0, "after": 1}
