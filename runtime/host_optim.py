@@ -47,13 +47,51 @@ QBLOCK = 128  # elements per scale of int8 moments
 STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / QBLOCK}  # exp_avg + exp_avg_sq, a parameter
 
 
-def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None) -> None:
+class Noise:
+    """Uniform noise for stochastic rounding, drawn once per `adamw_step` call: a buffer of a chunk and a window
+    more, from which each chunk reads a slice at a random offset.
+
+    Drawing a value per element from torch's CPU generator (one thread) cost more than the AdamW step itself
+    (measured: a bf16 master's rounding made the step 5x slower). Each element's noise is still uniform, and
+    fresh at every step (the buffer and the offsets are drawn again); two elements of one step may share a
+    value, which leaves each one's rounding unbiased."""
+
+    WINDOW = 1 << 16
+
+    def __init__(self, generator: torch.Generator | None):
+        self.generator = generator
+        self._bits: torch.Tensor | None = None  # int32 in [0, 2**16): bf16 rounding
+        self._unit: torch.Tensor | None = None  # float32 in [0, 1): int8 codes
+
+    def _slice(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        offset = int(torch.randint(0, buf.numel() - n + 1, (1,), generator=self.generator))
+        return buf[offset:offset + n]
+
+    def bits(self, n: int) -> torch.Tensor:
+        if n > CHUNK:  # more than a chunk at once: a value per element
+            return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=self.generator)
+        if self._bits is None:
+            self._bits = torch.randint(0, 1 << 16, (CHUNK + self.WINDOW,), dtype=torch.int32, generator=self.generator)
+        return self._slice(self._bits, n)
+
+    def unit(self, n: int) -> torch.Tensor:
+        if n > CHUNK:
+            return torch.rand(n, generator=self.generator)
+        if self._unit is None:
+            self._unit = torch.rand(CHUNK + self.WINDOW, generator=self.generator)
+        return self._slice(self._unit, n)
+
+
+def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None,
+                      noise: Noise | None = None) -> None:
     """Write fp32 `src` into bf16 `dst`, rounding up with probability equal to the distance (unbiased).
 
     bf16 is fp32's upper 16 bits: adding a uniform random 16-bit integer to the fp32 bits and truncating
-    the lower half rounds up exactly with probability (dropped bits / 2**16)."""
+    the lower half rounds up exactly with probability (dropped bits / 2**16). `noise`: the step's shared
+    noise (`Noise`); without it, a value is drawn per element."""
     bits = src.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, generator=generator)
+    noise = noise.bits(src.numel()).view(src.shape) if noise is not None else \
+        torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, generator=generator)
     rounded = (bits + noise) & -65536  # keep the upper 16 bits (0xFFFF0000 as a signed int32)
     dst.copy_(rounded.view(torch.float32))  # exact: the value is a bf16 value
 
@@ -103,11 +141,12 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
     gradients, for weights stepped in fp32 and rounded back; two more for decoded moments)."""
     grad32, weight32 = (sc.views([torch.Size([CHUNK])])[0] for sc in scratch[:2])
     step = torch.zeros((), dtype=torch.float32)
+    noise = Noise(generator)
     for p, g, st in zip(params, grads, states):
         w, g = p.detach().view(-1), g.view(-1)
         fp32_master = st["master"].view(-1) if "master" in st else None
         rounded = fp32_master is None and w.dtype != torch.float32  # master="bf16": stochastic rounding
-        moments = Moments(st, scratch[2:], generator)
+        moments = Moments(st, scratch[2:], noise)
         for a in range(0, w.numel(), moments.chunk):
             b = min(w.numel(), a + moments.chunk)
             g32 = g[a:b] if g.dtype == torch.float32 else grad32[: b - a].copy_(g[a:b])
@@ -122,7 +161,7 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
             with torch.no_grad():
                 moments.encode(a, b)
                 if rounded:
-                    stochastic_round_(w[a:b], target, generator)
+                    stochastic_round_(w[a:b], target, noise=noise)
                 elif fp32_master is not None:
                     w[a:b].copy_(target)  # round to nearest; the master keeps the exact value
         st["step"].add_(1)
@@ -135,8 +174,8 @@ class Moments:
     """One weight's `exp_avg` / `exp_avg_sq` as the fused kernel wants them: fp32 views of the chunk being
     stepped (the states themselves when they are fp32; decoded into scratch, and encoded back, otherwise)."""
 
-    def __init__(self, state: dict, scratch: tuple[Scratch, ...], generator: torch.Generator | None):
-        self.st, self.generator = state, generator
+    def __init__(self, state: dict, scratch: tuple[Scratch, ...], noise: Noise):
+        self.st, self.noise = state, noise
         self.kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[state["exp_avg"].dtype]
         # int8 chunks hold whole scale blocks (CHUNK is a multiple of QBLOCK; a test's small one is rounded up)
         self.chunk = CHUNK if self.kind != "int8" else max(QBLOCK, CHUNK // QBLOCK * QBLOCK)
@@ -170,8 +209,8 @@ class Moments:
             return
         m, v, n = self.st["exp_avg"].view(-1), self.st["exp_avg_sq"].view(-1), b - a
         if self.kind == "bf16":
-            stochastic_round_(m[a:b], self.m32[:n], self.generator)
-            stochastic_round_(v[a:b], self.v32[:n], self.generator)
+            stochastic_round_(m[a:b], self.m32[:n], noise=self.noise)
+            stochastic_round_(v[a:b], self.v32[:n], noise=self.noise)
             return
         blocks = slice(a // QBLOCK, -(-b // QBLOCK))
         padded = -(-n // QBLOCK) * QBLOCK
@@ -187,7 +226,7 @@ class Moments:
         its fraction, so the decoded value is unbiased."""
         torch.div(x.abs().amax(dim=1), top, out=scale)
         x.div_(scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
-        x.add_(torch.rand(x.shape, generator=self.generator)).floor_()
+        x.add_(self.noise.unit(x.numel()).view(x.shape)).floor_()
         return x.clamp_(-top, top)
 
 
@@ -288,5 +327,5 @@ class LandingWorker:
         self._thread.join(timeout=60)
 
 
-__all__ = ["LandingWorker", "Hyper", "Moments", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_",
+__all__ = ["LandingWorker", "Hyper", "Moments", "Noise", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_",
            "MASTERS", "STATES", "STATE_BYTES"]

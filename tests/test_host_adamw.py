@@ -135,11 +135,14 @@ def test_a_bf16_weight_steps_from_its_fp32_master_and_rounds_to_nearest():
     assert torch.equal(w, state["master"].to(torch.bfloat16))  # the streamed weight is its rounding
 
 
-def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values():
+@pytest.mark.parametrize("shared", [False, True], ids=["a value per element", "a step's shared noise"])
+def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values(shared):
+    from torch_stagehand.runtime.host_optim import Noise
+
     gen = torch.Generator().manual_seed(0)
     src = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1 to the next bf16 value (1 + 2**-7)
     dst = torch.empty_like(src, dtype=torch.bfloat16)
-    stochastic_round_(dst, src, gen)
+    stochastic_round_(dst, src, gen, noise=Noise(gen) if shared else None)
     up = (dst.float() > 1.0).float().mean().item()
     assert abs(up - 0.125) < 0.005  # rounds up 1/8 of the time: 2**-10 / 2**-7
     assert abs(dst.float().mean().item() - src[0].item()) < 2e-5
@@ -276,7 +279,7 @@ def test_smaller_moments_follow_fp32_adamw(states, tol):
 
 
 def test_int8_codes_are_unbiased_within_one_code_and_keep_a_nonzero_second_moment():
-    from torch_stagehand.runtime.host_optim import QBLOCK, Moments
+    from torch_stagehand.runtime.host_optim import QBLOCK, Moments, Noise
 
     n = 5 * QBLOCK + 37  # a last block that is not whole
     gen = torch.Generator().manual_seed(0)
@@ -284,10 +287,10 @@ def test_int8_codes_are_unbiased_within_one_code_and_keep_a_nonzero_second_momen
     v = m.square() * 3
     v[7] = 1e-30  # tiny but nonzero: must not decode to 0 (m / (sqrt(0) + eps) would be a huge step)
     state = new_state(torch.empty(n), "fp32", "int8")
-    moments = Moments(state, (Scratch(), Scratch()), gen)
     decoded_m = torch.zeros(n, dtype=torch.float64)
     draws = 200
     for _ in range(draws):
+        moments = Moments(state, (Scratch(), Scratch()), Noise(gen))  # a step's noise: drawn again each step
         m32, v32 = moments.decode(0, n)
         m32.copy_(m)
         v32.copy_(v)
