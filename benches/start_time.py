@@ -137,7 +137,8 @@ def run_one(args, row: str, mode: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
            "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + \
           (["--profile-offload"] if mode == "cold" and row.endswith(":int8") else [])
-    env = dict(os.environ, **caches(row, mode), STAGEHAND_TUNE_CACHE="1", STAGEHAND_COMPILE_CACHE="1")
+    env = dict(os.environ, **caches(row, mode), STAGEHAND_TUNE_CACHE="1", STAGEHAND_COMPILE_CACHE="1",
+               STAGEHAND_WARM_COMPILE_WORKERS="1" if args.warm_compile_workers else "0")
     print(f"start_time: {row} {mode} ...", flush=True)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--timeout", type=int, default=540)
+    p.add_argument("--warm-compile-workers", action="store_true",
+                   help="start Inductor's compile workers at offload (STAGEHAND_WARM_COMPILE_WORKERS=1)")
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
@@ -198,6 +201,7 @@ def main(argv=None) -> int:
             results.append(run_one(args, row, mode))
             if args.out:  # after every run: a call cut at its time limit keeps the runs it made
                 write_json(args.out, {"env": env, "budgets": BUDGETS, "steps": args.steps,
+                                      "warm_compile_workers": args.warm_compile_workers,
                                       "rows": table_rows(results), "runs": results})
     print_table(table_rows(results), title="seconds to the first step (each run a fresh process)")
     return 0

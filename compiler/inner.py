@@ -12,6 +12,7 @@ they did in the `PassLog` given.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -33,9 +34,11 @@ def warm_compile_workers(device: torch.device) -> bool:
     """Start Inductor's compile workers now. torch's own inductor backend does when Dynamo hands it a graph; a
     backend that calls `compile_fx` per unit must do it itself: the workers take seconds to come up, and until
     they are ready every Triton kernel of the first units compiles in the main process, one after another.
-    Only on CUDA (the pool serves Triton; CPU kernels compile in process). `TORCH_WARM_POOL=0` and
+    Only on CUDA (the pool serves Triton; CPU kernels compile in process), and for now only with
+    `STAGEHAND_WARM_COMPILE_WORKERS=1`: it has not run on a GPU yet (its GPU test and the start-time bench
+    will say whether it is safe and what it saves; then it becomes the default). `TORCH_WARM_POOL=0` and
     `TORCHINDUCTOR_COMPILE_THREADS=1` turn it off, as they do for torch. True when the pool was asked for."""
-    if device.type != "cuda":
+    if device.type != "cuda" or os.environ.get("STAGEHAND_WARM_COMPILE_WORKERS", "0") != "1":
         return False
     from torch._inductor.async_compile import maybe_warm_pool
 

@@ -71,7 +71,7 @@ def offload(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
-    if device.type == "cuda":  # Inductor's compile workers come up while offload fills the host store
+    if device.type == "cuda":  # Inductor's compile workers come up while offload fills the host store (if asked)
         from torch_stagehand.compiler.inner import warm_compile_workers
 
         warm_compile_workers(device)

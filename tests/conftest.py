@@ -14,9 +14,6 @@ os.environ["STAGEHAND_TUNE_CACHE"] = "0"
 os.environ["STAGEHAND_COMPILE_CACHE"] = "0"
 # Nor a calibrated cost model (runtime/conductor/cost_cache.py): every test on a GPU calibrates.
 os.environ["STAGEHAND_COST_CACHE"] = "0"
-# offload() on CUDA starts Inductor's compile workers early (compiler/inner.py); each test worker would start
-# its own pool whether its tests compile with Inductor or not. Inductor still starts one where it compiles.
-os.environ["TORCH_WARM_POOL"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

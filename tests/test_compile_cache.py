@@ -185,17 +185,20 @@ WORKERS_CHILD = textwrap.dedent(r'''
 ''')
 
 
-def test_the_compile_workers_are_started_for_cuda_alone():
+def test_the_compile_workers_are_started_for_cuda_alone_and_when_asked(monkeypatch):
     from torch_stagehand.compiler.inner import warm_compile_workers
 
+    monkeypatch.setenv("STAGEHAND_WARM_COMPILE_WORKERS", "1")
     assert not warm_compile_workers(torch.device("cpu"))  # CPU kernels compile in process: no pool to start
+    monkeypatch.setenv("STAGEHAND_WARM_COMPILE_WORKERS", "0")
+    assert not warm_compile_workers(torch.device("cuda"))  # off unless asked for (not run on a GPU yet)
 
 
 @pytest.mark.gpu
 def test_offload_on_cuda_starts_inductors_compile_workers_before_the_first_compile():
     """A fresh process: no pool before offload, one after it (before anything compiled), as torch's own
     inductor backend has once it is handed a graph."""
-    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="4", TORCH_WARM_POOL="1")
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="4", TORCH_WARM_POOL="1", STAGEHAND_WARM_COMPILE_WORKERS="1")
     done = subprocess.run([sys.executable, "-c", WORKERS_CHILD], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
