@@ -412,7 +412,7 @@ def host_adamw_states(name: str = "host_adamw_states_cpu.json") -> str:
             Col("M parameters a second", field("mparams_per_s", num, 1)),
             Col("x fp32 master and moments", field("x_fp32_rate"))]
     what = (f"`adamw_step` over {data['rows'][0]['params_m']}M bf16 parameters (four Linear weights), the median "
-            "of 5 steps; a machine with more cores steps proportionally more")
+            "of 5 steps, on this machine's threads (not measured on a GPU machine's host)")
     return f"{caption(name, what=what)}\n\n{table(data['rows'], cols)}\n"
 
 
