@@ -49,8 +49,7 @@ def _run_plain(model, x, target, steps, accumulation=1, clip=None):
     return losses
 
 
-def _run_host(model, forward, x, target, steps, accumulation=1, **kw):
-    opt = HostAdamW(model.parameters(), lr=LR, accumulation_steps=accumulation, **kw)
+def _steps(forward, x, target, opt, steps: int, accumulation: int = 1) -> list[float]:
     losses = []
     for _ in range(steps):
         for _ in range(accumulation):
@@ -59,7 +58,12 @@ def _run_host(model, forward, x, target, steps, accumulation=1, **kw):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, opt
+    return losses
+
+
+def _run_host(model, forward, x, target, steps, accumulation=1, **kw):
+    opt = HostAdamW(model.parameters(), lr=LR, accumulation_steps=accumulation, **kw)
+    return _steps(forward, x, target, opt, steps, accumulation), opt
 
 
 @pytest.mark.parametrize("compiled", [False, True, "recompute"], ids=["eager", "compiled", "recomputed blocks"])
@@ -250,14 +254,7 @@ def _train(states: str, steps: int = 30, seed: int = 0):
     model, x = _model()
     target = torch.randn_like(model(x)).detach()
     rt = stagehand.offload(model, device="cpu", verbose=False)
-    opt = HostAdamW(model.parameters(), lr=LR, states=states, seed=seed)
-    losses = []
-    for _ in range(steps):
-        loss = _loss(model, x, target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, opt = _run_host(model, model, x, target, steps, states=states, seed=seed)
     return losses, model, opt, rt
 
 
@@ -311,13 +308,7 @@ def test_a_resumed_run_with_int8_moments_continues_exactly(tmp_path):
     x = _model()[1]
     torch.manual_seed(1)
     target = torch.randn_like(model(x)).detach()
-    after = []
-    for _ in range(3):
-        loss = _loss(model, x, target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        after.append(loss.item())
+    after = _steps(model, x, target, opt, 3)
     rt.close()
 
     again, _ = _model()
@@ -327,14 +318,7 @@ def test_a_resumed_run_with_int8_moments_continues_exactly(tmp_path):
     opt2 = HostAdamW(again.parameters(), lr=LR, states="int8")
     opt2.load_state_dict(saved["opt"])
     assert all(opt2.state[p]["exp_avg"].dtype == torch.int8 for p in opt2._streamed)
-    resumed = []
-    for _ in range(3):
-        loss = _loss(again, x, target)
-        loss.backward()
-        opt2.step()
-        opt2.zero_grad()
-        resumed.append(loss.item())
-    assert resumed == after  # the same codes, scales and random stream
+    assert _steps(again, x, target, opt2, 3) == after  # the same codes, scales and random stream
     with pytest.raises(ValueError, match="saved moments are int8, this optimizer keeps states='fp32'"):
         HostAdamW(again.parameters(), lr=LR, overlap=False).load_state_dict(saved["opt"])
     rt2.close()
