@@ -40,12 +40,12 @@ import json
 import logging
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
+from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.runtime.conductor.costs import cache_dir
 
 log = logging.getLogger("torch_stagehand.compiler")
@@ -229,19 +229,11 @@ class CompileBundle:
         payload = saved[0]
         header = {"format": _FORMAT, "env": self.env, "sha256": hashlib.sha256(payload).hexdigest(),
                   "artifacts": sum(len(v) for v in _artifact_lists(saved[1])), "units": units}
-        folder = os.path.dirname(self.path)
-        tmp = None
         try:
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(_join(header, payload))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, _join(header, payload))
             return True
         except OSError as e:
             log.warning("stagehand: compile cache %s not written: %s", self.path, e)
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
             return False
 
 

@@ -24,10 +24,10 @@ import json
 import logging
 import math
 import os
-import tempfile
 
 import torch
 
+from ..atomic_file import write_atomic
 from ..blocks import layout_fingerprint
 from .costs import MEASURED, CostModel, cache_dir
 
@@ -69,18 +69,14 @@ def entry_path(key: dict, root: str | None = None) -> str:
 
 
 def save_entry(model: CostModel, key: dict, root: str | None = None) -> str | None:
-    """Write `model` under `key` (atomically: a reader never sees half a file); the path, or None when the
+    """Write `model` under `key` (`write_atomic`: a reader never sees half a file); the path, or None when the
     cache directory cannot be written (the next run calibrates again, nothing else is lost)."""
     path = entry_path(key, root)
     data = {name: getattr(model, name) for name in PER_BLOCK + SCALARS}
     data["host_s"] = model.host_s
     data["measured"] = {k: v for k, v in model.measured.items() if k != "cost_cache"}
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "model": data}, f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps({"key": key, "model": data}))
         return path
     except OSError as e:
         log.info("stagehand: the calibrated cost model was not kept (%s): the next run calibrates again", e)

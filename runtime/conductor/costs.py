@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..atomic_file import write_atomic
 # Compute time assumed for a block before one was measured: only the ratio to the transfer
 # time matters, and 1 ms per block keeps the first plan transfer-aware without a measurement.
 DEFAULT_BLOCK_SECONDS = 1e-3
@@ -239,9 +240,7 @@ def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = 
     bps = _measure_h2d(device, pinned, direction)
     table[key] = bps
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1)
+        write_atomic(path, json.dumps(table, indent=1))  # a run killed mid-write leaves the old table
     except OSError:
         pass  # an unwritable cache only costs a second per offload
     return bps, "measured"
