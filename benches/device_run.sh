@@ -14,6 +14,7 @@
 #   STAGES="sptests" bash benches/device_run.sh                       # fp8 + selective-precision GPU tests
 #   STAGES="fp8parts" bash benches/device_run.sh                      # an fp8 Linear piece by piece against cuBLAS bf16
 #   STAGES="fp8a" FP8A_ARGS="--skip-two-slot --fp8-mlp-row --steps 8" bash benches/device_run.sh   # workload A (carry .whl)
+#   STAGES="fullft" FULLFT_NAME=full_finetune_qwen14 FULLFT_ARGS="--layers 14 --budgets 16 --rows stagehand deepspeed2"
 #   STAGES="start" MODEL=qwen START_ROWS="qwen:int8 qwen:resident" START_MODES="cold warm bundle"   # seconds to the first step
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
 #   STAGES="sweep" MODEL=flux SWEEP_ARGS="--baselines inductor --baselines-only" SWEEP_TIMEOUT=570 bash benches/device_run.sh
@@ -125,6 +126,15 @@ for stage in $STAGES; do
     start)  timeout ${START_TIMEOUT:-570} python3 benches/start_time.py --rows ${START_ROWS:-qwen:int8 qwen:bf16 qwen:resident} \
               --modes ${START_MODES:-cold warm} ${START_ARGS:-} --out "$OUT/start_time_${MODEL:-qwen}.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/start_time_${MODEL:-qwen}.log" ;;
+    fullft) # full fine-tuning (benches/full_finetune.py); the deepspeed rows need .whl/ds (deepspeed and the
+            # dependencies the device lacks: pip takes from there only what is missing; its CPU Adam JIT-builds)
+            if ls .whl/ds/*.whl >/dev/null 2>&1; then
+              python3 -m pip install -q --no-index --find-links .whl/ds deepspeed > /tmp/ds_install.log 2>&1 \
+                || tail -5 /tmp/ds_install.log
+            fi
+            timeout ${FULLFT_TIMEOUT:-570} python3 benches/full_finetune.py ${FULLFT_ARGS:-} \
+              --out "$OUT/${FULLFT_NAME:-full_finetune_qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
+              | tee "$OUT/${FULLFT_NAME:-full_finetune_qwen}.log" ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

@@ -18,6 +18,9 @@ timed ones:
   of the streamed weights and the D2H of their gradients at the pinned
   bandwidths measured in the same process, and the host optimizer's measured
   time per step.
+- `stagehand_host`: the same with `device_update="off"`: every block steps on
+  the host (`stagehand` lets HostAdamW move blocks' updates to the GPU, chosen
+  from the costs its first step measured; the row says which and why).
 - `torchao`: torchao's `CPUOffloadOptimizer` (AdamW states and step on the CPU)
   with the whole model resident, compiled with Inductor: where the weights fit.
 - `deepspeed2`: DeepSpeed ZeRO-2 with `offload_optimizer: cpu` (its CPU Adam,
@@ -108,7 +111,7 @@ def _timed(label: str, step, steps: int, device: str) -> dict:
             "first_step_s": round(first_s, 1), "losses": [round(float(x), 4) for x in losses], **_peaks(device)}
 
 
-def row_stagehand(args) -> list[dict]:
+def row_stagehand(args, device_update: str = "auto") -> list[dict]:
     import torch_stagehand as stagehand
     from torch_stagehand.optim import HostAdamW
 
@@ -119,7 +122,8 @@ def row_stagehand(args) -> list[dict]:
                            verbose=False)
     offload_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, device_update=device_update)
+    where = "host + device update (auto)" if device_update == "auto" else "host update only"
     states_s = time.perf_counter() - t0
     inner = "inductor" if args.device == "cuda" else "eager"
     step = _train_step(args, torch.compile(model, backend="stagehand", options={"inner": inner}), inputs, opt)
@@ -133,11 +137,14 @@ def row_stagehand(args) -> list[dict]:
         if i and args.device == "cuda":
             rt.replan(vram_budget=f"{budget}GiB")
         step()  # a new plan's first step (its variants compile; calibration on the first)
+        states_in = lambda: opt.device.bytes_in if opt.device is not None else 0  # noqa: E731
         stats0, host0, overlapped0, d2h0 = rt.stats(), opt.host_seconds, opt.blocks_stepped_in_backward, rt.grads.d2h_bytes
-        row = _timed(f"stagehand HostAdamW, vram_budget {budget} GiB", step, args.steps, args.device)
+        in0 = states_in()
+        row = _timed(f"stagehand HostAdamW, {where}, vram_budget {budget} GiB", step, args.steps, args.device)
         after = rt.stats()
         n = args.steps + 1  # _timed runs a first step too
-        h2d_gb = (after["h2d_bytes"] - stats0["h2d_bytes"]) / n / 1e9
+        # the weights fetched and the states of the blocks stepped on the device: one link
+        h2d_gb = (after["h2d_bytes"] - stats0["h2d_bytes"] + states_in() - in0) / n / 1e9
         d2h_gb = (rt.grads.d2h_bytes - d2h0) / n / 1e9
         host_opt_ms = (opt.host_seconds - host0) / n * 1e3
         row.update(budget_gib=budget, h2d_gb_step=round(h2d_gb, 2), d2h_grad_gb_step=round(d2h_gb, 2),
@@ -146,7 +153,9 @@ def row_stagehand(args) -> list[dict]:
                    plan=after.get("plan"), resident_blocks=after.get("resident_blocks"),
                    recomputed_blocks=after.get("planned_recompute_blocks"),
                    predicted_step_ms=after.get("predicted_step_ms"), offload_s=round(offload_s, 1),
-                   optimizer_states_s=round(states_s, 1), streamed_gb=round(streamed_bytes / 1e9, 2))
+                   optimizer_states_s=round(states_s, 1), streamed_gb=round(streamed_bytes / 1e9, 2),
+                   device_update=device_update, device_blocks=sorted(opt.device_blocks),
+                   device_choice=opt.device_choice, device_update_note=opt.device_update_note)
         if h2d:
             row.update(h2d_gbps=round(h2d, 1), d2h_gbps=round(d2h, 1),
                        limit_h2d_ms=round(h2d_gb / h2d * 1e3, 1), limit_d2h_ms=round(d2h_gb / d2h * 1e3, 1),
@@ -199,7 +208,7 @@ def row_deepspeed(args, stage: int) -> list[dict]:
     return [_timed(label, step, args.steps, args.device)]
 
 
-ROWS = {"stagehand": row_stagehand, "torchao": row_torchao,
+ROWS = {"stagehand": row_stagehand, "stagehand_host": lambda a: row_stagehand(a, "off"), "torchao": row_torchao,
         "deepspeed2": lambda a: row_deepspeed(a, 2), "deepspeed3": lambda a: row_deepspeed(a, 3)}
 
 
@@ -256,7 +265,7 @@ def main() -> None:
     for r in rows:
         if best_peer and r.get("step_ms"):
             r["x_best_deepspeed"] = round(r["step_ms"] / best_peer, 2)
-    cols = ["mode", "step_ms", "x_best_deepspeed", "peak_gib", "peak_reserved_gib", "peak_rss_gb", "first_step_s",
+    cols = ["mode", "step_ms", "x_best_deepspeed", "device_blocks", "peak_gib", "peak_reserved_gib", "peak_rss_gb", "first_step_s",
             "limit_h2d_ms", "limit_d2h_ms", "limit_host_optimizer_ms", "x_slowest_limit", "error"]
     print_table([[r.get(c) for c in cols] for r in rows], headers=cols,
                 title=f"Full fine-tune, {args.model} ({'tiny' if args.tiny else 'full size'}), AdamW, every parameter")

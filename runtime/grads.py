@@ -46,6 +46,7 @@ class _Landing:
     target: torch.Tensor
     event: "torch.cuda.Event | None"
     direct: bool  # written straight into the weight's host gradient buffer (the weight had no .grad)
+    updated: bool = False  # no gradient came home: the optimizer stepped the weight on the device (device_optim.py)
 
 
 class GradLane:
@@ -71,6 +72,8 @@ class GradLane:
         # autograd graph task, its own end-of-backward callback) is part of the outer one.
         self._in_backward = False
         self.optimizer_seconds: dict[int, float] = {}  # block -> its last host optimizer step, measured
+        # block -> (H2D, D2H) bytes a step of the blocks the optimizer steps on the device (device_optim.py)
+        self.device_updates: dict[int, tuple[int, int]] = {}
         self.d2h_bytes = 0
         self.grad_gemms = 0
 
@@ -137,10 +140,17 @@ class GradLane:
         lay = self.store.layout(spec.block, precisions.FULL)[self.position(index)]
         home = precisions.master().views(self.host[spec.block], lay)[0]  # the weight's stored orientation
         direct = weight.grad is None and index not in self._consumed and not any(l.index == index for l in self._landing)
-        target = home if direct else torch.empty_like(home, pin_memory=self.cuda)
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         # dW = dy^T x for a Linear ([out, in]); a transposed layer (Conv1D) stores [in, out]: x^T dy
         a, b = (x2, dy2) if spec.transposed else (dy2, x2)
+        consumer = self.consumer if self.consumer is not None and self.consumer.accepting else None
+        if direct and consumer is not None and consumer.updates_on_device(spec.block):
+            land = self._update_on_device(index, a, b, home, consumer)
+            consumer.landed(land)  # the optimizer's worker waits for it and finishes the block
+            self._consumed.add(index)
+            self.grad_gemms += 1
+            return
+        target = home if direct else torch.empty_like(home, pin_memory=self.cuda)
         with torch.no_grad():
             if self.cuda:
                 event = self._to_host(a, b, target)
@@ -148,26 +158,46 @@ class GradLane:
                 target.copy_(a.t() @ b)
                 event = None
         land = _Landing(index, target, event, direct)
-        if self.consumer is not None and self.consumer.accepting:
-            self.consumer.landed(land)  # the host optimizer applies it as it lands (host_optim.py)
+        if consumer is not None:
+            consumer.landed(land)  # the host optimizer applies it as it lands (host_optim.py)
             self._consumed.add(index)
         else:
             self._landing.append(land)
         self.d2h_bytes += target.numel() * target.element_size()
         self.grad_gemms += 1
 
-    def _to_host(self, a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> "torch.cuda.Event":
-        """The GEMM into a staging buffer on the compute stream, its copy to `target` on the D2H stream."""
+    def _update_on_device(self, index: int, a: torch.Tensor, b: torch.Tensor, home: torch.Tensor,
+                          consumer) -> _Landing:
+        """The gradient stays on the device: the optimizer steps the weight there (device_optim.py), from the
+        staging buffer, and sends home the new master, moments and weight instead of the gradient."""
+        with torch.no_grad():
+            if self.cuda:
+                i, staging, compute = self._gemm(a, b, home)
+            else:
+                i, staging, compute = None, a.t() @ b, None
+            consumed, done, nbytes = consumer.update_on_device(index, staging, compute)
+        if i is not None:
+            self._staging_free[i] = consumed  # free once the update read it, not when its results are home
+        self.d2h_bytes += nbytes
+        return _Landing(index, None, done, direct=True, updated=True)
+
+    def _gemm(self, a: torch.Tensor, b: torch.Tensor, like: torch.Tensor):
+        """dW = a^T b into the next staging buffer, on the compute stream: (its ring index, the buffer, the stream)."""
         compute = torch.cuda.current_stream(self.device)
         i = self._next_staging
         self._next_staging = (i + 1) % STAGING_RING
-        staging = self._staging_buffer(i, target)
+        staging = self._staging_buffer(i, like)
         if self._staging_free[i] is not None:
             compute.wait_event(self._staging_free[i])  # the copy that read it last is done
         if a.dtype == staging.dtype:
             torch.mm(a.t(), b, out=staging)
         else:
             staging.copy_(a.t() @ b)
+        return i, staging, compute
+
+    def _to_host(self, a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> "torch.cuda.Event":
+        """The GEMM into a staging buffer on the compute stream, its copy to `target` on the D2H stream."""
+        i, staging, compute = self._gemm(a, b, target)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             target.copy_(staging, non_blocking=True)
@@ -208,9 +238,12 @@ class GradLane:
         self._in_backward = False
 
     def apply(self, land: _Landing) -> None:
-        """Once its copy is done: the gradient becomes the weight's `.grad`, or is added to it."""
+        """Once its copy is done: the gradient becomes the weight's `.grad`, or is added to it (a weight
+        updated on the device has no gradient to give: its landing only waits for the write-back)."""
         if land.event is not None:
             land.event.synchronize()
+        if land.updated:
+            return
         weight = self.layers[land.index].module._parameters["weight"]
         # A landing meant to add may find no .grad: a host optimizer consumed it in between (a second
         # backward before its step, which step() then refuses). The gradient is then the landing's own.

@@ -255,11 +255,13 @@ class LandingWorker:
     last trainable weight's gradient of this step has landed.
 
     `blocks`: block -> the layer indices this optimizer steps in it; `step_block(block)` runs the step.
-    The GradLane hands it landings only in the backward that ends an accumulation cycle."""
+    The GradLane hands it landings only in the backward that ends an accumulation cycle. `device`: the
+    optimizer, when some of its blocks are stepped on the GPU instead (device_optim.py): the lane asks it
+    which, and hands their gradients to it; their landings here only wait for the write-back."""
 
     def __init__(self, lane, blocks: dict[int, set[int]], step_block: Callable[[int], None],
-                 accumulation_steps: int):
-        self.lane, self.blocks, self.step_block = lane, blocks, step_block
+                 accumulation_steps: int, device=None):
+        self.lane, self.blocks, self.step_block, self.device = lane, blocks, step_block, device
         self.accumulation_steps = accumulation_steps
         self.backwards = 0  # backwards since the last optimizer step
         self._landed: dict[int, set[int]] = {b: set() for b in blocks}
@@ -279,6 +281,12 @@ class LandingWorker:
 
     def landed(self, land) -> None:
         self._queue.put(land)
+
+    def updates_on_device(self, block: int) -> bool:
+        return self.device is not None and self.device.updates_on_device(block)
+
+    def update_on_device(self, index: int, grad: torch.Tensor, compute) -> tuple:
+        return self.device.update_on_device(index, grad, compute)
 
     def _run(self) -> None:
         while True:

@@ -7,9 +7,8 @@ exactly what the runtime did before it planned. With a budget it asks the
 planner for the fastest plan that fits and applies it: resident blocks get
 their own device copy (`SlotPool.reconfigure`), the rotating slots follow the
 plan, and `prefetch` fetches up to `lookahead` streamed blocks ahead of the
-one asked for, skipping resident ones (their weights are already there, so
-the next streamed block's copy overlaps their compute). Recompute decisions
-reach the compiled program through `Runtime.planned_recompute`.
+one asked for, skipping resident ones (their weights are already there, so the next streamed
+block's copy overlaps their compute). Recompute reaches the program via `Runtime.planned_recompute`.
 
 On CUDA, unless the cost model was injected (`frozen`), the first steps run
 the smallest plan and the second of them is measured (conductor/calibrate.py;
@@ -119,9 +118,9 @@ class PlanDriver:
         return self._make_with_margin(costs, precision, model)
 
     def _training_costs(self, model: CostModel) -> None:
-        """Full fine-tuning's part of the cost model: the gradient bytes each block sends home (a fact of the
-        weights that train now) and the host optimizer's measured step per block, when it overlaps the
-        backward (HostAdamW; an optimizer that runs after the backward is in the step's measured tail)."""
+        """Full fine-tuning's part of the cost model: the gradient bytes each block sends home, the host
+        optimizer's measured step per block when it overlaps the backward (HostAdamW; one that runs after
+        it is in the step's measured tail), the states the device-updated blocks move instead."""
         grads = self.rt.grads
         grad_bytes = grads.grad_bytes()
         model.grad_bytes = grad_bytes if any(grad_bytes) else None
@@ -129,6 +128,7 @@ class PlanDriver:
             known = grads.optimizer_seconds
             mean = sum(known.values()) / len(known)
             model.optimizer_s = [known.get(b, mean) if n else 0.0 for b, n in enumerate(grad_bytes)]
+        model.count_device_updates(grads.device_updates)
 
     def _make_with_margin(self, costs, precision, model: CostModel) -> Plan:
         """The planned plan, predicted `peak_margin` under the budget when a measured peak ever missed its

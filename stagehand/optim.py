@@ -22,6 +22,15 @@ update is AdamW's, at the same point of the step; nothing is delayed.
   time: each is decoded, stepped and encoded again (benches/host_adamw_states.py).
   The random stream is in `state_dict()`, so a resumed run rounds as the
   uninterrupted one would.
+- `device_update="auto"` (default): some blocks are stepped on the GPU instead,
+  inside the backward, their fp32 master and moments streamed in and out
+  beside the weights (runtime/device_optim.py), so the host's memory
+  bandwidth and the PCIe link share the work. After the first step the
+  blocks are chosen from measured costs (the host's time per block, the
+  link's bandwidths); a list of blocks forces them, "off" keeps every block
+  on the host. Same math, fp32 on both sides; it needs fp32 master and
+  moments, `overlap`, no `max_grad_norm` and `accumulation_steps=1` ("auto"
+  says why it stays on the host in `device_update_note`).
 - `overlap=False` steps every block in `step()` (after the backward).
 - `accumulation_steps=k`: `step()` is called after every k backwards; the
   blocks step during the k-th. A different cadence is an error at `step()`.
@@ -37,6 +46,7 @@ host too small is a `HostMemoryError` with the numbers per component.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import defaultdict
@@ -45,6 +55,8 @@ import torch
 from torch.optim.adam import adam as adam_functional
 
 from torch_stagehand.runtime import registry
+from torch_stagehand.runtime.device_optim import DeviceAdamW, choose_device_blocks, pin_states, transfer_bytes
+from torch_stagehand.runtime.host_arena import pinner_for
 from torch_stagehand.runtime.events import progress
 from torch_stagehand.runtime.host_budget import gib, probe_machine
 from torch_stagehand.runtime.host_optim import (MASTERS, STATE_BYTES, STATES, Hyper, LandingWorker, Scratch,
@@ -52,11 +64,14 @@ from torch_stagehand.runtime.host_optim import (MASTERS, STATE_BYTES, STATES, Hy
 from torch_stagehand.runtime.host_plan import HostMemoryError
 from torch_stagehand.runtime.streamed import HostMasterParameter
 
+log = logging.getLogger(__name__)
+
 
 class HostAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master: str = "fp32", states: str = "fp32", overlap: bool = True,
-                 accumulation_steps: int = 1, max_grad_norm: float | None = None, seed: int = 0):
+                 accumulation_steps: int = 1, max_grad_norm: float | None = None, seed: int = 0,
+                 device_update="auto"):
         if master not in MASTERS:
             raise ValueError(f"HostAdamW: master must be one of {MASTERS}, got {master!r}")
         if states not in STATES:
@@ -75,16 +90,24 @@ class HostAdamW(torch.optim.Optimizer):
         for p in self._streamed:
             self._block_params[self._layer(p)[1]].append(p)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._param_of = {self._layer(p)[0]: p for p in self._streamed}
         self._preflight()
         for p in progress([p for p in self._streamed if p.requires_grad], "HostAdamW: host optimizer states"):
             self.state[p] = new_state(p, master, states)
         self.worker = None
         self.host_seconds = 0.0  # time spent stepping streamed blocks on the host (benches read it)
         self.blocks_stepped_in_backward = 0  # blocks stepped by the worker while the backward ran
+        self.device: DeviceAdamW | None = None  # the device's update lane, once blocks are chosen for it
+        self.device_blocks: set[int] = set()
+        self.device_choice: dict = {}  # what the choice measured and predicted (benches print it)
+        self._device_arenas = []  # the pinned host states of the device blocks
+        self._device_mode = self._device_update_mode(device_update, overlap and max_grad_norm is None)
         if self.runtime is not None:
             self.runtime.attach(self)  # step phases, telemetry
             if overlap and max_grad_norm is None:
                 self._start_worker()
+        if isinstance(self._device_mode, set) and self._device_mode:
+            self._enable_device(self._device_mode)
 
     # ---- set-up ---------------------------------------------------------------------------------------
 
@@ -114,6 +137,120 @@ class HostAdamW(torch.optim.Optimizer):
             f"of host memory ({parts}) and {gib(machine.usable_bytes)} can be had ({machine.describe()}). To fit: "
             f"{fix}freeze some streamed weights, or train LoRA adapters instead")
 
+    def _device_update_mode(self, device_update, overlapping: bool):
+        """"auto", or the set of blocks to update on the device ("off": none); a forced set this configuration
+        cannot update there is an error that says why; "auto" keeps the reason in `device_update_note`."""
+        if device_update in ("auto", "off"):
+            forced = None
+        elif isinstance(device_update, (list, tuple, set, frozenset)) and all(isinstance(b, int) for b in device_update):
+            forced = set(device_update)
+        else:
+            raise ValueError(f"HostAdamW: device_update must be 'auto', 'off' or a list of block indices, got "
+                             f"{device_update!r}")
+        why = self._device_refusal(forced is not None, overlapping)
+        self.device_update_note = why or ("off" if device_update == "off" else "")
+        if forced:
+            if why:
+                raise ValueError(f"HostAdamW: device_update={sorted(forced)}: {why}")
+            unknown = forced - set(self._block_params)
+            if unknown:
+                raise ValueError(f"HostAdamW: device_update names blocks {sorted(unknown)}, which have no streamed "
+                                 f"weight in this optimizer (blocks {sorted(self._block_params)})")
+            return forced
+        return "auto" if device_update == "auto" and not why else set()
+
+    def _device_refusal(self, forced: bool, overlapping: bool) -> str:
+        """Why no block can be updated on the device here ('' if one can)."""
+        rt = self.runtime
+        if rt is None:
+            return "no streamed weight"
+        if rt.device.type != "cuda" and not forced:
+            return "no GPU"
+        if not overlapping:
+            return "the blocks step after the backward (overlap=False or max_grad_norm), not inside it"
+        if self.accumulation_steps != 1:
+            return "gradient accumulation sums each backward's gradients on the host"
+        if self.states != "fp32":
+            return f"states={self.states!r}: the device update keeps fp32 moments"
+        if self.master != "fp32" and any(p.dtype != torch.float32 for p in self._streamed):
+            return "master='bf16' rounds the weights stochastically on the host"
+        return ""
+
+    def _transfer(self, ps: list[torch.Tensor]) -> tuple[int, int]:
+        """(H2D, D2H) bytes a step of these weights moves when updated on the device."""
+        moved = [transfer_bytes(p.numel(), "master" in self.state[p], p.numel() * p.element_size()) for p in ps]
+        return sum(i for i, _ in moved), sum(o for _, o in moved)
+
+    def _trained(self, block: int) -> list[torch.Tensor]:
+        return [p for p in self._block_params[block] if p in self.state]
+
+    def _choose_device_blocks(self) -> None:
+        """After the first step (every block stepped on the host, each timed): the blocks whose update moves to
+        the device, from the host's measured time per block and the link's measured bandwidths."""
+        rt = self.runtime
+        model = rt.planner.cost_model
+        h2d = model.h2d_bps
+        d2h = model.d2h_bps or h2d
+        measured = rt.grads.optimizer_seconds
+        host_s, in_s, out_s, grad_s = {}, {}, {}, {}
+        for block in self._block_params:
+            ps = self._trained(block)
+            if ps and block in measured:
+                bytes_in, bytes_out = self._transfer(ps)
+                host_s[block], in_s[block], out_s[block] = measured[block], bytes_in / h2d, bytes_out / d2h
+                grad_s[block] = sum(p.numel() * p.element_size() for p in ps) / d2h
+        plan = rt.planner.plan
+        resident = plan.resident if plan is not None else set()
+        fetch_s = sum(rt.store.nbytes(b, rt.precision[b]) for b in range(len(rt.blocks)) if b not in resident) / h2d
+        chosen = choose_device_blocks(host_s, in_s, out_s, grad_s, fetch_s)
+        self.device_choice = {
+            "blocks": sorted(chosen), "h2d_gbps": round(h2d / 1e9, 1), "d2h_gbps": round(d2h / 1e9, 1),
+            "host_only_ms": round(sum(host_s.values()) * 1e3, 1),
+            "host_ms": round(sum(v for b, v in host_s.items() if b not in chosen) * 1e3, 1),
+            "link_in_ms": round((fetch_s + sum(in_s[b] for b in chosen)) * 1e3, 1),
+            "link_out_ms": round((sum(out_s[b] for b in chosen) + sum(grad_s[b] for b in host_s if b not in chosen))
+                                 * 1e3, 1)}
+        log.info("stagehand HostAdamW: blocks %s step on the device (%s)", sorted(chosen), self.device_choice)
+        if chosen:
+            self._enable_device(chosen)
+
+    def _enable_device(self, blocks: set[int]) -> None:
+        """Blocks `blocks` step on the device from the next backward: their states pinned, the ring allocated,
+        the gradient lane routing their layers to it and the planner counting their bytes."""
+        rt = self.runtime
+        ps = [p for b in sorted(blocks) for p in self._trained(b)]
+        if not ps:
+            return
+        self._device_arenas.append(pin_states([self.state[p] for p in ps], pinner_for(rt.device, rt.store.pin)))
+        largest = max(p.numel() for p in ps)
+        if self.device is None or self.device.slots[0].master.numel() < largest:
+            self.device = DeviceAdamW(rt.device, largest, ps[0].dtype, rt.grads.stream)
+        self.device_blocks |= set(blocks)
+        rt.grads.device_updates = {b: self._transfer(self._trained(b)) for b in sorted(self.device_blocks)}
+
+    def _repin_device_states(self) -> None:
+        """After load_state_dict: the device blocks' states are the loaded tensors; pin them again."""
+        for arena in self._device_arenas:
+            arena.close()
+        self._device_arenas = []
+        if self.device_blocks:
+            ps = [p for b in sorted(self.device_blocks) for p in self._trained(b)]
+            self._device_arenas.append(pin_states([self.state[p] for p in ps], pinner_for(self.runtime.device,
+                                                                                          self.runtime.store.pin)))
+
+    # the gradient lane asks, for each trainable layer of the backward that completes a step
+    def updates_on_device(self, block: int) -> bool:
+        return block in self.device_blocks
+
+    def update_on_device(self, index: int, grad: torch.Tensor, compute) -> tuple:
+        """Step layer `index` on the device from `grad` (a device tensor in the weight's stored orientation):
+        (the event after which `grad` may be reused, the event after which the host copies are written,
+        the bytes sent D2H)."""
+        p = self._param_of[index]
+        before = self.device.bytes_out
+        consumed, done = self.device.update(p, self.state[p], grad, self._hyper(self._group_of[p]), compute)
+        return consumed, done, self.device.bytes_out - before
+
     def _start_worker(self) -> None:
         lane = self.runtime.grads
         if lane.consumer is not None:
@@ -121,7 +258,7 @@ class HostAdamW(torch.optim.Optimizer):
                              "one optimizer per offloaded model (or overlap=False)")
         blocks = {b: {self._layer(p)[0] for p in ps if p.requires_grad} for b, ps in self._block_params.items()}
         self.worker = LandingWorker(lane, {b: s for b, s in blocks.items() if s}, self._step_block,
-                                    self.accumulation_steps)
+                                    self.accumulation_steps, device=self)
         lane.consumer = self.worker
         self.runtime.on_close(self.close)
 
@@ -131,7 +268,9 @@ class HostAdamW(torch.optim.Optimizer):
             self.worker.close()
             if self.runtime.grads.consumer is self.worker:
                 self.runtime.grads.consumer = None
+                self.runtime.grads.device_updates = {}
             self.worker = None
+        self.device = None
 
     # ---- stepping ---------------------------------------------------------------------------------------
 
@@ -145,6 +284,11 @@ class HostAdamW(torch.optim.Optimizer):
         for p in self._block_params[block]:
             if p.grad is not None and p in self.state:
                 by_group[id(self._group_of[p])].append(p)
+        if block in self.device_blocks:  # stepped on the device, its write-back waited for: the weights are new
+            for p in self._trained(block):
+                torch.autograd.graph.increment_version(p)
+            self.runtime.store.ensure_fresh(block, self.runtime.precision[block])  # derived copies, now
+            return
         if not by_group:
             return
         t0 = time.perf_counter()
@@ -178,6 +322,9 @@ class HostAdamW(torch.optim.Optimizer):
                     "overlap=False")
             stepped = set(self.worker.stepped)
             self.blocks_stepped_in_backward += len(stepped)
+            if self._device_mode == "auto" and stepped:
+                self._device_mode = "chosen"
+                self._choose_device_blocks()
         scale = self._clip_scale() if self.max_grad_norm is not None else 1.0
         for block in self._block_params:
             if block not in stepped:
@@ -236,6 +383,7 @@ class HostAdamW(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for p, st in exact.items():
             self.state[p] = st
+        self._repin_device_states()
         if rng is not None:
             self._generator.set_state(rng)
 

@@ -35,9 +35,12 @@ def _train(model, forward, x, target, optimizer, steps=STEPS):
     return losses
 
 
-@pytest.mark.parametrize("optimizer", ["torch", "host"])
+@pytest.mark.parametrize("optimizer", ["torch", "host", "host+device"])
 @pytest.mark.parametrize("budget", [None, "4MiB"], ids=["two slots", "budget"])
 def test_full_finetune_on_the_gpu_equals_plain_training(optimizer, budget):
+    """"host": HostAdamW as it comes (device_update="auto": after the first step it may move blocks to the
+    device); "host+device": blocks 0, 2, 4 forced onto the device (runtime/device_optim.py), the others on
+    the host, from the first step."""
     model, x = toy(d=256, n=6)
     model.requires_grad_(True)
     x = x.cuda().repeat(2, 32, 1)
@@ -49,7 +52,7 @@ def test_full_finetune_on_the_gpu_equals_plain_training(optimizer, budget):
     rt = stagehand.offload(model, device="cuda", vram_budget=vram, verbose=False)
     try:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "torch" else HostAdamW(
-            model.parameters(), lr=1e-3)
+            model.parameters(), lr=1e-3, device_update=[0, 2, 4] if optimizer == "host+device" else "auto")
         rt.attach(opt)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
@@ -60,15 +63,20 @@ def test_full_finetune_on_the_gpu_equals_plain_training(optimizer, budget):
             assert rel_err(p.detach().cpu(), reference[name].detach().cpu()) < 1e-4, name
         assert rt.grads.grad_gemms == STEPS * len(rt.layers)
         assert rt.stats()["eager_linear_calls"] == 0
-        if optimizer == "host":
+        if optimizer != "torch":
             assert opt.blocks_stepped_in_backward == STEPS * len(rt.blocks)  # every block overlapped
+        if optimizer == "host+device":
+            assert opt.device.layers_updated == STEPS * sum(1 for s in rt.layers if s.block in (0, 2, 4))
+            assert set(rt.grads.optimizer_seconds) == {1, 3, 5}  # the host stepped the others
     finally:
         rt.close()
 
 
-def test_llama_bf16_full_finetune_with_host_adamw_follows_plain_training():
+@pytest.mark.parametrize("device_update", ["off", [1, 3]], ids=["host", "blocks 1 and 3 on the device"])
+def test_llama_bf16_full_finetune_with_host_adamw_follows_plain_training(device_update):
     """bf16 weights, an fp32 master on the host: the loss follows plain bf16-weight training with an fp32
-    master (torch AdamW on fp32 copies, rounded back each step) within bf16's rounding."""
+    master (torch AdamW on fp32 copies, rounded back each step) within bf16's rounding; with some blocks
+    stepped on the device too (their master and moments streamed in and out)."""
     model, inputs = tiny_llama(dtype=torch.bfloat16, layers=4, batch=2, seq=64)
     model.config.use_cache = False
     ids = inputs["input_ids"].cuda()
@@ -89,7 +97,7 @@ def test_llama_bf16_full_finetune_with_host_adamw_follows_plain_training():
         expected.append(loss.item())
     rt = stagehand.offload(model, device="cuda", verbose=False)
     try:
-        opt = HostAdamW(model.parameters(), lr=1e-3)
+        opt = HostAdamW(model.parameters(), lr=1e-3, device_update=device_update)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
         losses = []
@@ -101,5 +109,9 @@ def test_llama_bf16_full_finetune_with_host_adamw_follows_plain_training():
             losses.append(loss.item())
         assert losses == pytest.approx(expected, rel=2e-2)  # bf16 activations: different roundings per kernel
         assert losses[-1] < losses[0]
+        if device_update != "off":  # the device blocks' weights are their masters' rounding, as on the host
+            for spec in rt.layers:
+                w = spec.module.weight
+                assert torch.equal(w.detach(), opt.state[w]["master"].to(torch.bfloat16)), spec.fqn
     finally:
         rt.close()

@@ -124,6 +124,9 @@ class BlockCost:
     # the blocks before it; 0 when the optimizer runs after the backward and the step's tail holds it).
     grad_bytes: int = 0
     optimizer_s: float = 0.0
+    # A block whose optimizer step runs on the device (device_optim.py): `grad_bytes` are the states and weights
+    # it sends home instead, `optimizer_s` is 0, and these are the states it fetches for the update.
+    update_in_bytes: int = 0
 
 
 @dataclass
@@ -140,6 +143,7 @@ class CostModel:
     host_fetch_share: list[float] | None = None  # per block: the share of its host time in schedule ops
     grad_bytes: list[int] | None = None  # per block: weight-gradient bytes landed on the host (full fine-tuning)
     optimizer_s: list[float] | None = None  # per block: the host optimizer's step, measured (HostAdamW)
+    update_in_bytes: list[int] | None = None  # per block: states fetched for an update on the device
     base_bytes: int = 0  # device bytes that are no block's streamed weights or saved activations, at the peak
     other_s: float = 0.0  # step time outside the blocks (glue, loss, optimizer), added to every plan
     frozen: bool = False  # injected constants: the runtime does not overwrite them with measurements
@@ -167,11 +171,23 @@ class CostModel:
                           int(pick(self.activation_bytes, b, 0)), int(pick(self.input_bytes, b, 0)),
                           *(pick(host.get(kind), b, 0.0) for kind in ("forward", "recompute", "backward")),
                           pick(self.host_fetch_share, b, 0.0), int(pick(self.grad_bytes, b, 0)),
-                          pick(self.optimizer_s, b, 0.0))
+                          pick(self.optimizer_s, b, 0.0), int(pick(self.update_in_bytes, b, 0)))
                 for b, n in enumerate(nbytes)]
 
     def with_(self, **changes) -> "CostModel":
         return replace(self, **changes)
+
+    def count_device_updates(self, updates: dict[int, tuple[int, int]]) -> None:
+        """Blocks stepped on the device (block -> (H2D, D2H) bytes a step): their states come in for the update
+        and go home with the weights instead of the gradients, and the host optimizer does not step them."""
+        if not updates or self.grad_bytes is None:
+            self.update_in_bytes = None
+            return
+        n = len(self.grad_bytes)
+        self.grad_bytes = [updates[b][1] if b in updates else g for b, g in enumerate(self.grad_bytes)]
+        if self.optimizer_s is not None:
+            self.optimizer_s = [0.0 if b in updates else s for b, s in enumerate(self.optimizer_s)]
+        self.update_in_bytes = [updates[b][0] if b in updates else 0 for b in range(n)]
 
     def refine_host(self, seconds: dict[str, list[float]], resident: set[int]) -> int:
         """Keep the smaller of the known and a newly measured host issue time, per kind and block; the count

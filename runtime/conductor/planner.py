@@ -197,7 +197,7 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
         ends: dict[int, float] = {}
         t, _ = _pass(items, slots, h2d_bps, per_block, h2d, t, host_t, lanes, ends)
         if any(c.grad_bytes for c in costs):
-            t = max(t, _gradient_lanes(costs, ends, d2h_bps or h2d_bps, lanes))
+            t = max(t, _gradient_lanes(costs, ends, d2h_bps or h2d_bps, lanes, h2d_bps))
     return t, per_block, h2d
 
 
@@ -218,15 +218,17 @@ def _d2h_lane(costs, spill, d2h_bps: float, per_block: list[float], lanes: list 
     return lane
 
 
-def _gradient_lanes(costs, ends: dict[int, float], d2h_bps: float, lanes: list | None = None) -> float:
+def _gradient_lanes(costs, ends: dict[int, float], d2h_bps: float, lanes: list | None = None,
+                    h2d_bps: float | None = None) -> float:
     """When the host optimizer is done with the step: each block's gradients go home after its backward,
-    one copy at a time on the D2H lane; the host steps a block once its copy landed, one block at a time."""
+    one copy at a time on the D2H lane; the host steps a block once its copy landed, one block at a time.
+    A block updated on the device holds the lane for its states' trip in or out, whichever is longer."""
     d2h = host = 0.0
     for b in sorted(ends, key=ends.get):  # backward order
         if not costs[b].grad_bytes:
             continue
         start = max(d2h, ends[b])
-        d2h = start + costs[b].grad_bytes / d2h_bps
+        d2h = start + max(costs[b].grad_bytes / d2h_bps, costs[b].update_in_bytes / (h2d_bps or d2h_bps))
         if lanes is not None:
             lanes.append(("d2h", b, start, d2h))
         if costs[b].optimizer_s:

@@ -1,0 +1,184 @@
+"""AdamW on the GPU for chosen streamed blocks: the states come to the gradient, not the gradient to the states.
+
+`HostAdamW` steps a block on the host once its gradients have landed (host_optim.py): its
+time is the host's memory bandwidth, ~28 bytes a parameter read and written each step (fp32
+master, moments, gradient, the rounded weight). The other place is the GPU, inside the
+backward, while the layer's gradient is still in its staging buffer (grads.py): the layer's
+fp32 master and moments cross PCIe (12 bytes a parameter each way), its new bf16 weight comes
+back with them (2 bytes), and the gradient never goes home. Which is faster depends on the
+host's memory bandwidth against the link, so the optimizer chooses per block from measured
+costs (`choose_device_blocks`), and both places work at once: the host steps some blocks while
+the link carries the states of the others.
+
+Per layer, on CUDA (ring slots of device buffers, `RING` of them, each the largest layer's size):
+  upload stream: wait until the slot's last write-back is done; master and moments H2D into it
+  update stream (the gradient lane's D2H stream): wait for the gradient (compute stream) and the
+                 upload; the gradient to fp32 (its staging buffer is free from here); torch's
+                 fused AdamW; the weight rounded from the master; master, moments and weight D2H
+                 into their host homes; an event `done`
+The compute stream waits only to reuse a gradient staging buffer; the host waits for `done` on
+the landing worker's thread, before the block's derived copies (INT8 / FP8) are rebuilt and
+before the optimizer's `step()` returns. The math is the host's: AdamW in fp32 on the fp32
+master, the weight rounded to nearest from it, at the same point of the step.
+
+The host states of a block updated here are page-locked (a copy from pageable memory is staged
+by the driver at a fraction of the link's speed): they move into a pinned arena when the block
+is chosen (`pin_states`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adam import adam as adam_functional
+
+from .host_arena import HostArena
+
+RING = 2  # a slot uploads the next layer's states while the other one is stepped and written back
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def transfer_bytes(numel: int, has_master: bool, weight_bytes: int) -> tuple[int, int]:
+    """(H2D, D2H) bytes of one weight updated on the device: fp32 master (or the fp32 weight) and moments
+    in; the same out, plus the rounded weight when it has a separate master."""
+    states = 12 * numel
+    return states, states + (weight_bytes if has_master else 0)
+
+
+def ring_bytes(largest_numel: int, weight_element_size: int) -> int:
+    """Device memory of the ring: per slot fp32 master, moments and gradient, and the rounded weight."""
+    return RING * largest_numel * (16 + weight_element_size)
+
+
+def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s: dict[int, float],
+                         grad_s: dict[int, float], backward_fetch_s: float) -> set[int]:
+    """The blocks to update on the device: the set that ends the step's optimizer work soonest.
+
+    Both places run beside the backward: the host lane steps its blocks one after another (`host_s`,
+    measured), the link carries the device blocks' states in (`in_s`, beside the backward's weight
+    fetches `backward_fetch_s`) and out (`out_s`, beside the host blocks' gradients `grad_s`). The
+    step's optimizer work ends with the slowest of the three; k device blocks are spread evenly over
+    the backward order (both lanes busy from its start to its end), and the k with the smallest bound
+    wins (the fewest on a tie: nothing moves that need not)."""
+    blocks = sorted(host_s)
+    best, best_cost = set(), math.inf
+    for k in range(len(blocks) + 1):
+        chosen = {blocks[int((i + 0.5) * len(blocks) / k)] for i in range(k)} if k else set()
+        host = sum(host_s[b] for b in blocks if b not in chosen)
+        d2h = sum(out_s[b] for b in chosen) + sum(grad_s[b] for b in blocks if b not in chosen)
+        h2d = backward_fetch_s + sum(in_s[b] for b in chosen)
+        cost = max(host, d2h, h2d)
+        if cost < best_cost - 1e-9:
+            best, best_cost = chosen, cost
+    return best
+
+
+def pin_states(states: list[dict], pinner, kind: str = "adamw states") -> HostArena:
+    """Move the fp32 states of these weights into one host arena, page-locked range by range (each state is a
+    view of it from now on). The caller keeps the arena alive as long as the states."""
+    tensors = [(st, key) for st in states for key in STATE_KEYS if key in st]
+    arena = HostArena(kind, [st[key].numel() * st[key].element_size() for st, key in tensors], pinner)
+    for st, key in tensors:
+        old = st[key]
+        view = arena.carve(old.numel() * old.element_size())
+        arena.lock(view)
+        st[key] = view.view(old.dtype).view(old.shape).copy_(old)
+    return arena
+
+
+@dataclass
+class _Slot:
+    master: torch.Tensor  # fp32, flat, the largest layer's numel
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor  # the gradient in fp32
+    weight: torch.Tensor  # the rounded weight (the weights' dtype)
+    step: torch.Tensor  # the kernel's step count (a device scalar, as the fused kernel wants it)
+    free: "torch.cuda.Event | None" = None  # its last write-back is done
+
+
+class DeviceAdamW:
+    """The device's update lane: a ring of slots, an upload stream, the gradient lane's D2H stream."""
+
+    def __init__(self, device: torch.device, largest_numel: int, weight_dtype: torch.dtype, stream):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = stream  # the update and its write-back: the gradient lane's D2H stream
+        self.upload = torch.cuda.Stream(self.device) if self.cuda else None
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.slots = [_Slot(*(torch.empty(largest_numel, **f32) for _ in range(4)),
+                            torch.empty(largest_numel, dtype=weight_dtype, device=self.device),
+                            torch.zeros((), **f32)) for _ in range(RING)]
+        self._next = 0
+        self.bytes_in = self.bytes_out = 0
+        self.layers_updated = 0
+
+    @property
+    def nbytes(self) -> int:
+        s = self.slots[0]
+        return RING * sum(t.numel() * t.element_size() for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.weight))
+
+    def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute) -> tuple:
+        """Step one weight from its device gradient `grad` (its stored orientation) with AdamW on the device,
+        its new values written back to the host: the master (or the fp32 weight) and moments, and the weight.
+        Returns (the event after which `grad` may be overwritten, the event after which the host copies are
+        written); both None on the CPU, where it all runs now."""
+        n = param.numel()
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % RING
+        homes = [state.get("master", param.detach()).view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
+        on_device = [slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]]
+        uploaded = consumed = done = None
+        if self.cuda:
+            with torch.cuda.stream(self.upload):
+                if slot.free is not None:
+                    self.upload.wait_event(slot.free)
+                for dst, src in zip(on_device, homes):
+                    dst.copy_(src, non_blocking=True)
+                uploaded = torch.cuda.Event()
+                uploaded.record(self.upload)
+            self.stream.wait_stream(compute)
+            self.stream.wait_event(uploaded)
+        context = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+        with context:
+            if not self.cuda:
+                for dst, src in zip(on_device, homes):
+                    dst.copy_(src)
+            g32 = slot.grad[:n].copy_(grad.reshape(-1))
+            if self.cuda:
+                consumed = torch.cuda.Event()
+                consumed.record(self.stream)
+            slot.step.fill_(float(state["step"]))  # the kernel counts it up and steps with the new count
+            adam_functional(
+                on_device[:1], [g32], on_device[1:2], on_device[2:3], [], [slot.step], fused=True,
+                decoupled_weight_decay=True, amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr,
+                weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
+            outs = list(zip(homes, on_device))
+            if "master" in state:  # the weight that streams, rounded to nearest from the master (as the host does)
+                outs.append((param.detach().view(-1), slot.weight[:n].copy_(slot.master[:n])))
+            for home, value in outs:
+                # Through an alias with a version counter of its own: the block's counter moves when its update
+                # is complete (the optimizer's worker, after `done`), never while its backward may still look
+                # its slot up (a moved counter there would refetch the block mid-backward).
+                _unversioned(home).copy_(value, non_blocking=self.cuda)
+            if self.cuda:
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        slot.free = done
+        state["step"].add_(1)
+        self.bytes_in += sum(h.numel() * h.element_size() for h in homes)
+        self.bytes_out += sum(h.numel() * h.element_size() for h, _ in outs)
+        self.layers_updated += 1
+        return consumed, done
+
+
+def _unversioned(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s memory as a tensor whose writes do not move `t`'s version counter."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                               t.stride())
+
+
+__all__ = ["DeviceAdamW", "RING", "choose_device_blocks", "pin_states", "ring_bytes", "transfer_bytes"]

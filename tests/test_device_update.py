@@ -1,0 +1,226 @@
+"""HostAdamW's update on the device (runtime/device_optim.py): chosen blocks step where their gradient is.
+
+The same AdamW as the host's (fp32 master and moments, the weight rounded to
+nearest), its states carried to the update and back, the gradient never sent
+home; the other blocks step on the host. On the CPU the "device" is the CPU:
+the path (ring slots, write-back into the host states and weights, the
+worker finishing the block, the planner counting the bytes) runs whole, the
+streams and events are the GPU test's (test_full_finetune_gpu.py). The choice
+of blocks is a pure function of measured costs, checked here on numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torch_stagehand as stagehand
+from torch_stagehand.optim import HostAdamW
+from torch_stagehand.runtime.conductor.costs import CostModel
+from torch_stagehand.runtime.device_optim import choose_device_blocks, ring_bytes, transfer_bytes
+
+from _helpers import rel_err, toy
+
+LR = 1e-2
+
+
+def _model(n=4, dtype=torch.float32):
+    model, x = toy(n=n, dtype=dtype)
+    return model.requires_grad_(True), x
+
+
+def _steps(forward, x, opt, n: int) -> list[float]:
+    losses = []
+    for _ in range(n):
+        loss = forward(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# ---- the choice -------------------------------------------------------------------------------------------
+
+
+def _uniform(n, host, link_in, link_out, grad):
+    return ({b: host for b in range(n)}, {b: link_in for b in range(n)}, {b: link_out for b in range(n)},
+            {b: grad for b in range(n)})
+
+
+def test_a_host_bound_step_moves_blocks_to_the_device_until_the_two_places_balance():
+    # host 100 ms a block, the link 30 in / 35 out: 8 blocks all on the host take 800 ms; k on the device
+    # cost max(100 (8-k), 35 k + 5 (8-k)): k = 6 gives max(200, 220) = 220, k = 5 max(300, 190) = 300.
+    chosen = choose_device_blocks(*_uniform(8, 0.100, 0.030, 0.035, 0.005), backward_fetch_s=0.05)
+    assert len(chosen) == 6
+    assert chosen == {0, 2, 3, 4, 6, 7}  # spread over the backward (the host's two apart), not the first six
+
+
+def test_a_fast_host_keeps_every_block_and_a_tie_moves_nothing():
+    assert choose_device_blocks(*_uniform(8, 0.010, 0.030, 0.035, 0.005), backward_fetch_s=0.05) == set()
+    # equal bounds with and without the device: nothing moves that need not
+    assert choose_device_blocks({0: 0.1}, {0: 0.0}, {0: 0.1}, {0: 0.1}, backward_fetch_s=0.0) == set()
+
+
+def test_the_backward_weight_fetch_counts_against_the_link():
+    host, lin, lout, grad = _uniform(4, 0.1, 0.03, 0.03, 0.0)
+    free = choose_device_blocks(host, lin, lout, grad, backward_fetch_s=0.0)
+    busy = choose_device_blocks(host, lin, lout, grad, backward_fetch_s=0.3)
+    assert len(busy) < len(free)
+
+
+def test_transfer_and_ring_bytes():
+    assert transfer_bytes(10, has_master=True, weight_bytes=20) == (120, 140)
+    assert transfer_bytes(10, has_master=False, weight_bytes=40) == (120, 120)
+    assert ring_bytes(1000, 2) == 2 * 1000 * 18
+
+
+def test_the_cost_model_counts_device_updates_instead_of_gradients_and_host_steps():
+    from torch_stagehand.runtime.conductor.planner import simulate
+
+    model = CostModel(h2d_bps=1e9, d2h_bps=1e9, forward_s=[0.01] * 3, backward_s=[0.02] * 3,
+                      grad_bytes=[10**7] * 3, optimizer_s=[0.2] * 3, frozen=True)
+    base = simulate(model.block_costs([10**6] * 3), set(), set(), 3, model.h2d_bps, d2h_bps=model.d2h_bps)[0]
+    model.count_device_updates({0: (6 * 10**7, 7 * 10**7), 2: (6 * 10**7, 7 * 10**7)})
+    assert model.grad_bytes == [7 * 10**7, 10**7, 7 * 10**7]
+    assert model.optimizer_s == [0.0, 0.2, 0.0]
+    assert model.update_in_bytes == [6 * 10**7, 0, 6 * 10**7]
+    costs = model.block_costs([10**6] * 3)
+    assert costs[0].update_in_bytes == 6 * 10**7 and costs[1].update_in_bytes == 0
+    moved = simulate(costs, set(), set(), 3, model.h2d_bps, d2h_bps=model.d2h_bps)[0]
+    assert moved < base  # one host step of 0.2 s left instead of three, at 70 ms of link per moved block
+    model.count_device_updates({})
+    assert model.update_in_bytes is None
+
+
+# ---- the path, on the CPU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_blocks_updated_on_the_device_equal_torch_adamw(compiled):
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    expected = _steps(plain, x, torch.optim.AdamW(plain.parameters(), lr=LR), 4)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    try:
+        torch._dynamo.reset()
+        forward = torch.compile(model, backend="stagehand", options={"inner": "eager"}) if compiled else model
+        opt = HostAdamW(model.parameters(), lr=LR, device_update=[0, 2])
+        losses = _steps(forward, x, opt, 4)
+        assert losses == pytest.approx(expected, rel=1e-5)  # measured: within 1e-7
+        reference = dict(plain.named_parameters())
+        for name, p in model.named_parameters():
+            assert rel_err(p, reference[name]) < 1e-5, name  # measured: within 3e-7
+        assert opt.device_blocks == {0, 2}
+        trained = sum(1 for s in rt.layers if s.block in (0, 2))
+        assert opt.device.layers_updated == 4 * trained
+        assert set(rt.grads.optimizer_seconds) == {1, 3}  # the host stepped only the other blocks
+        assert all(s.module.weight.grad is None for s in rt.layers)  # the device blocks' gradients never came home
+        assert opt.worker.blocks.keys() >= {0, 2}  # ... and the worker still finished their blocks
+    finally:
+        rt.close()
+
+
+def test_a_bf16_weight_updated_on_the_device_equals_its_host_update():
+    """The master is fp32 AdamW on both sides and the weight its round-to-nearest: the same bits."""
+    def run(device_update):
+        model, x = _model(dtype=torch.bfloat16)
+        rt = stagehand.offload(model, device="cpu", verbose=False)
+        opt = HostAdamW(model.parameters(), lr=LR, device_update=device_update)
+        losses = _steps(model, x, opt, 3)
+        masters = [opt.state[s.module.weight]["master"].clone() for s in rt.layers]
+        weights = [s.module.weight.detach().clone() for s in rt.layers]
+        rt.close()
+        return losses, masters, weights
+
+    host, device = run("off"), run([1, 3])
+    assert host[0] == device[0]
+    assert all(torch.equal(a, b) for a, b in zip(host[1], device[1]))
+    assert all(torch.equal(a, b) for a, b in zip(host[2], device[2]))
+
+
+def test_an_int8_stream_of_a_device_block_is_rebuilt_before_its_next_fetch():
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", precision="int8", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR, device_update=[0])
+    model(x).square().mean().backward()
+    opt.step()
+    assert rt.store.blocks[0].source_versions["int8"] == rt.store.master_version(0)
+    assert rt.store.requantized_blocks == len(rt.blocks)
+    rt.close()
+
+
+def test_a_run_with_device_blocks_resumes_with_the_same_losses(tmp_path):
+    model, x = _model(dtype=torch.bfloat16)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR, device_update=[0, 3])
+    _steps(model, x, opt, 2)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    after = _steps(model, x, opt, 2)
+    rt.close()
+
+    again, _ = _model(dtype=torch.bfloat16)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    again.load_state_dict(saved["model"])
+    rt2 = stagehand.offload(again, device="cpu", verbose=False)
+    opt2 = HostAdamW(again.parameters(), lr=LR, device_update=[0, 3])
+    opt2.load_state_dict(saved["opt"])
+    assert _steps(again, x, opt2, 2) == after
+    rt2.close()
+
+
+@pytest.mark.parametrize("kw, why", [
+    ({"states": "int8"}, "states='int8': the device update keeps fp32 moments"),
+    ({"accumulation_steps": 2}, "gradient accumulation"),
+    ({"overlap": False}, "overlap=False or max_grad_norm"),
+    ({"max_grad_norm": 1.0}, "overlap=False or max_grad_norm"),
+])
+def test_a_forced_device_block_this_configuration_cannot_update_there_is_refused(kw, why):
+    model, _ = _model()
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    with pytest.raises(ValueError, match=rf"device_update=\[1\]: .*{why.split(':')[0]}"):
+        HostAdamW(model.parameters(), lr=LR, device_update=[1], **kw)
+    with pytest.raises(ValueError, match=r"names blocks \[9\]"):
+        HostAdamW(model.parameters(), lr=LR, device_update=[9])
+    with pytest.raises(ValueError, match="device_update must be"):
+        HostAdamW(model.parameters(), lr=LR, device_update="gpu")
+    rt.close()
+
+
+def test_auto_on_the_cpu_keeps_every_block_on_the_host_and_says_why():
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR)
+    _steps(model, x, opt, 2)
+    assert opt.device_blocks == set() and opt.device is None
+    assert opt.device_update_note == "no GPU"
+    assert rt.grads.device_updates == {}
+    rt.close()
+
+
+def test_auto_chooses_from_the_measured_host_time(monkeypatch):
+    """A host that measured slow (the clock made so) sends blocks to the device after the first step, and the
+    planner's cost model counts them from then on."""
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR)
+    monkeypatch.setattr(opt, "_device_mode", "auto")  # as on a GPU
+    real = HostAdamW._step_block
+
+    def slow(self, block, scale=1.0):
+        real(self, block, scale)
+        if block in self.runtime.grads.optimizer_seconds:
+            self.runtime.grads.optimizer_seconds[block] = 10.0  # a host step as slow as 10 s a block
+    monkeypatch.setattr(HostAdamW, "_step_block", slow)
+    _steps(model, x, opt, 1)
+    assert opt.device_blocks and opt.device_choice["blocks"] == sorted(opt.device_blocks)
+    assert set(rt.grads.device_updates) == opt.device_blocks
+    n_layers = sum(1 for s in rt.layers if s.block in opt.device_blocks)
+    _steps(model, x, opt, 1)
+    assert opt.device.layers_updated == n_layers
+    rt.planner._training_costs(rt.planner.cost_model)
+    model_costs = rt.planner.cost_model
+    assert [b for b, n in enumerate(model_costs.update_in_bytes) if n] == sorted(opt.device_blocks)
+    rt.close()
