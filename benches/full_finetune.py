@@ -20,7 +20,7 @@ timed ones:
   time per step.
 - `stagehand_host`: the same with `device_update="off"`: every block steps on
   the host (`stagehand` lets HostAdamW move blocks' updates to the GPU, chosen
-  from the costs its first step measured; the row says which and why).
+  from the costs its second step measured; the row says which and why).
 - `torchao`: torchao's `CPUOffloadOptimizer` (AdamW states and step on the CPU)
   with the whole model resident, compiled with Inductor: where the weights fit.
 - `deepspeed2`: DeepSpeed ZeRO-2 with `offload_optimizer: cpu` (its CPU Adam,

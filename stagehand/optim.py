@@ -25,7 +25,7 @@ update is AdamW's, at the same point of the step; nothing is delayed.
 - `device_update="auto"` (default): some blocks are stepped on the GPU instead,
   inside the backward, their fp32 master and moments streamed in and out
   beside the weights (runtime/device_optim.py), so the host's memory
-  bandwidth and the PCIe link share the work. After the first step the
+  bandwidth and the PCIe link share the work. After the second step the
   blocks are chosen from measured costs (the host's time per block, the
   link's bandwidths); a list of blocks forces them, "off" keeps every block
   on the host. Same math, fp32 on both sides; it needs fp32 master and
@@ -66,6 +66,10 @@ from torch_stagehand.runtime.streamed import HostMasterParameter
 
 log = logging.getLogger(__name__)
 
+# "auto" chooses the device blocks from the host's time per block in this step: the first one's is no measure
+# (its states' and gradient buffers' pages are touched for the first time: on an H100 host, 1.5-3.8x the next).
+CHOOSE_AFTER_STEPS = 2
+
 
 class HostAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -101,6 +105,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.device_blocks: set[int] = set()
         self.device_choice: dict = {}  # what the choice measured and predicted (benches print it)
         self._device_arenas = []  # the pinned host states of the device blocks
+        self._host_steps_timed = 0  # steps whose blocks all stepped on the host, timed ("auto" chooses after two)
         self._device_mode = self._device_update_mode(device_update, overlap and max_grad_norm is None)
         if self.runtime is not None:
             self.runtime.attach(self)  # step phases, telemetry
@@ -185,8 +190,8 @@ class HostAdamW(torch.optim.Optimizer):
         return [p for p in self._block_params[block] if p in self.state]
 
     def _choose_device_blocks(self) -> None:
-        """After the first step (every block stepped on the host, each timed): the blocks whose update moves to
-        the device, from the host's measured time per block and the link's measured bandwidths."""
+        """After the second step (every block stepped on the host, each timed): the blocks whose update moves
+        to the device, from the host's measured time per block and the link's measured bandwidths."""
         rt = self.runtime
         model = rt.planner.cost_model
         h2d = model.h2d_bps
@@ -323,8 +328,10 @@ class HostAdamW(torch.optim.Optimizer):
             stepped = set(self.worker.stepped)
             self.blocks_stepped_in_backward += len(stepped)
             if self._device_mode == "auto" and stepped:
-                self._device_mode = "chosen"
-                self._choose_device_blocks()
+                self._host_steps_timed += 1
+                if self._host_steps_timed == CHOOSE_AFTER_STEPS:
+                    self._device_mode = "chosen"
+                    self._choose_device_blocks()
         scale = self._clip_scale() if self.max_grad_norm is not None else 1.0
         for block in self._block_params:
             if block not in stepped:
