@@ -813,6 +813,7 @@ def full_finetune(name: str) -> str:
             Col("host optimizer ms", field("limit_host_optimizer_ms", ms)),
             Col("x slowest limit", field("x_slowest_limit")),
             Col("blocks stepped during backward", field("blocks_stepped_in_backward_per_step", num, 0)),
+            Col("blocks updated on the GPU", lambda r: str(len(r["device_blocks"])) if "device_blocks" in r else ""),
             Col("", lambda r: r.get("error", ""))]
     layers = data.get("layers")
     shape = f"Qwen2.5-7B's width, {layers} of its 28 layers" if layers else "Qwen2.5-7B shape"
@@ -864,6 +865,9 @@ FIGURES: dict[str, Figure] = {
     "full_finetune_qwen_deepspeed": Figure(lambda: full_finetune("full_finetune_qwen_deepspeed.json"),
                                            ("full_finetune_qwen_deepspeed.json",)),
     "full_finetune_qwen14": Figure(lambda: full_finetune("full_finetune_qwen14.json"), ("full_finetune_qwen14.json",)),
+    **{f"full_finetune_{run}": Figure(lambda run=run: full_finetune(f"full_finetune_{run}.json"),
+                                      (f"full_finetune_{run}.json",))
+       for run in ("qwen_3ec649d", "qwen_0ca7be8", "qwen14_3ec649d")},
 }
 
 
