@@ -3,6 +3,7 @@
     python benches/full_finetune.py --model qwen --budgets 24 16                       # every row, each its own process
     python benches/full_finetune.py --model qwen --rows stagehand torchao deepspeed2 deepspeed3
     python benches/full_finetune.py --model qwen --tiny --device cpu --rows stagehand  # a smoke test of the bench
+    python benches/full_finetune.py --model flux --budgets 24 --rows stagehand --master bf16 --states int8 --checkpointing
 
 Qwen2.5-7B shape (benches/models.py), sequence 2048, every parameter trained,
 AdamW (lr 1e-5, weight decay 0.01), bf16 weights, no checkpointing unless the
@@ -65,6 +66,11 @@ def _build(args):
         model, inputs, shape = (build_qwen if args.model == "qwen" else build_flux)(args.tiny, args.device)
     model.requires_grad_(True)
     model.train()
+    if args.checkpointing:  # the model's own activation checkpointing (diffusers / transformers)
+        if hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.enable_gradient_checkpointing()
     return model, inputs, shape
 
 
@@ -122,8 +128,12 @@ def row_stagehand(args, device_update: str = "auto") -> list[dict]:
                            verbose=False)
     offload_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, device_update=device_update)
-    where = "host + device update (auto)" if device_update == "auto" else "host update only"
+    opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, device_update=device_update, master=args.master,
+                    states=args.states)
+    where = "host + device update (auto)" if device_update == "auto" and not opt.device_update_note else \
+        "host update only"
+    if (args.master, args.states) != ("fp32", "fp32"):
+        where += f", {args.master} master, {args.states} moments"
     states_s = time.perf_counter() - t0
     inner = "inductor" if args.device == "cuda" else "eager"
     step = _train_step(args, torch.compile(model, backend="stagehand", options={"inner": inner}), inputs, opt)
@@ -155,7 +165,8 @@ def row_stagehand(args, device_update: str = "auto") -> list[dict]:
                    predicted_step_ms=after.get("predicted_step_ms"), offload_s=round(offload_s, 1),
                    optimizer_states_s=round(states_s, 1), streamed_gb=round(streamed_bytes / 1e9, 2),
                    device_update=device_update, device_blocks=sorted(opt.device_blocks),
-                   device_choice=opt.device_choice, device_update_note=opt.device_update_note)
+                   device_choice=opt.device_choice, device_update_note=opt.device_update_note,
+                   master=args.master, states=args.states, checkpointing=args.checkpointing)
         if h2d:
             row.update(h2d_gbps=round(h2d, 1), d2h_gbps=round(d2h, 1),
                        limit_h2d_ms=round(h2d_gb / h2d * 1e3, 1), limit_d2h_ms=round(d2h_gb / d2h * 1e3, 1),
@@ -221,6 +232,7 @@ def run_row(name: str, args) -> list[dict]:
            "--device", args.device, "--steps", str(args.steps), "--budgets", *map(str, args.budgets)]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--layers", str(args.layers)] if args.layers else []
+    cmd += ["--master", args.master, "--states", args.states] + (["--checkpointing"] if args.checkpointing else [])
     print(f"== {name}", flush=True)
     t0 = time.perf_counter()
     try:
@@ -243,6 +255,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--layers", type=int, default=0, help="Qwen: this many layers of Qwen2.5-7B's width")
+    parser.add_argument("--master", choices=["fp32", "bf16"], default="fp32", help="HostAdamW's master")
+    parser.add_argument("--states", choices=["fp32", "bf16", "int8"], default="fp32", help="HostAdamW's moments")
+    parser.add_argument("--checkpointing", action="store_true", help="the model's own activation checkpointing")
     parser.add_argument("--row", choices=list(ROWS), help=argparse.SUPPRESS)
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default="/tmp/stagehand-fullft")
@@ -270,6 +285,7 @@ def main() -> None:
     print_table([[r.get(c) for c in cols] for r in rows], headers=cols,
                 title=f"Full fine-tune, {args.model} ({'tiny' if args.tiny else 'full size'}), AdamW, every parameter")
     write_json(args.out, {"env": info, "model": args.model, "tiny": args.tiny, "layers": args.layers or None,
+                          "master": args.master, "states": args.states, "checkpointing": args.checkpointing,
                           "steps": args.steps, "lr": LR, "rows": rows})
 
 
