@@ -816,8 +816,14 @@ def full_finetune(name: str) -> str:
             Col("blocks updated on the GPU", lambda r: str(len(r["device_blocks"])) if "device_blocks" in r else ""),
             Col("", lambda r: r.get("error", ""))]
     layers = data.get("layers")
-    shape = f"Qwen2.5-7B's width, {layers} of its 28 layers" if layers else "Qwen2.5-7B shape"
-    what = (f"{shape}, sequence 2048, every parameter trained, AdamW (lr {data.get('lr')}), bf16 weights; one "
+    if data.get("model") == "flux":
+        shape = "Flux-dev 12B (diffusers), 4096 + 512 tokens"
+    else:
+        shape = f"Qwen2.5-7B's width, {layers} of its 28 layers" if layers else "Qwen2.5-7B shape"
+        shape += ", sequence 2048"
+    states = f"; HostAdamW's master {data['master']}, moments {data['states']}" if data.get("master") else ""
+    ckpt = ", the model's activation checkpointing" if data.get("checkpointing") else ""
+    what = (f"{shape}{ckpt}, every parameter trained, AdamW (lr {data.get('lr')}), bf16 weights{states}; one "
             f"process per row; median of {data.get('steps')} steps")
     return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n"
 
@@ -867,7 +873,7 @@ FIGURES: dict[str, Figure] = {
     "full_finetune_qwen14": Figure(lambda: full_finetune("full_finetune_qwen14.json"), ("full_finetune_qwen14.json",)),
     **{f"full_finetune_{run}": Figure(lambda run=run: full_finetune(f"full_finetune_{run}.json"),
                                       (f"full_finetune_{run}.json",))
-       for run in ("qwen_3ec649d", "qwen_0ca7be8", "qwen14_3ec649d")},
+       for run in ("qwen_3ec649d", "qwen_0ca7be8", "qwen14_3ec649d", "flux")},
 }
 
 
