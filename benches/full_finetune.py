@@ -22,6 +22,8 @@ timed ones:
 - `stagehand_host`: the same with `device_update="off"`: every block steps on
   the host (`stagehand` lets HostAdamW move blocks' updates to the GPU, chosen
   from the costs its second step measured; the row says which and why).
+- `stagehand_dpu`: every block on the host with `delayed_update=True` (ZeRO-Offload's
+  one-step-delayed update: different math, the update overlaps the next step).
 - `torchao`: torchao's `CPUOffloadOptimizer` (AdamW states and step on the CPU)
   with the whole model resident, compiled with Inductor: where the weights fit.
 - `deepspeed2`: DeepSpeed ZeRO-2 with `offload_optimizer: cpu` (its CPU Adam,
@@ -117,7 +119,7 @@ def _timed(label: str, step, steps: int, device: str) -> dict:
             "first_step_s": round(first_s, 1), "losses": [round(float(x), 4) for x in losses], **_peaks(device)}
 
 
-def row_stagehand(args, device_update: str = "auto") -> list[dict]:
+def row_stagehand(args, device_update: str = "auto", delayed: bool = False) -> list[dict]:
     import torch_stagehand as stagehand
     from torch_stagehand.optim import HostAdamW
 
@@ -129,9 +131,11 @@ def row_stagehand(args, device_update: str = "auto") -> list[dict]:
     offload_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, device_update=device_update, master=args.master,
-                    states=args.states)
+                    states=args.states, delayed_update=delayed)
     where = "host + device update (auto)" if device_update == "auto" and not opt.device_update_note else \
         "host update only"
+    if delayed:
+        where = "one-step-delayed host update (DPU: other math)"
     if (args.master, args.states) != ("fp32", "fp32"):
         where += f", {args.master} master, {args.states} moments"
     states_s = time.perf_counter() - t0
@@ -219,7 +223,8 @@ def row_deepspeed(args, stage: int) -> list[dict]:
     return [_timed(label, step, args.steps, args.device)]
 
 
-ROWS = {"stagehand": row_stagehand, "stagehand_host": lambda a: row_stagehand(a, "off"), "torchao": row_torchao,
+ROWS = {"stagehand": row_stagehand, "stagehand_host": lambda a: row_stagehand(a, "off"),
+        "stagehand_dpu": lambda a: row_stagehand(a, "off", delayed=True), "torchao": row_torchao,
         "deepspeed2": lambda a: row_deepspeed(a, 2), "deepspeed3": lambda a: row_deepspeed(a, 3)}
 
 

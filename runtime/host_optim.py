@@ -132,13 +132,16 @@ CHUNK = 1 << 21
 
 
 def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], hyper: Hyper,
-               master: str, scratch: tuple[Scratch, ...], generator: torch.Generator | None = None) -> None:
+               master: str, scratch: tuple[Scratch, ...], generator: torch.Generator | None = None,
+               write_weights: bool = True) -> None:
     """One AdamW step of host weights from their gradients, in fp32, written back in the weights' dtype.
 
     `states[i]`: the weight's `step` (a float32 scalar tensor, as torch keeps it), `exp_avg`, `exp_avg_sq`
     (fp32, bf16, or int8 / uint8 codes with `exp_avg_scale` / `exp_avg_sq_scale`: `new_state`) and, for a
     master="fp32" low-precision weight, its fp32 `master`. `scratch`: working buffers of a chunk (for
-    gradients, for weights stepped in fp32 and rounded back; two more for decoded moments)."""
+    gradients, for weights stepped in fp32 and rounded back; two more for decoded moments).
+    `write_weights=False` (weights with a master of their own): only the master and the moments move; the
+    weights are written later from the master (the delayed update publishes them)."""
     grad32, weight32 = (sc.views([torch.Size([CHUNK])])[0] for sc in scratch[:2])
     step = torch.zeros((), dtype=torch.float32)
     noise = Noise(generator)
@@ -162,9 +165,11 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
                 moments.encode(a, b)
                 if rounded:
                     stochastic_round_(w[a:b], target, noise=noise)
-                elif fp32_master is not None:
+                elif fp32_master is not None and write_weights:
                     w[a:b].copy_(target)  # round to nearest; the master keeps the exact value
         st["step"].add_(1)
+        if not write_weights:
+            continue
         # The fused kernel writes in place without moving the version counter; copies do, but mark every
         # weight written, so the slots and the INT8 / FP8 copies are refreshed before they are served.
         torch.autograd.graph.increment_version(p)
@@ -230,8 +235,9 @@ class Moments:
         return x.clamp_(-top, top)
 
 
-def new_state(p: torch.Tensor, master: str, states: str = "fp32") -> dict:
-    """The moments in `states` (STATES), and an fp32 master copy of a low-precision weight under master="fp32"."""
+def new_state(p: torch.Tensor, master: str, states: str = "fp32", keep_master: bool = False) -> dict:
+    """The moments in `states` (STATES), and an fp32 master copy of a low-precision weight under master="fp32"
+    (of any weight with `keep_master`: the delayed update steps a master while the weight is in use)."""
     if states == "int8":
         n, blocks = p.numel(), -(-p.numel() // QBLOCK)
         state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(n, dtype=torch.int8),
@@ -241,8 +247,8 @@ def new_state(p: torch.Tensor, master: str, states: str = "fp32") -> dict:
         dtype = torch.float32 if states == "fp32" else torch.bfloat16
         state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape, dtype=dtype),
                  "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
-    if master == "fp32" and p.dtype != torch.float32:
-        state["master"] = p.detach().float()
+    if (master == "fp32" and p.dtype != torch.float32) or keep_master:
+        state["master"] = p.detach().float().clone()
     return state
 
 

@@ -31,6 +31,13 @@ update is AdamW's, at the same point of the step; nothing is delayed.
   on the host. Same math, fp32 on both sides; it needs fp32 master and
   moments, `overlap`, no `max_grad_norm` and `accumulation_steps=1` ("auto"
   says why it stays on the host in `device_update_note`).
+- `delayed_update=True`: ZeRO-Offload's one-step-delayed update (DPU), off by
+  default because it changes the math: the update from step t's gradients
+  runs beside all of step t+1 and its weights are first used by step t+2
+  (runtime/delayed_update.py). Resident parameters still step exactly. It
+  keeps an fp32 master of every streamed weight and a second set of host
+  gradient buffers; `flush()` (called by `state_dict()`) publishes the pending
+  update.
 - `overlap=False` steps every block in `step()` (after the backward).
 - `accumulation_steps=k`: `step()` is called after every k backwards; the
   blocks step during the k-th. A different cadence is an error at `step()`.
@@ -46,7 +53,6 @@ host too small is a `HostMemoryError` with the numbers per component.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections import defaultdict
@@ -55,8 +61,10 @@ import torch
 from torch.optim.adam import adam as adam_functional
 
 from torch_stagehand.runtime import registry
-from torch_stagehand.runtime.device_optim import DeviceAdamW, choose_device_blocks, pin_states, transfer_bytes
-from torch_stagehand.runtime.host_arena import pinner_for
+from torch_stagehand.optim_delayed import DelayedStep
+from torch_stagehand.optim_device import CHOOSE_AFTER_STEPS, DeviceUpdate
+from torch_stagehand.runtime.delayed_update import DelayedUpdate
+from torch_stagehand.runtime.device_optim import DeviceAdamW
 from torch_stagehand.runtime.events import progress
 from torch_stagehand.runtime.host_budget import gib, probe_machine
 from torch_stagehand.runtime.host_optim import (MASTERS, STATE_BYTES, STATES, Hyper, LandingWorker, Scratch,
@@ -64,18 +72,11 @@ from torch_stagehand.runtime.host_optim import (MASTERS, STATE_BYTES, STATES, Hy
 from torch_stagehand.runtime.host_plan import HostMemoryError
 from torch_stagehand.runtime.streamed import HostMasterParameter
 
-log = logging.getLogger(__name__)
-
-# "auto" chooses the device blocks from the host's time per block in this step: the first one's is no measure
-# (its states' and gradient buffers' pages are touched for the first time: on an H100 host, 1.5-3.8x the next).
-CHOOSE_AFTER_STEPS = 2
-
-
-class HostAdamW(torch.optim.Optimizer):
+class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master: str = "fp32", states: str = "fp32", overlap: bool = True,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, seed: int = 0,
-                 device_update="auto"):
+                 device_update="auto", delayed_update: bool = False):
         if master not in MASTERS:
             raise ValueError(f"HostAdamW: master must be one of {MASTERS}, got {master!r}")
         if states not in STATES:
@@ -85,6 +86,10 @@ class HostAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.master, self.max_grad_norm, self.accumulation_steps = master, max_grad_norm, accumulation_steps
         self.states = states
+        self._delayed_update = delayed_update
+        if delayed_update and master != "fp32":
+            raise ValueError("HostAdamW: delayed_update=True updates a master while the weights are in use by the "
+                             "next step; it needs master='fp32'")
         self._generator = torch.Generator().manual_seed(seed)  # stochastic rounding, reproducible
         # a chunk's fp32 gradients, rounded weights and decoded moments, kept across steps
         self._scratch = (Scratch(), Scratch(), Scratch(), Scratch())
@@ -97,7 +102,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._param_of = {self._layer(p)[0]: p for p in self._streamed}
         self._preflight()
         for p in progress([p for p in self._streamed if p.requires_grad], "HostAdamW: host optimizer states"):
-            self.state[p] = new_state(p, master, states)
+            self.state[p] = new_state(p, master, states, keep_master=delayed_update)
         self.worker = None
         self.host_seconds = 0.0  # time spent stepping streamed blocks on the host (benches read it)
         self.blocks_stepped_in_backward = 0  # blocks stepped by the worker while the backward ran
@@ -106,10 +111,15 @@ class HostAdamW(torch.optim.Optimizer):
         self.device_choice: dict = {}  # what the choice measured and predicted (benches print it)
         self._device_arenas = []  # the pinned host states of the device blocks
         self._host_steps_timed = 0  # steps whose blocks all stepped on the host, timed ("auto" chooses after two)
-        self._device_mode = self._device_update_mode(device_update, overlap and max_grad_norm is None)
+        if delayed_update and device_update not in ("auto", "off"):
+            raise ValueError("HostAdamW: delayed_update=True steps every block on the host; device_update must be "
+                             "'auto' or 'off'")
+        self.delayed = DelayedUpdate(self.runtime.grads) if delayed_update and self.runtime is not None else None
+        self._device_mode = self._device_update_mode("off" if delayed_update else device_update,
+                                                     overlap and max_grad_norm is None)
         if self.runtime is not None:
             self.runtime.attach(self)  # step phases, telemetry
-            if overlap and max_grad_norm is None:
+            if (overlap and max_grad_norm is None) or self.delayed is not None:  # the delayed update publishes there
                 self._start_worker()
         if isinstance(self._device_mode, set) and self._device_mode:
             self._enable_device(self._device_mode)
@@ -123,12 +133,15 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _preflight(self) -> None:
         moments = f"{self.states} moments (exp_avg, exp_avg_sq)"
-        need = {"fp32 masters": 0, moments: 0}
+        need = {"fp32 masters": 0, moments: 0, "a second set of gradient buffers (delayed_update)": 0}
         for p in self._streamed:
             if p.requires_grad:
                 total = state_bytes(p, self.master, self.states)
                 need[moments] += int(STATE_BYTES[self.states] * p.numel())
                 need["fp32 masters"] += total - int(STATE_BYTES[self.states] * p.numel())
+                if self._delayed_update:  # a master for every weight, and the gradients the update reads
+                    need["fp32 masters"] += 4 * p.numel() if p.dtype == torch.float32 else 0
+                    need["a second set of gradient buffers (delayed_update)"] += p.numel() * p.element_size()
         machine = probe_machine()
         if sum(need.values()) <= machine.usable_bytes:
             return
@@ -142,119 +155,8 @@ class HostAdamW(torch.optim.Optimizer):
             f"of host memory ({parts}) and {gib(machine.usable_bytes)} can be had ({machine.describe()}). To fit: "
             f"{fix}freeze some streamed weights, or train LoRA adapters instead")
 
-    def _device_update_mode(self, device_update, overlapping: bool):
-        """"auto", or the set of blocks to update on the device ("off": none); a forced set this configuration
-        cannot update there is an error that says why; "auto" keeps the reason in `device_update_note`."""
-        if device_update in ("auto", "off"):
-            forced = None
-        elif isinstance(device_update, (list, tuple, set, frozenset)) and all(isinstance(b, int) for b in device_update):
-            forced = set(device_update)
-        else:
-            raise ValueError(f"HostAdamW: device_update must be 'auto', 'off' or a list of block indices, got "
-                             f"{device_update!r}")
-        why = self._device_refusal(forced is not None, overlapping)
-        self.device_update_note = why or ("off" if device_update == "off" else "")
-        if forced:
-            if why:
-                raise ValueError(f"HostAdamW: device_update={sorted(forced)}: {why}")
-            unknown = forced - set(self._block_params)
-            if unknown:
-                raise ValueError(f"HostAdamW: device_update names blocks {sorted(unknown)}, which have no streamed "
-                                 f"weight in this optimizer (blocks {sorted(self._block_params)})")
-            return forced
-        return "auto" if device_update == "auto" and not why else set()
-
-    def _device_refusal(self, forced: bool, overlapping: bool) -> str:
-        """Why no block can be updated on the device here ('' if one can)."""
-        rt = self.runtime
-        if rt is None:
-            return "no streamed weight"
-        if rt.device.type != "cuda" and not forced:
-            return "no GPU"
-        if not overlapping:
-            return "the blocks step after the backward (overlap=False or max_grad_norm), not inside it"
-        if self.accumulation_steps != 1:
-            return "gradient accumulation sums each backward's gradients on the host"
-        if self.states != "fp32":
-            return f"states={self.states!r}: the device update keeps fp32 moments"
-        if self.master != "fp32" and any(p.dtype != torch.float32 for p in self._streamed):
-            return "master='bf16' rounds the weights stochastically on the host"
-        return ""
-
-    def _transfer(self, ps: list[torch.Tensor]) -> tuple[int, int]:
-        """(H2D, D2H) bytes a step of these weights moves when updated on the device."""
-        moved = [transfer_bytes(p.numel(), "master" in self.state[p], p.numel() * p.element_size()) for p in ps]
-        return sum(i for i, _ in moved), sum(o for _, o in moved)
-
     def _trained(self, block: int) -> list[torch.Tensor]:
         return [p for p in self._block_params[block] if p in self.state]
-
-    def _choose_device_blocks(self) -> None:
-        """After the second step (every block stepped on the host, each timed): the blocks whose update moves
-        to the device, from the host's measured time per block and the link's measured bandwidths."""
-        rt = self.runtime
-        model = rt.planner.cost_model
-        h2d = model.h2d_bps
-        d2h = model.d2h_bps or h2d
-        measured = rt.grads.optimizer_seconds
-        host_s, in_s, out_s, grad_s = {}, {}, {}, {}
-        for block in self._block_params:
-            ps = self._trained(block)
-            if ps and block in measured:
-                bytes_in, bytes_out = self._transfer(ps)
-                host_s[block], in_s[block], out_s[block] = measured[block], bytes_in / h2d, bytes_out / d2h
-                grad_s[block] = sum(p.numel() * p.element_size() for p in ps) / d2h
-        plan = rt.planner.plan
-        resident = plan.resident if plan is not None else set()
-        fetch_s = sum(rt.store.nbytes(b, rt.precision[b]) for b in range(len(rt.blocks)) if b not in resident) / h2d
-        chosen = choose_device_blocks(host_s, in_s, out_s, grad_s, fetch_s)
-        self.device_choice = {
-            "blocks": sorted(chosen), "h2d_gbps": round(h2d / 1e9, 1), "d2h_gbps": round(d2h / 1e9, 1),
-            "host_only_ms": round(sum(host_s.values()) * 1e3, 1),
-            "host_ms": round(sum(v for b, v in host_s.items() if b not in chosen) * 1e3, 1),
-            "link_in_ms": round((fetch_s + sum(in_s[b] for b in chosen)) * 1e3, 1),
-            "link_out_ms": round((sum(out_s[b] for b in chosen) + sum(grad_s[b] for b in host_s if b not in chosen))
-                                 * 1e3, 1)}
-        log.info("stagehand HostAdamW: blocks %s step on the device (%s)", sorted(chosen), self.device_choice)
-        if chosen:
-            self._enable_device(chosen)
-
-    def _enable_device(self, blocks: set[int]) -> None:
-        """Blocks `blocks` step on the device from the next backward: their states pinned, the ring allocated,
-        the gradient lane routing their layers to it and the planner counting their bytes."""
-        rt = self.runtime
-        ps = [p for b in sorted(blocks) for p in self._trained(b)]
-        if not ps:
-            return
-        self._device_arenas.append(pin_states([self.state[p] for p in ps], pinner_for(rt.device, rt.store.pin)))
-        largest = max(p.numel() for p in ps)
-        if self.device is None or self.device.slots[0].master.numel() < largest:
-            self.device = DeviceAdamW(rt.device, largest, ps[0].dtype, rt.grads.stream)
-        self.device_blocks |= set(blocks)
-        rt.grads.device_updates = {b: self._transfer(self._trained(b)) for b in sorted(self.device_blocks)}
-
-    def _repin_device_states(self) -> None:
-        """After load_state_dict: the device blocks' states are the loaded tensors; pin them again."""
-        for arena in self._device_arenas:
-            arena.close()
-        self._device_arenas = []
-        if self.device_blocks:
-            ps = [p for b in sorted(self.device_blocks) for p in self._trained(b)]
-            self._device_arenas.append(pin_states([self.state[p] for p in ps], pinner_for(self.runtime.device,
-                                                                                          self.runtime.store.pin)))
-
-    # the gradient lane asks, for each trainable layer of the backward that completes a step
-    def updates_on_device(self, block: int) -> bool:
-        return block in self.device_blocks
-
-    def update_on_device(self, index: int, grad: torch.Tensor, compute) -> tuple:
-        """Step layer `index` on the device from `grad` (a device tensor in the weight's stored orientation):
-        (the event after which `grad` may be reused, the event after which the host copies are written,
-        the bytes sent D2H)."""
-        p = self._param_of[index]
-        before = self.device.bytes_out
-        consumed, done = self.device.update(p, self.state[p], grad, self._hyper(self._group_of[p]), compute)
-        return consumed, done, self.device.bytes_out - before
 
     def _start_worker(self) -> None:
         lane = self.runtime.grads
@@ -262,13 +164,16 @@ class HostAdamW(torch.optim.Optimizer):
             raise ValueError("HostAdamW: another HostAdamW already steps this model's streamed weights as they land; "
                              "one optimizer per offloaded model (or overlap=False)")
         blocks = {b: {self._layer(p)[0] for p in ps if p.requires_grad} for b, ps in self._block_params.items()}
-        self.worker = LandingWorker(lane, {b: s for b, s in blocks.items() if s}, self._step_block,
+        step_block = self._publish_block if self.delayed is not None else self._step_block
+        self.worker = LandingWorker(lane, {b: s for b, s in blocks.items() if s}, step_block,
                                     self.accumulation_steps, device=self)
         lane.consumer = self.worker
         self.runtime.on_close(self.close)
 
     def close(self) -> None:
-        """Stop the landing worker (the runtime closes it with itself)."""
+        """Stop the landing worker and the delayed update's thread (the runtime closes it with itself)."""
+        if self.delayed is not None:
+            self.delayed.join()  # a thread still in the fused kernel at interpreter exit aborts the process
         if self.worker is not None:
             self.worker.close()
             if self.runtime.grads.consumer is self.worker:
@@ -316,6 +221,14 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.delayed is not None:
+            self.worker.drain()  # this backward's publishing of the last update, block by block
+            self.delayed.join()
+            scale = self._clip_scale() if self.max_grad_norm is not None else 1.0
+            self._step_delayed(scale)
+            self._step_resident(scale)
+            self.worker.next_step()
+            return loss
         stepped: set[int] = set()
         if self.worker is not None:
             self.worker.drain()
@@ -370,7 +283,9 @@ class HostAdamW(torch.optim.Optimizer):
     # ---- checkpoints --------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """torch's, with the stochastic rounding's random stream (a resumed run rounds as this one would)."""
+        """torch's, with the stochastic rounding's random stream (a resumed run rounds as this one would); the
+        delayed update's pending step is finished and published first (`flush`)."""
+        self.flush()
         return dict(super().state_dict(), stagehand_rng=self._generator.get_state())
 
     def load_state_dict(self, state_dict: dict) -> None:

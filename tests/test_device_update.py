@@ -227,3 +227,93 @@ def test_auto_chooses_from_the_measured_host_time(monkeypatch):
     model_costs = rt.planner.cost_model
     assert [b for b, n in enumerate(model_costs.update_in_bytes) if n] == sorted(opt.device_blocks)
     rt.close()
+
+
+# ---- the one-step-delayed update (runtime/delayed_update.py) ----------------------------------------------
+
+
+def _delayed_reference(model, x, steps: int, streamed: set[str]) -> list[float]:
+    """Plain training with DPU's math: resident parameters step at once, streamed weights step with the
+    gradients of the step before (the update of step t is first used by step t+2)."""
+    named = dict(model.named_parameters())
+    now = torch.optim.AdamW([p for n, p in named.items() if n not in streamed], lr=LR)
+    late = torch.optim.AdamW([p for n, p in named.items() if n in streamed], lr=LR)
+    pending, losses = None, []
+    for _ in range(steps):
+        loss = model(x).float().square().mean()
+        loss.backward()
+        grads = {n: named[n].grad.clone() for n in streamed}
+        now.step()
+        if pending is not None:
+            for n in streamed:
+                named[n].grad = pending[n]
+            late.step()
+        pending = grads
+        now.zero_grad()
+        late.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_delayed_update_trains_streamed_weights_one_step_late(compiled):
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    try:
+        streamed = {f"{s.fqn}.weight" for s in rt.layers}
+        expected = _delayed_reference(plain, x, 5, streamed)
+        torch._dynamo.reset()
+        forward = torch.compile(model, backend="stagehand", options={"inner": "eager"}) if compiled else model
+        opt = HostAdamW(model.parameters(), lr=LR, delayed_update=True)
+        losses = _steps(forward, x, opt, 5)
+        assert losses == pytest.approx(expected, rel=1e-5)  # measured: within 1e-7
+        assert opt.device_blocks == set() and opt.delayed.updates == 5
+        opt.flush()  # the pending update published: the weights are what the masters say
+        for s in rt.layers:
+            assert torch.equal(s.module.weight.detach(), opt.state[s.module.weight]["master"])
+    finally:
+        rt.close()
+
+
+def test_the_delayed_update_differs_from_the_exact_one():
+    """It is a different optimizer (documented as changing the math): the second step already differs."""
+    model, x = _model()
+    twin = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    delayed = _steps(model, x, HostAdamW(model.parameters(), lr=LR, delayed_update=True), 3)
+    rt.close()
+    rt2 = stagehand.offload(twin, device="cpu", verbose=False)
+    exact = _steps(twin, x, HostAdamW(twin.parameters(), lr=LR), 3)
+    rt2.close()
+    assert delayed[0] == exact[0] and delayed[2] != pytest.approx(exact[2], rel=1e-4)
+
+
+def test_a_delayed_run_resumes_from_a_checkpoint_with_the_same_losses(tmp_path):
+    model, x = _model(dtype=torch.bfloat16)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=LR, delayed_update=True)
+    _steps(model, x, opt, 2)
+    saved_opt = opt.state_dict()  # publishes the pending update first: the model's weights match the masters
+    torch.save({"model": model.state_dict(), "opt": saved_opt}, tmp_path / "ckpt.pt")
+    after = _steps(model, x, opt, 3)
+    rt.close()
+
+    again, _ = _model(dtype=torch.bfloat16)
+    saved = torch.load(tmp_path / "ckpt.pt")
+    again.load_state_dict(saved["model"])
+    rt2 = stagehand.offload(again, device="cpu", verbose=False)
+    opt2 = HostAdamW(again.parameters(), lr=LR, delayed_update=True)
+    opt2.load_state_dict(saved["opt"])
+    assert _steps(again, x, opt2, 3) == after
+    rt2.close()
+
+
+def test_the_delayed_update_refuses_what_it_cannot_do():
+    model, _ = _model(dtype=torch.bfloat16)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    with pytest.raises(ValueError, match="needs master='fp32'"):
+        HostAdamW(model.parameters(), lr=LR, delayed_update=True, master="bf16")
+    with pytest.raises(ValueError, match="device_update must be 'auto' or 'off'"):
+        HostAdamW(model.parameters(), lr=LR, delayed_update=True, device_update=[0])
+    rt.close()
