@@ -873,7 +873,7 @@ FIGURES: dict[str, Figure] = {
     "full_finetune_qwen14": Figure(lambda: full_finetune("full_finetune_qwen14.json"), ("full_finetune_qwen14.json",)),
     **{f"full_finetune_{run}": Figure(lambda run=run: full_finetune(f"full_finetune_{run}.json"),
                                       (f"full_finetune_{run}.json",))
-       for run in ("qwen_3ec649d", "qwen_0ca7be8", "qwen14_3ec649d", "flux")},
+       for run in ("qwen_3ec649d", "qwen_0ca7be8", "qwen14_3ec649d", "qwen14_dpu", "flux")},
 }
 
 
