@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as adam_functional
 
-from .host_arena import HostArena
+from .host_arena import HostArena, lock_or_fall_back
 
 RING = 2  # a slot uploads the next layer's states while the other one is stepped and written back
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -78,14 +78,15 @@ def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s
 
 def pin_states(states: list[dict], pinner, kind: str = "adamw states") -> HostArena:
     """Move the fp32 states of these weights into one host arena, page-locked range by range (each state is a
-    view of it from now on). The caller keeps the arena alive as long as the states."""
+    view of it from now on; a range the driver refuses to lock stays pageable, with a warning). The caller
+    keeps the arena alive as long as the states, and closes it (unlocks) when done."""
     tensors = [(st, key) for st in states for key in STATE_KEYS if key in st]
     arena = HostArena(kind, [st[key].numel() * st[key].element_size() for st, key in tensors], pinner)
     for st, key in tensors:
         old = st[key]
         view = arena.carve(old.numel() * old.element_size())
-        arena.lock(view)
         st[key] = view.view(old.dtype).view(old.shape).copy_(old)
+        lock_or_fall_back(arena, view, f"HostAdamW's {key} of a weight updated on the device", refuse=False)
     return arena
 
 

@@ -169,5 +169,6 @@ def host_report(store: HostStore) -> dict:
         "pinned_requested_bytes": requested,
         "pinned_locked_bytes": sum(a.locked_bytes for a in store.arenas),
         "host_allocations": len(store.arenas),
+        "pin_refusals": sum(a.pin_refusals for a in store.arenas),  # left pageable at run time (host_arena.py)
         "bytes_by_kind": dict(sorted(kinds.items())),
     }

@@ -29,7 +29,7 @@ import torch
 from . import host_copy
 from . import precision as precisions
 from .blocks import StreamedLayerSpec
-from .host_arena import HostArena, NoPinner, PinError
+from .host_arena import HostArena, NoPinner, lock_or_fall_back
 from .precision import LayerLayout
 from .streamed import StreamedDtypeError
 
@@ -85,6 +85,7 @@ class HostStore:
         self.on_disk: set[tuple[int, str]] = set()
         self._reserved: dict[tuple[int, str], torch.Tensor] = {}  # carved, not yet handed out
         self._arena_of: dict[tuple[int, str], HostArena] = {}
+        self.offloaded = False  # offload is done: a refused page-lock falls back to pageable (host_arena.py)
 
     # ---- host memory ----------------------------------------------------------
 
@@ -124,11 +125,7 @@ class HostStore:
         for block, n in zip(blocks, sizes):
             out[block] = arena.carve(n)
             if self.pin:
-                try:
-                    arena.lock(out[block])
-                except PinError as e:
-                    raise torch.OutOfMemoryError(f"stagehand: could not pin block {block}'s gradient buffer "
-                                                 f"({n / 2**20:.1f} MiB): {e}") from e
+                lock_or_fall_back(arena, out[block], f"block {block}'s gradient buffer", refuse=not self.offloaded)
         return out
 
     def _is_master(self, block: int, precision: str) -> bool:
@@ -156,12 +153,8 @@ class HostStore:
                     if arena.is_locked(buf):
                         unlock.append((arena, buf))
                     continue
-                try:
-                    arena.lock(buf)
-                except PinError as e:  # say what could not be pinned: offload then puts the model back
-                    raise torch.OutOfMemoryError(
-                        f"offload: could not pin block {block}'s {precision} copy ({buf.numel() / 2**20:.1f} MiB, "
-                        f"first layer {bb.layers[0].fqn}): {e}") from e
+                lock_or_fall_back(arena, buf, f"block {block}'s {precision} copy (first layer {bb.layers[0].fqn})",
+                                  refuse=not self.offloaded)
         if unlock:
             unlock[0][0].pinner.drain()
             for arena, buf in unlock:

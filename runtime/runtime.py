@@ -129,8 +129,8 @@ class Runtime(SelectivePrecisionAPI):
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         # Token outputs are allocated once: a prefetch / evict returns its block's.
-        self._fetch_tokens = [torch.zeros((), dtype=torch.int64) for _ in self.blocks]
-        self._free_tokens = [torch.zeros((), dtype=torch.int64) for _ in self.blocks]
+        self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks] for _ in range(2))
+        self.store.offloaded = True  # from here a refused page-lock leaves the buffer pageable, and says so
 
     def _abandon(self) -> None:
         """Undo a failed offload: plain layers and weights back, no hooks, nothing registered, nothing held."""

@@ -181,6 +181,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                 self.runtime.grads.device_updates = {}
             self.worker = None
         self.device = None
+        self._unpin_device_states()  # restore() frees every pinned byte, the optimizer's too
 
     # ---- stepping ---------------------------------------------------------------------------------------
 

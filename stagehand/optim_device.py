@@ -12,7 +12,6 @@ import logging
 import torch
 
 from torch_stagehand.runtime.device_optim import DeviceAdamW, choose_device_blocks, pin_states, transfer_bytes
-from torch_stagehand.runtime.host_arena import pinner_for
 
 log = logging.getLogger("torch_stagehand.optim")
 
@@ -105,22 +104,25 @@ class DeviceUpdate:
         ps = [p for b in sorted(blocks) for p in self._trained(b)]
         if not ps:
             return
-        self._device_arenas.append(pin_states([self.state[p] for p in ps], pinner_for(rt.device, rt.store.pin)))
+        self._device_arenas.append(pin_states([self.state[p] for p in ps], rt.store.pinner))
         largest = max(p.numel() for p in ps)
         if self.device is None or self.device.slots[0].master.numel() < largest:
             self.device = DeviceAdamW(rt.device, largest, ps[0].dtype, rt.grads.stream)
         self.device_blocks |= set(blocks)
         rt.grads.device_updates = {b: self._transfer(self._trained(b)) for b in sorted(self.device_blocks)}
 
-    def _repin_device_states(self) -> None:
-        """After load_state_dict: the device blocks' states are the loaded tensors; pin them again."""
+    def _unpin_device_states(self) -> None:
+        """Unlock the device blocks' pinned states (the values stay, pageable): restore / close, or a reload."""
         for arena in self._device_arenas:
             arena.close()
         self._device_arenas = []
+
+    def _repin_device_states(self) -> None:
+        """After load_state_dict: the device blocks' states are the loaded tensors; pin them again."""
+        self._unpin_device_states()
         if self.device_blocks:
             ps = [p for b in sorted(self.device_blocks) for p in self._trained(b)]
-            self._device_arenas.append(pin_states([self.state[p] for p in ps], pinner_for(self.runtime.device,
-                                                                                          self.runtime.store.pin)))
+            self._device_arenas.append(pin_states([self.state[p] for p in ps], self.runtime.store.pinner))
 
     # the gradient lane asks, for each trainable layer of the backward that completes a step
     def updates_on_device(self, block: int) -> bool:

@@ -274,3 +274,55 @@ def test_explain_says_where_the_host_copies_are(pinner):
     report = stagehand.explain(model, x)
     assert "keep_full='ram'" in str(report) and "int8 pinned" in str(report) and "bf16 ram" in str(report)
     assert report.stats["host"]["pinned_locked_bytes"] == sum(page_round(rt.store.nbytes(b, "int8")) for b in range(2))
+
+
+def test_a_page_lock_refused_during_a_run_leaves_the_buffer_pageable_and_says_so(monkeypatch, caplog):
+    """After offload (a run in progress) a refusal must not end the run: weights set to train after offload get
+    their gradient buffers then, and one the driver refuses to lock stays pageable, with a warning that names
+    the locked-memory limit and the cost; the numbers do not change."""
+    import logging
+
+    fake = RecordingPinner()
+    monkeypatch.setattr(host_arena, "pinner_for", lambda device, pin: fake)
+    model, x = toy(n=3)
+    plain = copy.deepcopy(model).requires_grad_(True)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    fake.fail_at = fake.calls + 2  # the second gradient buffer the run asks to lock
+    with caplog.at_level(logging.WARNING, logger="torch_stagehand"):
+        model.requires_grad_(True)
+    model(x).square().mean().backward()
+    assert "could not pin block 1's gradient buffer" in caplog.text and "ulimit -l" in caplog.text
+    assert "pageable" in caplog.text
+    assert rt.stats()["host"]["pin_refusals"] == 1
+    plain(x).square().mean().backward()
+    for s in rt.layers:
+        ref = dict(plain.named_parameters())[s.fqn + ".weight"].grad
+        assert torch.allclose(s.module.weight.grad, ref, rtol=1e-5, atol=1e-6), s.fqn
+    rt.close()
+
+
+def test_a_page_lock_refused_during_offload_is_refused_with_the_limit_and_the_way_out(monkeypatch):
+    monkeypatch.setattr(host_arena, "pinner_for", lambda device, pin: RecordingPinner(fail_at=2))
+    model, _ = toy(n=3)
+    with pytest.raises(torch.OutOfMemoryError, match=r"ulimit -l.*Config\(pin_memory=False\)"):
+        stagehand.offload(model, device="cpu", verbose=False)
+
+
+def test_restore_unlocks_the_optimizers_pinned_states_too(monkeypatch):
+    """HostAdamW pins the states of the blocks it updates on the device; restore() unlocks every range."""
+    from torch_stagehand.optim import HostAdamW
+
+    fake = RecordingPinner()
+    monkeypatch.setattr(host_arena, "pinner_for", lambda device, pin: fake)
+    model, x = toy(n=3)
+    model.requires_grad_(True)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=1e-3, device_update=[0, 2])
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    store_locked = sum(a.locked_bytes for a in rt.store.arenas)
+    assert sum(fake.locked.values()) > store_locked  # the optimizer's states are locked beside the store
+    rt.restore()
+    assert fake.locked == {}
