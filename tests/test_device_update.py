@@ -152,25 +152,6 @@ def test_an_int8_stream_of_a_device_block_is_rebuilt_before_its_next_fetch():
     rt.close()
 
 
-def test_a_run_with_device_blocks_resumes_with_the_same_losses(tmp_path):
-    model, x = _model(dtype=torch.bfloat16)
-    rt = stagehand.offload(model, device="cpu", verbose=False)
-    opt = HostAdamW(model.parameters(), lr=LR, device_update=[0, 3])
-    _steps(model, x, opt, 2)
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
-    after = _steps(model, x, opt, 2)
-    rt.close()
-
-    again, _ = _model(dtype=torch.bfloat16)
-    saved = torch.load(tmp_path / "ckpt.pt")
-    again.load_state_dict(saved["model"])
-    rt2 = stagehand.offload(again, device="cpu", verbose=False)
-    opt2 = HostAdamW(again.parameters(), lr=LR, device_update=[0, 3])
-    opt2.load_state_dict(saved["opt"])
-    assert _steps(again, x, opt2, 2) == after
-    rt2.close()
-
-
 @pytest.mark.parametrize("kw, why", [
     ({"states": "int8"}, "states='int8': the device update keeps fp32 moments"),
     ({"accumulation_steps": 2}, "gradient accumulation"),
@@ -232,12 +213,12 @@ def test_auto_chooses_from_the_measured_host_time(monkeypatch):
 # ---- the one-step-delayed update (runtime/delayed_update.py) ----------------------------------------------
 
 
-def _delayed_reference(model, x, steps: int, streamed: set[str]) -> list[float]:
+def delayed_reference(model, x, steps: int, streamed: set[str], lr: float = LR) -> list[float]:
     """Plain training with DPU's math: resident parameters step at once, streamed weights step with the
-    gradients of the step before (the update of step t is first used by step t+2)."""
+    gradients of the step before (the update of step t is first used by step t+2). The GPU test's too."""
     named = dict(model.named_parameters())
-    now = torch.optim.AdamW([p for n, p in named.items() if n not in streamed], lr=LR)
-    late = torch.optim.AdamW([p for n, p in named.items() if n in streamed], lr=LR)
+    now = torch.optim.AdamW([p for n, p in named.items() if n not in streamed], lr=lr)
+    late = torch.optim.AdamW([p for n, p in named.items() if n in streamed], lr=lr)
     pending, losses = None, []
     for _ in range(steps):
         loss = model(x).float().square().mean()
@@ -262,7 +243,7 @@ def test_the_delayed_update_trains_streamed_weights_one_step_late(compiled):
     rt = stagehand.offload(model, device="cpu", verbose=False)
     try:
         streamed = {f"{s.fqn}.weight" for s in rt.layers}
-        expected = _delayed_reference(plain, x, 5, streamed)
+        expected = delayed_reference(plain, x, 5, streamed)
         torch._dynamo.reset()
         forward = torch.compile(model, backend="stagehand", options={"inner": "eager"}) if compiled else model
         opt = HostAdamW(model.parameters(), lr=LR, delayed_update=True)
@@ -289,12 +270,16 @@ def test_the_delayed_update_differs_from_the_exact_one():
     assert delayed[0] == exact[0] and delayed[2] != pytest.approx(exact[2], rel=1e-4)
 
 
-def test_a_delayed_run_resumes_from_a_checkpoint_with_the_same_losses(tmp_path):
+@pytest.mark.parametrize("kw", [{"device_update": [0, 3]}, {"delayed_update": True}],
+                         ids=["blocks on the device", "delayed update"])
+def test_a_run_resumes_from_a_checkpoint_with_the_same_losses(tmp_path, kw):
+    """The delayed update's state_dict() publishes the pending update first: the model's weights then match
+    the masters, and the resumed run has nothing pending, as the saving one has not."""
     model, x = _model(dtype=torch.bfloat16)
     rt = stagehand.offload(model, device="cpu", verbose=False)
-    opt = HostAdamW(model.parameters(), lr=LR, delayed_update=True)
+    opt = HostAdamW(model.parameters(), lr=LR, **kw)
     _steps(model, x, opt, 2)
-    saved_opt = opt.state_dict()  # publishes the pending update first: the model's weights match the masters
+    saved_opt = opt.state_dict()
     torch.save({"model": model.state_dict(), "opt": saved_opt}, tmp_path / "ckpt.pt")
     after = _steps(model, x, opt, 3)
     rt.close()
@@ -303,7 +288,7 @@ def test_a_delayed_run_resumes_from_a_checkpoint_with_the_same_losses(tmp_path):
     saved = torch.load(tmp_path / "ckpt.pt")
     again.load_state_dict(saved["model"])
     rt2 = stagehand.offload(again, device="cpu", verbose=False)
-    opt2 = HostAdamW(again.parameters(), lr=LR, delayed_update=True)
+    opt2 = HostAdamW(again.parameters(), lr=LR, **kw)
     opt2.load_state_dict(saved["opt"])
     assert _steps(again, x, opt2, 3) == after
     rt2.close()

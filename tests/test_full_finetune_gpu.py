@@ -18,6 +18,7 @@ from torch_stagehand.app.presets import tiny_llama
 from torch_stagehand.optim import HostAdamW
 
 from _helpers import rel_err, toy
+from test_device_update import delayed_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -126,24 +127,7 @@ def test_the_delayed_update_on_the_gpu_trains_streamed_weights_one_step_late():
     plain = copy.deepcopy(model).cuda()
     rt = stagehand.offload(model, device="cuda", verbose=False)
     try:
-        streamed = {f"{s.fqn}.weight" for s in rt.layers}
-        named = dict(plain.named_parameters())
-        now = torch.optim.AdamW([p for n, p in named.items() if n not in streamed], lr=1e-3)
-        late = torch.optim.AdamW([p for n, p in named.items() if n in streamed], lr=1e-3)
-        pending, expected = None, []
-        for _ in range(STEPS):
-            loss = plain(x).float().square().mean()
-            loss.backward()
-            grads = {n: named[n].grad.clone() for n in streamed}
-            now.step()
-            if pending is not None:
-                for n in streamed:
-                    named[n].grad = pending[n]
-                late.step()
-            pending = grads
-            now.zero_grad()
-            late.zero_grad()
-            expected.append(loss.item())
+        expected = delayed_reference(plain, x, STEPS, {f"{s.fqn}.weight" for s in rt.layers}, lr=1e-3)
         opt = HostAdamW(model.parameters(), lr=1e-3, delayed_update=True)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
