@@ -248,7 +248,8 @@ def new_state(p: torch.Tensor, master: str, states: str = "fp32", keep_master: b
         state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape, dtype=dtype),
                  "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
     if (master == "fp32" and p.dtype != torch.float32) or keep_master:
-        state["master"] = p.detach().float().clone()
+        master32 = p.detach().float()
+        state["master"] = master32.clone() if master32.data_ptr() == p.data_ptr() else master32  # its own memory
     return state
 
 

@@ -117,6 +117,8 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         self.delayed = DelayedUpdate(self.runtime.grads) if delayed_update and self.runtime is not None else None
         self._device_mode = self._device_update_mode("off" if delayed_update else device_update,
                                                      overlap and max_grad_norm is None)
+        if delayed_update:
+            self.device_update_note = "delayed_update=True steps every block on the host"
         if self.runtime is not None:
             self.runtime.attach(self)  # step phases, telemetry
             if (overlap and max_grad_norm is None) or self.delayed is not None:  # the delayed update publishes there
