@@ -33,6 +33,8 @@ from datetime import datetime, timezone
 import torch
 from tabulate import tabulate
 
+from torch_stagehand.runtime.atomic_file import write_atomic
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -131,10 +133,8 @@ def print_table(rows: list[dict] | list[list], headers="keys", title: str | None
 
 def write_json(path: str, payload: dict) -> str:
     """Write payload (plus nothing else) as indented JSON, creating the folder."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2, default=str)
-        f.write("\n")
+    # through a temporary file and a rename: a bench killed mid-write leaves the old results, not half of them
+    write_atomic(os.path.abspath(path), json.dumps(payload, indent=2, default=str) + "\n")
     print(f"wrote {path}", flush=True)
     return path
 

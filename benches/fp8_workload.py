@@ -40,6 +40,7 @@ import torch
 from _common import (PEAK_COLUMNS, RATIO_COLUMNS, RATIOS_NOTE, RESULTS, Sync, add_ratios, env_info, inductor_settings,
                      print_header, print_rows, print_table, resident_label, resident_row, write_json)
 from budget_sweep import gpu_lanes, plan_columns, timed
+from torch_stagehand.runtime.atomic_file import write_atomic
 from models import flux_config, flux_inputs, make_step
 
 import torch_stagehand as stagehand
@@ -83,10 +84,8 @@ def write_profile(step, path: str) -> None:
         step()
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    with open(path, "w") as f:
-        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
-        f.write("\n\n")
-        f.write(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+    write_atomic(path, averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n\n"
+                 + averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
     print(f"wrote {path}", flush=True)
 
 

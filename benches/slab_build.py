@@ -190,10 +190,9 @@ def main() -> None:
         "cosine": {k: v for k, v in s.items() if k.startswith(("cosine", "layers_where"))},
         "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
     }
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    from torch_stagehand.runtime.atomic_file import write_atomic
+
+    write_atomic(os.path.abspath(args.json), json.dumps(doc, indent=2) + "\n")  # never a torn results file
     print(f"wrote {args.json}")
 
 

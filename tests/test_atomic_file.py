@@ -29,3 +29,39 @@ def test_a_write_that_fails_before_the_rename_leaves_the_old_file_and_no_tempora
     with pytest.raises(OSError, match="disk full"):
         write_atomic(str(path), b"half of a new one")
     assert path.read_bytes() == b"the old one" and os.listdir(tmp_path) == ["bundle"]
+
+
+# Writers that must stay in place: a temporary file that is renamed by its caller, an append-only log, a
+# kernel interface (cgroup limits, /proc), a child's result part read only after the child exited.
+IN_PLACE = {
+    "runtime/atomic_file.py": "the temporary file itself",
+    "runtime/slab/safetensors_io.py": "writes the slab's temporary file; builder.py renames it",
+    "runtime/slab/manifest.py": "writes a temporary file and renames it",
+    "runtime/slab/report.py": "writes a temporary file and renames it",
+    "runtime/selective/calibration.py": "writes a temporary file and renames it",
+    "benches/host_memory.py": "cgroup interface files",
+    "benches/_common.py": "/proc/self/clear_refs",
+    "benches/full_finetune.py": "a child's result part, read after it exited",
+    "benches/slab_build.py": "/proc/self/clear_refs; a child's result part, read after it exited",
+    "kernels/tune_cache.py": "writes a temporary file (mkstemp) and renames it",
+    "runtime/conductor/telemetry.py": "an append-only JSONL; a killed run's torn last line is skipped on reading",
+    "runtime/selective/telemetry.py": "an append-only JSONL, one record a line",
+}
+
+
+def test_every_file_the_project_writes_goes_through_a_rename():
+    """A run killed mid-write must leave the old file or the new one: every `open(..., "w")` in the
+    project is write_atomic's or on the list above, with its reason."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    writes = re.compile(r"""open\([^)]*["'](w|wb|a|ab|x)["']""")
+    found = set()
+    for folder in ("runtime", "stagehand", "compiler", "kernels", "benches"):
+        for path in (root / folder).rglob("*.py"):
+            if writes.search(path.read_text()):
+                found.add(str(path.relative_to(root)))
+    assert found - set(IN_PLACE) == set(), "writes a file in place (use runtime/atomic_file.write_atomic)"
+    for path in IN_PLACE:
+        assert (root / path).exists(), f"{path} is on the list but gone"

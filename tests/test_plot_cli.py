@@ -58,3 +58,13 @@ def test_version(capsys):
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith("stagehand (torch-stagehand) 0.")
+
+
+def test_a_torn_last_line_of_a_killed_run_is_skipped_with_a_warning(tmp_path):
+    """Telemetry is appended a line at a time: a run killed mid-write leaves its last line cut short. That
+    line (no newline, not JSON) is skipped and said; a bad line anywhere else is still an error."""
+    path = tmp_path / "t.jsonl"
+    whole = "".join(json.dumps(_record(i, "bf16")) + "\n" for i in range(2))
+    path.write_text(whole + json.dumps(_record(2, "bf16"))[:17])
+    with pytest.warns(UserWarning, match=":3: a torn last line"):
+        assert [r["step_id"] for r in load_records(str(path))] == [0, 1]

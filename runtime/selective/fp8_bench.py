@@ -18,6 +18,7 @@ import torch
 
 from torch_stagehand.runtime.precision.fp8 import has_fp8_tensor_cores, quantize_rows_e4m3, scaled_grad_input, scaled_linear
 
+from ..atomic_file import write_atomic
 from . import fp8_rules
 
 
@@ -75,8 +76,7 @@ def main(argv=None) -> int:
     policy = fp8_rules.Fp8Policy(torch.cuda.get_device_name(device), args.speedup_threshold,
                                  fp8_rules.rules_from_measurements(rows, args.speedup_threshold))
     fp8_rules.save(policy, args.out)
-    with open(args.out.rsplit(".", 1)[0] + ".measurements.json", "w") as f:
-        json.dump(rows, f, indent=1)
+    write_atomic(args.out.rsplit(".", 1)[0] + ".measurements.json", json.dumps(rows, indent=1))
     print(f"fp8_bench: {len(policy.rules)} rule(s) for {len(shapes)} shape(s) -> {args.out}")
     return 0
 

@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..atomic_file import write_atomic
+
 VERSION = 1
 
 
@@ -97,6 +99,4 @@ def load(path: str, device_name: str | None = None) -> Fp8Policy:
 
 
 def save(policy: Fp8Policy, path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(policy.to_dict(), f, indent=1)
+    write_atomic(os.path.abspath(path), json.dumps(policy.to_dict(), indent=1))  # never a torn rules file

@@ -31,6 +31,7 @@ from torch_stagehand.app.usage import (  # noqa: F401  (parse_precision, Precisi
     parse_precision, user_errors,
 )
 from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.version import __version__
 
 DIT_CPU_TOKENS = 16
@@ -242,11 +243,8 @@ def cmd_schedule(args) -> int:
                      "predicted_peak_bytes": rt.plan.predicted_peak_bytes,
                      "blocks": [dict(p.__dict__) for p in rt.plan.blocks]},
         }
-        directory = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(directory, exist_ok=True)
         try:
-            with open(args.json, "w") as f:
-                json.dump(payload, f, indent=1)
+            write_atomic(os.path.abspath(args.json), json.dumps(payload, indent=1))
         except OSError as e:
             raise UsageError(f"--json {args.json!r}: {e.strerror or e}") from None
         print(f"wrote {len(report.schedule)} rows to {args.json}", file=sys.stderr)

@@ -127,6 +127,8 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
     import torch_stagehand as stagehand
     from torch_stagehand.config import Config
 
+    from torch_stagehand.runtime.atomic_file import write_atomic
+
     from .plots import demo_figure
     from .textdata import ByteBatches, stdlib_corpus
 
@@ -209,18 +211,16 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
     title = (f"stagehand demo: byte-level Llama ({shape.layers} blocks, hidden {shape.hidden}) on the Python stdlib, "
              f"{device.type}")
     demo_figure(losses, records, rt.blocks, files["plot"], title=title)
-    with open(files["schedule"], "w") as f:
-        f.write(f"{report.summary()}\n\n{report.table()}\n")
+    write_atomic(files["schedule"], f"{report.summary()}\n\n{report.table()}\n")
     result = DemoResult(
         losses=losses, tokens_per_s=tokens_per_s, h2d_bytes=train_stats["h2d_bytes"],
         compile_seconds=train_stats["compile_seconds"], wall_seconds=time.perf_counter() - t_start,
         blocks=list(rt.blocks), precision=rt.precision, schedule_table=report.table(), summary=report.summary(),
         files=files, shape=asdict(shape),
     )
-    with open(files["summary"], "w") as f:
-        summary = {k: v for k, v in asdict(result).items() if k not in ("schedule_table",)}
-        summary["stats"] = {k: v for k, v in train_stats.items() if not isinstance(v, dict)}
-        json.dump(summary, f, indent=1)
+    summary = {k: v for k, v in asdict(result).items() if k not in ("schedule_table",)}
+    summary["stats"] = {k: v for k, v in train_stats.items() if not isinstance(v, dict)}
+    write_atomic(files["summary"], json.dumps(summary, indent=1))
     return result
 
 

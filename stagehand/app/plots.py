@@ -5,13 +5,22 @@ matplotlib is imported here only (the Agg backend: no display needed).
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
 from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.atomic_file import write_atomic
 
 from .colors import precision_colors
 
+
+
+def save_figure(fig, path: str, dpi: int) -> None:
+    """The figure as a PNG at `path`, written whole (rendered in memory, then a temporary file and a rename)."""
+    png = io.BytesIO()
+    fig.savefig(png, dpi=dpi, format="png")
+    write_atomic(os.path.abspath(path), png.getvalue())
 
 def _short(name: str) -> str:
     for prefix in ("base_model.model.", "model."):
@@ -73,8 +82,7 @@ def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list
     ax_prec.set_xlabel("step")
     ax_prec.set_title("precision of each block's weight stream")
 
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
     return path
 
@@ -120,7 +128,6 @@ def timeline_figure(lanes: list[tuple[str, int, float, float]], blocks: list[str
     ax.set_xlabel("ms (predicted)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return path

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
-from .plots import draw_precision_map
+from .plots import draw_precision_map, save_figure
 
 PHASE_COLORS = {"forward": "#3b6fb6", "backward": "#e8892b", "optimizer": "#2e9e5b", "step_begin": "#7f8c8d"}
 
@@ -30,16 +31,22 @@ def load_records(path: str) -> list[dict[str, Any]]:
         raise TelemetryFileError(f"{path!r} is not a file (give the telemetry.jsonl a run wrote)")
     records = []
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines) and not line.endswith("\n"):
+                # The log is appended a line at a time: a run killed mid-write leaves its last line torn.
+                warnings.warn(f"{path}:{number}: a torn last line (the run was stopped mid-write); skipped",
+                              stacklevel=2)
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TelemetryFileError(f"{path}:{number}: not JSON ({e.msg})") from None
-            if not isinstance(record, dict) or "step_id" not in record:
-                raise TelemetryFileError(f"{path}:{number}: not a telemetry step record (no step_id)")
-            records.append(record)
+            raise TelemetryFileError(f"{path}:{number}: not JSON ({e.msg})") from None
+        if not isinstance(record, dict) or "step_id" not in record:
+            raise TelemetryFileError(f"{path}:{number}: not a telemetry step record (no step_id)")
+        records.append(record)
     if not records:
         raise TelemetryFileError(f"{path!r} has no step records")
     return records
@@ -55,7 +62,7 @@ def _plt():
 
 
 def _save(fig, path: str) -> str:
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     _plt().close(fig)
     return path
 
