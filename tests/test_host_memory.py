@@ -326,3 +326,33 @@ def test_restore_unlocks_the_optimizers_pinned_states_too(monkeypatch):
     assert sum(fake.locked.values()) > store_locked  # the optimizer's states are locked beside the store
     rt.restore()
     assert fake.locked == {}
+
+
+def test_a_long_run_with_precision_switches_holds_its_host_memory_flat_and_restore_frees_all(pinner):
+    """A soak in miniature: 120 full fine-tuning steps (HostAdamW, two blocks updated on the "device"), the
+    precision map switched every 10 steps; after the first round of switches no host allocation is added and
+    the locked bytes stay where they were; restore() then unlocks every range (the optimizer's too) and every
+    host buffer dies with it."""
+    from torch_stagehand.optim import HostAdamW
+
+    model, x = toy(n=4)
+    model.requires_grad_(True)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    opt = HostAdamW(model.parameters(), lr=1e-3, device_update=[1, 3])
+    maps = [{0: "bf16", 1: "int8", 2: "bf16", 3: "int8"}, {0: "int8", 1: "bf16", 2: "int8", 3: "bf16"}]
+    rounds = []
+    for step in range(120):
+        if step % 10 == 0:
+            rt.set_precision(maps[(step // 10) % 2])
+            rounds.append((len(rt.store.arenas), sum(pinner.locked.values())))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert torch.isfinite(loss)
+    assert len(set(rounds[2:])) == 1, f"host allocations / locked bytes moved after the first switches: {rounds}"
+    buffers = [weakref.ref(buf) for bb in rt.store.blocks for buf in bb.buffers.values()]
+    rt.restore()
+    gc.collect()
+    assert pinner.locked == {}
+    assert all(r() is None for r in buffers), "a host buffer outlived restore()"
