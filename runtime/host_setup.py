@@ -59,6 +59,7 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     n = len(rt.blocks)
     rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,
                                              rt.checkpoint, slab_loader is not None)
+    rt.store.on_replaced = rt._undo.replaced  # the original Parameter objects are kept, their memory released
     meta_blocks = fill_masters(rt.store, rt.checkpoint, progress)
     if slab_loader is not None:
         if rt.config.int8_tier != "disk":  # the disk tier holds no INT8 in RAM

@@ -86,6 +86,8 @@ class HostStore:
         self._reserved: dict[tuple[int, str], torch.Tensor] = {}  # carved, not yet handed out
         self._arena_of: dict[tuple[int, str], HostArena] = {}
         self.offloaded = False  # offload is done: a refused page-lock falls back to pageable (host_arena.py)
+        # Told when a module's weight was replaced by a view of the store (offload_undo.py keeps the original).
+        self.on_replaced: Callable[[StreamedLayerSpec, torch.Tensor], None] | None = None
 
     # ---- host memory ----------------------------------------------------------
 
@@ -208,17 +210,22 @@ class HostStore:
             requires_grad = spec.module.weight.requires_grad
             with torch.no_grad():
                 entry.write(buf, lay, w.t() if spec.transposed else w, self.quantizer)
-            # Replace the parameter object: the old storage (possibly on the GPU) is freed.
+            # A Parameter of its own on the buffer (sharing its version counter); the original's memory goes.
             view = entry.views(buf, lay)[0]
+            original = spec.module._parameters["weight"]
             spec.module._parameters["weight"] = torch.nn.Parameter(view, requires_grad=requires_grad)
+            if self.on_replaced is not None:
+                self.on_replaced(spec, original)
         return True
 
     def adopt_file(self, block: int, views: list[torch.Tensor]) -> None:
         """keep_full="file": the layers' weights become views of the mapped safetensors file."""
         bb = self.blocks[block]
         for spec, view in zip(bb.layers, views):
-            requires_grad = spec.module.weight.requires_grad
+            requires_grad, original = spec.module.weight.requires_grad, spec.module._parameters["weight"]
             spec.module._parameters["weight"] = torch.nn.Parameter(view, requires_grad=requires_grad)
+            if self.on_replaced is not None:
+                self.on_replaced(spec, original)
         bb.file_master = [spec.module._parameters["weight"] for spec in bb.layers]
 
     def allocate(self, block: int, precision: str) -> torch.Tensor:

@@ -6,17 +6,20 @@ model back as it was instead of leaving it half-offloaded.
 Offload changes the model in three ways: it swaps each streamed layer's class
 (`make_streamed`), replaces each streamed weight parameter by a view of the
 host store (and a slab may fill meta biases), and moves everything else to the
-device. The record holds no strong reference to a streamed weight: that would
-keep every original weight alive until offload ends (twice the memory of a
-model offloaded from the GPU). A weight someone else still holds goes back as
-the same object (offload never writes into it); one that was freed is rebuilt
-from the host store's copy of it on its original device: the same values,
-dtype, device and requires_grad, a new Parameter object (as `restore()` does).
+device. The record keeps every streamed weight's Parameter *object*, so that
+an optimizer or a tie made before the call names the model's weights again
+after a failure, but not its memory: once the host store holds a weight's
+values (every layer sharing the object copied), the object's data is swapped
+for an empty tensor, so offloading a model from the GPU or the host never
+holds two copies. Undo (and `restore()`) fills the same objects again from
+the host store, on their original devices. An object another module still
+uses outside the streamed layers (a tie with a resident module) keeps its
+data: emptying it would break that module.
 """
 
 from __future__ import annotations
 
-import weakref
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -36,27 +39,48 @@ class OffloadUndo:
         self.layers = layers
         self.devices = {name: t.device for name, t in named_tensors(model)}
         self.requires_grad = {s.fqn: s.module.weight.requires_grad for s in layers}
-        self._weights = {s.fqn: weakref.ref(s.module.weight) for s in layers}
+        self._originals = {s.fqn: s.module.weight for s in layers}  # the objects; their memory is released
+        self._copies_left = Counter(id(w) for w in self._originals.values())  # layers still to copy each object
+        streamed = {s.fqn + ".weight" for s in layers}
+        self._used_elsewhere = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
+                                if name not in streamed}
+        self._emptied: dict[int, torch.device] = {}  # id -> the device it was on
+        self._refilled: set[int] = set()
         self._biases = {s.fqn: s.module._parameters.get("bias") for s in layers}  # small; a slab may replace meta ones
         # A model built on the meta device and loaded from its checkpoint by offload: its meta tensors
         # (they hold no memory) go back in place of what was loaded.
         self._meta = [(module, kind, name, t) for module in model.modules() for kind in ("_parameters", "_buffers")
                       for name, t in getattr(module, kind).items() if t is not None and t.is_meta]
 
+    def replaced(self, spec: StreamedLayerSpec, original: torch.Tensor) -> None:
+        """The host store holds `spec`'s weight now and the module a view of it (HostStore.on_replaced): once
+        every layer sharing `original` is copied, its memory goes; the object stays, empty, for undo."""
+        key = id(original)
+        self._copies_left[key] -= 1
+        if self._copies_left[key] or key in self._used_elsewhere or original.is_meta or key in self._emptied:
+            return
+        self._emptied[key] = original.device
+        with torch.no_grad():
+            original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+
+    def _refill(self, spec: StreamedLayerSpec, device: torch.device | None = None) -> nn.Parameter:
+        """The layer's original Parameter object, its values again (from the store's copy) if they were released."""
+        original = self._originals[spec.fqn]
+        was_on = self._emptied.pop(id(original), None)
+        if was_on is not None:
+            with torch.no_grad():
+                original.data = spec.module.weight.detach().to(device or was_on, copy=True)
+            self._refilled.add(id(original))
+        return original
+
     def undo(self) -> None:
-        """Put every layer back as it was recorded (whatever part of offload ran)."""
+        """Put every layer back as it was recorded (whatever part of offload ran): the same Parameter objects."""
         with torch.no_grad():
             for spec in self.layers:
                 module = spec.module
                 if is_streamed(module):
                     make_plain(module)
-                original = self._weights[spec.fqn]()
-                if original is not None:
-                    # Still alive (the user or an optimizer holds it): offload never wrote into it, so it
-                    # goes back as it was, the same object.
-                    module._parameters["weight"] = original
-                else:
-                    self.plain_weight(spec)
+                module._parameters["weight"] = self._refill(spec)
                 if "bias" in module._parameters and module._parameters["bias"] is not self._biases[spec.fqn]:
                     module._parameters["bias"] = self._biases[spec.fqn]
             for module, kind, name, t in self._meta:
@@ -64,17 +88,22 @@ class OffloadUndo:
             self.move_back()
 
     def plain_weight(self, spec: StreamedLayerSpec, restoring: bool = False) -> None:
-        """The layer's weight as its own Parameter on its original device (a copy of the host store's view).
+        """The layer's weight back on its original device with the host store's values (restore()): the
+        original Parameter object where offload released it, else a Parameter of its own.
 
         `restoring`: a weight that was on the meta device (a model loaded from its checkpoint by
         offload) comes back on the CPU, with its values."""
-        host = spec.module.weight.detach()
         device = self.devices[spec.fqn + ".weight"]
         if restoring and device.type == "meta":
             device = torch.device("cpu")
-        spec.module._parameters["weight"] = nn.Parameter(
-            host.to(device, copy=True), requires_grad=self.requires_grad[spec.fqn]
-        )
+        key = id(self._originals[spec.fqn])
+        if key in self._emptied or key in self._refilled:  # released by offload (a tie: refilled by its first layer)
+            weight = self._refill(spec, device)
+            weight.requires_grad_(self.requires_grad[spec.fqn])
+        else:  # kept its memory: meta, or used by a module outside the streamed layers
+            weight = nn.Parameter(spec.module.weight.detach().to(device, copy=True),
+                                  requires_grad=self.requires_grad[spec.fqn])
+        spec.module._parameters["weight"] = weight
 
     def move_back(self, restoring: bool = False) -> None:
         """Every other parameter and buffer back on the device it was on (offload moved them to the device);

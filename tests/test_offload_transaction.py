@@ -301,3 +301,69 @@ def test_a_nan_found_by_set_precision_names_the_layer_and_leaves_no_half_built_c
     with torch.no_grad():
         assert torch.isfinite(model(x)).all()
     rt.restore()
+
+
+# ---- the very Parameter objects -----------------------------------------------------------------------------
+
+
+def _ids(model: nn.Module) -> dict[str, int]:
+    return {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("where", ["pinning", "slots"])
+def test_a_failed_offload_keeps_every_parameter_object_and_every_tie(monkeypatch, where):
+    """An optimizer or a tie made before the call names the model's weights again after a failure: the same
+    objects (no reference held here: the ids alone), their values, the tie between two streamed layers."""
+    model, x = toy(n=3)
+    model.blocks[2].up.weight = model.blocks[1].up.weight  # one Parameter under two streamed layers
+    ids, before = _ids(model), _snapshot(model)
+    if where == "pinning":  # after every weight was copied into the host store (and its memory released)
+        monkeypatch.setattr(host_arena, "pinner_for", lambda device, pin: RecordingPinner(fail_at=3))
+    else:
+        def pool(*args, **kwargs):
+            raise torch.OutOfMemoryError("simulated: cannot allocate the slots")
+
+        monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        stagehand.offload(model, device="cpu")
+    assert _ids(model) == ids
+    assert model.blocks[2].up.weight is model.blocks[1].up.weight
+    _assert_untouched(model, before)
+    monkeypatch.undo()
+    _assert_offload_works_again(model, x)
+
+
+def test_offload_releases_the_originals_memory_and_restore_gives_the_same_objects_back():
+    """Offload keeps the objects, not two copies of the weights (a weight the user holds is emptied: its values
+    live in the host store); restore() fills the same objects with the trained values."""
+    from torch_stagehand.optim import HostAdamW
+
+    model, x = toy(n=3)
+    held = model.blocks[0].up.weight
+    ids = _ids(model)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    assert held.numel() == 0 and held.untyped_storage().nbytes() == 0
+    model.requires_grad_(True)
+    opt = HostAdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    trained = {f"{s.fqn}.weight": s.module.weight.detach().clone() for s in rt.layers}
+    rt.restore()
+    assert _ids(model) == ids and model.blocks[0].up.weight is held
+    named = dict(model.named_parameters())
+    for name, value in trained.items():
+        assert torch.equal(named[name].detach(), value), name
+        assert type(named[name]) is nn.Parameter and not named[name].requires_grad  # the flag offload saw
+
+
+def test_a_streamed_weight_tied_to_a_resident_module_keeps_its_memory():
+    """Emptying it would break the module outside the blocks that uses it too."""
+    model, x = toy(n=3)
+    model.spare = nn.Linear(32, 64)  # resident, outside the blocks
+    model.spare.weight = model.blocks[0].up.weight
+    values = model.spare.weight.detach().clone()
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    assert torch.equal(model.spare.weight.detach().cpu(), values)
+    rt.close()
