@@ -17,8 +17,19 @@ def write_atomic(path: str, data: bytes | str) -> None:
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
+        os.chmod(tmp, _mode_for(path))  # mkstemp makes it 0600: give it the mode `open(path, "w")` would
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _mode_for(path: str) -> int:
+    """The file's own mode if it exists, else what a plain `open(path, "w")` creates (0666 less the umask)."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask

@@ -65,3 +65,17 @@ def test_every_file_the_project_writes_goes_through_a_rename():
     assert found - set(IN_PLACE) == set(), "writes a file in place (use runtime/atomic_file.write_atomic)"
     for path in IN_PLACE:
         assert (root / path).exists(), f"{path} is on the list but gone"
+
+
+def test_a_written_file_has_the_mode_a_plain_open_gives_and_keeps_an_existing_files(tmp_path):
+    import os
+
+    from torch_stagehand.runtime.atomic_file import write_atomic
+
+    plain, atomic = tmp_path / "plain.json", tmp_path / "atomic.json"
+    plain.write_text("{}")
+    write_atomic(str(atomic), "{}")
+    assert os.stat(atomic).st_mode & 0o777 == os.stat(plain).st_mode & 0o777  # not mkstemp's 0600
+    os.chmod(atomic, 0o640)
+    write_atomic(str(atomic), "{}")
+    assert os.stat(atomic).st_mode & 0o777 == 0o640
