@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import weakref
 from typing import Callable
 
 import torch
@@ -63,12 +64,8 @@ class DelayedUpdate:
         self._thread = threading.Thread(target=run, name="stagehand-delayed-adamw", daemon=True)
         self._thread.start()
         if not self.updates:  # a thread still in the fused kernel when the interpreter ends aborts the process
-            atexit.register(self._join_at_exit)
+            atexit.register(_join_at_exit, weakref.ref(self))  # weakly: the lane and its store die with restore()
         self.updates += 1
-
-    def _join_at_exit(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
 
     def wait(self, block: int) -> bool:
         """Wait for the block's pending update; False if it has none (nothing to publish)."""
@@ -98,6 +95,12 @@ class DelayedUpdate:
             self._spare.update(self.lane.store.grad_buffers(missing))
         for block in blocks:
             self.lane.host[block], self._spare[block] = self._spare[block], self.lane.host[block]
+
+
+def _join_at_exit(ref: "weakref.ref[DelayedUpdate]") -> None:
+    update = ref()
+    if update is not None and update._thread is not None:
+        update._thread.join()
 
 
 __all__ = ["DelayedUpdate"]

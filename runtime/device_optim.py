@@ -117,11 +117,6 @@ class DeviceAdamW:
         self.bytes_in = self.bytes_out = 0
         self.layers_updated = 0
 
-    @property
-    def nbytes(self) -> int:
-        s = self.slots[0]
-        return RING * sum(t.numel() * t.element_size() for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad, s.weight))
-
     def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute) -> tuple:
         """Step one weight from its device gradient `grad` (its stored orientation) with AdamW on the device,
         its new values written back to the host: the master (or the fp32 weight) and moments, and the weight.

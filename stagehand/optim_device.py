@@ -101,7 +101,7 @@ class DeviceUpdate:
         """Blocks `blocks` step on the device from the next backward: their states pinned, the ring allocated,
         the gradient lane routing their layers to it and the planner counting their bytes."""
         rt = self.runtime
-        ps = [p for b in sorted(blocks) for p in self._trained(b)]
+        ps = self._trained_in(blocks)
         if not ps:
             return
         self._device_arenas.append(pin_states([self.state[p] for p in ps], rt.store.pinner))
@@ -121,8 +121,11 @@ class DeviceUpdate:
         """After load_state_dict: the device blocks' states are the loaded tensors; pin them again."""
         self._unpin_device_states()
         if self.device_blocks:
-            ps = [p for b in sorted(self.device_blocks) for p in self._trained(b)]
-            self._device_arenas.append(pin_states([self.state[p] for p in ps], self.runtime.store.pinner))
+            states = [self.state[p] for p in self._trained_in(self.device_blocks)]
+            self._device_arenas.append(pin_states(states, self.runtime.store.pinner))
+
+    def _trained_in(self, blocks) -> list[torch.Tensor]:
+        return [p for b in sorted(blocks) for p in self._trained(b)]
 
     # the gradient lane asks, for each trainable layer of the backward that completes a step
     def updates_on_device(self, block: int) -> bool:
