@@ -75,6 +75,20 @@ run_tests() {
   fi
   cat "$log"
 }
+# soak_wait SECONDS: wait for the detached soak (stage soak) to end, then bring its files and the log's tail back.
+soak_wait() {
+  local waited=0
+  while [ ! -f /tmp/soak/rc ] && [ "$waited" -lt "$1" ]; do sleep 5; waited=$((waited + 5)); done
+  grep -vE "^DEBUG|Warning|warn" /tmp/soak/soak.log | tail -60
+  if [ -f /tmp/soak/rc ]; then
+    echo "soak exit $(cat /tmp/soak/rc)"
+    grep -vE "^DEBUG" /tmp/soak/soak.log > "$OUT/soak.log"
+    cp /tmp/soak/*.json /tmp/soak/*.png "$OUT/" 2>/dev/null
+    ls /tmp/soak/*.jsonl | grep -v telemetry | xargs -r cp -t "$OUT/"  # the runtime's telemetry stays behind (its count is in the JSON)
+  else
+    echo "soak still running after $1 s: run STAGES=soakwait next (within the machine's idle release)"
+  fi
+}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -135,6 +149,15 @@ for stage in $STAGES; do
             timeout ${FULLFT_TIMEOUT:-570} python3 benches/full_finetune.py ${FULLFT_ARGS:-} \
               --out "$OUT/${FULLFT_NAME:-full_finetune_qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
               | tee "$OUT/${FULLFT_NAME:-full_finetune_qwen}.log" ;;
+    oomtests) run_tests oomtests "$OUT/oom_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -rs \
+              tests/test_oom_recovery_gpu.py tests/test_gpu_budget.py ;;
+    soak)   # benches/soak.py in its own session (it outlives this call: the device tool keeps a setsid process
+            # until the machine goes back), waited for up to SOAK_WAIT s; stage soakwait in the next call waits on
+            mkdir -p /tmp/soak && rm -f /tmp/soak/rc
+            setsid bash -c "python3 benches/soak.py ${SOAK_ARGS:-} --out /tmp/soak > /tmp/soak/soak.log 2>&1; \
+              echo \$? > /tmp/soak/rc" < /dev/null > /dev/null 2>&1 &
+            soak_wait ${SOAK_WAIT:-400} ;;
+    soakwait) soak_wait ${SOAK_WAIT:-570} ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

@@ -63,6 +63,11 @@ class StreamingRuntime(Protocol):
         """A compiled unit raised before its evict ran: release every block it held."""
         ...
 
+    def recover_from_oom(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
+        """A unit (`where` names it) ran out of device memory before it returned: free, re-plan under the memory
+        left; True when the unit should run again (runtime/oom_recovery.py says when it should not)."""
+        ...
+
     def record_compile(self, seconds: float, block_variant: bool, loaded: bool = False) -> None:
         """Count one compiled unit in `stats()` (`loaded`: from the compile caches, not compiled)."""
         ...

@@ -44,10 +44,12 @@ _TOKENS = 4
 
 
 class _RecomputeHooks:
-    """What a recomputed block tells its owner: a recompute ran; the backward failed (drop held slots)."""
+    """What a recomputed block tells its owner: a recompute ran; the backward failed (drop held slots); the
+    backward ran out of memory (`on_oom(error)`: True when the owner re-planned and it may run again)."""
 
-    def __init__(self, on_recompute: Callable[[], None], on_error: Callable[[], None]):
-        self.on_recompute, self.on_error = on_recompute, on_error
+    def __init__(self, on_recompute: Callable[[], None], on_error: Callable[[], None],
+                 on_oom: Callable[[BaseException], bool] | None = None):
+        self.on_recompute, self.on_error, self.on_oom = on_recompute, on_error, on_oom
 
 
 class RecomputedBlock(torch.autograd.Function):
@@ -79,6 +81,16 @@ class RecomputedBlock(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # the recompute builds no graph of its gradient: say so
     def backward(ctx, *grad_outputs):
+        # The recompute starts from the saved inputs: out of memory, it can run again once the owner re-planned.
+        while True:
+            try:
+                return RecomputedBlock._backward(ctx, grad_outputs)
+            except torch.OutOfMemoryError as error:
+                if ctx.hooks.on_oom is None or not ctx.hooks.on_oom(error):
+                    raise
+
+    @staticmethod
+    def _backward(ctx, grad_outputs):
         saved = dict(zip(ctx.tensor_positions, ctx.saved_tensors))
         args = [saved[i] if i in saved else ctx.others[i] for i in range(len(saved) + len(ctx.others))]
         inputs_with_grad = []
@@ -116,6 +128,7 @@ class RecomputedBlock(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def run_recomputed(run: Runner, args: tuple, on_recompute: Callable[[], None], on_error: Callable[[], None]) -> tuple:
+def run_recomputed(run: Runner, args: tuple, on_recompute: Callable[[], None], on_error: Callable[[], None],
+                   on_oom: Callable[[BaseException], bool] | None = None) -> tuple:
     """Run a block unit so that its backward recomputes it (see the module docstring)."""
-    return RecomputedBlock.apply(run, _RecomputeHooks(on_recompute, on_error), *args)
+    return RecomputedBlock.apply(run, _RecomputeHooks(on_recompute, on_error, on_oom), *args)

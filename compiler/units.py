@@ -79,6 +79,17 @@ def _tuple_output(gm: fx.GraphModule) -> bool:
     return False
 
 
+def run_again_after_oom(rt, where: str, run):
+    """`run()`; when it runs out of device memory, the runtime re-plans and it runs again, while the runtime
+    says it may (runtime/oom_recovery.py); else the error goes on."""
+    while True:
+        try:
+            return run()
+        except torch.OutOfMemoryError as error:
+            if not rt.recover_from_oom(where, error):
+                raise
+
+
 class _Unit(nn.Module):
     def __init__(self, template: fx.GraphModule, ctx: CompileContext, segment: "Segment", name: str):
         super().__init__()
@@ -168,7 +179,7 @@ class GlueUnit(_Unit):
         key = self.last_key = (self._key, self.signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
         compiled = self.ctx.variants.get(key, args) or self._compile(key, self.template, args, self.unit_name, False,
                                                                      PassLog())
-        out = compiled(*args)
+        out = run_again_after_oom(self.ctx.runtime, f"glue unit {self.unit_name}", lambda: compiled(*args))
         return out if self.returns_tuple else out[0]
 
 
@@ -209,19 +220,31 @@ class BlockUnit(_Unit):
         return self.segment.recompute if planned is None else planned
 
     def forward(self, *args):
+        # Out of memory before the block returned: the runtime re-plans, and the block runs again under the
+        # new plan (which may recompute or spill it where the old one kept its activations).
+        where = f"the forward of block {self.block} ({self.ctx.runtime.blocks[self.block]})"
+        return run_again_after_oom(self.ctx.runtime, where, lambda: self._forward(args))
+
+    def _forward(self, args: tuple):
         rt = self.ctx.runtime
         precision = rt.precision[self.block]
         if self.recomputes and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
             # The recompute runs in the precision this forward ran in, whatever the map is by then.
-            return run_recomputed(lambda a: self._run_variant(a, precision),
-                                  args, lambda: rt.record_recompute(self.block), rt.abort_held_blocks)
+            return run_recomputed(lambda a: self._run_variant(a, precision), args,
+                                  lambda: rt.record_recompute(self.block), rt.abort_held_blocks, self._recover_backward)
         spill = rt.spill_hooks(self.block) if torch.is_grad_enabled() else None
         if spill is not None:  # the plan sends this block's saved activations to host and back
             with spill:
                 return self._run_variant(args, precision)
         return self._run_variant(args, precision)
+
+    def _recover_backward(self, error: BaseException) -> bool:
+        """The recomputed backward ran out of memory: may it run again (recompute.py)?"""
+        rt = self.ctx.runtime
+        return rt.recover_from_oom(f"the recomputed backward of block {self.block} ({rt.blocks[self.block]})",
+                                   error, trainable_backward=bool(rt.trainable_positions(self.block)))
 
     def _run_variant(self, args: tuple, precision: str):
         """Run the compiled variant for `precision` and the current grad mode."""

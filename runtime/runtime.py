@@ -20,7 +20,6 @@ import torch
 import torch.nn as nn
 
 from .config import Config
-
 from . import precision as precisions
 from . import registry
 from .blocks import StreamedLayerSpec, check_not_wrapped_off_device, layer_slots
@@ -35,6 +34,7 @@ from .grads import GradLane
 from .host_setup import build_host_store, load_resident
 from .host_store import check_master_dtypes
 from .offload_undo import OffloadUndo
+from .oom_recovery import OomRecovery
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
 from .planning import PlanDriver, budget_from
@@ -90,6 +90,8 @@ class Runtime(SelectivePrecisionAPI):
 
         self.phases = PhaseTracker(on_step_end=self._record_step)
         self.phases.listeners.append(lambda old, new: self.planner.on_phase(new, self.phases.step))
+        self.oom = OomRecovery(self)  # out of memory at a unit's boundary: re-plan, run it again
+        self.recover_from_oom = self.oom.recover  # (the StreamingRuntime protocol's name for it)
         self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
         self._step_base = self._counters()
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
@@ -372,9 +374,7 @@ class Runtime(SelectivePrecisionAPI):
         self.pool.invalidate(self.layers[registry.layer(module._sh_layer)[1]].block)
 
     def _counters(self) -> dict[str, int]:
-        s = self.pool.stats
-        return {"h2d_bytes": s.h2d_bytes, "fetches": s.fetches, "prefetches": s.prefetches,
-                "sync_fetches": s.sync_fetches, "hits": s.hits}
+        return {k: getattr(self.pool.stats, k) for k in ("h2d_bytes", "fetches", "prefetches", "sync_fetches", "hits")}
 
     def _record_step(self, step: int, durations: dict[str, float]) -> None:
         if self.grads.host:  # full fine-tuning: resident blocks the optimizer stepped are copied in ahead

@@ -47,6 +47,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned
         "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
         "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered
+        "oom_recoveries": list(rt.oom.records),  # out of memory in a step: where, budgets, plan (oom_recovery.py)
         "cost_model_cache": rt.planner.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
         "offload": rt.offload_summary,
     }

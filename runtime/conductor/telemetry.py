@@ -9,10 +9,14 @@ host resident memory (`host_rss_mb`, Linux) and on CUDA the allocated and peak G
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
 from typing import Any
+
+# Records kept in memory (the file keeps them all): a run of a million steps must not grow the host's memory.
+RECENT_RECORDS = 4096
 
 
 class TelemetryWriter:
@@ -21,7 +25,8 @@ class TelemetryWriter:
         if self.path is not None:
             _check_writable(self.path)
         self._file = None
-        self.records: list[dict[str, Any]] = []  # also kept in memory for plots and tests
+        # The latest records, also kept in memory for plots and tests (bounded: long runs stay flat).
+        self.records: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_RECORDS)
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"timestamp": time.time(), **record}

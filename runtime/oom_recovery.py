@@ -1,0 +1,177 @@
+"""Out of device memory in the middle of a step: re-plan under what is free now, and run the block again.
+
+Another process, a tensor the training script holds, or a lowered
+`torch.cuda.set_per_process_memory_fraction` can take device memory that the
+plan counted on. A compiled unit that then fails to allocate raises
+`torch.OutOfMemoryError` before it returns anything: its inputs are intact and
+nothing outside it has changed, so the unit's boundary (a block's, or a glue
+segment's) is a safe place to start again. The compiler's units catch the
+error there and call `recover` (compiler/units.py, compiler/recompute.py):
+
+- every slot the unit held is released, the copy stream drained and the
+  allocator's cached blocks handed back (`torch.cuda.empty_cache`);
+- the room the process has now is read: the device's free memory plus what
+  this process has reserved, bounded by the per-process memory fraction;
+- the budget becomes that room less a margin (or, when the room did not
+  shrink, the budget less a quarter of the plan's weights, the rule a plan that
+  does not fit when applied follows), and the plan is made and applied under it
+  at once: a run without a budget gets one. Not calibrated yet: the smallest plan;
+- the unit runs again: the forward of a block, a glue segment, or a recomputed
+  block's backward (recompute.py re-runs its forward from the saved inputs).
+
+Each recovery warns and is kept in `stats()["oom_recoveries"]`. The step goes
+on: nothing is skipped, and the optimizer steps on the whole gradient, as an
+undisturbed step would. Not retried, and said so:
+
+- a unit whose backward is not recomputed: its saved activations are consumed
+  as it runs, so the error leaves `loss.backward()`. The optimizer has not
+  stepped; the next forward finds the held slots, releases them and re-plans
+  (`on_phase`), and the warning says the step must be run again;
+- a recomputed backward of a block whose streamed weights train: it sends gradients
+  home as it computes them, and a second run would send them twice;
+- a unit that fails `MAX_TRIES` times in one step, or no plan fits the room.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+
+from .conductor.costs import Budget, BudgetError, human
+from .conductor.phases import Phase
+
+log = logging.getLogger(__name__)
+
+MAX_TRIES = 3  # recoveries of one unit in one step before the error is let through
+# The budget after a recovery leaves this much of the room free: the allocator rounds and fragments,
+# and whatever took the memory may take a little more.
+MARGIN_FRACTION, MIN_MARGIN = 0.05, 64 * 2**20
+SHRINK_FRACTION = 0.25  # no smaller room to plan for: a quarter of the plan's weights fewer (planning.py's rule)
+
+
+class OutOfMemoryWarning(UserWarning):
+    """The runtime ran out of device memory in a step and re-planned (or could not, and says why)."""
+
+
+def allocator_ooms(device: torch.device) -> int:
+    """How many allocations the CUDA caching allocator has refused in this process (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
+
+
+def device_room(device: torch.device) -> int | None:
+    """Bytes this process may hold on `device` now: free memory plus its own reserved bytes, bounded by the
+    per-process memory fraction. None off CUDA (no device memory to read)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()  # cached but unused blocks count as free for the plan
+    free, total = torch.cuda.mem_get_info(device)
+    room = free + torch.cuda.memory_reserved(device)
+    fraction = _memory_fraction(device)
+    return int(min(room, fraction * total)) if fraction is not None else int(room)
+
+
+def _memory_fraction(device: torch.device) -> float | None:
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
+    return None if getter is None else float(getter(device))
+
+
+class OomRecovery:
+    def __init__(self, rt: Any):
+        self.rt = rt
+        self.records: list[dict[str, Any]] = []  # one per recovery (and per refusal): stats()["oom_recoveries"]
+        self._tries: dict[str, int] = {}  # unit -> recoveries in this step
+        self._ooms_seen = allocator_ooms(rt.device)
+        rt.phases.listeners.append(self.on_phase)
+
+    def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
+        """`where` (a unit) raised `error`, out of memory, at its boundary. Re-plan; True: run it again."""
+        rt = self.rt
+        rt.abort_held_blocks()  # the unit's evict never ran
+        tries = self._tries[where] = self._tries.get(where, 0) + 1
+        if trainable_backward:
+            return self._refuse(where, error, "its backward sends the streamed weights' gradients home as it "
+                                "runs; a second run would send them twice")
+        if tries > MAX_TRIES:
+            return self._refuse(where, error, f"it ran out of memory {MAX_TRIES} times in this step")
+        try:
+            before, after = self._replan(f"out of memory in {where}")
+        except (BudgetError, torch.OutOfMemoryError) as e:
+            return self._refuse(where, error, f"no plan fits the memory left ({e})")
+        self._record(where, error, before, after, "ran it again")
+        return True
+
+    def on_phase(self, old: Phase, new: Phase) -> None:
+        """A forward that finds blocks still held: the backward before it raised (a non-recomputed unit's
+        backward cannot run twice). Release them; re-plan when the allocator refused memory since."""
+        if new is not Phase.FORWARD or old is Phase.FORWARD or self.rt.pool is None:
+            return
+        self._tries.clear()  # a new forward: every unit may recover again
+        held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
+        ooms = allocator_ooms(self.rt.device)
+        if not held:
+            self._ooms_seen = ooms
+            return
+        self.rt.abort_held_blocks()
+        where = f"the backward of block {held[0]} ({self.rt.blocks[held[0]]})"
+        if ooms == self._ooms_seen:  # it raised something else: nothing to re-plan for
+            warnings.warn(f"stagehand: {where} did not finish (it raised); its slots are released. The optimizer "
+                          "did not step on that backward's gradients unless the training loop stepped anyway",
+                          OutOfMemoryWarning, stacklevel=2)
+            return
+        self._ooms_seen = ooms
+        try:
+            before, after = self._replan(f"out of memory in {where}")
+        except (BudgetError, torch.OutOfMemoryError) as e:
+            self._refuse(where, None, f"no plan fits the memory left ({e})")
+            return
+        self._record(where, None, before, after, "its step raised and must be run again (the optimizer did "
+                     "not step on it); this forward runs under the new plan")
+
+    # ---- the plan --------------------------------------------------------------------------
+
+    def _replan(self, reason: str) -> tuple[str, str]:
+        """Make and apply the plan for the room left; return the budgets before and after."""
+        driver = self.rt.planner
+        old_budget, old_planning, plan = driver.budget, driver.planning, driver.plan
+        room = device_room(self.rt.device)
+        limit = old_budget.limit
+        weights = plan.slots * plan.slot_bytes + sum(p.bytes for p in plan.blocks if p.resident)
+        ceiling = min(limit, plan.predicted_peak_bytes) if limit is not None else plan.predicted_peak_bytes
+        new = None if room is None else int(room - max(MIN_MARGIN, MARGIN_FRACTION * room))
+        if new is None or new >= ceiling:  # the room did not shrink below the plan: it predicted too little
+            new = int(ceiling - SHRINK_FRACTION * weights)
+        if new <= 0:
+            raise BudgetError(f"the room left on {self.rt.device} ({human(room or 0)}) holds no plan")
+        driver.budget, driver.planning = Budget(new, new), True
+        try:
+            driver.apply(reason)
+        except (BudgetError, torch.OutOfMemoryError):
+            driver.budget, driver.planning = old_budget, old_planning
+            raise
+        room_note = "" if room is None else f"; room {human(room)}"
+        return old_budget.describe(), f"{driver.budget.describe()}{room_note}"
+
+    # ---- what it says ------------------------------------------------------------------------
+
+    def _record(self, where: str, error: BaseException | None, before: str, after: str, action: str) -> None:
+        rt = self.rt
+        record = {"step": rt.phases.step, "where": where, "budget_before": before, "budget_after": after,
+                  "plan": rt.plan.summary(), "action": action, "error": _first_line(error)}
+        self.records.append(record)
+        warnings.warn(f"stagehand: out of device memory in {where} at step {record['step']}; re-planned "
+                      f"(budget {before} -> {after}: {record['plan']}) and {action}", OutOfMemoryWarning, stacklevel=3)
+
+    def _refuse(self, where: str, error: BaseException | None, why: str) -> bool:
+        self.records.append({"step": self.rt.phases.step, "where": where, "action": "raised", "why": why,
+                             "error": _first_line(error)})
+        log.error("stagehand: out of device memory in %s; not run again: %s", where, why)
+        return False
+
+
+def _first_line(error: BaseException | None) -> str:
+    return "" if error is None else (str(error).splitlines() or [type(error).__name__])[0][:300]

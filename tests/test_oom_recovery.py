@@ -1,0 +1,191 @@
+"""Out of device memory in the middle of a step: the runtime re-plans and runs the block again.
+
+The allocator's failure is injected where a unit meets its block: the block's `wait` (the op
+that takes its weights, inside the compiled unit) raises `torch.OutOfMemoryError` once, as
+the device would when something else took the memory. A run with the fault must give the
+numbers of an undisturbed run, step after step, with the optimizer stepping on whole
+gradients only.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torch_stagehand as stagehand
+from torch_stagehand.runtime import oom_recovery
+from torch_stagehand.runtime.oom_recovery import OutOfMemoryWarning
+
+from _helpers import block_bytes_by_precision, close, toy
+
+N = 6
+
+
+def _model():
+    model, x = toy(n=N)
+    for block in model.blocks:
+        block.norm.requires_grad_(True)
+    return model, x
+
+
+def _offloaded(budget_blocks: int | None = 5, recompute: str | None = None):
+    model, x = _model()
+    block = block_bytes_by_precision(toy(n=N)[0])["bf16"][0]
+    rt = stagehand.offload(model, device="cpu", vram_budget=None if budget_blocks is None else budget_blocks * block)
+    torch._dynamo.reset()
+    options = {"inner": "eager", **({"recompute": recompute} if recompute else {})}
+    compiled = torch.compile(model, backend="stagehand", options=options)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    rt.attach(optimizer)
+    return rt, model, compiled, optimizer, x
+
+
+def _train(compiled, optimizer, x, steps: int):
+    """Steps of a plain loop; each step's loss and the parameters after the last."""
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = compiled(x).float().square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _fail_once(rt, block: int, kind: str, at_call: int = 1):
+    """The `at_call`-th wait of `block` of this kind ("forward", "recompute", "backward") runs out of memory."""
+    real, calls = rt.op_wait, {"n": 0}
+
+    def op_wait(b, precision_code, nbytes, backward):
+        seen = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
+        if b == block and seen == kind:
+            calls["n"] += 1
+            if calls["n"] == at_call:
+                if backward:  # the block's backward took its slot, then its first buffer did not fit
+                    real(b, precision_code, nbytes, backward)
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected in the {kind} of block {b})")
+        return real(b, precision_code, nbytes, backward)
+
+    rt.op_wait = op_wait
+    return calls
+
+
+def _reference(steps: int, **kwargs):
+    rt, model, compiled, optimizer, x = _offloaded(**kwargs)
+    return _train(compiled, optimizer, x, steps), _params(model), rt
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    assert all(close(a[k], b[k], 0) for k in a), [k for k in a if not close(a[k], b[k], 0)]
+
+
+def test_out_of_memory_in_a_blocks_forward_replans_and_runs_the_block_again_with_the_same_numbers():
+    ref_losses, ref_params, ref_rt = _reference(3)
+    rt, model, compiled, optimizer, x = _offloaded()
+    before = rt.plan
+    calls = _fail_once(rt, block=3, kind="forward", at_call=2)  # in the second step's forward
+    with pytest.warns(OutOfMemoryWarning, match=r"forward of block 3 .* at step 1; re-planned .* ran it again"):
+        losses = _train(compiled, optimizer, x, 3)
+    assert calls["n"] >= 2
+    assert losses == ref_losses  # every step ran whole, none twice: the optimizer stepped three times
+    _same(_params(model), ref_params)
+    [record] = rt.stats()["oom_recoveries"]
+    assert record["step"] == 1 and record["action"] == "ran it again" and "injected" in record["error"]
+    # The new budget is smaller than the one the plan had: fewer resident blocks, no more device bytes.
+    assert rt.planner.budget.limit < before.budget.limit
+    assert len(rt.plan.resident) < len(before.resident)
+    assert rt.stats()["streamed_device_bytes"] <= rt.planner.budget.limit
+    assert ref_rt.stats()["oom_recoveries"] == []
+
+
+def test_a_run_without_a_budget_gets_one_after_running_out_of_memory():
+    ref_losses, ref_params, _ = _reference(2, budget_blocks=None)
+    rt, model, compiled, optimizer, x = _offloaded(budget_blocks=None)
+    assert rt.plan.kind == "fixed"
+    _fail_once(rt, block=0, kind="forward")
+    with pytest.warns(OutOfMemoryWarning, match="budget no cap ->"):
+        losses = _train(compiled, optimizer, x, 2)
+    assert losses == ref_losses
+    _same(_params(model), ref_params)
+    assert rt.planner.planning and rt.plan.kind == "planned"
+
+
+def test_out_of_memory_in_a_recomputed_backward_runs_the_recompute_again():
+    ref_losses, ref_params, _ = _reference(2, recompute="blocks")
+    rt, model, compiled, optimizer, x = _offloaded(recompute="blocks")
+    _fail_once(rt, block=2, kind="recompute")
+    with pytest.warns(OutOfMemoryWarning, match="recomputed backward of block 2"):
+        losses = _train(compiled, optimizer, x, 2)
+    assert losses == ref_losses
+    _same(_params(model), ref_params)
+    assert [r["action"] for r in rt.stats()["oom_recoveries"]] == ["ran it again"]
+
+
+def test_out_of_memory_in_a_saved_activation_backward_raises_without_a_step_and_the_next_forward_replans(monkeypatch):
+    ref_losses, ref_params, _ = _reference(2)
+    rt, model, compiled, optimizer, x = _offloaded()
+    ooms = {"n": 0}
+    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    _fail_once(rt, block=4, kind="backward")
+    start = _params(model)
+    optimizer.zero_grad(set_to_none=True)
+    loss = compiled(x).float().square().mean()
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        loss.backward()
+    ooms["n"] += 1  # what the CUDA allocator counts when it refuses an allocation
+    _same(_params(model), start)  # the optimizer never stepped on the partial gradients
+    assert any(s.holds for s in rt.pool.all_slots())  # the failed backward left its block held
+    limit = rt.planner.budget.limit
+    with pytest.warns(OutOfMemoryWarning, match=r"backward of block 4 .* must be run again"):
+        losses = _train(compiled, optimizer, x, 2)  # the loop runs the step again
+    assert losses == ref_losses
+    _same(_params(model), ref_params)
+    assert rt.planner.budget.limit < limit
+    assert not any(s.holds for s in rt.pool.all_slots())
+
+
+def test_a_backward_that_raised_something_else_releases_its_slots_and_keeps_the_plan():
+    rt, model, compiled, optimizer, x = _offloaded()
+    real = rt.op_wait
+
+    def op_wait(b, precision_code, nbytes, backward):
+        slot = real(b, precision_code, nbytes, backward)
+        if backward and b == 4:
+            raise ValueError("not memory")
+        return slot
+
+    rt.op_wait = op_wait
+    with pytest.raises(ValueError):
+        compiled(x).float().square().mean().backward()
+    rt.op_wait = real
+    budget = rt.planner.budget
+    with pytest.warns(OutOfMemoryWarning, match="did not finish"):
+        _train(compiled, optimizer, x, 1)
+    assert rt.planner.budget is budget and rt.stats()["oom_recoveries"] == []
+
+
+def test_recovery_gives_up_after_max_tries_and_for_a_backward_that_sends_gradients_home():
+    rt, model, compiled, optimizer, x = _offloaded()
+    real = rt.op_wait
+
+    def always(b, precision_code, nbytes, backward):
+        if b == 1 and not backward:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected every time)")
+        return real(b, precision_code, nbytes, backward)
+
+    rt.op_wait = always
+    with pytest.warns(OutOfMemoryWarning), pytest.raises(torch.OutOfMemoryError, match="every time"):
+        compiled(x)
+    records = rt.stats()["oom_recoveries"]
+    assert [r["action"] for r in records] == ["ran it again"] * oom_recovery.MAX_TRIES + ["raised"]
+    assert "times in this step" in records[-1]["why"]
+    assert not any(s.holds for s in rt.pool.all_slots())
+    refused = rt.oom.recover("the recomputed backward of block 0", RuntimeError("x"), trainable_backward=True)
+    assert refused is False and "twice" in rt.stats()["oom_recoveries"][-1]["why"]
