@@ -78,6 +78,7 @@ run_tests() {
 # soak_wait SECONDS: wait for the detached soak (stage soak) to end, then bring its files and the log's tail back.
 soak_wait() {
   local waited=0
+  [ -f /tmp/soak/soak.log ] || { echo "no soak on this machine (a fresh one: the last was given back)"; return; }
   while [ ! -f /tmp/soak/rc ] && [ "$waited" -lt "$1" ]; do sleep 5; waited=$((waited + 5)); done
   grep -vE "^DEBUG|Warning|warn" /tmp/soak/soak.log | tail -60
   if [ -f /tmp/soak/rc ]; then
@@ -158,6 +159,9 @@ for stage in $STAGES; do
               echo \$? > /tmp/soak/rc" < /dev/null > /dev/null 2>&1 &
             soak_wait ${SOAK_WAIT:-400} ;;
     soakwait) soak_wait ${SOAK_WAIT:-570} ;;
+    soakfg) # the soak in this call, cut at SOAK_TIMEOUT: its JSONL keeps every step run (soak.py --summarize)
+            mkdir -p /tmp/soak && timeout ${SOAK_TIMEOUT:-540} python3 benches/soak.py ${SOAK_ARGS:-} --out /tmp/soak \
+              > /tmp/soak/soak.log 2>&1; echo $? > /tmp/soak/rc; soak_wait 0 ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

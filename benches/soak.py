@@ -66,6 +66,8 @@ def parse(argv=None):
     ap.add_argument("--oom-steps", type=int, default=4)
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--name", default=None)
+    ap.add_argument("--summarize", default=None, metavar="JSONL",
+                    help="no run: the table, JSON and PNG of a run's steps (one cut short keeps its JSONL)")
     args = ap.parse_args(argv)
     args.name = args.name or ("soak_tiny" if args.tiny else "soak_qwen7b")
     return args
@@ -266,8 +268,27 @@ def figure(rows: list[dict], path: str) -> None:
     print(f"wrote {path}", flush=True)
 
 
+def summarize(args, path: str) -> int:
+    """The summary of a run that was cut before it wrote one, from its steps alone."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    soak_rows = [r for r in rows if r["phase"] == "soak"]
+    table = visits(args, soak_rows)
+    print_table(table, title=f"per budget visit (settled steps), from {path}")
+    stem = os.path.splitext(path)[0]
+    write_json(stem + ".json", {"env": env_info(), "args": vars(args), "from_jsonl": os.path.basename(path),
+                                "steps_run": len(rows), "visits": table, "cut_short": True,
+                                "losses_finite": all(math.isfinite(r["loss"]) for r in rows),
+                                "switches": sum("switch" in r["events"] for r in soak_rows),
+                                "worst_p99_over_p50": max(v["p99_over_p50"] for v in table)})
+    figure(rows, stem + ".png")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.summarize:
+        return summarize(args, args.summarize)
     device = torch.device(args.device if torch.cuda.is_available() or args.device == "cpu" else "cpu")
     os.makedirs(args.out, exist_ok=True)
     info = print_header()

@@ -68,16 +68,17 @@ def device_room(device: torch.device) -> int | None:
     per-process memory fraction. None off CUDA (no device memory to read)."""
     if device.type != "cuda":
         return None
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the getters want one
     torch.cuda.empty_cache()  # cached but unused blocks count as free for the plan
-    free, total = torch.cuda.mem_get_info(device)
-    room = free + torch.cuda.memory_reserved(device)
-    fraction = _memory_fraction(device)
+    free, total = torch.cuda.mem_get_info(index)
+    room = free + torch.cuda.memory_reserved(index)
+    fraction = _memory_fraction(index)
     return int(min(room, fraction * total)) if fraction is not None else int(room)
 
 
-def _memory_fraction(device: torch.device) -> float | None:
+def _memory_fraction(index: int) -> float | None:
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
-    return None if getter is None else float(getter(device))
+    return None if getter is None else float(getter(index))
 
 
 class OomRecovery:
