@@ -35,9 +35,12 @@ def _step_as_a_loop_does(call, model, x, optimizer):
     """A step; a backward that ran out of memory (a non-recomputed block's backward cannot run again inside it,
     oom_recovery.py) raises before the optimizer stepped, and the loop runs the step again."""
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    failed = False
     try:
         result = _step(call, model, x)
     except torch.OutOfMemoryError:
+        failed = True  # run again outside this clause: its traceback holds the failed step's activations
+    if failed:
         assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters() if p.requires_grad)
         result = _step(call, model, x)  # the next forward releases the held slots and re-plans
     optimizer.step()
