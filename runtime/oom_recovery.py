@@ -165,7 +165,9 @@ class OomRecovery:
             new = int(ceiling - SHRINK_FRACTION * weights)
         if new <= 0:
             raise BudgetError(f"the room left on {self.rt.device} ({human(room or 0)}) holds no plan")
-        driver.budget, driver.planning = Budget(new, new), True
+        # Soft: the new limit; hard: the room itself (less the least margin), for when nothing fits the soft one.
+        hard = new if room is None else max(new, int(room - MIN_MARGIN))
+        driver.budget, driver.planning = Budget(new, hard), True
         try:
             driver.apply(reason)
         except (BudgetError, torch.OutOfMemoryError):
