@@ -828,6 +828,25 @@ def full_finetune(name: str) -> str:
     return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n"
 
 
+def soak(name: str = "soak_qwen7b.json") -> str:
+    """The soak (benches/soak.py): each budget visit's settled step times and the memory at its end."""
+    data = load(name)
+    args = data["args"]
+    cols = [Col("visit", field("visit", str)), Col("budget GiB", field("budget_gib", num, 0)),
+            Col("resident blocks", field("resident_blocks", str)), Col("settled steps", field("settled", str)),
+            Col("p50 ms", field("p50_ms", ms)), Col("p99 ms", field("p99_ms", ms)),
+            Col("p99 / p50", field("p99_over_p50", num, 2)), Col("host RSS GB", field("rss_gb", num, 2)),
+            Col("page-locked GB", field("pinned_gb", num, 2)), Col("GPU allocated GB", field("gpu_alloc_gb", num, 2)),
+            Col("growth since the last visit: RSS / locked / GPU GB",
+                lambda r: " / ".join(num(r[k], 3) for k in ("rss_growth_gb", "pinned_growth_gb", "gpu_growth_gb"))
+                if "rss_growth_gb" in r else "")]
+    what = (f"Qwen2.5-7B shape, int8 with bf16 kept in RAM, LoRA r=16 on attention, T=2048, AdamW, one process: "
+            f"{data['steps_run']} steps, the budget moved every {args['every']} steps, the map switched every "
+            f"{args['switch_every']} ({args['switch_blocks']} blocks to bf16, the window moving; {data['switches']} "
+            f"switches); settled: not the {args['settle']} steps after a change")
+    return f"{caption(name, what=what)}\n\n{table(data['visits'], cols)}\n"
+
+
 @dataclass
 class Figure:
     make: Callable[[], str]
@@ -870,6 +889,7 @@ FIGURES: dict[str, Figure] = {
     "full_finetune_qwen": Figure(lambda: full_finetune("full_finetune_qwen.json"), ("full_finetune_qwen.json",)),
     "full_finetune_qwen_deepspeed": Figure(lambda: full_finetune("full_finetune_qwen_deepspeed.json"),
                                            ("full_finetune_qwen_deepspeed.json",)),
+    "soak": Figure(soak, ("soak_qwen7b.json",)),
     "full_finetune_qwen14": Figure(lambda: full_finetune("full_finetune_qwen14.json"), ("full_finetune_qwen14.json",)),
     **{f"full_finetune_{run}": Figure(lambda run=run: full_finetune(f"full_finetune_{run}.json"),
                                       (f"full_finetune_{run}.json",))

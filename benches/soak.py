@@ -122,6 +122,30 @@ def budget_bytes(args, rt_or_bytes) -> list[int]:
     return [max(4096, int(v * rt_or_bytes)) for v in values]
 
 
+class GcClock:
+    """Milliseconds Python's cyclic garbage collector ran since the last read, and its oldest generation's runs:
+    a collection of a large heap (Dynamo's and Inductor's objects) is a suspect for a slow step."""
+
+    def __init__(self):
+        self.ms, self.full, self._t0 = 0.0, 0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.full += info.get("generation") == 2
+
+    def read(self) -> dict:
+        out = {"gc_ms": round(self.ms, 2), "gc_full": self.full}
+        self.ms, self.full = 0.0, 0
+        return out
+
+
+GC = GcClock()
+
+
 def step_once(compiled, optimizer, inputs) -> tuple[float, float]:
     t0 = time.perf_counter()
     loss = compiled(**inputs).loss
@@ -146,13 +170,15 @@ def run_steps(args, rt, compiled, optimizer, inputs, rec: Recorder, budgets: lis
             rt.set_precision(switch_map(n, args.switch_blocks, step // args.switch_every))
             events.append("switch")
             changed_at = step
+        GC.read()
         ms, loss = step_once(compiled, optimizer, inputs)
+        collected = GC.read()  # what the collector took inside this step's time
         stats = rt.stats()
         rec.add({"step": step, "phase": "soak", "visit": step // args.every,
                  "budget_gib": round(budgets[(step // args.every) % len(budgets)] / GIB, 6),
                  "ms": round(ms, 2), "loss": loss, "settled": step - changed_at >= args.settle, "events": events,
                  "resident_blocks": stats.get("resident_blocks"), "bf16_blocks": stats["precision_counts"].get("bf16", 0),
-                 "oom_recoveries": len(stats["oom_recoveries"]), **memory_now(rt, device)})
+                 "oom_recoveries": len(stats["oom_recoveries"]), **collected, **memory_now(rt, device)})
         if step % 50 == 0 or step == args.steps - 1:
             print(f"  step {step}/{args.steps}: {ms:.0f} ms, loss {loss:.4f}, budget "
                   f"{rec.rows[-1]['budget_gib']} GiB, resident {stats.get('resident_blocks')}, "
@@ -168,7 +194,9 @@ def visits(args, rows: list[dict]) -> list[dict]:
         p50 = statistics.median(settled) if settled else float("nan")
         p99 = settled[min(len(settled) - 1, math.ceil(0.99 * len(settled)) - 1)] if settled else float("nan")
         end = mine[-1]
+        slow = [r for r in mine if r["settled"] and r["ms"] > 1.15 * p50]
         out.append({"visit": visit, "budget_gib": end["budget_gib"], "steps": len(mine), "settled": len(settled),
+                    "slow_steps": len(slow), "slow_with_full_gc": sum(r["gc_full"] > 0 for r in slow) if all("gc_full" in r for r in slow) else None,
                     "p50_ms": round(p50, 1), "p99_ms": round(p99, 1), "p99_over_p50": round(p99 / p50, 3),
                     "max_ms": round(max(r["ms"] for r in mine), 1), "rss_gb": end["rss_gb"], "pinned_gb": end["pinned_gb"],
                     "gpu_alloc_gb": end.get("gpu_alloc_gb"), "gpu_reserved_gb": end.get("gpu_reserved_gb"),
@@ -269,6 +297,17 @@ def figure(rows: list[dict], path: str) -> None:
     print(f"wrote {path}", flush=True)
 
 
+def run_env(log: str) -> dict:
+    """The environment of the run that wrote `log` (its first line: print_header's `key=value | ...`), not this
+    process's: the summary is made elsewhere."""
+    with open(log) as f:
+        first = f.readline().strip()
+    env = dict(part.split("=", 1) for part in first.split(" | ") if "=" in part)
+    if "torch" not in env:
+        raise SystemExit(f"{log}: its first line is not the run's header (print_header): {first[:80]!r}")
+    return env
+
+
 def summarize(args, path: str) -> int:
     """The summary of a run that was cut before it wrote one, from its steps alone."""
     with open(path) as f:
@@ -277,7 +316,7 @@ def summarize(args, path: str) -> int:
     table = visits(args, soak_rows)
     print_table(table, title=f"per budget visit (settled steps), from {path}")
     stem = os.path.splitext(path)[0]
-    write_json(stem + ".json", {"env": env_info(), "args": vars(args), "from_jsonl": os.path.basename(path),
+    write_json(stem + ".json", {"env": run_env(stem + ".log"), "args": vars(args), "from_jsonl": os.path.basename(path),
                                 "steps_run": len(rows), "visits": table, "cut_short": True,
                                 "losses_finite": all(math.isfinite(r["loss"]) for r in rows),
                                 "switches": sum("switch" in r["events"] for r in soak_rows),

@@ -42,6 +42,7 @@ import torch
 
 from .conductor.costs import Budget, BudgetError, human
 from .conductor.phases import Phase
+from .planning import SHRINK_FRACTION  # no smaller room to plan for: the rule for a plan that did not fit
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,6 @@ MAX_TRIES = 3  # recoveries of one unit in one step before the error is let thro
 # The budget after a recovery leaves this much of the room free: the allocator rounds and fragments,
 # and whatever took the memory may take a little more.
 MARGIN_FRACTION, MIN_MARGIN = 0.05, 16 * 2**20
-SHRINK_FRACTION = 0.25  # no smaller room to plan for: a quarter of the plan's weights fewer (planning.py's rule)
 
 
 class OutOfMemoryWarning(UserWarning):

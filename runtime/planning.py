@@ -42,12 +42,10 @@ from .spill import ActivationSpill
 
 log = logging.getLogger(__name__)
 
-# Steps run under the smallest plan before the measured one: the first compiles and autotunes,
-# so its times say nothing about the next ones.
+# Steps run under the smallest plan before the measured one: the first compiles, so its times say nothing.
 WARMUP_STEPS = 1
 REFINE_STEPS = 2  # steps of a new plan whose host and GPU times per block refine the cost model (the first compiles)
-# A plan that does not fit when applied (the device has less than the budget says) is re-made
-# under a budget with this fraction of its streamed-weight bytes fewer, up to SHRINK_TRIES times.
+# A plan that does not fit when applied is re-made with this fraction of its weights fewer, up to SHRINK_TRIES times.
 SHRINK_FRACTION, SHRINK_TRIES = 0.25, 10
 
 
@@ -214,10 +212,13 @@ class PlanDriver:
             self.budget = budget_from(self.rt.config, vram_budget)
             self.planning = True
         try:
-            return self.apply("replan()")
+            plan = self.apply("replan()")
         except (BudgetError, torch.OutOfMemoryError):
             self.cost_model, self.calibrated, self.budget, self.planning = before
             raise
+        if self.rt.device.type == "cuda" and vram_budget is not None:
+            torch.cuda.empty_cache()  # a lower budget hands back what the allocator cached above it
+        return plan
 
     def on_graph(self, input_shapes: list[str]) -> None:
         """The first compiled graph, before it runs: a run that has not calibrated yet starts from the model an
@@ -360,11 +361,9 @@ class PlanDriver:
         if over:
             note += f" and re-planned (over the soft cap {self.budget.soft / 2**30:.2f} GiB)"
         self.peak_corrections.append(note)
-        if not over:
-            log.info("stagehand: %s", note)
-            return
-        log.warning("stagehand: %s", note)
-        self.apply(f"measured peak over the budget at step {step}")
+        log.log(logging.WARNING if over else logging.INFO, "stagehand: %s", note)
+        if over:
+            self.apply(f"measured peak over the budget at step {step}")
 
     def on_step_end(self, step: int) -> None:
         learned = self.host_refinements + self.compute_refinements + len(self.peak_corrections)
@@ -396,5 +395,6 @@ class PlanDriver:
         self.cost_model = calibration.finish(self.cost_model, predict)
         self.calibrated = True
         self.apply(f"calibrated on step {step}")
+        torch.cuda.empty_cache()  # the first steps' compile peaks left the allocator's cache above the budget
         self.kept.keep(self.cost_model)
 
