@@ -8,8 +8,8 @@ nothing outside it has changed, so the unit's boundary (a block's, or a glue
 segment's) is a safe place to start again. The compiler's units catch the
 error there and call `recover` (compiler/units.py, compiler/recompute.py):
 
-- every slot the unit held is released, the copy stream drained and the
-  allocator's cached blocks handed back (`torch.cuda.empty_cache`);
+- every slot the unit held is released and the allocator's cached blocks are
+  handed back (`torch.cuda.empty_cache`);
 - the room the process has now is read: the device's free memory plus what
   this process has reserved, bounded by the per-process memory fraction;
 - the budget becomes that room less a margin (or, when the room did not
@@ -19,14 +19,16 @@ error there and call `recover` (compiler/units.py, compiler/recompute.py):
 - the unit runs again: the forward of a block, a glue segment, or a recomputed
   block's backward (recompute.py re-runs its forward from the saved inputs).
 
-Each recovery warns and is kept in `stats()["oom_recoveries"]`. The step goes
+Each recovery warns and is kept in `stats()["oom_recoveries"]`. The smaller budget
+stays when the memory comes back: `rt.replan(vram_budget=...)` raises it again. The step goes
 on: nothing is skipped, and the optimizer steps on the whole gradient, as an
 undisturbed step would. Not retried, and said so:
 
 - a unit whose backward is not recomputed: its saved activations are consumed
   as it runs, so the error leaves `loss.backward()`. The optimizer has not
-  stepped; the next forward finds the held slots, releases them and re-plans
-  (`on_phase`), and the warning says the step must be run again;
+  stepped; the next forward finds the held slots (or the allocator's refusal that
+  no recovery handled), releases them and re-plans (`on_phase`), and the warning
+  says the step must be run again;
 - a recomputed backward of a block whose streamed weights train: it sends gradients
   home as it computes them, and a second run would send them twice;
 - a unit that fails `MAX_TRIES` times in one step, or no plan fits the room.
@@ -50,6 +52,7 @@ MAX_TRIES = 3  # recoveries of one unit in one step before the error is let thro
 # The budget after a recovery leaves this much of the room free: the allocator rounds and fragments,
 # and whatever took the memory may take a little more.
 MARGIN_FRACTION, MIN_MARGIN = 0.05, 16 * 2**20
+FRAGMENTED_NOTE = 0.25  # of the room: above it, a refusal says how to stop the fragmentation
 
 
 class OutOfMemoryWarning(UserWarning):
@@ -82,9 +85,6 @@ def fragmented_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-
-
-FRAGMENTED_NOTE = 0.25  # of the room: above it, the refusal says how to stop the fragmentation
 
 
 def _memory_fraction(index: int) -> float | None:

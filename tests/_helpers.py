@@ -190,3 +190,12 @@ def page_locked(t) -> bool:
     if err != 0:
         raise RuntimeError(f"page_locked: cudaPointerGetAttributes failed with cudaError {err}")
     return attributes[0] == 1  # cudaMemoryTypeHost: page-locked host memory (0: unregistered)
+
+
+def square_loss_step(call, model, x):
+    """One forward and backward of `mean(out**2)` from cleared grads: the output and every gradient, copied."""
+    for p in model.parameters():
+        p.grad = None
+    out = call(x)
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

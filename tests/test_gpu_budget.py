@@ -14,7 +14,7 @@ import torch
 
 import torch_stagehand as stagehand
 
-from _helpers import page_locked, rel_err, toy
+from _helpers import page_locked, rel_err, square_loss_step, toy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,12 +28,7 @@ def _trainable():
     return model, x.cuda().repeat(4, 64, 1)
 
 
-def _step(call, model, x):
-    for p in model.parameters():
-        p.grad = None
-    out = call(x)
-    out.float().square().mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+_step = square_loss_step
 
 
 @pytest.mark.parametrize("budget_blocks", [2.5, 5, 100])

@@ -16,19 +16,14 @@ import torch
 import torch_stagehand as stagehand
 from torch_stagehand.runtime.oom_recovery import OutOfMemoryWarning, allocator_ooms, device_room
 
-from _helpers import rel_err, toy
+from _helpers import rel_err, square_loss_step, toy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 N, D = 8, 1024
 
 
-def _step(call, model, x):
-    for p in model.parameters():
-        p.grad = None
-    out = call(x)
-    out.float().square().mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+_step = square_loss_step
 
 
 def _step_as_a_loop_does(call, model, x, optimizer):
