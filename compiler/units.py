@@ -26,7 +26,7 @@ import hashlib
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
@@ -79,14 +79,15 @@ def _tuple_output(gm: fx.GraphModule) -> bool:
     return False
 
 
-def run_again_after_oom(rt, where: str, run):
+def run_again_after_oom(rt, where: Callable[[], str], run: Callable[[], Any]):
     """`run()`; when it runs out of device memory, the runtime re-plans and it runs again, while the runtime
-    says it may (runtime/oom_recovery.py); else the error goes on."""
+    says it may (runtime/oom_recovery.py); else the error goes on. `where()` names the unit (made only then:
+    this wraps every unit call)."""
     while True:
         try:
             return run()
         except torch.OutOfMemoryError as error:
-            if not rt.recover_from_oom(where, error):
+            if not rt.recover_from_oom(where(), error):
                 raise
 
 
@@ -179,7 +180,7 @@ class GlueUnit(_Unit):
         key = self.last_key = (self._key, self.signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
         compiled = self.ctx.variants.get(key, args) or self._compile(key, self.template, args, self.unit_name, False,
                                                                      PassLog())
-        out = run_again_after_oom(self.ctx.runtime, f"glue unit {self.unit_name}", lambda: compiled(*args))
+        out = run_again_after_oom(self.ctx.runtime, lambda: f"glue unit {self.unit_name}", lambda: compiled(*args))
         return out if self.returns_tuple else out[0]
 
 
@@ -222,8 +223,10 @@ class BlockUnit(_Unit):
     def forward(self, *args):
         # Out of memory before the block returned: the runtime re-plans, and the block runs again under the
         # new plan (which may recompute or spill it where the old one kept its activations).
-        where = f"the forward of block {self.block} ({self.ctx.runtime.blocks[self.block]})"
-        return run_again_after_oom(self.ctx.runtime, where, lambda: self._forward(args))
+        return run_again_after_oom(self.ctx.runtime, self._where_forward, lambda: self._forward(args))
+
+    def _where_forward(self) -> str:
+        return f"the forward of block {self.block} ({self.ctx.runtime.blocks[self.block]})"
 
     def _forward(self, args: tuple):
         rt = self.ctx.runtime
