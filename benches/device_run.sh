@@ -14,6 +14,8 @@
 #   STAGES="sptests" bash benches/device_run.sh                       # fp8 + selective-precision GPU tests
 #   STAGES="fp8parts" bash benches/device_run.sh                      # an fp8 Linear piece by piece against cuBLAS bf16
 #   STAGES="fp8a" FP8A_ARGS="--skip-two-slot --fp8-mlp-row --steps 8" bash benches/device_run.sh   # workload A (carry .whl)
+#   STAGES="soak" SOAK_WAIT=560 bash benches/device_run.sh; then at once STAGES="soakwait"   # 2000-step soak (~11 min)
+#   STAGES="soakfg oomtests" SOAK_ARGS="--steps 800 --every 100" SOAK_TIMEOUT=420 bash benches/device_run.sh
 #   STAGES="fullft" FULLFT_NAME=full_finetune_qwen14 FULLFT_ARGS="--layers 14 --budgets 16 --rows stagehand deepspeed2"
 #   STAGES="start" MODEL=qwen START_ROWS="qwen:int8 qwen:resident" START_MODES="cold warm bundle"   # seconds to the first step
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans

@@ -62,6 +62,10 @@ def parse(argv=None):
     ap.add_argument("--switch-every", type=int, default=50)
     ap.add_argument("--switch-blocks", type=int, default=4)
     ap.add_argument("--settle", type=int, default=4, help="steps after a change left out of p50 / p99")
+    ap.add_argument("--gc-freeze-at", type=int, default=None,
+                    help="gc.freeze() before this step (default: the start of the second round of budgets); -1: never")
+    ap.add_argument("--expandable-segments", action="store_true",
+                    help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this run (set before CUDA starts)")
     ap.add_argument("--room-gib", type=float, default=10.0, help="what the OOM phase leaves this process")
     ap.add_argument("--oom-steps", type=int, default=4)
     ap.add_argument("--out", default=RESULTS)
@@ -70,6 +74,10 @@ def parse(argv=None):
                     help="no run: the table, JSON and PNG of a run's steps (one cut short keeps its JSONL)")
     args = ap.parse_args(argv)
     args.name = args.name or ("soak_tiny" if args.tiny else "soak_qwen7b")
+    if args.gc_freeze_at is None:
+        args.gc_freeze_at = args.every * len(args.budgets.split(","))
+    if args.expandable_segments:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return args
 
 
@@ -146,13 +154,26 @@ class GcClock:
 GC = GcClock()
 
 
-def step_once(compiled, optimizer, inputs) -> tuple[float, float]:
+def step_once(compiled, optimizer, inputs, clock: dict | None = None) -> tuple[float, float]:
+    """One step timed on the host to its loss; `clock` gets `host_ms` (until the step's work was issued) and, on
+    CUDA, `gpu_ms` (events on the compute stream around the step, read after the loss: no extra wait)."""
+    cuda = torch.cuda.is_available() and clock is not None
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
     t0 = time.perf_counter()
     loss = compiled(**inputs).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    issued = time.perf_counter()
+    if cuda:
+        end.record()
     value = loss.item()  # waits for the step's work, the optimizer's included
+    if clock is not None:
+        clock["host_ms"] = round((issued - t0) * 1e3, 2)
+        if cuda:
+            clock["gpu_ms"] = round(start.elapsed_time(end), 2)
     return (time.perf_counter() - t0) * 1e3, value
 
 
@@ -170,19 +191,28 @@ def run_steps(args, rt, compiled, optimizer, inputs, rec: Recorder, budgets: lis
             rt.set_precision(switch_map(n, args.switch_blocks, step // args.switch_every))
             events.append("switch")
             changed_at = step
+        if step == args.gc_freeze_at:
+            gc.freeze()  # every object made so far out of the collector's reach: does the spread change?
+            events.append("gc_freeze")
         GC.read()
-        ms, loss = step_once(compiled, optimizer, inputs)
+        clock: dict = {}
+        ms, loss = step_once(compiled, optimizer, inputs, clock)
         collected = GC.read()  # what the collector took inside this step's time
         stats = rt.stats()
         rec.add({"step": step, "phase": "soak", "visit": step // args.every,
                  "budget_gib": round(budgets[(step // args.every) % len(budgets)] / GIB, 6),
                  "ms": round(ms, 2), "loss": loss, "settled": step - changed_at >= args.settle, "events": events,
                  "resident_blocks": stats.get("resident_blocks"), "bf16_blocks": stats["precision_counts"].get("bf16", 0),
-                 "oom_recoveries": len(stats["oom_recoveries"]), **collected, **memory_now(rt, device)})
+                 "oom_recoveries": len(stats["oom_recoveries"]), **clock, **collected, **memory_now(rt, device)})
         if step % 50 == 0 or step == args.steps - 1:
             print(f"  step {step}/{args.steps}: {ms:.0f} ms, loss {loss:.4f}, budget "
                   f"{rec.rows[-1]['budget_gib']} GiB, resident {stats.get('resident_blocks')}, "
                   f"rss {rec.rows[-1]['rss_gb']} GB, gpu {rec.rows[-1].get('gpu_alloc_gb')} GB", flush=True)
+
+
+def _share(slow: list[dict], key: str, test) -> int | None:
+    """How many of the slow steps pass `test` (None when the run did not record `key`)."""
+    return sum(bool(test(r)) for r in slow) if all(key in r for r in slow) else None
 
 
 def visits(args, rows: list[dict]) -> list[dict]:
@@ -194,9 +224,13 @@ def visits(args, rows: list[dict]) -> list[dict]:
         p50 = statistics.median(settled) if settled else float("nan")
         p99 = settled[min(len(settled) - 1, math.ceil(0.99 * len(settled)) - 1)] if settled else float("nan")
         end = mine[-1]
-        slow = [r for r in mine if r["settled"] and r["ms"] > 1.15 * p50]
+        slow = [r for r in mine if r["settled"] and r["ms"] > 1.15 * p50]  # over the target's ratio
+        gpu = [r["gpu_ms"] for r in mine if r["settled"] and "gpu_ms" in r]
+        gpu_p50 = statistics.median(gpu) if gpu else float("nan")
         out.append({"visit": visit, "budget_gib": end["budget_gib"], "steps": len(mine), "settled": len(settled),
-                    "slow_steps": len(slow), "slow_with_full_gc": sum(r["gc_full"] > 0 for r in slow) if all("gc_full" in r for r in slow) else None,
+                    "gc_frozen": any(r["step"] >= args.gc_freeze_at >= 0 for r in mine),
+                    "slow_steps": len(slow), "slow_with_full_gc": _share(slow, "gc_full", lambda r: r["gc_full"] > 0),
+                    "slow_on_the_gpu": _share(slow, "gpu_ms", lambda r: r["gpu_ms"] > 1.15 * gpu_p50),
                     "p50_ms": round(p50, 1), "p99_ms": round(p99, 1), "p99_over_p50": round(p99 / p50, 3),
                     "max_ms": round(max(r["ms"] for r in mine), 1), "rss_gb": end["rss_gb"], "pinned_gb": end["pinned_gb"],
                     "gpu_alloc_gb": end.get("gpu_alloc_gb"), "gpu_reserved_gb": end.get("gpu_reserved_gb"),

@@ -29,6 +29,9 @@ def test_the_soak_in_miniature_records_every_step_and_compares_each_budgets_visi
     assert visits[0]["budget_gib"] > visits[1]["budget_gib"]
     assert "rss_growth_gb" not in visits[1] and "rss_growth_gb" in visits[2]  # the second visit of the first budget
     assert all(v["settled"] < v["steps"] for v in visits)  # the steps after a change are left out
+    # The spread's suspects are recorded per step: the collector's time, and gc.freeze() from the second round.
+    assert all("gc_ms" in r and "host_ms" in r for r in rows) and "gc_freeze" in rows[12]["events"]
+    assert [v["gc_frozen"] for v in visits] == [False, False, True, True]
     (tmp_path / "soak_tiny.log").write_text("python=3.11 | torch=2.13.0+cpu | device=cpu\n")  # the run's header
     assert soak.main(args + ["--summarize", str(tmp_path / "soak_tiny.jsonl")]) == 0
     summary = json.loads((tmp_path / "soak_tiny.json").read_text())
