@@ -19,8 +19,9 @@ error there and call `recover` (compiler/units.py, compiler/recompute.py):
 - the unit runs again: the forward of a block, a glue segment, or a recomputed
   block's backward (recompute.py re-runs its forward from the saved inputs).
 
-Each recovery warns and is kept in `stats()["oom_recoveries"]`. The smaller budget
-stays when the memory comes back: `rt.replan(vram_budget=...)` raises it again. The step goes
+Each recovery warns and is kept in `stats()["oom_recoveries"]`. When the memory
+comes back (the other job left), `regrow` raises the budget again between steps,
+up to the user's, read every `REGROW_EVERY` steps. The step goes
 on: nothing is skipped, and the optimizer steps on the whole gradient, as an
 undisturbed step would. Not retried, and said so:
 
@@ -53,6 +54,9 @@ MAX_TRIES = 3  # recoveries of one unit in one step before the error is let thro
 # and whatever took the memory may take a little more.
 MARGIN_FRACTION, MIN_MARGIN = 0.05, 16 * 2**20
 FRAGMENTED_NOTE = 0.25  # of the room: above it, a refusal says how to stop the fragmentation
+# While a recovery keeps the budget below the user's, the room is read every REGROW_EVERY steps (a driver call,
+# no synchronisation), and the plan is re-made when it grew by more than REGROW_STEP of the budget in force.
+REGROW_EVERY, REGROW_STEP = 50, 0.10
 
 
 class OutOfMemoryWarning(UserWarning):
@@ -72,7 +76,6 @@ def device_room(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()  # the getters want one
-    torch.cuda.empty_cache()  # cached but unused blocks count as free for the plan
     free, total = torch.cuda.mem_get_info(index)
     room = free + torch.cuda.memory_reserved(index)
     fraction = _memory_fraction(index)
@@ -99,6 +102,7 @@ class OomRecovery:
         self._tries: dict[str, int] = {}  # unit -> recoveries in this step
         self._ooms_seen = allocator_ooms(rt.device)
         self._ended_from: Phase | None = None  # the phase the last step ended from (on_phase)
+        self._user_budget: tuple[Budget, bool] | None = None  # (budget, planning) before the first recovery
         rt.phases.listeners.append(self.on_phase)
 
     def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
@@ -126,6 +130,8 @@ class OomRecovery:
         the slots; re-plan when the allocator refused memory that no recovery handled."""
         if new is Phase.STEP_END:
             self._ended_from = old
+            if self._user_budget is not None and (self.rt.phases.step + 1) % REGROW_EVERY == 0:
+                self.regrow()
         if new is not Phase.FORWARD or old is Phase.FORWARD or self.rt.pool is None:
             return
         self._tries.clear()  # a new forward: every unit may recover again
@@ -156,6 +162,8 @@ class OomRecovery:
         """Make and apply the plan for the room left; return the budgets before and after."""
         driver = self.rt.planner
         old_budget, old_planning, plan = driver.budget, driver.planning, driver.plan
+        if self.rt.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the cache back: the retry may find the memory in one piece
         room = device_room(self.rt.device)
         limit = old_budget.limit
         weights = plan.slots * plan.slot_bytes + sum(p.bytes for p in plan.blocks if p.resident)
@@ -173,8 +181,40 @@ class OomRecovery:
         except (BudgetError, torch.OutOfMemoryError):
             driver.budget, driver.planning = old_budget, old_planning
             raise
+        if self._user_budget is None:  # the budget the user gave (or none): regrow() returns to it
+            self._user_budget = (old_budget, old_planning)
         room_note = "" if room is None else f"; room {human(room)}"
         return old_budget.describe(), f"{driver.budget.describe()}{room_note}"
+
+    def regrow(self) -> None:
+        """Between steps, while a recovery keeps the budget below the user's: when the room grew (the other job
+        left, the memory fraction went back up), plan for the larger room, up to the user's budget; at it, the
+        user's budget is back and regrowing stops. A plan that does not fit leaves the budget as it was."""
+        driver, (user, user_planning) = self.rt.planner, self._user_budget
+        room = device_room(self.rt.device)
+        if room is None:
+            return
+        cap = int(room - max(MIN_MARGIN, MARGIN_FRACTION * room))
+        target = cap if user.limit is None else min(cap, user.limit)
+        current = driver.budget.limit
+        if current is not None and target <= current * (1 + REGROW_STEP):
+            return  # not enough more room to pay for a re-plan
+        before = driver.budget
+        back = user.limit is not None and target >= user.limit
+        driver.budget = user if back else Budget(target, target)
+        try:
+            driver.apply("the device has room again")
+        except (BudgetError, torch.OutOfMemoryError):
+            driver.budget = before
+            return
+        if back:
+            driver.planning, self._user_budget = user_planning, None
+        self.records.append({"step": self.rt.phases.step, "where": "between steps", "budget_before": before.describe(),
+                             "budget_after": f"{driver.budget.describe()}; room {human(room)}",
+                             "plan": self.rt.plan.summary(),
+                             "action": "the user's budget is back" if back else "budget raised with the room"})
+        log.warning("stagehand: the device has room again (%s): budget %s -> %s", human(room), before.describe(),
+                    driver.budget.describe())
 
     # ---- what it says ------------------------------------------------------------------------
 

@@ -189,3 +189,41 @@ def test_recovery_gives_up_after_max_tries_and_for_a_backward_that_sends_gradien
     assert not any(s.holds for s in rt.pool.all_slots())
     refused = rt.oom.recover("the recomputed backward of block 0", RuntimeError("x"), trainable_backward=True)
     assert refused is False and "twice" in rt.stats()["oom_recoveries"][-1]["why"]
+
+
+def test_the_budget_comes_back_when_the_device_has_room_again(monkeypatch):
+    ref_losses, ref_params, ref_rt = _reference(6)
+    rt, model, compiled, optimizer, x = _offloaded()
+    given, resident = rt.planner.budget, len(rt.plan.resident)
+    monkeypatch.setattr(oom_recovery, "REGROW_EVERY", 2)
+    _fail_once(rt, block=3, kind="forward")
+    with pytest.warns(OutOfMemoryWarning):
+        losses = _train(compiled, optimizer, x, 2)  # step 0 recovers; at step 1's end the room is unknown (CPU)
+    assert rt.planner.budget.limit < given.limit and len(rt.plan.resident) < resident
+    room = 10 * given.limit + 2 * oom_recovery.MIN_MARGIN
+    monkeypatch.setattr(oom_recovery, "device_room", lambda device: room)  # the other job left
+    losses += _train(compiled, optimizer, x, 4)
+    assert rt.planner.budget == given and len(rt.plan.resident) == resident
+    assert rt.stats()["oom_recoveries"][-1]["action"] == "the user's budget is back"
+    assert losses == ref_losses  # the same steps, whatever the plan
+    _same(_params(model), ref_params)
+    records = len(rt.stats()["oom_recoveries"])
+    _train(compiled, optimizer, x, 4)
+    assert len(rt.stats()["oom_recoveries"]) == records  # back at the user's budget: no more looking
+
+
+def test_a_room_grown_by_5_percent_leaves_the_budget_and_by_20_raises_it_to_the_room(monkeypatch):
+    rt, model, compiled, optimizer, x = _offloaded()
+    monkeypatch.setattr(oom_recovery, "REGROW_EVERY", 1)
+    _fail_once(rt, block=3, kind="forward")
+    with pytest.warns(OutOfMemoryWarning):
+        _train(compiled, optimizer, x, 1)
+    shrunk = rt.planner.budget.limit
+    margin = oom_recovery.MIN_MARGIN
+    monkeypatch.setattr(oom_recovery, "device_room", lambda device: int(shrunk * 1.05) + margin)  # +5%: not enough
+    _train(compiled, optimizer, x, 2)
+    assert rt.planner.budget.limit == shrunk
+    monkeypatch.setattr(oom_recovery, "device_room", lambda device: int(shrunk * 1.2) + margin)  # +20%
+    _train(compiled, optimizer, x, 1)
+    assert shrunk < rt.planner.budget.limit == int(shrunk * 1.2)  # still under the user's: raised with the room
+    assert rt.stats()["oom_recoveries"][-1]["action"] == "budget raised with the room"
