@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -44,6 +45,10 @@ _warned_not_offloaded = False
 
 class NotOffloadedWarning(UserWarning):
     """The backend compiled a model that was never offloaded: nothing streams (it works, plainly)."""
+
+
+class RegionalCompileWarning(UserWarning):
+    """A torch.compile per block: Dynamo traces each block on its own and stops at its recompile limit."""
 
 
 @dataclass
@@ -79,6 +84,7 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         warm_compile_workers(rt.device)  # offload() started them; a runtime made otherwise starts them here
     ctx = CompileContext(rt, opts, variant_cache(rt), VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids))
     outer = ctx.run(GRAPH_PASSES, gm)
+    _warn_if_regional(rt, ctx.segments)
     rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran,
                                 _input_shapes(example_inputs)))
     return outer
@@ -87,6 +93,28 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
 def _input_shapes(example_inputs) -> list[str]:
     """`shape:dtype` per tensor input (a symbolic size reads as its symbol), the value of any other."""
     return [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
+
+
+_warned_regional: "weakref.WeakSet[StreamingRuntime]" = weakref.WeakSet()  # runtimes told
+
+
+def _warn_if_regional(rt: StreamingRuntime, segments: list[Segment]) -> None:
+    """A graph of one block, of a model with more blocks than Dynamo's recompile limit: the blocks are compiled
+    one by one (`block.compile()`, diffusers' `compile_repeated_blocks`, accelerate's regional compilation).
+    Each streamed layer's id is a constant of its block's graph, so every block is a recompile of the same code
+    and the blocks past the limit run eagerly (EagerFallbackWarning counts them). Said once per model."""
+    blocks = {s.block for s in segments if s.block is not None}
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(torch._dynamo.config,
+                                                                              "cache_size_limit", 8)
+    if len(blocks) != 1 or len(rt.blocks) <= limit or rt in _warned_regional:
+        return
+    _warned_regional.add(rt)
+    warnings.warn(
+        f"stagehand: block {rt.blocks[next(iter(blocks))]} was compiled on its own (a torch.compile per block): "
+        f"Dynamo traces each of the {len(rt.blocks)} blocks separately (their layers stream under their own ids) "
+        f"and stops at torch._dynamo.config.recompile_limit ({limit}); the blocks after it run eagerly. Compile "
+        f"the whole model (torch.compile(model, backend='stagehand')), or raise the limit to at least "
+        f"{len(rt.blocks)}", RegionalCompileWarning, stacklevel=2)
 
 
 def _warn_if_nothing_offloaded() -> None:

@@ -4,7 +4,7 @@
     compiled = torch.compile(model, backend="stagehand")
 """
 
-from torch_stagehand.compiler.backend import NotOffloadedWarning
+from torch_stagehand.compiler.backend import NotOffloadedWarning, RegionalCompileWarning
 from torch_stagehand.runtime import ops as _ops  # noqa: F401  (registers the custom ops)
 from torch_stagehand.runtime.runtime import EagerFallbackWarning, Runtime
 
@@ -13,5 +13,4 @@ from .config import ConductorConfig, Config, ConfigError, PrecisionConfig
 from .version import __version__
 
 __all__ = ["__version__", "Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning", "NotOffloadedWarning",
-           "PrecisionConfig", "Runtime", "explain",
-           "offload", "runtime_of"]
+           "PrecisionConfig", "RegionalCompileWarning", "Runtime", "explain", "offload", "runtime_of"]
