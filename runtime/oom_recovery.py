@@ -19,11 +19,11 @@ error there and call `recover` (compiler/units.py, compiler/recompute.py):
 - the unit runs again: the forward of a block, a glue segment, or a recomputed
   block's backward (recompute.py re-runs its forward from the saved inputs).
 
-Each recovery warns and is kept in `stats()["oom_recoveries"]`. When the memory
-comes back (the other job left), `regrow` raises the budget again between steps,
-up to the user's, read every `REGROW_EVERY` steps. The step goes
+Each recovery warns and is kept in `stats()["oom_recoveries"]`. The step goes
 on: nothing is skipped, and the optimizer steps on the whole gradient, as an
-undisturbed step would. Not retried, and said so:
+undisturbed step would. When the memory comes back (the other job left),
+`regrow` raises the budget again between steps, up to the user's (the room is
+read every `REGROW_EVERY` steps). Not retried, and said so:
 
 - a unit whose backward is not recomputed: its saved activations are consumed
   as it runs, so the error leaves `loss.backward()`. The optimizer has not
