@@ -17,7 +17,9 @@ error there and call `recover` (compiler/units.py, compiler/recompute.py):
   does not fit when applied follows), and the plan is made and applied under it
   at once: a run without a budget gets one. Not calibrated yet: the smallest plan;
 - the unit runs again: the forward of a block, a glue segment, or a recomputed
-  block's backward (recompute.py re-runs its forward from the saved inputs).
+  block's backward (recompute.py re-runs its forward from the saved inputs). If it
+  fails again, the next plan leaves out the reserved bytes no tensor uses that the
+  cache could not hand back (fragments too small for what the unit asks).
 
 Each recovery warns and is kept in `stats()["oom_recoveries"]`. The step goes
 on: nothing is skipped, and the optimizer steps on the whole gradient, as an
@@ -117,7 +119,9 @@ class OomRecovery:
             return self._refuse(where, error, f"it ran out of memory {MAX_TRIES} times in this step"
                                 + self._fragmentation_note())
         try:
-            before, after = self._replan(f"out of memory in {where}")
+            # Failing again under a plan made for the room: the room's cached pieces are too small for what
+            # the unit asks (fragmentation); plan without them.
+            before, after = self._replan(f"out of memory in {where}", without_fragments=tries > 1)
         except (BudgetError, torch.OutOfMemoryError) as e:
             return self._refuse(where, error, f"no plan fits the memory left ({e})")
         self._ooms_seen = allocator_ooms(rt.device)  # handled here (a plan that did not fit when applied too)
@@ -158,13 +162,16 @@ class OomRecovery:
 
     # ---- the plan --------------------------------------------------------------------------
 
-    def _replan(self, reason: str) -> tuple[str, str]:
-        """Make and apply the plan for the room left; return the budgets before and after."""
+    def _replan(self, reason: str, without_fragments: bool = False) -> tuple[str, str]:
+        """Make and apply the plan for the room left (`without_fragments`: less the reserved bytes no tensor uses
+        that the cache could not hand back); return the budgets before and after."""
         driver = self.rt.planner
         old_budget, old_planning, plan = driver.budget, driver.planning, driver.plan
         if self.rt.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the cache back: the retry may find the memory in one piece
         room = device_room(self.rt.device)
+        if room is not None and without_fragments:
+            room -= fragmented_bytes(self.rt.device)
         limit = old_budget.limit
         weights = plan.slots * plan.slot_bytes + sum(p.bytes for p in plan.blocks if p.resident)
         ceiling = min(limit, plan.predicted_peak_bytes) if limit is not None else plan.predicted_peak_bytes

@@ -227,3 +227,19 @@ def test_a_room_grown_by_5_percent_leaves_the_budget_and_by_20_raises_it_to_the_
     _train(compiled, optimizer, x, 1)
     assert shrunk < rt.planner.budget.limit == int(shrunk * 1.2)  # still under the user's: raised with the room
     assert rt.stats()["oom_recoveries"][-1]["action"] == "budget raised with the room"
+
+
+def test_a_unit_failing_again_is_planned_for_without_the_fragmented_cache(monkeypatch):
+    rt, model, compiled, optimizer, x = _offloaded()
+    ceiling = min(rt.planner.budget.limit, rt.plan.predicted_peak_bytes)
+    margin = oom_recovery.MIN_MARGIN
+    monkeypatch.setattr(oom_recovery, "device_room", lambda device: int(0.9 * ceiling) + margin)
+    monkeypatch.setattr(oom_recovery, "fragmented_bytes", lambda device: int(0.2 * ceiling))
+    _fail_once(rt, block=3, kind="forward", at_call=1)
+    _fail_once(rt, block=3, kind="forward", at_call=2)  # the run again fails too (the same step)
+    with pytest.warns(OutOfMemoryWarning):
+        compiled(x)
+    first, second = rt.stats()["oom_recoveries"]
+    assert first["budget_after"].startswith(f"soft {oom_recovery.human(int(0.9 * ceiling))}")
+    assert second["budget_after"].startswith(f"soft {oom_recovery.human(int(0.7 * ceiling))}")
+    assert rt.planner.budget.limit == int(0.9 * ceiling) + margin - int(0.2 * ceiling) - margin
