@@ -251,23 +251,29 @@ def oom_phase(args, rt, compiled, optimizer, inputs, rec: Recorder, device) -> l
     events = []
 
     def steps(label: str) -> None:
-        raised = None
+        """`--oom-steps` steps as a training loop runs them: a step that raises out of memory (its backward could
+        not run again inside it) is recorded, its partial gradients dropped, and the loop goes on."""
+        raised = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            try:
-                for i in range(args.oom_steps):
-                    before = len(rt.stats()["oom_recoveries"])
+            for i in range(args.oom_steps):
+                before = len(rt.stats()["oom_recoveries"])
+                row = {"step": len(rec.rows), "phase": label, "settled": False, "events": []}
+                try:
                     ms, loss = step_once(compiled, optimizer, inputs)
-                    recs = rt.stats()["oom_recoveries"][before:]
-                    rec.add({"step": len(rec.rows), "phase": label, "ms": round(ms, 2), "loss": loss,
-                             "settled": False, "events": [], "oom_recoveries": len(recs), **memory_now(rt, device)})
-                    print(f"  {label} step {i}: {ms:.0f} ms, loss {loss:.4f}, recoveries {len(recs)}", flush=True)
-            except torch.OutOfMemoryError as e:  # kept in the results: the run goes on to restore()
-                raised = str(e).splitlines()[0]
-                print(f"  {label}: raised {raised}", flush=True)
+                    row.update(ms=round(ms, 2), loss=loss)
+                except torch.OutOfMemoryError as e:
+                    optimizer.zero_grad(set_to_none=True)  # the optimizer never saw them
+                    raised.append(str(e).splitlines()[0])
+                    row.update(ms=None, loss=None, raised=raised[-1])
+                recs = rt.stats()["oom_recoveries"][before:]
+                rec.add({**row, "oom_recoveries": len(recs), **memory_now(rt, device)})
+                print(f"  {label} step {i}: {row['ms']} ms, loss {row['loss']}, recoveries {len(recs)}"
+                      + (f", raised {raised[-1][:120]}" if "raised" in row else ""), flush=True)
+        done = [r for r in rec.rows if r["phase"] == label and r["loss"] is not None]
         events.append({"phase": label, "warnings": [str(w.message) for w in caught if "memory" in str(w.message)],
-                       "raised": raised, "plan_after": rt.plan.summary(),
-                       "losses_finite": all(math.isfinite(r["loss"]) for r in rec.rows if r["phase"] == label)})
+                       "raised": raised, "steps_done": len(done), "plan_after": rt.plan.summary(),
+                       "losses_finite": all(math.isfinite(r["loss"]) for r in done)})
 
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.empty_cache()  # this process hands back its cached blocks: what it needs now is allocated
@@ -305,7 +311,8 @@ def figure(rows: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(4, 1, figsize=(12, 11), sharex=True)
     x = [r["step"] for r in rows]
-    axes[0].plot(x, [r["ms"] for r in rows], lw=0.6)
+    nan = float("nan")  # a step that raised has no time and no loss
+    axes[0].plot(x, [nan if r["ms"] is None else r["ms"] for r in rows], lw=0.6)
     axes[0].set_ylabel("step ms")
     axes[0].set_yscale("log")
     ax = axes[0].twinx()
@@ -318,7 +325,7 @@ def figure(rows: list[dict], path: str) -> None:
         axes[2].plot(x, [r["gpu_alloc_gb"] for r in rows], label="GPU allocated GB (after the step)")
         axes[2].plot(x, [r["gpu_reserved_gb"] for r in rows], label="GPU reserved GB")
         axes[2].legend(loc="center right")
-    axes[3].plot(x, [r["loss"] for r in rows], lw=0.6)
+    axes[3].plot(x, [nan if r["loss"] is None else r["loss"] for r in rows], lw=0.6)
     axes[3].set_ylabel("loss")
     axes[3].set_xlabel("step")
     for r in rows:
@@ -352,7 +359,7 @@ def summarize(args, path: str) -> int:
     stem = os.path.splitext(path)[0]
     write_json(stem + ".json", {"env": run_env(stem + ".log"), "args": vars(args), "from_jsonl": os.path.basename(path),
                                 "steps_run": len(rows), "visits": table, "cut_short": True,
-                                "losses_finite": all(math.isfinite(r["loss"]) for r in rows),
+                                "losses_finite": all(math.isfinite(r["loss"]) for r in rows if r["loss"] is not None),
                                 "switches": sum("switch" in r["events"] for r in soak_rows),
                                 "worst_p99_over_p50": max(v["p99_over_p50"] for v in table)})
     figure(rows, stem + ".png")
@@ -414,8 +421,9 @@ def main(argv=None) -> int:
         "env": info, "args": vars(args), "shape": shape, "offload_s": round(offload_s, 1),
         "visits": table, "oom": oom, "oom_recoveries": stats["oom_recoveries"],
         "telemetry_records": len(ids), "steps_run": len(rec.rows),
-        "telemetry_complete": ids == list(range(len(rec.rows))),
-        "losses_finite": all(math.isfinite(r["loss"]) for r in rec.rows),
+        # one record a step, none missing (a step that raised in its forward never ended: it has none)
+        "telemetry_complete": ids == list(range(len(ids))) and len(ids) >= len(soak_rows),
+        "losses_finite": all(math.isfinite(r["loss"]) for r in rec.rows if r["loss"] is not None),
         "switches": sum("switch" in r["events"] for r in soak_rows),
         "worst_p99_over_p50": max(v["p99_over_p50"] for v in table),
         "restore": after, "plan_corrections": stats["plan_corrections"],

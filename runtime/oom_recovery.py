@@ -25,7 +25,8 @@ Each recovery warns and is kept in `stats()["oom_recoveries"]`. The step goes
 on: nothing is skipped, and the optimizer steps on the whole gradient, as an
 undisturbed step would. When the memory comes back (the other job left),
 `regrow` raises the budget again between steps, up to the user's (the room is
-read every `REGROW_EVERY` steps). Not retried, and said so:
+read every `REGROW_EVERY` steps); a budget the user sets meanwhile
+(`rt.replan(vram_budget=...)`) stands. Not retried, and said so:
 
 - a unit whose backward is not recomputed: its saved activations are consumed
   as it runs, so the error leaves `loss.backward()`. The optimizer has not
@@ -105,6 +106,7 @@ class OomRecovery:
         self._ooms_seen = allocator_ooms(rt.device)
         self._ended_from: Phase | None = None  # the phase the last step ended from (on_phase)
         self._user_budget: tuple[Budget, bool] | None = None  # (budget, planning) before the first recovery
+        self._ours: Budget | None = None  # the budget the last recovery or regrow set (a user's replan replaces it)
         rt.phases.listeners.append(self.on_phase)
 
     def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
@@ -190,6 +192,7 @@ class OomRecovery:
             raise
         if self._user_budget is None:  # the budget the user gave (or none): regrow() returns to it
             self._user_budget = (old_budget, old_planning)
+        self._ours = driver.budget
         room_note = "" if room is None else f"; room {human(room)}"
         return old_budget.describe(), f"{driver.budget.describe()}{room_note}"
 
@@ -198,6 +201,9 @@ class OomRecovery:
         left, the memory fraction went back up), plan for the larger room, up to the user's budget; at it, the
         user's budget is back and regrowing stops. A plan that does not fit leaves the budget as it was."""
         driver, (user, user_planning) = self.rt.planner, self._user_budget
+        if driver.budget is not self._ours:  # the user re-planned since (rt.replan): theirs stands
+            self._user_budget = None
+            return
         room = device_room(self.rt.device)
         if room is None:
             return
@@ -214,6 +220,7 @@ class OomRecovery:
         except (BudgetError, torch.OutOfMemoryError):
             driver.budget = before
             return
+        self._ours = driver.budget
         if back:
             driver.planning, self._user_budget = user_planning, None
         self.records.append({"step": self.rt.phases.step, "where": "between steps", "budget_before": before.describe(),

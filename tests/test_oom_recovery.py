@@ -243,3 +243,17 @@ def test_a_unit_failing_again_is_planned_for_without_the_fragmented_cache(monkey
     assert first["budget_after"].startswith(f"soft {oom_recovery.human(int(0.9 * ceiling))}")
     assert second["budget_after"].startswith(f"soft {oom_recovery.human(int(0.7 * ceiling))}")
     assert rt.planner.budget.limit == int(0.9 * ceiling) + margin - int(0.2 * ceiling) - margin
+
+
+def test_a_budget_the_user_sets_after_a_recovery_stands(monkeypatch):
+    rt, model, compiled, optimizer, x = _offloaded()
+    monkeypatch.setattr(oom_recovery, "REGROW_EVERY", 1)
+    _fail_once(rt, block=3, kind="forward")
+    with pytest.warns(OutOfMemoryWarning):
+        _train(compiled, optimizer, x, 1)
+    mine = rt.planner.budget.limit - 1024
+    rt.replan(vram_budget=mine)
+    room = 10 * mine + 2 * oom_recovery.MIN_MARGIN
+    monkeypatch.setattr(oom_recovery, "device_room", lambda device: room)
+    _train(compiled, optimizer, x, 2)
+    assert rt.planner.budget.limit == mine and rt.oom._user_budget is None
