@@ -43,6 +43,18 @@ Runner = Callable[[tuple], tuple]
 _TOKENS = 4
 
 
+def run_again_after_oom(run: Callable[[], object], recover: Callable[[BaseException], bool]):
+    """`run()`; when it runs out of device memory and `recover(error)` says the owner re-planned, it runs again
+    (runtime/oom_recovery.py says when not); else the error goes on. A unit's forward (units.py) and a recomputed
+    block's backward (below) start from inputs that are still whole, so running them again is exact."""
+    while True:
+        try:
+            return run()
+        except torch.OutOfMemoryError as error:
+            if not recover(error):
+                raise
+
+
 class _RecomputeHooks:
     """What a recomputed block tells its owner: a recompute ran; the backward failed (drop held slots); the
     backward ran out of memory (`on_oom(error)`: True when the owner re-planned and it may run again)."""
@@ -82,12 +94,8 @@ class RecomputedBlock(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the recompute builds no graph of its gradient: say so
     def backward(ctx, *grad_outputs):
         # The recompute starts from the saved inputs: out of memory, it can run again once the owner re-planned.
-        while True:
-            try:
-                return RecomputedBlock._backward(ctx, grad_outputs)
-            except torch.OutOfMemoryError as error:
-                if ctx.hooks.on_oom is None or not ctx.hooks.on_oom(error):
-                    raise
+        recover = ctx.hooks.on_oom or (lambda error: False)
+        return run_again_after_oom(lambda: RecomputedBlock._backward(ctx, grad_outputs), recover)
 
     @staticmethod
     def _backward(ctx, grad_outputs):

@@ -35,7 +35,7 @@ import torch.nn as nn
 from . import compile_cache
 from .context import CompileContext, PassLog, VariantContext
 from .inner import compile_unit
-from .recompute import run_recomputed
+from .recompute import run_again_after_oom, run_recomputed
 from .symbolic import SymbolicInputs, input_key
 
 if TYPE_CHECKING:
@@ -79,16 +79,10 @@ def _tuple_output(gm: fx.GraphModule) -> bool:
     return False
 
 
-def run_again_after_oom(rt, where: Callable[[], str], run: Callable[[], Any]):
-    """`run()`; when it runs out of device memory, the runtime re-plans and it runs again, while the runtime
-    says it may (runtime/oom_recovery.py); else the error goes on. `where()` names the unit (made only then:
-    this wraps every unit call)."""
-    while True:
-        try:
-            return run()
-        except torch.OutOfMemoryError as error:
-            if not rt.recover_from_oom(where(), error):
-                raise
+def _run_unit(rt, where: Callable[[], str], run: Callable[[], Any]):
+    """`run()`, run again after the runtime recovered from out of memory (recompute.run_again_after_oom);
+    `where()` names the unit, made only then: this wraps every unit call."""
+    return run_again_after_oom(run, lambda error: rt.recover_from_oom(where(), error))
 
 
 class _Unit(nn.Module):
@@ -180,7 +174,7 @@ class GlueUnit(_Unit):
         key = self.last_key = (self._key, self.signature(args), torch.is_grad_enabled(), self.ctx.options.inner)
         compiled = self.ctx.variants.get(key, args) or self._compile(key, self.template, args, self.unit_name, False,
                                                                      PassLog())
-        out = run_again_after_oom(self.ctx.runtime, lambda: f"glue unit {self.unit_name}", lambda: compiled(*args))
+        out = _run_unit(self.ctx.runtime, lambda: f"glue unit {self.unit_name}", lambda: compiled(*args))
         return out if self.returns_tuple else out[0]
 
 
@@ -223,7 +217,7 @@ class BlockUnit(_Unit):
     def forward(self, *args):
         # Out of memory before the block returned: the runtime re-plans, and the block runs again under the
         # new plan (which may recompute or spill it where the old one kept its activations).
-        return run_again_after_oom(self.ctx.runtime, self._where_forward, lambda: self._forward(args))
+        return _run_unit(self.ctx.runtime, self._where_forward, lambda: self._forward(args))
 
     def _where_forward(self) -> str:
         return f"the forward of block {self.block} ({self.ctx.runtime.blocks[self.block]})"

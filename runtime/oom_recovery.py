@@ -70,7 +70,8 @@ def allocator_ooms(device: torch.device) -> int:
     """How many allocations the CUDA caching allocator has refused in this process (0 off CUDA)."""
     if device.type != "cuda":
         return 0
-    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
+    # Read once a step: the nested form skips flattening the allocator's few hundred statistics.
+    return int(torch.cuda.memory.memory_stats_as_nested_dict(device).get("num_ooms", 0))
 
 
 def device_room(device: torch.device) -> int | None:
@@ -175,11 +176,10 @@ class OomRecovery:
         if room is not None and without_fragments:
             room -= fragmented_bytes(self.rt.device)
         limit = old_budget.limit
-        weights = plan.slots * plan.slot_bytes + sum(p.bytes for p in plan.blocks if p.resident)
         ceiling = min(limit, plan.predicted_peak_bytes) if limit is not None else plan.predicted_peak_bytes
         new = None if room is None else int(room - max(MIN_MARGIN, MARGIN_FRACTION * room))
         if new is None or new >= ceiling:  # the room did not shrink below the plan: it predicted too little
-            new = int(ceiling - SHRINK_FRACTION * weights)
+            new = int(ceiling - SHRINK_FRACTION * plan.weight_bytes)
         if new <= 0:
             raise BudgetError(f"the room left on {self.rt.device} ({human(room or 0)}) holds no plan")
         # Soft: the new limit; hard: the room itself (less the least margin), for when nothing fits the soft one.

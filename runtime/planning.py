@@ -167,8 +167,7 @@ class PlanDriver:
                     raise torch.OutOfMemoryError(f"stagehand: the plan ({plan.summary()}) did not fit on "
                                                  f"{self.rt.device} when applied ({reason}): {e}") from e
                 self.rt.pool.reconfigure(0, 0, {})  # free what the attempt placed
-                weights = plan.slots * plan.slot_bytes + sum(p.bytes for p in plan.blocks if p.resident)
-                limit = int(min(self.budget.limit, plan.predicted_peak_bytes) - SHRINK_FRACTION * weights)
+                limit = int(min(self.budget.limit, plan.predicted_peak_bytes) - SHRINK_FRACTION * plan.weight_bytes)
                 self.budget = Budget(limit, min(self.budget.hard or limit, limit))
                 note = f"the plan did not fit on the device ({reason}); budget shrunk to {self.budget.describe()}"
                 self.shrinks.append(note)

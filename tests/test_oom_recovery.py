@@ -212,12 +212,18 @@ def test_the_budget_comes_back_when_the_device_has_room_again(monkeypatch):
     assert len(rt.stats()["oom_recoveries"]) == records  # back at the user's budget: no more looking
 
 
-def test_a_room_grown_by_5_percent_leaves_the_budget_and_by_20_raises_it_to_the_room(monkeypatch):
+def _recovered_once(monkeypatch):
+    """An offloaded model whose first step recovered from out of memory in block 3; the room read every step."""
     rt, model, compiled, optimizer, x = _offloaded()
     monkeypatch.setattr(oom_recovery, "REGROW_EVERY", 1)
     _fail_once(rt, block=3, kind="forward")
     with pytest.warns(OutOfMemoryWarning):
         _train(compiled, optimizer, x, 1)
+    return rt, model, compiled, optimizer, x
+
+
+def test_a_room_grown_by_5_percent_leaves_the_budget_and_by_20_raises_it_to_the_room(monkeypatch):
+    rt, model, compiled, optimizer, x = _recovered_once(monkeypatch)
     shrunk = rt.planner.budget.limit
     margin = oom_recovery.MIN_MARGIN
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: int(shrunk * 1.05) + margin)  # +5%: not enough
@@ -246,11 +252,7 @@ def test_a_unit_failing_again_is_planned_for_without_the_fragmented_cache(monkey
 
 
 def test_a_budget_the_user_sets_after_a_recovery_stands(monkeypatch):
-    rt, model, compiled, optimizer, x = _offloaded()
-    monkeypatch.setattr(oom_recovery, "REGROW_EVERY", 1)
-    _fail_once(rt, block=3, kind="forward")
-    with pytest.warns(OutOfMemoryWarning):
-        _train(compiled, optimizer, x, 1)
+    rt, model, compiled, optimizer, x = _recovered_once(monkeypatch)
     mine = rt.planner.budget.limit - 1024
     rt.replan(vram_budget=mine)
     room = 10 * mine + 2 * oom_recovery.MIN_MARGIN

@@ -88,6 +88,11 @@ class Plan:
         a = self.blocks[block].activations
         return None if a == MODEL else a == RECOMPUTE
 
+    @property
+    def weight_bytes(self) -> int:
+        """Device bytes of streamed weights the plan holds: its rotating slots and its resident blocks."""
+        return self.slots * self.slot_bytes + sum(p.bytes for p in self.blocks if p.resident)
+
     def counts(self) -> dict[str, int]:
         return {"resident_blocks": len(self.resident), "streamed_blocks": len(self.blocks) - len(self.resident),
                 "recomputed_blocks": len(self.recomputed), "spilled_blocks": len(self.spilled)}
