@@ -88,6 +88,8 @@ soak_wait() {
     grep -vE "^DEBUG" /tmp/soak/soak.log > "$OUT/soak.log"
     cp /tmp/soak/*.json /tmp/soak/*.png "$OUT/" 2>/dev/null
     ls /tmp/soak/*.jsonl | grep -v telemetry | xargs -r cp -t "$OUT/"  # the runtime's telemetry stays behind (its count is in the JSON)
+    # ... unless asked for (diagnosis: the Conductor's hints, fetches and stalls per step), compressed
+    [ "${SOAK_TELEMETRY:-0}" = 1 ] && for t in /tmp/soak/*telemetry.jsonl; do gzip -c "$t" > "$OUT/$(basename "$t").gz"; done
   else
     echo "soak still running after $1 s: run STAGES=soakwait next (within the machine's idle release)"
   fi
@@ -162,8 +164,13 @@ for stage in $STAGES; do
             soak_wait ${SOAK_WAIT:-400} ;;
     soakwait) soak_wait ${SOAK_WAIT:-570} ;;
     soakfg) # the soak in this call, cut at SOAK_TIMEOUT: its JSONL keeps every step run (soak.py --summarize)
-            mkdir -p /tmp/soak && timeout ${SOAK_TIMEOUT:-540} python3 benches/soak.py ${SOAK_ARGS:-} --out /tmp/soak \
-              > /tmp/soak/soak.log 2>&1; echo $? > /tmp/soak/rc; soak_wait 0 ;;
+            mkdir -p /tmp/soak
+            # SOAK_SMI=1: the GPU's clocks, power and throttle reasons every 200 ms beside the steps
+            [ "${SOAK_SMI:-0}" = 1 ] && { nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+              --format=csv -lms 200 > "$OUT/smi.csv" 2>&1 & }
+            timeout ${SOAK_TIMEOUT:-540} python3 benches/soak.py ${SOAK_ARGS:-} --out /tmp/soak \
+              > /tmp/soak/soak.log 2>&1; echo $? > /tmp/soak/rc; soak_wait 0
+            pkill -f "nvidia-smi --query-gpu" || true ;;
     host)   timeout 60 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -45 | tee "$OUT/host.log" ;;
   esac
 done

@@ -64,6 +64,8 @@ def parse(argv=None):
     ap.add_argument("--settle", type=int, default=4, help="steps after a change left out of p50 / p99")
     ap.add_argument("--gc-freeze-at", type=int, default=None,
                     help="gc.freeze() before this step (default: the start of the second round of budgets); -1: never")
+    ap.add_argument("--rules-off-at", type=int, default=-1,
+                    help="diagnosis: before this step the Conductor's backward-pressure and contention rules stop firing")
     ap.add_argument("--expandable-segments", action="store_true",
                     help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this run (set before CUDA starts)")
     ap.add_argument("--room-gib", type=float, default=10.0, help="what the OOM phase leaves this process")
@@ -194,6 +196,10 @@ def run_steps(args, rt, compiled, optimizer, inputs, rec: Recorder, budgets: lis
         if step == args.gc_freeze_at:
             gc.freeze()  # every object made so far out of the collector's reach: does the spread change?
             events.append("gc_freeze")
+        if step == args.rules_off_at and rt.planner.conductor.enabled:
+            policy = rt.planner.conductor.policy  # does the spread come from the rules' hints?
+            policy.pressure_threshold, policy.contention_checks = math.inf, 2**62
+            events.append("rules_off")
         GC.read()
         clock: dict = {}
         ms, loss = step_once(compiled, optimizer, inputs, clock)
