@@ -258,24 +258,27 @@ def oom_phase(args, rt, compiled, optimizer, inputs, rec: Recorder, device) -> l
 
     def steps(label: str) -> None:
         """`--oom-steps` steps as a training loop runs them: a step that raises out of memory (its backward could
-        not run again inside it) is recorded, its partial gradients dropped, and the loop goes on."""
+        not run again inside it) is run again with the same batch, as a loop that catches the error would; the
+        runtime dropped its partial gradients and re-planned at the rerun's forward."""
         raised = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for i in range(args.oom_steps):
                 before = len(rt.stats()["oom_recoveries"])
-                row = {"step": len(rec.rows), "phase": label, "settled": False, "events": []}
-                try:
-                    ms, loss = step_once(compiled, optimizer, inputs)
-                    row.update(ms=round(ms, 2), loss=loss)
-                except torch.OutOfMemoryError as e:
-                    optimizer.zero_grad(set_to_none=True)  # the optimizer never saw them
-                    raised.append(str(e).splitlines()[0])
-                    row.update(ms=None, loss=None, raised=raised[-1])
+                row = {"step": len(rec.rows), "phase": label, "settled": False, "events": [], "ms": None, "loss": None}
+                for attempt in range(2):
+                    try:
+                        ms, loss = step_once(compiled, optimizer, inputs)
+                        row.update(ms=round(ms, 2), loss=loss, attempts=attempt + 1)
+                        break
+                    except torch.OutOfMemoryError as e:
+                        raised.append(str(e).splitlines()[0])
+                        row.update(raised=raised[-1])
                 recs = rt.stats()["oom_recoveries"][before:]
                 rec.add({**row, "oom_recoveries": len(recs), **memory_now(rt, device)})
                 print(f"  {label} step {i}: {row['ms']} ms, loss {row['loss']}, recoveries {len(recs)}"
-                      + (f", raised {raised[-1][:120]}" if "raised" in row else ""), flush=True)
+                      + (f", raised {row['raised'][:120]}; run again: {'done' if row['loss'] is not None else 'raised'}"
+                         if "raised" in row else ""), flush=True)
         done = [r for r in rec.rows if r["phase"] == label and r["loss"] is not None]
         events.append({"phase": label, "warnings": [str(w.message) for w in caught if "memory" in str(w.message)],
                        "raised": raised, "steps_done": len(done), "plan_after": rt.plan.summary(),
@@ -404,7 +407,7 @@ def main(argv=None) -> int:
     rec.close()
     table = visits(args, [r for r in rec.rows if r["phase"] == "soak"])
     print_table(table, title="per budget visit (settled steps)")
-    stats = rt.stats()
+    stats, allocator = rt.stats(), rt.oom.allocator
     with open(telemetry) as f:
         ids = [json.loads(line)["step_id"] for line in f if line.strip()]
     arenas = list(rt.store.arenas)
@@ -432,7 +435,7 @@ def main(argv=None) -> int:
         "losses_finite": all(math.isfinite(r["loss"]) for r in rec.rows if r["loss"] is not None),
         "switches": sum("switch" in r["events"] for r in soak_rows),
         "worst_p99_over_p50": max(v["p99_over_p50"] for v in table),
-        "restore": after, "plan_corrections": stats["plan_corrections"],
+        "restore": after, "plan_corrections": stats["plan_corrections"], "allocator": allocator,
     }
     write_json(os.path.join(args.out, f"{args.name}.json"), result)
     figure(rec.rows, os.path.join(args.out, f"{args.name}.png"))

@@ -185,6 +185,10 @@ class Config:
     # offload(slab=...): refuse a slab that records no identity of its source weights (older
     # slabs, plain SquareQ ones) instead of loading it with a SlabIdentityWarning.
     require_slab_identity: bool = False
+    # CUDA: turn on the caching allocator's expandable segments at offload (a cache fragmented into pieces
+    # too small for a logits buffer fails units that fit the room), unless PYTORCH_CUDA_ALLOC_CONF or
+    # PYTORCH_ALLOC_CONF configures the allocator. False: leave the allocator as it is.
+    expandable_segments: bool = True
     # Where the full-precision master of a block that streams INT8 is kept: "pinned", "ram"
     # (pageable), "file" (not in RAM: views of the model's safetensors file, offload(checkpoint=...)),
     # or "auto" ("ram" while it fits the memory there is, else "file" when a checkpoint is given).
@@ -222,6 +226,8 @@ class Config:
             raise ConfigError(f"keep_full: must be 'auto', 'pinned', 'ram' or 'file', got {self.keep_full!r}")
         if self.int8_tier not in ("ram", "disk"):
             raise ConfigError(f"int8_tier: must be 'ram' or 'disk', got {self.int8_tier!r}")
+        if not isinstance(self.expandable_segments, bool):
+            raise ConfigError(f"expandable_segments: must be true or false, got {self.expandable_segments!r}")
         if not isinstance(self.require_slab_identity, bool):
             raise ConfigError(f"require_slab_identity: must be true or false, got {self.require_slab_identity!r}")
         return self

@@ -36,11 +36,21 @@ read every `REGROW_EVERY` steps); a budget the user sets meanwhile
 - a recomputed backward of a block whose streamed weights train: it sends gradients
   home as it computes them, and a second run would send them twice;
 - a unit that fails `MAX_TRIES` times in one step, or no plan fits the room.
+
+A step whose backward raised is never half-applied: the attached optimizer refuses to step on its
+gradients (`on_phase`, OPTIMIZER after such a backward), and the next forward drops them (with the
+warning) before the step runs again.
+
+Fragmentation: a cache holding gigabytes in pieces too small for a logits buffer fails a unit that
+fits the room. On CUDA, `offload` turns on the caching allocator's expandable segments
+(`Config.expandable_segments`, `use_expandable_segments`) unless the user's PYTORCH_CUDA_ALLOC_CONF /
+PYTORCH_ALLOC_CONF already configures the allocator.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -60,6 +70,10 @@ FRAGMENTED_NOTE = 0.25  # of the room: above it, a refusal says how to stop the 
 # While a recovery keeps the budget below the user's, the room is read every REGROW_EVERY steps (a driver call,
 # no synchronisation), and the plan is re-made when it grew by more than REGROW_STEP of the budget in force.
 REGROW_EVERY, REGROW_STEP = 50, 0.10
+
+
+class BackwardIncompleteError(RuntimeError):
+    """The optimizer was asked to step on the gradients of a backward that raised."""
 
 
 class OutOfMemoryWarning(UserWarning):
@@ -94,6 +108,22 @@ def fragmented_bytes(device: torch.device) -> int:
     return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def use_expandable_segments(device: torch.device) -> str:
+    """Turn on the CUDA caching allocator's expandable segments for the segments it maps from now on (the
+    ones it holds are handed back at the first re-plan), unless the environment configures the allocator:
+    the user's settings stand. Returns what was done, for the log."""
+    if device.type != "cuda":
+        return "not CUDA"
+    for var in ALLOC_CONF_VARS:
+        if os.environ.get(var):
+            return f"{var}={os.environ[var]} set by the user: left as it is"
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return "expandable_segments:True (Config.expandable_segments)"
+
+
 def _memory_fraction(index: int) -> float | None:
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
     return None if getter is None else float(getter(index))
@@ -109,6 +139,11 @@ class OomRecovery:
         self._user_budget: tuple[Budget, bool] | None = None  # (budget, planning) before the first recovery
         self._ours: Budget | None = None  # the budget the last recovery or regrow set (a user's replan replaces it)
         rt.phases.listeners.append(self.on_phase)
+        # Before every other listener: a refused optimizer phase must not start anything (the host lanes).
+        rt.phases.listeners.insert(0, self._before_optimizer)
+        self._backward_failed = False  # the optimizer was refused after this step's backward
+        self.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
+        log.info("stagehand: CUDA allocator: %s", self.allocator)
 
     def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
         """`where` (a unit) raised `error`, out of memory, at its boundary. Re-plan; True: run it again."""
@@ -134,7 +169,8 @@ class OomRecovery:
     def on_phase(self, old: Phase, new: Phase) -> None:
         """A forward after a backward that raised (a non-recomputed unit's backward cannot run twice): it left its
         block held, or the allocator refused memory while the step ended straight from its backward. Release
-        the slots; re-plan when the allocator refused memory that no recovery handled."""
+        the slots, drop the partial gradients, re-plan when the allocator refused memory that no recovery
+        handled. The optimizer stepping right after such a backward is refused."""
         if new is Phase.STEP_END:
             self._ended_from = old
             if self._user_budget is not None and (self.rt.phases.step + 1) % REGROW_EVERY == 0:
@@ -144,15 +180,15 @@ class OomRecovery:
         self._tries.clear()  # a new forward: every unit may recover again
         held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
         ooms = allocator_ooms(self.rt.device)
-        unhandled = ooms > self._ooms_seen and self._ended_from is Phase.BACKWARD
-        self._ooms_seen = ooms
+        unhandled = ooms > self._ooms_seen and (self._ended_from is Phase.BACKWARD or self._backward_failed)
+        self._ooms_seen, self._backward_failed = ooms, False
         if not held and not unhandled:
             return
         self.rt.abort_held_blocks()
         where = f"the backward of block {held[0]} ({self.rt.blocks[held[0]]})" if held else "the last backward"
+        dropped = self._drop_partial_gradients()
         if not unhandled:  # it raised something else: nothing to re-plan for
-            warnings.warn(f"stagehand: {where} did not finish (it raised); its slots are released. The optimizer "
-                          "did not step on that backward's gradients unless the training loop stepped anyway",
+            warnings.warn(f"stagehand: {where} did not finish (it raised); its slots are released{dropped}",
                           OutOfMemoryWarning, stacklevel=2)
             return
         try:
@@ -161,7 +197,41 @@ class OomRecovery:
             self._refuse(where, None, f"no plan fits the memory left ({e})")
             return
         self._record(where, None, before, after, "its step raised and must be run again (the optimizer did "
-                     "not step on it); this forward runs under the new plan")
+                     f"not step on it); this forward runs under the new plan{dropped}")
+
+    def _unfinished_backward(self) -> str | None:
+        """What says the backward now ending did not finish: a block it still holds, or an allocator refusal
+        no recovery handled (None: it finished)."""
+        held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
+        if held:
+            return f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it"
+        if allocator_ooms(self.rt.device) > self._ooms_seen:
+            return "the allocator refused memory in it and no recovery ran it again"
+        return None
+
+    def _before_optimizer(self, old: Phase, new: Phase) -> None:
+        """The optimizer is about to step right after a backward: refuse when that backward raised (its
+        gradients are partial: some parameters have this step's, some the last accumulation's only)."""
+        if new is not Phase.OPTIMIZER or old is not Phase.BACKWARD or self.rt.pool is None:
+            return
+        why = self._unfinished_backward()
+        if why is not None:
+            self._backward_failed = True
+            raise BackwardIncompleteError(
+                f"stagehand: the optimizer must not step at step {self.rt.phases.step}: the backward before it "
+                f"did not finish ({why}), so its gradients are partial. Zero them (optimizer.zero_grad()) and "
+                "run the step again: its next forward releases the held memory and re-plans")
+
+    def _drop_partial_gradients(self) -> str:
+        """Set to None the gradients of the attached optimizers' parameters (what the failed backward left
+        behind, summed into whatever was accumulated before it); returns the warning's words for it."""
+        params = [p for opt in self.rt._attached for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        for p in params:
+            p.grad = None
+        if not params:
+            return ""
+        return (f"; the partial gradients of {len(params)} parameters were dropped (an accumulation window that "
+                "ran before it must run again)")
 
     # ---- the plan --------------------------------------------------------------------------
 

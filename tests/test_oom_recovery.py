@@ -259,3 +259,48 @@ def test_a_budget_the_user_sets_after_a_recovery_stands(monkeypatch):
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: room)
     _train(compiled, optimizer, x, 2)
     assert rt.planner.budget.limit == mine and rt.oom._user_budget is None
+
+
+def test_the_optimizer_is_refused_after_a_backward_that_raised_and_the_next_forward_drops_its_gradients(monkeypatch):
+    """A loop that catches the error and steps anyway is refused; one that goes on without zeroing the
+    gradients gets them dropped at the next forward: neither applies a partial gradient."""
+    ref_losses, ref_params, _ = _reference(2)
+    rt, model, compiled, optimizer, x = _offloaded()
+    ooms = {"n": 0}
+    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    _fail_once(rt, block=4, kind="backward")
+    start = _params(model)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        compiled(x).float().square().mean().backward()
+    ooms["n"] += 1
+    assert any(p.grad is not None for p in model.parameters())  # the blocks after 4 left their gradients
+    with pytest.raises(stagehand.BackwardIncompleteError, match="did not finish .* partial"):
+        optimizer.step()
+    _same(_params(model), start)
+    limit = rt.planner.budget.limit
+    losses = []
+    with pytest.warns(OutOfMemoryWarning, match=r"must be run again .* partial gradients of \d+ parameters were dropped"):
+        for _ in range(2):  # zero_grad after the step: the failed backward's gradients reach the next forward
+            loss = compiled(x).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+    assert losses == ref_losses
+    _same(_params(model), ref_params)
+    assert rt.planner.budget.limit < limit  # re-planned for the refusal no recovery handled
+
+
+def test_offload_turns_on_expandable_segments_unless_the_environment_configures_the_allocator(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    for var in oom_recovery.ALLOC_CONF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert oom_recovery.use_expandable_segments(torch.device("cpu")) == "not CUDA" and calls == []
+    assert "expandable_segments:True" in oom_recovery.use_expandable_segments(torch.device("cuda", 0))
+    assert calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
+    assert "set by the user" in oom_recovery.use_expandable_segments(torch.device("cuda", 0))
+    assert calls == ["expandable_segments:True"]
+    with pytest.raises(stagehand.ConfigError, match="expandable_segments: must be true or false"):
+        stagehand.Config(expandable_segments="yes").validate()
