@@ -158,7 +158,7 @@ for stage in $STAGES; do
               tests/test_oom_recovery_gpu.py tests/test_gpu_budget.py ;;
     soak)   # benches/soak.py in its own session (it outlives this call: the device tool keeps a setsid process
             # until the machine goes back), waited for up to SOAK_WAIT s; stage soakwait in the next call waits on
-            mkdir -p /tmp/soak && rm -f /tmp/soak/rc
+            mkdir -p /tmp/soak && rm -f /tmp/soak/rc && : > /tmp/soak/soak.log  # soak_wait finds it at once
             setsid bash -c "python3 benches/soak.py ${SOAK_ARGS:-} --out /tmp/soak > /tmp/soak/soak.log 2>&1; \
               echo \$? > /tmp/soak/rc" < /dev/null > /dev/null 2>&1 &
             soak_wait ${SOAK_WAIT:-400} ;;

@@ -436,6 +436,7 @@ def main(argv=None) -> int:
         "switches": sum("switch" in r["events"] for r in soak_rows),
         "worst_p99_over_p50": max(v["p99_over_p50"] for v in table),
         "restore": after, "plan_corrections": stats["plan_corrections"], "allocator": allocator,
+        "gc_freezes": stats["gc_freezes"],
     }
     write_json(os.path.join(args.out, f"{args.name}.json"), result)
     figure(rec.rows, os.path.join(args.out, f"{args.name}.png"))

@@ -120,7 +120,9 @@ def use_expandable_segments(device: torch.device) -> str:
     for var in ALLOC_CONF_VARS:
         if os.environ.get(var):
             return f"{var}={os.environ[var]} set by the user: left as it is"
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    # torch >= 2.10 deprecates the cuda-named setter for the accelerator-wide one
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
     return "expandable_segments:True (Config.expandable_segments)"
 
 
@@ -162,7 +164,6 @@ class OomRecovery:
             before, after = self._replan(f"out of memory in {where}", without_fragments=tries > 1)
         except (BudgetError, torch.OutOfMemoryError) as e:
             return self._refuse(where, error, f"no plan fits the memory left ({e})")
-        self._ooms_seen = allocator_ooms(rt.device)  # handled here (a plan that did not fit when applied too)
         self._record(where, error, before, after, "ran it again")
         return True
 
@@ -198,6 +199,11 @@ class OomRecovery:
             return
         self._record(where, None, before, after, "its step raised and must be run again (the optimizer did "
                      f"not step on it); this forward runs under the new plan{dropped}")
+
+    def note_handled(self) -> None:
+        """An allocator refusal that its caller handled (a prefetch that fell back to the block's wait): not a
+        sign of an unfinished backward."""
+        self._ooms_seen = allocator_ooms(self.rt.device)
 
     def _unfinished_backward(self) -> str | None:
         """What says the backward now ending did not finish: a block it still holds, or an allocator refusal
@@ -260,6 +266,8 @@ class OomRecovery:
         except (BudgetError, torch.OutOfMemoryError):
             driver.budget, driver.planning = old_budget, old_planning
             raise
+        finally:  # a plan that did not fit when applied is refused by the allocator: handled here, not a failure
+            self._ooms_seen = allocator_ooms(self.rt.device)
         if self._user_budget is None:  # the budget the user gave (or none): regrow() returns to it
             self._user_budget = (old_budget, old_planning)
         self._ours = driver.budget
@@ -290,6 +298,8 @@ class OomRecovery:
         except (BudgetError, torch.OutOfMemoryError):
             driver.budget = before
             return
+        finally:
+            self._ooms_seen = allocator_ooms(self.rt.device)
         self._ours = driver.budget
         if back:
             driver.planning, self._user_budget = user_planning, None

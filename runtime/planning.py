@@ -270,6 +270,7 @@ class PlanDriver:
                 issued = rt.pool.prefetch(b, precision).issued
             except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
                 self.conductor.allocation_failed(b, e)
+                self.rt.oom.note_handled()
                 return
             if not issued:
                 self.conductor.copy_not_issued(b)

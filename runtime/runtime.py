@@ -1,11 +1,9 @@
 """The Runtime: what `offload()` returns and what the ops call into.
 
-It owns the host store, the device slots, the block tokens, the precision map,
-the phase tracker and telemetry. It implements the compiler's
-`StreamingRuntime` protocol (compiler/interface.py: the static facts the passes
-read, plus `abort_held_blocks`, `record_compile`, `record_graph`, `on_close`);
-the compiled variants live in the compiler's own cache, which the runtime never
-reads: it only runs the compiler's on-close callbacks.
+It owns the host store, the device slots, the block tokens, the precision map, the phase tracker
+and telemetry. It implements the compiler's `StreamingRuntime` protocol (compiler/interface.py: the
+static facts the passes read, plus `abort_held_blocks`, `record_compile`, `record_graph`, `on_close`);
+the compiled variants live in the compiler's own cache, which the runtime never reads.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .collector import CollectorFreeze
 from .config import Config
 from . import precision as precisions
 from . import registry
@@ -92,6 +91,7 @@ class Runtime(SelectivePrecisionAPI):
         self.phases.listeners.append(lambda old, new: self.planner.on_phase(new, self.phases.step))
         self.oom = OomRecovery(self)  # out of memory at a unit's boundary: re-plan, run it again
         self.recover_from_oom = self.oom.recover  # (the StreamingRuntime protocol's name for it)
+        self.collector = CollectorFreeze(self)  # after a step that compiled: gc.freeze (no full-collection pauses)
         self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
         self._step_base = self._counters()
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)

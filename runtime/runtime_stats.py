@@ -48,6 +48,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
         "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered
         "oom_recoveries": list(rt.oom.records),  # out of memory in a step: where, budgets, plan (oom_recovery.py)
+        "gc_freezes": list(rt.collector.freezes),  # after compiling: objects frozen, ms (collector.py)
         "cost_model_cache": rt.planner.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
         "offload": rt.offload_summary,
     }

@@ -293,7 +293,7 @@ def test_the_optimizer_is_refused_after_a_backward_that_raised_and_the_next_forw
 
 def test_offload_turns_on_expandable_segments_unless_the_environment_configures_the_allocator(monkeypatch):
     calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     for var in oom_recovery.ALLOC_CONF_VARS:
         monkeypatch.delenv(var, raising=False)
     assert oom_recovery.use_expandable_segments(torch.device("cpu")) == "not CUDA" and calls == []
@@ -304,3 +304,28 @@ def test_offload_turns_on_expandable_segments_unless_the_environment_configures_
     assert calls == ["expandable_segments:True"]
     with pytest.raises(stagehand.ConfigError, match="expandable_segments: must be true or false"):
         stagehand.Config(expandable_segments="yes").validate()
+
+
+def test_a_plan_that_did_not_fit_when_applied_at_the_rerun_does_not_refuse_the_optimizer(monkeypatch):
+    """The re-plan at the rerun's forward may itself be refused by the allocator (its first application did
+    not fit, the budget shrank): handled there, so the rerun's optimizer step goes ahead."""
+    ref_losses, ref_params, _ = _reference(2)
+    rt, model, compiled, optimizer, x = _offloaded()
+    ooms = {"n": 0}
+    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    real_apply = rt.planner.apply
+
+    def apply(reason):
+        ooms["n"] += 1  # the allocator refused the first application, the driver's shrink rule handled it
+        return real_apply(reason)
+
+    monkeypatch.setattr(rt.planner, "apply", apply)
+    _fail_once(rt, block=4, kind="backward")
+    optimizer.zero_grad(set_to_none=True)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        compiled(x).float().square().mean().backward()
+    ooms["n"] += 1
+    with pytest.warns(OutOfMemoryWarning, match="must be run again"):
+        losses = _train(compiled, optimizer, x, 2)
+    assert losses == ref_losses
+    _same(_params(model), ref_params)

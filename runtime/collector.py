@@ -1,0 +1,54 @@
+"""Python's garbage collector, out of the steps' way.
+
+Compiling a model leaves millions of long-lived Python objects (Dynamo's
+graphs and guards, Inductor's code, the FX nodes). A full collection walks all
+of them: in the 2000-step soak of the Qwen2.5-7B shape it took 500-720 ms, a
+step of 170-200 ms that once every few hundred steps became 670-925 ms (and on
+several ranks, one rank's pause stalls them all). After a step that compiled
+units, the runtime collects once (that step's garbage) and freezes what is
+left (`gc.freeze`): the collector then only walks objects made since, and later
+full collections cost a few milliseconds.
+
+Objects frozen here that later become cyclic garbage wait for `gc.unfreeze`,
+which `rt.restore()` / `close()` call: what the run compiled is collectable
+again once the model is put back. `Config.freeze_gc_after_compile=False`
+leaves the collector alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any
+
+from .conductor.phases import Phase
+
+log = logging.getLogger(__name__)
+
+
+class CollectorFreeze:
+    def __init__(self, rt: Any):
+        self.rt = rt
+        self.freezes: list[dict[str, Any]] = []  # one per freeze: step, objects frozen, ms of the collection
+        self._compiled_at_freeze = 0  # rt.compile_count at the last freeze
+        if rt.config.freeze_gc_after_compile:
+            rt.phases.listeners.append(self.on_phase)
+            rt._hooks.append(self)  # close() calls remove(): the frozen objects become collectable again
+
+    def on_phase(self, old: Phase, new: Phase) -> None:
+        if new is not Phase.STEP_END or self.rt.compile_count == self._compiled_at_freeze:
+            return
+        self._compiled_at_freeze = self.rt.compile_count
+        t0 = time.perf_counter()
+        gc.collect()  # this step's garbage (the compile's) goes first: frozen garbage would stay
+        gc.freeze()
+        record = {"step": self.rt.phases.step, "frozen_objects": gc.get_freeze_count(),
+                  "collect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
+        self.freezes.append(record)
+        log.info("stagehand: after compiling, %d objects moved out of the collector's walks (%.0f ms)",
+                 record["frozen_objects"], record["collect_ms"])
+
+    def remove(self) -> None:
+        if self.freezes:
+            gc.unfreeze()
