@@ -266,7 +266,7 @@ def oom_phase(args, rt, compiled, optimizer, inputs, rec: Recorder, device) -> l
             for i in range(args.oom_steps):
                 before = len(rt.stats()["oom_recoveries"])
                 row = {"step": len(rec.rows), "phase": label, "settled": False, "events": [], "ms": None, "loss": None}
-                for attempt in range(2):
+                for attempt in range(3):
                     try:
                         ms, loss = step_once(compiled, optimizer, inputs)
                         row.update(ms=round(ms, 2), loss=loss, attempts=attempt + 1)
@@ -279,8 +279,11 @@ def oom_phase(args, rt, compiled, optimizer, inputs, rec: Recorder, device) -> l
                 print(f"  {label} step {i}: {row['ms']} ms, loss {row['loss']}, recoveries {len(recs)}"
                       + (f", raised {row['raised'][:120]}; run again: {'done' if row['loss'] is not None else 'raised'}"
                          if "raised" in row else ""), flush=True)
+        said = [str(w.message) for w in caught if "memory" in str(w.message)]
+        for message in said:  # the run's log keeps what the runtime said (the JSON keeps it whole)
+            print(f"    {message[:400]}", flush=True)
         done = [r for r in rec.rows if r["phase"] == label and r["loss"] is not None]
-        events.append({"phase": label, "warnings": [str(w.message) for w in caught if "memory" in str(w.message)],
+        events.append({"phase": label, "warnings": said,
                        "raised": raised, "steps_done": len(done), "plan_after": rt.plan.summary(),
                        "losses_finite": all(math.isfinite(r["loss"]) for r in done)})
 

@@ -137,13 +137,13 @@ class OomRecovery:
         self.records: list[dict[str, Any]] = []  # one per recovery (and per refusal): stats()["oom_recoveries"]
         self._tries: dict[str, int] = {}  # unit -> recoveries in this step
         self._ooms_seen = allocator_ooms(rt.device)
-        self._ended_from: Phase | None = None  # the phase the last step ended from (on_phase)
+        self._backward_done: bool | None = None  # the last backward reached its end (None: not watched)
+        self._failed_in_a_row = 0  # steps in a row whose backward raised (a step run again that failed again)
         self._user_budget: tuple[Budget, bool] | None = None  # (budget, planning) before the first recovery
         self._ours: Budget | None = None  # the budget the last recovery or regrow set (a user's replan replaces it)
         rt.phases.listeners.append(self.on_phase)
         # Before every other listener: a refused optimizer phase must not start anything (the host lanes).
         rt.phases.listeners.insert(0, self._before_optimizer)
-        self._backward_failed = False  # the optimizer was refused after this step's backward
         self.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
         log.info("stagehand: CUDA allocator: %s", self.allocator)
 
@@ -168,32 +168,33 @@ class OomRecovery:
         return True
 
     def on_phase(self, old: Phase, new: Phase) -> None:
-        """A forward after a backward that raised (a non-recomputed unit's backward cannot run twice): it left its
-        block held, or the allocator refused memory while the step ended straight from its backward. Release
-        the slots, drop the partial gradients, re-plan when the allocator refused memory that no recovery
-        handled. The optimizer stepping right after such a backward is refused."""
-        if new is Phase.STEP_END:
-            self._ended_from = old
-            if self._user_budget is not None and (self.rt.phases.step + 1) % REGROW_EVERY == 0:
-                self.regrow()
+        """A backward that starts inside autograd's engine is watched to its end (`_watch_backward`). A forward
+        after one that raised (a non-recomputed unit's backward cannot run twice) releases the slots it left
+        held and drops the partial gradients; when the allocator refused memory that no recovery handled, it
+        re-plans. The optimizer stepping right after such a backward is refused (`_before_optimizer`)."""
+        if new is Phase.BACKWARD:
+            self._watch_backward()
+        if new is Phase.STEP_END and self._user_budget is not None and (self.rt.phases.step + 1) % REGROW_EVERY == 0:
+            self.regrow()
         if new is not Phase.FORWARD or old is Phase.FORWARD or self.rt.pool is None:
             return
         self._tries.clear()  # a new forward: every unit may recover again
         held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
+        failed, self._backward_done = bool(held) or self._backward_done is False, None
         ooms = allocator_ooms(self.rt.device)
-        unhandled = ooms > self._ooms_seen and (self._ended_from is Phase.BACKWARD or self._backward_failed)
-        self._ooms_seen, self._backward_failed = ooms, False
-        if not held and not unhandled:
+        out_of_memory, self._ooms_seen = ooms > self._ooms_seen, ooms
+        self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
+        if not failed:
             return
         self.rt.abort_held_blocks()
         where = f"the backward of block {held[0]} ({self.rt.blocks[held[0]]})" if held else "the last backward"
         dropped = self._drop_partial_gradients()
-        if not unhandled:  # it raised something else: nothing to re-plan for
+        if not out_of_memory:  # it raised something else: nothing to re-plan for
             warnings.warn(f"stagehand: {where} did not finish (it raised); its slots are released{dropped}",
                           OutOfMemoryWarning, stacklevel=2)
             return
-        try:
-            before, after = self._replan(f"out of memory in {where}")
+        try:  # the run again of a step failed too: the cache's fragments are not room either
+            before, after = self._replan(f"out of memory in {where}", without_fragments=self._failed_in_a_row > 1)
         except (BudgetError, torch.OutOfMemoryError) as e:
             self._refuse(where, None, f"no plan fits the memory left ({e})")
             return
@@ -201,28 +202,30 @@ class OomRecovery:
                      f"not step on it); this forward runs under the new plan{dropped}")
 
     def note_handled(self) -> None:
-        """An allocator refusal that its caller handled (a prefetch that fell back to the block's wait): not a
-        sign of an unfinished backward."""
+        """An allocator refusal that its caller handled (a prefetch that fell back to the block's wait): not one
+        to re-plan for."""
         self._ooms_seen = allocator_ooms(self.rt.device)
 
-    def _unfinished_backward(self) -> str | None:
-        """What says the backward now ending did not finish: a block it still holds, or an allocator refusal
-        no recovery handled (None: it finished)."""
-        held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
-        if held:
-            return f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it"
-        if allocator_ooms(self.rt.device) > self._ooms_seen:
-            return "the allocator refused memory in it and no recovery ran it again"
-        return None
+    def _watch_backward(self) -> None:
+        """Ask autograd's engine to say when this backward ends: its final callbacks run only when the whole
+        graph ran, not when a node raised. Outside the engine (no graph task) there is no verdict."""
+        if torch._C._current_graph_task_id() == -1:
+            self._backward_done = None
+            return
+        self._backward_done = False
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+
+    def _backward_finished(self) -> None:
+        self._backward_done = True
 
     def _before_optimizer(self, old: Phase, new: Phase) -> None:
         """The optimizer is about to step right after a backward: refuse when that backward raised (its
         gradients are partial: some parameters have this step's, some the last accumulation's only)."""
         if new is not Phase.OPTIMIZER or old is not Phase.BACKWARD or self.rt.pool is None:
             return
-        why = self._unfinished_backward()
-        if why is not None:
-            self._backward_failed = True
+        held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
+        if held or self._backward_done is False:
+            why = f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it" if held else "it raised"
             raise BackwardIncompleteError(
                 f"stagehand: the optimizer must not step at step {self.rt.phases.step}: the backward before it "
                 f"did not finish ({why}), so its gradients are partial. Zero them (optimizer.zero_grad()) and "
