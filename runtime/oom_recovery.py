@@ -138,6 +138,8 @@ class OomRecovery:
         self._tries: dict[str, int] = {}  # unit -> recoveries in this step
         self._ooms_seen = allocator_ooms(rt.device)
         self._backward_done: bool | None = None  # the last backward reached its end (None: not watched)
+        self._ended_from: Phase | None = None  # the phase the last step ended from
+        self._refused = False  # the optimizer was refused after the last backward (it did not finish)
         self._failed_in_a_row = 0  # steps in a row whose backward raised (a step run again that failed again)
         self._user_budget: tuple[Budget, bool] | None = None  # (budget, planning) before the first recovery
         self._ours: Budget | None = None  # the budget the last recovery or regrow set (a user's replan replaces it)
@@ -174,15 +176,21 @@ class OomRecovery:
         re-plans. The optimizer stepping right after such a backward is refused (`_before_optimizer`)."""
         if new is Phase.BACKWARD:
             self._watch_backward()
-        if new is Phase.STEP_END and self._user_budget is not None and (self.rt.phases.step + 1) % REGROW_EVERY == 0:
-            self.regrow()
+        if new is Phase.STEP_END:
+            self._ended_from = old
+            if self._user_budget is not None and (self.rt.phases.step + 1) % REGROW_EVERY == 0:
+                self.regrow()
         if new is not Phase.FORWARD or old is Phase.FORWARD or self.rt.pool is None:
             return
         self._tries.clear()  # a new forward: every unit may recover again
         held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
-        failed, self._backward_done = bool(held) or self._backward_done is False, None
         ooms = allocator_ooms(self.rt.device)
         out_of_memory, self._ooms_seen = ooms > self._ooms_seen, ooms
+        # A refusal no recovery handled in a step that ended before its optimizer: its backward raised before
+        # its first block (the loss's own backward), where no block's op watches it.
+        early = out_of_memory and self._ended_from in (Phase.FORWARD, Phase.BACKWARD)
+        failed = bool(held) or self._backward_done is False or early or self._refused
+        self._backward_done, self._refused = None, False
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
         if not failed:
             return
@@ -221,11 +229,15 @@ class OomRecovery:
     def _before_optimizer(self, old: Phase, new: Phase) -> None:
         """The optimizer is about to step right after a backward: refuse when that backward raised (its
         gradients are partial: some parameters have this step's, some the last accumulation's only)."""
-        if new is not Phase.OPTIMIZER or old is not Phase.BACKWARD or self.rt.pool is None:
+        if new is not Phase.OPTIMIZER or old not in (Phase.BACKWARD, Phase.FORWARD) or self.rt.pool is None:
             return
         held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
-        if held or self._backward_done is False:
-            why = f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it" if held else "it raised"
+        # Straight from the forward: the backward raised before its first block (the loss's own), if at all.
+        early = old is Phase.FORWARD and allocator_ooms(self.rt.device) > self._ooms_seen
+        if held or self._backward_done is False or early:
+            why = (f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it" if held else "it raised"
+                   if not early else "the allocator refused memory after the forward and no recovery handled it")
+            self._refused = True
             raise BackwardIncompleteError(
                 f"stagehand: the optimizer must not step at step {self.rt.phases.step}: the backward before it "
                 f"did not finish ({why}), so its gradients are partial. Zero them (optimizer.zero_grad()) and "

@@ -281,7 +281,7 @@ class Runtime(SelectivePrecisionAPI):
         # A forward `wait` inside a backward is a block recompute: it belongs to the backward phase.
         kind = "backward" if backward else "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
         t0 = time.perf_counter()
-        (self.phases.forward_op if kind == "forward" else self.phases.backward_op)()
+        self.phases.forward_op(block) if kind == "forward" else self.phases.backward_op()
         if kind == "forward":
             self.grads.forward_ran()
         precision = precisions.by_code(precision_code).name

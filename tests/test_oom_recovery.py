@@ -329,3 +329,31 @@ def test_a_plan_that_did_not_fit_when_applied_at_the_rerun_does_not_refuse_the_o
         losses = _train(compiled, optimizer, x, 2)
     assert losses == ref_losses
     _same(_params(model), ref_params)
+
+
+def test_a_backward_that_raised_before_its_first_block_is_found_by_the_next_forward(monkeypatch):
+    """The loss's own backward (a logits buffer) runs before any block's op: no block is held and no block
+    watched it. The optimizer straight after the forward is refused, and the next forward (its first block
+    again) ends the failed step, re-plans and runs as an undisturbed step would."""
+    ref_losses, ref_params, _ = _reference(2)
+    rt, model, compiled, optimizer, x = _offloaded()
+    ooms = {"n": 0}
+    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    out = compiled(x)
+
+    def refuse(grad):
+        ooms["n"] += 1
+        raise torch.OutOfMemoryError("CUDA out of memory (injected in the loss's backward)")
+
+    out.register_hook(refuse)
+    with pytest.raises(torch.OutOfMemoryError, match="loss's backward"):
+        out.float().square().mean().backward()
+    with pytest.raises(stagehand.BackwardIncompleteError, match="after the forward"):
+        optimizer.step()
+    limit, step = rt.planner.budget.limit, rt.phases.step
+    with pytest.warns(OutOfMemoryWarning, match="the last backward .* must be run again"):
+        losses = _train(compiled, optimizer, x, 2)
+    assert losses == ref_losses
+    _same(_params(model), ref_params)
+    assert rt.planner.budget.limit < limit
+    assert rt.phases.step == step + 3  # the failed step ended when the next forward began

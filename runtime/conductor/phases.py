@@ -31,6 +31,7 @@ class PhaseTracker:
         self.durations: dict[str, float] = {}
         self._on_step_end = on_step_end
         self.listeners: list[Callable[[Phase, Phase], None]] = []
+        self._forward_blocks: tuple[int, int] | None = None  # (first, last) block this forward waited for
 
     def _enter(self, phase: Phase) -> None:
         now = time.perf_counter()
@@ -41,7 +42,13 @@ class PhaseTracker:
         for listener in self.listeners:
             listener(old, phase)
 
-    def forward_op(self) -> None:
+    def forward_op(self, block: int | None = None) -> None:
+        if self.phase is Phase.FORWARD and block is not None and self._forward_blocks is not None:
+            first, last = self._forward_blocks
+            if block == first and last != block:
+                # The forward's first block again: a new forward, the last one never reached a block's backward
+                # (a forward only, or a backward that raised before its first block: the loss's own backward)
+                self.end_step()
         if self.phase in (Phase.IDLE, Phase.STEP_END):
             self._enter(Phase.STEP_BEGIN)
         elif self.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
@@ -49,6 +56,9 @@ class PhaseTracker:
             self._enter(Phase.STEP_BEGIN)
         if self.phase is not Phase.FORWARD:
             self._enter(Phase.FORWARD)
+            self._forward_blocks = None
+        if block is not None:
+            self._forward_blocks = (block if self._forward_blocks is None else self._forward_blocks[0], block)
 
     def backward_op(self) -> None:
         if self.phase is not Phase.BACKWARD:
