@@ -840,11 +840,32 @@ def soak(name: str = "soak_qwen7b.json") -> str:
             Col("growth since the last visit: RSS / locked / GPU GB",
                 lambda r: " / ".join(num(r[k], 3) for k in ("rss_growth_gb", "pinned_growth_gb", "gpu_growth_gb"))
                 if "rss_growth_gb" in r else "")]
+    cols.insert(7, Col("slow steps (> 1.15 x p50): with a full GC", lambda r: f"{r['slow_steps']}: {r['slow_with_full_gc']}"))
+    soak_steps = sum(v["steps"] for v in data["visits"])
     what = (f"Qwen2.5-7B shape, int8 with bf16 kept in RAM, LoRA r=16 on attention, T=2048, AdamW, one process: "
-            f"{data['steps_run']} steps, the budget moved every {args['every']} steps, the map switched every "
+            f"{soak_steps} steps, the budget moved every {args['every']} steps, the map switched every "
             f"{args['switch_every']} ({args['switch_blocks']} blocks to bf16, the window moving; {data['switches']} "
             f"switches); settled: not the {args['settle']} steps after a change")
     return f"{caption(name, what=what)}\n\n{table(data['visits'], cols)}\n"
+
+
+def soak_oom(name: str = "soak_oom.json") -> str:
+    """The soak's out-of-memory phase: what each injection cost, what the runtime did, whether the steps ran."""
+    data = load(name)
+    rows = []
+    for phase in data["oom"]:
+        recovered = [w for w in phase["warnings"] if "ran it again" in w]
+        rerun = [w for w in phase["warnings"] if "must be run again" in w]
+        rows.append({"phase": phase["phase"], "units run again in the step": len(recovered),
+                     "steps that raised (run again by the loop)": len(phase["raised"]) and len(rerun),
+                     "steps done": phase["steps_done"], "losses finite": phase["losses_finite"],
+                     "plan after": phase["plan_after"].split(";")[0]})
+    cols = [Col(k, field(k, str)) for k in rows[0]]
+    what = ("The soak's model (Qwen2.5-7B shape, int8, LoRA, T=2048) at 16 GiB, then a second process takes all but "
+            f"{data['args']['room_gib']:.0f} GiB between two steps; then a memory fraction of "
+            f"{data['args']['room_gib']:.0f} GiB; {data['args']['oom_steps']} steps each, a step that raised run again "
+            f"with the same batch; allocator: {data.get('allocator')}")
+    return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n"
 
 
 @dataclass
@@ -890,6 +911,8 @@ FIGURES: dict[str, Figure] = {
     "full_finetune_qwen_deepspeed": Figure(lambda: full_finetune("full_finetune_qwen_deepspeed.json"),
                                            ("full_finetune_qwen_deepspeed.json",)),
     "soak": Figure(soak, ("soak_qwen7b.json",)),
+    "soak_gc_walks": Figure(lambda: soak("soak_qwen7b_gc_walks.json"), ("soak_qwen7b_gc_walks.json",)),
+    "soak_oom": Figure(soak_oom, ("soak_oom.json",)),
     "full_finetune_qwen14": Figure(lambda: full_finetune("full_finetune_qwen14.json"), ("full_finetune_qwen14.json",)),
     **{f"full_finetune_{run}": Figure(lambda run=run: full_finetune(f"full_finetune_{run}.json"),
                                       (f"full_finetune_{run}.json",))
