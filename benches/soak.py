@@ -361,6 +361,19 @@ def run_env(log: str) -> dict:
     return env
 
 
+def telemetry_check(path: str, soak_rows: list[dict]) -> dict:
+    """The runtime's telemetry beside a run's steps (gzipped, as the device run brings it back): one record a
+    step, none missing. Nothing when the run left none."""
+    if not os.path.exists(path):
+        return {}
+    import gzip
+
+    with gzip.open(path, "rt") as f:
+        ids = [json.loads(line)["step_id"] for line in f if line.strip()]
+    return {"telemetry_file": os.path.basename(path), "telemetry_records": len(ids),
+            "telemetry_complete": ids == list(range(len(ids))) and len(ids) >= len(soak_rows)}
+
+
 def summarize(args, path: str) -> int:
     """The summary of a run that was cut before it wrote one, from its steps alone."""
     with open(path) as f:
@@ -371,6 +384,7 @@ def summarize(args, path: str) -> int:
     stem = os.path.splitext(path)[0]
     write_json(stem + ".json", {"env": run_env(stem + ".log"), "args": vars(args), "from_jsonl": os.path.basename(path),
                                 "steps_run": len(rows), "visits": table, "cut_short": True,
+                                **telemetry_check(stem + "_telemetry.jsonl.gz", soak_rows),
                                 "losses_finite": all(math.isfinite(r["loss"]) for r in rows if r["loss"] is not None),
                                 "switches": sum("switch" in r["events"] for r in soak_rows),
                                 "worst_p99_over_p50": max(v["p99_over_p50"] for v in table)})
