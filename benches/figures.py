@@ -913,6 +913,7 @@ FIGURES: dict[str, Figure] = {
     "soak": Figure(soak, ("soak_qwen7b.json",)),
     "soak_gc_walks": Figure(lambda: soak("soak_qwen7b_gc_walks.json"), ("soak_qwen7b_gc_walks.json",)),
     "soak_oom": Figure(soak_oom, ("soak_oom.json",)),
+    "soak_restore": Figure(lambda: soak("soak_qwen7b_restore.json"), ("soak_qwen7b_restore.json",)),
     "full_finetune_qwen14": Figure(lambda: full_finetune("full_finetune_qwen14.json"), ("full_finetune_qwen14.json",)),
     **{f"full_finetune_{run}": Figure(lambda run=run: full_finetune(f"full_finetune_{run}.json"),
                                       (f"full_finetune_{run}.json",))

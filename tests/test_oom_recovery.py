@@ -76,6 +76,13 @@ def _fail_once(rt, block: int, kind: str, at_call: int = 1):
     return calls
 
 
+def _allocator_count(monkeypatch) -> dict:
+    """The CUDA allocator's count of refused allocations, played by the test: a test adds one per failure."""
+    ooms = {"n": 0}
+    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    return ooms
+
+
 def _reference(steps: int, **kwargs):
     rt, model, compiled, optimizer, x = _offloaded(**kwargs)
     return _train(compiled, optimizer, x, steps), _params(model), rt
@@ -131,8 +138,7 @@ def test_out_of_memory_in_a_recomputed_backward_runs_the_recompute_again():
 def test_out_of_memory_in_a_saved_activation_backward_raises_without_a_step_and_the_next_forward_replans(monkeypatch):
     ref_losses, ref_params, _ = _reference(2)
     rt, model, compiled, optimizer, x = _offloaded()
-    ooms = {"n": 0}
-    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    ooms = _allocator_count(monkeypatch)
     _fail_once(rt, block=4, kind="backward")
     start = _params(model)
     optimizer.zero_grad(set_to_none=True)
@@ -266,8 +272,7 @@ def test_the_optimizer_is_refused_after_a_backward_that_raised_and_the_next_forw
     gradients gets them dropped at the next forward: neither applies a partial gradient."""
     ref_losses, ref_params, _ = _reference(2)
     rt, model, compiled, optimizer, x = _offloaded()
-    ooms = {"n": 0}
-    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    ooms = _allocator_count(monkeypatch)
     _fail_once(rt, block=4, kind="backward")
     start = _params(model)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
@@ -311,8 +316,7 @@ def test_a_plan_that_did_not_fit_when_applied_at_the_rerun_does_not_refuse_the_o
     not fit, the budget shrank): handled there, so the rerun's optimizer step goes ahead."""
     ref_losses, ref_params, _ = _reference(2)
     rt, model, compiled, optimizer, x = _offloaded()
-    ooms = {"n": 0}
-    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    ooms = _allocator_count(monkeypatch)
     real_apply = rt.planner.apply
 
     def apply(reason):
@@ -337,8 +341,7 @@ def test_a_backward_that_raised_before_its_first_block_is_found_by_the_next_forw
     again) ends the failed step, re-plans and runs as an undisturbed step would."""
     ref_losses, ref_params, _ = _reference(2)
     rt, model, compiled, optimizer, x = _offloaded()
-    ooms = {"n": 0}
-    monkeypatch.setattr(oom_recovery, "allocator_ooms", lambda device: ooms["n"])
+    ooms = _allocator_count(monkeypatch)
     out = compiled(x)
 
     def refuse(grad):
