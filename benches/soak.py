@@ -424,7 +424,7 @@ def main(argv=None) -> int:
     rec.close()
     table = visits(args, [r for r in rec.rows if r["phase"] == "soak"])
     print_table(table, title="per budget visit (settled steps)")
-    stats, allocator = rt.stats(), rt.oom.allocator
+    stats, allocator = rt.stats(), rt.allocator
     with open(telemetry) as f:
         ids = [json.loads(line)["step_id"] for line in f if line.strip()]
     arenas = list(rt.store.arenas)

@@ -11,8 +11,10 @@ full collections cost a few milliseconds.
 
 Objects frozen here that later become cyclic garbage wait for `gc.unfreeze`,
 which `rt.restore()` / `close()` call: what the run compiled is collectable
-again once the model is put back. `Config.freeze_gc_after_compile=False`
-leaves the collector alone.
+again once the model is put back. The frozen generation is the process's: the
+unfreeze also releases what the script froze itself, and a run that never
+calls `restore()` keeps the heap frozen to its exit (as vLLM does after its
+start). `Config.freeze_gc_after_compile=False` leaves the collector alone.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ class CollectorFreeze:
         self.rt = rt
         self.freezes: list[dict[str, Any]] = []  # one per freeze: step, objects frozen, ms of the collection
         self._compiled_at_freeze = 0  # rt.compile_count at the last freeze
+        self._closed = False
         if rt.config.freeze_gc_after_compile:
             rt.phases.listeners.append(self.on_phase)
             rt._hooks.append(self)  # close() calls remove(): the frozen objects become collectable again
 
     def on_phase(self, old: Phase, new: Phase) -> None:
-        if new is not Phase.STEP_END or self.rt.compile_count == self._compiled_at_freeze:
-            return
+        if self._closed or new is not Phase.STEP_END or self.rt.compile_count == self._compiled_at_freeze:
+            return  # (close() ends an open step after removing its hooks: nothing is frozen then)
         self._compiled_at_freeze = self.rt.compile_count
         t0 = time.perf_counter()
         gc.collect()  # this step's garbage (the compile's) goes first: frozen garbage would stay
@@ -50,5 +53,8 @@ class CollectorFreeze:
                  record["frozen_objects"], record["collect_ms"])
 
     def remove(self) -> None:
+        """At close(): no freeze after this one, and what was frozen (by this runtime, or anything else in the
+        process: the collector has one frozen generation) is collectable again."""
+        self._closed = True
         if self.freezes:
             gc.unfreeze()

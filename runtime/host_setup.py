@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from . import host_arena, host_budget, host_copy
 from . import precision as precisions
+from .allocator import use_expandable_segments
 from .blocks import StreamedLayerSpec
 from .host_plan import HostPlan, plan_host, preflight
 from .host_store import KEEP_FILE, HostStore
@@ -57,6 +58,8 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     """The Runtime's host store (`rt.store`, `rt.host_plan`): planned, preflighted, filled with the
     masters (from the model or its checkpoint) and, given a slab, its INT8 rows."""
     n = len(rt.blocks)
+    # Before the first device allocation: the slots and resident blocks then live in expandable segments.
+    rt.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
     rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,
                                              rt.checkpoint, slab_loader is not None)
     rt.store.on_replaced = rt._undo.replaced  # the original Parameter objects are kept, their memory released

@@ -42,20 +42,19 @@ gradients (`on_phase`, OPTIMIZER after such a backward), and the next forward dr
 warning) before the step runs again.
 
 Fragmentation: a cache holding gigabytes in pieces too small for a logits buffer fails a unit that
-fits the room. On CUDA, `offload` turns on the caching allocator's expandable segments
-(`Config.expandable_segments`, `use_expandable_segments`) unless the user's PYTORCH_CUDA_ALLOC_CONF /
-PYTORCH_ALLOC_CONF already configures the allocator.
+fits the room. On CUDA, `offload` turns on the caching allocator's expandable segments before it
+allocates anything (allocator.py, `Config.expandable_segments`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Any
 
 import torch
 
+from .allocator import allocator_ooms, device_room, fragmented_bytes
 from .conductor.costs import Budget, BudgetError, human
 from .conductor.phases import Phase
 from .planning import SHRINK_FRACTION  # no smaller room to plan for: the rule for a plan that did not fit
@@ -80,80 +79,43 @@ class OutOfMemoryWarning(UserWarning):
     """The runtime ran out of device memory in a step and re-planned (or could not, and says why)."""
 
 
-def allocator_ooms(device: torch.device) -> int:
-    """How many allocations the CUDA caching allocator has refused in this process (0 off CUDA)."""
-    if device.type != "cuda":
-        return 0
-    # Read once a step: the nested form skips flattening the allocator's few hundred statistics.
-    return int(torch.cuda.memory.memory_stats_as_nested_dict(device).get("num_ooms", 0))
-
-
-def device_room(device: torch.device) -> int | None:
-    """Bytes this process may hold on `device` now: free memory plus its own reserved bytes, bounded by the
-    per-process memory fraction. None off CUDA (no device memory to read)."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()  # the getters want one
-    free, total = torch.cuda.mem_get_info(index)
-    room = free + torch.cuda.memory_reserved(index)
-    fraction = _memory_fraction(index)
-    return int(min(room, fraction * total)) if fraction is not None else int(room)
-
-
-def fragmented_bytes(device: torch.device) -> int:
-    """Reserved bytes no tensor uses that `empty_cache` could not hand back: pieces of segments that hold live
-    tensors, free but too small or too scattered for a large allocation. 0 off CUDA."""
-    if device.type != "cuda":
-        return 0
-    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-
-
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-
-
-def use_expandable_segments(device: torch.device) -> str:
-    """Turn on the CUDA caching allocator's expandable segments for the segments it maps from now on (the
-    ones it holds are handed back at the first re-plan), unless the environment configures the allocator:
-    the user's settings stand. Returns what was done, for the log."""
-    if device.type != "cuda":
-        return "not CUDA"
-    for var in ALLOC_CONF_VARS:
-        if os.environ.get(var):
-            return f"{var}={os.environ[var]} set by the user: left as it is"
-    # torch >= 2.10 deprecates the cuda-named setter for the accelerator-wide one
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    setter("expandable_segments:True")
-    return "expandable_segments:True (Config.expandable_segments)"
-
-
-def _memory_fraction(index: int) -> float | None:
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
-    return None if getter is None else float(getter(index))
-
-
 class OomRecovery:
     def __init__(self, rt: Any):
         self.rt = rt
         self.records: list[dict[str, Any]] = []  # one per recovery (and per refusal): stats()["oom_recoveries"]
         self._tries: dict[str, int] = {}  # unit -> recoveries in this step
+        # The allocator's count of refused allocations when every refusal so far was accounted for (at a
+        # forward's start, after a recovery, after a plan application: the driver shrinks or raises itself).
         self._ooms_seen = allocator_ooms(rt.device)
+        self._first_block: int | None = None  # the block the current forward waited for first
+        self._backward_entered = False  # this step reached a block's backward op
+        self._forward_raised = False  # a unit of this step's forward raised out of memory (not run again)
         self._backward_done: bool | None = None  # the last backward reached its end (None: not watched)
         self._ended_from: Phase | None = None  # the phase the last step ended from
         self._refused = False  # the optimizer was refused after the last backward (it did not finish)
-        self._failed_in_a_row = 0  # steps in a row whose backward raised (a step run again that failed again)
+        self._failed_in_a_row = 0  # steps in a row that raised (a step run again that failed again)
         self._user_budget: tuple[Budget, bool] | None = None  # (budget, planning) before the first recovery
         self._ours: Budget | None = None  # the budget the last recovery or regrow set (a user's replan replaces it)
         rt.phases.listeners.append(self.on_phase)
         # Before every other listener: a refused optimizer phase must not start anything (the host lanes).
         rt.phases.listeners.insert(0, self._before_optimizer)
-        self.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
-        log.info("stagehand: CUDA allocator: %s", self.allocator)
+        rt.phases.new_forward_checks.append(self._new_forward)
+        apply = rt.planner.apply
+
+        def apply_and_account(reason: str, plan=None):
+            try:  # the driver's own refused tries are handled by it: it shrinks the budget or raises
+                return apply(reason, plan)
+            finally:
+                self.note_handled()
+
+        rt.planner.apply = apply_and_account
 
     def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
         """`where` (a unit) raised `error`, out of memory, at its boundary. Re-plan; True: run it again."""
         rt = self.rt
         rt.abort_held_blocks()  # the unit's evict never ran
         tries = self._tries[where] = self._tries.get(where, 0) + 1
+        self._forward_raised = self.rt.phases.phase is Phase.FORWARD  # until it runs again
         if trainable_backward:
             return self._refuse(where, error, "its backward sends the streamed weights' gradients home as it "
                                 "runs; a second run would send them twice")
@@ -167,14 +129,16 @@ class OomRecovery:
         except (BudgetError, torch.OutOfMemoryError) as e:
             return self._refuse(where, error, f"no plan fits the memory left ({e})")
         self._record(where, error, before, after, "ran it again")
+        self._forward_raised = False
         return True
 
     def on_phase(self, old: Phase, new: Phase) -> None:
         """A backward that starts inside autograd's engine is watched to its end (`_watch_backward`). A forward
-        after one that raised (a non-recomputed unit's backward cannot run twice) releases the slots it left
-        held and drops the partial gradients; when the allocator refused memory that no recovery handled, it
-        re-plans. The optimizer stepping right after such a backward is refused (`_before_optimizer`)."""
+        after a step that raised releases the slots it left held, drops the partial gradients when a backward
+        had begun, and re-plans when the allocator refused memory that no recovery handled. The optimizer
+        stepping right after a backward that did not finish is refused (`_before_optimizer`)."""
         if new is Phase.BACKWARD:
+            self._backward_entered = True
             self._watch_backward()
         if new is Phase.STEP_END:
             self._ended_from = old
@@ -186,17 +150,20 @@ class OomRecovery:
         held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
         ooms = allocator_ooms(self.rt.device)
         out_of_memory, self._ooms_seen = ooms > self._ooms_seen, ooms
-        # A refusal no recovery handled in a step that ended before its optimizer: its backward raised before
-        # its first block (the loss's own backward), where no block's op watches it.
+        # A refusal no recovery handled in a step that ended before its optimizer: its forward raised, or its
+        # backward raised before its first block (the loss's own backward), where no block's op watches it.
         early = out_of_memory and self._ended_from in (Phase.FORWARD, Phase.BACKWARD)
         failed = bool(held) or self._backward_done is False or early or self._refused
-        self._backward_done, self._refused = None, False
+        # Gradients of a backward that ran in part; a forward that raised left the ones accumulated before it.
+        partial = self._backward_entered or self._refused or (early and not self._forward_raised)
+        self._backward_done, self._refused, self._backward_entered, self._forward_raised = None, False, False, False
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
         if not failed:
             return
         self.rt.abort_held_blocks()
-        where = f"the backward of block {held[0]} ({self.rt.blocks[held[0]]})" if held else "the last backward"
-        dropped = self._drop_partial_gradients()
+        part = "backward" if partial else "forward"
+        where = f"the {part} of block {held[0]} ({self.rt.blocks[held[0]]})" if held else f"the last {part}"
+        dropped = self._drop_partial_gradients() if partial else ""
         if not out_of_memory:  # it raised something else: nothing to re-plan for
             warnings.warn(f"stagehand: {where} did not finish (it raised); its slots are released{dropped}",
                           OutOfMemoryWarning, stacklevel=2)
@@ -209,9 +176,19 @@ class OomRecovery:
         self._record(where, None, before, after, "its step raised and must be run again (the optimizer did "
                      f"not step on it); this forward runs under the new plan{dropped}")
 
+    def _new_forward(self, block: int) -> bool:
+        """A forward op of `block` (PhaseTracker.new_forward_checks): True when it is the first block of the
+        forward again after an allocator refusal that nothing handled: the step before raised (in its forward,
+        or in the loss's backward) and this is the loop running the next one. Two forwards of one step (a
+        reference model's pass, chosen and rejected) see no refusal and stay one step."""
+        if self.rt.phases.phase is not Phase.FORWARD:  # this op begins a forward
+            self._first_block = block
+            return False
+        return block == self._first_block and allocator_ooms(self.rt.device) > self._ooms_seen
+
     def note_handled(self) -> None:
-        """An allocator refusal that its caller handled (a prefetch that fell back to the block's wait): not one
-        to re-plan for."""
+        """Allocator refusals that their caller handled (a plan application, a prefetch that fell back to the
+        block's wait): none of them ended a step."""
         self._ooms_seen = allocator_ooms(self.rt.device)
 
     def _watch_backward(self) -> None:
@@ -228,15 +205,17 @@ class OomRecovery:
 
     def _before_optimizer(self, old: Phase, new: Phase) -> None:
         """The optimizer is about to step right after a backward: refuse when that backward raised (its
-        gradients are partial: some parameters have this step's, some the last accumulation's only)."""
-        if new is not Phase.OPTIMIZER or old not in (Phase.BACKWARD, Phase.FORWARD) or self.rt.pool is None:
+        gradients are partial: some parameters have this step's, some the last accumulation's only), and
+        again on every try until the next forward. Straight from the forward (no block's backward ran), an
+        allocator refusal that nothing handled since the forward began counts as such a backward."""
+        if new is not Phase.OPTIMIZER or self.rt.pool is None:
             return
         held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
-        # Straight from the forward: the backward raised before its first block (the loss's own), if at all.
         early = old is Phase.FORWARD and allocator_ooms(self.rt.device) > self._ooms_seen
-        if held or self._backward_done is False or early:
-            why = (f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it" if held else "it raised"
-                   if not early else "the allocator refused memory after the forward and no recovery handled it")
+        if self._refused or (old is Phase.BACKWARD and (held or self._backward_done is False)) or early:
+            why = (f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it" if held
+                   else "the allocator refused memory after the forward and no recovery handled it" if early
+                   else "it raised")
             self._refused = True
             raise BackwardIncompleteError(
                 f"stagehand: the optimizer must not step at step {self.rt.phases.step}: the backward before it "
@@ -281,8 +260,6 @@ class OomRecovery:
         except (BudgetError, torch.OutOfMemoryError):
             driver.budget, driver.planning = old_budget, old_planning
             raise
-        finally:  # a plan that did not fit when applied is refused by the allocator: handled here, not a failure
-            self._ooms_seen = allocator_ooms(self.rt.device)
         if self._user_budget is None:  # the budget the user gave (or none): regrow() returns to it
             self._user_budget = (old_budget, old_planning)
         self._ours = driver.budget
@@ -313,8 +290,6 @@ class OomRecovery:
         except (BudgetError, torch.OutOfMemoryError):
             driver.budget = before
             return
-        finally:
-            self._ooms_seen = allocator_ooms(self.rt.device)
         self._ours = driver.budget
         if back:
             driver.planning, self._user_budget = user_planning, None

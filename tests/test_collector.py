@@ -53,3 +53,17 @@ def test_a_config_that_leaves_the_collector_alone_freezes_nothing():
     assert counts == [0, 0] and rt.stats()["gc_freezes"] == []
     with pytest.raises(stagehand.ConfigError, match="freeze_gc_after_compile: must be true or false"):
         stagehand.Config(freeze_gc_after_compile=1).validate()
+
+
+def test_restore_in_the_middle_of_a_step_that_compiled_leaves_nothing_frozen():
+    """close() ends the open step after removing its hooks: a step that compiled (no optimizer attached, so
+    it is still open) must not freeze the heap after the unfreeze."""
+    model, x = toy(n=3)
+    rt = stagehand.offload(model, device="cpu")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    with torch.no_grad():
+        compiled(x)
+    assert rt.phases.phase.value == "forward"
+    rt.restore()
+    assert gc.get_freeze_count() == 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torch_stagehand as stagehand
-from torch_stagehand.runtime import oom_recovery
+from torch_stagehand.runtime import allocator, oom_recovery
 from torch_stagehand.runtime.oom_recovery import OutOfMemoryWarning
 
 from _helpers import block_bytes_by_precision, close, toy
@@ -299,13 +299,13 @@ def test_the_optimizer_is_refused_after_a_backward_that_raised_and_the_next_forw
 def test_offload_turns_on_expandable_segments_unless_the_environment_configures_the_allocator(monkeypatch):
     calls = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
-    for var in oom_recovery.ALLOC_CONF_VARS:
+    for var in allocator.ALLOC_CONF_VARS:
         monkeypatch.delenv(var, raising=False)
-    assert oom_recovery.use_expandable_segments(torch.device("cpu")) == "not CUDA" and calls == []
-    assert "expandable_segments:True" in oom_recovery.use_expandable_segments(torch.device("cuda", 0))
+    assert allocator.use_expandable_segments(torch.device("cpu")) == "not CUDA" and calls == []
+    assert "expandable_segments:True" in allocator.use_expandable_segments(torch.device("cuda", 0))
     assert calls == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
-    assert "set by the user" in oom_recovery.use_expandable_segments(torch.device("cuda", 0))
+    assert "set by the user" in allocator.use_expandable_segments(torch.device("cuda", 0))
     assert calls == ["expandable_segments:True"]
     with pytest.raises(stagehand.ConfigError, match="expandable_segments: must be true or false"):
         stagehand.Config(expandable_segments="yes").validate()
@@ -360,3 +360,38 @@ def test_a_backward_that_raised_before_its_first_block_is_found_by_the_next_forw
     _same(_params(model), ref_params)
     assert rt.planner.budget.limit < limit
     assert rt.phases.step == step + 3  # the failed step ended when the next forward began
+
+
+def test_a_loop_that_skips_the_optimizer_after_the_losss_backward_raised_is_found_at_the_first_block(monkeypatch):
+    """No optimizer call after the failure: the next forward's first block, with an allocator refusal that
+    nothing handled since the last forward began, ends the failed step there and re-plans."""
+    ref_losses, ref_params, _ = _reference(2)
+    rt, model, compiled, optimizer, x = _offloaded()
+    ooms = _allocator_count(monkeypatch)
+    out = compiled(x)
+
+    def refuse(grad):
+        ooms["n"] += 1
+        raise torch.OutOfMemoryError("CUDA out of memory (injected in the loss's backward)")
+
+    out.register_hook(refuse)
+    with pytest.raises(torch.OutOfMemoryError):
+        out.float().square().mean().backward()
+    step, limit = rt.phases.step, rt.planner.budget.limit
+    with pytest.warns(OutOfMemoryWarning, match="the last backward .* must be run again"):
+        losses = _train(compiled, optimizer, x, 2)
+    assert losses == ref_losses
+    _same(_params(model), ref_params)
+    assert rt.phases.step == step + 3 and rt.planner.budget.limit < limit
+
+
+def test_two_forwards_in_one_step_stay_one_step():
+    """A step that runs the model twice before its backward (chosen and rejected, a reference pass) is one
+    step: no refusal, nothing re-planned, no gradient dropped."""
+    rt, model, compiled, optimizer, x = _offloaded()
+    for _ in range(3):
+        a, b = compiled(x), compiled(2 * x)
+        (a - b).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert rt.phases.step == 3 and rt.stats()["oom_recoveries"] == []

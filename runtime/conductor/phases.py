@@ -31,7 +31,9 @@ class PhaseTracker:
         self.durations: dict[str, float] = {}
         self._on_step_end = on_step_end
         self.listeners: list[Callable[[Phase, Phase], None]] = []
-        self._forward_blocks: tuple[int, int] | None = None  # (first, last) block this forward waited for
+        # Asked at each forward op of a block: True (only ever in FORWARD) ends the step there: a new forward
+        # began and the last step never reached its backward's blocks (oom_recovery's evidence of a step that raised).
+        self.new_forward_checks: list[Callable[[int], bool]] = []
 
     def _enter(self, phase: Phase) -> None:
         now = time.perf_counter()
@@ -43,12 +45,8 @@ class PhaseTracker:
             listener(old, phase)
 
     def forward_op(self, block: int | None = None) -> None:
-        if self.phase is Phase.FORWARD and block is not None and self._forward_blocks is not None:
-            first, last = self._forward_blocks
-            if block == first and last != block:
-                # The forward's first block again: a new forward, the last one never reached a block's backward
-                # (a forward only, or a backward that raised before its first block: the loss's own backward)
-                self.end_step()
+        if block is not None and any(check(block) for check in self.new_forward_checks):
+            self.end_step()
         if self.phase in (Phase.IDLE, Phase.STEP_END):
             self._enter(Phase.STEP_BEGIN)
         elif self.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
@@ -56,9 +54,6 @@ class PhaseTracker:
             self._enter(Phase.STEP_BEGIN)
         if self.phase is not Phase.FORWARD:
             self._enter(Phase.FORWARD)
-            self._forward_blocks = None
-        if block is not None:
-            self._forward_blocks = (block if self._forward_blocks is None else self._forward_blocks[0], block)
 
     def backward_op(self) -> None:
         if self.phase is not Phase.BACKWARD:

@@ -1,0 +1,65 @@
+"""What the CUDA caching allocator says and how it is set: refusals counted, the room this process may
+hold, the bytes its cache holds in pieces, expandable segments.
+
+Expandable segments: a cache holding gigabytes in pieces too small for a logits buffer fails a unit that
+fits the room (the soak's loss glue, 5.97 GiB of them). `offload` turns them on before it allocates
+anything on the device (`Config.expandable_segments`), unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
+configures the allocator: the user's settings stand. The setting is process-wide and stays after
+`restore()`, as an environment variable would.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def allocator_ooms(device: torch.device) -> int:
+    """How many allocations the CUDA caching allocator has refused in this process (0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    # Read once a step: the nested form skips flattening the allocator's few hundred statistics.
+    return int(torch.cuda.memory.memory_stats_as_nested_dict(device).get("num_ooms", 0))
+
+
+def device_room(device: torch.device) -> int | None:
+    """Bytes this process may hold on `device` now: free memory plus its own reserved bytes, bounded by the
+    per-process memory fraction. None off CUDA (no device memory to read)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the getters want one
+    free, total = torch.cuda.mem_get_info(index)
+    room = free + torch.cuda.memory_reserved(index)
+    fraction = _memory_fraction(index)
+    return int(min(room, fraction * total)) if fraction is not None else int(room)
+
+
+def fragmented_bytes(device: torch.device) -> int:
+    """Reserved bytes no tensor uses that `empty_cache` could not hand back: pieces of segments that hold live
+    tensors, free but too small or too scattered for a large allocation. 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def use_expandable_segments(device: torch.device) -> str:
+    """Turn on the CUDA caching allocator's expandable segments for the segments it maps from now on (the
+    ones it holds are handed back at the first re-plan), unless the environment configures the allocator:
+    the user's settings stand. Returns what was done, for the log."""
+    if device.type != "cuda":
+        return "not CUDA"
+    for var in ALLOC_CONF_VARS:
+        if os.environ.get(var):
+            return f"{var}={os.environ[var]} set by the user: left as it is"
+    # torch >= 2.10 deprecates the cuda-named setter for the accelerator-wide one
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter("expandable_segments:True")
+    return "expandable_segments:True (Config.expandable_segments)"
+
+
+def _memory_fraction(index: int) -> float | None:
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
+    return None if getter is None else float(getter(index))
