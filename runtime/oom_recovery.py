@@ -88,6 +88,7 @@ class OomRecovery:
         # forward's start, after a recovery, after a plan application: the driver shrinks or raises itself).
         self._ooms_seen = allocator_ooms(rt.device)
         self._first_block: int | None = None  # the block the current forward waited for first
+        self._first_step, self._other_block_seen = -1, False  # its step; another block waited for since
         self._backward_entered = False  # this step reached a block's backward op
         self._forward_raised = False  # a unit of this step's forward raised out of memory (not run again)
         self._backward_done: bool | None = None  # the last backward reached its end (None: not watched)
@@ -103,10 +104,11 @@ class OomRecovery:
         apply = rt.planner.apply
 
         def apply_and_account(reason: str, plan=None):
-            try:  # the driver's own refused tries are handled by it: it shrinks the budget or raises
+            before = allocator_ooms(rt.device)
+            try:  # the driver's own refused tries are handled by it (it shrinks the budget or raises): only those
                 return apply(reason, plan)
             finally:
-                self.note_handled()
+                self._ooms_seen += allocator_ooms(rt.device) - before
 
         rt.planner.apply = apply_and_account
 
@@ -114,6 +116,9 @@ class OomRecovery:
         """`where` (a unit) raised `error`, out of memory, at its boundary. Re-plan; True: run it again."""
         rt = self.rt
         rt.abort_held_blocks()  # the unit's evict never ran
+        # This unit's refusal, and any earlier one of this forward that someone caught (the step went on to
+        # reach this unit), are accounted for: the last step's were read when this forward began.
+        self._ooms_seen = max(self._ooms_seen, allocator_ooms(rt.device))
         tries = self._tries[where] = self._tries.get(where, 0) + 1
         self._forward_raised = self.rt.phases.phase is Phase.FORWARD  # until it runs again
         if trainable_backward:
@@ -152,7 +157,8 @@ class OomRecovery:
         out_of_memory, self._ooms_seen = ooms > self._ooms_seen, ooms
         # A refusal no recovery handled in a step that ended before its optimizer: its forward raised, or its
         # backward raised before its first block (the loss's own backward), where no block's op watches it.
-        early = out_of_memory and self._ended_from in (Phase.FORWARD, Phase.BACKWARD)
+        early = out_of_memory and (self._ended_from is Phase.FORWARD
+                                   or (self._ended_from is Phase.BACKWARD and self._backward_done is not True))
         failed = bool(held) or self._backward_done is False or early or self._refused
         # Gradients of a backward that ran in part; a forward that raised left the ones accumulated before it.
         partial = self._backward_entered or self._refused or (early and not self._forward_raised)
@@ -181,15 +187,20 @@ class OomRecovery:
         forward again after an allocator refusal that nothing handled: the step before raised (in its forward,
         or in the loss's backward) and this is the loop running the next one. Two forwards of one step (a
         reference model's pass, chosen and rejected) see no refusal and stay one step."""
-        if self.rt.phases.phase is not Phase.FORWARD:  # this op begins a forward
-            self._first_block = block
+        phases = self.rt.phases
+        if phases.phase is not Phase.FORWARD or self._first_block is None or self._first_step != phases.step:
+            # this op begins a forward (or the first block op of one an eager layer began)
+            self._first_block, self._first_step, self._other_block_seen = block, phases.step, False
             return False
-        return block == self._first_block and allocator_ooms(self.rt.device) > self._ooms_seen
+        if block != self._first_block:
+            self._other_block_seen = True  # (a block split by a graph break waits twice in a row: not a new forward)
+            return False
+        return self._other_block_seen and allocator_ooms(self.rt.device) > self._ooms_seen
 
     def note_handled(self) -> None:
-        """Allocator refusals that their caller handled (a plan application, a prefetch that fell back to the
-        block's wait): none of them ended a step."""
-        self._ooms_seen = allocator_ooms(self.rt.device)
+        """An allocator refusal that its caller handled (a prefetch that fell back to the block's wait): it did
+        not end a step, nor did any refusal before it in this step (the step went on to reach it)."""
+        self._ooms_seen = max(self._ooms_seen, allocator_ooms(self.rt.device))
 
     def _watch_backward(self) -> None:
         """Ask autograd's engine to say when this backward ends: its final callbacks run only when the whole
@@ -307,9 +318,13 @@ class OomRecovery:
         room, scattered = device_room(device), fragmented_bytes(device)
         if room is None or scattered < FRAGMENTED_NOTE * room:
             return ""
+        if "expandable_segments:True" in getattr(self.rt, "allocator", ""):
+            way_out = ("expandable segments are on: the gaps lie between tensors the step still holds; the step "
+                       "run again plans without them, or give a smaller vram_budget")
+        else:
+            way_out = "start the run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
         return (f"; {human(scattered)} of the {human(room)} this process may hold are reserved but in pieces too "
-                "small for the allocation (fragmentation): start the run with "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+                f"small for the allocation (fragmentation): {way_out}")
 
     def _record(self, where: str, error: BaseException | None, before: str, after: str, action: str) -> None:
         rt = self.rt

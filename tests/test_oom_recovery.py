@@ -311,28 +311,36 @@ def test_offload_turns_on_expandable_segments_unless_the_environment_configures_
         stagehand.Config(expandable_segments="yes").validate()
 
 
-def test_a_plan_that_did_not_fit_when_applied_at_the_rerun_does_not_refuse_the_optimizer(monkeypatch):
-    """The re-plan at the rerun's forward may itself be refused by the allocator (its first application did
-    not fit, the budget shrank): handled there, so the rerun's optimizer step goes ahead."""
+def test_a_plan_that_did_not_fit_when_applied_counts_as_handled_and_a_pending_refusal_stays_pending(monkeypatch):
+    """The re-plan at a forward may itself be refused by the allocator (its first application did not fit,
+    the budget shrank): handled there. A refusal from before (the loss's backward raised) stays pending
+    through a plan the user applies before the next forward, which then finds it and re-plans."""
     ref_losses, ref_params, _ = _reference(2)
     rt, model, compiled, optimizer, x = _offloaded()
     ooms = _allocator_count(monkeypatch)
-    real_apply = rt.planner.apply
+    real_reconfigure = rt.pool.reconfigure
 
-    def apply(reason):
-        ooms["n"] += 1  # the allocator refused the first application, the driver's shrink rule handled it
-        return real_apply(reason)
+    def reconfigure(*args, **kwargs):
+        ooms["n"] += 1  # the allocator refused a try of this application; the driver handled it
+        return real_reconfigure(*args, **kwargs)
 
-    monkeypatch.setattr(rt.planner, "apply", apply)
-    _fail_once(rt, block=4, kind="backward")
-    optimizer.zero_grad(set_to_none=True)
-    with pytest.raises(torch.OutOfMemoryError, match="injected"):
-        compiled(x).float().square().mean().backward()
-    ooms["n"] += 1
-    with pytest.warns(OutOfMemoryWarning, match="must be run again"):
-        losses = _train(compiled, optimizer, x, 2)
+    monkeypatch.setattr(rt.pool, "reconfigure", reconfigure)
+    out = compiled(x)
+
+    def refuse(grad):
+        ooms["n"] += 1
+        raise torch.OutOfMemoryError("CUDA out of memory (injected in the loss's backward)")
+
+    out.register_hook(refuse)
+    with pytest.raises(torch.OutOfMemoryError):
+        out.float().square().mean().backward()
+    rt.replan(vram_budget=rt.planner.budget.limit)  # a plan applied before the next forward
+    step, limit = rt.phases.step, rt.planner.budget.limit
+    with pytest.warns(OutOfMemoryWarning, match="the last backward .* must be run again"):
+        losses = _train(compiled, optimizer, x, 2)  # its own applications' refusals: none refuses the optimizer
     assert losses == ref_losses
     _same(_params(model), ref_params)
+    assert rt.phases.step == step + 3 and rt.planner.budget.limit < limit
 
 
 def test_a_backward_that_raised_before_its_first_block_is_found_by_the_next_forward(monkeypatch):
@@ -395,3 +403,38 @@ def test_two_forwards_in_one_step_stay_one_step():
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     assert rt.phases.step == 3 and rt.stats()["oom_recoveries"] == []
+
+
+def test_the_fragmentation_note_names_the_way_out_that_is_left(monkeypatch):
+    """Above a quarter of the room in pieces, a refusal names expandable segments, or, when they are on
+    already, what is left to do."""
+    rt, *_ = _offloaded()
+    monkeypatch.setattr(oom_recovery, "device_room", lambda device: 8 * 2**30)
+    monkeypatch.setattr(oom_recovery, "fragmented_bytes", lambda device: 3 * 2**30)
+    rt.allocator = "left as it is"
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in rt.oom._fragmentation_note()
+    rt.allocator = "expandable_segments:True (Config.expandable_segments)"
+    note = rt.oom._fragmentation_note()
+    assert "expandable segments are on" in note and "PYTORCH_CUDA_ALLOC_CONF" not in note
+    monkeypatch.setattr(oom_recovery, "fragmented_bytes", lambda device: 2**30)
+    assert rt.oom._fragmentation_note() == ""
+
+
+def test_a_refusal_someone_caught_in_a_finished_backward_keeps_the_accumulated_gradients(monkeypatch):
+    """Gradient accumulation: an allocator refusal caught elsewhere during a backward that reached its end
+    (a library's workspace fallback) is not a failed step: the next micro-batch adds to the gradients."""
+    import warnings
+
+    rt, model, compiled, optimizer, x = _offloaded()
+    ooms = _allocator_count(monkeypatch)
+    out = compiled(x)
+    out.register_hook(lambda grad: ooms.update(n=ooms["n"] + 1))  # counted, caught, the backward goes on
+    out.float().square().mean().backward()
+    first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OutOfMemoryWarning)
+        compiled(x).float().square().mean().backward()  # the second micro-batch
+    summed = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert first and summed.keys() == first.keys()
+    assert all(torch.allclose(summed[n], 2 * first[n]) for n in first)
+    assert rt.stats()["oom_recoveries"] == []
