@@ -83,6 +83,19 @@ def _allocator_count(monkeypatch) -> dict:
     return ooms
 
 
+def _fail_the_losss_backward(compiled, x, ooms: dict) -> None:
+    """A step whose loss's own backward (a logits buffer, before any block's op) runs out of memory."""
+    out = compiled(x)
+
+    def refuse(grad):
+        ooms["n"] += 1
+        raise torch.OutOfMemoryError("CUDA out of memory (injected in the loss's backward)")
+
+    out.register_hook(refuse)
+    with pytest.raises(torch.OutOfMemoryError, match="loss's backward"):
+        out.float().square().mean().backward()
+
+
 def _reference(steps: int, **kwargs):
     rt, model, compiled, optimizer, x = _offloaded(**kwargs)
     return _train(compiled, optimizer, x, steps), _params(model), rt
@@ -325,15 +338,7 @@ def test_a_plan_that_did_not_fit_when_applied_counts_as_handled_and_a_pending_re
         return real_reconfigure(*args, **kwargs)
 
     monkeypatch.setattr(rt.pool, "reconfigure", reconfigure)
-    out = compiled(x)
-
-    def refuse(grad):
-        ooms["n"] += 1
-        raise torch.OutOfMemoryError("CUDA out of memory (injected in the loss's backward)")
-
-    out.register_hook(refuse)
-    with pytest.raises(torch.OutOfMemoryError):
-        out.float().square().mean().backward()
+    _fail_the_losss_backward(compiled, x, ooms)
     rt.replan(vram_budget=rt.planner.budget.limit)  # a plan applied before the next forward
     step, limit = rt.phases.step, rt.planner.budget.limit
     with pytest.warns(OutOfMemoryWarning, match="the last backward .* must be run again"):
@@ -350,15 +355,7 @@ def test_a_backward_that_raised_before_its_first_block_is_found_by_the_next_forw
     ref_losses, ref_params, _ = _reference(2)
     rt, model, compiled, optimizer, x = _offloaded()
     ooms = _allocator_count(monkeypatch)
-    out = compiled(x)
-
-    def refuse(grad):
-        ooms["n"] += 1
-        raise torch.OutOfMemoryError("CUDA out of memory (injected in the loss's backward)")
-
-    out.register_hook(refuse)
-    with pytest.raises(torch.OutOfMemoryError, match="loss's backward"):
-        out.float().square().mean().backward()
+    _fail_the_losss_backward(compiled, x, ooms)
     with pytest.raises(stagehand.BackwardIncompleteError, match="after the forward"):
         optimizer.step()
     limit, step = rt.planner.budget.limit, rt.phases.step
@@ -376,15 +373,7 @@ def test_a_loop_that_skips_the_optimizer_after_the_losss_backward_raised_is_foun
     ref_losses, ref_params, _ = _reference(2)
     rt, model, compiled, optimizer, x = _offloaded()
     ooms = _allocator_count(monkeypatch)
-    out = compiled(x)
-
-    def refuse(grad):
-        ooms["n"] += 1
-        raise torch.OutOfMemoryError("CUDA out of memory (injected in the loss's backward)")
-
-    out.register_hook(refuse)
-    with pytest.raises(torch.OutOfMemoryError):
-        out.float().square().mean().backward()
+    _fail_the_losss_backward(compiled, x, ooms)
     step, limit = rt.phases.step, rt.planner.budget.limit
     with pytest.warns(OutOfMemoryWarning, match="the last backward .* must be run again"):
         losses = _train(compiled, optimizer, x, 2)
