@@ -49,6 +49,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered
         "oom_recoveries": list(rt.oom.records),  # out of memory in a step: where, budgets, plan (oom_recovery.py)
         "gc_freezes": list(rt.collector.freezes),  # after compiling: objects frozen, ms (collector.py)
+        "allocator": rt.allocator,  # what offload did to the CUDA allocator (allocator.py)
         "cost_model_cache": rt.planner.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
         "offload": rt.offload_summary,
     }

@@ -297,7 +297,8 @@ def test_the_optimizer_is_refused_after_a_backward_that_raised_and_the_next_forw
     _same(_params(model), start)
     limit = rt.planner.budget.limit
     losses = []
-    with pytest.warns(OutOfMemoryWarning, match=r"must be run again .* partial gradients of \d+ parameters were dropped"):
+    dropped = r"must be run again .* partial gradients of \d+ parameters were dropped"
+    with pytest.warns(OutOfMemoryWarning, match=dropped):
         for _ in range(2):  # zero_grad after the step: the failed backward's gradients reach the next forward
             loss = compiled(x).float().square().mean()
             loss.backward()
