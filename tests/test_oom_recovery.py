@@ -428,3 +428,62 @@ def test_a_refusal_someone_caught_in_a_finished_backward_keeps_the_accumulated_g
     assert first and summed.keys() == first.keys()
     assert all(torch.allclose(summed[n], 2 * first[n]) for n in first)
     assert rt.stats()["oom_recoveries"] == []
+
+
+def _train_with_run_step(rt, compiled, optimizer, x, steps: int, accumulate: int = 1):
+    """A loop that hands each micro-step to `rt.run_step`; each step's losses."""
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        for _ in range(accumulate):
+            def micro_step():
+                loss = compiled(x).float().square().mean()
+                loss.backward()
+                return loss.item()
+
+            losses.append(rt.run_step(micro_step))
+        optimizer.step()
+    return losses
+
+
+def test_run_step_runs_a_step_whose_forward_gave_up_again_with_the_same_numbers():
+    """A unit refused after three recoveries raises out of the forward; run_step runs the step again, whose
+    forward ends the failed step and re-plans: the numbers are an undisturbed run's."""
+    rt_ref, model_ref, compiled_ref, optimizer_ref, x = _offloaded(budget_blocks=8)
+    ref_losses = _train_with_run_step(rt_ref, compiled_ref, optimizer_ref, x, 2)
+    ref_params = _params(model_ref)
+    rt, model, compiled, optimizer, x = _offloaded(budget_blocks=8)  # room for four smaller plans
+    for call in range(1, 5):  # the first try and its three recoveries, all in step 0
+        _fail_once(rt, block=3, kind="forward", at_call=call)
+    with pytest.warns(OutOfMemoryWarning, match="the last forward .* must be run again"):
+        losses = _train_with_run_step(rt, compiled, optimizer, x, 2)
+    assert losses == ref_losses
+    _same(_params(model), ref_params)
+    actions = [r["action"] for r in rt.stats()["oom_recoveries"]]
+    assert actions[:4] == ["ran it again"] * 3 + ["raised"] and "must be run again" in actions[4]
+
+
+def test_run_step_puts_back_the_gradients_of_the_micro_steps_before_a_backward_that_raised(monkeypatch):
+    """Gradient accumulation: the second micro-step's backward raises; run_step puts the first micro-step's
+    gradients back and runs the second again: the step is an undisturbed one's."""
+    rt_ref, model_ref, compiled_ref, optimizer_ref, x = _offloaded()
+    ref_losses = _train_with_run_step(rt_ref, compiled_ref, optimizer_ref, x, 2, accumulate=2)
+    ref_params = _params(model_ref)
+    rt, model, compiled, optimizer, x = _offloaded()
+    ooms = _allocator_count(monkeypatch)
+    real_wait, seen = rt.op_wait, {"backward": 0}
+
+    def op_wait(b, precision_code, nbytes, backward):
+        slot = real_wait(b, precision_code, nbytes, backward)
+        if backward and b == 4:
+            seen["backward"] += 1
+            if seen["backward"] == 2:  # the second micro-step's backward
+                ooms["n"] += 1
+                raise torch.OutOfMemoryError("CUDA out of memory (injected in a backward)")
+        return slot
+
+    rt.op_wait = op_wait
+    with pytest.warns(OutOfMemoryWarning, match="must be run again"):
+        losses = _train_with_run_step(rt, compiled, optimizer, x, 2, accumulate=2)
+    assert losses == ref_losses
+    _same(_params(model), ref_params)

@@ -74,3 +74,53 @@ def test_trainer_without_offload_is_a_clear_error(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], torch_compile_backend="stagehand")
     with pytest.raises(RuntimeError, match="not offloaded"):
         StagehandTrainer(model=model, args=args)
+
+
+def _trainer_run(tmp_path, fail_backward_of_block: int | None):
+    """Three StagehandTrainer steps of a tiny random Llama with LoRA; the adapter weights after them."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments, set_seed
+
+    import torch_stagehand as stagehand
+    from torch_stagehand.trainers import StagehandTrainer
+
+    set_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    torch._dynamo.reset()
+    ids = torch.randint(0, 96, (12, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    if fail_backward_of_block is not None:
+        real, calls = rt.op_wait, {"n": 0}
+
+        def op_wait(b, precision_code, nbytes, backward):
+            slot = real(b, precision_code, nbytes, backward)
+            if backward and b == fail_backward_of_block:
+                calls["n"] += 1
+                if calls["n"] == 2:  # the second step's backward
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected in a backward)")
+            return slot
+
+        rt.op_wait = op_wait
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, save_strategy="no", torch_compile=True,
+                             torch_compile_backend="stagehand", logging_steps=1)
+    trainer = StagehandTrainer(model=model, args=args, train_dataset=data, stagehand_options={"inner": "eager"})
+    trainer.train()
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}, trainer
+
+
+def test_the_trainer_runs_a_step_that_ran_out_of_memory_again_with_the_same_numbers(tmp_path):
+    """StagehandTrainer.training_step goes through rt.run_step: a backward that runs out of memory in the
+    second step is run again on the gradients from before it; the adapter ends where an undisturbed run's does."""
+    from torch_stagehand import OutOfMemoryWarning
+
+    reference, _ = _trainer_run(tmp_path / "a", None)
+    with pytest.warns(OutOfMemoryWarning, match="did not finish"):
+        disturbed, trainer = _trainer_run(tmp_path / "b", fail_backward_of_block=1)
+    assert trainer.state.global_step == 3
+    _assert_same(reference, disturbed)
