@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -62,9 +62,6 @@ from .planning import SHRINK_FRACTION  # no smaller room to plan for: the rule f
 log = logging.getLogger(__name__)
 
 MAX_TRIES = 3  # recoveries of one unit in one step before the error is let through
-# run_step copies the gradients accumulated before a step (to put them back if it raises) up to this many bytes
-# (LoRA's are megabytes); above it (full fine-tuning) they are dropped with the failed step's, and it says so.
-GRAD_SNAPSHOT_BYTES = 256 * 2**20
 # The budget after a recovery leaves this much of the room free: the allocator rounds and fragments,
 # and whatever took the memory may take a little more.
 MARGIN_FRACTION, MIN_MARGIN = 0.05, 16 * 2**20
@@ -97,7 +94,6 @@ class OomRecovery:
         self._backward_done: bool | None = None  # the last backward reached its end (None: not watched)
         self._ended_from: Phase | None = None  # the phase the last step ended from
         self._refused = False  # the optimizer was refused after the last backward (it did not finish)
-        self._gradients_put_back = False  # run_step put the gradients from before a failed step back
         self._failed_in_a_row = 0  # steps in a row that raised (a step run again that failed again)
         self._user_budget: tuple[Budget, bool] | None = None  # (budget, planning) before the first recovery
         self._ours: Budget | None = None  # the budget the last recovery or regrow set (a user's replan replaces it)
@@ -141,37 +137,6 @@ class OomRecovery:
         self._forward_raised = False
         return True
 
-    def run_step(self, step_fn: Callable[[], Any], tries: int = MAX_TRIES) -> Any:
-        """`step_fn()`: the forward and backward of one step (or one micro-step of an accumulation window),
-        run again, up to `tries` times in all, when it runs out of device memory: the rerun's forward
-        re-plans for the memory left (`on_phase`). The gradients accumulated before it are copied first (up
-        to GRAD_SNAPSHOT_BYTES) and put back when it raises, so a micro-step run again adds to exactly what
-        was there; above that they are dropped with the failed step's partial ones, and the warning says so.
-        Returns what `step_fn` returns; the last try's error goes on."""
-        for attempt in range(1, tries + 1):
-            saved = self._gradients_before()
-            try:
-                return step_fn()
-            except torch.OutOfMemoryError as error:
-                if attempt == tries:
-                    raise
-                log.warning("stagehand: the step ran out of device memory (%s); running it again (try %d of %d)",
-                            _first_line(error), attempt + 1, tries)
-                if saved is not None:
-                    for p, grad in saved.items():
-                        p.grad = grad
-                    self._gradients_put_back = True
-        raise AssertionError("unreachable")
-
-    def _gradients_before(self) -> dict | None:
-        """A copy of every gradient the attached optimizers' parameters hold now, or None when it would be
-        larger than GRAD_SNAPSHOT_BYTES."""
-        params = [p for opt in self.rt._attached for g in opt.param_groups for p in g["params"]]
-        held = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-        if held > GRAD_SNAPSHOT_BYTES:
-            return None
-        return {p: None if p.grad is None else p.grad.detach().clone() for p in params}
-
     def on_phase(self, old: Phase, new: Phase) -> None:
         """A backward that starts inside autograd's engine is watched to its end (`_watch_backward`). A forward
         after a step that raised releases the slots it left held, drops the partial gradients when a backward
@@ -189,7 +154,7 @@ class OomRecovery:
         self._tries.clear()  # a new forward: every unit may recover again
         held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
         ooms = allocator_ooms(self.rt.device)
-        out_of_memory, self._ooms_seen = ooms > self._ooms_seen or self._forward_raised, ooms
+        out_of_memory, self._ooms_seen = ooms > self._ooms_seen, ooms
         # A refusal no recovery handled in a step that ended before its optimizer: its forward raised, or its
         # backward raised before its first block (the loss's own backward), where no block's op watches it.
         early = out_of_memory and (self._ended_from is Phase.FORWARD
@@ -197,7 +162,6 @@ class OomRecovery:
         failed = bool(held) or self._backward_done is False or early or self._refused
         # Gradients of a backward that ran in part; a forward that raised left the ones accumulated before it.
         partial = self._backward_entered or self._refused or (early and not self._forward_raised)
-        partial, self._gradients_put_back = partial and not self._gradients_put_back, False  # run_step's are whole
         self._backward_done, self._refused, self._backward_entered, self._forward_raised = None, False, False, False
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
         if not failed:
@@ -231,8 +195,6 @@ class OomRecovery:
         if block != self._first_block:
             self._other_block_seen = True  # (a block split by a graph break waits twice in a row: not a new forward)
             return False
-        if self._forward_raised:  # a unit of the forward raised out of memory: that forward is over
-            return True
         return self._other_block_seen and allocator_ooms(self.rt.device) > self._ooms_seen
 
     def note_handled(self) -> None:

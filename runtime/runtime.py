@@ -65,7 +65,8 @@ class Runtime(SelectivePrecisionAPI):
         self.blocks = list(block_fqns)
         self.layers = layers
         self.config = config
-        self._closed = self._restored = False
+        self._closed = False
+        self._restored = False
         self._hooks: list[Any] = []
         self._attached: list[torch.optim.Optimizer] = []  # optimizers whose steps end a step (attach)
         self._conversion_guards: list[nn.Module] = []
@@ -90,7 +91,6 @@ class Runtime(SelectivePrecisionAPI):
         self.phases.listeners.append(lambda old, new: self.planner.on_phase(new, self.phases.step))
         self.oom = OomRecovery(self)  # out of memory at a unit's boundary: re-plan, run it again
         self.recover_from_oom = self.oom.recover  # (the StreamingRuntime protocol's name for it)
-        self.run_step = self.oom.run_step  # a step's forward and backward, run again when it ran out of memory
         self.collector = CollectorFreeze(self)  # after a step that compiled: gc.freeze (no full-collection pauses)
         self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
         self._step_base = self._counters()

@@ -89,12 +89,6 @@ class StagehandTrainer(Trainer):
         super().__init__(*args, callbacks=callbacks, **kwargs)
         runtime_of(self.model)  # a clear error now if the model was not offloaded
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """The Trainer's step (forward and backward of one micro-batch) through `rt.run_step`: a step that runs
-        out of device memory is run again under a plan for the memory left, on the gradients from before it."""
-        rt = runtime_of(self.model)
-        return rt.run_step(lambda: super(StagehandTrainer, self).training_step(model, inputs, num_items_in_batch))
-
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         if self.args.torch_compile_backend != BACKEND:
             return super()._build_accelerator_args(**kwargs)
