@@ -189,8 +189,10 @@ class OomRecovery:
         reference model's pass, chosen and rejected) see no refusal and stay one step."""
         phases = self.rt.phases
         if phases.phase is not Phase.FORWARD or self._first_block is None or self._first_step != phases.step:
-            # this op begins a forward (or the first block op of one an eager layer began)
-            self._first_block, self._first_step, self._other_block_seen = block, phases.step, False
+            # this op begins a forward (or the first block op of one an eager layer began); after a backward or
+            # an optimizer the tracker ends that step first: this forward belongs to the next one
+            ends_a_step = phases.phase in (Phase.BACKWARD, Phase.OPTIMIZER)
+            self._first_block, self._first_step, self._other_block_seen = block, phases.step + ends_a_step, False
             return False
         if block != self._first_block:
             self._other_block_seen = True  # (a block split by a graph break waits twice in a row: not a new forward)

@@ -428,3 +428,13 @@ def test_a_refusal_someone_caught_in_a_finished_backward_keeps_the_accumulated_g
     assert first and summed.keys() == first.keys()
     assert all(torch.allclose(summed[n], 2 * first[n]) for n in first)
     assert rt.stats()["oom_recoveries"] == []
+
+
+def test_a_forward_after_a_backward_without_an_optimizer_keeps_its_first_block():
+    """Accumulation (no optimizer between micro-steps): the forward that follows a backward starts the next
+    step, and the block it waits for first stays its first block (the one a rerun is recognised at)."""
+    rt, model, compiled, optimizer, x = _offloaded()
+    for micro_step in range(3):
+        compiled(x).float().square().mean().backward()
+        assert rt.phases.step == micro_step  # each micro-step is a step to the tracker
+        assert rt.oom._first_block == 0 and rt.oom._first_step == rt.phases.step
