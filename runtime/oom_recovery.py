@@ -152,9 +152,10 @@ class OomRecovery:
         if new is not Phase.FORWARD or old is Phase.FORWARD or self.rt.pool is None:
             return
         self._tries.clear()  # a new forward: every unit may recover again
-        held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
+        held = self._held_blocks()
         ooms = allocator_ooms(self.rt.device)
-        out_of_memory, self._ooms_seen = ooms > self._ooms_seen, ooms
+        # (a unit that gave up had its refusal accounted when it tried to recover: its flag says it raised)
+        out_of_memory, self._ooms_seen = ooms > self._ooms_seen or self._forward_raised, ooms
         # A refusal no recovery handled in a step that ended before its optimizer: its forward raised, or its
         # backward raised before its first block (the loss's own backward), where no block's op watches it.
         early = out_of_memory and (self._ended_from is Phase.FORWARD
@@ -197,7 +198,13 @@ class OomRecovery:
         if block != self._first_block:
             self._other_block_seen = True  # (a block split by a graph break waits twice in a row: not a new forward)
             return False
+        if self._forward_raised:  # a unit of this forward gave up and raised: that forward is over
+            return True
         return self._other_block_seen and allocator_ooms(self.rt.device) > self._ooms_seen
+
+    def _held_blocks(self) -> list[int]:
+        """Blocks whose slots a reader still holds (between steps: a unit that raised before its evict)."""
+        return [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
 
     def note_handled(self) -> None:
         """An allocator refusal that its caller handled (a prefetch that fell back to the block's wait): it did
@@ -223,7 +230,7 @@ class OomRecovery:
         allocator refusal that nothing handled since the forward began counts as such a backward."""
         if new is not Phase.OPTIMIZER or self.rt.pool is None:
             return
-        held = [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
+        held = self._held_blocks()
         early = old is Phase.FORWARD and allocator_ooms(self.rt.device) > self._ooms_seen
         if self._refused or (old is Phase.BACKWARD and (held or self._backward_done is False)) or early:
             why = (f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it" if held

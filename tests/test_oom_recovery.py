@@ -438,3 +438,24 @@ def test_a_forward_after_a_backward_without_an_optimizer_keeps_its_first_block()
         compiled(x).float().square().mean().backward()
         assert rt.phases.step == micro_step  # each micro-step is a step to the tracker
         assert rt.oom._first_block == 0 and rt.oom._first_step == rt.phases.step
+
+
+def test_a_step_whose_forward_gave_up_is_ended_by_the_loops_rerun_and_re_planned():
+    """A unit refused after three recoveries raises out of the forward; the loop runs the step again. Its
+    forward's first block ends the failed step (its tries counted afresh), re-plans, and the numbers are an
+    undisturbed run's."""
+    ref_losses, ref_params, _ = _reference(2, budget_blocks=8)
+    rt, model, compiled, optimizer, x = _offloaded(budget_blocks=8)  # room for four smaller plans
+    for call in range(1, 5):  # the first try and its three recoveries, all in step 0
+        _fail_once(rt, block=3, kind="forward", at_call=call)
+    optimizer.zero_grad(set_to_none=True)
+    with pytest.warns(OutOfMemoryWarning, match="ran it again"), pytest.raises(torch.OutOfMemoryError):
+        compiled(x)
+    step = rt.phases.step
+    with pytest.warns(OutOfMemoryWarning, match="the last forward .* must be run again"):
+        losses = _train(compiled, optimizer, x, 2)
+    assert losses == ref_losses
+    _same(_params(model), ref_params)
+    actions = [r["action"] for r in rt.stats()["oom_recoveries"]]
+    assert actions[:4] == ["ran it again"] * 3 + ["raised"] and "must be run again" in actions[4]
+    assert rt.phases.step == step + 3  # the failed step ended when the rerun's forward began
