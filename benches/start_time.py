@@ -3,6 +3,7 @@
     python benches/start_time.py --rows qwen:int8 qwen:bf16 qwen:resident --out benches/results/start_time_qwen.json
     python benches/start_time.py --rows flux:int8 flux:bf16 --out benches/results/start_time_flux.json
     python benches/start_time.py --tiny --device cpu --rows qwen:int8 --steps 4     # a smoke test of the bench
+    python benches/start_time.py --rows flux:int8:blocks flux:resident:blocks      # regional: a compile per block
 
 Every run is a fresh process (the thing a user starts many times a day), on the full-size model of
 benches/models.py (random init on the GPU, bf16, peft LoRA r=16 on the attention projections, AdamW;
@@ -14,6 +15,8 @@ Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precisi
 - bundle (`--bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
   with only the compile bundle (compiler/compile_cache.py) to start from.
 
+A row `model:precision:blocks` compiles each block on its own (`stagehand.compile_blocks`; for a resident row,
+`block.compile()` per block as diffusers' `compile_repeated_blocks` does) instead of the whole model.
 "resident" rows are the baseline: the plain model, every weight on the GPU, under torch.compile's
 default backend (Inductor), cold and warm the same way. Per run: offload seconds (with a profile of
 the cold int8 offload: where its seconds go), the first step's seconds, each later step's milliseconds
@@ -52,13 +55,16 @@ def child(args) -> dict:
     cuda = device == "cuda"
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)  # as benches/models.py: cuDNN SDPA backward faults at Flux's shape
-    kind, precision = args.row.split(":")
+    kind, precision, *how = args.row.split(":")
+    regional = how == ["blocks"]  # compile each block on its own (stagehand.compile_blocks; resident: block.compile())
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model, inputs, shape = (build_flux if kind == "flux" else build_qwen)(args.tiny, device)
     model.requires_grad_(False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS[kind]))
     set_checkpointing(kind, model, kind == "flux")
+    if kind == "qwen":  # a training step keeps no KV cache (and a regional compile would retrace every block for it)
+        model.config.use_cache = False
     build_s = time.perf_counter() - t0
     out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(build_s, 1)}
     rt = None
@@ -77,7 +83,11 @@ def child(args) -> dict:
             pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
             out["offload_profile"] = text.getvalue()[-6000:]
         out["offload_s"] = round(time.perf_counter() - t0, 2)
-        compiled = torch.compile(model, backend="stagehand")
+        compiled = stagehand.compile_blocks(model) if regional else torch.compile(model, backend="stagehand")
+    elif regional:  # torch's own regional compilation of the resident model (diffusers' compile_repeated_blocks)
+        for block in _blocks_of(kind, model):
+            block.compile()
+        compiled = model
     else:
         compiled = torch.compile(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -121,6 +131,13 @@ def child(args) -> dict:
     out["dynamo_s"] = round(sum(metrics.get("_compile.compile_inner", [])), 2)
     out["first_step_rest_s"] = round(out["first_step_s"] - out["dynamo_s"] - out.get("first_step_compile_s", 0), 2)
     return out
+
+
+def _blocks_of(kind: str, model) -> list:
+    base = model.get_base_model()
+    if kind == "flux":
+        return [*base.transformer_blocks, *base.single_transformer_blocks]
+    return list(base.model.layers)
 
 
 def caches(row: str, mode: str) -> dict[str, str]:

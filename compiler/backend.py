@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import logging
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -31,7 +30,7 @@ import torch.fx as fx
 from torch_stagehand.runtime import registry
 
 from .context import BackendOptions, CompileContext, PassLog, PassRecord
-from .graph_nodes import layer_id_of, streams
+from .graph_nodes import streams, token_owners
 from .inner import compile_unit, warm_compile_workers
 from .interface import StreamingRuntime
 from .passes import GRAPH_PASSES, JOINT_PASSES, VARIANT_PASSES
@@ -45,10 +44,6 @@ _warned_not_offloaded = False
 
 class NotOffloadedWarning(UserWarning):
     """The backend compiled a model that was never offloaded: nothing streams (it works, plainly)."""
-
-
-class RegionalCompileWarning(UserWarning):
-    """A torch.compile per block: Dynamo traces each block on its own and stops at its recompile limit."""
 
 
 @dataclass
@@ -67,14 +62,21 @@ class GraphRecord:
         return [f"[{r.name}] {m}" for r in self.passes for m in r.notes]
 
 
-def _runtime_of(gm: fx.GraphModule) -> StreamingRuntime | None:
-    node = streams(gm)  # checkpoint bodies included
-    return None if node is None else registry.layer(layer_id_of(node))[0]
+def _runtime_of(gm: fx.GraphModule, tokens: dict[str, tuple[StreamingRuntime, int]]) -> StreamingRuntime | None:
+    """The offloaded runtime whose block tokens the graph takes (None: nothing streams here)."""
+    runtimes = {id(rt): rt for rt, _block in tokens.values()}
+    if len(runtimes) > 1:
+        raise RuntimeError("stagehand: one compiled graph streams layers of two different offloaded models")
+    if not runtimes and streams(gm) is not None:
+        raise RuntimeError("stagehand: the graph calls streamed linears but takes no block token of a live "
+                           "offloaded model (was the model restored or its Runtime closed?)")
+    return next(iter(runtimes.values()), None)
 
 
 def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None):
     opts = BackendOptions.from_dict(options)
-    rt = _runtime_of(gm)
+    tokens = token_owners(gm, example_inputs)
+    rt = _runtime_of(gm, tokens)
     if rt is None:
         # Nothing streams in this graph (e.g. a graph break left only glue): compile it plainly.
         _warn_if_nothing_offloaded()
@@ -82,9 +84,9 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         return compile_unit(gm, list(example_inputs), opts.inner, lambda *_: None, JOINT_PASSES, PassLog())
     if opts.inner == "inductor":
         warm_compile_workers(rt.device)  # offload() started them; a runtime made otherwise starts them here
-    ctx = CompileContext(rt, opts, variant_cache(rt), VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids))
+    ctx = CompileContext(rt, opts, variant_cache(rt), VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids),
+                         tokens=tokens)
     outer = ctx.run(GRAPH_PASSES, gm)
-    _warn_if_regional(rt, ctx.segments)
     rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran,
                                 _input_shapes(example_inputs)))
     return outer
@@ -93,28 +95,6 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
 def _input_shapes(example_inputs) -> list[str]:
     """`shape:dtype` per tensor input (a symbolic size reads as its symbol), the value of any other."""
     return [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
-
-
-_warned_regional: "weakref.WeakSet[StreamingRuntime]" = weakref.WeakSet()  # runtimes told
-
-
-def _warn_if_regional(rt: StreamingRuntime, segments: list[Segment]) -> None:
-    """A graph of one block, of a model with more blocks than Dynamo's recompile limit: the blocks are compiled
-    one by one (`block.compile()`, diffusers' `compile_repeated_blocks`, accelerate's regional compilation).
-    Each streamed layer's id is a constant of its block's graph, so every block is a recompile of the same code
-    and the blocks past the limit run eagerly (EagerFallbackWarning counts them). Said once per model."""
-    blocks = {s.block for s in segments if s.block is not None}
-    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(torch._dynamo.config,
-                                                                              "cache_size_limit", 8)
-    if len(blocks) != 1 or len(rt.blocks) <= limit or rt in _warned_regional:
-        return
-    _warned_regional.add(rt)
-    warnings.warn(
-        f"stagehand: block {rt.blocks[next(iter(blocks))]} was compiled on its own (a torch.compile per block): "
-        f"Dynamo traces each of the {len(rt.blocks)} blocks separately (their layers stream under their own ids) "
-        f"and stops at torch._dynamo.config.recompile_limit ({limit}); the blocks after it run eagerly. Compile "
-        f"the whole model (torch.compile(model, backend='stagehand')), or raise the limit to at least "
-        f"{len(rt.blocks)}", RegionalCompileWarning, stacklevel=2)
 
 
 def _warn_if_nothing_offloaded() -> None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("torch_stagehand.compiler")
 
 INNER_COMPILERS = ("inductor", "eager")
-RECOMPUTE_MODES = (None, "blocks")
+RECOMPUTE_MODES = (None, "blocks", "model")
 LINEAR_MATH = ("graph", "op")
 
 
@@ -41,7 +41,9 @@ class BackendOptions:
     inner: str = "inductor"
     # "blocks": every block recomputes its forward in backward (saves its inputs, not its
     # activations), whatever the model's own checkpointing flag; None: only the blocks the
-    # model itself checkpoints.
+    # model itself checkpoints; "model": the model checkpoints every block outside the compiled
+    # graph, which `compile_blocks` moved in here (each block recomputes where no plan says otherwise).
+    # With a VRAM plan, the plan decides (except under "blocks").
     recompute: str | None = None
     # "graph": a precision that can write its linear as graph ops (fp8 on FP8 tensor cores) is traced
     # into the block's graph, where Inductor fuses its quantization and calls its GEMM directly;
@@ -120,8 +122,11 @@ class CompileContext(PassLog):
     """The graph-level context: one per Dynamo graph."""
 
     def __init__(self, runtime: StreamingRuntime, options: BackendOptions, variants: "VariantCache",
-                 variant_passes: Sequence[Callable], joint_passes: Sequence[Callable], graph_id: int = 0):
+                 variant_passes: Sequence[Callable], joint_passes: Sequence[Callable], graph_id: int = 0,
+                 tokens: dict[str, tuple[Any, int]] | None = None):
         super().__init__()
+        # The graph's block-token inputs, `{node name: (runtime, block)}` (graph_nodes.token_owners).
+        self.tokens = dict(tokens or {})
         self.runtime = runtime
         self.options = options
         self.variants = variants  # compiled variants of this runtime (shared across graphs)

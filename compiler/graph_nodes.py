@@ -42,9 +42,36 @@ def streams(gm: fx.GraphModule) -> fx.Node | None:
     return None
 
 
-def layer_id_of(node: fx.Node) -> int:
-    """The global layer id a captured `streamed_linear(x, bias, layer)` node carries."""
-    return node.args[2] if len(node.args) > 2 else node.kwargs["layer"]
+_STREAMED_ARGS = ("x", "bias", "block_tok", "position", "out_features", "anchor")
+
+
+def streamed_arg(node: fx.Node, name: str) -> Any:
+    """An argument of a captured `streamed_linear(x, bias, block_tok, position, out_features, anchor)` node."""
+    i = _STREAMED_ARGS.index(name)
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+
+
+def token_owners(gm: fx.GraphModule, example_inputs) -> dict[str, tuple[Any, int]]:
+    """`{node name: (runtime, block)}` for the graph's inputs (and attributes) that are block tokens.
+
+    A streamed Linear holds its block's token as a tensor attribute, so Dynamo passes it in as a graph input
+    (or, without inlined nn modules, a get_attr): the example input is the token object itself."""
+    from torch_stagehand.runtime import registry
+
+    owners: dict[str, tuple[Any, int]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        found = registry.token_owner(value)
+        if found is not None:
+            owners[node.name] = found
+    for node in gm.graph.find_nodes(op="get_attr"):
+        value: Any = gm
+        for part in node.target.split("."):
+            value = getattr(value, part, None)
+        found = registry.token_owner(value)
+        if found is not None:
+            owners[node.name] = found
+    return owners
 
 
 def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:

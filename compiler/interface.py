@@ -38,10 +38,9 @@ class StreamingRuntime(Protocol):
         """The current precision map (block -> precision name); a copy."""
         ...
 
-    def layer_index(self, layer_id: int) -> int:
-        """Index in `layers` of the streamed layer a graph names by `layer_id`.
-
-        Raises if the layer belongs to another runtime (one graph, one model)."""
+    def layer_at(self, block: int, position: int) -> int:
+        """Index in `layers` of block `block`'s `position`-th streamed layer (what a captured
+        `streamed_linear(x, bias, block_tok, position, ...)` names)."""
         ...
 
     def layer_layout(self, index: int, precision: str) -> list[int]:

@@ -33,7 +33,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import compile_cache
+from torch_stagehand.runtime import registry
+
 from .context import CompileContext, PassLog, VariantContext
+from .graph_nodes import is_streamed_linear, streamed_arg
 from .inner import compile_unit
 from .recompute import run_again_after_oom, run_recomputed
 from .symbolic import SymbolicInputs, input_key
@@ -108,7 +111,7 @@ class _Unit(nn.Module):
         return False
 
     def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool,
-                 pass_log: PassLog):
+                 pass_log: PassLog, recomputes: bool = False):
         """Compile `gm` for `args` into the variant cache; `pass_log` holds the passes that made it."""
         rt, cache = self.ctx.runtime, self.ctx.variants
         graphs: dict[str, str] = {}
@@ -121,7 +124,7 @@ class _Unit(nn.Module):
         start = time.perf_counter()
         with compile_cache.track() as outcome:
             compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes,
-                                    pass_log, replay_rng=self.recomputes, faked=faked)
+                                    pass_log, replay_rng=recomputes, faked=faked)
         seconds = time.perf_counter() - start
         rt.record_compile(seconds, block_variant, outcome.loaded)
         cache.add(key, compiled, {
@@ -179,31 +182,55 @@ class GlueUnit(_Unit):
 
 
 class BlockUnit(_Unit):
-    """A block segment, run in its block's current precision.
+    """A block segment, run for the block its caller names, in that block's current precision.
 
     Called as `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)`; returns
-    `(*outputs, next_fetch_tok)`.
+    `(*outputs, next_fetch_tok)`. The block is read from `block_tok` at each call:
+    Dynamo reuses a graph for every block of its structure (the token is a graph
+    input), so the block this segment was traced from is only its first user.
     """
 
     def __init__(self, template, ctx, segment, name):
         super().__init__(template, ctx, segment, name)
-        self.block = segment.block
+        self.block = segment.block  # the block Dynamo traced (explain's name for the unit)
         self.returns_tuple = _tuple_output(template)
+        streamed = [n for n in template.graph.nodes if is_streamed_linear(n)]
+        self._positions = tuple(streamed_arg(n, "position") for n in streamed)
+        # The inputs that are block tokens (each call's own block): keyed as "a token", not by value.
+        placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
+        self._token_inputs = frozenset(placeholders.index(t) for t in (streamed_arg(n, "block_tok") for n in streamed)
+                                       if t in placeholders)
+        self._layouts: dict[tuple[int, str], tuple] = {}
         self._variants: dict[tuple, tuple[fx.GraphModule, str, VariantContext]] = {}
 
-    def variant_graph(self, precision: str, trainable: tuple[int, ...] = ()) -> tuple[fx.GraphModule, str, VariantContext]:
-        """The variant graph for `precision` and the layers that train (built once per unit and pair),
-        its structure key, and its pass log."""
-        key = (precision, trainable)
+    def signature(self, args: tuple) -> tuple:
+        if not self._token_inputs:
+            return super().signature(args)
+        return super().signature(tuple("block_tok" if i in self._token_inputs else a for i, a in enumerate(args)))
+
+    def _layout_key(self, block: int, precision: str) -> tuple:
+        """Where the block's layers sit in its device bytes: blocks that agree share a variant graph."""
+        key = (block, precision)
+        if key not in self._layouts:
+            rt = self.ctx.runtime
+            self._layouts[key] = (rt.block_nbytes(block, precision), *(
+                tuple(rt.layer_layout(rt.layer_at(block, p), precision)) for p in self._positions))
+        return self._layouts[key]
+
+    def variant_graph(self, precision: str, trainable: tuple[int, ...] = (),
+                      block: int | None = None) -> tuple[fx.GraphModule, str, VariantContext]:
+        """The variant graph for `precision`, the layers that train and the block's layout (built once per unit
+        and triple), its structure key, and its pass log."""
+        block = self.block if block is None else block
+        key = (precision, trainable, self._layout_key(block, precision))
         if key not in self._variants:
-            vctx = VariantContext(self.ctx, self.block, precision, trainable)
+            vctx = VariantContext(self.ctx, block, precision, trainable)
             gm = vctx.run(self.ctx.variant_passes, copy.deepcopy(self.template))
             self._variants[key] = (gm, structure_key(gm), vctx)
         return self._variants[key]
 
-    @property
-    def recomputes(self) -> bool:
-        """Does this block re-run its forward in backward instead of saving its activations?
+    def recomputes_block(self, block: int) -> bool:
+        """Does `block` re-run its forward in backward instead of saving its activations?
 
         The backend option `recompute="blocks"` says yes for every block; else the
         runtime's plan decides when it planned for a VRAM budget; else the model's own
@@ -211,52 +238,61 @@ class BlockUnit(_Unit):
         """
         if self.ctx.options.recompute == "blocks":
             return True
-        planned = self.ctx.runtime.planned_recompute(self.block)
-        return self.segment.recompute if planned is None else planned
+        planned = self.ctx.runtime.planned_recompute(block)
+        if planned is not None:
+            return planned
+        return self.segment.recompute or self.ctx.options.recompute == "model"
+
+    @property
+    def recomputes(self) -> bool:
+        return self.recomputes_block(self.block)
 
     def forward(self, *args):
+        block = registry.decode(args[-3])[1]
         # Out of memory before the block returned: the runtime re-plans, and the block runs again under the
         # new plan (which may recompute or spill it where the old one kept its activations).
-        return _run_unit(self.ctx.runtime, self._where_forward, lambda: self._forward(args))
+        return _run_unit(self.ctx.runtime, lambda: self._where_forward(block), lambda: self._forward(args, block))
 
-    def _where_forward(self) -> str:
-        return f"the forward of block {self.block} ({self.ctx.runtime.blocks[self.block]})"
+    def _where_forward(self, block: int) -> str:
+        return f"the forward of block {block} ({self.ctx.runtime.blocks[block]})"
 
-    def _forward(self, args: tuple):
+    def _forward(self, args: tuple, block: int):
         rt = self.ctx.runtime
-        precision = rt.precision[self.block]
-        if self.recomputes and torch.is_grad_enabled() and any(
+        precision = rt.precision[block]
+        recomputes = self.recomputes_block(block)
+        if recomputes and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
             # The recompute runs in the precision this forward ran in, whatever the map is by then.
-            return run_recomputed(lambda a: self._run_variant(a, precision), args,
-                                  lambda: rt.record_recompute(self.block), rt.abort_held_blocks, self._recover_backward)
-        spill = rt.spill_hooks(self.block) if torch.is_grad_enabled() else None
+            return run_recomputed(lambda a: self._run_variant(a, block, precision, True), args,
+                                  lambda: rt.record_recompute(block), rt.abort_held_blocks,
+                                  lambda error: self._recover_backward(block, error))
+        spill = rt.spill_hooks(block) if torch.is_grad_enabled() else None
         if spill is not None:  # the plan sends this block's saved activations to host and back
             with spill:
-                return self._run_variant(args, precision)
-        return self._run_variant(args, precision)
+                return self._run_variant(args, block, precision, recomputes)
+        return self._run_variant(args, block, precision, recomputes)
 
-    def _recover_backward(self, error: BaseException) -> bool:
+    def _recover_backward(self, block: int, error: BaseException) -> bool:
         """The recomputed backward ran out of memory: may it run again (recompute.py)?"""
         rt = self.ctx.runtime
-        return rt.recover_from_oom(f"the recomputed backward of block {self.block} ({rt.blocks[self.block]})",
-                                   error, trainable_backward=bool(rt.trainable_positions(self.block)))
+        return rt.recover_from_oom(f"the recomputed backward of block {block} ({rt.blocks[block]})",
+                                   error, trainable_backward=bool(rt.trainable_positions(block)))
 
-    def _run_variant(self, args: tuple, precision: str):
-        """Run the compiled variant for `precision` and the current grad mode."""
+    def _run_variant(self, args: tuple, block: int, precision: str, recomputes: bool):
+        """Run the compiled variant for the block's layout, `precision` and the current grad mode."""
         rt = self.ctx.runtime
         # The layers whose weights train get their grad-weight GEMM in the backward (no grad: none).
-        trainable = rt.trainable_positions(self.block) if torch.is_grad_enabled() else ()
-        gm, skey, vctx = self.variant_graph(precision, trainable)
+        trainable = rt.trainable_positions(block) if torch.is_grad_enabled() else ()
+        gm, skey, vctx = self.variant_graph(precision, trainable, block)
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
-                               self.recomputes)
+                               recomputes)
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
-            label = f"block variant {skey} ({precision}, first used by {rt.blocks[self.block]})"
+            label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
             # The variant passes, then the joint passes this compile runs.
-            compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran))
+            compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), recomputes)
         try:
             return compiled(*args)
         except BaseException:

@@ -2,7 +2,8 @@
 
 Two families:
 
-* `streamed_linear(x, bias, layer)` is what a streamed module's forward calls,
+* `streamed_linear(x, bias, block_tok, position, out_features)` is what a
+  streamed module's forward calls,
   so it is what Dynamo captures. Run eagerly (no compile, another backend, a
   graph-break fallback) it fetches the layer's block on demand and computes:
   slow but correct. The stagehand backend rewrites it away.
@@ -60,61 +61,83 @@ def _linear_out(x: torch.Tensor, n_out: int) -> torch.Tensor:
 
 
 @custom_op("stagehand::streamed_linear", mutates_args=())
-def streamed_linear(x: torch.Tensor, bias: torch.Tensor | None, layer: int,
-                    anchor: torch.Tensor | None = None) -> torch.Tensor:
-    """`anchor`: the block's grad anchor (grads.py); it requires grad when the layer's weight may train."""
-    rt, index = registry.layer(layer)
+def streamed_linear(x: torch.Tensor, bias: torch.Tensor | None, block_tok: torch.Tensor, position: int,
+                    out_features: int, anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """The `position`-th streamed Linear of the block `block_tok` names. `anchor`: the block's grad anchor
+    (grads.py); it requires grad when the layer's weight may train. Nothing here names one layer of one
+    block as a constant, so every block of a structure captures the same graph."""
+    rt, index = _layer_of(block_tok, position)
     return rt.eager_linear(index, x, bias)
 
 
 @streamed_linear.register_fake
-def _(x, bias, layer, anchor=None):
-    rt, index = registry.layer(layer)
-    return _linear_out(x, rt.layers[index].out_features)
+def _(x, bias, block_tok, position, out_features, anchor=None):
+    return _linear_out(x, out_features)
+
+
+def _layer_of(block_tok: torch.Tensor, position: int):
+    """(runtime, index in runtime.layers) of a block's `position`-th streamed layer."""
+    rt, block = registry.decode(block_tok)
+    if rt is None:
+        raise RuntimeError("stagehand: a streamed linear was called with the no-block token")
+    return rt, rt.layer_at(block, position)
 
 
 @custom_op("stagehand::streamed_linear_grad_input", mutates_args=())
-def streamed_linear_grad_input(dy: torch.Tensor, layer: int) -> torch.Tensor:
-    rt, index = registry.layer(layer)
+def streamed_linear_grad_input(dy: torch.Tensor, block_tok: torch.Tensor, position: int,
+                               in_features: int) -> torch.Tensor:
+    rt, index = _layer_of(block_tok, position)
     return rt.eager_grad_input(index, dy)
 
 
 @streamed_linear_grad_input.register_fake
-def _(dy, layer):
-    rt, index = registry.layer(layer)
-    return dy.new_empty(*dy.shape[:-1], rt.layers[index].in_features)
+def _(dy, block_tok, position, in_features):
+    return dy.new_empty(*dy.shape[:-1], in_features)
 
 
 @custom_op("stagehand::streamed_linear_grad_weight", mutates_args=())
-def streamed_linear_grad_weight(dy: torch.Tensor, x: torch.Tensor, layer: int) -> torch.Tensor:
-    """The layer's weight gradient, computed and sent to its host buffer (grads.py); returns a token."""
-    rt, index = registry.layer(layer)
-    rt.grads.grad_weight(index, dy, x)
+def streamed_linear_grad_weight(dy: torch.Tensor, x: torch.Tensor, block_tok: torch.Tensor, position: int) -> torch.Tensor:
+    """The layer's weight gradient, computed and sent to its host buffer (grads.py); returns a token.
+    Nothing when the layer does not train (decided at run time: a traced call sees no token value)."""
+    rt, index = _layer_of(block_tok, position)
+    if rt.grads.trainable(index):
+        rt.grads.grad_weight(index, dy, x)
     return registry_sentinel()
 
 
 @streamed_linear_grad_weight.register_fake
-def _(dy, x, layer):
+def _(dy, x, block_tok, position):
     return torch.empty((), dtype=torch.int64)
 
 
+def _may_train(block_tok: torch.Tensor, position: int, anchor: torch.Tensor | None) -> bool:
+    """Does the layer's weight take a gradient? The anchor says whether any of its block's may; a real
+    token says which (under a tracing backend the token is fake: keep the input, the op decides later)."""
+    if anchor is None or not anchor.requires_grad:
+        return False
+    if isinstance(block_tok, torch._subclasses.FakeTensor) or block_tok.is_meta:
+        return True
+    rt, index = _layer_of(block_tok, position)
+    return rt.grads.trainable(index)
+
+
 def _streamed_setup(ctx, inputs, output):
-    x, bias, layer, anchor = inputs
-    ctx.layer = layer
+    x, bias, block_tok, position, _out_features, anchor = inputs
+    ctx.position, ctx.in_features = position, x.shape[-1]
     ctx.bias_needs_grad = bias is not None and bias.requires_grad
-    rt, index = registry.layer(layer)
-    ctx.weight_trains = anchor is not None and anchor.requires_grad and rt.grads.trainable(index)
-    ctx.save_for_backward(*([bias] if ctx.bias_needs_grad else []), *([x] if ctx.weight_trains else []))
+    ctx.weight_trains = _may_train(block_tok, position, anchor)
+    ctx.save_for_backward(block_tok, *([bias] if ctx.bias_needs_grad else []), *([x] if ctx.weight_trains else []))
 
 
 def _streamed_backward(ctx, dy):
-    saved = list(ctx.saved_tensors)
+    block_tok, *saved = ctx.saved_tensors
     bias = saved.pop(0) if ctx.bias_needs_grad else None
-    dx = torch.ops.stagehand.streamed_linear_grad_input(dy, ctx.layer) if ctx.needs_input_grad[0] else None
+    dx = (torch.ops.stagehand.streamed_linear_grad_input(dy, block_tok, ctx.position, ctx.in_features)
+          if ctx.needs_input_grad[0] else None)
     if ctx.weight_trains:  # after the grad-input: a host optimizer may step the weight once its gradient lands
-        torch.ops.stagehand.streamed_linear_grad_weight(dy, saved.pop(0), ctx.layer)
+        torch.ops.stagehand.streamed_linear_grad_weight(dy, saved.pop(0), block_tok, ctx.position)
     dbias = _bias_grad(dy, bias) if ctx.bias_needs_grad else None
-    return dx, dbias, None, None
+    return dx, dbias, None, None, None, None
 
 
 streamed_linear.register_autograd(_streamed_backward, setup_context=_streamed_setup)

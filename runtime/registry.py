@@ -1,9 +1,13 @@
-"""Process-wide lookup from the integers that travel through graphs to runtimes.
+"""Process-wide lookup from the values that travel through graphs to runtimes.
 
-Custom ops only carry tensors and ints. A streamed layer is named by a global
-layer id (an int constant in Dynamo's graph); a block by a *block token*: a
-0-dim int64 CPU tensor holding `runtime_id << 32 | block`, passed into the
-compiled block as an input so that identical blocks share one compiled graph.
+Custom ops only carry tensors and ints. A block is named by its *block token*:
+a 0-dim int64 CPU tensor holding `runtime_id << 32 | block`. Every streamed
+Linear holds its block's token as a plain tensor attribute and hands it to
+`streamed_linear` with its position in the block, so Dynamo lifts the token to
+a graph input (guarded by its metadata, not its value) instead of baking a
+per-layer constant into the graph: identical blocks share one Dynamo graph,
+compiled once even when each block is compiled on its own. A global layer id
+names a layer from Python (a parameter back to its runtime).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ _runtime_ids = itertools.count(1)
 _layer_ids = itertools.count(0)
 _runtimes: "weakref.WeakValueDictionary[int, Runtime]" = weakref.WeakValueDictionary()
 _layers: dict[int, tuple[int, int]] = {}  # layer id -> (runtime id, index in runtime.layers)
+_tokens: dict[int, tuple[torch.Tensor, int]] = {}  # id(token) -> (the token, its runtime id): a backend's lookup
 
 
 def register_runtime(rt: "Runtime") -> int:
@@ -35,6 +40,8 @@ def unregister_runtime(rid: int) -> None:
     _runtimes.pop(rid, None)
     for lid in [lid for lid, (r, _) in _layers.items() if r == rid]:
         del _layers[lid]
+    for key in [key for key, (_, r) in _tokens.items() if r == rid]:
+        del _tokens[key]
 
 
 def has_runtimes() -> bool:
@@ -61,7 +68,19 @@ def layer(layer_id: int) -> tuple["Runtime", int]:
 
 def make_token(rid: int, block: int) -> torch.Tensor:
     value = NO_BLOCK if block == NO_BLOCK else (rid << 32) | block
-    return torch.tensor(value, dtype=torch.int64)
+    token = torch.tensor(value, dtype=torch.int64)
+    _tokens[id(token)] = (token, rid)
+    return token
+
+
+def token_owner(value: Any) -> tuple["Runtime", int] | None:
+    """(runtime, block) when `value` is one of a live runtime's block tokens (the object itself, as a
+    compiled graph's example input is), else None."""
+    entry = _tokens.get(id(value))
+    if entry is None or entry[0] is not value or int(value) == NO_BLOCK:
+        return None
+    rt = _runtimes.get(entry[1])
+    return None if rt is None else (rt, int(value) & 0xFFFFFFFF)
 
 
 def decode(token: torch.Tensor) -> tuple["Runtime | None", int]:

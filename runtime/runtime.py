@@ -114,9 +114,12 @@ class Runtime(SelectivePrecisionAPI):
         # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
         self.trainable_positions, self.layer_position = self.grads.trainable_positions, self.grads.position
+        self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
+        self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         for index, spec in enumerate(layers):
             make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn, self.grads.anchors[spec.block],
-                          functools.partial(self.grads.sync_anchor, spec.block))
+                          functools.partial(self.grads.sync_anchor, spec.block), self.block_tokens[spec.block],
+                          index - self._block_first_layer[spec.block], spec.out_features)
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
         if self.checkpoint is not None:  # a model built on the meta device: its resident tensors, one by one
@@ -128,8 +131,6 @@ class Runtime(SelectivePrecisionAPI):
         self.planner = PlanDriver(self, budget, cost_model)
         self.set_precision(precision)
         self.pool = self.planner.make_pool()  # the slots and resident blocks the plan asks for
-        self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
-        self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         # Token outputs are allocated once: a prefetch / evict returns its block's.
         self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks] for _ in range(2))
         self.store.offloaded = True  # from here a refused page-lock leaves the buffer pageable, and says so
@@ -243,11 +244,8 @@ class Runtime(SelectivePrecisionAPI):
 
     # ---- called by the compiler (the StreamingRuntime protocol) -------------------------
 
-    def layer_index(self, layer_id: int) -> int:
-        owner, index = registry.layer(layer_id)
-        if owner is not self:
-            raise RuntimeError("stagehand: one compiled graph streams layers of two different offloaded models")
-        return index
+    def layer_at(self, block: int, position: int) -> int:
+        return self._block_first_layer[block] + position
 
     def abort_held_blocks(self) -> None:
         """A compiled unit raised before its evict ran: release every slot it held."""

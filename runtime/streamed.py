@@ -140,12 +140,19 @@ def refuse_dtype_conversion(fn, modules) -> None:
 
 
 class StreamedMixin:
-    _sh_layer: int  # global layer id (registry)
+    _sh_layer: int  # global layer id (registry): the layer from Python (a parameter back to its runtime)
     _sh_fqn: str
     _sh_anchor: torch.Tensor  # the block's grad anchor (grads.py)
+    # What forward hands the op: the block's token (a plain tensor attribute, so Dynamo makes it a graph
+    # input guarded by its metadata), the layer's position in the block and its width. All three are the
+    # same in every block of a structure, so one Dynamo graph serves them all (registry.py).
+    _sh_block_tok: torch.Tensor
+    _sh_position: int
+    _sh_out_features: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.stagehand.streamed_linear(x, self.bias, self._sh_layer, self._sh_anchor)
+        return torch.ops.stagehand.streamed_linear(x, self.bias, self._sh_block_tok, self._sh_position,
+                                                   self._sh_out_features, self._sh_anchor)
 
     def _apply(self, fn, recurse=True):
         # Only the bias and buffers follow .to()/.cuda(): the weight is the host store's
@@ -203,12 +210,15 @@ def streamed_class(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tensor, on_requires_grad) -> None:
-    """`anchor`: the block's grad anchor; `on_requires_grad()`: called when the weight's flag changes."""
+def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tensor, on_requires_grad,
+                  block_tok: torch.Tensor, position: int, out_features: int) -> None:
+    """`anchor`: the block's grad anchor; `on_requires_grad()`: called when the weight's flag changes;
+    `block_tok`, `position`: the block's token and the layer's place among its streamed layers."""
     module.__class__ = streamed_class(type(module))
     module._sh_layer = layer_id
     module._sh_fqn = fqn
     module._sh_anchor = anchor
+    module._sh_block_tok, module._sh_position, module._sh_out_features = block_tok, position, out_features
     weight = module._parameters["weight"]
     weight.__class__ = HostMasterParameter
     weight._sh_fqn, weight._sh_layer = fqn, layer_id
@@ -247,9 +257,8 @@ def _guarded_apply(module: nn.Module, fn, recurse: bool = True):
 
 def make_plain(module: nn.Module) -> None:
     module.__class__ = module._sh_original_class
-    del module._sh_layer
-    del module._sh_fqn
-    del module._sh_anchor
+    for name in ("_sh_layer", "_sh_fqn", "_sh_anchor", "_sh_block_tok", "_sh_position", "_sh_out_features"):
+        delattr(module, name)
 
 
 def is_streamed(module: nn.Module) -> bool:

@@ -4,15 +4,15 @@
     compiled = torch.compile(model, backend="stagehand")
 """
 
-from torch_stagehand.compiler.backend import NotOffloadedWarning, RegionalCompileWarning
+from torch_stagehand.compiler.backend import NotOffloadedWarning
 from torch_stagehand.runtime import ops as _ops  # noqa: F401  (registers the custom ops)
 from torch_stagehand.runtime.oom_recovery import BackwardIncompleteError, OutOfMemoryWarning
 from torch_stagehand.runtime.runtime import EagerFallbackWarning, Runtime
 
-from .api import explain, offload, runtime_of
+from .api import RegionalCompileWarning, compile_blocks, explain, offload, runtime_of
 from .config import ConductorConfig, Config, ConfigError, PrecisionConfig
 from .version import __version__
 
 __all__ = ["__version__", "BackwardIncompleteError", "Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning",
            "NotOffloadedWarning", "OutOfMemoryWarning", "PrecisionConfig", "RegionalCompileWarning", "Runtime",
-           "explain", "offload", "runtime_of"]
+           "compile_blocks", "explain", "offload", "runtime_of"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.nn as nn
@@ -122,6 +123,49 @@ def runtime_of(model: nn.Module) -> Runtime:
         if is_streamed(module):
             return registry.layer(module._sh_layer)[0]
     raise RuntimeError(f"{type(model).__name__} is not offloaded: call torch_stagehand.offload(model) first")
+
+
+class RegionalCompileWarning(UserWarning):
+    """`compile_blocks` on a model whose blocks can not share one Dynamo graph (e.g. an HF model with a KV cache)."""
+
+
+def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
+    """Compile each block of an offloaded model on its own (regional compilation), in place; returns the model.
+
+    `compile_kwargs` go to `torch.compile` (`backend="stagehand"` unless given). Dynamo traces one block of each
+    structure and every other block of it runs the same graph: a streamed Linear hands the backend its block's
+    token (a graph input), not a constant naming it. Flux's 57 blocks are two traces, where compiling the
+    whole model traces every block. The code outside the blocks (embeddings, the head, the loss) runs eagerly.
+    A model's own activation checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and
+    done by the block units instead (backend option `recompute="model"`), so no block runs its forward three times.
+    """
+    rt = runtime_of(model)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) and not getattr(config, "is_encoder_decoder", False):
+        warnings.warn(
+            f"stagehand: {type(model).__name__}'s config has use_cache=True: its layers update the KV cache by their "
+            "layer index, which Dynamo guards on, so every block is traced again (and past torch._dynamo.config."
+            "recompile_limit runs eagerly); set model.config.use_cache = False to train", RegionalCompileWarning,
+            stacklevel=2)
+    compile_kwargs.setdefault("backend", "stagehand")
+    if compile_kwargs["backend"] == "stagehand" and _move_checkpointing_into_blocks(model):
+        compile_kwargs["options"] = {"recompute": "model", **(compile_kwargs.get("options") or {})}
+    for fqn in rt.blocks:
+        model.get_submodule(fqn).compile(**compile_kwargs)
+    return model
+
+
+def _move_checkpointing_into_blocks(model: nn.Module) -> bool:
+    """Switch off the model's own activation checkpointing (HF and diffusers: a module's `gradient_checkpointing`
+    flag); say whether it was on. Around a compiled block it would run the block's forward twice outside the
+    units' view, on top of any recompute the plan chose; the units recompute instead, as the whole-model compile
+    does with the checkpoints it captures (passes/inline_checkpoints)."""
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for module in flagged:
+        module.gradient_checkpointing = False
+    if flagged:
+        log.info("stagehand: compile_blocks: the model's activation checkpointing now runs inside each block unit")
+    return bool(flagged)
 
 
 def _capture_backend():

@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch_stagehand as stagehand
 from torch_stagehand.compiler import passes, source_hash
 from torch_stagehand.compiler.context import BackendOptions, CompileContext, VariantContext
-from torch_stagehand.compiler.graph_nodes import is_streamed_linear
+from torch_stagehand.compiler.graph_nodes import is_streamed_linear, streamed_arg, token_owners
 from torch_stagehand.compiler.inner import JointPasses
 from torch_stagehand.compiler.interface import StreamingRuntime
 from torch_stagehand.compiler.passes.rewrite_linear import BLOCK_TOK, PREV_TOK, WEIGHTS
@@ -28,6 +28,7 @@ from torch_stagehand.compiler.passes.schedule_forward import TOKEN_INPUTS
 from torch_stagehand.compiler.units import BlockUnit, GlueUnit
 from torch_stagehand.compiler.variants import variant_cache
 from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.conductor.fetch_order import edge_token
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 from torch_stagehand.runtime.slots import SlotState
 
@@ -57,7 +58,8 @@ def captured():
         torch.compile(model, backend=recording_backend)(x)
         expected = plain(x)
     gm, inputs = graphs[0]
-    ctx = CompileContext(rt, BackendOptions("eager"), variant_cache(rt), passes.VARIANT_PASSES, passes.JOINT_PASSES)
+    ctx = CompileContext(rt, BackendOptions("eager"), variant_cache(rt), passes.VARIANT_PASSES, passes.JOINT_PASSES,
+                         tokens=token_owners(gm, inputs))
     yield rt, gm, inputs, expected, ctx
     rt.close()
 
@@ -99,12 +101,19 @@ def test_annotate_blocks_refuses_a_layer_of_another_runtime(captured):
     rt, gm, _inputs, _expected, ctx = captured
     other_model, _ = toy(n=2)
     other = stagehand.offload(other_model, device="cpu")
-    foreign = other_model.blocks[0].up._sh_layer
     node = next(n for n in gm.graph.nodes if is_streamed_linear(n))
-    node.args = (node.args[0], node.args[1], foreign)
+    ctx.tokens[streamed_arg(node, "block_tok").name] = (other, 0)  # the graph's token input names the other model
     with pytest.raises(RuntimeError, match="two different offloaded models"):
         ctx.run([passes.annotate_blocks], gm)
     other.close()
+
+
+def test_annotate_blocks_refuses_a_streamed_linear_without_a_block_token(captured):
+    rt, gm, _inputs, _expected, ctx = captured
+    node = next(n for n in gm.graph.nodes if is_streamed_linear(n))
+    ctx.tokens.pop(streamed_arg(node, "block_tok").name)
+    with pytest.raises(RuntimeError, match=f"streamed linear {node.name} takes .* not a block token"):
+        ctx.run([passes.annotate_blocks], gm)
 
 
 def test_assign_segments_records_segments_and_their_dag(captured):
@@ -139,9 +148,18 @@ def test_link_units_makes_units_and_threads_tokens(captured):
     assert units == [GlueUnit, BlockUnit, BlockUnit, BlockUnit, GlueUnit]
     # Only the first block is prefetched by the outer graph; the others by the unit before them.
     assert _count(outer, OPS["prefetch"]) == 1
-    tokens = sorted(n.target for n in outer.graph.nodes if n.op == "get_attr")
-    assert tokens == ["stagehand_block_tok_0", "stagehand_block_tok_1", "stagehand_block_tok_2", "stagehand_no_block"]
+    # Each block unit gets the graph's own token input for its block (no constant names a block); the ends of
+    # the graph ask for their neighbour at each call.
+    assert not [n for n in outer.graph.nodes if n.op == "get_attr"]
+    token_inputs = {name: block for name, (_rt, block) in ctx.tokens.items()}
     block_calls = [n for n in outer.graph.nodes if n.op == "call_module" and n.target.startswith("block_")]
+    assert [token_inputs[c.args[-3].name] for c in block_calls] == [0, 1, 2]
+    assert [token_inputs[block_calls[0].args[-2].name], token_inputs[block_calls[1].args[-1].name]] == [1, 0]
+    edges = [n for n in outer.graph.nodes if n.target is edge_token]
+    assert [(token_inputs[e.args[0].name], e.args[1]) for e in edges] == [(0, -1), (2, 1)]
+    assert block_calls[0].args[-1] is edges[0] and block_calls[2].args[-2] is edges[1]
+    assert edge_token(rt.block_tokens[2], 1, [rt.block_tokens[b] for b in range(3)]) is rt.no_block_token
+    assert edge_token(rt.block_tokens[1], 1, [rt.block_tokens[1]]) is rt.block_tokens[2]  # a graph of one block
     assert block_calls[1].args[-4].target is operator.getitem and block_calls[1].args[-4].args[0] is block_calls[0]
     assert len(ctx.variants) == 0  # nothing compiles before the first call
     assert_exact(_run(outer, inputs), expected)  # measured 0
@@ -293,7 +311,8 @@ def test_inline_checkpoints_turns_checkpoint_bodies_into_block_recompute():
         expected = plain(x)
     gm, inputs = graphs[0]
     assert sum(is_checkpoint(n) for n in gm.graph.nodes) == 3 and not any(is_streamed_linear(n) for n in gm.graph.nodes)
-    ctx = CompileContext(rt, BackendOptions("eager"), variant_cache(rt), passes.VARIANT_PASSES, passes.JOINT_PASSES)
+    ctx = CompileContext(rt, BackendOptions("eager"), variant_cache(rt), passes.VARIANT_PASSES, passes.JOINT_PASSES,
+                         tokens=token_owners(gm, inputs))
     gm = ctx.run([passes.inline_checkpoints], gm)
     assert not any(is_checkpoint(n) for n in gm.graph.nodes)
     linears = [n for n in gm.graph.nodes if is_streamed_linear(n)]

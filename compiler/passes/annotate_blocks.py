@@ -1,11 +1,14 @@
 """Pass `annotate_blocks`: tag every node with the block it belongs to.
 
-Streamed-linear nodes know their block from the layer id they carry (looked up
-through the runtime, which also refuses a layer of another offloaded model);
-every other node finds it through `nn_module_stack`. The module paths Dynamo
-records start at the compiled root (`L['self'].model.layers[0]...`), so the
-pass first learns the prefix under which the streamed layers' FQNs appear and
-matches block FQNs under it.
+Streamed-linear nodes know their block from the block token they take (a graph
+input whose example value the backend looked up: `ctx.tokens`; a token of
+another offloaded model is refused) and their position in it; every other node
+finds it through `nn_module_stack`. The module paths Dynamo records start at
+the compiled root (`L['self'].model.layers[0]...`), so the pass first learns
+the prefix under which the streamed layers' FQNs appear and matches block FQNs
+under it. When the compiled root is a block itself (a torch.compile per block,
+`stagehand.compile_blocks`), the paths are shorter than the FQNs: every node
+of the graph belongs to that block, and the graph is one block unit.
 
 Sets `node.meta["stagehand_block"]` (int or None) on every node and
 `node.meta["stagehand_layer"]` (index in `runtime.layers`) on streamed linears.
@@ -18,7 +21,7 @@ import re
 import torch.fx as fx
 
 from ..context import CompileContext, compiler_pass
-from ..graph_nodes import is_streamed_linear, layer_id_of
+from ..graph_nodes import is_streamed_linear, streamed_arg
 
 _ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]")
 _MODULES_ITEM = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
@@ -42,10 +45,12 @@ def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     rt = ctx.runtime
     block_index = {fqn: i for i, fqn in enumerate(rt.blocks)}
     prefixes: set[str] = set()
+    roots: set[int] = set()  # blocks that are the compiled root (their layers' paths are FQN suffixes)
     streamed = 0
     for node in gm.graph.nodes:
         if is_streamed_linear(node):
-            index = rt.layer_index(layer_id_of(node))
+            block = _block_of_token(node, ctx)
+            index = rt.layer_at(block, streamed_arg(node, "position"))
             spec = rt.layers[index]
             node.meta["stagehand_layer"] = index
             node.meta["stagehand_block"] = spec.block
@@ -55,15 +60,34 @@ def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 path = normalize_module_path(list(stack.values())[-1][0])
                 if path == spec.fqn or path.endswith("." + spec.fqn):
                     prefixes.add(path[: len(path) - len(spec.fqn)].rstrip("."))
+                elif spec.fqn.endswith("." + path) and spec.fqn[: -len(path) - 1] == rt.blocks[spec.block]:
+                    roots.add(spec.block)
+    root = next(iter(roots)) if len(roots) == 1 and not prefixes else None
     tagged = 0
     for node in gm.graph.nodes:
         if "stagehand_block" in node.meta:
             continue
-        node.meta["stagehand_block"] = _block_from_stack(node, prefixes, block_index)
+        if root is not None:  # the graph is the block's forward: all of its code is the block's
+            node.meta["stagehand_block"] = root if node.op not in ("placeholder", "output") else None
+        else:
+            node.meta["stagehand_block"] = _block_from_stack(node, prefixes, block_index)
         tagged += node.meta["stagehand_block"] is not None
-    ctx.note(f"{streamed} streamed linears; tagged {tagged} other nodes with their block "
-             f"(module-path prefixes {sorted(prefixes)})")
+    where = (f"the compiled root is block {root} ({rt.blocks[root]})" if root is not None
+             else f"module-path prefixes {sorted(prefixes)}")
+    ctx.note(f"{streamed} streamed linears; tagged {tagged} other nodes with their block ({where})")
     return gm
+
+
+def _block_of_token(node: fx.Node, ctx: CompileContext) -> int:
+    """The block whose token the streamed linear takes; refuses a token of another offloaded model."""
+    token = streamed_arg(node, "block_tok")
+    owner = ctx.tokens.get(token.name) if isinstance(token, fx.Node) else None
+    if owner is None:
+        raise RuntimeError(f"stagehand: the streamed linear {node.name} takes {token!r} as its block token, which is "
+                           "not a block token of a live offloaded model (was the model restored?)")
+    if owner[0] is not ctx.runtime:
+        raise RuntimeError("stagehand: one compiled graph streams layers of two different offloaded models")
+    return owner[1]
 
 
 def _block_from_stack(node: fx.Node, prefixes: set[str], block_index: dict[str, int]) -> int | None:

@@ -16,7 +16,10 @@ threads the schedule's tokens through the outer graph:
 "next" and "previous" come from the conductor's `FetchOrder` (the one owner of
 fetch order): the neighbouring streaming units in the order this graph runs
 them, or the neighbouring blocks in model order at the graph's ends (a graph
-break still prefetches across it).
+break still prefetches across it). The block tokens are the graph's own inputs
+(each streamed Linear holds its block's), so a graph Dynamo reuses for another
+block of the same structure runs that block: the ends are asked per call
+(`fetch_order.edge_token`), from the block the caller's token names.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.fx as fx
 
 from torch_stagehand.runtime import registry
 from torch_stagehand.runtime.conductor import FetchOrder
+from torch_stagehand.runtime.conductor.fetch_order import edge_token
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import CompileContext, compiler_pass
@@ -36,12 +40,17 @@ from .assign_segments import Segment
 
 
 class _Tokens:
-    """One get_attr node per block token, read at the top of the outer graph."""
+    """The outer graph's node for each block token: the graph's own token input where it has one (a graph
+    serves every block of its structure, so the block is the caller's), else a get_attr read at the top."""
 
-    def __init__(self, outer: fx.GraphModule, rt):
-        self.outer, self.rt, self.nodes = outer, rt, {}
-        placeholders = [n for n in outer.graph.nodes if n.op == "placeholder"]
-        self.anchor = placeholders[-1] if placeholders else None
+    def __init__(self, outer: fx.GraphModule, ctx: CompileContext):
+        self.outer, self.rt, self.nodes = outer, ctx.runtime, {}
+        placeholders = {n.name: n for n in outer.graph.nodes if n.op == "placeholder"}
+        for name, (_rt, block) in ctx.tokens.items():
+            if name in placeholders:
+                self.nodes.setdefault(block, placeholders[name])
+        self.inputs = dict(self.nodes)  # block -> its token input
+        self.anchor = list(placeholders.values())[-1] if placeholders else None
 
     def __getitem__(self, block: int) -> fx.Node:
         if block not in self.nodes:
@@ -54,6 +63,15 @@ class _Tokens:
                 self.nodes[block] = self.anchor = graph.get_attr(name)
         return self.nodes[block]
 
+    def edge(self, call: fx.Node, block: int, neighbour: int, step: int, blocks: list[int]) -> fx.Node:
+        """The token to fetch at the graph's end beside `block` (`step`: +1 forward, -1 backward): asked at each
+        call when the block's token is an input, fixed here otherwise."""
+        if block not in self.inputs:
+            return self[neighbour]
+        present = tuple(self[b] for b in dict.fromkeys(blocks))
+        with self.outer.graph.inserting_before(call):
+            return self.outer.graph.call_function(edge_token, (self.inputs[block], step, present))
+
 
 @compiler_pass("link_units")
 def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -61,8 +79,9 @@ def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     n_blocks = len(rt.blocks)
     calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
     streaming = [s for s in segments if s.block is not None and has_streamed_linear(s)]
-    tokens = _Tokens(outer, rt)
-    order = FetchOrder.for_graph([s.block for s in streaming], n_blocks)
+    tokens = _Tokens(outer, ctx)
+    blocks = [s.block for s in streaming]
+    order = FetchOrder.for_graph(blocks, n_blocks)
     previous_next: tuple[int, fx.Node] | None = None  # (block the last unit prefetched, its token node)
     for seg in segments:
         call = calls[seg.name]
@@ -77,18 +96,21 @@ def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         i = streaming.index(seg)
         b = seg.block
-        nxt, prev = order[i].next_fwd, order[i].next_bwd
-        block_tok, next_tok, prev_tok = tokens[b], tokens[nxt], tokens[prev]
+        block_tok = tokens[b]
+        nxt = tokens[order[i].next_fwd] if i < len(streaming) - 1 else tokens.edge(call, b, order[i].next_fwd, +1, blocks)
+        prev = tokens[order[i].next_bwd] if i > 0 else tokens.edge(call, b, order[i].next_bwd, -1, blocks)
         if previous_next is not None and previous_next[0] == b:
             fetch = previous_next[1]
         else:  # first block of this graph: nothing fetched it ahead
             with graph.inserting_before(call):
                 fetch = graph.call_function(SCHEDULE_OPS["prefetch"], (block_tok, []))
-        call.args = tuple(call.args) + (fetch, block_tok, next_tok, prev_tok)
-        previous_next = (nxt, _split_outputs(graph, call, unit.returns_tuple, len(_outputs(template))))
+        call.args = tuple(call.args) + (fetch, block_tok, nxt, prev)
+        previous_next = (order[i].next_fwd, _split_outputs(graph, call, unit.returns_tuple, len(_outputs(template))))
     graph.lint()
     outer.recompile()
-    ctx.note(f"{len(streaming)} block units, {len(segments) - len(streaming)} glue units")
+    ctx.note(f"{len(streaming)} block units, {len(segments) - len(streaming)} glue units"
+             + (f"; the block tokens are graph inputs (the graph serves every block of its structure)"
+                if tokens.inputs else ""))
     return outer
 
 

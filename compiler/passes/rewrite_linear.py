@@ -1,10 +1,10 @@
 """Pass `rewrite_linear`: streamed Linears become `stagehand::linear` on a weight token.
 
-Before: `y = streamed_linear(x, bias, layer_id)` (what Dynamo captured).
+Before: `y = streamed_linear(x, bias, block_tok, position, out_features, anchor)` (what Dynamo captured).
 After:  `y = stagehand.linear(x, weights, bias, block_tok, prev_tok, layout)`
 where `weights` is a new placeholder standing for the block's device bytes in
 the chosen precision and `layout` says where this layer sits in them (offsets,
-shape, dtype or INT8 + scale). The layer id disappears from the graph, so
+shape, dtype or INT8 + scale). Nothing in the graph names one block, so
 every block with the same structure and layout produces the same graph and
 shares one compiled variant. `schedule_forward` later feeds `weights` from a
 `wait`. A per-variant pass: the block and precision come from a `VariantContext`.
@@ -36,7 +36,7 @@ from torch_stagehand.runtime.precision import LayerLayout
 from torch_stagehand.runtime.ops import SCHEDULE_OPS, grad_tap
 
 from ..context import VariantContext, compiler_pass
-from ..graph_nodes import add_placeholder, example_value, has_static_shape, is_streamed_linear
+from ..graph_nodes import add_placeholder, example_value, has_static_shape, is_streamed_linear, streamed_arg
 
 WEIGHTS, BLOCK_TOK, PREV_TOK = "stagehand_weights", "stagehand_block_tok", "stagehand_prev_tok"
 
@@ -59,11 +59,12 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if not is_streamed_linear(node):
             continue
-        x, bias = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("bias")
-        anchor = node.args[3] if len(node.args) > 3 else node.kwargs.get("anchor")
-        position = rt.layer_position(node.meta["stagehand_layer"])
+        x, bias, anchor = (streamed_arg(node, name) for name in ("x", "bias", "anchor"))
+        # The variant's block (the unit's block at this call), not the one Dynamo traced: a graph serves
+        # every block of its structure, and each layout of theirs gets its own variant (units.BlockUnit).
+        position = streamed_arg(node, "position")
         trains = position in ctx.trainable and isinstance(anchor, fx.Node)
-        layout = rt.layer_layout(node.meta["stagehand_layer"], precision)
+        layout = rt.layer_layout(rt.layer_at(ctx.block, position), precision)
         entry, lay = precisions.by_code(layout[0]), LayerLayout.from_ints(layout)
         traced = (entry.graph_linear(lay, ctx.device, _rows(x, lay.in_features))
                   if ctx.parent.options.linear_math == "graph" else None)

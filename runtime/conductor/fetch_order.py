@@ -24,6 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
+from torch_stagehand.runtime import registry
 from torch_stagehand.runtime.registry import NO_BLOCK
 
 LOOKAHEAD_DEPTH = 1
@@ -105,6 +108,15 @@ class FetchOrder:
     def learned_order(self) -> list[int]:
         """The forward pass under way (or the last one), as recorded; for explain and tests."""
         return list(self._current)
+
+
+def edge_token(block_tok: torch.Tensor, step: int, present: Sequence[torch.Tensor]) -> torch.Tensor:
+    """At a compiled graph's end, the token of the block to fetch next: the neighbour in registration order
+    (`step` +1 forward, -1 backward) unless it runs in this graph (`present`: the graph's block tokens).
+    Asked per call, not fixed when the graph compiled: one graph serves every block of its structure."""
+    rt, block = registry.decode(block_tok)
+    nb = _neighbour(block + step, len(rt.blocks), {registry.decode(t)[1] for t in present})
+    return rt.no_block_token if nb == NO_BLOCK else rt.block_tokens[nb]
 
 
 def _neighbour(block: int, n_blocks: int, present: set[int]) -> int:
