@@ -90,5 +90,6 @@ def decode(token: torch.Tensor) -> tuple["Runtime | None", int]:
     rid, block = value >> 32, value & 0xFFFFFFFF
     rt = _runtimes.get(rid)
     if rt is None:
-        raise RuntimeError(f"stagehand: block token for runtime {rid} outlived its Runtime")
+        raise RuntimeError(f"stagehand: block {block} belongs to no live runtime (runtime {rid}: was the model "
+                           "restored or its Runtime closed?)")
     return rt, block
