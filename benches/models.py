@@ -50,6 +50,7 @@ from _common import (PEAK_COLUMNS, RATIO_COLUMNS, RATIOS_NOTE, RESULTS, Sync, ad
 import torch_stagehand as stagehand
 
 LORA_TARGETS = {"flux": ["to_q", "to_k", "to_v", "to_out.0"], "qwen": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+LORA_TARGETS["qwen32"] = LORA_TARGETS["qwen"]
 
 
 def flux_config(tiny: bool) -> dict:
@@ -83,10 +84,15 @@ def build_flux(tiny: bool, device: str):
     return model, inputs, shape
 
 
-def qwen_config(tiny: bool):
+def qwen_config(tiny: bool, size: str = "7b"):
+    """Qwen2.5-7B's shape (`size="7b"`), Qwen2.5-32B's (`"32b"`), or a small one of the same class."""
     from transformers import Qwen2Config
 
-    if tiny:
+    if size == "32b" and not tiny:  # Qwen2.5-32B: 64 layers, 32.8B parameters
+        config = Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                             num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
+                             rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    elif tiny:
         config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                              num_attention_heads=4, num_key_value_heads=2)
     else:  # Qwen2.5-7B
@@ -103,10 +109,10 @@ def qwen_inputs(config, tiny: bool, device: str):
     return {"input_ids": ids, "labels": ids}, {"sequence": seq}
 
 
-def build_qwen(tiny: bool, device: str):
+def build_qwen(tiny: bool, device: str, size: str = "7b"):
     from transformers import Qwen2ForCausalLM
 
-    config = qwen_config(tiny)
+    config = qwen_config(tiny, size)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     inputs, shape = qwen_inputs(config, tiny, device)

@@ -4,6 +4,7 @@
     python benches/start_time.py --rows flux:int8 flux:bf16 --out benches/results/start_time_flux.json
     python benches/start_time.py --tiny --device cpu --rows qwen:int8 --steps 4     # a smoke test of the bench
     python benches/start_time.py --rows flux:int8:blocks flux:resident:blocks      # regional: a compile per block
+    python benches/start_time.py --rows flux:int8:files:blocks --drop-page-cache   # offload from checkpoint + slab
 
 Every run is a fresh process (the thing a user starts many times a day), on the full-size model of
 benches/models.py (random init on the GPU, bf16, peft LoRA r=16 on the attention projections, AdamW;
@@ -15,7 +16,10 @@ Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precisi
 - bundle (`--bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
   with only the compile bundle (compiler/compile_cache.py) to start from.
 
-A row `model:precision:blocks` compiles each block on its own (`stagehand.compile_blocks`; for a resident row,
+A row `model:int8:files` builds the model on the meta device and offloads it from its safetensors checkpoint
+and INT8 slab on disk (written once under the cache root from the same random init; `keep_full="file"`), then
+adds the LoRA adapters: a user's model on disk (`--drop-page-cache`: its cold run reads the disk, not the page
+cache). A row `model:precision:blocks` compiles each block on its own (`stagehand.compile_blocks`; for a resident row,
 `block.compile()` per block as diffusers' `compile_repeated_blocks` does) instead of the whole model.
 "resident" rows are the baseline: the plain model, every weight on the GPU, under torch.compile's
 default backend (Inductor), cold and warm the same way. Per run: offload seconds (with a profile of
@@ -39,7 +43,7 @@ import subprocess
 import sys
 import time
 
-BUDGETS = {"flux": "16GiB", "qwen": "20GiB"}
+BUDGETS = {"flux": "16GiB", "qwen": "20GiB", "qwen32": "40GiB"}  # qwen32: the Qwen2.5-32B shape
 ROOT = os.environ.get("START_TIME_CACHE_ROOT", "/tmp/stagehand-start-time")
 
 
@@ -47,7 +51,7 @@ def child(args) -> dict:
     """One process: build, offload, compile, `--steps` steps, each synchronised and timed."""
     import peft
     import torch
-    from models import LORA_TARGETS, build_flux, build_qwen, loss_of, set_checkpointing
+    from models import LORA_TARGETS, set_checkpointing
 
     import torch_stagehand as stagehand
 
@@ -56,14 +60,16 @@ def child(args) -> dict:
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)  # as benches/models.py: cuDNN SDPA backward faults at Flux's shape
     kind, precision, *how = args.row.split(":")
-    regional = how == ["blocks"]  # compile each block on its own (stagehand.compile_blocks; resident: block.compile())
+    regional = "blocks" in how  # compile each block on its own (stagehand.compile_blocks; resident: block.compile())
+    if "files" in how:
+        return child_from_files(args, kind, precision, regional)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    model, inputs, shape = (build_flux if kind == "flux" else build_qwen)(args.tiny, device)
+    model, inputs, shape = build(kind, args.tiny, device)
     model.requires_grad_(False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS[kind]))
     set_checkpointing(kind, model, kind == "flux")
-    if kind == "qwen":  # a training step keeps no KV cache (and a regional compile would retrace every block for it)
+    if kind != "flux":  # a training step keeps no KV cache (and a regional compile would retrace every block for it)
         model.config.use_cache = False
     build_s = time.perf_counter() - t0
     out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(build_s, 1)}
@@ -90,6 +96,22 @@ def child(args) -> dict:
         compiled = model
     else:
         compiled = torch.compile(model)
+    return run_steps(args, kind, model, inputs, rt, out, regional, compiled)
+
+
+def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, compiled=None) -> dict:
+    """`--steps` steps of AdamW on the adapters, each synchronised and timed; what they compiled and loaded."""
+    import torch
+    from models import loss_of, set_checkpointing
+
+    import torch_stagehand as stagehand
+
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    if compiled is None:
+        set_checkpointing(kind, model, kind == "flux")
+        if kind != "flux":
+            model.config.use_cache = False
+        compiled = stagehand.compile_blocks(model) if regional else torch.compile(model, backend="stagehand")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     if rt is not None:
         rt.attach(optimizer)
@@ -133,6 +155,93 @@ def child(args) -> dict:
     return out
 
 
+def build(kind: str, tiny: bool, device: str):
+    """(model, inputs, shape) of a row's model: flux, qwen (Qwen2.5-7B's shape) or qwen32 (Qwen2.5-32B's)."""
+    from models import build_flux, build_qwen
+
+    if kind == "flux":
+        return build_flux(tiny, device)
+    return build_qwen(tiny, device, "32b" if kind == "qwen32" else "7b")
+
+
+def _files_of(kind: str, tiny: bool) -> dict[str, str]:
+    folder = os.path.join(ROOT, "files", kind + ("-tiny" if tiny else ""))
+    return {"folder": folder, "checkpoint": os.path.join(folder, "checkpoint"), "slab": os.path.join(folder, "slab", kind)}
+
+
+def prepare_files(args, kind: str) -> dict:
+    """Once per model (kept under ROOT/files): its safetensors checkpoint (`save_pretrained`) and its INT8 slab,
+    from the random init the other rows use, for the `:files` rows: a user's model on disk."""
+    import torch
+    from torch_stagehand.runtime.slab import build_slab_from_module
+
+    files = _files_of(kind, args.tiny)
+    if os.path.exists(os.path.join(files["folder"], "done")):
+        return {"prepared_s": 0.0}
+    shutil.rmtree(files["folder"], ignore_errors=True)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model, _, _ = build(kind, args.tiny, args.device)
+    model.save_pretrained(files["checkpoint"])
+    build_slab_from_module(model, os.path.dirname(files["slab"]), kind, kind, progress=False,
+                           compare_quantizers=False, print_report=False)
+    open(os.path.join(files["folder"], "done"), "w").close()
+    return {"prepared_s": round(time.perf_counter() - t0, 1)}
+
+
+def child_from_files(args, kind: str, precision: str, regional: bool) -> dict:
+    """A `:files` row: the model built on the meta device, offloaded from its checkpoint and INT8 slab on disk
+    (`keep_full="file"`: the full-precision weights stay views of the mapped checkpoint), then peft LoRA."""
+    import peft
+    import torch
+    from models import LORA_TARGETS, flux_config, flux_inputs, qwen_config, qwen_inputs
+
+    import torch_stagehand as stagehand
+
+    if precision != "int8":
+        raise SystemExit(f"start_time: a :files row streams the slab's INT8 copies, not {precision}")
+    files = _files_of(kind, args.tiny)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():  # parameters on the meta device, buffers real (as from_pretrained builds it)
+        if kind == "flux":
+            from diffusers import FluxTransformer2DModel
+
+            model = FluxTransformer2DModel(**flux_config(args.tiny)).to(torch.bfloat16)
+        else:
+            from transformers import Qwen2ForCausalLM
+
+            model = Qwen2ForCausalLM(qwen_config(args.tiny, "32b" if kind == "qwen32" else "7b")).to(torch.bfloat16)
+    inputs, shape = (flux_inputs(flux_config(args.tiny), args.tiny, args.device) if kind == "flux"
+                     else qwen_inputs(qwen_config(args.tiny), args.tiny, args.device))  # (32b: the same vocabulary)
+    out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(time.perf_counter() - t0, 1),
+                 "page_cache": args.page_cache}
+    profiler = cProfile.Profile() if args.profile_offload else None
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    rt = stagehand.offload(model, device=args.device, precision="int8", checkpoint=files["checkpoint"],
+                           slab=files["slab"], keep_full="file", vram_budget=None if args.tiny else BUDGETS[kind],
+                           verbose=False)
+    if cuda:
+        torch.cuda.synchronize()
+    if profiler:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+        out["offload_profile"] = text.getvalue()[-6000:]
+    out["offload_s"] = round(time.perf_counter() - t0, 2)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS[kind]))
+    model.to(args.device)  # the adapters peft put beside the host weights (the streamed weights stay)
+    return run_steps(args, kind, model, inputs, rt, out, regional)
+
+
 def _blocks_of(kind: str, model) -> list:
     base = model.get_base_model()
     if kind == "flux":
@@ -152,10 +261,23 @@ def caches(row: str, mode: str) -> dict[str, str]:
     return env
 
 
+def drop_page_cache() -> str:
+    """Empty the kernel's page cache (root only), so a cold `:files` run reads its files from the disk."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return "dropped"
+    except OSError as e:
+        return f"kept (could not drop it: {e.strerror})"
+
+
 def run_one(args, row: str, mode: str) -> dict:
+    files = ":files" in row
+    page_cache = drop_page_cache() if files and mode == "cold" and args.drop_page_cache else "as left"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
-           "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + \
-          (["--profile-offload"] if mode == "cold" and row.endswith(":int8") else [])
+           "--steps", str(args.steps), "--page-cache", page_cache] + (["--tiny"] if args.tiny else []) + \
+          (["--profile-offload"] if mode == "cold" and (row.endswith(":int8") or files) else [])
     env = dict(os.environ, **caches(row, mode), STAGEHAND_TUNE_CACHE="1", STAGEHAND_COMPILE_CACHE="1",
                STAGEHAND_WARM_COMPILE_WORKERS="1" if args.warm_compile_workers else "0")
     print(f"start_time: {row} {mode} ...", flush=True)
@@ -203,23 +325,40 @@ def main(argv=None) -> int:
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--profile-offload", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--page-cache", default="as left", help=argparse.SUPPRESS)
+    p.add_argument("--drop-page-cache", action="store_true",
+                   help="before a cold :files run, empty the page cache (root) so the files come from the disk")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.child:
-        print("RESULT " + json.dumps(child(args)), flush=True)
+        result = prepare_files(args, args.row.split(":")[0]) if args.prepare else child(args)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
     from _common import env_info, print_header, print_table, write_json
 
     env = print_header(env_info())
     # A resident row has no compile bundle: its "bundle" run would be a second cold one.
     results: list[dict] = []
+    prepared: dict[str, dict] = {}
     for row in args.rows:
+        kind = row.split(":")[0]
+        if ":files" in row and kind not in prepared:  # the checkpoint and slab on disk, once per model
+            print(f"start_time: writing {kind}'s checkpoint and INT8 slab (once) ...", flush=True)
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--prepare", "--row", row,
+                                   "--device", args.device] + (["--tiny"] if args.tiny else []),
+                                  capture_output=True, text=True, timeout=args.timeout)
+            prepared[kind] = next((json.loads(line[7:]) for line in done.stdout.splitlines()
+                                   if line.startswith("RESULT ")), {"error": done.stderr[-2000:]})
+            if "error" in prepared[kind]:
+                results.append({"row": row, "mode": "prepare", "error": prepared[kind]["error"]})
+                continue
         for mode in args.modes:
             if mode == "bundle" and row.endswith(":resident"):
                 continue  # a resident row has no compile bundle: its "bundle" run would be a second cold one
             results.append(run_one(args, row, mode))
             if args.out:  # after every run: a call cut at its time limit keeps the runs it made
-                write_json(args.out, {"env": env, "budgets": BUDGETS, "steps": args.steps,
+                write_json(args.out, {"env": env, "budgets": BUDGETS, "steps": args.steps, "files_prepared": prepared,
                                       "warm_compile_workers": args.warm_compile_workers,
                                       "rows": table_rows(results), "runs": results})
     print_table(table_rows(results), title="seconds to the first step (each run a fresh process)")

@@ -150,8 +150,8 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     compile_kwargs.setdefault("backend", "stagehand")
     if compile_kwargs["backend"] == "stagehand" and _move_checkpointing_into_blocks(model):
         compile_kwargs["options"] = {"recompute": "model", **(compile_kwargs.get("options") or {})}
-    for fqn in rt.blocks:
-        model.get_submodule(fqn).compile(**compile_kwargs)
+    for fqn in rt.blocks:  # named from the model that was offloaded (a peft wrapper added later has other names)
+        rt.model.get_submodule(fqn).compile(**compile_kwargs)
     return model
 
 

@@ -182,3 +182,24 @@ def test_the_models_own_checkpointing_moves_into_the_block_units():
     grads, want = _lora_grads(model), _lora_grads(plain)
     assert len(grads) == 24 and all(rel_err(grads[n], want[n]) < 1e-6 for n in grads)  # measured 0
     assert rt.stats()["recomputed_blocks"] == 4  # each block's forward ran once more, in its unit
+
+
+def test_adapters_added_after_offload_compile_block_by_block():
+    """A model offloaded first (built on meta and loaded from files, typically), then wrapped by peft: the blocks are
+    found by the offloaded model's names, not the wrapper's."""
+    import peft
+
+    model, inputs = tiny_llama(dtype=torch.float32, layers=3, batch=1, seq=8)
+    model.config.use_cache = False
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    wrapped = peft.get_peft_model(model, lora)
+    plain = peft.get_peft_model(plain, lora)
+    plain.load_state_dict(wrapped.state_dict())
+    torch._dynamo.reset()
+    stagehand.compile_blocks(wrapped, options={"inner": "eager"})
+    with torch.no_grad():
+        got, want = wrapped(**inputs).logits, plain(**inputs).logits
+    assert rel_err(got, want) < 1e-6 and len(rt.graph_records) == 1  # measured 0
+    assert rt.stats()["eager_linear_calls"] == 0

@@ -28,6 +28,7 @@ the slab format to the engine here, and the engine has none back.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -41,6 +42,8 @@ from .reader import SlabReader
 
 if TYPE_CHECKING:
     from torch_stagehand.runtime.runtime import Runtime
+
+_READ_THREADS = 8  # enough to saturate a page cache or an NVMe drive; each thread holds no buffer of its own
 
 
 def resolve_manifest(slab: str | os.PathLike) -> str:
@@ -66,6 +69,7 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
                                   require=rt.config.require_slab_identity)
             if rt.config.int8_tier == "disk":
                 return _attach_disk_tier(rt, reader, manifest)
+            reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec)
             for block, bb in enumerate(rt.store.blocks):
                 buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
                 for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
@@ -79,12 +83,26 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
                     bias_out = None
                     if bias is not None and bias.is_meta and reader.layers[name].has_bias:
                         bias_out = torch.empty(bias.shape, dtype=bias.dtype)
-                    reader.read_layer_into(name, q, s, bias_out)
-                    if bias_out is not None:
-                        spec.module._parameters["bias"] = torch.nn.Parameter(bias_out, requires_grad=bias.requires_grad)
+                    reads.append((name, q, s, bias_out, spec))
+            _read_in_parallel(reader, reads)
+            for _name, _q, _s, bias_out, spec in reads:
+                if bias_out is not None:
+                    bias = spec.module.bias
+                    spec.module._parameters["bias"] = torch.nn.Parameter(bias_out, requires_grad=bias.requires_grad)
+            for block in range(len(rt.store.blocks)):
                 rt.store.mark_built(block, INT8)
 
     return load
+
+
+def _read_in_parallel(reader: SlabReader, reads: list) -> None:
+    """Every layer's rows, scale and bias from the file into its buffer, on a few threads: `preadv` and the crc32
+    check release the GIL, so the reads go at the page cache's (or the disk's) speed, not one memcpy core's.
+    The first error (a SlabError naming the layer) is raised after the reads under way finish."""
+    workers = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(reads)))
+    with ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read") as pool:
+        for done in [pool.submit(reader.read_layer_into, name, q, s, b) for name, q, s, b, _spec in reads]:
+            done.result()
 
 
 def _attach_disk_tier(rt: "Runtime", reader: SlabReader, manifest: str) -> None:
