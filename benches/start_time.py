@@ -221,6 +221,7 @@ def child_from_files(args, kind: str, precision: str, regional: bool) -> dict:
                      else qwen_inputs(qwen_config(args.tiny), args.tiny, args.device))  # (32b: the same vocabulary)
     out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(time.perf_counter() - t0, 1),
                  "page_cache": args.page_cache}
+    model.requires_grad_(False)  # LoRA: the base is frozen before offload (a weight that trains gets a host gradient)
     profiler = cProfile.Profile() if args.profile_offload else None
     t0 = time.perf_counter()
     if profiler:
@@ -236,7 +237,6 @@ def child_from_files(args, kind: str, precision: str, regional: bool) -> dict:
         pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
         out["offload_profile"] = text.getvalue()[-6000:]
     out["offload_s"] = round(time.perf_counter() - t0, 2)
-    model.requires_grad_(False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS[kind]))
     model.to(args.device)  # the adapters peft put beside the host weights (the streamed weights stay)
     return run_steps(args, kind, model, inputs, rt, out, regional)

@@ -9,6 +9,8 @@ naming the file and the layer.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import hashlib
 import os
 import warnings
@@ -166,12 +168,19 @@ def check_identity(manifest: SlabManifest, weights: Iterable[tuple[str, torch.Te
     hash) cannot be checked: SlabIdentityError when `require`, else one
     SlabIdentityWarning naming the file and the layers. Returns the layers checked.
     """
+    weights = list(weights)
     checked, unchecked = 0, []
-    for name, weight in weights:
-        if identity.check_layer(name, manifest.layers[name].identity, weight, where):
-            checked += 1
-        else:
-            unchecked.append((name, str(weight.dtype).replace("torch.", "")))
+    # On threads: a weight mapped from a checkpoint that is not in the page cache reads its sampled rows from the
+    # disk (a few KB each, thousands of them); the reads and the copies release the GIL. The results come back in
+    # the model's order, so the first layer that fails is the one named.
+    with ThreadPoolExecutor(max(1, min(8, len(weights))), thread_name_prefix="stagehand-identity") as pool:
+        results = pool.map(lambda nw: identity.check_layer(nw[0], manifest.layers[nw[0]].identity, nw[1], where),
+                           weights)
+        for (name, weight), ok in zip(weights, results):
+            if ok:
+                checked += 1
+            else:
+                unchecked.append((name, str(weight.dtype).replace("torch.", "")))
     if not unchecked:
         return checked
     name, dtype = unchecked[0]
