@@ -18,6 +18,7 @@ header {name: {dtype, shape, data_offsets}}, then the data.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -125,6 +126,21 @@ class WeightsFile:
             raise CheckpointError(f"checkpoint {self.path!r}: {name} has shape {tuple(t.shape)}, the model's {what} "
                                   f"{tuple(like.shape)}")
         return t
+
+    @contextlib.contextmanager
+    def random_access(self):
+        """Reads under it touch a few rows here and there (the slab identity's sampled rows): no readahead, so
+        a checkpoint that is not in the page cache is read a few pages per row, not a megabyte per row."""
+        advise = hasattr(mmap, "MADV_RANDOM")
+        for mf in self.files if advise else ():
+            if len(mf.mm):
+                mf.mm.madvise(mmap.MADV_RANDOM)
+        try:
+            yield self
+        finally:
+            for mf in self.files if advise else ():
+                if len(mf.mm):
+                    mf.mm.madvise(mmap.MADV_NORMAL)
 
     def release_pages(self) -> None:
         """Drop the mapped pages from this process (they stay in the page cache), where none was written:

@@ -27,6 +27,7 @@ the slab format to the engine here, and the engine has none back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
@@ -65,8 +66,10 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
     def load(rt: "Runtime") -> None:
         with SlabReader(manifest) as reader:
             reader.check_model(rt.model)
-            checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
-                                  require=rt.config.require_slab_identity)
+            # The sampled rows of weights mapped from a checkpoint: read without readahead (weights_file.py).
+            with rt.checkpoint.random_access() if rt.checkpoint is not None else contextlib.nullcontext():
+                checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
+                                      require=rt.config.require_slab_identity)
             if rt.config.int8_tier == "disk":
                 return _attach_disk_tier(rt, reader, manifest)
             reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec)
