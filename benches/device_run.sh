@@ -17,6 +17,7 @@
 #   STAGES="soak" SOAK_WAIT=560 bash benches/device_run.sh; then at once STAGES="soakwait"   # 2000-step soak (~11 min)
 #   STAGES="soakfg oomtests" SOAK_ARGS="--steps 800 --every 100" SOAK_TIMEOUT=420 bash benches/device_run.sh
 #   STAGES="fullft" FULLFT_NAME=full_finetune_qwen14 FULLFT_ARGS="--layers 14 --budgets 16 --rows stagehand deepspeed2"
+#   STAGES="pytests start" TEST_FILES=tests/test_regional_compile.py TESTS_NAME=regional_gpu_tests MODEL=flux_blocks START_ROWS="flux:int8:blocks"
 #   STAGES="start" MODEL=qwen START_ROWS="qwen:int8 qwen:resident" START_MODES="cold warm bundle"   # seconds to the first step
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
 #   STAGES="sweep" MODEL=flux SWEEP_ARGS="--baselines inductor --baselines-only" SWEEP_TIMEOUT=570 bash benches/device_run.sh
@@ -114,6 +115,9 @@ for stage in $STAGES; do
               tests/test_kernels.py ;;
     tests)  run_tests tests "$OUT/gpu_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -p no:logging -rs \
               tests/test_gpu.py tests/test_host_memory.py tests/test_disk_tier.py ;;
+    pytests) # the gpu tests of the files named in TEST_FILES, into $OUT/$TESTS_NAME.log
+            run_tests pytests "$OUT/${TESTS_NAME:-gpu_tests}.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider \
+              -p no:logging -rs ${TEST_FILES:?name the test files} ;;
     demo)   timeout 240 stagehand demo --steps ${DEMO_STEPS:-60} --out /tmp/demo 2>&1 | grep -v "it/s\|step/s" | tail -45 | tee "$OUT/demo.log"
             cp /tmp/demo/demo.png /tmp/demo/summary.json "$OUT/" 2>/dev/null ;;
     stream) timeout 420 python3 benches/streaming.py ${STREAM_ARGS:-} --out "$OUT/streaming.json" 2>&1 | grep -vE "^DEBUG" | tee "$OUT/streaming.log" ;;
