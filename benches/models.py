@@ -113,8 +113,14 @@ def build_qwen(tiny: bool, device: str, size: str = "7b"):
     from transformers import Qwen2ForCausalLM
 
     config = qwen_config(tiny, size)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    if size == "32b":  # 131 GB in fp32 would not fit the GPU it is built on: built in bf16 directly
+        torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(default)
     inputs, shape = qwen_inputs(config, tiny, device)
     return model, inputs, shape
 
