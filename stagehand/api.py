@@ -72,9 +72,10 @@ def offload(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
-    if device.type == "cuda":  # Inductor's compile workers come up while offload fills the host store (if asked)
-        from torch_stagehand.compiler.inner import warm_compile_workers
+    if device.type == "cuda":  # the compiler's imports (and its workers, if asked) come up while offload works
+        from torch_stagehand.compiler.inner import prewarm_compiler_imports, warm_compile_workers
 
+        prewarm_compiler_imports()
         warm_compile_workers(device)
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
