@@ -388,6 +388,58 @@ def start_time_table(name: str = "start_time_mixed.json") -> str:
     return f"{caption(name, what=what)}\n\n{table(runs, cols)}\n"
 
 
+# The start-time runs after block-by-block compilation (each file one device call; the whole-model rows are
+# start_time_mixed.json, before it): (file, rows taken from it).
+START_TIME_SOURCES = (("start_time_mixed.json", ("flux:int8", "qwen:int8")),
+                      ("start_time_flux_blocks.json", ("flux:int8:blocks", "flux:resident:blocks")),
+                      ("start_time_final.json", ("flux:int8:files:blocks", "qwen:int8:blocks")),
+                      ("start_time_flux_files.json", ("flux:bf16:blocks",)),
+                      ("start_time_qwen_blocks.json", ("qwen:resident:blocks",)),
+                      ("start_time_qwen32_blocks.json", ("qwen32:int8:blocks",)))
+
+
+def start_time_blocks_table() -> str:
+    """Seconds to the first step: whole-model capture against a compile per block (`stagehand.compile_blocks`),
+    the weights built in memory or read from the checkpoint and slab on disk; the resident model's regional
+    compile beside them."""
+    runs = []
+    for name, rows in START_TIME_SOURCES:
+        for r in load(name)["runs"]:
+            if r.get("row") in rows and "error" not in r:
+                runs.append(dict(r, _source=name))
+    runs.sort(key=lambda r: ([k for _, rows in START_TIME_SOURCES for k in rows].index(r["row"]), r["mode"] != "cold"))
+    model = {"flux": "Flux-dev 12B", "qwen": "Qwen2.5-7B shape", "qwen32": "Qwen2.5-32B shape"}
+
+    def weights(r: dict) -> str:
+        parts = r["row"].split(":")
+        if parts[1] == "resident":
+            return "resident (torch.compile, Inductor)"
+        if "files" not in parts:
+            return f"{parts[1]}, built in memory"
+        cache = "page cache dropped" if r.get("page_cache") == "dropped" else "in the page cache"
+        return f"{parts[1]}, checkpoint + slab on disk ({cache})"
+
+    def units(r: dict) -> str:
+        return f"{r['units_compiled_cold']} / {r['units_loaded']}" if "units_loaded" in r else ""
+
+    cols = [Col("model", lambda r: model[r["row"].split(":")[0]]), Col("weights", weights),
+            Col("compile", lambda r: "per block" if r["row"].endswith(":blocks") else "whole model"),
+            Col("run", lambda r: r["mode"]), Col("offload s", field("offload_s", num, 1)),
+            Col("first step s", field("first_step_s", num, 1)), Col("Dynamo capture s", field("dynamo_s", num, 1)),
+            Col("units compiled / loaded", units), Col("their s", field("compile_seconds", num, 1)),
+            Col("W8A16 autotune s", field("autotune_seconds", num, 1)),
+            Col("steps 2-4 ms", lambda r: " / ".join(ms(v) for v in r["step_ms"][:3])),
+            Col("steady ms", field("steady_ms", ms)), Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Each run a fresh process (`benches/start_time.py`), LoRA r=16, AdamW; `vram_budget` Flux 16 GiB, "
+            "Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty; warm: a second process on the same machine. "
+            "\"per block\": `stagehand.compile_blocks(model)`. The checkpoint + slab rows build the model on the "
+            "meta device and offload it from its safetensors checkpoint and INT8 slab (`keep_full=\"file\"`); their "
+            "cold run drops the page cache first. Steps 2-4 of a cold run compile the units of the plan made from "
+            "the calibration step")
+    names = [name for name, _ in START_TIME_SOURCES]
+    return f"{caption(*names, what=what)}\n\n{table(runs, cols)}\n"
+
+
 def capture_split_table(name: str = "capture_split_cpu.json") -> str:
     """Dynamo's capture of a deep model, plain against offloaded (benches/capture_split.py)."""
     data = load(name)
@@ -883,6 +935,7 @@ FIGURES: dict[str, Figure] = {
     "models": Figure(models_table, ("models_flux.json", "models_qwen.json")),
     "first_step": Figure(first_step_table, ("models_qwen_firststep_run1.json", "models_qwen_firststep_run2.json")),
     "start_time": Figure(start_time_table, ("start_time_mixed.json",)),
+    "start_time_blocks": Figure(start_time_blocks_table, tuple(name for name, _ in START_TIME_SOURCES)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "host_adamw_states": Figure(host_adamw_states, ("host_adamw_states_cpu.json",)),
     "peers_flux": Figure(peers_table, ("models_flux.json", "budget_sweep_flux.json", *PEER_FILES)),
