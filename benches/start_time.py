@@ -74,21 +74,8 @@ def child(args) -> dict:
     build_s = time.perf_counter() - t0
     out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(build_s, 1)}
     rt = None
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     if precision != "resident":
-        profiler = cProfile.Profile() if args.profile_offload else None
-        t0 = time.perf_counter()
-        if profiler:
-            profiler.enable()
-        rt = stagehand.offload(model, device=device, precision=precision,
-                               vram_budget=None if args.tiny else BUDGETS[kind], verbose=False)
-        sync()
-        if profiler:
-            profiler.disable()
-            text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
-            out["offload_profile"] = text.getvalue()[-6000:]
-        out["offload_s"] = round(time.perf_counter() - t0, 2)
+        rt = timed_offload(args, out, model, precision=precision, vram_budget=None if args.tiny else BUDGETS[kind])
         compiled = stagehand.compile_blocks(model) if regional else torch.compile(model, backend="stagehand")
     elif regional:  # torch's own regional compilation of the resident model (diffusers' compile_repeated_blocks)
         for block in _blocks_of(kind, model):
@@ -97,6 +84,28 @@ def child(args) -> dict:
     else:
         compiled = torch.compile(model)
     return run_steps(args, kind, model, inputs, rt, out, regional, compiled)
+
+
+def timed_offload(args, out: dict, model, **offload_kwargs):
+    """`stagehand.offload(model, **offload_kwargs)`, timed into `out["offload_s"]` (and profiled when asked)."""
+    import torch
+
+    import torch_stagehand as stagehand
+
+    profiler = cProfile.Profile() if args.profile_offload else None
+    t0 = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    rt = stagehand.offload(model, device=args.device, verbose=False, **offload_kwargs)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    if profiler:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+        out["offload_profile"] = text.getvalue()[-6000:]
+    out["offload_s"] = round(time.perf_counter() - t0, 2)
+    return rt
 
 
 def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, compiled=None) -> dict:
@@ -222,21 +231,8 @@ def child_from_files(args, kind: str, precision: str, regional: bool) -> dict:
     out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(time.perf_counter() - t0, 1),
                  "page_cache": args.page_cache}
     model.requires_grad_(False)  # LoRA: the base is frozen before offload (a weight that trains gets a host gradient)
-    profiler = cProfile.Profile() if args.profile_offload else None
-    t0 = time.perf_counter()
-    if profiler:
-        profiler.enable()
-    rt = stagehand.offload(model, device=args.device, precision="int8", checkpoint=files["checkpoint"],
-                           slab=files["slab"], keep_full="file", vram_budget=None if args.tiny else BUDGETS[kind],
-                           verbose=False)
-    if cuda:
-        torch.cuda.synchronize()
-    if profiler:
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
-        out["offload_profile"] = text.getvalue()[-6000:]
-    out["offload_s"] = round(time.perf_counter() - t0, 2)
+    rt = timed_offload(args, out, model, precision="int8", checkpoint=files["checkpoint"], slab=files["slab"],
+                       keep_full="file", vram_budget=None if args.tiny else BUDGETS[kind])
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS[kind]))
     model.to(args.device)  # the adapters peft put beside the host weights (the streamed weights stay)
     return run_steps(args, kind, model, inputs, rt, out, regional)
