@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -55,13 +56,15 @@ def token_owners(gm: fx.GraphModule, example_inputs) -> dict[str, tuple[Any, int
     """`{node name: (runtime, block)}` for the graph's inputs (and attributes) that are block tokens.
 
     A streamed Linear holds its block's token as a tensor attribute, so Dynamo passes it in as a graph input
-    (or, without inlined nn modules, a get_attr): the example input is the token object itself."""
+    (or, without inlined nn modules, a get_attr): the example input is the token object itself. A backend
+    handed fake inputs (DDPOptimizer compiles each bucket's piece of the graph on fakes) finds the token in
+    the placeholder's record of what Dynamo captured (`grapharg`), whose example is the real one."""
     from torch_stagehand.runtime import registry
 
     owners: dict[str, tuple[Any, int]] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
-        found = registry.token_owner(value)
+        found = registry.token_owner(value) or registry.token_owner(_captured_example(node))
         if found is not None:
             owners[node.name] = found
     for node in gm.graph.find_nodes(op="get_attr"):
@@ -72,6 +75,31 @@ def token_owners(gm: fx.GraphModule, example_inputs) -> dict[str, tuple[Any, int
         if found is not None:
             owners[node.name] = found
     return owners
+
+
+def _captured_example(placeholder: fx.Node) -> Any:
+    """The real value Dynamo captured for a graph input, while it still holds it (None otherwise)."""
+    try:
+        return getattr(placeholder.meta.get("grapharg"), "example", None)
+    except Exception:  # a GraphArg whose example was released raises on access
+        return None
+
+
+_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]")
+_MODULES_ITEM = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
+_ITEM = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+_GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")
+
+
+def normalize_module_path(path: str) -> str:
+    """`L['self'].layers[0]._modules['mlp']` -> `layers.0.mlp`."""
+    previous = None
+    while previous != path:
+        previous, path = path, _GETATTR.sub(r"\1.\2", path)
+    path = _ROOT.sub("", path)
+    path = _MODULES_ITEM.sub(r".\1", path)
+    path = _ITEM.sub(r".\1", path)
+    return path.strip(".")
 
 
 def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:

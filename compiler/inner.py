@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -47,23 +46,14 @@ def warm_compile_workers(device: torch.device) -> bool:
     return True
 
 
-_prewarm: list[threading.Thread] = []
-
-
-def prewarm_compiler_imports() -> threading.Thread:
-    """Import Inductor's and AOTAutograd's modules on a daemon thread, once per process: ~2 s of imports that
-    the first unit's compile (or a warm start's first load) would otherwise wait for, done while `offload()`
-    fills the host store (its file reads and copies release the GIL). The imports take Python's per-module
-    locks, so a unit that needs a module still being imported waits for it, never sees it half made."""
-    if not _prewarm:
-        def imports() -> None:
-            import torch._functorch.aot_autograd  # noqa: F401
-            import torch._inductor.codecache  # noqa: F401
-            import torch._inductor.compile_fx  # noqa: F401
-
-        _prewarm.append(threading.Thread(target=imports, name="stagehand-prewarm-imports", daemon=True))
-        _prewarm[0].start()
-    return _prewarm[0]
+def prewarm_compiler_imports() -> None:
+    """Import Inductor's and AOTAutograd's modules now (~2 s that the first unit's compile, or a warm start's
+    first load, would otherwise spend). Called by `offload()` in its own thread while other threads read the
+    slab: never on a thread of its own, since two threads importing one circle of modules can each see the
+    other's half-made module."""
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
 
 
 def _eager_backward_lowering():

@@ -192,7 +192,8 @@ class BlockUnit(_Unit):
 
     def __init__(self, template, ctx, segment, name):
         super().__init__(template, ctx, segment, name)
-        self.block = segment.block  # the block Dynamo traced (explain's name for the unit)
+        self.block = segment.block  # the block Dynamo traced (its first user)
+        self.last_block, self.last_precision = self.block, None  # the block and precision of the last call
         self.returns_tuple = _tuple_output(template)
         streamed = [n for n in template.graph.nodes if is_streamed_linear(n)]
         self._positions = tuple(streamed_arg(n, "position") for n in streamed)
@@ -285,6 +286,7 @@ class BlockUnit(_Unit):
         # The layers whose weights train get their grad-weight GEMM in the backward (no grad: none).
         trainable = rt.trainable_positions(block) if torch.is_grad_enabled() else ()
         gm, skey, vctx = self.variant_graph(precision, trainable, block)
+        self.last_block, self.last_precision = block, precision  # what explain() names the last variant by
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
                                recomputes)

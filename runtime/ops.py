@@ -112,10 +112,11 @@ def _(dy, x, block_tok, position):
 
 def _may_train(block_tok: torch.Tensor, position: int, anchor: torch.Tensor | None) -> bool:
     """Does the layer's weight take a gradient? The anchor says whether any of its block's may; a real
-    token says which (under a tracing backend the token is fake: keep the input, the op decides later)."""
+    token says which (under a tracing backend the token is a fake or functional tensor: keep the input, the
+    op decides when it runs)."""
     if anchor is None or not anchor.requires_grad:
         return False
-    if isinstance(block_tok, torch._subclasses.FakeTensor) or block_tok.is_meta:
+    if type(block_tok) is not torch.Tensor or block_tok.is_meta:  # fake, functional: traced, no value to read
         return True
     rt, index = _layer_of(block_tok, position)
     return rt.grads.trainable(index)

@@ -72,10 +72,9 @@ def offload(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
-    if device.type == "cuda":  # the compiler's imports (and its workers, if asked) come up while offload works
-        from torch_stagehand.compiler.inner import prewarm_compiler_imports, warm_compile_workers
+    if device.type == "cuda":  # Inductor's compile workers come up while offload fills the host store (if asked)
+        from torch_stagehand.compiler.inner import warm_compile_workers
 
-        prewarm_compiler_imports()
         warm_compile_workers(device)
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
@@ -87,9 +86,11 @@ def offload(
     clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
+        from torch_stagehand.compiler.inner import prewarm_compiler_imports
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
-        slab_loader = slab_loader_for(slab)
+        # While the slab's rows come off the disk on reader threads, this thread imports the compiler.
+        slab_loader = slab_loader_for(slab, while_reading=prewarm_compiler_imports if device.type == "cuda" else None)
     weights_file = None
     if checkpoint is not None:
         from torch_stagehand.runtime.weights_file import WeightsFile
@@ -135,8 +136,8 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
 
     `compile_kwargs` go to `torch.compile` (`backend="stagehand"` unless given). Dynamo traces one block of each
     structure and every other block of it runs the same graph: a streamed Linear hands the backend its block's
-    token (a graph input), not a constant naming it. Flux's 57 blocks are two traces, where compiling the
-    whole model traces every block. The code outside the blocks (embeddings, the head, the loss) runs eagerly.
+    token (a graph input), not a constant naming it. Flux's 57 blocks are four traces (each kind's first block
+    apart), where compiling the whole model traces every block. The code outside the blocks (embeddings, the head, the loss) runs eagerly.
     A model's own activation checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and
     done by the block units instead (backend option `recompute="model"`), so no block runs its forward three times.
     """
@@ -231,7 +232,7 @@ def explain(model: nn.Module, *args, **kwargs):
             if info is None:
                 continue
             if isinstance(unit, BlockUnit):
-                label = f"block_variant[{unit.last_key[0]}, {rt.precision[unit.block]}]"
+                label = f"block_variant[{unit.last_key[0]}, {unit.last_precision or rt.precision[unit.block]}]"
                 graphs.setdefault(label + ".scheduled", info["scheduled"])
             else:
                 label = prefix + name

@@ -1,23 +1,67 @@
-"""offload() on CUDA imports the compiler's modules on a thread while it works: in a fresh process they are not
-imported before, they are after the thread ends, and asking twice starts one thread."""
+"""offload(slab=...) on CUDA imports the compiler's modules on its own thread while reader threads read the slab:
+the callback runs once, on the calling thread, with reads still queued or running, and every layer still lands
+where it belongs; a read that fails cancels the queued ones and names its layer."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
-SCRIPT = """
-import sys
-import torch_stagehand
-from torch_stagehand.compiler.inner import prewarm_compiler_imports
-before = "torch._inductor.compile_fx" in sys.modules
-thread = prewarm_compiler_imports()
-thread.join()
-print(before, "torch._inductor.compile_fx" in sys.modules, prewarm_compiler_imports() is thread, thread.daemon)
-"""
+import pytest
+import torch
+
+from torch_stagehand.runtime.slab import loading
 
 
-def test_the_compiler_imports_come_up_on_a_thread_once():
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+class _Reader:
+    """Records which layers were read, on which thread; layer `fail` raises."""
+
+    def __init__(self, fail: str | None = None, gate: threading.Event | None = None):
+        self.read, self.fail, self.gate = [], fail, gate
+        self.lock = threading.Lock()
+
+    def read_layer_into(self, name, q, s, b):
+        if self.gate is not None:
+            self.gate.wait(timeout=60)
+        if name == self.fail:
+            raise ValueError(f"layer {name} is corrupt")
+        if self.fail is not None:  # a read that takes a while (a millisecond of work), as a disk read does
+            torch.linalg.qr(torch.ones(64, 64) + torch.eye(64))
+        q.fill_(int(name[1:]))
+        with self.lock:
+            self.read.append((name, threading.current_thread().name))
+
+
+def _reads(n: int):
+    return [(f"l{i}", torch.zeros(4, dtype=torch.int8), torch.zeros(4), None, None) for i in range(n)]
+
+
+def test_the_callback_runs_on_the_calling_thread_while_the_reads_are_under_way():
+    gate, seen = threading.Event(), []
+    reader, reads = _Reader(gate=gate), _reads(40)
+
+    def while_reading():
+        seen.append((threading.current_thread() is threading.main_thread(), len(reader.read)))
+        gate.set()  # the reads wait for this: the callback ran before any of them finished
+
+    loading._read_in_parallel(reader, reads, while_reading)
+    assert seen == [(True, 0)]
+    assert sorted(n for n, _ in reader.read) == sorted(n for n, *_ in reads)
+    assert all(t.startswith("stagehand-slab-read") for _, t in reader.read)
+    assert all(int(q[0]) == int(n[1:]) for n, q, *_ in reads)  # each layer's rows in its own buffer
+
+
+def test_a_failed_read_names_its_layer_and_cancels_the_queued_ones():
+    reader, reads = _Reader(fail="l0"), _reads(2000)
+    with pytest.raises(ValueError, match="layer l0 is corrupt"):
+        loading._read_in_parallel(reader, reads)
+    assert len(reader.read) < 1000  # most of the queued reads were cancelled when the first one failed
+
+
+def test_the_compiler_imports_load_in_the_calling_process():
+    script = ("import sys; from torch_stagehand.compiler.inner import prewarm_compiler_imports as p; "
+              "b = 'torch._inductor.compile_fx' in sys.modules; p(); print(b, 'torch._inductor.compile_fx' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["False", "True", "True", "True"]
+    assert done.stdout.split() == ["False", "True"]

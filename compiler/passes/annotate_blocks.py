@@ -16,29 +16,10 @@ Sets `node.meta["stagehand_block"]` (int or None) on every node and
 
 from __future__ import annotations
 
-import re
-
 import torch.fx as fx
 
 from ..context import CompileContext, compiler_pass
-from ..graph_nodes import is_streamed_linear, streamed_arg
-
-_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]")
-_MODULES_ITEM = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
-_ITEM = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
-_GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")
-
-
-def normalize_module_path(path: str) -> str:
-    """`L['self'].layers[0]._modules['mlp']` -> `layers.0.mlp`."""
-    previous = None
-    while previous != path:
-        previous, path = path, _GETATTR.sub(r"\1.\2", path)
-    path = _ROOT.sub("", path)
-    path = _MODULES_ITEM.sub(r".\1", path)
-    path = _ITEM.sub(r".\1", path)
-    return path.strip(".")
-
+from ..graph_nodes import is_streamed_linear, normalize_module_path, streamed_arg
 
 @compiler_pass("annotate_blocks")
 def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

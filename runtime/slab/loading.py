@@ -60,7 +60,10 @@ def resolve_manifest(slab: str | os.PathLike) -> str:
     )
 
 
-def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
+def slab_loader_for(slab: str | os.PathLike,
+                    while_reading: Callable[[], None] | None = None) -> Callable[["Runtime"], None]:
+    """The loader `Runtime` calls to fill its INT8 buffers from `slab`; `while_reading()` runs on the calling
+    thread while the reader threads read (work that would otherwise wait for the slab, or make the slab wait)."""
     manifest = resolve_manifest(slab)
 
     def load(rt: "Runtime") -> None:
@@ -87,7 +90,7 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
                     if bias is not None and bias.is_meta and reader.layers[name].has_bias:
                         bias_out = torch.empty(bias.shape, dtype=bias.dtype)
                     reads.append((name, q, s, bias_out, spec))
-            _read_in_parallel(reader, reads)
+            _read_in_parallel(reader, reads, while_reading)
             for _name, _q, _s, bias_out, spec in reads:
                 if bias_out is not None:
                     bias = spec.module.bias
@@ -98,14 +101,21 @@ def slab_loader_for(slab: str | os.PathLike) -> Callable[["Runtime"], None]:
     return load
 
 
-def _read_in_parallel(reader: SlabReader, reads: list) -> None:
+def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[], None] | None = None) -> None:
     """Every layer's rows, scale and bias from the file into its buffer, on a few threads: `preadv` and the crc32
     check release the GIL, so the reads go at the page cache's (or the disk's) speed, not one memcpy core's.
-    The first error (a SlabError naming the layer) is raised after the reads under way finish."""
+    The first error (a SlabError naming the layer) is raised once the reads under way finish; the queued ones
+    are cancelled."""
     workers = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(reads)))
-    with ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read") as pool:
-        for done in [pool.submit(reader.read_layer_into, name, q, s, b) for name, q, s, b, _spec in reads]:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read")
+    try:
+        futures = [pool.submit(reader.read_layer_into, name, q, s, b) for name, q, s, b, _spec in reads]
+        if while_reading is not None:
+            while_reading()
+        for done in futures:
             done.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _attach_disk_tier(rt: "Runtime", reader: SlabReader, manifest: str) -> None:
