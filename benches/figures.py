@@ -392,9 +392,9 @@ def start_time_table(name: str = "start_time_mixed.json") -> str:
 # start_time_mixed.json, before it): (file, rows taken from it).
 START_TIME_SOURCES = (("start_time_mixed.json", ("flux:int8", "qwen:int8")),
                       ("start_time_flux_blocks.json", ("flux:int8:blocks", "flux:resident:blocks")),
-                      ("start_time_final.json", ("flux:int8:files:blocks", "qwen:int8:blocks")),
+                      ("start_time_files_final.json", ("flux:int8:files:blocks",)),
                       ("start_time_flux_files.json", ("flux:bf16:blocks",)),
-                      ("start_time_qwen_blocks.json", ("qwen:resident:blocks",)),
+                      ("start_time_qwen_blocks.json", ("qwen:int8:blocks", "qwen:resident:blocks")),
                       ("start_time_qwen32_blocks.json", ("qwen32:int8:blocks",)))
 
 
