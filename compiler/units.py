@@ -32,9 +32,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import compile_cache
 from torch_stagehand.runtime import registry
 
+from . import compile_cache
 from .context import CompileContext, PassLog, VariantContext
 from .graph_nodes import is_streamed_linear, streamed_arg
 from .inner import compile_unit
@@ -104,11 +104,6 @@ class _Unit(nn.Module):
         if self.symbolic is None:
             return input_signature(args)
         return ("symbolic", self.symbolic.coarse_key(args))
-
-    @property
-    def recomputes(self) -> bool:
-        """Does this unit re-run its forward in backward (block units may; glue never)?"""
-        return False
 
     def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool,
                  pass_log: PassLog, recomputes: bool = False):
@@ -193,7 +188,7 @@ class BlockUnit(_Unit):
     def __init__(self, template, ctx, segment, name):
         super().__init__(template, ctx, segment, name)
         self.block = segment.block  # the block Dynamo traced (its first user)
-        self.last_block, self.last_precision = self.block, None  # the block and precision of the last call
+        self.last_precision: str | None = None  # the precision of the last call's variant (explain names it)
         self.returns_tuple = _tuple_output(template)
         streamed = [n for n in template.graph.nodes if is_streamed_linear(n)]
         self._positions = tuple(streamed_arg(n, "position") for n in streamed)
@@ -244,10 +239,6 @@ class BlockUnit(_Unit):
             return planned
         return self.segment.recompute or self.ctx.options.recompute == "model"
 
-    @property
-    def recomputes(self) -> bool:
-        return self.recomputes_block(self.block)
-
     def forward(self, *args):
         block = registry.decode(args[-3])[1]
         # Out of memory before the block returned: the runtime re-plans, and the block runs again under the
@@ -286,7 +277,7 @@ class BlockUnit(_Unit):
         # The layers whose weights train get their grad-weight GEMM in the backward (no grad: none).
         trainable = rt.trainable_positions(block) if torch.is_grad_enabled() else ()
         gm, skey, vctx = self.variant_graph(precision, trainable, block)
-        self.last_block, self.last_precision = block, precision  # what explain() names the last variant by
+        self.last_precision = precision
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
                                recomputes)
