@@ -49,10 +49,6 @@ class StreamingRuntime(Protocol):
 
     def block_nbytes(self, block: int, precision: str) -> int: ...
 
-    def layer_position(self, index: int) -> int:
-        """Where layer `index` sits among its block's streamed layers (the same in every block of a structure)."""
-        ...
-
     def trainable_positions(self, block: int) -> tuple[int, ...]:
         """The positions of the block's streamed layers whose weights train now (a variant compiles per set)."""
         ...

@@ -196,7 +196,8 @@ class BlockUnit(_Unit):
         placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
         self._token_inputs = frozenset(placeholders.index(t) for t in (streamed_arg(n, "block_tok") for n in streamed)
                                        if t in placeholders)
-        self._layouts: dict[tuple[int, str], tuple] = {}
+        self._layouts: dict[tuple[int, str], int] = {}  # (block, precision) -> its layout's id
+        self._layout_ids: dict[tuple, int] = {}
         self._variants: dict[tuple, tuple[fx.GraphModule, str, VariantContext]] = {}
 
     def signature(self, args: tuple) -> tuple:
@@ -204,13 +205,15 @@ class BlockUnit(_Unit):
             return super().signature(args)
         return super().signature(tuple("block_tok" if i in self._token_inputs else a for i, a in enumerate(args)))
 
-    def _layout_key(self, block: int, precision: str) -> tuple:
-        """Where the block's layers sit in its device bytes: blocks that agree share a variant graph."""
+    def _layout_key(self, block: int, precision: str) -> int:
+        """Where the block's layers sit in its device bytes, as a small id (blocks that agree share it, and a
+        variant graph): worked out once per block and precision, a dict lookup per call after that."""
         key = (block, precision)
         if key not in self._layouts:
             rt = self.ctx.runtime
-            self._layouts[key] = (rt.block_nbytes(block, precision), *(
+            layout = (precision, rt.block_nbytes(block, precision), *(
                 tuple(rt.layer_layout(rt.layer_at(block, p), precision)) for p in self._positions))
+            self._layouts[key] = self._layout_ids.setdefault(layout, len(self._layout_ids))
         return self._layouts[key]
 
     def variant_graph(self, precision: str, trainable: tuple[int, ...] = (),

@@ -113,7 +113,7 @@ class Runtime(SelectivePrecisionAPI):
         build_host_store(self, precision, slab_loader, self._keep_full, progress)
         # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
-        self.trainable_positions, self.layer_position = self.grads.trainable_positions, self.grads.position
+        self.trainable_positions = self.grads.trainable_positions
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         for index, spec in enumerate(layers):

@@ -131,25 +131,25 @@ class WeightsFile:
     def random_access(self):
         """Reads under it touch a few rows here and there (the slab identity's sampled rows): no readahead, so
         a checkpoint that is not in the page cache is read a few pages per row, not a megabyte per row."""
-        advise = hasattr(mmap, "MADV_RANDOM")
-        for mf in self.files if advise else ():
-            if len(mf.mm):
-                mf.mm.madvise(mmap.MADV_RANDOM)
+        random = getattr(mmap, "MADV_RANDOM", None)
+        self._advise(random)
         try:
             yield self
         finally:
-            for mf in self.files if advise else ():
-                if len(mf.mm):
-                    mf.mm.madvise(mmap.MADV_NORMAL)
+            self._advise(getattr(mmap, "MADV_NORMAL", None) if random is not None else None)
+
+    def _advise(self, advice: int | None) -> None:
+        """`madvise(advice)` on every mapped file (None: the platform lacks it, nothing to do)."""
+        for mf in self.files if advice is not None else ():
+            if len(mf.mm):
+                mf.mm.madvise(advice)
 
     def release_pages(self) -> None:
         """Drop the mapped pages from this process (they stay in the page cache), where none was written:
         what was read to build the host store should not count in our RSS or cgroup."""
-        if any(t._version != v for t, v in self._tracked) or not hasattr(mmap, "MADV_DONTNEED"):
+        if any(t._version != v for t, v in self._tracked):
             return  # a written page is this process's only copy of the write: never drop it
-        for mf in self.files:
-            if len(mf.mm):
-                mf.mm.madvise(mmap.MADV_DONTNEED)
+        self._advise(getattr(mmap, "MADV_DONTNEED", None))
 
 
 def _numel(shape) -> int:
