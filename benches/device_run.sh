@@ -18,6 +18,7 @@
 #   STAGES="soakfg oomtests" SOAK_ARGS="--steps 800 --every 100" SOAK_TIMEOUT=420 bash benches/device_run.sh
 #   STAGES="fullft" FULLFT_NAME=full_finetune_qwen14 FULLFT_ARGS="--layers 14 --budgets 16 --rows stagehand deepspeed2"
 #   STAGES="pytests start" TEST_FILES=tests/test_regional_compile.py TESTS_NAME=regional_gpu_tests MODEL=flux_blocks START_ROWS="flux:int8:blocks"
+#   STAGES="pytests moe" TEST_FILES=tests/test_moe_gpu.py TESTS_NAME=moe_gpu_tests MOE_ARGS="--precisions int8"   # MoE
 #   STAGES="start" MODEL=qwen START_ROWS="qwen:int8 qwen:resident" START_MODES="cold warm bundle"   # seconds to the first step
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
 #   STAGES="sweep" MODEL=flux SWEEP_ARGS="--baselines inductor --baselines-only" SWEEP_TIMEOUT=570 bash benches/device_run.sh
@@ -146,6 +147,8 @@ for stage in $STAGES; do
               --out "$OUT/budget_sweep_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/budget_sweep_${MODEL:-qwen}.log" ;;
     btests) run_tests btests "$OUT/gpu_budget_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -rs -s \
               tests/test_gpu_budget.py ;;
+    moe)    timeout ${MOE_TIMEOUT:-560} python3 benches/moe.py ${MOE_ARGS:-} --out "$OUT/${MOE_NAME:-moe_qwen3_30b}.json" 2>&1 \
+              | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/${MOE_NAME:-moe_qwen3_30b}.log" ;;
     start)  timeout ${START_TIMEOUT:-570} python3 benches/start_time.py --rows ${START_ROWS:-qwen:int8 qwen:bf16 qwen:resident} \
               --modes ${START_MODES:-cold warm} ${START_ARGS:-} --out "$OUT/start_time_${MODEL:-qwen}.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/start_time_${MODEL:-qwen}.log" ;;

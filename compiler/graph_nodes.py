@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torch_stagehand.runtime.experts import EXPERTS_ARGS, STREAMED_EXPERTS_OPS
 from torch_stagehand.runtime.ops import STREAMED_LINEAR_OPS
 
 
@@ -30,6 +31,16 @@ def is_streamed_linear(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in STREAMED_LINEAR_OPS
 
 
+def is_streamed_experts(node: fx.Node) -> bool:
+    """A captured `streamed_experts(block_tok, position, shape, dtype, device)`: an expert stack read."""
+    return node.op == "call_function" and node.target in STREAMED_EXPERTS_OPS
+
+
+def is_streamed_read(node: fx.Node) -> bool:
+    """A node that reads a streamed layer of a block: a streamed linear or an expert stack."""
+    return is_streamed_linear(node) or is_streamed_experts(node)
+
+
 def streams(gm: fx.GraphModule) -> fx.Node | None:
     """The first streamed linear of this graph or of a subgraph it calls (a checkpoint body), if any."""
     for node in gm.graph.nodes:
@@ -47,8 +58,9 @@ _STREAMED_ARGS = ("x", "bias", "block_tok", "position", "out_features", "anchor"
 
 
 def streamed_arg(node: fx.Node, name: str) -> Any:
-    """An argument of a captured `streamed_linear(x, bias, block_tok, position, out_features, anchor)` node."""
-    i = _STREAMED_ARGS.index(name)
+    """An argument of a captured `streamed_linear(x, bias, block_tok, position, out_features, anchor)` node,
+    or of a `streamed_experts(block_tok, position, shape, dtype, device)` node."""
+    i = (EXPERTS_ARGS if is_streamed_experts(node) else _STREAMED_ARGS).index(name)
     return node.args[i] if len(node.args) > i else node.kwargs.get(name)
 
 
@@ -87,6 +99,8 @@ def _captured_example(placeholder: fx.Node) -> Any:
 
 _ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]")
 _MODULES_ITEM = re.compile(r"\._modules\[['\"]([^'\"]+)['\"]\]")
+# torch 2.13 spells a module reached through a peft wrapper's __dict__: `.__dict__['_modules']['base_model']`
+_DICT_MODULES_ITEM = re.compile(r"\.__dict__\[['\"]_modules['\"]\]\[['\"]([^'\"]+)['\"]\]")
 _ITEM = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 _GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")
 
@@ -97,6 +111,7 @@ def normalize_module_path(path: str) -> str:
     while previous != path:
         previous, path = path, _GETATTR.sub(r"\1.\2", path)
     path = _ROOT.sub("", path)
+    path = _DICT_MODULES_ITEM.sub(r".\1", path)
     path = _MODULES_ITEM.sub(r".\1", path)
     path = _ITEM.sub(r".\1", path)
     return path.strip(".")

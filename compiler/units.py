@@ -36,7 +36,7 @@ from torch_stagehand.runtime import registry
 
 from . import compile_cache
 from .context import CompileContext, PassLog, VariantContext
-from .graph_nodes import is_streamed_linear, streamed_arg
+from .graph_nodes import is_streamed_read, streamed_arg
 from .inner import compile_unit
 from .recompute import run_again_after_oom, run_recomputed
 from .symbolic import SymbolicInputs, input_key
@@ -190,7 +190,7 @@ class BlockUnit(_Unit):
         self.block = segment.block  # the block Dynamo traced (its first user)
         self.last_precision: str | None = None  # the precision of the last call's variant (explain names it)
         self.returns_tuple = _tuple_output(template)
-        streamed = [n for n in template.graph.nodes if is_streamed_linear(n)]
+        streamed = [n for n in template.graph.nodes if is_streamed_read(n)]
         self._positions = tuple(streamed_arg(n, "position") for n in streamed)
         # The inputs that are block tokens (each call's own block): keyed as "a token", not by value.
         placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]

@@ -25,15 +25,44 @@ class BlockSelectionError(ValueError):
 
 @dataclass(frozen=True)
 class StreamedLayerSpec:
-    """One Linear (or GPT-2 Conv1D) whose weight streams."""
+    """One streamed weight: a Linear's (or GPT-2 Conv1D's), or a mixture-of-experts stack.
 
-    fqn: str  # module FQN relative to the offloaded model
+    An expert stack is a 3-D parameter of a module that is not a Linear (transformers 5 keeps a block's
+    experts as `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; gpt-oss as [E, H, 2I] / [E, I, H]).
+    It streams as the matrix of its E x rows rows (`as_matrix`): one row per expert and output row of the
+    stored layout, so a per-row INT8 scale is per expert and row, and the model gets it back in its own
+    3-D shape (`experts.py`).
+    """
+
+    fqn: str  # module FQN relative to the offloaded model (an expert stack: the parameter's FQN)
     block: int  # block index
     module: nn.Module
-    out_features: int
+    out_features: int  # an expert stack: experts x rows
     in_features: int
     # Conv1D keeps its weight as [in, out]; the stream keeps the module's own layout.
     transposed: bool
+    param: str = "weight"  # the parameter's name on `module`
+    experts: int = 0  # > 0: an expert stack of this many experts
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The streamed parameter (after offload: the host master view)."""
+        return self.module._parameters[self.param]
+
+    @property
+    def weight_name(self) -> str:
+        """The parameter's name in a state dict or checkpoint."""
+        return self.fqn if self.experts else f"{self.fqn}.weight"
+
+    def as_matrix(self, w):
+        """The weight, in the module's own layout, as the [out, in] matrix the host store and quantizers hold."""
+        if self.experts:
+            return w.reshape(-1, w.shape[-1])
+        return w.t() if self.transposed else w
+
+    def stored_view(self, view):
+        """A view in the stored orientation (`precision.views(...)[0]`) in the module's own shape."""
+        return view.view(self.weight.shape) if self.experts else view
 
 
 def is_streamable_linear(module: nn.Module) -> bool:
@@ -121,8 +150,19 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[str]
     return result
 
 
+def expert_stacks(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """A module's own 3-D floating parameters, found by structure and not by class name (a new MoE family
+    works as it is): a stack of expert matrices, [experts, rows, in] in the module's layout. A Linear's
+    weight is 2-D, routers are 2-D, expert biases 2-D: they stay resident."""
+    if is_streamable_linear(module):
+        return []
+    return [(name, p) for name, p in module._parameters.items()
+            if p is not None and p.dim() == 3 and p.dtype.is_floating_point and p.shape[0] > 1]
+
+
 def streamed_layers(model: nn.Module, block_fqns: list[str]) -> list[StreamedLayerSpec]:
-    """Every Linear inside the blocks, except peft adapters (they stay resident and trainable)."""
+    """Every Linear inside the blocks and every expert stack (`expert_stacks`), except peft adapters (they
+    stay resident and trainable)."""
     modules = dict(model.named_modules())
     specs: list[StreamedLayerSpec] = []
     for index, block_fqn in enumerate(block_fqns):
@@ -133,6 +173,10 @@ def streamed_layers(model: nn.Module, block_fqns: list[str]) -> list[StreamedLay
                 continue
             for adapter in _adapter_module_names(module):
                 skip_prefixes.append(f"{name}.{adapter}" if name else adapter)
+            prefix = f"{block_fqn}.{name}" if name else block_fqn
+            for pname, p in expert_stacks(module):
+                specs.append(StreamedLayerSpec(f"{prefix}.{pname}", index, module, int(p.shape[0] * p.shape[1]),
+                                               int(p.shape[2]), False, param=pname, experts=int(p.shape[0])))
             if not is_streamable_linear(module):
                 continue
             transposed = is_conv1d(module)
@@ -145,7 +189,8 @@ def streamed_layers(model: nn.Module, block_fqns: list[str]) -> list[StreamedLay
 def layout_fingerprint(device_type: str, blocks: list[str], layers) -> str:
     """The model's streamed layout in one name: its blocks and every streamed layer's place and shape (what
     the compile bundle and the kept cost model are of; `layers` have block, fqn, out/in_features)."""
-    parts = [device_type, *blocks, *(f"{l.block}:{l.fqn}:{l.out_features}x{l.in_features}" for l in layers)]
+    parts = [device_type, *blocks, *(f"{l.block}:{l.fqn}:{l.out_features}x{l.in_features}"
+                                     + (f"/{l.experts}" if getattr(l, "experts", 0) else "") for l in layers)]
     return f"{len(blocks)}blocks-" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -165,7 +210,8 @@ def layer_slots(model: nn.Module, specs: list[StreamedLayerSpec]) -> list[LayerS
     modules = dict(model.named_modules())
     slots = []
     for spec in specs:
-        parent, _, name = spec.fqn.rpartition(".")
+        module_fqn = spec.fqn.rpartition(".")[0] if spec.experts else spec.fqn
+        parent, _, name = module_fqn.rpartition(".")
         slots.append(LayerSlot(modules[parent], name))
     return slots
 

@@ -80,7 +80,7 @@ class GradLane:
     # ---- which weights train -----------------------------------------------------------
 
     def trainable(self, index: int) -> bool:
-        return self.layers[index].module._parameters["weight"].requires_grad
+        return self.layers[index].weight.requires_grad
 
     def position(self, index: int) -> int:
         """Where layer `index` sits among its block's streamed layers."""
@@ -110,7 +110,7 @@ class GradLane:
         """Per block: the bytes of its training weights' gradients, landed on the host each step (the planner)."""
         out = [0] * self.n_blocks
         for index, spec in enumerate(self.layers):
-            weight = spec.module._parameters["weight"]
+            weight = spec.module._parameters[spec.param]
             if weight.requires_grad:
                 out[spec.block] += weight.numel() * weight.element_size()
         return out
@@ -128,7 +128,7 @@ class GradLane:
     def grad_weight(self, index: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         """Compute layer `index`'s weight gradient from its output gradient and its input, and send it home."""
         spec = self.layers[index]
-        weight = spec.module._parameters["weight"]
+        weight = spec.module._parameters[spec.param]
         if not weight.requires_grad:
             return  # frozen after the graph was compiled: nothing to deliver
         if not self._in_backward:
@@ -208,7 +208,7 @@ class GradLane:
 
     def _staging_buffer(self, i: int, target: torch.Tensor) -> torch.Tensor:
         if not self._staging:  # allocated at the first gradient: LoRA runs never hold them
-            largest = max(s.out_features * s.in_features * s.module._parameters["weight"].element_size()
+            largest = max(s.out_features * s.in_features * s.module._parameters[s.param].element_size()
                           for s in self.layers)
             self._staging = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(STAGING_RING)]
         n = target.numel() * target.element_size()
@@ -244,7 +244,7 @@ class GradLane:
             land.event.synchronize()
         if land.updated:
             return
-        weight = self.layers[land.index].module._parameters["weight"]
+        weight = self.layers[land.index].weight
         # A landing meant to add may find no .grad: a host optimizer consumed it in between (a second
         # backward before its step, which step() then refuses). The gradient is then the landing's own.
         if land.direct or weight.grad is None:

@@ -37,11 +37,11 @@ def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_ma
     has_master = []
     for b in range(n_blocks):
         block_layers = [s for s in layers if s.block == b]
-        has_master.append(all(not s.module.weight.is_meta or (checkpoint is not None and s.fqn + ".weight" in checkpoint)
+        has_master.append(all(not s.weight.is_meta or (checkpoint is not None and s.weight_name in checkpoint)
                               for s in block_layers))
-    freed = sum(_in_ram(s.module.weight) for s in layers)
+    freed = sum(_in_ram(s.weight) for s in layers)
     machine = host_budget.probe_machine()
-    training = tuple(sorted({s.block for s in layers if s.module.weight.requires_grad}))
+    training = tuple(sorted({s.block for s in layers if s.weight.requires_grad}))
     plan = plan_host(layers, n_blocks, precision_map, keep_full, pinner.locks, machine, has_master, freed,
                      has_file=checkpoint is not None, from_slab=from_slab,
                      int8_on_disk=from_slab and config.int8_tier == "disk", training_blocks=training)
@@ -82,10 +82,10 @@ def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress) -> 
         return []
 
     def source(spec: StreamedLayerSpec) -> torch.Tensor | None:
-        w = spec.module.weight
+        w = spec.weight
         if not w.is_meta:
             return w.detach()
-        if checkpoint is not None and spec.fqn + ".weight" in checkpoint:
+        if checkpoint is not None and spec.weight_name in checkpoint:
             return _file_weight(checkpoint, spec)
         return None
 
@@ -103,8 +103,8 @@ def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress) -> 
 
 def _file_weight(checkpoint: WeightsFile, spec: StreamedLayerSpec, keep_in_file: bool = False) -> torch.Tensor:
     """The layer's weight in the file (the module's own layout); copied into the store unless kept in the file."""
-    w = spec.module.weight
-    name = spec.fqn + ".weight"
+    w = spec.weight
+    name = spec.weight_name
     t = checkpoint.tensor_for(name, w, "weight", track=keep_in_file)
     if keep_in_file and t.dtype != w.dtype:
         raise CheckpointError(f"checkpoint {checkpoint.path!r}: {name} is {t.dtype}, the model's weight {w.dtype}; "

@@ -200,20 +200,20 @@ class HostStore:
         source): such a block can only stream what a slab provides.
         """
         bb = self.blocks[block]
-        source = source or (lambda spec: spec.module.weight.detach())
+        source = source or (lambda spec: spec.weight.detach())
         weights = [source(spec) for spec in bb.layers]
         if any(w is None or w.is_meta for w in weights):
             return False
         entry = precisions.master()
         buf = self.allocate(block, entry.name)
         for spec, lay, w in zip(bb.layers, bb.layouts[entry.name], weights):
-            requires_grad = spec.module.weight.requires_grad
+            requires_grad = spec.weight.requires_grad
             with torch.no_grad():
-                entry.write(buf, lay, w.t() if spec.transposed else w, self.quantizer)
+                entry.write(buf, lay, spec.as_matrix(w), self.quantizer)
             # A Parameter of its own on the buffer (sharing its version counter); the original's memory goes.
-            view = entry.views(buf, lay)[0]
-            original = spec.module._parameters["weight"]
-            spec.module._parameters["weight"] = torch.nn.Parameter(view, requires_grad=requires_grad)
+            view = spec.stored_view(entry.views(buf, lay)[0])
+            original = spec.module._parameters[spec.param]
+            spec.module._parameters[spec.param] = torch.nn.Parameter(view, requires_grad=requires_grad)
             if self.on_replaced is not None:
                 self.on_replaced(spec, original)
         return True
@@ -222,11 +222,11 @@ class HostStore:
         """keep_full="file": the layers' weights become views of the mapped safetensors file."""
         bb = self.blocks[block]
         for spec, view in zip(bb.layers, views):
-            requires_grad, original = spec.module.weight.requires_grad, spec.module._parameters["weight"]
-            spec.module._parameters["weight"] = torch.nn.Parameter(view, requires_grad=requires_grad)
+            requires_grad, original = spec.weight.requires_grad, spec.module._parameters[spec.param]
+            spec.module._parameters[spec.param] = torch.nn.Parameter(view, requires_grad=requires_grad)
             if self.on_replaced is not None:
                 self.on_replaced(spec, original)
-        bb.file_master = [spec.module._parameters["weight"] for spec in bb.layers]
+        bb.file_master = [spec.module._parameters[spec.param] for spec in bb.layers]
 
     def allocate(self, block: int, precision: str) -> torch.Tensor:
         """An empty buffer in the precision's layout (filled by `build` or a slab reader)."""
@@ -258,8 +258,7 @@ class HostStore:
         bb = self.blocks[block]
         spec = bb.layers[position]
         if bb.file_master is not None:
-            w = bb.file_master[position].detach()
-            return w.t() if spec.transposed else w
+            return spec.as_matrix(bb.file_master[position].detach())
         master = precisions.master()
         lay = bb.layouts[master.name][position]
         w = master.views(bb.full, lay)[0]
@@ -376,7 +375,7 @@ def check_master_dtypes(layers: list[StreamedLayerSpec]) -> None:
     """Refuse, before anything moves, a streamed weight the master can not hold (float64, integer types)."""
     supported = precisions.master().dtypes
     for spec in layers:
-        dtype = spec.module.weight.dtype
+        dtype = spec.weight.dtype
         if dtype not in supported:
             names = ", ".join(str(d).removeprefix("torch.") for d in supported)
             raise StreamedDtypeError(
@@ -385,7 +384,3 @@ def check_master_dtypes(layers: list[StreamedLayerSpec]) -> None:
             )
 
 
-def _linear_weight(spec: StreamedLayerSpec) -> torch.Tensor:
-    """The module's weight as the [out, in] matrix of its linear map."""
-    w = spec.module.weight.detach()
-    return w.t() if spec.transposed else w

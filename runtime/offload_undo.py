@@ -38,10 +38,10 @@ class OffloadUndo:
         self.model = model
         self.layers = layers
         self.devices = {name: t.device for name, t in named_tensors(model)}
-        self.requires_grad = {s.fqn: s.module.weight.requires_grad for s in layers}
-        self._originals = {s.fqn: s.module.weight for s in layers}  # the objects; their memory is released
+        self.requires_grad = {s.fqn: s.weight.requires_grad for s in layers}
+        self._originals = {s.fqn: s.weight for s in layers}  # the objects; their memory is released
         self._copies_left = Counter(id(w) for w in self._originals.values())  # layers still to copy each object
-        streamed = {s.fqn + ".weight" for s in layers}
+        streamed = {s.weight_name for s in layers}
         self._used_elsewhere = {id(p) for name, p in model.named_parameters(remove_duplicate=False)
                                 if name not in streamed}
         self._emptied: dict[int, torch.device] = {}  # id -> the device it was on
@@ -69,7 +69,7 @@ class OffloadUndo:
         was_on = self._emptied.pop(id(original), None)
         if was_on is not None:
             with torch.no_grad():
-                original.data = spec.module.weight.detach().to(device or was_on, copy=True)
+                original.data = spec.weight.detach().to(device or was_on, copy=True)
             self._refilled.add(id(original))
         return original
 
@@ -80,7 +80,7 @@ class OffloadUndo:
                 module = spec.module
                 if is_streamed(module):
                     make_plain(module)
-                module._parameters["weight"] = self._refill(spec)
+                module._parameters[spec.param] = self._refill(spec)
                 if "bias" in module._parameters and module._parameters["bias"] is not self._biases[spec.fqn]:
                     module._parameters["bias"] = self._biases[spec.fqn]
             for module, kind, name, t in self._meta:
@@ -93,7 +93,7 @@ class OffloadUndo:
 
         `restoring`: a weight that was on the meta device (a model loaded from its checkpoint by
         offload) comes back on the CPU, with its values."""
-        device = self.devices[spec.fqn + ".weight"]
+        device = self.devices[spec.weight_name]
         if restoring and device.type == "meta":
             device = torch.device("cpu")
         key = id(self._originals[spec.fqn])
@@ -101,9 +101,9 @@ class OffloadUndo:
             weight = self._refill(spec, device)
             weight.requires_grad_(self.requires_grad[spec.fqn])
         else:  # kept its memory: meta, or used by a module outside the streamed layers
-            weight = nn.Parameter(spec.module.weight.detach().to(device, copy=True),
+            weight = nn.Parameter(spec.weight.detach().to(device, copy=True),
                                   requires_grad=self.requires_grad[spec.fqn])
-        spec.module._parameters["weight"] = weight
+        spec.module._parameters[spec.param] = weight
 
     def move_back(self, restoring: bool = False) -> None:
         """Every other parameter and buffer back on the device it was on (offload moved them to the device);

@@ -28,6 +28,7 @@ from .conductor.costs import CostModel
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
 from .eager_notice import EagerFallbackWarning, warn_eager_once  # noqa: F401 (the warning's home)
+from .experts import attach_streamed
 from .events import RuntimeEvents, progress, unwrap_optimizer
 from .grads import GradLane
 from .host_setup import build_host_store, load_resident
@@ -39,7 +40,7 @@ from .precision import PrecisionMapError
 from .planning import PlanDriver, budget_from
 from .runtime_stats import runtime_stats
 from .selective.runtime_api import SelectivePrecisionAPI
-from .streamed import guard_conversions, make_plain, make_streamed, unguard
+from .streamed import guard_conversions, make_plain, unguard
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +118,13 @@ class Runtime(SelectivePrecisionAPI):
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         for index, spec in enumerate(layers):
-            make_streamed(spec.module, registry.new_layer_id(self.id, index), spec.fqn, self.grads.anchors[spec.block],
-                          functools.partial(self.grads.sync_anchor, spec.block), self.block_tokens[spec.block],
-                          index - self._block_first_layer[spec.block], spec.out_features)
+            attach_streamed(spec, registry.new_layer_id(self.id, index), self.grads.anchors[spec.block],
+                            functools.partial(self.grads.sync_anchor, spec.block), self.block_tokens[spec.block],
+                            index - self._block_first_layer[spec.block], self.device)
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
         if self.checkpoint is not None:  # a model built on the meta device: its resident tensors, one by one
-            load_resident(model, self.checkpoint, self.device, {s.fqn + ".weight" for s in layers}, progress)
+            load_resident(model, self.checkpoint, self.device, {s.weight_name for s in layers}, progress)
         model.to(self.device)  # everything but the streamed weights becomes resident
         self.grads.sync_all()
 

@@ -125,21 +125,22 @@ def refuse_dtype_conversion(fn, modules) -> None:
     move (fine) from a dtype conversion (refused) before anything is converted.
     """
     checked: dict[torch.dtype, torch.dtype] = {}
-    for module in modules:
-        dtype = module._parameters["weight"].dtype
+    for module, name in ((m, n) for m in modules for n in m._sh_params):
+        dtype = module._parameters[name].dtype
         if dtype not in checked:
             probe = fn(torch.zeros((), dtype=dtype))
             checked[dtype] = probe.dtype if isinstance(probe, torch.Tensor) else dtype
         if checked[dtype] != dtype:
             raise StreamedDtypeError(
                 f"stagehand: converting the model to {checked[dtype]} after offload would leave the streamed "
-                f"weight of {module._sh_fqn} in {dtype} in the host store (the model would compute in two "
+                f"weight {name} of {module._sh_fqn} in {dtype} in the host store (the model would compute in two "
                 "dtypes), so nothing was converted; convert before offload(), or rt.restore(), convert and "
                 "offload again (moving to a device with .to(device) is fine)"
             )
 
 
 class StreamedMixin:
+    _sh_params = ("weight",)  # the parameters that stream (their values live in the host store)
     _sh_layer: int  # global layer id (registry): the layer from Python (a parameter back to its runtime)
     _sh_fqn: str
     _sh_anchor: torch.Tensor  # the block's grad anchor (grads.py)
@@ -201,7 +202,7 @@ class StreamedMixin:
         return f"{super().extra_repr()}, streamed (layer {self._sh_layer})"
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict = {}
 
 
 def streamed_class(cls: type) -> type:
@@ -255,11 +256,83 @@ def _guarded_apply(module: nn.Module, fn, recurse: bool = True):
     return type(module)._apply(module, fn, recurse)
 
 
+_STREAMED_ATTRS = ("_sh_layer", "_sh_fqn", "_sh_anchor", "_sh_block_tok", "_sh_position", "_sh_out_features",
+                   "_sh_stacks", "_sh_trains", "_sh_device")
+
+
 def make_plain(module: nn.Module) -> None:
+    """The module's own class again (idempotent: an expert module is one module for several streamed layers)."""
+    if not is_streamed(module):
+        return
     module.__class__ = module._sh_original_class
-    for name in ("_sh_layer", "_sh_fqn", "_sh_anchor", "_sh_block_tok", "_sh_position", "_sh_out_features"):
-        delattr(module, name)
+    for name in _STREAMED_ATTRS:
+        module.__dict__.pop(name, None)
 
 
 def is_streamed(module: nn.Module) -> bool:
-    return isinstance(module, StreamedMixin)
+    return isinstance(module, (StreamedMixin, StreamedExpertsMixin))
+
+
+class StreamedExpertsMixin:
+    """A module holding expert stacks (3-D parameters: blocks.expert_stacks) that stream.
+
+    The stacks stay in `_parameters` as host master views (state_dict, optimizers and load_state_dict see
+    the real weights), and a property of the same name on the swapped class shadows each for attribute
+    access: `self.gate_up_proj` in the model's own forward (its grouped-GEMM, batched or looped
+    implementation) reads `stagehand::streamed_experts`, the stack on the device in the module's dtype and
+    shape (experts.py). Dynamo captures that op, and the backend rewrites it into a view of the block's slot.
+    Only the stacks are taken from `.to()`; the module's other parameters (expert biases) move as usual.
+    """
+
+    _sh_params: tuple[str, ...]
+    _sh_layer: int
+    _sh_fqn: str
+    _sh_block_tok: torch.Tensor
+    _sh_stacks: dict[str, tuple[int, tuple[int, ...], torch.dtype]]  # name -> (position in the block, shape, dtype)
+    _sh_trains: dict[str, bool]  # name -> requires_grad, kept by the parameter's callback (no parameter read)
+    _sh_device: torch.device
+
+    def _apply(self, fn, recurse=True):
+        refuse_dtype_conversion(fn, [self])
+        order = list(self._parameters)
+        stacks = {name: self._parameters.pop(name) for name in self._sh_params}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters.update(stacks)
+            for name in order:
+                self._parameters[name] = self._parameters.pop(name)
+
+    def __setattr__(self, name, value):
+        if name in type(self)._sh_params and isinstance(value, nn.Parameter):
+            master = self._parameters[name]
+            copy_into_master(master, value, f"{self._sh_fqn}.{name}")
+            master.requires_grad_(value.requires_grad)
+            return
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        if name in type(self)._sh_params:
+            raise StreamedWeightAssignmentError(
+                f"stagehand: {self._sh_fqn}.{name} streams from the host store and can not be deleted or "
+                "parametrized (peft's target_parameters: apply peft before offload()); call restore() on the "
+                "Runtime first")
+        super().__delattr__(name)
+
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"stagehand: {self._sh_fqn} streams its experts; deepcopy the model before offload() or after restore()")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, experts streamed ({', '.join(self._sh_params)})"
+
+
+def streamed_experts_class(cls: type, names: tuple[str, ...], getter) -> type:
+    """The swapped class for a module class and its streamed stacks: `getter(module, name)` is each
+    stack's property (experts.py)."""
+    key = (cls, names)
+    if key not in _SUBCLASSES:
+        props = {name: property(lambda self, _n=name: getter(self, _n)) for name in names}
+        _SUBCLASSES[key] = type(f"Streamed{cls.__name__}", (StreamedExpertsMixin, cls),
+                                {"_sh_original_class": cls, "_sh_params": names, **props})
+    return _SUBCLASSES[key]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -11,6 +12,7 @@ import torch.nn as nn
 from torch_stagehand.config import Config
 from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
+from torch_stagehand.runtime.lora_experts import adopt_expert_adapters, release_expert_adapters
 from torch_stagehand.runtime.precision import FULL, validate_precision_map
 from torch_stagehand.runtime.runtime import Runtime
 from torch_stagehand.runtime.selective.controller import AUTO, SelectivePrecision, selective_precision_requested
@@ -109,6 +111,8 @@ def offload(
     undo_attention_guard = disable_unsafe_sdpa_backends(device)
     if undo_attention_guard is not None:
         rt.on_close(undo_attention_guard)
+    if adopt_expert_adapters(model):  # peft target_parameters on streamed experts read the stream
+        rt.on_close(functools.partial(release_expert_adapters, model))
     summary = summarize(model, rt, clock.done())
     rt.offload_summary = summary.as_dict()
     log.info("%s", summary)

@@ -91,6 +91,8 @@ class OffloadSummary:
     host_by_kind: dict[str, int]  # stats()["host"]["bytes_by_kind"]: copy -> bytes
     keep_full: str
     seconds: dict[str, float] = field(default_factory=dict)
+    expert_stacks: int = 0  # MoE expert stacks among the streamed layers (3-D parameters)
+    expert_bytes: int = 0  # their full-precision bytes
 
     def host_line(self) -> str:
         """Where each host copy is: "11,846.4 MB int8 pinned, 23,668.5 MB bf16 file" (not one word for all)."""
@@ -109,7 +111,9 @@ class OffloadSummary:
                               for p, n in self.precision_blocks.items())
         took = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items() if k != "total")
         return [
-            f"stagehand offload: {self.blocks} blocks, {self.streamed_layers} streamed Linears, device {self.device}",
+            f"stagehand offload: {self.blocks} blocks, {self.streamed_layers} streamed Linears"
+            + (f" and {self.expert_stacks} expert stacks ({mb(self.expert_bytes)})" if self.expert_stacks else "")
+            + f", device {self.device}",
             "  block lists: " + "; ".join(b.describe() for b in self.block_lists),
             f"  precision: {precision}",
             f"  streamed per step: {mb(self.forward_bytes)} per forward (each block once); a training step up to "
@@ -130,7 +134,9 @@ def summarize(model: nn.Module, rt, seconds: dict[str, float]) -> OffloadSummary
     for block, p in precision.items():
         per_precision[p] += rt.block_nbytes(block, p)
     return OffloadSummary(
-        device=str(rt.device), blocks=len(rt.blocks), streamed_layers=len(rt.layers),
+        device=str(rt.device), blocks=len(rt.blocks), streamed_layers=sum(not s.experts for s in rt.layers),
+        expert_stacks=sum(bool(s.experts) for s in rt.layers),
+        expert_bytes=sum(s.weight.numel() * s.weight.element_size() for s in rt.layers if s.experts),
         block_lists=survey_block_lists(model, rt.blocks),
         precision_blocks=dict(counts), precision_bytes=dict(per_precision), forward_bytes=sum(per_precision.values()),
         host_bytes=rt.store.host_bytes(), pinned=bool(rt.store.pin), slots=len(rt.pool.slots),

@@ -47,11 +47,10 @@ def int8_reference(model: nn.Module, precision: dict[int, str] | str, quantizer:
         for spec in streamed_layers(ref, blocks):
             if precision.get(spec.block, "bf16") != "int8":
                 continue
-            w = spec.module.weight
-            lin = w.t() if spec.transposed else w
-            q, s = quantize_per_row(lin.detach(), method=quantizer)
+            w = spec.weight
+            q, s = quantize_per_row(spec.as_matrix(w.detach()), method=quantizer)
             deq = dequantize(q, s, torch.float32)
-            w.copy_((deq.t() if spec.transposed else deq).to(w.dtype))
+            w.copy_((deq.t() if spec.transposed else deq).reshape(w.shape).to(w.dtype))
     return ref
 
 

@@ -236,7 +236,7 @@ def test_schedule_backward_keeps_one_wait_and_prefetch_and_evicts_after_the_last
     nodes = [n for n in after.graph.nodes if n.op == "call_function"]
     evict = nodes[-1]
     assert evict.target is OPS["evict"] and len(evict.args[2]) == 2  # both readers, after the last one
-    assert "2 wait_bw -> 1" in log.passes_ran[0].notes[0]
+    assert "2 wait_bw -> 1" in next(p for p in log.passes_ran if p.name == "schedule_backward").notes[0]
     assert_exact(after(*args)[0], want)  # measured 0
     assert not [s for s in rt.pool.slots if s.state is SlotState.IN_USE]
 
@@ -245,7 +245,7 @@ def test_pass_lists_are_ordered_and_named():
     assert passes.pass_names(passes.GRAPH_PASSES) == [
         "inline_checkpoints", "causal_attention", "annotate_blocks", "assign_segments", "split_segments", "link_units"]
     assert passes.pass_names(passes.VARIANT_PASSES) == ["rewrite_linear", "schedule_forward"]
-    assert passes.pass_names(passes.JOINT_PASSES) == ["schedule_backward"]
+    assert passes.pass_names(passes.JOINT_PASSES) == ["refetch_weights", "schedule_backward"]
 
 
 def test_hash_of_sources_changes_with_the_text():
@@ -289,7 +289,7 @@ def test_explain_lists_the_passes_that_ran():
     graph_level = [p["name"] for p in report.passes if p["unit"] == ""]
     assert graph_level == passes.pass_names(passes.GRAPH_PASSES)
     block = [p for p in report.passes if p["unit"].startswith("block_variant")]
-    assert [p["name"] for p in block] == ["rewrite_linear", "schedule_forward", "schedule_backward"]
+    assert [p["name"] for p in block] == ["rewrite_linear", "schedule_forward", "refetch_weights", "schedule_backward"]
     assert all(p["notes"] for p in block)
     assert "schedule_forward" in report.pass_table()
 

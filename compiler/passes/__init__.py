@@ -13,7 +13,8 @@ passes that ran in order (`explain()` lists them). Three stages:
   block's segment, `(gm, VariantContext) -> gm`: rewrite_linear -> schedule_forward.
 - `JOINT_PASSES`, inside AOTAutograd on the joint forward+backward graph,
   `(fx.Graph, PassLog) -> fx.Graph` (Inductor hands a joint pass a Graph):
-  schedule_backward. Inductor's FX cache keys on `joint_passes_uuid()`, a
+  refetch_weights (the backward reads weights from its own wait_bw, never
+  a saved copy) -> schedule_backward. Inductor's FX cache keys on `joint_passes_uuid()`, a
   hash of the source of these passes' modules (source_hash.py).
 
 The backend driver (backend.py) runs GRAPH_PASSES and hands the other two
@@ -46,6 +47,7 @@ from .assign_segments import assign_segments
 from .causal_attention import causal_attention
 from .inline_checkpoints import inline_checkpoints
 from .link_units import link_units
+from .refetch_weights import refetch_weights
 from .rewrite_linear import rewrite_linear
 from .schedule_backward import schedule_backward
 from .schedule_forward import schedule_forward
@@ -53,7 +55,7 @@ from .split_segments import split_segments
 
 GRAPH_PASSES = (inline_checkpoints, causal_attention, annotate_blocks, assign_segments, split_segments, link_units)
 VARIANT_PASSES = (rewrite_linear, schedule_forward)
-JOINT_PASSES = (schedule_backward,)
+JOINT_PASSES = (refetch_weights, schedule_backward)
 
 
 def pass_names(passes: Sequence[Callable]) -> list[str]:
@@ -71,5 +73,5 @@ def joint_passes_uuid() -> str:
 __all__ = [
     "GRAPH_PASSES", "VARIANT_PASSES", "JOINT_PASSES", "joint_passes_uuid", "pass_names",
     "inline_checkpoints", "causal_attention", "annotate_blocks", "assign_segments", "split_segments", "link_units",
-    "rewrite_linear", "schedule_forward", "schedule_backward",
+    "rewrite_linear", "schedule_forward", "refetch_weights", "schedule_backward",
 ]

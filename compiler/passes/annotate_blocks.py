@@ -19,17 +19,25 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..context import CompileContext, compiler_pass
-from ..graph_nodes import is_streamed_linear, normalize_module_path, streamed_arg
+from ..graph_nodes import is_streamed_experts, is_streamed_linear, normalize_module_path, streamed_arg
 
 @compiler_pass("annotate_blocks")
 def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     rt = ctx.runtime
     block_index = {fqn: i for i, fqn in enumerate(rt.blocks)}
     prefixes: set[str] = set()
+    # FQN heads the recorded paths lack: a checkpoint body Dynamo inlined records paths from the module
+    # that called the checkpoint (`layers.0...` under a peft wrapper's `base_model.model.model`).
+    heads: set[str] = set()
     roots: set[int] = set()  # blocks that are the compiled root (their layers' paths are FQN suffixes)
     streamed = 0
     for node in gm.graph.nodes:
-        if is_streamed_linear(node):
+        if is_streamed_experts(node):  # an expert stack: its block from its token (its path is the module's)
+            block = _block_of_token(node, ctx)
+            node.meta["stagehand_layer"] = rt.layer_at(block, streamed_arg(node, "position"))
+            node.meta["stagehand_block"] = block
+            streamed += 1
+        elif is_streamed_linear(node):
             block = _block_of_token(node, ctx)
             index = rt.layer_at(block, streamed_arg(node, "position"))
             spec = rt.layers[index]
@@ -43,7 +51,9 @@ def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     prefixes.add(path[: len(path) - len(spec.fqn)].rstrip("."))
                 elif spec.fqn.endswith("." + path) and spec.fqn[: -len(path) - 1] == rt.blocks[spec.block]:
                     roots.add(spec.block)
-    root = next(iter(roots)) if len(roots) == 1 and not prefixes else None
+                elif spec.fqn.endswith("." + path):
+                    heads.add(spec.fqn[: -len(path) - 1])
+    root = next(iter(roots)) if len(roots) == 1 and not prefixes and not heads else None
     tagged = 0
     for node in gm.graph.nodes:
         if "stagehand_block" in node.meta:
@@ -51,10 +61,10 @@ def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if root is not None:  # the graph is the block's forward: all of its code is the block's
             node.meta["stagehand_block"] = root if node.op not in ("placeholder", "output") else None
         else:
-            node.meta["stagehand_block"] = _block_from_stack(node, prefixes, block_index)
+            node.meta["stagehand_block"] = _block_from_stack(node, prefixes, block_index, heads)
         tagged += node.meta["stagehand_block"] is not None
     where = (f"the compiled root is block {root} ({rt.blocks[root]})" if root is not None
-             else f"module-path prefixes {sorted(prefixes)}")
+             else f"module-path prefixes {sorted(prefixes)}" + (f", FQN heads {sorted(heads)}" if heads else ""))
     ctx.note(f"{streamed} streamed linears; tagged {tagged} other nodes with their block ({where})")
     return gm
 
@@ -71,7 +81,8 @@ def _block_of_token(node: fx.Node, ctx: CompileContext) -> int:
     return owner[1]
 
 
-def _block_from_stack(node: fx.Node, prefixes: set[str], block_index: dict[str, int]) -> int | None:
+def _block_from_stack(node: fx.Node, prefixes: set[str], block_index: dict[str, int],
+                      heads: set[str] = frozenset()) -> int | None:
     stack = node.meta.get("nn_module_stack") or {}
     for path, _cls in stack.values():
         path = normalize_module_path(path)
@@ -80,9 +91,10 @@ def _block_from_stack(node: fx.Node, prefixes: set[str], block_index: dict[str, 
                 if not (path == prefix or path.startswith(prefix + ".")):
                     continue
                 path = path[len(prefix) + 1 :]
-            parts = path.split(".")
-            for i in range(1, len(parts) + 1):
-                found = block_index.get(".".join(parts[:i]))
-                if found is not None:
-                    return found
+            for head in ("", *heads):
+                parts = (f"{head}.{path}" if head else path).split(".")
+                for i in range(1, len(parts) + 1):
+                    found = block_index.get(".".join(parts[:i]))
+                    if found is not None:
+                        return found
     return None

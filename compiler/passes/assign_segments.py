@@ -23,7 +23,7 @@ import networkx as nx
 import torch.fx as fx
 
 from ..context import CompileContext, compiler_pass
-from ..graph_nodes import RECOMPUTE, is_streamed_linear
+from ..graph_nodes import RECOMPUTE, is_streamed_read
 
 
 @dataclass
@@ -84,7 +84,7 @@ def segment_dag(segments: list[Segment]) -> nx.DiGraph:
     dag = nx.DiGraph()
     for s in segments:
         dag.add_node(s.index, kind=s.kind, block=s.block, ops=len(s.nodes),
-                     streamed=sum(is_streamed_linear(n) for n in s.nodes))
+                     streamed=sum(is_streamed_read(n) for n in s.nodes))
     for s in segments:
         for node in s.nodes:
             for user in node.users:

@@ -34,7 +34,7 @@ from torch_stagehand.runtime.conductor.fetch_order import edge_token
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import CompileContext, compiler_pass
-from ..graph_nodes import is_streamed_linear
+from ..graph_nodes import is_streamed_read
 from ..units import BlockUnit, GlueUnit
 from .assign_segments import Segment
 
@@ -115,7 +115,7 @@ def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 
 def has_streamed_linear(segment: Segment) -> bool:
-    return any(is_streamed_linear(n) for n in segment.nodes)
+    return any(is_streamed_read(n) for n in segment.nodes)
 
 
 def _outputs(template: fx.GraphModule) -> tuple:

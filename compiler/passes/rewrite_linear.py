@@ -33,10 +33,12 @@ import torch.fx as fx
 
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.precision import LayerLayout
+from torch_stagehand.runtime.experts import expert_weights_from_slot
 from torch_stagehand.runtime.ops import SCHEDULE_OPS, grad_tap
 
 from ..context import VariantContext, compiler_pass
-from ..graph_nodes import add_placeholder, example_value, has_static_shape, is_streamed_linear, streamed_arg
+from ..graph_nodes import (add_placeholder, example_value, has_static_shape, is_streamed_experts, is_streamed_linear,
+                           streamed_arg)
 
 WEIGHTS, BLOCK_TOK, PREV_TOK = "stagehand_weights", "stagehand_block_tok", "stagehand_prev_tok"
 
@@ -55,8 +57,12 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     weights = add_placeholder(gm, WEIGHTS)
     block_tok = add_placeholder(gm, BLOCK_TOK)
     prev_tok = add_placeholder(gm, PREV_TOK)
-    rewritten = in_graph = tapped = 0
+    rewritten = in_graph = tapped = stacks = 0
     for node in list(gm.graph.nodes):
+        if is_streamed_experts(node):
+            _rewrite_experts(gm, node, ctx, weights)
+            stacks += 1
+            continue
         if not is_streamed_linear(node):
             continue
         x, bias, anchor = (streamed_arg(node, name) for name in ("x", "bias", "anchor"))
@@ -92,5 +98,21 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     gm.recompile()
     ctx.note(f"{rewritten} streamed linears -> stagehand.linear ({precision})"
              + (f", {in_graph} of them as graph ops" if in_graph else "")
-             + (f", {tapped} with their weight gradient (full fine-tuning)" if tapped else ""))
+             + (f", {tapped} with their weight gradient (full fine-tuning)" if tapped else "")
+             + (f"; {stacks} expert stacks read from the slot" if stacks else ""))
     return gm
+
+
+def _rewrite_experts(gm: fx.GraphModule, node: fx.Node, ctx: VariantContext, weights: fx.Node) -> None:
+    """`streamed_experts(block_tok, position, shape, dtype, device)` -> `expert_weights_from_slot(weights,
+    layout, shape, dtype)`: the stack as views of the slot (or their dequantization), traced into the graph.
+    Streamed experts are frozen (runtime/experts.py refuses a training forward otherwise): no grad tap."""
+    rt = ctx.runtime
+    position, shape, dtype = (streamed_arg(node, name) for name in ("position", "shape", "dtype"))
+    layout = rt.layer_layout(rt.layer_at(ctx.block, position), ctx.precision)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_function(expert_weights_from_slot, (weights, layout, list(shape), dtype))
+    new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+    new.meta["stagehand_precision"] = ctx.precision
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)

@@ -71,11 +71,14 @@ def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
 def _readers(slot: fx.Node, prefetch) -> list[fx.Node]:
     """The nodes that read the slot's bytes: its users, and past a view (a layer's weight sliced out of
     the slot, reinterpreted as E4M3, transposed: fp8's linear traced as graph ops) the view's users. A view
-    reads nothing, so an evict ordered after views alone could free the slot before the GEMM that reads it."""
+    reads nothing, so an evict ordered after views alone could free the slot before the GEMM that reads it.
+    An op of several results is read through its getitems (the evict takes tensors)."""
     readers, todo = [], [u for u in slot.users if u.target is not prefetch]
     while todo:
         node = todo.pop()
         if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+            todo.extend(node.users)
+        elif isinstance(node.meta.get("val"), (tuple, list)):  # several results (a custom op's): their getitems
             todo.extend(node.users)
         elif node not in readers:
             readers.append(node)

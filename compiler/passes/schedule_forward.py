@@ -18,13 +18,15 @@ forward/backward turn); the Conductor's placement rules plug in here later.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.experts import expert_weights_from_slot
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import VariantContext, compiler_pass
-from ..graph_nodes import add_placeholder, find_placeholder
+from ..graph_nodes import add_placeholder, example_value, find_placeholder
 from .rewrite_linear import BLOCK_TOK, WEIGHTS
 
 FETCH_TOK, NEXT_TOK = "stagehand_fetch_tok", "stagehand_next_tok"
@@ -43,6 +45,28 @@ def order_token_inputs(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _reading_through_views(readers: list[fx.Node], output: fx.Node) -> list[fx.Node]:
+    """The block's outputs computed from an expert stack read as a view of the slot (bf16): the GEMMs that
+    read those bytes are somewhere between, and an evict ordered after the view alone could free the slot
+    before them. The outputs come after every one of them, and the evict sits at the block's end anyway."""
+    stacks = [r for r in readers if r.target is expert_weights_from_slot]
+    if not stacks:
+        return []
+    seen, todo = set(stacks), list(stacks)
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen and user is not output:
+                seen.add(user)
+                todo.append(user)
+    return [a for a in _flat_nodes(output.args) if a in seen and isinstance(example_value(a), torch.Tensor)]
+
+
+def _flat_nodes(args) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(args, lambda n: found.append(n) or n)
+    return list(dict.fromkeys(found))
+
+
 @compiler_pass("schedule_forward")
 def schedule_forward(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     rt, graph, block, precision = ctx.runtime, gm.graph, ctx.block, ctx.precision
@@ -59,6 +83,7 @@ def schedule_forward(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     graph.erase_node(weights)
     readers = [u for u in slot.users if u is not next_fetch]
     output = next(n for n in graph.nodes if n.op == "output")
+    readers += _reading_through_views(readers, output)
     with graph.inserting_before(output):
         graph.call_function(SCHEDULE_OPS["evict"], (block_tok, slot, readers, code))
     results = output.args[0]

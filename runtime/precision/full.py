@@ -29,11 +29,11 @@ class FullPrecision(Precision):
     dtypes = (torch.bfloat16, torch.float16, torch.float32)
 
     def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
-        w = spec.module.weight
+        w = spec.weight
         return w.numel() * w.element_size(), 0
 
     def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
-        dtype = spec.module.weight.dtype
+        dtype = spec.weight.dtype
         return LayerLayout(
             self.code, offset, spec.out_features, spec.in_features, -1, spec.transposed, DTYPE_CODES[dtype]
         )

@@ -1,0 +1,123 @@
+"""Pass `refetch_weights`: no value computed from a block's weights alone crosses into the backward.
+
+A streamed Linear's op saves tokens only and its backward asks for the block with `wait_bw`. An expert
+stack is different: the model's own code computes with it (`grouped_mm`, `bmm`, a loop of `linear`), so
+autograd's formulas for those ops read the stack in the backward, and AOTAutograd's partitioner would save
+it (or the slot under it) between forward and backward: the block's bytes held on the device through the
+whole step, and a slot that the next fetch overwrites read later.
+
+On the joint graph, for each forward `wait` (a block's slot), this pass finds the values computed from the
+slot and constants alone (views of it, a dequantization), and where the backward reads one it reads a copy
+of that computation made from the block's `wait_bw` slot instead, placed before the first such reader. The
+`wait_bw` is the one `schedule_backward` then dedupes with the block's Linears' and closes with an `evict`:
+one fetch per block per direction, as before. Nothing computed from an activation is touched (an
+activation may be saved: it is not the weights). A stack with a LoRA delta added (`baddbmm` of the stack
+and two low-rank factors, peft's target_parameters) is recomputed the same way, from the saved factors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from torch_stagehand.runtime.ops import SCHEDULE_OPS
+
+from ..context import PassLog, compiler_pass
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Everything the joint graph computes from its tangents (AOTAutograd names them `tangents_*`)."""
+    todo = [n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
+    seen = set(todo)
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _reads_in_backward(node: fx.Node, backward: set[fx.Node]) -> bool:
+    """A backward computation (the output node holds forward outputs too: not a reader to move)."""
+    return node in backward and node.op != "output"
+
+
+def _inputs(node: fx.Node) -> list[fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def _adapts(node: fx.Node, derived: set[fx.Node]) -> bool:
+    """`baddbmm(stack, lhs, rhs)`: a LoRA delta added to an expert stack (runtime/lora_experts.py). The
+    adapted stack is recomputed in the backward from the refetched stack and the small factors, which are
+    saved instead of it."""
+    return node.target is torch.ops.aten.baddbmm.default and node.args[0] in derived
+
+
+def _weight_values(graph: fx.Graph, slot: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
+    """The forward values computed from `slot` and constants alone (or adapted, `_adapts`), in graph order
+    (`slot` first)."""
+    derived = {slot}
+    order = [slot]
+    started = False
+    for node in graph.nodes:
+        if node is slot:
+            started = True
+            continue
+        if not started or node.op != "call_function" or node in backward:
+            continue
+        inputs = _inputs(node)
+        if inputs and all(i in derived for i in inputs) or _adapts(node, derived):
+            derived.add(node)
+            order.append(node)
+    return order
+
+
+@compiler_pass("refetch_weights")
+def refetch_weights(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
+    wait, wait_bw = SCHEDULE_OPS["wait"], SCHEDULE_OPS["wait_bw"]
+    waits = [n for n in graph.nodes if n.op == "call_function" and n.target is wait]
+    if not waits:
+        if ctx is not None:
+            ctx.note("no forward wait: no block's weights in this graph")
+        return graph
+    backward = _backward_nodes(graph)
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    moved = 0
+    for slot in waits:
+        values = _weight_values(graph, slot, backward)
+        crossing = [v for v in values if any(_reads_in_backward(u, backward) for u in v.users)]
+        if not crossing:
+            continue
+        readers = [u for v in crossing for u in v.users if _reads_in_backward(u, backward)]
+        first = min(readers, key=position.__getitem__)
+        anchor = next(i for i in _inputs(first) if i in backward)  # ordered after the gradient it needs
+        _fetch_tok, block_tok, nbytes, code, device = slot.args
+        needed = _ancestors_within(crossing, set(values))
+        with graph.inserting_before(first):
+            fresh = graph.call_function(wait_bw, (block_tok, anchor, nbytes, code, device))
+            # The slot's value, not the rest of its record: Inductor constrains a custom op's inputs to the
+            # `eager_input_vals` of its node, and this node's inputs are not the forward wait's.
+            fresh.meta.update({k: slot.meta[k] for k in ("val", "tensor_meta") if k in slot.meta})
+            copies = {slot: fresh}
+            for value in values[1:]:
+                if value in needed:
+                    copies[value] = graph.node_copy(value, lambda a: copies.get(a, a))
+        for value in crossing:
+            for user in [u for u in value.users if _reads_in_backward(u, backward)]:
+                user.replace_input_with(value, copies[value])
+        moved += len(crossing)
+    graph.lint()
+    if ctx is not None:
+        ctx.note(f"{moved} weight values read in the backward from the block's wait_bw slot, not saved"
+                 if moved else "no weight value crosses into the backward")
+    return graph
+
+
+def _ancestors_within(nodes: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
+    found, todo = set(nodes), list(nodes)
+    while todo:
+        for i in _inputs(todo.pop()):
+            if i in within and i not in found:
+                found.add(i)
+                todo.append(i)
+    return found

@@ -1,0 +1,124 @@
+"""Mixture-of-experts stacks that stream: the op the model reads them through, eagerly and in a compiled block.
+
+transformers 5 keeps a block's experts as 3-D parameters of one module (`gate_up_proj` [E, 2I, H],
+`down_proj` [E, H, I]; gpt-oss [E, H, 2I] and [E, I, H] with 2-D biases), and each family's experts
+implementation (grouped GEMM, batched, a loop over the routed experts) reads them as `self.gate_up_proj`.
+offload swaps the module's class (`streamed.StreamedExpertsMixin`): each stack is a property that calls
+
+    w = stagehand::streamed_experts(block_tok, position, shape, dtype, device)
+
+so Dynamo captures one op per stack, with the block's token as a graph input like a streamed Linear's.
+
+* Eagerly the op fetches the block and returns the stack on the device, a copy (bf16) or dequantized
+  (int8 / fp8, per expert and row): correct, slow, counted like the eager Linear path.
+* In a compiled block the backend's `rewrite_linear` replaces it with `expert_weights_from_slot(weights,
+  layout, shape)`: aten views of the block's slot (bf16) or their dequantization, which AOTAutograd traces
+  into the block's graph and Inductor fuses. The joint pass `refetch_weights` makes the backward read the
+  stack from the block's `wait_bw` slot again instead of saving it: weights are never saved for backward.
+
+A stack whose parameter requires grad is refused in a grad-enabled forward (experts stream frozen: LoRA on
+attention, or peft's `target_parameters` on the experts, `lora_experts.py`), never silently left untrained.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from . import precision as precisions
+from . import registry
+from .precision import LayerLayout
+from .precision.traced import in_graph
+from .streamed import HostMasterParameter, make_streamed, streamed_experts_class
+
+
+class StreamedExpertsTrainError(RuntimeError):
+    """A streamed expert stack requires grad in a training forward: streamed experts are frozen."""
+
+
+@custom_op("stagehand::streamed_experts", mutates_args=())
+def streamed_experts(block_tok: torch.Tensor, position: int, shape: list[int], dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+    """The `position`-th streamed layer of the block `block_tok` names, an expert stack, on the device."""
+    rt, block = registry.decode(block_tok)
+    if rt is None:
+        raise RuntimeError("stagehand: a streamed expert stack was read with the no-block token")
+    return eager_expert_weights(rt, rt.layer_at(block, position), dtype)
+
+
+@streamed_experts.register_fake
+def _(block_tok, position, shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+STREAMED_EXPERTS_OPS = (torch.ops.stagehand.streamed_experts, torch.ops.stagehand.streamed_experts.default)
+EXPERTS_ARGS = ("block_tok", "position", "shape", "dtype", "device")
+
+
+def dense_from_slot(slot: torch.Tensor, lay: LayerLayout, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's [out, in] rows in `dtype`: a view of the slot for the full-precision copy, else dequantized."""
+    entry = precisions.by_code(lay.code)
+    views = entry.views(slot, lay)
+    if len(views) == 1:
+        return views[0] if views[0].dtype == dtype else views[0].to(dtype)
+    q, s = views
+    return (q.to(torch.float32) * s.reshape(-1, 1)).to(dtype)
+
+
+@in_graph
+def expert_weights_from_slot(slot: torch.Tensor, layout: list[int], shape: list[int],
+                             dtype: torch.dtype) -> torch.Tensor:
+    """An expert stack in the module's shape, read from the block's slot: what a compiled block computes with."""
+    return dense_from_slot(slot, LayerLayout.from_ints(list(layout)), dtype).view(shape)
+
+
+def eager_expert_weights(rt, index: int, dtype: torch.dtype) -> torch.Tensor:
+    """The eager op's result: the stack fetched now, as a tensor of its own (the slot is released after)."""
+    backward = torch._C._current_graph_task_id() != -1  # checkpointing recomputing the block
+    (rt.phases.backward_op if backward else rt.phases.forward_op)()
+    with rt._eager_slot(index, backward) as (slot, layout):
+        w = dense_from_slot(slot, LayerLayout.from_ints(layout), dtype)
+        w = w.clone() if w.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr() else w
+        return w.view(rt.layers[index].weight.shape)
+
+
+def _read_stack(module, name: str) -> torch.Tensor:
+    """The property behind each streamed stack (streamed.streamed_experts_class)."""
+    position, shape, dtype = module._sh_stacks[name]  # no read of the parameter: Dynamo would lift it
+    if module._sh_trains[name] and torch.is_grad_enabled():
+        raise StreamedExpertsTrainError(
+            f"stagehand: {module._sh_fqn}.{name} streams and requires grad; streamed experts are frozen "
+            f"(train them with LoRA: peft's target_parameters), so freeze it ({name}.requires_grad_(False)) "
+            "or run this forward under torch.no_grad()")
+    w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype, module._sh_device)
+    for wrapper in module.__dict__.get("_sh_lora", {}).get(name, ()):  # peft target_parameters (lora_experts.py)
+        w = wrapper.adapted(w)
+    return w
+
+
+def attach_streamed(spec, layer_id: int, anchor: torch.Tensor, on_requires_grad, block_tok: torch.Tensor,
+                    position: int, device: torch.device) -> None:
+    """Swap the class of the module that holds `spec`'s weight (a Linear, or an expert stack's module)."""
+    if not spec.experts:
+        make_streamed(spec.module, layer_id, spec.fqn, anchor, on_requires_grad, block_tok, position,
+                      spec.out_features)
+        return
+    module, name = spec.module, spec.param
+    stacks = dict(getattr(module, "_sh_stacks", {}))
+    stacks[name] = (position, tuple(spec.weight.shape), spec.weight.dtype)
+    names = tuple(n for n in module._parameters if n in stacks)
+    module.__class__ = streamed_experts_class(getattr(module, "_sh_original_class", type(module)), names, _read_stack)
+    module._sh_stacks = stacks
+    if not hasattr(module, "_sh_layer"):
+        module._sh_layer, module._sh_fqn = layer_id, spec.fqn.rpartition(".")[0]
+        module._sh_block_tok, module._sh_device, module._sh_trains = block_tok, device, {}
+    weight = spec.weight
+    weight.__class__ = HostMasterParameter
+    weight._sh_fqn, weight._sh_layer = spec.fqn, layer_id
+    module._sh_trains[name] = weight.requires_grad
+
+    def flag_changed(module=module, name=name, weight=weight):
+        module._sh_trains[name] = weight.requires_grad
+        on_requires_grad()
+
+    weight._sh_on_requires_grad = flag_changed

@@ -1,0 +1,112 @@
+"""LoRA on streamed expert stacks: peft's `target_parameters` wrappers, made to read the stream.
+
+peft (0.17+) adapts a fused expert parameter with a `ParamWrapper` around the experts module. At each
+forward it registers a `torch.nn.utils.parametrize` parametrization on the module (the stack becomes
+`original` plus the low-rank delta), runs the module, and removes it again. A streamed stack has no
+`original` on the device (its parameter is the host master), and re-registering a parametrization per
+call moves parameters around under Dynamo; so offload swaps each such wrapper's class:
+
+* its forward calls the wrapped module directly (peft's own checks first);
+* the module's stack property (experts.py) hands the streamed stack to `adapted(w)`, which adds the
+  adapters' delta exactly as peft's proxies do: one adapter on several experts as one
+  `baddbmm(w, lhs, rhs, alpha=scaling)` (peft's `_LoraFactorsProxy`), else `w + sum of delta weights`.
+
+The backward re-reads the stack from the block's `wait_bw` slot and recomputes the `baddbmm` from it and
+the saved low-rank factors (`refetch_weights`), so the adapted stack is not kept either. Merging an adapter
+into a streamed stack is refused: the stream would not see it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .streamed import StreamedExpertsMixin
+
+
+class StreamedLoraMergeError(RuntimeError):
+    """An adapter merge into a streamed expert stack: the host master is what streams."""
+
+
+def _param_wrapper_class():
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # peft absent, or a version without target_parameters
+        return None
+    return ParamWrapper
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def adopt_expert_adapters(model: nn.Module) -> int:
+    """Swap the class of every peft ParamWrapper around a streamed expert stack; returns how many."""
+    wrapper_cls = _param_wrapper_class()
+    if wrapper_cls is None:
+        return 0
+    adopted = 0
+    for module in model.modules():
+        if not isinstance(module, wrapper_cls) or isinstance(module, StreamedParamWrapperMixin):
+            continue
+        base = module.get_base_layer()
+        if not isinstance(base, StreamedExpertsMixin) or module.parameter_name not in base._sh_params:
+            continue
+        cls = type(module)
+        if cls not in _SUBCLASSES:
+            _SUBCLASSES[cls] = type(f"Streamed{cls.__name__}", (StreamedParamWrapperMixin, cls),
+                                    {"_sh_original_class": cls})
+        module.__class__ = _SUBCLASSES[cls]
+        lora = base.__dict__.setdefault("_sh_lora", {})
+        lora[module.parameter_name] = [*lora.get(module.parameter_name, ()), module]
+        adopted += 1
+    return adopted
+
+
+def release_expert_adapters(model: nn.Module) -> None:
+    """The wrappers' own classes again (restore)."""
+    for module in model.modules():
+        if isinstance(module, StreamedParamWrapperMixin):
+            module.__class__ = module._sh_original_class
+        module.__dict__.pop("_sh_lora", None)
+
+
+class StreamedParamWrapperMixin:
+    """A peft ParamWrapper whose stack streams (see the module's docstring)."""
+
+    def forward(self, x, *args, **kwargs):
+        self._check_forward_args(x, *args, **kwargs)
+        if kwargs.get("adapter_names") is not None:
+            raise ValueError(f"lora.{type(self).__name__} does not support mixed batch inference")
+        kwargs.pop("adapter_names", None)
+        return self.base_layer(x, *args, **kwargs)
+
+    def get_param(self):
+        # What peft's delta code reads of the parameter: its dtype and the device the delta is made on. The
+        # parameter itself is the host master, and the attribute reads the stream (which calls `adapted`).
+        base = self.get_base_layer()
+        return torch.empty(0, dtype=base._sh_stacks[self.parameter_name][2], device=base._sh_device)
+
+    def adapted(self, w: torch.Tensor) -> torch.Tensor:
+        """The streamed stack `w` with this wrapper's active adapters added, as peft's proxies add them."""
+        if self.disable_adapters or self.merged:
+            return w
+        adapters = [a for a in self.active_adapters if a in self.lora_A]
+        if not adapters:
+            return w
+        if len(adapters) == 1 and self.num_experts > 1:
+            lhs, rhs, scaling = self.get_delta_factors(adapters[0])
+            with torch.autocast(device_type=w.device.type, enabled=False):
+                return torch.baddbmm(w, lhs, rhs, alpha=scaling)
+        delta = self.get_delta_weight(adapters[0])
+        for adapter in adapters[1:]:
+            delta = delta + self.get_delta_weight(adapter)
+        return w + delta
+
+    def merge(self, *args, **kwargs):
+        raise StreamedLoraMergeError(
+            f"stagehand: the adapter on {self.parameter_name} of a streamed expert stack can not be merged into "
+            "it (the host master streams); restore() the Runtime first, then merge")
+
+    def unmerge(self, *args, **kwargs):
+        if self.merged:
+            raise StreamedLoraMergeError("stagehand: a streamed expert stack holds no merged adapter")

@@ -1,0 +1,235 @@
+"""Mixture-of-experts models stream their expert stacks (transformers 5's fused 3-D experts).
+
+Tiny random configs of five families, each against the plain model with the same weights: Qwen3-MoE,
+Qwen2-MoE (shared expert), Mixtral, gpt-oss (transposed stacks with biases, its own gate) and a
+DeepSeek-V3-style block (MLA attention, shared + routed experts, grouped routing).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import peft
+import pytest
+import torch
+import transformers
+
+import torch_stagehand as stagehand
+from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
+from torch_stagehand.runtime.experts import StreamedExpertsTrainError
+from torch_stagehand.runtime.lora_experts import StreamedLoraMergeError
+from torch_stagehand.runtime.streamed import HostMasterParameter
+
+from _helpers import int8_reference, rel_err
+
+COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, use_cache=False)
+
+
+def _config(family: str):
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**COMMON, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                                           num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                           decoder_sparse_step=1)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(**COMMON, head_dim=16, intermediate_size=48, num_local_experts=8,
+                                         num_experts_per_tok=2, sliding_window=8,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if family == "deepseek_v3":
+        return transformers.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=128, moe_intermediate_size=32,
+                                             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                             first_k_dense_replace=0, n_group=2, topk_group=1, kv_lora_rank=16,
+                                             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    raise ValueError(family)
+
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    # Each test compiles new models of the same classes: past Dynamo's recompile limit a frame would run eagerly.
+    torch._dynamo.reset()
+    yield
+
+
+def _model(family: str, dtype=torch.float32, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(dtype)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _inputs(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def _lora(model):
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["o_proj"], init_lora_weights=False))
+
+
+def _compiled(model):
+    return torch.compile(model, backend="stagehand", options={"inner": "eager"})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_expert_stacks_stream_and_hold_nearly_all_of_a_blocks_bytes(family):
+    model = _model(family)
+    blocks = find_blocks(model)
+    specs = streamed_layers(model, blocks)
+    stacks = [s for s in specs if s.experts]
+    assert stacks and all(s.experts == 8 and s.weight.dim() == 3 for s in stacks)
+    for b, fqn in enumerate(blocks):
+        block_bytes = sum(p.numel() * p.element_size() for p in model.get_submodule(fqn).parameters())
+        streamed = sum(s.weight.numel() * s.weight.element_size() for s in specs if s.block == b)
+        assert streamed / block_bytes >= 0.9, (fqn, streamed / block_bytes)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    assert rt.stats()["offload"]["expert_stacks"] == len(stacks)
+    # The module keeps its parameters (state_dict is real) as host masters: nothing of the stacks went anywhere.
+    experts = stacks[0].module
+    assert all(isinstance(experts._parameters[s.param], HostMasterParameter) for s in stacks if s.module is experts)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outputs_match_the_plain_model_eagerly_and_compiled(family):
+    model = _model(family)
+    plain = copy.deepcopy(model)
+    ids = _inputs()
+    stagehand.offload(model, device="cpu", verbose=False)
+    with torch.no_grad():
+        want = plain(ids).logits
+        assert torch.equal(model(ids).logits, want)  # the eager op path
+        assert torch.equal(_compiled(model)(ids).logits, want)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_gradients_through_frozen_streamed_experts_match_the_plain_model(family, checkpointing):
+    base = _model(family)
+    plain = _lora(copy.deepcopy(base))
+    model = _lora(base)
+    model.load_state_dict(plain.state_dict())
+    for m in (plain, model):
+        m.train()
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    ids = _inputs()
+    plain(ids, labels=ids).loss.backward()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = _compiled(model)(ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and got.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(got[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    # The backward read the stacks from its own fetch: nothing saved shares a slot's or the host store's bytes.
+    forbidden = {s.buf.untyped_storage().data_ptr() for s in rt.pool.slots}
+    forbidden |= {rt.store.buffer(b, "bf16").untyped_storage().data_ptr() for b in range(len(rt.blocks))}
+    assert saved and not [t for t in saved if t.untyped_storage().data_ptr() in forbidden]
+    assert rt.stats()["eager_linear_calls"] == 0
+
+
+def test_blocks_compiled_one_by_one_stream_their_experts_as_the_whole_model_compile():
+    base = _model("qwen2_moe")
+    plain = _lora(copy.deepcopy(base))
+    model = _lora(base)
+    model.load_state_dict(plain.state_dict())
+    plain.train(), model.train()
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    ids = _inputs()
+    plain(ids, labels=ids).loss.backward()
+    stagehand.compile_blocks(model, options={"inner": "eager"})(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert rt.stats()["eager_linear_calls"] == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_int8_experts_compute_the_dequantized_stacks(family):
+    base = _model(family, torch.bfloat16)
+    ref = _lora(int8_reference(base, "int8"))
+    model = _lora(base)
+    model.load_state_dict(ref.state_dict(), strict=False)
+    for name, p in ref.named_parameters():
+        if "lora_" in name:
+            model.get_parameter(name).data.copy_(p.data)
+    stagehand.offload(model, device="cpu", precision="int8", verbose=False)
+    ids = _inputs()
+    want = ref(ids, labels=ids).loss
+    want.backward()
+    got = _compiled(model)(ids, labels=ids).loss
+    got.backward()
+    assert abs(got.item() - want.item()) < 2e-2
+    grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert rel_err(p.grad, grads[name]) < 5e-2, name
+
+
+def test_a_stack_that_requires_grad_is_refused_in_a_training_forward_and_named():
+    model = _model("qwen3_moe")
+    model.model.layers[1].mlp.experts.down_proj.requires_grad_(True)
+    stagehand.offload(model, device="cpu", verbose=False)
+    with pytest.raises(StreamedExpertsTrainError, match=r"model\.layers\.1\.mlp\.experts\.down_proj"):
+        model(_inputs())
+    with torch.no_grad():  # inference reads it
+        model(_inputs())
+    # The flag is followed (after offload the attribute reads the stream: the parameter is named_parameters'):
+    dict(model.named_parameters())["model.layers.1.mlp.experts.down_proj"].requires_grad_(False)
+    model(_inputs())
+
+
+def test_restore_gives_back_the_plain_expert_modules_with_their_values():
+    model = _model("mixtral")
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    rt.restore()
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts) is type(plain.model.layers[0].mlp.experts)
+    assert isinstance(experts.gate_up_proj, torch.nn.Parameter)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+
+
+EXPERT_TARGETS = {"qwen3_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                  "gpt_oss": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+
+
+@pytest.mark.parametrize("family", sorted(EXPERT_TARGETS))
+def test_peft_target_parameters_on_the_experts_train_as_the_plain_peft_model(family):
+    config = peft.LoraConfig(r=4, target_modules=["o_proj"], target_parameters=EXPERT_TARGETS[family],
+                             init_lora_weights=False)
+    base = _model(family)
+    plain = peft.get_peft_model(copy.deepcopy(base), config)
+    model = peft.get_peft_model(base, config)
+    model.load_state_dict(plain.state_dict())
+    plain.train(), model.train()
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    ids = _inputs()
+    plain(ids, labels=ids).loss.backward()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = _compiled(model)(ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any("experts" in n for n in grads) and got.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(got[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    # Neither the stack nor the adapted stack (its size) is kept for the backward.
+    stack_numels = {s.weight.numel() for s in rt.layers if s.experts}
+    assert saved and not [t for t in saved if t.numel() in stack_numels]
+    # The eager path (no compile) reads the same adapted stacks.
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
+    with pytest.raises(StreamedLoraMergeError, match="can not be merged"):
+        model.merge_adapter()
