@@ -12,9 +12,9 @@ Rows, all measured on the one model in this process:
 
 1. "resident (inductor)": the plain model on the GPU, each decoder layer compiled with torch.compile's
    defaults (regional compilation); the compute limit of the step, where the model fits the GPU;
-2. `offload()` then `stagehand.compile_blocks(model)`; for each precision (bf16, int8) and VRAM budget
-   (24 / 16 / 12 GiB): `rt.set_precision`, `rt.replan(vram_budget=...)`, the plan's first step, and
-   `--steps` measured steps.
+2. `offload()` then `stagehand.compile_blocks(model)`, `--warmup` steps (the plan's calibration step and the
+   planned plan's compiles); then for each precision (int8, bf16) and VRAM budget (24 / 16 / 12 GiB):
+   `rt.set_precision`, `rt.replan(vram_budget=...)`, the plan's first step, and `--steps` measured steps.
 
 Per row: median step ms, peak GPU memory, H2D GB per step and the H2D limit (those bytes over the pinned
 bandwidth measured at the start), the compute limit (the resident step), and the step over the larger of
@@ -135,6 +135,12 @@ def run(args) -> dict:
     rt.attach(optimizer)
     stagehand.compile_blocks(model)
     step = make_step(model, inputs, optimizer)
+    t0 = time.perf_counter()
+    for i in range(args.warmup):  # the calibration step and the planned plan's compiles, outside every row
+        step()
+        sync()
+        print(f"  warm-up step {i + 1}/{args.warmup} at {time.perf_counter() - t0:.1f} s", flush=True)
+    results["warmup_s"] = round(time.perf_counter() - t0, 1)
     for precision in args.precisions:
         for budget in args.budgets:
             label = f"stagehand {precision} {budget} GiB"
@@ -166,6 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--precisions", nargs="+", default=["int8", "bf16"], choices=["int8", "bf16"])
     parser.add_argument("--budgets", nargs="+", type=int, default=[24, 16, 12], help="VRAM budgets, GiB")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="steps before the rows (calibration, planned compiles)")
     parser.add_argument("--tiny", action="store_true", help="a small config of the same class (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--resident", action=argparse.BooleanOptionalAction, default=True,

@@ -29,6 +29,7 @@ def test_inductor_blocks_with_streamed_experts_train_as_the_plain_model(family, 
     for name, p in ref.named_parameters():
         if p.requires_grad:
             model.get_parameter(name).data.copy_(p.data)
+    ref32 = copy.deepcopy(ref).float().cuda().train()  # the same weights in fp32: what both bf16 runs approximate
     ref.cuda().train()
     model.train()
     model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -36,6 +37,7 @@ def test_inductor_blocks_with_streamed_experts_train_as_the_plain_model(family, 
     ids = _inputs().cuda()
     want = ref(ids, labels=ids).loss
     want.backward()
+    ref32(ids, labels=ids).loss.backward()
     compiled = stagehand.compile_blocks(model)
     for _ in range(2):  # the first step calibrates the plan, the second runs it
         model.zero_grad(set_to_none=True)
@@ -43,9 +45,12 @@ def test_inductor_blocks_with_streamed_experts_train_as_the_plain_model(family, 
         got.backward()
     assert abs(got.item() - want.item()) < 2e-2
     grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    exact = {n: p.grad for n, p in ref32.named_parameters() if p.grad is not None}
     assert any("experts" in n for n in grads)
     for name, p in model.named_parameters():
         if p.grad is not None:
-            assert rel_err(p.grad, grads[name]) < 5e-2, name
+            # Inductor's fusions round bf16 elsewhere than eager: as close to fp32 as the plain bf16 model is
+            plain_error = rel_err(grads[name], exact[name])
+            assert rel_err(p.grad, exact[name]) < 2 * plain_error + 1e-2, (name, plain_error)
     stats = rt.stats()
     assert stats["eager_linear_calls"] == 0
