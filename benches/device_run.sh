@@ -149,6 +149,8 @@ for stage in $STAGES; do
               tests/test_gpu_budget.py ;;
     moe)    timeout ${MOE_TIMEOUT:-560} python3 benches/moe.py ${MOE_ARGS:-} --out "$OUT/${MOE_NAME:-moe_qwen3_30b}.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/${MOE_NAME:-moe_qwen3_30b}.log" ;;
+    moegen) timeout ${MOEGEN_TIMEOUT:-560} python3 benches/moe_generate.py ${MOEGEN_ARGS:-} --out "$OUT/moe_generate.json" 2>&1 \
+              | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/moe_generate.log" ;;
     start)  timeout ${START_TIMEOUT:-570} python3 benches/start_time.py --rows ${START_ROWS:-qwen:int8 qwen:bf16 qwen:resident} \
               --modes ${START_MODES:-cold warm} ${START_ARGS:-} --out "$OUT/start_time_${MODEL:-qwen}.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/start_time_${MODEL:-qwen}.log" ;;

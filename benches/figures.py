@@ -440,6 +440,24 @@ def start_time_blocks_table() -> str:
     return f"{caption(*names, what=what)}\n\n{table(runs, cols)}\n"
 
 
+def moe_table(name: str = "moe_qwen3_30b.json") -> str:
+    """The MoE LoRA step with streamed experts against its limits (benches/moe.py)."""
+    data = load(name)
+    rows = [r for r in data["rows"] if "error" not in r]
+    cols = [Col("run", lambda r: r["mode"]), Col("step ms", field("step_ms", ms)),
+            Col("H2D GB / step", field("h2d_gb_step", num, 1)),
+            Col("H2D limit ms", field("h2d_limit_ms", ms)), Col("compute limit ms", field("compute_limit_ms", ms)),
+            Col("step / larger limit", field("vs_limit", num, 2)), Col("peak GiB", field("peak_gib", num, 1)),
+            Col("first step s", field("first_step_s", num, 1)),
+            Col("sync fetches / step", field("sync_fetches_step", num, 0))]
+    what = (f"transformers' Qwen3MoeForCausalLM at Qwen3-30B-A3B's shape ({data['params_b']}B parameters: 48 layers, "
+            f"128 experts, top-8), LoRA r=16 on attention, AdamW, checkpointing, T={data['sequence']}; the resident "
+            "row is the plain model on the GPU with each layer compiled by torch.compile (the compute limit); the "
+            f"H2D limit is each row's H2D bytes per step at the pinned bandwidth measured in the run "
+            f"({data['pinned_h2d_gbps']} GB/s); `stagehand.compile_blocks`, `vram_budget` per row")
+    return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n"
+
+
 def capture_split_table(name: str = "capture_split_cpu.json") -> str:
     """Dynamo's capture of a deep model, plain against offloaded (benches/capture_split.py)."""
     data = load(name)
@@ -937,6 +955,7 @@ FIGURES: dict[str, Figure] = {
     "start_time": Figure(start_time_table, ("start_time_mixed.json",)),
     "start_time_blocks": Figure(start_time_blocks_table, tuple(name for name, _ in START_TIME_SOURCES)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
+    "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "host_adamw_states": Figure(host_adamw_states, ("host_adamw_states_cpu.json",)),
     "peers_flux": Figure(peers_table, ("models_flux.json", "budget_sweep_flux.json", *PEER_FILES)),
     "peers_host_memory": Figure(host_memory_of_peers, (*PEER_FILES, "host_memory_flux.json")),

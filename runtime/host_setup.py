@@ -70,7 +70,18 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
         slab_loader(rt)
     elif meta_blocks:
         raise RuntimeError(f"offload: block {rt.blocks[meta_blocks[0]]} has weights on the meta device and no slab "
-                           "was given (nor a checkpoint= holding them)")
+                           "was given (nor a checkpoint= holding them)" + _missing_stack(rt, meta_blocks[0]))
+
+
+def _missing_stack(rt, block: int) -> str:
+    """Why a checkpoint did not fill an expert stack: it stores the experts one by one (transformers' saved
+    layout), which offload does not fuse."""
+    for spec in rt.store.blocks[block].layers:
+        if spec.experts and spec.weight.is_meta and rt.checkpoint is not None and spec.weight_name not in rt.checkpoint:
+            return (f"; the checkpoint has no {spec.weight_name} (the fused {spec.experts}-expert stack): a checkpoint "
+                    "that stores the experts one by one is not fused into stacks by offload yet, so build the "
+                    "model with its weights (from_pretrained) and offload it from memory")
+    return ""
 
 
 def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress) -> list[int]:

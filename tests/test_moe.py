@@ -233,3 +233,20 @@ def test_peft_target_parameters_on_the_experts_train_as_the_plain_peft_model(fam
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
     with pytest.raises(StreamedLoraMergeError, match="can not be merged"):
         model.merge_adapter()
+
+
+def test_files_that_do_not_hold_fused_stacks_are_refused_naming_the_stack(tmp_path):
+    from torch_stagehand.runtime.slab.builder import build_slab_from_module
+    from torch_stagehand.runtime.slab.errors import SlabLayerNotFoundError
+
+    model = _model("qwen3_moe", torch.bfloat16)
+    model.save_pretrained(tmp_path / "ckpt")  # transformers writes the experts one by one
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(model.config).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"no model\.layers\.0\.mlp\.experts\.gate_up_proj \(the fused 8-expert"):
+        stagehand.offload(meta, device="cpu", checkpoint=str(tmp_path / "ckpt"), verbose=False)
+    built = build_slab_from_module(model, str(tmp_path), "moe", "moe", include_prefixes=("model.layers.",),
+                                   print_report=False)
+    with pytest.raises(SlabLayerNotFoundError, match=r"expert stack model\.layers\.0\.mlp\.experts\.gate_up_proj"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=built.manifest_path, verbose=False)
+    assert not any(type(m).__name__.startswith("Streamed") for m in model.modules())  # offload put it back

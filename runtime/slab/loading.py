@@ -67,6 +67,12 @@ def slab_loader_for(slab: str | os.PathLike,
     manifest = resolve_manifest(slab)
 
     def load(rt: "Runtime") -> None:
+        stacks = [spec.fqn for spec in rt.layers if spec.experts]
+        if stacks:  # the slab format holds Linear layers (builder.iter_linear_layers): none of these
+            raise SlabLayerNotFoundError(
+                f"streamed expert stack {stacks[0]} (and {len(stacks) - 1} more) can not come from a slab: the "
+                "slab format holds Linear layers only; offload this model without slab=", path=manifest,
+                layer=stacks[0])
         with SlabReader(manifest) as reader:
             reader.check_model(rt.model)
             # The sampled rows of weights mapped from a checkpoint: read without readahead (weights_file.py).
