@@ -18,6 +18,8 @@ into a streamed stack is refused: the stream would not see it.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -29,11 +31,10 @@ class StreamedLoraMergeError(RuntimeError):
 
 
 def _param_wrapper_class():
-    try:
-        from peft.tuners.lora.layer import ParamWrapper
-    except ImportError:  # peft absent, or a version without target_parameters
-        return None
-    return ParamWrapper
+    # A model holds a peft wrapper only where peft was imported: never import it here (peft pulls in
+    # transformers, a hundred MB of a process that offloads a model without either).
+    layer = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(layer, "ParamWrapper", None)  # None: peft not in use, or a version without target_parameters
 
 
 _SUBCLASSES: dict[type, type] = {}
