@@ -7,7 +7,9 @@ The Qwen3-30B-A3B shape (benches/moe.py, 61 GB in bf16), random init on the GPU,
 `--prompt` tokens, greedy `model.generate` with its KV cache, in one process:
 
 1. stagehand: `offload(model, precision=..., vram_budget=...)` and `generate` as it is (no compile: a
-   KV cache indexed by layer would trace every block); each block streams whole at each new token;
+   KV cache indexed by layer would trace every block): each new token reads its layers and only the experts
+   its router picked (`Config.routed_experts_max_tokens`, the default), or, for comparison, streams every
+   block whole (`routed_experts_max_tokens=0`);
 2. accelerate: the same model back on the host (`rt.restore()`), `infer_auto_device_map` with the same
    GPU budget and `dispatch_model` (layers that do not fit run from host memory through its hooks).
 
@@ -74,20 +76,21 @@ def run(args) -> dict:
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(2))
     prompt = prompt.to(device)
     rows = results["rows"]
-    outputs = {}
     with torch.no_grad():
         for precision in args.precisions:
-            rt = stagehand.offload(model, device=device, precision=precision,
-                                   vram_budget=args.budget if device == "cuda" else None, verbose=False)
-            row, outputs[precision] = generate_row(f"stagehand {precision}, whole blocks", model, prompt,
-                                                   args.tokens, sync, rt)
-            if results.get("pinned_h2d_gbps"):
-                row["h2d_limit_tokens_per_s"] = round(results["pinned_h2d_gbps"] / max(row["h2d_gb_token"], 1e-9), 3)
-                row["vs_h2d_limit"] = round(row["h2d_limit_tokens_per_s"] / row["tokens_per_s"], 2)
-            rows.append(row)
-            rt.restore()
-            del rt
-            gc.collect()
+            for fetch in args.fetch:
+                config = stagehand.Config(routed_experts_max_tokens=16 if fetch == "routed" else 0)
+                rt = stagehand.offload(model, device=device, precision=precision, config=config,
+                                       vram_budget=args.budget if device == "cuda" else None, verbose=False)
+                what = "routed experts only" if fetch == "routed" else "whole blocks"
+                row, _ = generate_row(f"stagehand {precision}, {what}", model, prompt, args.tokens, sync, rt)
+                if results.get("pinned_h2d_gbps"):
+                    row["h2d_limit_tokens_per_s"] = round(results["pinned_h2d_gbps"] / max(row["h2d_gb_token"], 1e-9), 3)
+                    row["vs_h2d_limit"] = round(row["h2d_limit_tokens_per_s"] / row["tokens_per_s"], 2)
+                rows.append(row)
+                rt.restore()
+                del rt
+                gc.collect()
         if args.accelerate:
             from accelerate import dispatch_model, infer_auto_device_map
 
@@ -99,7 +102,7 @@ def run(args) -> dict:
                                                no_split_module_classes=["Qwen3MoeDecoderLayer"])
             results["accelerate_device_map"] = {str(k): str(v) for k, v in device_map.items()}
             dispatch_model(model, device_map=device_map)
-            row, outputs["accelerate"] = generate_row("accelerate device_map='auto' (dispatch_model)", model, prompt,
+            row, _ = generate_row("accelerate device_map='auto' (dispatch_model)", model, prompt,
                                                       args.accelerate_tokens, sync)
             rows.append(row)
     base = next((r for r in rows if r["mode"].startswith("accelerate")), None)
@@ -107,10 +110,8 @@ def run(args) -> dict:
         if base is not None and r is not base:
             r["x_accelerate"] = (round(r["tokens_per_s"] / base["tokens_per_s"], 2)
                                  if r.get("tokens_per_s") and base.get("tokens_per_s") else None)
-    if "accelerate" in outputs and args.precisions and "bf16" in outputs:
-        n = min(outputs["bf16"].shape[1], outputs["accelerate"].shape[1])
-        results["bf16_tokens_match_accelerate"] = bool(torch.equal(outputs["bf16"][:, :n].cpu(),
-                                                                   outputs["accelerate"][:, :n].cpu()))
+    # No comparison of the tokens: random weights give near-uniform logits, whose greedy picks flip between
+    # any two sets of kernels (the numbers are checked against the plain model by tests/test_moe.py).
     return results
 
 
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precisions", nargs="+", default=["int8", "bf16"], choices=["int8", "bf16"])
     parser.add_argument("--budget", default="8GiB")
+    parser.add_argument("--fetch", nargs="+", default=["routed", "whole"], choices=["routed", "whole"],
+                        help="expert fetching: the routed experts only (the default config), or whole blocks")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per stagehand row")
     parser.add_argument("--accelerate-tokens", type=int, default=8, help="new tokens for accelerate's row")

@@ -200,6 +200,10 @@ class Config:
     # "disk": with offload(slab=...), INT8 blocks are read from the slab file at each fetch through a
     # small pinned staging ring (disk_tier.py) instead of being held in RAM; "ram": held in RAM.
     int8_tier: str = "ram"
+    # A mixture-of-experts model's eager forward with no grad over at most this many tokens (generation)
+    # reads each layer directly and each expert stack only for the experts its router picked, instead of
+    # copying whole blocks (eager_path.py); 0: whole blocks always.
+    routed_experts_max_tokens: int = 16
 
     def validate(self) -> "Config":
         self.conductor.validate("conductor")
@@ -230,6 +234,8 @@ class Config:
             raise ConfigError(f"keep_full: must be 'auto', 'pinned', 'ram' or 'file', got {self.keep_full!r}")
         if self.int8_tier not in ("ram", "disk"):
             raise ConfigError(f"int8_tier: must be 'ram' or 'disk', got {self.int8_tier!r}")
+        if not isinstance(self.routed_experts_max_tokens, int) or self.routed_experts_max_tokens < 0:
+            raise ConfigError(f"routed_experts_max_tokens: must be an int >= 0, got {self.routed_experts_max_tokens!r}")
         for name in ("expandable_segments", "freeze_gc_after_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -10,7 +10,9 @@ offload swaps the module's class (`streamed.StreamedExpertsMixin`): each stack i
 so Dynamo captures one op per stack, with the block's token as a graph input like a streamed Linear's.
 
 * Eagerly the op fetches the block and returns the stack on the device, a copy (bf16) or dequantized
-  (int8 / fp8, per expert and row): correct, slow, counted like the eager Linear path.
+  (int8 / fp8, per expert and row): correct, slow, counted like the eager Linear path. A forward with no
+  grad over a few tokens (generation) copies only the rows of the experts the router picked
+  (eager_path.py; the experts module's forward hands the property the router's indices).
 * In a compiled block the backend's `rewrite_linear` replaces it with `expert_weights_from_slot(weights,
   layout, shape)`: aten views of the block's slot (bf16) or their dequantization, which AOTAutograd traces
   into the block's graph and Inductor fuses. The joint pass `refetch_weights` makes the backward read the
@@ -43,7 +45,7 @@ def streamed_experts(block_tok: torch.Tensor, position: int, shape: list[int], d
     rt, block = registry.decode(block_tok)
     if rt is None:
         raise RuntimeError("stagehand: a streamed expert stack was read with the no-block token")
-    return eager_expert_weights(rt, rt.layer_at(block, position), dtype)
+    return rt.eager.stack(rt.layer_at(block, position), dtype, None)
 
 
 @streamed_experts.register_fake
@@ -72,16 +74,6 @@ def expert_weights_from_slot(slot: torch.Tensor, layout: list[int], shape: list[
     return dense_from_slot(slot, LayerLayout.from_ints(list(layout)), dtype).view(shape)
 
 
-def eager_expert_weights(rt, index: int, dtype: torch.dtype) -> torch.Tensor:
-    """The eager op's result: the stack fetched now, as a tensor of its own (the slot is released after)."""
-    backward = torch._C._current_graph_task_id() != -1  # checkpointing recomputing the block
-    (rt.phases.backward_op if backward else rt.phases.forward_op)()
-    with rt._eager_slot(index, backward) as (slot, layout):
-        w = dense_from_slot(slot, LayerLayout.from_ints(layout), dtype)
-        w = w.clone() if w.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr() else w
-        return w.view(rt.layers[index].weight.shape)
-
-
 def _read_stack(module, name: str) -> torch.Tensor:
     """The property behind each streamed stack (streamed.streamed_experts_class)."""
     position, shape, dtype = module._sh_stacks[name]  # no read of the parameter: Dynamo would lift it
@@ -90,7 +82,13 @@ def _read_stack(module, name: str) -> torch.Tensor:
             f"stagehand: {module._sh_fqn}.{name} streams and requires grad; streamed experts are frozen "
             f"(train them with LoRA: peft's target_parameters), so freeze it ({name}.requires_grad_(False)) "
             "or run this forward under torch.no_grad()")
-    w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype, module._sh_device)
+    routed = module.__dict__.get("_sh_routed")
+    if routed is not None and not torch.compiler.is_compiling():  # eager: the router's choice is known
+        rt, block = registry.decode(module._sh_block_tok)
+        w = rt.eager.stack(rt.layer_at(block, position), dtype, routed)
+    else:
+        w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype,
+                                                 module._sh_device)
     for wrapper in module.__dict__.get("_sh_lora", {}).get(name, ()):  # peft target_parameters (lora_experts.py)
         w = wrapper.adapted(w)
     return w

@@ -8,7 +8,6 @@ the compiled variants live in the compiler's own cache, which the runtime never 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -21,13 +20,13 @@ from .collector import CollectorFreeze
 from .config import Config
 from . import precision as precisions
 from . import registry
-from .blocks import StreamedLayerSpec, check_not_wrapped_off_device, layer_slots
+from .blocks import StreamedLayerSpec, layer_slots
 from .conductor.fetch_order import FetchOrder
-from .conductor.trace import EAGER
 from .conductor.costs import CostModel
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
-from .eager_notice import EagerFallbackWarning, warn_eager_once  # noqa: F401 (the warning's home)
+from .eager_notice import EagerFallbackWarning  # noqa: F401 (the warning's home)
+from .eager_path import EagerPath
 from .experts import attach_streamed
 from .events import RuntimeEvents, progress, unwrap_optimizer
 from .grads import GradLane
@@ -35,7 +34,6 @@ from .host_setup import build_host_store, load_resident
 from .host_store import check_master_dtypes
 from .offload_undo import OffloadUndo
 from .oom_recovery import OomRecovery
-from .ops import grad_input_from_slot, linear_from_slot
 from .precision import PrecisionMapError
 from .planning import PlanDriver, budget_from
 from .runtime_stats import runtime_stats
@@ -115,6 +113,7 @@ class Runtime(SelectivePrecisionAPI):
         # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
         self.trainable_positions = self.grads.trainable_positions
+        self.eager = EagerPath(self, self.config.routed_experts_max_tokens)
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         for index, spec in enumerate(layers):
@@ -302,50 +301,10 @@ class Runtime(SelectivePrecisionAPI):
         return self._free_tokens[block]
 
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # A forward run inside backward is activation checkpointing recomputing a block:
-        # it belongs to the backward phase, and the next block needed is the previous one.
-        backward = torch._C._current_graph_task_id() != -1
-        (self.phases.backward_op if backward else self.phases.forward_op)()
-        if not backward:
-            self.grads.forward_ran()
-        with self._eager_slot(index, backward) as (slot, layout):
-            return linear_from_slot(x, slot, bias, layout)
+        return self.eager.linear(index, x, bias)  # eager_path.py: through the block's slot, or read directly
 
     def eager_grad_input(self, index: int, dy: torch.Tensor) -> torch.Tensor:
-        self.phases.backward_op()
-        with self._eager_slot(index, backward=True) as (slot, layout):
-            return grad_input_from_slot(dy, slot, layout)
-
-    @contextlib.contextmanager
-    def _eager_slot(self, index: int, backward: bool):
-        """The layer's block, held for the one op that reads it (then released)."""
-        self._check_open()
-        spec = self.layers[index]
-        block = spec.block
-        precision = self._precision[block]
-        self._count_eager(block, backward)
-        slot = self.pool.acquire(block, precision, reader=EAGER)
-        try:
-            if self._block_first_layer[block] == index:
-                for i in range(index, index + len(self.store.blocks[block].layers)):
-                    check_not_wrapped_off_device(self.layers[i], self._layer_slots[i], self.device)
-                # Eager calls have no schedule; fetching the block that runs next (in the order the
-                # blocks ran, reversed in backward) while this one runs still pays. The slot just
-                # acquired is held, so this prefetch can never overwrite it.
-                if not backward:
-                    self.fetch_order.record_forward(block)
-                self.planner.prefetch(self.fetch_order.eager_next(block, backward))
-            position = index - self._block_first_layer[block]
-            yield slot, self.store.layout(block, precision)[position].as_ints()
-        finally:
-            self.pool.release(block, precision)
-
-    def _count_eager(self, block: int, backward: bool) -> None:
-        """The eager op path is correct but slow: count it, and say once per cause when a compiled model took it."""
-        self.eager_linear_calls += 1
-        self.eager_blocks.add(block)
-        if self.graph_records:  # else the model is simply being called without torch.compile
-            warn_eager_once(self._eager_warned, block, self.blocks[block], backward)
+        return self.eager.grad_input(index, dy)
 
     def planned_recompute(self, block: int) -> bool | None:
         """The plan's activation decision for a block (None: the model's own checkpointing decides)."""

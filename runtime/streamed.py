@@ -292,6 +292,18 @@ class StreamedExpertsMixin:
     _sh_trains: dict[str, bool]  # name -> requires_grad, kept by the parameter's callback (no parameter read)
     _sh_device: torch.device
 
+    def forward(self, *args, **kwargs):
+        # Eagerly, the router's choice (the one integer tensor the experts get) goes to the stacks' property:
+        # a few tokens' forward copies only the experts picked (eager_path.py). Compiled, the block reads all.
+        if torch.compiler.is_compiling():
+            return super().forward(*args, **kwargs)
+        self.__dict__["_sh_routed"] = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                                            and not a.is_floating_point()), None)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_sh_routed", None)
+
     def _apply(self, fn, recurse=True):
         refuse_dtype_conversion(fn, [self])
         order = list(self._parameters)

@@ -250,3 +250,27 @@ def test_files_that_do_not_hold_fused_stacks_are_refused_naming_the_stack(tmp_pa
     with pytest.raises(SlabLayerNotFoundError, match=r"expert stack model\.layers\.0\.mlp\.experts\.gate_up_proj"):
         stagehand.offload(model, device="cpu", precision="int8", slab=built.manifest_path, verbose=False)
     assert not any(type(m).__name__.startswith("Streamed") for m in model.modules())  # offload put it back
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_generation_reading_only_the_routed_experts_gives_the_whole_block_numbers(family, precision):
+    plain = _model(family)
+    whole, routed = copy.deepcopy(plain), copy.deepcopy(plain)
+    for m in (plain, whole, routed):
+        m.config.use_cache = True
+    rt_whole = stagehand.offload(whole, device="cpu", precision=precision, verbose=False,
+                                 config=stagehand.Config(routed_experts_max_tokens=0))
+    rt_routed = stagehand.offload(routed, device="cpu", precision=precision, verbose=False)
+    prompt = _inputs()[:1]
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=0)
+    with torch.no_grad():
+        a, b = whole.generate(prompt, **kw), routed.generate(prompt, **kw)
+        ref = plain.generate(prompt, **kw) if precision == "bf16" else a
+    assert torch.equal(a.sequences, b.sequences) and torch.equal(ref.sequences, b.sequences)
+    for la, lb in zip(a.logits, b.logits):
+        assert torch.equal(la, lb)
+    # Every call (the 12-token prompt, then one token) read its layers and its routed experts directly.
+    assert rt_routed.eager.direct_reads > 0 and rt_whole.eager.direct_reads == 0
+    assert rt_routed.stats()["h2d_bytes"] < rt_whole.stats()["h2d_bytes"]

@@ -1,0 +1,180 @@
+"""The eager op path: a streamed layer read by an op that no compiled block scheduled.
+
+Two ways, chosen per call:
+
+* **Through the block's slot** (what the eager path always did): the op acquires its block's slot (a copy of
+  the whole block if it is not there), computes, releases it; the first layer of a block prefetches the
+  block that ran after it last time. Correct everywhere, slow where the fetches could have been scheduled.
+* **Direct reads, routed experts only** (`Config.routed_experts_max_tokens`): a forward with no grad over a
+  few tokens (generation: one token a step) of a mixture-of-experts model would copy every block whole at
+  every token, though its router picks a few experts of each block (8 of 128 in Qwen3-30B-A3B). Then each
+  Linear copies only its own rows and each expert stack only the rows of the experts routed to, on the
+  compute stream (ordered with the math, no host wait but the router's choice), into device buffers kept
+  per shape. A block the slot pool holds already (resident in the plan) is read from its slot instead. The
+  rows of experts not routed to are stale in the stack buffer; no experts implementation reads them (the
+  grouped GEMM's groups for them are empty, the batched and looped ones index the routed experts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .blocks import check_not_wrapped_off_device
+from .conductor.trace import EAGER
+from .eager_notice import warn_eager_once
+from .ops import grad_input_from_slot, linear_from_slot
+from .precision import LayerLayout
+
+
+class EagerPath:
+    def __init__(self, rt, max_routed_tokens: int):
+        self.rt = rt
+        self.max_routed_tokens = max_routed_tokens if any(s.experts for s in rt.layers) else 0
+        self._buffers: dict[tuple, torch.Tensor] = {}  # (what, shape, dtype) -> a device buffer reused
+        self.direct_bytes = 0  # bytes copied by direct reads (also in the pool's H2D count)
+        self.direct_reads = 0
+
+    # ---- the ops' entry points ------------------------------------------------------------
+
+    def linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rt = self.rt
+        # A forward run inside backward is activation checkpointing recomputing a block:
+        # it belongs to the backward phase, and the next block needed is the previous one.
+        backward = torch._C._current_graph_task_id() != -1
+        (rt.phases.backward_op if backward else rt.phases.forward_op)()
+        if not backward:
+            rt.grads.forward_ran()
+        spec = rt.layers[index]
+        if self._direct(spec.block, x.numel() // max(spec.in_features, 1)):
+            self.count(spec.block, backward)
+            slot, lay = self._layer_rows(index)
+            return linear_from_slot(x, slot, bias, lay.as_ints())
+        with self.slot(index, backward) as (slot, layout):
+            return linear_from_slot(x, slot, bias, layout)
+
+    def grad_input(self, index: int, dy: torch.Tensor) -> torch.Tensor:
+        self.rt.phases.backward_op()
+        with self.slot(index, backward=True) as (slot, layout):
+            return grad_input_from_slot(dy, slot, layout)
+
+    def stack(self, index: int, dtype: torch.dtype, routed: torch.Tensor | None) -> torch.Tensor:
+        """An expert stack on the device in the module's shape; `routed`: the experts' indices the router
+        picked for this call (any shape), when the experts module saw them (experts.py)."""
+        from .experts import dense_from_slot
+
+        rt = self.rt
+        backward = torch._C._current_graph_task_id() != -1
+        (rt.phases.backward_op if backward else rt.phases.forward_op)()
+        spec = rt.layers[index]
+        if routed is not None and self._direct(spec.block, routed.shape[0]):
+            self.count(spec.block, backward)
+            return self._routed_stack(index, routed, dtype)
+        with self.slot(index, backward) as (slot, layout):
+            w = dense_from_slot(slot, LayerLayout.from_ints(layout), dtype)
+            w = w.clone() if w.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr() else w
+            return w.view(spec.weight.shape)
+
+    # ---- through the block's slot ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def slot(self, index: int, backward: bool):
+        """The layer's block, held for the one op that reads it (then released)."""
+        rt = self.rt
+        rt._check_open()
+        spec = rt.layers[index]
+        block = spec.block
+        precision = rt._precision[block]
+        self.count(block, backward)
+        slot = rt.pool.acquire(block, precision, reader=EAGER)
+        try:
+            first = rt._block_first_layer[block]
+            if first == index:
+                for i in range(index, index + len(rt.store.blocks[block].layers)):
+                    check_not_wrapped_off_device(rt.layers[i], rt._layer_slots[i], rt.device)
+                # Eager calls have no schedule; fetching the block that runs next (in the order the
+                # blocks ran, reversed in backward) while this one runs still pays. The slot just
+                # acquired is held, so this prefetch can never overwrite it.
+                if not backward:
+                    rt.fetch_order.record_forward(block)
+                rt.planner.prefetch(rt.fetch_order.eager_next(block, backward))
+            yield slot, rt.store.layout(block, precision)[index - first].as_ints()
+        finally:
+            rt.pool.release(block, precision)
+
+    def count(self, block: int, backward: bool) -> None:
+        """The eager op path is correct but slow: count it, and say once per cause when a compiled model took it."""
+        rt = self.rt
+        rt.eager_linear_calls += 1
+        rt.eager_blocks.add(block)
+        if rt.graph_records:  # else the model is simply being called without torch.compile
+            warn_eager_once(rt._eager_warned, block, rt.blocks[block], backward)
+
+    # ---- direct reads ------------------------------------------------------------------------
+
+    def _direct(self, block: int, tokens: int) -> bool:
+        """Read this call's layers directly: no grad, few tokens, a MoE model, a block not held in a slot."""
+        rt = self.rt
+        if not self.max_routed_tokens or tokens > self.max_routed_tokens or torch.is_grad_enabled():
+            return False
+        precision = rt._precision[block]
+        return (block, precision) not in rt.store.on_disk and not rt.pool.cached(block, precision)
+
+    def _host(self, block: int) -> tuple[torch.Tensor, list[LayerLayout]]:
+        rt = self.rt
+        precision = rt._precision[block]
+        rt.store.ensure_fresh(block, precision)
+        return rt.store.buffer(block, precision), rt.store.layout(block, precision)
+
+    def _buffer(self, what: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (what, numel, dtype)
+        if key not in self._buffers:
+            self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.rt.device)
+        return self._buffers[key]
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=src.is_pinned())  # on the compute stream: ordered with the math reading it
+        self.direct_bytes += src.numel() * src.element_size()
+        self.rt.pool.stats.h2d_bytes += src.numel() * src.element_size()
+
+    def _layer_rows(self, index: int) -> tuple[torch.Tensor, LayerLayout]:
+        """One Linear's bytes (weight and scale) copied into a device buffer, and its layout there."""
+        rt = self.rt
+        spec = rt.layers[index]
+        host, layouts = self._host(spec.block)
+        lay = layouts[index - rt._block_first_layer[spec.block]]
+        end = (lay.scale_offset + 4 * lay.out_features if lay.scale_offset >= 0
+               else lay.offset + lay.out_features * lay.in_features * lay.dtype.itemsize)
+        buf = self._buffer("linear", end - lay.offset, torch.uint8)
+        self._copy(buf, host[lay.offset:end])
+        self.direct_reads += 1
+        moved = LayerLayout(lay.code, 0, lay.out_features, lay.in_features,
+                            lay.scale_offset - lay.offset if lay.scale_offset >= 0 else -1, lay.transposed,
+                            lay.dtype_code)
+        return buf, moved
+
+    def _routed_stack(self, index: int, routed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stack with the rows of the routed experts copied in (and dequantized), the others stale."""
+        from torch_stagehand.runtime import precision as precisions
+
+        rt = self.rt
+        spec = rt.layers[index]
+        host, layouts = self._host(spec.block)
+        lay = layouts[index - rt._block_first_layer[spec.block]]
+        experts, rows = spec.experts, lay.out_features // spec.experts
+        out = self._buffer("stack", spec.weight.numel(), dtype).view(spec.weight.shape)
+        picked = torch.unique(routed.reshape(-1)).tolist()  # the router's choice, on the host: the one wait
+        views = precisions.by_code(lay.code).views(host, lay)
+        for e in (e for e in picked if 0 <= e < experts):
+            lo, hi = e * rows, (e + 1) * rows
+            if len(views) == 1:  # the full-precision stack: its rows are the weights
+                self._copy(out[e], views[0][lo:hi].view(out[e].shape))
+            else:  # one byte a weight and a scale a row: copy both, dequantize on the device
+                q = self._buffer("q", rows * lay.in_features, views[0].dtype).view(rows, lay.in_features)
+                s = self._buffer("s", rows, torch.float32)
+                self._copy(q, views[0][lo:hi])
+                self._copy(s, views[1][lo:hi])
+                out[e].copy_((q.to(torch.float32) * s.reshape(-1, 1)).to(dtype).view(out[e].shape))
+        self.direct_reads += 1
+        return out
