@@ -164,17 +164,20 @@ class EagerPath:
         lay = layouts[index - rt._block_first_layer[spec.block]]
         experts, rows = spec.experts, lay.out_features // spec.experts
         out = self._buffer("stack", spec.weight.numel(), dtype).view(spec.weight.shape)
-        picked = torch.unique(routed.reshape(-1)).tolist()  # the router's choice, on the host: the one wait
+        # The router's choice, on the host: the one wait of the call.
+        picked = [e for e in torch.unique(routed.reshape(-1)).tolist() if 0 <= e < experts]
         views = precisions.by_code(lay.code).views(host, lay)
-        for e in (e for e in picked if 0 <= e < experts):
-            lo, hi = e * rows, (e + 1) * rows
-            if len(views) == 1:  # the full-precision stack: its rows are the weights
-                self._copy(out[e], views[0][lo:hi].view(out[e].shape))
-            else:  # one byte a weight and a scale a row: copy both, dequantize on the device
-                q = self._buffer("q", rows * lay.in_features, views[0].dtype).view(rows, lay.in_features)
-                s = self._buffer("s", rows, torch.float32)
-                self._copy(q, views[0][lo:hi])
-                self._copy(s, views[1][lo:hi])
-                out[e].copy_((q.to(torch.float32) * s.reshape(-1, 1)).to(dtype).view(out[e].shape))
+        if len(views) == 1:  # the full-precision stack: its rows are the weights
+            for e in picked:
+                self._copy(out[e], views[0][e * rows:(e + 1) * rows].view(out[e].shape))
+        elif picked:  # one byte a weight and a scale a row: the picked experts side by side, one dequantization
+            n, k = len(picked), lay.in_features
+            q = self._buffer("q", experts * rows * k, views[0].dtype).view(experts, rows, k)[:n]
+            s = self._buffer("s", experts * rows, torch.float32).view(experts, rows)[:n]
+            for i, e in enumerate(picked):
+                self._copy(q[i], views[0][e * rows:(e + 1) * rows])
+                self._copy(s[i], views[1][e * rows:(e + 1) * rows])
+            where = torch.tensor(picked, dtype=torch.long).to(out.device, non_blocking=True)
+            out.index_copy_(0, where, (q.to(torch.float32) * s.unsqueeze(-1)).to(dtype).view(n, *out.shape[1:]))
         self.direct_reads += 1
         return out
