@@ -153,8 +153,9 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[str]
 def expert_stacks(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """A module's own 3-D floating parameters, found by structure and not by class name (a new MoE family
     works as it is): a stack of expert matrices, [experts, rows, in] in the module's layout. A Linear's
-    weight is 2-D, routers are 2-D, expert biases 2-D: they stay resident."""
-    if is_streamable_linear(module):
+    weight is 2-D, routers are 2-D, expert biases 2-D: they stay resident. A convolution's weight is 3-D
+    too ([out, in, kernel]): not a stack."""
+    if is_streamable_linear(module) or isinstance(module, nn.modules.conv._ConvNd):
         return []
     return [(name, p) for name, p in module._parameters.items()
             if p is not None and p.dim() == 3 and p.dtype.is_floating_point and p.shape[0] > 1]
