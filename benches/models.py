@@ -154,6 +154,16 @@ def pinned_h2d_gbps(nbytes: int = 512 * 2**20, reps: int = 8, direction: str = "
     return nbytes * reps / (time.perf_counter() - t0) / 1e9
 
 
+def cuda_preamble(results: dict, device: str) -> None:
+    """On CUDA: cuDNN's SDPA off for every row (said in the results) and the pinned H2D bandwidth measured."""
+    if device != "cuda":
+        return
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    results["cudnn_sdp"] = "disabled for every row (torch 2.11 cuDNN SDPA backward faults at Flux's shape)"
+    results["pinned_h2d_gbps"] = round(pinned_h2d_gbps(), 1)
+    print(f"pinned H2D {results['pinned_h2d_gbps']} GB/s", flush=True)
+
+
 def measure(label: str, step, steps: int, sync: Sync, rt=None) -> dict:
     """First step (compile + warm-up) timed on its own with its own peaks, then the median of `steps` and their
     peaks (allocated and reserved, counted from after the first step)."""
@@ -231,11 +241,7 @@ def run(args) -> dict:
     sync = Sync(device)
     env = print_header(env_info())
     results: dict = {"env": env, "model": args.model, "tiny": args.tiny, "rows": []}
-    if device == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        results["cudnn_sdp"] = "disabled for every row (torch 2.11 cuDNN SDPA backward faults at Flux's shape)"
-        results["pinned_h2d_gbps"] = round(pinned_h2d_gbps(), 1)
-        print(f"pinned H2D {results['pinned_h2d_gbps']} GB/s", flush=True)
+    cuda_preamble(results, device)
 
     t0 = time.perf_counter()
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ import time
 
 import torch
 from _common import PEAK_COLUMNS, RESULTS, Sync, env_info, inductor_settings, print_header, print_rows, resident_row, write_json
-from models import measure, pinned_h2d_gbps
+from models import cuda_preamble, measure
 
 import torch_stagehand as stagehand
 
@@ -89,11 +89,7 @@ def run(args) -> dict:
     env = print_header(env_info())
     results: dict = {"env": env, "model": "qwen3-30b-a3b shape", "tiny": args.tiny, "rows": [],
                      "inductor": inductor_settings()}
-    if device == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        results["cudnn_sdp"] = "disabled for every row (torch 2.11 cuDNN SDPA backward faults at some shapes)"
-        results["pinned_h2d_gbps"] = round(pinned_h2d_gbps(), 1)
-        print(f"pinned H2D {results['pinned_h2d_gbps']} GB/s", flush=True)
+    cuda_preamble(results, device)
     t0 = time.perf_counter()
     torch.manual_seed(0)
     model, inputs, seq = build(args.tiny, device)

@@ -77,6 +77,24 @@ def _compiled(model):
     return torch.compile(model, backend="stagehand", options={"inner": "eager"})
 
 
+def _train_against_the_plain_model(plain, model):
+    """Offload `model`, one training step of each (the offloaded one compiled, its saved tensors recorded), and
+    the same gradients (fp32: the same ops). Returns the runtime, the saved tensors and the plain gradients."""
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    ids = _inputs()
+    plain(ids, labels=ids).loss.backward()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = _compiled(model)(ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads and got.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(got[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    return rt, saved, grads
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_expert_stacks_stream_and_hold_nearly_all_of_a_blocks_bytes(family):
     model = _model(family)
@@ -118,18 +136,7 @@ def test_lora_gradients_through_frozen_streamed_experts_match_the_plain_model(fa
         m.train()
         if checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    rt = stagehand.offload(model, device="cpu", verbose=False)
-    ids = _inputs()
-    plain(ids, labels=ids).loss.backward()
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = _compiled(model)(ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
-    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert grads and got.keys() == grads.keys()
-    for name in grads:
-        torch.testing.assert_close(got[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    rt, saved, _ = _train_against_the_plain_model(plain, model)
     # The backward read the stacks from its own fetch: nothing saved shares a slot's or the host store's bytes.
     forbidden = {s.buf.untyped_storage().data_ptr() for s in rt.pool.slots}
     forbidden |= {rt.store.buffer(b, "bf16").untyped_storage().data_ptr() for b in range(len(rt.blocks))}
@@ -213,22 +220,13 @@ def test_peft_target_parameters_on_the_experts_train_as_the_plain_peft_model(fam
     model = peft.get_peft_model(base, config)
     model.load_state_dict(plain.state_dict())
     plain.train(), model.train()
-    rt = stagehand.offload(model, device="cpu", verbose=False)
-    ids = _inputs()
-    plain(ids, labels=ids).loss.backward()
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        loss = _compiled(model)(ids, labels=ids).loss
-    loss.backward()
-    grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
-    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert any("experts" in n for n in grads) and got.keys() == grads.keys()
-    for name in grads:
-        torch.testing.assert_close(got[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    rt, saved, grads = _train_against_the_plain_model(plain, model)
+    assert any("experts" in n for n in grads)
     # Neither the stack nor the adapted stack (its size) is kept for the backward.
     stack_numels = {s.weight.numel() for s in rt.layers if s.experts}
     assert saved and not [t for t in saved if t.numel() in stack_numels]
     # The eager path (no compile) reads the same adapted stacks.
+    ids = _inputs()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
     with pytest.raises(StreamedLoraMergeError, match="can not be merged"):
