@@ -42,9 +42,10 @@ def is_streamed_read(node: fx.Node) -> bool:
 
 
 def streams(gm: fx.GraphModule) -> fx.Node | None:
-    """The first streamed linear of this graph or of a subgraph it calls (a checkpoint body), if any."""
+    """The first streamed read (a linear, an expert stack) of this graph or of a subgraph it calls (a checkpoint
+    body), if any."""
     for node in gm.graph.nodes:
-        if is_streamed_linear(node):
+        if is_streamed_read(node):
             return node
         if node.op == "get_attr":
             sub = getattr(gm, node.target, None)

@@ -150,15 +150,23 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[str]
     return result
 
 
+# What a module holding experts calls their count (transformers 5's expert modules: `num_experts`).
+EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def expert_stacks(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """A module's own 3-D floating parameters, found by structure and not by class name (a new MoE family
-    works as it is): a stack of expert matrices, [experts, rows, in] in the module's layout. A Linear's
-    weight is 2-D, routers are 2-D, expert biases 2-D: they stay resident. A convolution's weight is 3-D
-    too ([out, in, kernel]): not a stack."""
+    """A module's own 3-D floating parameters whose first dimension is the number of experts the module says
+    it holds: stacks of expert matrices, [experts, rows, in] in the module's layout. Found by structure, not
+    by class name, so a new MoE family works as it is. A Linear's weight, a router's and expert biases are
+    2-D and stay resident; a convolution's weight or an attention's 3-D projection (Funnel's `r_kernel`)
+    belongs to no module that counts experts, and stays resident too."""
     if is_streamable_linear(module) or isinstance(module, nn.modules.conv._ConvNd):
         return []
+    count = next((v for v in (getattr(module, a, None) for a in EXPERT_COUNT_ATTRS) if isinstance(v, int)), None)
+    if count is None or count < 2:
+        return []
     return [(name, p) for name, p in module._parameters.items()
-            if p is not None and p.dim() == 3 and p.dtype.is_floating_point and p.shape[0] > 1]
+            if p is not None and p.dim() == 3 and p.dtype.is_floating_point and p.shape[0] == count]
 
 
 def streamed_layers(model: nn.Module, block_fqns: list[str]) -> list[StreamedLayerSpec]:

@@ -68,7 +68,8 @@ class EagerPath:
         backward = torch._C._current_graph_task_id() != -1
         (rt.phases.backward_op if backward else rt.phases.forward_op)()
         spec = rt.layers[index]
-        if routed is not None and self._direct(spec.block, routed.shape[0]):
+        tokens = routed.numel() // routed.shape[-1] if routed is not None and routed.dim() > 1 else None
+        if routed is not None and self._direct(spec.block, routed.numel() if tokens is None else tokens):
             self.count(spec.block, backward)
             return self._routed_stack(index, routed, dtype)
         with self.slot(index, backward) as (slot, layout):
@@ -127,11 +128,16 @@ class EagerPath:
         rt.store.ensure_fresh(block, precision)
         return rt.store.buffer(block, precision), rt.store.layout(block, precision)
 
-    def _buffer(self, what: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _buffer(self, what, numel: int, dtype: torch.dtype) -> torch.Tensor:
         key = (what, numel, dtype)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.rt.device)
+            with torch.inference_mode(False):  # made under inference_mode, it could not be written outside it
+                self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.rt.device)
         return self._buffers[key]
+
+    def release(self) -> None:
+        """Drop the device buffers (the Runtime closes)."""
+        self._buffers.clear()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=src.is_pinned())  # on the compute stream: ordered with the math reading it
@@ -163,7 +169,9 @@ class EagerPath:
         host, layouts = self._host(spec.block)
         lay = layouts[index - rt._block_first_layer[spec.block]]
         experts, rows = spec.experts, lay.out_features // spec.experts
-        out = self._buffer("stack", spec.weight.numel(), dtype).view(spec.weight.shape)
+        # One buffer per place in the block: two stacks of one size are never one buffer.
+        out = self._buffer(("stack", index - rt._block_first_layer[spec.block]), spec.weight.numel(),
+                           dtype).view(spec.weight.shape)
         # The router's choice, on the host: the one wait of the call.
         picked = [e for e in torch.unique(routed.reshape(-1)).tolist() if 0 <= e < experts]
         views = precisions.by_code(lay.code).views(host, lay)

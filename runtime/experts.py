@@ -80,12 +80,15 @@ def _read_stack(module, name: str) -> torch.Tensor:
     if module._sh_trains[name] and torch.is_grad_enabled():
         raise StreamedExpertsTrainError(
             f"stagehand: {module._sh_fqn}.{name} streams and requires grad; streamed experts are frozen "
-            f"(train them with LoRA: peft's target_parameters), so freeze it ({name}.requires_grad_(False)) "
-            "or run this forward under torch.no_grad()")
-    routed = module.__dict__.get("_sh_routed")
-    if routed is not None and not torch.compiler.is_compiling():  # eager: the router's choice is known
-        rt, block = registry.decode(module._sh_block_tok)
-        w = rt.eager.stack(rt.layer_at(block, position), dtype, routed)
+            "(train them with LoRA: peft's target_parameters), so freeze its parameter (the one named "
+            f"{module._sh_fqn}.{name} in named_parameters(); the module's attribute reads the stream) or run "
+            "this forward under torch.no_grad()")
+    reads = module.__dict__.get("_sh_reads")
+    if reads is not None and not torch.compiler.is_compiling():  # eager, inside the module's forward
+        if name not in reads:
+            rt, block = registry.decode(module._sh_block_tok)
+            reads[name] = rt.eager.stack(rt.layer_at(block, position), dtype, module.__dict__.get("_sh_routed"))
+        w = reads[name]
     else:
         w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype,
                                                  module._sh_device)
@@ -112,7 +115,7 @@ def attach_streamed(spec, layer_id: int, anchor: torch.Tensor, on_requires_grad,
         module._sh_block_tok, module._sh_device, module._sh_trains = block_tok, device, {}
     weight = spec.weight
     weight.__class__ = HostMasterParameter
-    weight._sh_fqn, weight._sh_layer = spec.fqn, layer_id
+    weight._sh_fqn, weight._sh_layer, weight._sh_name = spec.fqn, layer_id, spec.fqn
     module._sh_trains[name] = weight.requires_grad
 
     def flag_changed(module=module, name=name, weight=weight):

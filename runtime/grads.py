@@ -208,8 +208,8 @@ class GradLane:
 
     def _staging_buffer(self, i: int, target: torch.Tensor) -> torch.Tensor:
         if not self._staging:  # allocated at the first gradient: LoRA runs never hold them
-            largest = max(s.out_features * s.in_features * s.module._parameters[s.param].element_size()
-                          for s in self.layers)
+            largest = max(s.out_features * s.in_features * s.weight.element_size()
+                          for s in self.layers if not s.experts)  # expert stacks never train (experts.py)
             self._staging = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(STAGING_RING)]
         n = target.numel() * target.element_size()
         return self._staging[i][:n].view(target.dtype).view(target.shape)

@@ -7,9 +7,9 @@ forward it registers a `torch.nn.utils.parametrize` parametrization on the modul
 call moves parameters around under Dynamo; so offload swaps each such wrapper's class:
 
 * its forward calls the wrapped module directly (peft's own checks first);
-* the module's stack property (experts.py) hands the streamed stack to `adapted(w)`, which adds the
-  adapters' delta exactly as peft's proxies do: one adapter on several experts as one
-  `baddbmm(w, lhs, rhs, alpha=scaling)` (peft's `_LoraFactorsProxy`), else `w + sum of delta weights`.
+* the module's stack property (experts.py) hands the streamed stack to `adapted(w)`, which adds each
+  active adapter's low-rank update as peft's `_LoraFactorsProxy` does, `baddbmm(w, lhs, rhs, alpha=scaling)`
+  (peft sums several adapters' deltas first: the same update, rounded in another order).
 
 The backward re-reads the stack from the block's `wait_bw` slot and recomputes the `baddbmm` from it and
 the saved low-rank factors (`refetch_weights`), so the adapted stack is not kept either. Merging an adapter
@@ -94,14 +94,13 @@ class StreamedParamWrapperMixin:
         adapters = [a for a in self.active_adapters if a in self.lora_A]
         if not adapters:
             return w
-        if len(adapters) == 1 and self.num_experts > 1:
-            lhs, rhs, scaling = self.get_delta_factors(adapters[0])
-            with torch.autocast(device_type=w.device.type, enabled=False):
-                return torch.baddbmm(w, lhs, rhs, alpha=scaling)
-        delta = self.get_delta_weight(adapters[0])
-        for adapter in adapters[1:]:
-            delta = delta + self.get_delta_weight(adapter)
-        return w + delta
+        # One baddbmm per adapter (peft folds one adapter so; several it sums as deltas, the same update):
+        # the backward recomputes each from the refetched stack and its factors (refetch_weights).
+        with torch.autocast(device_type=w.device.type, enabled=False):
+            for adapter in adapters:
+                lhs, rhs, scaling = self.get_delta_factors(adapter)
+                w = torch.baddbmm(w, lhs, rhs, alpha=scaling)
+        return w
 
     def merge(self, *args, **kwargs):
         raise StreamedLoraMergeError(

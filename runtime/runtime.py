@@ -114,6 +114,7 @@ class Runtime(SelectivePrecisionAPI):
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
         self.trainable_positions = self.grads.trainable_positions
         self.eager = EagerPath(self, self.config.routed_experts_max_tokens)
+        self.on_close(self.eager.release)
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         for index, spec in enumerate(layers):

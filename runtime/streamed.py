@@ -51,6 +51,7 @@ class HostMasterParameter(nn.Parameter):
     """
 
     _sh_fqn: str
+    _sh_name: str  # the parameter's full name (`<module>.weight`, an expert stack's FQN): what errors say
     _sh_layer: int  # the layer's global id (registry): which runtime and layer it belongs to
     _sh_on_requires_grad = None  # the runtime's callback: the block's grad anchor follows the flag
 
@@ -77,26 +78,27 @@ class HostMasterParameter(nn.Parameter):
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        copy_into_master(self, value, self._sh_fqn)
+        copy_into_master(self, value, self._sh_name)
 
     def module_load(self, other: torch.Tensor, assign: bool = False) -> torch.Tensor:
         # load_state_dict under torch.__future__.set_swap_module_params_on_conversion(True) swaps
         # the parameter with what this returns: copy the values in and return another view of the
         # same host bytes, so the swapped-in weight is still the master.
-        copy_into_master(self, other, self._sh_fqn)
+        copy_into_master(self, other, self._sh_name)
         alias = HostMasterParameter(self.detach(), requires_grad=self.requires_grad)
         alias._sh_fqn, alias._sh_layer, alias._sh_on_requires_grad = self._sh_fqn, self._sh_layer, self._sh_on_requires_grad
+        alias._sh_name = self._sh_name
         return alias
 
     def __repr__(self) -> str:
         return f"Parameter containing (streamed from the host store):\n{self.detach()!r}"
 
 
-def copy_into_master(master: torch.Tensor, value, fqn: str) -> None:
-    """Write `value` into a streamed weight's host master, or raise naming the layer and change nothing."""
+def copy_into_master(master: torch.Tensor, value, name: str) -> None:
+    """Write `value` into a streamed weight's host master, or raise naming the parameter and change nothing."""
     if value is master:
         return
-    where = f"stagehand: {fqn}.weight streams from the host store"
+    where = f"stagehand: {name} streams from the host store"
     if not isinstance(value, torch.Tensor):
         raise StreamedWeightAssignmentError(f"{where}; it takes a tensor's values, got {type(value).__name__}")
     if master.is_meta:
@@ -176,7 +178,7 @@ class StreamedMixin:
         # its values into the master instead (and its requires_grad, which forward checks).
         if name == "weight" and isinstance(value, nn.Parameter):
             master = self._parameters["weight"]
-            copy_into_master(master, value, self._sh_fqn)
+            copy_into_master(master, value, f"{self._sh_fqn}.weight")
             master.requires_grad_(value.requires_grad)
             return
         if name == "weight" and value is None:
@@ -222,7 +224,7 @@ def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tens
     module._sh_block_tok, module._sh_position, module._sh_out_features = block_tok, position, out_features
     weight = module._parameters["weight"]
     weight.__class__ = HostMasterParameter
-    weight._sh_fqn, weight._sh_layer = fqn, layer_id
+    weight._sh_fqn, weight._sh_layer, weight._sh_name = fqn, layer_id, f"{fqn}.weight"
     weight._sh_on_requires_grad = on_requires_grad
 
 
@@ -257,7 +259,7 @@ def _guarded_apply(module: nn.Module, fn, recurse: bool = True):
 
 
 _STREAMED_ATTRS = ("_sh_layer", "_sh_fqn", "_sh_anchor", "_sh_block_tok", "_sh_position", "_sh_out_features",
-                   "_sh_stacks", "_sh_trains", "_sh_device")
+                   "_sh_stacks", "_sh_trains", "_sh_device", "_sh_lora", "_sh_routed", "_sh_reads")
 
 
 def make_plain(module: nn.Module) -> None:
@@ -298,11 +300,13 @@ class StreamedExpertsMixin:
         if torch.compiler.is_compiling():
             return super().forward(*args, **kwargs)
         self.__dict__["_sh_routed"] = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
-                                            and not a.is_floating_point()), None)
+                                            and a.dtype in (torch.int32, torch.int64) and a.dim() >= 1), None)
+        self.__dict__["_sh_reads"] = {}  # each stack read once a forward (a loop over the experts reads it often)
         try:
             return super().forward(*args, **kwargs)
         finally:
             self.__dict__.pop("_sh_routed", None)
+            self.__dict__.pop("_sh_reads", None)
 
     def _apply(self, fn, recurse=True):
         refuse_dtype_conversion(fn, [self])
@@ -321,6 +325,10 @@ class StreamedExpertsMixin:
             copy_into_master(master, value, f"{self._sh_fqn}.{name}")
             master.requires_grad_(value.requires_grad)
             return
+        if name in type(self)._sh_params and value is None:
+            raise StreamedWeightAssignmentError(
+                f"stagehand: {self._sh_fqn}.{name} streams from the host store and can not be set to None; "
+                "call restore() on the Runtime first")
         super().__setattr__(name, value)
 
     def __delattr__(self, name):

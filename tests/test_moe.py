@@ -285,3 +285,64 @@ def test_fp8_stacks_compiled_compute_what_the_eager_op_computes():
         eager, compiled, want = model(ids).logits, _compiled(model)(ids).logits, plain(ids).logits
     assert torch.equal(compiled, eager)
     assert rel_err(eager, want) < 0.08  # E4M3 per row on a tiny random model: measured 0.040
+
+
+def test_a_3d_parameter_of_a_module_that_counts_no_experts_is_not_a_stack():
+    from torch_stagehand.runtime.blocks import expert_stacks
+
+    class Projection(torch.nn.Module):  # Funnel's r_kernel: [d_model, heads, d_head]
+        def __init__(self):
+            super().__init__()
+            self.r_kernel = torch.nn.Parameter(torch.randn(16, 4, 4))
+
+    class Experts(Projection):
+        num_experts = 16
+
+    assert expert_stacks(Projection()) == [] and expert_stacks(torch.nn.Conv1d(4, 6, 3)) == []
+    assert [name for name, _ in expert_stacks(Experts())] == ["r_kernel"]
+
+
+def test_a_stack_can_not_be_set_to_none_and_restore_still_gives_it_back():
+    model = _model("qwen3_moe")
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj streams"):
+        model.model.layers[0].mlp.experts.gate_up_proj = None
+    rt.restore()
+    assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, plain.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_a_looped_experts_implementation_reads_each_stack_once_a_forward_under_inference_mode():
+    model = _model("qwen3_moe")
+    model.set_experts_implementation("eager")  # a loop over the routed experts: `self.gate_up_proj[e]` each
+    plain = copy.deepcopy(model)
+    model.config.use_cache = plain.config.use_cache = True
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    prompt = _inputs()[:1, :3]
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():  # the direct reads' buffers are made here ...
+        assert torch.equal(model.generate(prompt, **kw), plain.generate(prompt, **kw))
+    with torch.no_grad():  # ... and written outside it
+        assert torch.equal(model.generate(prompt, **kw), plain.generate(prompt, **kw))
+    # 2 generations x 4 forwards x 3 blocks x (4 Linears + 2 stacks, each stack once a forward)
+    assert rt.eager.direct_reads == 2 * 4 * 3 * 6
+
+
+def test_two_adapters_on_the_stacks_train_as_peft_and_keep_no_adapted_stack():
+    def config():
+        return peft.LoraConfig(r=4, target_modules=["o_proj"], target_parameters=EXPERT_TARGETS["qwen3_moe"],
+                               init_lora_weights=False)
+
+    base = _model("qwen3_moe")
+    plain = peft.get_peft_model(copy.deepcopy(base), config())
+    model = peft.get_peft_model(base, config())
+    for m in (plain, model):
+        m.add_adapter("second", config())
+    model.load_state_dict(plain.state_dict())
+    for m in (plain, model):
+        m.base_model.set_adapter(["default", "second"])
+        m.train()
+    rt, saved, grads = _train_against_the_plain_model(plain, model)  # peft sums the deltas: the same update
+    assert any("lora_A.second" in n and "experts" in n for n in grads)
+    stack_numels = {s.weight.numel() for s in rt.layers if s.experts}
+    assert not [t for t in saved if t.numel() in stack_numels]
