@@ -54,3 +54,22 @@ def test_inductor_blocks_with_streamed_experts_train_as_the_plain_model(family, 
             assert rel_err(p.grad, exact[name]) < 2 * plain_error + 1e-2, (name, plain_error)
     stats = rt.stats()
     assert stats["eager_linear_calls"] == 0
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_generation_reading_the_routed_experts_from_pinned_memory_gives_the_whole_block_tokens(precision):
+    plain = _model("qwen3_moe", torch.bfloat16)
+    plain.config.use_cache = True
+    whole, routed = copy.deepcopy(plain), copy.deepcopy(plain)
+    rt_whole = stagehand.offload(whole, device="cuda", precision=precision, verbose=False,
+                                 config=stagehand.Config(routed_experts_max_tokens=0))
+    rt_routed = stagehand.offload(routed, device="cuda", precision=precision, verbose=False)
+    prompt = _inputs().cuda()[:1]
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=0)
+    with torch.inference_mode():
+        a, b = whole.generate(prompt, **kw), routed.generate(prompt, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for la, lb in zip(a.logits, b.logits):  # the same kernels on the same bytes
+        torch.testing.assert_close(la, lb, rtol=0, atol=0)
+    assert rt_routed.eager.direct_reads > 0 and rt_routed.stats()["h2d_bytes"] < rt_whole.stats()["h2d_bytes"]
