@@ -72,6 +72,14 @@ def test_causal_lm_recipe_trains_saves_and_reloads(tmp_path):
     assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # trained: peft initialises B to zero
 
 
+def test_causal_lm_recipe_trains_a_mixture_of_experts_checkpoint(tmp_path):
+    run_example("make_tiny_checkpoint.py", "qwen3_moe", str(tmp_path / "moe"))
+    out = run_example("lora_causal_lm.py", str(tmp_path / "moe"), "--steps", "3", "--seq", "32",
+                      "--out", str(tmp_path / "lora"), "--precision", "int8")
+    assert "8 streamed Linears and 4 expert stacks" in out  # from_pretrained fused the saved experts: they stream
+    assert "reloaded with PeftModel.from_pretrained" in out
+
+
 def test_flux_recipe_trains_saves_and_reloads_into_diffusers(tmp_path):
     save_tiny_flux(tmp_path / "flux")
     out = run_example("lora_flux.py", str(tmp_path / "flux"), "--steps", "3", "--out", str(tmp_path / "lora"))
