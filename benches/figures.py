@@ -469,7 +469,9 @@ def moe_generate_table(name: str = "moe_generate.json") -> str:
     on_cpu = sum(1 for v in data.get("accelerate_device_map", {}).values() if v == "cpu")
     what = (f"The Qwen3-30B-A3B shape (random init, bf16), batch 1, a {data['prompt_tokens']}-token prompt, greedy "
             f"`generate` with the KV cache, GPU budget {data['budget']}: stagehand `offload(..., vram_budget=...)`, "
-            "no compile, every block streamed whole at each token; accelerate `infer_auto_device_map` with the same "
+            "no compile; each new token reads its layers and only the experts its router picked (\"routed experts "
+            "only\", the default) or streams every block whole (`routed_experts_max_tokens=0`), the prompt streams "
+            "whole blocks and counts in the H2D a token; accelerate `infer_auto_device_map` with the same "
             f"GPU budget and `dispatch_model` ({on_cpu} of 48 layers run from host memory). Tokens a second over the "
             "tokens after the first")
     return f"{caption(name, what=what)}\n\n{table(data['rows'], cols)}\n"
