@@ -267,4 +267,16 @@ def explain(model: nn.Module, *args, **kwargs):
         passes=passes,
         offload=dict(rt.offload_summary),
         plan=rt.plan,
+        expert_bytes=expert_bytes_per_block(rt),
     )
+
+
+def expert_bytes_per_block(rt) -> dict[int, int]:
+    """The bytes of each block's expert stacks in the precision it streams (blocks with none left out)."""
+    from torch_stagehand.runtime import precision as precisions
+
+    out: dict[int, int] = {}
+    for spec in rt.layers:
+        if spec.experts:
+            out[spec.block] = out.get(spec.block, 0) + sum(precisions.get(rt.precision[spec.block]).layer_nbytes(spec))
+    return out

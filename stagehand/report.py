@@ -70,6 +70,7 @@ class Report:
     # What offload() did (`rt.stats()["offload"]`): block lists, blocks per precision, bytes per step, host bytes.
     offload: dict = field(default_factory=dict)
     plan: Any = None  # the runtime's Plan (runtime/conductor/planner.py) the call ran under
+    expert_bytes: dict = field(default_factory=dict)  # block -> its expert stacks' bytes (MoE), in its precision
 
     def plan_table(self, tablefmt: str = "simple") -> str:
         """The plan per block, its predictions, and the H2D bytes this call actually moved per block."""
@@ -82,6 +83,11 @@ class Report:
         rows = [row + [f"{moved.get(p.block, 0) / 2**20:.3f}"] for row, p in zip(self.plan.rows(self.blocks),
                                                                                self.plan.blocks)]
         headers = self.plan.headers()[:-1] + ["predicted H2D MiB/step", "H2D MiB this call"]
+        if self.expert_bytes:  # a MoE model: how much of each block's weights are its experts
+            at = headers.index("MiB") + 1
+            headers.insert(at, "of which experts MiB")
+            for row, p in zip(rows, self.plan.blocks):
+                row.insert(at, f"{self.expert_bytes.get(p.block, 0) / 2**20:.3f}")
         return f"{self.plan.summary()}\n" + tabulate(rows, headers=headers, tablefmt=tablefmt)
 
     def schedule_rows(self) -> list[list]:

@@ -348,3 +348,15 @@ def test_two_adapters_on_the_stacks_train_as_peft_and_keep_no_adapted_stack():
     assert any("lora_A.second" in n and "experts" in n for n in grads)
     stack_numels = {s.weight.numel() for s in rt.layers if s.experts}
     assert not [t for t in saved if t.numel() in stack_numels]
+
+
+def test_explain_and_the_schedule_show_each_blocks_expert_bytes():
+    model = _model("mixtral")
+    rt = stagehand.offload(model, device="cpu", precision={0: "int8"}, verbose=False)
+    report = stagehand.explain(model, _inputs())
+    stacks = {b: sum(s.weight.numel() * s.weight.element_size() for s in rt.layers if s.experts and s.block == b)
+              for b in range(3)}
+    assert report.expert_bytes[1] == stacks[1]  # bf16 (here fp32): the stacks' own bytes
+    assert stacks[0] // 4 < report.expert_bytes[0] < stacks[0] // 3  # int8: a byte a weight and a scale a row
+    table = report.plan_table()
+    assert "of which experts MiB" in table and f"{stacks[1] / 2**20:.3f}" in table
