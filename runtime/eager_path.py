@@ -9,8 +9,9 @@ Two ways, chosen per call:
   few tokens (generation: one token a step) of a mixture-of-experts model would copy every block whole at
   every token, though its router picks a few experts of each block (8 of 128 in Qwen3-30B-A3B). Then each
   Linear copies only its own rows and each expert stack only the rows of the experts routed to, on the
-  compute stream (ordered with the math, no host wait but the router's choice), into device buffers kept
-  per shape. A block the slot pool holds already (resident in the plan) is read from its slot instead. The
+  compute stream (ordered with the math), into device buffers kept per shape. The host waits once per
+  experts module and forward, for the router's choice (it must name the rows to copy): this path runs only
+  without grad over a few tokens, never in a training step. A block the slot pool holds already (resident in the plan) is read from its slot instead. The
   rows of experts not routed to are stale in the stack buffer; no experts implementation reads them (the
   grouped GEMM's groups for them are empty, the batched and looped ones index the routed experts).
 """
@@ -31,6 +32,7 @@ from .precision import LayerLayout
 # Past this share of a stack's experts picked, the routed copies (one per expert, each waited for on the
 # host) stop paying against the block's one copy: 16 tokens of Qwen3-30B-A3B's top-8 pick about 64 of 128.
 ROUTED_SHARE = 0.5
+_PICKED = ("picked",)  # the router's choice in a module's forward memo (its other keys are stack names)
 
 
 class EagerPath:
@@ -38,7 +40,6 @@ class EagerPath:
         self.rt = rt
         self.max_routed_tokens = max_routed_tokens if any(s.experts for s in rt.layers) else 0
         self._buffers: dict[tuple, torch.Tensor] = {}  # (what, shape, dtype) -> a device buffer reused
-        self.direct_bytes = 0  # bytes copied by direct reads (also in the pool's H2D count)
         self.direct_reads = 0
         self.whole_stacks = 0  # direct-read calls whose router picked too many experts: the block came whole
 
@@ -65,9 +66,11 @@ class EagerPath:
         with self.slot(index, backward=True) as (slot, layout):
             return grad_input_from_slot(dy, slot, layout)
 
-    def stack(self, index: int, dtype: torch.dtype, routed: torch.Tensor | None) -> torch.Tensor:
+    def stack(self, index: int, dtype: torch.dtype, routed: torch.Tensor | None,
+              forward_memo: dict | None = None) -> torch.Tensor:
         """An expert stack on the device in the module's shape; `routed`: the experts' indices the router
-        picked for this call (any shape), when the experts module saw them (experts.py)."""
+        picked for this call (any shape), when the experts module saw them; `forward_memo`: what the module
+        keeps for one forward (experts.py), where the router's choice is read once for all its stacks."""
         from .experts import dense_from_slot
 
         rt = self.rt
@@ -76,9 +79,9 @@ class EagerPath:
         spec = rt.layers[index]
         tokens = routed.numel() // routed.shape[-1] if routed is not None and routed.dim() > 1 else None
         if routed is not None and self._direct(spec.block, routed.numel() if tokens is None else tokens):
-            # The router's choice, on the host: the one wait of the call. Copying the picked experts one by one
-            # pays while they are a small part of the stack; past ROUTED_SHARE the whole block comes at once.
-            picked = [e for e in torch.unique(routed.reshape(-1)).tolist() if 0 <= e < spec.experts]
+            # Copying the picked experts one by one pays while they are a small part of the stack; past
+            # ROUTED_SHARE the whole block comes at once.
+            picked = [e for e in self._picked(routed, forward_memo) if 0 <= e < spec.experts]
             if len(picked) <= ROUTED_SHARE * spec.experts:
                 self.count(spec.block, backward)
                 return self._routed_stack(index, picked, dtype)
@@ -133,6 +136,16 @@ class EagerPath:
         precision = rt._precision[block]
         return (block, precision) not in rt.store.on_disk and not rt.pool.cached(block, precision)
 
+    @staticmethod
+    def _picked(routed: torch.Tensor, forward_memo: dict | None) -> list[int]:
+        """The experts the router picked, on the host: the path's one wait, once per module and forward."""
+        if forward_memo is not None and _PICKED in forward_memo:
+            return forward_memo[_PICKED]
+        picked = torch.unique(routed.reshape(-1)).tolist()  # a device-to-host read: waits for the router
+        if forward_memo is not None:
+            forward_memo[_PICKED] = picked
+        return picked
+
     def _host(self, block: int) -> tuple[torch.Tensor, list[LayerLayout]]:
         rt = self.rt
         precision = rt._precision[block]
@@ -150,9 +163,8 @@ class EagerPath:
         """Drop the device buffers (the Runtime closes)."""
         self._buffers.clear()
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=src.is_pinned())  # on the compute stream: ordered with the math reading it
-        self.direct_bytes += src.numel() * src.element_size()
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, pinned: bool) -> None:
+        dst.copy_(src, non_blocking=pinned)  # on the compute stream: ordered with the math reading it
         self.rt.pool.stats.h2d_bytes += src.numel() * src.element_size()
 
     def _layer_rows(self, index: int) -> tuple[torch.Tensor, LayerLayout]:
@@ -164,7 +176,7 @@ class EagerPath:
         end = (lay.scale_offset + 4 * lay.out_features if lay.scale_offset >= 0
                else lay.offset + lay.out_features * lay.in_features * lay.dtype.itemsize)
         buf = self._buffer("linear", end - lay.offset, torch.uint8)
-        self._copy(buf, host[lay.offset:end])
+        self._copy(buf, host[lay.offset:end], host.is_pinned())
         self.direct_reads += 1
         moved = LayerLayout(lay.code, 0, lay.out_features, lay.in_features,
                             lay.scale_offset - lay.offset if lay.scale_offset >= 0 else -1, lay.transposed,
@@ -183,17 +195,17 @@ class EagerPath:
         # One buffer per place in the block: two stacks of one size are never one buffer.
         out = self._buffer(("stack", index - rt._block_first_layer[spec.block]), spec.weight.numel(),
                            dtype).view(spec.weight.shape)
-        views = precisions.by_code(lay.code).views(host, lay)
+        views, pinned = precisions.by_code(lay.code).views(host, lay), host.is_pinned()
         if len(views) == 1:  # the full-precision stack: its rows are the weights
             for e in picked:
-                self._copy(out[e], views[0][e * rows:(e + 1) * rows].view(out[e].shape))
+                self._copy(out[e], views[0][e * rows:(e + 1) * rows].view(out[e].shape), pinned)
         elif picked:  # one byte a weight and a scale a row: the picked experts side by side, one dequantization
             n, k = len(picked), lay.in_features
             q = self._buffer("q", experts * rows * k, views[0].dtype).view(experts, rows, k)[:n]
             s = self._buffer("s", experts * rows, torch.float32).view(experts, rows)[:n]
             for i, e in enumerate(picked):
-                self._copy(q[i], views[0][e * rows:(e + 1) * rows])
-                self._copy(s[i], views[1][e * rows:(e + 1) * rows])
+                self._copy(q[i], views[0][e * rows:(e + 1) * rows], pinned)
+                self._copy(s[i], views[1][e * rows:(e + 1) * rows], pinned)
             where = torch.tensor(picked, dtype=torch.long).to(out.device, non_blocking=True)
             out.index_copy_(0, where, (q.to(torch.float32) * s.unsqueeze(-1)).to(dtype).view(n, *out.shape[1:]))
         self.direct_reads += 1

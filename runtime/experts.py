@@ -87,7 +87,8 @@ def _read_stack(module, name: str) -> torch.Tensor:
     if reads is not None and not torch.compiler.is_compiling():  # eager, inside the module's forward
         if name not in reads:
             rt, block = registry.decode(module._sh_block_tok)
-            reads[name] = rt.eager.stack(rt.layer_at(block, position), dtype, module.__dict__.get("_sh_routed"))
+            reads[name] = rt.eager.stack(rt.layer_at(block, position), dtype, module.__dict__.get("_sh_routed"),
+                                         forward_memo=reads)
         w = reads[name]
     else:
         w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype,

@@ -314,12 +314,15 @@ def test_a_stack_can_not_be_set_to_none_and_restore_still_gives_it_back():
     assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, plain.model.layers[0].mlp.experts.gate_up_proj)
 
 
-def test_a_looped_experts_implementation_reads_each_stack_once_a_forward_under_inference_mode():
+def test_a_looped_experts_implementation_reads_each_stack_once_a_forward_under_inference_mode(monkeypatch):
     model = _model("qwen3_moe")
     model.set_experts_implementation("eager")  # a loop over the routed experts: `self.gate_up_proj[e]` each
     plain = copy.deepcopy(model)
     model.config.use_cache = plain.config.use_cache = True
     rt = stagehand.offload(model, device="cpu", verbose=False)
+    waits = []  # the router's choice read on the host: once per experts module and forward, not per stack
+    unique = torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: waits.append(1) or unique(*a, **k))
     prompt = _inputs()[:1, :1]  # one token a forward: 2 of 8 experts, read directly
     kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=True)
     with torch.inference_mode():  # the direct reads' buffers are made here ...
@@ -328,6 +331,7 @@ def test_a_looped_experts_implementation_reads_each_stack_once_a_forward_under_i
         assert torch.equal(model.generate(prompt, **kw), plain.generate(prompt, **kw))
     # 2 generations x 4 forwards x 3 blocks x (4 Linears + 2 stacks, each stack once a forward)
     assert rt.eager.direct_reads == 2 * 4 * 3 * 6
+    assert len(waits) == 2 * 4 * 3
 
 
 def test_two_adapters_on_the_stacks_train_as_peft_and_keep_no_adapted_stack():
