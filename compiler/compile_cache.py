@@ -81,21 +81,24 @@ def _sources_hash(modules: list[Any]) -> str:
 def cacheable_functions() -> dict[str, str]:
     """The Python functions our variant graphs call, for `unsafe_marked_cacheable_functions`: name -> a hash
     of the source that decides what they trace to (the stagehand ops, the precisions' traced math and the
-    kernels' torch code they call): an edit there changes every key that holds them."""
+    kernels' torch code they call, and each function's own module: experts.py's stack read is one): an edit
+    there changes every key that holds them."""
     from torch_stagehand import kernels
     from torch_stagehand.runtime import ops, precision
     from torch_stagehand.runtime.precision.traced import IN_GRAPH_FUNCTIONS
 
-    source = _sources_hash([ops, precision, kernels])
+    own = [inspect.getmodule(fn) for fn in IN_GRAPH_FUNCTIONS]
+    source = _sources_hash(list(dict.fromkeys([ops, precision, kernels, *own])))
     return {f"{fn.__module__}.{fn.__name__}": source for fn in (ops.grad_tap, *IN_GRAPH_FUNCTIONS)}
 
 
 def ops_fingerprint() -> str:
-    """A hash of the modules that register the stagehand ops: their fake and autograd rules are traced into
-    every unit's graph, so the joint passes' uuid (the caches' key) holds it."""
-    from torch_stagehand.runtime import ops
+    """A hash of the modules that register the stagehand ops (`ops.py`, and `experts.py`'s stack read): their
+    fake and autograd rules are traced into every unit's graph, so the joint passes' uuid (the caches' key)
+    holds it."""
+    from torch_stagehand.runtime import experts, ops
 
-    return _sources_hash([ops])
+    return _sources_hash([ops, experts])
 
 
 # ---- how one compile went --------------------------------------------------------------------

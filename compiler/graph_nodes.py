@@ -41,6 +41,17 @@ def is_streamed_read(node: fx.Node) -> bool:
     return is_streamed_linear(node) or is_streamed_experts(node)
 
 
+def descendants(nodes, skip: fx.Node | None = None) -> set[fx.Node]:
+    """`nodes` and every node computed from them (through their users), `skip` left out and not passed."""
+    seen, todo = set(nodes), list(nodes)
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen and user is not skip:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
 def streams(gm: fx.GraphModule) -> fx.Node | None:
     """The first streamed read (a linear, an expert stack) of this graph or of a subgraph it calls (a checkpoint
     body), if any."""

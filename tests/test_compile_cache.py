@@ -158,6 +158,20 @@ def test_every_function_a_variant_graph_calls_is_marked_cacheable():
         assert f"{fn.__module__}.{fn.__name__}" in marked
 
 
+def test_the_keys_follow_the_source_of_every_module_that_decides_what_a_variant_traces(monkeypatch):
+    from torch_stagehand.runtime import experts, ops
+
+    hashed = []
+    real = compile_cache._sources_hash
+    monkeypatch.setattr(compile_cache, "_sources_hash", lambda modules: hashed.append(list(modules)) or real(modules))
+    marked = compile_cache.cacheable_functions()
+    compile_cache.ops_fingerprint()
+    # The expert stack read: its in-graph math and its op's fake rule live in experts.py.
+    assert f"{experts.__name__}.expert_weights_from_slot" in marked
+    assert experts in hashed[0] and ops in hashed[0]
+    assert experts in hashed[1] and ops in hashed[1]
+
+
 def test_the_source_hash_follows_every_file_of_a_package(tmp_path):
     import types
 

@@ -26,7 +26,8 @@ from ..context import PassLog, compiler_pass
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Everything the joint graph computes from its tangents (AOTAutograd names them `tangents_*`)."""
+    """Everything the joint graph computes from its tangents (AOTAutograd names them `tangents_*`). (Written
+    here, not shared: Inductor's cache keys this pass by the source of its own module.)"""
     todo = [n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
     seen = set(todo)
     while todo:
@@ -40,10 +41,6 @@ def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
 def _reads_in_backward(node: fx.Node, backward: set[fx.Node]) -> bool:
     """A backward computation (the output node holds forward outputs too: not a reader to move)."""
     return node in backward and node.op != "output"
-
-
-def _inputs(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
 
 
 def _adapts(node: fx.Node, derived: set[fx.Node]) -> bool:
@@ -65,7 +62,7 @@ def _weight_values(graph: fx.Graph, slot: fx.Node, backward: set[fx.Node]) -> li
             continue
         if not started or node.op != "call_function" or node in backward:
             continue
-        inputs = _inputs(node)
+        inputs = node.all_input_nodes
         if inputs and all(i in derived for i in inputs) or _adapts(node, derived):
             derived.add(node)
             order.append(node)
@@ -90,7 +87,7 @@ def refetch_weights(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
             continue
         readers = [u for v in crossing for u in v.users if _reads_in_backward(u, backward)]
         first = min(readers, key=position.__getitem__)
-        anchor = next(i for i in _inputs(first) if i in backward)  # ordered after the gradient it needs
+        anchor = next(i for i in first.all_input_nodes if i in backward)  # ordered after the gradient it needs
         _fetch_tok, block_tok, nbytes, code, device = slot.args
         needed = _ancestors_within(crossing, set(values))
         with graph.inserting_before(first):
@@ -116,7 +113,7 @@ def refetch_weights(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
 def _ancestors_within(nodes: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
     found, todo = set(nodes), list(nodes)
     while todo:
-        for i in _inputs(todo.pop()):
+        for i in todo.pop().all_input_nodes:
             if i in within and i not in found:
                 found.add(i)
                 todo.append(i)

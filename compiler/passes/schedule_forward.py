@@ -26,7 +26,7 @@ from torch_stagehand.runtime.experts import expert_weights_from_slot
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import VariantContext, compiler_pass
-from ..graph_nodes import add_placeholder, example_value, find_placeholder
+from ..graph_nodes import add_placeholder, descendants, example_value, find_placeholder
 from .rewrite_linear import BLOCK_TOK, WEIGHTS
 
 FETCH_TOK, NEXT_TOK = "stagehand_fetch_tok", "stagehand_next_tok"
@@ -52,19 +52,8 @@ def _reading_through_views(readers: list[fx.Node], output: fx.Node) -> list[fx.N
     stacks = [r for r in readers if r.target is expert_weights_from_slot]
     if not stacks:
         return []
-    seen, todo = set(stacks), list(stacks)
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen and user is not output:
-                seen.add(user)
-                todo.append(user)
-    return [a for a in _flat_nodes(output.args) if a in seen and isinstance(example_value(a), torch.Tensor)]
-
-
-def _flat_nodes(args) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(args, lambda n: found.append(n) or n)
-    return list(dict.fromkeys(found))
+    seen = descendants(stacks, skip=output)
+    return [a for a in output.all_input_nodes if a in seen and isinstance(example_value(a), torch.Tensor)]
 
 
 @compiler_pass("schedule_forward")
