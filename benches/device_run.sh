@@ -19,6 +19,7 @@
 #   STAGES="fullft" FULLFT_NAME=full_finetune_qwen14 FULLFT_ARGS="--layers 14 --budgets 16 --rows stagehand deepspeed2"
 #   STAGES="pytests start" TEST_FILES=tests/test_regional_compile.py TESTS_NAME=regional_gpu_tests MODEL=flux_blocks START_ROWS="flux:int8:blocks"
 #   STAGES="pytests moe" TEST_FILES=tests/test_moe_gpu.py TESTS_NAME=moe_gpu_tests MOE_ARGS="--precisions int8"   # MoE
+#   STAGES="multigpu" MULTIGPU_ARGS="--gpus 1 2 --budget 16"   # on nvidia-h100-x2: Flux LoRA, DDP, a node store
 #   STAGES="start" MODEL=qwen START_ROWS="qwen:int8 qwen:resident" START_MODES="cold warm bundle"   # seconds to the first step
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
 #   STAGES="sweep" MODEL=flux SWEEP_ARGS="--baselines inductor --baselines-only" SWEEP_TIMEOUT=570 bash benches/device_run.sh
@@ -151,6 +152,10 @@ for stage in $STAGES; do
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/${MOE_NAME:-moe_qwen3_30b}.log" ;;
     moegen) timeout ${MOEGEN_TIMEOUT:-560} python3 benches/moe_generate.py ${MOEGEN_ARGS:-} --out "$OUT/moe_generate.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/moe_generate.log" ;;
+    multigpu) # LoRA under DDP (NCCL) on every GPU of the machine, one host store per node (benches/multi_gpu.py)
+            timeout ${MULTIGPU_TIMEOUT:-580} python3 benches/multi_gpu.py ${MULTIGPU_ARGS:-} \
+              --out "$OUT/${MULTIGPU_NAME:-multi_gpu_flux}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|nanobind|leaked" \
+              | tee "$OUT/${MULTIGPU_NAME:-multi_gpu_flux}.log" ;;
     start)  timeout ${START_TIMEOUT:-570} python3 benches/start_time.py --rows ${START_ROWS:-qwen:int8 qwen:bf16 qwen:resident} \
               --modes ${START_MODES:-cold warm} ${START_ARGS:-} --out "$OUT/start_time_${MODEL:-qwen}.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/start_time_${MODEL:-qwen}.log" ;;

@@ -204,6 +204,11 @@ class Config:
     # reads each layer directly and each expert stack only for the experts its router picked, instead of
     # copying whole blocks (eager_path.py); 0: whole blocks always.
     routed_experts_max_tokens: int = 16
+    # Under torch.distributed: the ranks of one node share one host store (node_store.py): "auto" (when more
+    # than one rank runs on the node and no streamed weight trains), "on" (refuse where it can not), "off".
+    node_shared_store: str = "auto"
+    # Seconds a rank waits for the other ranks of its node during offload (a rank that died is reported then).
+    node_timeout_s: float = 600.0
 
     def validate(self) -> "Config":
         self.conductor.validate("conductor")
@@ -236,6 +241,10 @@ class Config:
             raise ConfigError(f"int8_tier: must be 'ram' or 'disk', got {self.int8_tier!r}")
         if not isinstance(self.routed_experts_max_tokens, int) or self.routed_experts_max_tokens < 0:
             raise ConfigError(f"routed_experts_max_tokens: must be an int >= 0, got {self.routed_experts_max_tokens!r}")
+        if self.node_shared_store not in ("auto", "on", "off"):
+            raise ConfigError(f"node_shared_store: must be 'auto', 'on' or 'off', got {self.node_shared_store!r}")
+        if not _is_number(self.node_timeout_s) or self.node_timeout_s <= 0:
+            raise ConfigError(f"node_timeout_s: must be a positive number of seconds, got {self.node_timeout_s!r}")
         for name in ("expandable_segments", "freeze_gc_after_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")

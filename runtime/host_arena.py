@@ -98,14 +98,19 @@ class Carved:
 class HostArena:
     """One host allocation holding the buffers of one copy kind (e.g. "int8 pinned")."""
 
-    def __init__(self, kind: str, sizes: list[int], pinner):
+    def __init__(self, kind: str, sizes: list[int], pinner, shared=None):
+        """`shared`: the node's NodeStore (node_store.py): the pages are the node's, written by its leader only."""
         self.kind = kind
         self.pinner = pinner
         self.capacity = sum(page_round(n) for n in sizes)
-        # One spare page so the start can be moved onto a page boundary.
-        raw = torch.empty(self.capacity + PAGE, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % PAGE
-        self.base = raw[skip : skip + self.capacity]
+        self.writer = shared is None or shared.writer  # False: another rank of the node fills these pages
+        self.shared = shared is not None
+        if shared is not None:
+            self.base = shared.backing(kind, self.capacity)  # a mapping: page-aligned
+        else:  # one spare page so the start can be moved onto a page boundary
+            raw = torch.empty(self.capacity + PAGE, dtype=torch.uint8)
+            skip = (-raw.data_ptr()) % PAGE
+            self.base = raw[skip : skip + self.capacity]
         self._next = 0
         self.requested = sum(sizes)
         self.pin_refusals = 0  # ranges left pageable because page-locking was refused (lock_or_fall_back)

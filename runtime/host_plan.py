@@ -36,6 +36,13 @@ class HostPlan:
     bytes: dict[str, int] = field(default_factory=dict)  # "int8 pinned", "bf16 ram", "bf16 file", ...
     freed_bytes: int = 0  # streamed weights in RAM now that the store replaces (they are freed as it fills)
     from_slab: bool = False
+    node_ranks: int = 1  # ranks of this node sharing the store (node_store.py): its copies are held once
+
+    def node_need(self) -> int:
+        """Host memory the node still needs: the shared copies once; each rank's private ones (a disk tier's
+        staging ring) once per rank, less the weights each rank holds now and frees."""
+        private = sum(n for kind, n in self.bytes.items() if " staging " in kind)
+        return self.ram_bytes - private + self.node_ranks * (private - self.freed_bytes)
 
     @property
     def pinned_bytes(self) -> int:
@@ -111,10 +118,11 @@ def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dic
 
 def preflight(plan: HostPlan, machine: MachineMemory, precision_map: dict[int, str], has_file: bool) -> None:
     """Raise HostMemoryError, before anything is allocated, when the plan does not fit the machine."""
-    need = plan.ram_bytes - plan.freed_bytes
+    need = plan.node_need()
     problems = []
     if need > machine.usable_bytes:
-        problems.append(f"it needs {gib(need)} more host memory and {gib(machine.usable_bytes)} can be had")
+        node = f" for the {plan.node_ranks} ranks of this node (one shared copy)" if plan.node_ranks > 1 else ""
+        problems.append(f"it needs {gib(need)} more host memory{node} and {gib(machine.usable_bytes)} can be had")
     if plan.pin and machine.pinned_cap_bytes is not None and plan.pinned_bytes > machine.pinned_cap_bytes:
         problems.append(f"it pins {gib(plan.pinned_bytes)} and {machine.where} pins at most "
                         f"{gib(machine.pinned_cap_bytes)}")
@@ -170,5 +178,8 @@ def host_report(store: HostStore) -> dict:
         "pinned_locked_bytes": sum(a.locked_bytes for a in store.arenas),
         "host_allocations": len(store.arenas),
         "pin_refusals": sum(a.pin_refusals for a in store.arenas),  # left pageable at run time (host_arena.py)
+        # The node's ranks share the store's allocations made at offload (node_store.py): these bytes once.
+        "node_shared_bytes": 0 if store.node is None else store.node.shared_bytes,
+        "node_ranks": 1 if store.node is None else store.node.local_size,
         "bytes_by_kind": dict(sorted(kinds.items())),
     }

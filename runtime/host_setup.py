@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.nn as nn
 
-from . import host_arena, host_budget, host_copy
+from . import host_arena, host_budget, host_copy, node_store
 from . import precision as precisions
 from .allocator import use_expandable_segments
 from .blocks import StreamedLayerSpec
@@ -31,7 +31,7 @@ def _in_ram(t: torch.Tensor) -> int:
 
 def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dict[int, str], config,
                     device: torch.device, keep_full: str, checkpoint: WeightsFile | None,
-                    from_slab: bool) -> tuple[HostStore, HostPlan]:
+                    from_slab: bool, node=None) -> tuple[HostStore, HostPlan]:
     """A planned, preflighted, still empty host store."""
     pinner = host_arena.pinner_for(device, config.pin_memory)
     has_master = []
@@ -45,10 +45,11 @@ def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_ma
     plan = plan_host(layers, n_blocks, precision_map, keep_full, pinner.locks, machine, has_master, freed,
                      has_file=checkpoint is not None, from_slab=from_slab,
                      int8_on_disk=from_slab and config.int8_tier == "disk", training_blocks=training)
+    plan.node_ranks = 1 if node is None else node.local_size
     preflight(plan, machine, precision_map, has_file=checkpoint is not None)
     quant_device = device if device.type == "cuda" else None
     store = HostStore(layers, n_blocks, pin=pinner.locks, quantizer=config.quantizer, quant_device=quant_device,
-                      pinner=pinner, keep_full=plan.keep_full)
+                      pinner=pinner, keep_full=plan.keep_full, node=node)
     log.info("stagehand: host plan keep_full=%s, %s", plan.keep_full,
              ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in plan.bytes.items()))
     return store, plan
@@ -60,8 +61,12 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     n = len(rt.blocks)
     # Before the first device allocation: the slots and resident blocks then live in expandable segments.
     rt.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
+    # The ranks of a node share one store (node_store.py): a collective of every rank, before any allocation.
+    rt.node = node_store.join(rt.config, rt.layers, rt.device)
+    if rt.node is not None and not rt.node.writer:
+        rt._undo.defer_releases()  # its weights stay until the leader has written the store (seal)
     rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,
-                                             rt.checkpoint, slab_loader is not None)
+                                             rt.checkpoint, slab_loader is not None, node=rt.node)
     rt.store.on_replaced = rt._undo.replaced  # the original Parameter objects are kept, their memory released
     meta_blocks = fill_masters(rt.store, rt.checkpoint, progress)
     if slab_loader is not None:

@@ -30,6 +30,7 @@ from . import host_copy
 from . import precision as precisions
 from .blocks import StreamedLayerSpec
 from .host_arena import HostArena, NoPinner, lock_or_fall_back
+from .node_store import NodeStoreError
 from .precision import LayerLayout
 from .streamed import StreamedDtypeError
 
@@ -68,8 +69,10 @@ class BlockBuffers:
 
 class HostStore:
     def __init__(self, layers: list[StreamedLayerSpec], n_blocks: int, pin: bool, quantizer: str, quant_device=None,
-                 pinner=None, keep_full: str = KEEP_PINNED):
+                 pinner=None, keep_full: str = KEEP_PINNED, node=None):
         self.pin = pin
+        # The node's shared store (node_store.py): offload's allocations are the node's, filled by its leader.
+        self.node = node
         self.pinner = pinner if pinner is not None else NoPinner()
         self.keep_full = keep_full
         self.quantizer = quantizer
@@ -92,7 +95,13 @@ class HostStore:
     # ---- host memory ----------------------------------------------------------
 
     def _new_arena(self, kind: str, sizes: list[int]) -> HostArena:
-        return HostArena(kind, sizes, self.pinner)
+        shared = self.node if self.node is not None and not self.node.done and kind != "grad" else None
+        return HostArena(kind, sizes, self.pinner, shared=shared)
+
+    def writes(self, block: int, precision: str) -> bool:
+        """Whether this process fills the block's buffer (False: another rank of the node does, node_store.py)."""
+        arena = self._arena_of.get((block, precision))
+        return arena is None or arena.writer
 
     def reserve(self, precision: str, blocks: list[int]) -> None:
         """One host allocation for the precision's buffers of `blocks` (those not held yet)."""
@@ -103,6 +112,8 @@ class HostStore:
         kind = f"{precision} {'master' if self._is_master(blocks[0], precision) else 'copy'}"
         try:
             arena = self._new_arena(kind, sizes)
+        except NodeStoreError:
+            raise  # another rank of the node failed: its own message
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:  # say what did not fit: offload then puts the model back
             raise torch.OutOfMemoryError(
                 f"offload: no host memory for the {precision} copies of blocks {blocks[0]}..{blocks[-1]} "
@@ -208,8 +219,9 @@ class HostStore:
         buf = self.allocate(block, entry.name)
         for spec, lay, w in zip(bb.layers, bb.layouts[entry.name], weights):
             requires_grad = spec.weight.requires_grad
-            with torch.no_grad():
-                entry.write(buf, lay, spec.as_matrix(w), self.quantizer)
+            if self.writes(block, entry.name):
+                with torch.no_grad():
+                    entry.write(buf, lay, spec.as_matrix(w), self.quantizer)
             # A Parameter of its own on the buffer (sharing its version counter); the original's memory goes.
             view = spec.stored_view(entry.views(buf, lay)[0])
             original = spec.module._parameters[spec.param]
@@ -276,6 +288,8 @@ class HostStore:
         host_copy.release()
 
     def _write_derived(self, block: int, precision: str) -> None:
+        if not self.writes(block, precision):
+            return  # the node's leader builds it into the same pages
         bb, entry = self.blocks[block], precisions.get(precision)
         for position, (spec, lay) in enumerate(zip(bb.layers, bb.layouts[precision])):
             w = self.master_weight(block, position)

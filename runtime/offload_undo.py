@@ -51,10 +51,25 @@ class OffloadUndo:
         # (they hold no memory) go back in place of what was loaded.
         self._meta = [(module, kind, name, t) for module in model.modules() for kind in ("_parameters", "_buffers")
                       for name, t in getattr(module, kind).items() if t is not None and t.is_meta]
+        # A rank whose node's leader fills the shared store (node_store.py) keeps its weights until the store is
+        # sealed: until then the store's pages may not hold them, and an undo must not read them from there.
+        self._deferred: list[tuple[StreamedLayerSpec, torch.Tensor]] | None = None
+
+    def defer_releases(self) -> None:
+        self._deferred = []
+
+    def release_deferred(self) -> None:
+        """The store holds every weight now (the node's store is sealed): release what was kept."""
+        deferred, self._deferred = self._deferred or [], None
+        for spec, original in deferred:
+            self.replaced(spec, original)
 
     def replaced(self, spec: StreamedLayerSpec, original: torch.Tensor) -> None:
         """The host store holds `spec`'s weight now and the module a view of it (HostStore.on_replaced): once
         every layer sharing `original` is copied, its memory goes; the object stays, empty, for undo."""
+        if self._deferred is not None:
+            self._deferred.append((spec, original))
+            return
         key = id(original)
         self._copies_left[key] -= 1
         if self._copies_left[key] or key in self._used_elsewhere or original.is_meta or key in self._emptied:

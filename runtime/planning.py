@@ -34,7 +34,7 @@ import torch
 from .conductor import cost_cache
 from .conductor.arbiter import Conductor
 from .conductor.calibrate import FORWARD, BlockClocks, Calibration
-from .conductor.costs import Budget, BudgetError, CostModel, h2d_bandwidth, parse_bytes
+from .conductor.costs import Budget, BudgetError, CostModel, parse_bytes
 from .conductor.planner import Plan, build_plan, make_plan
 from .registry import NO_BLOCK
 from .slots import SlotPool
@@ -105,9 +105,7 @@ class PlanDriver:
             plan.slot_bytes = rt.store.max_block_bytes()  # any precision a block may switch to fits
             return plan
         if "h2d" not in model.measured and not model.frozen:
-            model.h2d_bps, model.measured["h2d"] = h2d_bandwidth(rt.device, pinned=rt.store.pin)
-            if rt.device.type == "cuda":  # spill needs the other direction (never chosen without it)
-                model.d2h_bps, model.measured["d2h"] = h2d_bandwidth(rt.device, rt.store.pin, direction="d2h")
+            model.learn_link(rt.device, rt.store.pin, rt.store.node)
         if not self.calibrated:  # the smallest plan, measured before planning for real
             plan = build_plan(costs, precision, set(), set(range(len(costs))), 2, model, kind="calibrating",
                               budget=self.budget)

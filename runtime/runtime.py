@@ -30,6 +30,7 @@ from .eager_path import EagerPath
 from .experts import attach_streamed
 from .events import RuntimeEvents, progress, unwrap_optimizer
 from .grads import GradLane
+from .ddp import ignore_streamed
 from .host_setup import build_host_store, load_resident
 from .host_store import check_master_dtypes
 from .offload_undo import OffloadUndo
@@ -79,11 +80,11 @@ class Runtime(SelectivePrecisionAPI):
         self._undo = OffloadUndo(model, layers)
         self._layer_slots = layer_slots(model, layers)  # to notice adapters wrapped around a layer after offload
         self.id = registry.register_runtime(self)
-        self.pool = None
+        self.pool = self.node = None
         try:
             self._offload(precision, slab_loader, budget, cost_model)
-        except BaseException:
-            self._abandon()  # offload is a transaction: the model is left exactly as it was
+        except BaseException as e:
+            self._abandon(e)  # offload is a transaction: the model is left exactly as it was
             raise
 
         self.phases = PhaseTracker(on_step_end=self._record_step)
@@ -131,13 +132,19 @@ class Runtime(SelectivePrecisionAPI):
         self._precision: dict[int, str] = {}
         self.planner = PlanDriver(self, budget, cost_model)
         self.set_precision(precision)
+        if self.node is not None:  # the leader has filled the node's pages: from here every rank reads them
+            self.node.seal(self.device, self.store.pin)
+            self._undo.release_deferred()
         self.pool = self.planner.make_pool()  # the slots and resident blocks the plan asks for
         # Token outputs are allocated once: a prefetch / evict returns its block's.
         self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks] for _ in range(2))
         self.store.offloaded = True  # from here a refused page-lock leaves the buffer pageable, and says so
 
-    def _abandon(self) -> None:
-        """Undo a failed offload: plain layers and weights back, no hooks, nothing registered, nothing held."""
+    def _abandon(self, error: BaseException) -> None:
+        """Undo a failed offload: plain layers and weights back, no hooks, nothing registered, nothing held
+        (and the other ranks of a shared node store told why)."""
+        if self.node is not None:
+            self.node.abort(error)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -204,6 +211,12 @@ class Runtime(SelectivePrecisionAPI):
         self._hooks += [pre, post]
         self._hooks += self._selective_hooks(optimizer)  # selective precision runs before the step
         return self
+
+    def prepare_ddp(self, module: nn.Module) -> nn.Module:
+        """Call before `DistributedDataParallel(module)` when `module` wraps the offloaded model under other
+        names (a peft model made after offload): DDP then leaves the frozen streamed weights alone (ddp.py)."""
+        self.on_close(ignore_streamed(module, self.layers))
+        return module
 
     def restore(self) -> nn.Module:
         """Put the model back: plain modules, weights as tensors on their original devices, bit-exact.

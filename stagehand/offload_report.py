@@ -93,11 +93,13 @@ class OffloadSummary:
     seconds: dict[str, float] = field(default_factory=dict)
     expert_stacks: int = 0  # MoE expert stacks among the streamed layers (3-D parameters)
     expert_bytes: int = 0  # their full-precision bytes
+    node_shared: str = ""  # NodeStore.describe(): the ranks of this node share one host store
+
 
     def host_line(self) -> str:
         """Where each host copy is: "11,846.4 MB int8 pinned, 23,668.5 MB bf16 file" (not one word for all)."""
         kinds = ", ".join(f"{n / 1e6:,.1f} MB {kind}" for kind, n in self.host_by_kind.items())
-        return f"{kinds} (keep_full={self.keep_full!r})"
+        return f"{kinds} (keep_full={self.keep_full!r}" + (f"; {self.node_shared})" if self.node_shared else ")")
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -142,6 +144,7 @@ def summarize(model: nn.Module, rt, seconds: dict[str, float]) -> OffloadSummary
         host_bytes=rt.store.host_bytes(), pinned=bool(rt.store.pin), slots=len(rt.pool.slots),
         slot_bytes=rt.pool.slot_bytes, seconds={k: round(v, 3) for k, v in seconds.items()},
         host_by_kind=host["bytes_by_kind"], keep_full=host["keep_full"],
+        node_shared=rt.store.node.describe() if rt.store.node is not None else "",
     )
 
 

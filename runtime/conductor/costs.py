@@ -161,6 +161,17 @@ class CostModel:
             return DEFAULT
         return GIVEN
 
+    def learn_link(self, device: torch.device, pinned: bool, node=None) -> None:
+        """The host link's bandwidth both ways: what the ranks of a shared node store measured copying at once
+        (node_store.py), else this device's own (cached per machine)."""
+        if node is not None and node.link_bps:
+            self.h2d_bps, self.d2h_bps = node.link_bps["h2d"], node.link_bps["d2h"]
+            self.measured["h2d"] = self.measured["d2h"] = node.link_source
+            return
+        self.h2d_bps, self.measured["h2d"] = h2d_bandwidth(device, pinned=pinned)
+        if torch.device(device).type == "cuda":  # spill needs the other direction (never chosen without it)
+            self.d2h_bps, self.measured["d2h"] = h2d_bandwidth(device, pinned, direction="d2h")
+
     def block_costs(self, nbytes: list[int]) -> list[BlockCost]:
         def pick(values, b, default):
             return default if values is None else values[b]
@@ -247,19 +258,40 @@ def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = 
     device = torch.device(device)
     if device.type != "cuda":
         return DEFAULT_H2D_BPS, "default (no device link on the CPU)"
-    path = path or os.path.join(cache_dir(), "h2d_bandwidth.json")
+    known = cached_bandwidth(device, pinned, direction, path=path)
+    if known is not None:
+        return known, "cached"
+    return measure_bandwidth(device, pinned, direction, path=path), "measured"
+
+
+def _bandwidth_key(device: torch.device, pinned: bool, direction: str, ranks: int) -> str:
     key = f"{torch.cuda.get_device_name(device)}|pinned={pinned}|torch={torch.__version__}"
     key += "" if direction == "h2d" else f"|{direction}"
-    table = _read_json(path)
-    if key in table:
-        return float(table[key]), "cached"
+    # Ranks of one node copying at once share the host's memory and PCIe: a number of its own.
+    return key + ("" if ranks == 1 else f"|ranks={ranks}")
+
+
+def cached_bandwidth(device: torch.device, pinned: bool, direction: str = "h2d", ranks: int = 1,
+                     path: str | None = None) -> float | None:
+    """The bytes/s kept for this device, direction and number of ranks copying at once (None: not measured)."""
+    table = _read_json(path or os.path.join(cache_dir(), "h2d_bandwidth.json"))
+    value = table.get(_bandwidth_key(torch.device(device), pinned, direction, ranks))
+    return None if value is None else float(value)
+
+
+def measure_bandwidth(device: torch.device, pinned: bool, direction: str = "h2d", ranks: int = 1,
+                      path: str | None = None) -> float:
+    """Measure this rank's bytes/s now (with `ranks` ranks of the node measuring at the same moment) and keep it."""
+    device = torch.device(device)
+    path = path or os.path.join(cache_dir(), "h2d_bandwidth.json")
     bps = _measure_h2d(device, pinned, direction)
-    table[key] = bps
+    table = _read_json(path)
+    table[_bandwidth_key(device, pinned, direction, ranks)] = bps
     try:
         write_atomic(path, json.dumps(table, indent=1))  # a run killed mid-write leaves the old table
     except OSError:
         pass  # an unwritable cache only costs a second per offload
-    return bps, "measured"
+    return bps
 
 
 def _read_json(path: str) -> dict:

@@ -248,12 +248,20 @@ class SlabReader:
         if not bool((zp == 0).all()):
             raise SlabUnsupportedError("zero_point is non-zero", path=self.path, layer=e.name)
         if bias_out is not None:
-            if bias_out.dtype == torch.float32:
-                self._read_tensor(e, e.bias_key, byte_view(bias_out))
-            else:
-                tmp = torch.empty(e.out_features, dtype=torch.float32)
-                self._read_tensor(e, e.bias_key, byte_view(tmp))
-                bias_out.view(-1).copy_(tmp)
+            self.read_bias_into(name, bias_out)
+
+    def read_bias_into(self, name: str, bias_out: torch.Tensor) -> None:
+        """Only layer `name`'s bias (stored fp32) into `bias_out` of any float dtype."""
+        e = self._entry(name)
+        if not e.has_bias:
+            raise SlabShapeError("bias buffer given but the layer has no bias", path=self.path, layer=e.name)
+        self._check_dst(e, "bias", bias_out, None, (e.out_features,))
+        if bias_out.dtype == torch.float32:
+            self._read_tensor(e, e.bias_key, byte_view(bias_out))
+        else:
+            tmp = torch.empty(e.out_features, dtype=torch.float32)
+            self._read_tensor(e, e.bias_key, byte_view(tmp))
+            bias_out.view(-1).copy_(tmp)
 
     def _read_narrowed(self, e: LayerEntry, dst: torch.Tensor) -> None:
         # Stored rows are wider than the destination: read a few rows at a time

@@ -1,0 +1,201 @@
+"""LoRA on several GPUs of one node: DistributedDataParallel (NCCL) over the backend, one host store per node.
+
+    python benches/multi_gpu.py --gpus 1 2 --budget 16 --out benches/results/multi_gpu_flux.json
+    python benches/multi_gpu.py --gpus 1 2 --tiny          # a smoke test of the bench itself (CPU: gloo)
+
+Each row is a fresh `torchrun --nproc_per_node=N` job: every rank builds Flux-dev 12B (diffusers
+`FluxTransformer2DModel`, random init on its GPU, bf16) with peft LoRA r=16 on the attention projections,
+`offload(precision="int8", vram_budget=...)`, `stagehand.compile_blocks` (one Dynamo graph per block
+structure), `DistributedDataParallel` on its GPU, AdamW on the adapters, the model's own checkpointing on,
+batch 1 of 4096 image + 512 text tokens per rank. The ranks of the node share one host store
+(`Config.node_shared_store="auto"`; `--rows 2:off` gives each rank its own, for comparison).
+
+Per row: samples/s (the ranks' samples over the median step, every rank's step ended by DDP's all-reduce),
+the ratio to one GPU, the node's host memory (the sum of the ranks' Pss, read from /proc/<pid>/smaps_rollup:
+a page mapped by several ranks counts once), its largest rank's RSS, the page-locked bytes (each rank's
+cudaHostRegister'ed ranges; shared pages are the same physical memory), the streamed H2D bytes per step, and
+the H2D bound: those bytes over the bandwidth the ranks measured copying at once (NodeStore.seal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def smaps_rollup() -> dict[str, int]:
+    """This process's Rss and Pss in bytes (the kernel's /proc/self/smaps_rollup)."""
+    out = {}
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss"):
+                out[key.lower()] = int(rest.split()[0]) * 1024
+    return out
+
+
+def child(args) -> None:
+    """One rank: build, offload, DDP, time the steps; write this rank's JSON."""
+    import peft
+    import torch
+    import torch.distributed as dist
+    from models import build_flux, flux_config, flux_inputs, loss_of, set_checkpointing
+
+    import torch_stagehand as stagehand
+    from torch_stagehand.runtime import node_store
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = f"cuda:{local}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(local)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11's cuDNN SDPA backward faults at Flux's shape
+    dist.init_process_group("nccl" if cuda else "gloo")
+    out: dict = {"rank": rank, "world": world}
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    model, _, _ = build_flux(args.tiny, device)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16,
+                                                       target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    set_checkpointing("flux", model, True)
+    out["build_s"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    config = stagehand.Config(node_shared_store=args.share)
+    rt = stagehand.offload(model, device=device, precision="int8", verbose=rank == 0, config=config,
+                           vram_budget=None if args.tiny else f"{args.budget}GiB")
+    out["offload_s"] = round(time.perf_counter() - t0, 1)
+    stagehand.compile_blocks(model, **({"options": {"inner": "eager"}} if args.tiny else {}))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if cuda else None)
+    torch.manual_seed(100 + rank)  # each rank its own sample
+    inputs, _ = flux_inputs(flux_config(args.tiny), args.tiny, device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    rt.attach(optimizer)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step():
+        loss_of("flux", ddp(**inputs)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    step()
+    sync()
+    out["first_step_s"] = round(time.perf_counter() - t0, 1)
+    for _ in range(args.warmup):  # the calibrating plan, then the plan made from it (and its units)
+        step()
+    sync()
+    dist.barrier()
+    before = rt.stats()
+    times = []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        if rank == 0:
+            print(f"  {world} rank(s): step {i + 1}/{args.steps} {times[-1]:.0f} ms", flush=True)
+    after = rt.stats()
+    dist.barrier()  # every rank is at its steady state when the maps are read
+    host = after["host"]
+    node = rt.store.node
+    out.update(
+        steps_ms=[round(t, 1) for t in times], step_ms=round(statistics.median(times), 1),
+        h2d_gb_step=round((after["h2d_bytes"] - before["h2d_bytes"]) / args.steps / 1e9, 3),
+        sync_fetches_step=(after["sync_fetches"] - before["sync_fetches"]) / args.steps,
+        h2d_gbps=round(rt.planner.cost_model.h2d_bps / 1e9, 1), h2d_source=rt.planner.cost_model.measured.get("h2d"),
+        pinned_locked_gb=round(host["pinned_locked_bytes"] / 1e9, 2), host_store_gb=round(rt.store.host_bytes() / 1e9, 2),
+        node_ranks=host["node_ranks"], node_shared_gb=round(host["node_shared_bytes"] / 1e9, 2),
+        shared_mapped=node_store.mapped_bytes(), **smaps_rollup(),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        writer=node is None or node.writer,
+    )
+    dist.barrier()
+    with open(os.path.join(args.child_out, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+def run_row(args, gpus: int, share: str) -> dict:
+    """One torchrun job of `gpus` ranks; the ranks' JSON folded into the row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}", "--master_port",
+               str(29400 + gpus + (7 if share == "off" else 0)), os.path.abspath(__file__), "--child", "--child-out", tmp,
+               "--budget", str(args.budget), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--share", share] + (["--tiny"] if args.tiny else [])
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, timeout=args.row_timeout_s)
+        wall = time.perf_counter() - t0
+        ranks = []
+        for r in range(gpus):
+            path = os.path.join(tmp, f"rank{r}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    ranks.append(json.load(f))
+    label = f"{gpus} GPU{'s' * (gpus > 1)}" + (" (a store per rank)" if share == "off" else "")
+    if done.returncode != 0 or len(ranks) != gpus:
+        return {"mode": label, "gpus": gpus, "error": f"torchrun exit {done.returncode}, {len(ranks)} of {gpus} ranks"}
+    step_ms = max(r["step_ms"] for r in ranks)  # DDP's all-reduce ends every rank's step together
+    h2d = ranks[0]["h2d_gb_step"]
+    bound_ms = h2d / ranks[0]["h2d_gbps"] * 1e3 if ranks[0]["h2d_gbps"] else None
+    return {
+        "mode": label, "gpus": gpus, "share": share, "step_ms": step_ms, "samples_s": round(gpus / step_ms * 1e3, 3),
+        "h2d_gb_step": h2d, "h2d_gbps_concurrent": ranks[0]["h2d_gbps"], "h2d_source": ranks[0]["h2d_source"],
+        "h2d_bound_ms": round(bound_ms, 1) if bound_ms else None,
+        "node_pss_gb": round(sum(r["pss"] for r in ranks) / 1e9, 2),
+        "max_rank_rss_gb": round(max(r["rss"] for r in ranks) / 1e9, 2),
+        "host_store_gb": ranks[0]["host_store_gb"], "node_shared_gb": ranks[0]["node_shared_gb"],
+        "pinned_locked_gb_per_rank": ranks[0]["pinned_locked_gb"],
+        "offload_s": max(r["offload_s"] for r in ranks), "first_step_s": max(r["first_step_s"] for r in ranks),
+        "peak_gib": max((r["peak_gib"] or 0) for r in ranks) or None,
+        "sync_fetches_step": max(r["sync_fetches_step"] for r in ranks), "wall_s": round(wall, 1), "ranks": ranks,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rows", nargs="*", default=[], help="extra rows GPUS:off (a host store per rank)")
+    parser.add_argument("--budget", type=float, default=16.0, help="GiB of GPU memory per rank")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--share", default="auto")
+    parser.add_argument("--row-timeout-s", type=float, default=560)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "multi_gpu_flux.json"))
+    parser.add_argument("--child", action="store_true")
+    parser.add_argument("--child-out")
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    from _common import env_info, print_header, print_table, write_json
+
+    env = print_header(env_info())
+    rows = [run_row(args, g, "auto") for g in args.gpus]
+    rows += [run_row(args, int(r.split(":")[0]), "off") for r in args.rows]
+    one = next((r for r in rows if r.get("gpus") == 1 and "error" not in r), None)
+    for r in rows:
+        if one is not None and "error" not in r:
+            r["speedup"] = round(r["samples_s"] / one["samples_s"], 3)
+            r["node_memory_vs_one"] = round(r["node_pss_gb"] / one["node_pss_gb"], 3)
+    cols = ["mode", "step_ms", "samples_s", "speedup", "h2d_bound_ms", "node_pss_gb", "node_memory_vs_one",
+            "max_rank_rss_gb", "pinned_locked_gb_per_rank", "offload_s", "first_step_s", "error"]
+    print_table([{c: r.get(c) for c in cols} for r in rows],
+                title=f"Flux-dev LoRA int8, {args.budget:g} GiB per GPU, DDP (NCCL)" if not args.tiny else "tiny")
+    write_json(args.out, {"env": env, "budget_gib": args.budget, "tiny": args.tiny, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""DistributedDataParallel over an offloaded model: DDP leaves the frozen streamed weights alone.
+
+Left to itself DDP would broadcast every parameter from rank 0 when it is built (the streamed weights too:
+gigabytes copied over the host store of every rank, the same values each rank has already) and refuse a module
+whose parameters sit on two device types (the streamed weights are on the host, the rest on the GPU). Its
+documented way out is the module's ignore list (`_set_params_and_buffers_to_ignore_for_model`): offload fills
+it for the model it offloads, and `Runtime.prepare_ddp(module)` for a wrapper built after offload (a peft model
+made from the offloaded one), whose parameter names differ.
+
+A streamed weight that trains is not ignored: its gradient must be all-reduced, and DDP has no host buckets.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def ignore_streamed(module: nn.Module, layers) -> Callable[[], None]:
+    """Add the frozen streamed weights of `module` (by identity, under `module`'s own names) to DDP's ignore
+    list; returns what puts the list back as it was (the runtime's close)."""
+    frozen = {id(spec.weight) for spec in layers if not spec.weight.requires_grad}
+    names = [name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in frozen]
+    # Not getattr: a peft model forwards unknown attributes to the model it wraps, whose names differ.
+    known = list(module.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
+    had = "_ddp_params_and_buffers_to_ignore" in module.__dict__
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        module, known + [n for n in names if n not in known])
+
+    def put_back() -> None:
+        if had:
+            module.__dict__["_ddp_params_and_buffers_to_ignore"] = known
+        else:
+            module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
+
+    return put_back

@@ -1,0 +1,235 @@
+"""One host store per node: the local ranks of a torch.distributed job share the streamed weights.
+
+Without it every rank of a node builds and pins its own copy: eight GPUs training Flux int8 hold 8 x 11.8 GB.
+Here the node's first rank (its leader) creates each host allocation of the store as a memfd (an anonymous
+shared-memory file); the other ranks of the node map the same pages through `/proc/<leader pid>/fd/<fd>`.
+Only the leader writes them (copies the model's weights, quantizes, reads a slab). Every rank page-locks the
+ranges it streams with `cudaHostRegister`, as it does its own memory (sglang's CPU offloader and LightX2V's
+shared arena register shared segments the same way).
+
+Why a memfd and not a file in /dev/shm: it has no name to leave behind. Its pages go when the last process
+that maps it exits, however it exits (a rank killed during offload included), and it is not bounded by the
+size of a container's /dev/shm mount (64 MB by docker's default).
+
+The protocol is a sequence of exchanges (`all_gather_object` on a gloo group of the node's ranks), one per
+shared allocation and one at the end of offload (`seal`), which every rank of the node passes in the same
+order. A rank that fails during offload sends an abort in the place of its next exchange; the others raise
+at that exchange, naming the rank and its error, and undo their own offload. A rank that dies is noticed
+when its connection closes (or after `Config.node_timeout_s`). Between the exchanges a follower never reads
+the shared pages: the leader has finished writing them only at `seal`.
+
+After offload the store is read-only under LoRA. A streamed weight that trains has one master per rank
+to update; such a store is not shared ("auto" keeps one per rank, "on" refuses).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import timedelta
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class NodeStoreError(RuntimeError):
+    """The node's ranks could not share their host store (a rank failed or died, or their models differ)."""
+
+
+class NodeStore:
+    """This rank's part of its node's shared host store (made by `join`, used by `HostStore`)."""
+
+    def __init__(self, group, rank: int, local_ranks: list[int], leader_pid: int):
+        self.group = group
+        self.rank = rank
+        self.local_ranks = local_ranks
+        self.leader_pid = leader_pid
+        self.writer = rank == local_ranks[0]  # the leader fills the pages; the others only map them
+        self.shared_bytes = 0
+        self.done = False  # sealed or aborted: no more exchanges
+        self.link_bps: dict[str, float] = {}  # "h2d" / "d2h": bytes/s with every local rank copying at once
+        self.link_source = ""
+        self._fds: list[int] = []  # the leader's memfds, open until every rank has mapped them (seal)
+        self._allocations = 0
+
+    @property
+    def local_size(self) -> int:
+        return len(self.local_ranks)
+
+    def describe(self) -> str:
+        role = "writes it" if self.writer else f"maps rank {self.local_ranks[0]}'s"
+        return f"shared by the {self.local_size} ranks of this node (rank {self.rank} {role})"
+
+    # ---- the exchanges ----------------------------------------------------------------------------
+
+    def _exchange(self, item: tuple) -> list[tuple]:
+        if self.done:
+            raise NodeStoreError(f"rank {self.rank}: the node's shared host store is sealed; no allocation after "
+                                 "offload can be shared")
+        import torch.distributed as dist
+
+        items: list = [None] * self.local_size
+        try:
+            dist.all_gather_object(items, item, group=self.group)
+        except Exception as e:  # noqa: BLE001 - a rank that died: gloo raises when its connection closes
+            self.done = True
+            self._close_fds()
+            raise NodeStoreError(f"offload: rank {self.rank} lost the other ranks of its node during offload "
+                                 f"(a rank died or stopped answering): {e}") from e
+        for rank, got in zip(self.local_ranks, items):
+            if got[0] == "abort":
+                self.done = True
+                self._close_fds()
+                raise NodeStoreError(f"offload failed on rank {rank} of this node: {got[1]}")
+        return items
+
+    def backing(self, kind: str, nbytes: int) -> torch.Tensor:
+        """The pages of one host allocation of `nbytes` (page-aligned), the same on every rank of the node."""
+        index = self._allocations
+        self._allocations += 1
+        fd = None
+        if self.writer:
+            fd = os.memfd_create(f"stagehand-{kind.replace(' ', '-')}", os.MFD_CLOEXEC)
+            self._fds.append(fd)
+            os.ftruncate(fd, nbytes)
+        lead = self._exchange(("allocation", index, kind, nbytes, fd))[0]
+        if lead[1:4] != (index, kind, nbytes):
+            raise NodeStoreError(
+                f"offload: rank {self.rank}'s host allocation {index} is {kind!r} of {nbytes} bytes, rank "
+                f"{self.local_ranks[0]}'s is {lead[2]!r} of {lead[3]} bytes: the ranks of a node must offload the "
+                "same model with the same blocks and precision map (or Config(node_shared_store='off'))")
+        path = f"/proc/self/fd/{fd}" if self.writer else f"/proc/{self.leader_pid}/fd/{lead[4]}"
+        try:
+            pages = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        except RuntimeError as e:
+            raise NodeStoreError(
+                f"offload: rank {self.rank} could not map its node's shared host store ({kind}, {path}): {e}. "
+                "Config(node_shared_store='off') gives each rank a copy of its own") from e
+        self.shared_bytes += nbytes
+        return pages
+
+    def seal(self, device: torch.device, pinned: bool) -> None:
+        """The end of offload on every rank of the node: the leader's pages are written, the followers may read
+        them. The memfds are closed (the mappings keep the pages). On a GPU, the host link's bandwidth is
+        measured with every local rank copying at once (they share the host's memory and PCIe)."""
+        items = self._exchange(("sealed", self._allocations))
+        counts = {got[1] for got in items}
+        if len(counts) > 1:
+            self.done = True
+            self._close_fds()
+            raise NodeStoreError(f"offload: the ranks of this node made {sorted(counts)} shared host allocations: "
+                                 "they must offload the same model (or Config(node_shared_store='off'))")
+        if torch.device(device).type == "cuda":
+            self._measure_link(torch.device(device), pinned)
+        self.done = True
+        self._close_fds()
+        self._leave()
+
+    def _measure_link(self, device: torch.device, pinned: bool) -> None:
+        from .conductor.costs import cached_bandwidth, measure_bandwidth
+
+        known = {d: cached_bandwidth(device, pinned, d, ranks=self.local_size) for d in ("h2d", "d2h")}
+        have = self._exchange(("link", all(v is not None for v in known.values())))
+        if all(got[1] for got in have):
+            self.link_bps, self.link_source = known, f"cached ({self.local_size} ranks at once)"
+            return
+        for direction in ("h2d", "d2h"):
+            self._exchange(("measure", direction))  # start together
+            self.link_bps[direction] = measure_bandwidth(device, pinned, direction, ranks=self.local_size)
+        self.link_source = f"measured ({self.local_size} ranks at once)"
+
+    def abort(self, error: BaseException | str) -> None:
+        """This rank's offload failed: tell the others at their next exchange (unless they know already)."""
+        if not self.done:
+            try:
+                self._exchange(("abort", f"{type(error).__name__}: {error}" if isinstance(error, BaseException)
+                                else str(error)))
+            except NodeStoreError:
+                pass  # another rank failed too: everyone knows
+            self.done = True
+        self._close_fds()
+        self._leave()
+
+    def close(self) -> None:
+        self._close_fds()
+        self._leave()
+
+    def _close_fds(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+    def _leave(self) -> None:
+        """Drop the node's gloo group (each rank its own handle; nothing else is exchanged on it)."""
+        group, self.group = self.group, None
+        if group is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group(group)
+            except Exception as e:  # noqa: BLE001 - the default group may be gone already at exit
+                log.debug("stagehand: the node group was not destroyed: %s", e)
+
+
+def join(config, layers, device) -> NodeStore | None:
+    """This rank's NodeStore when torch.distributed runs more than one rank on this node and they can share
+    (`Config.node_shared_store`); None otherwise. A collective: every rank of the job calls it (offload)."""
+    if config.node_shared_store == "off":
+        return None
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    trains = next((spec.fqn for spec in layers if spec.weight.requires_grad), None)
+    why_not = ""
+    if trains is not None:
+        why_not = (f"streamed weight {trains} trains (full fine-tuning keeps a master per rank: its updates "
+                   "would be written by every rank)")
+    elif not hasattr(os, "memfd_create"):
+        why_not = "this platform has no memfd_create"
+    timeout = timedelta(seconds=config.node_timeout_s)
+    # Gloo groups of their own: the exchanges are a few small objects on the CPU, whatever the job's backend.
+    everyone = dist.new_group(backend="gloo", timeout=timeout)
+    hellos: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hellos, (socket.gethostname(), os.getpid(), why_not), group=everyone)
+    hosts = sorted({h for h, _, _ in hellos})
+    per_node = [[r for r, (h, _, _) in enumerate(hellos) if h == host] for host in hosts]
+    mine, _ = dist.new_subgroups_by_enumeration(per_node, timeout=timeout, backend="gloo")
+    dist.destroy_process_group(everyone)
+    rank = dist.get_rank()
+    local = next(ranks for ranks in per_node if rank in ranks)
+    refusals = [(r, hellos[r][2]) for r in local if hellos[r][2]]
+    if len(local) == 1 or refusals:
+        dist.destroy_process_group(mine)
+        if refusals and config.node_shared_store == "on":
+            r, why = refusals[0]
+            raise NodeStoreError(f"offload: node_shared_store='on', but rank {r} can not share its host store: "
+                                 f"{why}. Config(node_shared_store='auto') keeps a copy per rank there")
+        if refusals:
+            log.info("stagehand: each rank keeps its own host store: rank %d: %s", *refusals[0])
+        return None
+    return NodeStore(mine, rank, local, leader_pid=hellos[local[0]][1])
+
+
+def mapped_bytes(pid: int | str = "self", name: str = "memfd:stagehand") -> dict[str, int]:
+    """What the kernel says process `pid` maps of the mappings whose path contains `name`: Rss and Pss bytes
+    (Pss splits each shared page among the processes that map it, so the Pss of a node's ranks add up to
+    the pages once). Read from /proc/<pid>/smaps, not from any counter of the runtime's."""
+    out = {"rss": 0, "pss": 0, "mappings": 0}
+    counting = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if not head.endswith(":"):  # a mapping's first line: "start-end perms offset dev inode path"
+                counting = name in line
+                out["mappings"] += counting
+            elif counting and head in ("Rss:", "Pss:"):
+                out[head[:-1].lower()] += int(line.split()[1]) * 1024
+    return out

@@ -1,0 +1,154 @@
+"""One rank of a gloo job that tests/test_multi_rank.py starts (a process per rank): it offloads a small Llama
+with LoRA, trains one step under DistributedDataParallel through the backend, and writes what it saw (its
+gradients against a single process on the whole batch, what its maps hold of the node's shared store) as JSON.
+
+    python tests/ranks_worker.py SCENARIO RANK WORLD PORT OUT_DIR
+
+SCENARIO: "ddp" (the step; gloo on the CPU), "ddp_cuda" (the step, NCCL, a GPU per rank, pinned pages, Inductor),
+"follower_fails" (rank 1 raises while its store is being filled), "leader_killed" (rank 0 is SIGKILLed after its
+first shared allocation).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _helpers import int8_reference  # noqa: E402
+
+import torch_stagehand as stagehand  # noqa: E402
+from torch_stagehand import Config  # noqa: E402
+from torch_stagehand.runtime import host_store, node_store  # noqa: E402
+
+PRECISION = {0: "int8"}  # one block streams INT8 (the leader quantizes it), the rest their fp32 masters
+PER_RANK = 2  # sequences per rank
+
+
+def build():
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
+    model = LlamaForCausalLM(config).eval()
+    model.requires_grad_(False)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return peft.get_peft_model(model, lora)
+
+
+def lora_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def checksum(model) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def in_shared_mapping(t: torch.Tensor) -> bool:
+    """Whether `t`'s memory lies in a memfd:stagehand mapping of this process (read from /proc/self/maps)."""
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:stagehand" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= ptr < hi:
+                    return True
+    return False
+
+
+def ddp_step(rank: int, world: int, device: str) -> dict:
+    model = build()
+    ids = torch.randint(0, 256, (world * PER_RANK, 16), generator=torch.Generator().manual_seed(1)).to(device)
+    reference = int8_reference(model, PRECISION).to(device)  # a single process on the whole batch
+    reference(input_ids=ids, labels=ids).loss.backward()
+    want = lora_grads(reference)
+    del reference
+
+    rt = stagehand.offload(model, device=device, precision=PRECISION, verbose=False,
+                           config=Config(node_timeout_s=60))
+    cuda = device != "cpu"
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+    compiled = torch.compile(ddp, backend="stagehand", options={} if cuda else {"inner": "eager"})
+    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+    loss = compiled(input_ids=mine, labels=mine).loss
+    loss.backward()
+    got = lora_grads(model)
+    errors = {n: float((got[n] - w).abs().max() / w.abs().max()) for n, w in want.items()}
+    dist.barrier()  # every rank has read the store's pages (the step streamed them) before the maps are read
+    maps = node_store.mapped_bytes()
+    dist.barrier()
+    buffers = [buf for bb in rt.store.blocks for buf in bb.buffers.values()]
+    host = rt.stats()["host"]
+    return {"grad_rel_err": max(errors.values()), "grads_compared": len(errors), "loss": float(loss),
+            "rss": maps["rss"], "pss": maps["pss"], "mappings": maps["mappings"],
+            "host_bytes": rt.store.host_bytes(), "buffers_in_shared_mapping": all(map(in_shared_mapping, buffers)),
+            "node_ranks": host["node_ranks"], "node_shared_bytes": host["node_shared_bytes"],
+            "pinned_locked_bytes": host["pinned_locked_bytes"], "pinned_requested_bytes": host["pinned_requested_bytes"],
+            "eager_linear_calls": rt.stats()["eager_linear_calls"],
+            "h2d_source": rt.planner.cost_model.measured.get("h2d"),
+            "writer": rt.store.node is not None and rt.store.node.writer}
+
+
+def failed_offload(rank: int, scenario: str) -> dict:
+    model = build()
+    before = checksum(model)
+    if scenario == "follower_fails" and rank == 1:
+        adopt = host_store.HostStore.adopt_full
+
+        def adopt_then_fail(self, block, source=None):
+            if block == 2:
+                raise RuntimeError("injected failure while filling block 2")
+            return adopt(self, block, source)
+
+        host_store.HostStore.adopt_full = adopt_then_fail
+    if scenario == "leader_killed" and rank == 0:
+        backing = node_store.NodeStore.backing
+
+        def map_then_die(self, kind, nbytes):
+            pages = backing(self, kind, nbytes)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return pages
+
+        node_store.NodeStore.backing = map_then_die
+    out = {}
+    try:
+        stagehand.offload(model, device="cpu", precision=PRECISION, verbose=False, config=Config(node_timeout_s=60))
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        out["error"] = f"{type(e).__name__}: {e}"
+    import gc
+
+    gc.collect()
+    out.update(intact=checksum(model) == before, mappings_after=node_store.mapped_bytes()["mappings"])
+    return out
+
+
+def main() -> None:
+    scenario, rank, world, port, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    cuda = scenario == "ddp_cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    if scenario.startswith("ddp"):
+        result = ddp_step(rank, world, f"cuda:{rank}" if cuda else "cpu")
+    else:
+        result = failed_offload(rank, scenario)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if scenario.startswith("ddp"):
+        dist.destroy_process_group()
+    # A failed scenario leaves its default group to the process's exit: the peer may be gone.
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Several ranks on one node (gloo, a process per rank, tests/ranks_worker.py): LoRA under DistributedDataParallel
+through the backend equals one process on the whole batch; the node holds one host store, counted from the
+processes' own maps; a rank that fails or dies during offload leaves every model as it was and no shared
+memory behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torch_stagehand import Config
+from torch_stagehand.runtime import node_store
+
+WORKER = os.path.join(os.path.dirname(__file__), "ranks_worker.py")
+PAGE_SLACK = 64 * 1024  # per rank: Pss is reported in kB, rounded per mapping
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, world: int, tmp_path) -> tuple[list[int], list[dict | None]]:
+    port = str(_free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STAGEHAND_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(r), str(world), port, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    codes, logs = [], []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=600)
+            codes.append(p.returncode)
+            logs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    results = []
+    for r in range(world):
+        path = tmp_path / f"rank{r}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    if scenario.startswith("ddp"):
+        assert codes == [0] * world, "\n".join(logs[-1].splitlines()[-30:])
+    return codes, results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lora_ddp_equals_one_process_and_the_node_holds_one_store(world, tmp_path):
+    _, ranks = run_ranks("ddp", world, tmp_path)
+    for r in ranks:
+        assert r["grads_compared"] == 4 * 2 * 2  # q and v, A and B, in 4 blocks
+        assert r["grad_rel_err"] < 1e-5  # DDP's mean of the ranks' gradients against the whole batch's
+        assert r["node_ranks"] == world and r["buffers_in_shared_mapping"]  # every buffer is the node's pages
+    assert [r["writer"] for r in ranks] == [True] + [False] * (world - 1)
+    store = ranks[0]["host_bytes"]
+    # From the kernel: every rank maps the store's pages, and together they hold them once (Pss splits a
+    # shared page among the processes that map it).
+    total_pss = sum(r["pss"] for r in ranks)
+    assert abs(total_pss - store) <= 0.02 * store + world * PAGE_SLACK, (total_pss, store)
+    assert all(r["rss"] >= 0.5 * store for r in ranks)  # the followers read them too (a copy each would be >1x)
+    assert ranks[1]["rss"] > 0 and ranks[1]["pss"] < 0.75 * ranks[1]["rss"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_lora_ddp_over_nccl_pins_the_nodes_shared_pages_in_every_rank(tmp_path):
+    """Two GPUs: each rank page-locks the shared pages it streams (cudaHostRegister of the same memfd mapping),
+    Inductor compiles the blocks, and DDP's NCCL all-reduce gives the whole batch's gradients."""
+    _, ranks = run_ranks("ddp_cuda", 2, tmp_path)
+    for r in ranks:
+        assert r["grad_rel_err"] < 2e-2  # bf16-free fp32 model; Inductor's and NCCL's sums in another order
+        assert r["buffers_in_shared_mapping"] and r["node_ranks"] == 2 and r["eager_linear_calls"] == 0
+        assert r["pinned_locked_bytes"] > 0 and r["pinned_locked_bytes"] >= r["pinned_requested_bytes"]
+        assert r["h2d_source"] in ("measured (2 ranks at once)", "cached (2 ranks at once)")  # the shared link
+    assert abs(sum(r["pss"] for r in ranks) - ranks[0]["host_bytes"]) <= 0.02 * ranks[0]["host_bytes"] + 2 * PAGE_SLACK
+
+
+def test_a_follower_failing_during_offload_undoes_every_rank(tmp_path):
+    codes, (leader, follower) = run_ranks("follower_fails", 2, tmp_path)
+    assert codes == [0, 0]
+    assert follower["error"] == "RuntimeError: injected failure while filling block 2"
+    assert leader["error"].startswith("NodeStoreError: offload failed on rank 1 of this node: RuntimeError: injected")
+    assert leader["intact"] and follower["intact"]  # the models are as they were, weights and all
+    assert leader["mappings_after"] == follower["mappings_after"] == 0
+
+
+def test_the_leader_killed_during_offload_leaves_the_follower_whole_and_no_shared_memory(tmp_path):
+    codes, (leader, follower) = run_ranks("leader_killed", 2, tmp_path)
+    assert codes[0] == -9 and leader is None  # SIGKILL, after its first shared allocation
+    assert codes[1] == 0
+    assert follower["error"].startswith("NodeStoreError: offload: rank 1 lost the other ranks of its node")
+    assert follower["intact"] and follower["mappings_after"] == 0
+    # The pages were a memfd's: nothing has a name in /dev/shm, and with both processes gone nothing maps them.
+    assert not [n for n in os.listdir("/dev/shm") if "stagehand" in n]
+
+
+def test_mapped_bytes_reads_rss_and_pss_of_the_named_mappings(tmp_path):
+    fd = os.memfd_create("stagehand-test-maps")
+    try:
+        os.ftruncate(fd, 1 << 20)
+        pages = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=1 << 20, dtype=torch.uint8)
+        pages[: 1 << 19] = 1  # half the pages touched
+        got = node_store.mapped_bytes(name="memfd:stagehand-test-maps")
+        assert got["mappings"] == 1 and got["rss"] == got["pss"] == 1 << 19
+        del pages
+        assert node_store.mapped_bytes(name="memfd:stagehand-test-maps")["mappings"] == 0
+    finally:
+        os.close(fd)
+
+
+def test_without_torch_distributed_there_is_no_node_store():
+    assert node_store.join(Config(), [], torch.device("cpu")) is None
+    assert node_store.join(Config(node_shared_store="on"), [], torch.device("cpu")) is None
+
+
+def test_node_shared_store_is_validated():
+    from torch_stagehand import ConfigError
+
+    with pytest.raises(ConfigError, match="node_shared_store"):
+        Config(node_shared_store="yes").validate()
+    with pytest.raises(ConfigError, match="node_timeout_s"):
+        Config(node_timeout_s=0).validate()
