@@ -1,4 +1,4 @@
-"""DistributedDataParallel over an offloaded model: DDP leaves the frozen streamed weights alone.
+"""DistributedDataParallel over an offloaded model: DDP leaves the streamed weights alone.
 
 Left to itself DDP would broadcast every parameter from rank 0 when it is built (the streamed weights too:
 gigabytes copied over the host store of every rank, the same values each rank has already) and refuse a module
@@ -7,7 +7,9 @@ documented way out is the module's ignore list (`_set_params_and_buffers_to_igno
 it for the model it offloads, and `Runtime.prepare_ddp(module)` for a wrapper built after offload (a peft model
 made from the offloaded one), whose parameter names differ.
 
-A streamed weight that trains is not ignored: its gradient must be all-reduced, and DDP has no host buckets.
+A streamed weight that trains is ignored too: its gradient reaches the host by the runtime's own lane (grads.py),
+not by autograd's accumulation that DDP hooks, and on several ranks the runtime sums it into its block's owner
+(shards.py).
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def ignore_streamed(module: nn.Module, layers) -> Callable[[], None]:
-    """Add the frozen streamed weights of `module` (by identity, under `module`'s own names) to DDP's ignore
-    list; returns what puts the list back as it was (the runtime's close)."""
-    frozen = {id(spec.weight) for spec in layers if not spec.weight.requires_grad}
-    names = [name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in frozen]
+    """Add the streamed weights of `module` (by identity, under `module`'s own names) to DDP's ignore list;
+    returns what puts the list back as it was (the runtime's close)."""
+    ignored = {id(spec.weight) for spec in layers}
+    names = [name for name, p in module.named_parameters(remove_duplicate=False) if id(p) in ignored]
     # Not getattr: a peft model forwards unknown attributes to the model it wraps, whose names differ.
     known = list(module.__dict__.get("_ddp_params_and_buffers_to_ignore", ()))
     had = "_ddp_params_and_buffers_to_ignore" in module.__dict__

@@ -149,6 +149,7 @@ class EagerPath:
     def _host(self, block: int) -> tuple[torch.Tensor, list[LayerLayout]]:
         rt = self.rt
         precision = rt._precision[block]
+        rt.store.fetching()
         rt.store.ensure_fresh(block, precision)
         return rt.store.buffer(block, precision), rt.store.layout(block, precision)
 

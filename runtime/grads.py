@@ -76,6 +76,12 @@ class GradLane:
         self.device_updates: dict[int, tuple[int, int]] = {}
         self.d2h_bytes = 0
         self.grad_gemms = 0
+        # Several ranks (shards.py): a block's gradients are gathered in a flat device buffer, summed into its
+        # owner, and landed there alone.
+        self.shards = None
+        self._gathering: dict[int, tuple[int, set[int]]] = {}  # block -> (its buffer, the layers it holds)
+        self._block_buffers: list[torch.Tensor] = []
+        self._block_free: list["torch.cuda.Event | None"] = []
 
     # ---- which weights train -----------------------------------------------------------
 
@@ -90,17 +96,22 @@ class GradLane:
         first = self.first_layer[block]
         return tuple(i - first for i in range(first, first + len(self.store.blocks[block].layers)) if self.trainable(i))
 
+    def lands(self, block: int) -> bool:
+        """Whether this rank lands the block's gradients (several ranks: only its owner does, shards.py)."""
+        return self.shards is None or self.shards.mine(block)
+
     def sync_anchor(self, block: int) -> None:
         """The block's anchor requires grad exactly while one of its streamed weights does."""
         wants = bool(self.trainable_positions(block))
         if self.anchors[block].requires_grad != wants:
             self.anchors[block].requires_grad_(wants)
-        if wants and block not in self.host:
+        if wants and block not in self.host and self.lands(block):
             self.host.update(self.store.grad_buffers([block]))
 
     def sync_all(self) -> None:
         """Every anchor from the weights' flags; the gradient buffers of every training block in one allocation."""
-        training = [b for b in range(self.n_blocks) if self.trainable_positions(b) and b not in self.host]
+        training = [b for b in range(self.n_blocks) if self.trainable_positions(b) and b not in self.host
+                    and self.lands(b)]
         if training:
             self.host.update(self.store.grad_buffers(training))
         for block in range(self.n_blocks):
@@ -137,12 +148,14 @@ class GradLane:
             if self.consumer is not None:
                 self.consumer.begin_backward()
         self._queue_finish()
-        lay = self.store.layout(spec.block, precisions.FULL)[self.position(index)]
-        home = precisions.master().views(self.host[spec.block], lay)[0]  # the weight's stored orientation
-        direct = weight.grad is None and index not in self._consumed and not any(l.index == index for l in self._landing)
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         # dW = dy^T x for a Linear ([out, in]); a transposed layer (Conv1D) stores [in, out]: x^T dy
         a, b = (x2, dy2) if spec.transposed else (dy2, x2)
+        if self.shards is not None:
+            return self._gather(index, a, b)
+        lay = self.store.layout(spec.block, precisions.FULL)[self.position(index)]
+        home = precisions.master().views(self.host[spec.block], lay)[0]  # the weight's stored orientation
+        direct = self._direct(index)
         consumer = self.consumer if self.consumer is not None and self.consumer.accepting else None
         if direct and consumer is not None and consumer.updates_on_device(spec.block):
             land = self._update_on_device(index, a, b, home, consumer)
@@ -157,14 +170,98 @@ class GradLane:
             else:
                 target.copy_(a.t() @ b)
                 event = None
-        land = _Landing(index, target, event, direct)
+        self._deliver(_Landing(index, target, event, direct), consumer)
+        self.grad_gemms += 1
+
+    def _direct(self, index: int) -> bool:
+        """The gradient is written straight into the weight's host buffer (it has no `.grad` to add to)."""
+        return (self.layers[index].weight.grad is None and index not in self._consumed
+                and not any(land.index == index for land in self._landing))
+
+    def _deliver(self, land: _Landing, consumer) -> None:
         if consumer is not None:
             consumer.landed(land)  # the host optimizer applies it as it lands (host_optim.py)
-            self._consumed.add(index)
+            self._consumed.add(land.index)
         else:
             self._landing.append(land)
-        self.d2h_bytes += target.numel() * target.element_size()
+        self.d2h_bytes += land.target.numel() * land.target.element_size()
+
+    # ---- several ranks (shards.py) ----------------------------------------------------------
+
+    def _gather(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """The layer's gradient into its block's flat device buffer; the block's last one sends the buffer to
+        its owner, which lands every layer of it."""
+        block = self.layers[index].block
+        if block not in self._gathering:
+            i = self._free_block_buffer()
+            self._gathering[block] = (i, set())
+        i, held = self._gathering[block]
+        view = self._layer_view(self._block_buffers[i], block, index)
+        with torch.no_grad():
+            if a.dtype == view.dtype:
+                torch.mm(a.t(), b, out=view)
+            else:
+                view.copy_(a.t() @ b)
+        held.add(index)
         self.grad_gemms += 1
+        if len(held) == len(self.trainable_positions(block)):
+            self._send_block(block)
+
+    def _layer_view(self, flat: torch.Tensor, block: int, index: int) -> torch.Tensor:
+        lay = self.store.layout(block, precisions.FULL)[self.position(index)]
+        return precisions.master().views(flat, lay)[0]
+
+    def _free_block_buffer(self) -> int:
+        """A flat device buffer of the largest training block's gradients that no block is gathering into (two
+        suffice: one gathering while the last one's sum and copies run; more only if the graph interleaves)."""
+        busy = {i for i, _ in self._gathering.values()}
+        i = next((k for k in range(len(self._block_buffers)) if k not in busy), None)
+        if i is None:
+            largest = max(precisions.master().layout(self.store.blocks[blk].layers)[1]
+                          for blk in range(self.n_blocks) if self.trainable_positions(blk))
+            self._block_buffers.append(torch.empty(largest, dtype=torch.uint8, device=self.device))
+            self._block_free.append(None)
+            i = len(self._block_buffers) - 1
+        if self.cuda and self._block_free[i] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._block_free[i])  # its last copies are done
+        self._block_buffers[i].zero_()  # a layer no rank computed this time sums to zero
+        return i
+
+    def _send_block(self, block: int) -> None:
+        """Sum the block's gradients into its owner (a collective of every rank); the owner lands each layer."""
+        i, held = self._gathering.pop(block)
+        flat = self._block_buffers[i]
+        dtype = self.layers[self.first_layer[block]].weight.dtype
+        self.shards.reduce(flat[:precisions.master().layout(self.store.blocks[block].layers)[1]], block, dtype)
+        if not self.shards.mine(block):
+            if self.cuda:
+                self._block_free[i] = torch.cuda.current_stream(self.device).record_event()
+            return
+        consumer = self.consumer if self.consumer is not None and self.consumer.accepting else None
+        first = self.first_layer[block]
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the sum
+        for position in self.trainable_positions(block):
+            index = first + position
+            home = self._layer_view(self.host[block], block, index)
+            direct = self._direct(index)
+            target = home if direct else torch.empty_like(home, pin_memory=self.cuda)
+            src = self._layer_view(flat, block, index)
+            event = None
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    target.copy_(src, non_blocking=True)
+                    event = self.stream.record_event()
+                self._block_free[i] = event
+            else:
+                target.copy_(src)
+            self._deliver(_Landing(index, target, event, direct), consumer)
+
+    def flush_gathering(self) -> None:
+        """The backward ended with blocks whose training weights did not all get a gradient (a layer the forward
+        skipped): send what they hold (every rank has the same blocks here: the same model ran)."""
+        for block in sorted(self._gathering, reverse=True):
+            self._send_block(block)
 
     def _update_on_device(self, index: int, a: torch.Tensor, b: torch.Tensor, home: torch.Tensor,
                           consumer) -> _Landing:
@@ -225,6 +322,10 @@ class GradLane:
     def finish(self) -> None:
         """Wait for the gradients in flight, then give each weight its `.grad` (set, or added to)."""
         self._queued_for = None
+        if self.shards is not None:
+            self.flush_gathering()
+            # The owners step their blocks now: before this rank fetches a block again, they must be done.
+            self.store.before_fetch = self._after_step
         landing, self._landing = self._landing, []
         for land in landing:
             self.apply(land)
@@ -232,6 +333,9 @@ class GradLane:
         # fused CPU AdamW does not): mark them written now, so no stale slot or INT8 copy is served.
         for block in sorted({self.block_of(land.index) for land in landing}):
             self.store.mark_written(block)
+
+    def _after_step(self) -> None:
+        self.shards.sync(self.store, [b for b in range(self.n_blocks) if self.trainable_positions(b)])
 
     def forward_ran(self) -> None:
         """A forward op ran (not a recompute inside backward): the next gradient begins a new backward."""

@@ -99,11 +99,10 @@ class HostArena:
     """One host allocation holding the buffers of one copy kind (e.g. "int8 pinned")."""
 
     def __init__(self, kind: str, sizes: list[int], pinner, shared=None):
-        """`shared`: the node's NodeStore (node_store.py): the pages are the node's, written by its leader only."""
+        """`shared`: the node's NodeStore (node_store.py): the pages are the node's, each block's by its owner."""
         self.kind = kind
         self.pinner = pinner
         self.capacity = sum(page_round(n) for n in sizes)
-        self.writer = shared is None or shared.writer  # False: another rank of the node fills these pages
         self.shared = shared is not None
         if shared is not None:
             self.base = shared.backing(kind, self.capacity)  # a mapping: page-aligned

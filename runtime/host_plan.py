@@ -18,6 +18,7 @@ from . import precision as precisions
 from .blocks import StreamedLayerSpec
 from .host_budget import MachineMemory, gib
 from .host_store import KEEP_FILE, KEEP_PINNED, KEEP_RAM, HostStore
+from .streamed import StreamedDtypeError
 
 KEEP_AUTO = "auto"
 KEEP_FULL_CHOICES = (KEEP_AUTO, KEEP_PINNED, KEEP_RAM, KEEP_FILE)
@@ -183,3 +184,18 @@ def host_report(store: HostStore) -> dict:
         "node_ranks": 1 if store.node is None else store.node.local_size,
         "bytes_by_kind": dict(sorted(kinds.items())),
     }
+
+
+def check_master_dtypes(layers: list[StreamedLayerSpec]) -> None:
+    """Refuse, before anything moves, a streamed weight the master can not hold (float64, integer types)."""
+    supported = precisions.master().dtypes
+    for spec in layers:
+        dtype = spec.weight.dtype
+        if dtype not in supported:
+            names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+            raise StreamedDtypeError(
+                f"offload: {spec.fqn}.weight is {dtype}; streamed weights must be one of {names} "
+                f"(convert the model first, e.g. model.to(torch.bfloat16))"
+            )
+
+

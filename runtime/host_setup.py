@@ -62,9 +62,9 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     # Before the first device allocation: the slots and resident blocks then live in expandable segments.
     rt.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
     # The ranks of a node share one store (node_store.py): a collective of every rank, before any allocation.
-    rt.node = node_store.join(rt.config, rt.layers, rt.device)
-    if rt.node is not None and not rt.node.writer:
-        rt._undo.defer_releases()  # its weights stay until the leader has written the store (seal)
+    rt.node = node_store.join(rt.config, rt.device)
+    if rt.node is not None:
+        rt._undo.defer_releases()  # the weights of blocks other ranks write stay until they are written (seal)
     rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,
                                              rt.checkpoint, slab_loader is not None, node=rt.node)
     rt.store.on_replaced = rt._undo.replaced  # the original Parameter objects are kept, their memory released

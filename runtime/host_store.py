@@ -32,7 +32,6 @@ from .blocks import StreamedLayerSpec
 from .host_arena import HostArena, NoPinner, lock_or_fall_back
 from .node_store import NodeStoreError
 from .precision import LayerLayout
-from .streamed import StreamedDtypeError
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +90,8 @@ class HostStore:
         self.offloaded = False  # offload is done: a refused page-lock falls back to pageable (host_arena.py)
         # Told when a module's weight was replaced by a view of the store (offload_undo.py keeps the original).
         self.on_replaced: Callable[[StreamedLayerSpec, torch.Tensor], None] | None = None
+        # Run once at the next fetch, then cleared: after a step across ranks, the owners' writes (shards.py).
+        self.before_fetch: Callable[[], None] | None = None
 
     # ---- host memory ----------------------------------------------------------
 
@@ -101,7 +102,7 @@ class HostStore:
     def writes(self, block: int, precision: str) -> bool:
         """Whether this process fills the block's buffer (False: another rank of the node does, node_store.py)."""
         arena = self._arena_of.get((block, precision))
-        return arena is None or arena.writer
+        return arena is None or not arena.shared or self.node.owns(block)
 
     def reserve(self, precision: str, blocks: list[int]) -> None:
         """One host allocation for the precision's buffers of `blocks` (those not held yet)."""
@@ -289,7 +290,7 @@ class HostStore:
 
     def _write_derived(self, block: int, precision: str) -> None:
         if not self.writes(block, precision):
-            return  # the node's leader builds it into the same pages
+            return  # the block's owner on this node builds it into the same pages
         bb, entry = self.blocks[block], precisions.get(precision)
         for position, (spec, lay) in enumerate(zip(bb.layers, bb.layouts[precision])):
             w = self.master_weight(block, position)
@@ -328,6 +329,12 @@ class HostStore:
         """Held already, or derived and buildable from a master the block has."""
         bb = self.blocks[block]
         return self.has(block, precision) or (self.is_derived(block, precision) and bb.has_master)
+
+    def fetching(self) -> None:
+        """A block's bytes are about to be read for a device copy: what must happen first, once."""
+        hook, self.before_fetch = self.before_fetch, None
+        if hook is not None:
+            hook()
 
     def ensure_fresh(self, block: int, precision: str) -> None:
         """A buffer built from weights that were written since gets rebuilt (never streamed stale)."""
@@ -383,18 +390,3 @@ class HostStore:
     def host_bytes(self) -> int:
         """Bytes of host memory the store's buffers hold (a file master is not in it)."""
         return sum(buf.numel() for bb in self.blocks for buf in bb.buffers.values())
-
-
-def check_master_dtypes(layers: list[StreamedLayerSpec]) -> None:
-    """Refuse, before anything moves, a streamed weight the master can not hold (float64, integer types)."""
-    supported = precisions.master().dtypes
-    for spec in layers:
-        dtype = spec.weight.dtype
-        if dtype not in supported:
-            names = ", ".join(str(d).removeprefix("torch.") for d in supported)
-            raise StreamedDtypeError(
-                f"offload: {spec.fqn}.weight is {dtype}; streamed weights must be one of {names} "
-                f"(convert the model first, e.g. model.to(torch.bfloat16))"
-            )
-
-

@@ -3,9 +3,11 @@
 Without it every rank of a node builds and pins its own copy: eight GPUs training Flux int8 hold 8 x 11.8 GB.
 Here the node's first rank (its leader) creates each host allocation of the store as a memfd (an anonymous
 shared-memory file); the other ranks of the node map the same pages through `/proc/<leader pid>/fd/<fd>`.
-Only the leader writes them (copies the model's weights, quantizes, reads a slab). Every rank page-locks the
-ranges it streams with `cudaHostRegister`, as it does its own memory (sglang's CPU offloader and LightX2V's
-shared arena register shared segments the same way).
+Each block's buffers have one writer, its owner (block b: the node's rank b mod the ranks of the node): it copies
+the block's weights, quantizes them, reads them from a slab, and under full fine-tuning steps them (shards.py),
+so the node's ranks fill the store in parallel. Every rank page-locks the ranges it streams with
+`cudaHostRegister`, as it does its own memory (sglang's CPU offloader and LightX2V's shared arena register
+shared segments the same way).
 
 Why a memfd and not a file in /dev/shm: it has no name to leave behind. Its pages go when the last process
 that maps it exits, however it exits (a rank killed during offload included), and it is not bounded by the
@@ -16,10 +18,10 @@ shared allocation and one at the end of offload (`seal`), which every rank of th
 order. A rank that fails during offload sends an abort in the place of its next exchange; the others raise
 at that exchange, naming the rank and its error, and undo their own offload. A rank that dies is noticed
 when its connection closes (or after `Config.node_timeout_s`). Between the exchanges a follower never reads
-the shared pages: the leader has finished writing them only at `seal`.
+the shared pages: their owners have finished writing them only at `seal`.
 
-After offload the store is read-only under LoRA. A streamed weight that trains has one master per rank
-to update; such a store is not shared ("auto" keeps one per rank, "on" refuses).
+After offload the store is read-only under LoRA; under full fine-tuning each block's owner writes it after its
+optimizer step, and the other ranks wait for that at their next read (shards.py).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class NodeStore:
         self.rank = rank
         self.local_ranks = local_ranks
         self.leader_pid = leader_pid
-        self.writer = rank == local_ranks[0]  # the leader fills the pages; the others only map them
+        self.writer = rank == local_ranks[0]  # the leader creates the memfds; the others map them
+        self.local_index = local_ranks.index(rank)
         self.shared_bytes = 0
         self.done = False  # sealed or aborted: no more exchanges
         self.link_bps: dict[str, float] = {}  # "h2d" / "d2h": bytes/s with every local rank copying at once
@@ -59,8 +62,12 @@ class NodeStore:
         return len(self.local_ranks)
 
     def describe(self) -> str:
-        role = "writes it" if self.writer else f"maps rank {self.local_ranks[0]}'s"
-        return f"shared by the {self.local_size} ranks of this node (rank {self.rank} {role})"
+        return (f"shared by the {self.local_size} ranks of this node; rank {self.rank} writes blocks "
+                f"{self.local_index}, {self.local_index + self.local_size}, ...")
+
+    def owns(self, block: int) -> bool:
+        """Whether this rank writes `block`'s buffers (the node's rank block mod the node's ranks)."""
+        return block % self.local_size == self.local_index
 
     # ---- the exchanges ----------------------------------------------------------------------------
 
@@ -110,10 +117,11 @@ class NodeStore:
         self.shared_bytes += nbytes
         return pages
 
-    def seal(self, device: torch.device, pinned: bool) -> None:
-        """The end of offload on every rank of the node: the leader's pages are written, the followers may read
-        them. The memfds are closed (the mappings keep the pages). On a GPU, the host link's bandwidth is
-        measured with every local rank copying at once (they share the host's memory and PCIe)."""
+    def seal(self, device: torch.device, pinned: bool, keep_group: bool = False) -> None:
+        """The end of offload on every rank of the node: every block's owner has written its pages, every rank may
+        read them. The memfds are closed (the mappings keep the pages). On a GPU, the host link's bandwidth is
+        measured with every local rank copying at once (they share the host's memory and PCIe). `keep_group`:
+        full fine-tuning syncs the node's ranks after each step on its group (`barrier`)."""
         items = self._exchange(("sealed", self._allocations))
         counts = {got[1] for got in items}
         if len(counts) > 1:
@@ -125,7 +133,14 @@ class NodeStore:
             self._measure_link(torch.device(device), pinned)
         self.done = True
         self._close_fds()
-        self._leave()
+        if not keep_group:
+            self._leave()
+
+    def barrier(self) -> None:
+        """Every rank of the node gets here before any goes on (after offload: the node's group, kept)."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
 
     def _measure_link(self, device: torch.device, pinned: bool) -> None:
         from .conductor.costs import cached_bandwidth, measure_bandwidth
@@ -176,7 +191,7 @@ class NodeStore:
                 log.debug("stagehand: the node group was not destroyed: %s", e)
 
 
-def join(config, layers, device) -> NodeStore | None:
+def join(config, device) -> NodeStore | None:
     """This rank's NodeStore when torch.distributed runs more than one rank on this node and they can share
     (`Config.node_shared_store`); None otherwise. A collective: every rank of the job calls it (offload)."""
     if config.node_shared_store == "off":
@@ -187,13 +202,7 @@ def join(config, layers, device) -> NodeStore | None:
         return None
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    trains = next((spec.fqn for spec in layers if spec.weight.requires_grad), None)
-    why_not = ""
-    if trains is not None:
-        why_not = (f"streamed weight {trains} trains (full fine-tuning keeps a master per rank: its updates "
-                   "would be written by every rank)")
-    elif not hasattr(os, "memfd_create"):
-        why_not = "this platform has no memfd_create"
+    why_not = "" if hasattr(os, "memfd_create") else "this platform has no memfd_create"
     timeout = timedelta(seconds=config.node_timeout_s)
     # Gloo groups of their own: the exchanges are a few small objects on the CPU, whatever the job's backend.
     everyone = dist.new_group(backend="gloo", timeout=timeout)

@@ -32,7 +32,8 @@ from .events import RuntimeEvents, progress, unwrap_optimizer
 from .grads import GradLane
 from .ddp import ignore_streamed
 from .host_setup import build_host_store, load_resident
-from .host_store import check_master_dtypes
+from .shards import GradShards
+from .host_plan import check_master_dtypes
 from .offload_undo import OffloadUndo
 from .oom_recovery import OomRecovery
 from .precision import PrecisionMapError
@@ -113,6 +114,10 @@ class Runtime(SelectivePrecisionAPI):
         build_host_store(self, precision, slab_loader, self._keep_full, progress)
         # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
+        # Several ranks whose streamed weights train: a block's gradients go to its owner alone (a collective).
+        self.grads.shards = GradShards.create(layers, self.node, self.device)
+        if self.grads.shards is not None:
+            self.on_close(self.grads.shards.close)
         self.trainable_positions = self.grads.trainable_positions
         self.eager = EagerPath(self, self.config.routed_experts_max_tokens)
         self.on_close(self.eager.release)
@@ -133,7 +138,7 @@ class Runtime(SelectivePrecisionAPI):
         self.planner = PlanDriver(self, budget, cost_model)
         self.set_precision(precision)
         if self.node is not None:  # the leader has filled the node's pages: from here every rank reads them
-            self.node.seal(self.device, self.store.pin)
+            self.node.seal(self.device, self.store.pin, keep_group=self.grads.shards is not None)
             self._undo.release_deferred()
         self.pool = self.planner.make_pool()  # the slots and resident blocks the plan asks for
         # Token outputs are allocated once: a prefetch / evict returns its block's.
@@ -214,7 +219,7 @@ class Runtime(SelectivePrecisionAPI):
 
     def prepare_ddp(self, module: nn.Module) -> nn.Module:
         """Call before `DistributedDataParallel(module)` when `module` wraps the offloaded model under other
-        names (a peft model made after offload): DDP then leaves the frozen streamed weights alone (ddp.py)."""
+        names (a peft model made after offload): DDP then leaves the streamed weights alone (ddp.py)."""
         self.on_close(ignore_streamed(module, self.layers))
         return module
 

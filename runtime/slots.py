@@ -143,6 +143,7 @@ class SlotPool:
         fetch rebuilds a stale INT8 copy first); a stale copy a reader holds
         means the weights were written while the block computes, an error.
         """
+        self.store.fetching()  # after a step across ranks: the owners' writes land first (shards.py)
         slot = self._find(block, precision)
         if slot is None or slot.master_version == self.store.master_version(block):
             return slot
@@ -249,6 +250,7 @@ class SlotPool:
         return min(loading, key=lambda s: s.released_at) if loading else None
 
     def _issue_copy(self, slot: Slot, block: int, precision: str) -> None:
+        self.store.fetching()
         self.store.ensure_fresh(block, precision)
         slot.master_version = self.store.master_version(block)
         src = self.store.buffer(block, precision)

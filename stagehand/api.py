@@ -111,7 +111,7 @@ def offload(
     undo_attention_guard = disable_unsafe_sdpa_backends(device)
     if undo_attention_guard is not None:
         rt.on_close(undo_attention_guard)
-    rt.prepare_ddp(model)  # DistributedDataParallel(model) leaves the frozen streamed weights alone (ddp.py)
+    rt.prepare_ddp(model)  # DistributedDataParallel(model) leaves the streamed weights alone (ddp.py)
     if adopt_expert_adapters(model):  # peft target_parameters on streamed experts read the stream
         rt.on_close(functools.partial(release_expert_adapters, model))
     summary = summarize(model, rt, clock.done())

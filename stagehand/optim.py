@@ -100,8 +100,10 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             self._block_params[self._layer(p)[1]].append(p)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._param_of = {self._layer(p)[0]: p for p in self._streamed}
+        self._check_shards(delayed_update, max_grad_norm)
         self._preflight()
-        for p in progress([p for p in self._streamed if p.requires_grad], "HostAdamW: host optimizer states"):
+        for p in progress([p for p in self._streamed if p.requires_grad and self._owned(p)],
+                          "HostAdamW: host optimizer states"):
             self.state[p] = new_state(p, master, states, keep_master=delayed_update)
         self.worker = None
         self.host_seconds = 0.0  # time spent stepping streamed blocks on the host (benches read it)
@@ -133,11 +135,26 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         _, index = registry.layer(p._sh_layer)
         return index, self.runtime.layers[index].block
 
+    def _owned(self, p: torch.Tensor) -> bool:
+        """Several ranks: this rank keeps the states of, and steps, only the blocks it owns (runtime/shards.py)."""
+        shards = self.runtime.grads.shards if self.runtime is not None else None
+        return shards is None or shards.mine(self._layer(p)[1])
+
+    def _check_shards(self, delayed_update: bool, max_grad_norm) -> None:
+        if self.runtime is None or self.runtime.grads.shards is None:
+            return
+        if delayed_update:
+            raise ValueError("HostAdamW: delayed_update=True is not built for several ranks (each block steps on its "
+                             "owner: runtime/shards.py); use the default exact update")
+        if max_grad_norm is not None:
+            raise ValueError("HostAdamW: max_grad_norm needs the norm over every rank's shard of the gradients, "
+                             "which is not built for several ranks yet; clip without it or train on one rank")
+
     def _preflight(self) -> None:
         moments = f"{self.states} moments (exp_avg, exp_avg_sq)"
         need = {"fp32 masters": 0, moments: 0, "a second set of gradient buffers (delayed_update)": 0}
         for p in self._streamed:
-            if p.requires_grad:
+            if p.requires_grad and self._owned(p):
                 total = state_bytes(p, self.master, self.states)
                 need[moments] += int(STATE_BYTES[self.states] * p.numel())
                 need["fp32 masters"] += total - int(STATE_BYTES[self.states] * p.numel())
@@ -165,7 +182,8 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         if lane.consumer is not None:
             raise ValueError("HostAdamW: another HostAdamW already steps this model's streamed weights as they land; "
                              "one optimizer per offloaded model (or overlap=False)")
-        blocks = {b: {self._layer(p)[0] for p in ps if p.requires_grad} for b, ps in self._block_params.items()}
+        blocks = {b: {self._layer(p)[0] for p in ps if p.requires_grad and self._owned(p)}
+                  for b, ps in self._block_params.items()}
         step_block = self._publish_block if self.delayed is not None else self._step_block
         self.worker = LandingWorker(lane, {b: s for b, s in blocks.items() if s}, step_block,
                                     self.accumulation_steps, device=self)

@@ -54,6 +54,8 @@ class DeviceUpdate:
             return "no GPU"
         if not overlapping:
             return "the blocks step after the backward (overlap=False or max_grad_norm), not inside it"
+        if rt.grads.shards is not None:
+            return "several ranks: each block steps on its owner's host (runtime/shards.py)"
         if self.accumulation_steps != 1:
             return "gradient accumulation sums each backward's gradients on the host"
         if self.states != "fp32":

@@ -5,6 +5,7 @@ gradients against a single process on the whole batch, what its maps hold of the
     python tests/ranks_worker.py SCENARIO RANK WORLD PORT OUT_DIR
 
 SCENARIO: "ddp" (the step; gloo on the CPU), "ddp_cuda" (the step, NCCL, a GPU per rank, pinned pages, Inductor),
+"fullft_host" / "fullft_torch" (full fine-tuning, two steps, HostAdamW / torch's AdamW),
 "follower_fails" (rank 1 raises while its store is being filled), "leader_killed" (rank 0 is SIGKILLed after its
 first shared allocation).
 """
@@ -73,9 +74,9 @@ def ddp_step(rank: int, world: int, device: str) -> dict:
     want = lora_grads(reference)
     del reference
 
-    rt = stagehand.offload(model, device=device, precision=PRECISION, verbose=False,
-                           config=Config(node_timeout_s=60))
     cuda = device != "cpu"
+    rt = stagehand.offload(model, device=device, precision=PRECISION, verbose=False, config=Config(node_timeout_s=60),
+                           vram_budget="4GiB" if cuda else None)  # a plan: the cost model learns the shared link
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
     compiled = torch.compile(ddp, backend="stagehand", options={} if cuda else {"inner": "eager"})
     mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
@@ -96,6 +97,48 @@ def ddp_step(rank: int, world: int, device: str) -> dict:
             "eager_linear_calls": rt.stats()["eager_linear_calls"],
             "h2d_source": rt.planner.cost_model.measured.get("h2d"),
             "writer": rt.store.node is not None and rt.store.node.writer}
+
+
+def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) -> dict:
+    """Every weight trains; the streamed ones step on their block's owner (runtime/shards.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from torch_stagehand.optim import HostAdamW
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 256, (world * PER_RANK, 16), generator=torch.Generator().manual_seed(1))
+    reference = copy.deepcopy(model)  # one process, the whole batch, torch's AdamW
+    # eps well above the rounding noise of a near-zero gradient: Adam's first steps are lr * sign(g) there,
+    # and the ranks' sum of two half-batch gradients rounds differently from the whole batch's
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-3)
+    for _ in range(steps):
+        reference(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    rt = stagehand.offload(model, device="cpu", verbose=False, config=Config(node_timeout_s=60))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)  # the resident parameters; the streamed ones: shards
+    compiled = torch.compile(ddp, backend="stagehand", options={"inner": "eager"})
+    opt = (HostAdamW(model.parameters(), lr=1e-3, eps=1e-3) if optimizer_kind == "host"
+           else torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3))
+    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+    for _ in range(steps):
+        compiled(input_ids=mine, labels=mine).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dist.barrier()  # every owner has stepped its blocks: the shared masters are final
+    want = dict(reference.named_parameters())
+    errors = {n: float((p.detach() - want[n]).abs().max() / want[n].abs().max()) for n, p in model.named_parameters()}
+    streamed = {id(spec.weight) for spec in rt.layers}
+    states = [n for n, p in model.named_parameters() if id(p) in streamed and p in opt.state and opt.state[p]]
+    return {"param_rel_err": max(errors.values()), "params_compared": len(errors),
+            "grad_buffer_blocks": sorted(rt.grads.host), "streamed_states": states,
+            "reduces": rt.grads.shards.reduces, "node_ranks": rt.stats()["host"]["node_ranks"],
+            "buffers_in_shared_mapping": all(map(in_shared_mapping, [b for bb in rt.store.blocks
+                                                                      for b in bb.buffers.values()]))}
 
 
 def failed_offload(rank: int, scenario: str) -> dict:
@@ -141,11 +184,13 @@ def main() -> None:
                             world_size=world, timeout=timedelta(seconds=120))
     if scenario.startswith("ddp"):
         result = ddp_step(rank, world, f"cuda:{rank}" if cuda else "cpu")
+    elif scenario.startswith("fullft"):
+        result = full_finetune(rank, world, scenario.removeprefix("fullft_"))
     else:
         result = failed_offload(rank, scenario)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    if scenario.startswith("ddp"):
+    if scenario.startswith(("ddp", "fullft")):
         dist.destroy_process_group()
     # A failed scenario leaves its default group to the process's exit: the peer may be gone.
 

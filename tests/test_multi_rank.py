@@ -1,7 +1,7 @@
 """Several ranks on one node (gloo, a process per rank, tests/ranks_worker.py): LoRA under DistributedDataParallel
-through the backend equals one process on the whole batch; the node holds one host store, counted from the
-processes' own maps; a rank that fails or dies during offload leaves every model as it was and no shared
-memory behind."""
+through the backend equals one process on the whole batch; so does full fine-tuning with each block's optimizer
+on its owner; the node holds one host store, counted from the processes' own maps; a rank that fails or dies
+during offload leaves every model as it was and no shared memory behind."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def run_ranks(scenario: str, world: int, tmp_path) -> tuple[list[int], list[dict
     for r in range(world):
         path = tmp_path / f"rank{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
-    if scenario.startswith("ddp"):
+    if scenario.startswith(("ddp", "fullft")):
         assert codes == [0] * world, "\n".join(logs[-1].splitlines()[-30:])
     return codes, results
 
@@ -65,6 +65,21 @@ def test_lora_ddp_equals_one_process_and_the_node_holds_one_store(world, tmp_pat
     assert abs(total_pss - store) <= 0.02 * store + world * PAGE_SLACK, (total_pss, store)
     assert all(r["rss"] >= 0.5 * store for r in ranks)  # the followers read them too (a copy each would be >1x)
     assert ranks[1]["rss"] > 0 and ranks[1]["pss"] < 0.75 * ranks[1]["rss"]
+
+
+@pytest.mark.parametrize("world, optimizer", [(2, "host"), (3, "torch")])
+def test_full_fine_tuning_with_sharded_host_optimizer_equals_one_process(world, optimizer, tmp_path):
+    """Three steps of every weight training: each block's gradients summed into its owner, which alone keeps
+    its gradient buffer and optimizer states and steps it in the node's shared store; the others read it."""
+    _, ranks = run_ranks(f"fullft_{optimizer}", world, tmp_path)
+    streamed_blocks = 5
+    for rank, r in enumerate(ranks):
+        assert r["params_compared"] == 48 and r["param_rel_err"] < 1e-5  # measured 1.5e-7
+        assert r["reduces"] == 3 * streamed_blocks and r["node_ranks"] == world and r["buffers_in_shared_mapping"]
+        owned = [b for b in range(streamed_blocks) if b % world == rank]
+        assert r["grad_buffer_blocks"] == owned
+        assert {int(n.split(".")[2]) for n in r["streamed_states"]} == set(owned)
+    assert sum(len(r["streamed_states"]) for r in ranks) == 7 * streamed_blocks  # every weight's states, once
 
 
 @pytest.mark.gpu
@@ -115,8 +130,8 @@ def test_mapped_bytes_reads_rss_and_pss_of_the_named_mappings(tmp_path):
 
 
 def test_without_torch_distributed_there_is_no_node_store():
-    assert node_store.join(Config(), [], torch.device("cpu")) is None
-    assert node_store.join(Config(node_shared_store="on"), [], torch.device("cpu")) is None
+    assert node_store.join(Config(), torch.device("cpu")) is None
+    assert node_store.join(Config(node_shared_store="on"), torch.device("cpu")) is None
 
 
 def test_node_shared_store_is_validated():

@@ -60,7 +60,9 @@ def cost_key(rt, inputs: str) -> dict:
     return {"format": FORMAT, "device": _device_name(rt.device), "torch": torch.__version__,
             "layout": layout_fingerprint(rt.device.type, rt.blocks, rt.layers),
             "precision": [rt.precision[b] for b in range(len(rt.blocks))],
-            "grad_bytes": list(rt.grads.grad_bytes()), "inputs": inputs}
+            "grad_bytes": list(rt.grads.grad_bytes()), "inputs": inputs,
+            # The ranks of a node copying at once share its host link (node_store.py): a model of its own.
+            "node_ranks": 1 if rt.store.node is None else rt.store.node.local_size}
 
 
 def entry_path(key: dict, root: str | None = None) -> str:

@@ -1,0 +1,106 @@
+"""Full fine-tuning across ranks, ZeRO-2 style on the host: each training block has one owner per node, which
+alone lands its gradient, keeps its optimizer states and steps its master.
+
+Under torch.distributed every rank computes every block's weight gradients in its backward. DDP would
+all-reduce them to every rank: each rank would then land every gradient on the host and step every master (N
+times the host work, and with the node's shared store N writers of one master). Here a block's gradients are
+summed once, on the GPU over NCCL (gloo on the CPU), into the block's owner (`NodeStore.owns`: the node's rank
+b mod the node's ranks), which lands them on its host, steps the block, and rebuilds the block's streamed
+copies in the node's shared store. The other ranks hold no gradient buffer and no optimizer state for it, and
+their `.grad` of its weights stays None (a torch optimizer skips such a parameter).
+
+One collective per block, issued when the block's last training weight has its gradient (grads.py gathers
+them into one flat device buffer first), so every rank issues the same collectives in the same order whatever
+its compiled graphs look like (plans may differ between ranks: a block one recomputes, another keeps). They
+run on a process group of their own, never interleaved with DDP's all-reduces of the resident parameters.
+
+After a step the owners write their blocks, and no rank may read those bytes before they are written. At the
+first fetch after a backward (`HostStore.before_fetch`), every rank rebuilds the streamed copies of the blocks
+it owns, waits for the node's other ranks (a barrier), and marks the blocks it does not own written (their
+version counters move, so its slots and resident copies are fetched again).
+
+Several nodes: each node has its own owners; a block's gradient is all-reduced over every rank and each
+node's owner keeps it. Without a node-shared store (`node_shared_store="off"`) every rank owns every block:
+its gradients are all-reduced, and each rank steps its own master (DDP's arithmetic, on the host).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import precision as precisions
+
+log = logging.getLogger(__name__)
+
+
+class GradShards:
+    def __init__(self, group, world: int, node):
+        self.group = group
+        self.world = world
+        self.node = node  # NodeStore, or None: every rank owns every block
+        # One node: the block's gradient goes to its owner alone; several: every rank gets the sum.
+        self.to_owner = node is not None and node.local_size == world
+        self.reduces = 0
+
+    @classmethod
+    def create(cls, layers, node, device: torch.device) -> "GradShards | None":
+        """The shards of a job of several ranks whose streamed weights train (None otherwise). A collective."""
+        if not any(spec.weight.requires_grad for spec in layers):
+            return None
+        try:
+            import torch.distributed as dist
+        except ImportError:
+            return None
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        group = dist.new_group(backend="nccl" if torch.device(device).type == "cuda" else "gloo")
+        return cls(group, dist.get_world_size(), node)
+
+    def mine(self, block: int) -> bool:
+        """Whether this rank lands the block's gradients, keeps its optimizer states and steps it."""
+        return self.node is None or self.node.owns(block)
+
+    def owner(self, block: int) -> int:
+        return self.node.local_ranks[block % self.node.local_size]
+
+    def reduce(self, buf: torch.Tensor, block: int, dtype: torch.dtype) -> None:
+        """Sum `buf` (the block's flat gradients, `dtype` elements) over the ranks into its owner(s), who divide
+        it by the ranks (DDP's mean). On a GPU the compute stream waits for it; the host does not."""
+        import torch.distributed as dist
+
+        values = buf.view(dtype)
+        if self.to_owner:
+            dist.reduce(values, dst=self.owner(block), group=self.group)
+        else:
+            dist.all_reduce(values, group=self.group)
+        if self.mine(block):
+            values.div_(self.world)
+        self.reduces += 1
+
+    def sync(self, store, training_blocks: list[int]) -> None:
+        """The first fetch after a backward: the owners' blocks are written before anyone reads them."""
+        if self.node is None:
+            return  # every rank steps its own master
+        for block in training_blocks:
+            if self.mine(block):  # streamed copies rebuilt now (a torch optimizer leaves that to the next fetch)
+                for precision in list(store.blocks[block].buffers):
+                    if precision != precisions.FULL or store.blocks[block].file_master is not None:
+                        store.ensure_fresh(block, precision)
+        self.node.barrier()
+        for block in training_blocks:
+            if not self.mine(block):
+                store.mark_written(block)  # another rank stepped it: slots and copies of it are stale here
+
+    def close(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group(group)
+            except Exception as e:  # noqa: BLE001 - at exit the default group may be gone
+                log.debug("stagehand: the gradient group was not destroyed: %s", e)
+        if self.node is not None:
+            self.node.close()
