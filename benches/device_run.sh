@@ -97,6 +97,14 @@ soak_wait() {
     echo "soak still running after $1 s: run STAGES=soakwait next (within the machine's idle release)"
   fi
 }
+# DeepSpeed and the dependencies the device lacks, carried in .whl/ds: pip takes from there only what is missing
+# (its CPU Adam JIT-builds at the first use).
+install_deepspeed() {
+  if ls .whl/ds/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --find-links .whl/ds deepspeed > /tmp/ds_install.log 2>&1 \
+      || tail -5 /tmp/ds_install.log
+  fi
+}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -152,19 +160,16 @@ for stage in $STAGES; do
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/${MOE_NAME:-moe_qwen3_30b}.log" ;;
     moegen) timeout ${MOEGEN_TIMEOUT:-560} python3 benches/moe_generate.py ${MOEGEN_ARGS:-} --out "$OUT/moe_generate.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/moe_generate.log" ;;
-    multigpu) # LoRA under DDP (NCCL) on every GPU of the machine, one host store per node (benches/multi_gpu.py)
+    multigpu) # DDP (NCCL) on the machine's GPUs, one host store per node (benches/multi_gpu.py); --deepspeed rows
+            install_deepspeed
             timeout ${MULTIGPU_TIMEOUT:-580} python3 benches/multi_gpu.py ${MULTIGPU_ARGS:-} \
               --out "$OUT/${MULTIGPU_NAME:-multi_gpu_flux}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|nanobind|leaked" \
               | tee "$OUT/${MULTIGPU_NAME:-multi_gpu_flux}.log" ;;
     start)  timeout ${START_TIMEOUT:-570} python3 benches/start_time.py --rows ${START_ROWS:-qwen:int8 qwen:bf16 qwen:resident} \
               --modes ${START_MODES:-cold warm} ${START_ARGS:-} --out "$OUT/start_time_${MODEL:-qwen}.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/start_time_${MODEL:-qwen}.log" ;;
-    fullft) # full fine-tuning (benches/full_finetune.py); the deepspeed rows need .whl/ds (deepspeed and the
-            # dependencies the device lacks: pip takes from there only what is missing; its CPU Adam JIT-builds)
-            if ls .whl/ds/*.whl >/dev/null 2>&1; then
-              python3 -m pip install -q --no-index --find-links .whl/ds deepspeed > /tmp/ds_install.log 2>&1 \
-                || tail -5 /tmp/ds_install.log
-            fi
+    fullft) # full fine-tuning (benches/full_finetune.py); the deepspeed rows need .whl/ds (install_deepspeed)
+            install_deepspeed
             timeout ${FULLFT_TIMEOUT:-570} python3 benches/full_finetune.py ${FULLFT_ARGS:-} \
               --out "$OUT/${FULLFT_NAME:-full_finetune_qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
               | tee "$OUT/${FULLFT_NAME:-full_finetune_qwen}.log" ;;
