@@ -197,9 +197,14 @@ def run_row(args, gpus: int, share: str = "auto", engine: str = "stagehand") -> 
                os.path.abspath(__file__), "--child", "--child-out", tmp, "--workload", args.workload,
                "--engine", engine, "--budget", str(args.budget), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--share", share] + (["--tiny"] if args.tiny else [])
+        # torchrun would set OMP_NUM_THREADS=1 in each rank: the host's work (HostAdamW, DeepSpeed's CPU Adam)
+        # then runs on one core. Every engine gets its share of the cores, as its user would set.
+        threads = max(1, len(os.sched_getaffinity(0)) // gpus)
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
         t0 = time.perf_counter()
         try:
-            done = subprocess.run(cmd, timeout=args.row_timeout_s).returncode
+            done = subprocess.run(cmd, timeout=args.row_timeout_s * (1.5 if engine == "deepspeed" else 1),
+                                  env=env).returncode
         except subprocess.TimeoutExpired:
             done = "timeout"
         wall = time.perf_counter() - t0
@@ -215,6 +220,7 @@ def run_row(args, gpus: int, share: str = "auto", engine: str = "stagehand") -> 
         return {"mode": label, "gpus": gpus, "engine": engine, "error": f"torchrun {done}, {len(ranks)} of {gpus} ranks"}
     step_ms = max(r["step_ms"] for r in ranks)  # DDP's all-reduce ends every rank's step together
     row = {"mode": label, "gpus": gpus, "engine": engine, "share": share, "step_ms": step_ms,
+           "omp_num_threads": env["OMP_NUM_THREADS"],
            "samples_s": round(gpus / step_ms * 1e3, 3), "node_pss_gb": round(sum(r["pss"] for r in ranks) / 1e9, 2),
            "max_rank_rss_gb": round(max(r["rss"] for r in ranks) / 1e9, 2),
            "first_step_s": max(r["first_step_s"] for r in ranks), "peak_gib": max((r["peak_gib"] or 0) for r in ranks),
