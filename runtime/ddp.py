@@ -1,4 +1,4 @@
-"""DistributedDataParallel over an offloaded model: DDP leaves the streamed weights alone.
+"""DistributedDataParallel and FSDP2 over an offloaded model: both leave the streamed weights alone.
 
 Left to itself DDP would broadcast every parameter from rank 0 when it is built (the streamed weights too:
 gigabytes copied over the host store of every rank, the same values each rank has already) and refuse a module
@@ -7,7 +7,13 @@ documented way out is the module's ignore list (`_set_params_and_buffers_to_igno
 it for the model it offloads, and `Runtime.prepare_ddp(module)` for a wrapper built after offload (a peft model
 made from the offloaded one), whose parameter names differ.
 
-A streamed weight that trains is ignored too: its gradient reaches the host by the runtime's own lane (grads.py),
+FSDP2 (`fully_shard`) takes them in its `ignored_params` (`Runtime.streamed_parameters()`): it then shards the
+rest (embeddings, heads, norms, adapters) while the blocks stream. A streamed weight it sharded anyway would be
+kept on the device in shards, all-gathered at every forward and stepped as FSDP's copy, not the host master:
+fully_shard's assignment of it is refused (streamed.py), and `check_not_sharded` checks again at the first graph
+or eager call.
+
+A streamed weight that trains is ignored by DDP too: its gradient reaches the host by the runtime's own lane (grads.py),
 not by autograd's accumulation that DDP hooks, and on several ranks the runtime sums it into its block's owner
 (shards.py).
 """
@@ -18,6 +24,8 @@ from typing import Callable
 
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
+
+from .streamed import ShardedStreamedWeightError, sharded_message
 
 
 def ignore_streamed(module: nn.Module, layers) -> Callable[[], None]:
@@ -38,3 +46,14 @@ def ignore_streamed(module: nn.Module, layers) -> Callable[[], None]:
             module.__dict__.pop("_ddp_params_and_buffers_to_ignore", None)
 
     return put_back
+
+
+def check_not_sharded(layers) -> None:
+    """Refuse a streamed weight that FSDP2 turned into a sharded DTensor, naming it and the way out."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without distributed: nothing can shard
+        return
+    for spec in layers:
+        if isinstance(spec.module._parameters.get(spec.param), DTensor):
+            raise ShardedStreamedWeightError(sharded_message(spec.weight_name))

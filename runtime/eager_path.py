@@ -23,6 +23,7 @@ import contextlib
 import torch
 
 from .blocks import check_not_wrapped_off_device
+from .ddp import check_not_sharded
 from .conductor.trace import EAGER
 from .eager_notice import warn_eager_once
 from .ops import grad_input_from_slot, linear_from_slot
@@ -108,6 +109,7 @@ class EagerPath:
             if first == index:
                 for i in range(index, index + len(rt.store.blocks[block].layers)):
                     check_not_wrapped_off_device(rt.layers[i], rt._layer_slots[i], rt.device)
+                check_not_sharded(rt.layers[index:index + len(rt.store.blocks[block].layers)])
                 # Eager calls have no schedule; fetching the block that runs next (in the order the
                 # blocks ran, reversed in backward) while this one runs still pays. The slot just
                 # acquired is held, so this prefetch can never overwrite it.

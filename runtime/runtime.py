@@ -30,7 +30,7 @@ from .eager_path import EagerPath
 from .experts import attach_streamed
 from .events import RuntimeEvents, progress, unwrap_optimizer
 from .grads import GradLane
-from .ddp import ignore_streamed
+from .ddp import check_not_sharded, ignore_streamed
 from .host_setup import build_host_store, load_resident
 from .shards import GradShards
 from .host_plan import check_master_dtypes
@@ -217,6 +217,10 @@ class Runtime(SelectivePrecisionAPI):
         self._hooks += self._selective_hooks(optimizer)  # selective precision runs before the step
         return self
 
+    def streamed_parameters(self) -> set[nn.Parameter]:
+        """The streamed weights: what FSDP2's `fully_shard(..., ignored_params=...)` must leave alone (ddp.py)."""
+        return {spec.weight for spec in self.layers}
+
     def prepare_ddp(self, module: nn.Module) -> nn.Module:
         """Call before `DistributedDataParallel(module)` when `module` wraps the offloaded model under other
         names (a peft model made after offload): DDP then leaves the streamed weights alone (ddp.py)."""
@@ -277,6 +281,7 @@ class Runtime(SelectivePrecisionAPI):
         self.events.compiled("block variant" if block_variant else "unit", seconds, loaded)
 
     def record_graph(self, record: Any) -> None:
+        check_not_sharded(self.layers)  # before a graph runs: no streamed weight in FSDP's hands
         self.graph_records.append(record)
         self.planner.on_graph(getattr(record, "input_shapes", []))  # the first graph's inputs key the kept cost model
         self.events.compiled("graph", 0.0)

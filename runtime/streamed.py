@@ -99,6 +99,8 @@ def copy_into_master(master: torch.Tensor, value, name: str) -> None:
     if value is master:
         return
     where = f"stagehand: {name} streams from the host store"
+    if type(value).__name__ == "DTensor" or type(getattr(value, "data", None)).__name__ == "DTensor":
+        raise ShardedStreamedWeightError(sharded_message(name))
     if not isinstance(value, torch.Tensor):
         raise StreamedWeightAssignmentError(f"{where}; it takes a tensor's values, got {type(value).__name__}")
     if master.is_meta:
@@ -116,6 +118,16 @@ def copy_into_master(master: torch.Tensor, value, name: str) -> None:
         # An in-place write: the buffer's version moves, so the block's slot copy and its
         # INT8 copy are refreshed before the next call reads them.
         master.detach().copy_(value)
+
+
+class ShardedStreamedWeightError(StreamedWeightAssignmentError):
+    """FSDP2 sharded a streamed weight (fully_shard without the streamed weights in its ignored_params)."""
+
+
+def sharded_message(name: str) -> str:
+    return (f"stagehand: streamed weight {name} was given to FSDP (fully_shard) after offload: FSDP would keep its "
+            "shards on the device, all-gather it at every forward and step its own copy instead of the host master. "
+            "Pass fully_shard(..., ignored_params=rt.streamed_parameters()): the blocks stream, FSDP shards the rest")
 
 
 def refuse_dtype_conversion(fn, modules) -> None:

@@ -5,7 +5,8 @@ gradients against a single process on the whole batch, what its maps hold of the
     python tests/ranks_worker.py SCENARIO RANK WORLD PORT OUT_DIR
 
 SCENARIO: "ddp" (the step; gloo on the CPU), "ddp_cuda" (the step, NCCL, a GPU per rank, pinned pages, Inductor),
-"fullft_host" / "fullft_torch" (full fine-tuning, two steps, HostAdamW / torch's AdamW),
+"fullft_host" / "fullft_torch" (full fine-tuning, three steps, HostAdamW / torch's AdamW), "fsdp" (LoRA with FSDP2
+sharding what does not stream; sharding a streamed weight refused),
 "follower_fails" (rank 1 raises while its store is being filled), "leader_killed" (rank 0 is SIGKILLed after its
 first shared allocation).
 """
@@ -141,6 +142,44 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) ->
                                                                       for b in bb.buffers.values()]))}
 
 
+def fsdp_lora(rank: int, world: int) -> dict:
+    """FSDP2 shards what does not stream (embeddings, head, norms, LoRA) while the blocks stream; sharding a
+    streamed weight is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from torch_stagehand.runtime.streamed import ShardedStreamedWeightError
+
+    mesh = init_device_mesh("cpu", (world,))
+    ids = torch.randint(0, 256, (world * PER_RANK, 16), generator=torch.Generator().manual_seed(1))
+    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+    out = {}
+    wrong = build()  # every parameter sharded, the streamed weights too
+    stagehand.offload(wrong, device="cpu", verbose=False)
+    try:
+        fully_shard(wrong, mesh=mesh)
+        out["refused"] = None
+    except ShardedStreamedWeightError as e:
+        out["refused"] = str(e)
+
+    model = build()
+    reference = copy.deepcopy(model)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    want = lora_grads(reference)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    fully_shard(model, mesh=mesh, ignored_params=rt.streamed_parameters())
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    compiled(input_ids=mine, labels=mine).loss.backward()
+    got = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+           for n, p in model.named_parameters() if p.requires_grad}
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    out.update(grad_rel_err=max(float((got[n] - w).abs().max() / w.abs().max()) for n, w in want.items()),
+               grads_compared=len(want), sharded=len(sharded), eager_linear_calls=rt.stats()["eager_linear_calls"],
+               streamed_sharded=sum(isinstance(p, DTensor) for p in rt.streamed_parameters()))
+    return out
+
+
 def failed_offload(rank: int, scenario: str) -> dict:
     model = build()
     before = checksum(model)
@@ -184,13 +223,15 @@ def main() -> None:
                             world_size=world, timeout=timedelta(seconds=120))
     if scenario.startswith("ddp"):
         result = ddp_step(rank, world, f"cuda:{rank}" if cuda else "cpu")
+    elif scenario == "fsdp":
+        result = fsdp_lora(rank, world)
     elif scenario.startswith("fullft"):
         result = full_finetune(rank, world, scenario.removeprefix("fullft_"))
     else:
         result = failed_offload(rank, scenario)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    if scenario.startswith(("ddp", "fullft")):
+    if scenario.startswith(("ddp", "fullft", "fsdp")):
         dist.destroy_process_group()
     # A failed scenario leaves its default group to the process's exit: the peer may be gone.
 

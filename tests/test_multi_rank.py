@@ -45,7 +45,7 @@ def run_ranks(scenario: str, world: int, tmp_path) -> tuple[list[int], list[dict
     for r in range(world):
         path = tmp_path / f"rank{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
-    if scenario.startswith(("ddp", "fullft")):
+    if scenario.startswith(("ddp", "fullft", "fsdp")):
         assert codes == [0] * world, "\n".join(logs[-1].splitlines()[-30:])
     return codes, results
 
@@ -80,6 +80,14 @@ def test_full_fine_tuning_with_sharded_host_optimizer_equals_one_process(world, 
         assert r["grad_buffer_blocks"] == owned
         assert {int(n.split(".")[2]) for n in r["streamed_states"]} == set(owned)
     assert sum(len(r["streamed_states"]) for r in ranks) == 7 * streamed_blocks  # every weight's states, once
+
+
+def test_fsdp2_shards_what_does_not_stream_and_refuses_a_streamed_weight(tmp_path):
+    _, ranks = run_ranks("fsdp", 2, tmp_path)
+    for r in ranks:
+        assert "ignored_params=rt.streamed_parameters()" in r["refused"]  # fully_shard took the streamed weights
+        assert r["grads_compared"] == 4 * 2 * 2 and r["grad_rel_err"] < 1e-5  # FSDP's mean: the whole batch's
+        assert r["sharded"] > 0 and r["streamed_sharded"] == 0 and r["eager_linear_calls"] == 0
 
 
 @pytest.mark.gpu
