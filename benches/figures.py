@@ -458,6 +458,35 @@ def moe_table(name: str = "moe_qwen3_30b.json") -> str:
     return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n"
 
 
+def multi_gpu_table(name: str) -> str:
+    """Training on the GPUs of one node under DDP, one host store per node (benches/multi_gpu.py)."""
+    data = load(name)
+    cols = [Col("run", lambda r: r["mode"]), Col("step ms", field("step_ms", ms)),
+            Col("samples / s", field("samples_s", num, 2)), Col("x 1 GPU", field("speedup", num, 2)),
+            Col("x DeepSpeed step", field("x_deepspeed", num, 2)),
+            Col("H2D limit ms", field("h2d_bound_ms", ms)),
+            Col("host optimizer ms", lambda r: ms(r["host_optimizer_ms"]) if r.get("host_optimizer_ms") else ""),
+            Col("node host memory GB (sum of Pss)", field("node_pss_gb", num, 1)),
+            Col("x 1 GPU's", field("node_memory_vs_one", num, 2)),
+            Col("largest rank RSS GB", field("max_rank_rss_gb", num, 1)),
+            Col("page-locked GB per rank", field("pinned_locked_gb_per_rank", num, 1)),
+            Col("first step s", field("first_step_s", num, 1))]
+    if data["workload"] == "lora":
+        what = ("diffusers' FluxTransformer2DModel at Flux-dev size, peft LoRA r=16 on attention, AdamW, "
+                f"checkpointing, 4096 + 512 tokens, batch 1 per GPU, int8, `vram_budget` {data['budget_gib']:g} GiB per "
+                "GPU")
+    else:
+        what = ("transformers' Qwen2ForCausalLM at Qwen2.5-7B's shape, every parameter trained, sequence 2048, batch 1 "
+                f"per GPU, bf16 weights, `vram_budget` {data['budget_gib']:g} GiB per GPU, `HostAdamW` (fp32 master "
+                "and moments; on 2 GPUs each block's on its owner), against DeepSpeed ZeRO-2 with "
+                "`offload_optimizer: cpu` (bf16, its CPU Adam) on the same GPUs")
+    what += ("; each row a fresh `torchrun` job, `compile_blocks` + `DistributedDataParallel` (NCCL), "
+             "OMP_NUM_THREADS = cores / GPUs for every engine; node host memory: the ranks' Pss summed "
+             "(/proc/<pid>/smaps_rollup: a page mapped by both ranks counts once); H2D limit: the streamed bytes "
+             "per step at the bandwidth measured with every rank copying at once")
+    return f"{caption(name, what=what)}\n\n{table(data['rows'], cols)}\n"
+
+
 def moe_generate_table(name: str = "moe_generate.json") -> str:
     """Generation with streamed experts against accelerate's offload (benches/moe_generate.py)."""
     data = load(name)
@@ -976,6 +1005,9 @@ FIGURES: dict[str, Figure] = {
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
+    "multi_gpu_flux": Figure(lambda: multi_gpu_table("multi_gpu_flux.json"), ("multi_gpu_flux.json",)),
+    "multi_gpu_qwen_fullft": Figure(lambda: multi_gpu_table("multi_gpu_qwen_fullft.json"),
+                                    ("multi_gpu_qwen_fullft.json",)),
     "host_adamw_states": Figure(host_adamw_states, ("host_adamw_states_cpu.json",)),
     "peers_flux": Figure(peers_table, ("models_flux.json", "budget_sweep_flux.json", *PEER_FILES)),
     "peers_host_memory": Figure(host_memory_of_peers, (*PEER_FILES, "host_memory_flux.json")),

@@ -2,6 +2,7 @@
 
     python examples/accelerate_loop.py path/to/model-folder --text train.txt --steps 100 --out accel-out
     python examples/accelerate_loop.py path/to/model-folder --steps 200 --out accel-out --resume
+    accelerate launch --num_processes 2 examples/accelerate_loop.py path/to/model-folder   # DDP, 2 GPUs (or torchrun)
 
 The model is offloaded before `accelerator.prepare`; `stagehand_dynamo_plugin()` makes prepare
 compile it with backend="stagehand"; `rt.attach` takes the prepared (wrapped) optimizer.

@@ -2,6 +2,7 @@
 
     python examples/hf_trainer.py path/to/model-folder --text train.txt --steps 100 --out trainer-out
     python examples/hf_trainer.py path/to/model-folder --steps 200 --out trainer-out --resume   # from the last checkpoint
+    torchrun --nproc_per_node=2 examples/hf_trainer.py path/to/model-folder --out trainer-out     # DDP, 2 GPUs
 
 The model is offloaded before the Trainer wraps it; `TrainingArguments(torch_compile=True,
 torch_compile_backend="stagehand")` does the compile. `StagehandTrainer` is a `Trainer` that
@@ -63,13 +64,14 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     model.requires_grad_(False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    rt = stagehand.offload(model, precision=args.precision)  # before the Trainer wraps the model
-
     training_args = TrainingArguments(
         output_dir=args.out, max_steps=args.steps, save_steps=args.save_steps, per_device_train_batch_size=args.batch,
         learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=not on_gpu, bf16=False,
         torch_compile=True, torch_compile_backend="stagehand",
     )
+    # Before the Trainer wraps the model, on this rank's device: under torchrun `training_args.device` starts
+    # torch.distributed, so the ranks of a node share one host store.
+    rt = stagehand.offload(model, device=training_args.device, precision=args.precision)
     trainer = StagehandTrainer(model=model, args=training_args, train_dataset=Windows(ids, args.seq),
                                stagehand_options={} if on_gpu else {"inner": "eager"})  # Inductor is slow on a CPU
     trainer.train(resume_from_checkpoint=True if args.resume else None)

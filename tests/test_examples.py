@@ -100,6 +100,23 @@ def test_hf_trainer_reloads_its_adapter_into_the_plain_model(tmp_path):
     assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # trained, so the comparison can tell
 
 
+@pytest.mark.parametrize("name", ["hf_trainer.py", "accelerate_loop.py"])
+def test_trainer_recipes_run_on_two_ranks_under_torchrun_with_one_host_store(name, tmp_path):
+    """`torchrun --nproc_per_node=2` (gloo on the CPU): the Trainer and accelerate wrap the offloaded model in DDP,
+    the two ranks share one host store, and both train to the end."""
+    save_tiny_llama(tmp_path / "model")
+    port = str(29500 + os.getpid() % 400)
+    env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", port,
+                           str(EXAMPLES / name), str(tmp_path / "model"), "--steps", "2", "--seq", "32",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=400, env=env,
+                          cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("shared by the 2 ranks of this node") == 2  # each rank's offload report
+    assert out.count("stagehand ran 2 steps here") == 2
+
+
 FOLDER_EXAMPLES = ["lora_causal_lm.py", "hf_trainer.py", "accelerate_loop.py", "lora_flux.py"]
 
 
