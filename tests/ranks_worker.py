@@ -6,7 +6,8 @@ gradients against a single process on the whole batch, what its maps hold of the
 
 SCENARIO: "ddp" (the step; gloo on the CPU), "ddp_cuda" (the step, NCCL, a GPU per rank, pinned pages, Inductor),
 "fullft_host" / "fullft_torch" (full fine-tuning, three steps, HostAdamW / torch's AdamW), "fsdp" (LoRA with FSDP2
-sharding what does not stream; sharding a streamed weight refused),
+sharding what does not stream; sharding a streamed weight refused), "files" (offload from a checkpoint and a slab:
+each rank reads its blocks' rows),
 "follower_fails" (rank 1 raises while its store is being filled), "leader_killed" (rank 0 is SIGKILLed after its
 first shared allocation).
 """
@@ -180,6 +181,35 @@ def fsdp_lora(rank: int, world: int) -> dict:
     return out
 
 
+def from_files(out_dir: str) -> dict:
+    """A model built on the meta device, offloaded from its checkpoint and INT8 slab (files.json names them): each
+    rank reads the slab rows of the blocks it owns only, and every rank computes with all of them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torch_stagehand.runtime.slab import SlabReader
+
+    with open(os.path.join(out_dir, "files.json")) as f:
+        files = json.load(f)
+    reads = []
+    read = SlabReader.read_layer_into
+
+    def counted(self, name, *args, **kwargs):
+        reads.append(name)
+        return read(self, name, *args, **kwargs)
+
+    SlabReader.read_layer_into = counted
+    with init_empty_weights():
+        meta = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(files["checkpoint"])).eval()
+    rt = stagehand.offload(meta, device="cpu", precision="int8", checkpoint=files["checkpoint"], slab=files["slab"],
+                           verbose=False)
+    ids = torch.tensor(files["ids"])
+    with torch.no_grad():
+        logits = meta(input_ids=ids).logits
+    return {"logits": logits.tolist(), "rows_read": sorted({int(n.split(".")[2]) for n in reads}),
+            "layers_read": len(reads), "node_ranks": rt.stats()["host"]["node_ranks"]}
+
+
 def failed_offload(rank: int, scenario: str) -> dict:
     model = build()
     before = checksum(model)
@@ -223,6 +253,8 @@ def main() -> None:
                             world_size=world, timeout=timedelta(seconds=120))
     if scenario.startswith("ddp"):
         result = ddp_step(rank, world, f"cuda:{rank}" if cuda else "cpu")
+    elif scenario == "files":
+        result = from_files(out_dir)
     elif scenario == "fsdp":
         result = fsdp_lora(rank, world)
     elif scenario.startswith("fullft"):
@@ -231,7 +263,7 @@ def main() -> None:
         result = failed_offload(rank, scenario)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    if scenario.startswith(("ddp", "fullft", "fsdp")):
+    if scenario.startswith(("ddp", "fullft", "fsdp", "files")):
         dist.destroy_process_group()
     # A failed scenario leaves its default group to the process's exit: the peer may be gone.
 

@@ -45,7 +45,7 @@ def run_ranks(scenario: str, world: int, tmp_path) -> tuple[list[int], list[dict
     for r in range(world):
         path = tmp_path / f"rank{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
-    if scenario.startswith(("ddp", "fullft", "fsdp")):
+    if scenario.startswith(("ddp", "fullft", "fsdp", "files")):
         assert codes == [0] * world, "\n".join(logs[-1].splitlines()[-30:])
     return codes, results
 
@@ -80,6 +80,38 @@ def test_full_fine_tuning_with_sharded_host_optimizer_equals_one_process(world, 
         assert r["grad_buffer_blocks"] == owned
         assert {int(n.split(".")[2]) for n in r["streamed_states"]} == set(owned)
     assert sum(len(r["streamed_states"]) for r in ranks) == 7 * streamed_blocks  # every weight's states, once
+
+
+def test_offload_from_files_reads_each_blocks_rows_once_per_node(tmp_path):
+    """A meta model offloaded from its checkpoint and its INT8 slab on two ranks: each reads the slab rows of the
+    blocks it writes into the node's store, and both compute what one process does."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    import torch_stagehand as stagehand
+    from torch_stagehand.runtime.slab import build_slab_from_module
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(tmp_path / "ckpt")
+    slab = build_slab_from_module(model, tmp_path / "slab", "qwen_int8", "qwen-tiny", include_prefixes=("model.layers.",),
+                                  progress=False, print_report=False, compare_quantizers=False).manifest_path
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "files.json").write_text(json.dumps({"checkpoint": str(tmp_path / "ckpt"), "slab": str(slab),
+                                                     "ids": ids.tolist()}))
+    with init_empty_weights():
+        alone = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "ckpt")).eval()
+    rt = stagehand.offload(alone, device="cpu", precision="int8", checkpoint=tmp_path / "ckpt", slab=slab, verbose=False)
+    with torch.no_grad():
+        want = alone(input_ids=ids).logits
+    rt.close()
+    _, ranks = run_ranks("files", 2, tmp_path)
+    assert [r["rows_read"] for r in ranks] == [[0, 2], [1]]  # block b's rows by the node's rank b mod 2
+    assert sum(r["layers_read"] for r in ranks) == 7 * 3  # every streamed layer once per node
+    for r in ranks:
+        assert r["node_ranks"] == 2 and torch.equal(torch.tensor(r["logits"]), want)
 
 
 def test_fsdp2_shards_what_does_not_stream_and_refuses_a_streamed_weight(tmp_path):
