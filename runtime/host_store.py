@@ -70,7 +70,7 @@ class HostStore:
     def __init__(self, layers: list[StreamedLayerSpec], n_blocks: int, pin: bool, quantizer: str, quant_device=None,
                  pinner=None, keep_full: str = KEEP_PINNED, node=None):
         self.pin = pin
-        # The node's shared store (node_store.py): offload's allocations are the node's, filled by its leader.
+        # The node's shared store (node_store.py): offload's allocations are the node's, each block's by its owner.
         self.node = node
         self.pinner = pinner if pinner is not None else NoPinner()
         self.keep_full = keep_full

@@ -182,26 +182,36 @@ class NodeStore:
     def _leave(self) -> None:
         """Drop the node's gloo group (each rank its own handle; nothing else is exchanged on it)."""
         group, self.group = self.group, None
-        if group is not None:
-            import torch.distributed as dist
+        destroy_group(group, "the node group")
 
-            try:
-                dist.destroy_process_group(group)
-            except Exception as e:  # noqa: BLE001 - the default group may be gone already at exit
-                log.debug("stagehand: the node group was not destroyed: %s", e)
+
+def several_ranks() -> bool:
+    """Whether this process is one of several ranks of an initialized torch.distributed job."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def destroy_group(group, what: str) -> None:
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(group)
+    except Exception as e:  # noqa: BLE001 - the default group may be gone already at exit
+        log.debug("stagehand: %s was not destroyed: %s", what, e)
 
 
 def join(config, device) -> NodeStore | None:
     """This rank's NodeStore when torch.distributed runs more than one rank on this node and they can share
     (`Config.node_shared_store`); None otherwise. A collective: every rank of the job calls it (offload)."""
-    if config.node_shared_store == "off":
+    if config.node_shared_store == "off" or not several_ranks():
         return None
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
+    import torch.distributed as dist
+
     why_not = "" if hasattr(os, "memfd_create") else "this platform has no memfd_create"
     timeout = timedelta(seconds=config.node_timeout_s)
     # Gloo groups of their own: the exchanges are a few small objects on the CPU, whatever the job's backend.

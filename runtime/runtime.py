@@ -137,7 +137,7 @@ class Runtime(SelectivePrecisionAPI):
         self._precision: dict[int, str] = {}
         self.planner = PlanDriver(self, budget, cost_model)
         self.set_precision(precision)
-        if self.node is not None:  # the leader has filled the node's pages: from here every rank reads them
+        if self.node is not None:  # every block's owner has filled its pages: from here every rank reads them
             self.node.seal(self.device, self.store.pin, keep_group=self.grads.shards is not None)
             self._undo.release_deferred()
         self.pool = self.planner.make_pool()  # the slots and resident blocks the plan asks for

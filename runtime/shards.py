@@ -26,18 +26,16 @@ its gradients are all-reduced, and each rank steps its own master (DDP's arithme
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from . import precision as precisions
-
-log = logging.getLogger(__name__)
+from .node_store import destroy_group, several_ranks
 
 
 class GradShards:
-    def __init__(self, group, world: int, node):
+    def __init__(self, group, world: int, node, device: torch.device):
         self.group = group
+        self.device = torch.device(device)  # where a collective's tensors live (NCCL: this rank's GPU)
         self.world = world
         self.node = node  # NodeStore, or None: every rank owns every block
         # One node: the block's gradient goes to its owner alone; several: every rank gets the sum.
@@ -47,16 +45,12 @@ class GradShards:
     @classmethod
     def create(cls, layers, node, device: torch.device) -> "GradShards | None":
         """The shards of a job of several ranks whose streamed weights train (None otherwise). A collective."""
-        if not any(spec.weight.requires_grad for spec in layers):
+        if not any(spec.weight.requires_grad for spec in layers) or not several_ranks():
             return None
-        try:
-            import torch.distributed as dist
-        except ImportError:
-            return None
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-            return None
+        import torch.distributed as dist
+
         group = dist.new_group(backend="nccl" if torch.device(device).type == "cuda" else "gloo")
-        return cls(group, dist.get_world_size(), node)
+        return cls(group, dist.get_world_size(), node, device)
 
     def mine(self, block: int) -> bool:
         """Whether this rank lands the block's gradients, keeps its optimizer states and steps it."""
@@ -79,6 +73,14 @@ class GradShards:
             values.div_(self.world)
         self.reduces += 1
 
+    def sum_over_ranks(self, value: float) -> float:
+        """A number summed over every rank (HostAdamW's squared gradient norm: each rank holds its blocks')."""
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return float(t)
+
     def sync(self, store, training_blocks: list[int]) -> None:
         """The first fetch after a backward: the owners' blocks are written before anyone reads them."""
         if self.node is None:
@@ -95,12 +97,6 @@ class GradShards:
 
     def close(self) -> None:
         group, self.group = self.group, None
-        if group is not None:
-            import torch.distributed as dist
-
-            try:
-                dist.destroy_process_group(group)
-            except Exception as e:  # noqa: BLE001 - at exit the default group may be gone
-                log.debug("stagehand: the gradient group was not destroyed: %s", e)
+        destroy_group(group, "the gradient group")
         if self.node is not None:
             self.node.close()

@@ -104,7 +104,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             self._block_params[self._layer(p)[1]].append(p)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._param_of = {self._layer(p)[0]: p for p in self._streamed}
-        self._check_shards(delayed_update, max_grad_norm)
+        self._check_shards(delayed_update)
         self._preflight()
         for p in progress([p for p in self._streamed if p.requires_grad and self._owned(p)],
                           "HostAdamW: host optimizer states"):
@@ -144,7 +144,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         shards = self.runtime.grads.shards if self.runtime is not None else None
         return shards is None or shards.mine(self._layer(p)[1])
 
-    def _check_shards(self, delayed_update: bool, max_grad_norm) -> None:
+    def _check_shards(self, delayed_update: bool) -> None:
         if self.runtime is None or self.runtime.grads.shards is None:
             return
         node = self.runtime.grads.shards.node
@@ -153,9 +153,6 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         if delayed_update:
             raise ValueError("HostAdamW: delayed_update=True is not built for several ranks (each block steps on its "
                              "owner: runtime/shards.py); use the default exact update")
-        if max_grad_norm is not None:
-            raise ValueError("HostAdamW: max_grad_norm needs the norm over every rank's shard of the gradients, "
-                             "which is not built for several ranks yet; clip without it or train on one rank")
 
     def _preflight(self) -> None:
         moments = f"{self.states} moments (exp_avg, exp_avg_sq)"
@@ -303,9 +300,16 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                 weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
 
     def _clip_scale(self) -> float:
-        """min(1, max_grad_norm / the global L2 norm of every gradient): one number read on the host."""
-        squares = [p.grad.float().square().sum() for g in self.param_groups for p in g["params"] if p.grad is not None]
-        total = math.sqrt(sum(float(s) for s in squares))
+        """min(1, max_grad_norm / the global L2 norm of every gradient): one number read on the host. Several
+        ranks: each streamed gradient is on its block's owner alone, so their squares are summed over the ranks;
+        the resident ones (DDP's mean, the same on every rank) count once."""
+        streamed = sum(float(p.grad.float().square().sum()) for p in self._streamed if p.grad is not None)
+        resident = sum(float(p.grad.float().square().sum()) for g in self.param_groups for p in g["params"]
+                       if p.grad is not None and not isinstance(p, HostMasterParameter))
+        shards = self.runtime.grads.shards if self.runtime is not None else None
+        if shards is not None:
+            streamed = shards.sum_over_ranks(streamed)
+        total = math.sqrt(streamed + resident)
         return min(1.0, self.max_grad_norm / (total + 1e-6))
 
     # ---- checkpoints --------------------------------------------------------------------------------------

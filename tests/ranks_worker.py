@@ -5,7 +5,8 @@ gradients against a single process on the whole batch, what its maps hold of the
     python tests/ranks_worker.py SCENARIO RANK WORLD PORT OUT_DIR
 
 SCENARIO: "ddp" (the step; gloo on the CPU), "ddp_cuda" (the step, NCCL, a GPU per rank, pinned pages, Inductor),
-"fullft_host" / "fullft_torch" (full fine-tuning, three steps, HostAdamW / torch's AdamW), "fsdp" (LoRA with FSDP2
+"fullft_host" / "fullft_torch" / "fullft_clip" (full fine-tuning, three steps, HostAdamW / torch's AdamW /
+HostAdamW clipping the global gradient norm), "fsdp" (LoRA with FSDP2
 sharding what does not stream; sharding a streamed weight refused), "files" (offload from a checkpoint and a slab:
 each rank reads its blocks' rows),
 "follower_fails" (rank 1 raises while its store is being filled), "leader_killed" (rank 0 is SIGKILLed after its
@@ -116,16 +117,19 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) ->
     # eps well above the rounding noise of a near-zero gradient: Adam's first steps are lr * sign(g) there,
     # and the ranks' sum of two half-batch gradients rounds differently from the whole batch's
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-3)
+    clip = 0.5 if optimizer_kind == "clip" else None  # below the gradients' norm (2.8 at the first step): it clips
     for _ in range(steps):
         reference(input_ids=ids, labels=ids).loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         ref_opt.step()
         ref_opt.zero_grad()
 
     rt = stagehand.offload(model, device="cpu", verbose=False, config=Config(node_timeout_s=60))
     ddp = torch.nn.parallel.DistributedDataParallel(model)  # the resident parameters; the streamed ones: shards
     compiled = torch.compile(ddp, backend="stagehand", options={"inner": "eager"})
-    opt = (HostAdamW(model.parameters(), lr=1e-3, eps=1e-3) if optimizer_kind == "host"
-           else torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3))
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3) if optimizer_kind == "torch"
+           else HostAdamW(model.parameters(), lr=1e-3, eps=1e-3, max_grad_norm=clip))
     mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
     for _ in range(steps):
         compiled(input_ids=mine, labels=mine).loss.backward()

@@ -67,7 +67,7 @@ def test_lora_ddp_equals_one_process_and_the_node_holds_one_store(world, tmp_pat
     assert ranks[1]["rss"] > 0 and ranks[1]["pss"] < 0.75 * ranks[1]["rss"]
 
 
-@pytest.mark.parametrize("world, optimizer", [(2, "host"), (3, "torch")])
+@pytest.mark.parametrize("world, optimizer", [(2, "host"), (3, "torch"), (2, "clip")])
 def test_full_fine_tuning_with_sharded_host_optimizer_equals_one_process(world, optimizer, tmp_path):
     """Three steps of every weight training: each block's gradients summed into its owner, which alone keeps
     its gradient buffer and optimizer states and steps it in the node's shared store; the others read it."""
