@@ -185,6 +185,12 @@ class NodeStore:
         destroy_group(group, "the node group")
 
 
+def node_name() -> str:
+    """What names this process's node: the host name, or STAGEHAND_NODE_NAME where the host names do not tell
+    the nodes apart (containers that share a host's memory but not its name, or the reverse)."""
+    return os.environ.get("STAGEHAND_NODE_NAME") or socket.gethostname()
+
+
 def several_ranks() -> bool:
     """Whether this process is one of several ranks of an initialized torch.distributed job."""
     try:
@@ -217,7 +223,7 @@ def join(config, device) -> NodeStore | None:
     # Gloo groups of their own: the exchanges are a few small objects on the CPU, whatever the job's backend.
     everyone = dist.new_group(backend="gloo", timeout=timeout)
     hellos: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hellos, (socket.gethostname(), os.getpid(), why_not), group=everyone)
+    dist.all_gather_object(hellos, (node_name(), os.getpid(), why_not), group=everyone)
     hosts = sorted({h for h, _, _ in hellos})
     per_node = [[r for r, (h, _, _) in enumerate(hellos) if h == host] for host in hosts]
     mine, _ = dist.new_subgroups_by_enumeration(per_node, timeout=timeout, backend="gloo")

@@ -5,8 +5,8 @@ gradients against a single process on the whole batch, what its maps hold of the
     python tests/ranks_worker.py SCENARIO RANK WORLD PORT OUT_DIR
 
 SCENARIO: "ddp" (the step; gloo on the CPU), "ddp_cuda" (the step, NCCL, a GPU per rank, pinned pages, Inductor),
-"fullft_host" / "fullft_torch" / "fullft_clip" (full fine-tuning, three steps, HostAdamW / torch's AdamW /
-HostAdamW clipping the global gradient norm), "fsdp" (LoRA with FSDP2
+"fullft_host" / "fullft_torch" / "fullft_clip" / "fullft_fsdp" (full fine-tuning, three steps, HostAdamW / torch's
+AdamW / HostAdamW clipping the global gradient norm / HostAdamW with FSDP2 sharding the resident parameters), "fsdp" (LoRA with FSDP2
 sharding what does not stream; sharding a streamed weight refused), "files" (offload from a checkpoint and a slab:
 each rank reads its blocks' rows),
 "follower_fails" (rank 1 raises while its store is being filled), "leader_killed" (rank 0 is SIGKILLed after its
@@ -126,8 +126,14 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) ->
         ref_opt.zero_grad()
 
     rt = stagehand.offload(model, device="cpu", verbose=False, config=Config(node_timeout_s=60))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)  # the resident parameters; the streamed ones: shards
-    compiled = torch.compile(ddp, backend="stagehand", options={"inner": "eager"})
+    if optimizer_kind == "fsdp":  # FSDP2 shards the resident parameters; the streamed ones: shards.py
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=rt.streamed_parameters())
+    else:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)  # the resident ones; the streamed: shards.py
+    compiled = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3) if optimizer_kind == "torch"
            else HostAdamW(model.parameters(), lr=1e-3, eps=1e-3, max_grad_norm=clip))
     mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
@@ -137,7 +143,10 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) ->
         opt.zero_grad()
     dist.barrier()  # every owner has stepped its blocks: the shared masters are final
     want = dict(reference.named_parameters())
-    errors = {n: float((p.detach() - want[n]).abs().max() / want[n].abs().max()) for n, p in model.named_parameters()}
+    from torch.distributed.tensor import DTensor
+
+    full = {n: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
+    errors = {n: float((p - want[n]).abs().max() / want[n].abs().max()) for n, p in full.items()}
     streamed = {id(spec.weight) for spec in rt.layers}
     states = [n for n, p in model.named_parameters() if id(p) in streamed and p in opt.state and opt.state[p]]
     return {"param_rel_err": max(errors.values()), "params_compared": len(errors),

@@ -27,10 +27,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(scenario: str, world: int, tmp_path) -> tuple[list[int], list[dict | None]]:
+def run_ranks(scenario: str, world: int, tmp_path, nodes: int = 1) -> tuple[list[int], list[dict | None]]:
+    """`world` ranks of `scenario`, spread over `nodes` named nodes (STAGEHAND_NODE_NAME; one machine here)."""
     port = str(_free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "STAGEHAND_CACHE_DIR": str(tmp_path / "cache")}
-    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(r), str(world), port, str(tmp_path)], env=env,
+    per_node = world // nodes
+    procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(r), str(world), port, str(tmp_path)],
+                              env={**env, "STAGEHAND_NODE_NAME": f"node{r // per_node}"} if nodes > 1 else env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     codes, logs = [], []
     try:
@@ -67,7 +70,7 @@ def test_lora_ddp_equals_one_process_and_the_node_holds_one_store(world, tmp_pat
     assert ranks[1]["rss"] > 0 and ranks[1]["pss"] < 0.75 * ranks[1]["rss"]
 
 
-@pytest.mark.parametrize("world, optimizer", [(2, "host"), (3, "torch"), (2, "clip")])
+@pytest.mark.parametrize("world, optimizer", [(2, "host"), (3, "torch"), (2, "clip"), (2, "fsdp")])
 def test_full_fine_tuning_with_sharded_host_optimizer_equals_one_process(world, optimizer, tmp_path):
     """Three steps of every weight training: each block's gradients summed into its owner, which alone keeps
     its gradient buffer and optimizer states and steps it in the node's shared store; the others read it."""
@@ -80,6 +83,16 @@ def test_full_fine_tuning_with_sharded_host_optimizer_equals_one_process(world, 
         assert r["grad_buffer_blocks"] == owned
         assert {int(n.split(".")[2]) for n in r["streamed_states"]} == set(owned)
     assert sum(len(r["streamed_states"]) for r in ranks) == 7 * streamed_blocks  # every weight's states, once
+
+
+def test_full_fine_tuning_on_two_nodes_of_two_ranks_equals_one_process(tmp_path):
+    """Two nodes (named apart on this one machine): each node's ranks share a store of its own and own its blocks;
+    a block's gradients are all-reduced over the four ranks and stepped by its owner on each node."""
+    _, ranks = run_ranks("fullft_host", 4, tmp_path, nodes=2)
+    for rank, r in enumerate(ranks):
+        assert r["param_rel_err"] < 1e-5 and r["node_ranks"] == 2 and r["buffers_in_shared_mapping"]
+        assert r["grad_buffer_blocks"] == [b for b in range(5) if b % 2 == rank % 2]  # the owner on its node
+    assert sum(len(r["streamed_states"]) for r in ranks) == 2 * 7 * 5  # each node steps every weight once
 
 
 def test_offload_from_files_reads_each_blocks_rows_once_per_node(tmp_path):
