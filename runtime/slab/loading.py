@@ -108,18 +108,19 @@ def slab_loader_for(slab: str | os.PathLike,
 
 
 def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[], None] | None = None,
-                      rows: Callable[[int], bool] = lambda block: True) -> None:
+                      rows: Callable[[int], bool] | None = None) -> None:
     """Every layer's rows, scale and bias from the file into its buffer, on a few threads: `preadv` and the crc32
     check release the GIL, so the reads go at the page cache's (or the disk's) speed, not one memcpy core's.
     The first error (a SlabError naming the layer) is raised once the reads under way finish; the queued ones
     are cancelled. `rows(block)` False: only the layer's bias (another rank of the node reads the block's rows
     into the shared store)."""
-    reads = [r for r in reads if rows(r[4].block) or r[3] is not None]
+    mine = [rows is None or rows(spec.block) for *_, spec in reads]
+    reads = [(r, whole) for r, whole in zip(reads, mine) if whole or r[3] is not None]
     workers = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(reads) or 1))
     pool = ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read")
     try:
-        futures = [pool.submit(reader.read_layer_into, name, q, s, b) if rows(spec.block) else
-                   pool.submit(reader.read_bias_into, name, b) for name, q, s, b, spec in reads]
+        futures = [pool.submit(reader.read_layer_into, name, q, s, b) if whole else
+                   pool.submit(reader.read_bias_into, name, b) for (name, q, s, b, _spec), whole in reads]
         if while_reading is not None:
             while_reading()
         for done in futures:
