@@ -205,7 +205,7 @@ class Config:
     # copying whole blocks (eager_path.py); 0: whole blocks always.
     routed_experts_max_tokens: int = 16
     # Under torch.distributed: the ranks of one node share one host store (node_store.py): "auto" (when more
-    # than one rank runs on the node and no streamed weight trains), "on" (refuse where it can not), "off".
+    # than one rank runs on the node and they can map each other's memory), "on" (refuse where not), "off".
     node_shared_store: str = "auto"
     # Seconds a rank waits for the other ranks of its node during offload (a rank that died is reported then).
     node_timeout_s: float = 600.0

@@ -35,6 +35,7 @@ import torch
 
 from . import precision as precisions
 from .blocks import StreamedLayerSpec
+from .node_store import several_ranks
 
 STAGING_RING = 3  # device staging buffers: a GEMM may fill one while two copies are in flight
 
@@ -79,6 +80,7 @@ class GradLane:
         # Several ranks (shards.py): a block's gradients are gathered in a flat device buffer, summed into its
         # owner, and landed there alone.
         self.shards = None
+        self.step_syncs = False  # an attached optimizer's step syncs the ranks (Runtime.attach): no fetch needs to
         self._gathering: dict[int, tuple[int, set[int]]] = {}  # block -> (its buffer, the layers it holds)
         self._block_buffers: list[torch.Tensor] = []
         self._block_free: list["torch.cuda.Event | None"] = []
@@ -103,6 +105,11 @@ class GradLane:
     def sync_anchor(self, block: int) -> None:
         """The block's anchor requires grad exactly while one of its streamed weights does."""
         wants = bool(self.trainable_positions(block))
+        if wants and self.shards is None and several_ranks():
+            raise RuntimeError(
+                f"stagehand: a streamed weight of block {block} was made trainable after offload on one of several "
+                "ranks, which offload did not prepare for (each block's gradient goes to one owner, shards.py): "
+                "set requires_grad before offload, or Config(node_shared_store='auto') so offload prepares it")
         if self.anchors[block].requires_grad != wants:
             self.anchors[block].requires_grad_(wants)
         if wants and block not in self.host and self.lands(block):
@@ -198,7 +205,9 @@ class GradLane:
         i, held = self._gathering[block]
         view = self._layer_view(self._block_buffers[i], block, index)
         with torch.no_grad():
-            if a.dtype == view.dtype:
+            if index in held:  # a layer run twice in the block: its gradients add up
+                view.add_((a.t() @ b).to(view.dtype))
+            elif a.dtype == view.dtype:
                 torch.mm(a.t(), b, out=view)
             else:
                 view.copy_(a.t() @ b)
@@ -231,8 +240,8 @@ class GradLane:
         """Sum the block's gradients into its owner (a collective of every rank); the owner lands each layer."""
         i, held = self._gathering.pop(block)
         flat = self._block_buffers[i]
-        dtype = self.layers[self.first_layer[block]].weight.dtype
-        self.shards.reduce(flat[:precisions.master().layout(self.store.blocks[block].layers)[1]], block, dtype)
+        for start, end, dtype in _dtype_runs(self.store.layout(block, precisions.FULL)):
+            self.shards.reduce(flat[start:end].view(dtype), block)  # one sum per run of one dtype (mostly one)
         if not self.shards.mine(block):
             if self.cuda:
                 self._block_free[i] = torch.cuda.current_stream(self.device).record_event()
@@ -324,8 +333,8 @@ class GradLane:
         self._queued_for = None
         if self.shards is not None:
             self.flush_gathering()
-            # The owners step their blocks now: before this rank fetches a block again, they must be done.
-            self.store.before_fetch = self._after_step
+            if not self.step_syncs:  # no attached optimizer: the next forward's first fetch syncs the ranks
+                self.store.before_fetch = self._after_step
         landing, self._landing = self._landing, []
         for land in landing:
             self.apply(land)
@@ -336,6 +345,13 @@ class GradLane:
 
     def _after_step(self) -> None:
         self.shards.sync(self.store, [b for b in range(self.n_blocks) if self.trainable_positions(b)])
+
+    def optimizer_stepped(self) -> None:
+        """An attached optimizer stepped (every rank steps it): the ranks sync here, not at a later fetch, so a
+        rank that saves or evaluates alone after its step reads every owner's update."""
+        if self.shards is not None and any(self.trainable_positions(b) for b in range(self.n_blocks)):
+            self.store.before_fetch = None
+            self._after_step()
 
     def forward_ran(self) -> None:
         """A forward op ran (not a recompute inside backward): the next gradient begins a new backward."""
@@ -362,6 +378,19 @@ class GradLane:
 
     def block_of(self, index: int) -> int:
         return self.layers[index].block
+
+
+def _dtype_runs(layouts) -> list[tuple[int, int, torch.dtype]]:
+    """(start, end, dtype) byte ranges of a block's flat buffer, each a run of layers of one dtype in offset
+    order (a block mixing dtypes, e.g. a layer transformers keeps in fp32, is summed run by run)."""
+    runs: list[list] = []
+    for lay in sorted(layouts, key=lambda lay: lay.offset):
+        end = lay.offset + lay.out_features * lay.in_features * lay.dtype.itemsize
+        if runs and runs[-1][2] == lay.dtype:
+            runs[-1][1] = end
+        else:
+            runs.append([lay.offset, end, lay.dtype])
+    return [tuple(r) for r in runs]
 
 
 __all__ = ["GradLane", "STAGING_RING"]

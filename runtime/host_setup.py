@@ -20,6 +20,7 @@ from .allocator import use_expandable_segments
 from .blocks import StreamedLayerSpec
 from .host_plan import HostPlan, plan_host, preflight
 from .host_store import KEEP_FILE, HostStore
+from .shards import GradShards
 from .weights_file import CheckpointError, WeightsFile
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     rt.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
     # The ranks of a node share one store (node_store.py): a collective of every rank, before any allocation.
     rt.node = node_store.join(rt.config, rt.device)
+    # Its process group now, while every rank is here: after this point a rank that fails meets the others only
+    # at the node's exchanges (node_store.py), which tell them.
+    rt.shards = GradShards.create(rt.layers, rt.node, rt.device)
     if rt.node is not None:
         rt._undo.defer_releases()  # the weights of blocks other ranks write stay until they are written (seal)
     rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,

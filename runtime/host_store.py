@@ -331,9 +331,10 @@ class HostStore:
         return self.has(block, precision) or (self.is_derived(block, precision) and bb.has_master)
 
     def fetching(self) -> None:
-        """A block's bytes are about to be read for a device copy: what must happen first, once."""
-        hook, self.before_fetch = self.before_fetch, None
-        if hook is not None:
+        """A block's bytes are about to be read for a device copy: what must happen first, once, at a fetch
+        outside any backward (a recompute's fetches inside one leave it for the next forward)."""
+        if self.before_fetch is not None and torch._C._current_graph_task_id() == -1:
+            hook, self.before_fetch = self.before_fetch, None
             hook()
 
     def ensure_fresh(self, block: int, precision: str) -> None:

@@ -96,26 +96,46 @@ class NodeStore:
         """The pages of one host allocation of `nbytes` (page-aligned), the same on every rank of the node."""
         index = self._allocations
         self._allocations += 1
-        fd = None
+        fd, identity = None, None
         if self.writer:
             fd = os.memfd_create(f"stagehand-{kind.replace(' ', '-')}", os.MFD_CLOEXEC)
             self._fds.append(fd)
             os.ftruncate(fd, nbytes)
-        lead = self._exchange(("allocation", index, kind, nbytes, fd))[0]
+            st = os.fstat(fd)
+            identity = (st.st_dev, st.st_ino)
+        lead = self._exchange(("allocation", index, kind, nbytes, fd, identity))[0]
         if lead[1:4] != (index, kind, nbytes):
             raise NodeStoreError(
                 f"offload: rank {self.rank}'s host allocation {index} is {kind!r} of {nbytes} bytes, rank "
                 f"{self.local_ranks[0]}'s is {lead[2]!r} of {lead[3]} bytes: the ranks of a node must offload the "
                 "same model with the same blocks and precision map (or Config(node_shared_store='off'))")
-        path = f"/proc/self/fd/{fd}" if self.writer else f"/proc/{self.leader_pid}/fd/{lead[4]}"
+        mine = fd if self.writer else self._open_leaders(lead[4], lead[5], kind)
         try:
-            pages = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        except RuntimeError as e:
-            raise NodeStoreError(
-                f"offload: rank {self.rank} could not map its node's shared host store ({kind}, {path}): {e}. "
-                "Config(node_shared_store='off') gives each rank a copy of its own") from e
+            pages = torch.from_file(f"/proc/self/fd/{mine}", shared=True, size=nbytes, dtype=torch.uint8)
+        finally:
+            if mine != fd:
+                os.close(mine)  # the mapping keeps the pages
         self.shared_bytes += nbytes
         return pages
+
+    def _open_leaders(self, fd: int, identity: tuple[int, int], kind: str) -> int:
+        """The leader's memfd, opened through /proc, and checked to be that very file (not another process's fd
+        of the same number: a pid the node name alone could not tell apart)."""
+        path = f"/proc/{self.leader_pid}/fd/{fd}"
+        try:
+            mine = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise NodeStoreError(
+                f"offload: rank {self.rank} could not open its node's shared host store ({kind}, {path}): {e}. "
+                "Config(node_shared_store='off') gives each rank a copy of its own") from e
+        st = os.fstat(mine)
+        if (st.st_dev, st.st_ino) != tuple(identity):
+            os.close(mine)
+            raise NodeStoreError(
+                f"offload: {path} is not rank {self.local_ranks[0]}'s shared host store ({kind}): the ranks named "
+                "one node do not see each other's processes; set STAGEHAND_NODE_NAME apart per machine or "
+                "container, or Config(node_shared_store='off')")
+        return mine
 
     def seal(self, device: torch.device, pinned: bool, keep_group: bool = False) -> None:
         """The end of offload on every rank of the node: every block's owner has written its pages, every rank may
@@ -191,6 +211,13 @@ def node_name() -> str:
     return os.environ.get("STAGEHAND_NODE_NAME") or socket.gethostname()
 
 
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def several_ranks() -> bool:
     """Whether this process is one of several ranks of an initialized torch.distributed job."""
     try:
@@ -223,7 +250,8 @@ def join(config, device) -> NodeStore | None:
     # Gloo groups of their own: the exchanges are a few small objects on the CPU, whatever the job's backend.
     everyone = dist.new_group(backend="gloo", timeout=timeout)
     hellos: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hellos, (node_name(), os.getpid(), why_not), group=everyone)
+    # A node: one name and one pid namespace (a rank must see the leader's process to open its memfd).
+    dist.all_gather_object(hellos, ((node_name(), _pid_namespace()), os.getpid(), why_not), group=everyone)
     hosts = sorted({h for h, _, _ in hellos})
     per_node = [[r for r, (h, _, _) in enumerate(hellos) if h == host] for host in hosts]
     mine, _ = dist.new_subgroups_by_enumeration(per_node, timeout=timeout, backend="gloo")

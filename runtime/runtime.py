@@ -32,7 +32,6 @@ from .events import RuntimeEvents, progress, unwrap_optimizer
 from .grads import GradLane
 from .ddp import check_not_sharded, ignore_streamed
 from .host_setup import build_host_store, load_resident
-from .shards import GradShards
 from .host_plan import check_master_dtypes
 from .offload_undo import OffloadUndo
 from .oom_recovery import OomRecovery
@@ -81,7 +80,7 @@ class Runtime(SelectivePrecisionAPI):
         self._undo = OffloadUndo(model, layers)
         self._layer_slots = layer_slots(model, layers)  # to notice adapters wrapped around a layer after offload
         self.id = registry.register_runtime(self)
-        self.pool = self.node = None
+        self.pool = self.node = self.shards = None
         try:
             self._offload(precision, slab_loader, budget, cost_model)
         except BaseException as e:
@@ -114,10 +113,10 @@ class Runtime(SelectivePrecisionAPI):
         build_host_store(self, precision, slab_loader, self._keep_full, progress)
         # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
-        # Several ranks whose streamed weights train: a block's gradients go to its owner alone (a collective).
-        self.grads.shards = GradShards.create(layers, self.node, self.device)
-        if self.grads.shards is not None:
-            self.on_close(self.grads.shards.close)
+        # Several ranks: a training block's gradients go to its owner alone (shards.py; made by build_host_store).
+        self.grads.shards = self.shards
+        if self.shards is not None:
+            self.on_close(self.shards.close)
         self.trainable_positions = self.grads.trainable_positions
         self.eager = EagerPath(self, self.config.routed_experts_max_tokens)
         self.on_close(self.eager.release)
@@ -150,6 +149,8 @@ class Runtime(SelectivePrecisionAPI):
         (and the other ranks of a shared node store told why)."""
         if self.node is not None:
             self.node.abort(error)
+        if self.shards is not None:
+            self.shards.close()  # its process group (on_close callbacks do not run for an offload that failed)
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -212,10 +213,15 @@ class Runtime(SelectivePrecisionAPI):
             return self
         self._attached.append(optimizer)
         pre = optimizer.register_step_pre_hook(lambda *_: self.phases.optimizer_begin())
-        post = optimizer.register_step_post_hook(lambda *_: self.phases.end_step())
+        post = optimizer.register_step_post_hook(lambda *_: self._optimizer_stepped())
+        self.grads.step_syncs = True  # several ranks: they sync at this step (shards.py), not at a later fetch
         self._hooks += [pre, post]
         self._hooks += self._selective_hooks(optimizer)  # selective precision runs before the step
         return self
+
+    def _optimizer_stepped(self) -> None:
+        self.grads.optimizer_stepped()  # several ranks: every owner's update is in the store before anyone reads
+        self.phases.end_step()
 
     def streamed_parameters(self) -> set[nn.Parameter]:
         """The streamed weights: what FSDP2's `fully_shard(..., ignored_params=...)` must leave alone (ddp.py)."""

@@ -40,12 +40,16 @@ class GradShards:
         self.node = node  # NodeStore, or None: every rank owns every block
         # One node: the block's gradient goes to its owner alone; several: every rank gets the sum.
         self.to_owner = node is not None and node.local_size == world
+        # How many ranks hold a block's summed gradient: its owner; every rank; its owner on each node.
+        self.copies = 1 if self.to_owner else world if node is None else world // node.local_size
         self.reduces = 0
 
     @classmethod
     def create(cls, layers, node, device: torch.device) -> "GradShards | None":
-        """The shards of a job of several ranks whose streamed weights train (None otherwise). A collective."""
-        if not any(spec.weight.requires_grad for spec in layers) or not several_ranks():
+        """The shards of a job of several ranks whose streamed weights train, or whose node shares the store (a
+        weight may be made trainable later); None otherwise. A collective."""
+        trains = any(spec.weight.requires_grad for spec in layers)
+        if not several_ranks() or not (trains or node is not None):
             return None
         import torch.distributed as dist
 
@@ -59,12 +63,11 @@ class GradShards:
     def owner(self, block: int) -> int:
         return self.node.local_ranks[block % self.node.local_size]
 
-    def reduce(self, buf: torch.Tensor, block: int, dtype: torch.dtype) -> None:
-        """Sum `buf` (the block's flat gradients, `dtype` elements) over the ranks into its owner(s), who divide
-        it by the ranks (DDP's mean). On a GPU the compute stream waits for it; the host does not."""
+    def reduce(self, values: torch.Tensor, block: int) -> None:
+        """Sum `values` (gradients of the block) over the ranks into its owner(s), who divide them by the ranks
+        (DDP's mean). On a GPU the compute stream waits for it; the host does not."""
         import torch.distributed as dist
 
-        values = buf.view(dtype)
         if self.to_owner:
             dist.reduce(values, dst=self.owner(block), group=self.group)
         else:
@@ -73,13 +76,14 @@ class GradShards:
             values.div_(self.world)
         self.reduces += 1
 
-    def sum_over_ranks(self, value: float) -> float:
-        """A number summed over every rank (HostAdamW's squared gradient norm: each rank holds its blocks')."""
+    def sum_over_blocks(self, value: float) -> float:
+        """This rank's sum over the streamed gradients it holds (HostAdamW's squared norm), made the sum over every
+        block once: summed over the ranks, less the copies of a block that several ranks hold."""
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.group)
-        return float(t)
+        return float(t) / self.copies
 
     def sync(self, store, training_blocks: list[int]) -> None:
         """The first fetch after a backward: the owners' blocks are written before anyone reads them."""

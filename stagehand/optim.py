@@ -308,7 +308,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                        if p.grad is not None and not isinstance(p, HostMasterParameter))
         shards = self.runtime.grads.shards if self.runtime is not None else None
         if shards is not None:
-            streamed = shards.sum_over_ranks(streamed)
+            streamed = shards.sum_over_blocks(streamed)
         total = math.sqrt(streamed + resident)
         return min(1.0, self.max_grad_norm / (total + 1e-6))
 

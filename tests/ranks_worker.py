@@ -136,12 +136,19 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) ->
     compiled = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3) if optimizer_kind == "torch"
            else HostAdamW(model.parameters(), lr=1e-3, eps=1e-3, max_grad_norm=clip))
+    rt.attach(opt)  # the ranks sync at its step (HostAdamW attaches itself)
     mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
     for _ in range(steps):
         compiled(input_ids=mine, labels=mine).loss.backward()
         opt.step()
         opt.zero_grad()
-    dist.barrier()  # every owner has stepped its blocks: the shared masters are final
+    # No barrier: after its own step a rank reads every owner's update (the step synced the node), and one
+    # rank evaluating alone (eagerly, no grad) waits for nobody.
+    eval_err = None
+    if rank == 0 and optimizer_kind != "fsdp":  # (FSDP's forward is a collective of every rank)
+        with torch.no_grad():
+            got, ref = model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss
+        eval_err = float((got - ref).abs() / ref.abs())
     want = dict(reference.named_parameters())
     from torch.distributed.tensor import DTensor
 
@@ -149,7 +156,7 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) ->
     errors = {n: float((p - want[n]).abs().max() / want[n].abs().max()) for n, p in full.items()}
     streamed = {id(spec.weight) for spec in rt.layers}
     states = [n for n, p in model.named_parameters() if id(p) in streamed and p in opt.state and opt.state[p]]
-    return {"param_rel_err": max(errors.values()), "params_compared": len(errors),
+    return {"param_rel_err": max(errors.values()), "params_compared": len(errors), "eval_rel_err": eval_err,
             "grad_buffer_blocks": sorted(rt.grads.host), "streamed_states": states,
             "reduces": rt.grads.shards.reduces, "node_ranks": rt.stats()["host"]["node_ranks"],
             "buffers_in_shared_mapping": all(map(in_shared_mapping, [b for bb in rt.store.blocks
