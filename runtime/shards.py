@@ -15,9 +15,11 @@ its compiled graphs look like (plans may differ between ranks: a block one recom
 run on a process group of their own, never interleaved with DDP's all-reduces of the resident parameters.
 
 After a step the owners write their blocks, and no rank may read those bytes before they are written. At the
-first fetch after a backward (`HostStore.before_fetch`), every rank rebuilds the streamed copies of the blocks
-it owns, waits for the node's other ranks (a barrier), and marks the blocks it does not own written (their
-version counters move, so its slots and resident copies are fetched again).
+step of an attached optimizer (`Runtime.attach`, which every rank calls; without one, at the first fetch of
+the next forward: `HostStore.before_fetch`), every rank rebuilds the streamed copies of the blocks it owns,
+waits for the node's other ranks (a barrier), and marks the blocks it does not own written (their version
+counters move, so its slots and resident copies are fetched again). A rank that then saves or evaluates alone
+waits for nobody.
 
 Several nodes: each node has its own owners; a block's gradient is all-reduced over every rank and each
 node's owner keeps it. Without a node-shared store (`node_shared_store="off"`) every rank owns every block:
@@ -86,7 +88,7 @@ class GradShards:
         return float(t) / self.copies
 
     def sync(self, store, training_blocks: list[int]) -> None:
-        """The first fetch after a backward: the owners' blocks are written before anyone reads them."""
+        """After a step: the owners' blocks are written before anyone reads them."""
         if self.node is None:
             return  # every rank steps its own master
         for block in training_blocks:
