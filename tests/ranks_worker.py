@@ -102,7 +102,7 @@ def ddp_step(rank: int, world: int, device: str) -> dict:
             "writer": rt.store.node is not None and rt.store.node.writer}
 
 
-def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) -> dict:
+def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3, device: str = "cpu") -> dict:
     """Every weight trains; the streamed ones step on their block's owner (runtime/shards.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -112,8 +112,8 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) ->
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", use_cache=False)
     model = LlamaForCausalLM(config).train()
-    ids = torch.randint(0, 256, (world * PER_RANK, 16), generator=torch.Generator().manual_seed(1))
-    reference = copy.deepcopy(model)  # one process, the whole batch, torch's AdamW
+    ids = torch.randint(0, 256, (world * PER_RANK, 16), generator=torch.Generator().manual_seed(1)).to(device)
+    reference = copy.deepcopy(model).to(device)  # one process, the whole batch, torch's AdamW
     # eps well above the rounding noise of a near-zero gradient: Adam's first steps are lr * sign(g) there,
     # and the ranks' sum of two half-batch gradients rounds differently from the whole batch's
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-3)
@@ -125,14 +125,15 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3) ->
         ref_opt.step()
         ref_opt.zero_grad()
 
-    rt = stagehand.offload(model, device="cpu", verbose=False, config=Config(node_timeout_s=60))
+    rt = stagehand.offload(model, device=device, verbose=False, config=Config(node_timeout_s=60))
     if optimizer_kind == "fsdp":  # FSDP2 shards the resident parameters; the streamed ones: shards.py
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=rt.streamed_parameters())
     else:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)  # the resident ones; the streamed: shards.py
+        wrapped = torch.nn.parallel.DistributedDataParallel(  # the resident ones; the streamed: shards.py
+            model, device_ids=[rank] if device != "cpu" else None)
     compiled = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3) if optimizer_kind == "torch"
            else HostAdamW(model.parameters(), lr=1e-3, eps=1e-3, max_grad_norm=clip))
@@ -266,7 +267,7 @@ def failed_offload(rank: int, scenario: str) -> dict:
 
 def main() -> None:
     scenario, rank, world, port, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    cuda = scenario == "ddp_cuda"
+    cuda = scenario.endswith("_cuda")
     if cuda:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -277,6 +278,8 @@ def main() -> None:
         result = from_files(out_dir)
     elif scenario == "fsdp":
         result = fsdp_lora(rank, world)
+    elif scenario == "fullft_cuda":
+        result = full_finetune(rank, world, "host", device=f"cuda:{rank}")
     elif scenario.startswith("fullft"):
         result = full_finetune(rank, world, scenario.removeprefix("fullft_"))
     else:

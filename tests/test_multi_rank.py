@@ -166,6 +166,18 @@ def test_lora_ddp_over_nccl_pins_the_nodes_shared_pages_in_every_rank(tmp_path):
     assert abs(sum(r["pss"] for r in ranks) - ranks[0]["host_bytes"]) <= 0.02 * ranks[0]["host_bytes"] + 2 * PAGE_SLACK
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_full_fine_tuning_over_nccl_equals_one_process(tmp_path):
+    """Two GPUs: each block's gradients summed into its owner over NCCL, landed from its device, stepped by
+    HostAdamW in the node's shared store; three steps equal one process on the whole batch."""
+    _, ranks = run_ranks("fullft_cuda", 2, tmp_path)
+    for rank, r in enumerate(ranks):
+        assert r["param_rel_err"] < 1e-4 and r["reduces"] == 15 and r["node_ranks"] == 2
+        assert r["grad_buffer_blocks"] == [b for b in range(5) if b % 2 == rank]
+    assert ranks[0]["eval_rel_err"] < 1e-4
+
+
 def test_a_follower_failing_during_offload_undoes_every_rank(tmp_path):
     codes, (leader, follower) = run_ranks("follower_fails", 2, tmp_path)
     assert codes == [0, 0]
