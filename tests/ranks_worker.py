@@ -153,8 +153,10 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3, de
     want = dict(reference.named_parameters())
     from torch.distributed.tensor import DTensor
 
-    full = {n: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
-    errors = {n: float((p - want[n]).abs().max() / want[n].abs().max()) for n, p in full.items()}
+    full = {n: (p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()).cpu()
+            for n, p in model.named_parameters()}  # the streamed masters are on the host, the rest on the device
+    errors = {n: float((p - want[n].detach().cpu()).abs().max() / want[n].detach().cpu().abs().max())
+              for n, p in full.items()}
     streamed = {id(spec.weight) for spec in rt.layers}
     states = [n for n, p in model.named_parameters() if id(p) in streamed and p in opt.state and opt.state[p]]
     return {"param_rel_err": max(errors.values()), "params_compared": len(errors), "eval_rel_err": eval_err,
