@@ -43,12 +43,12 @@ def is_streamed_read(node: fx.Node) -> bool:
 
 def descendants(nodes, skip: fx.Node | None = None) -> set[fx.Node]:
     """`nodes` and every node computed from them (through their users), `skip` left out and not passed."""
-    seen, todo = set(nodes), list(nodes)
-    while todo:
-        for user in todo.pop().users:
+    seen, frontier = set(nodes), list(nodes)
+    while frontier:
+        for user in frontier.pop().users:
             if user not in seen and user is not skip:
                 seen.add(user)
-                todo.append(user)
+                frontier.append(user)
     return seen
 
 

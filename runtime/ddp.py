@@ -25,7 +25,7 @@ from typing import Callable
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .streamed import ShardedStreamedWeightError, sharded_message
+from .streamed import ShardedStreamedWeightError, is_dtensor, sharded_message
 
 
 def ignore_streamed(module: nn.Module, layers) -> Callable[[], None]:
@@ -50,10 +50,6 @@ def ignore_streamed(module: nn.Module, layers) -> Callable[[], None]:
 
 def check_not_sharded(layers) -> None:
     """Refuse a streamed weight that FSDP2 turned into a sharded DTensor, naming it and the way out."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without distributed: nothing can shard
-        return
     for spec in layers:
-        if isinstance(spec.module._parameters.get(spec.param), DTensor):
+        if is_dtensor(spec.module._parameters.get(spec.param)):
             raise ShardedStreamedWeightError(sharded_message(spec.weight_name))

@@ -95,8 +95,9 @@ class HostStore:
 
     # ---- host memory ----------------------------------------------------------
 
-    def _new_arena(self, kind: str, sizes: list[int]) -> HostArena:
-        shared = self.node if self.node is not None and not self.node.done and kind != "grad" else None
+    def _new_arena(self, kind: str, sizes: list[int], shareable: bool = True) -> HostArena:
+        """`shareable`: the node's ranks may share it while offload runs (a rank's gradients are its own)."""
+        shared = self.node if shareable and self.node is not None and not self.node.done else None
         return HostArena(kind, sizes, self.pinner, shared=shared)
 
     def writes(self, block: int, precision: str) -> bool:
@@ -130,7 +131,7 @@ class HostStore:
         the block's master, one allocation, page-locked where the store pins (the D2H copies land there)."""
         sizes = [precisions.master().layout(self.blocks[b].layers)[1] for b in blocks]
         try:
-            arena = self._new_arena("grad", sizes)
+            arena = self._new_arena("grad", sizes, shareable=False)
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:
             raise torch.OutOfMemoryError(f"stagehand: no host memory for the gradients of blocks {blocks} "
                                          f"({sum(sizes) / 2**20:.1f} MiB): {e}") from e

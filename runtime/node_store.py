@@ -48,7 +48,6 @@ class NodeStore:
         self.rank = rank
         self.local_ranks = local_ranks
         self.leader_pid = leader_pid
-        self.writer = rank == local_ranks[0]  # the leader creates the memfds; the others map them
         self.local_index = local_ranks.index(rank)
         self.shared_bytes = 0
         self.done = False  # sealed or aborted: no more exchanges
@@ -61,13 +60,22 @@ class NodeStore:
     def local_size(self) -> int:
         return len(self.local_ranks)
 
+    @property
+    def writer(self) -> bool:
+        """The node's first rank: it creates the memfds; the others map them."""
+        return self.local_index == 0
+
     def describe(self) -> str:
         return (f"shared by the {self.local_size} ranks of this node; rank {self.rank} writes blocks "
                 f"{self.local_index}, {self.local_index + self.local_size}, ...")
 
+    def owner(self, block: int) -> int:
+        """The rank that writes `block`'s buffers (and steps it under full fine-tuning): the node's rank
+        block mod the node's ranks."""
+        return self.local_ranks[block % self.local_size]
+
     def owns(self, block: int) -> bool:
-        """Whether this rank writes `block`'s buffers (the node's rank block mod the node's ranks)."""
-        return block % self.local_size == self.local_index
+        return self.owner(block) == self.rank
 
     # ---- the exchanges ----------------------------------------------------------------------------
 

@@ -62,16 +62,13 @@ class GradShards:
         """Whether this rank lands the block's gradients, keeps its optimizer states and steps it."""
         return self.node is None or self.node.owns(block)
 
-    def owner(self, block: int) -> int:
-        return self.node.local_ranks[block % self.node.local_size]
-
     def reduce(self, values: torch.Tensor, block: int) -> None:
         """Sum `values` (gradients of the block) over the ranks into its owner(s), who divide them by the ranks
         (DDP's mean). On a GPU the compute stream waits for it; the host does not."""
         import torch.distributed as dist
 
         if self.to_owner:
-            dist.reduce(values, dst=self.owner(block), group=self.group)
+            dist.reduce(values, dst=self.node.owner(block), group=self.group)
         else:
             dist.all_reduce(values, group=self.group)
         if self.mine(block):

@@ -26,6 +26,7 @@ before they serve the block again.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -99,7 +100,7 @@ def copy_into_master(master: torch.Tensor, value, name: str) -> None:
     if value is master:
         return
     where = f"stagehand: {name} streams from the host store"
-    if type(value).__name__ == "DTensor" or type(getattr(value, "data", None)).__name__ == "DTensor":
+    if is_dtensor(value):
         raise ShardedStreamedWeightError(sharded_message(name))
     if not isinstance(value, torch.Tensor):
         raise StreamedWeightAssignmentError(f"{where}; it takes a tensor's values, got {type(value).__name__}")
@@ -122,6 +123,13 @@ def copy_into_master(master: torch.Tensor, value, name: str) -> None:
 
 class ShardedStreamedWeightError(StreamedWeightAssignmentError):
     """FSDP2 sharded a streamed weight (fully_shard without the streamed weights in its ignored_params)."""
+
+
+def is_dtensor(t) -> bool:
+    """A DTensor (FSDP2's sharded parameter): only once its module is imported can one exist, so this imports
+    nothing (the DTensor package costs a second to load)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def sharded_message(name: str) -> str:

@@ -267,6 +267,19 @@ def test_joint_pass_uuid_follows_the_pass_source(monkeypatch):
     assert passes.joint_passes_uuid() != original
 
 
+def test_joint_pass_uuid_follows_the_compiler_helpers_the_passes_use(monkeypatch):
+    """refetch_weights walks the graph with graph_nodes.descendants: an edit there must miss the FX cache too."""
+    original = passes.joint_passes_uuid()
+    real_getsource = source_hash.inspect.getsource
+
+    def edited(obj):
+        text = real_getsource(obj)
+        return text + "\n# edited\n" if obj.__name__.endswith(".graph_nodes") else text
+
+    monkeypatch.setattr(source_hash.inspect, "getsource", edited)
+    assert passes.joint_passes_uuid() != original
+
+
 def test_runtime_implements_the_protocol_and_close_drops_its_variants():
     model, x = toy(n=2)
     rt = stagehand.offload(model, device="cpu")

@@ -23,19 +23,12 @@ import torch.fx as fx
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from ..context import PassLog, compiler_pass
+from ..graph_nodes import descendants
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Everything the joint graph computes from its tangents (AOTAutograd names them `tangents_*`). (Written
-    here, not shared: Inductor's cache keys this pass by the source of its own module.)"""
-    todo = [n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)]
-    seen = set(todo)
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen
+    """Everything the joint graph computes from its tangents (AOTAutograd names them `tangents_*`)."""
+    return descendants([n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)])
 
 
 def _reads_in_backward(node: fx.Node, backward: set[fx.Node]) -> bool:
@@ -111,10 +104,10 @@ def refetch_weights(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
 
 
 def _ancestors_within(nodes: list[fx.Node], within: set[fx.Node]) -> set[fx.Node]:
-    found, todo = set(nodes), list(nodes)
-    while todo:
-        for i in todo.pop().all_input_nodes:
+    found, frontier = set(nodes), list(nodes)
+    while frontier:
+        for i in frontier.pop().all_input_nodes:
             if i in within and i not in found:
                 found.add(i)
-                todo.append(i)
+                frontier.append(i)
     return found
