@@ -254,27 +254,17 @@ def test_hash_of_sources_changes_with_the_text():
     assert source_hash.hash_sources(["ab", "c"]) != source_hash.hash_sources(["a", "bc"])
 
 
-def test_joint_pass_uuid_follows_the_pass_source(monkeypatch):
+@pytest.mark.parametrize("edited_module", ["schedule_backward", "graph_nodes"])
+def test_joint_pass_uuid_follows_the_pass_source(edited_module, monkeypatch):
+    """A pass's own module, or a compiler helper it uses (refetch_weights walks the graph with
+    graph_nodes.descendants): an edit to either must miss Inductor's FX cache."""
     original = passes.joint_passes_uuid()
     assert JointPasses(passes.JOINT_PASSES).uuid() == original  # what Inductor's FX cache keys on
     real_getsource = source_hash.inspect.getsource
 
     def edited(obj):
         text = real_getsource(obj)
-        return text + "\n# edited\n" if obj.__name__.endswith("schedule_backward") else text
-
-    monkeypatch.setattr(source_hash.inspect, "getsource", edited)
-    assert passes.joint_passes_uuid() != original
-
-
-def test_joint_pass_uuid_follows_the_compiler_helpers_the_passes_use(monkeypatch):
-    """refetch_weights walks the graph with graph_nodes.descendants: an edit there must miss the FX cache too."""
-    original = passes.joint_passes_uuid()
-    real_getsource = source_hash.inspect.getsource
-
-    def edited(obj):
-        text = real_getsource(obj)
-        return text + "\n# edited\n" if obj.__name__.endswith(".graph_nodes") else text
+        return text + "\n# edited\n" if obj.__name__.endswith("." + edited_module) else text
 
     monkeypatch.setattr(source_hash.inspect, "getsource", edited)
     assert passes.joint_passes_uuid() != original
