@@ -30,6 +30,7 @@ log = logging.getLogger("torch_stagehand.compiler")
 INNER_COMPILERS = ("inductor", "eager")
 RECOMPUTE_MODES = (None, "blocks", "model")
 LINEAR_MATH = ("graph", "op")
+EXPERTS_MATH = ("grouped", "dense")
 
 
 class BackendOptionsError(ValueError):
@@ -49,6 +50,11 @@ class BackendOptions:
     # into the block's graph, where Inductor fuses its quantization and calls its GEMM directly;
     # "op": every streamed linear stays the opaque `stagehand::linear` op (the A/B reference).
     linear_math: str = "graph"
+    # "grouped": a one-byte expert stack (int8, fp8) that the model reads only through grouped GEMMs is
+    # multiplied from its bytes (`stagehand::grouped_experts`: the Triton kernel or dequantize + grouped_mm,
+    # whichever the autotuner measures faster; fp8 rowwise tensor cores); "dense": the stack is dequantized
+    # in the graph and the model's own GEMM reads it (the A/B reference).
+    experts_math: str = "grouped"
 
     @staticmethod
     def from_dict(options: dict[str, Any] | None) -> "BackendOptions":
@@ -56,9 +62,15 @@ class BackendOptions:
         inner = options.pop("inner", "inductor")
         recompute = options.pop("recompute", None)
         linear_math = options.pop("linear_math", "graph")
+        experts_math = options.pop("experts_math", "grouped")
         if options:
             raise BackendOptionsError(
-                f"backend 'stagehand': unknown option(s) {sorted(options)} (known: inner, recompute, linear_math)"
+                f"backend 'stagehand': unknown option(s) {sorted(options)} (known: inner, recompute, linear_math, "
+                "experts_math)"
+            )
+        if experts_math not in EXPERTS_MATH:
+            raise BackendOptionsError(
+                f"backend 'stagehand': options['experts_math'] must be one of {EXPERTS_MATH}, got {experts_math!r}"
             )
         if linear_math not in LINEAR_MATH:
             raise BackendOptionsError(
@@ -72,7 +84,7 @@ class BackendOptions:
             raise BackendOptionsError(
                 f"backend 'stagehand': options['inner'] must be one of {INNER_COMPILERS}, got {inner!r}"
             )
-        return BackendOptions(inner=inner, recompute=recompute, linear_math=linear_math)
+        return BackendOptions(inner=inner, recompute=recompute, linear_math=linear_math, experts_math=experts_math)
 
 
 T = TypeVar("T")

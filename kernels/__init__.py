@@ -11,12 +11,13 @@ under TRITON_INTERPRET=1 on the CPU).
 
 from .fallback import TritonUnavailableWarning, warn_reference_fallback
 from .quantize import dequantize, quantize_per_row
-from .reference import int8_linear_grad_input_ref, int8_linear_ref
+from .reference import grouped_lowbit_ref, grouped_out_features, int8_linear_grad_input_ref, int8_linear_ref
 
 TRITON_IMPORT_ERROR: BaseException | None = None  # why the fused kernels are missing, if they are
 try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
     from .launch import int8_linear_grad_input_triton, int8_linear_triton
     from .tune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
+    from .grouped import grouped_lowbit as _grouped_lowbit_cuda
 
     HAS_TRITON = True
 except Exception as e:  # pragma: no cover - depends on the install
@@ -48,6 +49,14 @@ def _fused(x) -> bool:
     return False
 
 
+def grouped_lowbit(x, q, scale, offs, rows_are_out: bool):
+    """Per expert e, x[rows of e] @ B_e with B_e the one-byte stack q [E, R, C] dequantized by its per-row
+    scale [E, R] (rows_are_out: q[e] is [out, in], else [in, out]); `offs`: each expert's end row."""
+    if _fused(x):
+        return _grouped_lowbit_cuda(x, q, scale, offs, rows_are_out)
+    return grouped_lowbit_ref(x, q, scale, offs, rows_are_out)
+
+
 def int8_linear(x, qweight, scale, bias=None, activation=None):
     """y = (x @ qweight[:, :K].T) * scale + bias, optional "gelu_tanh"; K = x.shape[-1]."""
     if _fused(x):
@@ -68,6 +77,9 @@ __all__ = [
     "TRITON_IMPORT_ERROR",
     "TritonUnavailableWarning",
     "dequantize",
+    "grouped_lowbit",
+    "grouped_lowbit_ref",
+    "grouped_out_features",
     "int8_linear",
     "int8_linear_grad_input",
     "int8_linear_grad_input_ref",

@@ -50,3 +50,40 @@ def _check(qweight, scale, k, what, bias=None):
         raise ValueError(f"{what}: scale has {scale.numel()} elements, qweight has {qweight.shape[0]} rows")
     if bias is not None and bias.numel() != qweight.shape[0]:
         raise ValueError(f"{what}: bias has {bias.numel()} elements, qweight has {qweight.shape[0]} rows")
+
+
+def grouped_out_features(q: torch.Tensor, rows_are_out: bool) -> int:
+    """The output width of a grouped product with the stack q [E, R, C] (grouped.py)."""
+    return q.shape[1] if rows_are_out else q.shape[2]
+
+
+def check_grouped_args(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, rows_are_out: bool) -> None:
+    """Shapes that agree, named: a wrong stack or routing must not compute garbage."""
+    if q.dim() != 3 or x.dim() != 2:
+        raise ValueError(f"grouped low-bit GEMM: x must be [S, K] and q [E, R, C], got x {list(x.shape)}, "
+                         f"q {list(q.shape)}")
+    e, r, c = q.shape
+    k = c if rows_are_out else r
+    if x.shape[1] != k:
+        raise ValueError(f"grouped low-bit GEMM: x has {x.shape[1]} features, the stack {list(q.shape)} reduces "
+                         f"over {k} ({'rows are outputs' if rows_are_out else 'rows are inputs'})")
+    if scale.shape != (e, r):
+        raise ValueError(f"grouped low-bit GEMM: the scale must be one per stored row, [{e}, {r}], got "
+                         f"{list(scale.shape)}")
+    if offs.shape != (e,):
+        raise ValueError(f"grouped low-bit GEMM: offs must hold one end per expert ({e}), got {list(offs.shape)}")
+
+
+def grouped_lowbit_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                       rows_are_out: bool) -> torch.Tensor:
+    """The torch twin: dequantize the stack to x's dtype, one GEMM per expert (reads `offs` on the host)."""
+    check_grouped_args(x, q, scale, offs, rows_are_out)
+    dense = (q.to(torch.float32) * scale.unsqueeze(-1)).to(x.dtype)
+    b = dense.transpose(-2, -1) if rows_are_out else dense
+    y = x.new_zeros(x.shape[0], b.shape[-1])
+    start = 0
+    for e, end in enumerate(offs.tolist()):
+        if end > start:
+            y[start:end] = x[start:end] @ b[e]
+        start = end
+    return y

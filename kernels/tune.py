@@ -163,19 +163,20 @@ def tuning_log() -> dict:
     return {k: dict(v) for k, v in _LOG.items()}
 
 
-def pick(kind, key, m, n_out, red, device, run, weight, check) -> LaunchConfig:
+def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[LaunchConfig] | None = None) -> LaunchConfig:
     """The config for key: tuned once (see the module docstring), then cached.
 
     run(cfg, weight) launches; check(cfg) returns None if the output is right,
-    else a reason."""
+    else a reason. `options`: the candidates of another kernel (grouped.py), the
+    first one its untuned default; else this module's W8A16 candidates."""
     if key[-1] == torch.float32 and not interpreting():
-        return F32_CONFIG
+        return options[0] if options else F32_CONFIG
     if interpreting() or device.type != "cuda" or os.environ.get("STAGEHAND_AUTOTUNE", "1") == "0":
-        return heuristic(kind, m, n_out, red, device)
+        return options[0] if options else heuristic(kind, m, n_out, red, device)
     if key in _LOG:
         return _LOG[key]["chosen"]
     if torch.cuda.is_current_stream_capturing():  # timing would break the capture
-        return heuristic(kind, m, n_out, red, device)
+        return options[0] if options else heuristic(kind, m, n_out, red, device)
     disk = tune_cache.TuneCache.for_device(device) if tune_cache.enabled() else None
     cached = disk.get(key, LaunchConfig) if disk is not None else None
     if cached is not None:
@@ -190,7 +191,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check) -> LaunchConfig:
     started = time.perf_counter()
     weights = _rotating_copies(weight)
     times, rejected = {}, {}
-    for cfg in candidates(kind, m, n_out, red, device):
+    for cfg in options or candidates(kind, m, n_out, red, device):
         try:
             run(cfg, weight)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip, keep the rest

@@ -67,6 +67,54 @@ def dense_from_slot(slot: torch.Tensor, lay: LayerLayout, dtype: torch.dtype) ->
     return (q.to(torch.float32) * s.reshape(-1, 1)).to(dtype)
 
 
+@custom_op("stagehand::grouped_experts", mutates_args=())
+def grouped_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                    rows_are_out: bool) -> torch.Tensor:
+    """Per expert e, x[its rows] @ B_e, B_e the one-byte stack q [E, R, C] with its per-row scale [E, R]
+    (rows_are_out: q[e] is [out, in], transformers' usual layout; else [in, out], gpt-oss): what the model's
+    grouped GEMM computes with the dequantized stack, from the bytes (kernels/grouped.py)."""
+    from torch_stagehand import kernels
+
+    return kernels.grouped_lowbit(x, q, scale, offs, rows_are_out)
+
+
+@grouped_experts.register_fake
+def _(x, q, scale, offs, rows_are_out):
+    from torch_stagehand.kernels import grouped_out_features
+
+    return x.new_empty(x.shape[0], grouped_out_features(q, rows_are_out))
+
+
+def _grouped_setup(ctx, inputs, output):
+    _x, q, scale, offs, rows_are_out = inputs
+    ctx.rows_are_out = rows_are_out
+    # The stack's views are saved here; `refetch_weights` makes the backward read them from the block's
+    # wait_bw slot instead (they are computed from the forward slot alone), so no weight crosses the turn.
+    ctx.save_for_backward(q, scale, offs)
+
+
+def _grouped_backward(ctx, dy):
+    q, scale, offs = ctx.saved_tensors
+    # dx = dy @ B_e^T: the same product with the stack's two dimensions in each other's roles.
+    dx = torch.ops.stagehand.grouped_experts(dy, q, scale, offs, not ctx.rows_are_out) if ctx.needs_input_grad[0] else None
+    return dx, None, None, None, None
+
+
+grouped_experts.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+
+
+@in_graph
+def grouped_experts_from_slot(x: torch.Tensor, slot: torch.Tensor, offs: torch.Tensor, layout: list[int],
+                              shape: list[int], rows_are_out: bool) -> torch.Tensor:
+    """A grouped GEMM of the model's with a one-byte expert stack, computed from the block's slot: what a
+    compiled block runs where the rewrite found the stack read only by grouped GEMMs (rewrite_linear)."""
+    lay = LayerLayout.from_ints(list(layout))
+    q, s = precisions.by_code(lay.code).views(slot, lay)
+    experts = shape[0]
+    return torch.ops.stagehand.grouped_experts(x, q.view(experts, -1, q.shape[-1]), s.view(experts, -1), offs,
+                                               rows_are_out)
+
+
 @in_graph
 def expert_weights_from_slot(slot: torch.Tensor, layout: list[int], shape: list[int],
                              dtype: torch.dtype) -> torch.Tensor:

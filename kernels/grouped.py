@@ -1,0 +1,231 @@
+"""Grouped low-bit GEMM for mixture-of-experts stacks: one-byte weights (int8, fp8 E4M3) x bf16 activations.
+
+The tokens of a block's experts arrive sorted by expert (the model's own grouped path: `offs[e]` is the
+end of expert e's rows, a cumulative count). For each expert e,
+
+    y[rows of e] = x[rows of e] @ B_e,    B_e[k, n] = q[e, n, k] * s[e, n]   (rows_are_out: q[e] is [N, K])
+                                          B_e[k, n] = q[e, k, n] * s[e, k]   (else: q[e] is [K, N])
+
+which is what `torch._grouped_mm(x, dequantize(q, s), offs)` computes, without the bf16 copy of the
+stack. The backward's grad-input is the same product with the roles of q's two dimensions swapped:
+`dx = grouped(dy, q, s, offs, not rows_are_out)`.
+
+A scale on the output dimension is applied to the fp32 accumulator once (the epilogue); a scale on the
+reduction dimension multiplies each weight tile before the dot, in fp32 and rounded once to bf16, as the
+dequantized stack is.
+
+Which expert a program computes is found on the device from `offs` (no host read of the routing): the
+grid has `cdiv(S, BLOCK_M) + E` token tiles (enough whatever the split, since each expert wastes at most
+one partial tile); each program counts the tiles of the experts before it with a cumulative sum over the
+padded expert axis and exits if it is past the last. Rows past `offs[-1]` (expert-parallel sentinels) are
+left unwritten, as grouped_mm leaves them.
+
+`F32=True` computes in fp32 (ieee): Triton's CPU interpreter multiplies bf16 `tl.dot` operands wrongly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_grouped_args as check_args
+from .reference import grouped_lowbit_ref
+
+
+@triton.jit(do_not_specialize=["S"])
+def _grouped_kernel(
+    x_ptr, q_ptr, s_ptr, offs_ptr, y_ptr,
+    S, N, K, E,
+    stride_xs, stride_xk, stride_qe, stride_qk, stride_qn, stride_se, stride_sk, stride_sn, stride_ys, stride_yn,
+    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_N: tl.constexpr, F32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # ---- which expert and which of its token tiles this program computes
+    e_idx = tl.arange(0, E_P2)
+    ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
+    starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx >= 1) & (e_idx < E), other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, 0)
+    if pid_m >= tl.sum(tiles, 0):
+        return
+    expert = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    here = e_idx == expert
+    first_tile = tl.sum(tl.where(here, cum - tiles, 0), 0)
+    row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(here, ends, 0), 0)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < row_end
+    col_ok = cols < N
+    q_base = q_ptr + expert.to(tl.int64) * stride_qe
+    s_base = s_ptr + expert.to(tl.int64) * stride_se
+    cdt: tl.constexpr = tl.float32 if F32 else x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xs + ks[None, :] * stride_xk,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        # No `other=` (a constant can not be cast to fp8): the masked lanes are zeroed after the conversion.
+        w = tl.where(w_ok, tl.load(q_base + ks[:, None] * stride_qk + cols[None, :] * stride_qn, mask=w_ok).to(
+            tl.float32), 0.0)
+        if SCALE_N:
+            b = w.to(cdt)
+        else:
+            sk = tl.load(s_base + ks * stride_sk, mask=k_ok, other=0.0)
+            b = (w * sk[:, None]).to(cdt)
+        if F32:
+            acc = tl.dot(a.to(cdt), b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if SCALE_N:
+        sn = tl.load(s_base + cols * stride_sn, mask=col_ok, other=0.0)
+        acc = acc * sn[None, :]
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ys + cols[None, :] * stride_yn,
+             acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def grouped_lowbit_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                          rows_are_out: bool, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """The Triton kernel; `tile` = (block_m, block_n, block_k, warps, stages), a default if None."""
+    check_args(x, q, scale, offs, rows_are_out)
+    e, r, c = q.shape
+    n, k = (r, c) if rows_are_out else (c, r)
+    s_rows = x.shape[0]
+    y = torch.empty(s_rows, n, dtype=x.dtype, device=x.device)
+    if s_rows == 0:
+        return y
+    f32 = x.dtype == torch.float32 or interpreting()
+    bm, bn, bk, warps, stages = tile or default_tile(s_rows // max(e, 1), f32)
+    # q[e] as B_e[k, n]: strides along the reduction and the output dimension.
+    stride_qk, stride_qn = (q.stride(2), q.stride(1)) if rows_are_out else (q.stride(1), q.stride(2))
+    stride_sk, stride_sn = (0, scale.stride(1)) if rows_are_out else (scale.stride(1), 0)
+    grid = (-(-s_rows // bm) + e, -(-n // bn))
+    _grouped_kernel[grid](
+        x, q, scale, offs, y, s_rows, n, k, e,
+        x.stride(0), x.stride(1), q.stride(0), stride_qk, stride_qn, scale.stride(0), stride_sk, stride_sn,
+        y.stride(0), y.stride(1),
+        E_P2=max(16, triton.next_power_of_2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        SCALE_N=rows_are_out, F32=f32, num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def interpreting() -> bool:
+    from .tune import interpreting as _interpreting
+
+    return _interpreting()
+
+
+def default_tile(rows_per_expert: int, f32: bool) -> tuple[int, int, int, int, int]:
+    if f32:
+        return (32, 32, 32, 4, 2)
+    return (64, 128, 64, 4, 3) if rows_per_expert <= 64 else (128, 128, 64, 8, 3)
+
+
+def tiles(rows_per_expert: int) -> list[tuple[int, int, int, int, int]]:
+    """The tiles the autotuner tries (grouped_tune.py): token tiles near the rows an expert gets."""
+    if rows_per_expert <= 32:
+        return [(16, 128, 128, 4, 4), (32, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 3)]
+    if rows_per_expert <= 128:
+        return [(64, 128, 64, 4, 3), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3)]
+    return [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 32, 4, 4)]
+
+
+# ----------------------------------------------------------------------------- the op's choice on CUDA
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The stack in `dtype`, one Triton pass (w8a16's dequantize kernel over its E x R stored rows)."""
+    from . import w8a16
+
+    e, r, c = q.shape
+    out = torch.empty(e, r, c, dtype=dtype, device=q.device)
+    rows = e * r
+    w8a16._dequant_kernel[(-(-rows // 32), -(-c // 256))](
+        q.view(rows, c), scale.reshape(rows), out.view(rows, c), rows, c, c, BLOCK_N=32, BLOCK_K=256, num_warps=4)
+    return out
+
+
+def dequant_grouped_mm(x, q, scale, offs, rows_are_out):
+    """The other candidate: a bf16 copy of the stack, then torch's grouped GEMM (cuBLAS / CUTLASS)."""
+    dense = dequantized(q, scale, x.dtype)
+    return torch._grouped_mm(x, dense.transpose(-2, -1) if rows_are_out else dense, offs=offs)
+
+
+def has_scaled_grouped_mm(x: torch.Tensor, q: torch.Tensor, rows_are_out: bool) -> bool:
+    """fp8 stacks on FP8 grouped tensor cores: torch's rowwise `_scaled_grouped_mm` (Hopper), where the
+    weight's scale is on the output dimension and both dimensions are 16-byte aligned."""
+    return (q.dtype == torch.float8_e4m3fn and rows_are_out and x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] == 9 and q.shape[1] % 16 == 0
+            and q.shape[2] % 16 == 0)
+
+
+def scaled_grouped_mm(x, q, scale, offs):
+    """y = x @ (q * s)^T per expert with the activation quantized to E4M3 per row, as fp8 Linears do on
+    FP8 tensor cores (precision/fp8.py)."""
+    from .fp8_quant import quantize_rows
+
+    xq, xs = quantize_rows(x)
+    return torch._scaled_grouped_mm(xq, q.transpose(-2, -1), xs.reshape(-1).float(), scale.float(), offs=offs,
+                                    out_dtype=x.dtype)
+
+
+def _tile_of(cfg) -> tuple[int, int, int, int, int]:
+    return (cfg.block_m, cfg.block_o, cfg.block_r, cfg.num_warps, cfg.num_stages)
+
+
+def _options(rows_per_expert: int):
+    from .tune import DEQUANT, LaunchConfig
+
+    return [LaunchConfig(bn, bm, bk, 1, w, st) for bm, bn, bk, w, st in tiles(rows_per_expert)] + [DEQUANT]
+
+
+def grouped_lowbit(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                   rows_are_out: bool) -> torch.Tensor:
+    """What the op computes with. On CUDA: fp8 rowwise tensor cores where they apply, else the autotuner's
+    pick between the Triton kernel's tiles and dequantize + grouped GEMM (tune.pick: each checked against an
+    fp32 reference, timed as CUDA graphs, kept on disk). Elsewhere the torch twin."""
+    from . import tune
+
+    if not x.is_cuda:
+        return grouped_lowbit_ref(x, q, scale, offs, rows_are_out)
+    check_args(x, q, scale, offs, rows_are_out)
+    if has_scaled_grouped_mm(x, q, rows_are_out):
+        return scaled_grouped_mm(x, q, scale, offs)
+    e, r, c = q.shape
+    n, k = (r, c) if rows_are_out else (c, r)
+    options = _options(x.shape[0] // max(e, 1))
+    kind = f"grouped-{e}-{'out' if rows_are_out else 'in'}-{str(q.dtype).replace('torch.', '')}"
+    key = (kind, x.device, tune.bucket(max(x.shape[0], 1)), n, k, x.dtype)
+
+    def run(cfg, w):
+        if cfg.mode == "dequant":
+            return dequant_grouped_mm(x, w, scale, offs, rows_are_out)
+        return grouped_lowbit_triton(x, w, scale, offs, rows_are_out, _tile_of(cfg))
+
+    def check(cfg):
+        return tune.sample_check(run(cfg, q), lambda rows, cols: _reference_sample(x, q, scale, offs, rows, cols,
+                                                                                    rows_are_out), n, x.shape[0])
+
+    cfg = tune.pick(kind, key, x.shape[0], n, k, x.device, run, q, check, options=options)
+    return run(cfg, q)
+
+
+def _reference_sample(x, q, scale, offs, rows, cols, rows_are_out):
+    """fp32 y[rows][:, cols] and the same sums over absolute values (tune.sample_check's contract)."""
+    expert = torch.searchsorted(offs.long(), rows, right=True).clamp_max(q.shape[0] - 1)
+    xs = x[rows].float()
+    if rows_are_out:  # B_e[k, n] = q[e, n, k] * s[e, n]
+        w = q[expert][:, cols, :].float() * scale[expert][:, cols].unsqueeze(-1)
+        prods = xs.unsqueeze(1) * w
+    else:  # B_e[k, n] = q[e, k, n] * s[e, k]
+        w = q[expert][:, :, cols].float() * scale[expert].unsqueeze(-1)
+        prods = xs.unsqueeze(-1) * w
+        prods = prods.transpose(1, 2)
+    return prods.sum(-1), prods.abs().sum(-1)
