@@ -81,6 +81,15 @@ def make_step(fn, inputs, optimizer):
     return step
 
 
+def grouped_tuning() -> dict:
+    """The autotuner's pick per grouped-GEMM key (kernels/grouped.py) and every candidate's time, us."""
+    from torch_stagehand import kernels
+
+    return {"|".join(map(str, key[:1] + key[2:])): {"chosen": repr(v["chosen"]),
+                                                     "times_us": {repr(c): round(t, 1) for c, t in v["times_us"].items()}}
+            for key, v in kernels.tuning_log().items() if str(key[0]).startswith("grouped-")}
+
+
 def run(args) -> dict:
     import peft
 
@@ -137,29 +146,43 @@ def run(args) -> dict:
         sync()
         print(f"  warm-up step {i + 1}/{args.warmup} at {time.perf_counter() - t0:.1f} s", flush=True)
     results["warmup_s"] = round(time.perf_counter() - t0, 1)
+    def budget_row(precision: str, budget: int, label: str) -> dict:
+        try:
+            rt.set_precision(precision)
+            if device == "cuda":
+                rt.replan(vram_budget=f"{budget}GiB")
+            row = measure(label, step, args.steps, sync, rt)
+        except torch.OutOfMemoryError:
+            row = {"mode": label, "error": "out of GPU memory"}
+        row.update(precision=precision, budget_gib=budget)
+        if "h2d_gb_step" in row and results.get("pinned_h2d_gbps"):
+            row["h2d_limit_ms"] = round(row["h2d_gb_step"] / results["pinned_h2d_gbps"] * 1e3, 1)
+            row["compute_limit_ms"] = compute_ms
+            row["limit_ms"] = max(row["h2d_limit_ms"], compute_ms or 0)
+            row["vs_limit"] = round(row["step_ms"] / row["limit_ms"], 3) if row["limit_ms"] else None
+        rows.append(row)
+        print({k: v for k, v in row.items() if k not in ("steps_ms", "first_step_parts_s")}, flush=True)
+        return row
+
     for precision in args.precisions:
         for budget in args.budgets:
-            label = f"stagehand {precision} {budget} GiB"
-            try:
-                rt.set_precision(precision)
-                if device == "cuda":
-                    rt.replan(vram_budget=f"{budget}GiB")
-                row = measure(label, step, args.steps, sync, rt)
-            except torch.OutOfMemoryError:
-                row = {"mode": label, "error": "out of GPU memory"}
-            row.update(precision=precision, budget_gib=budget)
-            if "h2d_gb_step" in row and results.get("pinned_h2d_gbps"):
-                row["h2d_limit_ms"] = round(row["h2d_gb_step"] / results["pinned_h2d_gbps"] * 1e3, 1)
-                row["compute_limit_ms"] = compute_ms
-                row["limit_ms"] = max(row["h2d_limit_ms"], compute_ms or 0)
-                row["vs_limit"] = round(row["step_ms"] / row["limit_ms"], 3) if row["limit_ms"] else None
-            rows.append(row)
-            print({k: v for k, v in row.items() if k not in ("steps_ms", "first_step_parts_s")}, flush=True)
+            budget_row(precision, budget, f"stagehand {precision} {budget} GiB")
+    results["grouped_tuning"] = grouped_tuning()
+    if args.dense_rows and "int8" in args.precisions:
+        # The A/B of the int8 stacks' math: the same blocks compiled with the stacks dequantized in the graph
+        # and read by the model's grouped_mm (experts_math="dense"), at the first budget.
+        grouped = next(r for r in rows if r.get("precision") == "int8" and r.get("budget_gib") == args.budgets[0])
+        torch._dynamo.reset()
+        stagehand.compile_blocks(model, options={"recompute": "model", "experts_math": "dense"})
+        row = budget_row("int8", args.budgets[0], f"stagehand int8 {args.budgets[0]} GiB, experts dense")
+        if "step_ms" in row and "step_ms" in grouped:
+            grouped["vs_dense_experts"] = round(grouped["step_ms"] / row["step_ms"], 3)
     results["stats"] = {k: v for k, v in rt.stats().items() if isinstance(v, (int, float, str))}
     return results
 
 
-COLUMNS = ["mode", "step_ms", "h2d_gb_step", "h2d_limit_ms", "compute_limit_ms", "vs_limit", *PEAK_COLUMNS,
+COLUMNS = ["mode", "step_ms", "h2d_gb_step", "h2d_limit_ms", "compute_limit_ms", "vs_limit", "vs_dense_experts",
+           *PEAK_COLUMNS,
            "sync_fetches_step", "eager_linear_calls", "error"]
 
 
@@ -174,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--resident", action=argparse.BooleanOptionalAction, default=True,
                         help="the resident model's regional Inductor step (the compute limit)")
     parser.add_argument("--inductor-limit-s", type=float, default=300)
+    parser.add_argument("--dense-rows", action="store_true",
+                        help="an int8 row at the first budget with the stacks dequantized in the graph (the A/B)")
     parser.add_argument("--out", default=f"{RESULTS}/moe_qwen3_30b.json")
     args = parser.parse_args(argv)
     results = run(args)
