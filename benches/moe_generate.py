@@ -8,8 +8,9 @@ The Qwen3-30B-A3B shape (benches/moe.py, 61 GB in bf16), random init on the GPU,
 
 1. stagehand: `offload(model, precision=..., vram_budget=...)` and `generate` as it is (no compile: a
    KV cache indexed by layer would trace every block): each new token reads its layers and only the experts
-   its router picked (`Config.routed_experts_max_tokens`, the default), or, for comparison, streams every
-   block whole (`routed_experts_max_tokens=0`);
+   its router picked (`Config.routed_experts_max_tokens`, the default), through the expert cache with the
+   next block's experts prefetched from its router's guess (runtime/expert_cache.py; "auto" size, or the
+   cache at its floor), or, for comparison, streams every block whole (`routed_experts_max_tokens=0`);
 2. accelerate: the same model back on the host (`rt.restore()`), `infer_auto_device_map` with the same
    GPU budget and `dispatch_model` (layers that do not fit run from host memory through its hooks).
 
@@ -30,6 +31,10 @@ from moe import build
 from models import pinned_h2d_gbps
 
 import torch_stagehand as stagehand
+
+
+FETCH_LABELS = {"routed": "routed experts, expert cache", "routed-floor": "routed experts, cache at its floor",
+                "whole": "whole blocks"}
 
 
 def generate_row(label: str, model, prompt: torch.Tensor, new_tokens: int, sync: Sync, rt=None) -> tuple[dict, torch.Tensor]:
@@ -79,11 +84,17 @@ def run(args) -> dict:
     with torch.no_grad():
         for precision in args.precisions:
             for fetch in args.fetch:
-                config = stagehand.Config(routed_experts_max_tokens=16 if fetch == "routed" else 0)
+                config = stagehand.Config(routed_experts_max_tokens=0 if fetch == "whole" else 16,
+                                          expert_cache_bytes=0 if fetch == "routed-floor" else "auto")
                 rt = stagehand.offload(model, device=device, precision=precision, config=config,
                                        vram_budget=args.budget if device == "cuda" else None, verbose=False)
-                what = "routed experts only" if fetch == "routed" else "whole blocks"
+                what = FETCH_LABELS[fetch]
                 row, _ = generate_row(f"stagehand {precision}, {what}", model, prompt, args.tokens, sync, rt)
+                reads = rt.stats()["routed_reads"]
+                row["expert_cache"] = reads["expert_cache"]
+                row["cache_hit_rate"] = (round(reads["expert_cache"]["hits"] / max(
+                    reads["expert_cache"]["hits"] + reads["expert_cache"]["misses"], 1), 3) if fetch != "whole" else None)
+                row["whole_stacks"] = reads["whole_stacks"]
                 if results.get("pinned_h2d_gbps"):
                     row["h2d_limit_tokens_per_s"] = round(results["pinned_h2d_gbps"] / max(row["h2d_gb_token"], 1e-9), 3)
                     row["vs_h2d_limit"] = round(row["h2d_limit_tokens_per_s"] / row["tokens_per_s"], 2)
@@ -119,8 +130,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--precisions", nargs="+", default=["int8", "bf16"], choices=["int8", "bf16"])
     parser.add_argument("--budget", default="8GiB")
-    parser.add_argument("--fetch", nargs="+", default=["routed", "whole"], choices=["routed", "whole"],
-                        help="expert fetching: the routed experts only (the default config), or whole blocks")
+    parser.add_argument("--fetch", nargs="+", default=["routed", "routed-floor", "whole"], choices=list(FETCH_LABELS),
+                        help="expert fetching: the routed experts only with the expert cache (the default config), "
+                             "with the cache at its floor (two forwards' picks), or whole blocks")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per stagehand row")
     parser.add_argument("--accelerate-tokens", type=int, default=8, help="new tokens for accelerate's row")
@@ -131,7 +143,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = run(args)
     print_rows(results["rows"], ["mode", "new_tokens", "first_token_s", "tokens_per_s", "x_accelerate",
-                                 "h2d_gb_token", "h2d_limit_tokens_per_s", "peak_gib"],
+                                 "h2d_gb_token", "h2d_limit_tokens_per_s", "cache_hit_rate", "peak_gib"],
                title=f"Qwen3-30B-A3B shape, batch 1, greedy generation, GPU budget {args.budget}")
     write_json(args.out, results)
     return 0

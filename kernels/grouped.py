@@ -221,11 +221,12 @@ def _reference_sample(x, q, scale, offs, rows, cols, rows_are_out):
     """fp32 y[rows][:, cols] and the same sums over absolute values (tune.sample_check's contract)."""
     expert = torch.searchsorted(offs.long(), rows, right=True).clamp_max(q.shape[0] - 1)
     xs = x[rows].float()
+    # The sampled columns first: a whole stack per sampled row would be gigabytes at full size.
     if rows_are_out:  # B_e[k, n] = q[e, n, k] * s[e, n]
-        w = q[expert][:, cols, :].float() * scale[expert][:, cols].unsqueeze(-1)
+        w = q[:, cols, :][expert].float() * scale[:, cols][expert].unsqueeze(-1)
         prods = xs.unsqueeze(1) * w
     else:  # B_e[k, n] = q[e, k, n] * s[e, k]
-        w = q[expert][:, :, cols].float() * scale[expert].unsqueeze(-1)
+        w = q[:, :, cols][expert].float() * scale[expert].unsqueeze(-1)
         prods = xs.unsqueeze(-1) * w
         prods = prods.transpose(1, 2)
     return prods.sum(-1), prods.abs().sum(-1)

@@ -204,6 +204,10 @@ class Config:
     # reads each layer directly and each expert stack only for the experts its router picked, instead of
     # copying whole blocks (eager_path.py); 0: whole blocks always.
     routed_experts_max_tokens: int = 16
+    # The device cache of routed experts between generation steps (expert_cache.py): bytes or a size ("2GiB"),
+    # or "auto": half of what the VRAM budget leaves at the first routed read (nothing beyond its floor, two
+    # blocks' picks, without a budget).
+    expert_cache_bytes: int | str = "auto"
     # Under torch.distributed: the ranks of one node share one host store (node_store.py): "auto" (when more
     # than one rank runs on the node and they can map each other's memory), "on" (refuse where not), "off".
     node_shared_store: str = "auto"
@@ -241,6 +245,13 @@ class Config:
             raise ConfigError(f"int8_tier: must be 'ram' or 'disk', got {self.int8_tier!r}")
         if not isinstance(self.routed_experts_max_tokens, int) or self.routed_experts_max_tokens < 0:
             raise ConfigError(f"routed_experts_max_tokens: must be an int >= 0, got {self.routed_experts_max_tokens!r}")
+        if self.expert_cache_bytes != "auto" and self.expert_cache_bytes != 0:
+            from .conductor.costs import BudgetError, parse_bytes
+
+            try:
+                parse_bytes(self.expert_cache_bytes, "expert_cache_bytes")
+            except BudgetError as e:
+                raise ConfigError(f"{e}; or 'auto'") from None
         if self.node_shared_store not in ("auto", "on", "off"):
             raise ConfigError(f"node_shared_store: must be 'auto', 'on' or 'off', got {self.node_shared_store!r}")
         if not _is_number(self.node_timeout_s) or self.node_timeout_s <= 0:

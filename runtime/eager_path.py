@@ -26,14 +26,14 @@ from .blocks import check_not_wrapped_off_device
 from .ddp import check_not_sharded
 from .conductor.trace import EAGER
 from .eager_notice import warn_eager_once
+from .expert_cache import ExpertCache
 from .ops import grad_input_from_slot, linear_from_slot
 from .precision import LayerLayout
 
 
-# Past this share of a stack's experts picked, the routed copies (one per expert, each waited for on the
-# host) stop paying against the block's one copy: 16 tokens of Qwen3-30B-A3B's top-8 pick about 64 of 128.
-ROUTED_SHARE = 0.5
-_PICKED = ("picked",)  # the router's choice in a module's forward memo (its other keys are stack names)
+# A module's forward memo (experts.py) holds its stacks by name, and these: the router's choice, the module's
+# hidden states (the next router's input for the guess) and the guess, until the prefetch is issued.
+_PICKED, _HIDDEN, _GUESS = ("picked",), ("hidden",), ("guess",)
 
 
 class EagerPath:
@@ -41,6 +41,7 @@ class EagerPath:
         self.rt = rt
         self.max_routed_tokens = max_routed_tokens if any(s.experts for s in rt.layers) else 0
         self._buffers: dict[tuple, torch.Tensor] = {}  # (what, shape, dtype) -> a device buffer reused
+        self.cache = ExpertCache(rt, rt.config.expert_cache_bytes)
         self.direct_reads = 0
         self.whole_stacks = 0  # direct-read calls whose router picked too many experts: the block came whole
 
@@ -80,12 +81,20 @@ class EagerPath:
         spec = rt.layers[index]
         tokens = routed.numel() // routed.shape[-1] if routed is not None and routed.dim() > 1 else None
         if routed is not None and self._direct(spec.block, routed.numel() if tokens is None else tokens):
-            # Copying the picked experts one by one pays while they are a small part of the stack; past
-            # ROUTED_SHARE the whole block comes at once.
-            picked = [e for e in self._picked(routed, forward_memo) if 0 <= e < spec.experts]
-            if len(picked) <= ROUTED_SHARE * spec.experts:
+            memo = forward_memo if forward_memo is not None else {}
+            picked = [e for e in self._picked(spec.block, routed, memo) if 0 <= e < spec.experts]
+            # Copying the missing experts one by one pays while they are few; else the whole block at once.
+            top_k = routed.shape[-1] if routed.dim() > 1 else 1
+            if memo.setdefault(("routed", spec.block), self.cache.worth_routing(spec.block, picked, top_k)):
                 self.count(spec.block, backward)
-                return self._routed_stack(index, picked, dtype)
+                out = self._buffer(("stack", index - rt._block_first_layer[spec.block]), spec.weight.numel(),
+                                   dtype).view(spec.weight.shape)
+                self.cache.read(index, picked, dtype, out, memo)
+                self.direct_reads += 1
+                guess = memo.pop(_GUESS, None)
+                if guess is not None:  # once a forward, after this block's first gather was issued
+                    self.cache.prefetch(guess[0], guess[1], (spec.block, picked))
+                return out
             self.whole_stacks += 1
         with self.slot(index, backward) as (slot, layout):
             w = dense_from_slot(slot, LayerLayout.from_ints(layout), dtype)
@@ -138,14 +147,21 @@ class EagerPath:
         precision = rt._precision[block]
         return (block, precision) not in rt.store.on_disk and not rt.pool.cached(block, precision)
 
-    @staticmethod
-    def _picked(routed: torch.Tensor, forward_memo: dict | None) -> list[int]:
-        """The experts the router picked, on the host: the path's one wait, once per module and forward."""
-        if forward_memo is not None and _PICKED in forward_memo:
-            return forward_memo[_PICKED]
-        picked = torch.unique(routed.reshape(-1)).tolist()  # a device-to-host read: waits for the router
-        if forward_memo is not None:
-            forward_memo[_PICKED] = picked
+    def _picked(self, block: int, routed: torch.Tensor, memo: dict) -> list[int]:
+        """The experts the router picked, on the host: the path's one wait, once per module and forward. The
+        next MoE block's router, applied to this block's hidden states on the device first, is read in the
+        same transfer: its guess is what `ExpertCache.prefetch` copies while this block computes."""
+        if _PICKED in memo:
+            return memo[_PICKED]
+        chosen = torch.unique(routed.reshape(-1))
+        guess = self.cache.router_guess(block, memo.get(_HIDDEN), routed.shape[-1] if routed.dim() > 1 else 1)
+        if guess is None:
+            picked = chosen.tolist()  # a device-to-host read: waits for the router
+        else:
+            both = torch.cat([chosen, chosen.new_full((1,), -1), guess[1].to(chosen.dtype)]).tolist()
+            cut = both.index(-1)
+            picked, memo[_GUESS] = both[:cut], (guess[0], list(dict.fromkeys(both[cut + 1:])))
+        memo[_PICKED] = picked
         return picked
 
     def _host(self, block: int) -> tuple[torch.Tensor, list[LayerLayout]]:
@@ -165,6 +181,7 @@ class EagerPath:
     def release(self) -> None:
         """Drop the device buffers (the Runtime closes)."""
         self._buffers.clear()
+        self.cache.release()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, pinned: bool) -> None:
         dst.copy_(src, non_blocking=pinned)  # on the compute stream: ordered with the math reading it
@@ -185,31 +202,3 @@ class EagerPath:
                             lay.scale_offset - lay.offset if lay.scale_offset >= 0 else -1, lay.transposed,
                             lay.dtype_code)
         return buf, moved
-
-    def _routed_stack(self, index: int, picked: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """The stack with the rows of the routed experts copied in (and dequantized), the others stale."""
-        from torch_stagehand.runtime import precision as precisions
-
-        rt = self.rt
-        spec = rt.layers[index]
-        host, layouts = self._host(spec.block)
-        lay = layouts[index - rt._block_first_layer[spec.block]]
-        experts, rows = spec.experts, lay.out_features // spec.experts
-        # One buffer per place in the block: two stacks of one size are never one buffer.
-        out = self._buffer(("stack", index - rt._block_first_layer[spec.block]), spec.weight.numel(),
-                           dtype).view(spec.weight.shape)
-        views, pinned = precisions.by_code(lay.code).views(host, lay), host.is_pinned()
-        if len(views) == 1:  # the full-precision stack: its rows are the weights
-            for e in picked:
-                self._copy(out[e], views[0][e * rows:(e + 1) * rows].view(out[e].shape), pinned)
-        elif picked:  # one byte a weight and a scale a row: the picked experts side by side, one dequantization
-            n, k = len(picked), lay.in_features
-            q = self._buffer("q", experts * rows * k, views[0].dtype).view(experts, rows, k)[:n]
-            s = self._buffer("s", experts * rows, torch.float32).view(experts, rows)[:n]
-            for i, e in enumerate(picked):
-                self._copy(q[i], views[0][e * rows:(e + 1) * rows], pinned)
-                self._copy(s[i], views[1][e * rows:(e + 1) * rows], pinned)
-            where = torch.tensor(picked, dtype=torch.long).to(out.device, non_blocking=True)
-            out.index_copy_(0, where, (q.to(torch.float32) * s.unsqueeze(-1)).to(dtype).view(n, *out.shape[1:]))
-        self.direct_reads += 1
-        return out

@@ -42,6 +42,9 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "precision_counts": dict(Counter(rt._precision.values())),
         "eager_linear_calls": rt.eager_linear_calls,
         "eager_blocks": [rt.blocks[b] for b in sorted(rt.eager_blocks)],
+        # generation's routed reads (eager_path.py): stacks read routed or whole, and the expert cache
+        "routed_reads": {"direct_reads": rt.eager.direct_reads, "whole_stacks": rt.eager.whole_stacks,
+                         "expert_cache": rt.eager.cache.stats()},
         "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
         **plan_stats(rt.planner.plan, rt.pool), **spill_stats(rt.planner.spill),
         "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned

@@ -321,7 +321,11 @@ class StreamedExpertsMixin:
             return super().forward(*args, **kwargs)
         self.__dict__["_sh_routed"] = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
                                             and a.dtype in (torch.int32, torch.int64) and a.dim() >= 1), None)
-        self.__dict__["_sh_reads"] = {}  # each stack read once a forward (a loop over the experts reads it often)
+        # Each stack read once a forward (a loop over the experts reads it often); the hidden states are the
+        # next block's router input for the expert cache's guess (expert_cache.py).
+        hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                       and a.dim() >= 2), None)
+        self.__dict__["_sh_reads"] = {("hidden",): hidden}
         try:
             return super().forward(*args, **kwargs)
         finally:

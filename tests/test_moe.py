@@ -250,6 +250,20 @@ def test_files_that_do_not_hold_fused_stacks_are_refused_naming_the_stack(tmp_pa
     assert not any(type(m).__name__.startswith("Streamed") for m in model.modules())  # offload put it back
 
 
+SLOW_LINK = 1e7  # bytes/s: a link slow enough that routed copies of these tiny blocks pay
+
+
+def _generate_kw(tokens: int = 6) -> dict:
+    return dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, pad_token_id=0, use_cache=True)  # one new token a forward
+
+
+def _same_generation(a, b) -> None:
+    assert torch.equal(a.sequences, b.sequences)
+    for la, lb in zip(a.logits, b.logits):
+        assert torch.equal(la, lb)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_generation_reading_only_the_routed_experts_gives_the_whole_block_numbers(family, precision):
@@ -259,21 +273,67 @@ def test_generation_reading_only_the_routed_experts_gives_the_whole_block_number
         m.config.use_cache = True
     rt_whole = stagehand.offload(whole, device="cpu", precision=precision, verbose=False,
                                  config=stagehand.Config(routed_experts_max_tokens=0))
-    rt_routed = stagehand.offload(routed, device="cpu", precision=precision, verbose=False)
-    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
-              pad_token_id=0, use_cache=True)  # one new token a forward
+    # The cache at its floor (two blocks' picks): entries are evicted and taken again all the time.
+    rt_routed = stagehand.offload(routed, device="cpu", precision=precision, verbose=False,
+                                  config=stagehand.Config(expert_cache_bytes=0))
+    rt_routed.planner.cost_model.h2d_bps = SLOW_LINK
+    kw = _generate_kw()
     for prompt in (_inputs()[:1, :2], _inputs()[:1]):  # a 2-token prompt (2 x top-2 of 8 experts), a 12-token one
         with torch.no_grad():
             a, b = whole.generate(prompt, **kw), routed.generate(prompt, **kw)
             ref = plain.generate(prompt, **kw) if precision == "bf16" else a
-        assert torch.equal(a.sequences, b.sequences) and torch.equal(ref.sequences, b.sequences)
-        for la, lb in zip(a.logits, b.logits):
-            assert torch.equal(la, lb)
-        if prompt.shape[1] == 2:  # every call read its layers and its routed experts directly, and moved less
-            assert rt_routed.eager.direct_reads > 0 and rt_routed.eager.whole_stacks == 0
-            assert rt_routed.stats()["h2d_bytes"] < rt_whole.stats()["h2d_bytes"]
-    # The 12-token prompt's router picked more than half of a block's experts: those stacks came whole.
-    assert rt_routed.eager.whole_stacks > 0 and rt_whole.eager.direct_reads == 0
+        _same_generation(a, b)
+        assert torch.equal(ref.sequences, b.sequences)
+    # Every call read its layers and its routed experts directly, and moved less.
+    assert rt_routed.eager.direct_reads > 0 and rt_routed.eager.whole_stacks == 0 and rt_whole.eager.direct_reads == 0
+    assert rt_routed.stats()["h2d_bytes"] < rt_whole.stats()["h2d_bytes"]
+    cache = rt_routed.stats()["routed_reads"]["expert_cache"]
+    # The floor: two forwards' most picks, 16 tokens x top-2 of 8 experts: all 8, twice.
+    assert cache["misses"] > 0 and cache["entries"] == 2 * 8
+
+
+def test_the_cost_model_reads_the_whole_block_where_the_routed_copies_cost_more():
+    plain = _model("qwen3_moe")
+    model = copy.deepcopy(plain)
+    plain.config.use_cache = model.config.use_cache = True
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    # The default 20 GB/s link: a tiny block's copy costs less than a few copies' fixed cost (COPY_SECONDS).
+    with torch.no_grad():
+        _same_generation(model.generate(_inputs()[:1, :2], **_generate_kw(3)),
+                         plain.generate(_inputs()[:1, :2], **_generate_kw(3)))
+    reads = rt.stats()["routed_reads"]
+    assert reads["whole_stacks"] > 0 and reads["expert_cache"]["misses"] == 0
+    rt.planner.cost_model.h2d_bps = SLOW_LINK  # now the bytes dominate: routed
+    with torch.no_grad():
+        model.generate(_inputs()[:1, :2], **_generate_kw(3))
+    assert rt.stats()["routed_reads"]["expert_cache"]["misses"] > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_the_expert_cache_keeps_experts_between_tokens_and_prefetches_from_the_next_router(family):
+    plain = _model(family)
+    model = copy.deepcopy(plain)
+    plain.config.use_cache = model.config.use_cache = True
+    rt = stagehand.offload(model, device="cpu", precision="int8", verbose=False,
+                           config=stagehand.Config(expert_cache_bytes="1MiB"))
+    rt.planner.cost_model.h2d_bps = SLOW_LINK
+    whole = copy.deepcopy(plain)
+    stagehand.offload(whole, device="cpu", precision="int8", verbose=False,
+                      config=stagehand.Config(routed_experts_max_tokens=0))
+    prompt = _inputs()[:1, :1]
+    with torch.no_grad():
+        _same_generation(model.generate(prompt, **_generate_kw(8)), whole.generate(prompt, **_generate_kw(8)))
+        first = dict(rt.stats()["routed_reads"]["expert_cache"])
+        _same_generation(model.generate(prompt, **_generate_kw(8)), whole.generate(prompt, **_generate_kw(8)))
+    cache = rt.stats()["routed_reads"]["expert_cache"]
+    blocks = len(rt.blocks)
+    assert cache["entries"] >= blocks * 8  # room for every expert of these tiny blocks: nothing evicted
+    # The second generation found every expert it picked: each (block, expert) was copied once in all.
+    assert cache["misses"] + cache["prefetched"] <= blocks * 8
+    assert cache["hits"] > first["hits"] > 0
+    # The next block's router guessed from this block's hidden states: experts were copied before their block
+    # asked, and some of the guesses were what the block then picked.
+    assert cache["prefetched"] > 0 and cache["prefetch_hits"] > 0
 
 
 def test_fp8_stacks_compiled_compute_what_the_eager_op_computes():
@@ -320,6 +380,7 @@ def test_a_looped_experts_implementation_reads_each_stack_once_a_forward_under_i
     plain = copy.deepcopy(model)
     model.config.use_cache = plain.config.use_cache = True
     rt = stagehand.offload(model, device="cpu", verbose=False)
+    rt.planner.cost_model.h2d_bps = SLOW_LINK  # routed reads pay
     waits = []  # the router's choice read on the host: once per experts module and forward, not per stack
     unique = torch.unique
     monkeypatch.setattr(torch, "unique", lambda *a, **k: waits.append(1) or unique(*a, **k))

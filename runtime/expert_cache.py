@@ -1,0 +1,280 @@
+"""Routed experts kept on the GPU between tokens, and fetched one block ahead from the next router's guess.
+
+Generation reads only the experts its router picked (eager_path.py). Token after token, a block's router
+picks many of the same experts again, and the experts a block will pick are well guessed by applying the
+next block's router to this block's input (the residual stream changes little from one block to the next:
+Eliseev & Mazur's speculative expert prefetch). So:
+
+* **The cache.** A pool of entries on the device, each one expert of one block: its rows (and row scales)
+  of every stack of the block, in the stored precision (int8 stays int8: half the bytes of bf16, dequantized
+  when read). Entries are kept least-recently-used; blocks of one stack layout share a pool. Its size is
+  `Config.expert_cache_bytes` ("auto": half of what the VRAM budget leaves when the first routed read comes;
+  at least two blocks' worth of picks).
+* **Reading a block.** The picked experts that are cached are hits; the misses are copied in, all on one
+  copy stream, and the compute stream waits for them; then the picked rows are gathered (and dequantized)
+  into the dense stack the model's experts code reads (the rows of experts not picked are stale there, and
+  no experts implementation reads them).
+* **Prefetch.** Before the host reads this block's picks (its one wait per module and forward), the next
+  MoE block's router is applied to this block's hidden states on the device; the host reads both choices
+  in one transfer, and the next block's guessed experts that are not cached are copied on the copy stream
+  while this block computes. A wrong guess costs bytes, never numbers: the next block reads what its own
+  router picked.
+* **Whole block or routed.** Per block and forward, `worth_routing` compares the routed misses' copy time
+  (bytes over the measured H2D bandwidth, plus `COPY_SECONDS` per copy issued) with one copy of the block.
+
+Ordering: every write into the pool is on the copy stream, which first waits for the gathers already issued
+(the last reads of the entries it may overwrite); every gather waits for the copies of the entries it reads.
+On the CPU (the tests) copies are immediate and there are no streams.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from . import precision as precisions
+
+# What one host-to-device copy costs beyond its bytes: the host's issue of a small cudaMemcpyAsync and its
+# latency on the link (~10 us measured with the routed reads on an H100). It makes a routed read of many
+# experts lose to one copy of the whole block.
+COPY_SECONDS = 10e-6
+
+
+@dataclass
+class _Pool:
+    """The entries of one stack layout: per stack, [entries, rows, cols] weights and [entries, rows] scales."""
+
+    weights: list[torch.Tensor]
+    scales: list[torch.Tensor | None]
+    lru: "OrderedDict[tuple[int, int], int]" = field(default_factory=OrderedDict)  # (block, expert) -> entry
+    free: list[int] = field(default_factory=list)
+    ready: dict[int, object] = field(default_factory=dict)  # entry -> the copy stream's event after its copy
+
+
+class ExpertCache:
+    def __init__(self, rt, capacity_bytes: int | str):
+        self.rt = rt
+        if capacity_bytes not in ("auto", 0):
+            from .conductor.costs import parse_bytes
+
+            capacity_bytes = parse_bytes(capacity_bytes, "expert_cache_bytes")
+        self.capacity_bytes = capacity_bytes
+        self._pools: dict[tuple, _Pool] = {}
+        self._routers: dict[int, tuple | None] = {}  # block -> (router weight, bias, next block) or None
+        cuda = rt.device.type == "cuda"
+        self._stream = torch.cuda.Stream(rt.device) if cuda else None
+        self._gathered = None  # the compute stream's event after the last gather
+        self.hits = self.misses = self.prefetched = self.prefetch_hits = self.copies = 0
+        self._guessed: dict[int, set[int]] = {}  # block -> the experts prefetched for its next forward
+
+    # ---- the block's stacks and their layout ----------------------------------------------------------
+
+    def stacks(self, block: int) -> list[int]:
+        rt = self.rt
+        first = rt._block_first_layer[block]
+        return [i for i in range(first, first + len(rt.store.blocks[block].layers)) if rt.layers[i].experts]
+
+    def _host_views(self, block: int) -> list[tuple[torch.Tensor, ...]]:
+        rt = self.rt
+        precision = rt._precision[block]
+        rt.store.fetching()
+        rt.store.ensure_fresh(block, precision)
+        host, layouts = rt.store.buffer(block, precision), rt.store.layout(block, precision)
+        first = rt._block_first_layer[block]
+        out = []
+        for i in self.stacks(block):
+            lay = layouts[i - first]
+            experts = rt.layers[i].experts
+            views = precisions.by_code(lay.code).views(host, lay)
+            out.append(tuple(v.reshape(experts, lay.out_features // experts, *v.shape[1:]) for v in views))
+        return out
+
+    def _pool(self, block: int, views: list[tuple[torch.Tensor, ...]], top_k: int | None = None) -> _Pool:
+        """The pool of the block's stack layout, made at the first routed read (`top_k`: the router's picks
+        per token, for the floor: two forwards' most picks, this block's and the next's prefetch)."""
+        key = tuple((v.shape[1:], v.dtype) for stack in views for v in stack)
+        pool = self._pools.get(key)
+        if pool is None:
+            per_entry = sum(v[0].nbytes for stack in views for v in stack)
+            experts = self.rt.layers[self.stacks(block)[0]].experts
+            floor = 2 * min(experts, self.rt.eager.max_routed_tokens * (top_k or experts))
+            n = max(floor, self._capacity() // max(per_entry, 1))
+            device = self.rt.device
+            with torch.inference_mode(False):  # made under inference_mode, it could not be written outside it
+                weights = [torch.empty(n, *stack[0].shape[1:], dtype=stack[0].dtype, device=device) for stack in views]
+                scales = [torch.empty(n, *stack[1].shape[1:], dtype=stack[1].dtype, device=device)
+                          if len(stack) > 1 else None for stack in views]
+            pool = self._pools[key] = _Pool(weights, scales, free=list(range(n)))
+        return pool
+
+    def _capacity(self) -> int:
+        if isinstance(self.capacity_bytes, int):
+            return self.capacity_bytes
+        rt = self.rt  # "auto": half of what the budget leaves now (nothing where no budget or no CUDA)
+        limit = rt.planner.budget.limit if rt.planner.planning else None
+        if limit is None or rt.device.type != "cuda":
+            return 0
+        return max(0, (limit - torch.cuda.memory_reserved(rt.device)) // 2)
+
+    def entries(self) -> int:
+        return sum(len(p.weights[0]) for p in self._pools.values())
+
+    # ---- whole block or routed -------------------------------------------------------------------------
+
+    def worth_routing(self, block: int, picked: list[int], top_k: int) -> bool:
+        """Is copying this forward's missing experts faster than one copy of the block?"""
+        rt = self.rt
+        views = self._host_views(block)
+        pool = self._pool(block, views, top_k)
+        missing = [e for e in picked if (block, e) not in pool.lru]
+        per_expert = sum(v[0].nbytes for stack in views for v in stack)
+        bps = rt.planner.cost_model.h2d_bps
+        routed = len(missing) * (per_expert / bps + sum(len(s) for s in views) * COPY_SECONDS)
+        return routed < rt.block_nbytes(block, rt._precision[block]) / bps
+
+    # ---- reading a block's stack -----------------------------------------------------------------------
+
+    def read(self, index: int, picked: list[int], dtype: torch.dtype, out: torch.Tensor, memo: dict) -> torch.Tensor:
+        """`out` (the stack's dense device buffer) with the rows of the `picked` experts written. `memo`: the
+        experts module's forward memo (its first stack read fetches the experts of every stack)."""
+        rt = self.rt
+        block = rt.layers[index].block
+        stack = self.stacks(block).index(index)
+        if ("entries", block) not in memo:
+            memo[("entries", block)] = self._ensure(block, picked)
+        entries = memo[("entries", block)]
+        pool = self._pool(block, self._host_views(block))
+        if not picked:
+            return out
+        where = torch.tensor(picked, dtype=torch.long).to(out.device, non_blocking=True)
+        rows = torch.tensor(entries, dtype=torch.long).to(out.device, non_blocking=True)
+        w = pool.weights[stack].index_select(0, rows)
+        if pool.scales[stack] is not None:
+            w = w.to(torch.float32) * pool.scales[stack].index_select(0, rows).unsqueeze(-1)
+        out.index_copy_(0, where, w.to(dtype).view(len(picked), *out.shape[1:]))
+        if self._stream is not None:
+            self._gathered = torch.cuda.current_stream(rt.device).record_event()
+        return out
+
+    def _ensure(self, block: int, picked: list[int]) -> list[int]:
+        """Each picked expert's entry, the missing ones copied in; the compute stream waits for them."""
+        views = self._host_views(block)
+        pool = self._pool(block, views)
+        guessed = self._guessed.pop(block, set())
+        missing = [e for e in picked if (block, e) not in pool.lru]
+        self.hits += len(picked) - len(missing)
+        self.misses += len(missing)
+        self.prefetch_hits += sum(1 for e in picked if e in guessed)
+        keep = {(block, e) for e in picked}
+        self._copy_in(pool, block, missing, views, keep)
+        entries = []
+        for e in picked:
+            pool.lru.move_to_end((block, e))
+            entries.append(pool.lru[(block, e)])
+        if self._stream is not None:
+            compute = torch.cuda.current_stream(self.rt.device)
+            for entry in entries:
+                event = pool.ready.get(entry)
+                if event is not None:
+                    compute.wait_event(event)
+        return entries
+
+    def _copy_in(self, pool: _Pool, block: int, experts: list[int], views, keep: set) -> None:
+        """Copy these experts of `block` into entries (least recently used first out, never one in `keep`)."""
+        if not experts:
+            return
+        stream = self._stream
+        if stream is not None and self._gathered is not None:
+            stream.wait_event(self._gathered)  # the gathers already issued read the entries about to change
+        pinned = views[0][0].is_pinned()
+        with torch.cuda.stream(stream) if stream is not None else _nothing():
+            for e in experts:
+                entry = self._take(pool, keep)
+                for stack, host in enumerate(views):
+                    pool.weights[stack][entry].copy_(host[0][e], non_blocking=pinned)
+                    if pool.scales[stack] is not None:
+                        pool.scales[stack][entry].copy_(host[1][e], non_blocking=pinned)
+                    self.copies += len(host)
+                    self.rt.pool.stats.h2d_bytes += sum(v[e].nbytes for v in host)
+                pool.lru[(block, e)] = entry
+                if stream is not None:
+                    pool.ready[entry] = stream.record_event()
+
+    def _take(self, pool: _Pool, keep: set) -> int:
+        if pool.free:
+            return pool.free.pop()
+        victim = next((k for k in pool.lru if k not in keep), None)
+        if victim is None:  # the floor holds two forwards' picks: only a caller's bug gets here
+            raise RuntimeError(f"stagehand: the expert cache's {len(pool.lru)} entries are all in use by this forward")
+        return pool.lru.pop(victim)
+
+    # ---- prefetch from the next block's router --------------------------------------------------------
+
+    def router_guess(self, block: int, hidden: torch.Tensor | None, top_k: int) -> tuple[int, torch.Tensor] | None:
+        """(next MoE block, its router's top-k experts for `hidden`, on the device), or None where no next
+        router is known on this device."""
+        found = self._router_after(block)
+        if found is None or hidden is None or not hidden.is_floating_point():
+            return None
+        weight, bias, nxt = found
+        if weight.device != hidden.device or hidden.shape[-1] != weight.shape[1]:
+            return None
+        logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, bias)
+        return nxt, logits.topk(min(top_k, weight.shape[0]), dim=-1).indices.reshape(-1)  # the host dedupes
+
+    def prefetch(self, block: int, experts: list[int], reading: tuple[int, list[int]]) -> None:
+        """Copy the guessed experts of `block` that are not cached, on the copy stream (does not wait).
+        `reading`: the block and experts this forward reads now, whose entries its later gathers still read."""
+        views = self._host_views(block)
+        pool = self._pool(block, views)
+        keep = {(reading[0], e) for e in reading[1]}
+        room = len(pool.weights[0]) - len(keep)
+        missing = [e for e in experts if (block, e) not in pool.lru][: max(room, 0)]
+        self._copy_in(pool, block, missing, views, keep)
+        self.prefetched += len(missing)
+        self._guessed[block] = set(experts)
+
+    def _router_after(self, block: int):
+        """The router of the next block that holds experts: a 2-D [experts, hidden] parameter on the device in
+        the module around that block's experts (found by its shape, as the stacks are)."""
+        if block in self._routers:
+            return self._routers[block]
+        rt = self.rt
+        found = None
+        for nxt in range(block + 1, len(rt.blocks)):
+            stacks = self.stacks(nxt)
+            if not stacks:
+                continue
+            spec = rt.layers[stacks[0]]
+            experts_fqn = spec.fqn.rpartition(".")[0]
+            parent = rt.model.get_submodule(experts_fqn.rpartition(".")[0])
+            experts_module = rt.model.get_submodule(experts_fqn)
+            own = {id(p) for p in experts_module.parameters()}
+            for module in parent.modules():
+                weight = module._parameters.get("weight")
+                if (weight is not None and id(weight) not in own and weight.dim() == 2
+                        and weight.shape[0] == spec.experts and weight.device == rt.device):
+                    bias = module._parameters.get("bias")
+                    found = (weight, bias if bias is not None and bias.shape == (spec.experts,) else None, nxt)
+                    break
+            break
+        self._routers[block] = found
+        return found
+
+    def stats(self) -> dict:
+        return {"entries": self.entries(), "hits": self.hits, "misses": self.misses, "prefetched": self.prefetched,
+                "prefetch_hits": self.prefetch_hits, "copies": self.copies}
+
+    def release(self) -> None:
+        self._pools.clear()
+        self._routers.clear()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
