@@ -140,15 +140,28 @@ def tiles(rows_per_expert: int) -> list[tuple[int, int, int, int, int]]:
 # ----------------------------------------------------------------------------- the op's choice on CUDA
 
 
-def dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The stack in `dtype`, one Triton pass (w8a16's dequantize kernel over its E x R stored rows)."""
-    from . import w8a16
+@triton.jit
+def _dequant_rows_kernel(q_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[n, k] = q[n, k] * scale[n] in out's dtype, for one-byte rows of int8 or fp8 (no `other=`: a
+    constant can not be cast to fp8)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    ok = n_ok[:, None] & (offs_k < K)[None, :]
+    at = offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
+    q = tl.load(q_ptr + at, mask=ok).to(tl.float32)
+    s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
+    tl.store(out_ptr + at, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
 
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The stack in `dtype`, one Triton pass over its E x R stored rows."""
     e, r, c = q.shape
+    q, scale = q.contiguous(), scale.contiguous()  # views of a slot are already
     out = torch.empty(e, r, c, dtype=dtype, device=q.device)
     rows = e * r
-    w8a16._dequant_kernel[(-(-rows // 32), -(-c // 256))](
-        q.view(rows, c), scale.reshape(rows), out.view(rows, c), rows, c, c, BLOCK_N=32, BLOCK_K=256, num_warps=4)
+    _dequant_rows_kernel[(-(-rows // 32), -(-c // 256))](q, scale, out, rows, c, BLOCK_N=32, BLOCK_K=256,
+                                                        num_warps=4)
     return out
 
 

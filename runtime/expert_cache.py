@@ -255,7 +255,7 @@ class ExpertCache:
             for module in parent.modules():
                 weight = module._parameters.get("weight")
                 if (weight is not None and id(weight) not in own and weight.dim() == 2
-                        and weight.shape[0] == spec.experts and weight.device == rt.device):
+                        and weight.shape[0] == spec.experts and weight.device.type == rt.device.type):
                     bias = module._parameters.get("bias")
                     found = (weight, bias if bias is not None and bias.shape == (spec.experts,) else None, nxt)
                     break

@@ -40,6 +40,9 @@ def run(name: str) -> dict:
     x = torch.randn(total + sentinel, k, generator=gen).to(torch.bfloat16)
     y = grouped_lowbit_triton(x, q, scale, offs, rows_are_out, tile)
     dense = q.double() * scale.double().unsqueeze(-1)
+    from torch_stagehand.kernels.grouped import dequantized
+
+    dequant_err = ((dequantized(q, scale, torch.float32).double() - dense).abs().max() / dense.abs().max()).item()
     b = dense.transpose(-2, -1) if rows_are_out else dense
     want = torch.zeros(total, b.shape[-1], dtype=torch.float64)
     start = 0
@@ -48,7 +51,8 @@ def run(name: str) -> dict:
         start = end
     got = y[:total].double()
     err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item() if total else 0.0
-    return dict(case=name, rel_err=err, shape=list(y.shape), finite=bool(torch.isfinite(got).all()))
+    return dict(case=name, rel_err=err, dequant_err=dequant_err, shape=list(y.shape),
+                finite=bool(torch.isfinite(got).all()))
 
 
 if __name__ == "__main__":
