@@ -63,6 +63,7 @@ class ExpertCache:
         self.capacity_bytes = capacity_bytes
         self._pools: dict[tuple, _Pool] = {}
         self._routers: dict[int, tuple | None] = {}  # block -> (router weight, bias, next block) or None
+        self._views: dict[tuple, tuple] = {}  # (block, precision) -> (host buffer's address, its stacks' views)
         cuda = rt.device.type == "cuda"
         self._stream = torch.cuda.Stream(rt.device) if cuda else None
         self._gathered = None  # the compute stream's event after the last gather
@@ -77,11 +78,16 @@ class ExpertCache:
         return [i for i in range(first, first + len(rt.store.blocks[block].layers)) if rt.layers[i].experts]
 
     def _host_views(self, block: int) -> list[tuple[torch.Tensor, ...]]:
+        """Each stack of the block in the host store as [experts, rows, cols] (and its scales [experts, rows]),
+        made once per block, precision and host buffer (a forward asks for them several times)."""
         rt = self.rt
         precision = rt._precision[block]
-        rt.store.fetching()
-        rt.store.ensure_fresh(block, precision)
-        host, layouts = rt.store.buffer(block, precision), rt.store.layout(block, precision)
+        host = rt.store.buffer(block, precision)
+        key = (block, precision)
+        cached = self._views.get(key)
+        if cached is not None and cached[0] == host.data_ptr():
+            return cached[1]
+        layouts = rt.store.layout(block, precision)
         first = rt._block_first_layer[block]
         out = []
         for i in self.stacks(block):
@@ -89,7 +95,14 @@ class ExpertCache:
             experts = rt.layers[i].experts
             views = precisions.by_code(lay.code).views(host, lay)
             out.append(tuple(v.reshape(experts, lay.out_features // experts, *v.shape[1:]) for v in views))
+        self._views[key] = (host.data_ptr(), out)
         return out
+
+    def _fresh(self, block: int) -> None:
+        """The host copy current (full fine-tuning refreshes a derived int8 copy from its master)."""
+        rt = self.rt
+        rt.store.fetching()
+        rt.store.ensure_fresh(block, rt._precision[block])
 
     def _pool(self, block: int, views: list[tuple[torch.Tensor, ...]], top_k: int | None = None) -> _Pool:
         """The pool of the block's stack layout, made at the first routed read (`top_k`: the router's picks
@@ -100,7 +113,7 @@ class ExpertCache:
             per_entry = sum(v[0].nbytes for stack in views for v in stack)
             experts = self.rt.layers[self.stacks(block)[0]].experts
             floor = 2 * min(experts, self.rt.eager.max_routed_tokens * (top_k or experts))
-            n = max(floor, self._capacity() // max(per_entry, 1))
+            n = max(floor, self._capacity(block) // max(per_entry, 1))
             device = self.rt.device
             with torch.inference_mode(False):  # made under inference_mode, it could not be written outside it
                 weights = [torch.empty(n, *stack[0].shape[1:], dtype=stack[0].dtype, device=device) for stack in views]
@@ -109,14 +122,16 @@ class ExpertCache:
             pool = self._pools[key] = _Pool(weights, scales, free=list(range(n)))
         return pool
 
-    def _capacity(self) -> int:
+    def _capacity(self, block: int) -> int:
         if isinstance(self.capacity_bytes, int):
             return self.capacity_bytes
         rt = self.rt  # "auto": half of what the budget leaves now (nothing where no budget or no CUDA)
         limit = rt.planner.budget.limit if rt.planner.planning else None
         if limit is None or rt.device.type != "cuda":
             return 0
-        return max(0, (limit - torch.cuda.memory_reserved(rt.device)) // 2)
+        # The dense stacks the model reads (one device buffer per place in a block, eager_path.py) come next.
+        dense = sum(rt.layers[i].weight.numel() * rt.layers[i].weight.element_size() for i in self.stacks(block))
+        return max(0, (limit - torch.cuda.memory_reserved(rt.device) - dense) // 2)
 
     def entries(self) -> int:
         return sum(len(p.weights[0]) for p in self._pools.values())
@@ -148,8 +163,10 @@ class ExpertCache:
         pool = self._pool(block, self._host_views(block))
         if not picked:
             return out
-        where = torch.tensor(picked, dtype=torch.long).to(out.device, non_blocking=True)
-        rows = torch.tensor(entries, dtype=torch.long).to(out.device, non_blocking=True)
+        if ("index", block) not in memo:  # the experts' places in the stack and in the pool: one async copy
+            index = torch.tensor([picked, entries], dtype=torch.long)
+            memo[("index", block)] = index.pin_memory().to(out.device, non_blocking=True) if out.is_cuda else index
+        where, rows = memo[("index", block)]
         w = pool.weights[stack].index_select(0, rows)
         if pool.scales[stack] is not None:
             w = w.to(torch.float32) * pool.scales[stack].index_select(0, rows).unsqueeze(-1)
@@ -160,6 +177,7 @@ class ExpertCache:
 
     def _ensure(self, block: int, picked: list[int]) -> list[int]:
         """Each picked expert's entry, the missing ones copied in; the compute stream waits for them."""
+        self._fresh(block)
         views = self._host_views(block)
         pool = self._pool(block, views)
         guessed = self._guessed.pop(block, set())
@@ -227,6 +245,7 @@ class ExpertCache:
     def prefetch(self, block: int, experts: list[int], reading: tuple[int, list[int]]) -> None:
         """Copy the guessed experts of `block` that are not cached, on the copy stream (does not wait).
         `reading`: the block and experts this forward reads now, whose entries its later gathers still read."""
+        self._fresh(block)
         views = self._host_views(block)
         pool = self._pool(block, views)
         keep = {(reading[0], e) for e in reading[1]}
@@ -270,6 +289,7 @@ class ExpertCache:
     def release(self) -> None:
         self._pools.clear()
         self._routers.clear()
+        self._views.clear()
 
 
 class _nothing:
