@@ -37,9 +37,11 @@ FETCH_LABELS = {"routed": "routed experts, expert cache", "routed-floor": "route
                 "whole": "whole blocks"}
 
 
-def generate_row(label: str, model, prompt: torch.Tensor, new_tokens: int, sync: Sync, rt=None) -> tuple[dict, torch.Tensor]:
+def generate_row(label: str, model, prompt: torch.Tensor, new_tokens: int, sync: Sync, rt=None,
+                 warmup: int = 0) -> tuple[dict, torch.Tensor]:
     """One greedy generation, each new token's time taken as it is made (a stopping criterion that syncs and
-    reads the clock); tokens a second over the tokens after the first (the first is the prefill)."""
+    reads the clock); tokens a second over the tokens after the first (the first is the prefill). `warmup`:
+    new tokens of a generation run first (its experts stay in the expert cache, as a chat's earlier turns)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     stamps: list[float] = []
@@ -50,6 +52,9 @@ def generate_row(label: str, model, prompt: torch.Tensor, new_tokens: int, sync:
             stamps.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
+    if warmup:  # the W8A16 autotuner's first calls at the prompt's and a token's shapes, outside the timing
+        model.generate(prompt, max_new_tokens=warmup, min_new_tokens=warmup, do_sample=False, use_cache=True,
+                       pad_token_id=0)
     sync.reset_peak()
     h2d = rt.stats()["h2d_bytes"] if rt is not None else 0
     t0 = time.perf_counter()
@@ -58,6 +63,7 @@ def generate_row(label: str, model, prompt: torch.Tensor, new_tokens: int, sync:
     sync()
     decode = stamps[-1] - stamps[0]
     row = {"mode": label, "new_tokens": len(stamps), "first_token_s": round(stamps[0] - t0, 2),
+           "token_ms": [round((b - a) * 1e3, 1) for a, b in zip(stamps, stamps[1:])],
            "tokens_per_s": round((len(stamps) - 1) / decode, 3) if decode > 0 else None, **sync.peaks()}
     if rt is not None:
         row["h2d_gb_token"] = round((rt.stats()["h2d_bytes"] - h2d) / len(stamps) / 1e9, 2)
@@ -89,7 +95,8 @@ def run(args) -> dict:
                 rt = stagehand.offload(model, device=device, precision=precision, config=config,
                                        vram_budget=args.budget if device == "cuda" else None, verbose=False)
                 what = FETCH_LABELS[fetch]
-                row, _ = generate_row(f"stagehand {precision}, {what}", model, prompt, args.tokens, sync, rt)
+                row, _ = generate_row(f"stagehand {precision}, {what}", model, prompt, args.tokens, sync, rt,
+                                      warmup=args.warmup_tokens)
                 reads = rt.stats()["routed_reads"]
                 row["expert_cache"] = reads["expert_cache"]
                 row["cache_hit_rate"] = (round(reads["expert_cache"]["hits"] / max(
@@ -136,6 +143,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per stagehand row")
     parser.add_argument("--accelerate-tokens", type=int, default=8, help="new tokens for accelerate's row")
+    parser.add_argument("--warmup-tokens", type=int, default=2,
+                        help="a short generation before each stagehand row (the autotuner's first calls)")
     parser.add_argument("--accelerate", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
