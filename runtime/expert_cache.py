@@ -7,9 +7,10 @@ Eliseev & Mazur's speculative expert prefetch). So:
 
 * **The cache.** A pool of entries on the device, each one expert of one block: its rows (and row scales)
   of every stack of the block, in the stored precision (int8 stays int8: half the bytes of bf16, dequantized
-  when read). Entries are kept least-recently-used; blocks of one stack layout share a pool. Its size is
-  `Config.expert_cache_bytes` ("auto": half of what the VRAM budget leaves when the first routed read comes;
-  at least two blocks' worth of picks).
+  when read). Blocks of one stack layout share a pool. A full pool gives up the entry whose block runs
+  furthest ahead (generation walks the blocks in a cycle: the blocks just run are needed last), and within
+  a block its least recently used expert. Its size is `Config.expert_cache_bytes` ("auto": what the VRAM
+  budget leaves, less a fifth, when the first routed read comes; at least two forwards' most picks).
 * **Reading a block.** The picked experts that are cached are hits; the misses are copied in, all on one
   copy stream, and the compute stream waits for them; then the picked rows are gathered (and dequantized)
   into the dense stack the model's experts code reads (the rows of experts not picked are stale there, and
@@ -48,7 +49,8 @@ class _Pool:
 
     weights: list[torch.Tensor]
     scales: list[torch.Tensor | None]
-    lru: "OrderedDict[tuple[int, int], int]" = field(default_factory=OrderedDict)  # (block, expert) -> entry
+    where: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, expert) -> entry
+    order: dict[int, "OrderedDict[int, None]"] = field(default_factory=dict)  # block -> its experts, oldest first
     free: list[int] = field(default_factory=list)
     ready: dict[int, object] = field(default_factory=dict)  # entry -> the copy stream's event after its copy
 
@@ -125,13 +127,13 @@ class ExpertCache:
     def _capacity(self, block: int) -> int:
         if isinstance(self.capacity_bytes, int):
             return self.capacity_bytes
-        rt = self.rt  # "auto": half of what the budget leaves now (nothing where no budget or no CUDA)
+        rt = self.rt  # "auto": what the budget leaves now, less a fifth (nothing where no budget or no CUDA)
         limit = rt.planner.budget.limit if rt.planner.planning else None
         if limit is None or rt.device.type != "cuda":
             return 0
         # The dense stacks the model reads (one device buffer per place in a block, eager_path.py) come next.
         dense = sum(rt.layers[i].weight.numel() * rt.layers[i].weight.element_size() for i in self.stacks(block))
-        return max(0, (limit - torch.cuda.memory_reserved(rt.device) - dense) // 2)
+        return max(0, int((limit - torch.cuda.memory_reserved(rt.device) - dense) * 0.8))
 
     def entries(self) -> int:
         return sum(len(p.weights[0]) for p in self._pools.values())
@@ -143,7 +145,7 @@ class ExpertCache:
         rt = self.rt
         views = self._host_views(block)
         pool = self._pool(block, views, top_k)
-        missing = [e for e in picked if (block, e) not in pool.lru]
+        missing = [e for e in picked if (block, e) not in pool.where]
         per_expert = sum(v[0].nbytes for stack in views for v in stack)
         bps = rt.planner.cost_model.h2d_bps
         routed = len(missing) * (per_expert / bps + sum(len(s) for s in views) * COPY_SECONDS)
@@ -181,7 +183,7 @@ class ExpertCache:
         views = self._host_views(block)
         pool = self._pool(block, views)
         guessed = self._guessed.pop(block, set())
-        missing = [e for e in picked if (block, e) not in pool.lru]
+        missing = [e for e in picked if (block, e) not in pool.where]
         self.hits += len(picked) - len(missing)
         self.misses += len(missing)
         self.prefetch_hits += sum(1 for e in picked if e in guessed)
@@ -189,8 +191,8 @@ class ExpertCache:
         self._copy_in(pool, block, missing, views, keep)
         entries = []
         for e in picked:
-            pool.lru.move_to_end((block, e))
-            entries.append(pool.lru[(block, e)])
+            pool.order[block].move_to_end(e)
+            entries.append(pool.where[(block, e)])
         if self._stream is not None:
             compute = torch.cuda.current_stream(self.rt.device)
             for entry in entries:
@@ -209,24 +211,33 @@ class ExpertCache:
         pinned = views[0][0].is_pinned()
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             for e in experts:
-                entry = self._take(pool, keep)
+                entry = self._take(pool, keep, block)
                 for stack, host in enumerate(views):
                     pool.weights[stack][entry].copy_(host[0][e], non_blocking=pinned)
                     if pool.scales[stack] is not None:
                         pool.scales[stack][entry].copy_(host[1][e], non_blocking=pinned)
                     self.copies += len(host)
                     self.rt.pool.stats.h2d_bytes += sum(v[e].nbytes for v in host)
-                pool.lru[(block, e)] = entry
+                pool.where[(block, e)] = entry
+                pool.order.setdefault(block, OrderedDict())[e] = None
                 if stream is not None:
                     pool.ready[entry] = stream.record_event()
 
-    def _take(self, pool: _Pool, keep: set) -> int:
+    def _take(self, pool: _Pool, keep: set, block: int) -> int:
+        """A free entry, or the one whose next use is furthest away: generation walks the blocks in a cycle,
+        so the entries of the blocks just run are needed last (Belady's choice for a cyclic walk; evicting the
+        least recently used would, with fewer entries than a token's experts, evict each just before its use).
+        Within a block, its least recently used expert; never one in `keep`."""
         if pool.free:
             return pool.free.pop()
-        victim = next((k for k in pool.lru if k not in keep), None)
-        if victim is None:  # the floor holds two forwards' picks: only a caller's bug gets here
-            raise RuntimeError(f"stagehand: the expert cache's {len(pool.lru)} entries are all in use by this forward")
-        return pool.lru.pop(victim)
+        n = len(self.rt.blocks)
+        for distance in range(n - 1, -1, -1):  # 0 last: the block's own experts not read now
+            other = (block + distance) % n
+            for e in pool.order.get(other, ()):
+                if (other, e) not in keep:
+                    del pool.order[other][e]
+                    return pool.where.pop((other, e))
+        raise RuntimeError(f"stagehand: the expert cache's {len(pool.where)} entries are all in use by this forward")
 
     # ---- prefetch from the next block's router --------------------------------------------------------
 
@@ -250,7 +261,7 @@ class ExpertCache:
         pool = self._pool(block, views)
         keep = {(reading[0], e) for e in reading[1]}
         room = len(pool.weights[0]) - len(keep)
-        missing = [e for e in experts if (block, e) not in pool.lru][: max(room, 0)]
+        missing = [e for e in experts if (block, e) not in pool.where][: max(room, 0)]
         self._copy_in(pool, block, missing, views, keep)
         self.prefetched += len(missing)
         self._guessed[block] = set(experts)

@@ -425,3 +425,27 @@ def test_explain_and_the_schedule_show_each_blocks_expert_bytes():
     assert stacks[0] // 4 < report.expert_bytes[0] < stacks[0] // 3  # int8: a byte a weight and a scale a row
     table = report.plan_table()
     assert "of which experts MiB" in table and f"{stacks[1] / 2**20:.3f}" in table
+
+
+def test_a_full_expert_cache_gives_up_the_entries_of_the_block_that_runs_furthest_ahead():
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from torch_stagehand.runtime.expert_cache import ExpertCache, _Pool
+
+    cache = ExpertCache(SimpleNamespace(device=torch.device("cpu"), blocks=["b0", "b1", "b2", "b3"]), 0)
+    pool = _Pool([], [])
+    for entry, (block, expert) in enumerate([(0, 5), (1, 2), (1, 7), (2, 3), (3, 1)]):
+        pool.where[(block, expert)] = entry
+        pool.order.setdefault(block, OrderedDict())[expert] = None
+    # Loading block 2: block 1 ran just before, so it runs again last: its oldest expert goes first.
+    assert cache._take(pool, set(), 2) == 1 and (1, 2) not in pool.where
+    # Its other expert is read by this forward (kept): then block 0, the next furthest ahead.
+    assert cache._take(pool, {(1, 7)}, 2) == 0
+    # Loading block 0 (the next token's first): block 3 is the furthest ahead of it now.
+    assert cache._take(pool, {(1, 7)}, 0) == 4
+    assert cache._take(pool, set(), 0) == 3 and cache._take(pool, set(), 0) == 2  # block 2, then 1's
+    with pytest.raises(RuntimeError, match="all in use"):
+        pool.where[(0, 1)] = 9
+        pool.order[0] = OrderedDict({1: None})
+        cache._take(pool, {(0, 1)}, 0)
