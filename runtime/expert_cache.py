@@ -10,7 +10,8 @@ Eliseev & Mazur's speculative expert prefetch). So:
   when read). Blocks of one stack layout share a pool. A full pool gives up the entry whose block runs
   furthest ahead (generation walks the blocks in a cycle: the blocks just run are needed last), and within
   a block its least recently used expert. Its size is `Config.expert_cache_bytes` ("auto": what the VRAM
-  budget leaves, less a fifth, when the first routed read comes; at least two forwards' most picks).
+  budget leaves beside the plan's predicted peak and the dense stacks, less a fifth; at least two forwards'
+  most picks, which a tight budget may not have room for: the floor is the one allocation past the plan).
 * **Reading a block.** The picked experts that are cached are hits; the misses are copied in, all on one
   copy stream, and the compute stream waits for them; then the picked rows are gathered (and dequantized)
   into the dense stack the model's experts code reads (the rows of experts not picked are stale there, and
@@ -127,13 +128,17 @@ class ExpertCache:
     def _capacity(self, block: int) -> int:
         if isinstance(self.capacity_bytes, int):
             return self.capacity_bytes
-        rt = self.rt  # "auto": what the budget leaves now, less a fifth (nothing where no budget or no CUDA)
+        rt = self.rt  # "auto" (nothing where no budget or no CUDA)
         limit = rt.planner.budget.limit if rt.planner.planning else None
         if limit is None or rt.device.type != "cuda":
             return 0
-        # The dense stacks the model reads (one device buffer per place in a block, eager_path.py) come next.
+        # What the plan itself may take (its predicted peak: whole blocks still stream for a long prompt), or
+        # what is held now if more; the dense stacks the model reads (a buffer per place in a block,
+        # eager_path.py) come next.
+        plan = rt.planner.plan
+        held = max(plan.predicted_peak_bytes if plan is not None else 0, torch.cuda.memory_reserved(rt.device))
         dense = sum(rt.layers[i].weight.numel() * rt.layers[i].weight.element_size() for i in self.stacks(block))
-        return max(0, int((limit - torch.cuda.memory_reserved(rt.device) - dense) * 0.8))
+        return max(0, int((limit - held - dense) * 0.8))
 
     def entries(self) -> int:
         return sum(len(p.weights[0]) for p in self._pools.values())

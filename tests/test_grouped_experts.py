@@ -184,3 +184,29 @@ def test_every_candidate_on_the_gpu_computes_the_torch_twin(rows_are_out, wdtype
     tol = 8e-2 if grouped.has_scaled_grouped_mm(x, q, rows_are_out) else 1e-2  # fp8 activations: W8A8
     assert (chosen.float() - want).norm() / want.norm() < tol
     assert grouped.has_scaled_grouped_mm(x, q, rows_are_out) or any(k[0].startswith("grouped-") for k in tune.tuning_log())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_stacks_compiled_with_inductor_run_the_rowwise_grouped_tensor_cores(monkeypatch):
+    from torch_stagehand.kernels import grouped
+
+    scaled = []
+    real = grouped.scaled_grouped_mm
+    monkeypatch.setattr(grouped, "scaled_grouped_mm", lambda *a: scaled.append(1) or real(*a))
+    results = {}
+    for math in ("grouped", "dense"):
+        torch._dynamo.reset()
+        model = _lora(_moe("qwen3_moe"))
+        model.train()
+        stagehand.offload(model, device="cuda", precision="fp8", verbose=False)
+        ids = _inputs().cuda()
+        compiled = torch.compile(model, backend="stagehand", options={"experts_math": math})
+        loss = compiled(ids, labels=ids).loss
+        loss.backward()
+        results[math] = (loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    assert scaled  # the grouped rewrite's forwards ran on FP8 tensor cores (the dense one dequantizes)
+    (loss, grads), (want_loss, want_grads) = results["grouped"], results["dense"]
+    assert abs(loss - want_loss) < 5e-2 * abs(want_loss)  # E4M3 activations in the grouped forward
+    for name in want_grads:
+        assert (grads[name] - want_grads[name]).norm() / want_grads[name].norm() < 0.15, name
