@@ -132,11 +132,12 @@ class ExpertCache:
         limit = rt.planner.budget.limit if rt.planner.planning else None
         if limit is None or rt.device.type != "cuda":
             return 0
-        # What the plan itself may take (its predicted peak: whole blocks still stream for a long prompt), or
-        # what is held now if more; the dense stacks the model reads (a buffer per place in a block,
-        # eager_path.py) come next.
+        # What the plan itself may take (its predicted peak), or the most this process has held if more: a long
+        # prompt still streams whole blocks through the slots, and they come back after the routed reads began
+        # (sized from the memory held at that moment, a cache took 9.9 GiB of an 8 GiB budget at full size).
+        # The dense stacks the model reads (a buffer per place in a block, eager_path.py) come next.
         plan = rt.planner.plan
-        held = max(plan.predicted_peak_bytes if plan is not None else 0, torch.cuda.memory_reserved(rt.device))
+        held = max(plan.predicted_peak_bytes if plan is not None else 0, torch.cuda.max_memory_reserved(rt.device))
         dense = sum(rt.layers[i].weight.numel() * rt.layers[i].weight.element_size() for i in self.stacks(block))
         return max(0, int((limit - held - dense) * 0.8))
 
