@@ -53,6 +53,7 @@ def generate_row(label: str, model, prompt: torch.Tensor, new_tokens: int, sync:
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     if warmup:  # the W8A16 autotuner's first calls at the prompt's and a token's shapes, outside the timing
+        sync.reset_peak()  # the memory the model was built with is not this row's (the expert cache sizes from it)
         model.generate(prompt, max_new_tokens=warmup, min_new_tokens=warmup, do_sample=False, use_cache=True,
                        pad_token_id=0)
     sync.reset_peak()
