@@ -447,14 +447,19 @@ def moe_table(name: str = "moe_qwen3_30b.json") -> str:
     cols = [Col("run", lambda r: r["mode"]), Col("step ms", field("step_ms", ms)),
             Col("H2D GB / step", field("h2d_gb_step", num, 1)),
             Col("H2D limit ms", field("h2d_limit_ms", ms)), Col("compute limit ms", field("compute_limit_ms", ms)),
-            Col("step / larger limit", field("vs_limit", num, 2)), Col("peak GiB", field("peak_gib", num, 1)),
+            Col("step / larger limit", field("vs_limit", num, 2)),
+            Col("x experts dense", field("vs_dense_experts", num, 3)), Col("peak GiB", field("peak_gib", num, 1)),
             Col("first step s", field("first_step_s", num, 1)),
             Col("sync fetches / step", field("sync_fetches_step", num, 0))]
     what = (f"transformers' Qwen3MoeForCausalLM at Qwen3-30B-A3B's shape ({data['params_b']}B parameters: 48 layers, "
             f"128 experts, top-8), LoRA r=16 on attention, AdamW, checkpointing, T={data['sequence']}; the resident "
             "row is the plain model on the GPU with each layer compiled by torch.compile (the compute limit); the "
             f"H2D limit is each row's H2D bytes per step at the pinned bandwidth measured in the run "
-            f"({data['pinned_h2d_gbps']} GB/s); `stagehand.compile_blocks`, `vram_budget` per row")
+            f"({data['pinned_h2d_gbps']} GB/s); `stagehand.compile_blocks`, `vram_budget` per row; int8 stacks are "
+            "multiplied from their bytes by the grouped kernel (the autotuner's pick against dequantize + "
+            "`grouped_mm`), and the \"experts dense\" row compiles the same blocks with `experts_math=\"dense\"` "
+            "(the stacks dequantized in the graph for the model's `grouped_mm`): \"x experts dense\" is the step "
+            "over that row's")
     return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n"
 
 
@@ -494,13 +499,17 @@ def moe_generate_table(name: str = "moe_generate.json") -> str:
             Col("first token s", field("first_token_s", num, 2)), Col("tokens / s", field("tokens_per_s", num, 3)),
             Col("x accelerate", field("x_accelerate", num, 1)), Col("H2D GB / token", field("h2d_gb_token", num, 1)),
             Col("H2D limit tokens / s", field("h2d_limit_tokens_per_s", num, 2)),
-            Col("peak GiB allocated", field("peak_gib", num, 1))]
+            Col("expert cache entries", lambda r: r["expert_cache"]["entries"] if r.get("expert_cache", {}).get("entries") else ""),
+            Col("cache hit rate", field("cache_hit_rate", num, 3)),
+            Col("peak GiB allocated", field("peak_gib", num, 2))]
     on_cpu = sum(1 for v in data.get("accelerate_device_map", {}).values() if v == "cpu")
     what = (f"The Qwen3-30B-A3B shape (random init, bf16), batch 1, a {data['prompt_tokens']}-token prompt, greedy "
             f"`generate` with the KV cache, GPU budget {data['budget']}: stagehand `offload(..., vram_budget=...)`, "
-            "no compile; each new token reads its layers and only the experts its router picked (\"routed experts "
-            "only\", the default) or streams every block whole (`routed_experts_max_tokens=0`), the prompt streams "
-            "whole blocks and counts in the H2D a token; accelerate `infer_auto_device_map` with the same "
+            "no compile; each new token reads its layers and only the experts its router picked, through the "
+            "device expert cache with the next block's guessed experts prefetched (the default; \"auto\" size, "
+            "or `expert_cache_bytes=0`: its floor of two forwards' most picks), or streams every block whole "
+            "(`routed_experts_max_tokens=0`); a 2-token generation before each row (the autotuner's first calls; "
+            "its experts stay cached); the prompt streams whole blocks and counts in the H2D a token; accelerate `infer_auto_device_map` with the same "
             f"GPU budget and `dispatch_model` ({on_cpu} of 48 layers run from host memory). Tokens a second over the "
             "tokens after the first")
     return f"{caption(name, what=what)}\n\n{table(data['rows'], cols)}\n"

@@ -8,12 +8,16 @@ Two ways, chosen per call:
 * **Direct reads, routed experts only** (`Config.routed_experts_max_tokens`): a forward with no grad over a
   few tokens (generation: one token a step) of a mixture-of-experts model would copy every block whole at
   every token, though its router picks a few experts of each block (8 of 128 in Qwen3-30B-A3B). Then each
-  Linear copies only its own rows and each expert stack only the rows of the experts routed to, on the
-  compute stream (ordered with the math), into device buffers kept per shape. The host waits once per
-  experts module and forward, for the router's choice (it must name the rows to copy): this path runs only
-  without grad over a few tokens, never in a training step. A block the slot pool holds already (resident in the plan) is read from its slot instead. The
-  rows of experts not routed to are stale in the stack buffer; no experts implementation reads them (the
-  grouped GEMM's groups for them are empty, the batched and looped ones index the routed experts).
+  Linear copies only its own rows, on the compute stream (ordered with the math), into a device buffer
+  kept per size; each expert stack gets the rows of the experts routed to from the expert cache
+  (expert_cache.py: kept between tokens, the misses copied on its copy stream, the next block's guessed
+  experts prefetched there), gathered into a dense stack buffer kept per place in the block, where the cost
+  model says the routed copies beat one copy of the block. The host waits once per experts module and
+  forward, for the router's choice (it must name the rows to copy; the next router's guess comes in the
+  same transfer): this path runs only without grad over a few tokens, never in a training step. A block
+  the slot pool holds already (resident in the plan) is read from its slot instead. The rows of experts not
+  routed to are stale in the stack buffer; no experts implementation reads them (the grouped GEMM's groups
+  for them are empty, the batched and looped ones index the routed experts).
 """
 
 from __future__ import annotations

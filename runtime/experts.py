@@ -15,8 +15,11 @@ so Dynamo captures one op per stack, with the block's token as a graph input lik
   (eager_path.py; the experts module's forward hands the property the router's indices).
 * In a compiled block the backend's `rewrite_linear` replaces it with `expert_weights_from_slot(weights,
   layout, shape)`: aten views of the block's slot (bf16) or their dequantization, which AOTAutograd traces
-  into the block's graph and Inductor fuses. The joint pass `refetch_weights` makes the backward read the
-  stack from the block's `wait_bw` slot again instead of saving it: weights are never saved for backward.
+  into the block's graph and Inductor fuses. A one-byte stack that the model reads only through grouped
+  GEMMs is not made at all: each GEMM becomes `grouped_experts_from_slot` (`stagehand::grouped_experts`,
+  kernels/grouped.py), which multiplies from the slot's bytes. The joint pass `refetch_weights` makes the
+  backward read the stack (or its bytes) from the block's `wait_bw` slot again instead of saving it:
+  weights are never saved for backward.
 
 A stack whose parameter requires grad is refused in a grad-enabled forward (experts stream frozen: LoRA on
 attention, or peft's `target_parameters` on the experts, `lora_experts.py`), never silently left untrained.

@@ -57,3 +57,12 @@ def test_shadowed_conductor_knobs_are_honoured_or_named():
                         ('{"telemetry_file": "a", "conductor": {"telemetry_file": "b"}}', "conductor.telemetry_file")]:
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             Config.from_json(text)
+
+
+def test_the_expert_cache_size_is_bytes_a_size_or_auto_and_a_bad_one_is_named():
+
+    for ok in ("auto", 0, "2GiB", 64 * 2**20):
+        Config(expert_cache_bytes=ok).validate()
+    for bad in (20, "lots", -5):
+        with pytest.raises(ConfigError, match="expert_cache_bytes"):
+            Config(expert_cache_bytes=bad).validate()

@@ -19,6 +19,10 @@ a Python call that AOTAutograd traces into aten ops, so Inductor fuses the
 activation's quantization and calls the GEMM from its own code, with none of the
 op's per-call host work. The backend option `linear_math="op"` keeps the op.
 
+An expert stack (`streamed_experts`) becomes `expert_weights_from_slot`, the stack as views of the slot or
+their dequantization; a one-byte stack that the model reads only through grouped GEMMs is not made: each
+GEMM becomes `grouped_experts_from_slot`, which multiplies from the bytes (backend option `experts_math`).
+
 A layer whose weight trains (full fine-tuning; `ctx.trainable` holds its position
 in the block) gets `grad_tap(y, x, anchor, block_tok, position)` after its linear:
 the identity forward, and in backward the grad-weight GEMM beside the grad-input,
