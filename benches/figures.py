@@ -507,7 +507,7 @@ def moe_generate_table(name: str = "moe_generate.json") -> str:
             f"`generate` with the KV cache, GPU budget {data['budget']}: stagehand `offload(..., vram_budget=...)`, "
             "no compile; each new token reads its layers and only the experts its router picked, through the "
             "device expert cache with the next block's guessed experts prefetched (the default; \"auto\" size, "
-            "or `expert_cache_bytes=0`: its floor of two forwards' most picks), or streams every block whole "
+            "or `expert_cache_bytes=0`: its floor), or streams every block whole "
             "(`routed_experts_max_tokens=0`); a 2-token generation before each row (the autotuner's first calls; "
             "its experts stay cached); the prompt streams whole blocks and counts in the H2D a token; accelerate `infer_auto_device_map` with the same "
             f"GPU budget and `dispatch_model` ({on_cpu} of 48 layers run from host memory). Tokens a second over the "

@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default="8GiB")
     parser.add_argument("--fetch", nargs="+", default=["routed", "routed-floor", "whole"], choices=list(FETCH_LABELS),
                         help="expert fetching: the routed experts only with the expert cache (the default config), "
-                             "with the cache at its floor (two forwards' picks), or whole blocks")
+                             "with the cache at its floor (expert_cache.FLOOR_TOKENS tokens' picks, twice), or whole blocks")
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per stagehand row")
     parser.add_argument("--accelerate-tokens", type=int, default=8, help="new tokens for accelerate's row")

@@ -206,7 +206,7 @@ class Config:
     routed_experts_max_tokens: int = 16
     # The device cache of routed experts between generation steps (expert_cache.py): bytes or a size ("2GiB"),
     # or "auto": what the VRAM budget leaves at the first routed read, less a fifth (nothing beyond its floor,
-    # two forwards' most picks, without a budget).
+    # two tokens' picks twice, without a budget).
     expert_cache_bytes: int | str = "auto"
     # Under torch.distributed: the ranks of one node share one host store (node_store.py): "auto" (when more
     # than one rank runs on the node and they can map each other's memory), "on" (refuse where not), "off".

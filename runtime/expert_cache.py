@@ -10,8 +10,9 @@ Eliseev & Mazur's speculative expert prefetch). So:
   when read). Blocks of one stack layout share a pool. A full pool gives up the entry whose block runs
   furthest ahead (generation walks the blocks in a cycle: the blocks just run are needed last), and within
   a block its least recently used expert. Its size is `Config.expert_cache_bytes` ("auto": what the VRAM
-  budget leaves beside the plan's predicted peak and the dense stacks, less a fifth; at least two forwards'
-  most picks, which a tight budget may not have room for: the floor is the one allocation past the plan).
+  budget leaves beside the plan's predicted peak and the dense stacks, less a fifth; at least FLOOR_TOKENS
+  tokens' picks twice, the one allocation past the plan). A forward whose picks fill more than half of it
+  reads its block whole.
 * **Reading a block.** The picked experts that are cached are hits; the misses are copied in, all on one
   copy stream, and the compute stream waits for them; then the picked rows are gathered (and dequantized)
   into the dense stack the model's experts code reads (the rows of experts not picked are stale there, and
@@ -38,6 +39,10 @@ import torch
 
 from . import precision as precisions
 
+# The least the pool holds: this many tokens' picks, twice (a forward's and the next block's prefetch). A
+# forward whose picks need more than half the pool reads its block whole: at a tight budget the cache is
+# small, and a long forward (a prompt of 16 tokens) has most of the block's experts anyway.
+FLOOR_TOKENS = 2
 # What one host-to-device copy costs beyond its bytes: the host's issue of a small cudaMemcpyAsync and its
 # latency on the link (~10 us measured with the routed reads on an H100). It makes a routed read of many
 # experts lose to one copy of the whole block.
@@ -109,13 +114,13 @@ class ExpertCache:
 
     def _pool(self, block: int, views: list[tuple[torch.Tensor, ...]], top_k: int | None = None) -> _Pool:
         """The pool of the block's stack layout, made at the first routed read (`top_k`: the router's picks
-        per token, for the floor: two forwards' most picks, this block's and the next's prefetch)."""
+        per token, for the floor: FLOOR_TOKENS tokens' picks, twice, for this block's and the next's)."""
         key = tuple((v.shape[1:], v.dtype) for stack in views for v in stack)
         pool = self._pools.get(key)
         if pool is None:
             per_entry = sum(v[0].nbytes for stack in views for v in stack)
             experts = self.rt.layers[self.stacks(block)[0]].experts
-            floor = 2 * min(experts, self.rt.eager.max_routed_tokens * (top_k or experts))
+            floor = 2 * min(experts, FLOOR_TOKENS * (top_k or experts))
             n = max(floor, self._capacity(block) // max(per_entry, 1))
             device = self.rt.device
             with torch.inference_mode(False):  # made under inference_mode, it could not be written outside it
@@ -147,10 +152,13 @@ class ExpertCache:
     # ---- whole block or routed -------------------------------------------------------------------------
 
     def worth_routing(self, block: int, picked: list[int], top_k: int) -> bool:
-        """Is copying this forward's missing experts faster than one copy of the block?"""
+        """Is copying this forward's missing experts faster than one copy of the block? Never where its picks
+        take more than half the pool (the other half is the next block's prefetch)."""
         rt = self.rt
         views = self._host_views(block)
         pool = self._pool(block, views, top_k)
+        if 2 * len(picked) > len(pool.weights[0]):
+            return False
         missing = [e for e in picked if (block, e) not in pool.where]
         per_expert = sum(v[0].nbytes for stack in views for v in stack)
         bps = rt.planner.cost_model.h2d_bps

@@ -284,12 +284,13 @@ def test_generation_reading_only_the_routed_experts_gives_the_whole_block_number
             ref = plain.generate(prompt, **kw) if precision == "bf16" else a
         _same_generation(a, b)
         assert torch.equal(ref.sequences, b.sequences)
-    # Every call read its layers and its routed experts directly, and moved less.
-    assert rt_routed.eager.direct_reads > 0 and rt_routed.eager.whole_stacks == 0 and rt_whole.eager.direct_reads == 0
+    # The calls read their layers and routed experts directly, and moved less.
+    assert rt_routed.eager.direct_reads > 0 and rt_whole.eager.direct_reads == 0
     assert rt_routed.stats()["h2d_bytes"] < rt_whole.stats()["h2d_bytes"]
     cache = rt_routed.stats()["routed_reads"]["expert_cache"]
-    # The floor: two forwards' most picks, 16 tokens x top-2 of 8 experts: all 8, twice.
-    assert cache["misses"] > 0 and cache["entries"] == 2 * 8
+    # The floor: 2 tokens' picks twice (top-2 of 8 experts): 8 entries. The 12-token prompt's forward picks
+    # more than half of that in a block: it read those blocks whole; the one-token forwards went routed.
+    assert cache["misses"] > 0 and cache["entries"] == 8 and rt_routed.eager.whole_stacks > 0
 
 
 def test_the_cost_model_reads_the_whole_block_where_the_routed_copies_cost_more():
