@@ -161,10 +161,10 @@ class EagerPath:
         guess = self.cache.router_guess(block, memo.get(_HIDDEN), routed.shape[-1] if routed.dim() > 1 else 1)
         if guess is None:
             picked = chosen.tolist()  # a device-to-host read: waits for the router
-        else:
-            both = torch.cat([chosen, chosen.new_full((1,), -1), guess[1].to(chosen.dtype)]).tolist()
-            cut = both.index(-1)
-            picked, memo[_GUESS] = both[:cut], (guess[0], list(dict.fromkeys(both[cut + 1:])))
+        else:  # unique's size is known on the host (it waited for it): it says where the guess starts
+            both = torch.cat([chosen, guess[1].to(chosen.dtype)]).tolist()
+            cut = chosen.numel()
+            picked, memo[_GUESS] = both[:cut], (guess[0], list(dict.fromkeys(both[cut:])))
         memo[_PICKED] = picked
         return picked
 

@@ -61,6 +61,11 @@ class _Pool:
     ready: dict[int, object] = field(default_factory=dict)  # entry -> the copy stream's event after its copy
 
 
+def _layout_key(views: list[tuple[torch.Tensor, ...]]) -> tuple:
+    """What a pool's entries hold: each stack's expert rows (and scales), their shapes and dtypes."""
+    return tuple((tuple(v.shape[1:]), v.dtype) for stack in views for v in stack)
+
+
 class ExpertCache:
     def __init__(self, rt, capacity_bytes: int | str):
         self.rt = rt
@@ -72,6 +77,9 @@ class ExpertCache:
         self._pools: dict[tuple, _Pool] = {}
         self._routers: dict[int, tuple | None] = {}  # block -> (router weight, bias, next block) or None
         self._views: dict[tuple, tuple] = {}  # (block, precision) -> (host buffer's address, its stacks' views)
+        self._seen: dict[int, str] = {}  # the precision map the pools were pruned for
+        self._top_k: int | None = None  # the router's picks per token, as the last routed read saw them
+        self._versions: dict[int, int | None] = {}  # block -> its master's version when its experts were cached
         cuda = rt.device.type == "cuda"
         self._stream = torch.cuda.Stream(rt.device) if cuda else None
         self._gathered = None  # the compute stream's event after the last gather
@@ -107,21 +115,35 @@ class ExpertCache:
         return out
 
     def _fresh(self, block: int) -> None:
-        """The host copy current (full fine-tuning refreshes a derived int8 copy from its master)."""
+        """The host copy current (a derived int8 copy is rebuilt from a master written since), and the block's
+        cached experts forgotten if its master was written since they were copied (load_state_dict, an
+        in-place edit: the version counter of the weights moves)."""
         rt = self.rt
         rt.store.fetching()
         rt.store.ensure_fresh(block, rt._precision[block])
+        version = rt.store.master_version(block)
+        if self._versions.get(block, version) != version:
+            self._forget(block)
+        self._versions[block] = version
+
+    def _forget(self, block: int) -> None:
+        for pool in self._pools.values():
+            for e in pool.order.pop(block, {}):
+                pool.free.append(pool.where.pop((block, e)))
+        self._guessed.pop(block, None)
 
     def _pool(self, block: int, views: list[tuple[torch.Tensor, ...]], top_k: int | None = None) -> _Pool:
         """The pool of the block's stack layout, made at the first routed read (`top_k`: the router's picks
         per token, for the floor: FLOOR_TOKENS tokens' picks, twice, for this block's and the next's)."""
-        key = tuple((v.shape[1:], v.dtype) for stack in views for v in stack)
+        key = _layout_key(views)
         pool = self._pools.get(key)
-        if pool is None:
+        if pool is None:  # blocks of another layout share the cache's bytes
+            held = sum(t.nbytes for p in self._pools.values() for t in (*p.weights, *p.scales) if t is not None)
             per_entry = sum(v[0].nbytes for stack in views for v in stack)
             experts = self.rt.layers[self.stacks(block)[0]].experts
-            floor = 2 * min(experts, FLOOR_TOKENS * (top_k or experts))
-            n = max(floor, self._capacity(block) // max(per_entry, 1))
+            self._top_k = top_k or self._top_k  # a prefetch may make the next layout's pool: the last read's
+            floor = 2 * min(experts, FLOOR_TOKENS * (self._top_k or experts))
+            n = max(floor, max(self._capacity(block) - held, 0) // max(per_entry, 1))
             device = self.rt.device
             with torch.inference_mode(False):  # made under inference_mode, it could not be written outside it
                 weights = [torch.empty(n, *stack[0].shape[1:], dtype=stack[0].dtype, device=device) for stack in views]
@@ -151,10 +173,24 @@ class ExpertCache:
 
     # ---- whole block or routed -------------------------------------------------------------------------
 
+    def _prune(self) -> None:
+        """After a change of the precision map: a layout no block streams now gives its pool up."""
+        rt = self.rt
+        if self._seen == rt._precision:
+            return
+        self._seen = dict(rt._precision)
+        live = {_layout_key(self._host_views(b)) for b in range(len(rt.blocks)) if self.stacks(b)}
+        stale = [k for k in self._pools if k not in live]
+        if stale and self._stream is not None:
+            self._stream.synchronize()  # a prefetch may still be copying into the pool given back (rare: a new map)
+        for key in stale:
+            del self._pools[key]
+
     def worth_routing(self, block: int, picked: list[int], top_k: int) -> bool:
         """Is copying this forward's missing experts faster than one copy of the block? Never where its picks
         take more than half the pool (the other half is the next block's prefetch)."""
         rt = self.rt
+        self._prune()
         views = self._host_views(block)
         pool = self._pool(block, views, top_k)
         if 2 * len(picked) > len(pool.weights[0]):
@@ -273,7 +309,7 @@ class ExpertCache:
         self._fresh(block)
         views = self._host_views(block)
         pool = self._pool(block, views)
-        keep = {(reading[0], e) for e in reading[1]}
+        keep = {(reading[0], e) for e in reading[1]} | {(block, e) for e in experts}  # nor the guesses cached
         room = len(pool.weights[0]) - len(keep)
         missing = [e for e in experts if (block, e) not in pool.where][: max(room, 0)]
         self._copy_in(pool, block, missing, views, keep)
@@ -312,6 +348,8 @@ class ExpertCache:
                 "prefetch_hits": self.prefetch_hits, "copies": self.copies}
 
     def release(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()  # a prefetch still copying must not write into memory given back
         self._pools.clear()
         self._routers.clear()
         self._views.clear()

@@ -450,3 +450,47 @@ def test_a_full_expert_cache_gives_up_the_entries_of_the_block_that_runs_furthes
         pool.where[(0, 1)] = 9
         pool.order[0] = OrderedDict({1: None})
         cache._take(pool, {(0, 1)}, 0)
+
+
+def test_the_expert_cache_forgets_a_block_whose_weights_were_loaded_since():
+    plain = _model("qwen3_moe")
+    other = _model("qwen3_moe", seed=5)
+    model, whole = copy.deepcopy(plain), copy.deepcopy(other)
+    for m in (model, whole):
+        m.config.use_cache = True
+    rt = stagehand.offload(model, device="cpu", precision="int8", verbose=False,
+                           config=stagehand.Config(expert_cache_bytes="1MiB"))
+    rt.planner.cost_model.h2d_bps = SLOW_LINK
+    stagehand.offload(whole, device="cpu", precision="int8", verbose=False,
+                      config=stagehand.Config(routed_experts_max_tokens=0))
+    prompt = _inputs()[:1, :1]
+    with torch.no_grad():
+        model.generate(prompt, **_generate_kw(4))  # fills the cache with the first weights' experts
+        model.load_state_dict(other.state_dict())
+        _same_generation(model.generate(prompt, **_generate_kw(4)), whole.generate(prompt, **_generate_kw(4)))
+
+
+def test_blocks_of_two_precisions_share_the_expert_cache_and_a_precision_change_gives_a_pool_up():
+    model = _model("qwen3_moe")
+    model.config.use_cache = True
+    rt = stagehand.offload(model, device="cpu", precision={0: "bf16", 1: "int8", 2: "bf16"}, verbose=False,
+                           config=stagehand.Config(expert_cache_bytes="1MiB"))
+    rt.planner.cost_model.h2d_bps = SLOW_LINK
+    with torch.no_grad():
+        model.generate(_inputs()[:1, :1], **_generate_kw(3))
+    pools = list(rt.eager.cache._pools.values())
+    first = sum(t.nbytes for t in (*pools[0].weights, *pools[0].scales) if t is not None)
+    # One pool per layout, sharing the one budget: the first took it, the second only its floor (2 x 2 x top-2).
+    assert len(pools) == 2 and first <= 2**20 and len(pools[1].weights[0]) == 8
+    rt.set_precision("int8")
+    with torch.no_grad():
+        model.generate(_inputs()[:1, :1], **_generate_kw(3))
+    assert len(rt.eager.cache._pools) == 1  # the bf16 layout's pool was given up
+
+
+def test_an_expert_index_of_minus_one_from_the_router_does_not_cut_the_picks_short():
+    model = _model("qwen3_moe")
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    memo = {("hidden",): torch.randn(2, 64)}
+    picked = rt.eager._picked(0, torch.tensor([[-1, 3], [5, 2]]), memo)
+    assert picked == [-1, 2, 3, 5] and -1 not in memo[("guess",)][1]
