@@ -96,7 +96,9 @@ class EagerPath:
                 self.cache.read(index, picked, dtype, out, memo)
                 self.direct_reads += 1
                 guess = memo.pop(_GUESS, None)
-                if guess is not None:  # once a forward, after this block's first gather was issued
+                # once a forward, after this block's first gather was issued; not for a block that is read
+                # another way (held in a slot, or read from the slab on disk)
+                if guess is not None and self._direct(guess[0], 0):
                     self.cache.prefetch(guess[0], guess[1], (spec.block, picked))
                 return out
             self.whole_stacks += 1
