@@ -25,12 +25,16 @@ left unwritten, as grouped_mm leaves them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from . import tune, w8a16
 from .reference import check_grouped_args as check_args
 from .reference import grouped_lowbit_ref
+from .tune import DEQUANT, LaunchConfig, interpreting
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -116,12 +120,6 @@ def grouped_lowbit_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-def interpreting() -> bool:
-    from .tune import interpreting as _interpreting
-
-    return _interpreting()
-
-
 def default_tile(rows_per_expert: int, f32: bool) -> tuple[int, int, int, int, int]:
     if f32:
         return (32, 32, 32, 4, 2)
@@ -140,28 +138,14 @@ def tiles(rows_per_expert: int) -> list[tuple[int, int, int, int, int]]:
 # ----------------------------------------------------------------------------- the op's choice on CUDA
 
 
-@triton.jit
-def _dequant_rows_kernel(q_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[n, k] = q[n, k] * scale[n] in out's dtype, for one-byte rows of int8 or fp8 (no `other=`: a
-    constant can not be cast to fp8)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_ok = offs_n < N
-    ok = n_ok[:, None] & (offs_k < K)[None, :]
-    at = offs_n.to(tl.int64)[:, None] * K + offs_k[None, :]
-    q = tl.load(q_ptr + at, mask=ok).to(tl.float32)
-    s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
-    tl.store(out_ptr + at, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The stack in `dtype`, one Triton pass over its E x R stored rows."""
+    """The stack in `dtype`, one pass of the W8A16 dequantize kernel over its E x R stored rows."""
     e, r, c = q.shape
     q, scale = q.contiguous(), scale.contiguous()  # views of a slot are already
     out = torch.empty(e, r, c, dtype=dtype, device=q.device)
     rows = e * r
-    _dequant_rows_kernel[(-(-rows // 32), -(-c // 256))](q, scale, out, rows, c, BLOCK_N=32, BLOCK_K=256,
-                                                        num_warps=4)
+    w8a16._dequant_kernel[(-(-rows // 32), -(-c // 256))](q, scale, out, rows, c, c, BLOCK_N=32, BLOCK_K=256,
+                                                         num_warps=4)
     return out
 
 
@@ -176,7 +160,8 @@ def has_scaled_grouped_mm(x: torch.Tensor, q: torch.Tensor, rows_are_out: bool) 
     weight's scale is on the output dimension and both dimensions are 16-byte aligned."""
     return (q.dtype == torch.float8_e4m3fn and rows_are_out and x.is_cuda and x.dtype == torch.bfloat16
             and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(x.device)[0] == 9 and q.shape[1] % 16 == 0
+            and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            and q.shape[1] % 16 == 0
             and q.shape[2] % 16 == 0)
 
 
@@ -194,10 +179,19 @@ def _tile_of(cfg) -> tuple[int, int, int, int, int]:
     return (cfg.block_m, cfg.block_o, cfg.block_r, cfg.num_warps, cfg.num_stages)
 
 
-def _options(rows_per_expert: int):
-    from .tune import DEQUANT, LaunchConfig
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:  # asked at every call of the op: once per device
+    return torch.cuda.get_device_capability(index)[0] == 9
 
-    return [LaunchConfig(bn, bm, bk, 1, w, st) for bm, bn, bk, w, st in tiles(rows_per_expert)] + [DEQUANT]
+
+@functools.lru_cache(maxsize=None)
+def _options_of(tile_set: tuple) -> list:
+    return [LaunchConfig(bn, bm, bk, 1, w, st) for bm, bn, bk, w, st in tile_set] + [DEQUANT]
+
+
+def _options(rows_per_expert: int):
+    """The autotuner's candidates (made once per tile regime: the op asks at every call)."""
+    return _options_of(tuple(tiles(rows_per_expert)))
 
 
 def grouped_lowbit(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
@@ -205,8 +199,6 @@ def grouped_lowbit(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: 
     """What the op computes with. On CUDA: fp8 rowwise tensor cores where they apply, else the autotuner's
     pick between the Triton kernel's tiles and dequantize + grouped GEMM (tune.pick: each checked against an
     fp32 reference, timed as CUDA graphs, kept on disk). Elsewhere the torch twin."""
-    from . import tune
-
     if not x.is_cuda:
         return grouped_lowbit_ref(x, q, scale, offs, rows_are_out)
     check_args(x, q, scale, offs, rows_are_out)

@@ -304,12 +304,14 @@ def _bwd_reduce_kernel(ws_ptr, dx_ptr, MN, SPLIT, BLOCK: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[n, k] = q[n, k] * scale[n] in out's dtype, k < K (the dequantize + cuBLAS path)."""
+    """out[n, k] = q[n, k] * scale[n] in out's dtype, k < K (the dequantize + cuBLAS path); int8 or fp8 rows."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     ok = n_ok[:, None] & (offs_k < K)[None, :]
-    q = tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :], mask=ok, other=0)
+    # No `other=`: the masked lanes are never stored, and a constant can not be cast to fp8 (grouped.py's
+    # stacks dequantize here too).
+    q = tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :], mask=ok)
     s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
     out = (q.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], out, mask=ok)

@@ -58,7 +58,9 @@ class _Pool:
     where: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, expert) -> entry
     order: dict[int, "OrderedDict[int, None]"] = field(default_factory=dict)  # block -> its experts, oldest first
     free: list[int] = field(default_factory=list)
-    ready: dict[int, object] = field(default_factory=dict)  # entry -> the copy stream's event after its copy
+    # entry -> the event the copy stream records after the entry's copy (CUDA), made with the pool and recorded
+    # again at each copy: waiting on one never recorded returns at once
+    ready: list = field(default_factory=list)
 
 
 def _layout_key(views: list[tuple[torch.Tensor, ...]]) -> tuple:
@@ -82,7 +84,8 @@ class ExpertCache:
         self._versions: dict[int, int | None] = {}  # block -> its master's version when its experts were cached
         cuda = rt.device.type == "cuda"
         self._stream = torch.cuda.Stream(rt.device) if cuda else None
-        self._gathered = None  # the compute stream's event after the last gather
+        # the compute stream's event after the last gather (recorded again at each gather)
+        self._gathered = torch.cuda.Event() if cuda else None
         self.hits = self.misses = self.prefetched = self.prefetch_hits = self.copies = 0
         self._guessed: dict[int, set[int]] = {}  # block -> the experts prefetched for its next forward
 
@@ -149,7 +152,8 @@ class ExpertCache:
                 weights = [torch.empty(n, *stack[0].shape[1:], dtype=stack[0].dtype, device=device) for stack in views]
                 scales = [torch.empty(n, *stack[1].shape[1:], dtype=stack[1].dtype, device=device)
                           if len(stack) > 1 else None for stack in views]
-            pool = self._pools[key] = _Pool(weights, scales, free=list(range(n)))
+                ready = [torch.cuda.Event() for _ in range(n)] if self._stream is not None else []
+            pool = self._pools[key] = _Pool(weights, scales, free=list(range(n)), ready=ready)
         return pool
 
     def _capacity(self, block: int) -> int:
@@ -224,7 +228,7 @@ class ExpertCache:
             w = w.to(torch.float32) * pool.scales[stack].index_select(0, rows).unsqueeze(-1)
         out.index_copy_(0, where, w.to(dtype).view(len(picked), *out.shape[1:]))
         if self._stream is not None:
-            self._gathered = torch.cuda.current_stream(rt.device).record_event()
+            self._gathered.record(torch.cuda.current_stream(rt.device))
         return out
 
     def _ensure(self, block: int, picked: list[int]) -> list[int]:
@@ -246,9 +250,7 @@ class ExpertCache:
         if self._stream is not None:
             compute = torch.cuda.current_stream(self.rt.device)
             for entry in entries:
-                event = pool.ready.get(entry)
-                if event is not None:
-                    compute.wait_event(event)
+                compute.wait_event(pool.ready[entry])
         return entries
 
     def _copy_in(self, pool: _Pool, block: int, experts: list[int], views, keep: set) -> None:
@@ -256,7 +258,7 @@ class ExpertCache:
         if not experts:
             return
         stream = self._stream
-        if stream is not None and self._gathered is not None:
+        if stream is not None:
             stream.wait_event(self._gathered)  # the gathers already issued read the entries about to change
         pinned = views[0][0].is_pinned()
         with torch.cuda.stream(stream) if stream is not None else _nothing():
@@ -271,7 +273,7 @@ class ExpertCache:
                 pool.where[(block, e)] = entry
                 pool.order.setdefault(block, OrderedDict())[e] = None
                 if stream is not None:
-                    pool.ready[entry] = stream.record_event()
+                    pool.ready[entry].record(stream)
 
     def _take(self, pool: _Pool, keep: set, block: int) -> int:
         """A free entry, or the one whose next use is furthest away: generation walks the blocks in a cycle,
