@@ -13,8 +13,10 @@ Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precisi
 
 - cold: empty caches (stagehand's: the W8A16 tune file, the compile bundle; Inductor's; Triton's);
 - warm: a second process on the same machine, every cache as the cold run left it;
-- bundle (`--bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
-  with only the compile bundle (compiler/compile_cache.py) to start from.
+- bundle (`--modes ... bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
+  with only the compile bundle (compiler/compile_cache.py) to start from;
+- profile (`--modes ... profile`): a warm run whose first step runs under cProfile (`first_step_profile`:
+  where its seconds go; the profiler makes it slower, so it is a run of its own, not the warm row's).
 
 A row `model:int8:files` builds the model on the meta device and offloads it from its safetensors checkpoint
 and INT8 slab on disk (written once under the cache root from the same random init; `keep_full="file"`), then
@@ -86,6 +88,12 @@ def child(args) -> dict:
     return run_steps(args, kind, model, inputs, rt, out, regional, compiled)
 
 
+def _top(profiler: cProfile.Profile, order: str, lines: int) -> str:
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(lines)
+    return text.getvalue()[-9000:]
+
+
 def timed_offload(args, out: dict, model, **offload_kwargs):
     """`stagehand.offload(model, **offload_kwargs)`, timed into `out["offload_s"]` (and profiled when asked)."""
     import torch
@@ -101,9 +109,7 @@ def timed_offload(args, out: dict, model, **offload_kwargs):
         torch.cuda.synchronize()
     if profiler:
         profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
-        out["offload_profile"] = text.getvalue()[-6000:]
+        out["offload_profile"] = _top(profiler, "cumulative", 25)[-6000:]
     out["offload_s"] = round(time.perf_counter() - t0, 2)
     return rt
 
@@ -126,13 +132,19 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         rt.attach(optimizer)
     steps, losses, plans = [], [], []
     for i in range(args.steps):
+        profiler = cProfile.Profile() if args.profile_first_step and i == 0 else None
         t0 = time.perf_counter()
+        if profiler:
+            profiler.enable()
         loss = loss_of(kind, compiled(**inputs))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()
         steps.append(time.perf_counter() - t0)
+        if profiler:  # where a first step's seconds go (the profiler's own cost inflates them: a separate run)
+            profiler.disable()
+            out["first_step_profile"] = {order: _top(profiler, order, 40) for order in ("cumulative", "tottime")}
         losses.append(loss.item())
         plans.append(rt.plan.kind if rt is not None and rt.plan is not None else "")
         if i == 0 and rt is not None:  # the units the first step compiled (a re-plan's compile later)
@@ -150,6 +162,13 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         # How each unit came to be: "hit", "miss" (compiled and stored) or "bypass: <torch's reason>", and its seconds.
         out["unit_cache"] = [f"{info['label']}: {info.get('cache')} {info['seconds']:.2f}s"
                              for info in variant_cache(rt).info.values()]
+        from torch_stagehand.kernels import tune
+
+        tuned = tune.tuning_log().values()  # the keys this process tuned (none when the picks came from disk)
+        out["tuning"] = {"keys": sum(1 for t in tuned if not t.get("from_disk")),
+                         "candidates": sum(len(t["times_us"]) + len(t["rejected"]) for t in tuned),
+                         "precompile_s": round(sum(t.get("precompile_s", 0.0) for t in tuned), 2),
+                         "threads": tune.precompile_threads()}
     else:
         from torch._dynamo.utils import counters
 
@@ -251,7 +270,8 @@ def caches(row: str, mode: str) -> dict[str, str]:
     env = {"STAGEHAND_CACHE_DIR": os.path.join(base, "stagehand"),
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(base, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(base, "triton")}
-    wipe = {"cold": list(env.values()), "warm": [], "bundle": [env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]]}
+    wipe = {"cold": list(env.values()), "warm": [], "profile": [],
+            "bundle": [env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]]}
     for folder in wipe[mode]:
         shutil.rmtree(folder, ignore_errors=True)
     return env
@@ -273,7 +293,8 @@ def run_one(args, row: str, mode: str) -> dict:
     page_cache = drop_page_cache() if files and mode == "cold" and args.drop_page_cache else "as left"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
            "--steps", str(args.steps), "--page-cache", page_cache] + (["--tiny"] if args.tiny else []) + \
-          (["--profile-offload"] if mode == "cold" and (row.endswith(":int8") or files) else [])
+          (["--profile-offload"] if mode == "cold" and (row.endswith(":int8") or files) else []) + \
+          (["--profile-first-step"] if mode == "profile" else [])
     env = dict(os.environ, **caches(row, mode), STAGEHAND_TUNE_CACHE="1", STAGEHAND_COMPILE_CACHE="1",
                STAGEHAND_WARM_COMPILE_WORKERS="1" if args.warm_compile_workers else "0")
     print(f"start_time: {row} {mode} ...", flush=True)
@@ -309,7 +330,8 @@ def table_rows(results: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=["qwen:int8", "qwen:bf16", "qwen:resident"])
-    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm", "bundle"])
+    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm", "bundle", "profile"],
+                   help="profile: a warm run whose first step runs under cProfile (where its seconds go; slower)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
@@ -321,6 +343,7 @@ def main(argv=None) -> int:
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--profile-offload", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-first-step", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--page-cache", default="as left", help=argparse.SUPPRESS)
     p.add_argument("--drop-page-cache", action="store_true",

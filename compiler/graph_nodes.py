@@ -139,3 +139,42 @@ def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
 
 def find_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
     return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name)
+
+
+# Functions and methods that draw from a random generator (by name: Dynamo's graphs call torch functions,
+# an ATen graph calls overloads, which carry the `nondeterministic_seeded` tag instead).
+_RANDOM_CALLS = frozenset({
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "rrelu",
+    "native_dropout", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+    "bernoulli", "multinomial", "normal", "poisson", "bernoulli_", "uniform_", "normal_", "random_",
+    "exponential_", "cauchy_", "geometric_", "log_normal_", "rrelu_",
+})
+
+
+def draws_random(gm: fx.GraphModule) -> bool:
+    """Could running `gm` draw random numbers? A graph that cannot compiles the same for a recomputed block (whose
+    forward must replay its random numbers, units.py) as for a kept one, so the two share one compiled variant.
+    Conservative: an opaque module call, or any dropout whatever its p, counts; attention only with a dropout
+    probability that is not the constant 0."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            return True
+        if node.op not in ("call_function", "call_method"):
+            continue
+        target = node.target
+        if isinstance(target, torch._ops.HigherOrderOperator):
+            return True  # a subgraph (checkpoint, invoke_subgraph) not looked into
+        if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            overloads = [target] if isinstance(target, torch._ops.OpOverload) else [
+                getattr(target, name) for name in target.overloads()]
+            if any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads):
+                return True
+            continue
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        if name in _RANDOM_CALLS:
+            return True
+        if name.endswith("scaled_dot_product_attention"):
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+            if not (isinstance(p, (int, float)) and p == 0):
+                return True
+    return False

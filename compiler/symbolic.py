@@ -36,18 +36,21 @@ def _is_symbolic(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and any(not isinstance(s, int) for s in value.shape)
 
 
-def input_key(a: Any, exact_sizes: bool) -> Any:
+def input_key(a: Any, exact_sizes: bool, grad: bool = True) -> Any:
     """One input's part of a variant key: with `exact_sizes`, a tensor's shape and strides too
-    (a static variant); without, only what a shape-generic variant's guard does not check."""
+    (a static variant); without, only what a shape-generic variant's guard does not check.
+    `grad`: grad mode is on. Off, an input's grad flag changes nothing compiled (AOTAutograd makes
+    an inference graph whatever the flags), so the key leaves it out: a block whose input needs no
+    grad (a model's first) and one whose input does share the inference variant."""
     if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
         # A Python float Dynamo passed as a tensor: a variant compiles its value in as a constant
         # (inner._bake_scalar_reads), so the value is keyed. A CPU scalar: .item() reads host
         # memory, never the device (normal graphs have no such input).
-        return (a.dtype, a.requires_grad, a.item())
+        return (a.dtype, a.requires_grad and grad, a.item())
     if isinstance(a, torch.Tensor):
         if exact_sizes:
-            return (tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
-        return (a.dtype, a.device, a.dim(), a.requires_grad)
+            return (tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad and grad)
+        return (a.dtype, a.device, a.dim(), a.requires_grad and grad)
     if not exact_sizes and (isinstance(a, (int, float, bool)) or a is None):
         return type(a).__name__  # a SymInt's value: the guard checks it
     return a
@@ -71,9 +74,9 @@ class SymbolicInputs:
         )
         return SymbolicInputs(dims, tuple(isinstance(v, torch.SymInt) for v in values))
 
-    def coarse_key(self, args: Sequence[Any]) -> tuple:
+    def coarse_key(self, args: Sequence[Any], grad: bool = True) -> tuple:
         """What no guard checks and a variant fixes: per input, its type, dtype, device, rank, grad flag."""
-        return tuple(input_key(a, exact_sizes=False) for a in args)
+        return tuple(input_key(a, exact_sizes=False, grad=grad) for a in args)
 
     def fake(self, args: Sequence[Any]) -> "FakedInputs":
         """Fake `args` in a fresh ShapeEnv, the dynamic dimensions symbolic."""

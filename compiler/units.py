@@ -36,7 +36,7 @@ from torch_stagehand.runtime import registry
 
 from . import compile_cache
 from .context import CompileContext, PassLog, VariantContext
-from .graph_nodes import is_streamed_read, streamed_arg
+from .graph_nodes import draws_random, is_streamed_read, streamed_arg
 from .inner import compile_unit
 from .recompute import run_again_after_oom, run_recomputed
 from .symbolic import SymbolicInputs, input_key
@@ -67,9 +67,10 @@ def structure_key(gm: fx.GraphModule) -> str:
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
 
-def input_signature(args: tuple) -> tuple:
-    """The input part of a static variant's key: every tensor's exact shape and strides."""
-    return tuple(input_key(a, exact_sizes=True) for a in args)
+def input_signature(args: tuple, grad: bool = True) -> tuple:
+    """The input part of a static variant's key: every tensor's exact shape and strides (and, with grad on,
+    its grad flag: symbolic.input_key)."""
+    return tuple(input_key(a, exact_sizes=True, grad=grad) for a in args)
 
 
 def _tuple_output(gm: fx.GraphModule) -> bool:
@@ -101,12 +102,13 @@ class _Unit(nn.Module):
 
     def signature(self, args: tuple) -> tuple:
         """The input part of a variant key: exact shapes, or for a shape-generic unit what guards don't check."""
+        grad = torch.is_grad_enabled()
         if self.symbolic is None:
-            return input_signature(args)
-        return ("symbolic", self.symbolic.coarse_key(args))
+            return input_signature(args, grad)
+        return ("symbolic", self.symbolic.coarse_key(args, grad))
 
     def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool,
-                 pass_log: PassLog, recomputes: bool = False):
+                 pass_log: PassLog, replay_rng: bool = False):
         """Compile `gm` for `args` into the variant cache; `pass_log` holds the passes that made it."""
         rt, cache = self.ctx.runtime, self.ctx.variants
         graphs: dict[str, str] = {}
@@ -119,7 +121,7 @@ class _Unit(nn.Module):
         start = time.perf_counter()
         with compile_cache.track() as outcome:
             compiled = compile_unit(gm, list(args), self.ctx.options.inner, on_graph, self.ctx.joint_passes,
-                                    pass_log, replay_rng=recomputes, faked=faked)
+                                    pass_log, replay_rng=replay_rng, faked=faked)
         seconds = time.perf_counter() - start
         rt.record_compile(seconds, block_variant, outcome.loaded)
         cache.add(key, compiled, {
@@ -199,6 +201,7 @@ class BlockUnit(_Unit):
         self._layouts: dict[tuple[int, str], int] = {}  # (block, precision) -> its layout's id
         self._layout_ids: dict[tuple, int] = {}
         self._variants: dict[tuple, tuple[fx.GraphModule, str, VariantContext]] = {}
+        self._random: dict[str, bool] = {}  # structure key -> may the variant draw random numbers?
 
     def signature(self, args: tuple) -> tuple:
         if not self._token_inputs:
@@ -225,7 +228,9 @@ class BlockUnit(_Unit):
         if key not in self._variants:
             vctx = VariantContext(self.ctx, block, precision, trainable)
             gm = vctx.run(self.ctx.variant_passes, copy.deepcopy(self.template))
-            self._variants[key] = (gm, structure_key(gm), vctx)
+            skey = structure_key(gm)
+            self._variants[key] = (gm, skey, vctx)
+            self._random[skey] = draws_random(gm)
         return self._variants[key]
 
     def recomputes_block(self, block: int) -> bool:
@@ -281,14 +286,18 @@ class BlockUnit(_Unit):
         trainable = rt.trainable_positions(block) if torch.is_grad_enabled() else ()
         gm, skey, vctx = self.variant_graph(precision, trainable, block)
         self.last_precision = precision
+        # A recomputed block replays its forward's random numbers, which compiles differently (`replay_rng`);
+        # a graph that draws none compiles the same either way, so a kept block and a recomputed one share
+        # one variant: a re-plan that moves blocks between the two compiles (or loads) nothing.
+        replay_rng = recomputes and self._random[skey]
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
-                               recomputes)
+                               replay_rng)
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
             # The variant passes, then the joint passes this compile runs.
-            compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), recomputes)
+            compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), replay_rng)
         try:
             return compiled(*args)
         except BaseException:

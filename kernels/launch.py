@@ -156,6 +156,11 @@ def _launch_fwd(ex: Executor, T, sb, st, M, N, K, act, cfg: LaunchConfig, f32: b
                   BLOCK=_REDUCE_BLOCK, HAS_BIAS=has_bias, ACT=act, num_warps=4)
 
 
+def _compile_only(ex: Executor) -> Executor:
+    """An executor over the call's tensors that compiles its kernels and launches nothing (tune.precompile_all)."""
+    return Executor(dict(ex.tensors), record=False, compile_only=True)
+
+
 def _copied_nothing(pairs) -> bool:
     """Did the argument checks leave every tensor where the caller had it? (pairs: (checked, given)).
 
@@ -208,7 +213,8 @@ def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config:
 
     if config is None:
         tune_key = ("fwd", x.device, tune.bucket(M), N, K, x.dtype)
-        config = tune.pick("fwd", tune_key, M, N, K, x.device, run, q, check)
+        config = tune.pick("fwd", tune_key, M, N, K, x.device, run, q, check,
+                           precompile=lambda cfg: run(cfg, executor=_compile_only(ex)))
     run(config, executor=ex)
     if memo:
         FWD_MEMO.add(key, ex, x.device)
@@ -286,7 +292,8 @@ def int8_linear_grad_input_triton(dy, qweight, scale, k=None, *, config: LaunchC
 
     if config is None:
         tune_key = ("bwd", dy.device, tune.bucket(M), N, k, dy.dtype)
-        config = tune.pick("bwd", tune_key, M, k, N, dy.device, run, q, check)
+        config = tune.pick("bwd", tune_key, M, k, N, dy.device, run, q, check,
+                           precompile=lambda cfg: run(cfg, executor=_compile_only(ex)))
     run(config, executor=ex)
     if memo:
         BWD_MEMO.add(key, ex, dy.device)

@@ -106,10 +106,11 @@ class TorchStep:
 class Executor:
     """Runs one call's launches (the slow path) and, with `record=True`, writes them down for a `Replay`."""
 
-    def __init__(self, tensors: dict, record: bool, constants: tuple = ()):
+    def __init__(self, tensors: dict, record: bool, constants: tuple = (), compile_only: bool = False):
         self.tensors = dict(tensors)
-        self.record = record
-        self.recordable = record
+        self.record = record and not compile_only
+        self.recordable = self.record
+        self.compile_only = compile_only  # compile each Triton kernel (`warmup`), launch nothing (tune.precompile)
         self.steps: list = []
         self.buffers: list[tuple[str, tuple, torch.dtype]] = []
         self._constant_ids = {id(t) for t in constants}
@@ -123,12 +124,16 @@ class Executor:
         return t
 
     def kernel(self, fn, grid: tuple, *args, **kwargs):
+        if self.compile_only:
+            return fn.warmup(*args, grid=grid, **kwargs)
         compiled = fn[grid](*args, **kwargs)
         if self.recordable:
             self._record_kernel(fn, grid, args, kwargs, compiled)
         return compiled
 
     def torch(self, fn: Callable[[dict], None]) -> None:
+        if self.compile_only:
+            return
         fn(self.tensors)
         if self.recordable:
             self.steps.append(TorchStep(fn))

@@ -21,9 +21,11 @@ once, never timed again).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -163,12 +165,15 @@ def tuning_log() -> dict:
     return {k: dict(v) for k, v in _LOG.items()}
 
 
-def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[LaunchConfig] | None = None) -> LaunchConfig:
+def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[LaunchConfig] | None = None,
+         precompile=None) -> LaunchConfig:
     """The config for key: tuned once (see the module docstring), then cached.
 
     run(cfg, weight) launches; check(cfg) returns None if the output is right,
     else a reason. `options`: the candidates of another kernel (grouped.py), the
-    first one its untuned default; else this module's W8A16 candidates."""
+    first one its untuned default; else this module's W8A16 candidates.
+    `precompile(cfg)`: compiles cfg's kernels without launching them; given, every
+    candidate is compiled at once on threads before the first is run (`precompile_all`)."""
     if key[-1] == torch.float32 and not interpreting():
         return options[0] if options else F32_CONFIG
     if interpreting() or device.type != "cuda" or os.environ.get("STAGEHAND_AUTOTUNE", "1") == "0":
@@ -189,9 +194,13 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
             _LOG[key] = dict(chosen=cached, times_us={}, rejected={}, from_disk=True)
             return cached
     started = time.perf_counter()
+    configs = options or candidates(kind, m, n_out, red, device)
+    if precompile is not None:
+        precompile_all(configs, precompile, device)
+    compiled_s = time.perf_counter() - started
     weights = _rotating_copies(weight)
     times, rejected = {}, {}
-    for cfg in options or candidates(kind, m, n_out, red, device):
+    for cfg in configs:
         try:
             run(cfg, weight)
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip, keep the rest
@@ -206,11 +215,41 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
     if not times:
         raise RuntimeError(f"stagehand W8A16 {kind}: no kernel config passed for {key}: {rejected}")
     best = min(times, key=times.get)
-    _LOG[key] = dict(chosen=best, times_us=times, rejected=rejected)
+    _LOG[key] = dict(chosen=best, times_us=times, rejected=rejected, precompile_s=round(compiled_s, 3),
+                     seconds=round(time.perf_counter() - started, 3))
     _SECONDS[0] += time.perf_counter() - started
     if disk is not None:
         disk.put(key, best)
     return best
+
+
+def precompile_threads() -> int:
+    """Threads that compile a key's candidates at once (`STAGEHAND_TUNE_THREADS`; 1: one after another, as each
+    is first run)."""
+    return max(1, int(os.environ.get("STAGEHAND_TUNE_THREADS", "8")))
+
+
+def precompile_all(configs: list[LaunchConfig], precompile, device) -> None:
+    """Compile every candidate's Triton kernels on `precompile_threads()` threads before any is timed.
+
+    A key's 8-30 candidates otherwise compile one after another as each is first run: a few tenths of a
+    second each, most of it in LLVM and ptxas (outside the GIL), and together most of a cold first step's
+    tuning. A candidate that fails to compile here is left to the timed loop, which runs it again and
+    records why it was rejected."""
+    threads = min(precompile_threads(), len(configs))
+    if threads <= 1:
+        return
+
+    def one(cfg: LaunchConfig) -> None:
+        # A new thread starts on device 0.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            try:
+                precompile(cfg)
+            except Exception:  # noqa: BLE001 - rejected with its reason by the timed loop
+                pass
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, configs))
 
 
 def _rotating_copies(weight: torch.Tensor, cap: int = 16) -> list[torch.Tensor]:

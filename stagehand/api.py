@@ -8,6 +8,7 @@ import warnings
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 from torch_stagehand.config import Config
 from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
@@ -158,8 +159,38 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     if compile_kwargs["backend"] == "stagehand" and _move_checkpointing_into_blocks(model):
         compile_kwargs["options"] = {"recompute": "model", **(compile_kwargs.get("options") or {})}
     for fqn in rt.blocks:  # named from the model that was offloaded (a peft wrapper added later has other names)
-        rt.model.get_submodule(fqn).compile(**compile_kwargs)
+        block = rt.model.get_submodule(fqn)
+        # As `block.compile(**compile_kwargs)`, with the inputs' strides made canonical first (unit_strides).
+        block._compiled_call_impl = _with_unit_strides(torch.compile(block._call_impl, **compile_kwargs))
     return model
+
+
+def _with_unit_strides(compiled_call):
+    """`compiled_call` with every tensor argument given the canonical stride in its size-1 dimensions.
+
+    Such a stride addresses nothing, but Dynamo guards on it: Flux's first single block gets the double blocks'
+    output ([1, 4096, 3072], batch stride 4096 * 3072) and the others a slice of the previous one's
+    ([1, 4096, 3072] of [1, 4608, 3072]), so without this the second is traced again, with the batch stride
+    dynamic, and its units compile shape-generic. A view (squeeze + unsqueeze: cheap in autograd), no copy."""
+
+    def call(*args, **kwargs):
+        args, kwargs = tree_map_only(torch.Tensor, unit_strides, (args, kwargs))
+        return compiled_call(*args, **kwargs)
+
+    return call
+
+
+def unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a view whose size-1 dimensions have the stride a contiguous tensor would give them (the next
+    dimension's size times its stride; 1 for the last), its other strides unchanged; `t` itself if they do."""
+    if t.dim() == 0 or 1 not in t.shape:
+        return t
+    sizes = t.shape
+    for d in reversed(range(t.dim())):
+        want = 1 if d == t.dim() - 1 else sizes[d + 1] * t.stride()[d + 1]
+        if sizes[d] == 1 and t.stride()[d] != want:
+            t = t.squeeze(d).unsqueeze(d)  # unsqueeze gives the new dimension exactly `want`
+    return t
 
 
 def _move_checkpointing_into_blocks(model: nn.Module) -> bool:

@@ -122,6 +122,49 @@ def test_an_interpreted_launch_is_never_recorded():
     assert ex.replay(torch.device("cpu")) is None
 
 
+def test_a_compile_only_executor_compiles_each_kernel_and_launches_nothing():
+    class Warmable(_FakeKernel):
+        def __init__(self):
+            super().__init__()
+            self.warmed = []
+
+        def warmup(self, *args, grid, **kwargs):
+            self.warmed.append((grid, args[2:], kwargs))
+            return self.compiled
+
+    k, x = Warmable(), torch.zeros(4)
+    ex = Executor(dict(x=x), record=True, compile_only=True)
+    y = ex.buffer("y", (4,), torch.float32, "cpu").zero_()
+    ex.kernel(k, (3,), x, y, 4, BLOCK=8, num_warps=4)
+    ex.torch(lambda t: t["y"].fill_(5.0))
+    assert k.warmed == [((3,), (4,), dict(BLOCK=8, num_warps=4))] and k.slow_calls == 0
+    assert torch.equal(y, torch.zeros(4))  # neither the kernel nor the torch step ran
+    assert ex.replay(torch.device("cpu")) is None  # and nothing is recorded for a replay
+
+
+def test_precompile_all_compiles_every_candidate_on_threads_and_leaves_failures_to_the_timed_loop(monkeypatch):
+    import threading
+
+    from torch_stagehand.kernels import tune
+
+    configs = [tune.LaunchConfig(64, 16, 128, s) for s in (1, 2, 4, 8)]
+    seen, threads = [], set()
+
+    def precompile(cfg):
+        threads.add(threading.get_ident())
+        seen.append(cfg)
+        if cfg.split == 4:
+            raise RuntimeError("out of shared memory")  # swallowed: the timed loop rejects it with its reason
+
+    monkeypatch.setenv("STAGEHAND_TUNE_THREADS", "4")
+    tune.precompile_all(configs, precompile, torch.device("cpu"))
+    assert sorted(seen, key=lambda c: c.split) == configs and threading.get_ident() not in threads
+    seen.clear()
+    monkeypatch.setenv("STAGEHAND_TUNE_THREADS", "1")  # one thread: each compiles as it is first run
+    tune.precompile_all(configs, precompile, torch.device("cpu"))
+    assert seen == []
+
+
 def test_the_key_sees_shape_strides_dtype_and_alignment():
     base = torch.zeros(64, dtype=torch.bfloat16)
     a, b = base[:32].view(4, 8), base[8:40].view(4, 8)  # 16 bytes in: aligned
@@ -176,6 +219,32 @@ def test_gpu_replayed_calls_equal_the_full_path(m, bias):
 
     chosen = tuned_configs()[("fwd", xs[-1].device, bucket(m), n, k, torch.bfloat16)]
     assert torch.equal(ys[-1], int8_linear_triton(xs[-1], q, s, b, config=chosen))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [16, 2048])
+def test_gpu_candidates_compiled_on_threads_are_tried_and_checked_as_compiled_one_by_one(m, monkeypatch, tmp_path):
+    """A key tuned with its candidates compiled at once on threads (first, in a fresh Triton cache: they really
+    compile there) times and rejects the same candidates as one tuned serially, and its output is right."""
+    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.launch import clear_launch_memo, int8_linear_triton
+
+    n, k = 1536, 1024
+    q, s = _weights(n, k, m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setenv("STAGEHAND_TUNE_CACHE", "0")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    logs = {}
+    for threads in ("8", "1"):
+        monkeypatch.setenv("STAGEHAND_TUNE_THREADS", threads)
+        clear_launch_memo()
+        tune._LOG.clear()
+        y = int8_linear_triton(x, q, s)
+        assert _rel(y, int8_linear_ref(x, q, s)) < 1e-2
+        (logs[threads],) = tune.tuning_log().values()
+    assert set(logs["8"]["times_us"]) == set(logs["1"]["times_us"])
+    assert set(logs["8"]["rejected"]) == set(logs["1"]["rejected"])
 
 
 @gpu
