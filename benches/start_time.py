@@ -145,6 +145,8 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         if profiler:  # where a first step's seconds go (the profiler's own cost inflates them: a separate run)
             profiler.disable()
             out["first_step_profile"] = {order: _top(profiler, order, 40) for order in ("cumulative", "tottime")}
+            if args.profile_dir:  # the whole profile, for pstats
+                profiler.dump_stats(os.path.join(args.profile_dir, f"first_step_{args.row.replace(':', '-')}.prof"))
         losses.append(loss.item())
         plans.append(rt.plan.kind if rt is not None and rt.plan is not None else "")
         if i == 0 and rt is not None:  # the units the first step compiled (a re-plan's compile later)
@@ -294,7 +296,8 @@ def run_one(args, row: str, mode: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
            "--steps", str(args.steps), "--page-cache", page_cache] + (["--tiny"] if args.tiny else []) + \
           (["--profile-offload"] if mode == "cold" and (row.endswith(":int8") or files) else []) + \
-          (["--profile-first-step"] if mode == "profile" else [])
+          (["--profile-first-step"] if mode == "profile" else []) + \
+          (["--profile-dir", args.profile_dir] if args.profile_dir else [])
     env = dict(os.environ, **caches(row, mode), STAGEHAND_TUNE_CACHE="1", STAGEHAND_COMPILE_CACHE="1",
                STAGEHAND_WARM_COMPILE_WORKERS="1" if args.warm_compile_workers else "0")
     print(f"start_time: {row} {mode} ...", flush=True)
@@ -344,6 +347,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--profile-offload", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile-first-step", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-dir", default=None, help="a profile run writes its whole first-step profile here")
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--page-cache", default="as left", help=argparse.SUPPRESS)
     p.add_argument("--drop-page-cache", action="store_true",

@@ -144,18 +144,33 @@ def find_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
 # Functions and methods that draw from a random generator (by name: Dynamo's graphs call torch functions,
 # an ATen graph calls overloads, which carry the `nondeterministic_seeded` tag instead).
 _RANDOM_CALLS = frozenset({
-    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout", "rrelu",
-    "native_dropout", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+    "rrelu", "native_dropout", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
     "bernoulli", "multinomial", "normal", "poisson", "bernoulli_", "uniform_", "normal_", "random_",
     "exponential_", "cauchy_", "geometric_", "log_normal_", "rrelu_",
 })
+# Dropouts `f(input, p, training, ...)`: ATen returns the input (decomposed: a clone) when p is 0 or training is
+# off, drawing nothing. diffusers' blocks hold `nn.Dropout(0.0)` in their attention and feed-forward.
+_DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def _argument(node: fx.Node, position: int, name: str, default: Any) -> Any:
+    return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
+
+
+def _draws_nothing(node: fx.Node, name: str) -> bool:
+    """A dropout or attention call whose constant arguments say it draws no random number."""
+    if name in _DROPOUTS:
+        p, training = _argument(node, 1, "p", 0.5), _argument(node, 2, "training", True)
+        return (isinstance(p, (int, float)) and p == 0) or training is False
+    p = _argument(node, 4, "dropout_p", 0.0)  # scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, ...)
+    return isinstance(p, (int, float)) and p == 0
 
 
 def draws_random(gm: fx.GraphModule) -> bool:
     """Could running `gm` draw random numbers? A graph that cannot compiles the same for a recomputed block (whose
     forward must replay its random numbers, units.py) as for a kept one, so the two share one compiled variant.
-    Conservative: an opaque module call, or any dropout whatever its p, counts; attention only with a dropout
-    probability that is not the constant 0."""
+    Conservative: an opaque module or subgraph call counts; a dropout or attention only with a probability that
+    is not the constant 0 (or, for a dropout, training not the constant False)."""
     for node in gm.graph.nodes:
         if node.op == "call_module":
             return True
@@ -173,8 +188,6 @@ def draws_random(gm: fx.GraphModule) -> bool:
         name = target if isinstance(target, str) else getattr(target, "__name__", "")
         if name in _RANDOM_CALLS:
             return True
-        if name.endswith("scaled_dot_product_attention"):
-            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-            if not (isinstance(p, (int, float)) and p == 0):
-                return True
+        if (name in _DROPOUTS or name.endswith("scaled_dot_product_attention")) and not _draws_nothing(node, name):
+            return True
     return False

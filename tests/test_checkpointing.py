@@ -532,7 +532,10 @@ def test_draws_random_finds_random_calls_and_passes_attention_without_dropout():
     graph = torch.fx.symbolic_trace
     assert not draws_random(graph(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)))
     assert draws_random(graph(lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)))
-    assert draws_random(graph(lambda x: F.dropout(x, p=0.0)))  # any dropout counts, whatever its p
+    assert not draws_random(graph(lambda x: F.dropout(x, p=0.0)))  # ATen returns the input: nothing drawn
+    assert not draws_random(graph(lambda x: F.dropout(x, 0.3, False)))
+    assert draws_random(graph(lambda x: F.dropout(x, 0.3)))
+    assert draws_random(graph(lambda x, p: F.dropout(x, p)))  # a probability only known when it runs
     assert draws_random(graph(lambda x: x + torch.rand_like(x)))
     assert draws_random(graph(lambda x: x.bernoulli_()))
     assert not draws_random(graph(lambda x: torch.ops.aten.mm.default(x, x)))
