@@ -162,7 +162,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         from torch_stagehand.compiler.variants import variant_cache
 
         # How each unit came to be: "hit", "miss" (compiled and stored) or "bypass: <torch's reason>", and its seconds.
-        out["unit_cache"] = [f"{info['label']}: {info.get('cache')} {info['seconds']:.2f}s"
+        out["unit_cache"] = [f"{info['label']}: {info.get('cache')} {info['seconds']:.2f}s ({info.get('why')})"
                              for info in variant_cache(rt).info.values()]
         from torch_stagehand.kernels import tune
 

@@ -12,7 +12,9 @@ they did in the `PassLog` given.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from .symbolic import FakedInputs
 
 OnGraph = Callable[[str, fx.GraphModule], None]
+log = logging.getLogger("torch_stagehand.compiler")
 
 
 def warm_compile_workers(device: torch.device) -> bool:
@@ -50,10 +53,27 @@ def prewarm_compiler_imports() -> None:
     """Import Inductor's and AOTAutograd's modules now (~2 s that the first unit's compile, or a warm start's
     first load, would otherwise spend). Called by `offload()` in its own thread while other threads read the
     slab: never on a thread of its own, since two threads importing one circle of modules can each see the
-    other's half-made module."""
+    other's half-made module. Then starts `prewarm_cache_keys` on a thread of its own (it imports nothing)."""
     import torch._functorch.aot_autograd  # noqa: F401
     import torch._inductor.codecache  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
+
+    threading.Thread(target=prewarm_cache_keys, name="stagehand-cache-keys", daemon=True).start()
+
+
+def prewarm_cache_keys() -> None:
+    """Work out the hashes torch's compile caches put in every key, once per process: of Triton's build (its
+    sources and library) and of torch's own sources. The first unit a process compiles or loads otherwise
+    spends them (0.4-0.6 s on an H100's host: most of a warm unit load's first one); here they are file reads
+    and hashing, beside the rest of `offload()` and Dynamo's first trace. Both are cached (functools), so the
+    first key that needs them uses them, or computes them itself if this has not finished (same values)."""
+    try:
+        from torch._inductor.codecache import CacheBase, torch_key
+
+        torch_key()
+        CacheBase.get_system()
+    except Exception as error:  # noqa: BLE001 - an older or newer torch without them: nothing is lost
+        log.debug("stagehand: cache-key prewarm skipped: %s", error)
 
 
 def _eager_backward_lowering():

@@ -117,6 +117,7 @@ class _Unit(nn.Module):
             graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
 
         faked = None if self.symbolic is None else self.symbolic.fake(args)
+        why = cache.why_new(key)  # before it joins the cache
         cache.before_compile()
         start = time.perf_counter()
         with compile_cache.track() as outcome:
@@ -126,14 +127,14 @@ class _Unit(nn.Module):
         rt.record_compile(seconds, block_variant, outcome.loaded)
         cache.add(key, compiled, {
             "label": label, "graphs": graphs, "seconds": seconds, "shape_generic": faked is not None,
-            "cache": outcome.state,
+            "cache": outcome.state, "why": why,
             "scheduled": gm.print_readable(print_output=False, include_stride=False, include_device=True),
             "passes": [r.as_dict() for r in pass_log.passes_ran],
         }, guard=None if faked is None else faked.guard())
         cache.after_compile(outcome.loaded)
-        log.info("stagehand: %s %s (%s%s) in %.2fs (cache: %s)", "loaded" if outcome.loaded else "compiled", label,
-                 self.ctx.options.inner, "" if faked is None else ", all sizes of the dynamic dimensions", seconds,
-                 outcome.state)
+        log.info("stagehand: %s %s (%s%s) in %.2fs (cache: %s; %s)", "loaded" if outcome.loaded else "compiled",
+                 label, self.ctx.options.inner, "" if faked is None else ", all sizes of the dynamic dimensions",
+                 seconds, outcome.state, why)
         if faked is None:
             self._warn_on_a_second_shape(key[0], args, label, block_variant)
         per_structure = cache.count_structure(key[0])

@@ -53,6 +53,22 @@ class VariantCache:
         if self.bundle is not None and not loaded:
             self.bundle.save(units=len(self.info))
 
+    def why_new(self, key: tuple) -> str:
+        """Why `key` (structure, signature, grad mode, inner compiler, rng replay) compiles although variants of its
+        structure exist: what it differs in from the nearest of them ("new structure" when there are none)."""
+        names = ("signature", "grad mode", "inner compiler", "random-number replay")
+        best: list[str] | None = None
+        for other in self.compiled:
+            if other[0] != key[0] or len(other) != len(key):
+                continue
+            diff = [names[i - 1] for i in range(1, len(key)) if other[i] != key[i]]
+            if "signature" in diff:
+                inputs = [f"input {n}: {b} -> {a}" for n, (a, b) in enumerate(zip(key[1], other[1])) if a != b]
+                diff[diff.index("signature")] = "; ".join(inputs[:2]) or "signature"
+            if best is None or len(diff) < len(best):
+                best = diff
+        return "new structure" if best is None else ", ".join(best)
+
     def count_structure(self, structure: Hashable) -> int:
         """How many variants share this structure key (one per input signature / guard / grad mode)."""
         return sum(len(entry) if isinstance(entry, GuardedVariants) else 1

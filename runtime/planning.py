@@ -20,8 +20,8 @@ copies hold the host back in a full launch queue, and a slow host leaves the
 GPU waiting inside a block, so both read high there and never low; the smaller
 value stays for the next plan made (the plan running keeps the prediction it
 was chosen by). A new precision map re-plans at once (bytes per block changed).
-The measured model is kept on disk (conductor/cost_cache.py, keyed by the first compiled graph's inputs
-too): a later run of the same job loads it when that graph is captured and plans from its first step.
+The measured model is kept on disk with the plan in force (conductor/cost_cache.py, keyed by the first compiled
+graph's inputs too): a later run of the same job loads both when that graph is captured and resumes the plan.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from .conductor import cost_cache
 from .conductor.arbiter import Conductor
 from .conductor.calibrate import FORWARD, BlockClocks, Calibration
-from .conductor.costs import Budget, BudgetError, CostModel, parse_bytes
+from .conductor.costs import Budget, BudgetError, CostModel, budget_from
 from .conductor.planner import Plan, build_plan, make_plan
 from .registry import NO_BLOCK
 from .slots import SlotPool
@@ -47,20 +47,6 @@ WARMUP_STEPS = 1
 REFINE_STEPS = 2  # steps of a new plan whose host and GPU times per block refine the cost model (the first compiles)
 # A plan that does not fit when applied is re-made with this fraction of its weights fewer, up to SHRINK_TRIES times.
 SHRINK_FRACTION, SHRINK_TRIES = 0.25, 10
-
-
-def budget_from(config, vram_budget) -> Budget:
-    """The budget from `offload(vram_budget=...)` and `conductor.vram_soft_cap_mb` / `vram_hard_cap_mb`."""
-    c = config.conductor
-    soft = None if c.vram_soft_cap_mb is None else int(c.vram_soft_cap_mb * 2**20)
-    hard = None if c.vram_hard_cap_mb is None else int(c.vram_hard_cap_mb * 2**20)
-    if vram_budget is not None:
-        soft = parse_bytes(vram_budget, "offload: vram_budget")
-        if hard is not None and soft > hard:
-            raise BudgetError(f"offload: vram_budget {soft / 2**30:.2f} GiB is above conductor.vram_hard_cap_mb "
-                              f"({hard / 2**30:.2f} GiB)")
-        hard = hard if hard is not None else soft
-    return Budget(soft, hard)
 
 
 class PlanDriver:
@@ -97,9 +83,7 @@ class PlanDriver:
     def make(self) -> Plan:
         """The plan for the current precision map and cost model (not applied)."""
         rt, model = self.rt, self.cost_model
-        self._training_costs(model)
-        precision = [rt.precision[b] for b in range(len(rt.blocks))]
-        costs = model.block_costs([rt.store.nbytes(b, p) for b, p in enumerate(precision)])
+        costs, precision, _ = self._costs()
         if not self.planning:
             plan = build_plan(costs, precision, set(), None, rt.config.slot_count, model, kind="fixed")
             plan.slot_bytes = rt.store.max_block_bytes()  # any precision a block may switch to fits
@@ -112,6 +96,13 @@ class PlanDriver:
             plan.notes.append(f"runs {WARMUP_STEPS + 1} steps, the last one measured, then re-planned")
             return plan
         return self._make_with_margin(costs, precision, model)
+
+    def _costs(self):
+        """(the blocks' costs, the precision map, the cost model) a plan is made or predicted from."""
+        rt, model = self.rt, self.cost_model
+        self._training_costs(model)
+        precision = [rt.precision[b] for b in range(len(rt.blocks))]
+        return model.block_costs([rt.store.nbytes(b, p) for b, p in enumerate(precision)]), precision, model
 
     def _training_costs(self, model: CostModel) -> None:
         """Full fine-tuning's part of the cost model: the gradient bytes each block sends home, the host
@@ -143,14 +134,15 @@ class PlanDriver:
                 pass
         return make_plan(costs, precision, budget, model)
 
-    def apply(self, reason: str, plan: Plan | None = None) -> Plan:
+    def apply(self, reason: str, plan: Plan | None = None, resumed: bool = False) -> Plan:
         """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns.
 
         A made plan that does not fit on the device when applied (the budget promised more
         than the device has: another process, a memory fraction) is re-made under a smaller
-        budget, and the runtime says so; a plan given by hand raises.
+        budget, and the runtime says so; a plan given by hand raises. `resumed`: `plan` is the one
+        an earlier run of the job ended on (`_resumed`), treated as a made one.
         """
-        given = plan is not None
+        given = plan is not None and not resumed
         plan = plan or self.make()
         if self.rt.pool is None or (plan.kind == "fixed" and self.plan is not None):
             self.plan = plan  # the fixed plan's pool never changes (its slots fit every precision)
@@ -219,13 +211,19 @@ class PlanDriver:
 
     def on_graph(self, input_shapes: list[str]) -> None:
         """The first compiled graph, before it runs: a run that has not calibrated yet starts from the model an
-        earlier run of the same job kept, when there is one, and applies the plan made from it."""
-        if not self.planning:
-            return
-        model = self.kept.on_graph(input_shapes, load=not self.calibrated)
+        earlier run of the same job kept, when there is one, and resumes the plan that run ended on (else applies
+        the plan made from the model)."""
+        model = self.kept.on_graph(input_shapes, load=not self.calibrated) if self.planning else None
         if model is not None:
             self.cost_model, self.calibrated, self._calibrate_at = model, True, None
-            self.apply("the calibrated cost model of an earlier run")
+            resumed = cost_cache.resumed_plan(self.kept.plan, *self._costs(), self.budget)
+            self.apply("the calibrated cost model of an earlier run" + (", and the plan it ended on" if resumed else ""),
+                       resumed, resumed=resumed is not None)
+
+    def _decisions(self) -> dict | None:
+        """The plan in force, as kept beside the cost model (a planned plan's only)."""
+        return None if self.plan is None or self.plan.kind != "planned" else cost_cache.plan_decisions(
+            self.plan, self.budget)
 
     def recompute_of(self, block: int) -> bool | None:
         return None if self.plan is None else self.plan.recompute_of(block)
@@ -378,7 +376,7 @@ class PlanDriver:
             self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
         if self.calibration is None:
             if learned != self.host_refinements + self.compute_refinements + len(self.peak_corrections):
-                self.kept.keep(self.cost_model)  # refined or corrected: the next run starts from this
+                self.kept.keep(self.cost_model, self._decisions())  # refined or corrected: the next run starts here
             return
         calibration, self.calibration = self.calibration, None
         plan = self.plan
@@ -393,6 +391,9 @@ class PlanDriver:
         self.cost_model = calibration.finish(self.cost_model, predict)
         self.calibrated = True
         self.apply(f"calibrated on step {step}")
-        torch.cuda.empty_cache()  # the first steps' compile peaks left the allocator's cache above the budget
-        self.kept.keep(self.cost_model)
+        if self.budget.limit is not None and torch.cuda.memory_reserved(self.rt.device) > self.budget.limit:
+            # The first steps' compile peaks left the allocator's cache above the budget: hand it back. Not
+            # otherwise: the next step would ask the driver again for every block the cache held.
+            torch.cuda.empty_cache()
+        self.kept.keep(self.cost_model, self._decisions())
 

@@ -22,7 +22,7 @@ from . import precision as precisions
 from . import registry
 from .blocks import StreamedLayerSpec, layer_slots
 from .conductor.fetch_order import FetchOrder
-from .conductor.costs import CostModel
+from .conductor.costs import CostModel, budget_from
 from .conductor.phases import PhaseTracker
 from .conductor.telemetry import TelemetryWriter
 from .eager_notice import EagerFallbackWarning  # noqa: F401 (the warning's home)
@@ -36,7 +36,7 @@ from .host_plan import check_master_dtypes
 from .offload_undo import OffloadUndo
 from .oom_recovery import OomRecovery
 from .precision import PrecisionMapError
-from .planning import PlanDriver, budget_from
+from .planning import PlanDriver
 from .runtime_stats import runtime_stats
 from .selective.runtime_api import SelectivePrecisionAPI
 from .streamed import guard_conversions, make_plain, unguard

@@ -151,3 +151,40 @@ def test_an_unwritable_cache_costs_nothing_but_the_next_calibration(tmp_path):
     blocker.write_text("")
     assert cost_cache.save_entry(_measured(), KEY, root=str(blocker)) is None
     assert cost_cache.load_entry(KEY, N, root=str(blocker))[0] is None
+
+
+def _decisions(rt, resident=(), recompute=(0, 1, 2, 3), slots=2) -> dict:
+    return {"resident": list(resident), "recompute": list(recompute), "spill": [], "slots": slots,
+            "budget": [rt.planner.budget.soft, rt.planner.budget.hard]}
+
+
+def test_the_next_run_resumes_the_plan_the_first_one_ended_on(cache_dir):
+    """Not the plan its search would make from the kept model (which may keep or recompute other blocks than the
+    variants the first run compiled): the one kept beside it, predicted under that model."""
+    first = _run()
+    made = first.planner.plan
+    decisions = _decisions(first, recompute=[b for b in range(N) if b not in made.recomputed] or [0])
+    first.planner.kept.keep(_measured(), decisions)
+    first.restore()
+    second = _run(calibrated=False)
+    plan = second.planner.plan
+    assert plan.kind == "planned" and plan.recomputed == set(decisions["recompute"]) and plan.resident == set()
+    assert plan.slots == 2 and any("resumed" in n for n in plan.notes)
+    assert plan.predicted_step_s > 0 and plan.cost_model == MEASURED  # predicted under the kept model
+    second.restore()
+
+
+@pytest.mark.parametrize("why", ["another budget", "malformed"])
+def test_a_kept_plan_for_another_budget_or_not_usable_is_not_resumed(cache_dir, why):
+    first = _run()
+    decisions = _decisions(first)
+    if why == "malformed":
+        decisions["recompute"] = [N + 5]  # no such block
+    first.planner.kept.keep(_measured(), decisions)
+    first.restore()
+    second = _run(budget_blocks=N - 2 if why == "another budget" else N - 1, calibrated=False)
+    note = second.stats()["cost_model_cache"]
+    assert second.planner.calibrated and note.startswith("calibrated cost model loaded")  # the model is used
+    assert not any("resumed" in n for n in second.planner.plan.notes)
+    assert ("its plan ignored: recompute is not a list of block numbers below 4" in note) == (why == "malformed")
+    second.restore()

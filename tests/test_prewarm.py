@@ -65,3 +65,16 @@ def test_the_compiler_imports_load_in_the_calling_process():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "True"]
+
+
+def test_the_cache_keys_are_worked_out_on_a_thread_after_the_imports():
+    """The hashes of Triton's build and torch's sources (in every compile-cache key) are computed on a thread of
+    their own once the compiler is imported: the first unit's key then finds them cached."""
+    script = ("import threading; from torch_stagehand.compiler.inner import prewarm_compiler_imports as p; "
+              "from torch._inductor.codecache import CacheBase; "
+              "before = CacheBase.get_system.cache_info().currsize; p(); "
+              "[t.join() for t in threading.enumerate() if t.name == 'stagehand-cache-keys']; "
+              "print(before, CacheBase.get_system.cache_info().currsize)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0", "1"]

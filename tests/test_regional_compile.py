@@ -191,6 +191,9 @@ def test_the_models_own_checkpointing_moves_into_the_block_units():
     grad_modes = sorted(key[2] for key, info in variant_cache(rt).info.items()
                         if info["label"].startswith("block variant"))
     assert grad_modes == [False, False, True, True, True]
+    whys = [info["why"] for info in variant_cache(rt).info.values() if info["label"].startswith("block variant")]
+    assert whys.count("new structure") == 2  # each variant after a structure's first names what it differs in
+    assert all(w == "new structure" or "input" in w or "grad mode" in w for w in whys)
 
 
 def test_adapters_added_after_offload_compile_block_by_block():

@@ -70,15 +70,43 @@ def entry_path(key: dict, root: str | None = None) -> str:
     return os.path.join(root or cache_dir(), "cost_models", f"{name}.json")
 
 
-def save_entry(model: CostModel, key: dict, root: str | None = None) -> str | None:
-    """Write `model` under `key` (`write_atomic`: a reader never sees half a file); the path, or None when the
-    cache directory cannot be written (the next run calibrates again, nothing else is lost)."""
+def plan_decisions(plan, budget) -> dict:
+    """What a plan decided (the blocks resident, recomputed and spilled, the rotating slots) and the budget it was
+    made for: kept beside the model, so the next run of the job resumes the plan this one ended on."""
+    return {"resident": sorted(plan.resident), "recompute": sorted(plan.recomputed), "spill": sorted(plan.spilled),
+            "slots": plan.slots, "budget": [budget.soft, budget.hard]}
+
+
+def resumed_plan(decisions: dict | None, costs, precision, model: CostModel, budget):
+    """The plan an earlier run of this job ended on (`plan_decisions`), predicted under the model it kept; None when
+    there is none, it was made for another budget, or it no longer fits this one.
+
+    A run plans from the model the earlier run had refined by its end, which may choose other blocks to keep or
+    recompute than the plan that run ended on; every such difference is a block variant the earlier run never
+    compiled, compiled in this run's first step. Resuming the plan reuses all of them (and skips the search);
+    its first steps refine the model as after any plan."""
+    from .planner import build_plan
+
+    if decisions is None or decisions["budget"] != [budget.soft, budget.hard]:
+        return None
+    plan = build_plan(costs, precision, set(decisions["resident"]), set(decisions["recompute"]), decisions["slots"],
+                      model, "planned", budget=budget, spill=frozenset(decisions["spill"]))
+    if budget.limit is not None and plan.predicted_peak_bytes > budget.limit:
+        return None
+    plan.notes.append("resumed: the plan the earlier run of this job ended on")
+    return plan
+
+
+def save_entry(model: CostModel, key: dict, root: str | None = None, plan: dict | None = None) -> str | None:
+    """Write `model` (and `plan`, `plan_decisions`) under `key` (`write_atomic`: a reader never sees half a
+    file); the path, or None when the cache directory cannot be written (the next run calibrates again, nothing
+    else is lost)."""
     path = entry_path(key, root)
     data = {name: getattr(model, name) for name in PER_BLOCK + SCALARS}
     data["host_s"] = model.host_s
     data["measured"] = {k: v for k, v in model.measured.items() if k != "cost_cache"}
     try:
-        write_atomic(path, json.dumps({"key": key, "model": data}))
+        write_atomic(path, json.dumps({"key": key, "model": data, **({"plan": plan} if plan else {})}))
         return path
     except OSError as e:
         log.info("stagehand: the calibrated cost model was not kept (%s): the next run calibrates again", e)
@@ -88,9 +116,16 @@ def save_entry(model: CostModel, key: dict, root: str | None = None) -> str | No
 def load_entry(key: dict, n_blocks: int, root: str | None = None) -> tuple[CostModel | None, str]:
     """The model kept under `key` and a line for the log: (model, "loaded from PATH"), or (None, why not).
     No entry is a plain miss; an entry that is not usable is named with what is wrong with it."""
+    model, _, note = read_entry(key, n_blocks, root)
+    return model, note
+
+
+def read_entry(key: dict, n_blocks: int, root: str | None = None) -> tuple[CostModel | None, dict | None, str]:
+    """`load_entry`, with the plan decisions kept beside the model (None when there are none, or when they are
+    not usable: the note then says why, and the model is still used)."""
     path = entry_path(key, root)
     if not os.path.exists(path):
-        return None, "no calibrated cost model kept for this model, precision map, trainable set and input shapes"
+        return None, None, "no calibrated cost model kept for this model, precision map, trainable set and input shapes"
     try:
         with open(path) as f:
             entry = json.load(f)
@@ -98,9 +133,29 @@ def load_entry(key: dict, n_blocks: int, root: str | None = None) -> tuple[CostM
             raise ValueError("it holds another key")
         model = _model_from(entry.get("model"), n_blocks)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        return None, f"cost model cache {path} ignored: {e}"
+        return None, None, f"cost model cache {path} ignored: {e}"
     model.measured = dict(model.measured, cost_cache=path)
-    return model, f"calibrated cost model loaded from {path}"
+    note = f"calibrated cost model loaded from {path}"
+    try:
+        plan = _plan_from(entry["plan"], n_blocks) if "plan" in entry else None
+    except (ValueError, TypeError, KeyError) as e:
+        plan, note = None, f"{note} (its plan ignored: {e})"
+    return model, plan, note
+
+
+def _plan_from(data, n: int) -> dict:
+    if not isinstance(data, dict):
+        raise ValueError("not a mapping")
+    for name in ("resident", "recompute", "spill"):
+        values = data[name]
+        if not isinstance(values, list) or not all(isinstance(b, int) and 0 <= b < n for b in values):
+            raise ValueError(f"{name} is not a list of block numbers below {n}")
+    if not isinstance(data["slots"], int) or data["slots"] < 0:
+        raise ValueError("slots is not a count")
+    budget = data["budget"]
+    if not isinstance(budget, list) or len(budget) != 2 or not all(b is None or _number(b) for b in budget):
+        raise ValueError("budget is not [soft, hard]")
+    return data
 
 
 def _model_from(data, n: int) -> CostModel:
@@ -139,6 +194,7 @@ class KeptCostModel:
         self.rt = rt
         self.inputs: str | None = None  # input_signature of the first compiled graph
         self.note: str | None = None  # what the lookup found (the log line)
+        self.plan: dict | None = None  # the plan decisions kept with the loaded model (`plan_decisions`)
 
     def on_graph(self, input_shapes: list[str], load: bool) -> CostModel | None:
         """The first graph's inputs complete the key; with `load`, the kept model, if one is usable."""
@@ -147,11 +203,12 @@ class KeptCostModel:
         self.inputs = input_signature(input_shapes)
         if not load:
             return None
-        model, self.note = load_entry(cost_key(self.rt, self.inputs), len(self.rt.blocks))
-        (log.warning if model is None and "ignored" in self.note else log.info)("stagehand: %s", self.note)
+        model, self.plan, self.note = read_entry(cost_key(self.rt, self.inputs), len(self.rt.blocks))
+        (log.warning if "ignored" in self.note else log.info)("stagehand: %s", self.note)
         return model
 
-    def keep(self, model: CostModel) -> None:
-        """Write a measured model (after calibration, and when later steps refined or corrected it)."""
+    def keep(self, model: CostModel, plan: dict | None = None) -> None:
+        """Write a measured model (after calibration, and when later steps refined or corrected it), with the
+        decisions of the plan in force (`plan_decisions`)."""
         if self.inputs is not None and model.source == MEASURED and not model.frozen:
-            save_entry(model, cost_key(self.rt, self.inputs))
+            save_entry(model, cost_key(self.rt, self.inputs), plan=plan)

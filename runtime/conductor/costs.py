@@ -315,3 +315,17 @@ def _measure_h2d(device: torch.device, pinned: bool, direction: str = "h2d", nby
         dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize(device)
     return nbytes * reps / (time.perf_counter() - t0)
+
+
+def budget_from(config, vram_budget) -> Budget:
+    """The budget from `offload(vram_budget=...)` and `conductor.vram_soft_cap_mb` / `vram_hard_cap_mb`."""
+    c = config.conductor
+    soft = None if c.vram_soft_cap_mb is None else int(c.vram_soft_cap_mb * 2**20)
+    hard = None if c.vram_hard_cap_mb is None else int(c.vram_hard_cap_mb * 2**20)
+    if vram_budget is not None:
+        soft = parse_bytes(vram_budget, "offload: vram_budget")
+        if hard is not None and soft > hard:
+            raise BudgetError(f"offload: vram_budget {soft / 2**30:.2f} GiB is above conductor.vram_hard_cap_mb "
+                              f"({hard / 2**30:.2f} GiB)")
+        hard = hard if hard is not None else soft
+    return Budget(soft, hard)
