@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -58,22 +59,31 @@ def prewarm_compiler_imports() -> None:
     import torch._inductor.codecache  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
 
-    threading.Thread(target=prewarm_cache_keys, name="stagehand-cache-keys", daemon=True).start()
+    start_prewarm_cache_keys()
 
 
 def prewarm_cache_keys() -> None:
     """Work out the hashes torch's compile caches put in every key, once per process: of Triton's build (its
-    sources and library) and of torch's own sources. The first unit a process compiles or loads otherwise
-    spends them (0.4-0.6 s on an H100's host: most of a warm unit load's first one); here they are file reads
-    and hashing, beside the rest of `offload()` and Dynamo's first trace. Both are cached (functools), so the
-    first key that needs them uses them, or computes them itself if this has not finished (same values)."""
+    sources and library) and, once Inductor is imported, of torch's own sources. The first unit a process
+    compiles or loads otherwise spends them (0.4-0.6 s on an H100's host: most of a warm unit load's first
+    one); here they are file reads and hashing, beside the rest of `offload()` and Dynamo's first trace. All
+    are cached (functools), so the first key that needs one uses it, or computes it itself if this has not
+    finished (same values). Imports nothing (it runs on a thread of its own: `prewarm_compiler_imports`)."""
     try:
-        from torch._inductor.codecache import CacheBase, torch_key
+        from triton.runtime.cache import triton_key  # triton is imported with the kernels
 
-        torch_key()
-        CacheBase.get_system()
-    except Exception as error:  # noqa: BLE001 - an older or newer torch without them: nothing is lost
+        triton_key()
+        if "torch._inductor.codecache" in sys.modules:
+            from torch._inductor.codecache import CacheBase, torch_key
+
+            torch_key()
+            CacheBase.get_system()
+    except Exception as error:  # noqa: BLE001 - an older or newer torch or Triton without them: nothing is lost
         log.debug("stagehand: cache-key prewarm skipped: %s", error)
+
+
+def start_prewarm_cache_keys() -> None:
+    threading.Thread(target=prewarm_cache_keys, name="stagehand-cache-keys", daemon=True).start()
 
 
 def _eager_backward_lowering():

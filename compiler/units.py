@@ -116,6 +116,10 @@ class _Unit(nn.Module):
         def on_graph(kind: str, graph_module: fx.GraphModule) -> None:
             graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
 
+        if not torch.is_grad_enabled():
+            # An inference variant: its inputs' grad flags change nothing compiled (the key leaves them out,
+            # symbolic.input_key), and must not change torch's cache keys either (AOTAutograd's holds them).
+            args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         faked = None if self.symbolic is None else self.symbolic.fake(args)
         why = cache.why_new(key)  # before it joins the cache
         cache.before_compile()

@@ -76,9 +76,11 @@ def offload(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
     if device.type == "cuda":  # Inductor's compile workers come up while offload fills the host store (if asked)
-        from torch_stagehand.compiler.inner import warm_compile_workers
+        from torch_stagehand.compiler.inner import start_prewarm_cache_keys, warm_compile_workers
 
         warm_compile_workers(device)
+        if slab is None:  # (with a slab, the cache keys are worked out once the compiler is imported, below)
+            start_prewarm_cache_keys()
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
     auto = isinstance(precision, str) and precision == AUTO
