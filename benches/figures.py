@@ -398,16 +398,31 @@ START_TIME_SOURCES = (("start_time_mixed.json", ("flux:int8", "qwen:int8")),
                       ("start_time_qwen32_blocks.json", ("qwen32:int8:blocks",)))
 
 
-def start_time_blocks_table() -> str:
+# This code's runs (fewer variants per block structure, resumed plans, the tuner's threads): (file, rows).
+START_TIME_NOW = (("start_time_session_a.json", ("flux:int8:files:blocks", "flux:bf16:blocks", "qwen:int8:blocks")),
+                  ("start_time_session_b.json", ("qwen32:int8:blocks",)))
+
+
+def start_time_now_table() -> str:
+    """Seconds to the first step, per block, with the code that shares a block structure's variants."""
+    return start_time_blocks_table(START_TIME_NOW, (
+        "Each run a fresh process (`benches/start_time.py --rows flux:int8:files:blocks flux:bf16:blocks "
+        "qwen:int8:blocks qwen32:int8:blocks --drop-page-cache`), LoRA r=16, AdamW, `stagehand.compile_blocks`; "
+        "`vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty (the checkpoint + slab "
+        "row's page cache dropped too); warm: a second process on the same machine. Step 2 of a cold run is the "
+        "first under the plan made from the calibration step"))
+
+
+def start_time_blocks_table(sources=START_TIME_SOURCES, what: str | None = None) -> str:
     """Seconds to the first step: whole-model capture against a compile per block (`stagehand.compile_blocks`),
     the weights built in memory or read from the checkpoint and slab on disk; the resident model's regional
     compile beside them."""
     runs = []
-    for name, rows in START_TIME_SOURCES:
+    for name, rows in sources:
         for r in load(name)["runs"]:
             if r.get("row") in rows and "error" not in r:
                 runs.append(dict(r, _source=name))
-    runs.sort(key=lambda r: ([k for _, rows in START_TIME_SOURCES for k in rows].index(r["row"]), r["mode"] != "cold"))
+    runs.sort(key=lambda r: ([k for _, rows in sources for k in rows].index(r["row"]), r["mode"] != "cold"))
     model = {"flux": "Flux-dev 12B", "qwen": "Qwen2.5-7B shape", "qwen32": "Qwen2.5-32B shape"}
 
     def weights(r: dict) -> str:
@@ -430,13 +445,14 @@ def start_time_blocks_table() -> str:
             Col("W8A16 autotune s", field("autotune_seconds", num, 1)),
             Col("steps 2-4 ms", lambda r: " / ".join(ms(v) for v in r["step_ms"][:3])),
             Col("steady ms", field("steady_ms", ms)), Col("source", lambda r: f"`{r['_source']}`")]
-    what = ("Each run a fresh process (`benches/start_time.py`), LoRA r=16, AdamW; `vram_budget` Flux 16 GiB, "
-            "Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty; warm: a second process on the same machine. "
-            "\"per block\": `stagehand.compile_blocks(model)`. The checkpoint + slab rows build the model on the "
-            "meta device and offload it from its safetensors checkpoint and INT8 slab (`keep_full=\"file\"`); their "
-            "cold run drops the page cache first. Steps 2-4 of a cold run compile the units of the plan made from "
-            "the calibration step")
-    names = [name for name, _ in START_TIME_SOURCES]
+    what = what or (
+        "Each run a fresh process (`benches/start_time.py`), LoRA r=16, AdamW; `vram_budget` Flux 16 GiB, "
+        "Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty; warm: a second process on the same machine. "
+        "\"per block\": `stagehand.compile_blocks(model)`. The checkpoint + slab rows build the model on the "
+        "meta device and offload it from its safetensors checkpoint and INT8 slab (`keep_full=\"file\"`); their "
+        "cold run drops the page cache first. Steps 2-4 of a cold run compile the units of the plan made from "
+        "the calibration step")
+    names = [name for name, _ in sources]
     return f"{caption(*names, what=what)}\n\n{table(runs, cols)}\n"
 
 
@@ -1011,6 +1027,7 @@ FIGURES: dict[str, Figure] = {
     "first_step": Figure(first_step_table, ("models_qwen_firststep_run1.json", "models_qwen_firststep_run2.json")),
     "start_time": Figure(start_time_table, ("start_time_mixed.json",)),
     "start_time_blocks": Figure(start_time_blocks_table, tuple(name for name, _ in START_TIME_SOURCES)),
+    "start_time_now": Figure(start_time_now_table, tuple(name for name, _ in START_TIME_NOW)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
