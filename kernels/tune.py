@@ -4,7 +4,9 @@ A candidate is a whole launch sequence (split-K partials and their reduction,
 or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
 (kernel, device, M bucket, N, K, dtype) each candidate is:
 
-1. run once (compiles; a config the compiler rejects is skipped);
+1. run once (compiles; a config the compiler rejects is skipped). The key's
+   candidates are compiled first, all at once on threads (`precompile_all`),
+   so this run finds each one's kernels ready;
 2. checked: sampled output elements against an fp32 reference computed from
    the same int8 weight. A candidate that is wrong (a compiler bug in some
    configs of some Triton versions has been seen) is rejected, never picked;

@@ -140,7 +140,7 @@ class PlanDriver:
         A made plan that does not fit on the device when applied (the budget promised more
         than the device has: another process, a memory fraction) is re-made under a smaller
         budget, and the runtime says so; a plan given by hand raises. `resumed`: `plan` is the one
-        an earlier run of the job ended on (`_resumed`), treated as a made one.
+        an earlier run of the job ended on (`cost_cache.resumed_plan`), treated as a made one.
         """
         given = plan is not None and not resumed
         plan = plan or self.make()
