@@ -278,7 +278,13 @@ def test_a_plan_that_does_not_fit_when_applied_shrinks_the_budget_and_says_so(mo
     _same(_step(model, model, x), ref)
 
 
-def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real():
+@pytest.mark.parametrize("reserved_over_budget", [False, True])
+def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real(reserved_over_budget, monkeypatch):
+    # After calibration the allocator's cache is handed back only when it holds more than the budget.
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "memory_reserved",
+                        lambda device=None: (2 if reserved_over_budget else 0) * _budget("half"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
     model, x = _model()
     plain = copy.deepcopy(model)
     ref = _step(plain, plain, x)
@@ -299,6 +305,7 @@ def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real
     assert len(measured.forward_s) == N and all(t > 0 for t in measured.forward_s + measured.backward_s)
     assert rt.stats()["recomputed_blocks"] >= 2 * N  # the two calibration steps recomputed every block
     assert rt.plan.predicted_step_s > 0 and 0 < len(rt.plan.resident) < N
+    assert bool(emptied) == reserved_over_budget
 
 
 @pytest.mark.parametrize("inner", ["eager", "inductor"])

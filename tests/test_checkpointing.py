@@ -541,3 +541,26 @@ def test_draws_random_finds_random_calls_and_passes_attention_without_dropout():
     assert not draws_random(graph(lambda x: torch.ops.aten.mm.default(x, x)))
     assert draws_random(graph(lambda x: torch.ops.aten.native_dropout.default(x, 0.5, True)[0]))
     assert draws_random(graph(nn.Sequential(nn.Dropout(0.1))))  # symbolic_trace keeps leaf modules: opaque
+
+
+def test_an_inference_variant_compiles_from_inputs_without_grad_flags(monkeypatch):
+    """Without grad an input's grad flag changes nothing compiled: left out of the variant key, and the variant
+    compiles from detached inputs, so torch's cache keys (AOTAutograd's holds the flags) do not hold it either."""
+    from torch_stagehand.compiler import units
+
+    seen = []
+    compile_unit = units.compile_unit
+
+    def spy(gm, example_inputs, *args, **kwargs):
+        seen.append([a.requires_grad for a in example_inputs if isinstance(a, torch.Tensor)])
+        return compile_unit(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(units, "compile_unit", spy)
+    model, x = _toy_with_trainable_norms(n=3)
+    stagehand.offload(model, device="cpu", blocks="blocks")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager", "recompute": "blocks"})
+    compiled(x).float().square().mean().backward()  # forward: inference variants; backward: training ones
+    assert any(any(flags) for flags in seen)  # the training variant's inputs need grad (x, the norms)
+    inference = [flags for flags in seen if not any(flags)]
+    assert inference, seen  # the recompute's forward variant saw none, though x and the norms need grad

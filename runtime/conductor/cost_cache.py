@@ -30,6 +30,7 @@ import torch
 from ..atomic_file import write_atomic
 from ..blocks import layout_fingerprint
 from .costs import MEASURED, CostModel, cache_dir
+from .planner import build_plan
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,6 @@ def resumed_plan(decisions: dict | None, costs, precision, model: CostModel, bud
     recompute than the plan that run ended on; every such difference is a block variant the earlier run never
     compiled, compiled in this run's first step. Resuming the plan reuses all of them (and skips the search);
     its first steps refine the model as after any plan."""
-    from .planner import build_plan
-
     if decisions is None or decisions["budget"] != [budget.soft, budget.hard]:
         return None
     plan = build_plan(costs, precision, set(decisions["resident"]), set(decisions["recompute"]), decisions["slots"],
