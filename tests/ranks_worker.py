@@ -16,6 +16,7 @@ first shared allocation).
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import os
 import signal
@@ -289,6 +290,11 @@ def main() -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     if scenario.startswith(("ddp", "fullft", "fsdp", "files")):
+        # The scenario's models, compiled graphs and pending collective handles go while the interpreter is
+        # whole: a gloo handle freed by its C++ thread during the interpreter's teardown aborts the process.
+        torch._dynamo.reset()
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     # A failed scenario leaves its default group to the process's exit: the peer may be gone.
 

@@ -27,6 +27,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _failed_ranks(codes: list[int], logs: list[str]) -> str:
+    """The exit code and the last lines of each rank that did not exit 0."""
+    return "\n".join(f"rank {r} exited {code}:\n" + "\n".join(log.splitlines()[-40:])
+                     for r, (code, log) in enumerate(zip(codes, logs)) if code != 0)
+
+
 def run_ranks(scenario: str, world: int, tmp_path, nodes: int = 1) -> tuple[list[int], list[dict | None]]:
     """`world` ranks of `scenario`, spread over `nodes` named nodes (STAGEHAND_NODE_NAME; one machine here)."""
     port = str(_free_port())
@@ -49,7 +55,7 @@ def run_ranks(scenario: str, world: int, tmp_path, nodes: int = 1) -> tuple[list
         path = tmp_path / f"rank{r}.json"
         results.append(json.loads(path.read_text()) if path.exists() else None)
     if scenario.startswith(("ddp", "fullft", "fsdp", "files")):
-        assert codes == [0] * world, "\n".join(logs[-1].splitlines()[-30:])
+        assert codes == [0] * world, _failed_ranks(codes, logs)
     return codes, results
 
 
