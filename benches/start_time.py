@@ -12,7 +12,9 @@ benches/models.py (random init on the GPU, bf16, peft LoRA r=16 on the attention
 Flux with its own checkpointing, Qwen without), offloaded under the README's budget for it (Flux 16 GiB,
 Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precision) the runs are, in order:
 
-- cold: empty caches (stagehand's: the W8A16 tune file, the compile bundle; Inductor's; Triton's);
+- cold: empty caches (stagehand's: the W8A16 tune file, the compile bundle; Inductor's; Triton's), with
+  `--ahead-workers` (3) processes compiling the variants the step will ask for next (compiler/ahead.py);
+- serial (`--modes ... serial`): cold, with no such workers: the baseline the cold row's `vs_serial` divides by;
 - warm: a second process on the same machine, every cache as the cold run left it;
 - bundle (`--modes ... bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
   with only the compile bundle (compiler/compile_cache.py) to start from;
@@ -163,8 +165,14 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         from torch_stagehand.compiler.variants import variant_cache
 
         # How each unit came to be: "hit", "miss" (compiled and stored) or "bypass: <torch's reason>", and its seconds.
+        cache = variant_cache(rt)
         out["unit_cache"] = [f"{info['label']}: {info.get('cache')} {info['seconds']:.2f}s ({info.get('why')})"
-                             for info in variant_cache(rt).info.values()]
+                             + (f" [{info['ahead']}]" if info.get("ahead") else "") for info in cache.info.values()]
+        if cache.ahead is not None:  # variants compiled ahead in worker processes (compiler/ahead.py)
+            stats = cache.ahead.stats
+            out["ahead"] = dict(stats, workers=cache.ahead.size, gpu_processes=_gpu_processes())
+            out["ahead_summary"] = (f"{sum('compiled ahead' in line for line in out['unit_cache'])} of "
+                                    f"{stats['submitted']} ahead, waited {stats['waited_s']:.1f}s")
         from torch_stagehand.kernels import tune
 
         tuned = tune.tuning_log().values()  # the keys this process tuned (none when the picks came from disk)
@@ -184,6 +192,16 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     out["dynamo_s"] = round(sum(metrics.get("_compile.compile_inner", [])), 2)
     out["first_step_rest_s"] = round(out["first_step_s"] - out["dynamo_s"] - out.get("first_step_compile_s", 0), 2)
     return out
+
+
+def _gpu_processes() -> list[str]:
+    """The processes holding GPU memory now (nvidia-smi): the ahead-compile workers must not be among them."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [f"nvidia-smi: {e}"]
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()] + [f"this process: {os.getpid()}"]
 
 
 def build(kind: str, tiny: bool, device: str):
@@ -273,7 +291,7 @@ def caches(row: str, mode: str) -> dict[str, str]:
     env = {"STAGEHAND_CACHE_DIR": os.path.join(base, "stagehand"),
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(base, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(base, "triton")}
-    wipe = {"cold": list(env.values()), "warm": [], "profile": [],
+    wipe = {"cold": list(env.values()), "serial": list(env.values()), "warm": [], "profile": [],
             "bundle": [env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]]}
     for folder in wipe[mode]:
         shutil.rmtree(folder, ignore_errors=True)
@@ -322,6 +340,8 @@ def run_one(args, row: str, mode: str) -> dict:
           (["--profile-dir", args.profile_dir] if args.profile_dir else [])
     env = dict(os.environ, **caches(row, mode), **bytecode_env(args), STAGEHAND_TUNE_CACHE="1",
                STAGEHAND_COMPILE_CACHE="1", STAGEHAND_WARM_COMPILE_WORKERS="1" if args.warm_compile_workers else "0")
+    # serial: the cold baseline, every unit compiled in the step, none ahead in workers (compiler/ahead.py)
+    env["STAGEHAND_AHEAD_WORKERS"] = "0" if mode == "serial" else str(args.ahead_workers)
     print(f"start_time: {row} {mode} ...", flush=True)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -335,6 +355,7 @@ def run_one(args, row: str, mode: str) -> dict:
 
 def table_rows(results: list[dict]) -> list[dict]:
     cold = {r["row"]: r for r in results if r.get("mode") == "cold"}
+    serial = {r["row"]: r for r in results if r.get("mode") == "serial"}
     out = []
     for r in results:
         if "error" in r:
@@ -348,6 +369,9 @@ def table_rows(results: list[dict]) -> list[dict]:
             "cold_units": r.get("units_compiled_cold", ""), "compile_s": r.get("compile_seconds", ""),
             "autotune_s": r.get("autotune_seconds", ""),
             "loss_as_cold": "" if base is None or r is base else r["first_loss"] == base["first_loss"],
+            "ahead": r.get("ahead_summary", ""),
+            "vs_serial": (f"{r['first_step_s'] / serial[r['row']]['first_step_s']:.2f}x"
+                          if r["mode"] == "cold" and r["row"] in serial else ""),
         })
     return out
 
@@ -355,14 +379,17 @@ def table_rows(results: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=["qwen:int8", "qwen:bf16", "qwen:resident"])
-    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm", "bundle", "profile"],
-                   help="profile: a warm run whose first step runs under cProfile (where its seconds go; slower)")
+    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm", "bundle", "profile", "serial"],
+                   help="profile: a warm run whose first step runs under cProfile (where its seconds go; slower); "
+                        "serial: a cold run without ahead-compile workers (the baseline of cold)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--timeout", type=int, default=540)
     p.add_argument("--warm-compile-workers", action="store_true",
                    help="start Inductor's compile workers at offload (STAGEHAND_WARM_COMPILE_WORKERS=1)")
+    p.add_argument("--ahead-workers", type=int, default=3,
+                   help="processes compiling foreseen variants ahead (STAGEHAND_AHEAD_WORKERS; serial runs: 0)")
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
@@ -413,6 +440,7 @@ def main(argv=None) -> int:
                 write_json(args.out, {"env": env, "budgets": BUDGETS, "steps": args.steps, "files_prepared": prepared,
                                       "bytecode_cache": bytecode,
                                       "warm_compile_workers": args.warm_compile_workers,
+                                      "ahead_workers": args.ahead_workers,
                                       "rows": table_rows(results), "runs": results})
     print_table(table_rows(results), title="seconds to the first step (each run a fresh process)")
     return 0

@@ -84,7 +84,9 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         return compile_unit(gm, list(example_inputs), opts.inner, lambda *_: None, JOINT_PASSES, PassLog())
     if opts.inner == "inductor":
         warm_compile_workers(rt.device)  # offload() started them; a runtime made otherwise starts them here
-    ctx = CompileContext(rt, opts, variant_cache(rt), VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids),
+    variants = variant_cache(rt)
+    variants.use_ahead(opts.workers_ahead())
+    ctx = CompileContext(rt, opts, variants, VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids),
                          tokens=tokens)
     outer = ctx.run(GRAPH_PASSES, gm)
     rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran,

@@ -14,6 +14,7 @@ graph-level context plus the block and precision the variant is built for).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
@@ -55,6 +56,23 @@ class BackendOptions:
     # whichever the autotuner measures faster; fp8 rowwise tensor cores); "dense": the stack is dequantized
     # in the graph and the model's own GEMM reads it (the A/B reference).
     experts_math: str = "grouped"
+    # Worker processes that compile foreseen block variants while the step runs (ahead.py); None: the
+    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off until a GPU run has measured what it saves).
+    ahead_workers: int | None = None
+
+    def workers_ahead(self) -> int:
+        """How many ahead-compile workers the runtime's variants get (none with the eager inner compiler,
+        which keeps no cache to fill)."""
+        if self.inner != "inductor":
+            return 0
+        if self.ahead_workers is not None:
+            return self.ahead_workers
+        env = os.environ.get("STAGEHAND_AHEAD_WORKERS")
+        if env is None:
+            return 0
+        if not env.strip().isdigit():
+            raise BackendOptionsError(f"stagehand: STAGEHAND_AHEAD_WORKERS must be an int >= 0, got {env!r}")
+        return int(env)
 
     @staticmethod
     def from_dict(options: dict[str, Any] | None) -> "BackendOptions":
@@ -63,10 +81,11 @@ class BackendOptions:
         recompute = options.pop("recompute", None)
         linear_math = options.pop("linear_math", "graph")
         experts_math = options.pop("experts_math", "grouped")
+        ahead_workers = options.pop("ahead_workers", None)
         if options:
             raise BackendOptionsError(
                 f"backend 'stagehand': unknown option(s) {sorted(options)} (known: inner, recompute, linear_math, "
-                "experts_math)"
+                "experts_math, ahead_workers)"
             )
         if experts_math not in EXPERTS_MATH:
             raise BackendOptionsError(
@@ -84,7 +103,12 @@ class BackendOptions:
             raise BackendOptionsError(
                 f"backend 'stagehand': options['inner'] must be one of {INNER_COMPILERS}, got {inner!r}"
             )
-        return BackendOptions(inner=inner, recompute=recompute, linear_math=linear_math, experts_math=experts_math)
+        if ahead_workers is not None and (isinstance(ahead_workers, bool) or not isinstance(ahead_workers, int)
+                                          or ahead_workers < 0):
+            raise BackendOptionsError(
+                f"backend 'stagehand': options['ahead_workers'] must be an int >= 0, got {ahead_workers!r}")
+        return BackendOptions(inner=inner, recompute=recompute, linear_math=linear_math, experts_math=experts_math,
+                              ahead_workers=ahead_workers)
 
 
 T = TypeVar("T")

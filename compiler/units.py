@@ -36,7 +36,8 @@ from torch_stagehand.runtime import registry
 
 from . import compile_cache
 from .context import CompileContext, PassLog, VariantContext
-from .graph_nodes import draws_random, is_streamed_read, streamed_arg
+from .ahead import AheadJob, input_specs, pickle_graph
+from .graph_nodes import draws_random, example_value, is_streamed_read, streamed_arg
 from .inner import compile_unit
 from .recompute import run_again_after_oom, run_recomputed
 from .symbolic import SymbolicInputs, input_key
@@ -83,6 +84,17 @@ def _tuple_output(gm: fx.GraphModule) -> bool:
     return False
 
 
+def _code_settled(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` with its code generated now. A lazy GraphModule (Dynamo's) generates it at first use, and the compile
+    caches key on the module's attributes in their order: generated later, they land wherever the first use
+    falls (a deepcopy, the cache key itself), which is not the same in every process (one with ahead-compile
+    workers deep-copies the graph to ship it), and a key that differs misses the cache."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)
+    return gm
+
+
 def _run_unit(rt, where: Callable[[], str], run: Callable[[], Any]):
     """`run()`, run again after the runtime recovered from out of memory (recompute.run_again_after_oom);
     `where()` names the unit, made only then: this wraps every unit call."""
@@ -122,6 +134,8 @@ class _Unit(nn.Module):
             args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         faked = None if self.symbolic is None else self.symbolic.fake(args)
         why = cache.why_new(key)  # before it joins the cache
+        # A worker compiling this variant ahead: wait for it, then load what it wrote (a queued job is dropped).
+        ahead = cache.ahead.take(key) if cache.ahead is not None else None
         cache.before_compile()
         start = time.perf_counter()
         with compile_cache.track() as outcome:
@@ -131,14 +145,14 @@ class _Unit(nn.Module):
         rt.record_compile(seconds, block_variant, outcome.loaded)
         cache.add(key, compiled, {
             "label": label, "graphs": graphs, "seconds": seconds, "shape_generic": faked is not None,
-            "cache": outcome.state, "why": why,
+            "cache": outcome.state, "why": why, "ahead": ahead.describe() if ahead is not None else "",
             "scheduled": gm.print_readable(print_output=False, include_stride=False, include_device=True),
             "passes": [r.as_dict() for r in pass_log.passes_ran],
         }, guard=None if faked is None else faked.guard())
         cache.after_compile(outcome.loaded)
-        log.info("stagehand: %s %s (%s%s) in %.2fs (cache: %s; %s)", "loaded" if outcome.loaded else "compiled",
+        log.info("stagehand: %s %s (%s%s) in %.2fs (cache: %s; %s%s)", "loaded" if outcome.loaded else "compiled",
                  label, self.ctx.options.inner, "" if faked is None else ", all sizes of the dynamic dimensions",
-                 seconds, outcome.state, why)
+                 seconds, outcome.state, why, "" if ahead is None else "; " + ahead.describe())
         if faked is None:
             self._warn_on_a_second_shape(key[0], args, label, block_variant)
         per_structure = cache.count_structure(key[0])
@@ -172,7 +186,7 @@ class GlueUnit(_Unit):
 
     def __init__(self, template, ctx, segment, name):
         super().__init__(template, ctx, segment, name)
-        self.returns_tuple = _tuple_output(template)
+        self.returns_tuple = _tuple_output(_code_settled(template))
         self._key = ("glue", structure_key(template))
 
     def forward(self, *args):
@@ -207,6 +221,7 @@ class BlockUnit(_Unit):
         self._layout_ids: dict[tuple, int] = {}
         self._variants: dict[tuple, tuple[fx.GraphModule, str, VariantContext]] = {}
         self._random: dict[str, bool] = {}  # structure key -> may the variant draw random numbers?
+        self._residual: frozenset[int] | None = None  # _residual_inputs, worked out once
 
     def signature(self, args: tuple) -> tuple:
         if not self._token_inputs:
@@ -232,11 +247,58 @@ class BlockUnit(_Unit):
         key = (precision, trainable, self._layout_key(block, precision))
         if key not in self._variants:
             vctx = VariantContext(self.ctx, block, precision, trainable)
-            gm = vctx.run(self.ctx.variant_passes, copy.deepcopy(self.template))
+            gm = _code_settled(vctx.run(self.ctx.variant_passes, copy.deepcopy(self.template)))
             skey = structure_key(gm)
             self._variants[key] = (gm, skey, vctx)
             self._random[skey] = draws_random(gm)
         return self._variants[key]
+
+    def _residual_inputs(self) -> frozenset[int]:
+        """The inputs that carry the residual stream: floating tensors shaped like one of the block's outputs
+        (the previous block's output; it needs grad wherever anything before it trains)."""
+        if self._residual is None:
+            output = next(n for n in self.template.graph.nodes if n.op == "output")
+            values: list = []
+            fx.node.map_arg(output.args, lambda n: values.append(example_value(n)))
+            shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
+            inputs = [example_value(n) for n in self.template.graph.nodes if n.op == "placeholder"]
+            self._residual = frozenset(i for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)
+                                       and v.is_floating_point() and tuple(v.shape) in shapes)
+        return self._residual
+
+    def foreseen_variants(self, args: tuple, block: int, precision: str, recomputes: bool) -> list[AheadJob]:
+        """The training variants of this structure the step will ask for once it reaches the backward: the
+        graph with grad on, for inputs flagged as `args` are (a first block's need no grad) and with the
+        residual stream needing grad (every later block's). Static shapes only."""
+        rt = self.ctx.runtime
+        gm, skey, _ = self.variant_graph(precision, rt.trainable_positions(block), block)
+        replay_rng = recomputes and self._random[skey]
+        inputs, tokens = tuple(args[:-4]), tuple(args[-4:])
+        streaming = tuple(a.detach().requires_grad_() if i in self._residual_inputs() and not a.requires_grad
+                          else a for i, a in enumerate(inputs))
+        jobs, graph = [], pickle_graph(gm)
+        with torch.enable_grad():
+            for flagged in (inputs, streaming):
+                key = (skey, self.signature(flagged), True, self.ctx.options.inner, replay_rng)
+                needing = sum(isinstance(a, torch.Tensor) and a.requires_grad for a in flagged)
+                label = f"block variant {skey} ({precision}, grad on, {needing} inputs needing grad)"
+                jobs.append(AheadJob(key, label, graph, gm.code, input_specs(flagged + tokens), True, replay_rng,
+                                     self.ctx.joint_passes))
+        return jobs
+
+    def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, key: tuple) -> None:
+        """Hand the variants the step will want next to the ahead-compile workers (ahead.py), if any."""
+        ahead = self.ctx.variants.ahead
+        if ahead is None or self.symbolic is not None:
+            return
+        try:
+            jobs = self.foreseen_variants(args, block, precision, recomputes)
+        except Exception as e:  # noqa: BLE001 - only a speed-up: the step compiles the variants when it needs them
+            log.info("stagehand: %s: no variant compiled ahead (%s: %s)", self.unit_name, type(e).__name__, e)
+            return
+        for job in jobs:
+            if job.key != key and self.ctx.variants.get(job.key) is None:
+                ahead.submit(job)
 
     def recomputes_block(self, block: int) -> bool:
         """Does `block` re-run its forward in backward instead of saving its activations?
@@ -301,6 +363,7 @@ class BlockUnit(_Unit):
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
+            self._compile_ahead(args, block, precision, recomputes, key)
             # The variant passes, then the joint passes this compile runs.
             compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), replay_rng)
         try:

@@ -11,11 +11,13 @@ the compiled code when the model is restored or its runtime closed.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Hashable
 
 from torch_stagehand.runtime.blocks import layout_fingerprint
 
+from .ahead import AheadCompiler
 from .compile_cache import CompileBundle, enabled as bundle_enabled
 from .interface import StreamingRuntime
 from .symbolic import Guard, GuardedVariants
@@ -24,11 +26,22 @@ from .symbolic import Guard, GuardedVariants
 class VariantCache:
     def __init__(self, bundle: CompileBundle | None = None) -> None:
         self.bundle = bundle  # this model's compiled units on disk (compile_cache.py); None: off
+        # Did a run before this one compile the model? (Asked before this run writes the bundle.)
+        self.compiled_before = bundle is not None and os.path.exists(bundle.path)
         self._bundle_loaded = False
         self.compiled: dict[Hashable, Callable] = {}
         self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
         self.warned_shapes = False  # the second-input-shape warning is given once per runtime
         self.shapes_seen: dict[Hashable, set[tuple]] = {}  # static variants: input shapes per structure key
+        self.ahead: AheadCompiler | None = None  # workers compiling foreseen variants (ahead.py); set by the backend
+
+    def use_ahead(self, workers: int) -> "AheadCompiler | None":
+        """The runtime's ahead-compile workers (made once, at the first graph that asks for some). None when a
+        run before this one compiled the model (its bundle is on disk): the variants load from the caches in
+        a fraction of a second each, and a worker that has to start first would only delay them."""
+        if self.ahead is None and workers > 0 and not self.compiled_before:
+            self.ahead = AheadCompiler(workers)
+        return self.ahead
 
     def get(self, key: Hashable, args: tuple = ()) -> Callable | None:
         """The variant for `key`; for a shape-generic key, the first whose guard accepts `args`."""
@@ -75,6 +88,9 @@ class VariantCache:
                    for key, entry in self.compiled.items() if key[0] == structure)
 
     def clear(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
         self.compiled.clear()
         self.info.clear()
 

@@ -1,0 +1,277 @@
+"""Variants compiled ahead of need, in worker processes.
+
+A cold first step compiles its units one after another, as it reaches them, and each compile holds the step
+(Flux LoRA: five units of 7-11 s). Most of them can be foreseen: when a structure's first variant compiles
+(a recomputed block's inference variant, in the calibration step), the step will next ask for the same graph
+with grad on, for the first block (whose inputs need no grad) and for the others (whose residual stream does;
+units.BlockUnit.foreseen_variants). `AheadCompiler` compiles those in worker processes (ahead_worker.py) while
+the main process compiles and runs what it needs now. A worker compiles into torch's own caches (AOTAutograd's,
+Inductor's FX graph cache, Triton's): when the step reaches the variant, the main process compiles it as always
+and loads it from the cache instead.
+
+Nothing depends on a worker being right. A job still queued when its variant is needed is dropped and the main
+process compiles the variant itself; one running is waited for (compiling it twice would only be slower); one
+that failed, or whose cache entry the main process does not hit (another key), costs the main process its own
+compile, as without workers, and the log and `explain()` say so. Workers start at the first job, take no device
+memory (fake inputs) and stop with the runtime.
+
+How many: the backend option `ahead_workers`, else `STAGEHAND_AHEAD_WORKERS`, else none: the feature is off by
+default until a GPU run has measured it (benches/start_time.py, modes cold and serial). Each worker's Triton
+compile pool gets its share of the cores. No workers in a run that finds the model's compile bundle (a run
+before compiled it: the variants load from the caches).
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, BinaryIO, Callable, Hashable, Sequence
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("torch_stagehand.compiler")
+
+
+def _debug() -> bool:
+    """`STAGEHAND_AHEAD_DEBUG=1`: workers write to this process's stderr, with AOTAutograd's cache key details."""
+    return os.environ.get("STAGEHAND_AHEAD_DEBUG", "0") == "1"
+
+
+def send(stream: BinaryIO, message: Any) -> None:
+    data = pickle.dumps(message)
+    stream.write(struct.pack("<Q", len(data)) + data)
+    stream.flush()
+
+
+def receive(stream: BinaryIO) -> Any:
+    """The next message, or None when the other side closed the stream."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (size,) = struct.unpack("<Q", head)
+    return pickle.loads(stream.read(size))
+
+
+# Node metadata a worker does without: module stacks (they hold the model's modules).
+_UNSHIPPED_META = frozenset({"nn_module_stack", "source_fn_stack", "fwd_source_fn_stack", "grapharg",
+                             "unbacked_bindings"})
+
+
+def _as_meta(value: Any) -> Any:
+    """A fake value as a meta tensor of the same sizes and strides (a static unit's have int sizes)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_meta(v) for v in value)
+    return value
+
+
+def pickle_graph(gm: fx.GraphModule) -> bytes:
+    """`gm` node by node (torch's GraphPickler, as Inductor's own subprocess compile ships graphs; a plain pickle
+    rebuilds a GraphModule by tracing its code again, which is not the same graph), our ops included. Dynamo's
+    fake values travel as meta tensors (their ShapeEnv does not pickle; AOTAutograd's cache asks only whether a
+    method's receiver is a tensor)."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    shipped = copy.deepcopy(gm)
+    for node in shipped.graph.nodes:
+        for key in ("example_value", "val"):
+            if key in node.meta:
+                node.meta[key] = _as_meta(node.meta[key])
+    return GraphPickler.dumps(shipped, Options(ops_filter=None,
+                                               node_metadata_key_filter=lambda k: k not in _UNSHIPPED_META))
+
+
+def input_specs(args: Sequence[Any]) -> list:
+    """What a worker needs of a variant's inputs to fake them as the main process will: per tensor its storage
+    (inputs sharing one share it there too), size, strides, offset, dtype, device and grad flag; a 0-dim CPU
+    tensor (a float Dynamo passed as a tensor, a transfer token) and any other value as they are."""
+    storages: dict[tuple, int] = {}
+    specs: list = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and not (a.dim() == 0 and a.device.type == "cpu"):
+            storage = a.untyped_storage()
+            group = storages.setdefault((storage.data_ptr(), str(a.device)), len(storages))
+            specs.append(("tensor", group, storage.nbytes(), tuple(a.shape), a.stride(), a.storage_offset(), a.dtype,
+                          str(a.device), a.requires_grad))
+        else:
+            specs.append(("value", a.detach().clone() if isinstance(a, torch.Tensor) else a))
+    return specs
+
+
+@dataclass
+class AheadJob:
+    key: Hashable  # the variant cache key the main process will ask for
+    label: str
+    graph: bytes  # the variant graph, as `pickle_graph` writes it
+    code: str  # its code: the worker checks that it unpickled the same graph (the caches key on the code)
+    inputs: list  # input_specs
+    grad: bool  # grad mode the variant runs in
+    replay_rng: bool
+    joint_passes: tuple[Callable, ...]
+
+
+@dataclass
+class AheadResult:
+    """How a worker's compile went: `state` as compile_cache.CompileOutcome's, or `error`."""
+
+    seconds: float = 0.0
+    state: str = ""
+    error: str = ""
+
+    def describe(self) -> str:
+        if self.error:
+            return f"its ahead compile failed ({self.error.strip().splitlines()[-1]})"
+        return f"compiled ahead in a worker in {self.seconds:.1f}s ({self.state})"
+
+
+class _Worker:
+    """One worker process and the thread that feeds it jobs from the shared queue, one at a time. It ends when
+    the pool closes, or after `pool.idle_s` without a job (the next job starts another)."""
+
+    def __init__(self, pool: "AheadCompiler"):
+        self.pool = pool
+        # Each worker's Triton compile pool gets its share of the cores (not in any cache key).
+        threads = max(1, (os.cpu_count() or 1) // (pool.size + 1))
+        if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+            threads = min(threads, int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                   TORCHINDUCTOR_COMPILE_THREADS=str(threads))
+        self.process = subprocess.Popen([sys.executable, "-m", "torch_stagehand.compiler.ahead_worker"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=None if _debug() else subprocess.DEVNULL, env=env)
+        send(self.process.stdin, pool.configs)
+        self.thread = threading.Thread(target=self._run, name="stagehand-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (item := self._next()) is not None:
+                job, future = item
+                if not future.set_running_or_notify_cancel():
+                    continue  # dropped while queued: the main process compiled it itself
+                try:
+                    send(self.process.stdin, job)
+                    reply = receive(self.process.stdout)
+                except (OSError, ValueError) as e:
+                    reply = {"error": f"the worker is gone ({e})"}
+                if reply is None:
+                    reply = {"error": f"the worker exited (code {self.process.poll()})"}
+                future.set_result(AheadResult(reply.get("seconds", 0.0), reply.get("state", ""),
+                                              reply.get("error", "")))
+        finally:
+            self.end()
+
+    def _next(self):
+        """The next job, or None: the pool closed, or it stayed idle (then this worker leaves the pool)."""
+        while True:
+            try:
+                return self.pool.jobs.get(timeout=self.pool.idle_s)
+            except queue.Empty:
+                with self.pool.lock:
+                    if self.pool.jobs.empty():
+                        self.pool.workers.discard(self)
+                        return None
+
+    def end(self) -> None:
+        """End the process: it leaves its loop at the closed stream and exits as a process does (its own compile
+        pool with it); one still compiling after a few seconds is killed (torch writes its cache entries whole,
+        under a temporary name)."""
+        try:
+            self.process.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        try:
+            self.process.stdout.close()
+        except OSError:
+            pass
+
+
+class AheadCompiler:
+    """Worker processes that compile foreseen variants into torch's caches (module doc)."""
+
+    def __init__(self, workers: int, idle_s: float = 30.0, wait_s: float = 900.0):
+        self.size = workers
+        self.idle_s = idle_s  # a worker without a job this long ends
+        self.wait_s = wait_s  # the longest the main process waits for a job a worker is on
+        self.jobs: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()
+        self.workers: set[_Worker] = set()
+        self.futures: dict[Hashable, Future] = {}
+        self.configs: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {"submitted": 0, "waited_s": 0.0, "dropped": 0, "worker_pids": []}
+        self._closed = False
+
+    def submit(self, job: AheadJob) -> bool:
+        """Queue `job` unless its variant was asked for before; True when queued."""
+        if self.size <= 0 or self._closed or job.key in self.futures:
+            return False
+        future: Future = Future()
+        self.futures[job.key] = future
+        with self.lock:
+            self.jobs.put((job, future))
+            if not self.configs:
+                self.configs = _configs()
+                atexit.register(self.close)
+            while len(self.workers) < self.size:
+                worker = _Worker(self)
+                self.workers.add(worker)
+                self.stats["worker_pids"].append(worker.process.pid)
+        self.stats["submitted"] += 1
+        log.info("stagehand: compiling %s ahead, in a worker", job.label)
+        return True
+
+    def take(self, key: Hashable) -> AheadResult | None:
+        """Before the main process compiles `key`: wait for its job if a worker is on it; drop it if it is
+        still queued (None: no job, or dropped)."""
+        future = self.futures.get(key)
+        if future is None:
+            return None
+        if future.cancel():
+            self.stats["dropped"] += 1
+            return None
+        start = time.perf_counter()
+        try:
+            result = future.result(timeout=self.wait_s)
+        except FutureTimeout:  # a worker stuck: the main process compiles the variant itself
+            result = AheadResult(error=f"no answer from its worker in {self.wait_s:.0f}s")
+        self.stats["waited_s"] += time.perf_counter() - start
+        return result
+
+    def close(self) -> None:
+        """Drop the queued jobs and end the workers (the runtime closed, or the process exits)."""
+        self._closed = True
+        for future in self.futures.values():
+            future.cancel()
+        with self.lock:
+            workers, self.workers = list(self.workers), set()
+        for _ in workers:
+            self.jobs.put(None)
+        for worker in workers:
+            worker.end()
+
+
+def _configs() -> dict[str, Any]:
+    """The main process's Inductor and AOTAutograd config as it is now (a user's patch included): part of every
+    cache key, so the workers compile under it."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    return {"inductor": inductor_config.save_config_portable(), "functorch": functorch_config.save_config_portable()}

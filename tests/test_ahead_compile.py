@@ -1,0 +1,212 @@
+"""Variants compiled ahead of need in worker processes (compiler/ahead.py): a worker compiles the variants the step
+will ask for next into torch's caches, the step then loads them (AOTAutograd's cache hits) and computes what it
+computes without workers; a job that fails, or one still queued when its variant is needed, costs the main
+process its own compile and nothing else."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+
+import torch_stagehand as stagehand
+from torch_stagehand.compiler import compile_cache
+from torch_stagehand.compiler.ahead import AheadCompiler, AheadJob, input_specs, pickle_graph
+from torch_stagehand.compiler.ahead_worker import fake_inputs
+from torch_stagehand.compiler.context import BackendOptions, BackendOptionsError
+from torch_stagehand.compiler.inner import compile_unit
+from torch_stagehand.compiler.passes import JOINT_PASSES
+from torch_stagehand.compiler.variants import variant_cache
+
+from _helpers import rel_err
+from test_regional_compile import _lora_grads, _lora_qwen2
+
+
+@pytest.fixture
+def fresh_caches(tmp_path, monkeypatch):
+    """Inductor's and Triton's caches empty and this test's own (the workers inherit the environment)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    torch._dynamo.reset()
+    yield tmp_path
+    torch._dynamo.reset()
+
+
+def _train_step(workers: int):
+    """One LoRA step of a 3-block Qwen2 through Inductor, every block recomputed: its first call compiles the
+    inference variant, and with workers the two training variants compile ahead."""
+    model, ids = _lora_qwen2(3)
+    plain = copy.deepcopy(model)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    stagehand.compile_blocks(model, options={"inner": "inductor", "recompute": "blocks", "ahead_workers": workers})
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    cache = variant_cache(rt)
+    infos = list(cache.info.values())
+    stats = dict(cache.ahead.stats) if cache.ahead is not None else None
+    grads = _lora_grads(model)
+    rt.restore()
+    return loss.detach(), grads, infos, stats, plain
+
+
+def test_training_variants_compiled_ahead_are_loaded_and_compute_the_same(fresh_caches):
+    loss, grads, infos, stats, _ = _train_step(workers=2)
+    assert stats["submitted"] == 2 and len(stats["worker_pids"]) == 2
+    # The step's first compile (the inference variant) compiled in process; the two training variants (block 0's
+    # input needs no grad, the others' does) were compiled by the workers and loaded from torch's cache.
+    assert [i["cache"] for i in infos] == ["miss", "hit", "hit"]
+    assert infos[0]["ahead"] == ""
+    assert all(i["ahead"].startswith("compiled ahead in a worker") and "(miss)" in i["ahead"] for i in infos[1:])
+
+    torch._dynamo.reset()  # the same step compiled in process alone, in other caches: the same numbers
+    import os
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh_caches / "inductor-serial")
+    serial_loss, serial_grads, serial_infos, serial_stats, _ = _train_step(workers=0)
+    assert serial_stats is None and [i["cache"] for i in serial_infos] == ["miss", "miss", "miss"]
+    assert torch.equal(loss, serial_loss)
+    assert grads.keys() == serial_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], serial_grads[name]), name
+
+    # A next run without workers, in the caches the run with workers filled, loads every unit: a process with
+    # workers keys its units as one without (units._code_settled).
+    torch._dynamo.reset()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh_caches / "inductor")
+    _, _, warm_infos, _, _ = _train_step(workers=0)
+    assert [i["cache"] for i in warm_infos] == ["hit", "hit", "hit"]
+
+
+def _tiny_graph() -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    def f(x, w):
+        return (torch.sin(x) @ w,)
+
+    gm = fx.symbolic_trace(f)
+    x = torch.randn(4, 8, requires_grad=True)
+    return gm, [x, torch.randn(8, 3)]
+
+
+def _job(gm, args, key="k", code=None) -> AheadJob:
+    return AheadJob(key, f"tiny graph {key}", pickle_graph(gm), gm.code if code is None else code,
+                    input_specs(args), True, False, JOINT_PASSES)
+
+
+def test_a_worker_fills_the_cache_the_main_process_loads_and_a_failed_job_says_why(fresh_caches):
+    gm, args = _tiny_graph()
+    pool = AheadCompiler(1)
+    try:
+        assert pool.submit(_job(gm, args))
+        assert not pool.submit(_job(gm, args))  # asked for before
+        assert pool.submit(_job(gm, args, key="bad", code="def forward(self): pass"))
+        result = pool.take("k")
+        assert result.error == "" and result.state == "miss", result
+        with compile_cache.track() as outcome:
+            compiled = compile_unit(gm, list(args), "inductor", lambda *_: None, JOINT_PASSES)
+        assert outcome.state == "hit"
+        torch.testing.assert_close(compiled(*args)[0], gm(*args)[0])  # (Inductor's sin rounds as it rounds)
+        failed = pool.take("bad")
+        assert "unpickled to other code" in failed.error and "failed" in failed.describe()
+        assert pool.take("never submitted") is None
+    finally:
+        pool.close()
+
+
+def test_a_job_still_queued_when_its_variant_is_needed_is_dropped(fresh_caches):
+    gm, args = _tiny_graph()
+    pool = AheadCompiler(1)
+    try:
+        pool.submit(_job(gm, args, key="first"))
+        pool.submit(_job(gm, args, key="second"))  # behind the first, on the one worker
+        assert pool.take("second") is None and pool.stats["dropped"] == 1
+        assert pool.take("first").error == ""
+    finally:
+        pool.close()
+    assert pool.workers == set() and not pool.submit(_job(gm, args, key="after close"))
+
+
+def test_input_specs_fake_the_same_sizes_strides_offsets_aliasing_and_grad_flags():
+    base = torch.randn(6, 8)
+    view = base[2:, 1:5]  # an offset, non-contiguous view of another input's storage
+    leaf = torch.randn(3, 4, requires_grad=True)
+    scalar = torch.tensor(0.5)  # a float Dynamo passed as a 0-dim tensor: travels by value
+    values, faked = fake_inputs(input_specs([base, view, leaf, scalar, 7]))
+    fb, fv, fl, fs, n = faked.values
+    for fake, real in ((fb, base), (fv, view), (fl, leaf)):
+        assert (fake.shape, fake.stride(), fake.storage_offset(), fake.dtype, fake.requires_grad) == \
+               (real.shape, real.stride(), real.storage_offset(), real.dtype, real.requires_grad)
+    assert fv.untyped_storage()._cdata == fb.untyped_storage()._cdata  # one storage, as in the main process
+    assert fl.untyped_storage()._cdata != fb.untyped_storage()._cdata
+    assert values[3].item() == 0.5 and n == 7
+
+
+def test_ahead_workers_option(monkeypatch):
+    monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
+    assert BackendOptions().workers_ahead() == 0  # off until a GPU run has measured it
+    assert BackendOptions.from_dict({"ahead_workers": 2}).workers_ahead() == 2
+    assert BackendOptions(inner="eager", ahead_workers=2).workers_ahead() == 0  # eager keeps no cache to fill
+    with pytest.raises(BackendOptionsError, match="ahead_workers"):
+        BackendOptions.from_dict({"ahead_workers": -1})
+    with pytest.raises(BackendOptionsError, match="ahead_workers"):
+        BackendOptions.from_dict({"ahead_workers": True})
+
+
+def test_ahead_workers_from_the_environment(monkeypatch):
+    monkeypatch.setenv("STAGEHAND_AHEAD_WORKERS", "1")
+    assert BackendOptions().workers_ahead() == 1
+    assert BackendOptions(ahead_workers=0).workers_ahead() == 0  # the option wins
+    monkeypatch.setenv("STAGEHAND_AHEAD_WORKERS", "many")
+    with pytest.raises(BackendOptionsError, match="STAGEHAND_AHEAD_WORKERS"):
+        BackendOptions().workers_ahead()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_workers_compile_ahead_and_hold_no_device_memory(fresh_caches):
+    """Three workers on CUDA: the training variants load from what they compiled (Triton kernels for
+    the device, from fake inputs) and train as the variants the step compiles itself; no worker process appears
+    among the GPU's processes."""
+    import os
+    import subprocess
+
+    def run(options: dict):
+        model, ids = _lora_qwen2(3)
+        ids = ids.cuda()
+        rt = stagehand.offload(model, device="cuda", verbose=False)
+        torch._dynamo.reset()
+        stagehand.compile_blocks(model, options={"recompute": "blocks", **options})
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        cache = variant_cache(rt)
+        out = (loss.item(), _lora_grads(model), [dict(i) for i in cache.info.values()],
+               None if cache.ahead is None else (cache.ahead.size, list(cache.ahead.stats["worker_pids"])))
+        smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                             capture_output=True, text=True).stdout.split()
+        rt.close()
+        return out, smi
+
+    (loss, grads, infos, (size, pids)), smi = run({"ahead_workers": 3})
+    assert size == 3 and [i["cache"] for i in infos] == ["miss", "hit", "hit"], [i["ahead"] for i in infos]
+    assert not set(map(str, pids)) & set(smi)  # fake inputs: the workers never touched the device
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh_caches / "inductor-serial")
+    os.environ["TRITON_CACHE_DIR"] = str(fresh_caches / "triton-serial")
+    (serial_loss, serial_grads, serial_infos, none), _ = run({"ahead_workers": 0})
+    assert none is None and [i["cache"] for i in serial_infos] == ["miss", "miss", "miss"]
+    assert loss == pytest.approx(serial_loss, rel=1e-3)  # (Triton's autotuner may pick other configs per process)
+    assert max(rel_err(grads[n], serial_grads[n]) for n in grads) < 1e-2
+
+
+def test_no_workers_when_a_run_before_compiled_the_model(tmp_path):
+    """A warm start loads its variants in a fraction of a second each: workers that would have to start first
+    are not made. The first run of the model (no compile bundle yet) gets them."""
+    from torch_stagehand.compiler.compile_cache import CompileBundle
+    from torch_stagehand.compiler.variants import VariantCache
+
+    bundle = CompileBundle(str(tmp_path / "model.bundle"), torch.device("cpu"))
+    first = VariantCache(bundle)
+    (tmp_path / "model.bundle").write_bytes(b"written by the first run")
+    assert first.use_ahead(3) is not None and first.ahead.workers == set()  # started at the first job only
+    first.clear()
+    assert VariantCache(bundle).use_ahead(3) is None
+    assert VariantCache(None).use_ahead(0) is None
