@@ -331,14 +331,14 @@ class BlockUnit(_Unit):
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
             # The recompute runs in the precision this forward ran in, whatever the map is by then.
-            return run_recomputed(lambda a: self._run_variant(a, block, precision, True), args,
+            return run_recomputed(lambda a: self._run_variant(a, block, precision, True, backward_follows=True), args,
                                   lambda: rt.record_recompute(block), rt.abort_held_blocks,
                                   lambda error: self._recover_backward(block, error))
         spill = rt.spill_hooks(block) if torch.is_grad_enabled() else None
         if spill is not None:  # the plan sends this block's saved activations to host and back
             with spill:
-                return self._run_variant(args, block, precision, recomputes)
-        return self._run_variant(args, block, precision, recomputes)
+                return self._run_variant(args, block, precision, recomputes, backward_follows=True)
+        return self._run_variant(args, block, precision, recomputes, backward_follows=torch.is_grad_enabled())
 
     def _recover_backward(self, block: int, error: BaseException) -> bool:
         """The recomputed backward ran out of memory: may it run again (recompute.py)?"""
@@ -346,8 +346,10 @@ class BlockUnit(_Unit):
         return rt.recover_from_oom(f"the recomputed backward of block {block} ({rt.blocks[block]})",
                                    error, trainable_backward=bool(rt.trainable_positions(block)))
 
-    def _run_variant(self, args: tuple, block: int, precision: str, recomputes: bool):
-        """Run the compiled variant for the block's layout, `precision` and the current grad mode."""
+    def _run_variant(self, args: tuple, block: int, precision: str, recomputes: bool, backward_follows: bool):
+        """Run the compiled variant for the block's layout, `precision` and the current grad mode.
+        `backward_follows`: a backward will run this block (grad is on, or this is a recompute's forward), so its
+        training variants are worth compiling ahead; not in inference."""
         rt = self.ctx.runtime
         # The layers whose weights train get their grad-weight GEMM in the backward (no grad: none).
         trainable = rt.trainable_positions(block) if torch.is_grad_enabled() else ()
@@ -363,7 +365,8 @@ class BlockUnit(_Unit):
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
-            self._compile_ahead(args, block, precision, recomputes, key)
+            if backward_follows:
+                self._compile_ahead(args, block, precision, recomputes, key)
             # The variant passes, then the joint passes this compile runs.
             compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), replay_rng)
         try:

@@ -210,3 +210,15 @@ def test_no_workers_when_a_run_before_compiled_the_model(tmp_path):
     first.clear()
     assert VariantCache(bundle).use_ahead(3) is None
     assert VariantCache(None).use_ahead(0) is None
+
+
+def test_inference_compiles_nothing_ahead(fresh_caches):
+    """Under no_grad no backward follows: no training variant is foreseen, no worker starts."""
+    model, ids = _lora_qwen2(2)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    stagehand.compile_blocks(model, options={"inner": "inductor", "ahead_workers": 2})
+    with torch.no_grad():
+        model(input_ids=ids)
+    cache = variant_cache(rt)
+    assert len(cache.info) == 1 and cache.ahead.stats["submitted"] == 0 and cache.ahead.workers == set()
+    rt.restore()
