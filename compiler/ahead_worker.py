@@ -79,7 +79,7 @@ def main() -> None:
     configs = ahead.receive(jobs)
     import torch
 
-    import torch_stagehand  # noqa: F401 - registers the stagehand ops the graphs call
+    from torch_stagehand.runtime import experts, ops  # noqa: F401 - they register the stagehand ops the graphs call
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 

@@ -266,24 +266,28 @@ class BlockUnit(_Unit):
                                        and v.is_floating_point() and tuple(v.shape) in shapes)
         return self._residual
 
-    def foreseen_variants(self, args: tuple, block: int, precision: str, recomputes: bool) -> list[AheadJob]:
-        """The training variants of this structure the step will ask for once it reaches the backward: the
-        graph with grad on, for inputs flagged as `args` are (a first block's need no grad) and with the
-        residual stream needing grad (every later block's). Static shapes only."""
+    def foreseen_variants(self, args: tuple, block: int, precision: str, recomputes: bool,
+                          wanted: Callable[[tuple], bool]) -> list[AheadJob]:
+        """The training variants of this structure the step will ask for once it reaches the backward, those of
+        them `wanted` (by key): the graph with grad on, for inputs flagged as `args` are (a first block's need no
+        grad) and with the residual stream needing grad (every later block's). Static shapes only."""
         rt = self.ctx.runtime
         gm, skey, _ = self.variant_graph(precision, rt.trainable_positions(block), block)
         replay_rng = recomputes and self._random[skey]
         inputs, tokens = tuple(args[:-4]), tuple(args[-4:])
         streaming = tuple(a.detach().requires_grad_() if i in self._residual_inputs() and not a.requires_grad
                           else a for i, a in enumerate(inputs))
-        jobs, graph = [], pickle_graph(gm)
         with torch.enable_grad():
-            for flagged in (inputs, streaming):
-                key = (skey, self.signature(flagged), True, self.ctx.options.inner, replay_rng)
-                needing = sum(isinstance(a, torch.Tensor) and a.requires_grad for a in flagged)
-                label = f"block variant {skey} ({precision}, grad on, {needing} inputs needing grad)"
-                jobs.append(AheadJob(key, label, graph, gm.code, input_specs(flagged + tokens), True, replay_rng,
-                                     self.ctx.joint_passes))
+            keyed = {(skey, self.signature(flagged), True, self.ctx.options.inner, replay_rng): flagged
+                     for flagged in (inputs, streaming)}
+        keyed = {key: flagged for key, flagged in keyed.items() if wanted(key)}
+        graph = pickle_graph(gm) if keyed else b""
+        jobs = []
+        for key, flagged in keyed.items():
+            needing = sum(isinstance(a, torch.Tensor) and a.requires_grad for a in flagged)
+            jobs.append(AheadJob(key, f"block variant {skey} ({precision}, grad on, {needing} inputs needing grad)",
+                                 graph, gm.code, input_specs(flagged + tokens), True, replay_rng,
+                                 self.ctx.joint_passes))
         return jobs
 
     def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, key: tuple) -> None:
@@ -291,14 +295,17 @@ class BlockUnit(_Unit):
         ahead = self.ctx.variants.ahead
         if ahead is None or self.symbolic is not None:
             return
+
+        def wanted(other: tuple) -> bool:  # not the variant compiling now, nor one compiled or asked for before
+            return other != key and self.ctx.variants.get(other) is None and other not in ahead.futures
+
         try:
-            jobs = self.foreseen_variants(args, block, precision, recomputes)
+            jobs = self.foreseen_variants(args, block, precision, recomputes, wanted)
         except Exception as e:  # noqa: BLE001 - only a speed-up: the step compiles the variants when it needs them
             log.info("stagehand: %s: no variant compiled ahead (%s: %s)", self.unit_name, type(e).__name__, e)
             return
         for job in jobs:
-            if job.key != key and self.ctx.variants.get(job.key) is None:
-                ahead.submit(job)
+            ahead.submit(job)
 
     def recomputes_block(self, block: int) -> bool:
         """Does `block` re-run its forward in backward instead of saving its activations?
