@@ -50,16 +50,64 @@ def warm_compile_workers(device: torch.device) -> bool:
     return True
 
 
-def prewarm_compiler_imports() -> None:
+def prewarm_compiler_imports(source_files: Sequence[str] = ()) -> None:
     """Import Inductor's and AOTAutograd's modules now (~2 s that the first unit's compile, or a warm start's
     first load, would otherwise spend). Called by `offload()` in its own thread while other threads read the
     slab: never on a thread of its own, since two threads importing one circle of modules can each see the
-    other's half-made module. Then starts `prewarm_cache_keys` on a thread of its own (it imports nothing)."""
+    other's half-made module. Then starts `prewarm_cache_keys` on a thread of its own (it imports nothing), and
+    indexes `source_files` for Dynamo (`index_sources_for_dynamo`), on this thread, while the reads go on."""
     import torch._functorch.aot_autograd  # noqa: F401
     import torch._inductor.codecache  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
 
     start_prewarm_cache_keys()
+    index_sources_for_dynamo(source_files)
+
+
+def dynamo_source_files(model: torch.nn.Module) -> list[str]:
+    """The source files Dynamo will read as it traces `model`: those of its modules' methods and of the objects
+    they keep and call (diffusers' attention processors), of the functions those methods call by a global name
+    (a block's helpers: diffusers' rotary embedding, its attention dispatch), of a streamed layer's forward
+    (runtime/streamed.py), and of torch.nn.functional."""
+    import types
+
+    from torch_stagehand.runtime.streamed import StreamedMixin
+
+    classes = {StreamedMixin: None}
+    for module in model.modules():
+        classes[type(module)] = None
+        for value in vars(module).values():
+            if not isinstance(value, (torch.nn.Module, torch.Tensor)) and callable(value) and not isinstance(
+                    value, (types.FunctionType, types.MethodType, type)) and hasattr(type(value), "__dict__"):
+                classes[type(value)] = None  # an object the module calls: an attention processor
+    files = {torch.nn.functional.dropout.__code__.co_filename: None}
+    for cls in classes:
+        namespace = vars(sys.modules[cls.__module__]) if cls.__module__ in sys.modules else {}
+        for method in vars(cls).values():
+            code = getattr(method, "__code__", None)
+            if code is None:
+                continue
+            files[code.co_filename] = None
+            for name in code.co_names:
+                called = namespace.get(name)
+                if isinstance(called, types.FunctionType):
+                    files[called.__code__.co_filename] = None
+    return list(files)
+
+
+def index_sources_for_dynamo(files: Sequence[str]) -> None:
+    """Fill Dynamo's index of which function each source line is in (`torch._dynamo.funcname_cache`). Dynamo
+    names the function around every line it turns into a graph node, and tokenizes a whole file the first
+    time it meets it: 0.2-0.6 s of a first step (Flux, Qwen-32B), which offload spends here instead, while the
+    slab's rows come off the disk."""
+    try:
+        from torch._dynamo import funcname_cache
+    except ImportError:  # pragma: no cover - a torch without it: Dynamo does nothing of the kind
+        return
+    add = getattr(funcname_cache, "_add_file", None)
+    for path in files:
+        if add is not None and path not in funcname_cache.cache:
+            add(path)
 
 
 def prewarm_cache_keys() -> None:

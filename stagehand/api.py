@@ -91,11 +91,14 @@ def offload(
     clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
-        from torch_stagehand.compiler.inner import prewarm_compiler_imports
+        from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
-        # While the slab's rows come off the disk on reader threads, this thread imports the compiler.
-        slab_loader = slab_loader_for(slab, while_reading=prewarm_compiler_imports if device.type == "cuda" else None)
+        # While the slab's rows come off the disk on reader threads, this thread imports the compiler and indexes
+        # the model's sources for Dynamo.
+        sources = dynamo_source_files(model)
+        slab_loader = slab_loader_for(slab, while_reading=(lambda: prewarm_compiler_imports(sources))
+                                      if device.type == "cuda" else None)
     weights_file = None
     if checkpoint is not None:
         from torch_stagehand.runtime.weights_file import WeightsFile

@@ -78,3 +78,32 @@ def test_the_cache_keys_are_worked_out_on_a_thread_after_the_imports():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["0", "1"]
+
+
+def test_the_models_sources_are_indexed_for_dynamo_ahead_of_its_trace():
+    """Every source file Dynamo indexes (the function around each line it turns into a node) while it traces a
+    LoRA Flux's blocks is among the files offload indexes while the slab is read: the modules' own, their
+    attention processors', the helpers they call, the streamed layer's."""
+    import peft
+    from torch._dynamo import funcname_cache
+
+    import torch_stagehand as stagehand
+    from torch_stagehand.app.presets import tiny_flux
+    from torch_stagehand.compiler.inner import dynamo_source_files, index_sources_for_dynamo
+
+    model, inputs = tiny_flux(dtype=torch.float32, double=2, single=2, image_tokens=16, text_tokens=8)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"]))
+    files = dynamo_source_files(model)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    torch._dynamo.reset()
+    funcname_cache.clearcache()
+    stagehand.compile_blocks(model, options={"inner": "eager"})
+    model(**inputs)
+    traced = set(funcname_cache.cache)
+    assert traced and traced <= set(files), sorted(traced - set(files))
+    funcname_cache.clearcache()
+    index_sources_for_dynamo(files)
+    assert set(funcname_cache.cache) == set(files) and any(funcname_cache.cache.values())
+    rt.restore()
+    torch._dynamo.reset()
