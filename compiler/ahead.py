@@ -185,21 +185,25 @@ class _Worker:
                         self.pool.workers.discard(self)
                         return None
 
-    def end(self) -> None:
+    def end(self, deadline: float | None = None) -> None:
         """End the process: it leaves its loop at the closed stream and exits as a process does (its own compile
-        pool with it); one still compiling after a few seconds is killed (torch writes its cache entries whole,
-        under a temporary name)."""
+        pool with it); one still compiling at `deadline` (5 s from now by default) is killed (torch writes its
+        cache entries whole, under a temporary name)."""
+        self.close_input()
+        deadline = time.monotonic() + 5 if deadline is None else deadline
         try:
-            self.process.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.process.wait(timeout=5)
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
         try:
             self.process.stdout.close()
+        except OSError:
+            pass
+
+    def close_input(self) -> None:
+        try:
+            self.process.stdin.close()
         except OSError:
             pass
 
@@ -264,8 +268,11 @@ class AheadCompiler:
             workers, self.workers = list(self.workers), set()
         for _ in workers:
             self.jobs.put(None)
+        for worker in workers:  # all told at once, then all given the same few seconds
+            worker.close_input()
+        deadline = time.monotonic() + 5
         for worker in workers:
-            worker.end()
+            worker.end(deadline)
 
 
 def _configs() -> dict[str, Any]:

@@ -300,12 +300,10 @@ class BlockUnit(_Unit):
             return other != key and self.ctx.variants.get(other) is None and other not in ahead.futures
 
         try:
-            jobs = self.foreseen_variants(args, block, precision, recomputes, wanted)
+            for job in self.foreseen_variants(args, block, precision, recomputes, wanted):
+                ahead.submit(job)
         except Exception as e:  # noqa: BLE001 - only a speed-up: the step compiles the variants when it needs them
             log.info("stagehand: %s: no variant compiled ahead (%s: %s)", self.unit_name, type(e).__name__, e)
-            return
-        for job in jobs:
-            ahead.submit(job)
 
     def recomputes_block(self, block: int) -> bool:
         """Does `block` re-run its forward in backward instead of saving its activations?
