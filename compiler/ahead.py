@@ -12,7 +12,8 @@ and loads it from the cache instead.
 Nothing depends on a worker being right. A job still queued when its variant is needed is dropped and the main
 process compiles the variant itself; one running is waited for (compiling it twice would only be slower); one
 that failed, or whose cache entry the main process does not hit (another key), costs the main process its own
-compile, as without workers, and the log and `explain()` say so. Workers start at the first job, take no device
+compile, as without workers, and the log says so (as does the unit's `ahead` entry in the variant cache's info,
+which benches/start_time.py prints). Workers start at the first job, take no device
 memory (fake inputs) and stop with the runtime.
 
 How many: the backend option `ahead_workers`, else `STAGEHAND_AHEAD_WORKERS`, else none: the feature is off by
@@ -220,8 +221,15 @@ class AheadCompiler:
         self.workers: set[_Worker] = set()
         self.futures: dict[Hashable, Future] = {}
         self.configs: dict[str, Any] = {}
-        self.stats: dict[str, Any] = {"submitted": 0, "waited_s": 0.0, "dropped": 0, "worker_pids": []}
+        self.waited_s = 0.0  # the main process's time spent waiting for jobs a worker was on
+        self.dropped = 0  # jobs dropped while queued (the main process compiled them itself)
+        self.worker_pids: list[int] = []
         self._closed = False
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {"submitted": len(self.futures), "waited_s": self.waited_s, "dropped": self.dropped,
+                "worker_pids": list(self.worker_pids)}
 
     def submit(self, job: AheadJob) -> bool:
         """Queue `job` unless its variant was asked for before; True when queued."""
@@ -237,8 +245,7 @@ class AheadCompiler:
             while len(self.workers) < self.size:
                 worker = _Worker(self)
                 self.workers.add(worker)
-                self.stats["worker_pids"].append(worker.process.pid)
-        self.stats["submitted"] += 1
+                self.worker_pids.append(worker.process.pid)
         log.info("stagehand: compiling %s ahead, in a worker", job.label)
         return True
 
@@ -249,14 +256,14 @@ class AheadCompiler:
         if future is None:
             return None
         if future.cancel():
-            self.stats["dropped"] += 1
+            self.dropped += 1
             return None
         start = time.perf_counter()
         try:
             result = future.result(timeout=self.wait_s)
         except FutureTimeout:  # a worker stuck: the main process compiles the variant itself
             result = AheadResult(error=f"no answer from its worker in {self.wait_s:.0f}s")
-        self.stats["waited_s"] += time.perf_counter() - start
+        self.waited_s += time.perf_counter() - start
         return result
 
     def close(self) -> None:

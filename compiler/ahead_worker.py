@@ -52,11 +52,10 @@ def fake_inputs(specs: list) -> tuple[list, Any]:
 def compile_job(job) -> dict:
     """Compile one job's variant; what the main process logs about it."""
     import torch
+    from torch.fx._graph_pickler import GraphPickler
 
     from . import compile_cache
     from .inner import compile_unit
-
-    from torch.fx._graph_pickler import GraphPickler
 
     start = time.perf_counter()
     values, faked = fake_inputs(job.inputs)
@@ -102,7 +101,6 @@ def main() -> None:
             reply = compile_job(job)
         except BaseException:  # noqa: BLE001 - the main process compiles the variant itself, and logs why
             reply = {"error": traceback.format_exc(limit=6)}
-        reply["key"] = job.key
         ahead.send(replies, reply)
 
 

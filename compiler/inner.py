@@ -105,8 +105,10 @@ def index_sources_for_dynamo(files: Sequence[str]) -> None:
     except ImportError:  # pragma: no cover - a torch without it: Dynamo does nothing of the kind
         return
     add = getattr(funcname_cache, "_add_file", None)
+    if add is None:  # a torch whose index works otherwise: Dynamo builds it as before
+        return
     for path in files:
-        if add is not None and path not in funcname_cache.cache:
+        if path not in funcname_cache.cache:
             add(path)
 
 
