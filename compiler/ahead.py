@@ -1,20 +1,23 @@
 """Variants compiled ahead of need, in worker processes.
 
 A cold first step compiles its units one after another, as it reaches them, and each compile holds the step
-(Flux LoRA: five units of 7-11 s). Most of them can be foreseen: when a structure's first variant compiles
-(a recomputed block's inference variant, in the calibration step), the step will next ask for the same graph
-with grad on, for the first block (whose inputs need no grad) and for the others (whose residual stream does;
-units.BlockUnit.foreseen_variants). `AheadCompiler` compiles those in worker processes (ahead_worker.py) while
-the main process compiles and runs what it needs now. A worker compiles into torch's own caches (AOTAutograd's,
-Inductor's FX graph cache, Triton's): when the step reaches the variant, the main process compiles it as always
-and loads it from the cache instead.
+(Flux LoRA: one training variant per block structure, 10-12 s each). A recomputed block's forward does not need
+its variant compiled: it runs under no_grad, and its backward runs the training variant again. So when such a
+forward meets a variant not compiled yet, the unit (units.BlockUnit._compile_ahead) hands the variant to a
+worker process (ahead_worker.py) and runs the variant graph eagerly: the forward goes on to the next structure,
+whose variant goes to the next worker, while the first compiles. A worker compiles into torch's own caches
+(AOTAutograd's, Inductor's FX graph cache, Triton's): when the backward's recompute reaches the variant, the main
+process compiles it as always and loads it from the cache instead. The first step's forward then computes with
+the plain ops (numbers within rounding of the compiled ones); every later forward, and every backward, runs the
+compiled variant.
 
 Nothing depends on a worker being right. A job still queued when its variant is needed is dropped and the main
 process compiles the variant itself; one running is waited for (compiling it twice would only be slower); one
 that failed, or whose cache entry the main process does not hit (another key), costs the main process its own
 compile, as without workers, and the log says so (as does the unit's `ahead` entry in the variant cache's info,
-which benches/start_time.py prints). Workers start at the first job, take no device
-memory (fake inputs) and stop with the runtime.
+which benches/start_time.py prints). A variant whose graph or inputs cannot travel to a worker is compiled in
+the forward, as without workers (the pool's `refused` says why). Workers start at the first job, take no
+device memory (fake inputs; no kernel loaded) and stop with the runtime.
 
 How many: the backend option `ahead_workers`, else `STAGEHAND_AHEAD_WORKERS`, else none: the feature is off by
 default until a GPU run has measured it (benches/start_time.py, modes cold and serial). Each worker's Triton
@@ -224,12 +227,13 @@ class AheadCompiler:
         self.waited_s = 0.0  # the main process's time spent waiting for jobs a worker was on
         self.dropped = 0  # jobs dropped while queued (the main process compiled them itself)
         self.worker_pids: list[int] = []
+        self.refused: list[str] = []  # variants not handed over (their graph or inputs would not travel), and why
         self._closed = False
 
     @property
     def stats(self) -> dict[str, Any]:
         return {"submitted": len(self.futures), "waited_s": self.waited_s, "dropped": self.dropped,
-                "worker_pids": list(self.worker_pids)}
+                "worker_pids": list(self.worker_pids), "refused": list(self.refused)}
 
     def submit(self, job: AheadJob) -> bool:
         """Queue `job` unless its variant was asked for before; True when queued."""

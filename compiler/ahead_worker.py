@@ -7,7 +7,7 @@ was started with (length-prefixed pickles, `ahead.send` / `ahead.receive`); anyt
 `inner.compile_unit` as the main process, from fake inputs with the job's exact sizes, strides, storage offsets,
 dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config: the same cache keys, so
 when the step reaches the variant the main process loads what this wrote. It never allocates device memory
-(fake tensors), and it reads nothing of the runtime (the variant passes ran in the main process; the joint
+(fake tensors) nor loads a kernel (`load_no_kernels`), and it reads nothing of the runtime (the variant passes ran in the main process; the joint
 passes read only the graph).
 """
 
@@ -69,6 +69,19 @@ def compile_job(job) -> dict:
     return {"state": outcome.state, "seconds": time.perf_counter() - start}
 
 
+def load_no_kernels() -> None:
+    """Compile Triton kernels to the cache, never load them: Inductor loads each kernel it compiled (its
+    launchers), and loading one opens a CUDA context, 0.5 GiB of device memory per worker that no VRAM budget
+    counts. The main process loads the kernels when it loads the variant, as a warm start does; Inductor's
+    occupancy re-tuning (`_dynamic_scale_rblock`) runs there too, at that load."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    for name in ("_make_launchers", "_dynamic_scale_rblock"):
+        if not hasattr(CachingAutotuner, name):  # another torch: say so rather than load kernels unseen
+            raise RuntimeError(f"stagehand ahead worker: torch's CachingAutotuner has no {name}")
+        setattr(CachingAutotuner, name, lambda self: None)
+
+
 def main() -> None:
     from . import ahead
 
@@ -84,6 +97,7 @@ def main() -> None:
 
     inductor_config.load_config(configs["inductor"])
     functorch_config.load_config(configs["functorch"])
+    load_no_kernels()
     if torch.cuda.is_available():  # Triton's compile workers, up while the first job is on its way
         from torch._inductor.async_compile import maybe_warm_pool
 

@@ -21,6 +21,7 @@ training variant again in backward, under one fetch of its weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
@@ -93,6 +94,10 @@ def _code_settled(gm: fx.GraphModule) -> fx.GraphModule:
 
     _LazyGraphModule.force_recompile(gm)
     return gm
+
+
+def _kept_as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _run_unit(rt, where: Callable[[], str], run: Callable[[], Any]):
@@ -222,6 +227,7 @@ class BlockUnit(_Unit):
         self._variants: dict[tuple, tuple[fx.GraphModule, str, VariantContext]] = {}
         self._random: dict[str, bool] = {}  # structure key -> may the variant draw random numbers?
         self._residual: frozenset[int] | None = None  # _residual_inputs, worked out once
+        self._eager: set[tuple] = set()  # variants run eagerly in forwards while a worker compiles them
 
     def signature(self, args: tuple) -> tuple:
         if not self._token_inputs:
@@ -260,50 +266,31 @@ class BlockUnit(_Unit):
             output = next(n for n in self.template.graph.nodes if n.op == "output")
             values: list = []
             fx.node.map_arg(output.args, lambda n: values.append(example_value(n)))
-            shapes = {tuple(v.shape) for v in values if isinstance(v, torch.Tensor)}
+            def shape(v: torch.Tensor) -> tuple[str, ...]:  # a dynamic size as its symbol (a SymInt: unhashable)
+                return tuple(str(d) for d in v.shape)
+
+            shapes = {shape(v) for v in values if isinstance(v, torch.Tensor)}
             inputs = [example_value(n) for n in self.template.graph.nodes if n.op == "placeholder"]
             self._residual = frozenset(i for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)
-                                       and v.is_floating_point() and tuple(v.shape) in shapes)
+                                       and v.is_floating_point() and shape(v) in shapes)
         return self._residual
 
-    def foreseen_variants(self, args: tuple, block: int, precision: str, recomputes: bool,
-                          wanted: Callable[[tuple], bool]) -> list[AheadJob]:
-        """The training variants of this structure the step will ask for once it reaches the backward, those of
-        them `wanted` (by key): the graph with grad on, for inputs flagged as `args` are (a first block's need no
-        grad) and with the residual stream needing grad (every later block's). Static shapes only."""
-        rt = self.ctx.runtime
-        gm, skey, _ = self.variant_graph(precision, rt.trainable_positions(block), block)
-        replay_rng = recomputes and self._random[skey]
-        inputs, tokens = tuple(args[:-4]), tuple(args[-4:])
-        streaming = tuple(a.detach().requires_grad_() if i in self._residual_inputs() and not a.requires_grad
-                          else a for i, a in enumerate(inputs))
-        with torch.enable_grad():
-            keyed = {(skey, self.signature(flagged), True, self.ctx.options.inner, replay_rng): flagged
-                     for flagged in (inputs, streaming)}
-        keyed = {key: flagged for key, flagged in keyed.items() if wanted(key)}
-        graph = pickle_graph(gm) if keyed else b""
-        jobs = []
-        for key, flagged in keyed.items():
-            needing = sum(isinstance(a, torch.Tensor) and a.requires_grad for a in flagged)
-            jobs.append(AheadJob(key, f"block variant {skey} ({precision}, grad on, {needing} inputs needing grad)",
-                                 graph, gm.code, input_specs(flagged + tokens), True, replay_rng,
-                                 self.ctx.joint_passes))
-        return jobs
-
-    def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, key: tuple) -> None:
-        """Hand the variants the step will want next to the ahead-compile workers (ahead.py), if any."""
+    def _compile_ahead(self, args: tuple, key: tuple, gm: fx.GraphModule, replay_rng: bool, label: str) -> bool:
+        """Hand the training variant `key` to an ahead-compile worker (ahead.py), if there are workers; True when
+        one took it. Called from a recomputed block's forward (grad off, inputs flagged as the recompute will
+        flag them), which then runs `gm` eagerly: the forward goes on to the next structure while the variant
+        compiles, and the backward's recompute loads it from torch's caches."""
         ahead = self.ctx.variants.ahead
         if ahead is None or self.symbolic is not None:
-            return
-
-        def wanted(other: tuple) -> bool:  # not the variant compiling now, nor one compiled or asked for before
-            return other != key and self.ctx.variants.get(other) is None and other not in ahead.futures
-
+            return False
         try:
-            for job in self.foreseen_variants(args, block, precision, recomputes, wanted):
-                ahead.submit(job)
-        except Exception as e:  # noqa: BLE001 - only a speed-up: the step compiles the variants when it needs them
-            log.info("stagehand: %s: no variant compiled ahead (%s: %s)", self.unit_name, type(e).__name__, e)
+            job = AheadJob(key, label, pickle_graph(gm), gm.code, input_specs(args), True, replay_rng,
+                           self.ctx.joint_passes)
+        except Exception as e:  # noqa: BLE001 - only a speed-up: the forward compiles the variant itself
+            ahead.refused.append(f"{label}: {type(e).__name__}: {e}")
+            log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__, e)
+            return False
+        return ahead.submit(job)
 
     def recomputes_block(self, block: int) -> bool:
         """Does `block` re-run its forward in backward instead of saving its activations?
@@ -332,6 +319,8 @@ class BlockUnit(_Unit):
         rt = self.ctx.runtime
         precision = rt.precision[block]
         recomputes = self.recomputes_block(block)
+        if torch.is_grad_enabled():
+            args = self._residual_stream_needing_grad(args)
         if recomputes and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
@@ -345,6 +334,19 @@ class BlockUnit(_Unit):
                 return self._run_variant(args, block, precision, recomputes, backward_follows=True)
         return self._run_variant(args, block, precision, recomputes, backward_follows=torch.is_grad_enabled())
 
+    def _residual_stream_needing_grad(self, args: tuple) -> tuple:
+        """`args` with the residual stream needing grad where the block trains but its stream does not (a
+        model's first block: its input comes from an embedding that trains nothing). Every later block's
+        stream needs grad, so the first then shares their training variant instead of compiling its own
+        (Flux: 11 s of a cold step); the price is the first block's input gradient, computed and dropped."""
+        inputs = args[:-4]
+        residual = self._residual_inputs()
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in inputs) or all(
+                inputs[i].requires_grad for i in residual):
+            return args  # nothing trains here (no backward), or the stream needs grad already
+        return tuple(a.detach().requires_grad_() if i in residual and not a.requires_grad else a
+                     for i, a in enumerate(inputs)) + tuple(args[-4:])
+
     def _recover_backward(self, block: int, error: BaseException) -> bool:
         """The recomputed backward ran out of memory: may it run again (recompute.py)?"""
         rt = self.ctx.runtime
@@ -355,6 +357,30 @@ class BlockUnit(_Unit):
         """Run the compiled variant for the block's layout, `precision` and the current grad mode.
         `backward_follows`: a backward will run this block (grad is on, or this is a recompute's forward), so its
         training variants are worth compiling ahead; not in inference."""
+        # A recomputed block's forward (grad off; its backward runs the training variant again) runs that
+        # training variant's forward graph, its saved activations dropped as they come: one variant per
+        # structure for the whole step instead of an inference variant too (Flux: 15 s less in a cold
+        # step), and the recompute repeats the very kernels of the forward. The key and the compile see the
+        # inputs as the recompute will (grad on; inside the recompute's Function the inputs keep their flags).
+        trains = torch.is_grad_enabled() or (recomputes and backward_follows)
+        forward_only = trains and not torch.is_grad_enabled()
+        with torch.enable_grad() if trains else contextlib.nullcontext():
+            compiled = self._variant_for(args, block, precision, recomputes, defer=forward_only)
+        try:
+            if forward_only:
+                # Its Function still hands what it saves to the saved-tensor hooks, grad off or not: keep them
+                # from anyone's hooks (a checkpoint's, `save_on_cpu`'s); nothing holds them once it returns.
+                with torch.autograd.graph.saved_tensors_hooks(_kept_as_is, _kept_as_is):
+                    return compiled(*args)
+            return compiled(*args)
+        except BaseException:
+            self.ctx.runtime.abort_held_blocks()  # the evict inside never ran; don't leave the slot held
+            raise
+
+    def _variant_for(self, args: tuple, block: int, precision: str, recomputes: bool, defer: bool):
+        """The compiled variant for the block's layout, `precision` and the grad mode (compiled on first use).
+        `defer`: a recompute's forward, which may run the variant graph eagerly while an ahead-compile worker
+        compiles it (`_compile_ahead`); then the graph itself is returned."""
         rt = self.ctx.runtime
         # The layers whose weights train get their grad-weight GEMM in the backward (no grad: none).
         trainable = rt.trainable_positions(block) if torch.is_grad_enabled() else ()
@@ -370,12 +396,11 @@ class BlockUnit(_Unit):
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
-            if backward_follows:
-                self._compile_ahead(args, block, precision, recomputes, key)
+            if defer and (key in self._eager or self._compile_ahead(args, key, gm, replay_rng, label)):
+                if key not in self._eager:
+                    log.info("stagehand: %s runs eagerly in this forward while a worker compiles it", label)
+                self._eager.add(key)
+                return gm
             # The variant passes, then the joint passes this compile runs.
             compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), replay_rng)
-        try:
-            return compiled(*args)
-        except BaseException:
-            rt.abort_held_blocks()  # the evict inside never ran; don't leave the slot held
-            raise
+        return compiled

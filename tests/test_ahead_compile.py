@@ -1,6 +1,6 @@
-"""Variants compiled ahead of need in worker processes (compiler/ahead.py): a worker compiles the variants the step
-will ask for next into torch's caches, the step then loads them (AOTAutograd's cache hits) and computes what it
-computes without workers; a job that fails, or one still queued when its variant is needed, costs the main
+"""Variants compiled ahead of need in worker processes (compiler/ahead.py): a recomputed block's first forward hands
+its training variant to a worker and runs the variant graph eagerly; the backward loads what the worker compiled
+(AOTAutograd's cache hits); a job that fails, or one still queued when its variant is needed, costs the main
 process its own compile and nothing else."""
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def fresh_caches(tmp_path, monkeypatch):
 
 
 def _train_step(workers: int):
-    """One LoRA step of a 3-block Qwen2 through Inductor, every block recomputed: its first call compiles the
-    inference variant, and with workers the two training variants compile ahead."""
+    """One LoRA step of a 3-block Qwen2 through Inductor, every block recomputed: one training variant, compiled
+    by the step itself, or with workers by one of them while the forward runs eagerly."""
     model, ids = _lora_qwen2(3)
     plain = copy.deepcopy(model)
     rt = stagehand.offload(model, device="cpu", verbose=False)
@@ -51,32 +51,35 @@ def _train_step(workers: int):
     return loss.detach(), grads, infos, stats, plain
 
 
-def test_training_variants_compiled_ahead_are_loaded_and_compute_the_same(fresh_caches):
+def test_the_forward_runs_eagerly_while_a_worker_compiles_and_the_backward_loads_it(fresh_caches):
     loss, grads, infos, stats, _ = _train_step(workers=2)
-    assert stats["submitted"] == 2 and len(stats["worker_pids"]) == 2
-    # The step's first compile (the inference variant) compiled in process; the two training variants (block 0's
-    # input needs no grad, the others' does) were compiled by the workers and loaded from torch's cache.
-    assert [i["cache"] for i in infos] == ["miss", "hit", "hit"]
-    assert infos[0]["ahead"] == ""
-    assert all(i["ahead"].startswith("compiled ahead in a worker") and "(miss)" in i["ahead"] for i in infos[1:])
+    # The first block's forward handed its training variant to a worker and ran the variant graph eagerly, as
+    # did the two blocks after it; the backward's recompute loaded what the worker compiled (torch's caches).
+    assert stats["submitted"] == 1 and len(stats["worker_pids"]) == 2
+    assert [i["cache"] for i in infos] == ["hit"]
+    assert infos[0]["ahead"].startswith("compiled ahead in a worker") and "(miss)" in infos[0]["ahead"]
 
-    torch._dynamo.reset()  # the same step compiled in process alone, in other caches: the same numbers
+    torch._dynamo.reset()  # the same step compiled in process alone, in other caches
     import os
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh_caches / "inductor-serial")
     serial_loss, serial_grads, serial_infos, serial_stats, _ = _train_step(workers=0)
-    assert serial_stats is None and [i["cache"] for i in serial_infos] == ["miss", "miss", "miss"]
-    assert torch.equal(loss, serial_loss)
+    assert serial_stats is None and [i["cache"] for i in serial_infos] == ["miss"]
+    # The eager forward against the compiled one (the backward is the same compiled variant): measured loss
+    # 0, grads 8e-7 (CPU, torch 2.13).
+    assert rel_err(loss, serial_loss) < 1e-5
     assert grads.keys() == serial_grads.keys()
-    for name in grads:
-        assert torch.equal(grads[name], serial_grads[name]), name
+    assert max(rel_err(grads[n], serial_grads[n]) for n in grads) < 1e-4
 
-    # A next run without workers, in the caches the run with workers filled, loads every unit: a process with
-    # workers keys its units as one without (units._code_settled).
+    # A next run without workers, in the caches the run with workers filled, loads the unit: a process with
+    # workers keys its units as one without (units._code_settled), and computes the serial run's numbers.
     torch._dynamo.reset()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh_caches / "inductor")
-    _, _, warm_infos, _, _ = _train_step(workers=0)
-    assert [i["cache"] for i in warm_infos] == ["hit", "hit", "hit"]
+    warm_loss, warm_grads, warm_infos, _, _ = _train_step(workers=0)
+    assert [i["cache"] for i in warm_infos] == ["hit"]
+    assert torch.equal(warm_loss, serial_loss)
+    for name in grads:
+        assert torch.equal(warm_grads[name], serial_grads[name]), name
 
 
 def _tiny_graph() -> tuple[fx.GraphModule, list[torch.Tensor]]:
@@ -187,12 +190,13 @@ def test_on_cuda_workers_compile_ahead_and_hold_no_device_memory(fresh_caches):
         return out, smi
 
     (loss, grads, infos, (size, pids)), smi = run({"ahead_workers": 3})
-    assert size == 3 and [i["cache"] for i in infos] == ["miss", "hit", "hit"], [i["ahead"] for i in infos]
-    assert not set(map(str, pids)) & set(smi)  # fake inputs: the workers never touched the device
+    assert size == 3 and [i["cache"] for i in infos] == ["hit"], [i["ahead"] for i in infos]
+    # Fake inputs and no kernel loaded (ahead_worker.load_no_kernels): no worker opened a CUDA context.
+    assert pids and not set(map(str, pids)) & set(smi), (pids, smi)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh_caches / "inductor-serial")
     os.environ["TRITON_CACHE_DIR"] = str(fresh_caches / "triton-serial")
     (serial_loss, serial_grads, serial_infos, none), _ = run({"ahead_workers": 0})
-    assert none is None and [i["cache"] for i in serial_infos] == ["miss", "miss", "miss"]
+    assert none is None and [i["cache"] for i in serial_infos] == ["miss"]
     assert loss == pytest.approx(serial_loss, rel=1e-3)  # (Triton's autotuner may pick other configs per process)
     assert max(rel_err(grads[n], serial_grads[n]) for n in grads) < 1e-2
 
