@@ -364,6 +364,7 @@ def table_rows(results: list[dict]) -> list[dict]:
         # The first loss against the cold run's compiled forward: the serial run's when measured (a cold run
         # with ahead-compile workers runs its first forward eagerly: within rounding, not bitwise).
         base = serial.get(r["row"]) or cold.get(r["row"])
+        base = base if base is not None and "first_loss" in base else None  # a failed run: nothing to hold against
         out.append({
             "row": r["row"], "mode": r["mode"], "process_s": r["process_s"], "offload_s": r.get("offload_s", ""),
             "first_step_s": r["first_step_s"], "dynamo_s": r.get("dynamo_s", ""), "steps_2_4_ms": " / ".join(f"{x:.0f}" for x in r["step_ms"][:3]),

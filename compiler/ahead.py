@@ -134,11 +134,13 @@ class AheadResult:
     seconds: float = 0.0
     state: str = ""
     error: str = ""
+    cuda_context: bool = False  # the worker holds a CUDA context (it compiled for the device)
 
     def describe(self) -> str:
         if self.error:
             return f"its ahead compile failed ({self.error.strip().splitlines()[-1]})"
-        return f"compiled ahead in a worker in {self.seconds:.1f}s ({self.state})"
+        context = "; the worker holds a CUDA context" if self.cuda_context else ""
+        return f"compiled ahead in a worker in {self.seconds:.1f}s ({self.state}{context})"
 
 
 class _Worker:
@@ -174,7 +176,7 @@ class _Worker:
                 if reply is None:
                     reply = {"error": f"the worker exited (code {self.process.poll()})"}
                 future.set_result(AheadResult(reply.get("seconds", 0.0), reply.get("state", ""),
-                                              reply.get("error", "")))
+                                              reply.get("error", ""), reply.get("cuda_context", False)))
         finally:
             self.end()
 

@@ -6,9 +6,9 @@ was started with (length-prefixed pickles, `ahead.send` / `ahead.receive`); anyt
 (a library's print) goes to stderr instead. A job: `AheadJob` (ahead.py). It compiles with the same
 `inner.compile_unit` as the main process, from fake inputs with the job's exact sizes, strides, storage offsets,
 dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config: the same cache keys, so
-when the step reaches the variant the main process loads what this wrote. It never allocates device memory
-(fake tensors) nor loads a kernel (`load_no_kernels`), and it reads nothing of the runtime (the variant passes ran in the main process; the joint
-passes read only the graph).
+when the step reaches the variant the main process loads what this wrote. It allocates no device tensor (fake
+tensors) and loads no kernel (`load_no_kernels`); it reads nothing of the runtime (the variant passes ran in the
+main process; the joint passes read only the graph).
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ def compile_job(job) -> dict:
     with torch.set_grad_enabled(job.grad), compile_cache.track() as outcome:
         compile_unit(graph, values, "inductor", lambda *_: None, job.joint_passes, replay_rng=job.replay_rng,
                      faked=faked)
-    return {"state": outcome.state, "seconds": time.perf_counter() - start}
+    # Whether the compile opened a CUDA context here after all (0.5 GiB outside any budget): the log says so.
+    context = torch.cuda.is_initialized() and any(
+        torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count()))
+    return {"state": outcome.state, "seconds": time.perf_counter() - start, "cuda_context": context}
 
 
 def load_no_kernels() -> None:

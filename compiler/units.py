@@ -21,7 +21,6 @@ training variant again in backward, under one fetch of its weights.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import logging
@@ -96,8 +95,10 @@ def _code_settled(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _kept_as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
+def rt_trainable(rt, block: int) -> tuple[int, ...]:
+    """The positions of `block` whose streamed weights train, in the current grad mode (no grad: none): they
+    get their grad-weight GEMM in the backward."""
+    return rt.trainable_positions(block) if torch.is_grad_enabled() else ()
 
 
 def _run_unit(rt, where: Callable[[], str], run: Callable[[], Any]):
@@ -227,7 +228,6 @@ class BlockUnit(_Unit):
         self._variants: dict[tuple, tuple[fx.GraphModule, str, VariantContext]] = {}
         self._random: dict[str, bool] = {}  # structure key -> may the variant draw random numbers?
         self._residual: frozenset[int] | None = None  # _residual_inputs, worked out once
-        self._eager: set[tuple] = set()  # variants run eagerly in forwards while a worker compiles them
 
     def signature(self, args: tuple) -> tuple:
         if not self._token_inputs:
@@ -275,22 +275,38 @@ class BlockUnit(_Unit):
                                        and v.is_floating_point() and shape(v) in shapes)
         return self._residual
 
-    def _compile_ahead(self, args: tuple, key: tuple, gm: fx.GraphModule, replay_rng: bool, label: str) -> bool:
-        """Hand the training variant `key` to an ahead-compile worker (ahead.py), if there are workers; True when
-        one took it. Called from a recomputed block's forward (grad off, inputs flagged as the recompute will
-        flag them), which then runs `gm` eagerly: the forward goes on to the next structure while the variant
-        compiles, and the backward's recompute loads it from torch's caches."""
+    def _compiling_ahead(self, key: tuple) -> bool:
+        """Is a worker on `key` (queued or compiling)? Then a forward runs its graph eagerly meanwhile."""
+        future = None if self.ctx.variants.ahead is None else self.ctx.variants.ahead.futures.get(key)
+        return future is not None and not future.done()
+
+    def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, label: str) -> bool:
+        """From a recomputed block's forward (grad off) whose variant is not compiled: hand the training variant
+        its recompute will run, then this inference variant, to the ahead-compile workers (ahead.py), if there
+        are workers. True when the training variant went: the forward then runs the variant graph eagerly and
+        goes on to the next structure, the backward's recompute loads what the worker compiled, and the next
+        step's forward the inference variant."""
         ahead = self.ctx.variants.ahead
         if ahead is None or self.symbolic is not None:
             return False
+        jobs = []
         try:
-            job = AheadJob(key, label, pickle_graph(gm), gm.code, input_specs(args), True, replay_rng,
-                           self.ctx.joint_passes)
+            for grad in (True, False):  # the one the step waits for first
+                with torch.set_grad_enabled(grad):
+                    gm, skey, _ = self.variant_graph(precision, rt_trainable(self.ctx.runtime, block), block)
+                    replay_rng = recomputes and self._random[skey]
+                    key = (skey, self.signature(args[:-4]), grad, self.ctx.options.inner, replay_rng)
+                    # Inside the recompute's Function the inputs keep their grad flags: the recompute's own.
+                    inputs = args if grad else tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+                    jobs.append(AheadJob(key, f"block variant {skey} ({precision}, grad {'on' if grad else 'off'})",
+                                         pickle_graph(gm), gm.code, input_specs(inputs), grad, replay_rng,
+                                         self.ctx.joint_passes))
         except Exception as e:  # noqa: BLE001 - only a speed-up: the forward compiles the variant itself
             ahead.refused.append(f"{label}: {type(e).__name__}: {e}")
             log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__, e)
             return False
-        return ahead.submit(job)
+        training = ahead.submit(jobs[0]) or jobs[0].key in ahead.futures
+        return training and (ahead.submit(jobs[1]) or jobs[1].key in ahead.futures)
 
     def recomputes_block(self, block: int) -> bool:
         """Does `block` re-run its forward in backward instead of saving its activations?
@@ -357,34 +373,23 @@ class BlockUnit(_Unit):
         """Run the compiled variant for the block's layout, `precision` and the current grad mode.
         `backward_follows`: a backward will run this block (grad is on, or this is a recompute's forward), so its
         training variants are worth compiling ahead; not in inference."""
-        # A recomputed block's forward (grad off; its backward runs the training variant again) runs that
-        # training variant's forward graph, its saved activations dropped as they come: one variant per
-        # structure for the whole step instead of an inference variant too (Flux: 15 s less in a cold
-        # step), and the recompute repeats the very kernels of the forward. The key and the compile see the
-        # inputs as the recompute will (grad on; inside the recompute's Function the inputs keep their flags).
-        trains = torch.is_grad_enabled() or (recomputes and backward_follows)
-        forward_only = trains and not torch.is_grad_enabled()
-        with torch.enable_grad() if trains else contextlib.nullcontext():
-            compiled = self._variant_for(args, block, precision, recomputes, defer=forward_only)
+        rt = self.ctx.runtime
+        # A recomputed block's forward (grad off; a backward follows) may run eagerly while workers compile.
+        defer = recomputes and backward_follows and not torch.is_grad_enabled()
+        compiled = self._variant_for(args, block, precision, recomputes, defer)
         try:
-            if forward_only:
-                # Its Function still hands what it saves to the saved-tensor hooks, grad off or not: keep them
-                # from anyone's hooks (a checkpoint's, `save_on_cpu`'s); nothing holds them once it returns.
-                with torch.autograd.graph.saved_tensors_hooks(_kept_as_is, _kept_as_is):
-                    return compiled(*args)
             return compiled(*args)
         except BaseException:
-            self.ctx.runtime.abort_held_blocks()  # the evict inside never ran; don't leave the slot held
+            rt.abort_held_blocks()  # the evict inside never ran; don't leave the slot held
             raise
 
     def _variant_for(self, args: tuple, block: int, precision: str, recomputes: bool, defer: bool):
         """The compiled variant for the block's layout, `precision` and the grad mode (compiled on first use).
-        `defer`: a recompute's forward, which may run the variant graph eagerly while an ahead-compile worker
-        compiles it (`_compile_ahead`); then the graph itself is returned."""
+        `defer`: a recomputed block's forward, which may run the variant graph eagerly while ahead-compile
+        workers compile it and the training variant its recompute runs (`_compile_ahead`); then the graph
+        itself is returned."""
         rt = self.ctx.runtime
-        # The layers whose weights train get their grad-weight GEMM in the backward (no grad: none).
-        trainable = rt.trainable_positions(block) if torch.is_grad_enabled() else ()
-        gm, skey, vctx = self.variant_graph(precision, trainable, block)
+        gm, skey, vctx = self.variant_graph(precision, rt_trainable(rt, block), block)
         self.last_precision = precision
         # A recomputed block replays its forward's random numbers, which compiles differently (`replay_rng`);
         # a graph that draws none compiles the same either way, so a kept block and a recomputed one share
@@ -396,11 +401,8 @@ class BlockUnit(_Unit):
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
-            if defer and (key in self._eager or self._compile_ahead(args, key, gm, replay_rng, label)):
-                if key not in self._eager:
-                    log.info("stagehand: %s runs eagerly in this forward while a worker compiles it", label)
-                self._eager.add(key)
-                return gm
+            if defer and (self._compiling_ahead(key) or self._compile_ahead(args, block, precision, recomputes, label)):
+                return gm  # eagerly, while a worker compiles it
             # The variant passes, then the joint passes this compile runs.
             compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), replay_rng)
         return compiled

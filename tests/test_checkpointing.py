@@ -517,8 +517,7 @@ def test_kept_and_recomputed_blocks_share_a_variant_unless_it_draws_random_numbe
     assert rt.stats()["recomputed_blocks"] == 2
     keys = [k for k, info in variant_cache(rt).info.items() if info["label"].startswith("block variant")]
     training = [k for k in keys if k[2]]
-    # The recompute's forward runs its training variant's forward: no inference variant beside them.
-    assert len(training) == (2 if dropout else 1) and len(keys) == len(training)
+    assert len(training) == (2 if dropout else 1) and len(keys) == len(training) + 1  # + the recompute's forward
     if not dropout:  # Inductor against the plain model: measured 1.9e-7 / 3.8e-7 (CPU, torch 2.13)
         ref_out, ref_grads = _toy_grads(ref, x)
         assert close(out, ref_out, 5e-7) and grads.keys() == ref_grads.keys()
@@ -561,16 +560,16 @@ def test_an_inference_variant_compiles_from_inputs_without_grad_flags(monkeypatc
     stagehand.offload(model, device="cpu", blocks="blocks")
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager", "recompute": "blocks"})
-    with torch.no_grad():
-        compiled(x)  # an inference variant
-    compiled(x).float().square().mean().backward()  # the training variant (forward and recompute)
-    assert len(seen) == 2 and any(seen[1]), seen  # the training variant's inputs need grad (x, the norms)
-    assert not any(seen[0]), seen  # the inference variant's none, though x and the norms need grad
+    compiled(x).float().square().mean().backward()  # forward: inference variants; backward: training ones
+    assert any(any(flags) for flags in seen)  # the training variant's inputs need grad (x, the norms)
+    inference = [flags for flags in seen if not any(flags)]
+    assert inference, seen  # the recompute's forward variant saw none, though x and the norms need grad
 
 
 def test_a_first_block_whose_stream_needs_no_grad_shares_the_training_variant():
     """The first block's input comes from nothing that trains; its residual stream is made to need grad, so it runs
-    the training variant every later block runs (one variant, not two), and the grads are the plain model's."""
+    the training variant every later block runs (one training variant, not two), and the grads are the plain
+    model's."""
     from torch_stagehand.compiler.variants import variant_cache
 
     model, x = _toy_with_trainable_norms(n=3)
@@ -583,8 +582,8 @@ def test_a_first_block_whose_stream_needs_no_grad_shares_the_training_variant():
         compiled = torch.compile(m, backend="stagehand",
                                  options={"inner": "inductor"} | ({"recompute": recompute} if recompute else {}))
         out, grads = _toy_grads(m, x, compiled)
-        labels = [info["label"] for info in variant_cache(rt).info.values() if info["label"].startswith("block")]
-        assert len(labels) == 1, labels
+        grad_modes = [key[2] for key, info in variant_cache(rt).info.items() if info["label"].startswith("block")]
+        assert sorted(grad_modes) == ([False, True] if recompute else [True]), grad_modes  # + the recompute's forward
         assert not x.requires_grad and x.grad is None  # the caller's tensor is left as it was
         ref_out, ref_grads = _toy_grads(ref, x)  # Inductor against the plain model (as the tests above)
         assert close(out, ref_out, 5e-7) and grads.keys() == ref_grads.keys()
