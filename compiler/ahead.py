@@ -28,6 +28,7 @@ before compiled it: the variants load from the caches).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import logging
 import os
@@ -38,12 +39,14 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Hashable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx._graph_pickler import _OpPickleData
 
 log = logging.getLogger("torch_stagehand.compiler")
 
@@ -94,8 +97,42 @@ def pickle_graph(gm: fx.GraphModule) -> bytes:
         for key in ("example_value", "val"):
             if key in node.meta:
                 node.meta[key] = _as_meta(node.meta[key])
-    return GraphPickler.dumps(shipped, Options(ops_filter=None,
-                                               node_metadata_key_filter=lambda k: k not in _UNSHIPPED_META))
+    with _our_functions_by_name():
+        return GraphPickler.dumps(shipped, Options(ops_filter=None,
+                                                   node_metadata_key_filter=lambda k: k not in _UNSHIPPED_META))
+
+
+class _FunctionByName(_OpPickleData):
+    """A function of ours a graph calls (runtime/precision's in-graph Linears), shipped as its module and name:
+    GraphPickler ships only ops and torch's own functions. Unpickled (in a worker) by importing it."""
+
+    def __init__(self, module: str, qualname: str):
+        self.module, self.qualname = module, qualname
+
+    def unpickle(self, unpickle_state: Any) -> object:
+        import importlib
+
+        target: Any = importlib.import_module(self.module)
+        for part in self.qualname.split("."):
+            target = getattr(target, part)
+        return target
+
+
+@contextlib.contextmanager
+def _our_functions_by_name():
+    """GraphPickler's target pickling, taught our functions (`_FunctionByName`) while `pickle_graph` runs."""
+    original = _OpPickleData.__dict__["pickle"]
+
+    def pickle_target(cls, op, options):
+        if isinstance(op, types.FunctionType) and op.__module__.startswith("torch_stagehand."):
+            return _FunctionByName(op.__module__, op.__qualname__)
+        return original.__func__(cls, op, options)
+
+    _OpPickleData.pickle = classmethod(pickle_target)
+    try:
+        yield
+    finally:
+        _OpPickleData.pickle = original
 
 
 def input_specs(args: Sequence[Any]) -> list:

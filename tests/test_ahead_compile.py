@@ -231,3 +231,24 @@ def test_inference_compiles_nothing_ahead(fresh_caches):
     cache = variant_cache(rt)
     assert len(cache.info) == 1 and cache.ahead.stats["submitted"] == 0 and cache.ahead.workers == set()
     rt.restore()
+
+
+def test_our_functions_in_a_graph_travel_by_name():
+    """A variant graph calls our in-graph Linears (runtime/precision, big inputs): GraphPickler ships only ops and
+    torch's functions, so ours travel by name and the worker imports them again: the same targets, the same code;
+    GraphPickler itself is left as it was."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+
+    from torch_stagehand.runtime.precision.int8 import int8_linear_in_graph
+
+    graph = fx.Graph()
+    x, slot = graph.placeholder("x"), graph.placeholder("slot")
+    graph.output((graph.call_function(int8_linear_in_graph, (x, slot)), graph.call_function(torch.sin, (x,))))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    restored = GraphPickler.loads(pickle_graph(gm), FakeTensorMode())
+    restored.recompile()
+    assert restored.code == gm.code
+    assert [n.target for n in restored.graph.nodes] == [n.target for n in gm.graph.nodes]
+    with pytest.raises(NotImplementedError):  # outside pickle_graph, GraphPickler refuses our function as before
+        GraphPickler.dumps(gm)
