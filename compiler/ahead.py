@@ -41,7 +41,7 @@ import threading
 import time
 import types
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Callable, Hashable, Sequence
 
 import torch
@@ -162,6 +162,9 @@ class AheadJob:
     grad: bool  # grad mode the variant runs in
     replay_rng: bool
     joint_passes: tuple[Callable, ...]
+    # The main process's compile_cache.cacheable_functions(): a worker has imported other modules (fewer
+    # in-graph functions registered), and this is part of every key.
+    cacheable: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

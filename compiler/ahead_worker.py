@@ -54,7 +54,7 @@ def compile_job(job) -> dict:
     import torch
     from torch.fx._graph_pickler import GraphPickler
 
-    from . import compile_cache
+    from . import compile_cache, inner
     from .inner import compile_unit
 
     start = time.perf_counter()
@@ -63,6 +63,8 @@ def compile_job(job) -> dict:
     graph.recompile()
     if graph.code != job.code:
         raise RuntimeError("the graph unpickled to other code than the main process's (its cache key would differ)")
+    if job.cacheable:  # the main process's, not this one's (its imports registered other in-graph functions)
+        inner.cacheable_functions = lambda: job.cacheable
     with torch.set_grad_enabled(job.grad), compile_cache.track() as outcome:
         compile_unit(graph, values, "inductor", lambda *_: None, job.joint_passes, replay_rng=job.replay_rng,
                      faked=faked)

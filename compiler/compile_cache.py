@@ -64,7 +64,11 @@ def enabled() -> bool:
 def _sources_hash(modules: list[Any]) -> str:
     """A hash of the source files of these modules and packages (every .py file of a package)."""
     files: list[str] = []
-    for module in modules:
+    # By name: the callers list modules in import order, which is not the same in every process.
+    def name(m: Any) -> str:
+        return getattr(m, "__name__", None) or str(getattr(m, "__path__", ""))
+
+    for module in sorted({id(m): m for m in modules}.values(), key=name):
         paths = getattr(module, "__path__", None)
         if paths:  # a package: all its modules, their names sorted
             files += sorted(os.path.join(root, name) for root in paths for name in os.listdir(root)

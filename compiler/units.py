@@ -228,6 +228,7 @@ class BlockUnit(_Unit):
         self._variants: dict[tuple, tuple[fx.GraphModule, str, VariantContext]] = {}
         self._random: dict[str, bool] = {}  # structure key -> may the variant draw random numbers?
         self._residual: frozenset[int] | None = None  # _residual_inputs, worked out once
+        self._training_of: dict[tuple, tuple] = {}  # inference variant handed to a worker -> its training variant
 
     def signature(self, args: tuple) -> tuple:
         if not self._token_inputs:
@@ -276,9 +277,14 @@ class BlockUnit(_Unit):
         return self._residual
 
     def _compiling_ahead(self, key: tuple) -> bool:
-        """Is a worker on `key` (queued or compiling)? Then a forward runs its graph eagerly meanwhile."""
-        future = None if self.ctx.variants.ahead is None else self.ctx.variants.ahead.futures.get(key)
-        return future is not None and not future.done()
+        """Is a worker on `key` (queued or compiling) and has the step not reached its backward yet? Then a
+        forward runs its graph eagerly meanwhile: the first step's forward only. Once the training variant
+        is in (the backward loaded it), forwards load the inference variant, waiting for its worker if need be
+        (an eager forward is a few times slower than the compiled one)."""
+        cache = self.ctx.variants
+        future = None if cache.ahead is None else cache.ahead.futures.get(key)
+        training = self._training_of.get(key)
+        return future is not None and not future.done() and training is not None and training not in cache.info
 
     def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, label: str) -> bool:
         """From a recomputed block's forward (grad off) whose variant is not compiled: hand the training variant
@@ -300,13 +306,16 @@ class BlockUnit(_Unit):
                     inputs = args if grad else tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
                     jobs.append(AheadJob(key, f"block variant {skey} ({precision}, grad {'on' if grad else 'off'})",
                                          pickle_graph(gm), gm.code, input_specs(inputs), grad, replay_rng,
-                                         self.ctx.joint_passes))
+                                         self.ctx.joint_passes, compile_cache.cacheable_functions()))
         except Exception as e:  # noqa: BLE001 - only a speed-up: the forward compiles the variant itself
             ahead.refused.append(f"{label}: {type(e).__name__}: {e}")
             log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__, e)
             return False
         training = ahead.submit(jobs[0]) or jobs[0].key in ahead.futures
-        return training and (ahead.submit(jobs[1]) or jobs[1].key in ahead.futures)
+        if not (training and (ahead.submit(jobs[1]) or jobs[1].key in ahead.futures)):
+            return False
+        self._training_of[jobs[1].key] = jobs[0].key
+        return True
 
     def recomputes_block(self, block: int) -> bool:
         """Does `block` re-run its forward in backward instead of saving its activations?
@@ -401,7 +410,8 @@ class BlockUnit(_Unit):
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
-            if defer and (self._compiling_ahead(key) or self._compile_ahead(args, block, precision, recomputes, label)):
+            if defer and (self._compiling_ahead(key) or (
+                    key not in self._training_of and self._compile_ahead(args, block, precision, recomputes, label))):
                 return gm  # eagerly, while a worker compiles it
             # The variant passes, then the joint passes this compile runs.
             compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), replay_rng)
