@@ -22,7 +22,6 @@ training variant again in backward, under one fetch of its weights.
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import time
 import warnings
@@ -40,7 +39,8 @@ from .ahead import AheadJob, input_specs, pickle_graph
 from .graph_nodes import draws_random, example_value, is_streamed_read, streamed_arg
 from .inner import compile_unit
 from .recompute import run_again_after_oom, run_recomputed
-from .symbolic import SymbolicInputs, input_key
+from .symbolic import SymbolicInputs
+from .variant_keys import input_signature, structure_key
 
 if TYPE_CHECKING:
     from .passes.assign_segments import Segment
@@ -48,30 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("torch_stagehand.compiler")
 # Beyond this many input signatures per structure, shapes are changing per call.
 _SHAPE_VARIANTS_WARNING = 8
-
-
-def structure_key(gm: fx.GraphModule) -> str:
-    """A hash of what the graph computes, blind to node names."""
-    index: dict[fx.Node, str] = {}
-    parts = []
-    for i, node in enumerate(gm.graph.nodes):
-        index[node] = f"%{i}"
-        target = node.target
-        if node.op == "get_attr":
-            target = f"{target}@{id(getattr(gm, target, None))}"  # a constant shares only with itself
-        elif node.op == "placeholder":
-            target = ""
-        elif not isinstance(target, str):
-            target = getattr(target, "__module__", "") + "." + getattr(target, "__qualname__", str(target))
-        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
-        parts.append((node.op, target, repr(args)))
-    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
-
-
-def input_signature(args: tuple, grad: bool = True) -> tuple:
-    """The input part of a static variant's key: every tensor's exact shape and strides (and, with grad on,
-    its grad flag: symbolic.input_key)."""
-    return tuple(input_key(a, exact_sizes=True, grad=grad) for a in args)
 
 
 def _tuple_output(gm: fx.GraphModule) -> bool:
