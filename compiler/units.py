@@ -339,7 +339,7 @@ class BlockUnit(_Unit):
         """`args` with the residual stream needing grad where the block trains but its stream does not (a
         model's first block: its input comes from an embedding that trains nothing). Every later block's
         stream needs grad, so the first then shares their training variant instead of compiling its own
-        (Flux: 11 s of a cold step); the price is the first block's input gradient, computed and dropped."""
+        (Flux: 8-11 s of a cold step); the price is the first block's input gradient, computed and dropped."""
         inputs = args[:-4]
         residual = self._residual_inputs()
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in inputs) or all(
