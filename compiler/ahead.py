@@ -19,8 +19,8 @@ which benches/start_time.py prints). A variant whose graph or inputs cannot trav
 the forward, as without workers (the pool's `refused` says why). Workers start at the first job, take no
 device memory (fake inputs; no kernel loaded) and stop with the runtime.
 
-How many: the backend option `ahead_workers`, else `STAGEHAND_AHEAD_WORKERS`, else none: the feature is off by
-default until a GPU run has measured it (benches/start_time.py, modes cold and serial). Each worker's Triton
+How many: the backend option `ahead_workers`, else `STAGEHAND_AHEAD_WORKERS`, else none. Refused on CUDA
+(context.BackendOptions.workers_ahead): a variant a worker compiled faulted there on full-size Flux int8. Each worker's Triton
 compile pool gets its share of the cores. No workers in a run that finds the model's compile bundle (a run
 before compiled it: the variants load from the caches).
 """

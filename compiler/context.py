@@ -60,19 +60,25 @@ class BackendOptions:
     # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off until a GPU run has measured what it saves).
     ahead_workers: int | None = None
 
-    def workers_ahead(self) -> int:
+    def workers_ahead(self, device: torch.device | None = None) -> int:
         """How many ahead-compile workers the runtime's variants get (none with the eager inner compiler,
-        which keeps no cache to fill)."""
+        which keeps no cache to fill). Refused on CUDA: there a variant a worker compiled faulted when the
+        step loaded it (an illegal memory access in its backward, full-size Flux int8, torch 2.11), and a
+        faster start is not worth a wrong step."""
         if self.inner != "inductor":
             return 0
-        if self.ahead_workers is not None:
-            return self.ahead_workers
-        env = os.environ.get("STAGEHAND_AHEAD_WORKERS")
-        if env is None:
-            return 0
-        if not env.strip().isdigit():
-            raise BackendOptionsError(f"stagehand: STAGEHAND_AHEAD_WORKERS must be an int >= 0, got {env!r}")
-        return int(env)
+        workers = self.ahead_workers
+        if workers is None:
+            env = os.environ.get("STAGEHAND_AHEAD_WORKERS")
+            if env is not None and not env.strip().isdigit():
+                raise BackendOptionsError(f"stagehand: STAGEHAND_AHEAD_WORKERS must be an int >= 0, got {env!r}")
+            workers = int(env) if env is not None else 0
+        if workers and device is not None and device.type == "cuda" and not _unsafe_ahead_on_cuda():
+            raise BackendOptionsError(
+                f"stagehand: ahead_workers={workers} (or STAGEHAND_AHEAD_WORKERS) is refused on CUDA: a variant an "
+                "ahead-compile worker compiled faulted on the GPU (illegal memory access in its backward); set "
+                "ahead_workers=0 (STAGEHAND_UNSAFE_AHEAD_ON_CUDA=1 runs them anyway, to debug them)")
+        return workers
 
     @staticmethod
     def from_dict(options: dict[str, Any] | None) -> "BackendOptions":
@@ -196,3 +202,7 @@ class VariantContext(PassLog):
     @property
     def device(self) -> torch.device:
         return self.parent.device
+
+
+def _unsafe_ahead_on_cuda() -> bool:
+    return os.environ.get("STAGEHAND_UNSAFE_AHEAD_ON_CUDA", "0") == "1"

@@ -168,12 +168,14 @@ def test_ahead_workers_from_the_environment(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_workers_compile_ahead_and_hold_no_tensors_on_the_device(fresh_caches):
+def test_on_cuda_workers_compile_ahead_and_hold_no_tensors_on_the_device(fresh_caches, monkeypatch):
     """Three workers on CUDA: the training variant loads from what a worker compiled (Triton kernels for the
     device, from fake inputs) and trains as the variant the step compiles itself; a worker holds at most a CUDA
     context on the device (no tensor: fake inputs), measured by nvidia-smi while it is up."""
     import os
     import subprocess
+
+    monkeypatch.setenv("STAGEHAND_UNSAFE_AHEAD_ON_CUDA", "1")  # refused on CUDA otherwise (test_..._refused_on_cuda)
 
     def run(options: dict):
         model, ids = _lora_qwen2(3)
@@ -204,6 +206,19 @@ def test_on_cuda_workers_compile_ahead_and_hold_no_tensors_on_the_device(fresh_c
     # The first forward ran eagerly with workers, compiled without (the backward is the same compiled variant).
     assert loss == pytest.approx(serial_loss, rel=1e-3)
     assert max(rel_err(grads[n], serial_grads[n]) for n in grads) < 1e-2
+
+
+def test_ahead_workers_are_refused_on_cuda(monkeypatch):
+    """A variant a worker compiled faulted on the GPU (full-size Flux int8): on CUDA the option is refused with
+    what to do, unless the debugging switch says run them anyway; on the CPU it stands."""
+    monkeypatch.delenv("STAGEHAND_UNSAFE_AHEAD_ON_CUDA", raising=False)
+    options = BackendOptions.from_dict({"ahead_workers": 2})
+    with pytest.raises(BackendOptionsError, match="refused on CUDA.*ahead_workers=0"):
+        options.workers_ahead(torch.device("cuda"))
+    assert options.workers_ahead(torch.device("cpu")) == 2
+    assert BackendOptions.from_dict({"ahead_workers": 0}).workers_ahead(torch.device("cuda")) == 0
+    monkeypatch.setenv("STAGEHAND_UNSAFE_AHEAD_ON_CUDA", "1")
+    assert options.workers_ahead(torch.device("cuda")) == 2
 
 
 def test_no_workers_when_a_run_before_compiled_the_model(tmp_path):
