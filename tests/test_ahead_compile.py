@@ -148,7 +148,7 @@ def test_input_specs_fake_the_same_sizes_strides_offsets_aliasing_and_grad_flags
 
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
-    assert BackendOptions().workers_ahead() == 0  # off until a GPU run has measured it
+    assert BackendOptions().workers_ahead() == 0  # off by default (and refused on CUDA)
     assert BackendOptions.from_dict({"ahead_workers": 2}).workers_ahead() == 2
     assert BackendOptions(inner="eager", ahead_workers=2).workers_ahead() == 0  # eager keeps no cache to fill
     with pytest.raises(BackendOptionsError, match="ahead_workers"):
