@@ -57,7 +57,7 @@ class BackendOptions:
     # in the graph and the model's own GEMM reads it (the A/B reference).
     experts_math: str = "grouped"
     # Worker processes that compile foreseen block variants while the step runs (ahead.py); None: the
-    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off until a GPU run has measured what it saves).
+    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off; refused on CUDA: `workers_ahead`).
     ahead_workers: int | None = None
 
     def workers_ahead(self, device: torch.device | None = None) -> int:

@@ -273,6 +273,7 @@ class BlockUnit(_Unit):
             return False
         jobs = []
         try:
+            cacheable = compile_cache.cacheable_functions()  # hashes source files: once for both jobs
             for grad in (True, False):  # the one the step waits for first
                 with torch.set_grad_enabled(grad):
                     gm, skey, _ = self.variant_graph(precision, rt_trainable(self.ctx.runtime, block), block)
@@ -282,7 +283,7 @@ class BlockUnit(_Unit):
                     inputs = args if grad else tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
                     jobs.append(AheadJob(key, f"block variant {skey} ({precision}, grad {'on' if grad else 'off'})",
                                          pickle_graph(gm), gm.code, input_specs(inputs), grad, replay_rng,
-                                         self.ctx.joint_passes, compile_cache.cacheable_functions()))
+                                         self.ctx.joint_passes, cacheable))
         except Exception as e:  # noqa: BLE001 - only a speed-up: the forward compiles the variant itself
             ahead.refused.append(f"{label}: {type(e).__name__}: {e}")
             log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__, e)
