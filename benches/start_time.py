@@ -348,6 +348,9 @@ def run_one(args, row: str, mode: str) -> dict:
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     wall = time.perf_counter() - t0
+    if os.environ.get("STAGEHAND_AHEAD_DEBUG") == "1" and args.out:  # the workers' and this side's cache keys
+        with open(f"{os.path.splitext(args.out)[0]}_{row.replace(':', '-')}_{mode}.stderr", "w") as f:
+            f.write(done.stderr)
     result = next((json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")), None)
     if result is None:
         return {"row": row, "mode": mode, "error": f"exit {done.returncode}: {done.stderr[-2000:]}",
@@ -373,7 +376,9 @@ def table_rows(results: list[dict]) -> list[dict]:
             "steady_ms": r["steady_ms"], "units": r.get("compiled_units", ""), "loaded": r.get("units_loaded", ""),
             "cold_units": r.get("units_compiled_cold", ""), "compile_s": r.get("compile_seconds", ""),
             "autotune_s": r.get("autotune_seconds", ""),
-            "loss_as_compiled_cold": "" if base is None or r is base else r["first_loss"] == base["first_loss"],
+            # 0 where bitwise the same (a warm run against its cold one); a first forward run eagerly: rounding
+            "loss_vs_cold": "" if base is None or r is base else
+            f"{abs(r['first_loss'] - base['first_loss']) / max(abs(base['first_loss']), 1e-30):.1e}",
             "ahead": r.get("ahead_summary", ""),
             "vs_serial": (f"{r['first_step_s'] / serial[r['row']]['first_step_s']:.2f}x"
                           if r["mode"] == "cold" and r["row"] in serial else ""),

@@ -48,6 +48,8 @@ import torch
 import torch.fx as fx
 from torch.fx._graph_pickler import _OpPickleData
 
+from . import process_settings
+
 log = logging.getLogger("torch_stagehand.compiler")
 
 
@@ -165,6 +167,9 @@ class AheadJob:
     # The main process's compile_cache.cacheable_functions(): a worker has imported other modules (fewer
     # in-graph functions registered), and this is part of every key.
     cacheable: dict[str, str] = field(default_factory=dict)
+    # The main process's attention backends and matmul switches when it handed the job over
+    # (process_settings.py: what the variant traces to depends on them, and no cache key holds them).
+    settings: dict[str, Any] = field(default_factory=process_settings.current)
 
 
 @dataclass
@@ -175,6 +180,7 @@ class AheadResult:
     state: str = ""
     error: str = ""
     cuda_context: bool = False  # the worker holds a CUDA context (it compiled for the device)
+    settings: dict[str, Any] = field(default_factory=dict)  # the worker's process_settings while it compiled
 
     def describe(self) -> str:
         if self.error:
@@ -216,7 +222,8 @@ class _Worker:
                 if reply is None:
                     reply = {"error": f"the worker exited (code {self.process.poll()})"}
                 future.set_result(AheadResult(reply.get("seconds", 0.0), reply.get("state", ""),
-                                              reply.get("error", ""), reply.get("cuda_context", False)))
+                                              reply.get("error", ""), reply.get("cuda_context", False),
+                                              reply.get("settings", {})))
         finally:
             self.end()
 
@@ -288,6 +295,10 @@ class AheadCompiler:
             if not self.configs:
                 self.configs = _configs()
                 atexit.register(self.close)
+                if _debug():  # this side's key details too (on stderr), to set beside the workers'
+                    keys = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+                    keys.setLevel(logging.DEBUG)
+                    keys.addHandler(logging.StreamHandler())
             while len(self.workers) < self.size:
                 worker = _Worker(self)
                 self.workers.add(worker)

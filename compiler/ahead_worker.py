@@ -5,8 +5,9 @@ Run as `python -m torch_stagehand.compiler.ahead_worker`. It reads jobs from std
 was started with (length-prefixed pickles, `ahead.send` / `ahead.receive`); anything else that writes to stdout
 (a library's print) goes to stderr instead. A job: `AheadJob` (ahead.py). It compiles with the same
 `inner.compile_unit` as the main process, from fake inputs with the job's exact sizes, strides, storage offsets,
-dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config: the same cache keys, so
-when the step reaches the variant the main process loads what this wrote. It allocates no device tensor (fake
+dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config and its attention
+backends (process_settings.py): the same cache keys and the same graph, so when the step reaches the variant the
+main process loads what this wrote. It allocates no device tensor (fake
 tensors) and loads no kernel (`load_no_kernels`); it reads nothing of the runtime (the variant passes ran in the
 main process; the joint passes read only the graph).
 """
@@ -54,7 +55,7 @@ def compile_job(job) -> dict:
     import torch
     from torch.fx._graph_pickler import GraphPickler
 
-    from . import compile_cache, inner
+    from . import compile_cache, inner, process_settings
     from .inner import compile_unit
 
     start = time.perf_counter()
@@ -63,6 +64,7 @@ def compile_job(job) -> dict:
     graph.recompile()
     if graph.code != job.code:
         raise RuntimeError("the graph unpickled to other code than the main process's (its cache key would differ)")
+    process_settings.adopt(job.settings)  # the attention backends the main process allows, and the rest
     if job.cacheable:  # the main process's, not this one's (its imports registered other in-graph functions)
         inner.cacheable_functions = lambda: job.cacheable
     with torch.set_grad_enabled(job.grad), compile_cache.track() as outcome:
@@ -71,7 +73,8 @@ def compile_job(job) -> dict:
     # Whether the compile opened a CUDA context here after all (0.5 GiB outside any budget): the log says so.
     context = torch.cuda.is_initialized() and any(
         torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count()))
-    return {"state": outcome.state, "seconds": time.perf_counter() - start, "cuda_context": context}
+    return {"state": outcome.state, "seconds": time.perf_counter() - start, "cuda_context": context,
+            "settings": process_settings.current()}
 
 
 def load_no_kernels() -> None:

@@ -118,6 +118,30 @@ def test_a_worker_fills_the_cache_the_main_process_loads_and_a_failed_job_says_w
         pool.close()
 
 
+def test_a_worker_compiles_under_the_attention_backends_the_main_process_allows(fresh_caches):
+    """Which attention backend a variant traces to is in no cache key: a worker with torch's defaults compiled
+    Flux's attention with cuDNN's, which offload() turns off, under the main process's key (its backward faulted).
+    A job carries the main process's settings and the worker compiles under them."""
+    from torch_stagehand.compiler import process_settings
+
+    gm, args = _tiny_graph()
+    before = process_settings.current()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.set_float32_matmul_precision("high")
+    main = process_settings.current()
+    assert main != before
+    pool = AheadCompiler(1)
+    try:
+        pool.submit(_job(gm, args))
+        result = pool.take("k")
+        assert result.error == "", result.error
+        assert result.settings == main and not result.settings["sdpa"]["cudnn"]
+    finally:
+        pool.close()
+        process_settings.adopt(before)
+    assert process_settings.current() == before
+
 def test_a_job_still_queued_when_its_variant_is_needed_is_dropped(fresh_caches):
     gm, args = _tiny_graph()
     pool = AheadCompiler(1)
