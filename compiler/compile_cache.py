@@ -105,6 +105,40 @@ def ops_fingerprint() -> str:
     return _sources_hash([ops, experts])
 
 
+# ---- keys that do not depend on import order ------------------------------------------------------
+
+def memory_format_named(name: str) -> torch.memory_format:
+    """`torch.<name>` (what a cache key's pickle of a memory format names; hashed, never loaded)."""
+    return getattr(torch, name.rpartition(".")[2])
+
+
+def _reduce_memory_format(memory_format: torch.memory_format) -> tuple:
+    return memory_format_named, (str(memory_format),)
+
+
+@contextlib.contextmanager
+def import_order_free_keys() -> Iterator[None]:
+    """Around a unit's compile: torch's cache-key pickler names each input's memory format (a tensor's metadata
+    holds one) as the first module in `sys.modules` that reaches `torch.contiguous_format`: `torch._utils` in
+    one process, `transformers.image_processing_utils_fast` in one that imported transformers in another order
+    (measured, full-size Flux on an H100: every variant an ahead-compile worker stored missed in the main
+    process, and a warm start run from another script would miss too). While this runs, the key picklers name
+    it by this module's function instead, the same in every process."""
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    original = FxGraphCachePickler.__dict__["__init__"]
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.dispatch_table[torch.memory_format] = _reduce_memory_format
+
+    FxGraphCachePickler.__init__ = init
+    try:
+        yield
+    finally:
+        FxGraphCachePickler.__init__ = original
+
+
 # ---- how one compile went --------------------------------------------------------------------
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .compile_cache import cacheable_functions, ops_fingerprint
+from .compile_cache import cacheable_functions, import_order_free_keys, ops_fingerprint
 from .context import PassLog
 from .mutation import MutationIndex
 from .source_hash import passes_uuid
@@ -226,7 +226,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph:
     if faked is None and inner == "inductor":
         faked = fake_static(example_inputs)  # the compile caches need a ShapeEnv (compile_cache.py)
     inputs, context = (example_inputs, contextlib.nullcontext()) if faked is None else (faked.values, faked.tracing())
-    with context:
+    with context, import_order_free_keys():
         if inner == "eager":
             return compile_eager(gm, inputs, on_graph, joint)
         return compile_inductor(gm, inputs, on_graph, joint, replay_rng)

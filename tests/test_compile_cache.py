@@ -217,3 +217,38 @@ def test_offload_on_cuda_starts_inductors_compile_workers_before_the_first_compi
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[len("RESULT "):])
     assert result == {"before": 0, "after": 1}
+
+
+def test_a_units_key_does_not_depend_on_the_order_modules_were_imported_in():
+    """torch's key pickler names a memory format (in every input's metadata) after the first module in
+    sys.modules that reaches `torch.contiguous_format`: on an H100 the main process said
+    `transformers.image_processing_utils_fast` where an ahead-compile worker said `torch._utils`, and missed
+    every variant the worker stored. Around a unit's compile (import_order_free_keys) the key is the same
+    whichever module comes first."""
+    import pickle
+
+    import torch.fx as fx
+    from torch._inductor.codecache import FxGraphCachePickler
+
+    from torch_stagehand.compiler.symbolic import fake_static
+
+    gm = fx.symbolic_trace(lambda x: (x + 1,))
+    inputs = fake_static([torch.randn(4, 8)]).values
+
+    def key() -> str:
+        return FxGraphCachePickler(gm).get_hash(inputs)
+
+    def move_first_holder_to_the_end() -> str:
+        name = pickle.whichmodule(torch.contiguous_format, "torch.contiguous_format")
+        sys.modules[name] = sys.modules.pop(name)  # re-inserted last: another module is found first now
+        return name
+
+    before = key()
+    with compile_cache.import_order_free_keys():
+        canonical = key()
+    first = move_first_holder_to_the_end()
+    assert pickle.whichmodule(torch.contiguous_format, "torch.contiguous_format") != first
+    assert key() != before  # torch's own key moved with the import order
+    with compile_cache.import_order_free_keys():
+        assert key() == canonical
+    assert FxGraphCachePickler.__init__.__qualname__ == "FxGraphCachePickler.__init__"  # put back
