@@ -342,8 +342,6 @@ def run_one(args, row: str, mode: str) -> dict:
                STAGEHAND_COMPILE_CACHE="1", STAGEHAND_WARM_COMPILE_WORKERS="1" if args.warm_compile_workers else "0")
     # serial: the cold baseline, every unit compiled in the step, none ahead in workers (compiler/ahead.py)
     env["STAGEHAND_AHEAD_WORKERS"] = "0" if mode == "serial" else str(args.ahead_workers)
-    # Refused on CUDA (a worker's variant faulted there: compiler/context.py); this bench measures them anyway.
-    env["STAGEHAND_UNSAFE_AHEAD_ON_CUDA"] = "1"
     print(f"start_time: {row} {mode} ...", flush=True)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

@@ -19,9 +19,12 @@ which benches/start_time.py prints). A variant whose graph or inputs cannot trav
 the forward, as without workers (the pool's `refused` says why). Workers start at the first job, take no
 device memory (fake inputs; no kernel loaded) and stop with the runtime.
 
-How many: the backend option `ahead_workers`, else `STAGEHAND_AHEAD_WORKERS`, else none. Refused on CUDA
-(context.BackendOptions.workers_ahead): a variant a worker compiled faulted there on full-size Flux int8. Each worker's Triton
-compile pool gets its share of the cores. No workers in a run that finds the model's compile bundle (a run
+A worker compiles under the main process's attention backends and matmul switches (process_settings.py:
+no cache key holds them; with torch's defaults a worker traced Flux's attention to the cuDNN backend offload()
+turns off, and the step faulted), and both sides key units the same whatever order they imported modules in
+(compile_cache.import_order_free_keys). How many: the backend option `ahead_workers`, else
+`STAGEHAND_AHEAD_WORKERS`, else none (full-size Flux int8 on an H100 measured 0.95x of the serial first step
+with 3: README, Cold starts). Each worker's Triton compile pool gets its share of the cores. No workers in a run that finds the model's compile bundle (a run
 before compiled it: the variants load from the caches).
 """
 

@@ -260,14 +260,16 @@ class CompileBundle:
         log.info("stagehand: %s", self.message)
         return True
 
-    def save(self, units: int = 0) -> bool:
+    def save(self, units: int = 0, even_empty: bool = False) -> bool:
         """Write every artifact this process compiled or loaded so far (atomically), and `units`, how many
         units it has; False when there is none or the folder is not writable (the run goes on: the bundle
-        only saves time)."""
+        only saves time). `even_empty`: write it with no artifacts too. Units loaded from what this run's
+        ahead-compile workers stored are in torch's caches on this machine but recorded in no process's
+        artifacts; the bundle then still says the model was compiled (the next run starts no workers)."""
         saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
+        if saved is None and not even_empty:
             return False
-        payload = saved[0]
+        payload = saved[0] if saved is not None else _no_artifacts()
         header = {"format": _FORMAT, "env": self.env, "sha256": hashlib.sha256(payload).hexdigest(),
                   "artifacts": sum(len(v) for v in _artifact_lists(saved[1])), "units": units}
         try:
@@ -296,6 +298,13 @@ def _load_artifacts(payload: bytes) -> Any:
     for kind, artifacts in chunks:
         merged.setdefault(kind, []).extend(artifacts)
     return CacheArtifactManager.populate_caches(merged)
+
+
+def _no_artifacts() -> bytes:
+    """An artifact payload with none in it, as torch writes one."""
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    return AppendingByteSerializer(serialize_fn=lambda writer, item: None).to_bytes()
 
 
 def _artifact_lists(info: Any) -> list[list]:

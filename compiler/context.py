@@ -57,14 +57,12 @@ class BackendOptions:
     # in the graph and the model's own GEMM reads it (the A/B reference).
     experts_math: str = "grouped"
     # Worker processes that compile foreseen block variants while the step runs (ahead.py); None: the
-    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off; refused on CUDA: `workers_ahead`).
+    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: on full-size Flux they measured no faster, README).
     ahead_workers: int | None = None
 
-    def workers_ahead(self, device: torch.device | None = None) -> int:
+    def workers_ahead(self) -> int:
         """How many ahead-compile workers the runtime's variants get (none with the eager inner compiler,
-        which keeps no cache to fill). Refused on CUDA: there a variant a worker compiled faulted when the
-        step loaded it (an illegal memory access in its backward, full-size Flux int8, torch 2.11), and a
-        faster start is not worth a wrong step."""
+        which keeps no cache to fill)."""
         if self.inner != "inductor":
             return 0
         workers = self.ahead_workers
@@ -73,11 +71,6 @@ class BackendOptions:
             if env is not None and not env.strip().isdigit():
                 raise BackendOptionsError(f"stagehand: STAGEHAND_AHEAD_WORKERS must be an int >= 0, got {env!r}")
             workers = int(env) if env is not None else 0
-        if workers and device is not None and device.type == "cuda" and not _unsafe_ahead_on_cuda():
-            raise BackendOptionsError(
-                f"stagehand: ahead_workers={workers} (or STAGEHAND_AHEAD_WORKERS) is refused on CUDA: a variant an "
-                "ahead-compile worker compiled faulted on the GPU (illegal memory access in its backward); set "
-                "ahead_workers=0 (STAGEHAND_UNSAFE_AHEAD_ON_CUDA=1 runs them anyway, to debug them)")
         return workers
 
     @staticmethod
@@ -203,6 +196,3 @@ class VariantContext(PassLog):
     def device(self) -> torch.device:
         return self.parent.device
 
-
-def _unsafe_ahead_on_cuda() -> bool:
-    return os.environ.get("STAGEHAND_UNSAFE_AHEAD_ON_CUDA", "0") == "1"

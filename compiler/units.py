@@ -131,7 +131,7 @@ class _Unit(nn.Module):
             "scheduled": gm.print_readable(print_output=False, include_stride=False, include_device=True),
             "passes": [r.as_dict() for r in pass_log.passes_ran],
         }, guard=None if faked is None else faked.guard())
-        cache.after_compile(outcome.loaded)
+        cache.after_compile(outcome.loaded, by_worker=ahead is not None and not ahead.error)
         log.info("stagehand: %s %s (%s%s) in %.2fs (cache: %s; %s%s)", "loaded" if outcome.loaded else "compiled",
                  label, self.ctx.options.inner, "" if faked is None else ", all sizes of the dynamic dimensions",
                  seconds, outcome.state, why, "" if ahead is None else "; " + ahead.describe())

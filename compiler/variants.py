@@ -61,10 +61,13 @@ class VariantCache:
             self._bundle_loaded = True
             self.bundle.load()
 
-    def after_compile(self, loaded: bool) -> None:
-        """A unit compiled cold: write the bundle again, so a run killed later still leaves what it compiled."""
-        if self.bundle is not None and not loaded:
-            self.bundle.save(units=len(self.info))
+    def after_compile(self, loaded: bool, by_worker: bool = False) -> None:
+        """A unit compiled cold, here or by this run's ahead-compile worker (`by_worker`, then loaded): write the
+        bundle again, so a run killed later still leaves what it compiled, and the next run knows the model
+        is compiled (else it would start workers and wait for them to load what it loads itself: 22 s of a
+        warm Flux step on an H100)."""
+        if self.bundle is not None and (not loaded or by_worker):
+            self.bundle.save(units=len(self.info), even_empty=by_worker)
 
     def why_new(self, key: tuple) -> str:
         """Why `key` (structure, signature, grad mode, inner compiler, rng replay) compiles although variants of its
