@@ -339,7 +339,7 @@ def run_one(args, row: str, mode: str) -> dict:
           (["--profile-first-step"] if mode == "profile" else []) + \
           (["--profile-dir", args.profile_dir] if args.profile_dir else [])
     env = dict(os.environ, **caches(row, mode), **bytecode_env(args), STAGEHAND_TUNE_CACHE="1",
-               STAGEHAND_COMPILE_CACHE="1", STAGEHAND_WARM_COMPILE_WORKERS="1" if args.warm_compile_workers else "0")
+               STAGEHAND_COMPILE_CACHE="1", STAGEHAND_WARM_COMPILE_WORKERS="0" if args.cold_compile_workers else "1")
     # serial: the cold baseline, every unit compiled in the step, none ahead in workers (compiler/ahead.py)
     env["STAGEHAND_AHEAD_WORKERS"] = "0" if mode == "serial" else str(args.ahead_workers)
     print(f"start_time: {row} {mode} ...", flush=True)
@@ -394,8 +394,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--timeout", type=int, default=540)
-    p.add_argument("--warm-compile-workers", action="store_true",
-                   help="start Inductor's compile workers at offload (STAGEHAND_WARM_COMPILE_WORKERS=1)")
+    p.add_argument("--cold-compile-workers", action="store_true",
+                   help="do not start Inductor's compile workers at offload (STAGEHAND_WARM_COMPILE_WORKERS=0; "
+                        "the default starts them)")
     p.add_argument("--ahead-workers", type=int, default=3,
                    help="processes compiling foreseen variants ahead (STAGEHAND_AHEAD_WORKERS; serial runs: 0)")
     p.add_argument("--out", default=None)
@@ -447,7 +448,7 @@ def main(argv=None) -> int:
             if args.out:  # after every run: a call cut at its time limit keeps the runs it made
                 write_json(args.out, {"env": env, "budgets": BUDGETS, "steps": args.steps, "files_prepared": prepared,
                                       "bytecode_cache": bytecode,
-                                      "warm_compile_workers": args.warm_compile_workers,
+                                      "warm_compile_workers": not args.cold_compile_workers,
                                       "ahead_workers": args.ahead_workers,
                                       "rows": table_rows(results), "runs": results})
     print_table(table_rows(results), title="seconds to the first step (each run a fresh process)")

@@ -34,15 +34,21 @@ OnGraph = Callable[[str, fx.GraphModule], None]
 log = logging.getLogger("torch_stagehand.compiler")
 
 
+def compile_workers_wanted(device: torch.device) -> bool:
+    """Start Inductor's compile workers at offload? On CUDA, unless `STAGEHAND_WARM_COMPILE_WORKERS=0` (the pool
+    serves Triton; CPU kernels compile in process). `TORCH_WARM_POOL=0` and `TORCHINDUCTOR_COMPILE_THREADS=1`
+    turn it off too, as they do for torch."""
+    return device.type == "cuda" and os.environ.get("STAGEHAND_WARM_COMPILE_WORKERS", "1") != "0"
+
+
 def warm_compile_workers(device: torch.device) -> bool:
-    """Start Inductor's compile workers now. torch's own inductor backend does when Dynamo hands it a graph; a
-    backend that calls `compile_fx` per unit must do it itself: the workers take seconds to come up, and until
-    they are ready every Triton kernel of the first units compiles in the main process, one after another.
-    Only on CUDA (the pool serves Triton; CPU kernels compile in process), and for now only with
-    `STAGEHAND_WARM_COMPILE_WORKERS=1`: it has not run on a GPU yet (its GPU test and the start-time bench
-    will say whether it is safe and what it saves; then it becomes the default). `TORCH_WARM_POOL=0` and
-    `TORCHINDUCTOR_COMPILE_THREADS=1` turn it off, as they do for torch. True when the pool was asked for."""
-    if device.type != "cuda" or os.environ.get("STAGEHAND_WARM_COMPILE_WORKERS", "0") != "1":
+    """Start Inductor's compile workers now, when `compile_workers_wanted`. torch's own inductor backend does when
+    Dynamo hands it a graph; a backend that calls `compile_fx` per unit must do it itself: the workers take
+    seconds to come up, and until they are ready every Triton kernel of the first units compiles in the main
+    process, one after another. Started at offload, they come up while it reads the weights: full-size Flux
+    int8's cold first step took 42.6 s against 50.9 s without (H100, one call,
+    benches/results/start_time_pool_flux.json). True when the pool was asked for."""
+    if not compile_workers_wanted(device):
         return False
     from torch._inductor.async_compile import maybe_warm_pool
 

@@ -199,13 +199,15 @@ WORKERS_CHILD = textwrap.dedent(r'''
 ''')
 
 
-def test_the_compile_workers_are_started_for_cuda_alone_and_when_asked(monkeypatch):
-    from torch_stagehand.compiler.inner import warm_compile_workers
+def test_the_compile_workers_are_started_for_cuda_alone_unless_turned_off(monkeypatch):
+    from torch_stagehand.compiler.inner import compile_workers_wanted, warm_compile_workers
 
-    monkeypatch.setenv("STAGEHAND_WARM_COMPILE_WORKERS", "1")
-    assert not warm_compile_workers(torch.device("cpu"))  # CPU kernels compile in process: no pool to start
+    monkeypatch.delenv("STAGEHAND_WARM_COMPILE_WORKERS", raising=False)
+    assert compile_workers_wanted(torch.device("cuda"))  # on by default: 8 s of a cold Flux step (H100)
+    assert not compile_workers_wanted(torch.device("cpu"))  # CPU kernels compile in process: no pool to start
+    assert not warm_compile_workers(torch.device("cpu"))
     monkeypatch.setenv("STAGEHAND_WARM_COMPILE_WORKERS", "0")
-    assert not warm_compile_workers(torch.device("cuda"))  # off unless asked for (not run on a GPU yet)
+    assert not warm_compile_workers(torch.device("cuda"))
 
 
 @pytest.mark.gpu
