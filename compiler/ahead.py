@@ -23,9 +23,10 @@ A worker compiles under the main process's attention backends and matmul switche
 no cache key holds them; with torch's defaults a worker traced Flux's attention to the cuDNN backend offload()
 turns off, and the step faulted), and both sides key units the same whatever order they imported modules in
 (compile_cache.import_order_free_keys). How many: the backend option `ahead_workers`, else
-`STAGEHAND_AHEAD_WORKERS`, else none (full-size Flux int8 on an H100 measured 0.95x of the serial first step
-with 3: README, Cold starts). Each worker's Triton compile pool gets its share of the cores. No workers in a run that finds the model's compile bundle (a run
-before compiled it: the variants load from the caches).
+`STAGEHAND_AHEAD_WORKERS`, else none (with 3, full-size Flux int8's cold first step on an H100 took 0.72x of
+the serial one's: README, Cold starts; each worker holds a CUDA context outside the VRAM budget). Each worker's
+Triton compile pool gets its share of the cores. No workers in a run that finds the model's compile bundle (a
+run before compiled it: the variants load from the caches).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class BackendOptions:
     # in the graph and the model's own GEMM reads it (the A/B reference).
     experts_math: str = "grouped"
     # Worker processes that compile foreseen block variants while the step runs (ahead.py); None: the
-    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: on full-size Flux they measured no faster, README).
+    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: each holds a CUDA context outside the VRAM budget; README, Cold starts).
     ahead_workers: int | None = None
 
     def workers_ahead(self) -> int:

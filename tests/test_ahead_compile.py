@@ -149,6 +149,7 @@ def test_a_worker_compiles_under_the_attention_backends_the_main_process_allows(
         process_settings.adopt(before)
     assert process_settings.current() == before
 
+
 def test_a_job_still_queued_when_its_variant_is_needed_is_dropped(fresh_caches):
     gm, args = _tiny_graph()
     pool = AheadCompiler(1)
@@ -205,7 +206,6 @@ def test_on_cuda_workers_compile_ahead_and_hold_no_tensors_on_the_device(fresh_c
     context on the device (no tensor: fake inputs), measured by nvidia-smi while it is up."""
     import os
     import subprocess
-
 
     def run(options: dict):
         model, ids = _lora_qwen2(3)
