@@ -57,7 +57,8 @@ class BackendOptions:
     # in the graph and the model's own GEMM reads it (the A/B reference).
     experts_math: str = "grouped"
     # Worker processes that compile foreseen block variants while the step runs (ahead.py); None: the
-    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: each holds a CUDA context outside the VRAM budget; README, Cold starts).
+    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: each holds a CUDA context outside the VRAM budget,
+    # and on two-unit models they start slower than the step compiles; README, Cold starts).
     ahead_workers: int | None = None
 
     def workers_ahead(self) -> int:
@@ -195,4 +196,3 @@ class VariantContext(PassLog):
     @property
     def device(self) -> torch.device:
         return self.parent.device
-
