@@ -260,28 +260,46 @@ def _rotating_copies(weight: torch.Tensor, cap: int = 16) -> list[torch.Tensor]:
     return [weight] + [weight.clone() for _ in range(n - 1)]
 
 
-def graph_time(fn, weights, replays: int = 7) -> float:
-    """Median ms per call of fn(w) for w cycling over weights, from CUDA graph replays.
+def rounds_per_replay(round_ms: float, n_weights: int, target_ms: float = 1.0, cap_calls: int = 24) -> int:
+    """Rounds over the rotating weights that one timed replay makes: enough for `target_ms` of GPU work (the
+    replay's own start is then noise), at most `cap_calls` calls. A big GEMM (0.3-0.5 ms a call at M=4096) is
+    timed in a few calls instead of 24: most of the timing of a cold first step's tuning."""
+    most = max(1, cap_calls // max(1, n_weights))
+    return most if round_ms <= 0 else max(1, min(most, math.ceil(target_ms / round_ms)))
+
+
+def graph_time(fn, weights, replays: int = 5) -> float:
+    """Median ms per call of fn(w) for w cycling over weights, from CUDA graph replays: one round over the weights
+    is captured and timed once, then as many rounds as `rounds_per_replay` asks are captured and timed.
 
     Falls back to triton's do_bench (L2 flushed, host gaps included) when capture fails."""
     try:
         fn(weights[0])  # warm: lazy handles (cuBLAS workspace) must exist before capture
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        per_replay = max(1, 24 // len(weights))  # enough calls per replay to dwarf its launch
-        with torch.cuda.graph(g):
-            for _ in range(per_replay):
-                for w in weights:
-                    fn(w)
-        g.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(replays):
+
+        def capture(rounds: int) -> torch.cuda.CUDAGraph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(rounds):
+                    for w in weights:
+                        fn(w)
+            g.replay()  # the first replay pays for uploading the graph
+            return g
+
+        def timed(g: torch.cuda.CUDAGraph) -> float:
             start.record()
             g.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) / (per_replay * len(weights)))
+            return start.elapsed_time(end)
+
+        g = capture(1)
+        rounds = rounds_per_replay(timed(g), len(weights))
+        if rounds > 1:
+            del g
+            g = capture(rounds)
+        times = [timed(g) / (rounds * len(weights)) for _ in range(replays)]
         del g
         return sorted(times)[len(times) // 2]
     except Exception:  # noqa: BLE001 - capture unsupported here: time eagerly

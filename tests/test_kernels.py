@@ -194,6 +194,16 @@ def test_sample_check_judges_a_cancelled_element_by_what_cancelled():
     assert "wrong" in tune.sample_check(broken, check, 64, 256)
 
 
+def test_a_timed_replay_holds_enough_rounds_for_a_millisecond_and_no_more_than_24_calls():
+    from torch_stagehand.kernels.tune import rounds_per_replay
+
+    assert rounds_per_replay(0.4, 3) == 3  # a big GEMM round (3 weights): 9 calls, not 24
+    assert rounds_per_replay(2.0, 3) == 1  # a round of more than the target: one
+    assert rounds_per_replay(0.001, 1) == 24  # a tiny kernel: 24 calls at most
+    assert rounds_per_replay(0.001, 16) == 1 and rounds_per_replay(0.001, 30) == 1  # never none
+    assert rounds_per_replay(0.0, 4) == 6  # an unreadable time: the most
+
+
 def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
     # The selection logic on the CPU: fake device, fake timings.
     from types import SimpleNamespace
