@@ -16,17 +16,20 @@ process compiles the variant itself; one running is waited for (compiling it twi
 that failed, or whose cache entry the main process does not hit (another key), costs the main process its own
 compile, as without workers, and the log says so (as does the unit's `ahead` entry in the variant cache's info,
 which benches/start_time.py prints). A variant whose graph or inputs cannot travel to a worker is compiled in
-the forward, as without workers (the pool's `refused` says why). Workers start at the first job, take no
-device memory (fake inputs; no kernel loaded) and stop with the runtime.
+the forward, as without workers (the pool's `refused` says why). Workers start at `offload()` when
+`STAGEHAND_AHEAD_WORKERS` asks for them (variants.start_ahead_at_offload: their imports overlap the offload),
+else at the first job; they take no device memory (fake inputs; no kernel loaded) and stop with the runtime.
+A recomputed block's inference variant, which only the next step's forward needs, is held back until the step
+first waits for a job (its backward): a free worker then takes the training variants first.
 
 A worker compiles under the main process's attention backends and matmul switches (process_settings.py:
 no cache key holds them; with torch's defaults a worker traced Flux's attention to the cuDNN backend offload()
 turns off, and the step faulted), and both sides key units the same whatever order they imported modules in
 (compile_cache.import_order_free_keys). How many: the backend option `ahead_workers`, else
-`STAGEHAND_AHEAD_WORKERS`, else none (with 3, full-size Flux int8's cold first step on an H100 took 0.72x of
-the serial one's: README, Cold starts; each worker holds a CUDA context outside the VRAM budget). Each worker's
-Triton compile pool gets its share of the cores. No workers in a run that finds the model's compile bundle (a
-run before compiled it: the variants load from the caches).
+`STAGEHAND_AHEAD_WORKERS`, else none (with 2 started at offload, full-size Flux int8's cold first step on an
+H100 took 31.4-33.6 s against 47.6 s serial: README, Cold starts; each worker holds a CUDA context outside the
+VRAM budget). Each worker's Triton compile pool gets its share of the cores. No workers in a run that finds the
+model's compile bundle (a run before compiled it: the variants load from the caches).
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ class _Worker:
 
     def __init__(self, pool: "AheadCompiler"):
         self.pool = pool
+        self.jobs_done = 0
         # Each worker's Triton compile pool gets its share of the cores (not in any cache key).
         threads = max(1, (os.cpu_count() or 1) // (pool.size + 1))
         if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
@@ -225,6 +229,7 @@ class _Worker:
                     reply = {"error": f"the worker is gone ({e})"}
                 if reply is None:
                     reply = {"error": f"the worker exited (code {self.process.poll()})"}
+                self.jobs_done += 1
                 future.set_result(AheadResult(reply.get("seconds", 0.0), reply.get("state", ""),
                                               reply.get("error", ""), reply.get("cuda_context", False),
                                               reply.get("settings", {})))
@@ -232,10 +237,12 @@ class _Worker:
             self.end()
 
     def _next(self):
-        """The next job, or None: the pool closed, or it stayed idle (then this worker leaves the pool)."""
+        """The next job, or None: the pool closed, or it stayed idle (then this worker leaves the pool). Idle
+        means `pool.idle_s` after a job, ten times that before the first (a pool started at offload waits for
+        the first step; a long offload is minutes)."""
         while True:
             try:
-                return self.pool.jobs.get(timeout=self.pool.idle_s)
+                return self.pool.jobs.get(timeout=self.pool.idle_s * (1 if self.jobs_done else 10))
             except queue.Empty:
                 with self.pool.lock:
                     if self.pool.jobs.empty():
@@ -276,6 +283,7 @@ class AheadCompiler:
         self.lock = threading.Lock()
         self.workers: set[_Worker] = set()
         self.futures: dict[Hashable, Future] = {}
+        self.held: list[tuple[AheadJob, Future]] = []  # jobs submitted `later`, queued at the first `take`
         self.configs: dict[str, Any] = {}
         self.waited_s = 0.0  # the main process's time spent waiting for jobs a worker was on
         self.dropped = 0  # jobs dropped while queued (the main process compiled them itself)
@@ -288,31 +296,56 @@ class AheadCompiler:
         return {"submitted": len(self.futures), "waited_s": self.waited_s, "dropped": self.dropped,
                 "worker_pids": list(self.worker_pids), "refused": list(self.refused)}
 
-    def submit(self, job: AheadJob) -> bool:
-        """Queue `job` unless its variant was asked for before; True when queued."""
+    def submit(self, job: AheadJob, later: bool = False) -> bool:
+        """Queue `job` unless its variant was asked for before; True when queued. `later`: held back until the
+        main process first waits for a job (`take`): an inference variant, which only the next step's forward
+        needs, must not keep a worker from a training variant that the forward has yet to hand over and the
+        backward will wait for (Flux bf16: a single-block training job queued behind the double block's inference
+        job was compiled in the step after all, 14.8 s)."""
         if self.size <= 0 or self._closed or job.key in self.futures:
             return False
         future: Future = Future()
         self.futures[job.key] = future
         with self.lock:
-            self.jobs.put((job, future))
-            if not self.configs:
-                self.configs = _configs()
-                atexit.register(self.close)
-                if _debug():  # this side's key details too (on stderr), to set beside the workers'
-                    keys = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
-                    keys.setLevel(logging.DEBUG)
-                    keys.addHandler(logging.StreamHandler())
-            while len(self.workers) < self.size:
-                worker = _Worker(self)
-                self.workers.add(worker)
-                self.worker_pids.append(worker.process.pid)
-        log.info("stagehand: compiling %s ahead, in a worker", job.label)
+            if later:
+                self.held.append((job, future))
+            else:
+                self.jobs.put((job, future))
+            self._start_workers()
+        log.info("stagehand: compiling %s ahead, in a worker%s", job.label, " (after the training variants)"
+                 if later else "")
         return True
+
+    def start(self) -> "AheadCompiler":
+        """Start the workers now, before any job (offload does, for a model not compiled before: they import
+        torch and its compiler while offload fills the host store, not while the first step waits). They compile
+        under the Inductor and AOTAutograd config of this moment."""
+        with self.lock:
+            if not self._closed:
+                self._start_workers()
+        return self
+
+    def _start_workers(self) -> None:
+        """Fill the pool up to its size (under `self.lock`)."""
+        if not self.configs:
+            self.configs = _configs()
+            atexit.register(self.close)
+            if _debug():  # this side's key details too (on stderr), to set beside the workers'
+                keys = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+                keys.setLevel(logging.DEBUG)
+                keys.addHandler(logging.StreamHandler())
+        while len(self.workers) < self.size:
+            worker = _Worker(self)
+            self.workers.add(worker)
+            self.worker_pids.append(worker.process.pid)
 
     def take(self, key: Hashable) -> AheadResult | None:
         """Before the main process compiles `key`: wait for its job if a worker is on it; drop it if it is
         still queued (None: no job, or dropped)."""
+        with self.lock:  # the main process waits now: the forward has handed over its training variants
+            for item in self.held:
+                self.jobs.put(item)
+            self.held.clear()
         future = self.futures.get(key)
         if future is None:
             return None

@@ -110,6 +110,9 @@ def main() -> None:
         from torch._inductor.async_compile import maybe_warm_pool
 
         maybe_warm_pool()
+    from .inner import prewarm_compiler_imports
+
+    prewarm_compiler_imports()  # Inductor's and AOTAutograd's modules and the cache keys' hashes, before a job waits
     if ahead._debug():
         import logging
 

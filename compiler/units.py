@@ -289,7 +289,7 @@ class BlockUnit(_Unit):
             log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__, e)
             return False
         training = ahead.submit(jobs[0]) or jobs[0].key in ahead.futures
-        if not (training and (ahead.submit(jobs[1]) or jobs[1].key in ahead.futures)):
+        if not (training and (ahead.submit(jobs[1], later=True) or jobs[1].key in ahead.futures)):
             return False
         self._training_of[jobs[1].key] = jobs[0].key
         return True

@@ -36,9 +36,13 @@ class VariantCache:
         self.ahead: AheadCompiler | None = None  # workers compiling foreseen variants (ahead.py); set by the backend
 
     def use_ahead(self, workers: int) -> "AheadCompiler | None":
-        """The runtime's ahead-compile workers (made once, at the first graph that asks for some). None when a
-        run before this one compiled the model (its bundle is on disk): the variants load from the caches in
-        a fraction of a second each, and a worker that has to start first would only delay them."""
+        """The runtime's ahead-compile workers (made once, at the first graph that asks for some, or at offload:
+        `start_ahead_at_offload`). None when a run before this one compiled the model (its bundle is on disk):
+        the variants load from the caches in a fraction of a second each, and a worker that has to start first
+        would only delay them."""
+        if self.ahead is not None and self.ahead.size != workers:  # the backend's option overrides the environment
+            self.ahead.close()
+            self.ahead = None
         if self.ahead is None and workers > 0 and not self.compiled_before:
             self.ahead = AheadCompiler(workers)
         return self.ahead
@@ -104,12 +108,38 @@ class VariantCache:
 _caches: "weakref.WeakKeyDictionary[Any, VariantCache]" = weakref.WeakKeyDictionary()
 
 
+_started_at_offload: dict[str, AheadCompiler] = {}  # model fingerprint -> workers its offload started
+
+
+def start_ahead_at_offload(device, blocks: list[str], layers) -> AheadCompiler | None:
+    """At offload, before the host store is filled: start the ahead-compile workers `STAGEHAND_AHEAD_WORKERS`
+    asks for, unless a run before compiled this model (its bundle is on disk). They import torch and its
+    compiler while offload works (seconds a worker started at the first job makes the first step wait), and
+    the model's variant cache takes them (`variant_cache`); a backend option for another count replaces them."""
+    from .context import BackendOptions
+
+    workers = BackendOptions().workers_ahead()
+    if workers <= 0:
+        return None
+    fingerprint = layout_fingerprint(device.type, blocks, layers)
+    if bundle_enabled() and os.path.exists(CompileBundle.for_model(fingerprint, device).path):
+        return None
+    pool = _started_at_offload.pop(fingerprint, None)
+    if pool is not None:  # an offload of the same model before, whose runtime never compiled
+        pool.close()
+    pool = _started_at_offload[fingerprint] = AheadCompiler(workers).start()
+    return pool
+
+
 def variant_cache(rt: StreamingRuntime) -> VariantCache:
-    """The runtime's variant cache (created on first use; emptied when the runtime closes)."""
+    """The runtime's variant cache (created on first use; emptied when the runtime closes), with the workers its
+    offload started, if any."""
     cache = _caches.get(rt)
     if cache is None:
-        bundle = CompileBundle.for_model(model_fingerprint(rt), rt.device) if bundle_enabled() else None
+        fingerprint = model_fingerprint(rt)
+        bundle = CompileBundle.for_model(fingerprint, rt.device) if bundle_enabled() else None
         cache = _caches[rt] = VariantCache(bundle)
+        cache.ahead = _started_at_offload.pop(fingerprint, None)
         rt.on_close(cache.clear)
     return cache
 

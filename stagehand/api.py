@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import warnings
 
 import torch
@@ -88,6 +89,10 @@ def offload(
         raise ValueError("offload: precision='auto' asks for selective precision, but "
                          "selective_precision.enabled is false in the config")
     precision_map = validate_precision_map(FULL if auto else precision, block_fqns, context="offload: precision map")
+    if os.environ.get("STAGEHAND_AHEAD_WORKERS"):  # asked for: they start now, while the host store fills
+        from torch_stagehand.compiler.variants import start_ahead_at_offload
+
+        start_ahead_at_offload(device, block_fqns, layers)
     clock.mark("find blocks")
     slab_loader = None
     if slab is not None:

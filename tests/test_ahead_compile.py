@@ -79,6 +79,15 @@ def test_the_forward_runs_eagerly_while_a_worker_compiles_and_the_backward_loads
     assert grads.keys() == serial_grads.keys()
     assert max(rel_err(grads[n], serial_grads[n]) for n in grads) < 1e-4
 
+    # A machine that kept only the workers run's compile bundle (torch's caches empty): the bundle holds the
+    # training variant its worker compiled (torch records a cache hit's artifacts too), which loads; the inference
+    # variant, which that run's step never loaded, compiles.
+    torch._dynamo.reset()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh_caches / "inductor-bundle-only")
+    os.environ["STAGEHAND_CACHE_DIR"] = str(fresh_caches / "stagehand")
+    _, _, bundle_infos, _, _ = _train_step(workers=0)
+    assert [i["cache"] for i in bundle_infos] == ["miss", "hit"]
+
     # A next run without workers, in the caches the run with workers filled, loads the unit: a process with
     # workers keys its units as one without (units._code_settled), and computes the serial run's numbers.
     torch._dynamo.reset()
@@ -121,6 +130,24 @@ def test_a_worker_fills_the_cache_the_main_process_loads_and_a_failed_job_says_w
         failed = pool.take("bad")
         assert "unpickled to other code" in failed.error and "failed" in failed.describe()
         assert pool.take("never submitted") is None
+    finally:
+        pool.close()
+
+
+def test_an_inference_job_waits_until_the_step_first_waits_for_a_training_one(fresh_caches):
+    """A job submitted `later` (an inference variant: the next step's forward needs it) is held back, so a free
+    worker takes the training variant the forward hands over next; the first `take` (the backward) queues it."""
+    gm, args = _tiny_graph()
+    pool = AheadCompiler(1)
+    try:
+        assert pool.submit(_job(gm, args, key="inference"), later=True)
+        assert pool.jobs.empty() and len(pool.held) == 1 and not pool.futures["inference"].running()
+        assert pool.submit(_job(gm, args, key="training"))
+        assert pool.futures["training"].result(timeout=300).error == ""  # the worker took the training job
+        assert len(pool.held) == 1 and not pool.futures["inference"].done()  # still held
+        assert pool.take("training").error == ""
+        assert not pool.held
+        assert pool.futures["inference"].result(timeout=300).error == ""  # compiled once the step waited
     finally:
         pool.close()
 
@@ -231,6 +258,7 @@ def test_on_cuda_workers_compile_ahead_and_hold_no_tensors_on_the_device(fresh_c
     assert all(mib < 1024 for mib in workers_mib.values()), workers_mib  # a context at most, no tensors
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh_caches / "inductor-serial")
     os.environ["TRITON_CACHE_DIR"] = str(fresh_caches / "triton-serial")
+    os.environ["STAGEHAND_CACHE_DIR"] = str(fresh_caches / "stagehand-serial")  # not the bundle the run above wrote
     (serial_loss, serial_grads, serial_infos, none), _ = run({"ahead_workers": 0})
     assert none is None and [i["cache"] for i in serial_infos] == ["miss", "miss"]
     # The first forward ran eagerly with workers, compiled without (the backward is the same compiled variant).
@@ -284,3 +312,36 @@ def test_our_functions_in_a_graph_travel_by_name():
     assert [n.target for n in restored.graph.nodes] == [n.target for n in gm.graph.nodes]
     with pytest.raises(NotImplementedError):  # outside pickle_graph, GraphPickler refuses our function as before
         GraphPickler.dumps(gm)
+
+
+def test_offload_starts_the_workers_the_environment_asks_for_and_the_step_uses_them(fresh_caches, monkeypatch):
+    """`STAGEHAND_AHEAD_WORKERS` set: offload starts the workers (they import torch while the host store fills, not
+    while the first step waits), the model's variant cache takes them, and the step's job goes to one of them.
+    A model compiled before (its bundle on disk) gets none; a backend option for another count replaces them."""
+    monkeypatch.setenv("STAGEHAND_AHEAD_WORKERS", "1")
+    model, ids = _lora_qwen2(2)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    started = variant_cache(rt).ahead
+    assert started is not None and len(started.workers) == 1 and started.stats["submitted"] == 0
+    pids = list(started.worker_pids)
+    stagehand.compile_blocks(model, options={"inner": "inductor", "recompute": "blocks"})
+    model(input_ids=ids, labels=ids).loss.backward()
+    cache = variant_cache(rt)
+    # The training variant and the inference variant went to the one worker; the backward loaded the first.
+    assert cache.ahead is started and cache.ahead.worker_pids == pids and cache.ahead.stats["submitted"] == 2
+    assert [i["cache"] for i in cache.info.values()] == ["hit"]
+    rt.restore()
+
+    torch._dynamo.reset()
+    model, ids = _lora_qwen2(2)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    assert variant_cache(rt).ahead is None  # the bundle the run above wrote: nothing to compile ahead
+    rt.restore()
+
+    for bundle in (fresh_caches / "stagehand" / "compile").glob("*.bundle"):
+        bundle.unlink()
+    model, ids = _lora_qwen2(2)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    assert variant_cache(rt).ahead is not None
+    assert variant_cache(rt).use_ahead(2).size == 2  # the backend's option: two workers, not the environment's one
+    rt.restore()
