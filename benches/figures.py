@@ -423,7 +423,29 @@ def start_time_bytecode_table() -> str:
         "a cache under the bench's root before the runs"))
 
 
-def start_time_blocks_table(sources=START_TIME_SOURCES, what: str | None = None) -> str:
+# Ahead-compile workers started at offload (2 of them; `--ahead-workers 2 --bytecode-cache`): (file, rows).
+START_TIME_WORKERS = (("start_time_early_workers_flux.json", ("flux:int8:blocks",)),
+                      ("start_time_early_workers_flux_bf16.json", ("flux:bf16:blocks",)),
+                      ("start_time_early_workers_qwen.json", ("qwen:int8:blocks",)),
+                      ("start_time_early_workers_qwen32.json", ("qwen32:int8:blocks",)))
+_RUN_LABELS = {"coldprofile": "cold, no workers", "serial": "cold, no workers", "cold": "cold, 2 workers"}
+
+
+def start_time_workers_table() -> str:
+    """Seconds to the first step with two ahead-compile workers started at offload, against the serial cold run."""
+    return start_time_blocks_table(START_TIME_WORKERS, (
+        "Each run a fresh process (`benches/start_time.py --rows <row> --modes coldprofile cold warm "
+        "--ahead-workers 2 --bytecode-cache --profile-steps 1`; Flux bf16, Qwen-7B and Qwen-32B without the "
+        "no-workers run), LoRA r=16, AdamW, `stagehand.compile_blocks`, weights built in memory; `vram_budget` "
+        "Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB. cold: every cache empty, two ahead-compile workers "
+        "(`STAGEHAND_AHEAD_WORKERS=2`, started by `offload()`); cold, no workers: the same without them (its "
+        "second step ran under cProfile, so its step 2 is the profiler's); warm: a second process on the same "
+        "machine. Step 2 of a cold run is the first under the plan made from the calibration step"),
+        run=lambda r: _RUN_LABELS.get(r["mode"], r["mode"]))
+
+
+def start_time_blocks_table(sources=START_TIME_SOURCES, what: str | None = None,
+                            run: Callable[[dict], str] = lambda r: r["mode"]) -> str:
     """Seconds to the first step: whole-model capture against a compile per block (`stagehand.compile_blocks`),
     the weights built in memory or read from the checkpoint and slab on disk; the resident model's regional
     compile beside them."""
@@ -432,7 +454,9 @@ def start_time_blocks_table(sources=START_TIME_SOURCES, what: str | None = None)
         for r in load(name)["runs"]:
             if r.get("row") in rows and "error" not in r:
                 runs.append(dict(r, _source=name))
-    runs.sort(key=lambda r: ([k for _, rows in sources for k in rows].index(r["row"]), r["mode"] != "cold"))
+    runs.sort(key=lambda r: ([k for _, rows in sources for k in rows].index(r["row"]),
+                             ["coldprofile", "serial", "cold", "warm"].index(r["mode"])
+                             if r["mode"] in ("coldprofile", "serial", "cold", "warm") else 9))
     model = {"flux": "Flux-dev 12B", "qwen": "Qwen2.5-7B shape", "qwen32": "Qwen2.5-32B shape"}
 
     def weights(r: dict) -> str:
@@ -449,7 +473,7 @@ def start_time_blocks_table(sources=START_TIME_SOURCES, what: str | None = None)
 
     cols = [Col("model", lambda r: model[r["row"].split(":")[0]]), Col("weights", weights),
             Col("compile", lambda r: "per block" if r["row"].endswith(":blocks") else "whole model"),
-            Col("run", lambda r: r["mode"]), Col("offload s", field("offload_s", num, 1)),
+            Col("run", run), Col("offload s", field("offload_s", num, 1)),
             Col("first step s", field("first_step_s", num, 1)), Col("Dynamo capture s", field("dynamo_s", num, 1)),
             Col("units compiled / loaded", units), Col("their s", field("compile_seconds", num, 1)),
             Col("W8A16 autotune s", field("autotune_seconds", num, 1)),
@@ -1039,6 +1063,7 @@ FIGURES: dict[str, Figure] = {
     "start_time_blocks": Figure(start_time_blocks_table, tuple(name for name, _ in START_TIME_SOURCES)),
     "start_time_now": Figure(start_time_now_table, tuple(name for name, _ in START_TIME_NOW)),
     "start_time_bytecode": Figure(start_time_bytecode_table, ("start_time_session_bytecode.json",)),
+    "start_time_workers": Figure(start_time_workers_table, tuple(name for name, _ in START_TIME_WORKERS)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),

@@ -19,7 +19,8 @@ Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precisi
 - bundle (`--modes ... bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
   with only the compile bundle (compiler/compile_cache.py) to start from;
 - profile (`--modes ... profile`): a warm run whose first step runs under cProfile (`first_step_profile`:
-  where its seconds go; the profiler makes it slower, so it is a run of its own, not the warm row's).
+  where its seconds go; the profiler makes it slower, so it is a run of its own, not the warm row's);
+  coldprofile: the same of a serial run (empty caches, no workers): where a cold compile's seconds go.
 
 A row `model:int8:files` builds the model on the meta device and offloads it from its safetensors checkpoint
 and INT8 slab on disk (written once under the cache root from the same random init; `keep_full="file"`), then
@@ -134,8 +135,9 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     if rt is not None:
         rt.attach(optimizer)
     steps, losses, plans = [], [], []
+    out["profiled_steps"] = args.profile_steps if args.profile_first_step else []
     for i in range(args.steps):
-        profiler = cProfile.Profile() if args.profile_first_step and i == 0 else None
+        profiler = cProfile.Profile() if args.profile_first_step and i in args.profile_steps else None
         t0 = time.perf_counter()
         if profiler:
             profiler.enable()
@@ -145,11 +147,13 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         optimizer.zero_grad(set_to_none=True)
         sync()
         steps.append(time.perf_counter() - t0)
-        if profiler:  # where a first step's seconds go (the profiler's own cost inflates them: a separate run)
+        if profiler:  # where a step's seconds go (the profiler's own cost inflates them: a separate run)
             profiler.disable()
-            out["first_step_profile"] = {order: _top(profiler, order, 40) for order in ("cumulative", "tottime")}
+            name = "first_step" if i == 0 else f"step_{i + 1}"
+            out[f"{name}_profile"] = {order: _top(profiler, order, 40) for order in ("cumulative", "tottime")}
             if args.profile_dir:  # the whole profile, for pstats
-                profiler.dump_stats(os.path.join(args.profile_dir, f"first_step_{args.row.replace(':', '-')}.prof"))
+                profiler.dump_stats(os.path.join(args.profile_dir,
+                                                 f"{name}_{args.row.replace(':', '-')}_{args.mode}.prof"))
         losses.append(loss.item())
         plans.append(rt.plan.kind if rt is not None and rt.plan is not None else "")
         if i == 0 and rt is not None:  # the units the first step compiled (a re-plan's compile later)
@@ -291,7 +295,8 @@ def caches(row: str, mode: str) -> dict[str, str]:
     env = {"STAGEHAND_CACHE_DIR": os.path.join(base, "stagehand"),
            "TORCHINDUCTOR_CACHE_DIR": os.path.join(base, "inductor"),
            "TRITON_CACHE_DIR": os.path.join(base, "triton")}
-    wipe = {"cold": list(env.values()), "serial": list(env.values()), "warm": [], "profile": [],
+    wipe = {"cold": list(env.values()), "serial": list(env.values()), "coldprofile": list(env.values()),
+            "warm": [], "profile": [],
             "bundle": [env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]]}
     for folder in wipe[mode]:
         shutil.rmtree(folder, ignore_errors=True)
@@ -336,12 +341,13 @@ def run_one(args, row: str, mode: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
            "--steps", str(args.steps), "--page-cache", page_cache] + (["--tiny"] if args.tiny else []) + \
           (["--profile-offload"] if mode == "cold" and (row.endswith(":int8") or files) else []) + \
-          (["--profile-first-step"] if mode == "profile" else []) + \
-          (["--profile-dir", args.profile_dir] if args.profile_dir else [])
+          (["--profile-first-step"] if mode in ("profile", "coldprofile") else []) + \
+          (["--profile-dir", args.profile_dir] if args.profile_dir else []) + \
+          ["--profile-steps", *map(str, args.profile_steps)]
     env = dict(os.environ, **caches(row, mode), **bytecode_env(args), STAGEHAND_TUNE_CACHE="1",
                STAGEHAND_COMPILE_CACHE="1", STAGEHAND_WARM_COMPILE_WORKERS="0" if args.cold_compile_workers else "1")
     # serial: the cold baseline, every unit compiled in the step, none ahead in workers (compiler/ahead.py)
-    env["STAGEHAND_AHEAD_WORKERS"] = "0" if mode == "serial" else str(args.ahead_workers)
+    env["STAGEHAND_AHEAD_WORKERS"] = "0" if mode in ("serial", "coldprofile") else str(args.ahead_workers)
     print(f"start_time: {row} {mode} ...", flush=True)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -358,7 +364,9 @@ def run_one(args, row: str, mode: str) -> dict:
 
 def table_rows(results: list[dict]) -> list[dict]:
     cold = {r["row"]: r for r in results if r.get("mode") == "cold"}
-    serial = {r["row"]: r for r in results if r.get("mode") == "serial"}
+    # A coldprofile run whose first step ran without the profiler is a serial run too.
+    serial = {r["row"]: r for r in results if r.get("mode") == "serial" or (
+        r.get("mode") == "coldprofile" and 0 not in r.get("profiled_steps", [0]))}
     out = []
     for r in results:
         if "error" in r:
@@ -387,8 +395,9 @@ def table_rows(results: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=["qwen:int8", "qwen:bf16", "qwen:resident"])
-    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm", "bundle", "profile", "serial"],
+    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm", "bundle", "profile", "serial", "coldprofile"],
                    help="profile: a warm run whose first step runs under cProfile (where its seconds go; slower); "
+                        "coldprofile: the same of a serial cold run (where a cold compile's seconds go); "
                         "serial: a cold run without ahead-compile workers (the baseline of cold)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--device", default="cuda")
@@ -406,6 +415,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-offload", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile-first-step", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile-dir", default=None, help="a profile run writes its whole first-step profile here")
+    p.add_argument("--profile-steps", nargs="+", type=int, default=[0],
+                   help="the steps a profile run profiles, from 0 (1: the step after the calibration's re-plan)")
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--page-cache", default="as left", help=argparse.SUPPRESS)
     p.add_argument("--bytecode-cache", action="store_true",
