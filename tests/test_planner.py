@@ -193,3 +193,37 @@ def test_calibration_measures_the_hosts_issue_time_per_block_and_kind(monkeypatc
     costs = model.block_costs([1, 1])
     assert (costs[0].host_forward_s, costs[0].host_recompute_s, costs[0].host_backward_s) == (4.0, 4.0, 2.0)
     assert model.host_fetch_share == [pytest.approx(3 / 10), 0.0]
+
+
+def test_fewest_savers_walks_the_peak_as_predicted_peak_does():
+    """`_fewest_savers` keeps the peak in two per-block lists it edits per added block; it must choose what
+    re-simulating `predicted_peak` after each block chose (the code before it), spills included."""
+    import random
+
+    from torch_stagehand.runtime.conductor.planner import _fewest_savers
+
+    def reference(costs, resident, candidates, slots, slot_bytes, model, limit):
+        recompute, spill = set(), set()
+        if predicted_peak(costs, resident, recompute, slots, slot_bytes, model.base_bytes) <= limit:
+            return recompute, frozenset()
+        for b in candidates:
+            spill_s = costs[b].activation_bytes / model.h2d_bps
+            (spill if model.d2h_bps and spill_s < costs[b].forward_s else recompute).add(b)
+            if predicted_peak(costs, resident, recompute, slots, slot_bytes, model.base_bytes,
+                              frozenset(spill)) <= limit:
+                return recompute, frozenset(spill)
+        return None
+
+    rng = random.Random(0)
+    for trial in range(200):
+        n = rng.randint(1, 12)
+        costs = [BlockCost(bytes=rng.randint(1, 50) * MiB, forward_s=rng.choice([0.001, 0.5]),
+                           activation_bytes=rng.randint(0, 400) * MiB, input_bytes=rng.randint(0, 100) * MiB)
+                 for _ in range(n)]
+        model = CostModel(h2d_bps=1e9, d2h_bps=rng.choice([None, 1e9]))
+        model.base_bytes = rng.randint(0, 100) * MiB
+        resident = {b for b in range(n) if rng.random() < 0.3}
+        candidates = [b for b in range(n) if costs[b].activation_bytes > costs[b].input_bytes]
+        rng.shuffle(candidates)
+        args = (costs, resident, candidates, rng.randint(1, 3), 50 * MiB, model, rng.randint(100, 3000) * MiB)
+        assert _fewest_savers(*args) == reference(*args), trial
