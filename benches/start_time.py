@@ -395,7 +395,8 @@ def table_rows(results: list[dict]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", default=["qwen:int8", "qwen:bf16", "qwen:resident"])
-    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm", "bundle", "profile", "serial", "coldprofile"],
+    p.add_argument("--modes", nargs="+", default=["cold", "warm"],
+                   choices=["cold", "warm", "bundle", "profile", "serial", "coldprofile"],
                    help="profile: a warm run whose first step runs under cProfile (where its seconds go; slower); "
                         "coldprofile: the same of a serial cold run (where a cold compile's seconds go); "
                         "serial: a cold run without ahead-compile workers (the baseline of cold)")
@@ -414,7 +415,8 @@ def main(argv=None) -> int:
     p.add_argument("--mode", help=argparse.SUPPRESS)
     p.add_argument("--profile-offload", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile-first-step", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--profile-dir", default=None, help="a profile run writes its whole first-step profile here")
+    p.add_argument("--profile-dir", default=None, help="a profile run writes the whole profile of each step it "
+                   "profiles here (pstats files)")
     p.add_argument("--profile-steps", nargs="+", type=int, default=[0],
                    help="the steps a profile run profiles, from 0 (1: the step after the calibration's re-plan)")
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
