@@ -111,14 +111,12 @@ _caches: "weakref.WeakKeyDictionary[Any, VariantCache]" = weakref.WeakKeyDiction
 _started_at_offload: dict[str, AheadCompiler] = {}  # model fingerprint -> workers its offload started
 
 
-def start_ahead_at_offload(device, blocks: list[str], layers) -> AheadCompiler | None:
-    """At offload, before the host store is filled: start the ahead-compile workers `STAGEHAND_AHEAD_WORKERS`
-    asks for, unless a run before compiled this model (its bundle is on disk). They import torch and its
-    compiler while offload works (seconds a worker started at the first job makes the first step wait), and
-    the model's variant cache takes them (`variant_cache`); a backend option for another count replaces them."""
-    from .context import BackendOptions
-
-    workers = BackendOptions().workers_ahead()
+def start_ahead_at_offload(device, blocks: list[str], layers, workers: int) -> AheadCompiler | None:
+    """At offload, before the host store is filled: start the `workers` ahead-compile workers that
+    `STAGEHAND_AHEAD_WORKERS` asks for, unless a run before compiled this model (its bundle is on disk). They
+    import torch and its compiler while offload works (seconds a worker started at the first job makes the first
+    step wait), and the model's variant cache takes them (`variant_cache`); a backend option for another count
+    replaces them."""
     if workers <= 0:
         return None
     fingerprint = layout_fingerprint(device.type, blocks, layers)

@@ -90,9 +90,10 @@ def offload(
                          "selective_precision.enabled is false in the config")
     precision_map = validate_precision_map(FULL if auto else precision, block_fqns, context="offload: precision map")
     if os.environ.get("STAGEHAND_AHEAD_WORKERS"):  # asked for: they start now, while the host store fills
+        from torch_stagehand.compiler.context import BackendOptions
         from torch_stagehand.compiler.variants import start_ahead_at_offload
 
-        start_ahead_at_offload(device, block_fqns, layers)
+        start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead())
     clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
