@@ -27,7 +27,7 @@ class VariantCache:
     def __init__(self, bundle: CompileBundle | None = None) -> None:
         self.bundle = bundle  # this model's compiled units on disk (compile_cache.py); None: off
         # Did a run before this one compile the model? (Asked before this run writes the bundle.)
-        self.compiled_before = bundle is not None and os.path.exists(bundle.path)
+        self.compiled_before = _written(bundle)
         self._bundle_loaded = False
         self.compiled: dict[Hashable, Callable] = {}
         self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
@@ -46,6 +46,13 @@ class VariantCache:
         if self.ahead is None and workers > 0 and not self.compiled_before:
             self.ahead = AheadCompiler(workers)
         return self.ahead
+
+    def adopt_ahead(self, pool: AheadCompiler) -> None:
+        """Take the workers `start_ahead_at_offload` started for this model (closed with the runtime)."""
+        if self.ahead is not None:
+            pool.close()
+        else:
+            self.ahead = pool
 
     def get(self, key: Hashable, args: tuple = ()) -> Callable | None:
         """The variant for `key`; for a shape-generic key, the first whose guard accepts `args`."""
@@ -108,36 +115,31 @@ class VariantCache:
 _caches: "weakref.WeakKeyDictionary[Any, VariantCache]" = weakref.WeakKeyDictionary()
 
 
-_started_at_offload: dict[str, AheadCompiler] = {}  # model fingerprint -> workers its offload started
+def _bundle_of(fingerprint: str, device) -> CompileBundle | None:
+    return CompileBundle.for_model(fingerprint, device) if bundle_enabled() else None
+
+
+def _written(bundle: CompileBundle | None) -> bool:
+    """Did a run before this one compile the model (its bundle is on disk)?"""
+    return bundle is not None and os.path.exists(bundle.path)
 
 
 def start_ahead_at_offload(device, blocks: list[str], layers, workers: int) -> AheadCompiler | None:
     """At offload, before the host store is filled: start the `workers` ahead-compile workers that
-    `STAGEHAND_AHEAD_WORKERS` asks for, unless a run before compiled this model (its bundle is on disk). They
-    import torch and its compiler while offload works (seconds a worker started at the first job makes the first
-    step wait), and the model's variant cache takes them (`variant_cache`); a backend option for another count
+    `STAGEHAND_AHEAD_WORKERS` asks for, unless a run before compiled this model. They import torch and its
+    compiler while offload works (seconds a worker started at the first job makes the first step wait); offload
+    hands them to the model's variant cache (`VariantCache.adopt_ahead`), and a backend option for another count
     replaces them."""
-    if workers <= 0:
+    if workers <= 0 or _written(_bundle_of(layout_fingerprint(device.type, blocks, layers), device)):
         return None
-    fingerprint = layout_fingerprint(device.type, blocks, layers)
-    if bundle_enabled() and os.path.exists(CompileBundle.for_model(fingerprint, device).path):
-        return None
-    pool = _started_at_offload.pop(fingerprint, None)
-    if pool is not None:  # an offload of the same model before, whose runtime never compiled
-        pool.close()
-    pool = _started_at_offload[fingerprint] = AheadCompiler(workers).start()
-    return pool
+    return AheadCompiler(workers).start()
 
 
 def variant_cache(rt: StreamingRuntime) -> VariantCache:
-    """The runtime's variant cache (created on first use; emptied when the runtime closes), with the workers its
-    offload started, if any."""
+    """The runtime's variant cache (created on first use; emptied when the runtime closes)."""
     cache = _caches.get(rt)
     if cache is None:
-        fingerprint = model_fingerprint(rt)
-        bundle = CompileBundle.for_model(fingerprint, rt.device) if bundle_enabled() else None
-        cache = _caches[rt] = VariantCache(bundle)
-        cache.ahead = _started_at_offload.pop(fingerprint, None)
+        cache = _caches[rt] = VariantCache(_bundle_of(model_fingerprint(rt), rt.device))
         rt.on_close(cache.clear)
     return cache
 

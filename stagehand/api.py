@@ -89,11 +89,6 @@ def offload(
         raise ValueError("offload: precision='auto' asks for selective precision, but "
                          "selective_precision.enabled is false in the config")
     precision_map = validate_precision_map(FULL if auto else precision, block_fqns, context="offload: precision map")
-    if os.environ.get("STAGEHAND_AHEAD_WORKERS"):  # asked for: they start now, while the host store fills
-        from torch_stagehand.compiler.context import BackendOptions
-        from torch_stagehand.compiler.variants import start_ahead_at_offload
-
-        start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead())
     clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
@@ -110,8 +105,18 @@ def offload(
         from torch_stagehand.runtime.weights_file import WeightsFile
 
         weights_file = WeightsFile(checkpoint)
-    rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
-                 keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget)
+    ahead = _ahead_workers(device, block_fqns, layers)  # they start now, while the host store fills
+    try:
+        rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
+                     keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget)
+    except BaseException:
+        if ahead is not None:
+            ahead.close()
+        raise
+    if ahead is not None:
+        from torch_stagehand.compiler.variants import variant_cache
+
+        variant_cache(rt).adopt_ahead(ahead)
     clock.mark("host store, precision copies, slots")
     if selective_precision_requested(config.selective_precision, auto):
         try:
@@ -133,6 +138,16 @@ def offload(
     if verbose:
         FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
     return rt
+
+
+def _ahead_workers(device: torch.device, block_fqns: list[str], layers):
+    """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now (compiler/variants.py), or None."""
+    if not os.environ.get("STAGEHAND_AHEAD_WORKERS"):
+        return None
+    from torch_stagehand.compiler.context import BackendOptions
+    from torch_stagehand.compiler.variants import start_ahead_at_offload
+
+    return start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead())
 
 
 def runtime_of(model: nn.Module) -> Runtime:

@@ -331,6 +331,7 @@ def test_offload_starts_the_workers_the_environment_asks_for_and_the_step_uses_t
     assert cache.ahead is started and cache.ahead.worker_pids == pids and cache.ahead.stats["submitted"] == 2
     assert [i["cache"] for i in cache.info.values()] == ["hit"]
     rt.restore()
+    assert not started.workers  # they end with the runtime that adopted them
 
     torch._dynamo.reset()
     model, ids = _lora_qwen2(2)
