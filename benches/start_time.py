@@ -53,8 +53,29 @@ BUDGETS = {"flux": "16GiB", "qwen": "20GiB", "qwen32": "40GiB"}  # qwen32: the Q
 ROOT = os.environ.get("START_TIME_CACHE_ROOT", "/tmp/stagehand-start-time")
 
 
+class CollectorClock:
+    """Seconds Python's garbage collector spends, per generation, from the process's start (gc.callbacks)."""
+
+    def __init__(self):
+        import gc
+
+        self.seconds, self.counts, self._t0 = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._t0
+            self.counts[info["generation"]] += 1
+
+    def read(self) -> dict:
+        return {"s": [round(x, 3) for x in self.seconds], "collections": list(self.counts)}
+
+
 def child(args) -> dict:
     """One process: build, offload, compile, `--steps` steps, each synchronised and timed."""
+    args.gc_clock = CollectorClock()
     import peft
     import torch
     from models import LORA_TARGETS, set_checkpointing
@@ -115,6 +136,7 @@ def timed_offload(args, out: dict, model, **offload_kwargs):
         profiler.disable()
         out["offload_profile"] = _top(profiler, "cumulative", 25)[-6000:]
     out["offload_s"] = round(time.perf_counter() - t0, 2)
+    out["gc_to_offload_end"] = args.gc_clock.read()
     return rt
 
 
@@ -134,18 +156,24 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     if rt is not None:
         rt.attach(optimizer)
-    steps, losses, plans = [], [], []
+    steps, losses, plans, plan_changes = [], [], [], []
     out["profiled_steps"] = args.profile_steps if args.profile_first_step else []
+    traced = range(min(args.trace_steps), max(args.trace_steps) + 1) if args.trace_steps and args.mode == "cold" else ()
+    out["traced_steps"] = list(traced)
+    tracer = None
     for i in range(args.steps):
         profiler = cProfile.Profile() if args.profile_first_step and i in args.profile_steps else None
+        if i in traced and tracer is None:  # started before the step's clock: the profiler's own start-up is not in it
+            tracer = start_trace()
         t0 = time.perf_counter()
         if profiler:
             profiler.enable()
-        loss = loss_of(kind, compiled(**inputs))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync()
+        with _step_range(tracer, i):
+            loss = loss_of(kind, compiled(**inputs))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
         steps.append(time.perf_counter() - t0)
         if profiler:  # where a step's seconds go (the profiler's own cost inflates them: a separate run)
             profiler.disable()
@@ -154,8 +182,15 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
             if args.profile_dir:  # the whole profile, for pstats
                 profiler.dump_stats(os.path.join(args.profile_dir,
                                                  f"{name}_{args.row.replace(':', '-')}_{args.mode}.prof"))
+        if tracer is not None and i == traced[-1]:
+            out["trace"] = end_trace(tracer, args, [f"step_{j + 1}" for j in traced])
+            tracer = None
         losses.append(loss.item())
         plans.append(rt.plan.kind if rt is not None and rt.plan is not None else "")
+        if rt is not None and rt.plan is not None and (not plan_changes or plan_changes[-1][1] != rt.plan.summary()):
+            plan_changes.append((i + 1, rt.plan.summary()))  # the plan the next step runs, after step i + 1
+        if i == 0:  # the collector's seconds to the first step's end (from the process's start)
+            out["gc_to_first_step_end"] = args.gc_clock.read()
         if i == 0 and rt is not None:  # the units the first step compiled (a re-plan's compile later)
             out["first_step_compile_s"] = round(rt.compile_seconds, 2)
     out.update(first_step_s=round(steps[0], 2), step_ms=[round(s * 1e3, 1) for s in steps[1:]], plan_kinds=plans,
@@ -165,6 +200,9 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         out.update({k: s[k] for k in ("compiled_units", "units_loaded", "units_compiled_cold", "compile_seconds",
                                       "autotune_seconds", "compiled_variants")})
         out["replans"] = rt.planner.replans
+        # Why the plan changed and what it was: corrections (peaks learned, budgets shrunk), out-of-memory recoveries
+        out.update(plan_changes=plan_changes, plan_corrections=s["plan_corrections"],
+                   oom_recoveries=s["oom_recoveries"], gc_freezes=s["gc_freezes"])
         out["cost_model_cache"] = s["cost_model_cache"]  # a warm run plans from the model the cold run measured
         from torch_stagehand.compiler.variants import variant_cache
 
@@ -196,6 +234,79 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     out["dynamo_s"] = round(sum(metrics.get("_compile.compile_inner", [])), 2)
     out["first_step_rest_s"] = round(out["first_step_s"] - out["dynamo_s"] - out.get("first_step_compile_s", 0), 2)
     return out
+
+
+def start_trace():
+    """A torch.profiler trace (host ops and the GPU's kernels and copies) of the steps `--trace-steps` names."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                    if torch.cuda.is_available() else [])
+    tracer = torch.profiler.profile(activities=acts)
+    tracer.start()
+    return tracer
+
+
+def _step_range(tracer, i: int):
+    import contextlib
+
+    import torch
+
+    return torch.profiler.record_function(f"step_{i + 1}") if tracer is not None else contextlib.nullcontext()
+
+
+def end_trace(tracer, args, steps: list[str]) -> dict:
+    """Stop the trace; per traced step: its wall time, the GPU's busy time (kernels and copies, all streams,
+    overlaps counted once) and the GPU's idle gaps over 1 ms, with the host ops that ran during the longest;
+    the top host and GPU ops over the traced steps; the chrome trace gzipped into `--profile-dir`."""
+    import gzip
+
+    tracer.stop()
+    events = tracer.events()
+    ranges = {e.name: (e.time_range.start, e.time_range.end) for e in events
+              if e.name in steps and e.device_type.name == "CPU"}  # (the GPU's annotation of a step is another)
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    host = [e for e in events if e.device_type.name == "CPU" and e.name not in steps]
+    summary: dict = {}
+    for name, (lo, hi) in ranges.items():
+        busy, gaps, cursor = 0.0, [], lo
+        for a, b in gpu:
+            if b <= lo or a >= hi:
+                continue
+            a, b = max(a, lo), min(b, hi)
+            if a > cursor:
+                gaps.append((cursor, a))
+            busy += max(0, b - max(a, cursor))
+            cursor = max(cursor, b)
+        if hi > cursor:
+            gaps.append((cursor, hi))
+        long = sorted((g for g in gaps if g[1] - g[0] > 1000), key=lambda g: g[0] - g[1])[:8]
+        summary[name] = {
+            "wall_ms": round((hi - lo) / 1e3, 2), "gpu_busy_ms": round(busy / 1e3, 2),
+            "gaps_over_1ms": [{"at_ms": round((a - lo) / 1e3, 1), "ms": round((b - a) / 1e3, 2),
+                               "host": _host_ops_in(host, a, b)} for a, b in long]}
+    averages = tracer.key_averages()
+    summary["top_host"] = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    summary["top_gpu"] = averages.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=70)
+    if args.profile_dir:
+        path = os.path.join(args.profile_dir, f"trace_{args.row.replace(':', '-')}_{args.mode}.json")
+        tracer.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as z:
+            z.write(f.read())
+        os.remove(path)
+        summary["file"] = path + ".gz"
+    return summary
+
+
+def _host_ops_in(host: list, a: float, b: float) -> list[str]:
+    """The host ops that ran longest inside [a, b] (clipped to it), as 'name ms'."""
+    spent: dict[str, float] = {}
+    for e in host:
+        lo, hi = max(a, e.time_range.start), min(b, e.time_range.end)
+        if hi > lo:
+            spent[e.name] = spent.get(e.name, 0.0) + (hi - lo)
+    return [f"{n} {t / 1e3:.1f}" for n, t in sorted(spent.items(), key=lambda kv: -kv[1])[:6]]
 
 
 def _gpu_processes() -> list[str]:
@@ -343,7 +454,8 @@ def run_one(args, row: str, mode: str) -> dict:
           (["--profile-offload"] if mode == "cold" and (row.endswith(":int8") or files) else []) + \
           (["--profile-first-step"] if mode in ("profile", "coldprofile") else []) + \
           (["--profile-dir", args.profile_dir] if args.profile_dir else []) + \
-          ["--profile-steps", *map(str, args.profile_steps)]
+          ["--profile-steps", *map(str, args.profile_steps)] + \
+          (["--trace-steps", *map(str, args.trace_steps)] if args.trace_steps else [])
     env = dict(os.environ, **caches(row, mode), **bytecode_env(args), STAGEHAND_TUNE_CACHE="1",
                STAGEHAND_COMPILE_CACHE="1", STAGEHAND_WARM_COMPILE_WORKERS="0" if args.cold_compile_workers else "1")
     # serial: the cold baseline, every unit compiled in the step, none ahead in workers (compiler/ahead.py)
@@ -419,6 +531,9 @@ def main(argv=None) -> int:
                    "profiles here (pstats files)")
     p.add_argument("--profile-steps", nargs="+", type=int, default=[0],
                    help="the steps a profile run profiles, from 0 (1: the step after the calibration's re-plan)")
+    p.add_argument("--trace-steps", nargs="+", type=int, default=[],
+                   help="a cold run traces these steps (from 0, and the ones between) with torch.profiler: GPU busy "
+                        "time and idle gaps per step, top ops (slower: those steps' times are the profiler's)")
     p.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--page-cache", default="as left", help=argparse.SUPPRESS)
     p.add_argument("--bytecode-cache", action="store_true",
@@ -429,7 +544,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.child:
         result = prepare_files(args, args.row.split(":")[0]) if args.prepare else child(args)
-        print("RESULT " + json.dumps(result), flush=True)
+        print("RESULT " + json.dumps(result, default=str), flush=True)
         return 0
     from _common import env_info, print_header, print_table, write_json
 

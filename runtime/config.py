@@ -189,9 +189,10 @@ class Config:
     # too small for a logits buffer fails units that fit the room), unless PYTORCH_CUDA_ALLOC_CONF or
     # PYTORCH_ALLOC_CONF configures the allocator. False: leave the allocator as it is.
     expandable_segments: bool = True
-    # After a step that compiled units: gc.collect() once, then gc.freeze(), so the collector stops walking
-    # the compile's millions of objects (full collections of 0.5-0.7 s every few hundred steps otherwise).
-    # restore() unfreezes. False: leave the collector alone.
+    # At offload's end and after a step that compiled units: gc.collect() once, then gc.freeze(), so the collector
+    # stops walking the libraries', the model's and the compile's millions of objects (full collections of
+    # 0.5-0.7 s every few hundred steps otherwise, and during the first step). restore() unfreezes. False: leave
+    # the collector alone.
     freeze_gc_after_compile: bool = True
     # Where the full-precision master of a block that streams INT8 is kept: "pinned", "ram"
     # (pageable), "file" (not in RAM: views of the model's safetensors file, offload(checkpoint=...)),

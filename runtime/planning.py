@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from .allocator import allocated_bytes
 from .conductor import cost_cache
 from .conductor.arbiter import Conductor
 from .conductor.calibrate import FORWARD, BlockClocks, Calibration
@@ -57,7 +58,7 @@ class PlanDriver:
         if cost_model is None:
             cost_model = CostModel()  # H2D bandwidth measured when a plan is first made for a budget
             if rt.device.type == "cuda":  # what stays on the device besides the blocks, until a step is measured
-                cost_model.base_bytes = torch.cuda.memory_allocated(rt.device)
+                cost_model.base_bytes = allocated_bytes(rt.device)
         self.cost_model = cost_model
         self.calibrated = cost_model.frozen or rt.device.type != "cuda"
         self.conductor = Conductor(rt.config.conductor, budget.soft, budget.hard, pressure=self._pressure,
@@ -307,7 +308,7 @@ class PlanDriver:
             if cap is None:
                 cap = self._device_total = getattr(self, "_device_total", None) or \
                     torch.cuda.get_device_properties(rt.device).total_memory
-            return torch.cuda.memory_allocated(rt.device) / cap
+            return allocated_bytes(rt.device) / cap
         return rt.pool.device_bytes() / cap if cap and rt.pool is not None else 0.0
 
     def _external(self) -> int:
@@ -315,7 +316,7 @@ class PlanDriver:
         rt = self.rt
         if rt.device.type != "cuda" or rt.pool is None:
             return 0
-        return max(0, torch.cuda.memory_allocated(rt.device) - rt.pool.device_bytes())
+        return max(0, allocated_bytes(rt.device) - rt.pool.device_bytes())
 
     def step_record(self) -> dict:
         """The plan's and the conductor's part of a telemetry line."""

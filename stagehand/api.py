@@ -100,6 +100,10 @@ def offload(
         sources = dynamo_source_files(model)
         slab_loader = slab_loader_for(slab, while_reading=(lambda: prewarm_compiler_imports(sources))
                                       if device.type == "cuda" else None)
+    elif device.type == "cuda":  # no reads to hide it behind: Dynamo's source index fills beside the host store
+        from torch_stagehand.compiler.inner import dynamo_source_files, start_index_sources_for_dynamo
+
+        start_index_sources_for_dynamo(dynamo_source_files(model))
     weights_file = None
     if checkpoint is not None:
         from torch_stagehand.runtime.weights_file import WeightsFile
@@ -137,6 +141,7 @@ def offload(
     report_offload(summary, auto=blocks == "auto", verbose=verbose)
     if verbose:
         FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
+    rt.collector.freeze_before_compile()  # last: what offload made is frozen too (collector.py)
     return rt
 
 

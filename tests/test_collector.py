@@ -1,5 +1,6 @@
-"""After a step that compiled units the runtime collects once and freezes what is left (gc.freeze); later
-steps that compile nothing freeze nothing; restore() unfreezes; the config can leave the collector alone."""
+"""offload() freezes what exists at its end; after a step that compiled units the runtime collects once and
+freezes what is left (gc.freeze); later steps that compile nothing freeze nothing; restore() unfreezes; the
+config can leave the collector alone."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ def _unfrozen():
     gc.unfreeze()
 
 
-def _run(config=None, steps: int = 3):
+def _run(config=None, steps: int = 3, after_offload=None):
     model, x = toy(n=3)
     for block in model.blocks:
         block.norm.requires_grad_(True)  # something to train (the streamed weights are frozen)
     rt = stagehand.offload(model, device="cpu", config=config)
+    if after_offload is not None:
+        after_offload(rt)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
@@ -39,9 +42,17 @@ def _run(config=None, steps: int = 3):
 
 
 def test_the_step_that_compiled_freezes_the_heap_and_restore_unfreezes_it():
-    rt, counts = _run()
-    [freeze] = rt.stats()["gc_freezes"]  # the first step compiled every unit; the others compiled none
-    assert freeze["step"] == 0 and freeze["frozen_objects"] > 10_000
+    at_offload = {}
+    rt, counts = _run(after_offload=lambda rt: at_offload.update(count=gc.get_freeze_count(),
+                                                                 freezes=list(rt.stats()["gc_freezes"])))
+    # offload froze the heap as it ended: the libraries, the model and the host store are out of the walks
+    [before] = at_offload["freezes"]
+    assert before["at"] == "offload" and before["frozen_objects"] >= at_offload["count"] > 10_000
+    offload, freeze = rt.stats()["gc_freezes"]  # the first step compiled every unit; the others compiled none
+    assert offload == before
+    assert freeze["at"] == "step" and freeze["step"] == 0
+    # The compile's objects joined the frozen ones.
+    assert freeze["frozen_objects"] > offload["frozen_objects"]
     # Frozen objects freed by their reference counts leave the count: it only falls, nothing frozen since.
     assert freeze["frozen_objects"] >= counts[0] >= counts[1] >= counts[2] > 10_000
     rt.restore()

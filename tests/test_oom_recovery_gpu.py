@@ -86,3 +86,18 @@ def test_a_memory_fraction_lowered_mid_run_is_survived_with_the_same_numbers(inn
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     rt.restore()
+
+
+def test_allocated_bytes_reads_what_torch_memory_allocated_reads():
+    """The schedule's admissions read the allocated bytes from the nested statistics (allocator.allocated_bytes):
+    the same number torch.cuda.memory_allocated flattens every statistic to find."""
+    from torch_stagehand.runtime.allocator import allocated_bytes
+
+    device = torch.device("cuda")
+    before = allocated_bytes(device)
+    assert before == torch.cuda.memory_allocated(device)
+    held = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    assert allocated_bytes(device) == torch.cuda.memory_allocated(device) >= before + held.numel()
+    del held
+    assert allocated_bytes(device) == torch.cuda.memory_allocated(device) == before
+    assert allocated_bytes(torch.device("cpu")) == 0

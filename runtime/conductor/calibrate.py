@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from ..allocator import allocated_bytes
 from .costs import CostModel
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
@@ -178,7 +179,7 @@ class Calibration:
         return self.clocks.gpu.elapsed(start, stop)
 
     def _allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+        return allocated_bytes(self.device)  # (0 off CUDA)
 
     def on_wait(self, block: int, kind: str) -> None:
         key = (block, kind)
