@@ -444,8 +444,42 @@ def start_time_workers_table() -> str:
         run=lambda r: _RUN_LABELS.get(r["mode"], r["mode"]))
 
 
+# The heap frozen at offload, allocated bytes read from the nested statistics (this session's code): (file, rows).
+START_TIME_FREEZE = (("start_time_freeze_flux_files.json", ("flux:int8:files:blocks",)),
+                     ("start_time_freeze_flux_qwen32.json", ("flux:int8:blocks", "qwen32:int8:blocks")),
+                     ("start_time_freeze_flux_bf16.json", ("flux:bf16:blocks",)),
+                     ("start_time_freeze_qwen.json", ("qwen:int8:blocks",)))
+
+
+def _first_step_gc(r: dict) -> str:
+    """The collector's seconds from offload's end to the first step's end (start_time.py's CollectorClock)."""
+    before, after = r.get("gc_to_offload_end"), r.get("gc_to_first_step_end")
+    return "" if not before or not after else f"{sum(after['s']) - sum(before['s']):.2f}"
+
+
+def _new_plan_steps(r: dict) -> str:
+    """The steps that measure a new plan over the steady step: a cold run's steps 3 and 4 (the first two after
+    the calibration's re-plan), a warm run's step 2 (its first is the first step)."""
+    steps = r["step_ms"][1:3] if r["mode"] == "cold" else r["step_ms"][:1]
+    return " / ".join(f"{s / r['steady_ms']:.2f}" for s in steps)
+
+
+def start_time_freeze_table() -> str:
+    """Seconds to the first step with the heap frozen at offload (this session's code)."""
+    return start_time_blocks_table(START_TIME_FREEZE, (
+        "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --ahead-workers 2 "
+        "--bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, AdamW, "
+        "`stagehand.compile_blocks`; `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache "
+        "empty, two ahead-compile workers started by `offload()`; warm: a second process on the same machine. "
+        "The cold checkpoint + slab row's offload ran under cProfile (the bench profiles every cold offload from "
+        "files). \"collector s\": Python's garbage collector from offload's end to the first step's end. "
+        "\"new-plan steps / steady\": a cold run's steps 3 and 4 (the first two under the plan made from the "
+        "calibration step), a warm run's step 2, over the steady step"),
+        extra=[Col("collector s", _first_step_gc), Col("new-plan steps / steady", _new_plan_steps)])
+
+
 def start_time_blocks_table(sources=START_TIME_SOURCES, what: str | None = None,
-                            run: Callable[[dict], str] = lambda r: r["mode"]) -> str:
+                            run: Callable[[dict], str] = lambda r: r["mode"], extra: list | None = None) -> str:
     """Seconds to the first step: whole-model capture against a compile per block (`stagehand.compile_blocks`),
     the weights built in memory or read from the checkpoint and slab on disk; the resident model's regional
     compile beside them."""
@@ -478,7 +512,7 @@ def start_time_blocks_table(sources=START_TIME_SOURCES, what: str | None = None,
             Col("units compiled / loaded", units), Col("their s", field("compile_seconds", num, 1)),
             Col("W8A16 autotune s", field("autotune_seconds", num, 1)),
             Col("steps 2-4 ms", lambda r: " / ".join(ms(v) for v in r["step_ms"][:3])),
-            Col("steady ms", field("steady_ms", ms)), Col("source", lambda r: f"`{r['_source']}`")]
+            Col("steady ms", field("steady_ms", ms)), *(extra or []), Col("source", lambda r: f"`{r['_source']}`")]
     what = what or (
         "Each run a fresh process (`benches/start_time.py`), LoRA r=16, AdamW; `vram_budget` Flux 16 GiB, "
         "Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty; warm: a second process on the same machine. "
@@ -1064,6 +1098,7 @@ FIGURES: dict[str, Figure] = {
     "start_time_now": Figure(start_time_now_table, tuple(name for name, _ in START_TIME_NOW)),
     "start_time_bytecode": Figure(start_time_bytecode_table, ("start_time_session_bytecode.json",)),
     "start_time_workers": Figure(start_time_workers_table, tuple(name for name, _ in START_TIME_WORKERS)),
+    "start_time_freeze": Figure(start_time_freeze_table, tuple(name for name, _ in START_TIME_FREEZE)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),

@@ -12,17 +12,17 @@ block's copy overlaps their compute). Recompute reaches the program via `Runtime
 
 On CUDA, unless the cost model was injected (`frozen`), the first steps run
 the smallest plan and the second of them is measured (conductor/calibrate.py;
-the first one compiles); the plan is re-made from the measurements when that
-step ends. The first `REFINE_STEPS` steps of every later plan measure each
-block again (`BlockClocks`): the host's issue time and the GPU's time
-(its events read at a later step's end, once reached: no synchronisation): the calibration step's
-copies hold the host back in a full launch queue, and a slow host leaves the
-GPU waiting inside a block, so both read high there and never low; the smaller
-value stays for the next plan made (the plan running keeps the prediction it
-was chosen by). A new precision map re-plans at once (bytes per block changed).
-The measured model is kept on disk with the plan in force (conductor/cost_cache.py, keyed by the first compiled
-graph's inputs too): a later run of the same job loads both when that graph is captured and resumes the plan.
-"""
+the first one compiles; a measured step that compiled or loaded units is
+measured again on the next); the plan is re-made from the measurements when
+that step ends. The first `REFINE_STEPS` steps of every later plan measure each
+block again (`BlockClocks`): the host's issue time and the GPU's time (its
+events read at a later step's end, once reached: no synchronisation): the
+calibration step's copies hold the host back in a full launch queue, and a slow
+host leaves the GPU waiting inside a block, so both read high there and never
+low; the smaller value stays for the next plan made (the plan running keeps the prediction it was chosen by).
+A new precision map re-plans at once (bytes per block changed). The measured model is kept on disk with the plan
+in force (conductor/cost_cache.py, keyed by the first compiled graph's inputs too): a later run of the same job
+loads both when that graph is captured and resumes the plan."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # Steps run under the smallest plan before the measured one: the first compiles, so its times say nothing.
 WARMUP_STEPS = 1
+# A calibration step in which units compiled or loaded is measured again on the next step, up to this often.
+REMEASURE_TRIES = 2
 REFINE_STEPS = 2  # steps of a new plan whose host and GPU times per block refine the cost model (the first compiles)
 # A plan that does not fit when applied is re-made with this fraction of its weights fewer, up to SHRINK_TRIES times.
 SHRINK_FRACTION, SHRINK_TRIES = 0.25, 10
@@ -66,6 +68,7 @@ class PlanDriver:
         self._admit = self.conductor.enabled  # one attribute read on the hot path when disabled
         self.calibration: Calibration | None = None
         self._calibrate_at: int | None = None  # the step measured for calibration
+        self.remeasured: list[int] = []  # calibration steps not used: units compiled or loaded in them
         self.plan: Plan | None = None
         self.replans = 0
         self.spill: ActivationSpill | None = None  # made when a plan first spills
@@ -318,18 +321,9 @@ class PlanDriver:
             return 0
         return max(0, allocated_bytes(rt.device) - rt.pool.device_bytes())
 
-    def step_record(self) -> dict:
-        """The plan's and the conductor's part of a telemetry line."""
-        record = {"plan": self.plan.counts() if self.plan is not None else {}}
-        if self._admit:
-            record.update(self.conductor.snapshot())
-        if self.rt.device.type == "cuda":
-            record["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved(self.rt.device) / 2**20, 1)
-        return record
-
     def on_step_begin(self, step: int) -> None:
         if not self.calibrated and step == self._calibrate_at and self.calibration is None:
-            self.calibration = Calibration(len(self.rt.blocks), self.rt.device)
+            self.calibration = Calibration(len(self.rt.blocks), self.rt.device, lambda: self.rt.compile_count)
         if self._peak_check == "pending" and self.calibration is None:
             torch.cuda.reset_peak_memory_stats(self.rt.device)  # host-side counters: no synchronisation
             self._peak_check = "measuring"
@@ -380,6 +374,11 @@ class PlanDriver:
                 self.kept.keep(self.cost_model, self._decisions())  # refined or corrected: the next run starts here
             return
         calibration, self.calibration = self.calibration, None
+        if calibration.compiled_in_step() and len(self.remeasured) < REMEASURE_TRIES:
+            self.remeasured.append(step)  # one-time seconds are no plan's: the smallest plan measures the next step
+            self._calibrate_at = step + 1
+            log.info("stagehand: step %d compiled or loaded units: calibrating on the next step", step)
+            return
         plan = self.plan
         self._training_costs(self.cost_model)  # the step's optimizer lane is predicted, not left in its residual
 

@@ -37,7 +37,7 @@ from .offload_undo import OffloadUndo
 from .oom_recovery import OomRecovery
 from .precision import PrecisionMapError
 from .planning import PlanDriver
-from .runtime_stats import runtime_stats
+from .runtime_stats import planner_step_record, runtime_stats
 from .selective.runtime_api import SelectivePrecisionAPI
 from .streamed import guard_conversions, make_plain, unguard
 
@@ -377,7 +377,7 @@ class Runtime(SelectivePrecisionAPI):
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
             record["vram_peak_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         self._step_base = now
-        record = dict(record, **self.planner.step_record())
+        record = dict(record, **planner_step_record(self.planner))
         self.telemetry.write(record)
         self.planner.on_step_end(step)
         self.events.step(record)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
+
 from torch_stagehand import kernels
 
 from .host_plan import host_report
@@ -48,6 +50,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
         **plan_stats(rt.planner.plan, rt.pool), **spill_stats(rt.planner.spill),
         "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned
+        "calibration_remeasured": list(rt.planner.remeasured),  # calibration steps that compiled: measured again
         "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
         "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered
         "oom_recoveries": list(rt.oom.records),  # out of memory in a step: where, budgets, plan (oom_recovery.py)
@@ -75,3 +78,13 @@ def spill_stats(spill: ActivationSpill | None) -> dict:
     if spill is None:
         return {}
     return {"d2h_bytes": spill.d2h_bytes, "restored_bytes": spill.h2d_bytes, "spilled_tensors": spill.spilled_tensors}
+
+
+def planner_step_record(planner: Any) -> dict:
+    """The plan's and the conductor's part of a telemetry line (`planner`: runtime/planning.py's PlanDriver)."""
+    record = {"plan": planner.plan.counts() if planner.plan is not None else {}}
+    if planner._admit:
+        record.update(planner.conductor.snapshot())
+    if planner.rt.device.type == "cuda":
+        record["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved(planner.rt.device) / 2**20, 1)
+    return record

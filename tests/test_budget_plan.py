@@ -308,6 +308,32 @@ def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real
     assert bool(emptied) == reserved_over_budget
 
 
+def test_a_calibration_step_that_compiled_units_is_measured_again_on_the_next_step():
+    """A unit compiled or loaded in the measured step (here: a second input shape's; with ahead-compile workers,
+    the first compiled forward's) puts one-time seconds in the step's times: the smallest plan runs one more
+    step, measured instead, and the plan is made from that one."""
+    model, x = _model()
+    other = x[:1].detach().clone().requires_grad_(True)  # another batch size: new units in the measured step
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
+    rt.planner.calibrated = False  # on the CPU the defaults stand unless asked; the GPU always calibrates
+    rt.replan()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    rt.attach(optimizer)
+    kinds, units = [], []
+    for step, batch in enumerate([x, other, x, x]):
+        before = rt.compile_count
+        _step(compiled, model, batch)
+        optimizer.step()
+        kinds.append(rt.plan.kind)
+        units.append(rt.compile_count - before)
+    assert units[1] > 0 and units[2] == 0  # step 1 compiled the other shape's units; step 2 nothing
+    assert kinds == ["calibrating", "calibrating", "planned", "planned"]
+    assert rt.stats()["calibration_remeasured"] == [1]
+    assert rt.planner.calibrated and "calibration_step_s" in rt.planner.cost_model.measured
+
+
 @pytest.mark.parametrize("inner", ["eager", "inductor"])
 def test_spilled_activations_come_back_for_the_backward_with_the_same_gradients(inner):
     model, _ = _model()

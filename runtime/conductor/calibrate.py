@@ -158,9 +158,10 @@ class BlockClocks:
 
 
 class Calibration:
-    def __init__(self, n_blocks: int, device: torch.device):
+    def __init__(self, n_blocks: int, device: torch.device, units: Callable[[], int] = lambda: 0):
         self.n = n_blocks
         self.device = device
+        self._units, self._units_at_start = units, units()  # units compiled or loaded so far (`compiled_in_step`)
         self.clocks = BlockClocks(n_blocks, device)
         self._alloc: dict[tuple[int, str], int] = {}
         self._forward_order: list[int] = []
@@ -171,6 +172,14 @@ class Calibration:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         self._start = self._event()
+
+    def compiled_in_step(self) -> bool:
+        """Whether a unit compiled or loaded in the measured step (each runs as it is added). Then the step's
+        times hold one-time seconds: the compile or load, and the kernels loading and tuning at the unit's
+        first call (0.7-1.1 s of a full-size model's step where ahead-compile workers leave the first compiled
+        forward to it), which would join every plan's predicted step (`other_s`), and their memory
+        `base_bytes`."""
+        return self._units() != self._units_at_start
 
     def _event(self):
         return self.clocks.gpu.event()
