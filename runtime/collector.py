@@ -14,7 +14,10 @@ imported libraries, the model, the host store) leaves the walks before the first
 Inductor's allocations otherwise set off full collections over all of it during that step (a warm tiny Flux
 start on the CPU machine: three, 0.8 s together, one of its 6 s), and the collect after it walks it again.
 Only the young generations are collected before that freeze (they are what offload just made): older cyclic
-garbage, which importing and building a model rarely leave, waits for the unfreeze.
+garbage, which importing and building a model rarely leave, waits for the unfreeze. A process that exits
+without `restore()` unfreezes at exit (`atexit`): the interpreter's last collections skip frozen objects, and
+extension modules then report what they still hold as leaked (nanobind, Triton's bindings: dozens of lines
+after a script's own error message).
 
 Objects frozen here that later become cyclic garbage wait for `gc.unfreeze`,
 which `rt.restore()` / `close()` call: what the run compiled is collectable
@@ -26,6 +29,7 @@ start). `Config.freeze_gc_after_compile=False` leaves the collector alone.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import time
@@ -52,7 +56,7 @@ class CollectorFreeze:
             return
         t0 = time.perf_counter()
         gc.collect(1)
-        gc.freeze()
+        _freeze()
         self.freezes.append({"at": "offload", "frozen_objects": gc.get_freeze_count(),
                              "collect_ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
@@ -62,7 +66,7 @@ class CollectorFreeze:
         self._compiled_at_freeze = self.rt.compile_count
         t0 = time.perf_counter()
         gc.collect()  # this step's garbage (the compile's) goes first: frozen garbage would stay
-        gc.freeze()
+        _freeze()
         record = {"at": "step", "step": self.rt.phases.step, "frozen_objects": gc.get_freeze_count(),
                   "collect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
         self.freezes.append(record)
@@ -75,3 +79,14 @@ class CollectorFreeze:
         self._closed = True
         if self.freezes:
             gc.unfreeze()
+
+
+_unfreeze_at_exit = []  # one atexit registration per process
+
+
+def _freeze() -> None:
+    """gc.freeze(), with the heap unfrozen again when the process exits (module docstring)."""
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit.append(True)
+    gc.freeze()
