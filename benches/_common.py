@@ -200,6 +200,25 @@ def host_us_per_call(fn, calls: int = 200) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+class CollectorClock:
+    """Seconds Python's cyclic garbage collector ran, and its runs, per generation, since this clock was made
+    (gc.callbacks): a collection of a large heap (Dynamo's and Inductor's objects) is a suspect for a slow step."""
+
+    def __init__(self):
+        self.seconds, self.counts, self._t0 = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._t0
+            self.counts[info["generation"]] += 1
+
+    def read(self) -> dict:
+        return {"s": [round(x, 3) for x in self.seconds], "collections": list(self.counts)}
+
+
 class Sync:
     def __init__(self, device: str):
         self.cuda = device == "cuda"

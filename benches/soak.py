@@ -40,7 +40,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import RESULTS, env_info, print_header, print_table, proc_status, write_json  # noqa: E402
+from _common import RESULTS, CollectorClock, env_info, print_header, print_table, proc_status, write_json  # noqa: E402
 from models import LORA_TARGETS, build_qwen  # noqa: E402
 
 import torch_stagehand as stagehand  # noqa: E402
@@ -133,23 +133,16 @@ def budget_bytes(args, rt_or_bytes) -> list[int]:
 
 
 class GcClock:
-    """Milliseconds Python's cyclic garbage collector ran since the last read, and its oldest generation's runs:
-    a collection of a large heap (Dynamo's and Inductor's objects) is a suspect for a slow step."""
+    """Milliseconds the collector ran since the last read, and its oldest generation's runs (_common's clock)."""
 
     def __init__(self):
-        self.ms, self.full, self._t0 = 0.0, 0, 0.0
-        gc.callbacks.append(self._on)
-
-    def _on(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.ms += (time.perf_counter() - self._t0) * 1e3
-            self.full += info.get("generation") == 2
+        self.clock = CollectorClock()
+        self._ms, self._full = 0.0, 0
 
     def read(self) -> dict:
-        out = {"gc_ms": round(self.ms, 2), "gc_full": self.full}
-        self.ms, self.full = 0.0, 0
+        ms, full = sum(self.clock.seconds) * 1e3, self.clock.counts[2]
+        out = {"gc_ms": round(ms - self._ms, 2), "gc_full": full - self._full}
+        self._ms, self._full = ms, full
         return out
 
 

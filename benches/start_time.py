@@ -53,29 +53,11 @@ BUDGETS = {"flux": "16GiB", "qwen": "20GiB", "qwen32": "40GiB"}  # qwen32: the Q
 ROOT = os.environ.get("START_TIME_CACHE_ROOT", "/tmp/stagehand-start-time")
 
 
-class CollectorClock:
-    """Seconds Python's garbage collector spends, per generation, from the process's start (gc.callbacks)."""
-
-    def __init__(self):
-        import gc
-
-        self.seconds, self.counts, self._t0 = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
-        gc.callbacks.append(self._on)
-
-    def _on(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.seconds[info["generation"]] += time.perf_counter() - self._t0
-            self.counts[info["generation"]] += 1
-
-    def read(self) -> dict:
-        return {"s": [round(x, 3) for x in self.seconds], "collections": list(self.counts)}
-
-
 def child(args) -> dict:
     """One process: build, offload, compile, `--steps` steps, each synchronised and timed."""
-    args.gc_clock = CollectorClock()
+    from _common import CollectorClock
+
+    args.gc_clock = CollectorClock()  # the collector's seconds, read at offload's end and the first step's
     import peft
     import torch
     from models import LORA_TARGETS, set_checkpointing
@@ -530,7 +512,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile-dir", default=None, help="a profile run writes the whole profile of each step it "
                    "profiles here (pstats files)")
     p.add_argument("--profile-steps", nargs="+", type=int, default=[0],
-                   help="the steps a profile run profiles, from 0 (1: the step after the calibration's re-plan)")
+                   help="the steps a profile run profiles, from 0 (1: a cold run's calibration step; the plan made "
+                        "from it runs from 2)")
     p.add_argument("--trace-steps", nargs="+", type=int, default=[],
                    help="a cold run traces these steps (from 0, and the ones between) with torch.profiler: GPU busy "
                         "time and idle gaps per step, top ops (slower: those steps' times are the profiler's)")
