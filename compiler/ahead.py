@@ -188,6 +188,7 @@ class AheadResult:
     error: str = ""
     cuda_context: bool = False  # the worker holds a CUDA context (it compiled for the device)
     settings: dict[str, Any] = field(default_factory=dict)  # the worker's process_settings while it compiled
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of torch's compile (ahead_worker)
 
     def describe(self) -> str:
         if self.error:
@@ -222,6 +223,7 @@ class _Worker:
                 job, future = item
                 if not future.set_running_or_notify_cancel():
                     continue  # dropped while queued: the main process compiled it itself
+                self.pool.mark(job.key, "started_s")
                 try:
                     send(self.process.stdin, job)
                     reply = receive(self.process.stdout)
@@ -230,9 +232,10 @@ class _Worker:
                 if reply is None:
                     reply = {"error": f"the worker exited (code {self.process.poll()})"}
                 self.jobs_done += 1
+                self.pool.mark(job.key, "done_s")
                 future.set_result(AheadResult(reply.get("seconds", 0.0), reply.get("state", ""),
                                               reply.get("error", ""), reply.get("cuda_context", False),
-                                              reply.get("settings", {})))
+                                              reply.get("settings", {}), reply.get("phases", {})))
         finally:
             self.end()
 
@@ -289,12 +292,33 @@ class AheadCompiler:
         self.dropped = 0  # jobs dropped while queued (the main process compiled them itself)
         self.worker_pids: list[int] = []
         self.refused: list[str] = []  # variants not handed over (their graph or inputs would not travel), and why
+        # Per job, when it was submitted, started and done, and when the main process asked for it (seconds since
+        # the pool was made): where a cold first step waits, and on what.
+        self.timeline: dict[Hashable, dict[str, Any]] = {}
+        self._t0 = time.perf_counter()
         self._closed = False
 
     @property
     def stats(self) -> dict[str, Any]:
         return {"submitted": len(self.futures), "waited_s": self.waited_s, "dropped": self.dropped,
-                "worker_pids": list(self.worker_pids), "refused": list(self.refused)}
+                "worker_pids": list(self.worker_pids), "refused": list(self.refused), "jobs": self.jobs_timeline()}
+
+    def mark(self, key: Hashable, event: str) -> None:
+        """Note when `event` happened to `key`'s job (its timeline entry, made at submit)."""
+        entry = self.timeline.get(key)
+        if entry is not None:
+            entry[event] = round(time.perf_counter() - self._t0, 3)
+
+    def jobs_timeline(self) -> list[dict[str, Any]]:
+        """Each job's timeline entry, with its worker's seconds and phases once it is done."""
+        out = []
+        for key, entry in self.timeline.items():
+            future = self.futures.get(key)
+            result = future.result() if future is not None and future.done() and not future.cancelled() else None
+            extra = {} if result is None else {"worker_s": round(result.seconds, 3), "phases": result.phases,
+                                               "error": result.error.strip().splitlines()[-1] if result.error else ""}
+            out.append(dict(entry, **extra))
+        return out
 
     def submit(self, job: AheadJob, later: bool = False) -> bool:
         """Queue `job` unless its variant was asked for before; True when queued. `later`: held back until the
@@ -306,6 +330,8 @@ class AheadCompiler:
             return False
         future: Future = Future()
         self.futures[job.key] = future
+        self.timeline[job.key] = {"label": job.label, "later": later}
+        self.mark(job.key, "submitted_s")
         with self.lock:
             if later:
                 self.held.append((job, future))
@@ -349,6 +375,7 @@ class AheadCompiler:
         future = self.futures.get(key)
         if future is None:
             return None
+        self.mark(key, "asked_s")
         if future.cancel():
             self.dropped += 1
             return None

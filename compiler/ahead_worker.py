@@ -58,7 +58,10 @@ def compile_job(job) -> dict:
     from . import compile_cache, inner, process_settings
     from .inner import compile_unit
 
+    from torch._dynamo.utils import compilation_time_metrics
+
     start = time.perf_counter()
+    before = {k: sum(v) for k, v in compilation_time_metrics.items()}
     values, faked = fake_inputs(job.inputs)
     graph = GraphPickler.loads(job.graph, faked.mode)
     graph.recompile()
@@ -74,7 +77,15 @@ def compile_job(job) -> dict:
     context = torch.cuda.is_initialized() and any(
         torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count()))
     return {"state": outcome.state, "seconds": time.perf_counter() - start, "cuda_context": context,
-            "settings": process_settings.current()}
+            "settings": process_settings.current(), "phases": phase_seconds(before, compilation_time_metrics)}
+
+
+def phase_seconds(before: dict[str, float], metrics: dict[str, list[float]], least_s: float = 0.05) -> dict:
+    """The job's seconds per phase of torch's compile (its `dynamo_timed` regions: AOTAutograd's trace and
+    partition, Inductor's lowering, code generation, the wait for Triton's compile pool...), the phases of at
+    least `least_s`, longest first. Regions nest: the phases overlap, and do not add up to the job."""
+    spent = {k: sum(v) - before.get(k, 0.0) for k, v in metrics.items()}
+    return {k: round(s, 3) for k, s in sorted(spent.items(), key=lambda kv: -kv[1]) if s >= least_s}
 
 
 def load_no_kernels() -> None:
@@ -88,6 +99,27 @@ def load_no_kernels() -> None:
         if not hasattr(CachingAutotuner, name):  # another torch: say so rather than load kernels unseen
             raise RuntimeError(f"stagehand ahead worker: torch's CachingAutotuner has no {name}")
         setattr(CachingAutotuner, name, lambda self: None)
+
+
+def profiled(compile_fn, job, directory: str) -> dict:
+    """`compile_fn(job)`; with `directory` (`STAGEHAND_AHEAD_PROFILE`), under cProfile, its 40 costliest calls
+    written to `<directory>/ahead-<pid>-<n>.txt` (n counts this worker's jobs) with the job's label on top."""
+    if not directory:
+        return compile_fn(job)
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(compile_fn, job)
+    finally:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(40)
+        os.makedirs(directory, exist_ok=True)
+        n = sum(name.startswith(f"ahead-{os.getpid()}-") for name in os.listdir(directory))
+        with open(os.path.join(directory, f"ahead-{os.getpid()}-{n}.txt"), "w") as f:
+            f.write(f"{job.label}\n{text.getvalue()}")
 
 
 def main() -> None:
@@ -123,7 +155,7 @@ def main() -> None:
         if job is None:
             return
         try:
-            reply = compile_job(job)
+            reply = profiled(compile_job, job, os.environ.get("STAGEHAND_AHEAD_PROFILE", ""))
         except BaseException:  # noqa: BLE001 - the main process compiles the variant itself, and logs why
             reply = {"error": traceback.format_exc(limit=6)}
         ahead.send(replies, reply)

@@ -62,6 +62,14 @@ def test_the_forward_runs_eagerly_while_a_worker_compiles_and_the_backward_loads
     assert stats["submitted"] == 2 and len(stats["worker_pids"]) == 2
     assert [i["cache"] for i in infos] == ["hit"] and not stats["refused"]
     assert infos[0]["ahead"].startswith("compiled ahead in a worker") and "(miss)" in infos[0]["ahead"]
+    # The jobs' timeline: the training variant submitted, started, done and asked for by the backward, in that
+    # order, with its worker's phases (torch's compile regions); the inference variant held back, not asked yet.
+    training, inference = stats["jobs"]
+    assert "grad on" in training["label"] and not training["later"] and training["error"] == ""
+    assert training["submitted_s"] <= training["started_s"] <= training["done_s"], training
+    assert training["started_s"] <= training["asked_s"] and training["worker_s"] > 0
+    assert any(name.startswith("compile_fx") for name in training["phases"]), training["phases"]
+    assert "grad off" in inference["label"] and inference["later"] and "asked_s" not in inference
     # Loaded, but compiled in this run (by its worker): the model's bundle is written, so the next run knows the
     # model is compiled and starts no workers (a run that wrote none was 22 s into its first step on an H100).
     assert list((fresh_caches / "stagehand" / "compile").glob("*.bundle"))
