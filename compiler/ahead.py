@@ -204,8 +204,9 @@ class _Worker:
     def __init__(self, pool: "AheadCompiler"):
         self.pool = pool
         self.jobs_done = 0
-        # Each worker's Triton compile pool gets its share of the cores (not in any cache key).
-        threads = max(1, (os.cpu_count() or 1) // (pool.size + 1))
+        # Each worker's Triton compile pool gets its share of the cores (not in any cache key). The main process
+        # compiles nothing meanwhile: it runs the forward eagerly, tunes, and waits.
+        threads = max(1, (os.cpu_count() or 1) // pool.size)
         if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
             threads = min(threads, int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"]))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
@@ -289,6 +290,7 @@ class AheadCompiler:
         self.held: list[tuple[AheadJob, Future]] = []  # jobs submitted `later`, queued at the first `take`
         self.configs: dict[str, Any] = {}
         self.waited_s = 0.0  # the main process's time spent waiting for jobs a worker was on
+        self.busy_waiting_s = 0.0  # of which it spent working (`take`'s while_waiting)
         self.dropped = 0  # jobs dropped while queued (the main process compiled them itself)
         self.worker_pids: list[int] = []
         self.refused: list[str] = []  # variants not handed over (their graph or inputs would not travel), and why
@@ -300,7 +302,8 @@ class AheadCompiler:
 
     @property
     def stats(self) -> dict[str, Any]:
-        return {"submitted": len(self.futures), "waited_s": self.waited_s, "dropped": self.dropped,
+        return {"submitted": len(self.futures), "waited_s": self.waited_s, "busy_waiting_s": self.busy_waiting_s,
+                "dropped": self.dropped,
                 "worker_pids": list(self.worker_pids), "refused": list(self.refused), "jobs": self.jobs_timeline()}
 
     def mark(self, key: Hashable, event: str) -> None:
@@ -365,9 +368,11 @@ class AheadCompiler:
             self.workers.add(worker)
             self.worker_pids.append(worker.process.pid)
 
-    def take(self, key: Hashable) -> AheadResult | None:
+    def take(self, key: Hashable, while_waiting: Callable[[Callable[[], bool]], Any] | None = None
+             ) -> AheadResult | None:
         """Before the main process compiles `key`: wait for its job if a worker is on it; drop it if it is
-        still queued (None: no job, or dropped)."""
+        still queued (None: no job, or dropped). `while_waiting(done)`: work the main process does first while
+        the worker compiles (it asks `done()` between its pieces), as part of the wait."""
         with self.lock:  # the main process waits now: the forward has handed over its training variants
             for item in self.held:
                 self.jobs.put(item)
@@ -380,6 +385,9 @@ class AheadCompiler:
             self.dropped += 1
             return None
         start = time.perf_counter()
+        if while_waiting is not None and not future.done():
+            while_waiting(future.done)
+            self.busy_waiting_s += time.perf_counter() - start
         try:
             result = future.result(timeout=self.wait_s)
         except FutureTimeout:  # a worker stuck: the main process compiles the variant itself

@@ -21,6 +21,7 @@ training variant again in backward, under one fetch of its weights.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -31,6 +32,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from torch_stagehand import kernels
 from torch_stagehand.runtime import registry
 
 from . import compile_cache
@@ -117,7 +119,8 @@ class _Unit(nn.Module):
         faked = None if self.symbolic is None else self.symbolic.fake(args)
         why = cache.why_new(key)  # before it joins the cache
         # A worker compiling this variant ahead: wait for it, then load what it wrote (a queued job is dropped).
-        ahead = cache.ahead.take(key) if cache.ahead is not None else None
+        # Meanwhile, the W8A16 tuning the eager forward put off (`_run_variant`).
+        ahead = cache.ahead.take(key, kernels.tune_deferred) if cache.ahead is not None else None
         cache.before_compile()
         start = time.perf_counter()
         with compile_cache.track() as outcome:
@@ -139,12 +142,9 @@ class _Unit(nn.Module):
             self._warn_on_a_second_shape(key[0], args, label, block_variant)
         per_structure = cache.count_structure(key[0])
         if per_structure == _SHAPE_VARIANTS_WARNING + 1:
-            log.warning(
-                "stagehand: %s compiled for %d different input shapes; pad inputs to a few bucket sizes "
-                "to stop recompiling", label, per_structure,
-            )
+            log.warning("stagehand: %s compiled for %d different input shapes; pad inputs to a few bucket sizes "
+                        "to stop recompiling", label, per_structure)
         return compiled
-
 
     def _warn_on_a_second_shape(self, structure: str, args: tuple, label: str, block_variant: bool) -> None:
         """A static variant met its second shape: every new size will recompile every block. Say so, once."""
@@ -362,9 +362,13 @@ class BlockUnit(_Unit):
         rt = self.ctx.runtime
         # A recomputed block's forward (grad off; a backward follows) may run eagerly while workers compile.
         defer = recomputes and backward_follows and not torch.is_grad_enabled()
-        compiled = self._variant_for(args, block, precision, recomputes, defer)
+        compiled, eager = self._variant_for(args, block, precision, recomputes, defer)
+        # The graph itself, run eagerly while a worker compiles it: the W8A16 launches it meets run their untuned
+        # default, and their tuning waits for the wait on the worker (`_compile`), so that the forward hands the
+        # next block structure to a worker sooner (kernels/tune.py).
         try:
-            return compiled(*args)
+            with kernels.deferred_tuning() if eager else contextlib.nullcontext():
+                return compiled(*args)
         except BaseException:
             rt.abort_held_blocks()  # the evict inside never ran; don't leave the slot held
             raise
@@ -373,7 +377,7 @@ class BlockUnit(_Unit):
         """The compiled variant for the block's layout, `precision` and the grad mode (compiled on first use).
         `defer`: a recomputed block's forward, which may run the variant graph eagerly while ahead-compile
         workers compile it and the training variant its recompute runs (`_compile_ahead`); then the graph
-        itself is returned."""
+        itself is returned. Returns (the callable, whether it is that graph, to run eagerly)."""
         rt = self.ctx.runtime
         gm, skey, vctx = self.variant_graph(precision, rt_trainable(rt, block), block)
         self.last_precision = precision
@@ -389,7 +393,7 @@ class BlockUnit(_Unit):
             label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
             if defer and (self._compiling_ahead(key) or (
                     key not in self._training_of and self._compile_ahead(args, block, precision, recomputes, label))):
-                return gm  # eagerly, while a worker compiles it
+                return gm, True  # eagerly, while a worker compiles it
             # The variant passes, then the joint passes this compile runs.
             compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), replay_rng)
-        return compiled
+        return compiled, False

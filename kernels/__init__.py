@@ -9,6 +9,8 @@ because Triton failed to import warns once (`TritonUnavailableWarning`, naming
 under TRITON_INTERPRET=1 on the CPU).
 """
 
+import contextlib
+
 from .fallback import TritonUnavailableWarning, warn_reference_fallback
 from .quantize import dequantize, quantize_per_row
 from .reference import grouped_lowbit_ref, grouped_out_features, int8_linear_grad_input_ref, int8_linear_ref
@@ -16,7 +18,8 @@ from .reference import grouped_lowbit_ref, grouped_out_features, int8_linear_gra
 TRITON_IMPORT_ERROR: BaseException | None = None  # why the fused kernels are missing, if they are
 try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
     from .launch import int8_linear_grad_input_triton, int8_linear_triton
-    from .tune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
+    from .tune import LaunchConfig, deferred as deferred_tuning, tune_deferred, tuned_configs, tuning_log, \
+        tuning_seconds
     from .grouped import grouped_lowbit as _grouped_lowbit_cuda
 
     HAS_TRITON = True
@@ -38,6 +41,12 @@ except Exception as e:  # pragma: no cover - depends on the install
 
     def tuning_seconds():
         return 0.0
+
+    def deferred_tuning():
+        return contextlib.nullcontext()
+
+    def tune_deferred(stop=lambda: False):
+        return 0
 
 
 def _fused(x) -> bool:
@@ -87,6 +96,8 @@ __all__ = [
     "int8_linear_ref",
     "int8_linear_triton",
     "quantize_per_row",
+    "deferred_tuning",
+    "tune_deferred",
     "tuned_configs",
     "tuning_log",
     "tuning_seconds",

@@ -214,11 +214,28 @@ def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config:
     if config is None:
         tune_key = ("fwd", x.device, tune.bucket(M), N, K, x.dtype)
         config = tune.pick("fwd", tune_key, M, N, K, x.device, run, q, check,
-                           precompile=lambda cfg: run(cfg, executor=_compile_only(ex)))
+                           precompile=lambda cfg: run(cfg, executor=_compile_only(ex)),
+                           later=_tune_on_stand_ins(M, N, K, x.dtype, x.device, bias is not None, activation))
+        memo = memo and not tune.provisional(tune_key)  # the untuned default for now: not kept for replay
     run(config, executor=ex)
     if memo:
         FWD_MEMO.add(key, ex, x.device)
     return y
+
+
+def _tune_on_stand_ins(M: int, N: int, K: int, dtype, device, has_bias: bool, activation):
+    """A call that tunes a forward key (and the grad-input key of the same layer, which a backward asks for next)
+    on random tensors of the same shapes: what `tune.deferred` runs later, when the caller's tensors are gone."""
+
+    def tune_now() -> None:
+        x = torch.randn(M, K, dtype=dtype, device=device)
+        q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device)
+        scale = torch.rand(N, dtype=torch.float32, device=device) * 1e-2 + 1e-3
+        bias = torch.randn(N, dtype=dtype, device=device) if has_bias else None
+        int8_linear_triton(x, q, scale, bias, activation)
+        int8_linear_grad_input_triton(torch.randn(M, N, dtype=dtype, device=device), q, scale, K)
+
+    return tune_now
 
 
 def int8_linear_ref_epilogue(y, scale, bias, activation):

@@ -15,6 +15,12 @@ or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
    at small M exceed the kernel itself), with weights arriving cold as streamed
    weights do.
 
+Under `deferred()` (a cold first step's forward that runs a block's graph eagerly while a worker process compiles
+the block, compiler/ahead.py) a key that would be tuned runs its untuned default instead, and its tuning waits
+for `tune_deferred`, which the step calls while it waits for the worker anyway: the forward reaches the next
+block structure, and hands it to a worker, seconds sooner (full-size Flux int8: its double blocks' four keys,
+4-5 s of tuning, stood between the two structures' jobs).
+
 STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried,
 rejected and chosen is kept in `tuning_log()`, and each choice is written to
 an on-disk cache (tune_cache.py) that the next process reads back (checked
@@ -26,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -167,15 +175,54 @@ def tuning_log() -> dict:
     return {k: dict(v) for k, v in _LOG.items()}
 
 
+_PENDING: dict[tuple, Callable[[], None]] = {}  # key -> a call that tunes it on stand-in tensors (`deferred`)
+_DEFERRING = threading.local()
+
+
+@contextlib.contextmanager
+def deferred():
+    """Within: a key not tuned yet (here or on disk) whose caller can tune it later (`pick`'s `later`) runs its
+    untuned default, and waits for `tune_deferred` (module doc)."""
+    before = getattr(_DEFERRING, "on", False)
+    _DEFERRING.on = True
+    try:
+        yield
+    finally:
+        _DEFERRING.on = before
+
+
+def provisional(key) -> bool:
+    """Did `key` get its untuned default for now (deferred)? Its caller must not keep the launch for replay."""
+    return key in _PENDING
+
+
+def pending_keys() -> list:
+    return list(_PENDING)
+
+
+def tune_deferred(stop: Callable[[], bool] = lambda: False) -> int:
+    """Tune the deferred keys, in the order they met the default, until none is left or `stop()` says so (asked
+    before each key: a key's tuning is not cut short). Returns how many were tuned."""
+    done = 0
+    while _PENDING and not stop():
+        key = next(iter(_PENDING))
+        later = _PENDING.pop(key)
+        later()
+        done += 1
+    return done
+
+
 def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[LaunchConfig] | None = None,
-         precompile=None) -> LaunchConfig:
+         precompile=None, later: Callable[[], None] | None = None) -> LaunchConfig:
     """The config for key: tuned once (see the module docstring), then cached.
 
     run(cfg, weight) launches; check(cfg) returns None if the output is right,
     else a reason. `options`: the candidates of another kernel (grouped.py), the
     first one its untuned default; else this module's W8A16 candidates.
     `precompile(cfg)`: compiles cfg's kernels without launching them; given, every
-    candidate is compiled at once on threads before the first is run (`precompile_all`)."""
+    candidate is compiled at once on threads before the first is run (`precompile_all`).
+    `later()`: tunes `key` on stand-in tensors of the same shapes; given, under `deferred()` the key runs
+    its untuned default now and is tuned by `tune_deferred`."""
     if key[-1] == torch.float32 and not interpreting():
         return options[0] if options else F32_CONFIG
     if interpreting() or device.type != "cuda" or os.environ.get("STAGEHAND_AUTOTUNE", "1") == "0":
@@ -184,6 +231,10 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
         return _LOG[key]["chosen"]
     if torch.cuda.is_current_stream_capturing():  # timing would break the capture
         return options[0] if options else heuristic(kind, m, n_out, red, device)
+    deferring = later is not None and getattr(_DEFERRING, "on", False)
+    if deferring and key in _PENDING:
+        return options[0] if options else heuristic(kind, m, n_out, red, device)
+    _PENDING.pop(key, None)  # asked outside `deferred()` before its turn came: tuned here and now
     disk = tune_cache.TuneCache.for_device(device) if tune_cache.enabled() else None
     cached = disk.get(key, LaunchConfig) if disk is not None else None
     if cached is not None:
@@ -195,6 +246,9 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
         if reason is None:
             _LOG[key] = dict(chosen=cached, times_us={}, rejected={}, from_disk=True)
             return cached
+    if deferring:
+        _PENDING[key] = later
+        return options[0] if options else heuristic(kind, m, n_out, red, device)
     started = time.perf_counter()
     configs = options or candidates(kind, m, n_out, red, device)
     if precompile is not None:

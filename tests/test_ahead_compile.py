@@ -54,12 +54,26 @@ def _train_step(workers: int):
     return loss.detach(), grads, infos, stats, plain
 
 
-def test_the_forward_runs_eagerly_while_a_worker_compiles_and_the_backward_loads_it(fresh_caches):
+def test_the_forward_runs_eagerly_while_a_worker_compiles_and_the_backward_loads_it(fresh_caches, monkeypatch):
+    import contextlib
+
+    from torch_stagehand import kernels
+
+    deferrals = []
+
+    @contextlib.contextmanager
+    def deferred_tuning():
+        deferrals.append(True)
+        yield
+
+    monkeypatch.setattr(kernels, "deferred_tuning", deferred_tuning)
     loss, grads, infos, stats, _ = _train_step(workers=2)
     # The first block's forward handed its training variant and its inference variant to the workers and ran
     # the variant graph eagerly, as did the two blocks after it; the backward's recompute loaded the training
     # variant the worker compiled (torch's caches). The inference variant waits for the next step's forward.
     assert stats["submitted"] == 2 and len(stats["worker_pids"]) == 2
+    # Each of the three blocks' forwards ran its graph eagerly with the W8A16 tuning deferred (kernels/tune.py).
+    assert deferrals == [True] * 3
     assert [i["cache"] for i in infos] == ["hit"] and not stats["refused"]
     assert infos[0]["ahead"].startswith("compiled ahead in a worker") and "(miss)" in infos[0]["ahead"]
     # The jobs' timeline: the training variant submitted, started, done and asked for by the backward, in that
@@ -81,6 +95,7 @@ def test_the_forward_runs_eagerly_while_a_worker_compiles_and_the_backward_loads
     os.environ["STAGEHAND_CACHE_DIR"] = str(fresh_caches / "stagehand-serial")
     serial_loss, serial_grads, serial_infos, serial_stats, _ = _train_step(workers=0)
     assert serial_stats is None and [i["cache"] for i in serial_infos] == ["miss", "miss"]
+    assert len(deferrals) == 3  # without workers every forward ran the compiled variant: nothing deferred
     # The eager forward against the compiled one (the backward is the same compiled variant): measured loss
     # 0, grads 8e-7 (CPU, torch 2.13).
     assert rel_err(loss, serial_loss) < 1e-5
@@ -211,6 +226,34 @@ def test_input_specs_fake_the_same_sizes_strides_offsets_aliasing_and_grad_flags
     assert fv.untyped_storage()._cdata == fb.untyped_storage()._cdata  # one storage, as in the main process
     assert fl.untyped_storage()._cdata != fb.untyped_storage()._cdata
     assert values[3].item() == 0.5 and n == 7
+
+
+def test_the_main_process_works_while_it_waits_for_a_running_job_and_not_for_a_finished_one():
+    # take()'s while_waiting: what the step does first while a worker is on the job it asks for (the deferred
+    # W8A16 tuning); it asks done() between its pieces. A job done already is taken without it.
+    from concurrent.futures import Future
+
+    from torch_stagehand.compiler.ahead import AheadResult
+
+    pool = AheadCompiler(1)  # no job submitted: no worker started
+    running, finished = Future(), Future()
+    for key, future in (("running", running), ("finished", finished)):
+        pool.futures[key] = future
+        pool.timeline[key] = {"label": key, "later": False}
+        future.set_running_or_notify_cancel()
+    finished.set_result(AheadResult(seconds=1.0, state="miss"))
+    seen = []
+
+    def work(done):
+        seen.append(done())
+        running.set_result(AheadResult(seconds=2.0, state="miss"))  # the worker finishes meanwhile
+        seen.append(done())
+
+    assert pool.take("finished", while_waiting=work).seconds == 1.0 and seen == []
+    assert pool.take("running", while_waiting=work).seconds == 2.0 and seen == [False, True]
+    assert pool.busy_waiting_s > 0 and pool.waited_s >= pool.busy_waiting_s
+    assert [job["asked_s"] >= 0 for job in pool.stats["jobs"]] == [True, True]
+    pool.close()
 
 
 def test_ahead_workers_option(monkeypatch):

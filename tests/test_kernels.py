@@ -240,6 +240,52 @@ def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
     tune._LOG.pop(key)
 
 
+def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkeypatch):
+    # The deferral on the CPU: fake device, fake timings (as above). A cold step's eager forward (tune.deferred)
+    # gets the untuned default and no tuning; the wait on a worker tunes the key (tune_deferred), or a call
+    # outside the deferral that comes first does.
+    from types import SimpleNamespace
+
+    from torch_stagehand.kernels import tune
+
+    monkeypatch.setattr(tune, "sms", lambda device: 132)
+    monkeypatch.setattr(tune.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(tune, "_rotating_copies", lambda w: [w])
+    monkeypatch.setattr(tune, "graph_time", lambda fn, ws: (fn(ws[0]), 1e-2 * (current[0] != default))[1])
+    monkeypatch.delenv("STAGEHAND_AUTOTUNE", raising=False)
+    dev = SimpleNamespace(type="cuda")
+    default = tune.heuristic("fwd", 16, 3072, 3072, dev)
+    current, runs, later_calls = [None], [], []
+
+    def run(cfg, w):
+        current[0] = cfg
+        runs.append(cfg)
+
+    keys = [("fwd", "fake-deferred", 16, n, 3072, torch.bfloat16) for n in (3072, 4096)]
+
+    def pick(key, deferring_caller=True):
+        later = (lambda: later_calls.append(key) or pick(key, False)) if deferring_caller else None
+        return tune.pick("fwd", key, 16, key[3], 3072, dev, run, torch.zeros(1), lambda c: None, later=later)
+
+    try:
+        with tune.deferred():
+            assert pick(keys[0]) == default and pick(keys[0]) == default and pick(keys[1]) == default
+        assert runs == [] and later_calls == [] and tune.pending_keys() == keys  # nothing run, nothing timed
+        assert tune.provisional(keys[0]) and keys[0] not in tune.tuning_log()
+        assert tune.tune_deferred(stop=lambda: True) == 0 and tune.pending_keys() == keys  # the worker was done
+        assert tune.tune_deferred(stop=lambda: bool(later_calls)) == 1 and later_calls == [keys[0]]
+        assert keys[0] in tune.tuning_log() and not tune.provisional(keys[0])
+        assert tune.tuning_log()[keys[0]]["chosen"] == default  # the fake timings make it the fastest
+        # The second key's first call outside the deferral tunes it there and then, and drops it from the queue.
+        n = len(runs)
+        assert pick(keys[1], deferring_caller=False) == default and len(runs) > n
+        assert tune.pending_keys() == [] and tune.tune_deferred() == 0 and later_calls == [keys[0]]
+    finally:
+        for key in keys:
+            tune._LOG.pop(key, None)
+            tune._PENDING.pop(key, None)
+
+
 # ----------------------------------------------------------------------------- quantizer
 
 
@@ -478,6 +524,31 @@ def test_gpu_int8_to_fp32_conversion_is_exact(fast):
     out = torch.full(q.shape, float("nan"), device="cuda")
     w8a16._convert_kernel[(triton.cdiv(q.numel(), 256),)](q, out, q.numel(), BLOCK=256, FAST=fast)
     assert torch.equal(out, q.float())
+
+
+@gpu
+@needs_cuda
+def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waiting():
+    # What a cold step's eager forward does with a key not tuned yet (tune.deferred): the untuned default, right,
+    # and not kept for replay (a replay would skip the tuned pick later); the wait tunes it and the grad-input
+    # key of the same layer (the backward's).
+    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.launch import FWD_MEMO, int8_linear_triton
+
+    m, k, n = 40, 1536, 2560  # a shape no other test tunes
+    x, q, s = _gpu_case((m,), k, k, n, torch.bfloat16, 11)
+    keys = [("fwd", x.device, tune.bucket(m), n, k, torch.bfloat16), ("bwd", x.device, tune.bucket(m), n, k,
+                                                                        torch.bfloat16)]
+    replays = len(FWD_MEMO.replays)
+    with tune.deferred():
+        out = int8_linear_triton(x, q, s)
+    assert _rel(out, int8_linear_ref(x, q, s)) < 1e-2
+    assert tune.provisional(keys[0]) and keys[0] not in tune.tuning_log() and len(FWD_MEMO.replays) == replays
+    assert tune.tune_deferred() == 1 and not tune.pending_keys()
+    log = tune.tuning_log()
+    assert all(key in log and len(log[key]["times_us"]) > 1 for key in keys), list(log)
+    out2 = int8_linear_triton(x, q, s)  # the tuned pick now, kept for replay
+    assert _rel(out2, int8_linear_ref(x, q, s)) < 1e-2 and len(FWD_MEMO.replays) == replays + 1
 
 
 @gpu
