@@ -433,7 +433,7 @@ def run_one(args, row: str, mode: str) -> dict:
     page_cache = drop_page_cache() if files and mode == "cold" and args.drop_page_cache else "as left"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
            "--steps", str(args.steps), "--page-cache", page_cache] + (["--tiny"] if args.tiny else []) + \
-          (["--profile-offload"] if mode == "cold" and (row.endswith(":int8") or files) else []) + \
+          (["--profile-offload"] if args.profile_offload and mode == "cold" else []) + \
           (["--profile-first-step"] if mode in ("profile", "coldprofile") else []) + \
           (["--profile-dir", args.profile_dir] if args.profile_dir else []) + \
           ["--profile-steps", *map(str, args.profile_steps)] + \
@@ -507,7 +507,9 @@ def main(argv=None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
-    p.add_argument("--profile-offload", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-offload", action="store_true",
+                   help="cold runs profile their offload (cProfile: its top calls in the JSON; the offload's seconds "
+                        "are then the profiler's)")
     p.add_argument("--profile-first-step", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--profile-dir", default=None, help="a profile run writes the whole profile of each step it "
                    "profiles here (pstats files)")

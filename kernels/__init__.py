@@ -18,8 +18,8 @@ from .reference import grouped_lowbit_ref, grouped_out_features, int8_linear_gra
 TRITON_IMPORT_ERROR: BaseException | None = None  # why the fused kernels are missing, if they are
 try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
     from .launch import int8_linear_grad_input_triton, int8_linear_triton
-    from .tune import LaunchConfig, deferred as deferred_tuning, tune_deferred, tuned_configs, tuning_log, \
-        tuning_seconds
+    from .tune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
+    from .tune_deferral import deferred as deferred_tuning, tune_deferred
     from .grouped import grouped_lowbit as _grouped_lowbit_cuda
 
     HAS_TRITON = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import tune, w8a16
+from . import tune, tune_deferral, w8a16
 from .launch_memo import Executor, LaunchMemo, tensor_key
 from .tune import LaunchConfig
 
@@ -215,27 +215,32 @@ def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config:
         tune_key = ("fwd", x.device, tune.bucket(M), N, K, x.dtype)
         config = tune.pick("fwd", tune_key, M, N, K, x.device, run, q, check,
                            precompile=lambda cfg: run(cfg, executor=_compile_only(ex)),
-                           later=_tune_on_stand_ins(M, N, K, x.dtype, x.device, bias is not None, activation))
-        memo = memo and not tune.provisional(tune_key)  # the untuned default for now: not kept for replay
+                           later=lambda: _forward_on_stand_ins(M, N, K, x.dtype, x.device, bias is not None,
+                                                               activation))
+        if tune_deferral.provisional(tune_key):  # the untuned default for now: not kept for replay
+            memo = False
+            tune.tune_later(("bwd", x.device, tune.bucket(M), N, K, x.dtype),
+                            lambda: _grad_input_on_stand_ins(M, N, K, x.dtype, x.device))
     run(config, executor=ex)
     if memo:
         FWD_MEMO.add(key, ex, x.device)
     return y
 
 
-def _tune_on_stand_ins(M: int, N: int, K: int, dtype, device, has_bias: bool, activation):
-    """A call that tunes a forward key (and the grad-input key of the same layer, which a backward asks for next)
-    on random tensors of the same shapes: what `tune.deferred` runs later, when the caller's tensors are gone."""
+def _forward_on_stand_ins(M: int, N: int, K: int, dtype, device, has_bias: bool, activation) -> None:
+    """A forward call on random tensors of these shapes: tunes its key when `tune_deferral.tune_deferred` runs
+    it, after the caller's tensors are gone. The weight as the slots hold it: int8 rows, a float32 scale each."""
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device)
+    scale = torch.rand(N, dtype=torch.float32, device=device) * 1e-2 + 1e-3
+    bias = torch.randn(N, dtype=dtype, device=device) if has_bias else None
+    int8_linear_triton(torch.randn(M, K, dtype=dtype, device=device), q, scale, bias, activation)
 
-    def tune_now() -> None:
-        x = torch.randn(M, K, dtype=dtype, device=device)
-        q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device)
-        scale = torch.rand(N, dtype=torch.float32, device=device) * 1e-2 + 1e-3
-        bias = torch.randn(N, dtype=dtype, device=device) if has_bias else None
-        int8_linear_triton(x, q, scale, bias, activation)
-        int8_linear_grad_input_triton(torch.randn(M, N, dtype=dtype, device=device), q, scale, K)
 
-    return tune_now
+def _grad_input_on_stand_ins(M: int, N: int, K: int, dtype, device) -> None:
+    """The grad-input call of the same layer on random tensors (the key a backward asks for next)."""
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device)
+    scale = torch.rand(N, dtype=torch.float32, device=device) * 1e-2 + 1e-3
+    int8_linear_grad_input_triton(torch.randn(M, N, dtype=dtype, device=device), q, scale, K)
 
 
 def int8_linear_ref_epilogue(y, scale, bias, activation):

@@ -15,11 +15,8 @@ or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
    at small M exceed the kernel itself), with weights arriving cold as streamed
    weights do.
 
-Under `deferred()` (a cold first step's forward that runs a block's graph eagerly while a worker process compiles
-the block, compiler/ahead.py) a key that would be tuned runs its untuned default instead, and its tuning waits
-for `tune_deferred`, which the step calls while it waits for the worker anyway: the forward reaches the next
-block structure, and hands it to a worker, seconds sooner (full-size Flux int8: its double blocks' four keys,
-4-5 s of tuning, stood between the two structures' jobs).
+Under `tune_deferral.deferred()` a key that would be tuned runs its untuned default, and is tuned later
+(tune_deferral.py: a cold step's eager forward while a worker compiles).
 
 STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried,
 rejected and chosen is kept in `tuning_log()`, and each choice is written to
@@ -32,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,7 +37,7 @@ from typing import Callable
 import torch
 import triton
 
-from . import tune_cache
+from . import tune_cache, tune_deferral as deferral
 
 
 @dataclass(frozen=True)
@@ -175,41 +171,11 @@ def tuning_log() -> dict:
     return {k: dict(v) for k, v in _LOG.items()}
 
 
-_PENDING: dict[tuple, Callable[[], None]] = {}  # key -> a call that tunes it on stand-in tensors (`deferred`)
-_DEFERRING = threading.local()
-
-
-@contextlib.contextmanager
-def deferred():
-    """Within: a key not tuned yet (here or on disk) whose caller can tune it later (`pick`'s `later`) runs its
-    untuned default, and waits for `tune_deferred` (module doc)."""
-    before = getattr(_DEFERRING, "on", False)
-    _DEFERRING.on = True
-    try:
-        yield
-    finally:
-        _DEFERRING.on = before
-
-
-def provisional(key) -> bool:
-    """Did `key` get its untuned default for now (deferred)? Its caller must not keep the launch for replay."""
-    return key in _PENDING
-
-
-def pending_keys() -> list:
-    return list(_PENDING)
-
-
-def tune_deferred(stop: Callable[[], bool] = lambda: False) -> int:
-    """Tune the deferred keys, in the order they met the default, until none is left or `stop()` says so (asked
-    before each key: a key's tuning is not cut short). Returns how many were tuned."""
-    done = 0
-    while _PENDING and not stop():
-        key = next(iter(_PENDING))
-        later = _PENDING.pop(key)
-        later()
-        done += 1
-    return done
+def tune_later(key, later: Callable[[], None]) -> None:
+    """Queue `key` for `tune_deferred` beside a deferred one (the grad-input key of a layer whose forward key
+    was deferred: the backward asks for it next), unless it is tuned already or queued."""
+    if key not in _LOG:
+        deferral.queue(key, later)
 
 
 def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[LaunchConfig] | None = None,
@@ -221,8 +187,8 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
     first one its untuned default; else this module's W8A16 candidates.
     `precompile(cfg)`: compiles cfg's kernels without launching them; given, every
     candidate is compiled at once on threads before the first is run (`precompile_all`).
-    `later()`: tunes `key` on stand-in tensors of the same shapes; given, under `deferred()` the key runs
-    its untuned default now and is tuned by `tune_deferred`."""
+    `later()`: tunes `key` on stand-in tensors of the same shapes; given, under `tune_deferral.deferred()`
+    the key runs its untuned default now and is tuned by `tune_deferral.tune_deferred`."""
     if key[-1] == torch.float32 and not interpreting():
         return options[0] if options else F32_CONFIG
     if interpreting() or device.type != "cuda" or os.environ.get("STAGEHAND_AUTOTUNE", "1") == "0":
@@ -231,10 +197,10 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
         return _LOG[key]["chosen"]
     if torch.cuda.is_current_stream_capturing():  # timing would break the capture
         return options[0] if options else heuristic(kind, m, n_out, red, device)
-    deferring = later is not None and getattr(_DEFERRING, "on", False)
-    if deferring and key in _PENDING:
+    deferring = later is not None and deferral.deferring()
+    if deferring and deferral.provisional(key):
         return options[0] if options else heuristic(kind, m, n_out, red, device)
-    _PENDING.pop(key, None)  # asked outside `deferred()` before its turn came: tuned here and now
+    deferral.drop(key)  # asked outside `deferred()` before its turn came: tuned here and now
     disk = tune_cache.TuneCache.for_device(device) if tune_cache.enabled() else None
     cached = disk.get(key, LaunchConfig) if disk is not None else None
     if cached is not None:
@@ -247,7 +213,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
             _LOG[key] = dict(chosen=cached, times_us={}, rejected={}, from_disk=True)
             return cached
     if deferring:
-        _PENDING[key] = later
+        deferral.queue(key, later)
         return options[0] if options else heuristic(kind, m, n_out, red, device)
     started = time.perf_counter()
     configs = options or candidates(kind, m, n_out, red, device)
@@ -296,7 +262,11 @@ def precompile_all(configs: list[LaunchConfig], precompile, device) -> None:
     if threads <= 1:
         return
 
+    yielding = deferral.yielding()
+
     def one(cfg: LaunchConfig) -> None:
+        if yielding:
+            deferral.yield_cpu()
         # A new thread starts on device 0.
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             try:

@@ -241,12 +241,12 @@ def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
 
 
 def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkeypatch):
-    # The deferral on the CPU: fake device, fake timings (as above). A cold step's eager forward (tune.deferred)
-    # gets the untuned default and no tuning; the wait on a worker tunes the key (tune_deferred), or a call
-    # outside the deferral that comes first does.
+    # The deferral on the CPU: fake device, fake timings (as above). A cold step's eager forward
+    # (tune_deferral.deferred) gets the untuned default and no tuning; the wait on a worker tunes the key
+    # (tune_deferred), or a call outside the deferral that comes first does.
     from types import SimpleNamespace
 
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels import tune, tune_deferral as deferral
 
     monkeypatch.setattr(tune, "sms", lambda device: 132)
     monkeypatch.setattr(tune.torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -268,22 +268,47 @@ def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkey
         return tune.pick("fwd", key, 16, key[3], 3072, dev, run, torch.zeros(1), lambda c: None, later=later)
 
     try:
-        with tune.deferred():
+        with deferral.deferred():
             assert pick(keys[0]) == default and pick(keys[0]) == default and pick(keys[1]) == default
-        assert runs == [] and later_calls == [] and tune.pending_keys() == keys  # nothing run, nothing timed
-        assert tune.provisional(keys[0]) and keys[0] not in tune.tuning_log()
-        assert tune.tune_deferred(stop=lambda: True) == 0 and tune.pending_keys() == keys  # the worker was done
-        assert tune.tune_deferred(stop=lambda: bool(later_calls)) == 1 and later_calls == [keys[0]]
-        assert keys[0] in tune.tuning_log() and not tune.provisional(keys[0])
+        assert runs == [] and later_calls == [] and deferral.pending_keys() == keys  # nothing run, nothing timed
+        assert deferral.provisional(keys[0]) and keys[0] not in tune.tuning_log()
+        assert deferral.tune_deferred(stop=lambda: True) == 0 and deferral.pending_keys() == keys  # the worker was done
+        assert deferral.tune_deferred(stop=lambda: bool(later_calls)) == 1 and later_calls == [keys[0]]
+        assert keys[0] in tune.tuning_log() and not deferral.provisional(keys[0])
         assert tune.tuning_log()[keys[0]]["chosen"] == default  # the fake timings make it the fastest
         # The second key's first call outside the deferral tunes it there and then, and drops it from the queue.
         n = len(runs)
         assert pick(keys[1], deferring_caller=False) == default and len(runs) > n
-        assert tune.pending_keys() == [] and tune.tune_deferred() == 0 and later_calls == [keys[0]]
+        assert deferral.pending_keys() == [] and deferral.tune_deferred() == 0 and later_calls == [keys[0]]
+        tune.tune_later(keys[0], lambda: None)  # tuned already: not queued again
+        assert deferral.pending_keys() == []
     finally:
         for key in keys:
             tune._LOG.pop(key, None)
-            tune._PENDING.pop(key, None)
+            deferral._PENDING.pop(key, None)
+
+
+def test_the_candidates_compiled_while_the_step_waits_yield_the_cpu():
+    # While tune_deferred runs, precompile_all's threads lower their own priority (nice), and only theirs.
+    from types import SimpleNamespace
+
+    import threading
+
+    from torch_stagehand.kernels import tune, tune_deferral as deferral
+
+    def nice_in_thread(cfg):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    cfgs = [tune.LaunchConfig(64, 16, 128), tune.LaunchConfig(128, 16, 128)]
+    seen = []
+    tune.precompile_all(cfgs, nice_in_thread, SimpleNamespace(type="cpu"))
+    assert seen == [own, own]  # not waiting: as they were
+    seen.clear()
+    deferral.queue(("fake-yield",), lambda: tune.precompile_all(cfgs, nice_in_thread, SimpleNamespace(type="cpu")))
+    assert deferral.tune_deferred() == 1 and not deferral.yielding()
+    assert len(seen) == 2 and all(n >= max(own, deferral.YIELDING_NICE) for n in seen), seen
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # the step's own thread: untouched
 
 
 # ----------------------------------------------------------------------------- quantizer
@@ -529,10 +554,10 @@ def test_gpu_int8_to_fp32_conversion_is_exact(fast):
 @gpu
 @needs_cuda
 def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waiting():
-    # What a cold step's eager forward does with a key not tuned yet (tune.deferred): the untuned default, right,
-    # and not kept for replay (a replay would skip the tuned pick later); the wait tunes it and the grad-input
-    # key of the same layer (the backward's).
-    from torch_stagehand.kernels import tune
+    # What a cold step's eager forward does with a key not tuned yet (tune_deferral.deferred): the untuned
+    # default, right, and not kept for replay (a replay would skip the tuned pick later); the wait tunes it and
+    # the grad-input key of the same layer (the backward's).
+    from torch_stagehand.kernels import tune, tune_deferral as deferral
     from torch_stagehand.kernels.launch import FWD_MEMO, int8_linear_triton
 
     m, k, n = 40, 1536, 2560  # a shape no other test tunes
@@ -540,11 +565,12 @@ def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waitin
     keys = [("fwd", x.device, tune.bucket(m), n, k, torch.bfloat16), ("bwd", x.device, tune.bucket(m), n, k,
                                                                         torch.bfloat16)]
     replays = len(FWD_MEMO.replays)
-    with tune.deferred():
+    with deferral.deferred():
         out = int8_linear_triton(x, q, s)
     assert _rel(out, int8_linear_ref(x, q, s)) < 1e-2
-    assert tune.provisional(keys[0]) and keys[0] not in tune.tuning_log() and len(FWD_MEMO.replays) == replays
-    assert tune.tune_deferred() == 1 and not tune.pending_keys()
+    assert deferral.provisional(keys[0]) and keys[0] not in tune.tuning_log() and len(FWD_MEMO.replays) == replays
+    assert deferral.pending_keys() == keys  # the forward's key, then the grad-input key the backward asks for next
+    assert deferral.tune_deferred() == 2 and not deferral.pending_keys()
     log = tune.tuning_log()
     assert all(key in log and len(log[key]["times_us"]) > 1 for key in keys), list(log)
     out2 = int8_linear_triton(x, q, s)  # the tuned pick now, kept for replay
