@@ -67,6 +67,10 @@ class StreamingRuntime(Protocol):
         """Count one compiled unit in `stats()` (`loaded`: from the compile caches, not compiled)."""
         ...
 
+    def record_first_run(self) -> None:
+        """Count a compiled unit's first run (its kernels load and tune then)."""
+        ...
+
     def planned_recompute(self, block: int) -> bool | None:
         """The runtime's plan for the block's activations: recompute (True), keep (False), or None when the
         model's own checkpointing decides (no VRAM budget was planned for)."""

@@ -25,7 +25,6 @@ import contextlib
 import copy
 import logging
 import time
-import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -139,29 +138,12 @@ class _Unit(nn.Module):
                  label, self.ctx.options.inner, "" if faked is None else ", all sizes of the dynamic dimensions",
                  seconds, outcome.state, why, "" if ahead is None else "; " + ahead.describe())
         if faked is None:
-            self._warn_on_a_second_shape(key[0], args, label, block_variant)
+            cache.warn_on_a_second_shape(key[0], args, label, block_variant)
         per_structure = cache.count_structure(key[0])
         if per_structure == _SHAPE_VARIANTS_WARNING + 1:
             log.warning("stagehand: %s compiled for %d different input shapes; pad inputs to a few bucket sizes "
                         "to stop recompiling", label, per_structure)
         return compiled
-
-    def _warn_on_a_second_shape(self, structure: str, args: tuple, label: str, block_variant: bool) -> None:
-        """A static variant met its second shape: every new size will recompile every block. Say so, once."""
-        cache = self.ctx.variants
-        shapes = cache.shapes_seen.setdefault(structure, set())
-        shapes.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0))
-        if not block_variant or cache.warned_shapes or len(shapes) < 2:
-            return
-        cache.warned_shapes = True
-        warnings.warn(
-            f"stagehand: {label} is compiling for a second input shape with static shapes "
-            f"({len(cache)} units compiled so far), so every new batch or sequence length recompiles every block. "
-            "Leave torch.compile's `dynamic` unset (Dynamo then makes the changing dimensions dynamic and each "
-            "block compiles once for all sizes) or pad inputs to a few bucket sizes (said once per offloaded model)",
-            stacklevel=2,
-        )
-
 
 class GlueUnit(_Unit):
     """A segment with no streamed weights: compiled as is."""
@@ -176,6 +158,8 @@ class GlueUnit(_Unit):
         compiled = self.ctx.variants.get(key, args) or self._compile(key, self.template, args, self.unit_name, False,
                                                                      PassLog())
         out = _run_unit(self.ctx.runtime, lambda: f"glue unit {self.unit_name}", lambda: compiled(*args))
+        if self.ctx.variants.first_run(key):
+            self.ctx.runtime.record_first_run()
         return out if self.returns_tuple else out[0]
 
 
@@ -366,12 +350,16 @@ class BlockUnit(_Unit):
         # The graph itself, run eagerly while a worker compiles it: the W8A16 launches it meets run their untuned
         # default, and their tuning waits for the wait on the worker (`_compile`), so that the forward hands the
         # next block structure to a worker sooner (kernels/tune.py).
+        key = self.last_key
         try:
             with kernels.deferred_tuning() if eager else contextlib.nullcontext():
-                return compiled(*args)
+                out = compiled(*args)
         except BaseException:
             rt.abort_held_blocks()  # the evict inside never ran; don't leave the slot held
             raise
+        if not eager and self.ctx.variants.first_run(key):  # counted once it ran: its first launches are in it
+            rt.record_first_run()
+        return out
 
     def _variant_for(self, args: tuple, block: int, precision: str, recomputes: bool, defer: bool):
         """The compiled variant for the block's layout, `precision` and the grad mode (compiled on first use).

@@ -12,8 +12,11 @@ the compiled code when the model is restored or its runtime closed.
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Any, Callable, Hashable
+
+import torch
 
 from torch_stagehand.runtime.blocks import layout_fingerprint
 
@@ -34,6 +37,30 @@ class VariantCache:
         self.warned_shapes = False  # the second-input-shape warning is given once per runtime
         self.shapes_seen: dict[Hashable, set[tuple]] = {}  # static variants: input shapes per structure key
         self.ahead: AheadCompiler | None = None  # workers compiling foreseen variants (ahead.py); set by the backend
+        self._ran: set[Hashable] = set()  # the variants that have run once (`first_run`)
+
+    def first_run(self, key: Hashable) -> bool:
+        """Is this the end of `key`'s first run? (Its first launches load and tune its kernels: one-time seconds
+        a calibration must not measure, runtime/conductor/calibrate.py.)"""
+        if key in self._ran:
+            return False
+        self._ran.add(key)
+        return True
+
+    def warn_on_a_second_shape(self, structure: str, args: tuple, label: str, block_variant: bool) -> None:
+        """A static variant met its second shape: every new size will recompile every block. Say so, once."""
+        shapes = self.shapes_seen.setdefault(structure, set())
+        shapes.add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor) and a.dim() > 0))
+        if not block_variant or self.warned_shapes or len(shapes) < 2:
+            return
+        self.warned_shapes = True
+        warnings.warn(
+            f"stagehand: {label} is compiling for a second input shape with static shapes "
+            f"({len(self)} units compiled so far), so every new batch or sequence length recompiles every block. "
+            "Leave torch.compile's `dynamic` unset (Dynamo then makes the changing dimensions dynamic and each "
+            "block compiles once for all sizes) or pad inputs to a few bucket sizes (said once per offloaded model)",
+            stacklevel=2,
+        )
 
     def use_ahead(self, workers: int) -> "AheadCompiler | None":
         """The runtime's ahead-compile workers (made once, at the first graph that asks for some, or at offload:
@@ -107,6 +134,7 @@ class VariantCache:
             self.ahead = None
         self.compiled.clear()
         self.info.clear()
+        self._ran.clear()
 
     def __len__(self) -> int:
         return sum(len(e) if isinstance(e, GuardedVariants) else 1 for e in self.compiled.values())

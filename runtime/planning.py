@@ -323,7 +323,8 @@ class PlanDriver:
 
     def on_step_begin(self, step: int) -> None:
         if not self.calibrated and step == self._calibrate_at and self.calibration is None:
-            self.calibration = Calibration(len(self.rt.blocks), self.rt.device, lambda: self.rt.compile_count)
+            rt = self.rt  # units compiled, loaded or first run in the measured step: one-time seconds in it
+            self.calibration = Calibration(len(rt.blocks), rt.device, lambda: rt.compile_count + rt.units_first_run)
         if self._peak_check == "pending" and self.calibration is None:
             torch.cuda.reset_peak_memory_stats(self.rt.device)  # host-side counters: no synchronisation
             self._peak_check = "measuring"

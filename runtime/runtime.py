@@ -96,6 +96,7 @@ class Runtime(SelectivePrecisionAPI):
         self._step_base = self._counters()
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
         self.compile_seconds, self.compile_count = 0.0, 0  # every compiled unit (block variants and glue)
+        self.units_first_run = 0  # compiled units that have run once (record_first_run)
         self.units_loaded = 0  # of those, loaded from the compile caches (a warm start), not compiled
         self.block_variant_count = 0
         self.graph_breaks: list[str] = []
@@ -285,6 +286,11 @@ class Runtime(SelectivePrecisionAPI):
             self.compile_seconds + seconds, self.compile_count + 1, self.units_loaded + loaded)
         self.block_variant_count += block_variant
         self.events.compiled("block variant" if block_variant else "unit", seconds, loaded)
+
+    def record_first_run(self) -> None:
+        """Count a compiled unit's first run (`units_first_run`: a calibration step that holds one is measured
+        again, planning.py)."""
+        self.units_first_run += 1
 
     def record_graph(self, record: Any) -> None:
         check_not_sharded(self.layers)  # before a graph runs: no streamed weight in FSDP's hands

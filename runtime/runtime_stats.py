@@ -36,6 +36,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "host": host_report(rt.store),  # pinned bytes asked for / locked, bytes per copy kind, keep_full
         "compiled_variants": rt.block_variant_count,
         "compiled_units": rt.compile_count,
+        "units_first_run": rt.units_first_run,
         "units_loaded": rt.units_loaded,  # of those, loaded from the compile caches (compiler/compile_cache.py)
         "units_compiled_cold": rt.compile_count - rt.units_loaded,
         "compile_seconds": round(rt.compile_seconds, 3),
