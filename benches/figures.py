@@ -458,10 +458,51 @@ def _first_step_gc(r: dict) -> str:
 
 
 def _new_plan_steps(r: dict) -> str:
-    """The steps that measure a new plan over the steady step: a cold run's steps 3 and 4 (the first two after
-    the calibration's re-plan), a warm run's step 2 (its first is the first step)."""
-    steps = r["step_ms"][1:3] if r["mode"] == "cold" else r["step_ms"][:1]
+    """The steps that measure a new plan over the steady step: a cold run's first two under the plan made from
+    the calibration (`plan_kinds[i]` is the plan step i + 2 runs: a calibration measured again runs one more
+    calibrating step), a warm run's step 2 (its first is the first step)."""
+    first = r["plan_kinds"].index("planned") if r["mode"] == "cold" and "planned" in r["plan_kinds"] else 0
+    steps = r["step_ms"][first:first + 2] if r["mode"] == "cold" else r["step_ms"][:1]
     return " / ".join(f"{s / r['steady_ms']:.2f}" for s in steps)
+
+
+def _predicted_over_steady(r: dict) -> str:
+    """The last plan's predicted step over the measured steady step (its summary in `plan_changes`)."""
+    summary = r["plan_changes"][-1][1] if r.get("plan_changes") else ""
+    found = re.search(r"predicted step ([0-9.]+) ms", summary)
+    return f"{float(found.group(1)) / r['steady_ms']:.2f}" if found and "default cost model" not in summary else ""
+
+
+def _waited_for_workers(r: dict) -> str:
+    """Seconds the cold step waited for its ahead-compile workers, and of them the seconds it tuned W8A16 keys."""
+    ahead = r.get("ahead")
+    if not ahead:
+        return ""
+    return f"{ahead['waited_s']:.1f} ({ahead.get('busy_waiting_s', 0.0):.1f})"
+
+
+START_TIME_DEFERRED = (("start_time_deferred_files.json", ("flux:int8:files:blocks",)),
+                       ("start_time_deferred_flux_qwen32.json", ("flux:int8:blocks",)),
+                       ("start_time_final_flux.json", ("flux:int8:blocks",)),
+                       ("start_time_deferred_flux_bf16.json", ("flux:bf16:blocks",)),
+                       ("start_time_final_qwen32.json", ("qwen32:int8:blocks",)),
+                       ("start_time_final_qwen.json", ("qwen:int8:blocks",)))
+
+
+def start_time_deferred_table() -> str:
+    """Seconds to the first step with the W8A16 tuning deferred to the wait on the workers, and the calibration
+    that measures a step free of first runs."""
+    return start_time_blocks_table(START_TIME_DEFERRED, (
+        "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --ahead-workers 2 "
+        "--bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, AdamW, "
+        "`stagehand.compile_blocks`; `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache "
+        "empty, two ahead-compile workers started by `offload()`; warm: a second process on the same machine. "
+        "Flux int8 in memory ran twice, in two calls. \"waited s (tuning)\": the cold step's wait for its "
+        "workers, and the W8A16 tuning it did meanwhile. \"new-plan steps / steady\": a cold run's first two steps "
+        "under the plan made from the calibration, a warm run's step 2, over the steady step; \"predicted / "
+        "steady\": that plan's predicted step over the measured one"),
+        extra=[Col("waited s (tuning)", _waited_for_workers), Col("new-plan steps / steady", _new_plan_steps),
+               Col("predicted / steady", _predicted_over_steady)])
 
 
 def start_time_freeze_table() -> str:
@@ -1099,6 +1140,7 @@ FIGURES: dict[str, Figure] = {
     "start_time_bytecode": Figure(start_time_bytecode_table, ("start_time_session_bytecode.json",)),
     "start_time_workers": Figure(start_time_workers_table, tuple(name for name, _ in START_TIME_WORKERS)),
     "start_time_freeze": Figure(start_time_freeze_table, tuple(name for name, _ in START_TIME_FREEZE)),
+    "start_time_deferred": Figure(start_time_deferred_table, tuple(name for name, _ in START_TIME_DEFERRED)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
