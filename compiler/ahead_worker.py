@@ -2,8 +2,8 @@
 description of their inputs, and says how it went.
 
 Run as `python -m torch_stagehand.compiler.ahead_worker`. It reads jobs from stdin and answers on the stdout it
-was started with (length-prefixed pickles, `ahead.send` / `ahead.receive`); anything else that writes to stdout
-(a library's print) goes to stderr instead. A job: `AheadJob` (ahead.py). It compiles with the same
+was started with (length-prefixed pickles, `ahead_wire.send` / `ahead_wire.receive`); anything else that writes
+to stdout (a library's print) goes to stderr instead. A job: `AheadJob` (ahead.py). It compiles with the same
 `inner.compile_unit` as the main process, from fake inputs with the job's exact sizes, strides, storage offsets,
 dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config and its attention
 backends (process_settings.py): the same cache keys and the same graph, so when the step reaches the variant the
@@ -123,12 +123,12 @@ def profiled(compile_fn, job, directory: str) -> dict:
 
 
 def main() -> None:
-    from . import ahead
+    from . import ahead, ahead_wire
 
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
     jobs = os.fdopen(sys.stdin.fileno(), "rb")
-    configs = ahead.receive(jobs)
+    configs = ahead_wire.receive(jobs)
     import torch
 
     from torch_stagehand.runtime import experts, ops  # noqa: F401 - they register the stagehand ops the graphs call
@@ -151,14 +151,14 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO)
         logging.getLogger("torch._functorch._aot_autograd.autograd_cache").setLevel(logging.DEBUG)
     while True:
-        job = ahead.receive(jobs)
+        job = ahead_wire.receive(jobs)
         if job is None:
             return
         try:
             reply = profiled(compile_job, job, os.environ.get("STAGEHAND_AHEAD_PROFILE", ""))
         except BaseException:  # noqa: BLE001 - the main process compiles the variant itself, and logs why
             reply = {"error": traceback.format_exc(limit=6)}
-        ahead.send(replies, reply)
+        ahead_wire.send(replies, reply)
 
 
 if __name__ == "__main__":

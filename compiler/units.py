@@ -36,7 +36,8 @@ from torch_stagehand.runtime import registry
 
 from . import compile_cache
 from .context import CompileContext, PassLog, VariantContext
-from .ahead import AheadJob, input_specs, pickle_graph
+from .ahead import AheadJob
+from .ahead_wire import input_specs, pickle_graph
 from .graph_nodes import draws_random, example_value, is_streamed_read, streamed_arg
 from .inner import compile_unit
 from .recompute import run_again_after_oom, run_recomputed

@@ -13,7 +13,8 @@ import torch.fx as fx
 
 import torch_stagehand as stagehand
 from torch_stagehand.compiler import compile_cache
-from torch_stagehand.compiler.ahead import AheadCompiler, AheadJob, input_specs, pickle_graph
+from torch_stagehand.compiler.ahead import AheadCompiler, AheadJob
+from torch_stagehand.compiler.ahead_wire import input_specs, pickle_graph
 from torch_stagehand.compiler.ahead_worker import fake_inputs
 from torch_stagehand.compiler.context import BackendOptions, BackendOptionsError
 from torch_stagehand.compiler.inner import compile_unit
