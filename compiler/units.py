@@ -350,7 +350,7 @@ class BlockUnit(_Unit):
         compiled, eager = self._variant_for(args, block, precision, recomputes, defer)
         # The graph itself, run eagerly while a worker compiles it: the W8A16 launches it meets run their untuned
         # default, and their tuning waits for the wait on the worker (`_compile`), so that the forward hands the
-        # next block structure to a worker sooner (kernels/tune.py).
+        # next block structure to a worker sooner (kernels/tune_deferral.py).
         key = self.last_key
         try:
             with kernels.deferred_tuning() if eager else contextlib.nullcontext():
