@@ -12,8 +12,8 @@ block's copy overlaps their compute). Recompute reaches the program via `Runtime
 
 On CUDA, unless the cost model was injected (`frozen`), the first steps run
 the smallest plan and the second of them is measured (conductor/calibrate.py;
-the first one compiles; a measured step that compiled or loaded units is
-measured again on the next); the plan is re-made from the measurements when
+the first one compiles; a measured step in which a unit compiled, loaded or
+first ran is measured again on the next); the plan is re-made from the measurements when
 that step ends. The first `REFINE_STEPS` steps of every later plan measure each
 block again (`BlockClocks`): the host's issue time and the GPU's time (its
 events read at a later step's end, once reached: no synchronisation): the
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 # Steps run under the smallest plan before the measured one: the first compiles, so its times say nothing.
 WARMUP_STEPS = 1
-# A calibration step in which units compiled or loaded is measured again on the next step, up to this often.
+# A calibration step in which units compiled, loaded or first ran is measured again on the next, up to this often.
 REMEASURE_TRIES = 2
 REFINE_STEPS = 2  # steps of a new plan whose host and GPU times per block refine the cost model (the first compiles)
 # A plan that does not fit when applied is re-made with this fraction of its weights fewer, up to SHRINK_TRIES times.
@@ -68,7 +68,7 @@ class PlanDriver:
         self._admit = self.conductor.enabled  # one attribute read on the hot path when disabled
         self.calibration: Calibration | None = None
         self._calibrate_at: int | None = None  # the step measured for calibration
-        self.remeasured: list[int] = []  # calibration steps not used: units compiled or loaded in them
+        self.remeasured: list[int] = []  # calibration steps not used: one-time unit work in them
         self.plan: Plan | None = None
         self.replans = 0
         self.spill: ActivationSpill | None = None  # made when a plan first spills
@@ -375,10 +375,10 @@ class PlanDriver:
                 self.kept.keep(self.cost_model, self._decisions())  # refined or corrected: the next run starts here
             return
         calibration, self.calibration = self.calibration, None
-        if calibration.compiled_in_step() and len(self.remeasured) < REMEASURE_TRIES:
+        if calibration.one_time_work_in_step() and len(self.remeasured) < REMEASURE_TRIES:
             self.remeasured.append(step)  # one-time seconds are no plan's: the smallest plan measures the next step
             self._calibrate_at = step + 1
-            log.info("stagehand: step %d compiled or loaded units: calibrating on the next step", step)
+            log.info("stagehand: step %d compiled, loaded or first ran units: calibrating on the next step", step)
             return
         plan = self.plan
         self._training_costs(self.cost_model)  # the step's optimizer lane is predicted, not left in its residual

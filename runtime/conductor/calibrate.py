@@ -161,7 +161,7 @@ class Calibration:
     def __init__(self, n_blocks: int, device: torch.device, units: Callable[[], int] = lambda: 0):
         self.n = n_blocks
         self.device = device
-        self._units, self._units_at_start = units, units()  # units compiled or loaded so far (`compiled_in_step`)
+        self._units, self._units_at_start = units, units()  # units compiled, loaded or first run so far
         self.clocks = BlockClocks(n_blocks, device)
         self._alloc: dict[tuple[int, str], int] = {}
         self._forward_order: list[int] = []
@@ -173,12 +173,12 @@ class Calibration:
             torch.cuda.reset_peak_memory_stats(device)
         self._start = self._event()
 
-    def compiled_in_step(self) -> bool:
-        """Whether a unit compiled or loaded in the measured step (each runs as it is added). Then the step's
-        times hold one-time seconds: the compile or load, and the kernels loading and tuning at the unit's
-        first call (0.7-1.1 s of a full-size model's step where ahead-compile workers leave the first compiled
-        forward to it), which would join every plan's predicted step (`other_s`), and their memory
-        `base_bytes`."""
+    def one_time_work_in_step(self) -> bool:
+        """Whether a unit compiled, loaded or ran for the first time in the measured step (`units` counts all
+        three; a unit loaded just before the step's first op first runs inside it). Then the step's times hold
+        one-time seconds: the compile or load, and the kernels loading and tuning at the unit's first call
+        (0.7-1.1 s of a full-size model's step where ahead-compile workers leave the first compiled forward to
+        it), which would join every plan's predicted step (`other_s`), and their memory `base_bytes`."""
         return self._units() != self._units_at_start
 
     def _event(self):
