@@ -16,7 +16,9 @@ HBM GB/s against the device-to-device copy bandwidth measured in the same run;
 at M=4096, TFLOP/s. Every kernel output is checked against its torch twin
 before it is timed.
 
-Compiling all autotuning candidates serially takes minutes, so --workers
+It times every candidate of every regime (STAGEHAND_TUNE_EVERY=1: the table the tuner's compute-bound
+shortlist was drawn from, tune._COMPUTE_BOUND_SHORTLIST). Compiling all autotuning candidates serially takes
+minutes, so --workers
 processes compile them into Triton's on-disk cache first; the timing process
 then loads them from the cache (no timing happens while workers run).
 """
@@ -29,6 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("STAGEHAND_TUNE_EVERY", "1")  # before the spawned precompile workers start: they inherit it
 from _common import RESULTS, env_info, host_us_per_call, print_header, print_table, write_json  # noqa: E402
 
 SHAPES = [(3072, 3072), (3072, 12288), (12288, 3072), (4096, 4096)]  # (K, N)

@@ -435,7 +435,8 @@ def run_one(args, row: str, mode: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
            "--steps", str(args.steps), "--page-cache", page_cache] + (["--tiny"] if args.tiny else []) + \
           (["--profile-offload"] if args.profile_offload and mode == "cold" else []) + \
-          (["--profile-first-step"] if mode in ("profile", "coldprofile") else []) + \
+          (["--profile-first-step"] if mode in ("profile", "coldprofile") or (mode == "cold" and args.profile_cold)
+           else []) + \
           (["--profile-dir", args.profile_dir] if args.profile_dir else []) + \
           ["--profile-steps", *map(str, args.profile_steps)] + \
           (["--trace-steps", *map(str, args.trace_steps)] if args.trace_steps else [])
@@ -512,6 +513,10 @@ def main(argv=None) -> int:
                    help="cold runs profile their offload (cProfile: its top calls in the JSON; the offload's seconds "
                         "are then the profiler's)")
     p.add_argument("--profile-first-step", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-cold", action="store_true",
+                   help="cold runs (with their ahead-compile workers) run `--profile-steps` under cProfile too: where "
+                        "the main process's seconds go while workers compile (a diagnosis run: those steps' times "
+                        "are the profiler's)")
     p.add_argument("--profile-dir", default=None, help="a profile run writes the whole profile of each step it "
                    "profiles here (pstats files)")
     p.add_argument("--profile-steps", nargs="+", type=int, default=[0],

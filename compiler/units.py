@@ -256,27 +256,29 @@ class BlockUnit(_Unit):
         ahead = self.ctx.variants.ahead
         if ahead is None or self.symbolic is not None:
             return False
-        jobs = []
-        try:
-            cacheable = compile_cache.cacheable_functions()  # hashes source files: once for both jobs
-            for grad in (True, False):  # the one the step waits for first
+        cacheable = None
+        keys = []
+        for grad in (True, False):  # the one the step waits for first, and handed over before the other is built
+            try:
+                cacheable = cacheable or compile_cache.cacheable_functions()  # hashes source files: once for both
                 with torch.set_grad_enabled(grad):
                     gm, skey, _ = self.variant_graph(precision, rt_trainable(self.ctx.runtime, block), block)
                     replay_rng = recomputes and self._random[skey]
                     key = (skey, self.signature(args[:-4]), grad, self.ctx.options.inner, replay_rng)
                     # Inside the recompute's Function the inputs keep their grad flags: the recompute's own.
                     inputs = args if grad else tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-                    jobs.append(AheadJob(key, f"block variant {skey} ({precision}, grad {'on' if grad else 'off'})",
-                                         pickle_graph(gm), gm.code, input_specs(inputs), grad, replay_rng,
-                                         self.ctx.joint_passes, cacheable))
-        except Exception as e:  # noqa: BLE001 - only a speed-up: the forward compiles the variant itself
-            ahead.refused.append(f"{label}: {type(e).__name__}: {e}")
-            log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__, e)
-            return False
-        training = ahead.submit(jobs[0]) or jobs[0].key in ahead.futures
-        if not (training and (ahead.submit(jobs[1], later=True) or jobs[1].key in ahead.futures)):
-            return False
-        self._training_of[jobs[1].key] = jobs[0].key
+                    job = AheadJob(key, f"block variant {skey} ({precision}, grad {'on' if grad else 'off'})",
+                                   pickle_graph(gm), gm.code, input_specs(inputs), grad, replay_rng,
+                                   self.ctx.joint_passes, cacheable)
+            except Exception as e:  # noqa: BLE001 - only a speed-up: the forward compiles the variant itself
+                ahead.refused.append(f"{label}: {type(e).__name__}: {e}")
+                log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__,
+                            e)
+                return False
+            if not (ahead.submit(job, later=not grad) or job.key in ahead.futures):
+                return False
+            keys.append(job.key)
+        self._training_of[keys[1]] = keys[0]
         return True
 
     def recomputes_block(self, block: int) -> bool:

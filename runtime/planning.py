@@ -8,7 +8,8 @@ planner for the fastest plan that fits and applies it: resident blocks get
 their own device copy (`SlotPool.reconfigure`), the rotating slots follow the
 plan, and `prefetch` fetches up to `lookahead` streamed blocks ahead of the
 one asked for, skipping resident ones (their weights are already there, so the next streamed
-block's copy overlaps their compute). Recompute reaches the program via `Runtime.planned_recompute`.
+block's copy overlaps their compute), but for a resident block's first copy after a re-plan, which is fetched
+in its turn. Recompute reaches the program via `Runtime.planned_recompute`.
 
 On CUDA, unless the cost model was injected (`frozen`), the first steps run
 the smallest plan and the second of them is measured (conductor/calibrate.py;
@@ -253,9 +254,10 @@ class PlanDriver:
         backward = torch._C._current_graph_task_id() != -1
         resident = rt.pool.resident_slots
         wanted, b, steps = [], block, 0
-        depth = plan.lookahead
+        # A plan keeping every block resident looks ahead 0 blocks; its blocks' first copies still want one.
+        depth = plan.lookahead or (1 if rt.pool.unfilled_blocks() else 0)
         while b != NO_BLOCK and len(wanted) < depth and steps < len(rt.blocks):
-            if b not in resident:
+            if b not in resident or rt.pool.unfilled(b):  # a resident block's first copy is fetched as any other
                 wanted.append(b)
             b = rt.fetch_order.eager_next(b, backward)
             steps += 1

@@ -240,6 +240,32 @@ def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
     tune._LOG.pop(key)
 
 
+def test_the_compute_bound_regime_times_its_shortlist_unless_every_candidate_is_asked_for(monkeypatch):
+    # M > 512: the default tile, the shortlisted tiles and dequantize + cuBLAS; grad-input without its
+    # register-transposed variant. STAGEHAND_TUNE_EVERY=1 (benches/kernels.py) gives the whole regime back.
+    from types import SimpleNamespace
+
+    from torch_stagehand.kernels import tune
+
+    monkeypatch.setattr(tune, "sms", lambda device: 132)
+    monkeypatch.delenv("STAGEHAND_TUNE_EVERY", raising=False)
+    dev = SimpleNamespace(type="cuda")
+    default = tune.tiles(4096, "fwd")[0]
+    for kind in ("fwd", "bwd"):
+        short = tune.candidates(kind, 4096, 3072, 3072, dev)
+        every = tune.candidates(kind, 4096, 3072, 3072, dev, every=True)
+        assert set(short) < set(every) and tune.DEQUANT in short
+        tiles = {(c.block_o, c.block_m, c.block_r, c.num_warps, c.num_stages) for c in short if c.mode == "fused"}
+        assert tiles == {default} | tune._COMPUTE_BOUND_SHORTLIST
+        if kind == "bwd":
+            assert {c.variant for c in short} == {0} and {c.variant for c in every} == {0, 1}
+        monkeypatch.setenv("STAGEHAND_TUNE_EVERY", "1")
+        assert tune.candidates(kind, 4096, 3072, 3072, dev) == every
+        monkeypatch.delenv("STAGEHAND_TUNE_EVERY")
+    # Below the regime nothing is left out.
+    assert tune.candidates("bwd", 256, 3072, 3072, dev) == tune.candidates("bwd", 256, 3072, 3072, dev, every=True)
+
+
 def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkeypatch):
     # The deferral on the CPU: fake device, fake timings (as above). A cold step's eager forward
     # (tune_deferral.deferred) gets the untuned default and no tuning; the wait on a worker tunes the key
@@ -504,7 +530,7 @@ def test_gpu_every_autotune_candidate_is_correct_or_rejected(kind, m, tile):
     k, kp, n = 1008, 1024, 1500
     bo, bm, br = tune.tiles(m, kind)[tile][:3]
     red, n_out = (k, n) if kind == "fwd" else (n, k)
-    cands = [c for c in tune.candidates(kind, m, n_out, red, torch.device("cuda"))
+    cands = [c for c in tune.candidates(kind, m, n_out, red, torch.device("cuda"), every=True)
              if (c.block_o, c.block_m, c.block_r) == (bo, bm, br)]
     assert cands
     x, q, s = _gpu_case((m,), k, kp, n, torch.bfloat16, tile)
