@@ -184,7 +184,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         out["replans"] = rt.planner.replans
         # Why the plan changed and what it was: corrections (peaks learned, budgets shrunk), out-of-memory recoveries
         out.update(plan_changes=plan_changes, plan_corrections=s["plan_corrections"],
-                   calibration_remeasured=s["calibration_remeasured"],
+                   calibration_remeasured=s["calibration_remeasured"], plan_reservations=s["plan_reservations"],
                    oom_recoveries=s["oom_recoveries"], gc_freezes=s["gc_freezes"])
         out["cost_model_cache"] = s["cost_model_cache"]  # a warm run plans from the model the cold run measured
         from torch_stagehand.compiler.variants import variant_cache

@@ -117,33 +117,38 @@ def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
     return out
 
 
-# The compute-bound regime's shortlist (M > 512), from every candidate timed on an H100 (benches/results/kernels.json,
-# 4 shapes x fwd/bwd at M = 4096): dequantize + cuBLAS was fastest everywhere, then the 128x256x64 two-warpgroup
-# tiles (6-30% behind); every other tile was 25-60% behind, and grad-input's register-transposed variant 1 at least
-# 55%. A cold first step tunes its keys while a worker compiles (Flux: 138 candidates, 13 s of the CPU the worker
-# needed), so the keys of this regime time the default, these tiles and dequantize only.
-_COMPUTE_BOUND_SHORTLIST = {(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)}
+# Shortlists, from every candidate timed on an H100 (benches/results/kernels.json: 4 shapes x fwd/bwd at M = 16,
+# 256 and 4096). A cold first step tunes its keys while a worker compiles (Flux: 9 keys at M = 512, 138
+# candidates, 11-13 s of the CPU the worker needed), so a key times its regime's default and the tiles that came
+# within ~25% of the best somewhere, not the tiles that never did:
+# - M > 512 (compute-bound): dequantize + cuBLAS was fastest everywhere, then the 128x256x64 two-warpgroup tiles
+#   (6-30% behind); every other tile was 25-60% behind;
+# - 64 < M <= 512: 64x128x128 won every forward, 128x128x64/128 every grad-input but one (64x128x128 there);
+#   128x64x128 was 18-75% behind;
+# - grad-input's register-transposed variant 1 was never within 25% of the best, at any M.
+_SHORTLIST = {"compute": {(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)},
+              "mid": {(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)}}
 
 
 def every_candidate() -> bool:
-    """`STAGEHAND_TUNE_EVERY=1`: time every tile of the compute-bound regime, not the shortlist (benches/kernels.py
-    measures them all)."""
+    """`STAGEHAND_TUNE_EVERY=1`: time every candidate, not the shortlists (benches/kernels.py measures them all)."""
     return os.environ.get("STAGEHAND_TUNE_EVERY", "0") == "1"
 
 
 def candidates(kind: str, m: int, n_out: int, red: int, device, every: bool | None = None) -> list[LaunchConfig]:
-    """The launches the tuner times for this key; `every` (default `every_candidate()`): the compute-bound
-    regime's whole tile list, not its shortlist."""
+    """The launches the tuner times for this key: its regime's default and shortlist (`_SHORTLIST`), or with
+    `every` (default `every_candidate()`) every tile and variant."""
     n_sm = sms(device)
     every = every_candidate() if every is None else every
     regime = tiles(m, kind)
-    if m > 512 and not every:
-        regime = [regime[0]] + [t for t in regime[1:] if t in _COMPUTE_BOUND_SHORTLIST]
+    shortlist = None if every or m <= 64 else _SHORTLIST["compute" if m > 512 else "mid"]
+    if shortlist is not None:
+        regime = [regime[0]] + [t for t in regime[1:] if t in shortlist]
     out = []
     for bo, bm, br, w, st in regime:
         for s in splits(m, n_out, red, bo, bm, br, n_sm):
             if kind == "bwd":
-                variants = (0, 1) if m <= 512 or every else (0,)
+                variants = (0, 1) if every else (0,)
             elif w == 8:
                 # Two-warpgroup forward tiles with the plain int8 -> bf16 conversion
                 # came out WRONG on an H100 with Triton 3.6 (a few % of the output

@@ -103,10 +103,10 @@ class OomRecovery:
         rt.phases.new_forward_checks.append(self._new_forward)
         apply = rt.planner.apply
 
-        def apply_and_account(reason: str, plan=None, resumed: bool = False):
+        def apply_and_account(reason: str, plan=None, resumed: bool = False, reserve_peak: bool = True):
             before = allocator_ooms(rt.device)
             try:  # the driver's own refused tries are handled by it (it shrinks the budget or raises): only those
-                return apply(reason, plan, resumed)
+                return apply(reason, plan, resumed, reserve_peak)
             finally:
                 self._ooms_seen += allocator_ooms(rt.device) - before
 

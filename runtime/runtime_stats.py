@@ -51,6 +51,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
         **plan_stats(rt.planner.plan, rt.pool), **spill_stats(rt.planner.spill),
         "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned
+        "plan_reservations": list(rt.planner.reservations),  # memory held ahead for a made plan's peak, and its s
         "calibration_remeasured": list(rt.planner.remeasured),  # steps with one-time unit work: measured again
         "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
         "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered

@@ -18,10 +18,7 @@ Resident blocks (the planner's choice, `set_resident`) get a slot of their own,
 sized to the block and never a fetch target: filled once, then every wait is a
 hit. They obey the same freshness rule (a write to the weights refills the
 slot in place at the next wait). `reconfigure` changes the rotating slots and
-the resident set between steps (a re-plan). A block made resident is filled
-where the streaming reaches it (its prefetch, else its wait), not all at once
-when the plan is applied: a plan that keeps 13 GiB resident (Qwen2.5-32B) would
-otherwise queue 0.27 s of copies ahead of the first streamed block's.
+the resident set between steps (a re-plan).
 """
 
 from __future__ import annotations
@@ -76,7 +73,6 @@ class Slot:
     # write to the weights since makes the slot's bytes stale, and a hit on it is refused.
     master_version: int | None = None
     resident: bool = False  # a resident block's own slot (index -1): never a fetch target
-    unfilled: bool = False  # a resident slot allocated by a plan, whose first copy waits for the block's fetch
 
 
 @dataclass
@@ -113,7 +109,6 @@ class SlotPool:
             self.copy_stream = torch.cuda.Stream(self.device)
         self.slots = [self._new_slot(i, slot_bytes) for i in range(n_slots)]
         self.resident_slots: dict[int, Slot] = {}  # block -> its own slot (the plan keeps it resident)
-        self._unfilled = 0  # resident slots waiting for their first copy (`unfilled_blocks`)
 
     def _new_slot(self, index: int, nbytes: int, resident: bool = False) -> Slot:
         slot = Slot(index, torch.empty(nbytes, dtype=torch.uint8, device=self.device), resident=resident)
@@ -150,8 +145,8 @@ class SlotPool:
         """
         self.store.fetching()  # after a step across ranks: the owners' writes land first (shards.py)
         slot = self._find(block, precision)
-        if slot is None or slot.unfilled or slot.master_version == self.store.master_version(block):
-            return slot  # an unfilled resident slot: its caller fills it (`_fill_resident`)
+        if slot is None or slot.master_version == self.store.master_version(block):
+            return slot
         if slot.holds:
             raise RuntimeError(
                 f"stagehand: the weights of block {block} were written while the block is being read "
@@ -174,9 +169,8 @@ class SlotPool:
         for block, mine in self.resident_slots.items():
             theirs = twin._new_slot(-1, mine.buf.numel(), resident=True)
             theirs.key, theirs.state, theirs.nbytes, theirs.holds = mine.key, mine.state, mine.nbytes, mine.holds
-            theirs.master_version, theirs.unfilled = mine.master_version, mine.unfilled
+            theirs.master_version = mine.master_version
             twin.resident_slots[block] = theirs
-        twin._unfilled = self._unfilled
         twin._tick = itertools.count(max((s.released_at for s in self.all_slots()), default=0) + 1)
         twin.stats.resident_bytes = twin.stats.peak_resident_bytes = self.stats.resident_bytes
         return twin
@@ -184,7 +178,7 @@ class SlotPool:
     def cached(self, block: int, precision: str) -> bool:
         """Whether the block's bytes are in a slot (or on their way) and still fresh; changes nothing."""
         slot = self._find(block, precision)
-        return slot is not None and not slot.unfilled and slot.master_version == self.store.master_version(block)
+        return slot is not None and slot.master_version == self.store.master_version(block)
 
     def resident(self) -> dict[int, tuple[int, str, str]]:
         """slot index -> (block, precision, state) for slots holding data."""
@@ -196,8 +190,7 @@ class SlotPool:
         """Rotating slots and resident blocks as a plan says (between steps: nothing may be held).
 
         Slots that keep their size keep their bytes (a block still cached is still
-        a hit); new resident blocks get their slot now and their copy where the
-        streaming first reaches them (`_fill_resident`). On CUDA the copy stream
+        a hit); resident blocks are copied in now, once. On CUDA the copy stream
         is drained first so no buffer is freed under a copy in flight.
         """
         held = [s.key for s in self.all_slots() if s.holds]
@@ -224,32 +217,15 @@ class SlotPool:
                 if s.key is not None and s.key[0] == block:
                     self._forget(s)
             own = self.resident_slots[block] = self._new_slot(-1, self.store.nbytes(block, precision), resident=True)
-            own.key, own.unfilled = (block, precision), True
-        self._unfilled = sum(s.unfilled for s in self.resident_slots.values())
-
-    def _fill_resident(self, slot: Slot) -> None:
-        """The first copy into a resident slot a plan allocated: issued on the copy stream in the fetch order,
-        between the streamed blocks' copies, not ahead of them all."""
-        slot.unfilled = False
-        self._unfilled -= 1
-        self._issue_copy(slot, *slot.key)
-
-    def unfilled_blocks(self) -> int:
-        """How many resident blocks wait for their first copy (0 once a step after a re-plan ran)."""
-        return self._unfilled
-
-    def unfilled(self, block: int) -> bool:
-        """Is `block` resident in the plan but not copied in yet? The plan's prefetch then fetches it as it
-        fetches a streamed block."""
-        own = self.resident_slots.get(block)
-        return own is not None and own.unfilled
+            self._issue_copy(own, block, precision)
+            own.state = SlotState.READY
 
     def refresh_resident(self) -> int:
         """Copy in now every resident block whose weights were written since (full fine-tuning: the optimizer
         stepped them), between steps, so the next forward finds them on their way instead of fetching each at
         its wait. Returns the blocks refreshed."""
-        stale = [(b, s) for b, s in self.resident_slots.items() if s.key is not None and not s.holds
-                 and not s.unfilled and s.master_version != self.store.master_version(b)]
+        stale = [(b, s) for b, s in self.resident_slots.items()
+                 if s.key is not None and not s.holds and s.master_version != self.store.master_version(b)]
         for block, slot in stale:
             self._find_fresh(block, slot.key[1])  # a stale resident copy is refilled in place, and counted
         return len(stale)
@@ -305,12 +281,6 @@ class SlotPool:
     def prefetch(self, block: int, precision: str) -> FetchOutcome:
         """Start copying a block in, if a slot is free; never blocks the host."""
         slot = self._find_fresh(block, precision)
-        if slot is not None and slot.unfilled:
-            self._fill_resident(slot)
-            self.stats.prefetches += 1
-            if self.trace is not None:
-                self.trace.record(PREFETCH, block, precision, slot.index, slot.nbytes, H2D_COPY)
-            return FetchOutcome(True, slot.index)
         if slot is not None:
             self.stats.hits += 1
             if self.trace is not None:
@@ -340,12 +310,7 @@ class SlotPool:
         `reader` only labels the trace row (WAIT or EAGER).
         """
         slot = self._find_fresh(block, precision)
-        if slot is not None and slot.unfilled:  # resident, and nothing prefetched it: its wait fetches it
-            self._fill_resident(slot)
-            self.stats.sync_fetches += 1
-            if self.trace is not None:
-                self.trace.record(reader, block, precision, slot.index, slot.nbytes, SYNC_FETCH)
-        elif slot is None:
+        if slot is None:
             victim = self._victim(steal_loading=True)
             if victim is None and not self.slots:
                 # The plan keeps every block resident, but this one is asked for in another

@@ -240,9 +240,10 @@ def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
     tune._LOG.pop(key)
 
 
-def test_the_compute_bound_regime_times_its_shortlist_unless_every_candidate_is_asked_for(monkeypatch):
-    # M > 512: the default tile, the shortlisted tiles and dequantize + cuBLAS; grad-input without its
-    # register-transposed variant. STAGEHAND_TUNE_EVERY=1 (benches/kernels.py) gives the whole regime back.
+def test_a_key_times_its_regimes_shortlist_unless_every_candidate_is_asked_for(monkeypatch):
+    # M > 512 and 64 < M <= 512: the regime's default tile, its shortlisted tiles (and dequantize + cuBLAS where
+    # M > 512); grad-input without its register-transposed variant. STAGEHAND_TUNE_EVERY=1 (benches/kernels.py)
+    # gives every candidate back.
     from types import SimpleNamespace
 
     from torch_stagehand.kernels import tune
@@ -250,20 +251,24 @@ def test_the_compute_bound_regime_times_its_shortlist_unless_every_candidate_is_
     monkeypatch.setattr(tune, "sms", lambda device: 132)
     monkeypatch.delenv("STAGEHAND_TUNE_EVERY", raising=False)
     dev = SimpleNamespace(type="cuda")
-    default = tune.tiles(4096, "fwd")[0]
+    for m, regime in ((4096, "compute"), (512, "mid"), (100, "mid")):
+        default = tune.tiles(m, "fwd")[0]
+        for kind in ("fwd", "bwd"):
+            short = tune.candidates(kind, m, 3072, 3072, dev)
+            every = tune.candidates(kind, m, 3072, 3072, dev, every=True)
+            assert set(short) < set(every) and (tune.DEQUANT in short) == (m > 512)
+            tiles = {(c.block_o, c.block_m, c.block_r, c.num_warps, c.num_stages) for c in short if c.mode == "fused"}
+            assert tiles == {default} | tune._SHORTLIST[regime]
+            assert len({c.split for c in short}) == len({c.split for c in every})  # every split of a kept tile
+            if kind == "bwd":
+                assert {c.variant for c in short} == {0} and {c.variant for c in every} == {0, 1}
+            monkeypatch.setenv("STAGEHAND_TUNE_EVERY", "1")
+            assert tune.candidates(kind, m, 3072, 3072, dev) == every
+            monkeypatch.delenv("STAGEHAND_TUNE_EVERY")
+    # At M <= 64 (bandwidth-bound) only grad-input's variant 1 is left out.
     for kind in ("fwd", "bwd"):
-        short = tune.candidates(kind, 4096, 3072, 3072, dev)
-        every = tune.candidates(kind, 4096, 3072, 3072, dev, every=True)
-        assert set(short) < set(every) and tune.DEQUANT in short
-        tiles = {(c.block_o, c.block_m, c.block_r, c.num_warps, c.num_stages) for c in short if c.mode == "fused"}
-        assert tiles == {default} | tune._COMPUTE_BOUND_SHORTLIST
-        if kind == "bwd":
-            assert {c.variant for c in short} == {0} and {c.variant for c in every} == {0, 1}
-        monkeypatch.setenv("STAGEHAND_TUNE_EVERY", "1")
-        assert tune.candidates(kind, 4096, 3072, 3072, dev) == every
-        monkeypatch.delenv("STAGEHAND_TUNE_EVERY")
-    # Below the regime nothing is left out.
-    assert tune.candidates("bwd", 256, 3072, 3072, dev) == tune.candidates("bwd", 256, 3072, 3072, dev, every=True)
+        every = tune.candidates(kind, 16, 3072, 3072, dev, every=True)
+        assert tune.candidates(kind, 16, 3072, 3072, dev) == [c for c in every if c.variant == 0 or kind == "fwd"]
 
 
 def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkeypatch):
