@@ -118,16 +118,28 @@ def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
 
 
 # Shortlists, from every candidate timed on an H100 (benches/results/kernels.json: 4 shapes x fwd/bwd at M = 16,
-# 256 and 4096). A cold first step tunes its keys while a worker compiles (Flux: 9 keys at M = 512, 138
-# candidates, 11-13 s of the CPU the worker needed), so a key times its regime's default and the tiles that came
-# within ~25% of the best somewhere, not the tiles that never did:
+# 256 and 4096). A cold first step tunes its keys while a worker compiles (Flux: 9 keys, 138 candidates, 11-13 s
+# of the CPU the worker needed), so a key times its regime's default and the tiles that came within ~20% of the
+# best somewhere, with every split, not the tiles that never did:
 # - M > 512 (compute-bound): dequantize + cuBLAS was fastest everywhere, then the 128x256x64 two-warpgroup tiles
 #   (6-30% behind); every other tile was 25-60% behind;
 # - 64 < M <= 512: 64x128x128 won every forward, 128x128x64/128 every grad-input but one (64x128x128 there);
 #   128x64x128 was 18-75% behind;
 # - grad-input's register-transposed variant 1 was never within 25% of the best, at any M.
+# - M <= 64 (bandwidth-bound; Flux's modulation GEMVs, M = 1: its 9 keys of a cold step): 32x16x256 won every
+#   forward, 64x16x128 every grad-input (128x16x128 within 0-16%); the others were 10-50% behind.
 _SHORTLIST = {"compute": {(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)},
-              "mid": {(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)}}
+              "mid": {(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)},
+              "bandwidth": {("fwd", 32, 256), ("fwd", 32, 128), ("bwd", 128, 128)}}
+
+
+def _shortlisted(kind: str, m: int, tile: tuple) -> bool:
+    bo, bm, br, w, st = tile
+    if m > 512:
+        return tile in _SHORTLIST["compute"]
+    if m > 64:
+        return tile in _SHORTLIST["mid"]
+    return (kind, bo, br) in _SHORTLIST["bandwidth"]  # the token tile follows M here
 
 
 def every_candidate() -> bool:
@@ -141,9 +153,8 @@ def candidates(kind: str, m: int, n_out: int, red: int, device, every: bool | No
     n_sm = sms(device)
     every = every_candidate() if every is None else every
     regime = tiles(m, kind)
-    shortlist = None if every or m <= 64 else _SHORTLIST["compute" if m > 512 else "mid"]
-    if shortlist is not None:
-        regime = [regime[0]] + [t for t in regime[1:] if t in shortlist]
+    if not every:
+        regime = [regime[0]] + [t for t in regime[1:] if _shortlisted(kind, m, t)]
     out = []
     for bo, bm, br, w, st in regime:
         for s in splits(m, n_out, red, bo, bm, br, n_sm):

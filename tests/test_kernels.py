@@ -241,7 +241,7 @@ def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
 
 
 def test_a_key_times_its_regimes_shortlist_unless_every_candidate_is_asked_for(monkeypatch):
-    # M > 512 and 64 < M <= 512: the regime's default tile, its shortlisted tiles (and dequantize + cuBLAS where
+    # Every regime: its default tile, its shortlisted tiles with every split (and dequantize + cuBLAS where
     # M > 512); grad-input without its register-transposed variant. STAGEHAND_TUNE_EVERY=1 (benches/kernels.py)
     # gives every candidate back.
     from types import SimpleNamespace
@@ -251,24 +251,29 @@ def test_a_key_times_its_regimes_shortlist_unless_every_candidate_is_asked_for(m
     monkeypatch.setattr(tune, "sms", lambda device: 132)
     monkeypatch.delenv("STAGEHAND_TUNE_EVERY", raising=False)
     dev = SimpleNamespace(type="cuda")
-    for m, regime in ((4096, "compute"), (512, "mid"), (100, "mid")):
-        default = tune.tiles(m, "fwd")[0]
+    bandwidth = {kind: {t for t in tune.tiles(16, kind) if (kind, t[0], t[2]) in tune._SHORTLIST["bandwidth"]}
+                 for kind in ("fwd", "bwd")}
+    for m, regime in ((4096, "compute"), (512, "mid"), (100, "mid"), (16, "bandwidth"), (1, "bandwidth")):
         for kind in ("fwd", "bwd"):
             short = tune.candidates(kind, m, 3072, 3072, dev)
             every = tune.candidates(kind, m, 3072, 3072, dev, every=True)
             assert set(short) < set(every) and (tune.DEQUANT in short) == (m > 512)
             tiles = {(c.block_o, c.block_m, c.block_r, c.num_warps, c.num_stages) for c in short if c.mode == "fused"}
-            assert tiles == {default} | tune._SHORTLIST[regime]
-            assert len({c.split for c in short}) == len({c.split for c in every})  # every split of a kept tile
+            kept = tune._SHORTLIST[regime] if regime != "bandwidth" else bandwidth[kind]
+            assert tiles == {tune.tiles(m, kind)[0]} | kept and len(kept) >= 1
+            def splits(cands, tile):
+                return {c.split for c in cands if c.mode == "fused" and c.variant == cands_variant(tile)
+                        and (c.block_o, c.block_m, c.block_r, c.num_warps, c.num_stages) == tile}
+
+            def cands_variant(tile):  # two-warpgroup forward tiles run variant 1 only (tune.candidates)
+                return 1 if kind == "fwd" and tile[3] == 8 else 0
+
+            assert all(splits(short, t) == splits(every, t) and splits(short, t) for t in tiles)  # every split
             if kind == "bwd":
                 assert {c.variant for c in short} == {0} and {c.variant for c in every} == {0, 1}
             monkeypatch.setenv("STAGEHAND_TUNE_EVERY", "1")
             assert tune.candidates(kind, m, 3072, 3072, dev) == every
             monkeypatch.delenv("STAGEHAND_TUNE_EVERY")
-    # At M <= 64 (bandwidth-bound) only grad-input's variant 1 is left out.
-    for kind in ("fwd", "bwd"):
-        every = tune.candidates(kind, 16, 3072, 3072, dev, every=True)
-        assert tune.candidates(kind, 16, 3072, 3072, dev) == [c for c in every if c.variant == 0 or kind == "fwd"]
 
 
 def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkeypatch):
