@@ -204,7 +204,11 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         out["tuning"] = {"keys": sum(1 for t in tuned if not t.get("from_disk")),
                          "candidates": sum(len(t["times_us"]) + len(t["rejected"]) for t in tuned),
                          "precompile_s": round(sum(t.get("precompile_s", 0.0) for t in tuned), 2),
-                         "threads": tune.precompile_threads()}
+                         "threads": tune.precompile_threads(),
+                         # per key (kind, M bucket, N, K): candidates timed + rejected, and the one chosen
+                         "per_key": {f"{k[0]} M{k[2]} N{k[3]} K{k[4]}": [len(t["times_us"]) + len(t["rejected"]),
+                                                                       str(t["chosen"])]
+                                     for k, t in tune.tuning_log().items()}}
     else:
         from torch._dynamo.utils import counters
 
