@@ -31,7 +31,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-os.environ.setdefault("STAGEHAND_TUNE_EVERY", "1")  # before the spawned precompile workers start: they inherit it
 from _common import RESULTS, env_info, host_us_per_call, print_header, print_table, write_json  # noqa: E402
 
 SHAPES = [(3072, 3072), (3072, 12288), (12288, 3072), (4096, 4096)]  # (K, N)
@@ -244,6 +243,9 @@ def main():
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     ap.add_argument("--rep", type=int, default=100, help="do_bench time for the copy-bandwidth measurement, ms")
     args = ap.parse_args()
+    # Every candidate, before the spawned precompile workers start (they inherit it). Not at import: with benches/ on
+    # sys.path, transformers finds this file as Hugging Face's `kernels` package and imports it.
+    os.environ.setdefault("STAGEHAND_TUNE_EVERY", "1")
     import torch
 
     if not torch.cuda.is_available():

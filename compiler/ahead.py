@@ -103,9 +103,10 @@ class _Worker:
     def __init__(self, pool: "AheadCompiler"):
         self.pool = pool
         self.jobs_done = 0
-        # Each worker's Triton compile pool gets its share of the cores (not in any cache key). The main process
-        # compiles nothing meanwhile: it runs the forward eagerly, tunes, and waits.
-        threads = max(1, (os.cpu_count() or 1) // pool.size)
+        # Each worker's Triton compile pool gets its share of the cores (not in any cache key), or
+        # STAGEHAND_AHEAD_THREADS. The main process compiles nothing meanwhile: it runs the forward eagerly, tunes,
+        # and waits.
+        threads = max(1, int(os.environ.get("STAGEHAND_AHEAD_THREADS", 0)) or (os.cpu_count() or 1) // pool.size)
         if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
             threads = min(threads, int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"]))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
