@@ -188,6 +188,9 @@ class AheadCompiler:
         self.workers: set[_Worker] = set()
         self.futures: dict[Hashable, Future] = {}
         self.held: list[tuple[AheadJob, Future]] = []  # jobs submitted `later`, queued at the first `take`
+        # Per job, how the main process loads what its worker compiled ahead of the step asking (`take`).
+        self.preloads: dict[Hashable, Callable[[], None]] = {}
+        self.preloaded: list[str] = []  # the jobs loaded while the step waited for another, by label
         self.configs: dict[str, Any] = {}
         self.waited_s = 0.0  # the main process's time spent waiting for jobs a worker was on
         self.busy_waiting_s = 0.0  # of which it spent working (`take`'s while_waiting)
@@ -203,7 +206,7 @@ class AheadCompiler:
     @property
     def stats(self) -> dict[str, Any]:
         return {"submitted": len(self.futures), "waited_s": self.waited_s, "busy_waiting_s": self.busy_waiting_s,
-                "dropped": self.dropped,
+                "dropped": self.dropped, "preloaded": list(self.preloaded),
                 "worker_pids": list(self.worker_pids), "refused": list(self.refused), "jobs": self.jobs_timeline()}
 
     def mark(self, key: Hashable, event: str) -> None:
@@ -223,17 +226,21 @@ class AheadCompiler:
             out.append(dict(entry, **extra))
         return out
 
-    def submit(self, job: AheadJob, later: bool = False) -> bool:
+    def submit(self, job: AheadJob, later: bool = False, preload: Callable[[], None] | None = None) -> bool:
         """Queue `job` unless its variant was asked for before; True when queued. `later`: held back until the
         main process first waits for a job (`take`): an inference variant, which only the next step's forward
         needs, must not keep a worker from a training variant that the forward has yet to hand over and the
         backward will wait for (Flux bf16: a single-block training job queued behind the double block's inference
-        job was compiled in the step after all, 14.8 s)."""
+        job was compiled in the step after all, 14.8 s). `preload()`: loads the variant into the main process
+        (compiles it there, from the caches the worker filled); `take` calls it while the step waits for another
+        job, once this one is done."""
         if self.size <= 0 or self._closed or job.key in self.futures:
             return False
         future: Future = Future()
         self.futures[job.key] = future
         self.timeline[job.key] = {"label": job.label, "later": later}
+        if preload is not None:
+            self.preloads[job.key] = preload
         self.mark(job.key, "submitted_s")
         with self.lock:
             if later:
@@ -272,7 +279,8 @@ class AheadCompiler:
              ) -> AheadResult | None:
         """Before the main process compiles `key`: wait for its job if a worker is on it; drop it if it is
         still queued (None: no job, or dropped). `while_waiting(done)`: work the main process does first while
-        the worker compiles (it asks `done()` between its pieces), as part of the wait."""
+        the worker compiles (it asks `done()` between its pieces), as part of the wait; then it loads the jobs
+        other workers finished (`submit`'s `preload`), one at a time while this one is not done."""
         with self.lock:  # the main process waits now: the forward has handed over its training variants
             for item in self.held:
                 self.jobs.put(item)
@@ -285,8 +293,12 @@ class AheadCompiler:
             self.dropped += 1
             return None
         start = time.perf_counter()
-        if while_waiting is not None and not future.done():
-            while_waiting(future.done)
+        self.preloads.pop(key, None)  # asked for now: the caller loads it
+        if not future.done():  # the work put off for the wait, then the variants other workers finished
+            if while_waiting is not None:
+                while_waiting(future.done)
+            while not future.done() and self._preload_one():
+                pass
             self.busy_waiting_s += time.perf_counter() - start
         try:
             result = future.result(timeout=self.wait_s)
@@ -294,6 +306,23 @@ class AheadCompiler:
             result = AheadResult(error=f"no answer from its worker in {self.wait_s:.0f}s")
         self.waited_s += time.perf_counter() - start
         return result
+
+    def _preload_one(self) -> bool:
+        """Load one job a worker finished without error that the step has not asked for yet (Flux: the double
+        block's training and inference variants, ~1.4 s, while the step waits for the single block's training
+        variant): it would load them later in the step anyway. False when none is left."""
+        for key, future in list(self.futures.items()):
+            if key not in self.preloads or not future.done() or future.cancelled() or future.result().error:
+                continue
+            preload = self.preloads.pop(key)
+            try:
+                preload()
+                self.preloaded.append(self.timeline[key]["label"])
+            except Exception as e:  # noqa: BLE001 - only a speed-up: the step loads it where it asks for it
+                log.warning("stagehand: loading %s ahead failed (%s: %s); it loads where the step asks for it",
+                            self.timeline[key]["label"], type(e).__name__, e)
+            return True
+        return False
 
     def close(self) -> None:
         """Drop the queued jobs and end the workers (the runtime closed, or the process exits)."""

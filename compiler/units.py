@@ -238,10 +238,9 @@ class BlockUnit(_Unit):
         return self._residual
 
     def _compiling_ahead(self, key: tuple) -> bool:
-        """Is a worker on `key` (queued or compiling) and has the step not reached its backward yet? Then a
-        forward runs its graph eagerly meanwhile: the first step's forward only. Once the training variant
-        is in (the backward loaded it), forwards load the inference variant, waiting for its worker if need be
-        (an eager forward is a few times slower than the compiled one)."""
+        """Is a worker on `key` and the training variant not loaded yet? Then a forward runs its graph eagerly
+        meanwhile (the first step's); after, forwards load the inference variant, waiting for its worker if need
+        be (an eager forward is a few times slower than the compiled one)."""
         cache = self.ctx.variants
         future = None if cache.ahead is None else cache.ahead.futures.get(key)
         training = self._training_of.get(key)
@@ -249,10 +248,9 @@ class BlockUnit(_Unit):
 
     def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, label: str) -> bool:
         """From a recomputed block's forward (grad off) whose variant is not compiled: hand the training variant
-        its recompute will run, then this inference variant, to the ahead-compile workers (ahead.py), if there
-        are workers. True when the training variant went: the forward then runs the variant graph eagerly and
-        goes on to the next structure, the backward's recompute loads what the worker compiled, and the next
-        step's forward the inference variant."""
+        its recompute will run, then this inference variant, to the ahead-compile workers (ahead.py), if any.
+        True when the training variant went: the forward runs the variant graph eagerly and goes on to the next
+        structure; each variant loads where the step asks for it, or while it waits for another (`_preload`)."""
         ahead = self.ctx.variants.ahead
         if ahead is None or self.symbolic is not None:
             return False
@@ -262,7 +260,7 @@ class BlockUnit(_Unit):
             try:
                 cacheable = cacheable or compile_cache.cacheable_functions()  # hashes source files: once for both
                 with torch.set_grad_enabled(grad):
-                    gm, skey, _ = self.variant_graph(precision, rt_trainable(self.ctx.runtime, block), block)
+                    gm, skey, vctx = self.variant_graph(precision, rt_trainable(self.ctx.runtime, block), block)
                     replay_rng = recomputes and self._random[skey]
                     key = (skey, self.signature(args[:-4]), grad, self.ctx.options.inner, replay_rng)
                     # Inside the recompute's Function the inputs keep their grad flags: the recompute's own.
@@ -275,11 +273,23 @@ class BlockUnit(_Unit):
                 log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__,
                             e)
                 return False
-            if not (ahead.submit(job, later=not grad) or job.key in ahead.futures):
+            named = f"block variant {skey} ({precision}, first used by {self.ctx.runtime.blocks[block]})"
+            preload = self._preload(job.key, gm, inputs, named, PassLog(vctx.passes_ran), replay_rng, grad)
+            if not (ahead.submit(job, later=not grad, preload=preload) or job.key in ahead.futures):
                 return False
             keys.append(job.key)
         self._training_of[keys[1]] = keys[0]
         return True
+
+    def _preload(self, key, gm, inputs, label, pass_log, replay_rng, grad) -> Callable[[], None]:
+        """Loads a variant a worker compiled (from the caches it filled) while the step waits for another job
+        (ahead.AheadCompiler.take), for the inputs the job was made from."""
+        def preload() -> None:
+            if key not in self.ctx.variants.info:
+                with torch.set_grad_enabled(grad):
+                    self._compile(key, gm, inputs, label, True, pass_log, replay_rng)
+
+        return preload
 
     def recomputes_block(self, block: int) -> bool:
         """Does `block` re-run its forward in backward instead of saving its activations?

@@ -257,6 +257,42 @@ def test_the_main_process_works_while_it_waits_for_a_running_job_and_not_for_a_f
     pool.close()
 
 
+def test_while_it_waits_the_main_process_loads_the_jobs_other_workers_finished():
+    # take(): after while_waiting, each job done without error that the step has not asked for yet is loaded
+    # (its `preload`, given at submit), one at a time until the job asked for is done. A failed job is left to the
+    # step (it compiles it there), as is a preload that raises; the job asked for is never preloaded.
+    from concurrent.futures import Future
+
+    from torch_stagehand.compiler.ahead import AheadResult
+
+    pool = AheadCompiler(1)
+    futures = {key: Future() for key in ("asked", "failed", "a", "broken", "b", "c")}
+    loaded = []
+
+    def preload(key):
+        def load():
+            loaded.append(key)
+            if key == "broken":
+                raise RuntimeError("no such cache entry")
+            if key == "b":  # the worker on the job asked for finishes meanwhile
+                futures["asked"].set_result(AheadResult(seconds=3.0, state="miss"))
+        return load
+
+    for key, future in futures.items():
+        pool.futures[key] = future
+        pool.timeline[key] = {"label": key, "later": False}
+        pool.preloads[key] = preload(key)
+        future.set_running_or_notify_cancel()
+        if key != "asked":
+            future.set_result(AheadResult(seconds=1.0, state="miss", error="boom" if key == "failed" else ""))
+    assert pool.take("asked").seconds == 3.0
+    assert loaded == ["a", "broken", "b"]  # "c" waits: the job asked for was done by then
+    assert pool.stats["preloaded"] == ["a", "b"] and pool.busy_waiting_s > 0
+    assert set(pool.preloads) == {"failed", "c"}  # the asked job's own preload is dropped: its caller loads it
+    assert pool.take("c").seconds == 1.0 and loaded == ["a", "broken", "b"]  # done already: nothing preloaded
+    pool.close()
+
+
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
     assert BackendOptions().workers_ahead() == 0  # off by default
