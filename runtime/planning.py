@@ -32,12 +32,12 @@ import time
 import torch
 
 from .allocator import allocated_bytes, reserve
+from .plan_prefetch import prefetch_ahead
 from .conductor import cost_cache
 from .conductor.arbiter import Conductor
 from .conductor.calibrate import FORWARD, BlockClocks, Calibration
 from .conductor.costs import Budget, BudgetError, CostModel, budget_from
 from .conductor.planner import Plan, build_plan, make_plan
-from .registry import NO_BLOCK
 from .slots import SlotPool
 from .spill import ActivationSpill
 
@@ -265,36 +265,7 @@ class PlanDriver:
 
     def prefetch(self, block: int) -> None:
         """Fetch `block` (the one the schedule names next) and, per the plan, the streamed blocks after it."""
-        rt, plan = self.rt, self.plan
-        if block == NO_BLOCK:
-            return
-        if plan is None or plan.kind == "fixed":
-            rt.pool.prefetch(block, rt._precision[block])
-            return
-        backward = torch._C._current_graph_task_id() != -1
-        resident = rt.pool.resident_slots
-        wanted, b, steps = [], block, 0
-        depth = plan.lookahead
-        while b != NO_BLOCK and len(wanted) < depth and steps < len(rt.blocks):
-            if b not in resident:
-                wanted.append(b)
-            b = rt.fetch_order.eager_next(b, backward)
-            steps += 1
-        for depth, b in enumerate(wanted):
-            precision = rt._precision[b]
-            if not self._admit or rt.pool.cached(b, precision):
-                rt.pool.prefetch(b, precision)  # a hit moves nothing: no token needed
-                continue
-            if self.conductor.admit_prefetch(b, depth) is not None:
-                continue  # denied (counted with its reason): the block's wait fetches it later
-            try:
-                issued = rt.pool.prefetch(b, precision).issued
-            except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
-                self.conductor.allocation_failed(b, e)
-                self.rt.oom.note_handled()
-                return
-            if not issued:
-                self.conductor.copy_not_issued(b)
+        prefetch_ahead(self, block)
 
     def on_wait(self, block: int, kind: str) -> None:
         if self._admit:
