@@ -505,6 +505,43 @@ def start_time_deferred_table() -> str:
                Col("predicted / steady", _predicted_over_steady)])
 
 
+START_TIME_SHORTLIST = (("start_time_preload_flux.json", ("flux:int8:blocks",)),
+                        ("start_time_shortlist_flux.json", ("flux:int8:blocks",)),
+                        ("start_time_preload_flux_bf16.json", ("flux:bf16:blocks",)),
+                        ("start_time_reserve_qwen32.json", ("qwen32:int8:blocks",)),
+                        ("start_time_preload_qwen.json", ("qwen:int8:blocks",)))
+
+
+def _tuned(r: dict) -> str:
+    """The W8A16 keys the run tuned, their candidates, and the seconds compiling them took."""
+    t = r.get("tuning") or {}
+    return f"{t['keys']} / {t['candidates']} ({t['precompile_s']:.1f})" if t.get("keys") else ""
+
+
+def _held_ahead(r: dict) -> str:
+    """GiB the allocator was made to hold for a made plan's peak before its first step, and the ms it took."""
+    held = r.get("plan_reservations") or []
+    return ", ".join(f"{h['gib']:.1f} ({h['s'] * 1e3:.0f})" for h in held)
+
+
+def start_time_shortlist_table() -> str:
+    """Seconds to the first step with the tuner's shortlists, variants loaded while the step waits, and a made
+    plan's peak held ahead."""
+    return start_time_blocks_table(START_TIME_SHORTLIST, (
+        "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 6 --ahead-workers 2 "
+        "--bytecode-cache`; Qwen-32B cold only), LoRA r=16, AdamW, `stagehand.compile_blocks`; `vram_budget` Flux "
+        "16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty, two ahead-compile workers started by "
+        "`offload()`; warm: a second process on the same machine. Three calls, each on its own machine. "
+        "`start_time_shortlist_flux.json` is the commit before the step loaded finished variants while it waits. "
+        "\"W8A16 keys / candidates (s)\": the keys the cold step tuned, the candidates it timed, the seconds "
+        "compiling them took. \"waited s (working)\": the cold step's wait for its workers, and of it the "
+        "seconds it tuned and loaded finished variants. \"held ahead GiB (ms)\": memory the allocator was made to "
+        "hold for the made plan's peak when it was applied. \"new-plan steps / steady\": a cold run's first "
+        "two steps under the plan made from the calibration, a warm run's step 2, over the steady step"),
+        extra=[Col("W8A16 keys / candidates (s)", _tuned), Col("waited s (working)", _waited_for_workers),
+               Col("held ahead GiB (ms)", _held_ahead), Col("new-plan steps / steady", _new_plan_steps)])
+
+
 def start_time_freeze_table() -> str:
     """Seconds to the first step with the heap frozen at offload (this session's code)."""
     return start_time_blocks_table(START_TIME_FREEZE, (
@@ -1141,6 +1178,7 @@ FIGURES: dict[str, Figure] = {
     "start_time_workers": Figure(start_time_workers_table, tuple(name for name, _ in START_TIME_WORKERS)),
     "start_time_freeze": Figure(start_time_freeze_table, tuple(name for name, _ in START_TIME_FREEZE)),
     "start_time_deferred": Figure(start_time_deferred_table, tuple(name for name, _ in START_TIME_DEFERRED)),
+    "start_time_shortlist": Figure(start_time_shortlist_table, tuple(name for name, _ in START_TIME_SHORTLIST)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
