@@ -17,7 +17,7 @@ at M=4096, TFLOP/s. Every kernel output is checked against its torch twin
 before it is timed.
 
 It times every candidate of every regime (STAGEHAND_TUNE_EVERY=1: the table the tuner's compute-bound
-shortlist was drawn from, tune._COMPUTE_BOUND_SHORTLIST). Compiling all autotuning candidates serially takes
+shortlists were drawn from, tune._SHORTLIST). Compiling all autotuning candidates serially takes
 minutes, so --workers
 processes compile them into Triton's on-disk cache first; the timing process
 then loads them from the cache (no timing happens while workers run).

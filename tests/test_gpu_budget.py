@@ -73,6 +73,22 @@ def test_budget_plan_calibrates_replans_and_stays_under_its_budget(budget_blocks
     print(rt.plan, f"\npeak {peak / 2**20:.1f} MiB of {budget / 2**20:.1f} MiB")
 
 
+def test_reserve_holds_the_shortfall_in_the_allocators_cache_and_allocates_nothing():
+    # allocator.reserve: what a made plan's first step would map piece by piece is held (cached, free) when the
+    # plan is applied; a target already held maps nothing.
+    from torch_stagehand.runtime.allocator import reserve
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    allocated, before = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    target = before + (256 << 20)
+    added, seconds = reserve(device, target)
+    assert added >= 256 << 20 and seconds > 0
+    assert torch.cuda.memory_reserved(device) >= target and torch.cuda.memory_allocated(device) == allocated
+    assert reserve(device, target) == (0, 0.0)
+    torch.cuda.empty_cache()
+
+
 def test_a_memory_fraction_below_the_budget_shrinks_the_plan_and_says_so(caplog):
     model, x = _trainable()
     x = x[:2, :16].contiguous()  # small activations: the cap below is about the weights
