@@ -16,7 +16,7 @@ HBM GB/s against the device-to-device copy bandwidth measured in the same run;
 at M=4096, TFLOP/s. Every kernel output is checked against its torch twin
 before it is timed.
 
-It times every candidate of every regime (STAGEHAND_TUNE_EVERY=1: the table the tuner's compute-bound
+It times every candidate of every regime (STAGEHAND_TUNE_EVERY=1: the table the tuner's
 shortlists were drawn from, tune._SHORTLIST). Compiling all autotuning candidates serially takes
 minutes, so --workers
 processes compile them into Triton's on-disk cache first; the timing process
