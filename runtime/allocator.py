@@ -75,20 +75,22 @@ def reserve(device: torch.device, nbytes: int) -> tuple[int, float]:
     """Have the caching allocator hold `nbytes` in all now (a plan's predicted peak), so that the plan's first
     step finds its memory mapped: growing from a calibration step's 2.5 GiB to a 19 GiB plan maps the
     difference piece by piece inside that step (held ahead on an H100: 8.4-22 GiB in 27-85 ms).
-    One allocation of the shortfall, freed at once: the cache keeps it (a free piece of the cache that large
-    would serve it instead, and nothing is mapped). Never past what the device has room for: an allocation the
-    allocator refused would count as an out of memory the runtime reacts to. Returns (bytes newly held,
-    seconds); nothing off CUDA."""
+    Allocations of the shortfall, held until the cache holds `nbytes`, then freed: the cache keeps them. A free
+    piece of the cache large enough serves one without mapping anything (it is held, and the next asks again),
+    so the cache never grows past `nbytes`, nor past what the device has room for: an allocation the allocator
+    refused would count as an out of memory the runtime reacts to. Returns (bytes newly held, seconds); nothing
+    off CUDA."""
     if device.type != "cuda":
         return 0, 0.0
     before = torch.cuda.memory_reserved(device)
     room = device_room(device)
     target = min(nbytes, room - (64 << 20)) if room is not None else nbytes
-    if target <= before:
-        return 0, 0.0
-    start = time.perf_counter()
-    torch.empty(target - before, dtype=torch.uint8, device=device)  # freed here: kept cached
-    return torch.cuda.memory_reserved(device) - before, time.perf_counter() - start
+    start, held = time.perf_counter(), []
+    while (short := target - torch.cuda.memory_reserved(device)) > 0 and len(held) < 16:
+        held.append(torch.empty(short, dtype=torch.uint8, device=device))
+    del held  # freed here: kept cached
+    added = torch.cuda.memory_reserved(device) - before
+    return (added, time.perf_counter() - start) if added > 0 else (0, 0.0)
 
 
 def _memory_fraction(index: int) -> float | None:
