@@ -509,7 +509,9 @@ START_TIME_SHORTLIST = (("start_time_preload_flux.json", ("flux:int8:blocks",)),
                         ("start_time_shortlist_flux.json", ("flux:int8:blocks",)),
                         ("start_time_preload_flux_bf16.json", ("flux:bf16:blocks",)),
                         ("start_time_reserve_qwen32.json", ("qwen32:int8:blocks",)),
-                        ("start_time_preload_qwen.json", ("qwen:int8:blocks",)))
+                        ("start_time_reserve_held_qwen32.json", ("qwen32:int8:blocks",)),
+                        ("start_time_preload_qwen.json", ("qwen:int8:blocks",)),
+                        ("start_time_reserve_held_qwen.json", ("qwen:int8:blocks",)))
 
 
 def _tuned(r: dict) -> str:
@@ -531,8 +533,10 @@ def start_time_shortlist_table() -> str:
         "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 6 --ahead-workers 2 "
         "--bytecode-cache`; Qwen-32B cold only), LoRA r=16, AdamW, `stagehand.compile_blocks`; `vram_budget` Flux "
         "16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty, two ahead-compile workers started by "
-        "`offload()`; warm: a second process on the same machine. Three calls, each on its own machine. "
-        "`start_time_shortlist_flux.json` is the commit before the step loaded finished variants while it waits. "
+        "`offload()`; warm: a second process on the same machine. Four calls, each on its own machine. "
+        "`start_time_shortlist_flux.json` is the commit before the step loaded finished variants while it waits; "
+        "`start_time_reserve_held_*` the last commit, whose reservation holds pieces until the cache holds the "
+        "plan's peak (the others allocated the shortfall once). "
         "\"W8A16 keys / candidates (s)\": the keys the cold step tuned, the candidates it timed, the seconds "
         "compiling them took. \"waited s (working)\": the cold step's wait for its workers, and of it the "
         "seconds it tuned and loaded finished variants. \"held ahead GiB (ms)\": memory the allocator was made to "
