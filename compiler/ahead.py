@@ -106,7 +106,7 @@ class _Worker:
         # Each worker's Triton compile pool gets its share of the cores (not in any cache key), or
         # STAGEHAND_AHEAD_THREADS. The main process compiles nothing meanwhile: it runs the forward eagerly, tunes,
         # and waits.
-        threads = max(1, int(os.environ.get("STAGEHAND_AHEAD_THREADS", 0)) or (os.cpu_count() or 1) // pool.size)
+        threads = max(1, _ahead_threads() or (os.cpu_count() or 1) // pool.size)
         if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
             threads = min(threads, int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"]))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
@@ -193,7 +193,7 @@ class AheadCompiler:
         self.preloaded: list[str] = []  # the jobs loaded while the step waited for another, by label
         self.configs: dict[str, Any] = {}
         self.waited_s = 0.0  # the main process's time spent waiting for jobs a worker was on
-        self.busy_waiting_s = 0.0  # of which it spent working (`take`'s while_waiting)
+        self.busy_waiting_s = 0.0  # of which it spent working (`take`'s while_waiting, then loading finished jobs)
         self.dropped = 0  # jobs dropped while queued (the main process compiled them itself)
         self.worker_pids: list[int] = []
         self.refused: list[str] = []  # variants not handed over (their graph or inputs would not travel), and why
@@ -289,11 +289,11 @@ class AheadCompiler:
         if future is None:
             return None
         self.mark(key, "asked_s")
+        self.preloads.pop(key, None)  # asked for now: the caller loads it (or compiles it, if dropped)
         if future.cancel():
             self.dropped += 1
             return None
         start = time.perf_counter()
-        self.preloads.pop(key, None)  # asked for now: the caller loads it
         if not future.done():  # the work put off for the wait, then the variants other workers finished
             if while_waiting is not None:
                 while_waiting(future.done)
@@ -327,6 +327,7 @@ class AheadCompiler:
     def close(self) -> None:
         """Drop the queued jobs and end the workers (the runtime closed, or the process exits)."""
         self._closed = True
+        self.preloads.clear()  # they hold the inputs of the forward that made their job
         for future in self.futures.values():
             future.cancel()
         with self.lock:
@@ -338,6 +339,14 @@ class AheadCompiler:
         deadline = time.monotonic() + 5
         for worker in workers:
             worker.end(deadline)
+
+
+def _ahead_threads() -> int:
+    """`STAGEHAND_AHEAD_THREADS`: each worker's Triton compile threads (0 or unset: cores / workers)."""
+    value = os.environ.get("STAGEHAND_AHEAD_THREADS", "0")
+    if not value.isdigit():
+        raise ValueError(f"stagehand: STAGEHAND_AHEAD_THREADS must be an int >= 0, got {value!r}")
+    return int(value)
 
 
 def _configs() -> dict[str, Any]:

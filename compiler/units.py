@@ -241,9 +241,8 @@ class BlockUnit(_Unit):
         """Is a worker on `key` and the training variant not loaded yet? Then a forward runs its graph eagerly
         meanwhile (the first step's); after, forwards load the inference variant, waiting for its worker if need
         be (an eager forward is a few times slower than the compiled one)."""
-        cache = self.ctx.variants
+        cache, training = self.ctx.variants, self._training_of.get(key)
         future = None if cache.ahead is None else cache.ahead.futures.get(key)
-        training = self._training_of.get(key)
         return future is not None and not future.done() and training is not None and training not in cache.info
 
     def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, label: str) -> bool:
@@ -254,8 +253,7 @@ class BlockUnit(_Unit):
         ahead = self.ctx.variants.ahead
         if ahead is None or self.symbolic is not None:
             return False
-        cacheable = None
-        keys = []
+        cacheable, keys = None, []
         for grad in (True, False):  # the one the step waits for first, and handed over before the other is built
             try:
                 cacheable = cacheable or compile_cache.cacheable_functions()  # hashes source files: once for both
@@ -273,21 +271,23 @@ class BlockUnit(_Unit):
                 log.warning("stagehand: %s: not compiled ahead (%s: %s); compiling it here", label, type(e).__name__,
                             e)
                 return False
-            named = f"block variant {skey} ({precision}, first used by {self.ctx.runtime.blocks[block]})"
-            preload = self._preload(job.key, gm, inputs, named, PassLog(vctx.passes_ran), replay_rng, grad)
+            preload = self._preload(job.key, gm, inputs, self._label(skey, precision, block), vctx, replay_rng, grad)
             if not (ahead.submit(job, later=not grad, preload=preload) or job.key in ahead.futures):
                 return False
             keys.append(job.key)
         self._training_of[keys[1]] = keys[0]
         return True
 
-    def _preload(self, key, gm, inputs, label, pass_log, replay_rng, grad) -> Callable[[], None]:
+    def _label(self, skey: str, precision: str, block: int) -> str:  # a variant's name in logs and explain
+        return f"block variant {skey} ({precision}, first used by {self.ctx.runtime.blocks[block]})"
+
+    def _preload(self, key, gm, inputs, label, vctx, replay_rng, grad) -> Callable[[], None]:
         """Loads a variant a worker compiled (from the caches it filled) while the step waits for another job
         (ahead.AheadCompiler.take), for the inputs the job was made from."""
         def preload() -> None:
             if key not in self.ctx.variants.info:
                 with torch.set_grad_enabled(grad):
-                    self._compile(key, gm, inputs, label, True, pass_log, replay_rng)
+                    self._compile(key, gm, inputs, label, True, PassLog(vctx.passes_ran), replay_rng)
 
         return preload
 
@@ -391,7 +391,7 @@ class BlockUnit(_Unit):
                                replay_rng)
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
-            label = f"block variant {skey} ({precision}, first used by {rt.blocks[block]})"
+            label = self._label(skey, precision, block)
             if defer and (self._compiling_ahead(key) or (
                     key not in self._training_of and self._compile_ahead(args, block, precision, recomputes, label))):
                 return gm, True  # eagerly, while a worker compiles it

@@ -125,16 +125,17 @@ def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
 #   (6-30% behind); every other tile was 25-60% behind;
 # - 64 < M <= 512: 64x128x128 won every forward, 128x128x64/128 every grad-input but one (64x128x128 there);
 #   128x64x128 was 18-75% behind;
-# - grad-input's register-transposed variant 1 was never within 25% of the best, at any M.
 # - M <= 64 (bandwidth-bound; Flux's modulation GEMVs, M = 1: its 9 keys of a cold step): 32x16x256 won every
-#   forward, 64x16x128 every grad-input (128x16x128 within 0-16%); the others were 10-50% behind.
+#   forward, 64x16x128 every grad-input (128x16x128 within 0-16%); the others were 10-50% behind;
+# - grad-input's register-transposed variant 1 was never within 25% of the best, at any M.
 _SHORTLIST = {"compute": {(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)},
               "mid": {(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)},
               "bandwidth": {("fwd", 32, 256), ("fwd", 32, 128), ("bwd", 128, 128)}}
 
 
 def _shortlisted(kind: str, m: int, tile: tuple) -> bool:
-    bo, bm, br, w, st = tile
+    """Is `tile` (block_o, block_m, block_r, warps, stages) on its regime's shortlist?"""
+    bo, _, br, _, _ = tile
     if m > 512:
         return tile in _SHORTLIST["compute"]
     if m > 64:

@@ -290,7 +290,24 @@ def test_while_it_waits_the_main_process_loads_the_jobs_other_workers_finished()
     assert pool.stats["preloaded"] == ["a", "b"] and pool.busy_waiting_s > 0
     assert set(pool.preloads) == {"failed", "c"}  # the asked job's own preload is dropped: its caller loads it
     assert pool.take("c").seconds == 1.0 and loaded == ["a", "broken", "b"]  # done already: nothing preloaded
+    queued = pool.futures["queued"] = Future()  # dropped when asked for: its preload (and its inputs) goes too
+    pool.timeline["queued"] = {"label": "queued", "later": False}
+    pool.preloads["queued"] = preload("queued")
+    assert pool.take("queued") is None and queued.cancelled() and "queued" not in pool.preloads
     pool.close()
+    assert pool.preloads == {} and loaded == ["a", "broken", "b"]  # closed: none held, none run
+
+
+def test_the_workers_triton_threads_from_the_environment(monkeypatch):
+    from torch_stagehand.compiler.ahead import _ahead_threads
+
+    monkeypatch.delenv("STAGEHAND_AHEAD_THREADS", raising=False)
+    assert _ahead_threads() == 0  # cores / workers
+    monkeypatch.setenv("STAGEHAND_AHEAD_THREADS", "16")
+    assert _ahead_threads() == 16
+    monkeypatch.setenv("STAGEHAND_AHEAD_THREADS", "many")
+    with pytest.raises(ValueError, match="STAGEHAND_AHEAD_THREADS must be an int >= 0, got 'many'"):
+        _ahead_threads()
 
 
 def test_ahead_workers_option(monkeypatch):
