@@ -122,6 +122,41 @@ def timed_offload(args, out: dict, model, **offload_kwargs):
     return rt
 
 
+class TritonCompiles:
+    """The Triton compiles this process ran (Triton's compilation listener: the W8A16 kernels the eager forward
+    launches, the tuner's candidates; not Inductor's, whose pool compiles in other processes), each as
+    (start, seconds, kernel) on the perf_counter clock: what a cold first step spent compiling in the main
+    process, and when."""
+
+    def __init__(self):
+        self.events: list[tuple[float, float, str]] = []
+        try:
+            from triton import knobs
+        except ImportError:  # no Triton (a CPU run), or one without knobs
+            return
+        if hasattr(knobs, "compilation") and hasattr(knobs.compilation, "listener"):
+            knobs.compilation.listener = self._heard
+
+    def _heard(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if not cache_hit:
+            seconds = times.total / 1e6
+            name = getattr(src, "name", None) or getattr(getattr(src, "fn", None), "__name__", "?")
+            self.events.append((time.perf_counter() - seconds, seconds, str(name)))
+
+    def summary(self, t0: float, end: float, clock0: float) -> dict:
+        """The compiles between `t0` and `end` (the first step), their starts on the clock that began at
+        `clock0` (the ahead-compile pool's, so they line up with its jobs' timeline)."""
+        inside = [e for e in self.events if t0 <= e[0] + e[1] and e[0] <= end]
+        per_kernel: dict[str, list] = {}
+        for _, seconds, name in inside:
+            entry = per_kernel.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] = round(entry[1] + seconds, 3)
+        return {"count": len(inside), "seconds": round(sum(e[1] for e in inside), 3), "per_kernel": per_kernel,
+                "step_start_s": round(t0 - clock0, 3),
+                "events": [[round(a - clock0, 3), round(s, 3), n] for a, s, n in inside[:60]]}
+
+
 def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, compiled=None) -> dict:
     """`--steps` steps of AdamW on the adapters, each synchronised and timed; what they compiled and loaded."""
     import torch
@@ -143,6 +178,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     traced = range(min(args.trace_steps), max(args.trace_steps) + 1) if args.trace_steps and args.mode == "cold" else ()
     out["traced_steps"] = list(traced)
     tracer = None
+    triton_compiles, first_step = TritonCompiles(), (0.0, 0.0)
     for i in range(args.steps):
         profiler = cProfile.Profile() if args.profile_first_step and i in args.profile_steps else None
         if i in traced and tracer is None:  # started before the step's clock: the profiler's own start-up is not in it
@@ -157,6 +193,8 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
             optimizer.zero_grad(set_to_none=True)
             sync()
         steps.append(time.perf_counter() - t0)
+        if i == 0:
+            first_step = (t0, time.perf_counter())
         if profiler:  # where a step's seconds go (the profiler's own cost inflates them: a separate run)
             profiler.disable()
             name = "first_step" if i == 0 else f"step_{i + 1}"
@@ -193,6 +231,8 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         cache = variant_cache(rt)
         out["unit_cache"] = [f"{info['label']}: {info.get('cache')} {info['seconds']:.2f}s ({info.get('why')})"
                              + (f" [{info['ahead']}]" if info.get("ahead") else "") for info in cache.info.values()]
+        clock0 = cache.ahead.t0 if cache.ahead is not None else first_step[0]
+        out["main_triton_compiles"] = triton_compiles.summary(*first_step, clock0)
         if cache.ahead is not None:  # variants compiled ahead in worker processes (compiler/ahead.py)
             stats = cache.ahead.stats
             out["ahead"] = dict(stats, workers=cache.ahead.size, gpu_processes=_gpu_processes())

@@ -88,6 +88,7 @@ class AheadResult:
     cuda_context: bool = False  # the worker holds a CUDA context (it compiled for the device)
     settings: dict[str, Any] = field(default_factory=dict)  # the worker's process_settings while it compiled
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of torch's compile (ahead_worker)
+    kernels: dict[str, Any] = field(default_factory=dict)  # its Triton kernels' compile seconds (ahead_worker)
 
     def describe(self) -> str:
         if self.error:
@@ -136,7 +137,8 @@ class _Worker:
                 self.pool.mark(job.key, "done_s")
                 future.set_result(AheadResult(reply.get("seconds", 0.0), reply.get("state", ""),
                                               reply.get("error", ""), reply.get("cuda_context", False),
-                                              reply.get("settings", {}), reply.get("phases", {})))
+                                              reply.get("settings", {}), reply.get("phases", {}),
+                                              reply.get("kernels", {})))
         finally:
             self.end()
 
@@ -200,7 +202,7 @@ class AheadCompiler:
         # Per job, when it was submitted, started and done, and when the main process asked for it (seconds since
         # the pool was made): where a cold first step waits, and on what.
         self.timeline: dict[Hashable, dict[str, Any]] = {}
-        self._t0 = time.perf_counter()
+        self.t0 = time.perf_counter()  # the timeline's zero
         self._closed = False
 
     @property
@@ -213,7 +215,7 @@ class AheadCompiler:
         """Note when `event` happened to `key`'s job (its timeline entry, made at submit)."""
         entry = self.timeline.get(key)
         if entry is not None:
-            entry[event] = round(time.perf_counter() - self._t0, 3)
+            entry[event] = round(time.perf_counter() - self.t0, 3)
 
     def jobs_timeline(self) -> list[dict[str, Any]]:
         """Each job's timeline entry, with its worker's seconds and phases once it is done."""
@@ -222,6 +224,7 @@ class AheadCompiler:
             future = self.futures.get(key)
             result = future.result() if future is not None and future.done() and not future.cancelled() else None
             extra = {} if result is None else {"worker_s": round(result.seconds, 3), "phases": result.phases,
+                                               "kernels": result.kernels,
                                                "error": result.error.strip().splitlines()[-1] if result.error else ""}
             out.append(dict(entry, **extra))
         return out

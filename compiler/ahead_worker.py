@@ -62,6 +62,7 @@ def compile_job(job) -> dict:
 
     start = time.perf_counter()
     before = {k: sum(v) for k, v in compilation_time_metrics.items()}
+    first_kernel = len(_KERNEL_SECONDS)
     values, faked = fake_inputs(job.inputs)
     graph = GraphPickler.loads(job.graph, faked.mode)
     graph.recompile()
@@ -77,7 +78,8 @@ def compile_job(job) -> dict:
     context = torch.cuda.is_initialized() and any(
         torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count()))
     return {"state": outcome.state, "seconds": time.perf_counter() - start, "cuda_context": context,
-            "settings": process_settings.current(), "phases": phase_seconds(before, compilation_time_metrics)}
+            "settings": process_settings.current(), "phases": phase_seconds(before, compilation_time_metrics),
+            "kernels": kernel_seconds(first_kernel)}
 
 
 def phase_seconds(before: dict[str, float], metrics: dict[str, list[float]], least_s: float = 0.05) -> dict:
@@ -86,6 +88,36 @@ def phase_seconds(before: dict[str, float], metrics: dict[str, list[float]], lea
     least `least_s`, longest first. Regions nest: the phases overlap, and do not add up to the job."""
     spent = {k: sum(v) - before.get(k, 0.0) for k, v in metrics.items()}
     return {k: round(s, 3) for k, s in sorted(spent.items(), key=lambda kv: -kv[1]) if s >= least_s}
+
+
+_KERNEL_SECONDS: list[tuple[str, float]] = []  # (kernel, seconds) in the order Inductor reported them
+
+
+def time_kernels() -> None:
+    """Record each Triton kernel's compile seconds as Inductor reports them to its metrics
+    (`async_compile._add_triton_kernel_info`, once per kernel its compile pool built, with the pool process's own
+    seconds for it): which kernels a job's wait on the pool (`async_compile.wait`) was spent on. An Inductor
+    without the hook records nothing."""
+    from torch._inductor import async_compile
+
+    report = getattr(async_compile, "_add_triton_kernel_info", None)
+    if report is None:
+        return
+
+    def recording(kernel_name, info, *args, **kwargs):
+        if isinstance(info, dict) and isinstance(info.get("compile_time_us"), (int, float)):
+            _KERNEL_SECONDS.append((kernel_name, info["compile_time_us"] / 1e6))
+        return report(kernel_name, info, *args, **kwargs)
+
+    async_compile._add_triton_kernel_info = recording
+
+
+def kernel_seconds(first: int, slowest: int = 5) -> dict:
+    """The kernels compiled since `first` (`time_kernels`): how many, their seconds added up (the pool runs them
+    side by side), and the `slowest` longest."""
+    done = _KERNEL_SECONDS[first:]
+    return {"count": len(done), "seconds": round(sum(s for _, s in done), 3),
+            "slowest": [[name, round(s, 3)] for name, s in sorted(done, key=lambda d: -d[1])[:slowest]]}
 
 
 def load_no_kernels() -> None:
@@ -138,6 +170,7 @@ def main() -> None:
     inductor_config.load_config(configs["inductor"])
     functorch_config.load_config(configs["functorch"])
     load_no_kernels()
+    time_kernels()
     if torch.cuda.is_available():  # Triton's compile workers, up while the first job is on its way
         from torch._inductor.async_compile import maybe_warm_pool
 

@@ -310,6 +310,28 @@ def test_the_workers_triton_threads_from_the_environment(monkeypatch):
         _ahead_threads()
 
 
+def test_a_worker_records_each_triton_kernels_compile_seconds(monkeypatch):
+    """The worker hears each kernel's compile seconds where Inductor reports them to its metrics, and a job says
+    which of its kernels were the slowest; the report still reaches Inductor."""
+    from torch._inductor import async_compile
+
+    from torch_stagehand.compiler import ahead_worker
+
+    reached = []
+    monkeypatch.setattr(async_compile, "_add_triton_kernel_info", lambda name, info: reached.append(name),
+                        raising=False)
+    monkeypatch.setattr(ahead_worker, "_KERNEL_SECONDS", [])
+    ahead_worker.time_kernels()
+    async_compile._add_triton_kernel_info("before", {"compile_time_us": 9_000_000})
+    first = len(ahead_worker._KERNEL_SECONDS)
+    for name, us in [("triton_poi_a", 250_000), ("triton_red_b", 6_500_000), ("triton_per_c", 1_000_000)]:
+        async_compile._add_triton_kernel_info(name, {"compile_time_us": us})
+    async_compile._add_triton_kernel_info("no_time", {})
+    assert reached == ["before", "triton_poi_a", "triton_red_b", "triton_per_c", "no_time"]
+    assert ahead_worker.kernel_seconds(first, slowest=2) == {
+        "count": 3, "seconds": 7.75, "slowest": [["triton_red_b", 6.5], ["triton_per_c", 1.0]]}
+
+
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
     assert BackendOptions().workers_ahead() == 0  # off by default
@@ -358,6 +380,10 @@ def test_on_cuda_workers_compile_ahead_and_hold_no_tensors_on_the_device(fresh_c
     (loss, grads, infos, stats), smi = run({"ahead_workers": 3})
     assert stats["size"] == 3 and [i["cache"] for i in infos] == ["hit"], [i["ahead"] for i in infos]
     assert stats["refused"] == [] and stats["submitted"] == 2
+    # The training job names the Triton kernels it compiled (the worker hears Inductor's per-kernel compile seconds;
+    # a later job finds the kernels it shares with it compiled already).
+    training = next(job for job in stats["jobs"] if "grad on" in job["label"])
+    assert training["kernels"]["count"] > 0 and training["kernels"]["slowest"], training
     workers_mib = {pid: smi.get(str(pid), 0) for pid in stats["worker_pids"]}
     print("ahead workers' device memory (MiB, nvidia-smi):", workers_mib, "| all processes:", smi)
     assert all(mib < 1024 for mib in workers_mib.values()), workers_mib  # a context at most, no tensors
