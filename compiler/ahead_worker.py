@@ -71,9 +71,12 @@ def compile_job(job) -> dict:
     process_settings.adopt(job.settings)  # the attention backends the main process allows, and the rest
     if job.cacheable:  # the main process's, not this one's (its imports registered other in-graph functions)
         inner.cacheable_functions = lambda: job.cacheable
-    with torch.set_grad_enabled(job.grad), compile_cache.track() as outcome:
-        compile_unit(graph, values, "inductor", lambda *_: None, job.joint_passes, replay_rng=job.replay_rng,
-                     faked=faked)
+    try:
+        with torch.set_grad_enabled(job.grad), compile_cache.track() as outcome:
+            compile_unit(graph, values, "inductor", lambda *_: None, job.joint_passes, replay_rng=job.replay_rng,
+                         faked=faked)
+    finally:
+        wait_for_kernels()  # the job is done when its kernels are in Triton's cache (`defer_kernel_waits`)
     # Whether the compile opened a CUDA context here after all (0.5 GiB outside any budget): the log says so.
     context = torch.cuda.is_initialized() and any(
         torch._C._cuda_hasPrimaryContext(i) for i in range(torch.cuda.device_count()))
@@ -88,6 +91,36 @@ def phase_seconds(before: dict[str, float], metrics: dict[str, list[float]], lea
     least `least_s`, longest first. Regions nest: the phases overlap, and do not add up to the job."""
     spent = {k: sum(v) - before.get(k, 0.0) for k, v in metrics.items()}
     return {k: round(s, 3) for k, s in sorted(spent.items(), key=lambda kv: -kv[1]) if s >= least_s}
+
+
+_KERNEL_WAITS: list[tuple[Any, dict]] = []  # (AsyncCompile, a graph module's globals) whose kernels are not waited for
+_WAIT = []  # Inductor's own AsyncCompile.wait, once `defer_kernel_waits` replaced it
+
+
+def defer_kernel_waits() -> None:
+    """Let each graph's Triton kernels compile while the job goes on, and wait for them all at its end
+    (`wait_for_kernels`). Inductor waits for a graph's kernels as it loads the graph's module (its
+    `async_compile.wait(globals())`), before AOTAutograd goes on to the backward graph, whose tracing and lowering
+    need none of them: full-size Flux's single block waited 4.1 s there for one kernel (its q/k RMSNorm fused
+    with the rotary embedding, a persistent reduction) while the backward stood still. A worker never runs the
+    module it loads, so nothing reads the futures left in the kernels' places until the wait at the end."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    if _WAIT:
+        return
+    _WAIT.append(AsyncCompile.wait)
+
+    def later(self, scope: dict) -> None:
+        _KERNEL_WAITS.append((self, scope))
+
+    AsyncCompile.wait = later
+
+
+def wait_for_kernels() -> None:
+    """Inductor's waits `defer_kernel_waits` put off, in order: each module's futures become its kernels."""
+    while _KERNEL_WAITS:
+        compiler, scope = _KERNEL_WAITS.pop(0)
+        _WAIT[0](compiler, scope)
 
 
 _KERNEL_SECONDS: list[tuple[str, float]] = []  # (kernel, seconds) in the order Inductor reported them
@@ -171,6 +204,7 @@ def main() -> None:
     functorch_config.load_config(configs["functorch"])
     load_no_kernels()
     time_kernels()
+    defer_kernel_waits()
     if torch.cuda.is_available():  # Triton's compile workers, up while the first job is on its way
         from torch._inductor.async_compile import maybe_warm_pool
 

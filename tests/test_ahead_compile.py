@@ -332,6 +332,33 @@ def test_a_worker_records_each_triton_kernels_compile_seconds(monkeypatch):
         "count": 3, "seconds": 7.75, "slowest": [["triton_red_b", 6.5], ["triton_per_c", 1.0]]}
 
 
+def test_a_worker_waits_for_a_graphs_kernels_at_the_jobs_end(monkeypatch):
+    """Inductor's wait for a graph module's kernels (at its load) is put off until the job ends: the module keeps its
+    futures meanwhile (the backward's lowering goes on), and at the end each becomes its kernel, in order."""
+    from concurrent.futures import Future
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import AsyncCompile
+
+    from torch_stagehand.compiler import ahead_worker
+
+    monkeypatch.setattr(AsyncCompile, "wait", AsyncCompile.wait)  # put back after the test
+    monkeypatch.setattr(ahead_worker, "_WAIT", [])
+    monkeypatch.setattr(ahead_worker, "_KERNEL_WAITS", [])
+    ahead_worker.defer_kernel_waits()
+    ahead_worker.defer_kernel_waits()  # twice: still one wait put off per module
+    forward, backward = {"triton_fw": Future(), "n": 1}, {"triton_bw": Future()}
+    with inductor_config.patch(compile_threads=2):  # Inductor resolves futures only with a pool
+        AsyncCompile().wait(forward)
+        AsyncCompile().wait(backward)
+        assert isinstance(forward["triton_fw"], Future) and len(ahead_worker._KERNEL_WAITS) == 2
+        forward["triton_fw"].set_result("fw kernel")
+        backward["triton_bw"].set_result("bw kernel")
+        ahead_worker.wait_for_kernels()
+    assert forward == {"triton_fw": "fw kernel", "n": 1} and backward == {"triton_bw": "bw kernel"}
+    assert ahead_worker._KERNEL_WAITS == []
+
+
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
     assert BackendOptions().workers_ahead() == 0  # off by default
