@@ -225,8 +225,28 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
                    unsafe_marked_cacheable_functions={**inductor_config.unsafe_marked_cacheable_functions,
                                                       **cacheable_functions()})
     patches |= dict(fallback_random=True) if replay_rng else {}
+    patches |= one_config_per_kernel(inductor_config)
     with inductor_config.patch(**patches), _eager_backward_lowering():
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def one_config_per_kernel(inductor_config) -> dict:
+    """Inductor's config for one launch config per Triton kernel, picked by its heuristics, unless
+    `STAGEHAND_INDUCTOR_AUTOTUNE=1`. By default Inductor compiles several configs of a reduction (and of some
+    pointwise kernels) and times them at the kernel's first launch: in a cold first step, full-size Flux's units
+    ran 133 such timings (2-3 s, in the step, where its backward first meets each kernel), and its single
+    block's q/k RMSNorm fused with the rotary embedding compiled three configs for 4.4 s in a worker, on the
+    step's critical path. One config: the reduction's pick is the one Inductor makes in deterministic mode
+    (its `force_filter_reduction_configs`), the pointwise one its untimed heuristic. A torch without these
+    switches gets Inductor's default."""
+    if os.environ.get("STAGEHAND_INDUCTOR_AUTOTUNE", "0") == "1":
+        return {}
+    patches = {}
+    if hasattr(inductor_config.triton, "autotune_pointwise"):
+        patches["triton.autotune_pointwise"] = False
+    if hasattr(getattr(inductor_config, "test_configs", None), "force_filter_reduction_configs"):
+        patches["test_configs.force_filter_reduction_configs"] = True
+    return patches
 
 
 def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph: OnGraph,

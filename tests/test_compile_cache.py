@@ -254,3 +254,32 @@ def test_a_units_key_does_not_depend_on_the_order_modules_were_imported_in():
     with compile_cache.import_order_free_keys():
         assert key() == canonical
     assert FxGraphCachePickler.__init__.__qualname__ == "FxGraphCachePickler.__init__"  # put back
+
+
+def test_units_compile_one_config_per_kernel_unless_asked(monkeypatch):
+    """Every unit compiles under Inductor's one-config switches (no configs timed at a kernel's first launch: seconds
+    of a cold first step), the same in a worker and in the main process (both go through compile_unit);
+    STAGEHAND_INDUCTOR_AUTOTUNE=1 gives Inductor's default back."""
+    import torch.fx as fx
+
+    from torch._inductor import config as inductor_config
+
+    from torch_stagehand.compiler.inner import compile_unit, one_config_per_kernel
+    from torch_stagehand.compiler.passes import JOINT_PASSES
+
+    monkeypatch.delenv("STAGEHAND_INDUCTOR_AUTOTUNE", raising=False)
+    assert one_config_per_kernel(inductor_config) == {"triton.autotune_pointwise": False,
+                                                      "test_configs.force_filter_reduction_configs": True}
+    seen = []
+
+    def on_graph(kind, gm):  # called inside the compile, under its config
+        seen.append((kind, inductor_config.triton.autotune_pointwise,
+                     inductor_config.test_configs.force_filter_reduction_configs))
+
+    gm = fx.symbolic_trace(lambda x: torch.relu(x).sum(-1))
+    torch._dynamo.reset()
+    compile_unit(gm, [torch.randn(4, 8)], "inductor", on_graph, JOINT_PASSES)
+    assert seen and all(s[1:] == (False, True) for s in seen), seen
+    assert inductor_config.triton.autotune_pointwise is True  # only while a unit compiles
+    monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "1")
+    assert one_config_per_kernel(inductor_config) == {}
