@@ -123,31 +123,6 @@ def wait_for_kernels() -> None:
         _WAIT[0](compiler, scope)
 
 
-def kernels_wait_for_the_pool(timeout_s: float = 20.0) -> None:
-    """The first kernel met while Inductor's compile pool is still coming up waits for it (at most `timeout_s`)
-    instead of compiling in this process. Inductor compiles a kernel in process, one after another, while its
-    pool's processes still import torch: with 2 workers and the main process starting on one host's cores, full-size
-    Flux bf16's first job compiled its forward's kernels that way for 3.9 s."""
-    from torch._inductor.async_compile import AsyncCompile
-
-    ready, waited = AsyncCompile.use_process_pool.__func__, []
-
-    def patient(cls) -> bool:
-        if ready(cls):
-            return True
-        future = getattr(cls, "_ready_future", None)  # None: no pool (one compile thread)
-        if future is None or waited:
-            return False
-        waited.append(True)
-        try:
-            future.result(timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - still not up (or broken): Inductor compiles in process, as it would
-            return False
-        return ready(cls)
-
-    AsyncCompile.use_process_pool = classmethod(patient)
-
-
 _KERNEL_SECONDS: list[tuple[str, float]] = []  # (kernel, seconds) in the order Inductor reported them
 
 
@@ -230,7 +205,6 @@ def main() -> None:
     load_no_kernels()
     time_kernels()
     defer_kernel_waits()
-    kernels_wait_for_the_pool()
     if torch.cuda.is_available():  # Triton's compile workers, up while the first job is on its way
         from torch._inductor.async_compile import maybe_warm_pool
 

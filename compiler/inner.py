@@ -230,21 +230,29 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
+# STAGEHAND_INDUCTOR_AUTOTUNE: which of Inductor's kernels keep several launch configs, timed at first launch
+_AUTOTUNED = {"1": ("pointwise", "reductions"), "all": ("pointwise", "reductions"), "pointwise": ("pointwise",),
+              "reductions": ("reductions",), "0": (), "none": ()}
+AUTOTUNE_DEFAULT = "pointwise"
+
+
 def one_config_per_kernel(inductor_config) -> dict:
-    """Inductor's config for one launch config per Triton kernel, picked by its heuristics, unless
-    `STAGEHAND_INDUCTOR_AUTOTUNE=1`. By default Inductor compiles several configs of a reduction (and of some
-    pointwise kernels) and times them at the kernel's first launch: in a cold first step, full-size Flux's units
-    ran 133 such timings (2-3 s, in the step, where its backward first meets each kernel), and its single
-    block's q/k RMSNorm fused with the rotary embedding compiled three configs for 4.4 s in a worker, on the
-    step's critical path. One config: the reduction's pick is the one Inductor makes in deterministic mode
-    (its `force_filter_reduction_configs`), the pointwise one its untimed heuristic. A torch without these
-    switches gets Inductor's default."""
-    if os.environ.get("STAGEHAND_INDUCTOR_AUTOTUNE", "0") == "1":
-        return {}
-    patches = {}
-    if hasattr(inductor_config.triton, "autotune_pointwise"):
+    """Inductor's config for one launch config per Triton kernel of the kinds `STAGEHAND_INDUCTOR_AUTOTUNE`
+    leaves out ("pointwise": reductions get one; "1"/"all": Inductor's default, "0"/"none": every kernel one).
+    Inductor compiles several configs of a reduction (and of some pointwise kernels) and times them at the
+    kernel's first launch: in a cold first step, full-size Flux's units ran 133 such timings (2-3 s in the step,
+    where its backward first meets each kernel), and its single block's q/k RMSNorm fused with the rotary
+    embedding compiled three configs for 4.4 s in a worker, on the step's critical path. A reduction's one
+    config is the pick Inductor makes in deterministic mode (`force_filter_reduction_configs`), a pointwise
+    kernel's its untimed heuristic. A torch without these switches gets Inductor's default."""
+    choice = os.environ.get("STAGEHAND_INDUCTOR_AUTOTUNE", AUTOTUNE_DEFAULT)
+    if choice not in _AUTOTUNED:
+        raise ValueError(f"STAGEHAND_INDUCTOR_AUTOTUNE must be one of {sorted(_AUTOTUNED)}, got {choice!r}")
+    timed, patches = _AUTOTUNED[choice], {}
+    if "pointwise" not in timed and hasattr(inductor_config.triton, "autotune_pointwise"):
         patches["triton.autotune_pointwise"] = False
-    if hasattr(getattr(inductor_config, "test_configs", None), "force_filter_reduction_configs"):
+    if "reductions" not in timed and hasattr(getattr(inductor_config, "test_configs", None),
+                                             "force_filter_reduction_configs"):
         patches["test_configs.force_filter_reduction_configs"] = True
     return patches
 

@@ -359,44 +359,6 @@ def test_a_worker_waits_for_a_graphs_kernels_at_the_jobs_end(monkeypatch):
     assert ahead_worker._KERNEL_WAITS == []
 
 
-def test_a_workers_first_kernel_waits_for_inductors_pool_once(monkeypatch):
-    """While Inductor's compile pool comes up, the worker's first kernel waits for it (then goes to the pool) rather
-    than compile in process; a pool that does not come up in time is waited for once, not at every kernel."""
-    from concurrent.futures import Future, TimeoutError as FutureTimeout
-
-    from torch._inductor.async_compile import AsyncCompile
-
-    from torch_stagehand.compiler import ahead_worker
-
-    waits = []
-
-    class ComingUp(Future):  # comes up while waited for
-        def result(self, timeout=None):
-            waits.append(timeout)
-            if not self.done():
-                self.set_result("ready")
-            return super().result(timeout)
-
-    class NeverUp(Future):
-        def result(self, timeout=None):
-            waits.append(timeout)
-            raise FutureTimeout()
-
-    # Inductor's answer: is the pool up? (None: no pool, one compile thread)
-    inductors = classmethod(lambda cls: cls._ready_future is not None and cls._ready_future.done())
-    for future, answers in [(ComingUp(), [True, True]), (NeverUp(), [False, False])]:
-        waits.clear()
-        monkeypatch.setattr(AsyncCompile, "_ready_future", future, raising=False)
-        monkeypatch.setattr(AsyncCompile, "use_process_pool", inductors)
-        ahead_worker.kernels_wait_for_the_pool(timeout_s=7.5)
-        assert [AsyncCompile.use_process_pool(), AsyncCompile.use_process_pool()] == answers
-        assert waits == [7.5]  # once
-    monkeypatch.setattr(AsyncCompile, "_ready_future", None, raising=False)  # no pool: nothing to wait for
-    monkeypatch.setattr(AsyncCompile, "use_process_pool", inductors)
-    ahead_worker.kernels_wait_for_the_pool()
-    assert AsyncCompile.use_process_pool() is False
-
-
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
     assert BackendOptions().workers_ahead() == 0  # off by default

@@ -256,10 +256,10 @@ def test_a_units_key_does_not_depend_on_the_order_modules_were_imported_in():
     assert FxGraphCachePickler.__init__.__qualname__ == "FxGraphCachePickler.__init__"  # put back
 
 
-def test_units_compile_one_config_per_kernel_unless_asked(monkeypatch):
-    """Every unit compiles under Inductor's one-config switches (no configs timed at a kernel's first launch: seconds
-    of a cold first step), the same in a worker and in the main process (both go through compile_unit);
-    STAGEHAND_INDUCTOR_AUTOTUNE=1 gives Inductor's default back."""
+def test_units_compile_one_config_per_kernel_of_the_kinds_not_autotuned(monkeypatch):
+    """Every unit compiles under the one-config switches STAGEHAND_INDUCTOR_AUTOTUNE asks for (no configs timed at
+    a kernel's first launch: seconds of a cold first step), the same in a worker and in the main process (both go
+    through compile_unit); "1" gives Inductor's default back, and a value it does not know is named."""
     import torch.fx as fx
 
     from torch._inductor import config as inductor_config
@@ -267,7 +267,7 @@ def test_units_compile_one_config_per_kernel_unless_asked(monkeypatch):
     from torch_stagehand.compiler.inner import compile_unit, one_config_per_kernel
     from torch_stagehand.compiler.passes import JOINT_PASSES
 
-    monkeypatch.delenv("STAGEHAND_INDUCTOR_AUTOTUNE", raising=False)
+    monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "none")
     assert one_config_per_kernel(inductor_config) == {"triton.autotune_pointwise": False,
                                                       "test_configs.force_filter_reduction_configs": True}
     seen = []
@@ -281,5 +281,12 @@ def test_units_compile_one_config_per_kernel_unless_asked(monkeypatch):
     compile_unit(gm, [torch.randn(4, 8)], "inductor", on_graph, JOINT_PASSES)
     assert seen and all(s[1:] == (False, True) for s in seen), seen
     assert inductor_config.triton.autotune_pointwise is True  # only while a unit compiles
+    monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "pointwise")
+    assert one_config_per_kernel(inductor_config) == {"test_configs.force_filter_reduction_configs": True}
+    monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "reductions")
+    assert one_config_per_kernel(inductor_config) == {"triton.autotune_pointwise": False}
     monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "1")
     assert one_config_per_kernel(inductor_config) == {}
+    monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "some")
+    with pytest.raises(ValueError, match="STAGEHAND_INDUCTOR_AUTOTUNE must be one of .* got 'some'"):
+        one_config_per_kernel(inductor_config)
