@@ -546,6 +546,51 @@ def start_time_shortlist_table() -> str:
                Col("held ahead GiB (ms)", _held_ahead), Col("new-plan steps / steady", _new_plan_steps)])
 
 
+# Flux int8 in memory: per-kernel compile seconds, then the workers' waits put off, then one config per kernel
+# (STAGEHAND_INDUCTOR_AUTOTUNE), the last three runs in one call on one machine.
+START_TIME_ONE_CONFIG = (
+    ("start_time_kernel_times_flux.json", "every kernel autotuned; waits per graph"),
+    ("start_time_deferred_waits_flux.json", "every kernel autotuned; waits put off"),
+    ("start_time_deferred_waits_flux_bf16.json", "every kernel autotuned; waits put off"),
+    ("start_time_inductor_autotune_flux.json", "every kernel autotuned (=1); waits put off"),
+    ("start_time_one_config_reductions_timed_flux.json", "reductions autotuned, pointwise one config"),
+    ("start_time_one_config_flux.json", "pointwise autotuned, reductions one config (default)"),
+    ("start_time_one_config_none_flux.json", "one config for every kernel (=0)"),
+)
+
+
+def _single_block_training_job(r: dict) -> dict:
+    """The cold run's last training job handed to a worker: Flux's single block, the step's critical path."""
+    jobs = [j for j in (r.get("ahead") or {}).get("jobs", []) if "grad on" in j["label"]]
+    return max(jobs, key=lambda j: j["submitted_s"]) if jobs else {}
+
+
+def _critical_job(r: dict) -> str:
+    """That job's seconds in its worker, and its slowest Triton kernel's compile seconds."""
+    job = _single_block_training_job(r)
+    slowest = (job.get("kernels") or {}).get("slowest") or [["", 0.0]]
+    return f"{job['worker_s']:.1f} ({slowest[0][1]:.1f})" if "worker_s" in job else ""
+
+
+def start_time_one_config_table() -> str:
+    """Seconds to the first step with the workers' kernel waits put off and one launch config per Inductor kernel."""
+    sources = tuple((name, ("flux:int8:blocks", "flux:bf16:blocks")) for name, _ in START_TIME_ONE_CONFIG)
+    labels = dict(START_TIME_ONE_CONFIG)
+    return start_time_blocks_table(sources, (
+        "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 5-7 "
+        "--ahead-workers 2 --bytecode-cache`, with `STAGEHAND_INDUCTOR_AUTOTUNE` as the run column says), LoRA r=16, "
+        "AdamW, `stagehand.compile_blocks`, `vram_budget` 16 GiB; cold: every cache empty, two ahead-compile "
+        "workers started by `offload()`; warm: a second process on the same machine. Four calls, each on its own "
+        "H100 machine; the three runs of `start_time_inductor_autotune_flux.json`, "
+        "`start_time_one_config_reductions_timed_flux.json` and `start_time_one_config_flux.json` in one call. "
+        "\"single-block job s (slowest kernel s)\": the cold step's critical path, the single block's training "
+        "variant in its worker, and the compile seconds of its slowest Triton kernel (the q/k RMSNorm fused with "
+        "the rotary embedding)"),
+        run=lambda r: f"{r['mode']}: {labels[r['_source']]}",
+        extra=[Col("single-block job s (slowest kernel s)", _critical_job),
+               Col("waited s (working)", _waited_for_workers)], modes=("cold", "warm"))
+
+
 def start_time_freeze_table() -> str:
     """Seconds to the first step with the heap frozen at offload (this session's code)."""
     return start_time_blocks_table(START_TIME_FREEZE, (
@@ -561,14 +606,15 @@ def start_time_freeze_table() -> str:
 
 
 def start_time_blocks_table(sources=START_TIME_SOURCES, what: str | None = None,
-                            run: Callable[[dict], str] = lambda r: r["mode"], extra: list | None = None) -> str:
+                            run: Callable[[dict], str] = lambda r: r["mode"], extra: list | None = None,
+                            modes: tuple[str, ...] = ()) -> str:
     """Seconds to the first step: whole-model capture against a compile per block (`stagehand.compile_blocks`),
     the weights built in memory or read from the checkpoint and slab on disk; the resident model's regional
     compile beside them."""
     runs = []
     for name, rows in sources:
         for r in load(name)["runs"]:
-            if r.get("row") in rows and "error" not in r:
+            if r.get("row") in rows and "error" not in r and (not modes or r["mode"] in modes):
                 runs.append(dict(r, _source=name))
     runs.sort(key=lambda r: ([k for _, rows in sources for k in rows].index(r["row"]),
                              ["coldprofile", "serial", "cold", "warm"].index(r["mode"])
@@ -1183,6 +1229,7 @@ FIGURES: dict[str, Figure] = {
     "start_time_freeze": Figure(start_time_freeze_table, tuple(name for name, _ in START_TIME_FREEZE)),
     "start_time_deferred": Figure(start_time_deferred_table, tuple(name for name, _ in START_TIME_DEFERRED)),
     "start_time_shortlist": Figure(start_time_shortlist_table, tuple(name for name, _ in START_TIME_SHORTLIST)),
+    "start_time_one_config": Figure(start_time_one_config_table, tuple(name for name, _ in START_TIME_ONE_CONFIG)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
