@@ -103,7 +103,9 @@ def defer_kernel_waits() -> None:
     `async_compile.wait(globals())`), before AOTAutograd goes on to the backward graph, whose tracing and lowering
     need none of them: full-size Flux's single block waited 4.1 s there for one kernel (its q/k RMSNorm fused
     with the rotary embedding, a persistent reduction) while the backward stood still. A worker never runs the
-    module it loads, so nothing reads the futures left in the kernels' places until the wait at the end."""
+    module it loads, so nothing reads the futures left in the kernels' places until the wait at the end. Measured
+    there: the forward's compile 2.0 s instead of 5.2 s, the job 9.9 s instead of 10.2 s (the backward's own
+    rotary kernel then ends it; `inner.one_config_per_kernel` shortens both)."""
     from torch._inductor.async_compile import AsyncCompile
 
     if _WAIT:

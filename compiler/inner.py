@@ -240,11 +240,13 @@ def one_config_per_kernel(inductor_config) -> dict:
     """Inductor's config for one launch config per Triton kernel of the kinds `STAGEHAND_INDUCTOR_AUTOTUNE`
     leaves out ("pointwise": reductions get one; "1"/"all": Inductor's default, "0"/"none": every kernel one).
     Inductor compiles several configs of a reduction (and of some pointwise kernels) and times them at the
-    kernel's first launch: in a cold first step, full-size Flux's units ran 133 such timings (2-3 s in the step,
-    where its backward first meets each kernel), and its single block's q/k RMSNorm fused with the rotary
-    embedding compiled three configs for 4.4 s in a worker, on the step's critical path. A reduction's one
-    config is the pick Inductor makes in deterministic mode (`force_filter_reduction_configs`), a pointwise
-    kernel's its untimed heuristic. A torch without these switches gets Inductor's default."""
+    kernel's first launch: in a cold first step, full-size Flux's units ran 133 such timings (2.9 s under the
+    profiler, in the step, where its backward first meets each kernel), and its single block's q/k RMSNorm fused
+    with the rotary embedding compiled three configs for 4.4 s in a worker, on the step's critical path. A
+    reduction's one config is the pick Inductor makes in deterministic mode (`force_filter_reduction_configs`), a
+    pointwise kernel's its untimed heuristic. A torch without these switches gets Inductor's default. On one
+    H100 machine, Flux int8's cold first step took 17.5 s with the default against 22.0 s with every kernel
+    timed, and its steady step 622 ms against 648-665 (benches/results/start_time_one_config_flux.json)."""
     choice = os.environ.get("STAGEHAND_INDUCTOR_AUTOTUNE", AUTOTUNE_DEFAULT)
     if choice not in _AUTOTUNED:
         raise ValueError(f"STAGEHAND_INDUCTOR_AUTOTUNE must be one of {sorted(_AUTOTUNED)}, got {choice!r}")
