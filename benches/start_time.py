@@ -255,10 +255,10 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         out.update(units_loaded=counters["aot_autograd"].get("autograd_cache_hit", 0),
                    units_compiled_cold=counters["aot_autograd"].get("autograd_cache_miss", 0))
     from torch._dynamo.utils import compilation_time_metrics as metrics
-    from torch_stagehand.compiler.inner import AUTOTUNE_DEFAULT
+    from torch_stagehand.compiler.inner import autotune_choice
 
     # The Inductor kernels that keep several launch configs, timed at their first launch (compiler/inner.py)
-    out["inductor_autotune"] = os.environ.get("STAGEHAND_INDUCTOR_AUTOTUNE", AUTOTUNE_DEFAULT)
+    out["inductor_autotune"] = autotune_choice()
 
     # Where the first step's seconds went: Dynamo's capture (with the backend's graph passes; stagehand's units
     # compile later, lazily: first_step_compile_s), the units, the W8A16 autotuning; the rest ran the step.

@@ -234,6 +234,16 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
 _AUTOTUNED = {"1": ("pointwise", "reductions"), "all": ("pointwise", "reductions"), "pointwise": ("pointwise",),
               "reductions": ("reductions",), "0": (), "none": ()}
 AUTOTUNE_DEFAULT = "pointwise"
+AUTOTUNE_VARIABLE = "STAGEHAND_INDUCTOR_AUTOTUNE"
+
+
+def autotune_choice() -> str:
+    """`STAGEHAND_INDUCTOR_AUTOTUNE` (its default when unset), checked. A job carries the main process's to its
+    worker (process_settings.py): the worker was started with the environment of the offload."""
+    choice = os.environ.get(AUTOTUNE_VARIABLE, AUTOTUNE_DEFAULT)
+    if choice not in _AUTOTUNED:
+        raise ValueError(f"{AUTOTUNE_VARIABLE} must be one of {sorted(_AUTOTUNED)}, got {choice!r}")
+    return choice
 
 
 def one_config_per_kernel(inductor_config) -> dict:
@@ -247,10 +257,7 @@ def one_config_per_kernel(inductor_config) -> dict:
     pointwise kernel's its untimed heuristic. A torch without these switches gets Inductor's default. On one
     H100 machine, Flux int8's cold first step took 17.5 s with the default against 22.0 s with every kernel
     timed, and its steady step 622 ms against 648-665 (benches/results/start_time_one_config_flux.json)."""
-    choice = os.environ.get("STAGEHAND_INDUCTOR_AUTOTUNE", AUTOTUNE_DEFAULT)
-    if choice not in _AUTOTUNED:
-        raise ValueError(f"STAGEHAND_INDUCTOR_AUTOTUNE must be one of {sorted(_AUTOTUNED)}, got {choice!r}")
-    timed, patches = _AUTOTUNED[choice], {}
+    timed, patches = _AUTOTUNED[autotune_choice()], {}
     if "pointwise" not in timed and hasattr(inductor_config.triton, "autotune_pointwise"):
         patches["triton.autotune_pointwise"] = False
     if "reductions" not in timed and hasattr(getattr(inductor_config, "test_configs", None),

@@ -7,15 +7,19 @@ it traced Flux's attention to cuDNN's, which `offload()` turns off in the main p
 backward faults at Flux's shape), wrote the variant under the key the main process asks for, and the main
 process's backward then faulted (illegal memory access, full-size Flux int8 on an H100). So every job carries
 the main process's settings (`current`), and the worker adopts them (`adopt`) before it compiles, the matmul
-and determinism switches (which the keys do hold) with them.
+and determinism switches (which the keys do hold) with them, and `STAGEHAND_INDUCTOR_AUTOTUNE` (inner.py: the
+kernels that keep several launch configs; a worker started at offload holds the environment of then).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
 import torch
+
+from .inner import AUTOTUNE_VARIABLE, autotune_choice
 
 _SDPA_BACKENDS = ("flash", "mem_efficient", "math", "cudnn")
 
@@ -40,6 +44,7 @@ def current() -> dict[str, Any]:
         "fp32_precision": {name: getattr(module, "fp32_precision") for name, module in _fp32_precision_holders()},
         "deterministic": (torch.are_deterministic_algorithms_enabled(),
                           torch.is_deterministic_algorithms_warn_only_enabled()),
+        "inductor_autotune": autotune_choice(),
     }
 
 
@@ -68,3 +73,5 @@ def adopt(settings: dict[str, Any]) -> None:
         if now["deterministic"] != tuple(settings["deterministic"]):
             deterministic, warn_only = settings["deterministic"]
             torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    if now["inductor_autotune"] != settings["inductor_autotune"]:
+        os.environ[AUTOTUNE_VARIABLE] = settings["inductor_autotune"]

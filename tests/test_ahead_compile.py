@@ -201,6 +201,26 @@ def test_a_worker_compiles_under_the_attention_backends_the_main_process_allows(
     assert process_settings.current() == before
 
 
+def test_a_worker_started_before_the_autotune_choice_compiles_under_the_main_processs(fresh_caches, monkeypatch):
+    """STAGEHAND_INDUCTOR_AUTOTUNE set after the workers started (offload starts them) travels with the job: the
+    worker compiles with the main process's choice (else its cache keys would differ, and the step would compile
+    the variant itself), and loading what it wrote hits."""
+    monkeypatch.delenv("STAGEHAND_INDUCTOR_AUTOTUNE", raising=False)
+    gm, args = _tiny_graph()
+    pool = AheadCompiler(1).start()  # its environment: no choice (the default)
+    try:
+        monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "0")
+        assert pool.submit(_job(gm, args))
+        result = pool.futures["k"].result(timeout=300)  # the job, done by the worker (`take` could drop it queued)
+        assert result.error == "", result.error
+        assert result.settings["inductor_autotune"] == "0"
+        with compile_cache.track() as outcome:
+            compile_unit(copy.deepcopy(gm), list(args), "inductor", lambda *_: None, JOINT_PASSES)
+        assert outcome.state == "hit"
+    finally:
+        pool.close()
+
+
 def test_a_job_still_queued_when_its_variant_is_needed_is_dropped(fresh_caches):
     gm, args = _tiny_graph()
     pool = AheadCompiler(1)
