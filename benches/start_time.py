@@ -255,7 +255,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         out.update(units_loaded=counters["aot_autograd"].get("autograd_cache_hit", 0),
                    units_compiled_cold=counters["aot_autograd"].get("autograd_cache_miss", 0))
     from torch._dynamo.utils import compilation_time_metrics as metrics
-    from torch_stagehand.compiler.inner import autotune_choice
+    from torch_stagehand.compiler.process_settings import autotune_choice
 
     # The Inductor kernels that keep several launch configs, timed at their first launch (compiler/inner.py)
     out["inductor_autotune"] = autotune_choice()

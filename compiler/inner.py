@@ -24,6 +24,7 @@ import torch.fx as fx
 from .compile_cache import cacheable_functions, import_order_free_keys, ops_fingerprint
 from .context import PassLog
 from .mutation import MutationIndex
+from .process_settings import AUTOTUNED, autotune_choice
 from .source_hash import passes_uuid
 from .symbolic import fake_static
 
@@ -230,22 +231,6 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
-# STAGEHAND_INDUCTOR_AUTOTUNE: which of Inductor's kernels keep several launch configs, timed at first launch
-_AUTOTUNED = {"1": ("pointwise", "reductions"), "all": ("pointwise", "reductions"), "pointwise": ("pointwise",),
-              "reductions": ("reductions",), "0": (), "none": ()}
-AUTOTUNE_DEFAULT = "pointwise"
-AUTOTUNE_VARIABLE = "STAGEHAND_INDUCTOR_AUTOTUNE"
-
-
-def autotune_choice() -> str:
-    """`STAGEHAND_INDUCTOR_AUTOTUNE` (its default when unset), checked. A job carries the main process's to its
-    worker (process_settings.py): the worker was started with the environment of the offload."""
-    choice = os.environ.get(AUTOTUNE_VARIABLE, AUTOTUNE_DEFAULT)
-    if choice not in _AUTOTUNED:
-        raise ValueError(f"{AUTOTUNE_VARIABLE} must be one of {sorted(_AUTOTUNED)}, got {choice!r}")
-    return choice
-
-
 def one_config_per_kernel(inductor_config) -> dict:
     """Inductor's config for one launch config per Triton kernel of the kinds `STAGEHAND_INDUCTOR_AUTOTUNE`
     leaves out ("pointwise": reductions get one; "1"/"all": Inductor's default, "0"/"none": every kernel one).
@@ -257,7 +242,7 @@ def one_config_per_kernel(inductor_config) -> dict:
     pointwise kernel's its untimed heuristic. A torch without these switches gets Inductor's default. On one
     H100 machine, Flux int8's cold first step took 17.5 s with the default against 22.0 s with every kernel
     timed, and its steady step 622 ms against 648-665 (benches/results/start_time_one_config_flux.json)."""
-    timed, patches = _AUTOTUNED[autotune_choice()], {}
+    timed, patches = AUTOTUNED[autotune_choice()], {}
     if "pointwise" not in timed and hasattr(inductor_config.triton, "autotune_pointwise"):
         patches["triton.autotune_pointwise"] = False
     if "reductions" not in timed and hasattr(getattr(inductor_config, "test_configs", None),

@@ -19,9 +19,23 @@ from typing import Any
 
 import torch
 
-from .inner import AUTOTUNE_VARIABLE, autotune_choice
-
 _SDPA_BACKENDS = ("flash", "mem_efficient", "math", "cudnn")
+
+# STAGEHAND_INDUCTOR_AUTOTUNE: which of Inductor's kernels keep several launch configs, timed at their first launch
+# (inner.one_config_per_kernel)
+AUTOTUNED = {"1": ("pointwise", "reductions"), "all": ("pointwise", "reductions"), "pointwise": ("pointwise",),
+             "reductions": ("reductions",), "0": (), "none": ()}
+AUTOTUNE_DEFAULT = "pointwise"
+AUTOTUNE_VARIABLE = "STAGEHAND_INDUCTOR_AUTOTUNE"
+
+
+def autotune_choice() -> str:
+    """`STAGEHAND_INDUCTOR_AUTOTUNE` (its default when unset), checked. A job carries the main process's to its
+    worker (`current`): the worker was started with the environment of the offload."""
+    choice = os.environ.get(AUTOTUNE_VARIABLE, AUTOTUNE_DEFAULT)
+    if choice not in AUTOTUNED:
+        raise ValueError(f"{AUTOTUNE_VARIABLE} must be one of {sorted(AUTOTUNED)}, got {choice!r}")
+    return choice
 
 
 def _fp32_precision_holders() -> list[tuple[str, Any]]:
