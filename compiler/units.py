@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch_stagehand import kernels
 from torch_stagehand.runtime import registry
 
-from . import compile_cache
+from . import compile_cache, residual_hints
 from .context import CompileContext, PassLog, VariantContext
 from .ahead import AheadJob
 from .ahead_wire import input_specs, pickle_graph
@@ -111,7 +111,6 @@ class _Unit(nn.Module):
 
         def on_graph(kind: str, graph_module: fx.GraphModule) -> None:
             graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
-
         if not torch.is_grad_enabled():
             # An inference variant: its inputs' grad flags change nothing compiled (the key leaves them out,
             # symbolic.input_key), and must not change torch's cache keys either (AOTAutograd's holds them).
@@ -228,9 +227,7 @@ class BlockUnit(_Unit):
             output = next(n for n in self.template.graph.nodes if n.op == "output")
             values: list = []
             fx.node.map_arg(output.args, lambda n: values.append(example_value(n)))
-            def shape(v: torch.Tensor) -> tuple[str, ...]:  # a dynamic size as its symbol (a SymInt: unhashable)
-                return tuple(str(d) for d in v.shape)
-
+            shape = lambda v: tuple(str(d) for d in v.shape)  # noqa: E731 - a dynamic size as its symbol
             shapes = {shape(v) for v in values if isinstance(v, torch.Tensor)}
             inputs = [example_value(n) for n in self.template.graph.nodes if n.op == "placeholder"]
             self._residual = frozenset(i for i, v in enumerate(inputs) if isinstance(v, torch.Tensor)
@@ -334,15 +331,18 @@ class BlockUnit(_Unit):
         return self._run_variant(args, block, precision, recomputes, backward_follows=torch.is_grad_enabled())
 
     def _residual_stream_needing_grad(self, args: tuple) -> tuple:
-        """`args` with the residual stream needing grad where the block trains but its stream does not (a
-        model's first block: its input comes from an embedding that trains nothing). Every later block's
-        stream needs grad, so the first then shares their training variant instead of compiling its own
-        (Flux: 8-11 s of a cold step); the price is the first block's input gradient, computed and dropped."""
+        """`args` with the residual stream needing grad where the block trains but its stream does not (a model's
+        first block: its input comes from an embedding that trains nothing). Every later block's stream needs
+        grad, so the first then shares their training variant instead of compiling its own (Flux: 8-11 s of a
+        cold step); the price is the first block's input gradient, computed and dropped (residual_hints.py)."""
         inputs = args[:-4]
         residual = self._residual_inputs()
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in inputs) or all(
                 inputs[i].requires_grad for i in residual):
             return args  # nothing trains here (no backward), or the stream needs grad already
+        if self.ctx.variants.bundle is not None:  # a later run's compile_blocks does it before Dynamo traces
+            residual_hints.remember(self.ctx.variants.bundle.path, self.ctx.runtime.blocks[self.block],
+                                    self.template, [i for i in residual if not inputs[i].requires_grad])
         return tuple(a.detach().requires_grad_() if i in residual and not a.requires_grad else a
                      for i, a in enumerate(inputs)) + tuple(args[-4:])
 

@@ -173,11 +173,14 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
 
     `compile_kwargs` go to `torch.compile` (`backend="stagehand"` unless given). Dynamo traces one block of each
     structure and every other block of it runs the same graph: a streamed Linear hands the backend its block's
-    token (a graph input), not a constant naming it. Flux's 57 blocks are four traces (each kind's first block
-    apart), where compiling the whole model traces every block. The code outside the blocks (embeddings, the head, the loss) runs eagerly.
+    token (a graph input), not a constant naming it. Flux's 57 blocks are two traces, three in a LoRA run's first
+    process (the first double block apart: residual_hints.py), where compiling the whole model traces every block. The code outside the blocks (embeddings, the head, the loss) runs eagerly.
     A model's own activation checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and
     done by the block units instead (backend option `recompute="model"`), so no block runs its forward three times.
     """
+    from torch_stagehand.compiler import residual_hints
+    from torch_stagehand.compiler.variants import variant_cache
+
     rt = runtime_of(model)
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False) and not getattr(config, "is_encoder_decoder", False):
@@ -189,23 +192,34 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     compile_kwargs.setdefault("backend", "stagehand")
     if compile_kwargs["backend"] == "stagehand" and _move_checkpointing_into_blocks(model):
         compile_kwargs["options"] = {"recompute": "model", **(compile_kwargs.get("options") or {})}
+    # The residual-stream arguments a run before found (compiler/residual_hints.py): given grad on the first block.
+    bundle = variant_cache(rt).bundle if compile_kwargs["backend"] == "stagehand" else None
+    hints = residual_hints.load(bundle.path) if bundle is not None else {}
     for fqn in rt.blocks:  # named from the model that was offloaded (a peft wrapper added later has other names)
         block = rt.model.get_submodule(fqn)
         # As `block.compile(**compile_kwargs)`, with the inputs' strides made canonical first (unit_strides).
-        block._compiled_call_impl = _with_unit_strides(torch.compile(block._call_impl, **compile_kwargs))
+        residual = hints.get(residual_hints.block_list(fqn))
+        needing_grad = functools.partial(residual_hints.give_grad, block.forward, residual) if residual else None
+        block._compiled_call_impl = _block_call(torch.compile(block._call_impl, **compile_kwargs), block,
+                                                needing_grad)
     return model
 
 
-def _with_unit_strides(compiled_call):
-    """`compiled_call` with every tensor argument given the canonical stride in its size-1 dimensions.
+def _block_call(compiled_call, block: nn.Module, needing_grad=None):
+    """`compiled_call` with every tensor argument given the canonical stride in its size-1 dimensions, and in
+    training, where the block has a parameter that trains, its residual-stream arguments needing grad
+    (`needing_grad(args, kwargs)`: residual_hints.give_grad)
 
     Such a stride addresses nothing, but Dynamo guards on it: Flux's first single block gets the double blocks'
     output ([1, 4096, 3072], batch stride 4096 * 3072) and the others a slice of the previous one's
     ([1, 4096, 3072] of [1, 4608, 3072]), so without this the second is traced again, with the batch stride
-    dynamic, and its units compile shape-generic. A view (squeeze + unsqueeze: cheap in autograd), no copy."""
+    dynamic, and its units compile shape-generic. A view (squeeze + unsqueeze: cheap in autograd), no copy. The
+    grad flags: residual_hints.py (a model's first block is otherwise traced apart)."""
 
     def call(*args, **kwargs):
         args, kwargs = tree_map_only(torch.Tensor, unit_strides, (args, kwargs))
+        if needing_grad is not None and torch.is_grad_enabled() and any(p.requires_grad for p in block.parameters()):
+            args, kwargs = needing_grad(args, kwargs)
         return compiled_call(*args, **kwargs)
 
     return call

@@ -69,6 +69,70 @@ def test_every_block_runs_the_graph_of_the_first_with_the_plain_numbers():
     rt.close()
 
 
+def _flux_lora_steps(steps: int = 2):
+    """`steps` LoRA steps of a tiny Flux (3 double, 4 single blocks) compiled block by block: the last loss, the
+    LoRA grads it left, and how many Dynamo graphs the run traced."""
+    import peft
+
+    model, inputs = tiny_flux(dtype=torch.float32, double=3, single=4)
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"]))
+    for name, p in model.named_parameters():  # LoRA B starts at zero: give its gradient something to carry
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(2))
+    rt = stagehand.offload(model, device="cpu", precision="int8", verbose=False)
+    torch._dynamo.reset()
+    counters.clear()
+    stagehand.compile_blocks(model, options={"inner": "eager"})
+    for _ in range(steps):
+        model.zero_grad()
+        loss = first_tensor(model(**inputs)).square().mean()
+        loss.backward()
+    graphs = _unique_graphs()
+    rt.close()
+    return loss.detach(), _lora_grads(model), graphs
+
+
+def test_a_run_after_the_first_traces_the_first_block_with_the_others(tmp_path, monkeypatch, caplog):
+    """The first double block's residual stream (the frozen embeddings' output) needs no grad, the others' does:
+    the first run traces it apart, and names the arguments beside its compile bundle; a later run gives them
+    grad before Dynamo sees them and traces one graph per structure, with the same numbers. A hints file that
+    cannot be read is ignored, with a warning that names it."""
+    monkeypatch.setenv("STAGEHAND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("STAGEHAND_COMPILE_CACHE", "1")
+    loss, grads, graphs = _flux_lora_steps()
+    assert graphs == 3  # double block 0, double blocks 1-2, single blocks
+    (hints,) = (tmp_path / "compile").glob("*.residual.json")
+    import json
+
+    assert json.loads(hints.read_text()) == {"base_model.model.transformer_blocks": ["hidden_states",
+                                                                                   "encoder_hidden_states"]}
+    again_loss, again_grads, again_graphs = _flux_lora_steps()
+    assert again_graphs == 2
+    assert torch.equal(again_loss, loss)  # the same ops on the same values: measured 0 (CPU, torch 2.13)
+    assert again_grads.keys() == grads.keys() and all(torch.equal(again_grads[n], grads[n]) for n in grads)
+
+    hints.write_text("{not json")
+    with caplog.at_level("WARNING", logger="torch_stagehand.compiler"):
+        _, _, corrupt_graphs = _flux_lora_steps(steps=1)
+    assert corrupt_graphs == 3 and f"residual-stream hints {hints} ignored: unreadable" in caplog.text
+
+
+def test_give_grad_reaches_the_named_arguments_by_position_or_keyword_and_leaves_the_rest():
+    from torch_stagehand.compiler.residual_hints import give_grad
+
+    def forward(hidden_states, temb, encoder_hidden_states=None, ids=None):
+        return hidden_states
+
+    h, t, e, ids = torch.ones(2, 3), torch.ones(3), torch.ones(2, 3), torch.arange(3)
+    args, kwargs = give_grad(forward, ["hidden_states", "encoder_hidden_states", "ids"], (h, t),
+                             {"encoder_hidden_states": e, "ids": ids})
+    assert len(args) == 2 and set(kwargs) == {"encoder_hidden_states", "ids"}  # passed as they came
+    assert args[0].requires_grad and kwargs["encoder_hidden_states"].requires_grad
+    assert not args[1].requires_grad and kwargs["ids"] is ids  # not named / not floating: as they were
+    assert not h.requires_grad and torch.equal(args[0], h)  # a new leaf; the caller's tensor unchanged
+
+
 def test_two_block_structures_are_traced_apart_and_match_the_whole_model_compile():
     """Flux: double and single blocks; the glue outside the blocks runs eagerly."""
     model, inputs = tiny_flux(dtype=torch.float32, double=3, single=4)

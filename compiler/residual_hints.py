@@ -1,0 +1,118 @@
+"""Which arguments of a model's blocks carry the residual stream, remembered between runs (regional compilation).
+
+Under `compile_blocks` Dynamo traces each block's forward, and guards on every tensor argument's grad flag. A
+model's first block takes its residual stream from an embedding that trains nothing, so there that argument needs
+no grad where every later block's does: Dynamo traces the first block apart from the others of its structure (Flux
+LoRA: three traces for two structures; a trace and its backend passes are 0.5-0.8 s of a warm start). The block
+unit gives that argument grad inside the graph anyway (units.BlockUnit._residual_stream_needing_grad: the first
+block then shares the others' training variant). When it does, it names the arguments it did it for (their
+names in the block's forward, from Dynamo's sources) in a small file beside the model's compile bundle
+(`record`), and a later run's `compile_blocks` gives them grad before Dynamo sees them (`give_grad`): one trace
+per structure. The price is the one the unit already pays: the first block's input gradient, computed and
+dropped. Blocks are named by the list that holds them (`transformer_blocks` for `transformer_blocks.7`): the
+blocks of one list share a forward. A file that cannot be read, or does not hold a name list per block list, is
+ignored with a warning that says why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+
+from torch_stagehand.runtime.atomic_file import write_atomic
+
+log = logging.getLogger("torch_stagehand.compiler")
+_SUFFIX = ".residual.json"
+_recorded: set[tuple[str, str, tuple[str, ...]]] = set()  # (file, block list, names) written by this process
+
+
+def hints_file(bundle_path: str) -> str:
+    """The hints file beside a compile bundle (`compile/<fingerprint>.bundle`)."""
+    return os.path.splitext(bundle_path)[0] + _SUFFIX
+
+
+def block_list(fqn: str) -> str:
+    """The list a block belongs to: its name without the index (`transformer_blocks.7` -> `transformer_blocks`)."""
+    return re.sub(r"\.\d+$", "", fqn)
+
+
+def argument_names(placeholders: list, positions) -> list[str]:
+    """The forward's argument names of the graph inputs at `positions`, from their Dynamo sources (an input
+    Dynamo read from somewhere else than a forward argument has none, and is left out)."""
+    names = []
+    for i in sorted(positions):
+        grapharg = placeholders[i].meta.get("grapharg")
+        name = getattr(getattr(grapharg, "source", None), "local_name", None)
+        if isinstance(name, str):
+            names.append(name)
+    return names
+
+
+def load(bundle_path: str) -> dict[str, list[str]]:
+    """The hints recorded beside `bundle_path`: block list -> argument names; {} when there is no file, or one
+    that is unreadable or not of this shape (a warning says which)."""
+    path = hints_file(bundle_path)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            hints = json.load(f)
+    except (OSError, ValueError) as e:
+        log.warning("stagehand: residual-stream hints %s ignored: unreadable (%s)", path, e)
+        return {}
+    if not (isinstance(hints, dict) and all(isinstance(k, str) and isinstance(v, list)
+                                            and all(isinstance(n, str) for n in v) for k, v in hints.items())):
+        log.warning("stagehand: residual-stream hints %s ignored: not a list of argument names per block list",
+                    path)
+        return {}
+    return hints
+
+
+def remember(bundle_path: str, fqn: str, template: Any, positions) -> None:
+    """The block unit of `fqn` gave grad to its graph inputs at `positions`: note their argument names for the
+    blocks of its list."""
+    placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
+    record(bundle_path, fqn, argument_names(placeholders, positions))
+
+
+def record(bundle_path: str, fqn: str, names: list[str]) -> None:
+    """Note that the blocks of `fqn`'s list need grad on `names` (once per process and list); a file that cannot
+    be written costs only the next run's extra trace."""
+    path, key = hints_file(bundle_path), block_list(fqn)
+    if not names or (path, key, tuple(names)) in _recorded:
+        return
+    _recorded.add((path, key, tuple(names)))
+    hints = load(bundle_path)
+    if hints.get(key) == names:
+        return
+    hints[key] = names
+    try:
+        write_atomic(path, json.dumps(hints, indent=1, sort_keys=True))
+    except OSError as e:
+        log.warning("stagehand: residual-stream hints %s not written: %s", path, e)
+
+
+def give_grad(forward: Any, names: list[str], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args` and `kwargs` of a call of `forward` with the floating tensors passed as `names` needing grad (a new
+    leaf where one did not): the grad flags a later block of the list gets, so Dynamo runs the same graph."""
+    def needing_grad(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad:
+            return value.detach().requires_grad_()
+        return value
+
+    positional = [p.name for p in inspect.signature(forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    args, kwargs = list(args), dict(kwargs)  # each passed as it came: by position or by keyword
+    for name in names:
+        if name in kwargs:
+            kwargs[name] = needing_grad(kwargs[name])
+        elif name in positional and positional.index(name) < len(args):
+            i = positional.index(name)
+            args[i] = needing_grad(args[i])
+    return tuple(args), kwargs
