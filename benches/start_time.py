@@ -213,6 +213,8 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
             out["gc_to_first_step_end"] = args.gc_clock.read()
         if i == 0 and rt is not None:  # the units the first step compiled (a re-plan's compile later)
             out["first_step_compile_s"] = round(rt.compile_seconds, 2)
+            # Dynamo's graphs by then: a regional run after the first traces no block apart (residual_hints.py)
+            out["dynamo_graphs"] = len(rt.graph_records)
     out.update(first_step_s=round(steps[0], 2), step_ms=[round(s * 1e3, 1) for s in steps[1:]], plan_kinds=plans,
                steady_ms=round(statistics.median(steps[-3:]) * 1e3, 1), first_loss=losses[0])
     if rt is not None:
@@ -522,7 +524,7 @@ def table_rows(results: list[dict]) -> list[dict]:
         base = base if base is not None and "first_loss" in base else None  # a failed run: nothing to hold against
         out.append({
             "row": r["row"], "mode": r["mode"], "process_s": r["process_s"], "offload_s": r.get("offload_s", ""),
-            "first_step_s": r["first_step_s"], "dynamo_s": r.get("dynamo_s", ""), "steps_2_4_ms": " / ".join(f"{x:.0f}" for x in r["step_ms"][:3]),
+            "first_step_s": r["first_step_s"], "dynamo_s": r.get("dynamo_s", ""), "graphs": r.get("dynamo_graphs", ""), "steps_2_4_ms": " / ".join(f"{x:.0f}" for x in r["step_ms"][:3]),
             "steady_ms": r["steady_ms"], "units": r.get("compiled_units", ""), "loaded": r.get("units_loaded", ""),
             "cold_units": r.get("units_compiled_cold", ""), "compile_s": r.get("compile_seconds", ""),
             "autotune_s": r.get("autotune_seconds", ""),
