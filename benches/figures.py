@@ -591,6 +591,49 @@ def start_time_one_config_table() -> str:
                Col("waited s (working)", _waited_for_workers)], modes=("cold", "warm"))
 
 
+# This session's runs: (file, rows, what the run's code had), one machine per file group (see the caption).
+START_TIME_HINTS = (
+    ("start_time_hints_flux.json", ("flux:int8:blocks",), "residual-stream hints"),
+    ("start_time_hints_flux_autotune0.json", ("flux:int8:blocks",), "hints; every kernel one config (=0)"),
+    ("start_time_gc_hold_flux.json", ("flux:int8:blocks",), "hints; full collections held"),
+    ("start_time_hints_flux_bf16.json", ("flux:bf16:blocks",), "residual-stream hints"),
+    ("start_time_gc_hold_flux_bf16.json", ("flux:bf16:blocks",), "hints; full collections held"),
+    ("start_time_hints_files.json", ("flux:int8:files:blocks",), "residual-stream hints"),
+    ("start_time_hints_qwen.json", ("qwen:int8:blocks",), "residual-stream hints"),
+    ("start_time_hints_qwen32.json", ("qwen32:int8:blocks",), "residual-stream hints"),
+)
+
+
+def _step_inductor_compiles(r: dict) -> str:
+    """The Inductor kernels the main process compiled itself in the first step (Triton's listener; Inductor's
+    occupancy re-tune at a variant's load, compiler/ahead_worker.load_no_kernels): how many, their seconds."""
+    per_kernel = (r.get("main_triton_compiles") or {}).get("per_kernel") or {}
+    ours = [v for k, v in per_kernel.items() if k.startswith("triton_")]
+    return f"{sum(n for n, _ in ours)} ({sum(s for _, s in ours):.1f})" if ours or r["mode"] == "cold" else ""
+
+
+def start_time_hints_table() -> str:
+    """Seconds to the first step with the residual-stream hints (one Dynamo graph per block structure in a run
+    after the first) and full collections held through the first step."""
+    labels = {name: label for name, _, label in START_TIME_HINTS}
+    return start_time_blocks_table(tuple((name, rows) for name, rows, _ in START_TIME_HINTS), (
+        "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 5-7 "
+        "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
+        "AdamW, `stagehand.compile_blocks`, `STAGEHAND_INDUCTOR_AUTOTUNE` at its default unless the run says; "
+        "`vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty, two ahead-compile "
+        "workers started by `offload()`; warm: a second process on the same machine. Four calls, each on its "
+        "own H100 machine: the first three Flux files; the Qwen files; the checkpoint + slab file; the two "
+        "`gc_hold` files (whose int8 warm run the call's time limit cut). \"Dynamo graphs\": traced by the end "
+        "of the first step. \"collector s\": Python's garbage collector from offload's end to the first step's "
+        "end. \"Inductor compiles in the step\": kernels the main process compiled itself, and their seconds. "
+        "\"new-plan steps / steady\": a cold run's first two steps under the plan made from the calibration, a "
+        "warm run's first step, over the steady step"),
+        run=lambda r: f"{r['mode']}: {labels[r['_source']]}",
+        extra=[Col("Dynamo graphs", field("dynamo_graphs", num, 0)), Col("collector s", _first_step_gc),
+               Col("Inductor compiles in the step", _step_inductor_compiles),
+               Col("new-plan steps / steady", _new_plan_steps)], modes=("cold", "warm"))
+
+
 def start_time_freeze_table() -> str:
     """Seconds to the first step with the heap frozen at offload (this session's code)."""
     return start_time_blocks_table(START_TIME_FREEZE, (
@@ -1230,6 +1273,7 @@ FIGURES: dict[str, Figure] = {
     "start_time_deferred": Figure(start_time_deferred_table, tuple(name for name, _ in START_TIME_DEFERRED)),
     "start_time_shortlist": Figure(start_time_shortlist_table, tuple(name for name, _ in START_TIME_SHORTLIST)),
     "start_time_one_config": Figure(start_time_one_config_table, tuple(name for name, _ in START_TIME_ONE_CONFIG)),
+    "start_time_hints": Figure(start_time_hints_table, tuple(name for name, _, _ in START_TIME_HINTS)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),

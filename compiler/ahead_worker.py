@@ -7,9 +7,9 @@ to stdout (a library's print) goes to stderr instead. A job: `AheadJob` (ahead.p
 `inner.compile_unit` as the main process, from fake inputs with the job's exact sizes, strides, storage offsets,
 dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config and its attention
 backends (process_settings.py): the same cache keys and the same graph, so when the step reaches the variant the
-main process loads what this wrote. It allocates no device tensor (fake tensors) and loads no kernel but the
-reductions Inductor re-tunes at their load (`load_reductions_only`); it reads nothing of the runtime (the variant
-passes ran in the main process; the joint passes read only the graph).
+main process loads what this wrote. It allocates no device tensor (fake
+tensors) and loads no kernel (`load_no_kernels`); it reads nothing of the runtime (the variant passes ran in the
+main process; the joint passes read only the graph).
 """
 
 from __future__ import annotations
@@ -155,40 +155,21 @@ def kernel_seconds(first: int, slowest: int = 5) -> dict:
             "slowest": [[name, round(s, 3)] for name, s in sorted(done, key=lambda d: -d[1])[:slowest]]}
 
 
-def load_reductions_only() -> None:
-    """Compile Triton kernels to the cache, and load only the reductions Inductor may compile again at their load.
-
-    Inductor loads each kernel it compiled (its launchers); a worker never runs one, so it loads none, but a
-    reduction's: Inductor reads how many registers a loaded reduction kernel takes, and where that leaves the
-    SMs' occupancy low it compiles one more config with half the reduction block (`_dynamic_scale_rblock`; a
-    TODO in torch says that compile belongs in its compile workers). Done only where the step loads the variant,
-    that compile was on the critical path: full-size Flux int8's cold first step compiled five such configs in
-    the main process, 1.45 s (benches/results/start_time_*: `main_triton_compiles`). Here they go to the cache
-    with the rest, and the step's load finds them. A CUDA worker holds a context by the time it compiles (measured:
-    520 MiB each, with or without these loads); the loaded modules add a few MiB."""
+def load_no_kernels() -> None:
+    """Compile Triton kernels to the cache, never load them: Inductor loads each kernel it compiled (its
+    launchers), and loading one opens a CUDA context, 0.5 GiB of device memory per worker that no VRAM budget
+    counts. The main process loads the kernels when it loads the variant, as a warm start does; Inductor's
+    occupancy re-tuning (`_dynamic_scale_rblock`) runs there too, at that load, and compiles its extra configs
+    (half the reduction block) in the step: on full-size Flux's cold first step, five (int8) to seven (bf16) such
+    layer-norm reductions, 1.4-1.9 s of the main process (`main_triton_compiles` in
+    benches/results/start_time_gc_hold_flux*.json). Moving them here needs this worker to load those reductions
+    (the re-tune reads a loaded kernel's register count): not done yet."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
     for name in ("_make_launchers", "_dynamic_scale_rblock"):
         if not hasattr(CachingAutotuner, name):  # another torch: say so rather than load kernels unseen
             raise RuntimeError(f"stagehand ahead worker: torch's CachingAutotuner has no {name}")
-    make_launchers = CachingAutotuner._make_launchers
-
-    def reductions_only(self) -> None:
-        if may_scale_rblock(self):
-            make_launchers(self)
-
-    CachingAutotuner._make_launchers = reductions_only
-
-
-def may_scale_rblock(autotuner: Any) -> bool:
-    """A kernel `_dynamic_scale_rblock` may give another config: a looped (not persistent) reduction on a GPU."""
-    from torch._inductor.runtime.hints import HeuristicType
-
-    meta = getattr(autotuner, "inductor_meta", None) or {}
-    device = (getattr(autotuner, "triton_meta", None) or {}).get("device")
-    return (getattr(autotuner, "heuristic_type", None) == HeuristicType.REDUCTION
-            and not meta.get("persistent_reduction") and meta.get("dynamic_scale_rblock", True)
-            and getattr(device, "type", None) in ("cuda", "hip"))
+        setattr(CachingAutotuner, name, lambda self: None)
 
 
 def profiled(compile_fn, job, directory: str) -> dict:
@@ -227,7 +208,7 @@ def main() -> None:
 
     inductor_config.load_config(configs["inductor"])
     functorch_config.load_config(configs["functorch"])
-    load_reductions_only()
+    load_no_kernels()
     time_kernels()
     defer_kernel_waits()
     if torch.cuda.is_available():  # Triton's compile workers, up while the first job is on its way

@@ -352,33 +352,6 @@ def test_a_worker_records_each_triton_kernels_compile_seconds(monkeypatch):
         "count": 3, "seconds": 7.75, "slowest": [["triton_red_b", 6.5], ["triton_per_c", 1.0]]}
 
 
-def test_a_worker_loads_only_the_reductions_inductor_may_give_another_config(monkeypatch):
-    """A worker loads no kernel but a looped GPU reduction, whose register count Inductor reads to decide on a
-    config with half the reduction block (compiled here then, not in the step that loads the variant)."""
-    from types import SimpleNamespace
-
-    from torch._inductor.runtime.hints import HeuristicType
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-
-    from torch_stagehand.compiler import ahead_worker
-
-    loaded = []
-    monkeypatch.setattr(CachingAutotuner, "_make_launchers", lambda self: loaded.append(self.name))
-    monkeypatch.setattr(CachingAutotuner, "_dynamic_scale_rblock", CachingAutotuner._dynamic_scale_rblock)
-    ahead_worker.load_reductions_only()
-
-    def kernel(name, heuristic, device="cuda", **meta):
-        return SimpleNamespace(name=name, heuristic_type=heuristic, inductor_meta=meta,
-                               triton_meta={"device": SimpleNamespace(type=device)})
-
-    for k in [kernel("looped", HeuristicType.REDUCTION), kernel("pointwise", HeuristicType.POINTWISE),
-              kernel("persistent", HeuristicType.REDUCTION, persistent_reduction=True),
-              kernel("scaling off", HeuristicType.REDUCTION, dynamic_scale_rblock=False),
-              kernel("cpu", HeuristicType.REDUCTION, device="cpu")]:
-        CachingAutotuner._make_launchers(k)
-    assert loaded == ["looped"]
-
-
 def test_a_worker_waits_for_a_graphs_kernels_at_the_jobs_end(monkeypatch):
     """Inductor's wait for a graph module's kernels (at its load) is put off until the job ends: the module keeps its
     futures meanwhile (the backward's lowering goes on), and at the end each becomes its kernel, in order."""
