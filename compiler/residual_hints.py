@@ -3,7 +3,8 @@
 Under `compile_blocks` Dynamo traces each block's forward, and guards on every tensor argument's grad flag. A
 model's first block takes its residual stream from an embedding that trains nothing, so there that argument needs
 no grad where every later block's does: Dynamo traces the first block apart from the others of its structure (Flux
-LoRA: three traces for two structures; a trace and its backend passes are 0.5-0.8 s of a warm start). The block
+LoRA: three traces for two structures; on an H100 a warm Flux step's Dynamo capture took 2.0-2.4 s with three,
+1.4-2.1 s with two: benches/results/start_time_hints_*.json). The block
 unit gives that argument grad inside the graph anyway (units.BlockUnit._residual_stream_needing_grad: the first
 block then shares the others' training variant). When it does, it names the arguments it did it for (their
 names in the block's forward, from Dynamo's sources) in a small file beside the model's compile bundle

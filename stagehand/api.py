@@ -174,9 +174,10 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     `compile_kwargs` go to `torch.compile` (`backend="stagehand"` unless given). Dynamo traces one block of each
     structure and every other block of it runs the same graph: a streamed Linear hands the backend its block's
     token (a graph input), not a constant naming it. Flux's 57 blocks are two traces, three in a LoRA run's first
-    process (the first double block apart: residual_hints.py), where compiling the whole model traces every block. The code outside the blocks (embeddings, the head, the loss) runs eagerly.
-    A model's own activation checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and
-    done by the block units instead (backend option `recompute="model"`), so no block runs its forward three times.
+    process (the first double block apart: residual_hints.py), where compiling the whole model traces every
+    block. The code outside the blocks (embeddings, the head, the loss) runs eagerly. A model's own activation
+    checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and done by the block units
+    instead (backend option `recompute="model"`), so no block runs its forward three times.
     """
     from torch_stagehand.compiler import residual_hints
     from torch_stagehand.compiler.variants import variant_cache
@@ -208,7 +209,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
 def _block_call(compiled_call, block: nn.Module, needing_grad=None):
     """`compiled_call` with every tensor argument given the canonical stride in its size-1 dimensions, and in
     training, where the block has a parameter that trains, its residual-stream arguments needing grad
-    (`needing_grad(args, kwargs)`: residual_hints.give_grad)
+    (`needing_grad(args, kwargs)`: residual_hints.give_grad).
 
     Such a stride addresses nothing, but Dynamo guards on it: Flux's first single block gets the double blocks'
     output ([1, 4096, 3072], batch stride 4096 * 3072) and the others a slice of the previous one's
