@@ -595,9 +595,9 @@ def start_time_one_config_table() -> str:
 START_TIME_HINTS = (
     ("start_time_hints_flux.json", ("flux:int8:blocks",), "residual-stream hints"),
     ("start_time_hints_flux_autotune0.json", ("flux:int8:blocks",), "hints; every kernel one config (=0)"),
-    ("start_time_gc_hold_flux.json", ("flux:int8:blocks",), "hints; full collections held"),
+    ("start_time_gc_hold_flux.json", ("flux:int8:blocks",), "hints; full collections held (taken out)"),
     ("start_time_hints_flux_bf16.json", ("flux:bf16:blocks",), "residual-stream hints"),
-    ("start_time_gc_hold_flux_bf16.json", ("flux:bf16:blocks",), "hints; full collections held"),
+    ("start_time_gc_hold_flux_bf16.json", ("flux:bf16:blocks",), "hints; full collections held (taken out)"),
     ("start_time_hints_files.json", ("flux:int8:files:blocks",), "residual-stream hints"),
     ("start_time_hints_qwen.json", ("qwen:int8:blocks",), "residual-stream hints"),
     ("start_time_hints_qwen32.json", ("qwen32:int8:blocks",), "residual-stream hints"),
@@ -614,7 +614,7 @@ def _step_inductor_compiles(r: dict) -> str:
 
 def start_time_hints_table() -> str:
     """Seconds to the first step with the residual-stream hints (one Dynamo graph per block structure in a run
-    after the first) and full collections held through the first step."""
+    after the first); two runs also held full collections through the first step, a change taken out after."""
     labels = {name: label for name, _, label in START_TIME_HINTS}
     return start_time_blocks_table(tuple((name, rows) for name, rows, _ in START_TIME_HINTS), (
         "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 5-7 "
@@ -623,7 +623,9 @@ def start_time_hints_table() -> str:
         "`vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty, two ahead-compile "
         "workers started by `offload()`; warm: a second process on the same machine. Four calls, each on its "
         "own H100 machine: the first three Flux files; the Qwen files; the checkpoint + slab file; the two "
-        "`gc_hold` files (whose int8 warm run the call's time limit cut). \"Dynamo graphs\": traced by the end "
+        "`gc_hold` files (whose int8 warm run the call's time limit cut; their commit also held Python's full "
+        "collections from offload's end to the first step's end, taken out after: a runtime whose steps never end "
+        "kept them held). \"Dynamo graphs\": traced by the end "
         "of the first step. \"collector s\": Python's garbage collector from offload's end to the first step's "
         "end. \"Inductor compiles in the step\": kernels the main process compiled itself, and their seconds. "
         "\"new-plan steps / steady\": a cold run's first two steps under the plan made from the calibration, a "

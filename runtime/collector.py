@@ -19,11 +19,6 @@ without `restore()` unfreezes at exit (`atexit`): the interpreter's last collect
 extension modules then report what they still hold as leaked (nanobind, Triton's bindings: dozens of lines
 after a script's own error message).
 
-Between that freeze and the first step's end no full collection runs (`hold_full_collections`): the step
-compiles, and each full collection walks what its compile made so far (3-5 of them in full-size Flux's first
-step on an H100, 0.13-0.23 s); the collect at its end walks it once. The young generations are collected as
-always.
-
 Objects frozen here that later become cyclic garbage wait for `gc.unfreeze`,
 which `rt.restore()` / `close()` call: what the run compiled is collectable
 again once the model is put back. The frozen generation is the process's: the
@@ -50,7 +45,6 @@ class CollectorFreeze:
         self.rt = rt
         self.freezes: list[dict[str, Any]] = []  # one per freeze: step, objects frozen, ms of the collection
         self._compiled_at_freeze = 0  # rt.compile_count at the last freeze
-        self._held_threshold: tuple[int, int, int] | None = None  # gc's thresholds while full collections wait
         self._closed = False
         if rt.config.freeze_gc_after_compile:
             rt.phases.listeners.append(self.on_phase)
@@ -63,25 +57,10 @@ class CollectorFreeze:
         t0 = time.perf_counter()
         gc.collect(1)
         _freeze()
-        self.hold_full_collections()
         self.freezes.append({"at": "offload", "frozen_objects": gc.get_freeze_count(),
                              "collect_ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
-    def hold_full_collections(self) -> None:
-        """No full collection until the first step ends (module docstring): the oldest generation's threshold
-        out of reach, the young ones' as they were."""
-        if self._held_threshold is None:
-            self._held_threshold = gc.get_threshold()
-            gc.set_threshold(*self._held_threshold[:2], _HELD_THRESHOLD)
-
-    def release_full_collections(self) -> None:
-        if self._held_threshold is not None:
-            gc.set_threshold(*self._held_threshold)
-            self._held_threshold = None
-
     def on_phase(self, old: Phase, new: Phase) -> None:
-        if new is Phase.STEP_END:
-            self.release_full_collections()  # the step's end collects below, or it compiled nothing to walk
         if self._closed or new is not Phase.STEP_END or self.rt.compile_count == self._compiled_at_freeze:
             return  # (close() ends an open step after removing its hooks: nothing is frozen then)
         self._compiled_at_freeze = self.rt.compile_count
@@ -98,13 +77,11 @@ class CollectorFreeze:
         """At close(): no freeze after this one, and what was frozen (by this runtime, or anything else in the
         process: the collector has one frozen generation) is collectable again."""
         self._closed = True
-        self.release_full_collections()
         if self.freezes:
             gc.unfreeze()
 
 
 _unfreeze_at_exit = []  # one atexit registration per process
-_HELD_THRESHOLD = 1 << 30  # collections of the middle generation before a full one: never, in one step
 
 
 def _freeze() -> None:

@@ -43,13 +43,8 @@ def _run(config=None, steps: int = 3, after_offload=None):
 
 def test_the_step_that_compiled_freezes_the_heap_and_restore_unfreezes_it():
     at_offload = {}
-    threshold = gc.get_threshold()
     rt, counts = _run(after_offload=lambda rt: at_offload.update(count=gc.get_freeze_count(),
-                                                                 freezes=list(rt.stats()["gc_freezes"]),
-                                                                 threshold=gc.get_threshold()))
-    # From offload's end to the first step's end no full collection: only the oldest generation's threshold moved
-    assert at_offload["threshold"][:2] == threshold[:2] and at_offload["threshold"][2] > 10**6
-    assert gc.get_threshold() == threshold
+                                                                 freezes=list(rt.stats()["gc_freezes"])))
     # offload froze the heap as it ended: the libraries, the model and the host store are out of the walks
     [before] = at_offload["freezes"]
     assert before["at"] == "offload" and before["frozen_objects"] >= at_offload["count"] > 10_000
@@ -61,14 +56,12 @@ def test_the_step_that_compiled_freezes_the_heap_and_restore_unfreezes_it():
     # Frozen objects freed by their reference counts leave the count: it only falls, nothing frozen since.
     assert freeze["frozen_objects"] >= counts[0] >= counts[1] >= counts[2] > 10_000
     rt.restore()
-    assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
+    assert gc.get_freeze_count() == 0
 
 
 def test_a_config_that_leaves_the_collector_alone_freezes_nothing():
-    threshold, seen = gc.get_threshold(), []
-    rt, counts = _run(stagehand.Config(freeze_gc_after_compile=False), steps=2,
-                      after_offload=lambda rt: seen.append(gc.get_threshold()))
-    assert counts == [0, 0] and rt.stats()["gc_freezes"] == [] and seen == [threshold]
+    rt, counts = _run(stagehand.Config(freeze_gc_after_compile=False), steps=2)
+    assert counts == [0, 0] and rt.stats()["gc_freezes"] == []
     with pytest.raises(stagehand.ConfigError, match="freeze_gc_after_compile: must be true or false"):
         stagehand.Config(freeze_gc_after_compile=1).validate()
 
@@ -77,13 +70,11 @@ def test_restore_in_the_middle_of_a_step_that_compiled_leaves_nothing_frozen():
     """close() ends the open step after removing its hooks: a step that compiled (no optimizer attached, so
     it is still open) must not freeze the heap after the unfreeze."""
     model, x = toy(n=3)
-    threshold = gc.get_threshold()
     rt = stagehand.offload(model, device="cpu")
-    assert gc.get_threshold() != threshold  # full collections held until the first step ends
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     with torch.no_grad():
         compiled(x)
     assert rt.phases.phase.value == "forward"
     rt.restore()
-    assert gc.get_freeze_count() == 0 and gc.get_threshold() == threshold
+    assert gc.get_freeze_count() == 0
