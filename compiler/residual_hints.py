@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -30,7 +30,7 @@ from torch_stagehand.runtime.atomic_file import write_atomic
 
 log = logging.getLogger("torch_stagehand.compiler")
 _SUFFIX = ".residual.json"
-_recorded: set[tuple[str, str, tuple[str, ...]]] = set()  # (file, block list, names) written by this process
+_recorded: set[tuple] = set()  # (file, block list, names or graph-input positions) this process noted already
 
 
 def hints_file(bundle_path: str) -> str:
@@ -77,7 +77,11 @@ def load(bundle_path: str) -> dict[str, list[str]]:
 
 def remember(bundle_path: str, fqn: str, template: Any, positions) -> None:
     """The block unit of `fqn` gave grad to its graph inputs at `positions`: note their argument names for the
-    blocks of its list."""
+    blocks of its list (once per process: the unit calls this at every step's first block)."""
+    seen = (bundle_path, block_list(fqn), "positions", tuple(positions))
+    if seen in _recorded:
+        return
+    _recorded.add(seen)
     placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
     record(bundle_path, fqn, argument_names(placeholders, positions))
 
@@ -99,21 +103,29 @@ def record(bundle_path: str, fqn: str, names: list[str]) -> None:
         log.warning("stagehand: residual-stream hints %s not written: %s", path, e)
 
 
-def give_grad(forward: Any, names: list[str], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """`args` and `kwargs` of a call of `forward` with the floating tensors passed as `names` needing grad (a new
-    leaf where one did not): the grad flags a later block of the list gets, so Dynamo runs the same graph."""
-    def needing_grad(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad:
-            return value.detach().requires_grad_()
-        return value
+def positional_names(forward: Any) -> list[str]:
+    """The names `forward` takes by position, in order (worked out once per block: `give_grad` runs per call)."""
+    return [p.name for p in inspect.signature(forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
-    positional = [p.name for p in inspect.signature(forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    args, kwargs = list(args), dict(kwargs)  # each passed as it came: by position or by keyword
-    for name in names:
-        if name in kwargs:
-            kwargs[name] = needing_grad(kwargs[name])
-        elif name in positional and positional.index(name) < len(args):
-            i = positional.index(name)
-            args[i] = needing_grad(args[i])
+
+def give_grad(positional: list[str], names: list[str], args: tuple, kwargs: dict,
+              trains: Callable[[], bool] = lambda: True) -> tuple[tuple, dict]:
+    """`args` and `kwargs` of a call of a forward taking `positional` with the floating tensors passed as `names`
+    needing grad (a new leaf where one did not), when `trains()`: the grad flags a later block of the list gets,
+    so Dynamo runs the same graph. Each argument stays where it came (by position or by keyword: Dynamo guards on
+    the forward's locals either way). Every block of the list calls this, and every one but the first already
+    has the flags: then nothing is copied and `trains` is not asked."""
+    def lacks_grad(value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad
+
+    spots = [("kw", name) if name in kwargs else ("pos", positional.index(name)) for name in names
+             if name in kwargs or (name in positional and positional.index(name) < len(args))]
+    spots = [(kind, at) for kind, at in spots if lacks_grad(kwargs[at] if kind == "kw" else args[at])]
+    if not spots or not trains():
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    for kind, at in spots:
+        held = kwargs if kind == "kw" else args
+        held[at] = held[at].detach().requires_grad_()
     return tuple(args), kwargs

@@ -200,7 +200,8 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
         block = rt.model.get_submodule(fqn)
         # As `block.compile(**compile_kwargs)`, with the inputs' strides made canonical first (unit_strides).
         residual = hints.get(residual_hints.block_list(fqn))
-        needing_grad = functools.partial(residual_hints.give_grad, block.forward, residual) if residual else None
+        needing_grad = functools.partial(residual_hints.give_grad, residual_hints.positional_names(block.forward),
+                                         residual) if residual else None
         block._compiled_call_impl = _block_call(torch.compile(block._call_impl, **compile_kwargs), block,
                                                 needing_grad)
     return model
@@ -209,7 +210,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
 def _block_call(compiled_call, block: nn.Module, needing_grad=None):
     """`compiled_call` with every tensor argument given the canonical stride in its size-1 dimensions, and in
     training, where the block has a parameter that trains, its residual-stream arguments needing grad
-    (`needing_grad(args, kwargs)`: residual_hints.give_grad).
+    (`needing_grad(args, kwargs, trains)`: residual_hints.give_grad).
 
     Such a stride addresses nothing, but Dynamo guards on it: Flux's first single block gets the double blocks'
     output ([1, 4096, 3072], batch stride 4096 * 3072) and the others a slice of the previous one's
@@ -219,8 +220,8 @@ def _block_call(compiled_call, block: nn.Module, needing_grad=None):
 
     def call(*args, **kwargs):
         args, kwargs = tree_map_only(torch.Tensor, unit_strides, (args, kwargs))
-        if needing_grad is not None and torch.is_grad_enabled() and any(p.requires_grad for p in block.parameters()):
-            args, kwargs = needing_grad(args, kwargs)
+        if needing_grad is not None and torch.is_grad_enabled():
+            args, kwargs = needing_grad(args, kwargs, lambda: any(p.requires_grad for p in block.parameters()))
         return compiled_call(*args, **kwargs)
 
     return call

@@ -119,18 +119,26 @@ def test_a_run_after_the_first_traces_the_first_block_with_the_others(tmp_path, 
 
 
 def test_give_grad_reaches_the_named_arguments_by_position_or_keyword_and_leaves_the_rest():
-    from torch_stagehand.compiler.residual_hints import give_grad
+    from torch_stagehand.compiler.residual_hints import give_grad, positional_names
 
     def forward(hidden_states, temb, encoder_hidden_states=None, ids=None):
         return hidden_states
 
+    positional = positional_names(forward)
+    assert positional == ["hidden_states", "temb", "encoder_hidden_states", "ids"]
+    names = ["hidden_states", "encoder_hidden_states", "ids"]
     h, t, e, ids = torch.ones(2, 3), torch.ones(3), torch.ones(2, 3), torch.arange(3)
-    args, kwargs = give_grad(forward, ["hidden_states", "encoder_hidden_states", "ids"], (h, t),
-                             {"encoder_hidden_states": e, "ids": ids})
+    args, kwargs = give_grad(positional, names, (h, t), {"encoder_hidden_states": e, "ids": ids})
     assert len(args) == 2 and set(kwargs) == {"encoder_hidden_states", "ids"}  # passed as they came
     assert args[0].requires_grad and kwargs["encoder_hidden_states"].requires_grad
     assert not args[1].requires_grad and kwargs["ids"] is ids  # not named / not floating: as they were
     assert not h.requires_grad and torch.equal(args[0], h)  # a new leaf; the caller's tensor unchanged
+    # A later block's call, whose stream needs grad already: passed through as it is, `trains` never asked.
+    asked = []
+    again = give_grad(positional, names, args, kwargs, trains=lambda: asked.append(True) or True)
+    assert again[0] is args and again[1] is kwargs and asked == []
+    # A block with nothing that trains: left as it is.
+    assert give_grad(positional, names, (h, t), {}, trains=lambda: False)[0][0] is h
 
 
 def test_two_block_structures_are_traced_apart_and_match_the_whole_model_compile():
