@@ -606,7 +606,8 @@ START_TIME_HINTS = (
 
 def _step_inductor_compiles(r: dict) -> str:
     """The Inductor kernels the main process compiled itself in the first step (Triton's listener; Inductor's
-    occupancy re-tune at a variant's load, compiler/ahead_worker.load_no_kernels): how many, their seconds."""
+    occupancy re-tune at a variant's load, compiler/ahead_worker.load_only_rescalable_reductions): how many, their
+    seconds."""
     per_kernel = (r.get("main_triton_compiles") or {}).get("per_kernel") or {}
     ours = [v for k, v in per_kernel.items() if k.startswith("triton_")]
     return f"{sum(n for n, _ in ours)} ({sum(s for _, s in ours):.1f})" if ours or r["mode"] == "cold" else ""

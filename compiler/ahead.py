@@ -18,8 +18,8 @@ compile, as without workers, and the log says so (as does the unit's `ahead` ent
 which benches/start_time.py prints). A variant whose graph or inputs cannot travel to a worker is compiled in
 the forward, as without workers (the pool's `refused` says why). Workers start at `offload()` when
 `STAGEHAND_AHEAD_WORKERS` asks for them (variants.start_ahead_at_offload: their imports overlap the offload),
-else at the first job; they take no device memory (fake inputs; no kernel loaded) and stop with the runtime.
-A recomputed block's inference variant, which only the next step's forward needs, is held back until the step
+else at the first job; they allocate no device tensor (fake inputs; the only kernels loaded are the reductions
+Inductor re-tunes at load, ahead_worker.load_only_rescalable_reductions) and stop with the runtime. A recomputed block's inference variant, which only the next step's forward needs, is held back until the step
 first waits for a job (its backward): a free worker then takes the training variants first.
 
 A worker compiles under the main process's attention backends and matmul switches (process_settings.py:

@@ -7,8 +7,8 @@ to stdout (a library's print) goes to stderr instead. A job: `AheadJob` (ahead.p
 `inner.compile_unit` as the main process, from fake inputs with the job's exact sizes, strides, storage offsets,
 dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config and its attention
 backends (process_settings.py): the same cache keys and the same graph, so when the step reaches the variant the
-main process loads what this wrote. It allocates no device tensor (fake
-tensors) and loads no kernel (`load_no_kernels`); it reads nothing of the runtime (the variant passes ran in the
+main process loads what this wrote. It allocates no device tensor (fake tensors) and loads no kernel but the
+reductions Inductor re-tunes at their load (`load_only_rescalable_reductions`); it reads nothing of the runtime (the variant passes ran in the
 main process; the joint passes read only the graph).
 """
 
@@ -155,21 +155,37 @@ def kernel_seconds(first: int, slowest: int = 5) -> dict:
             "slowest": [[name, round(s, 3)] for name, s in sorted(done, key=lambda d: -d[1])[:slowest]]}
 
 
-def load_no_kernels() -> None:
-    """Compile Triton kernels to the cache, never load them: Inductor loads each kernel it compiled (its
-    launchers), and loading one opens a CUDA context, 0.5 GiB of device memory per worker that no VRAM budget
-    counts. The main process loads the kernels when it loads the variant, as a warm start does; Inductor's
-    occupancy re-tuning (`_dynamic_scale_rblock`) runs there too, at that load, and compiles its extra configs
-    (half the reduction block) in the step: on full-size Flux's cold first step, five (int8) to seven (bf16) such
-    layer-norm reductions, 1.4-1.9 s of the main process (`main_triton_compiles` in
-    benches/results/start_time_gc_hold_flux*.json). Moving them here needs this worker to load those reductions
-    (the re-tune reads a loaded kernel's register count): not done yet."""
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+def load_only_rescalable_reductions() -> None:
+    """Compile Triton kernels to the cache and load none, but the reductions Inductor may re-tune for occupancy.
+
+    Inductor loads each kernel it compiled (its launchers); a worker never runs one, and the main process loads
+    them when it loads the variant, as a warm start does. But at a reduction's load Inductor reads the kernel's
+    register count and, where occupancy is low, compiles one more config with half the reduction block
+    (`_dynamic_scale_rblock`): on full-size Flux's cold first step, five (int8) to seven (bf16) layer-norm
+    reductions, 1.0-2.1 s of the main process while it loaded the workers' variants (`main_triton_compiles` in
+    benches/results/start_time_hints_flux*.json). So a worker loads those reductions and lets the re-tune compile
+    here, into Triton's cache: the main process's re-tune finds the same register count, asks for the same
+    config, and reads it back. (A worker holds a CUDA context anyway: Inductor's compile for the device opens it.)"""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner, HeuristicType
 
     for name in ("_make_launchers", "_dynamic_scale_rblock"):
         if not hasattr(CachingAutotuner, name):  # another torch: say so rather than load kernels unseen
             raise RuntimeError(f"stagehand ahead worker: torch's CachingAutotuner has no {name}")
-        setattr(CachingAutotuner, name, lambda self: None)
+    make_launchers = CachingAutotuner._make_launchers
+
+    def reductions_only(self) -> None:
+        if rescalable(self, HeuristicType.REDUCTION):
+            make_launchers(self)
+
+    CachingAutotuner._make_launchers = reductions_only
+
+
+def rescalable(autotuner, reduction) -> bool:
+    """Might Inductor's occupancy re-tune give `autotuner` another config (its own first conditions: a looped
+    reduction on a CUDA device, the re-tune not turned off)? `reduction`: Inductor's HeuristicType.REDUCTION."""
+    meta = autotuner.inductor_meta or {}
+    return (autotuner.heuristic_type == reduction and not meta.get("persistent_reduction")
+            and meta.get("dynamic_scale_rblock", True) and getattr(autotuner.device_props, "type", None) == "cuda")
 
 
 def profiled(compile_fn, job, directory: str) -> dict:
@@ -208,7 +224,7 @@ def main() -> None:
 
     inductor_config.load_config(configs["inductor"])
     functorch_config.load_config(configs["functorch"])
-    load_no_kernels()
+    load_only_rescalable_reductions()
     time_kernels()
     defer_kernel_waits()
     if torch.cuda.is_available():  # Triton's compile workers, up while the first job is on its way

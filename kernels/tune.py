@@ -15,8 +15,8 @@ or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
    at small M exceed the kernel itself), with weights arriving cold as streamed
    weights do.
 
-Under `tune_deferral.deferred()` a key that would be tuned runs its untuned default, and is tuned later
-(tune_deferral.py: a cold step's eager forward while a worker compiles).
+Under `tune_deferral.deferred()` a key that would be tuned runs `provisional` (dequantize + cuBLAS), and is tuned
+later (tune_deferral.py: a cold step's eager forward while a worker compiles).
 
 STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried,
 rejected and chosen is kept in `tuning_log()`, and each choice is written to
@@ -189,6 +189,16 @@ def heuristic(kind: str, m: int, n_out: int, red: int, device) -> LaunchConfig:
     return LaunchConfig(bo, bm, br, s, w, st, 0)
 
 
+def provisional(options: list[LaunchConfig] | None = None) -> LaunchConfig:
+    """The launch of a key whose tuning is put off (`tune_deferral.deferred`): `options`' default, else dequantize
+    + cuBLAS. One Triton kernel, the dequantize, serves every shape (its tile is fixed), where the untuned fused
+    default is a compile per token regime and flag set: full-size Flux int8's eager forward compiled three of them,
+    1.4-1.8 s of its main thread before the next block structure reached a worker. `launch.warm_provisional`
+    compiles the dequantize at offload. Its numbers are one candidate's: the tuner may pick it (it is fastest at
+    M > 512 on an H100)."""
+    return options[0] if options else DEQUANT
+
+
 _LOG: dict[tuple, dict] = {}
 _SECONDS = [0.0]  # wall time this process spent tuning (part of a first step)
 
@@ -225,7 +235,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
     `precompile(cfg)`: compiles cfg's kernels without launching them; given, every
     candidate is compiled at once on threads before the first is run (`precompile_all`).
     `later()`: tunes `key` on stand-in tensors of the same shapes; given, under `tune_deferral.deferred()`
-    the key runs its untuned default now and is tuned by `tune_deferral.tune_deferred`."""
+    the key runs `provisional(options)` now and is tuned by `tune_deferral.tune_deferred`."""
     if key[-1] == torch.float32 and not interpreting():
         return options[0] if options else F32_CONFIG
     if interpreting() or device.type != "cuda" or os.environ.get("STAGEHAND_AUTOTUNE", "1") == "0":
@@ -236,7 +246,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
         return options[0] if options else heuristic(kind, m, n_out, red, device)
     deferring = later is not None and deferral.deferring()
     if deferring and deferral.provisional(key):
-        return options[0] if options else heuristic(kind, m, n_out, red, device)
+        return provisional(options)
     deferral.drop(key)  # asked outside `deferred()` before its turn came: tuned here and now
     disk = tune_cache.TuneCache.for_device(device) if tune_cache.enabled() else None
     cached = disk.get(key, LaunchConfig) if disk is not None else None
@@ -251,7 +261,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
             return cached
     if deferring:
         deferral.queue(key, later)
-        return options[0] if options else heuristic(kind, m, n_out, red, device)
+        return provisional(options)
     started = time.perf_counter()
     configs = options or candidates(kind, m, n_out, red, device)
     if precompile is not None:

@@ -110,6 +110,7 @@ def offload(
 
         weights_file = WeightsFile(checkpoint)
     ahead = _ahead_workers(device, block_fqns, layers)  # they start now, while the host store fills
+    warming = _warm_provisional_kernel(model, device, precision_map, auto)
     try:
         rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
                      keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget)
@@ -135,6 +136,8 @@ def offload(
     rt.prepare_ddp(model)  # DistributedDataParallel(model) leaves the streamed weights alone (ddp.py)
     if adopt_expert_adapters(model):  # peft target_parameters on streamed experts read the stream
         rt.on_close(functools.partial(release_expert_adapters, model))
+    if warming is not None:
+        warming.join()
     summary = summarize(model, rt, clock.done())
     rt.offload_summary = summary.as_dict()
     log.info("%s", summary)
@@ -153,6 +156,17 @@ def _ahead_workers(device: torch.device, block_fqns: list[str], layers):
     from torch_stagehand.compiler.variants import start_ahead_at_offload
 
     return start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead())
+
+
+def _warm_provisional_kernel(model: nn.Module, device: torch.device, precision_map: dict, auto: bool):
+    """Where blocks may stream INT8: the W8A16 kernel a cold step's eager forward runs first, compiled on a thread
+    while offload works (kernels/launch.warm_provisional), or None."""
+    if device.type != "cuda" or not (auto or "int8" in precision_map.values()):
+        return None
+    from torch_stagehand.kernels.launch import warm_provisional
+
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    return warm_provisional(device, dtype) if dtype is not None else None
 
 
 def runtime_of(model: nn.Module) -> Runtime:

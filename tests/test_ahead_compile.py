@@ -379,6 +379,38 @@ def test_a_worker_waits_for_a_graphs_kernels_at_the_jobs_end(monkeypatch):
     assert ahead_worker._KERNEL_WAITS == []
 
 
+def test_a_worker_loads_only_the_reductions_inductor_may_retune(monkeypatch):
+    """A worker loads no kernel (it never runs one) but a looped reduction on CUDA with Inductor's occupancy
+    re-tune on: that re-tune reads the loaded kernel's register count and compiles its extra config here, into
+    Triton's cache, instead of in the main process's step. The re-tune itself stays Inductor's."""
+    from types import SimpleNamespace
+
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner, HeuristicType
+
+    from torch_stagehand.compiler import ahead_worker
+
+    loaded = []
+    monkeypatch.setattr(CachingAutotuner, "_make_launchers", lambda self: loaded.append(self.name))
+    retune = CachingAutotuner._dynamic_scale_rblock
+    ahead_worker.load_only_rescalable_reductions()
+
+    def autotuner(name, heuristic, device="cuda", **meta):
+        tuner = object.__new__(CachingAutotuner)
+        tuner.name, tuner.heuristic_type, tuner.inductor_meta = name, heuristic, meta
+        tuner.device_props = SimpleNamespace(type=device)
+        return tuner
+
+    for tuner in [autotuner("layer_norm", HeuristicType.REDUCTION),
+                  autotuner("rms_norm_rotary", HeuristicType.PERSISTENT_REDUCTION, persistent_reduction=True),
+                  autotuner("persistent_flagged", HeuristicType.REDUCTION, persistent_reduction=True),
+                  autotuner("gelu", HeuristicType.POINTWISE),
+                  autotuner("retune_off", HeuristicType.REDUCTION, dynamic_scale_rblock=False),
+                  autotuner("on_the_cpu", HeuristicType.REDUCTION, device="cpu")]:
+        tuner._make_launchers()
+    assert loaded == ["layer_norm"]
+    assert CachingAutotuner._dynamic_scale_rblock is retune
+
+
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
     assert BackendOptions().workers_ahead() == 0  # off by default

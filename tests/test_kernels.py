@@ -278,8 +278,9 @@ def test_a_key_times_its_regimes_shortlist_unless_every_candidate_is_asked_for(m
 
 def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkeypatch):
     # The deferral on the CPU: fake device, fake timings (as above). A cold step's eager forward
-    # (tune_deferral.deferred) gets the untuned default and no tuning; the wait on a worker tunes the key
-    # (tune_deferred), or a call outside the deferral that comes first does.
+    # (tune_deferral.deferred) gets dequantize + cuBLAS (tune.provisional: one Triton kernel for every shape) and
+    # no tuning; the wait on a worker tunes the key (tune_deferred), or a call outside the deferral that comes first
+    # does.
     from types import SimpleNamespace
 
     from torch_stagehand.kernels import tune, tune_deferral as deferral
@@ -305,7 +306,10 @@ def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkey
 
     try:
         with deferral.deferred():
-            assert pick(keys[0]) == default and pick(keys[0]) == default and pick(keys[1]) == default
+            assert pick(keys[0]) == tune.DEQUANT and pick(keys[0]) == tune.DEQUANT and pick(keys[1]) == tune.DEQUANT
+            grouped = [default, tune.DEQUANT]  # another kernel's candidates (grouped.py): its own default
+            assert tune.pick("fwd", keys[0], 16, 3072, 3072, dev, run, torch.zeros(1), lambda c: None,
+                             options=grouped, later=lambda: None) == default
         assert runs == [] and later_calls == [] and deferral.pending_keys() == keys  # nothing run, nothing timed
         assert deferral.provisional(keys[0]) and keys[0] not in tune.tuning_log()
         assert deferral.tune_deferred(stop=lambda: True) == 0 and deferral.pending_keys() == keys  # the worker was done
@@ -318,6 +322,11 @@ def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkey
         assert deferral.pending_keys() == [] and deferral.tune_deferred() == 0 and later_calls == [keys[0]]
         tune.tune_later(keys[0], lambda: None)  # tuned already: not queued again
         assert deferral.pending_keys() == []
+        # Offload's head start on the provisional launch's one kernel: nothing to compile off CUDA or for fp32.
+        from torch_stagehand.kernels.launch import warm_provisional
+
+        assert warm_provisional(torch.device("cpu"), torch.bfloat16) is None
+        assert warm_provisional(SimpleNamespace(type="cuda"), torch.float32) is None
     finally:
         for key in keys:
             tune._LOG.pop(key, None)
@@ -590,9 +599,9 @@ def test_gpu_int8_to_fp32_conversion_is_exact(fast):
 @gpu
 @needs_cuda
 def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waiting():
-    # What a cold step's eager forward does with a key not tuned yet (tune_deferral.deferred): the untuned
-    # default, right, and not kept for replay (a replay would skip the tuned pick later); the wait tunes it and
-    # the grad-input key of the same layer (the backward's).
+    # What a cold step's eager forward does with a key not tuned yet (tune_deferral.deferred): dequantize +
+    # cuBLAS (tune.provisional), right, and not kept for replay (a replay would skip the tuned pick later); the
+    # wait tunes it and the grad-input key of the same layer (the backward's).
     from torch_stagehand.kernels import tune, tune_deferral as deferral
     from torch_stagehand.kernels.launch import FWD_MEMO, int8_linear_triton
 
@@ -611,6 +620,37 @@ def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waitin
     assert all(key in log and len(log[key]["times_us"]) > 1 for key in keys), list(log)
     out2 = int8_linear_triton(x, q, s)  # the tuned pick now, kept for replay
     assert _rel(out2, int8_linear_ref(x, q, s)) < 1e-2 and len(FWD_MEMO.replays) == replays + 1
+
+
+@gpu
+@needs_cuda
+def test_gpu_after_offloads_warm_a_deferred_forward_compiles_nothing():
+    # tune.provisional's dequantize, compiled and loaded on offload's thread (launch.warm_provisional): a cold step's
+    # eager forward then compiles no Triton kernel for the keys it defers, at any token count, with or without
+    # bias and GeLU, and its numbers are right.
+    from triton import knobs
+
+    from torch_stagehand.kernels import tune, tune_deferral as deferral
+    from torch_stagehand.kernels.launch import int8_linear_triton, warm_provisional
+
+    heard, listener = [], knobs.compilation.listener
+    k, n = 1792, 2304  # shapes no other test tunes (a tuned or cached key would run its own kernel)
+    try:
+        warm_provisional(torch.device("cuda"), torch.bfloat16).join()
+        knobs.compilation.listener = lambda *, src, **_: heard.append(getattr(src, "name", "?"))
+        for m, bias, act in [(1, True, None), (40, False, "gelu_tanh"), (600, True, "gelu_tanh"), (4100, False, None)]:
+            x, q, s = _gpu_case((m,), k, k, n, torch.bfloat16, m)
+            b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
+            with deferral.deferred():
+                out = int8_linear_triton(x, q, s, b, act)
+            assert deferral.provisional(("fwd", x.device, tune.bucket(m), n, k, torch.bfloat16))
+            assert _rel(out, int8_linear_ref(x, q, s, b, act)) < 1e-2, (m, bias, act)
+        assert heard == []
+    finally:
+        knobs.compilation.listener = listener
+        for key in deferral.pending_keys():
+            if key[3:5] in ((n, k), (k, n)):
+                deferral.drop(key)
 
 
 @gpu
