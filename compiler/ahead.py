@@ -19,8 +19,9 @@ which benches/start_time.py prints). A variant whose graph or inputs cannot trav
 the forward, as without workers (the pool's `refused` says why). Workers start at `offload()` when
 `STAGEHAND_AHEAD_WORKERS` asks for them (variants.start_ahead_at_offload: their imports overlap the offload),
 else at the first job; they allocate no device tensor (fake inputs; the only kernels loaded are the reductions
-Inductor re-tunes at load, ahead_worker.load_only_rescalable_reductions) and stop with the runtime. A recomputed block's inference variant, which only the next step's forward needs, is held back until the step
-first waits for a job (its backward): a free worker then takes the training variants first.
+Inductor re-tunes at load, ahead_worker.load_only_rescalable_reductions) and stop with the runtime. A recomputed
+block's inference variant, which only the next step's forward needs, is held back until the step first waits for
+a job (its backward): a free worker then takes the training variants first.
 
 A worker compiles under the main process's attention backends and matmul switches (process_settings.py:
 no cache key holds them; with torch's defaults a worker traced Flux's attention to the cuDNN backend offload()
@@ -101,7 +102,7 @@ class _Worker:
     """One worker process and the thread that feeds it jobs from the shared queue, one at a time. It ends when
     the pool closes, or after `pool.idle_s` without a job (the next job starts another)."""
 
-    def __init__(self, pool: "AheadCompiler"):
+    def __init__(self, pool: "AheadCompiler", provisional_kernel: tuple[str, str] | None = None):
         self.pool = pool
         self.jobs_done = 0
         # Each worker's Triton compile pool gets its share of the cores (not in any cache key), or
@@ -115,7 +116,7 @@ class _Worker:
         self.process = subprocess.Popen([sys.executable, "-m", "torch_stagehand.compiler.ahead_worker"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=None if _debug() else subprocess.DEVNULL, env=env)
-        send(self.process.stdin, pool.configs)
+        send(self.process.stdin, dict(pool.configs, provisional_kernel=provisional_kernel))
         self.thread = threading.Thread(target=self._run, name="stagehand-ahead", daemon=True)
         self.thread.start()
 
@@ -181,8 +182,14 @@ class _Worker:
 class AheadCompiler:
     """Worker processes that compile foreseen variants into torch's caches (module doc)."""
 
-    def __init__(self, workers: int, idle_s: float = 30.0, wait_s: float = 900.0):
+    def __init__(self, workers: int, idle_s: float = 30.0, wait_s: float = 900.0,
+                 provisional_kernel: tuple[str, str] | None = None):
         self.size = workers
+        # (device, activation dtype name): the first worker compiles the W8A16 kernel that a cold step's eager
+        # forward runs for the keys it defers (kernels/tune.provisional) into Triton's cache as it starts, where
+        # the step would have compiled it (0.4-0.7 s). Not on a thread of this process: it would share the GIL
+        # with offload.
+        self.provisional_kernel = provisional_kernel
         self.idle_s = idle_s  # a worker without a job this long ends
         self.wait_s = wait_s  # the longest the main process waits for a job a worker is on
         self.jobs: queue.Queue = queue.Queue()
@@ -274,7 +281,7 @@ class AheadCompiler:
                 keys.setLevel(logging.DEBUG)
                 keys.addHandler(logging.StreamHandler())
         while len(self.workers) < self.size:
-            worker = _Worker(self)
+            worker = _Worker(self, self.provisional_kernel if not self.worker_pids else None)
             self.workers.add(worker)
             self.worker_pids.append(worker.process.pid)
 

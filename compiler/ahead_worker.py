@@ -8,8 +8,8 @@ to stdout (a library's print) goes to stderr instead. A job: `AheadJob` (ahead.p
 dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config and its attention
 backends (process_settings.py): the same cache keys and the same graph, so when the step reaches the variant the
 main process loads what this wrote. It allocates no device tensor (fake tensors) and loads no kernel but the
-reductions Inductor re-tunes at their load (`load_only_rescalable_reductions`); it reads nothing of the runtime (the variant passes ran in the
-main process; the joint passes read only the graph).
+reductions Inductor re-tunes at their load (`load_only_rescalable_reductions`); it reads nothing of the runtime
+(the variant passes ran in the main process; the joint passes read only the graph).
 """
 
 from __future__ import annotations
@@ -188,6 +188,22 @@ def rescalable(autotuner, reduction) -> bool:
             and meta.get("dynamic_scale_rblock", True) and getattr(autotuner.device_props, "type", None) == "cuda")
 
 
+def compile_provisional_kernel(wanted: tuple[str, str] | None) -> None:
+    """`wanted` (device, activation dtype name; AheadCompiler's `provisional_kernel`): compile the W8A16 kernel a
+    cold step's eager forward runs first into Triton's cache (kernels/launch.compile_provisional). A failure only
+    leaves the step to compile it."""
+    if not wanted:
+        return
+    import torch
+
+    from torch_stagehand.kernels.launch import compile_provisional
+
+    try:
+        compile_provisional(torch.device(wanted[0]), getattr(torch, wanted[1]))
+    except Exception:  # noqa: BLE001 - only a head start
+        traceback.print_exc()
+
+
 def profiled(compile_fn, job, directory: str) -> dict:
     """`compile_fn(job)`; with `directory` (`STAGEHAND_AHEAD_PROFILE`), under cProfile, its 40 costliest calls
     written to `<directory>/ahead-<pid>-<n>.txt` (n counts this worker's jobs) with the job's label on top."""
@@ -234,6 +250,7 @@ def main() -> None:
     from .inner import prewarm_compiler_imports
 
     prewarm_compiler_imports()  # Inductor's and AOTAutograd's modules and the cache keys' hashes, before a job waits
+    compile_provisional_kernel(configs.get("provisional_kernel"))
     if ahead._debug():
         import logging
 

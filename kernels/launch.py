@@ -8,9 +8,6 @@ decides when to call them. The config of each launch comes from kernels/tune.py
 
 from __future__ import annotations
 
-import logging
-import threading
-
 import torch
 import torch.nn.functional as F
 
@@ -125,29 +122,19 @@ def _dequant(ex: Executor, q, scale, k, dtype):
               q, scale, w, n, k, q.stride(0), BLOCK_N=32, BLOCK_K=256, num_warps=4)
 
 
-def warm_provisional(device: torch.device, dtype: torch.dtype) -> threading.Thread | None:
-    """Compile and load the dequantize kernel of `tune.provisional` for `dtype` activations, on a thread (offload
-    starts it and joins it before it returns): the first Triton kernel a cold step's eager forward would compile,
-    and Triton's launcher for it (built with the C compiler), now off the step. A tiny launch on a side stream, with
-    a real call's specialization: sizes and strides multiples of 16, aligned pointers. None where nothing runs
-    Triton's compiled kernels (the CPU, the interpreter, fp32)."""
+def compile_provisional(device: torch.device, dtype: torch.dtype) -> bool:
+    """Compile and load the dequantize kernel of `tune.provisional` for `dtype` activations on `device`, into
+    Triton's cache with its launcher (built with the C compiler): the first Triton kernel a cold step's eager
+    forward would compile. The first ahead-compile worker does it as it starts (ahead_worker.py), so that step
+    reads it back. A tiny launch with a real call's specialization: sizes and strides multiples of 16, aligned
+    pointers. False where nothing runs Triton's compiled kernels (the CPU, the interpreter, fp32)."""
     if device.type != "cuda" or _interpreting() or dtype not in (torch.bfloat16, torch.float16):
-        return None
-
-    def warm() -> None:
-        try:
-            with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-                q = torch.zeros((32, 256), dtype=torch.int8, device=device)
-                _dequant(Executor({}, record=False), q, torch.ones(32, device=device), 256, dtype)
-                torch.cuda.current_stream().synchronize()
-        except Exception as e:  # noqa: BLE001 - only a head start: the step compiles it where it needs it
-            logging.getLogger("torch_stagehand.kernels").warning(
-                "stagehand: compiling the W8A16 dequantize kernel at offload failed (%s: %s); the first step "
-                "compiles it", type(e).__name__, e)
-
-    thread = threading.Thread(target=warm, name="stagehand-warm-dequantize", daemon=True)
-    thread.start()
-    return thread
+        return False
+    with torch.cuda.device(device):
+        q = torch.zeros((32, 256), dtype=torch.int8, device=device)
+        _dequant(Executor({}, record=False), q, torch.ones(32, device=device), 256, dtype)
+        torch.cuda.synchronize(device)
+    return True
 
 
 def _launch_fwd(ex: Executor, T, sb, st, M, N, K, act, cfg: LaunchConfig, f32: bool):

@@ -109,8 +109,8 @@ def offload(
         from torch_stagehand.runtime.weights_file import WeightsFile
 
         weights_file = WeightsFile(checkpoint)
-    ahead = _ahead_workers(device, block_fqns, layers)  # they start now, while the host store fills
-    warming = _warm_provisional_kernel(model, device, precision_map, auto)
+    # They start now, while the host store fills.
+    ahead = _ahead_workers(device, block_fqns, layers, _provisional_kernel(model, device, precision_map, auto))
     try:
         rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
                      keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget)
@@ -136,8 +136,6 @@ def offload(
     rt.prepare_ddp(model)  # DistributedDataParallel(model) leaves the streamed weights alone (ddp.py)
     if adopt_expert_adapters(model):  # peft target_parameters on streamed experts read the stream
         rt.on_close(functools.partial(release_expert_adapters, model))
-    if warming is not None:
-        warming.join()
     summary = summarize(model, rt, clock.done())
     rt.offload_summary = summary.as_dict()
     log.info("%s", summary)
@@ -148,25 +146,25 @@ def offload(
     return rt
 
 
-def _ahead_workers(device: torch.device, block_fqns: list[str], layers):
-    """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now (compiler/variants.py), or None."""
+def _ahead_workers(device: torch.device, block_fqns: list[str], layers, provisional_kernel):
+    """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now (compiler/variants.py), or None.
+    `provisional_kernel`: see `_provisional_kernel`."""
     if not os.environ.get("STAGEHAND_AHEAD_WORKERS"):
         return None
     from torch_stagehand.compiler.context import BackendOptions
     from torch_stagehand.compiler.variants import start_ahead_at_offload
 
-    return start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead())
+    return start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead(), provisional_kernel)
 
 
-def _warm_provisional_kernel(model: nn.Module, device: torch.device, precision_map: dict, auto: bool):
-    """Where blocks may stream INT8: the W8A16 kernel a cold step's eager forward runs first, compiled on a thread
-    while offload works (kernels/launch.warm_provisional), or None."""
+def _provisional_kernel(model: nn.Module, device: torch.device, precision_map: dict, auto: bool):
+    """Where blocks may stream INT8 on CUDA: (device, activation dtype) of the W8A16 kernel a cold step's eager
+    forward runs first (kernels/tune.provisional), which the first ahead-compile worker compiles as it starts;
+    else None."""
     if device.type != "cuda" or not (auto or "int8" in precision_map.values()):
         return None
-    from torch_stagehand.kernels.launch import warm_provisional
-
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    return warm_provisional(device, dtype) if dtype is not None else None
+    return None if dtype is None else (str(device), str(dtype).removeprefix("torch."))
 
 
 def runtime_of(model: nn.Module) -> Runtime:

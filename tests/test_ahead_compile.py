@@ -411,6 +411,36 @@ def test_a_worker_loads_only_the_reductions_inductor_may_retune(monkeypatch):
     assert CachingAutotuner._dynamic_scale_rblock is retune
 
 
+def test_only_the_first_worker_compiles_the_provisional_kernel(monkeypatch, capsys):
+    """Offload names the W8A16 kernel a cold step's eager forward runs first (kernels/tune.provisional); the first
+    worker compiles it as it starts, the others do not compile it again. A worker that cannot compile it says
+    why on its stderr and goes on (it only saves the step a compile)."""
+    from types import SimpleNamespace
+
+    from torch_stagehand.compiler import ahead, ahead_worker
+
+    started = []
+
+    class Worker:
+        def __init__(self, pool, provisional_kernel=None):
+            started.append(provisional_kernel)
+            self.process = SimpleNamespace(pid=len(started))
+
+        def close_input(self):
+            pass
+
+        def end(self, deadline=None):
+            pass
+
+    monkeypatch.setattr(ahead, "_Worker", Worker)
+    pool = AheadCompiler(2, provisional_kernel=("cuda:0", "bfloat16")).start()
+    pool.close()
+    assert started == [("cuda:0", "bfloat16"), None]
+    ahead_worker.compile_provisional_kernel(None)  # nothing asked: nothing done
+    ahead_worker.compile_provisional_kernel(("cpu", "no_such_dtype"))
+    assert "no_such_dtype" in capsys.readouterr().err
+
+
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
     assert BackendOptions().workers_ahead() == 0  # off by default

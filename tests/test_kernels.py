@@ -322,11 +322,11 @@ def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkey
         assert deferral.pending_keys() == [] and deferral.tune_deferred() == 0 and later_calls == [keys[0]]
         tune.tune_later(keys[0], lambda: None)  # tuned already: not queued again
         assert deferral.pending_keys() == []
-        # Offload's head start on the provisional launch's one kernel: nothing to compile off CUDA or for fp32.
-        from torch_stagehand.kernels.launch import warm_provisional
+        # The first worker's head start on the provisional launch's one kernel: none off CUDA or for fp32.
+        from torch_stagehand.kernels.launch import compile_provisional
 
-        assert warm_provisional(torch.device("cpu"), torch.bfloat16) is None
-        assert warm_provisional(SimpleNamespace(type="cuda"), torch.float32) is None
+        assert not compile_provisional(torch.device("cpu"), torch.bfloat16)
+        assert not compile_provisional(SimpleNamespace(type="cuda"), torch.float32)
     finally:
         for key in keys:
             tune._LOG.pop(key, None)
@@ -622,35 +622,46 @@ def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waitin
     assert _rel(out2, int8_linear_ref(x, q, s)) < 1e-2 and len(FWD_MEMO.replays) == replays + 1
 
 
+_DEFERRED_FORWARDS = """
+import json, sys, torch
+from triton import knobs
+from torch_stagehand.kernels import tune, tune_deferral as deferral
+from torch_stagehand.kernels.launch import int8_linear_triton
+from torch_stagehand.kernels.reference import int8_linear_ref
+heard = []
+knobs.compilation.listener = lambda *, src, cache_hit, **_: heard.append([getattr(src, "name", "?"), cache_hit])
+k, n, errors = 1792, 2304, []
+for m, bias, act in [(1, True, None), (40, False, "gelu_tanh"), (600, True, "gelu_tanh"), (4100, False, None)]:
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    q = torch.randint(-127, 128, (n, k), generator=g, device="cuda", dtype=torch.int8)
+    s = torch.rand(n, generator=g, device="cuda") * 0.02 + 1e-3
+    b = torch.randn(n, generator=g, device="cuda").bfloat16() if bias else None
+    with deferral.deferred():
+        out = int8_linear_triton(x, q, s, b, act)
+    ref = int8_linear_ref(x, q, s, b, act).float()
+    errors.append(((out.float() - ref).norm() / ref.norm()).item())
+    assert deferral.provisional(("fwd", x.device, tune.bucket(m), n, k, torch.bfloat16))
+print(json.dumps({"heard": heard, "errors": errors}))
+"""
+
+
 @gpu
 @needs_cuda
-def test_gpu_after_offloads_warm_a_deferred_forward_compiles_nothing():
-    # tune.provisional's dequantize, compiled and loaded on offload's thread (launch.warm_provisional): a cold step's
-    # eager forward then compiles no Triton kernel for the keys it defers, at any token count, with or without
-    # bias and GeLU, and its numbers are right.
-    from triton import knobs
-
-    from torch_stagehand.kernels import tune, tune_deferral as deferral
-    from torch_stagehand.kernels.launch import int8_linear_triton, warm_provisional
-
-    heard, listener = [], knobs.compilation.listener
-    k, n = 1792, 2304  # shapes no other test tunes (a tuned or cached key would run its own kernel)
-    try:
-        warm_provisional(torch.device("cuda"), torch.bfloat16).join()
-        knobs.compilation.listener = lambda *, src, **_: heard.append(getattr(src, "name", "?"))
-        for m, bias, act in [(1, True, None), (40, False, "gelu_tanh"), (600, True, "gelu_tanh"), (4100, False, None)]:
-            x, q, s = _gpu_case((m,), k, k, n, torch.bfloat16, m)
-            b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-            with deferral.deferred():
-                out = int8_linear_triton(x, q, s, b, act)
-            assert deferral.provisional(("fwd", x.device, tune.bucket(m), n, k, torch.bfloat16))
-            assert _rel(out, int8_linear_ref(x, q, s, b, act)) < 1e-2, (m, bias, act)
-        assert heard == []
-    finally:
-        knobs.compilation.listener = listener
-        for key in deferral.pending_keys():
-            if key[3:5] in ((n, k), (k, n)):
-                deferral.drop(key)
+def test_gpu_after_the_first_workers_head_start_a_deferred_forward_compiles_nothing(tmp_path):
+    # tune.provisional's dequantize, compiled by the first ahead-compile worker as it starts
+    # (launch.compile_provisional, another process): a cold step's eager forward then compiles no Triton kernel
+    # for the keys it defers, at any token count, with or without bias and GeLU; it reads the worker's kernel
+    # from Triton's cache, and its numbers are right. Each side a fresh process over one empty Triton cache.
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), STAGEHAND_CACHE_DIR=str(tmp_path / "sh"))
+    worker = ("import torch; from torch_stagehand.kernels.launch import compile_provisional; "
+              "assert compile_provisional(torch.device('cuda'), torch.bfloat16)")
+    subprocess.run([sys.executable, "-c", worker], env=env, check=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _DEFERRED_FORWARDS], env=env, check=True, timeout=300,
+                          capture_output=True, text=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["heard"] == [["_dequant_kernel", True]], result["heard"]
+    assert max(result["errors"]) < 1e-2, result["errors"]
 
 
 @gpu
