@@ -637,6 +637,68 @@ def start_time_hints_table() -> str:
                Col("new-plan steps / steady", _new_plan_steps)], modes=("cold", "warm"))
 
 
+# This session's runs: the provisional dequantize, first compiled on a thread of the offloading process, then by
+# the first ahead-compile worker with the first plan's margin (file, rows, what the run's code had).
+START_TIME_PROVISIONAL = (
+    ("start_time_provisional_flux.json", ("flux:int8:blocks",), "dequantize on an offload thread"),
+    ("start_time_margin_flux.json", ("flux:int8:blocks",), "dequantize by the first worker; first plan's margin"),
+    ("start_time_provisional_files.json", ("flux:int8:files:blocks",), "dequantize on an offload thread"),
+    ("start_time_margin_files.json", ("flux:int8:files:blocks",),
+     "dequantize by the first worker; first plan's margin (a slower machine)"),
+    ("start_time_provisional_flux_bf16.json", ("flux:bf16:blocks",), "workers' reductions (no int8)"),
+    ("start_time_provisional_qwen.json", ("qwen:int8:blocks",), "dequantize on an offload thread"),
+    ("start_time_margin_qwen.json", ("qwen:int8:blocks",),
+     "dequantize by the first worker; first plan's margin (a slower machine)"),
+    ("start_time_margin_qwen32.json", ("qwen32:int8:blocks",), "dequantize by the first worker; first plan's margin"),
+)
+
+
+def _second_structure_handed_over(r: dict) -> str:
+    """Seconds into a cold first step at which the second block structure's training variant went to a worker
+    (the step's clock start and the jobs' on the ahead pool's clock): what the eager forward spent before it."""
+    start = (r.get("main_triton_compiles") or {}).get("step_start_s")
+    jobs = [j for j in (r.get("ahead") or {}).get("jobs", []) if not j.get("later")]
+    return f"{jobs[1]['submitted_s'] - start:.1f}" if start and len(jobs) > 1 else ""
+
+
+def _step_triton_compiles(r: dict) -> str:
+    """Every Triton compile of the main process in the first step (W8A16 candidates and defaults, Inductor's
+    re-tuned reductions): how many, their seconds added up (the tuner's run side by side)."""
+    compiles = r.get("main_triton_compiles") or {}
+    return f"{compiles['count']} ({compiles['seconds']:.1f})" if compiles.get("count") or r["mode"] == "cold" else ""
+
+
+def _peak_replans(r: dict) -> str:
+    """Plans re-made because a new plan's first step measured a peak over the soft cap."""
+    return str(sum("re-planned" in note for note in r.get("plan_corrections") or []))
+
+
+def start_time_provisional_table() -> str:
+    """Seconds to the first step with the deferred keys' dequantize (tune.provisional), the workers' re-tuned
+    reductions and the first calibrated plan's margin."""
+    labels = {name: label for name, _, label in START_TIME_PROVISIONAL}
+    return start_time_blocks_table(tuple((name, rows) for name, rows, _ in START_TIME_PROVISIONAL), (
+        "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 5-6 "
+        "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
+        "AdamW, `stagehand.compile_blocks`; `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every "
+        "cache empty, two ahead-compile workers started by `offload()`; warm: a second process on the same "
+        "machine. Five calls on three H100 machines: the `provisional` files on one (two calls); the `margin` Flux "
+        "int8 and Qwen-32B files on a second; the `margin` Qwen-7B and checkpoint + slab files on a third (two "
+        "calls), slower than the others in every row it ran (steady steps: Qwen-7B 185-196 ms, Flux 663-670 ms). "
+        "\"second structure handed over s\": seconds into the cold step at which the single block's (Qwen: none) "
+        "training variant went to a worker. \"main-process Triton "
+        "compiles\": every kernel the step compiled itself (W8A16 defaults and candidates, Inductor's re-tuned "
+        "reductions), their seconds added up. \"peak re-plans\": plans re-made because a new plan's first step "
+        "measured a peak over the cap. \"new-plan steps / steady\": a cold run's first two steps under the plan "
+        "made from the calibration, a warm run's first step, over the steady step"),
+        run=lambda r: f"{r['mode']}: {labels[r['_source']]}",
+        extra=[Col("second structure handed over s", _second_structure_handed_over),
+               Col("main-process Triton compiles", _step_triton_compiles),
+               Col("Inductor compiles in the step", _step_inductor_compiles),
+               Col("peak re-plans", _peak_replans), Col("new-plan steps / steady", _new_plan_steps)],
+        modes=("cold", "warm"))
+
+
 def start_time_freeze_table() -> str:
     """Seconds to the first step with the heap frozen at offload (this session's code)."""
     return start_time_blocks_table(START_TIME_FREEZE, (
@@ -1277,6 +1339,8 @@ FIGURES: dict[str, Figure] = {
     "start_time_shortlist": Figure(start_time_shortlist_table, tuple(name for name, _ in START_TIME_SHORTLIST)),
     "start_time_one_config": Figure(start_time_one_config_table, tuple(name for name, _ in START_TIME_ONE_CONFIG)),
     "start_time_hints": Figure(start_time_hints_table, tuple(name for name, _, _ in START_TIME_HINTS)),
+    "start_time_provisional": Figure(start_time_provisional_table,
+                                     tuple(name for name, _, _ in START_TIME_PROVISIONAL)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
