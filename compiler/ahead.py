@@ -102,7 +102,7 @@ class _Worker:
     """One worker process and the thread that feeds it jobs from the shared queue, one at a time. It ends when
     the pool closes, or after `pool.idle_s` without a job (the next job starts another)."""
 
-    def __init__(self, pool: "AheadCompiler", provisional_kernel: tuple[str, str] | None = None):
+    def __init__(self, pool: "AheadCompiler", w8a16: dict | None = None):
         self.pool = pool
         self.jobs_done = 0
         # Each worker's Triton compile pool gets its share of the cores (not in any cache key), or
@@ -116,7 +116,7 @@ class _Worker:
         self.process = subprocess.Popen([sys.executable, "-m", "torch_stagehand.compiler.ahead_worker"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=None if _debug() else subprocess.DEVNULL, env=env)
-        send(self.process.stdin, dict(pool.configs, provisional_kernel=provisional_kernel))
+        send(self.process.stdin, dict(pool.configs, w8a16=w8a16))
         self.thread = threading.Thread(target=self._run, name="stagehand-ahead", daemon=True)
         self.thread.start()
 
@@ -182,14 +182,14 @@ class _Worker:
 class AheadCompiler:
     """Worker processes that compile foreseen variants into torch's caches (module doc)."""
 
-    def __init__(self, workers: int, idle_s: float = 30.0, wait_s: float = 900.0,
-                 provisional_kernel: tuple[str, str] | None = None):
+    def __init__(self, workers: int, idle_s: float = 30.0, wait_s: float = 900.0, w8a16: dict | None = None):
         self.size = workers
-        # (device, activation dtype name): the first worker compiles the W8A16 kernel that a cold step's eager
-        # forward runs for the keys it defers (kernels/tune.provisional) into Triton's cache as it starts, where
-        # the step would have compiled it (0.4-0.7 s). Not on a thread of this process: it would share the GIL
-        # with offload.
-        self.provisional_kernel = provisional_kernel
+        # {"device", "dtype" (name), "shapes"}: W8A16 kernels the workers compile into Triton's cache as they start,
+        # where a cold step would compile them (not on threads of this process: they would share its GIL with
+        # offload). The first worker compiles the kernel the step's eager forward runs for the keys it defers
+        # (kernels/tune.provisional, 0.4-0.7 s), and each of the first `workers` its share of the INT8 Linears'
+        # tuning candidates (kernels/ahead_tuning.py: 5.1-5.7 s of a cold Flux step otherwise).
+        self.w8a16 = w8a16
         self.idle_s = idle_s  # a worker without a job this long ends
         self.wait_s = wait_s  # the longest the main process waits for a job a worker is on
         self.jobs: queue.Queue = queue.Queue()
@@ -281,9 +281,17 @@ class AheadCompiler:
                 keys.setLevel(logging.DEBUG)
                 keys.addHandler(logging.StreamHandler())
         while len(self.workers) < self.size:
-            worker = _Worker(self, self.provisional_kernel if not self.worker_pids else None)
+            worker = _Worker(self, self._w8a16_share(len(self.worker_pids)))
             self.workers.add(worker)
             self.worker_pids.append(worker.process.pid)
+
+    def _w8a16_share(self, index: int) -> dict | None:
+        """What the `index`-th worker started compiles of `w8a16` (`ahead_worker.compile_w8a16`): the provisional
+        kernel (the first), its share of the tuning candidates (each of the first `size`); None for a worker
+        started after one left."""
+        if not self.w8a16 or index >= self.size:
+            return None
+        return dict(self.w8a16, provisional=index == 0, share=(index, self.size))
 
     def take(self, key: Hashable, while_waiting: Callable[[Callable[[], bool]], Any] | None = None
              ) -> AheadResult | None:

@@ -188,20 +188,36 @@ def rescalable(autotuner, reduction) -> bool:
             and meta.get("dynamic_scale_rblock", True) and getattr(autotuner.device_props, "type", None) == "cuda")
 
 
-def compile_provisional_kernel(wanted: tuple[str, str] | None) -> None:
-    """`wanted` (device, activation dtype name; AheadCompiler's `provisional_kernel`): compile the W8A16 kernel a
-    cold step's eager forward runs first into Triton's cache (kernels/launch.compile_provisional). A failure only
-    leaves the step to compile it."""
+def compile_w8a16(wanted: dict | None, jobs) -> dict:
+    """`wanted` (AheadCompiler's `w8a16` share): compile into Triton's cache the W8A16 kernels a cold step would
+    compile itself: the kernel its eager forward runs for the keys it defers (`provisional`:
+    kernels/launch.compile_provisional), and this worker's share of the INT8 Linears' tuning candidates
+    (kernels/ahead_tuning.py), until a job arrives on `jobs` (the rest the step's tuner compiles). Only a head
+    start: a failure is printed on this worker's stderr and the worker goes on. Returns what it compiled."""
     if not wanted:
-        return
+        return {}
+    import select
+
     import torch
 
+    from torch_stagehand.kernels import ahead_tuning, tune
     from torch_stagehand.kernels.launch import compile_provisional
 
+    done: dict = {}
     try:
-        compile_provisional(torch.device(wanted[0]), getattr(torch, wanted[1]))
+        device, dtype = torch.device(wanted["device"]), getattr(torch, wanted["dtype"])
+        if wanted.get("provisional"):
+            done["provisional"] = compile_provisional(device, dtype)
+        index, count = wanted.get("share", (0, 1))
+        launches = ahead_tuning.candidate_launches(wanted.get("shapes", []), dtype, device)[index::count]
+        if launches:
+            # The stream is read only after this: a job waiting in the pipe is what stops the compiles.
+            waiting = lambda: bool(select.select([jobs], [], [], 0)[0])  # noqa: E731
+            done.update(ahead_tuning.compile_candidates(launches, device, max(1, tune.precompile_threads() // count),
+                                                        stop=waiting))
     except Exception:  # noqa: BLE001 - only a head start
         traceback.print_exc()
+    return done
 
 
 def profiled(compile_fn, job, directory: str) -> dict:
@@ -250,7 +266,7 @@ def main() -> None:
     from .inner import prewarm_compiler_imports
 
     prewarm_compiler_imports()  # Inductor's and AOTAutograd's modules and the cache keys' hashes, before a job waits
-    compile_provisional_kernel(configs.get("provisional_kernel"))
+    compile_w8a16(configs.get("w8a16"), jobs)
     if ahead._debug():
         import logging
 

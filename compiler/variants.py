@@ -153,16 +153,15 @@ def _written(bundle: CompileBundle | None) -> bool:
 
 
 def start_ahead_at_offload(device, blocks: list[str], layers, workers: int,
-                           provisional_kernel: tuple[str, str] | None = None) -> AheadCompiler | None:
+                           w8a16: dict | None = None) -> AheadCompiler | None:
     """At offload, before the host store is filled: start the `workers` ahead-compile workers that
     `STAGEHAND_AHEAD_WORKERS` asks for, unless a run before compiled this model. They import torch and its
     compiler while offload works (seconds a worker started at the first job makes the first step wait); offload
     hands them to the model's variant cache (`VariantCache.adopt_ahead`), and a backend option for another count
-    replaces them. `provisional_kernel` (device, activation dtype name): the first worker compiles the W8A16 kernel
-    a cold step's eager forward runs first (AheadCompiler's)."""
+    replaces them. `w8a16`: the W8A16 kernels they compile as they start (AheadCompiler's)."""
     if workers <= 0 or _written(_bundle_of(layout_fingerprint(device.type, blocks, layers), device)):
         return None
-    return AheadCompiler(workers, provisional_kernel=provisional_kernel).start()
+    return AheadCompiler(workers, w8a16=w8a16).start()
 
 
 def variant_cache(rt: StreamingRuntime) -> VariantCache:

@@ -109,8 +109,8 @@ def offload(
         from torch_stagehand.runtime.weights_file import WeightsFile
 
         weights_file = WeightsFile(checkpoint)
-    # They start now, while the host store fills.
-    ahead = _ahead_workers(device, block_fqns, layers, _provisional_kernel(model, device, precision_map, auto))
+    # They start now, while the host store fills, and compile the W8A16 kernels a cold step would compile itself.
+    ahead = _ahead_workers(device, block_fqns, layers, _w8a16_ahead(model, device, layers, precision_map, auto))
     try:
         rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
                      keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget)
@@ -146,25 +146,31 @@ def offload(
     return rt
 
 
-def _ahead_workers(device: torch.device, block_fqns: list[str], layers, provisional_kernel):
+def _ahead_workers(device: torch.device, block_fqns: list[str], layers, w8a16):
     """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now (compiler/variants.py), or None.
-    `provisional_kernel`: see `_provisional_kernel`."""
+    `w8a16`: see `_w8a16_ahead`."""
     if not os.environ.get("STAGEHAND_AHEAD_WORKERS"):
         return None
     from torch_stagehand.compiler.context import BackendOptions
     from torch_stagehand.compiler.variants import start_ahead_at_offload
 
-    return start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead(), provisional_kernel)
+    return start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead(), w8a16)
 
 
-def _provisional_kernel(model: nn.Module, device: torch.device, precision_map: dict, auto: bool):
-    """Where blocks may stream INT8 on CUDA: (device, activation dtype) of the W8A16 kernel a cold step's eager
-    forward runs first (kernels/tune.provisional), which the first ahead-compile worker compiles as it starts;
-    else None."""
+def _w8a16_ahead(model: nn.Module, device: torch.device, layers, precision_map: dict, auto: bool):
+    """Where blocks may stream INT8 on CUDA, what the ahead-compile workers compile of the W8A16 kernels as they
+    start (compiler/ahead.py's `w8a16`): the device, the activation dtype, and the INT8 Linears' shapes, whose
+    tuning candidates they compile (kernels/ahead_tuning.py; none under precision="auto", which starts in bf16).
+    None elsewhere."""
     if device.type != "cuda" or not (auto or "int8" in precision_map.values()):
         return None
+    from torch_stagehand.kernels.ahead_tuning import tuning_shapes
+
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    return None if dtype is None else (str(device), str(dtype).removeprefix("torch."))
+    if dtype is None:
+        return None
+    return {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "shapes": [] if auto else tuning_shapes(layers, precision_map)}
 
 
 def runtime_of(model: nn.Module) -> Runtime:

@@ -411,10 +411,11 @@ def test_a_worker_loads_only_the_reductions_inductor_may_retune(monkeypatch):
     assert CachingAutotuner._dynamic_scale_rblock is retune
 
 
-def test_only_the_first_worker_compiles_the_provisional_kernel(monkeypatch, capsys):
-    """Offload names the W8A16 kernel a cold step's eager forward runs first (kernels/tune.provisional); the first
-    worker compiles it as it starts, the others do not compile it again. A worker that cannot compile it says
-    why on its stderr and goes on (it only saves the step a compile)."""
+def test_the_first_workers_share_the_w8a16_kernels_they_compile_as_they_start(monkeypatch, capsys):
+    """Offload names the W8A16 kernels a cold step would compile itself (kernels/ahead_tuning.py): the first worker
+    compiles the provisional one, each of the first `size` its share of the tuning candidates, a worker started
+    after one left none. A worker that cannot compile them says why on its stderr and goes on (they only save the
+    step compiles)."""
     from types import SimpleNamespace
 
     from torch_stagehand.compiler import ahead, ahead_worker
@@ -422,8 +423,8 @@ def test_only_the_first_worker_compiles_the_provisional_kernel(monkeypatch, caps
     started = []
 
     class Worker:
-        def __init__(self, pool, provisional_kernel=None):
-            started.append(provisional_kernel)
+        def __init__(self, pool, w8a16=None):
+            started.append(w8a16)
             self.process = SimpleNamespace(pid=len(started))
 
         def close_input(self):
@@ -433,11 +434,13 @@ def test_only_the_first_worker_compiles_the_provisional_kernel(monkeypatch, caps
             pass
 
     monkeypatch.setattr(ahead, "_Worker", Worker)
-    pool = AheadCompiler(2, provisional_kernel=("cuda:0", "bfloat16")).start()
+    wanted = {"device": "cuda:0", "dtype": "bfloat16", "shapes": [(3072, 3072, True)]}
+    pool = AheadCompiler(2, w8a16=wanted).start()
     pool.close()
-    assert started == [("cuda:0", "bfloat16"), None]
-    ahead_worker.compile_provisional_kernel(None)  # nothing asked: nothing done
-    ahead_worker.compile_provisional_kernel(("cpu", "no_such_dtype"))
+    assert started == [dict(wanted, provisional=True, share=(0, 2)), dict(wanted, provisional=False, share=(1, 2))]
+    assert pool._w8a16_share(2) is None and AheadCompiler(2)._w8a16_share(0) is None
+    assert ahead_worker.compile_w8a16(None, None) == {}  # nothing asked: nothing done
+    assert ahead_worker.compile_w8a16({"device": "cpu", "dtype": "no_such_dtype"}, None) == {}
     assert "no_such_dtype" in capsys.readouterr().err
 
 

@@ -333,6 +333,51 @@ def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkey
             deferral._PENDING.pop(key, None)
 
 
+def test_the_tuning_candidates_compiled_ahead_follow_the_int8_layers_and_stop_when_asked():
+    # kernels/ahead_tuning.py: from the INT8 blocks' Linears (distinct shapes, bias or not; bf16 blocks and expert
+    # stacks left out), every candidate the tuner would time in each regime the fused kernels serve, forward and
+    # grad-input; compiled a round of `threads` at a time until `stop()`, a failure counted and left to the tuner.
+    from types import SimpleNamespace
+
+    import dataclasses
+
+    from torch_stagehand.kernels import ahead_tuning, launch, tune
+
+    lay = lambda block, out, inp, bias=True, experts=0: SimpleNamespace(  # noqa: E731
+        block=block, out_features=out, in_features=inp, experts=experts,
+        module=SimpleNamespace(bias=object() if bias else None))
+    layers = [lay(0, 9216, 3072), lay(0, 3072, 3072), lay(1, 9216, 3072), lay(1, 3072, 12288, bias=False),
+              lay(2, 4096, 4096), lay(1, 8 * 64, 32, experts=8)]
+    shapes = ahead_tuning.tuning_shapes(layers, {0: "int8", 1: "int8", 2: "bf16"})
+    assert shapes == [(3072, 3072, True), (3072, 12288, False), (9216, 3072, True)]
+    cpu = torch.device("cpu")
+    launches = ahead_tuning.candidate_launches(shapes, torch.bfloat16, cpu)
+    expected = sum(len(ahead_tuning.regime_configs("fwd", m, n, k, cpu))
+                   + len(ahead_tuning.regime_configs("bwd", m, k, n, cpu))
+                   for n, k, _ in shapes for m in ahead_tuning.REGIME_ROWS)
+    assert len(launches) == expected and expected > 6 * len(shapes)
+    # Per regime, one config per binary any of its token counts asks for: every tile the tuner times there, and
+    # each split count that changes whether the reduction divides evenly (tune.splits follows the token count).
+    for kind, m, n_out, red in [("fwd", 1, 9216, 3072), ("bwd", 512, 3072, 12288), ("fwd", 512, 3072, 3000)]:
+        configs = ahead_tuning.regime_configs(kind, m, n_out, red, cpu)
+        tiles = lambda cs: {dataclasses.replace(c, split=1) for c in cs}  # noqa: E731
+        for rows in (m, 2, 9, 16) if m == 1 else (m, 65, 100, 300):
+            asked = tune.candidates(kind, rows, n_out, red, cpu)
+            assert tiles(asked) <= tiles(configs)
+            for c in asked:
+                per = lambda c: launch._k_split(red, c)[0]  # noqa: E731
+                assert any(dataclasses.replace(d, split=1) == dataclasses.replace(c, split=1)
+                           and (red % per(d) == 0) == (red % per(c) == 0) for d in configs), (rows, c)
+    assert {(f.func.__name__, f.args[0]) for f in launches} == {
+        (name, m) for name in ("_compile_forward", "_compile_grad_input") for m in ahead_tuning.REGIME_ROWS}
+    ran, rounds = [], []
+    calls = [lambda i=i: ran.append(i) if i != 3 else 1 / 0 for i in range(10)]
+    stop = lambda: rounds.append(len(ran)) or len(rounds) > 2  # noqa: E731 - two rounds, then a job arrived
+    assert ahead_tuning.compile_candidates(calls, cpu, threads=4, stop=stop) == {"compiled": 7, "failed": 1,
+                                                                                 "left": 2}
+    assert sorted(ran) == [0, 1, 2, 4, 5, 6, 7]
+
+
 def test_the_candidates_compiled_while_the_step_waits_yield_the_cpu():
     # While tune_deferred runs, precompile_all's threads lower their own priority (nice), and only theirs.
     from types import SimpleNamespace
@@ -662,6 +707,42 @@ def test_gpu_after_the_first_workers_head_start_a_deferred_forward_compiles_noth
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["heard"] == [["_dequant_kernel", True]], result["heard"]
     assert max(result["errors"]) < 1e-2, result["errors"]
+
+
+_TUNED_CALLS = """
+import json, torch
+from triton import knobs
+from torch_stagehand.kernels import tune
+from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
+heard = []
+knobs.compilation.listener = lambda *, src, cache_hit, **_: heard.append([getattr(src, "name", "?"), cache_hit])
+n, k = 2304, 1792
+for m in (1, 300):
+    q = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+    s = torch.rand(n, device="cuda") * 0.02 + 1e-3
+    int8_linear_triton(torch.randn(m, k, device="cuda").bfloat16(), q, s, torch.randn(n, device="cuda").bfloat16())
+    int8_linear_grad_input_triton(torch.randn(m, n, device="cuda").bfloat16(), q, s, k)
+print(json.dumps({"heard": heard, "tuned": len(tune.tuning_log())}))
+"""
+
+
+@gpu
+@needs_cuda
+def test_gpu_the_tuning_candidates_compiled_ahead_are_all_the_tuner_reads(tmp_path):
+    # kernels/ahead_tuning.py in a worker-like process (meta tensors, compiled and loaded), then a fresh process
+    # whose tuner times every candidate of four keys (forward and grad-input at M = 1 and 300, the two regimes
+    # the fused kernels serve, one with a bias): it compiles nothing itself, every kernel it asks for comes from
+    # Triton's cache.
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), STAGEHAND_CACHE_DIR=str(tmp_path / "sh"))
+    worker = ("import torch; from torch_stagehand.kernels import ahead_tuning as a; d = torch.device('cuda'); "
+              "r = a.compile_candidates(a.candidate_launches([(2304, 1792, True)], torch.bfloat16, d), d, 8); "
+              "assert r['compiled'] > 10 and r['left'] == 0, r")
+    subprocess.run([sys.executable, "-c", worker], env=env, check=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _TUNED_CALLS], env=env, check=True, timeout=300,
+                          capture_output=True, text=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["tuned"] == 4 and len(result["heard"]) > 10
+    assert [h for h in result["heard"] if not h[1]] == [], result["heard"]
 
 
 @gpu

@@ -1,0 +1,140 @@
+"""The W8A16 candidates a cold step's tuner will time, compiled before the step, in the ahead-compile workers.
+
+The tuner compiles a key's candidates when the step first meets the key (tune.precompile_all): in full-size
+Flux int8's cold step, 26-33 kernels, 5.1-5.7 s of the main process on 8 threads, running past the step's wait
+for its workers. A candidate's binaries depend on its launch config, the dtypes, the flags (bias, an even
+reduction) and whether the sizes divide by 16; not on the token count (M and T are never specialized) nor on the
+sizes themselves. So the candidates can be compiled from the layers' shapes, before any token count is known:
+per INT8 streamed Linear and per token regime the fused kernels serve (`REGIME_ROWS`), every candidate of the
+forward and of the grad-input, compiled only (`Executor(compile_only=True)`), on meta tensors of the call's
+shapes. The ahead-compile workers do it as they start, while offload works (ahead_worker.py), into Triton's
+cache, where the step's tuner reads them back; with each kernel's launcher, which Triton builds with the C
+compiler at a kernel's first load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from . import tune
+from .launch import _k_split, _launch_bwd, _launch_fwd, _rows
+from .launch_memo import Executor
+
+# A token count in each regime the fused kernels serve: M <= 16 (a modulation's GEMV: one row per sample) and
+# 64 < M <= 512 (Flux's text stream). From 513 rows up a compiled block dequantizes in its graph
+# (runtime/precision/int8.TRACED_MIN_ROWS); M of 17-64 (token tiles of 32 and 64) is left to the step.
+REGIME_ROWS = (1, 512)
+
+
+def tuning_shapes(layers, precision: dict[int, str]) -> list[tuple[int, int, bool]]:
+    """(out features, in features, has a bias) of each distinct streamed Linear in an INT8 block (`layers`:
+    runtime/blocks.StreamedLayerSpec; expert stacks run other kernels)."""
+    shapes = {(lay.out_features, lay.in_features, getattr(lay.module, "bias", None) is not None)
+              for lay in layers if precision.get(lay.block) == "int8" and not getattr(lay, "experts", 0)}
+    return sorted(shapes)
+
+
+def candidate_launches(shapes, dtype: torch.dtype, device: torch.device) -> list[Callable[[], None]]:
+    """One call per (shape, regime, kind, candidate) that compiles that candidate's kernels, in a fixed order (each
+    worker takes its share by position)."""
+    out = []
+    for n, k, bias in shapes:
+        for m in REGIME_ROWS:
+            out += [functools.partial(_compile_forward, m, n, k, bias, dtype, device, cfg)
+                    for cfg in regime_configs("fwd", m, n, k, device)]
+            out += [functools.partial(_compile_grad_input, m, n, k, dtype, device, cfg)
+                    for cfg in regime_configs("bwd", m, k, n, device)]
+    return out
+
+
+def regime_configs(kind: str, m: int, n_out: int, red: int, device) -> list[tune.LaunchConfig]:
+    """The tuner's candidates for a token count in `m`'s regime, one per binary any token count of the regime
+    asks for: the split counts worth trying follow the token count (tune.splits), and a split count changes the
+    binary only through whether the reduction divides evenly into its pieces."""
+    seen, out = set(), []
+    for cfg in tune.candidates(kind, m, n_out, red, device):
+        for split in (1, 2, 4, 8, 16):
+            if split > 1 and (cfg.mode == "dequant" or (kind == "fwd" and cfg.variant) or
+                              red < 2 * cfg.block_r * split):
+                continue
+            candidate = dataclasses.replace(cfg, split=split)
+            binary = (dataclasses.replace(cfg, split=1), red % _k_split(red, candidate)[0] == 0)
+            if binary not in seen:
+                seen.add(binary)
+                out.append(candidate)
+    return out
+
+
+def _meta(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+class _Compiling(Executor):
+    """Compiles a call's kernels without launching them (the tuner's `precompile`), and then loads each: Triton
+    builds a kernel's launcher (the C compiler, ~0.3 s per signature) at its first load, into its cache too."""
+
+    def __init__(self, tensors: dict):
+        super().__init__(tensors, record=False, compile_only=True)
+        self.compiled: list = []
+
+    def kernel(self, fn, grid: tuple, *args, **kwargs):
+        compiled = super().kernel(fn, grid, *args, **kwargs)
+        self.compiled.append(compiled)
+        return compiled
+
+    def load(self) -> None:
+        for compiled in self.compiled:
+            init = getattr(compiled, "_init_handles", None)  # a Triton without it: the step builds the launcher
+            if init is not None:
+                init()
+
+
+def _compile_forward(m: int, n: int, k: int, bias: bool, dtype, device, cfg) -> None:
+    x = _meta((m, k), dtype)
+    ex = _Compiling(dict(x=x, q=_meta((n, k), torch.int8), scale=_meta((n,), torch.float32),
+                         bias=_meta((n,), dtype) if bias else None))
+    ex.buffer("y", (m, n), dtype, x.device)
+    _, rows, t, sb, st = _rows(x)
+    _launch_fwd(ex, t, sb, st, rows, n, k, 0, cfg, False)  # a streamed Linear's forward: no fused activation
+    ex.load()
+
+
+def _compile_grad_input(m: int, n: int, k: int, dtype, device, cfg) -> None:
+    dy = _meta((m, n), dtype)
+    ex = _Compiling(dict(dy=dy, q=_meta((n, k), torch.int8), scale=_meta((n,), torch.float32)))
+    ex.buffer("dx", (m, k), dtype, dy.device)
+    _, rows, t, sb, st = _rows(dy)
+    _launch_bwd(ex, t, sb, st, rows, n, k, cfg, False)
+    ex.load()
+
+
+def compile_candidates(launches: list[Callable[[], None]], device: torch.device, threads: int,
+                       stop: Callable[[], bool] = lambda: False) -> dict[str, int]:
+    """Run `launches` on `threads` threads, a round of `threads` at a time, until `stop()` says so (asked between
+    rounds: a job for the worker waits). A candidate that does not compile is counted and left to the tuner,
+    which records why it rejected it. Returns how many compiled, failed and were left."""
+    done = failed = 0
+
+    def one(launch) -> bool:
+        # A new thread starts on device 0.
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            try:
+                launch()
+                return True
+            except Exception:  # noqa: BLE001 - e.g. out of shared memory: the tuner rejects it with its reason
+                return False
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for start in range(0, len(launches), max(1, threads)):
+            if stop():
+                break
+            results = list(pool.map(one, launches[start:start + max(1, threads)]))
+            done += sum(results)
+            failed += len(results) - sum(results)
+    return {"compiled": done, "failed": failed, "left": len(launches) - done - failed}
