@@ -190,12 +190,10 @@ def heuristic(kind: str, m: int, n_out: int, red: int, device) -> LaunchConfig:
 
 
 def provisional(options: list[LaunchConfig] | None = None) -> LaunchConfig:
-    """The launch of a key whose tuning is put off (`tune_deferral.deferred`): `options`' default, else dequantize
-    + cuBLAS. One Triton kernel, the dequantize, serves every shape (its tile is fixed), where the untuned fused
-    default is a compile per token regime and flag set: full-size Flux int8's eager forward compiled three of them,
-    1.4-1.8 s of its main thread before the next block structure reached a worker. The first ahead-compile
-    worker compiles the dequantize as it starts (`launch.compile_provisional`). Its numbers are one candidate's:
-    the tuner may pick it (it is fastest at M > 512 on an H100)."""
+    """A key whose tuning is put off (`tune_deferral.deferred`) runs `options`' default, else dequantize + cuBLAS:
+    one Triton kernel for every shape (the first ahead-compile worker compiles it: `launch.compile_provisional`),
+    where the untuned fused default is a compile per token regime and flag set (full-size Flux int8's eager
+    forward: three, 1.4-1.8 s). Its numbers are a candidate's (the tuner's pick at M > 512 on an H100)."""
     return options[0] if options else DEQUANT
 
 
