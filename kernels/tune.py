@@ -18,10 +18,9 @@ or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
 Under `tune_deferral.deferred()` a key that would be tuned runs `provisional` (dequantize + cuBLAS), and is tuned
 later (tune_deferral.py: a cold step's eager forward while a worker compiles).
 
-STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried,
-rejected and chosen is kept in `tuning_log()`, and each choice is written to
-an on-disk cache (tune_cache.py) that the next process reads back (checked
-once, never timed again).
+STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried, rejected and chosen is kept in
+`tuning_log()`, and each choice is written to an on-disk cache (tune_cache.py) that the next process reads back
+(checked once, never timed again). A cold step's candidates are compiled ahead, in workers (ahead_tuning.py).
 """
 
 from __future__ import annotations
