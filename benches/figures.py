@@ -638,7 +638,8 @@ def start_time_hints_table() -> str:
 
 
 # This session's runs: the provisional dequantize, first compiled on a thread of the offloading process, then by
-# the first ahead-compile worker with the first plan's margin (file, rows, what the run's code had).
+# the first ahead-compile worker with the first plan's margin, then with the tuning candidates compiled ahead in
+# the workers (file, rows, what the run's code had).
 START_TIME_PROVISIONAL = (
     ("start_time_provisional_flux.json", ("flux:int8:blocks",), "dequantize on an offload thread"),
     ("start_time_margin_flux.json", ("flux:int8:blocks",), "dequantize by the first worker; first plan's margin"),
@@ -650,6 +651,10 @@ START_TIME_PROVISIONAL = (
     ("start_time_margin_qwen.json", ("qwen:int8:blocks",),
      "dequantize by the first worker; first plan's margin (a slower machine)"),
     ("start_time_margin_qwen32.json", ("qwen32:int8:blocks",), "dequantize by the first worker; first plan's margin"),
+    ("start_time_ahead_tuning_flux.json", ("flux:int8:blocks",), "tuning candidates compiled ahead, in the workers"),
+    ("start_time_ahead_tuning_files.json", ("flux:int8:files:blocks",),
+     "tuning candidates compiled ahead, in the workers"),
+    ("start_time_ahead_tuning_qwen.json", ("qwen:int8:blocks",), "tuning candidates compiled ahead, in the workers"),
 )
 
 
@@ -675,16 +680,17 @@ def _peak_replans(r: dict) -> str:
 
 def start_time_provisional_table() -> str:
     """Seconds to the first step with the deferred keys' dequantize (tune.provisional), the workers' re-tuned
-    reductions and the first calibrated plan's margin."""
+    reductions, the first calibrated plan's margin and the tuning candidates compiled ahead."""
     labels = {name: label for name, _, label in START_TIME_PROVISIONAL}
     return start_time_blocks_table(tuple((name, rows) for name, rows, _ in START_TIME_PROVISIONAL), (
         "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 5-6 "
         "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
         "AdamW, `stagehand.compile_blocks`; `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every "
         "cache empty, two ahead-compile workers started by `offload()`; warm: a second process on the same "
-        "machine. Five calls on three H100 machines: the `provisional` files on one (two calls); the `margin` Flux "
+        "machine. Seven calls on four H100 machines: the `provisional` files on one (two calls); the `margin` Flux "
         "int8 and Qwen-32B files on a second; the `margin` Qwen-7B and checkpoint + slab files on a third (two "
-        "calls), slower than the others in every row it ran (steady steps: Qwen-7B 185-196 ms, Flux 663-670 ms). "
+        "calls), slower than the others in every row it ran (steady steps: Qwen-7B 185-196 ms, Flux 663-670 ms); "
+        "the `ahead_tuning` files on a fourth (two calls). "
         "\"second structure handed over s\": seconds into the cold step at which the single block's (Qwen: none) "
         "training variant went to a worker. \"main-process Triton "
         "compiles\": every kernel the step compiled itself (W8A16 defaults and candidates, Inductor's re-tuned "
