@@ -444,6 +444,24 @@ def test_the_first_workers_share_the_w8a16_kernels_they_compile_as_they_start(mo
     assert "no_such_dtype" in capsys.readouterr().err
 
 
+def test_offload_names_the_w8a16_kernels_for_the_workers():
+    """What offload hands the workers to compile: on CUDA with INT8 blocks, the device, the activation dtype and
+    the INT8 Linears' shapes; under precision="auto" (it starts in bf16) no shapes; nothing for bf16 or the CPU."""
+    from types import SimpleNamespace
+
+    from torch_stagehand.api import _w8a16_ahead
+
+    model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    layers = [SimpleNamespace(block=0, out_features=96, in_features=32, experts=0, module=model),
+              SimpleNamespace(block=1, out_features=64, in_features=32, experts=0, module=model)]
+    cuda = torch.device("cuda")
+    assert _w8a16_ahead(model, cuda, layers, {0: "int8", 1: "bf16"}, auto=False) == {
+        "device": "cuda", "dtype": "bfloat16", "shapes": [(96, 32, True)]}
+    assert _w8a16_ahead(model, cuda, layers, {0: "bf16", 1: "bf16"}, auto=True)["shapes"] == []
+    assert _w8a16_ahead(model, cuda, layers, {0: "bf16", 1: "bf16"}, auto=False) is None
+    assert _w8a16_ahead(model, torch.device("cpu"), layers, {0: "int8"}, auto=False) is None
+
+
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
     assert BackendOptions().workers_ahead() == 0  # off by default
