@@ -613,16 +613,29 @@ def _step_inductor_compiles(r: dict) -> str:
     return f"{sum(n for n, _ in ours)} ({sum(s for _, s in ours):.1f})" if ours or r["mode"] == "cold" else ""
 
 
+# The runs of a session's start-time files: one fresh process per run, two workers started at offload.
+_WORKER_RUNS = (
+    "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps {steps} "
+    "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
+    "AdamW, `stagehand.compile_blocks`{autotune}; `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; "
+    "cold: every cache empty, two ahead-compile workers started by `offload()`; warm: a second process on the "
+    "same machine. ")
+
+
+def _labelled_start_time_table(sources, caption: str, extra: list) -> str:
+    """`start_time_blocks_table` over (file, rows, label) sources, each run named by its mode and its file's label."""
+    labels = {name: label for name, _, label in sources}
+    return start_time_blocks_table(tuple((name, rows) for name, rows, _ in sources), caption,
+                                   run=lambda r: f"{r['mode']}: {labels[r['_source']]}", extra=extra,
+                                   modes=("cold", "warm"))
+
+
 def start_time_hints_table() -> str:
     """Seconds to the first step with the residual-stream hints (one Dynamo graph per block structure in a run
     after the first); two runs also held full collections through the first step, a change taken out after."""
-    labels = {name: label for name, _, label in START_TIME_HINTS}
-    return start_time_blocks_table(tuple((name, rows) for name, rows, _ in START_TIME_HINTS), (
-        "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 5-7 "
-        "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
-        "AdamW, `stagehand.compile_blocks`, `STAGEHAND_INDUCTOR_AUTOTUNE` at its default unless the run says; "
-        "`vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every cache empty, two ahead-compile "
-        "workers started by `offload()`; warm: a second process on the same machine. Four calls, each on its "
+    return _labelled_start_time_table(START_TIME_HINTS, (
+        _WORKER_RUNS.format(steps="5-7", autotune=", `STAGEHAND_INDUCTOR_AUTOTUNE` at its default unless the run says")
+        + "Four calls, each on its "
         "own H100 machine: the first three Flux files; the Qwen files; the checkpoint + slab file; the two "
         "`gc_hold` files (whose int8 warm run the call's time limit cut; their commit also held Python's full "
         "collections from offload's end to the first step's end, taken out after: a runtime whose steps never end "
@@ -631,10 +644,9 @@ def start_time_hints_table() -> str:
         "end. \"Inductor compiles in the step\": kernels the main process compiled itself, and their seconds. "
         "\"new-plan steps / steady\": a cold run's first two steps under the plan made from the calibration, a "
         "warm run's first step, over the steady step"),
-        run=lambda r: f"{r['mode']}: {labels[r['_source']]}",
-        extra=[Col("Dynamo graphs", field("dynamo_graphs", num, 0)), Col("collector s", _first_step_gc),
-               Col("Inductor compiles in the step", _step_inductor_compiles),
-               Col("new-plan steps / steady", _new_plan_steps)], modes=("cold", "warm"))
+        [Col("Dynamo graphs", field("dynamo_graphs", num, 0)), Col("collector s", _first_step_gc),
+         Col("Inductor compiles in the step", _step_inductor_compiles),
+         Col("new-plan steps / steady", _new_plan_steps)])
 
 
 # This session's runs: the provisional dequantize, first compiled on a thread of the offloading process, then by
@@ -681,13 +693,9 @@ def _peak_replans(r: dict) -> str:
 def start_time_provisional_table() -> str:
     """Seconds to the first step with the deferred keys' dequantize (tune.provisional), the workers' re-tuned
     reductions, the first calibrated plan's margin and the tuning candidates compiled ahead."""
-    labels = {name: label for name, _, label in START_TIME_PROVISIONAL}
-    return start_time_blocks_table(tuple((name, rows) for name, rows, _ in START_TIME_PROVISIONAL), (
-        "Each run a fresh process (`benches/start_time.py --rows <row> --modes cold warm --steps 5-6 "
-        "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
-        "AdamW, `stagehand.compile_blocks`; `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; cold: every "
-        "cache empty, two ahead-compile workers started by `offload()`; warm: a second process on the same "
-        "machine. Seven calls on four H100 machines: the `provisional` files on one (two calls); the `margin` Flux "
+    return _labelled_start_time_table(START_TIME_PROVISIONAL, (
+        _WORKER_RUNS.format(steps="5-6", autotune="")
+        + "Seven calls on four H100 machines: the `provisional` files on one (two calls); the `margin` Flux "
         "int8 and Qwen-32B files on a second; the `margin` Qwen-7B and checkpoint + slab files on a third (two "
         "calls), slower than the others in every row it ran (steady steps: Qwen-7B 185-196 ms, Flux 663-670 ms); "
         "the `ahead_tuning` files on a fourth (two calls). "
@@ -697,12 +705,10 @@ def start_time_provisional_table() -> str:
         "reductions), their seconds added up. \"peak re-plans\": plans re-made because a new plan's first step "
         "measured a peak over the cap. \"new-plan steps / steady\": a cold run's first two steps under the plan "
         "made from the calibration, a warm run's first step, over the steady step"),
-        run=lambda r: f"{r['mode']}: {labels[r['_source']]}",
-        extra=[Col("second structure handed over s", _second_structure_handed_over),
-               Col("main-process Triton compiles", _step_triton_compiles),
-               Col("Inductor compiles in the step", _step_inductor_compiles),
-               Col("peak re-plans", _peak_replans), Col("new-plan steps / steady", _new_plan_steps)],
-        modes=("cold", "warm"))
+        [Col("second structure handed over s", _second_structure_handed_over),
+         Col("main-process Triton compiles", _step_triton_compiles),
+         Col("Inductor compiles in the step", _step_inductor_compiles),
+         Col("peak re-plans", _peak_replans), Col("new-plan steps / steady", _new_plan_steps)])
 
 
 def start_time_freeze_table() -> str:
