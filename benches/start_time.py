@@ -118,6 +118,8 @@ def timed_offload(args, out: dict, model, **offload_kwargs):
         profiler.disable()
         out["offload_profile"] = _top(profiler, "cumulative", 25)[-6000:]
     out["offload_s"] = round(time.perf_counter() - t0, 2)
+    # offload's own clock per stage (find blocks; host store, precision copies, slots; ...): where its seconds went
+    out["offload_stages_s"] = {k: round(v, 2) for k, v in (rt.offload_summary or {}).get("seconds", {}).items()}
     out["gc_to_offload_end"] = args.gc_clock.read()
     return rt
 
