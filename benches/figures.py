@@ -667,6 +667,8 @@ START_TIME_PROVISIONAL = (
     ("start_time_ahead_tuning_files.json", ("flux:int8:files:blocks",),
      "tuning candidates compiled ahead, in the workers"),
     ("start_time_ahead_tuning_qwen.json", ("qwen:int8:blocks",), "tuning candidates compiled ahead, in the workers"),
+    ("start_time_ahead_tuning_qwen32.json", ("qwen32:int8:blocks",),
+     "tuning candidates compiled ahead, in the workers (a slower machine)"),
 )
 
 
@@ -695,10 +697,11 @@ def start_time_provisional_table() -> str:
     reductions, the first calibrated plan's margin and the tuning candidates compiled ahead."""
     return _labelled_start_time_table(START_TIME_PROVISIONAL, (
         _WORKER_RUNS.format(steps="5-6", autotune="")
-        + "Seven calls on four H100 machines: the `provisional` files on one (two calls); the `margin` Flux "
+        + "On H100 machines: the `provisional` files on one (two calls); the `margin` Flux "
         "int8 and Qwen-32B files on a second; the `margin` Qwen-7B and checkpoint + slab files on a third (two "
         "calls), slower than the others in every row it ran (steady steps: Qwen-7B 185-196 ms, Flux 663-670 ms); "
-        "the `ahead_tuning` files on a fourth (two calls). "
+        "the `ahead_tuning` files on a fourth (two calls), but its Qwen-32B file on a fifth, slower (steady step "
+        "860-876 ms against 787-811 ms). Eight calls on five machines in all. "
         "\"second structure handed over s\": seconds into the cold step at which the single block's (Qwen: none) "
         "training variant went to a worker. \"main-process Triton "
         "compiles\": every kernel the step compiled itself (W8A16 defaults and candidates, Inductor's re-tuned "

@@ -444,9 +444,10 @@ def test_the_first_workers_share_the_w8a16_kernels_they_compile_as_they_start(mo
     assert "no_such_dtype" in capsys.readouterr().err
 
 
-def test_offload_names_the_w8a16_kernels_for_the_workers():
+def test_offload_names_the_w8a16_kernels_for_the_workers(monkeypatch):
     """What offload hands the workers to compile: on CUDA with INT8 blocks, the device, the activation dtype and
-    the INT8 Linears' shapes; under precision="auto" (it starts in bf16) no shapes; nothing for bf16 or the CPU."""
+    the INT8 Linears' shapes; under precision="auto" (it starts in bf16) or STAGEHAND_AHEAD_TUNING=0 no shapes;
+    nothing for bf16 or the CPU."""
     from types import SimpleNamespace
 
     from torch_stagehand.api import _w8a16_ahead
@@ -460,6 +461,8 @@ def test_offload_names_the_w8a16_kernels_for_the_workers():
     assert _w8a16_ahead(model, cuda, layers, {0: "bf16", 1: "bf16"}, auto=True)["shapes"] == []
     assert _w8a16_ahead(model, cuda, layers, {0: "bf16", 1: "bf16"}, auto=False) is None
     assert _w8a16_ahead(model, torch.device("cpu"), layers, {0: "int8"}, auto=False) is None
+    monkeypatch.setenv("STAGEHAND_AHEAD_TUNING", "0")
+    assert _w8a16_ahead(model, cuda, layers, {0: "int8", 1: "bf16"}, auto=False)["shapes"] == []
 
 
 def test_ahead_workers_option(monkeypatch):
