@@ -693,7 +693,7 @@ def _peak_replans(r: dict) -> str:
 
 
 def start_time_provisional_table() -> str:
-    """Seconds to the first step with the deferred keys' dequantize (tune.provisional), the workers' re-tuned
+    """Seconds to the first step with the deferred keys' dequantize (tune.provisional_config), the workers' re-tuned
     reductions, the first calibrated plan's margin and the tuning candidates compiled ahead."""
     return _labelled_start_time_table(START_TIME_PROVISIONAL, (
         _WORKER_RUNS.format(steps="5-6", autotune="")

@@ -187,7 +187,7 @@ class AheadCompiler:
         # {"device", "dtype" (name), "shapes"}: W8A16 kernels the workers compile into Triton's cache as they start,
         # where a cold step would compile them (not on threads of this process: they would share its GIL with
         # offload). The first worker compiles the kernel the step's eager forward runs for the keys it defers
-        # (kernels/tune.provisional, 0.4-0.7 s), and each of the first `workers` its share of the INT8 Linears'
+        # (kernels/tune.provisional_config, 0.4-0.7 s), and each of the first `workers` its share of the INT8 Linears'
         # tuning candidates (kernels/ahead_tuning.py: 5.1-5.7 s of a cold Flux step otherwise).
         self.w8a16 = w8a16
         self.idle_s = idle_s  # a worker without a job this long ends

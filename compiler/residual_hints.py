@@ -30,7 +30,7 @@ from torch_stagehand.runtime.atomic_file import write_atomic
 
 log = logging.getLogger("torch_stagehand.compiler")
 _SUFFIX = ".residual.json"
-_recorded: set[tuple] = set()  # (file, block list, names or graph-input positions) this process noted already
+_recorded: set[tuple] = set()  # (bundle, block list, graph-input positions) this process noted already
 
 
 def hints_file(bundle_path: str) -> str:
@@ -78,7 +78,7 @@ def load(bundle_path: str) -> dict[str, list[str]]:
 def remember(bundle_path: str, fqn: str, template: Any, positions) -> None:
     """The block unit of `fqn` gave grad to its graph inputs at `positions`: note their argument names for the
     blocks of its list (once per process: the unit calls this at every step's first block)."""
-    seen = (bundle_path, block_list(fqn), "positions", tuple(positions))
+    seen = (bundle_path, block_list(fqn), tuple(positions))
     if seen in _recorded:
         return
     _recorded.add(seen)
@@ -87,12 +87,11 @@ def remember(bundle_path: str, fqn: str, template: Any, positions) -> None:
 
 
 def record(bundle_path: str, fqn: str, names: list[str]) -> None:
-    """Note that the blocks of `fqn`'s list need grad on `names` (once per process and list); a file that cannot
-    be written costs only the next run's extra trace."""
+    """Note that the blocks of `fqn`'s list need grad on `names` (`remember` calls it once per process and list);
+    a file that cannot be written costs only the next run's extra trace."""
     path, key = hints_file(bundle_path), block_list(fqn)
-    if not names or (path, key, tuple(names)) in _recorded:
+    if not names:
         return
-    _recorded.add((path, key, tuple(names)))
     hints = load(bundle_path)
     if hints.get(key) == names:
         return

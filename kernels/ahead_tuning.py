@@ -14,7 +14,6 @@ compiler at a kernel's first load.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from concurrent.futures import ThreadPoolExecutor
@@ -120,21 +119,12 @@ def compile_candidates(launches: list[Callable[[], None]], device: torch.device,
     rounds: a job for the worker waits). A candidate that does not compile is counted and left to the tuner,
     which records why it rejected it. Returns how many compiled, failed and were left."""
     done = failed = 0
-
-    def one(launch) -> bool:
-        # A new thread starts on device 0.
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            try:
-                launch()
-                return True
-            except Exception:  # noqa: BLE001 - e.g. out of shared memory: the tuner rejects it with its reason
-                return False
-
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for start in range(0, len(launches), max(1, threads)):
             if stop():
                 break
-            results = list(pool.map(one, launches[start:start + max(1, threads)]))
+            results = list(pool.map(lambda launch: tune.compiled_on(device, launch),
+                                    launches[start:start + max(1, threads)]))
             done += sum(results)
             failed += len(results) - sum(results)
     return {"compiled": done, "failed": failed, "left": len(launches) - done - failed}

@@ -123,7 +123,7 @@ def _dequant(ex: Executor, q, scale, k, dtype):
 
 
 def compile_provisional(device: torch.device, dtype: torch.dtype) -> bool:
-    """Compile and load the dequantize kernel of `tune.provisional` for `dtype` activations on `device`, into
+    """Compile and load the dequantize kernel of `tune.provisional_config` for `dtype` activations on `device`, into
     Triton's cache with its launcher (built with the C compiler): the first Triton kernel a cold step's eager
     forward would compile. The first ahead-compile worker does it as it starts (ahead_worker.py), so that step
     reads it back. A tiny launch with a real call's specialization: sizes and strides multiples of 16, aligned
@@ -232,7 +232,7 @@ def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config:
                            precompile=lambda cfg: run(cfg, executor=_compile_only(ex)),
                            later=lambda: _forward_on_stand_ins(M, N, K, x.dtype, x.device, bias is not None,
                                                                activation))
-        if tune_deferral.provisional(tune_key):  # tune.provisional for now: not kept for replay
+        if tune_deferral.provisional(tune_key):  # tune.provisional_config for now: not kept for replay
             memo = False
             tune.tune_later(("bwd", x.device, tune.bucket(M), N, K, x.dtype),
                             lambda: _grad_input_on_stand_ins(M, N, K, x.dtype, x.device))

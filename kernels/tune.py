@@ -15,7 +15,7 @@ or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
    at small M exceed the kernel itself), with weights arriving cold as streamed
    weights do.
 
-Under `tune_deferral.deferred()` a key that would be tuned runs `provisional` (dequantize + cuBLAS), and is tuned
+Under `tune_deferral.deferred()` a key that would be tuned runs `provisional_config` (dequantize + cuBLAS), and is tuned
 later (tune_deferral.py: a cold step's eager forward while a worker compiles).
 
 STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried, rejected and chosen is kept in
@@ -58,8 +58,7 @@ class LaunchConfig:
 
 
 DEQUANT = LaunchConfig(0, 0, 0, mode="dequant")
-# fp32 activations (toy models) run the ieee fp32 dot on CUDA cores: a small tile
-# that neither spills nor needs tuning.
+# fp32 activations (toy models) run the ieee fp32 dot on CUDA cores: a small tile that neither spills nor needs tuning.
 F32_CONFIG = LaunchConfig(64, 32, 32, 1, 4, 2)
 
 _SM_COUNT: dict = {}
@@ -188,7 +187,7 @@ def heuristic(kind: str, m: int, n_out: int, red: int, device) -> LaunchConfig:
     return LaunchConfig(bo, bm, br, s, w, st, 0)
 
 
-def provisional(options: list[LaunchConfig] | None = None) -> LaunchConfig:
+def provisional_config(options: list[LaunchConfig] | None = None) -> LaunchConfig:
     """A key whose tuning is put off (`tune_deferral.deferred`) runs `options`' default, else dequantize + cuBLAS:
     one Triton kernel for every shape (the first ahead-compile worker compiles it: `launch.compile_provisional`),
     where the untuned fused default is a compile per token regime and flag set (full-size Flux int8's eager
@@ -232,7 +231,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
     `precompile(cfg)`: compiles cfg's kernels without launching them; given, every
     candidate is compiled at once on threads before the first is run (`precompile_all`).
     `later()`: tunes `key` on stand-in tensors of the same shapes; given, under `tune_deferral.deferred()`
-    the key runs `provisional(options)` now and is tuned by `tune_deferral.tune_deferred`."""
+    the key runs `provisional_config(options)` now and is tuned by `tune_deferral.tune_deferred`."""
     if key[-1] == torch.float32 and not interpreting():
         return options[0] if options else F32_CONFIG
     if interpreting() or device.type != "cuda" or os.environ.get("STAGEHAND_AUTOTUNE", "1") == "0":
@@ -243,7 +242,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
         return options[0] if options else heuristic(kind, m, n_out, red, device)
     deferring = later is not None and deferral.deferring()
     if deferring and deferral.provisional(key):
-        return provisional(options)
+        return provisional_config(options)
     deferral.drop(key)  # asked outside `deferred()` before its turn came: tuned here and now
     disk = tune_cache.TuneCache.for_device(device) if tune_cache.enabled() else None
     cached = disk.get(key, LaunchConfig) if disk is not None else None
@@ -258,7 +257,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
             return cached
     if deferring:
         deferral.queue(key, later)
-        return provisional(options)
+        return provisional_config(options)
     started = time.perf_counter()
     configs = options or candidates(kind, m, n_out, red, device)
     if precompile is not None:
@@ -296,30 +295,31 @@ def precompile_threads() -> int:
 
 
 def precompile_all(configs: list[LaunchConfig], precompile, device) -> None:
-    """Compile every candidate's Triton kernels on `precompile_threads()` threads before any is timed.
-
-    A key's 8-30 candidates otherwise compile one after another as each is first run: a few tenths of a
-    second each, most of it in LLVM and ptxas (outside the GIL), and together most of a cold first step's
-    tuning. A candidate that fails to compile here is left to the timed loop, which runs it again and
-    records why it was rejected."""
+    """Compile every candidate's Triton kernels on `precompile_threads()` threads before any is timed, not one after
+    another as each is first run (a few tenths of a second each, most of it in LLVM and ptxas, outside the GIL)."""
     threads = min(precompile_threads(), len(configs))
     if threads <= 1:
         return
-
     yielding = deferral.yielding()
 
     def one(cfg: LaunchConfig) -> None:
         if yielding:
             deferral.yield_cpu()
-        # A new thread starts on device 0.
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            try:
-                precompile(cfg)
-            except Exception:  # noqa: BLE001 - rejected with its reason by the timed loop
-                pass
+        compiled_on(device, lambda: precompile(cfg))
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, configs))
+
+
+def compiled_on(device, compile_fn: Callable[[], None]) -> bool:
+    """`compile_fn()` on `device` (a new thread starts on device 0); False where the compiler rejects the candidate
+    (e.g. out of shared memory): the timed loop runs it again and rejects it with its reason."""
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        try:
+            compile_fn()
+            return True
+        except Exception:  # noqa: BLE001 - see above
+            return False
 
 
 def _rotating_copies(weight: torch.Tensor, cap: int = 16) -> list[torch.Tensor]:

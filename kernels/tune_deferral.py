@@ -4,7 +4,7 @@ A cold first step with ahead-compile workers (compiler/ahead.py) runs each block
 eagerly while a worker compiles it, and hands the next structure to a worker when the forward reaches it. A
 W8A16 key met in that forward would be tuned there (tune.py: a second or more per key), holding the forward, and
 with it the next structure's job: full-size Flux int8's double blocks' four keys, 4-5 s, stood between the two
-structures' jobs. Under `deferred()` such a key runs `tune.provisional` (right, not the fastest; its launch
+structures' jobs. Under `deferred()` such a key runs `tune.provisional_config` (right, not the fastest; its launch
 is not kept for replay) and is queued with a call that tunes it on stand-in tensors of the same shapes. The
 step's backward then waits for the worker anyway, and `tune_deferred` tunes the queue meanwhile, until the
 worker is done; a key left is tuned where it is next asked for, as without the deferral.
@@ -30,7 +30,7 @@ YIELDING_NICE = 10
 @contextlib.contextmanager
 def deferred():
     """Within: a key not tuned yet (here or on disk) whose caller can tune it later (tune.pick's `later`) runs its
-    `tune.provisional` launch, and is queued for `tune_deferred`."""
+    `tune.provisional_config` launch, and is queued for `tune_deferred`."""
     before = getattr(_DEFERRING, "on", False)
     _DEFERRING.on = True
     try:
@@ -54,7 +54,7 @@ def drop(key) -> None:
 
 
 def provisional(key) -> bool:
-    """Did `key` get `tune.provisional` for now? Its caller must not keep the launch for replay."""
+    """Did `key` get `tune.provisional_config` for now? Its caller must not keep the launch for replay."""
     return key in _PENDING
 
 

@@ -110,7 +110,7 @@ def offload(
 
         weights_file = WeightsFile(checkpoint)
     # They start now, while the host store fills, and compile the W8A16 kernels a cold step would compile itself.
-    ahead = _ahead_workers(model, device, block_fqns, layers, precision_map, auto)
+    ahead = _ahead_workers(device, block_fqns, layers, precision_map, auto)
     try:
         rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
                      keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget)
@@ -146,8 +146,7 @@ def offload(
     return rt
 
 
-def _ahead_workers(model: nn.Module, device: torch.device, block_fqns: list[str], layers, precision_map: dict,
-                   auto: bool):
+def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precision_map: dict, auto: bool):
     """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now (compiler/variants.py), with the
     W8A16 kernels to compile as they start (`_w8a16_ahead`), or None."""
     if not os.environ.get("STAGEHAND_AHEAD_WORKERS"):
@@ -156,10 +155,10 @@ def _ahead_workers(model: nn.Module, device: torch.device, block_fqns: list[str]
     from torch_stagehand.compiler.variants import start_ahead_at_offload
 
     return start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead(),
-                                  _w8a16_ahead(model, device, layers, precision_map, auto))
+                                  _w8a16_ahead(device, layers, precision_map, auto))
 
 
-def _w8a16_ahead(model: nn.Module, device: torch.device, layers, precision_map: dict, auto: bool):
+def _w8a16_ahead(device: torch.device, layers, precision_map: dict, auto: bool):
     """Where blocks may stream INT8 on CUDA, what the ahead-compile workers compile of the W8A16 kernels as they
     start (compiler/ahead.py's `w8a16`): the device, the activation dtype, and the INT8 Linears' shapes, whose
     tuning candidates they compile (kernels/ahead_tuning.py; none under precision="auto", which starts in bf16).
@@ -170,7 +169,8 @@ def _w8a16_ahead(model: nn.Module, device: torch.device, layers, precision_map: 
         return None  # (without Triton the W8A16 calls take the reference twin: nothing to compile)
     from torch_stagehand.kernels.ahead_tuning import tuning_shapes
 
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    # The activations' dtype is the streamed Linears' (a LoRA adapter or a norm kept in fp32 is not).
+    dtype = next((lay.module.weight.dtype for lay in layers if not getattr(lay, "experts", 0)), None)
     if dtype is None:
         return None
     # STAGEHAND_AHEAD_TUNING=0: not the candidates (the workers' CPU beside offload, for a model whose small-M keys

@@ -452,17 +452,17 @@ def test_offload_names_the_w8a16_kernels_for_the_workers(monkeypatch):
 
     from torch_stagehand.api import _w8a16_ahead
 
-    model = torch.nn.Linear(8, 8).to(torch.bfloat16)
-    layers = [SimpleNamespace(block=0, out_features=96, in_features=32, experts=0, module=model),
-              SimpleNamespace(block=1, out_features=64, in_features=32, experts=0, module=model)]
+    linear = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    layers = [SimpleNamespace(block=0, out_features=96, in_features=32, experts=0, module=linear),
+              SimpleNamespace(block=1, out_features=64, in_features=32, experts=0, module=linear)]
     cuda = torch.device("cuda")
-    assert _w8a16_ahead(model, cuda, layers, {0: "int8", 1: "bf16"}, auto=False) == {
+    assert _w8a16_ahead(cuda, layers, {0: "int8", 1: "bf16"}, auto=False) == {
         "device": "cuda", "dtype": "bfloat16", "shapes": [(96, 32, True)]}
-    assert _w8a16_ahead(model, cuda, layers, {0: "bf16", 1: "bf16"}, auto=True)["shapes"] == []
-    assert _w8a16_ahead(model, cuda, layers, {0: "bf16", 1: "bf16"}, auto=False) is None
-    assert _w8a16_ahead(model, torch.device("cpu"), layers, {0: "int8"}, auto=False) is None
+    assert _w8a16_ahead(cuda, layers, {0: "bf16", 1: "bf16"}, auto=True)["shapes"] == []
+    assert _w8a16_ahead(cuda, layers, {0: "bf16", 1: "bf16"}, auto=False) is None
+    assert _w8a16_ahead(torch.device("cpu"), layers, {0: "int8"}, auto=False) is None
     monkeypatch.setenv("STAGEHAND_AHEAD_TUNING", "0")
-    assert _w8a16_ahead(model, cuda, layers, {0: "int8", 1: "bf16"}, auto=False)["shapes"] == []
+    assert _w8a16_ahead(cuda, layers, {0: "int8", 1: "bf16"}, auto=False)["shapes"] == []
 
 
 def test_ahead_workers_option(monkeypatch):

@@ -278,7 +278,7 @@ def test_a_key_times_its_regimes_shortlist_unless_every_candidate_is_asked_for(m
 
 def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkeypatch):
     # The deferral on the CPU: fake device, fake timings (as above). A cold step's eager forward
-    # (tune_deferral.deferred) gets dequantize + cuBLAS (tune.provisional: one Triton kernel for every shape) and
+    # (tune_deferral.deferred) gets dequantize + cuBLAS (tune.provisional_config: one Triton kernel for every shape) and
     # no tuning; the wait on a worker tunes the key (tune_deferred), or a call outside the deferral that comes first
     # does.
     from types import SimpleNamespace
@@ -645,7 +645,7 @@ def test_gpu_int8_to_fp32_conversion_is_exact(fast):
 @needs_cuda
 def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waiting():
     # What a cold step's eager forward does with a key not tuned yet (tune_deferral.deferred): dequantize +
-    # cuBLAS (tune.provisional), right, and not kept for replay (a replay would skip the tuned pick later); the
+    # cuBLAS (tune.provisional_config), right, and not kept for replay (a replay would skip the tuned pick later); the
     # wait tunes it and the grad-input key of the same layer (the backward's).
     from torch_stagehand.kernels import tune, tune_deferral as deferral
     from torch_stagehand.kernels.launch import FWD_MEMO, int8_linear_triton
@@ -694,7 +694,7 @@ print(json.dumps({"heard": heard, "errors": errors}))
 @gpu
 @needs_cuda
 def test_gpu_after_the_first_workers_head_start_a_deferred_forward_compiles_nothing(tmp_path):
-    # tune.provisional's dequantize, compiled by the first ahead-compile worker as it starts
+    # tune.provisional_config's dequantize, compiled by the first ahead-compile worker as it starts
     # (launch.compile_provisional, another process): a cold step's eager forward then compiles no Triton kernel
     # for the keys it defers, at any token count, with or without bias and GeLU; it reads the worker's kernel
     # from Triton's cache, and its numbers are right. Each side a fresh process over one empty Triton cache.
