@@ -118,8 +118,10 @@ def timed_offload(args, out: dict, model, **offload_kwargs):
         profiler.disable()
         out["offload_profile"] = _top(profiler, "cumulative", 25)[-6000:]
     out["offload_s"] = round(time.perf_counter() - t0, 2)
-    # offload's own clock per stage (find blocks; host store, precision copies, slots; ...): where its seconds went
+    # offload's own clock per stage (find blocks, host store planned, slab rows read, ...): where its seconds went;
+    # and what ran beside a stage on other threads (the slab's reads, the compiler's imports beside them)
     out["offload_stages_s"] = {k: round(v, 2) for k, v in (rt.offload_summary or {}).get("seconds", {}).items()}
+    out["offload_beside_s"] = {k: round(v, 2) for k, v in (rt.offload_summary or {}).get("beside", {}).items()}
     out["gc_to_offload_end"] = args.gc_clock.read()
     return rt
 

@@ -72,7 +72,9 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,
                                              rt.checkpoint, slab_loader is not None, node=rt.node)
     rt.store.on_replaced = rt._undo.replaced  # the original Parameter objects are kept, their memory released
+    rt.clock.mark("host store planned")
     meta_blocks = fill_masters(rt.store, rt.checkpoint, progress)
+    rt.clock.mark("masters " + ("mapped from the checkpoint" if rt.store.keep_full == KEEP_FILE else "to the host store"))
     if slab_loader is not None:
         if rt.config.int8_tier != "disk":  # the disk tier holds no INT8 in RAM
             rt.store.reserve(precisions.INT8, list(range(n)))

@@ -38,6 +38,7 @@ from .oom_recovery import OomRecovery
 from .precision import PrecisionMapError
 from .planning import PlanDriver
 from .runtime_stats import planner_step_record, runtime_stats
+from .stage_clock import StageClock
 from .selective.runtime_api import SelectivePrecisionAPI
 from .streamed import guard_conversions, make_plain, unguard
 
@@ -57,6 +58,7 @@ class Runtime(SelectivePrecisionAPI):
         vram_budget: int | str | None = None,
         cost_model: CostModel | None = None,
         keep_full: str | None = None, checkpoint=None,  # checkpoint: a WeightsFile (a meta model loads from it)
+        clock: StageClock | None = None,  # offload's stages, for its report
     ):
         check_master_dtypes(layers)
         budget = budget_from(config, vram_budget)  # a budget that cannot be read fails before the model is touched
@@ -81,6 +83,7 @@ class Runtime(SelectivePrecisionAPI):
         self._layer_slots = layer_slots(model, layers)  # to notice adapters wrapped around a layer after offload
         self.id = registry.register_runtime(self)
         self.pool = self.node = self.shards = None
+        self.clock = clock or StageClock()
         try:
             self._offload(precision, slab_loader, budget, cost_model)
         except BaseException as e:
@@ -129,14 +132,17 @@ class Runtime(SelectivePrecisionAPI):
                             index - self._block_first_layer[spec.block], self.device)
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
+        self.clock.mark("streamed layers attached")
         if self.checkpoint is not None:  # a model built on the meta device: its resident tensors, one by one
             load_resident(model, self.checkpoint, self.device, {s.weight_name for s in layers}, progress)
         model.to(self.device)  # everything but the streamed weights becomes resident
         self.grads.sync_all()
+        self.clock.mark("resident tensors to the device")
 
         self._precision: dict[int, str] = {}
         self.planner = PlanDriver(self, budget, cost_model)
         self.set_precision(precision)
+        self.clock.mark("precision copies built, host store pinned")
         if self.node is not None:  # every block's owner has filled its pages: from here every rank reads them
             self.node.seal(self.device, self.store.pin, keep_group=self.grads.shards is not None)
             self._undo.release_deferred()
@@ -144,6 +150,7 @@ class Runtime(SelectivePrecisionAPI):
         # Token outputs are allocated once: a prefetch / evict returns its block's.
         self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks] for _ in range(2))
         self.store.offloaded = True  # from here a refused page-lock leaves the buffer pageable, and says so
+        self.clock.mark("device slots")
 
     def _abandon(self, error: BaseException) -> None:
         """Undo a failed offload: plain layers and weights back, no hooks, nothing registered, nothing held
@@ -349,8 +356,7 @@ class Runtime(SelectivePrecisionAPI):
     def spill_hooks(self, block: int):
         return self.planner.spill_hooks(block)
 
-    def record_recompute(self, block: int) -> None:
-        """A compiled block unit re-ran its forward in backward (block recompute)."""
+    def record_recompute(self, block: int) -> None:  # a compiled block unit re-ran its forward in backward
         self.recomputed_blocks += 1
 
     # ---- helpers ---------------------------------------------------------------------

@@ -67,7 +67,9 @@ def offload(
     precision, bytes per step, host bytes, seconds per stage) and one line after the first step
     (what the first call's compile cost). The same summary is in `rt.stats()["offload"]`.
     """
-    from .offload_report import FirstCallProgress, StageClock, report_offload, summarize
+    from torch_stagehand.runtime.stage_clock import StageClock
+
+    from .offload_report import FirstCallProgress, report_offload, summarize
 
     clock = StageClock()
     if any(is_streamed(m) for m in model.modules()):
@@ -111,9 +113,10 @@ def offload(
         weights_file = WeightsFile(checkpoint)
     # They start now, while the host store fills, and compile the W8A16 kernels a cold step would compile itself.
     ahead = _ahead_workers(device, block_fqns, layers, precision_map, auto)
+    clock.mark("sources indexed, files opened, workers started")
     try:
         rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
-                     keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget)
+                     keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget, clock=clock)
     except BaseException:
         if ahead is not None:
             ahead.close()
@@ -122,7 +125,7 @@ def offload(
         from torch_stagehand.compiler.variants import variant_cache
 
         variant_cache(rt).adopt_ahead(ahead)
-    clock.mark("host store, precision copies, slots")
+    clock.mark("ahead workers adopted")
     if selective_precision_requested(config.selective_precision, auto):
         try:
             rt.selective = SelectivePrecision(rt, precision_map, start_given=not auto)
@@ -136,7 +139,8 @@ def offload(
     rt.prepare_ddp(model)  # DistributedDataParallel(model) leaves the streamed weights alone (ddp.py)
     if adopt_expert_adapters(model):  # peft target_parameters on streamed experts read the stream
         rt.on_close(functools.partial(release_expert_adapters, model))
-    summary = summarize(model, rt, clock.done())
+    clock.mark("policy, attention guard, DDP, adapters")
+    summary = summarize(model, rt, clock)
     rt.offload_summary = summary.as_dict()
     log.info("%s", summary)
     report_offload(summary, auto=blocks == "auto", verbose=verbose)

@@ -9,7 +9,6 @@ those weights stay resident on the device, which is rarely what a user with a bi
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -91,6 +90,7 @@ class OffloadSummary:
     host_by_kind: dict[str, int]  # stats()["host"]["bytes_by_kind"]: copy -> bytes
     keep_full: str
     seconds: dict[str, float] = field(default_factory=dict)
+    beside: dict[str, float] = field(default_factory=dict)  # work on other threads beside a stage (StageClock)
     expert_stacks: int = 0  # MoE expert stacks among the streamed layers (3-D parameters)
     expert_bytes: int = 0  # their full-precision bytes
     node_shared: str = ""  # NodeStore.describe(): the ranks of this node share one host store
@@ -112,6 +112,7 @@ class OffloadSummary:
         precision = ", ".join(f"{p} {n} block{'s' * (n != 1)} ({mb(self.precision_bytes[p])})"
                               for p, n in self.precision_blocks.items())
         took = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items() if k != "total")
+        beside = "; beside them " + ", ".join(f"{k} {v:.2f} s" for k, v in self.beside.items()) if self.beside else ""
         return [
             f"stagehand offload: {self.blocks} blocks, {self.streamed_layers} streamed Linears"
             + (f" and {self.expert_stacks} expert stacks ({mb(self.expert_bytes)})" if self.expert_stacks else "")
@@ -121,14 +122,15 @@ class OffloadSummary:
             f"  streamed per step: {mb(self.forward_bytes)} per forward (each block once); a training step up to "
             f"{mb(2 * self.forward_bytes)} (forward + backward, less what the slots keep across the turn)",
             f"  host store: {self.host_line()}; device slots: {self.slots} x {mb(self.slot_bytes)}",
-            f"  took {self.seconds.get('total', 0.0):.2f} s ({took})",
+            f"  took {self.seconds.get('total', 0.0):.2f} s ({took}{beside})",
         ]
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
 
-def summarize(model: nn.Module, rt, seconds: dict[str, float]) -> OffloadSummary:
+def summarize(model: nn.Module, rt, clock) -> OffloadSummary:
+    """What offload did; `clock` is its StageClock (runtime/stage_clock.py)."""
     precision = rt.precision
     counts = Counter(precision.values())
     host = host_report(rt.store)
@@ -142,7 +144,8 @@ def summarize(model: nn.Module, rt, seconds: dict[str, float]) -> OffloadSummary
         block_lists=survey_block_lists(model, rt.blocks),
         precision_blocks=dict(counts), precision_bytes=dict(per_precision), forward_bytes=sum(per_precision.values()),
         host_bytes=rt.store.host_bytes(), pinned=bool(rt.store.pin), slots=len(rt.pool.slots),
-        slot_bytes=rt.pool.slot_bytes, seconds={k: round(v, 3) for k, v in seconds.items()},
+        slot_bytes=rt.pool.slot_bytes, seconds={k: round(v, 3) for k, v in clock.done().items()},
+        beside={k: round(v, 3) for k, v in clock.overlapped.items()},
         host_by_kind=host["bytes_by_kind"], keep_full=host["keep_full"],
         node_shared=rt.store.node.describe() if rt.store.node is not None else "",
     )
@@ -157,22 +160,6 @@ def report_offload(summary: OffloadSummary, auto: bool, verbose: bool) -> None:
             if not b.streamed:
                 warnings.warn(f"stagehand offload: blocks='auto' skipped the block list {b.fqn}: {b.reason}; "
                               "its Linear weights stay resident on the device", BlockListSkippedWarning, stacklevel=3)
-
-
-class StageClock:
-    """Seconds per named stage of offload, in order."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-        self._t0 = self._last = time.perf_counter()
-
-    def mark(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.seconds[stage] = now - self._last
-        self._last = now
-
-    def done(self) -> dict[str, float]:
-        return {**self.seconds, "total": time.perf_counter() - self._t0}
 
 
 def first_step_line(record: dict[str, Any], stats: dict[str, Any]) -> str:

@@ -57,6 +57,11 @@ def test_summary_counts_bytes_per_precision_and_reaches_stats_and_explain(capsys
     assert summary["forward_bytes"] == sum(rt.block_nbytes(b, p) for b, p in rt.precision.items())
     assert summary["precision_bytes"]["int8"] < rt.block_nbytes(0, "bf16")  # INT8 + scales < the fp32 block
     assert summary["host_bytes"] == rt.store.host_bytes() and summary["seconds"]["total"] >= 0
+    # offload's stages in order, each timed apart (where a slow offload spent its seconds)
+    stages = list(summary["seconds"])
+    assert stages[:3] == ["find blocks", "sources indexed, files opened, workers started", "host store planned"]
+    assert stages.index("resident tensors to the device") < stages.index("device slots") < stages.index("total")
+    assert sum(v for k, v in summary["seconds"].items() if k != "total") <= summary["seconds"]["total"] + 1e-3
     err = capsys.readouterr().err
     assert f"int8 1 block ({summary['precision_bytes']['int8'] / 1e6:,.1f} MB)" in err
     # the host line names each copy and where it is, as stats()["host"] does (not one word for all)

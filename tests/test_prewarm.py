@@ -52,6 +52,28 @@ def test_the_callback_runs_on_the_calling_thread_while_the_reads_are_under_way()
     assert all(int(q[0]) == int(n[1:]) for n, q, *_ in reads)  # each layer's rows in its own buffer
 
 
+def test_the_clock_hears_when_the_reads_ended_apart_from_the_callback():
+    """The reads end while the callback still runs: offload's report must say the reads took less than the
+    callback (the stage waited for the imports, not the disk), not the stage's whole time."""
+    from torch_stagehand.runtime.stage_clock import StageClock
+
+    reader, reads, clock = _Reader(), _reads(8), StageClock()
+    reads_done = threading.Event()
+
+    def while_reading():
+        while len(reader.read) < len(reads):  # the reads end first ...
+            torch.linalg.qr(torch.ones(64, 64) + torch.eye(64))
+        for _ in range(2000):  # ... then the callback goes on a while
+            torch.linalg.qr(torch.ones(64, 64) + torch.eye(64))
+        reads_done.set()
+
+    loading._read_in_parallel(reader, reads, while_reading, clock=clock)
+    assert reads_done.is_set()
+    beside = clock.overlapped
+    assert set(beside) == {"compiler imports and source index", "slab reads"}
+    assert 0 < beside["slab reads"] < beside["compiler imports and source index"]
+
+
 def test_a_failed_read_names_its_layer_and_cancels_the_queued_ones():
     reader, reads = _Reader(fail="l0"), _reads(2000)
     with pytest.raises(ValueError, match="layer l0 is corrupt"):

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from torch_stagehand.runtime.precision import INT8, layer_views
+from torch_stagehand.runtime.stage_clock import StageClock
 
 from . import checks
 from .errors import SlabLayerNotFoundError
@@ -79,6 +81,7 @@ def slab_loader_for(slab: str | os.PathLike,
             with rt.checkpoint.random_access() if rt.checkpoint is not None else contextlib.nullcontext():
                 checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
                                       require=rt.config.require_slab_identity)
+            rt.clock.mark("slab opened, identity checked")
             if rt.config.int8_tier == "disk":
                 return _attach_disk_tier(rt, reader, manifest)
             reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec)
@@ -96,24 +99,26 @@ def slab_loader_for(slab: str | os.PathLike,
                     if bias is not None and bias.is_meta and reader.layers[name].has_bias:
                         bias_out = torch.empty(bias.shape, dtype=bias.dtype)
                     reads.append((name, q, s, bias_out, spec))
-            _read_in_parallel(reader, reads, while_reading, rows=lambda block: rt.store.writes(block, INT8))
+            _read_in_parallel(reader, reads, while_reading, rows=lambda block: rt.store.writes(block, INT8),
+                              clock=rt.clock)
             for _name, _q, _s, bias_out, spec in reads:
                 if bias_out is not None:
                     bias = spec.module.bias
                     spec.module._parameters["bias"] = torch.nn.Parameter(bias_out, requires_grad=bias.requires_grad)
             for block in range(len(rt.store.blocks)):
                 rt.store.mark_built(block, INT8)
+            rt.clock.mark("slab rows read")
 
     return load
 
 
 def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[], None] | None = None,
-                      rows: Callable[[int], bool] | None = None) -> None:
+                      rows: Callable[[int], bool] | None = None, clock: StageClock | None = None) -> None:
     """Every layer's rows, scale and bias from the file into its buffer, on a few threads: `preadv` and the crc32
     check release the GIL, so the reads go at the page cache's (or the disk's) speed, not one memcpy core's.
     The first error (a SlabError naming the layer) is raised once the reads under way finish; the queued ones
     are cancelled. `rows(block)` False: only the layer's bias (another rank of the node reads the block's rows
-    into the shared store)."""
+    into the shared store). `clock` hears how long the reads and `while_reading` each took."""
     mine = [rows is None or rows(spec.block) for *_, spec in reads]
     reads = [(r, whole) for r, whole in zip(reads, mine) if whole or r[3] is not None]
     workers = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(reads) or 1))
@@ -121,10 +126,18 @@ def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[
     try:
         futures = [pool.submit(reader.read_layer_into, name, q, s, b) if whole else
                    pool.submit(reader.read_bias_into, name, b) for (name, q, s, b, _spec), whole in reads]
+        start = time.perf_counter()
+        last_read = [start]
+        for future in futures:
+            future.add_done_callback(lambda _: last_read.append(time.perf_counter()))
         if while_reading is not None:
             while_reading()
+            if clock is not None:
+                clock.beside("compiler imports and source index", time.perf_counter() - start)
         for done in futures:
             done.result()
+        if clock is not None:
+            clock.beside("slab reads", max(last_read) - start)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

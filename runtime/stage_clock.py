@@ -1,0 +1,29 @@
+"""Seconds per stage of offload, for its report (`rt.stats()["offload"]["seconds"]`) and the start-time bench.
+
+Offload's stages run one after another on the calling thread (`mark`); some work runs beside a stage on
+other threads (the slab's reads beside the compiler's imports): `beside` records how long each took, so
+the report shows which one the stage waited for.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class StageClock:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.overlapped: dict[str, float] = {}
+        self._t0 = self._last = time.perf_counter()
+
+    def mark(self, stage: str) -> None:
+        """`stage` ended now: it took the seconds since the last mark."""
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
+        self._last = now
+
+    def beside(self, work: str, seconds: float) -> None:
+        self.overlapped[work] = self.overlapped.get(work, 0.0) + seconds
+
+    def done(self) -> dict[str, float]:
+        return {**self.seconds, "total": time.perf_counter() - self._t0}
