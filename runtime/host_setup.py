@@ -78,7 +78,7 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     if slab_loader is not None:
         if rt.config.int8_tier != "disk":  # the disk tier holds no INT8 in RAM
             rt.store.reserve(precisions.INT8, list(range(n)))
-        slab_loader(rt)
+        slab_loader(rt, pin=[b for b, p in precision_map.items() if p == precisions.INT8])
     elif meta_blocks:
         raise RuntimeError(f"offload: block {rt.blocks[meta_blocks[0]]} has weights on the meta device and no slab "
                            "was given (nor a checkpoint= holding them)" + _missing_stack(rt, meta_blocks[0]))

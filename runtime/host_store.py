@@ -168,12 +168,23 @@ class HostStore:
                     if arena.is_locked(buf):
                         unlock.append((arena, buf))
                     continue
-                lock_or_fall_back(arena, buf, f"block {block}'s {precision} copy (first layer {bb.layers[0].fqn})",
-                                  refuse=not self.offloaded)
+                self._lock(block, precision, arena)
         if unlock:
             unlock[0][0].pinner.drain()
             for arena, buf in unlock:
                 arena.unlock(buf, drained=True)
+
+    def lock_filled(self, block: int, precision: str) -> None:
+        """Page-lock a copy as soon as its bytes are in (a slab's reads: beside the reads still going, not after
+        them); `set_pins` keeps it locked or unlocks it by the precision map. Any thread."""
+        arena = self._arena_of.get((block, precision))
+        if self.pin and arena is not None and not arena.shared:
+            self._lock(block, precision, arena)
+
+    def _lock(self, block: int, precision: str, arena: HostArena) -> None:
+        bb = self.blocks[block]
+        lock_or_fall_back(arena, bb.buffers[precision], f"block {block}'s {precision} copy (first layer "
+                          f"{bb.layers[0].fqn})", refuse=not self.offloaded)
 
     def _drop(self, block: int, precision: str) -> None:
         bb = self.blocks[block]
@@ -190,16 +201,13 @@ class HostStore:
         if self.disk_tier is not None:
             self.disk_tier.close()
             self.disk_tier = None
-        self.on_disk.clear()
         for arena in self.arenas:
             arena.close()
-        self.arenas.clear()
-        self._reserved.clear()
-        self._arena_of.clear()
+        for held in (self.on_disk, self.arenas, self._reserved, self._arena_of):
+            held.clear()
         for bb in self.blocks:
-            bb.buffers.clear()
-            bb.layouts.clear()
-            bb.source_versions.clear()
+            for held in (bb.buffers, bb.layouts, bb.source_versions):
+                held.clear()
             bb.file_master = None
 
     # ---- building -----------------------------------------------------------
@@ -220,26 +228,24 @@ class HostStore:
         entry = precisions.master()
         buf = self.allocate(block, entry.name)
         for spec, lay, w in zip(bb.layers, bb.layouts[entry.name], weights):
-            requires_grad = spec.weight.requires_grad
             if self.writes(block, entry.name):
                 with torch.no_grad():
                     entry.write(buf, lay, spec.as_matrix(w), self.quantizer)
             # A Parameter of its own on the buffer (sharing its version counter); the original's memory goes.
-            view = spec.stored_view(entry.views(buf, lay)[0])
-            original = spec.module._parameters[spec.param]
-            spec.module._parameters[spec.param] = torch.nn.Parameter(view, requires_grad=requires_grad)
-            if self.on_replaced is not None:
-                self.on_replaced(spec, original)
+            self._replace(spec, spec.stored_view(entry.views(buf, lay)[0]))
         return True
+
+    def _replace(self, spec: StreamedLayerSpec, view: torch.Tensor) -> None:
+        original = spec.module._parameters[spec.param]
+        spec.module._parameters[spec.param] = torch.nn.Parameter(view, requires_grad=original.requires_grad)
+        if self.on_replaced is not None:
+            self.on_replaced(spec, original)
 
     def adopt_file(self, block: int, views: list[torch.Tensor]) -> None:
         """keep_full="file": the layers' weights become views of the mapped safetensors file."""
         bb = self.blocks[block]
         for spec, view in zip(bb.layers, views):
-            requires_grad, original = spec.weight.requires_grad, spec.module._parameters[spec.param]
-            spec.module._parameters[spec.param] = torch.nn.Parameter(view, requires_grad=requires_grad)
-            if self.on_replaced is not None:
-                self.on_replaced(spec, original)
+            self._replace(spec, view)
         bb.file_master = [spec.module._parameters[spec.param] for spec in bb.layers]
 
     def allocate(self, block: int, precision: str) -> torch.Tensor:

@@ -78,12 +78,13 @@ def offload(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
-    if device.type == "cuda":  # Inductor's compile workers come up while offload fills the host store (if asked)
+    if device.type == "cuda" and slab is None:
         from torch_stagehand.compiler.inner import start_prewarm_cache_keys, warm_compile_workers
 
+        # Inductor's compile workers come up while offload fills the host store (if asked). With a slab they start
+        # beside its reads (below), and the cache keys are worked out once the compiler is imported.
         warm_compile_workers(device)
-        if slab is None:  # (with a slab, the cache keys are worked out once the compiler is imported, below)
-            start_prewarm_cache_keys()
+        start_prewarm_cache_keys()
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
     auto = isinstance(precision, str) and precision == AUTO
@@ -94,14 +95,15 @@ def offload(
     clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
-        from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports
+        from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
-        # While the slab's rows come off the disk on reader threads, this thread imports the compiler and indexes
-        # the model's sources for Dynamo.
+        # While the slab's rows come off the disk on reader threads, this thread starts Inductor's compile workers
+        # (importing its modules: a few tenths of a second), imports the compiler and indexes the model's sources
+        # for Dynamo.
         sources = dynamo_source_files(model)
-        slab_loader = slab_loader_for(slab, while_reading=(lambda: prewarm_compiler_imports(sources))
-                                      if device.type == "cuda" else None)
+        slab_loader = slab_loader_for(slab, while_reading=(
+            lambda: (warm_compile_workers(device), prewarm_compiler_imports(sources))) if device.type == "cuda" else None)
     elif device.type == "cuda":  # no reads to hide it behind: Dynamo's source index fills beside the host store
         from torch_stagehand.compiler.inner import dynamo_source_files, start_index_sources_for_dynamo
 

@@ -111,7 +111,10 @@ class OffloadSummary:
         mb = lambda n: f"{n / 1e6:,.1f} MB"  # noqa: E731
         precision = ", ".join(f"{p} {n} block{'s' * (n != 1)} ({mb(self.precision_bytes[p])})"
                               for p, n in self.precision_blocks.items())
-        took = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items() if k != "total")
+        # The stages that took a twentieth of a second or more (every stage is in `seconds`).
+        slow = [f"{k} {v:.2f} s" for k, v in self.seconds.items() if k != "total" and v >= 0.05]
+        took = (", ".join(slow) + ("; the other stages less" if len(slow) < len(self.seconds) - 1 else "")
+                if slow else "every stage under 0.05 s")
         beside = "; beside them " + ", ".join(f"{k} {v:.2f} s" for k, v in self.beside.items()) if self.beside else ""
         return [
             f"stagehand offload: {self.blocks} blocks, {self.streamed_layers} streamed Linears"

@@ -267,6 +267,30 @@ def test_cuda_pins_exactly_the_int8_copies_and_unpins_on_restore(tmp_path):
                and isinstance(a, torch.nn.Linear))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_slab_offload_locks_each_int8_block_beside_the_reads(tmp_path):
+    """From a slab on CUDA, the reader threads page-lock each INT8 block as its rows land (cudaHostRegister on a
+    thread that is not the one that made the CUDA context): the driver then says every INT8 copy is locked, the
+    masters are not, and the compiled forward reads them right."""
+    from torch_stagehand.runtime.slab import build_slab_from_module
+
+    model, x = toy(d=512, n=6, dtype=torch.bfloat16)
+    plain = copy.deepcopy(model)
+    manifest = build_slab_from_module(model, tmp_path, "toy", "toy", include_prefixes=("blocks.",), progress=False,
+                                      print_report=False, compare_quantizers=False).manifest_path
+    rt = stagehand.offload(model, device="cuda", precision="int8", keep_full="ram", slab=manifest)
+    assert "slab reads" in rt.stats()["offload"]["beside"]
+    assert all(page_locked(rt.store.buffer(b, "int8")) for b in range(6))
+    assert not any(page_locked(rt.store.buffer(b, "bf16")) for b in range(6))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x.cuda())  # the slab's rows through the eager path
+        got = torch.compile(model, backend="stagehand")(x.cuda())
+    assert rel_err(got, eager) < 1e-2 and rel_err(eager, plain.cuda()(x.cuda())) < 5e-2
+    rt.restore()
+
+
 def test_explain_says_where_the_host_copies_are(pinner):
     model, x = toy(n=2)
     rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")

@@ -88,3 +88,33 @@ def test_slab_of_another_model_is_rejected_naming_the_layer(slab, tmp_path):
     assert type(other.blocks[0].up) is nn.Linear  # a failed load changes nothing
     with pytest.raises(FileNotFoundError):
         stagehand.offload(other, device="cpu", slab=tmp_path / "missing")
+
+
+def test_int8_blocks_are_page_locked_by_the_reader_threads_as_their_rows_land(slab, monkeypatch):
+    """Offload page-locks each block that streams INT8 as soon as its rows are in, on the reader thread that read
+    the last of them (beside the reads still going, not after them all), once; a block that streams bf16 keeps its
+    INT8 copy pageable, and its master is locked by `set_pins` on the calling thread."""
+    import threading
+
+    from torch_stagehand.runtime import host_arena
+
+    from _helpers import RecordingPinner
+
+    model, _, manifest = slab
+    by_thread = {}
+
+    class ThreadPinner(RecordingPinner):
+        def register(self, ptr, nbytes):
+            by_thread[ptr] = threading.current_thread().name
+            super().register(ptr, nbytes)
+
+    fake = ThreadPinner()
+    monkeypatch.setattr(host_arena, "pinner_for", lambda device, pin: fake)
+    rt = stagehand.offload(model, device="cpu", precision={0: "bf16", 1: "int8", 2: "int8"}, slab=manifest,
+                           keep_full="ram")
+    int8 = {rt.store.buffer(b, "int8").data_ptr() for b in (1, 2)}
+    master = rt.store.buffer(0, "bf16").data_ptr()
+    assert set(fake.locked) == int8 | {master} and fake.calls == 3  # each range locked once
+    assert all(by_thread[p].startswith("stagehand-slab-read") for p in int8)
+    assert by_thread[master] == threading.main_thread().name
+    rt.restore()

@@ -8,12 +8,14 @@ model (a layer missing from the slab, another shape, a bad file) is a
 `SlabError` naming the layer and the file; nothing is zero-filled and a load
 that fails leaves the model as it was.
 
-Before any row is read, the model's full-precision weights (where it has them)
-are checked against the identity the slab records of its source weights
-(`identity.py`): a slab quantized from other weights of the same shapes is a
-`SlabIdentityError` naming the first such layer; a slab that records no
-identity loads with a `SlabIdentityWarning`, or is refused when
-``Config(require_slab_identity=True)``.
+While the rows are read, the calling thread checks the model's full-precision
+weights (where it has them) against the identity the slab records of its source
+weights (`identity.py`): a slab quantized from other weights of the same shapes
+is a `SlabIdentityError` naming the first such layer (the reads still queued are
+cancelled, and offload puts the model back); a slab that records no identity
+loads with a `SlabIdentityWarning`, or is refused when
+``Config(require_slab_identity=True)``. Each block streamed in INT8 is
+page-locked as soon as its rows are in, beside the reads still going.
 
 This is the one module of the slab package that knows the streaming engine,
 because its job is to fill the engine's host store: it writes into the INT8
@@ -29,7 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
@@ -63,12 +67,14 @@ def resolve_manifest(slab: str | os.PathLike) -> str:
 
 
 def slab_loader_for(slab: str | os.PathLike,
-                    while_reading: Callable[[], None] | None = None) -> Callable[["Runtime"], None]:
-    """The loader `Runtime` calls to fill its INT8 buffers from `slab`; `while_reading()` runs on the calling
-    thread while the reader threads read (work that would otherwise wait for the slab, or make the slab wait)."""
+                    while_reading: Callable[[], None] | None = None) -> Callable[["Runtime", list[int]], None]:
+    """The loader `Runtime` calls to fill its INT8 buffers from `slab`: `load(rt, pin)`, where `pin` lists the
+    blocks that stream INT8 (each is page-locked as soon as its rows are in, beside the reads still going).
+    `while_reading()` runs on the calling thread while the reader threads read (work that would otherwise wait
+    for the slab, or make the slab wait), after the slab's identity check, which runs there too."""
     manifest = resolve_manifest(slab)
 
-    def load(rt: "Runtime") -> None:
+    def load(rt: "Runtime", pin: list[int] = ()) -> None:
         stacks = [spec.fqn for spec in rt.layers if spec.experts]
         if stacks:  # the slab format holds Linear layers (builder.iter_linear_layers): none of these
             raise SlabLayerNotFoundError(
@@ -77,12 +83,17 @@ def slab_loader_for(slab: str | os.PathLike,
                 layer=stacks[0])
         with SlabReader(manifest) as reader:
             reader.check_model(rt.model)
-            # The sampled rows of weights mapped from a checkpoint: read without readahead (weights_file.py).
-            with rt.checkpoint.random_access() if rt.checkpoint is not None else contextlib.nullcontext():
-                checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
-                                      require=rt.config.require_slab_identity)
-            rt.clock.mark("slab opened, identity checked")
+
+            def check_identity() -> None:
+                # The sampled rows of weights mapped from a checkpoint: read without readahead (weights_file.py).
+                start = time.perf_counter()
+                with rt.checkpoint.random_access() if rt.checkpoint is not None else contextlib.nullcontext():
+                    checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
+                                          require=rt.config.require_slab_identity)
+                rt.clock.beside("slab identity check", time.perf_counter() - start)
+
             if rt.config.int8_tier == "disk":
+                check_identity()
                 return _attach_disk_tier(rt, reader, manifest)
             reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec)
             for block, bb in enumerate(rt.store.blocks):
@@ -99,8 +110,21 @@ def slab_loader_for(slab: str | os.PathLike,
                     if bias is not None and bias.is_meta and reader.layers[name].has_bias:
                         bias_out = torch.empty(bias.shape, dtype=bias.dtype)
                     reads.append((name, q, s, bias_out, spec))
-            _read_in_parallel(reader, reads, while_reading, rows=lambda block: rt.store.writes(block, INT8),
-                              clock=rt.clock)
+            rt.clock.mark("slab opened")
+
+            def beside_the_reads() -> None:
+                # The identity check goes beside the reads, not before them: a slab of other weights still fails
+                # offload (the reads are cancelled, the model put back), and a right one costs no wait.
+                check_identity()
+                if while_reading is not None:
+                    start = time.perf_counter()
+                    while_reading()
+                    rt.clock.beside("compiler imports and source index", time.perf_counter() - start)
+
+            pinned = set(pin)
+            _read_in_parallel(reader, reads, beside_the_reads, rows=lambda block: rt.store.writes(block, INT8),
+                              clock=rt.clock,
+                              on_block_read=lambda block: block in pinned and rt.store.lock_filled(block, INT8))
             for _name, _q, _s, bias_out, spec in reads:
                 if bias_out is not None:
                     bias = spec.module.bias
@@ -113,27 +137,39 @@ def slab_loader_for(slab: str | os.PathLike,
 
 
 def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[], None] | None = None,
-                      rows: Callable[[int], bool] | None = None, clock: StageClock | None = None) -> None:
+                      rows: Callable[[int], bool] | None = None, clock: StageClock | None = None,
+                      on_block_read: Callable[[int], object] | None = None) -> None:
     """Every layer's rows, scale and bias from the file into its buffer, on a few threads: `preadv` and the crc32
     check release the GIL, so the reads go at the page cache's (or the disk's) speed, not one memcpy core's.
     The first error (a SlabError naming the layer) is raised once the reads under way finish; the queued ones
     are cancelled. `rows(block)` False: only the layer's bias (another rank of the node reads the block's rows
-    into the shared store). `clock` hears how long the reads and `while_reading` each took."""
+    into the shared store). `on_block_read(block)` runs on the reader thread that read a block's last rows.
+    `clock` hears when the last read ended (beside `while_reading`, which may end before or after)."""
     mine = [rows is None or rows(spec.block) for *_, spec in reads]
     reads = [(r, whole) for r, whole in zip(reads, mine) if whole or r[3] is not None]
+    left = Counter(r[4].block for r, whole in reads if whole and r[4] is not None)
+    lock = threading.Lock()
+
+    def read_rows(name, q, s, b, spec) -> None:
+        reader.read_layer_into(name, q, s, b)
+        if on_block_read is not None and spec is not None:
+            with lock:
+                left[spec.block] -= 1
+                last = left[spec.block] == 0
+            if last:
+                on_block_read(spec.block)
+
     workers = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(reads) or 1))
     pool = ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read")
     try:
-        futures = [pool.submit(reader.read_layer_into, name, q, s, b) if whole else
-                   pool.submit(reader.read_bias_into, name, b) for (name, q, s, b, _spec), whole in reads]
+        futures = [pool.submit(read_rows, *r) if whole else
+                   pool.submit(reader.read_bias_into, r[0], r[3]) for r, whole in reads]
         start = time.perf_counter()
         last_read = [start]
         for future in futures:
             future.add_done_callback(lambda _: last_read.append(time.perf_counter()))
         if while_reading is not None:
             while_reading()
-            if clock is not None:
-                clock.beside("compiler imports and source index", time.perf_counter() - start)
         for done in futures:
             done.result()
         if clock is not None:
