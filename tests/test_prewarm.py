@@ -43,12 +43,17 @@ def test_the_callback_runs_on_the_calling_thread_while_the_reads_are_under_way()
     gate, seen = threading.Event(), []
     reader, reads = _Reader(gate=gate), _reads(40)
 
+    switch, before = [], sys.getswitchinterval()
+
     def while_reading():
         seen.append((threading.current_thread() is threading.main_thread(), len(reader.read)))
+        switch.append(sys.getswitchinterval())
         gate.set()  # the reads wait for this: the callback ran before any of them finished
 
     loading._read_in_parallel(reader, reads, while_reading)
     assert seen == [(True, 0)]
+    # the GIL changes hands every 0.5 ms while the reads go (they need it back a dozen times each), then as before
+    assert switch == [loading._READ_SWITCH_INTERVAL] and sys.getswitchinterval() == before
     assert sorted(n for n, _ in reader.read) == sorted(n for n, *_ in reads)
     assert all(t.startswith("stagehand-slab-read") for _, t in reader.read)
     assert all(int(q[0]) == int(n[1:]) for n, q, *_ in reads)  # each layer's rows in its own buffer
