@@ -7,10 +7,8 @@ from the page cache). The baseline is the disk itself: 8 threads reading the fil
 buffers they reuse (no page to commit, no check). The other modes read the way offload does
 (`runtime/slab/loading._read_in_parallel`: each layer's rows and scale into its view of one fresh host
 arena, with the crc32 check and the scale checks), alone or with what runs beside it in offload on a GPU
-machine: the compiler's imports on the calling thread (`prewarm_compiler_imports`), their files read ahead
-(`start_read_ahead`). The modes that change one thing (no read-ahead, pages committed before the reads, no
-crc32, the GIL's switch interval left at Python's default, more threads, huge pages) say what each costs or
-would gain. `call_s` is the call with what ran beside the reads: where the imports took longer, their time.
+machine: the compiler's imports on the calling thread (`prewarm_compiler_imports`). The modes that change
+one thing (pages committed before the reads, no crc32, a shorter GIL switch interval) say what each costs.
 """
 
 from __future__ import annotations
@@ -27,10 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = {
     "disk": "the disk: 8 threads, 32 MiB chunks into reused buffers",
     "store": "offload's reads into a fresh host arena (crc32 and scale checks)",
-    "store+imports": "the same, the compiler's imports on the calling thread, their files read ahead (offload "
-                     "on a GPU machine)",
-    "store+imports, no read-ahead": "the same, the compiler's files not read ahead",
-    "store+imports, switch 5 ms": "the same, the GIL's switch interval left at Python's 5 ms (offload: 0.5 ms)",
+    "store+imports": "the same, the compiler's imports on the calling thread (offload on a GPU machine)",
+    "store+imports, switch 0.5 ms": "the same, the GIL's switch interval 0.5 ms (5 ms by default)",
     "store, prefaulted": "offload's reads into an arena whose pages were committed before the timer",
     "store, no crc32": "offload's reads without the crc32 check",
     "store, 16 threads": "offload's reads on 16 threads (8 by default)",
@@ -98,13 +94,11 @@ def read_store(manifest: str, mode: str) -> tuple[int, float, dict]:
         reads.append((e.name, q, s, bias, None))
     while_reading = None
     if "imports" in mode:
-        from torch_stagehand.compiler.inner import prewarm_compiler_imports, start_read_ahead
+        from torch_stagehand.compiler.inner import prewarm_compiler_imports
 
         while_reading = prewarm_compiler_imports
-        if "no read-ahead" not in mode:
-            start_read_ahead()
-    if "switch 5 ms" in mode:
-        loading._READ_SWITCH_INTERVAL = 0.005
+    if "switch" in mode:
+        sys.setswitchinterval(0.0005)
     clock = StageClock()
     start = time.perf_counter()
     loading._read_in_parallel(reader, reads, while_reading, clock=clock)

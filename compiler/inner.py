@@ -57,65 +57,6 @@ def warm_compile_workers(device: torch.device) -> bool:
     return True
 
 
-# The packages whose modules `prewarm_compiler_imports` imports, itself or through them (torch's, relative to its
-# folder; sympy and mpmath through torch.utils._sympy).
-_COMPILER_PACKAGES = ("_inductor", "_dynamo", "_functorch", "fx", "_subclasses", "_prims", "_refs", "_decomp",
-                      "_higher_order_ops", "_library", "utils/_sympy")
-
-
-def compiler_files() -> list[str]:
-    """The files an import of the compiler reads: each module's bytecode where Python cached it (else its
-    source) in `_COMPILER_PACKAGES`, sympy and mpmath."""
-    import importlib.util
-
-    folders = [os.path.join(os.path.dirname(torch.__file__), p) for p in _COMPILER_PACKAGES]
-    for name in ("sympy", "mpmath"):
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.origin:
-            folders.append(os.path.dirname(spec.origin))
-    files = []
-    for folder in folders:
-        for root, dirs, names in os.walk(folder):
-            dirs[:] = [d for d in dirs if d != "__pycache__"]
-            for name in names:
-                if name.endswith(".py"):
-                    source = os.path.join(root, name)
-                    cached = importlib.util.cache_from_source(source)  # (under sys.pycache_prefix where one is set)
-                    files.append(cached if os.path.exists(cached) else source)
-    return files
-
-
-def read_ahead(paths: Sequence[str]) -> None:
-    """Ask the kernel to read `paths` into the page cache (posix_fadvise WILLNEED queues the reads and returns).
-    Offload from a slab imports the compiler beside the slab's reads: on a cold page cache each of its ~1,500
-    module files waited for a disk queue full of the slab's reads (the imports took 9.7 s beside them on an H100
-    machine, 2.8 s from the page cache). Queued here, before the slab's first read, they are in memory when the
-    imports ask. Does nothing where the call is missing (not Linux)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # a file gone or unreadable: its import will say so, not this
-        try:
-            advise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def start_read_ahead(source_files: Sequence[str] = ()) -> threading.Thread:
-    """`read_ahead` of the compiler's files and `source_files` (the model's, for Dynamo's source index) on a
-    thread of its own: listing the folders reads the disk too."""
-    thread = threading.Thread(target=lambda: read_ahead([*source_files, *compiler_files()]),
-                              name="stagehand-read-ahead", daemon=True)
-    thread.start()
-    return thread
-
-
 def prewarm_compiler_imports(source_files: Sequence[str] = ()) -> None:
     """Import Inductor's and AOTAutograd's modules now (~2 s that the first unit's compile, or a warm start's
     first load, would otherwise spend). Called by `offload()` in its own thread while other threads read the

@@ -95,16 +95,13 @@ def offload(
     clock.mark("find blocks")
     slab_loader = None
     if slab is not None:
-        from torch_stagehand.compiler.inner import (dynamo_source_files, prewarm_compiler_imports, start_read_ahead,
-                                                    warm_compile_workers)
+        from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
         # While the slab's rows come off the disk on reader threads, this thread starts Inductor's compile workers
         # (importing its modules: a few tenths of a second), imports the compiler and indexes the model's sources
         # for Dynamo.
         sources = dynamo_source_files(model)
-        if device.type == "cuda":  # their files queued for the disk now, before the slab's reads fill its queue
-            start_read_ahead(sources)
         slab_loader = slab_loader_for(slab, while_reading=(
             lambda: (warm_compile_workers(device), prewarm_compiler_imports(sources))) if device.type == "cuda" else None)
     elif device.type == "cuda":  # no reads to hide it behind: Dynamo's source index fills beside the host store

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -52,7 +51,6 @@ if TYPE_CHECKING:
     from torch_stagehand.runtime.runtime import Runtime
 
 _READ_THREADS = 8  # enough to saturate a page cache or an NVMe drive; each thread holds no buffer of its own
-_READ_SWITCH_INTERVAL = 0.0005  # the GIL's switch interval while the reads go (seconds; Python's default: 0.005)
 
 
 def resolve_manifest(slab: str | os.PathLike) -> str:
@@ -116,16 +114,12 @@ def slab_loader_for(slab: str | os.PathLike,
 
             def beside_the_reads() -> None:
                 # The identity check goes beside the reads, not before them: a slab of other weights still fails
-                # offload (the reads are cancelled, the model put back), and a right one costs no wait. On threads
-                # of its own, beside `while_reading` too: its sampled rows wait for a disk busy with the slab
-                # (4.8 s for Flux's checkpoint on an H100 machine, against 0.3-0.6 s on an idle disk).
-                with ThreadPoolExecutor(1, thread_name_prefix="stagehand-identity") as pool:
-                    identity = pool.submit(check_identity)
-                    if while_reading is not None:
-                        start = time.perf_counter()
-                        while_reading()
-                        rt.clock.beside("compiler imports and source index", time.perf_counter() - start)
-                    identity.result()
+                # offload (the reads are cancelled, the model put back), and a right one costs no wait.
+                check_identity()
+                if while_reading is not None:
+                    start = time.perf_counter()
+                    while_reading()
+                    rt.clock.beside("compiler imports and source index", time.perf_counter() - start)
 
             pinned = set(pin)
             _read_in_parallel(reader, reads, beside_the_reads, rows=lambda block: rt.store.writes(block, INT8),
@@ -167,11 +161,6 @@ def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[
 
     workers = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(reads) or 1))
     pool = ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read")
-    # Each read takes the GIL back a dozen times (after preadv, crc32, the scale checks); beside a thread that
-    # runs Python (the compiler's imports) each of those waits up to the switch interval. At 0.5 ms instead of
-    # 5 the reads beside the imports went at 1.62 GB/s instead of 1.35 (1.85 alone; benches/slab_reads.py).
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(min(switch, _READ_SWITCH_INTERVAL))
     try:
         futures = [pool.submit(read_rows, *r) if whole else
                    pool.submit(reader.read_bias_into, r[0], r[3]) for r, whole in reads]
@@ -187,7 +176,6 @@ def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[
             clock.beside("slab reads", max(last_read) - start)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-        sys.setswitchinterval(switch)
 
 
 def _attach_disk_tier(rt: "Runtime", reader: SlabReader, manifest: str) -> None:
