@@ -714,6 +714,91 @@ def start_time_provisional_table() -> str:
          Col("peak re-plans", _peak_replans), Col("new-plan steps / steady", _new_plan_steps)])
 
 
+# Offload from the checkpoint + slab with the page cache dropped, by offload's stage clock (file, what the code had,
+# the read bench of the same call or None). One H100 machine per call; the first file's call ran three cold runs.
+START_TIME_SLAB = (
+    ("start_time_stages_files_default.json", "before: pins after the reads, identity check before them", None),
+    ("start_time_stages_files_notuning.json", "before; no tuning candidates in the workers", None),
+    ("start_time_stages_files_noworkers.json", "before; no ahead-compile workers", None),
+    ("start_time_slab_pins_files.json", "each INT8 block locked as its rows land; identity check, then imports, "
+     "beside the reads (kept)", "slab_reads.json"),
+    ("start_time_identity_thread_files.json", "identity check on its own thread beside the imports; GIL switch "
+     "0.5 ms (taken out)", "slab_reads_switch.json"),
+    ("start_time_read_ahead_files.json", "the same, and the compiler's files read ahead (taken out)",
+     "slab_reads_read_ahead.json"),
+)
+_PINS = "precision copies built, host store pinned"
+_SLAB_STAGES = ("slab rows read", _PINS, "resident tensors to the device", "device slots")
+
+
+def _stage(name: str) -> Callable[[dict], str]:
+    return lambda r: num((r.get("offload_stages_s") or {}).get(name))
+
+
+def _beside(name: str) -> Callable[[dict], str]:
+    return lambda r: num((r.get("offload_beside_s") or {}).get(name))
+
+
+def _identity_s(r: dict) -> str:
+    """The identity check's seconds: beside the reads, or (before) a stage of its own ahead of them."""
+    stages, beside = r.get("offload_stages_s") or {}, r.get("offload_beside_s") or {}
+    if "slab identity check" in beside:
+        return num(beside["slab identity check"])
+    before = stages.get("slab opened, identity checked")
+    return f"{before:.2f} (before the reads)" if before is not None else ""
+
+
+def _other_stages(r: dict) -> str:
+    stages = r.get("offload_stages_s") or {}
+    return num(stages["total"] - sum(stages.get(k, 0.0) for k in _SLAB_STAGES)
+               - stages.get("slab opened, identity checked", 0.0)) if "total" in stages else ""
+
+
+def start_time_slab_table() -> str:
+    """Where offload from the checkpoint + slab spends its seconds with the page cache dropped (offload's stage
+    clock), and the disk's own read seconds in the same call."""
+    rows = []
+    for name, label, reads in START_TIME_SLAB:
+        disk = next((x["seconds"] for x in load(reads)["rows"] if x["mode"] == "disk"), None) if reads else None
+        for r in load(name)["runs"]:
+            rows.append(dict(r, _label=label, _disk=disk, _source=name))
+    cols = [Col("code", lambda r: r["_label"]), Col("run", lambda r: r["mode"]),
+            Col("offload s", field("offload_s")), Col("first step s", field("first_step_s")),
+            Col("slab rows read s", _stage("slab rows read")), Col("reads ended s", _beside("slab reads")),
+            Col("identity check s", _identity_s),
+            Col("compiler imports s", _beside("compiler imports and source index")),
+            Col("page-lock s", _stage(_PINS)), Col("resident tensors s", _stage("resident tensors to the device")),
+            Col("device slots s", _stage("device slots")), Col("other stages s", _other_stages),
+            Col("disk alone s (same call)", lambda r: num(r["_disk"]) if r["mode"] == "cold" else ""),
+            Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Flux-dev 12B int8 offloaded from its safetensors checkpoint and INT8 slab (11.9 GB) on the disk "
+            "(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps 4-6 --ahead-workers 2 "
+            "--bytecode-cache --drop-page-cache`; the no-workers run `--ahead-workers 0`, the no-candidates run "
+            "`STAGEHAND_AHEAD_TUNING=0`); cold: the page cache dropped, warm: a second process with the files in "
+            "it. Four calls, each on its own H100 machine. \"slab rows read s\": offload's stage from the first "
+            "read to the last of the work beside the reads; \"reads ended s\": when the last read ended, from "
+            "the first; \"identity check s\" and \"compiler imports s\": the calling thread's work beside the "
+            "reads; \"page-lock s\": the stage that locked the INT8 copies after the reads (the reader threads "
+            "lock them since); \"disk alone s\": `benches/slab_reads.py`'s 8-thread read of the slab file in the "
+            "same call, page cache dropped")
+    return f"{caption(*[n for n, _, _ in START_TIME_SLAB], what=what)}\n\n{table(rows, cols)}\n"
+
+
+def slab_reads_table() -> str:
+    """The slab's read path against the disk, one change at a time (benches/slab_reads.py), per call."""
+    names = ("slab_reads.json", "slab_reads_switch.json", "slab_reads_read_ahead.json")
+    rows = [dict(r, _source=n) for n in names for r in load(n)["rows"]]
+    cols = [Col("mode", lambda r: r["mode"]), Col("what", lambda r: r.get("what", "")),
+            Col("reads s", field("seconds")), Col("GB/s", field("gb_s")), Col("x disk", field("x_disk")),
+            Col("with what ran beside s", field("call_s")), Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("`benches/slab_reads.py --slab <flux.manifest.json>`: Flux-dev 12B's INT8 slab (11.9 GB), each mode "
+            "a fresh process after the page cache was dropped; three calls, each on its own H100 machine (the "
+            "modes each call's code had: the second and third ran code taken out since, where offload set the "
+            "GIL's switch interval itself and, in the third, read the compiler's files ahead). \"x disk\": "
+            "seconds over the disk's own read of the file in the same call")
+    return f"{caption(*names, what=what)}\n\n{table(rows, cols)}\n"
+
+
 def start_time_freeze_table() -> str:
     """Seconds to the first step with the heap frozen at offload (this session's code)."""
     return start_time_blocks_table(START_TIME_FREEZE, (
@@ -1356,6 +1441,9 @@ FIGURES: dict[str, Figure] = {
     "start_time_hints": Figure(start_time_hints_table, tuple(name for name, _, _ in START_TIME_HINTS)),
     "start_time_provisional": Figure(start_time_provisional_table,
                                      tuple(name for name, _, _ in START_TIME_PROVISIONAL)),
+    "start_time_slab": Figure(start_time_slab_table, (*[n for n, _, r in START_TIME_SLAB],
+                                                       *[r for _, _, r in START_TIME_SLAB if r])),
+    "slab_reads": Figure(slab_reads_table, ("slab_reads.json", "slab_reads_switch.json", "slab_reads_read_ahead.json")),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
