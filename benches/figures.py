@@ -46,6 +46,7 @@ OPENER = re.compile(r"<!-- (/?)figures:([\w.-]+) -->")
 CITED = re.compile(r"benches/results/[\w.*<>-]+(?:/[\w.-]+)*")
 SECONDS = re.compile(r"\d+(?:\.\d+)? s\b")
 PHASES = re.compile(r"first step took N s \([^)]*\)")
+STAGES = re.compile(r"^  took N s \(.*\)$", re.M)  # offload's summary line: the stages over 0.05 s
 
 
 # ---- reading result files ------------------------------------------------------------------------------------------
@@ -1327,9 +1328,11 @@ def offload_report() -> str:
 
 
 def normalise_seconds(text: str) -> str:
-    # The first-step line names only the phases that took 5 ms or more: on a loaded machine the optimizer's
-    # joins them. Which phases it lists is timing, like the seconds.
-    return PHASES.sub("first step took N s (phases)", SECONDS.sub("N s", text))
+    # The first-step line names only the phases that took 5 ms or more (on a loaded machine the optimizer's
+    # joins them), offload's line only the stages that took 0.05 s or more. Which ones they list is timing, like
+    # the seconds.
+    text = PHASES.sub("first step took N s (phases)", SECONDS.sub("N s", text))
+    return STAGES.sub("  took N s (stages)", text)
 
 
 def demo_shapes() -> str:

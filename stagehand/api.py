@@ -102,8 +102,12 @@ def offload(
         # (importing its modules: a few tenths of a second), imports the compiler and indexes the model's sources
         # for Dynamo.
         sources = dynamo_source_files(model)
-        slab_loader = slab_loader_for(slab, while_reading=(
-            lambda: (warm_compile_workers(device), prewarm_compiler_imports(sources))) if device.type == "cuda" else None)
+
+        def while_reading() -> None:
+            warm_compile_workers(device)
+            prewarm_compiler_imports(sources)
+
+        slab_loader = slab_loader_for(slab, while_reading=while_reading if device.type == "cuda" else None)
     elif device.type == "cuda":  # no reads to hide it behind: Dynamo's source index fills beside the host store
         from torch_stagehand.compiler.inner import dynamo_source_files, start_index_sources_for_dynamo
 

@@ -121,10 +121,14 @@ def slab_loader_for(slab: str | os.PathLike,
                     while_reading()
                     rt.clock.beside("compiler imports and source index", time.perf_counter() - start)
 
-            pinned = set(pin)
+            streams_int8 = set(pin)
+
+            def block_read(block: int) -> None:  # on a reader thread, while the other blocks are still read
+                if block in streams_int8:
+                    rt.store.lock_filled(block, INT8)
+
             _read_in_parallel(reader, reads, beside_the_reads, rows=lambda block: rt.store.writes(block, INT8),
-                              clock=rt.clock,
-                              on_block_read=lambda block: block in pinned and rt.store.lock_filled(block, INT8))
+                              clock=rt.clock, on_block_read=block_read)
             for _name, _q, _s, bias_out, spec in reads:
                 if bias_out is not None:
                     bias = spec.module.bias
@@ -138,7 +142,7 @@ def slab_loader_for(slab: str | os.PathLike,
 
 def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[], None] | None = None,
                       rows: Callable[[int], bool] | None = None, clock: StageClock | None = None,
-                      on_block_read: Callable[[int], object] | None = None) -> None:
+                      on_block_read: Callable[[int], None] | None = None) -> None:
     """Every layer's rows, scale and bias from the file into its buffer, on a few threads: `preadv` and the crc32
     check release the GIL, so the reads go at the page cache's (or the disk's) speed, not one memcpy core's.
     The first error (a SlabError naming the layer) is raised once the reads under way finish; the queued ones
