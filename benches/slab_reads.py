@@ -57,7 +57,7 @@ def read_disk(path: str, threads: int = 8, chunk: int = 32 << 20) -> int:
     return size
 
 
-def read_store(manifest: str, mode: str) -> tuple[int, float, dict]:
+def read_store(manifest: str, mode: str) -> tuple[int, float, float]:
     """Offload's read path into one fresh arena; returns (bytes, the reads' seconds, the call's seconds)."""
     import torch
 

@@ -86,14 +86,13 @@ def slab_loader_for(slab: str | os.PathLike,
 
             def check_identity() -> None:
                 # The sampled rows of weights mapped from a checkpoint: read without readahead (weights_file.py).
-                start = time.perf_counter()
                 with rt.checkpoint.random_access() if rt.checkpoint is not None else contextlib.nullcontext():
                     checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
                                           require=rt.config.require_slab_identity)
-                rt.clock.beside("slab identity check", time.perf_counter() - start)
 
-            if rt.config.int8_tier == "disk":
+            if rt.config.int8_tier == "disk":  # no rows to read: the check is a stage of its own
                 check_identity()
+                rt.clock.mark("slab opened, identity checked")
                 return _attach_disk_tier(rt, reader, manifest)
             reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec)
             for block, bb in enumerate(rt.store.blocks):
@@ -115,7 +114,9 @@ def slab_loader_for(slab: str | os.PathLike,
             def beside_the_reads() -> None:
                 # The identity check goes beside the reads, not before them: a slab of other weights still fails
                 # offload (the reads are cancelled, the model put back), and a right one costs no wait.
+                start = time.perf_counter()
                 check_identity()
+                rt.clock.beside("slab identity check", time.perf_counter() - start)
                 if while_reading is not None:
                     start = time.perf_counter()
                     while_reading()
