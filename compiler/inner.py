@@ -59,10 +59,11 @@ def warm_compile_workers(device: torch.device) -> bool:
 
 def prewarm_compiler_imports(source_files: Sequence[str] = ()) -> None:
     """Import Inductor's and AOTAutograd's modules now (~2 s that the first unit's compile, or a warm start's
-    first load, would otherwise spend). Called by `offload()` in its own thread while other threads read the
-    slab: never on a thread of its own, since two threads importing one circle of modules can each see the
-    other's half-made module. Then starts `prewarm_cache_keys` on a thread of its own (it imports nothing), and
-    indexes `source_files` for Dynamo (`index_sources_for_dynamo`), on this thread, while the reads go on."""
+    first load, would otherwise spend). Called by `offload()` on its calling thread while other threads fill
+    the host store (read the slab, or copy the weights): never on a thread of its own, since two threads
+    importing one circle of modules can each see the other's half-made module. Then starts `prewarm_cache_keys`
+    on a thread of its own (it imports nothing), and indexes `source_files` for Dynamo
+    (`index_sources_for_dynamo`), on this thread, while the store fills."""
     import torch._functorch.aot_autograd  # noqa: F401
     import torch._inductor.codecache  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
@@ -106,7 +107,7 @@ def index_sources_for_dynamo(files: Sequence[str]) -> None:
     """Fill Dynamo's index of which function each source line is in (`torch._dynamo.funcname_cache`). Dynamo
     names the function around every line it turns into a graph node, and tokenizes a whole file the first
     time it meets it: 0.2-0.6 s of a first step (Flux, Qwen-32B), which offload spends here instead, while the
-    slab's rows come off the disk."""
+    host store fills."""
     try:
         from torch._dynamo import funcname_cache
     except ImportError:  # pragma: no cover - a torch without it: Dynamo does nothing of the kind
@@ -117,13 +118,6 @@ def index_sources_for_dynamo(files: Sequence[str]) -> None:
     for path in files:
         if path not in funcname_cache.cache:
             add(path)
-
-
-def start_index_sources_for_dynamo(files: Sequence[str]) -> None:
-    """`index_sources_for_dynamo` on a thread of its own (it imports nothing: file reads and Python's tokenizer),
-    for an offload with no slab to read: 0.2-0.3 s of a warm Flux start's first step otherwise."""
-    threading.Thread(target=index_sources_for_dynamo, args=(list(files),), name="stagehand-source-index",
-                     daemon=True).start()
 
 
 def prewarm_cache_keys() -> None:

@@ -54,7 +54,7 @@ class Runtime(SelectivePrecisionAPI):
         layers: list[StreamedLayerSpec],
         precision: dict[int, str],
         config: Config,
-        slab_loader=None,
+        slab_loader=None, while_filling: Callable[[], None] | None = None,  # beside the masters' copies
         vram_budget: int | str | None = None,
         cost_model: CostModel | None = None,
         keep_full: str | None = None, checkpoint=None,  # checkpoint: a WeightsFile (a meta model loads from it)
@@ -85,7 +85,7 @@ class Runtime(SelectivePrecisionAPI):
         self.pool = self.node = self.shards = None
         self.clock = clock or StageClock()
         try:
-            self._offload(precision, slab_loader, budget, cost_model)
+            self._offload(precision, slab_loader, budget, cost_model, while_filling)
         except BaseException as e:
             self._abandon(e)  # offload is a transaction: the model is left exactly as it was
             raise
@@ -110,11 +110,11 @@ class Runtime(SelectivePrecisionAPI):
         self.offload_summary: dict[str, Any] = {}  # what offload() reported (the front door fills it)
         self.events = RuntimeEvents()  # step ends and compiles, for the front door's reports
 
-    def _offload(self, precision: dict[int, str], slab_loader, budget, cost_model) -> None:
+    def _offload(self, precision: dict[int, str], slab_loader, budget, cost_model, while_filling=None) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
         model, layers = self.model, self.layers
         # self.store: planned and checked against the machine's memory before anything is allocated.
-        build_host_store(self, precision, slab_loader, self._keep_full, progress)
+        build_host_store(self, precision, slab_loader, self._keep_full, progress, while_filling)
         # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
         # Several ranks: a training block's gradients go to its owner alone (shards.py; made by build_host_store).

@@ -78,13 +78,6 @@ def offload(
     device = torch.device(device) if device is not None else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
-    if device.type == "cuda" and slab is None:
-        from torch_stagehand.compiler.inner import start_prewarm_cache_keys, warm_compile_workers
-
-        # Inductor's compile workers come up while offload fills the host store (if asked). With a slab they start
-        # beside its reads (below), and the cache keys are worked out once the compiler is imported.
-        warm_compile_workers(device)
-        start_prewarm_cache_keys()
     block_fqns = find_blocks(model, blocks)
     layers = streamed_layers(model, block_fqns)
     auto = isinstance(precision, str) and precision == AUTO
@@ -93,25 +86,15 @@ def offload(
                          "selective_precision.enabled is false in the config")
     precision_map = validate_precision_map(FULL if auto else precision, block_fqns, context="offload: precision map")
     clock.mark("find blocks")
+    # While the slab's rows come off the disk on reader threads, or a worker thread copies the weights into the host
+    # store, this thread starts Inductor's compile workers (if asked), imports the compiler and indexes the model's
+    # sources for Dynamo: a warm start's first step spent ~1 s of it otherwise.
+    prepare_compiler = _compiler_preparation(model, device)
     slab_loader = None
     if slab is not None:
-        from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
-        # While the slab's rows come off the disk on reader threads, this thread starts Inductor's compile workers
-        # (importing its modules: a few tenths of a second), imports the compiler and indexes the model's sources
-        # for Dynamo.
-        sources = dynamo_source_files(model)
-
-        def while_reading() -> None:
-            warm_compile_workers(device)
-            prewarm_compiler_imports(sources)
-
-        slab_loader = slab_loader_for(slab, while_reading=while_reading if device.type == "cuda" else None)
-    elif device.type == "cuda":  # no reads to hide it behind: Dynamo's source index fills beside the host store
-        from torch_stagehand.compiler.inner import dynamo_source_files, start_index_sources_for_dynamo
-
-        start_index_sources_for_dynamo(dynamo_source_files(model))
+        slab_loader = slab_loader_for(slab, while_reading=prepare_compiler)
     weights_file = None
     if checkpoint is not None:
         from torch_stagehand.runtime.weights_file import WeightsFile
@@ -122,7 +105,8 @@ def offload(
     clock.mark("sources indexed, files opened, workers started")
     try:
         rt = Runtime(model, device, block_fqns, layers, precision_map, config, slab_loader=slab_loader,
-                     keep_full=keep_full, checkpoint=weights_file, vram_budget=vram_budget, clock=clock)
+                     while_filling=None if slab_loader is not None else prepare_compiler, keep_full=keep_full,
+                     checkpoint=weights_file, vram_budget=vram_budget, clock=clock)
     except BaseException:
         if ahead is not None:
             ahead.close()
@@ -154,6 +138,23 @@ def offload(
         FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
     rt.collector.freeze_before_compile()  # last: what offload made is frozen too (collector.py)
     return rt
+
+
+def _compiler_preparation(model: nn.Module, device: torch.device):
+    """On CUDA, what offload's calling thread does while other threads fill the host store: start Inductor's
+    compile workers, import the compiler, index the model's sources for Dynamo (compiler/inner.py). None
+    elsewhere (a CPU run compiles nothing ahead)."""
+    if device.type != "cuda":
+        return None
+    from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
+
+    sources = dynamo_source_files(model)  # read before the weights move (a worker replaces the Parameters)
+
+    def prepare() -> None:
+        warm_compile_workers(device)
+        prewarm_compiler_imports(sources)
+
+    return prepare
 
 
 def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precision_map: dict, auto: bool):
