@@ -233,15 +233,22 @@ def one_config_per_kernel(inductor_config) -> dict:
     profiler, in the step, where its backward first meets each kernel), and its single block's q/k RMSNorm fused
     with the rotary embedding compiled three configs for 4.4 s in a worker, on the step's critical path. A
     reduction's one config is the pick Inductor makes in deterministic mode (`force_filter_reduction_configs`), a
-    pointwise kernel's its untimed heuristic. A torch without these switches gets Inductor's default. On one
-    H100 machine, Flux int8's cold first step took 17.5 s with the default against 22.0 s with every kernel
-    timed, and its steady step 622 ms against 648-665 (benches/results/start_time_one_config_flux.json)."""
+    pointwise kernel's its untimed heuristic. Deterministic mode also keeps a reduction from growing a second
+    config at its first launch (`dynamic_scale_rblock`: a halved RBLOCK where registers limit occupancy, compiled
+    in the main process and timed against the first, in every process, for no autotune cache keeps the pick of a
+    one-config kernel): 9 of Flux bf16's reductions did, 0.4-0.5 s of each warm first step, and a run's loss then
+    depended on which config won its timing (benches/results/start_time_rblock_flux_bf16.json). A torch without
+    these switches gets Inductor's default. On one H100 machine, Flux int8's cold first step took 17.5 s with
+    the default against 22.0 s with every kernel timed, and its steady step 622 ms against 648-665
+    (benches/results/start_time_one_config_flux.json)."""
     timed, patches = AUTOTUNED[autotune_choice()], {}
     if "pointwise" not in timed and hasattr(inductor_config.triton, "autotune_pointwise"):
         patches["triton.autotune_pointwise"] = False
     if "reductions" not in timed and hasattr(getattr(inductor_config, "test_configs", None),
                                              "force_filter_reduction_configs"):
         patches["test_configs.force_filter_reduction_configs"] = True
+    if "reductions" not in timed and hasattr(inductor_config, "dynamic_scale_rblock"):
+        patches["dynamic_scale_rblock"] = False
     return patches
 
 

@@ -269,20 +269,23 @@ def test_units_compile_one_config_per_kernel_of_the_kinds_not_autotuned(monkeypa
 
     monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "none")
     assert one_config_per_kernel(inductor_config) == {"triton.autotune_pointwise": False,
-                                                      "test_configs.force_filter_reduction_configs": True}
+                                                      "test_configs.force_filter_reduction_configs": True,
+                                                      "dynamic_scale_rblock": False}
     seen = []
 
     def on_graph(kind, gm):  # called inside the compile, under its config
         seen.append((kind, inductor_config.triton.autotune_pointwise,
-                     inductor_config.test_configs.force_filter_reduction_configs))
+                     inductor_config.test_configs.force_filter_reduction_configs, inductor_config.dynamic_scale_rblock))
 
     gm = fx.symbolic_trace(lambda x: torch.relu(x).sum(-1))
     torch._dynamo.reset()
     compile_unit(gm, [torch.randn(4, 8)], "inductor", on_graph, JOINT_PASSES)
-    assert seen and all(s[1:] == (False, True) for s in seen), seen
+    assert seen and all(s[1:] == (False, True, False) for s in seen), seen
     assert inductor_config.triton.autotune_pointwise is True  # only while a unit compiles
+    assert inductor_config.dynamic_scale_rblock is True
     monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "pointwise")
-    assert one_config_per_kernel(inductor_config) == {"test_configs.force_filter_reduction_configs": True}
+    assert one_config_per_kernel(inductor_config) == {"test_configs.force_filter_reduction_configs": True,
+                                                      "dynamic_scale_rblock": False}
     monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "reductions")
     assert one_config_per_kernel(inductor_config) == {"triton.autotune_pointwise": False}
     monkeypatch.setenv("STAGEHAND_INDUCTOR_AUTOTUNE", "1")
