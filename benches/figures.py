@@ -32,6 +32,7 @@ import contextlib
 import io
 import json
 import re
+import statistics
 import sys
 import warnings
 from dataclasses import dataclass
@@ -727,6 +728,12 @@ START_TIME_SLAB = (
      "0.5 ms (taken out)", "slab_reads_switch.json"),
     ("start_time_read_ahead_files.json", "the same, and the compiler's files read ahead (taken out)",
      "slab_reads_read_ahead.json"),
+    ("start_time_identity_beside_A_files.json", "identity check, then imports, beside the reads (the kept code "
+     "above, rerun)", None),
+    ("start_time_identity_beside_B_files.json", "identity check on a worker beside the imports, same machine as "
+     "the row above (kept)", None),
+    ("start_time_identity_beside_files.json", "identity check on a worker beside the imports, another machine",
+     None),
 )
 _PINS = "precision copies built, host store pinned"
 _SLAB_STAGES = ("slab rows read", _PINS, "resident tensors to the device", "device slots")
@@ -776,13 +783,69 @@ def start_time_slab_table() -> str:
             "(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps 4-6 --ahead-workers 2 "
             "--bytecode-cache --drop-page-cache`; the no-workers run `--ahead-workers 0`, the no-candidates run "
             "`STAGEHAND_AHEAD_TUNING=0`); cold: the page cache dropped, warm: a second process with the files in "
-            "it. Four calls, each on its own H100 machine. \"slab rows read s\": offload's stage from the first "
+            "it. Six calls, each on its own H100 machine; the `identity_beside_A` and `_B` files in one call (B "
+            "first; B's warm run was cut off by the call's time limit), whose disk read the slab alone in 8.07 s "
+            "(`dd`, `start_time_identity_beside_disk.log`). \"slab rows read s\": offload's stage from the first "
             "read to the last of the work beside the reads; \"reads ended s\": when the last read ended, from "
             "the first; \"identity check s\" and \"compiler imports s\": the calling thread's work beside the "
             "reads; \"page-lock s\": the stage that locked the INT8 copies after the reads (the reader threads "
             "lock them since); \"disk alone s\": `benches/slab_reads.py`'s 8-thread read of the slab file in the "
             "same call, page cache dropped")
     return f"{caption(*[n for n, _, _ in START_TIME_SLAB], what=what)}\n\n{table(rows, cols)}\n"
+
+
+# A warm Flux bf16 start (its first step in a second process) before and after this session's changes, then the A/B
+# of Inductor's RBLOCK growth on one machine: (file, what the code had).
+START_TIME_WARM_BF16 = (
+    ("start_time_profile_flux_bf16.json", "before: the compiler imported in the first step; a reduction's RBLOCK "
+     "grown at its first launch (the profile run under cProfile)"),
+    ("start_time_rblock_flux_bf16.json", "the weights copied on a worker beside the compiler's imports; one config "
+     "per reduction"),
+)
+START_TIME_RBLOCK = (
+    ("start_time_rblock_off_flux_int8.json", "int8", "off (kept)"),
+    ("start_time_rblock_on_flux_int8.json", "int8", "on (Inductor's default)"),
+    ("start_time_rblock_on_flux_bf16.json", "bf16", "on (Inductor's default)"),
+    ("start_time_rblock_off_flux_bf16.json", "bf16", "off (kept)"),
+)
+
+
+def start_time_warm_bf16_table() -> str:
+    """Flux bf16 regional: cold, then warm runs, before and after; where the warm first step's seconds go."""
+    rows = [dict(r, _label=label, _source=name) for name, label in START_TIME_WARM_BF16 for r in load(name)["runs"]]
+    cols = [Col("code", lambda r: r["_label"]), Col("run", lambda r: r["mode"]),
+            Col("offload s", field("offload_s")), Col("first step s", field("first_step_s")),
+            Col("Dynamo capture s", field("dynamo_s")), Col("unit loads s", field("first_step_compile_s")),
+            Col("rest of the step s", field("first_step_rest_s")), Col("steady ms", field("steady_ms", ms)),
+            Col("first loss", lambda r: f"{r['first_loss']:.7f}"),
+            Col("compiler imports beside the copies s", _beside("compiler imports and source index")),
+            Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Flux-dev 12B bf16 built on the GPU, LoRA r=16, AdamW, `stagehand.compile_blocks`, 16 GiB "
+            "(`benches/start_time.py --rows flux:bf16:blocks --modes cold warm warm --steps 5-6 --ahead-workers 2 "
+            "--bytecode-cache`); each run a fresh process, each file's runs on one H100 machine. \"unit loads s\": "
+            "the block variants loaded from the compile caches in the step; \"rest of the step s\": the first step "
+            "less those and Dynamo's capture (the step itself ~0.72 s)")
+    return f"{caption(*[n for n, _ in START_TIME_WARM_BF16], what=what)}\n\n{table(rows, cols)}\n"
+
+
+def _later_steps(r: dict, stat) -> str:
+    later = r.get("step_ms", [])[4:]  # the 6th step on
+    return ms(stat(later)) if later else ""
+
+
+def start_time_rblock_table() -> str:
+    """The steady step with a reduction's RBLOCK grown at its first launch (Inductor's default) and without."""
+    rows = [dict(r, _model=model, _label=label, _source=name) for name, model, label in START_TIME_RBLOCK
+            for r in load(name)["runs"]]
+    cols = [Col("weights", lambda r: r["_model"]), Col("RBLOCK grown at first launch", lambda r: r["_label"]),
+            Col("first step s (cold)", field("first_step_s")),
+            Col("steps 6-12 median ms", lambda r: _later_steps(r, statistics.median)),
+            Col("steps 6-12 min ms", lambda r: _later_steps(r, min)),
+            Col("steps 6-12 max ms", lambda r: _later_steps(r, max)), Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Flux-dev 12B regional, cold runs of 12 steps on one H100 machine, in the order of the rows (every "
+            "cache emptied before each); \"off\": `dynamic_scale_rblock=False` under one config per reduction "
+            "(compiler/inner.py `one_config_per_kernel`), \"on\": the parent commit's code")
+    return f"{caption(*[n for n, _, _ in START_TIME_RBLOCK], what=what)}\n\n{table(rows, cols)}\n"
 
 
 def slab_reads_table() -> str:
@@ -1446,6 +1509,8 @@ FIGURES: dict[str, Figure] = {
                                      tuple(name for name, _, _ in START_TIME_PROVISIONAL)),
     "start_time_slab": Figure(start_time_slab_table, (*[n for n, _, r in START_TIME_SLAB],
                                                        *[r for _, _, r in START_TIME_SLAB if r])),
+    "start_time_warm_bf16": Figure(start_time_warm_bf16_table, tuple(n for n, _ in START_TIME_WARM_BF16)),
+    "start_time_rblock": Figure(start_time_rblock_table, tuple(n for n, _, _ in START_TIME_RBLOCK)),
     "slab_reads": Figure(slab_reads_table, ("slab_reads.json", "slab_reads_switch.json", "slab_reads_read_ahead.json")),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),

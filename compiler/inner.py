@@ -236,8 +236,9 @@ def one_config_per_kernel(inductor_config) -> dict:
     pointwise kernel's its untimed heuristic. Deterministic mode also keeps a reduction from growing a second
     config at its first launch (`dynamic_scale_rblock`: a halved RBLOCK where registers limit occupancy, compiled
     in the main process and timed against the first, in every process, for no autotune cache keeps the pick of a
-    one-config kernel): 9 of Flux bf16's reductions did, 0.4-0.5 s of each warm first step, and a run's loss then
-    depended on which config won its timing (benches/results/start_time_rblock_flux_bf16.json). A torch without
+    one-config kernel): 9 of Flux bf16's reductions did, 0.4 s of each warm first step, and the winner of a timing
+    can differ from one process to the next. Without it the cold first steps were 1.8-3.3 s shorter and the
+    steady steps the same within their spread (benches/results/start_time_rblock_*.json). A torch without
     these switches gets Inductor's default. On one H100 machine, Flux int8's cold first step took 17.5 s with
     the default against 22.0 s with every kernel timed, and its steady step 622 ms against 648-665
     (benches/results/start_time_one_config_flux.json)."""
