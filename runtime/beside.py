@@ -1,7 +1,8 @@
 """One piece of work on a thread of its own while the calling thread does another.
 
 Offload fills the host store (copies that release the GIL: the device-to-host link, memcpy into fresh pages)
-on a worker thread while the calling thread imports the compiler and starts its workers. The imports stay on
+on a worker thread while the calling thread imports the compiler and starts its workers; beside a slab's reads,
+the slab's identity check runs on one while the calling thread imports. The imports stay on
 the calling thread: two threads importing one circle of modules can each see the other's half-made module
 (compiler/inner.py), so the thread that goes on to compile is the one that imported.
 """
