@@ -117,3 +117,24 @@ def test_an_error_on_either_side_leaves_the_model_as_it_was(monkeypatch, side):
     with pytest.raises((MemoryError, RuntimeError), match="block 1's master|did not start"):
         stagehand.offload(model, device="cpu", verbose=False)
     _assert_untouched(model, before)
+
+
+def test_weights_left_in_their_file_are_not_copied_and_the_preparation_still_runs(monkeypatch, tmp_path):
+    """keep_full="file": the masters are views of the mapped checkpoint, so no worker copies anything; the
+    preparation runs on the calling thread all the same, and the model computes as before."""
+    from safetensors.torch import save_file
+
+    model, x = toy(n=4)
+    expected = copy.deepcopy(model)(x)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    copied, seen = [], []
+    monkeypatch.setattr(host_setup, "_copy_masters", lambda *a: copied.append(True))
+    _prepare_on_cpu(monkeypatch, lambda: seen.append(threading.current_thread() is threading.main_thread()))
+    rt = stagehand.offload(model, device="cpu", keep_full="file", checkpoint=path, verbose=False)
+    try:
+        assert copied == [] and seen == [True]
+        with torch.no_grad():
+            assert_exact(model(x), expected)
+    finally:
+        rt.restore()
