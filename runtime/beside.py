@@ -16,14 +16,22 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 
-def run_beside(work: Callable[[], T], on_calling_thread: Callable[[], None], name: str,
+def run_beside(work: Callable[[], T], on_calling_thread: Callable[[], None] | None, name: str,
                seconds: dict[str, float] | None = None) -> T:
     """`work()` on a thread named `name` while `on_calling_thread()` runs here; returns what `work` returned.
 
     The worker is always joined before this returns or raises, so nothing writes behind a caller that unwinds
     (offload puts the model back on an error). An error of `work` is raised here once both ended; if both
     failed, the calling thread's error is raised, with the worker's as its cause. `seconds`, when given, gets
-    how long each side took ("work", "calling thread")."""
+    how long each side took ("work", "calling thread"). With nothing for the calling thread (a CPU offload
+    prepares no compiler), `work` runs here: a thread would only wait."""
+    if on_calling_thread is None:
+        start = time.perf_counter()
+        try:
+            return work()
+        finally:
+            if seconds is not None:
+                seconds["work"] = time.perf_counter() - start
     result: list = []
     failed: list[BaseException] = []
 

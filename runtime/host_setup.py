@@ -23,7 +23,7 @@ from .blocks import StreamedLayerSpec
 from .host_plan import HostPlan, plan_host, preflight
 from .host_store import KEEP_FILE, HostStore
 from .shards import GradShards
-from .stage_clock import StageClock
+from .stage_clock import COMPILER_PREPARATION, StageClock
 from .weights_file import CheckpointError, WeightsFile
 
 log = logging.getLogger(__name__)
@@ -114,14 +114,12 @@ def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress,
         if while_filling is not None:
             while_filling()
         return []
-    if while_filling is None:
-        return _copy_masters(store, checkpoint, progress)
     seconds: dict[str, float] = {}
     missing = run_beside(lambda: _copy_masters(store, checkpoint, progress), while_filling,
                          "stagehand-masters", seconds)
-    if clock is not None:
+    if clock is not None and while_filling is not None:
         clock.beside("masters copied", seconds["work"])
-        clock.beside("compiler imports and source index", seconds["calling thread"])
+        clock.beside(COMPILER_PREPARATION, seconds["calling thread"])
     return missing
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import time
 
+# What offload's calling thread does beside the host store's fill (the slab's reads or the weights' copies), as
+# `beside` records it: the bench and the report read it by this name.
+COMPILER_PREPARATION = "compiler imports and source index"
+
 
 class StageClock:
     def __init__(self):

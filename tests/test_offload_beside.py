@@ -14,8 +14,10 @@ import torch_stagehand as stagehand
 from torch_stagehand import api
 from torch_stagehand.runtime import host_setup
 from torch_stagehand.runtime.beside import run_beside
+from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION
 
 from _helpers import assert_exact, toy
+from test_host_memory import _saved
 from test_offload_transaction import _assert_untouched, _snapshot
 
 
@@ -38,6 +40,14 @@ def test_the_work_and_the_calling_threads_part_run_at_once():
     assert run_beside(work, on_calling_thread, "stagehand-test", seconds) == 42
     assert seen == {"work": "stagehand-test", "calling": True}
     assert set(seconds) == {"work", "calling thread"} and all(s >= 0 for s in seconds.values())
+
+
+def test_with_nothing_for_the_calling_thread_the_work_runs_there():
+    seconds = {}
+    assert run_beside(lambda: threading.current_thread() is threading.main_thread(), None, "stagehand-test",
+                      seconds) is True
+    assert set(seconds) == {"work"}
+    assert not any(t.name == "stagehand-test" for t in threading.enumerate())
 
 
 def test_an_error_of_the_work_is_raised_once_the_calling_thread_is_done():
@@ -90,7 +100,7 @@ def test_offload_copies_on_a_worker_while_the_calling_thread_prepares(monkeypatc
     try:
         assert copying == ["stagehand-masters"] and seen == [True]
         beside = rt.offload_summary["beside"]
-        assert {"masters copied", "compiler imports and source index"} <= set(beside)
+        assert {"masters copied", COMPILER_PREPARATION} <= set(beside)
         with torch.no_grad():
             assert_exact(model(x), expected)  # every weight landed where its layer reads it
     finally:
@@ -122,12 +132,9 @@ def test_an_error_on_either_side_leaves_the_model_as_it_was(monkeypatch, side):
 def test_weights_left_in_their_file_are_not_copied_and_the_preparation_still_runs(monkeypatch, tmp_path):
     """keep_full="file": the masters are views of the mapped checkpoint, so no worker copies anything; the
     preparation runs on the calling thread all the same, and the model computes as before."""
-    from safetensors.torch import save_file
-
     model, x = toy(n=4)
     expected = copy.deepcopy(model)(x)
-    path = tmp_path / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    path = _saved(model, tmp_path)
     copied, seen = [], []
     monkeypatch.setattr(host_setup, "_copy_masters", lambda *a: copied.append(True))
     _prepare_on_cpu(monkeypatch, lambda: seen.append(threading.current_thread() is threading.main_thread()))

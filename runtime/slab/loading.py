@@ -8,9 +8,10 @@ model (a layer missing from the slab, another shape, a bad file) is a
 `SlabError` naming the layer and the file; nothing is zero-filled and a load
 that fails leaves the model as it was.
 
-While the rows are read, the calling thread checks the model's full-precision
+While the rows are read, a worker thread checks the model's full-precision
 weights (where it has them) against the identity the slab records of its source
-weights (`identity.py`): a slab quantized from other weights of the same shapes
+weights (`identity.py`), beside the calling thread's own work (offload's
+compiler imports): a slab quantized from other weights of the same shapes
 is a `SlabIdentityError` naming the first such layer (the reads still queued are
 cancelled, and offload puts the model back); a slab that records no identity
 loads with a `SlabIdentityWarning`, or is refused when
@@ -41,7 +42,7 @@ import torch
 
 from torch_stagehand.runtime.beside import run_beside
 from torch_stagehand.runtime.precision import INT8, layer_views
-from torch_stagehand.runtime.stage_clock import StageClock
+from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, StageClock
 
 from . import checks
 from .errors import SlabLayerNotFoundError
@@ -72,7 +73,7 @@ def slab_loader_for(slab: str | os.PathLike,
     """The loader `Runtime` calls to fill its INT8 buffers from `slab`: `load(rt, pin)`, where `pin` lists the
     blocks that stream INT8 (each is page-locked as soon as its rows are in, beside the reads still going).
     `while_reading()` runs on the calling thread while the reader threads read (work that would otherwise wait
-    for the slab, or make the slab wait), after the slab's identity check, which runs there too."""
+    for the slab, or make the slab wait), and the slab's identity check on a worker thread beside it."""
     manifest = resolve_manifest(slab)
 
     def load(rt: "Runtime", pin: list[int] = ()) -> None:
@@ -119,10 +120,10 @@ def slab_loader_for(slab: str | os.PathLike,
                 # imports the compiler: the two one after the other took longer than the reads (Flux int8 from
                 # files: 4.8 s + 3.6 s against 6.7 s).
                 seconds: dict[str, float] = {}
-                run_beside(check_identity, while_reading or (lambda: None), "stagehand-identity", seconds)
+                run_beside(check_identity, while_reading, "stagehand-identity", seconds)
                 rt.clock.beside("slab identity check", seconds["work"])
                 if while_reading is not None:
-                    rt.clock.beside("compiler imports and source index", seconds["calling thread"])
+                    rt.clock.beside(COMPILER_PREPARATION, seconds["calling thread"])
 
             streams_int8 = set(pin)
 
