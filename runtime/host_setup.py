@@ -168,13 +168,7 @@ def load_resident(model: nn.Module, checkpoint: WeightsFile, device: torch.devic
     Tied parameters (one Parameter under two names) stay tied: each object is
     replaced once, everywhere it is registered.
     """
-    owners: dict[int, list[tuple]] = {}  # id(tensor) -> (module, "_parameters" | "_buffers", name, fqn, tensor)
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        for kind in ("_parameters", "_buffers"):
-            for name, t in getattr(module, kind).items():
-                fqn = f"{mod_name}.{name}" if mod_name else name
-                if t is not None and t.is_meta and fqn not in streamed:
-                    owners.setdefault(id(t), []).append((module, kind, name, fqn, t))
+    owners = _resident_owners(model, streamed)
     untied = []
     for entries in progress(list(owners.values()), "offload: resident tensors from the checkpoint"):
         found = next((e[3] for e in entries if e[3] in checkpoint), None)
@@ -197,6 +191,26 @@ def load_resident(model: nn.Module, checkpoint: WeightsFile, device: torch.devic
                                   "model with its buffers real (accelerate.init_empty_weights()) from the "
                                   "checkpoint's own config")
     checkpoint.release_pages()
+
+
+def resident_file_names(model: nn.Module, checkpoint: WeightsFile, streamed: set[str]) -> list[str]:
+    """The checkpoint's names of the tensors `load_resident` will read (to read their pages ahead)."""
+    names = (next((e[3] for e in entries if e[3] in checkpoint), None)
+             for entries in _resident_owners(model, streamed).values())
+    return [name for name in names if name is not None]
+
+
+def _resident_owners(model: nn.Module, streamed: set[str]) -> dict[int, list[tuple]]:
+    """Every meta parameter and buffer not in `streamed`, by tensor: id(tensor) -> its registrations
+    (module, "_parameters" | "_buffers", name, fqn, tensor)."""
+    owners: dict[int, list[tuple]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(module, kind).items():
+                fqn = f"{mod_name}.{name}" if mod_name else name
+                if t is not None and t.is_meta and fqn not in streamed:
+                    owners.setdefault(id(t), []).append((module, kind, name, fqn, t))
+    return owners
 
 
 def progress(items, label: str):

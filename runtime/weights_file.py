@@ -23,12 +23,19 @@ import json
 import mmap
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
 import torch
 
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
            "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
            "BOOL": torch.bool}
+
+
+# Reading pages ahead: ranges closer than this are read as one; none longer than a chunk goes to one thread.
+_MERGE_GAP = 1 << 16
+_CHUNK = 8 << 20
 
 
 class CheckpointError(ValueError):
@@ -127,6 +134,27 @@ class WeightsFile:
                                   f"{tuple(like.shape)}")
         return t
 
+    def read_ahead(self, names: Sequence[str], threads: int = 8) -> int:
+        """The bytes of the tensors `names` into the page cache, on `threads` threads; returns how many were read.
+
+        Read with `pread`, not through the mapping: the pages go to the page cache, not to this process, and a
+        view faults them in from memory later. Offload from a slab reads a meta model's resident tensors this
+        way beside the slab's reads (Flux: a few hundred tensors, most of them a few hundred bytes between the
+        blocks' weights): faulted in one after another after the reads, each waited for the disk (0.6 s)."""
+        ranges = sorted((mf.path, *(mf.data_start + o for o in mf.header[name]["data_offsets"]))
+                        for name in names if (mf := self._where.get(name)) is not None)
+        merged: list[list] = []
+        for path, begin, end in ranges:
+            if merged and merged[-1][0] == path and begin - merged[-1][2] <= _MERGE_GAP:
+                merged[-1][2] = max(merged[-1][2], end)
+            else:
+                merged.append([path, begin, end])
+        chunks = [(path, at, min(end, at + _CHUNK)) for path, begin, end in merged for at in range(begin, end, _CHUNK)]
+        if not chunks:
+            return 0
+        with ThreadPoolExecutor(max(1, min(threads, len(chunks))), thread_name_prefix="stagehand-pages-ahead") as pool:
+            return sum(pool.map(lambda chunk: _read_range(*chunk), chunks))
+
     @contextlib.contextmanager
     def random_access(self):
         """Reads under it touch a few rows here and there (the slab identity's sampled rows): no readahead, so
@@ -150,6 +178,20 @@ class WeightsFile:
         if any(t._version != v for t, v in self._tracked):
             return  # a written page is this process's only copy of the write: never drop it
         self._advise(getattr(mmap, "MADV_DONTNEED", None))
+
+
+def _read_range(path: str, begin: int, end: int) -> int:
+    """`read_ahead`'s read of one range (0 where the file can not be read: its view's fault says why)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return 0
+    try:
+        return len(os.pread(fd, end - begin, begin))
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
 
 
 def _numel(shape) -> int:

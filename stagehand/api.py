@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
+from torch_stagehand.compiler.preparation import compiler_preparation
 from torch_stagehand.config import Config
 from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
@@ -89,12 +90,16 @@ def offload(
     # While the slab's rows come off the disk on reader threads, or a worker thread copies the weights into the host
     # store, this thread starts Inductor's compile workers (if asked), imports the compiler and indexes the model's
     # sources for Dynamo: a warm start's first step spent ~1 s of it otherwise.
-    prepare_compiler = _compiler_preparation(model, device)
+    prepare_compiler = compiler_preparation(model, device)
     slab_loader = None
     if slab is not None:
         from torch_stagehand.runtime.slab.loading import slab_loader_for
 
-        slab_loader = slab_loader_for(slab, while_reading=prepare_compiler)
+        files_read = None
+        if prepare_compiler is not None:  # its files read now, on threads: beside the slab's reads each would wait
+            prepare_compiler.read_files_ahead()
+            files_read = lambda: prepare_compiler.files_read().seconds  # noqa: E731
+        slab_loader = slab_loader_for(slab, while_reading=prepare_compiler, before_reading=files_read)
     weights_file = None
     if checkpoint is not None:
         from torch_stagehand.runtime.weights_file import WeightsFile
@@ -138,23 +143,6 @@ def offload(
         FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
     rt.collector.freeze_before_compile()  # last: what offload made is frozen too (collector.py)
     return rt
-
-
-def _compiler_preparation(model: nn.Module, device: torch.device):
-    """On CUDA, what offload's calling thread does while other threads fill the host store: start Inductor's
-    compile workers, import the compiler, index the model's sources for Dynamo (compiler/inner.py). None
-    elsewhere (a CPU run compiles nothing ahead)."""
-    if device.type != "cuda":
-        return None
-    from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
-
-    sources = dynamo_source_files(model)  # read before the weights move (a worker replaces the Parameters)
-
-    def prepare() -> None:
-        warm_compile_workers(device)
-        prewarm_compiler_imports(sources)
-
-    return prepare
 
 
 def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precision_map: dict, auto: bool):

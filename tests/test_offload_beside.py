@@ -78,7 +78,7 @@ def test_an_error_on_the_calling_thread_waits_for_the_work_and_keeps_its_error_a
 
 def _prepare_on_cpu(monkeypatch, prepare):
     """offload on the CPU prepares no compiler: give it `prepare` as the CUDA path would."""
-    monkeypatch.setattr(api, "_compiler_preparation", lambda model, device: prepare)
+    monkeypatch.setattr(api, "compiler_preparation", lambda model, device: prepare)
 
 
 def test_offload_copies_on_a_worker_while_the_calling_thread_prepares(monkeypatch):

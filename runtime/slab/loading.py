@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from torch_stagehand.runtime.beside import run_beside
+from torch_stagehand.runtime.host_setup import resident_file_names
 from torch_stagehand.runtime.precision import INT8, layer_views
-from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, StageClock
+from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD, StageClock
 
 from . import checks
 from .errors import SlabLayerNotFoundError
@@ -68,12 +69,15 @@ def resolve_manifest(slab: str | os.PathLike) -> str:
     )
 
 
-def slab_loader_for(slab: str | os.PathLike,
-                    while_reading: Callable[[], None] | None = None) -> Callable[["Runtime", list[int]], None]:
+def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] | None = None,
+                    before_reading: Callable[[], float] | None = None) -> Callable[["Runtime", list[int]], None]:
     """The loader `Runtime` calls to fill its INT8 buffers from `slab`: `load(rt, pin)`, where `pin` lists the
     blocks that stream INT8 (each is page-locked as soon as its rows are in, beside the reads still going).
     `while_reading()` runs on the calling thread while the reader threads read (work that would otherwise wait
-    for the slab, or make the slab wait), and the slab's identity check on a worker thread beside it."""
+    for the slab, or make the slab wait), and the slab's identity check on a worker thread beside it; then,
+    for a model built on the meta device, its resident tensors' pages are read from its checkpoint (they are
+    loaded next). `before_reading()` is waited for before the first read (offload's read-ahead of the files
+    `while_reading` will ask for; it returns the seconds that work took on its own thread)."""
     manifest = resolve_manifest(slab)
 
     def load(rt: "Runtime", pin: list[int] = ()) -> None:
@@ -112,6 +116,20 @@ def slab_loader_for(slab: str | os.PathLike,
                         bias_out = torch.empty(bias.shape, dtype=bias.dtype)
                     reads.append((name, q, s, bias_out, spec))
             rt.clock.mark("slab opened")
+            if before_reading is not None:
+                rt.clock.beside(FILES_READ_AHEAD, before_reading())
+                rt.clock.mark(FILES_READ_AHEAD + " (the wait)")
+
+            def calling_thread() -> None:
+                if while_reading is not None:
+                    start = time.perf_counter()
+                    while_reading()
+                    rt.clock.beside(COMPILER_PREPARATION, time.perf_counter() - start)
+                if rt.checkpoint is not None:  # the resident tensors, loaded from it once the reads end
+                    start = time.perf_counter()
+                    streamed = {spec.weight_name for spec in rt.layers}
+                    rt.checkpoint.read_ahead(resident_file_names(rt.model, rt.checkpoint, streamed))
+                    rt.clock.beside("resident tensors' pages read", time.perf_counter() - start)
 
             def beside_the_reads() -> None:
                 # The identity check goes beside the reads, not before them: a slab of other weights still fails
@@ -120,10 +138,9 @@ def slab_loader_for(slab: str | os.PathLike,
                 # imports the compiler: the two one after the other took longer than the reads (Flux int8 from
                 # files: 4.8 s + 3.6 s against 6.7 s).
                 seconds: dict[str, float] = {}
-                run_beside(check_identity, while_reading, "stagehand-identity", seconds)
+                on_calling_thread = calling_thread if while_reading is not None or rt.checkpoint is not None else None
+                run_beside(check_identity, on_calling_thread, "stagehand-identity", seconds)
                 rt.clock.beside("slab identity check", seconds["work"])
-                if while_reading is not None:
-                    rt.clock.beside(COMPILER_PREPARATION, seconds["calling thread"])
 
             streams_int8 = set(pin)
 

@@ -1,0 +1,39 @@
+"""What offload's calling thread does for the compiler while other threads fill the host store.
+
+On CUDA: start Inductor's compile workers, import the compiler, index the model's sources for Dynamo
+(compiler/inner.py), beside the slab's reads or the weights' copies: a warm start's first step spent ~1 s of
+it otherwise. Before a slab's reads, their files are read ahead (compiler/read_ahead.py): beside the reads
+they would each wait for a disk busy with the slab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
+from .read_ahead import ReadAhead, ReadAheadStats, compiler_folders
+
+
+class CompilerPreparation:
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.device = device
+        self.sources = dynamo_source_files(model)  # read before the weights move (a worker replaces the Parameters)
+        self._files: ReadAhead | None = None
+
+    def read_files_ahead(self) -> None:
+        """Start reading the compiler's module files and the model's sources into the page cache (a thread)."""
+        if self._files is None:
+            self._files = ReadAhead(compiler_folders(), self.sources)
+
+    def files_read(self) -> ReadAheadStats:
+        """Wait for `read_files_ahead` (nothing to wait for where it was not started)."""
+        return self._files.wait() if self._files is not None else ReadAheadStats()
+
+    def __call__(self) -> None:
+        warm_compile_workers(self.device)
+        prewarm_compiler_imports(self.sources)
+
+
+def compiler_preparation(model: torch.nn.Module, device: torch.device) -> CompilerPreparation | None:
+    """The preparation for `model` on `device`; None off CUDA (a CPU run compiles nothing ahead)."""
+    return CompilerPreparation(model, device) if device.type == "cuda" else None
