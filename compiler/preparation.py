@@ -2,16 +2,18 @@
 
 On CUDA: start Inductor's compile workers, import the compiler, index the model's sources for Dynamo
 (compiler/inner.py), beside the slab's reads or the weights' copies: a warm start's first step spent ~1 s of
-it otherwise. Before a slab's reads, their files are read ahead (compiler/read_ahead.py): beside the reads
-they would each wait for a disk busy with the slab.
+it otherwise. Before a slab's reads, the files this work opens are read ahead (compiler/read_ahead.py): beside
+the reads each would wait for a disk busy with the slab.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
-from .read_ahead import ReadAhead, ReadAheadStats, compiler_folders
+from .read_ahead import ReadAhead, ReadAheadStats, compiler_roots
 
 
 class CompilerPreparation:
@@ -19,19 +21,26 @@ class CompilerPreparation:
         self.device = device
         self.sources = dynamo_source_files(model)  # read before the weights move (a worker replaces the Parameters)
         self._files: ReadAhead | None = None
+        self.seconds: dict[str, float] = {}  # each part's, once it ran (offload's report lists them)
 
     def read_files_ahead(self) -> None:
-        """Start reading the compiler's module files and the model's sources into the page cache (a thread)."""
+        """Start reading the compiler's files (torch's sources, the compiler's bytecode) and the model's sources
+        into the page cache, on threads."""
         if self._files is None:
-            self._files = ReadAhead(compiler_folders(), self.sources)
+            packages, bytecode = compiler_roots()
+            self._files = ReadAhead(packages, bytecode, self.sources)
 
     def files_read(self) -> ReadAheadStats:
         """Wait for `read_files_ahead` (nothing to wait for where it was not started)."""
         return self._files.wait() if self._files is not None else ReadAheadStats()
 
     def __call__(self) -> None:
-        warm_compile_workers(self.device)
+        start = time.perf_counter()
+        warm_compile_workers(self.device)  # (Inductor hashes torch's sources for them: `torch_key`)
+        started = time.perf_counter()
         prewarm_compiler_imports(self.sources)
+        self.seconds = {"compile workers started": started - start,
+                        "compiler imported, sources indexed": time.perf_counter() - started}
 
 
 def compiler_preparation(model: torch.nn.Module, device: torch.device) -> CompilerPreparation | None:

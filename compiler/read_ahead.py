@@ -1,23 +1,26 @@
-"""Files read into the page cache before the disk gets busy: the compiler's modules ahead of a slab's reads.
+"""Files read into the page cache before the disk gets busy: the compiler's files ahead of a slab's reads.
 
-Offload from a slab reads ~12 GB (Flux int8) on reader threads while its calling thread imports the compiler
-and indexes the model's sources for Dynamo. On a cold page cache each of those few hundred small files waited
-for a disk queue full of the slab's reads: the imports took 8.7-9.4 s beside the reads against 2.1-2.5 s from
-the page cache (H100 machines), and offload waited for them 1.4 s past its last read. Read first, many at once
-(small reads a disk serves side by side), while offload's stages before the reads run, they cost the imports
-no wait beside the reads. A queued hint (`posix_fadvise(WILLNEED)` from a thread started beside the reads) did
-not help: listing the folders and checking each file's bytecode waited behind the reads too.
+Offload from a slab reads ~12 GB (Flux int8) on reader threads while its calling thread starts Inductor's
+compile workers, imports the compiler and indexes the model's sources for Dynamo. On a cold page cache that
+work took 8.7-10 s beside the reads against 1.7-2.5 s without them (H100 machines), and offload waited for it
+past its last read: each file it opened waited for a disk queue full of the slab's reads (~70 ms a file). Most
+of the wait was not the imports but the compile workers' start: Inductor hands them `torch_key()`, a hash of
+every source file of torch (2,300 files, read one after another on the calling thread: 7.6-9 s beside the reads,
+0.75 s without). Read first, many at once (small reads a disk serves side by side), while offload's stages
+before the reads run, those files cost the work beside the reads no wait.
 
-Which files: the packages the compiler's preparation imports that an `import torch_stagehand` has not already
-(Inductor, AOTAutograd, torch.export's serializer and torch.ao's quantization patterns, which Inductor's passes
-import; Jinja2 and MarkupSafe for Inductor's templates), each module's bytecode where Python cached it (else its
-source) and its source's inode (the import stats it to check the bytecode is fresh); and the model's source
-files Dynamo will tokenize. A package that is missing, or a file that can not be read, is left to whoever
-asks for it (the import says why): this only moves reads earlier.
+Which files: the source of every module of torch's packages (what `torch_key` reads), the bytecode where
+Python cached it of the compiler's modules that an `import torch_stagehand` has not imported (Inductor,
+AOTAutograd, torch.export's serializer, torch.ao's quantization patterns that Inductor's passes import) with
+Jinja2 and MarkupSafe for Inductor's templates, and the model's source files Dynamo will tokenize. A package
+that is missing, or a file that can not be read, is left to whoever asks for it (the import says why): this
+only moves reads earlier. A queued hint (`posix_fadvise(WILLNEED)` from a thread started beside the reads)
+did not help: listing the folders waited behind the reads too.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -31,12 +34,15 @@ import torch
 
 log = logging.getLogger("torch_stagehand.compiler")
 
-# Under torch's folder (torch 2.11-2.13).
+# Under torch's folder (torch 2.11-2.13): the compiler's modules, whose bytecode is read too.
 _TORCH_FOLDERS = ("_inductor", "_functorch", "_export", "export", "ao/quantization")
 _PACKAGES = ("jinja2", "markupsafe")
-# Small reads in flight at once: a disk serves them side by side (an NVMe drive queues hundreds).
+# Small reads in flight at once: a disk serves them side by side (a cloud or NVMe disk queues dozens or more).
 _THREADS = 16
 _CHUNK = 1 << 20
+# An extension module's file, as `torch_key` reads it (torch/_C's), by its ABI-tagged suffix: not a bare ".so",
+# which would take in whatever shared libraries a package folder holds.
+_EXTENSIONS = tuple(s for s in importlib.machinery.EXTENSION_SUFFIXES if s != ".so")
 
 
 @dataclass
@@ -46,49 +52,63 @@ class ReadAheadStats:
     seconds: float = 0.0
 
 
-def compiler_folders() -> list[str]:
-    """The folders whose modules the compiler's preparation imports (`_TORCH_FOLDERS`, `_PACKAGES`), those that
+def compiler_roots() -> tuple[list[str], list[str]]:
+    """(packages whose every module's source is read, folders whose modules' bytecode is read too): torch's
+    package (for `torch_key`), Jinja2's and MarkupSafe's; `_TORCH_FOLDERS` and those two packages. Those that
     exist here."""
     torch_dir = os.path.dirname(torch.__file__)
-    folders = [os.path.join(torch_dir, *name.split("/")) for name in _TORCH_FOLDERS]
+    packages = []
     for name in _PACKAGES:
         try:
             spec = importlib.util.find_spec(name)  # a top-level name: finds it without importing it
         except (ImportError, ValueError):
             spec = None
         if spec is not None and spec.submodule_search_locations:
-            folders.extend(spec.submodule_search_locations)
-    return [folder for folder in folders if os.path.isdir(folder)]
+            packages.extend(spec.submodule_search_locations)
+    bytecode = [os.path.join(torch_dir, *name.split("/")) for name in _TORCH_FOLDERS] + packages
+    return ([p for p in [torch_dir, *packages] if os.path.isdir(p)], [f for f in bytecode if os.path.isdir(f)])
 
 
-def read_ahead(folders: Sequence[str], files: Sequence[str] = (), threads: int = _THREADS) -> ReadAheadStats:
-    """Every module under `folders` (its bytecode, else its source, and its source's inode) and each of `files`
-    whole, read on `threads` threads; what was read (files, bytes) and how long it took."""
+def read_ahead(packages: Sequence[str], bytecode: Sequence[str] = (), files: Sequence[str] = (),
+               threads: int = _THREADS) -> ReadAheadStats:
+    """`files_ahead(packages, bytecode, files)` read whole, on `threads` threads (the folders listed on them
+    too); what was read (files, bytes) and how long it took."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stagehand-read-ahead") as pool:
-        sources: list[str] = []
-        level = list(folders)
-        while level:  # one level of folders at a time, each listed on a thread of its own
-            scanned = list(pool.map(_scan, level))
-            level = [sub for subs, _ in scanned for sub in subs]
-            sources += [source for _, found in scanned for source in found]
-        sizes = [*pool.map(_read_module, sources), *pool.map(_read_whole, files)]
+        sizes = list(pool.map(_read_whole, files_ahead(packages, bytecode, files, pool)))
     read = [n for n in sizes if n is not None]
     return ReadAheadStats(len(read), sum(read), time.perf_counter() - start)
+
+
+def files_ahead(packages: Sequence[str], bytecode: Sequence[str] = (), files: Sequence[str] = (),
+                pool: ThreadPoolExecutor | None = None) -> list[str]:
+    """Every module of `packages` and of the packages in them (a folder without an `__init__.py` is not one, as
+    for `pkgutil.iter_modules`): its source or extension module, and its bytecode's file where it is under one
+    of the `bytecode` folders; then `files`. The folders are listed on `pool`'s threads, where one is given."""
+    under = tuple(os.path.join(folder, "") for folder in bytecode)
+    scan = pool.map if pool is not None else map
+    modules: list[str] = []
+    level = [(folder, True) for folder in packages]
+    while level:  # one level of folders at a time
+        scanned = [found for found in scan(lambda job: _scan(*job), level) if found[2] or found[3]]
+        level = [(sub, False) for subs, _, _, _ in scanned for sub in subs]
+        modules += [module for _, found, _, _ in scanned for module in found]
+    cached = (_bytecode(m) for m in modules if m.endswith(".py") and m.startswith(under))
+    return [*modules, *(path for path in cached if path is not None), *files]
 
 
 class ReadAhead:
     """`read_ahead` on a thread of its own, started now; `wait()` joins it and returns what it read."""
 
-    def __init__(self, folders: Sequence[str], files: Sequence[str] = ()):
+    def __init__(self, packages: Sequence[str], bytecode: Sequence[str] = (), files: Sequence[str] = ()):
         self._stats = ReadAheadStats()
-        self._thread = threading.Thread(target=self._run, args=(list(folders), list(files)),
+        self._thread = threading.Thread(target=self._run, args=(list(packages), list(bytecode), list(files)),
                                         name="stagehand-read-ahead", daemon=True)
         self._thread.start()
 
-    def _run(self, folders: list[str], files: list[str]) -> None:
+    def _run(self, packages: list[str], bytecode: list[str], files: list[str]) -> None:
         try:
-            self._stats = read_ahead(folders, files)
+            self._stats = read_ahead(packages, bytecode, files)
         except Exception as error:  # noqa: BLE001 - nothing is lost: the readers read what they need themselves
             log.debug("stagehand: read-ahead stopped: %s", error)
 
@@ -97,29 +117,27 @@ class ReadAhead:
         return self._stats
 
 
-def _scan(folder: str) -> tuple[list[str], list[str]]:
-    """A folder's subfolders (not its bytecode cache: `_read_module` opens those files by name) and sources."""
-    subfolders, sources = [], []
+def _scan(folder: str, root: bool = False) -> tuple[list[str], list[str], bool, bool]:
+    """A folder's subfolders (not its bytecode cache: `_bytecode` names those files), its modules' files, and
+    whether it is a package (holds an `__init__.py`)."""
+    subfolders, modules = [], []
     try:
         with os.scandir(folder) as entries:
             for entry in entries:
-                if entry.name.endswith(".py"):
-                    sources.append(entry.path)
+                if entry.name.endswith((".py", *_EXTENSIONS)):
+                    modules.append(entry.path)
                 elif entry.name != "__pycache__" and entry.is_dir(follow_symlinks=False):
                     subfolders.append(entry.path)
     except OSError:
         pass
-    return subfolders, sources
+    return subfolders, modules, any(os.path.basename(m) == "__init__.py" for m in modules), root
 
 
-def _read_module(source: str) -> int | None:
+def _bytecode(source: str) -> str | None:
     try:
-        os.stat(source)  # the import's freshness check reads the source's inode
-        cached = importlib.util.cache_from_source(source)
-    except (OSError, NotImplementedError):  # (no bytecode cache in this Python: the source is what is read)
-        cached = None
-    read = _read_whole(cached) if cached is not None else None
-    return read if read is not None else _read_whole(source)
+        return importlib.util.cache_from_source(source)
+    except NotImplementedError:  # no bytecode cache in this Python: the source is what an import reads
+        return None
 
 
 def _read_whole(path: str) -> int | None:

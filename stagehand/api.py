@@ -116,6 +116,8 @@ def offload(
         if ahead is not None:
             ahead.close()
         raise
+    for part, seconds in (prepare_compiler.seconds.items() if prepare_compiler is not None else ()):
+        clock.beside(part, seconds)  # the parts of the compiler's preparation, beside the host store's fill
     if ahead is not None:
         from torch_stagehand.compiler.variants import variant_cache
 

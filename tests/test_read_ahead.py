@@ -6,7 +6,9 @@ folders it reads hold what the compiler's preparation imports."""
 from __future__ import annotations
 
 import copy
+import importlib.machinery
 import importlib.util
+import os
 import py_compile
 import subprocess
 import sys
@@ -33,47 +35,77 @@ def _write(path, text: str):
     return path
 
 
-def test_each_module_is_read_from_its_bytecode_else_its_source_and_the_given_files_whole(tmp_path):
-    compiled = _write(tmp_path / "pkg" / "a.py", "A = [i * i for i in range(100)]\n" * 20)
-    py_compile.compile(str(compiled), cfile=importlib.util.cache_from_source(str(compiled)), doraise=True)
-    plain = _write(tmp_path / "pkg" / "sub" / "deeper" / "b.py", "B = 2\n")
-    _write(tmp_path / "pkg" / "notes.txt", "not a module: not read\n")
-    source = _write(tmp_path / "model_source.py", "class Block: pass\n" * 7)
-    pyc = importlib.util.cache_from_source(str(compiled))
+def _module(path, text: str, compiled: bool = False):
+    _write(path, text)
+    if compiled:
+        py_compile.compile(str(path), cfile=importlib.util.cache_from_source(str(path)), doraise=True)
+    return path
 
-    stats = ahead.read_ahead([str(tmp_path / "pkg"), str(tmp_path / "no such folder")],
-                             [str(source), str(tmp_path / "gone.py")], threads=3)
-    assert stats.files == 3  # a's bytecode, b's source (no bytecode), the given file; nothing for what is missing
-    assert stats.bytes == len(open(pyc, "rb").read()) + plain.stat().st_size + source.stat().st_size
-    assert stats.seconds >= 0
+
+def _tree(tmp_path):
+    """A package with a subpackage, a folder that is not a package, an extension module and a shared library."""
+    pkg = tmp_path / "pkg"
+    _module(pkg / "__init__.py", "")
+    _module(pkg / "a.py", "A = [i * i for i in range(100)]\n" * 20, compiled=True)
+    _module(pkg / "sub" / "__init__.py", "S = 1\n", compiled=True)
+    _module(pkg / "sub" / "b.py", "B = {'b': 2}\n" * 30, compiled=True)
+    _module(pkg / "data" / "c.py", "C = 3\n")  # no __init__.py: not a package, not read (as torch_key skips it)
+    _write(pkg / "notes.txt", "not a module\n")
+    suffix = next(s for s in importlib.machinery.EXTENSION_SUFFIXES if s != ".so")
+    _write(pkg / f"_native{suffix}", "an extension module's bytes\n")
+    _write(pkg / "libhuge.so", "a shared library: not a module\n")
+    return pkg, suffix
+
+
+def test_every_modules_source_is_read_and_the_bytecode_under_the_bytecode_folders(tmp_path):
+    pkg, suffix = _tree(tmp_path)
+    source = _write(tmp_path / "model_source.py", "class Block: pass\n" * 7)
+    pyc = lambda path: importlib.util.cache_from_source(str(path))  # noqa: E731
+    expected = [pkg / "__init__.py", pkg / "a.py", pkg / f"_native{suffix}", pkg / "sub" / "__init__.py",
+                pkg / "sub" / "b.py", pyc(pkg / "sub" / "__init__.py"), pyc(pkg / "sub" / "b.py"), source]
+    listed = ahead.files_ahead([str(pkg), str(tmp_path / "no such package")], [str(pkg / "sub")],
+                               [str(source), str(tmp_path / "gone.py")])
+    assert sorted(listed) == sorted([*map(str, expected), str(tmp_path / "gone.py")])
+    stats = ahead.read_ahead([str(pkg)], [str(pkg / "sub")], [str(source), str(tmp_path / "gone.py")], threads=3)
+    assert stats.files == len(expected)  # nothing for what is missing
+    assert stats.bytes == sum(os.path.getsize(path) for path in expected)
 
 
 def test_the_thread_reads_the_same_and_says_so_once_joined(tmp_path):
-    _write(tmp_path / "pkg" / "a.py", "A = 1\n")
-    _write(tmp_path / "pkg" / "b" / "c.py", "C = 3\n" * 50)
-    expected = ahead.read_ahead([str(tmp_path / "pkg")])
-    running = ahead.ReadAhead([str(tmp_path / "pkg")])
-    got = running.wait()
-    assert (got.files, got.bytes) == (expected.files, expected.bytes) == (2, 6 + 300)
+    pkg, _ = _tree(tmp_path)
+    expected = ahead.read_ahead([str(pkg)], [str(pkg)])
+    got = ahead.ReadAhead([str(pkg)], [str(pkg)]).wait()
+    assert (got.files, got.bytes) == (expected.files, expected.bytes) and got.files == 8
     assert not any(t.name == "stagehand-read-ahead" for t in threading.enumerate())
 
 
-def test_the_folders_hold_what_the_compilers_preparation_imports():
-    """A torch that moved its compiler's modules elsewhere leaves them to wait for the disk beside the reads:
-    most of the module files `prewarm_compiler_imports` loads must be under `compiler_folders()` (on the CPU
-    build, torch 2.13: 225 of 250)."""
-    script = (
-        "import os, sys, torch_stagehand\n"
-        "before = set(sys.modules)\n"
-        "from torch_stagehand.compiler.inner import prewarm_compiler_imports\n"
-        "from torch_stagehand.compiler.read_ahead import compiler_folders\n"
-        "prewarm_compiler_imports()\n"
-        "files = [os.path.realpath(f) for m in set(sys.modules) - before if (f := getattr(sys.modules[m], '__file__', None))]\n"
-        "folders = tuple(os.path.realpath(f) + os.sep for f in compiler_folders())\n"
-        "print(len(files), sum(f.startswith(folders) for f in files))\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+_COVERAGE = """
+import os, sys, torch_stagehand
+before = set(sys.modules)
+from torch_stagehand.compiler.read_ahead import compiler_roots, files_ahead
+packages, bytecode = compiler_roots()
+ahead = {os.path.realpath(f) for f in files_ahead(packages, bytecode)}
+import torch._inductor.codecache as codecache
+opened = []
+sys.addaudithook(lambda event, args: opened.append(args[0]) if event == "open" and isinstance(args[0], str) else None)
+codecache.torch_key()
+hashed = {os.path.realpath(f) for f in opened if f.endswith(".py") or ".so" in f}
+from torch_stagehand.compiler.inner import prewarm_compiler_imports
+prewarm_compiler_imports()
+imported = [f for m in set(sys.modules) - before if (f := getattr(sys.modules[m], "__file__", None))]
+cached = [os.path.realpath(c) for f in imported if f.endswith(".py") and os.path.exists(c := __import__("importlib.util").util.cache_from_source(f))]
+print(len(hashed), len(hashed - ahead), len(cached), sum(c in ahead for c in cached))
+"""
+
+
+def test_the_read_ahead_holds_what_torch_key_hashes_and_most_of_what_the_compiler_imports():
+    """The compile workers' start hashes every source of torch (`torch_key`): each of those files must be read
+    ahead. Most of the bytecode `prewarm_compiler_imports` loads must be too (CPU build, torch 2.13: 225 of 250
+    modules): a torch that moved its compiler's modules elsewhere fails here."""
+    done = subprocess.run([sys.executable, "-c", _COVERAGE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    imported, covered = map(int, done.stdout.split())
+    hashed, missed, imported, covered = map(int, done.stdout.split())
+    assert hashed > 1000 and missed == 0, (hashed, missed)
     assert imported > 100 and covered >= 0.8 * imported, (imported, covered)
 
 
@@ -103,7 +135,7 @@ class _Preparation:
     """The CUDA path's compiler preparation, on the CPU: records when each part runs against the slab's reads."""
 
     def __init__(self, events):
-        self.events = events
+        self.events, self.seconds = events, {}
 
     def read_files_ahead(self):
         self.events.append("read ahead started")
@@ -114,6 +146,7 @@ class _Preparation:
 
     def __call__(self):
         self.events.append(("prepared", threading.current_thread() is threading.main_thread()))
+        self.seconds = {"compile workers started": 0.5}
 
 
 def test_offload_from_a_slab_waits_for_the_files_then_reads_the_resident_tensors_pages_beside(tmp_path, monkeypatch):
@@ -145,9 +178,22 @@ def test_offload_from_a_slab_waits_for_the_files_then_reads_the_resident_tensors
         streamed = {f"blocks.{b}.{name}.weight" for b in range(3) for name in ("up", "down")}
         assert asked == [sorted(set(model.state_dict()) - streamed)]  # what load_resident reads, exactly
         beside = rt.offload_summary["beside"]
-        assert beside[FILES_READ_AHEAD] == 0.25
+        assert beside[FILES_READ_AHEAD] == 0.25 and beside["compile workers started"] == 0.5
         assert {COMPILER_PREPARATION, "resident tensors' pages read", "slab identity check"} <= set(beside)
         with torch.no_grad():
             assert torch.equal(meta(x), reference(x))
     finally:
         rt.restore()
+
+
+def test_the_preparation_reads_its_files_ahead_and_times_its_parts():
+    from torch_stagehand.compiler.preparation import CompilerPreparation
+
+    model, _ = toy(n=2)
+    preparation = CompilerPreparation(model, torch.device("cpu"))
+    assert preparation.files_read().files == 0  # nothing started: nothing to wait for
+    preparation.read_files_ahead()
+    assert preparation.files_read().files > 1000  # torch's sources, the compiler's bytecode
+    preparation()
+    assert set(preparation.seconds) == {"compile workers started", "compiler imported, sources indexed"}
+    assert all(s >= 0 for s in preparation.seconds.values())
