@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -197,3 +198,25 @@ def test_the_preparation_reads_its_files_ahead_and_times_its_parts():
     preparation()
     assert set(preparation.seconds) == {"compile workers started", "compiler imported, sources indexed"}
     assert all(s >= 0 for s in preparation.seconds.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_of_a_meta_model_from_its_files_reads_ahead_and_computes_the_same(tmp_path):
+    """On CUDA the real preparation runs: its files read before the slab's first read, the compile workers
+    started and the compiler imported beside the reads, the resident tensors' pages read after them."""
+    model, x, path, manifest = _files(tmp_path)
+    reference = copy.deepcopy(model)
+    stagehand.offload(reference, device="cuda", precision="int8", slab=manifest, verbose=False)
+    meta = copy.deepcopy(model).to("meta")
+    rt = stagehand.offload(meta, device="cuda", precision="int8", slab=manifest, checkpoint=path, keep_full="file",
+                           verbose=False)
+    try:
+        beside = rt.offload_summary["beside"]
+        assert {FILES_READ_AHEAD, COMPILER_PREPARATION, "compile workers started", "compiler imported, sources indexed",
+                "resident tensors' pages read"} <= set(beside)
+        assert beside[FILES_READ_AHEAD] > 0
+        with torch.no_grad():
+            assert torch.equal(meta(x.cuda()), reference(x.cuda()))
+    finally:
+        rt.restore()
