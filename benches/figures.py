@@ -794,6 +794,112 @@ def start_time_slab_table() -> str:
     return f"{caption(*[n for n, _, _ in START_TIME_SLAB], what=what)}\n\n{table(rows, cols)}\n"
 
 
+# Offload from the checkpoint + slab with the preparation's files read ahead, each call's new code against the code
+# before (692c4e1) on the same machine: (file, what the code had, the call's dd log).
+START_TIME_READ_AHEAD = (
+    ("start_time_module_files_files.json", "the compiler's module bytecode read ahead; the resident tensors' pages "
+     "read beside the reads", "start_time_module_files_disk.log"),
+    ("start_time_module_files_A_files.json", "before (692c4e1), same machine as the row above",
+     "start_time_module_files_disk.log"),
+    ("start_time_torch_key_files.json", "and torch's sources read ahead, which Inductor hashes for its compile "
+     "workers (kept)", "start_time_torch_key_disk.log"),
+    ("start_time_torch_key_A_files.json", "before (692c4e1), same machine as the row above",
+     "start_time_torch_key_disk.log"),
+)
+_PREPARATION = "compiler imports and source index"
+
+
+def _dd_seconds(log: str) -> float | None:
+    """The seconds `dd` reported in a disk log (its last "copied, S s" line)."""
+    found = re.findall(r"copied, ([0-9.]+) s", (RESULTS / log).read_text())
+    return float(found[-1]) if found else None
+
+
+def start_time_read_ahead_table() -> str:
+    """Offload from the checkpoint + slab, page cache dropped, by its stage clock: the preparation's parts beside
+    the reads, the read-ahead before them, against the disk's own read of the slab in the same call."""
+    rows = []
+    for name, label, disk in START_TIME_READ_AHEAD:
+        for r in load(name)["runs"]:
+            rows.append(dict(r, _label=label, _disk=_dd_seconds(disk), _source=name))
+
+    def over_disk(r: dict) -> str:
+        return num(r["offload_s"] - r["_disk"]) if r["mode"] == "cold" and r["_disk"] else ""
+
+    cols = [Col("code", lambda r: r["_label"]), Col("run", lambda r: r["mode"]),
+            Col("offload s", field("offload_s")), Col("slab rows read s", _stage("slab rows read")),
+            Col("reads ended s", _beside("slab reads")),
+            Col("files read ahead s (before the reads)", _beside("compiler's files read ahead")),
+            Col("compiler's preparation s", _beside(_PREPARATION)),
+            Col("of it: compile workers started s", _beside("compile workers started")),
+            Col("identity check s", _beside("slab identity check")),
+            Col("resident pages read s", _beside("resident tensors' pages read")),
+            Col("resident tensors s", _stage("resident tensors to the device")),
+            Col("disk alone s (dd, same call)", lambda r: num(r["_disk"]) if r["mode"] == "cold" else ""),
+            Col("offload - disk s", over_disk), Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Flux-dev 12B int8 offloaded from its safetensors checkpoint and INT8 slab (11.9 GB) on the disk "
+            "(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps 6 --ahead-workers 2 "
+            "--bytecode-cache --drop-page-cache`); two calls, each on its own H100 machine, each running its code "
+            "(cold, warm) and then the code before (692c4e1, cold) on the same machine and files, then `dd` of the "
+            "slab after the page cache was dropped. The first call's files were written as "
+            "`start_time_read_ahead2_*`. \"files read ahead s\": the read-ahead's own seconds on its thread, "
+            "beside offload's stages before the reads (the reads waited 0.00 s for it in every run); \"compiler's "
+            "preparation s\": the calling thread's work beside the reads (compile workers started, compiler "
+            "imported, sources indexed); \"resident pages read s\": the resident tensors' pages read from the "
+            "checkpoint after it, beside the reads; \"resident tensors s\": the stage that loads them after the "
+            "reads")
+    return f"{caption(*[n for n, _, _ in START_TIME_READ_AHEAD], what=what)}\n\n{table(rows, cols)}\n"
+
+
+def preparation_probe_table() -> str:
+    """The compiler's preparation timed part by part, alone and beside a slab-sized read (the probe)."""
+    data = load("preparation_probe.json")
+    labels = {"alone": "alone (no reads)", "reads": "beside 8 threads reading 12 GB",
+              "reads+ahead": "the same, the compiler's module bytecode read ahead first (not torch's sources)"}
+    cols = [Col("mode", lambda r: labels[r["mode"]]),
+            Col("compile workers started s", lambda r: num(r["parts_s"]["compile workers started"])),
+            Col("compiler imported s", lambda r: num(r["parts_s"]["compiler imported"])),
+            Col("cache keys started, sources indexed s",
+                lambda r: num(r["parts_s"]["cache keys started, sources indexed"])),
+            Col("total s", lambda r: num(r["parts_s"]["total"])),
+            Col("reads s", lambda r: num(r["reads_s"])),
+            Col("read ahead: files / MB / s", lambda r: "{files} / {mb:.1f} / {s:.2f}".format(
+                mb=r["read_ahead"]["bytes"] / 1e6, **r["read_ahead"]) if r.get("read_ahead") else "")]
+    what = ("The compiler's preparation on an H100 machine, part by part (`benches/preparation_probe.py`: "
+            + data["how"] + ")")
+    return f"{caption('preparation_probe.json', what=what)}\n\n{table(data['runs'], cols)}\n"
+
+
+# The issue's table: each model's latest runs, (file, model, weights).
+START_TIME_LATEST = (
+    ("start_time_torch_key_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_rblock_off_flux_int8.json", "Flux-dev 12B", "int8, built in memory"),
+    ("start_time_ahead_tuning_flux.json", "Flux-dev 12B", "int8, built in memory"),
+    ("start_time_rblock_flux_bf16.json", "Flux-dev 12B", "bf16, built in memory"),
+    ("start_time_torch_key_qwen.json", "Qwen2.5-7B shape", "int8, built in memory"),
+    ("start_time_torch_key_qwen32.json", "Qwen2.5-32B shape", "int8, built in memory"),
+)
+
+
+def start_time_latest_table() -> str:
+    """Offload, first step cold and warm, steady step and the steps that measure a new plan: the latest runs."""
+    rows = [dict(r, _model=model, _weights=weights, _source=name)
+            for name, model, weights in START_TIME_LATEST for r in load(name)["runs"]]
+    cols = [Col("model", lambda r: r["_model"]), Col("weights", lambda r: r["_weights"]),
+            Col("run", lambda r: r["mode"]), Col("offload s", field("offload_s")),
+            Col("first step s", field("first_step_s")), Col("steady ms", lambda r: ms(r["steady_ms"])),
+            Col("new-plan steps / steady", _new_plan_steps), Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Each model's latest runs (`benches/start_time.py --rows <row> --modes cold warm [warm] --steps 6-12 "
+            "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
+            "AdamW, `stagehand.compile_blocks`, `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; each "
+            "run a fresh process, each file's runs on one H100 machine; cold: every cache empty, warm: a second "
+            "process. The Flux int8 in-memory rows come from older code (their commits below): the changes since "
+            "touched the slab path, the weights' copies (done on a worker since 94100a7) and the reductions' "
+            "configs (c434ae8, in the 12-step cold run). \"new-plan steps / steady\": a cold run's first two "
+            "steps under the plan made from the calibration, a warm run's step 2")
+    return f"{caption(*[n for n, _, _ in START_TIME_LATEST], what=what)}\n\n{table(rows, cols)}\n"
+
+
 # A warm Flux bf16 start (its first step in a second process) before and after this session's changes, then the A/B
 # of Inductor's RBLOCK growth on one machine: (file, what the code had).
 START_TIME_WARM_BF16 = (
@@ -1509,6 +1615,10 @@ FIGURES: dict[str, Figure] = {
                                      tuple(name for name, _, _ in START_TIME_PROVISIONAL)),
     "start_time_slab": Figure(start_time_slab_table, (*[n for n, _, r in START_TIME_SLAB],
                                                        *[r for _, _, r in START_TIME_SLAB if r])),
+    "start_time_read_ahead": Figure(start_time_read_ahead_table, (*[n for n, _, _ in START_TIME_READ_AHEAD],
+                                                                   *sorted({d for _, _, d in START_TIME_READ_AHEAD}))),
+    "preparation_probe": Figure(preparation_probe_table, ("preparation_probe.json",)),
+    "start_time_latest": Figure(start_time_latest_table, tuple(n for n, _, _ in START_TIME_LATEST)),
     "start_time_warm_bf16": Figure(start_time_warm_bf16_table, tuple(n for n, _ in START_TIME_WARM_BF16)),
     "start_time_rblock": Figure(start_time_rblock_table, tuple(n for n, _, _ in START_TIME_RBLOCK)),
     "slab_reads": Figure(slab_reads_table, ("slab_reads.json", "slab_reads_switch.json", "slab_reads_read_ahead.json")),

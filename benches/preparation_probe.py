@@ -1,0 +1,133 @@
+"""Where offload's compiler preparation waits when the disk is busy with a slab's reads.
+
+    python benches/preparation_probe.py --out benches/results/preparation_probe.json   (root, on a GPU machine)
+
+Offload from a slab runs, on its calling thread, the compiler's preparation (compiler/preparation.py: start
+Inductor's compile workers, import the compiler, index the model's sources) while reader threads read the slab.
+This bench reproduces that pair without a model: a 12 GB file of its own read by 8 threads in 36 MiB preads
+(a Flux layer's rows), and the preparation's parts timed one by one. Each mode is a fresh process after the
+page cache is emptied: `alone` (no reads: the baseline), `reads` (the reads beside it), `reads+ahead` (the
+preparation's files read ahead first, as offload does, `CompilerPreparation.read_files_ahead`). The table
+gives each part's seconds and their ratio to the same part alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODES = ("alone", "reads", "reads+ahead")
+_CHUNK = 36 << 20
+
+
+def child(mode: str, big: str) -> dict:
+    """One mode, in this (fresh) process: the preparation's parts timed, the reads beside them."""
+    import torch
+
+    import torch_stagehand  # noqa: F401 - what a training script has imported before offload
+    from torch_stagehand.compiler.inner import (index_sources_for_dynamo, start_prewarm_cache_keys,
+                                                warm_compile_workers)
+    from torch_stagehand.compiler.preparation import CompilerPreparation
+
+    torch.zeros(1, device="cuda")
+    preparation = CompilerPreparation(torch.nn.Linear(4, 4), torch.device("cuda"))
+    out: dict = {"mode": mode}
+    if mode == "reads+ahead":
+        preparation.read_files_ahead()
+        stats = preparation.files_read()
+        out["read_ahead"] = {"files": stats.files, "bytes": stats.bytes, "s": round(stats.seconds, 3)}
+    ended: list[float] = []
+    readers = []
+    start = time.perf_counter()
+    if mode != "alone":
+        size, fd = os.path.getsize(big), os.open(big, os.O_RDONLY)
+        offsets, lock = iter(range(0, size, _CHUNK)), threading.Lock()
+
+        def read() -> None:
+            buf = bytearray(_CHUNK)
+            while True:
+                with lock:
+                    offset = next(offsets, None)
+                if offset is None:
+                    ended.append(time.perf_counter() - start)
+                    return
+                os.preadv(fd, [buf], offset)
+
+        readers = [threading.Thread(target=read) for _ in range(8)]
+        for r in readers:
+            r.start()
+    marks = [time.perf_counter()]
+    warm_compile_workers(torch.device("cuda"))  # Inductor hashes torch's sources for the workers (torch_key)
+    marks.append(time.perf_counter())
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    marks.append(time.perf_counter())
+    start_prewarm_cache_keys()
+    index_sources_for_dynamo(preparation.sources)
+    marks.append(time.perf_counter())
+    for r in readers:
+        r.join()
+    parts = ("compile workers started", "compiler imported", "cache keys started, sources indexed")
+    out["parts_s"] = {name: round(b - a, 3) for name, a, b in zip(parts, marks, marks[1:])}
+    out["parts_s"]["total"] = round(marks[-1] - marks[0], 3)
+    out["reads_s"] = round(max(ended), 2) if ended else None
+    return out
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "preparation_probe.json"))
+    p.add_argument("--file", default="/tmp/stagehand-probe.bin", help="the 12 GB file the reads read (made once)")
+    p.add_argument("--gib", type=int, default=11)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--child", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        with open(args.child[1], "w") as f:
+            json.dump(child(args.child[0], args.file), f)
+        return 0
+    sys.path.insert(0, HERE)
+    from _common import env_info, print_header, print_table, write_json
+
+    env = print_header(env_info())
+    if not os.path.exists(args.file):  # zeros written through to the disk (not a sparse file, which reads nothing)
+        subprocess.run(["dd", "if=/dev/zero", f"of={args.file}", "bs=64M", f"count={args.gib * 16}", "oflag=direct"],
+                       check=True, capture_output=True)
+    runs = []
+    for _ in range(args.repeat):
+        for mode in MODES:
+            dropped = drop_page_cache()
+            tmp = f"{args.out}.{mode}.tmp"
+            subprocess.run([sys.executable, __file__, "--file", args.file, "--child", mode, tmp], check=True)
+            with open(tmp) as f:
+                runs.append(dict(json.load(f), page_cache="dropped" if dropped else "as left"))
+            os.remove(tmp)
+            print(f"preparation_probe: {mode}: {runs[-1]['parts_s']}", flush=True)
+    alone = {k: min(r["parts_s"][k] for r in runs if r["mode"] == "alone") for k in runs[0]["parts_s"]}
+    rows = [{"mode": r["mode"], **{f"{k} s": v for k, v in r["parts_s"].items()},
+             "x alone (total)": round(r["parts_s"]["total"] / alone["total"], 2), "reads s": r["reads_s"],
+             "read ahead s": (r.get("read_ahead") or {}).get("s")} for r in runs]
+    print_table(rows, title="the compiler's preparation, alone and beside a slab-sized read")
+    write_json(args.out, {"env": env, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
