@@ -81,16 +81,6 @@ def child(mode: str, big: str) -> dict:
     return out
 
 
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(HERE, "results", "preparation_probe.json"))
@@ -105,6 +95,7 @@ def main() -> int:
         return 0
     sys.path.insert(0, HERE)
     from _common import env_info, print_header, print_table, write_json
+    from start_time import drop_page_cache
 
     env = print_header(env_info())
     if not os.path.exists(args.file):  # zeros written through to the disk (not a sparse file, which reads nothing)
@@ -113,11 +104,11 @@ def main() -> int:
     runs = []
     for _ in range(args.repeat):
         for mode in MODES:
-            dropped = drop_page_cache()
+            page_cache = drop_page_cache()
             tmp = f"{args.out}.{mode}.tmp"
             subprocess.run([sys.executable, __file__, "--file", args.file, "--child", mode, tmp], check=True)
             with open(tmp) as f:
-                runs.append(dict(json.load(f), page_cache="dropped" if dropped else "as left"))
+                runs.append(dict(json.load(f), page_cache=page_cache))
             os.remove(tmp)
             print(f"preparation_probe: {mode}: {runs[-1]['parts_s']}", flush=True)
     alone = {k: min(r["parts_s"][k] for r in runs if r["mode"] == "alone") for k in runs[0]["parts_s"]}

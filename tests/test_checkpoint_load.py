@@ -169,10 +169,8 @@ def test_loading_from_the_checkpoint_peaks_near_the_final_host_footprint(tmp_pat
         assert after - before < host + masters / 2  # the masters are not in RAM
 
 
-def test_a_meta_model_with_its_checkpoint_and_an_int8_slab_keeps_no_full_copy_in_ram(tmp_path):
-    """The flagship set-up: masters in the file, INT8 from a SquareQ slab, nothing quantized at offload."""
-    import copy
-
+def checkpoint_and_slab(tmp_path):
+    """A toy model, its input, its safetensors checkpoint and the manifest of its blocks' INT8 slab."""
     from safetensors.torch import save_file
 
     from torch_stagehand.runtime.slab import build_slab_from_module
@@ -184,10 +182,18 @@ def test_a_meta_model_with_its_checkpoint_and_an_int8_slab_keeps_no_full_copy_in
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
     slab = build_slab_from_module(model, str(tmp_path), "toy", "toy", include_prefixes=("blocks.",),
                                   progress=False, print_report=False, compare_quantizers=False)
+    return model, x, path, slab.manifest_path
+
+
+def test_a_meta_model_with_its_checkpoint_and_an_int8_slab_keeps_no_full_copy_in_ram(tmp_path):
+    """The flagship set-up: masters in the file, INT8 from a SquareQ slab, nothing quantized at offload."""
+    import copy
+
+    model, x, path, manifest = checkpoint_and_slab(tmp_path)
     reference = copy.deepcopy(model)
-    stagehand.offload(reference, device="cpu", precision="int8", slab=slab.manifest_path)
+    stagehand.offload(reference, device="cpu", precision="int8", slab=manifest)
     meta = copy.deepcopy(model).to("meta")
-    rt = stagehand.offload(meta, device="cpu", precision="int8", slab=slab.manifest_path, checkpoint=path,
+    rt = stagehand.offload(meta, device="cpu", precision="int8", slab=manifest, checkpoint=path,
                            keep_full="file")
     assert set(rt.stats()["host"]["bytes_by_kind"]) == {"bf16 file", "int8 ram"}
     with torch.no_grad():

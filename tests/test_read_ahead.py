@@ -22,12 +22,12 @@ import torch_stagehand as stagehand
 from torch_stagehand import api
 from torch_stagehand.compiler import read_ahead as ahead
 from torch_stagehand.runtime import weights_file
-from torch_stagehand.runtime.slab import build_slab_from_module
 from torch_stagehand.runtime.slab.reader import SlabReader
 from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD
 from torch_stagehand.runtime.weights_file import WeightsFile
 
 from _helpers import toy
+from test_checkpoint_load import checkpoint_and_slab
 
 
 def _write(path, text: str):
@@ -126,15 +126,6 @@ def test_a_checkpoints_tensors_are_read_whole_in_ranges_merged_and_chunked(tmp_p
     assert file.read_ahead(["d"]) == 4 * 5 and file.read_ahead([]) == 0
 
 
-def _files(tmp_path):
-    model, x = toy(n=3, d=64)
-    path = tmp_path / "model.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    slab = build_slab_from_module(model, str(tmp_path), "toy", "toy", include_prefixes=("blocks.",),
-                                  progress=False, print_report=False, compare_quantizers=False)
-    return model, x, path, slab.manifest_path
-
-
 class _Preparation:
     """The CUDA path's compiler preparation, on the CPU: records when each part runs against the slab's reads."""
 
@@ -154,7 +145,7 @@ class _Preparation:
 
 
 def test_offload_from_a_slab_waits_for_the_files_then_reads_the_resident_tensors_pages_beside(tmp_path, monkeypatch):
-    model, x, path, manifest = _files(tmp_path)
+    model, x, path, manifest = checkpoint_and_slab(tmp_path)
     reference = copy.deepcopy(model)
     stagehand.offload(reference, device="cpu", precision="int8", slab=manifest, verbose=False)
     events, asked = [], []
@@ -208,7 +199,7 @@ def test_the_preparation_reads_its_files_ahead_and_times_its_parts():
 def test_cuda_offload_of_a_meta_model_from_its_files_reads_ahead_and_computes_the_same(tmp_path):
     """On CUDA the real preparation runs: its files read before the slab's first read, the compile workers
     started and the compiler imported beside the reads, the resident tensors' pages read after them."""
-    model, x, path, manifest = _files(tmp_path)
+    model, x, path, manifest = checkpoint_and_slab(tmp_path)
     reference = copy.deepcopy(model)
     stagehand.offload(reference, device="cuda", precision="int8", slab=manifest, verbose=False)
     meta = copy.deepcopy(model).to("meta")
