@@ -87,11 +87,10 @@ def main() -> int:
     p.add_argument("--file", default="/tmp/stagehand-probe.bin", help="the 12 GB file the reads read (made once)")
     p.add_argument("--gib", type=int, default=11)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--child", nargs=2, metavar=("MODE", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--child", metavar="MODE", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.child:
-        with open(args.child[1], "w") as f:
-            json.dump(child(args.child[0], args.file), f)
+    if args.child:  # its result: the last line of its output
+        print(json.dumps(child(args.child, args.file)), flush=True)
         return 0
     sys.path.insert(0, HERE)
     from _common import env_info, print_header, print_table, write_json
@@ -105,11 +104,9 @@ def main() -> int:
     for _ in range(args.repeat):
         for mode in MODES:
             page_cache = drop_page_cache()
-            tmp = f"{args.out}.{mode}.tmp"
-            subprocess.run([sys.executable, __file__, "--file", args.file, "--child", mode, tmp], check=True)
-            with open(tmp) as f:
-                runs.append(dict(json.load(f), page_cache=page_cache))
-            os.remove(tmp)
+            done = subprocess.run([sys.executable, __file__, "--file", args.file, "--child", mode], check=True,
+                                  stdout=subprocess.PIPE, text=True)
+            runs.append(dict(json.loads(done.stdout.strip().splitlines()[-1]), page_cache=page_cache))
             print(f"preparation_probe: {mode}: {runs[-1]['parts_s']}", flush=True)
     alone = {k: min(r["parts_s"][k] for r in runs if r["mode"] == "alone") for k in runs[0]["parts_s"]}
     rows = [{"mode": r["mode"], **{f"{k} s": v for k, v in r["parts_s"].items()},
