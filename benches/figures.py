@@ -858,9 +858,8 @@ def preparation_probe_table() -> str:
               "reads+ahead": "the same, the compiler's module bytecode read ahead first (not torch's sources)"}
     cols = [Col("mode", lambda r: labels[r["mode"]]),
             Col("compile workers started s", lambda r: num(r["parts_s"]["compile workers started"])),
-            Col("compiler imported s", lambda r: num(r["parts_s"]["compiler imported"])),
-            Col("cache keys started, sources indexed s",
-                lambda r: num(r["parts_s"]["cache keys started, sources indexed"])),
+            Col("compiler imported, sources indexed s",
+                lambda r: num(r["parts_s"]["compiler imported, sources indexed"])),
             Col("total s", lambda r: num(r["parts_s"]["total"])),
             Col("reads s", lambda r: num(r["reads_s"])),
             Col("read ahead: files / MB / s", lambda r: "{files} / {mb:.1f} / {s:.2f}".format(

@@ -8,6 +8,7 @@ the reads each would wait for a disk busy with the slab.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -25,8 +26,10 @@ class CompilerPreparation:
 
     def read_files_ahead(self) -> None:
         """Start reading the compiler's files (torch's sources, the compiler's bytecode) and the model's sources
-        into the page cache, on threads."""
-        if self._files is None:
+        into the page cache, on threads. Not in a process that imported the compiler already (a second offload):
+        its imports are done and its compile workers' start hashed torch's sources, so the slab's reads would
+        wait for files nothing here reads again."""
+        if self._files is None and not _compiler_imported():
             packages, bytecode = compiler_roots()
             self._files = ReadAhead(packages, bytecode, self.sources)
 
@@ -41,6 +44,10 @@ class CompilerPreparation:
         prewarm_compiler_imports(self.sources)
         self.seconds = {"compile workers started": started - start,
                         "compiler imported, sources indexed": time.perf_counter() - started}
+
+
+def _compiler_imported() -> bool:
+    return "torch._inductor.compile_fx" in sys.modules
 
 
 def compiler_preparation(model: torch.nn.Module, device: torch.device) -> CompilerPreparation | None:

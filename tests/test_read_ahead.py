@@ -181,10 +181,12 @@ def test_offload_from_a_slab_waits_for_the_files_then_reads_the_resident_tensors
         rt.restore()
 
 
-def test_the_preparation_reads_its_files_ahead_and_times_its_parts():
+def test_the_preparation_reads_its_files_ahead_and_times_its_parts(monkeypatch):
+    from torch_stagehand.compiler import preparation as module
     from torch_stagehand.compiler.preparation import CompilerPreparation
 
     model, _ = toy(n=2)
+    monkeypatch.setattr(module, "_compiler_imported", lambda: False)  # (another test may have compiled here)
     preparation = CompilerPreparation(model, torch.device("cpu"))
     assert preparation.files_read().files == 0  # nothing started: nothing to wait for
     preparation.read_files_ahead()
@@ -194,14 +196,30 @@ def test_the_preparation_reads_its_files_ahead_and_times_its_parts():
     assert all(s >= 0 for s in preparation.seconds.values())
 
 
+def test_a_process_that_imported_the_compiler_reads_nothing_ahead(monkeypatch):
+    """A second offload: the compiler is imported and its workers' start hashed torch's sources already."""
+    from torch_stagehand.compiler import preparation as module
+
+    model, _ = toy(n=2)
+    monkeypatch.setattr(module, "_compiler_imported", lambda: True)
+    preparation = module.CompilerPreparation(model, torch.device("cpu"))
+    preparation.read_files_ahead()
+    assert preparation.files_read().files == 0
+    assert not any(t.name == "stagehand-read-ahead" for t in threading.enumerate())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_offload_of_a_meta_model_from_its_files_reads_ahead_and_computes_the_same(tmp_path):
+def test_cuda_offload_of_a_meta_model_from_its_files_reads_ahead_and_computes_the_same(tmp_path, monkeypatch):
     """On CUDA the real preparation runs: its files read before the slab's first read, the compile workers
     started and the compiler imported beside the reads, the resident tensors' pages read after them."""
+    from torch_stagehand.compiler import preparation
+
     model, x, path, manifest = checkpoint_and_slab(tmp_path)
     reference = copy.deepcopy(model)
     stagehand.offload(reference, device="cuda", precision="int8", slab=manifest, verbose=False)
+    # The reference's offload imported the compiler: read ahead all the same, as a process's first offload does.
+    monkeypatch.setattr(preparation, "_compiler_imported", lambda: False)
     meta = copy.deepcopy(model).to("meta")
     rt = stagehand.offload(meta, device="cuda", precision="int8", slab=manifest, checkpoint=path, keep_full="file",
                            verbose=False)
