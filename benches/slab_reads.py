@@ -101,7 +101,7 @@ def read_store(manifest: str, mode: str) -> tuple[int, float, float]:
         sys.setswitchinterval(0.0005)
     clock = StageClock()
     start = time.perf_counter()
-    loading._read_in_parallel(reader, reads, while_reading, clock=clock)
+    loading._read_in_parallel(reader, [reads], while_reading, clock=clock)
     total = time.perf_counter() - start
     reader.close()
     # The reads' own seconds: until the last one ended (the imports beside them may go on longer).

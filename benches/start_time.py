@@ -161,6 +161,22 @@ class TritonCompiles:
                 "events": [[round(a - clock0, 3), round(s, 3), n] for a, s, n in inside[:60]]}
 
 
+def _work_counters(rt, gc_clock) -> dict:
+    """Counters of one-time work, read on the host after a step's synchronisation: the collector's seconds and its
+    full collections, units compiled, loaded and run for the first time, the allocator's new device segments and
+    reserved GiB, the host-to-device GiB copied and the fetches a wait had to issue itself."""
+    import torch
+
+    counters = {"gc_s": sum(gc_clock.seconds), "gc_full": gc_clock.counts[2]}
+    if rt is not None:
+        counters.update(compiled=rt.compile_count, loaded=rt.units_loaded, first_run=rt.units_first_run,
+                        h2d_gib=rt.pool.stats.h2d_bytes / 2**30, sync_fetches=rt.pool.stats.sync_fetches)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        counters.update(device_allocs=torch.cuda.memory_stats().get("num_device_alloc", 0),
+                        reserved_gib=torch.cuda.memory_reserved() / 2**30)
+    return counters
+
+
 def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, compiled=None) -> dict:
     """`--steps` steps of AdamW on the adapters, each synchronised and timed; what they compiled and loaded."""
     import torch
@@ -183,6 +199,8 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     out["traced_steps"] = list(traced)
     tracer = None
     triton_compiles, first_step = TritonCompiles(), (0.0, 0.0)
+    out["step_work"] = []  # per step: the one-time work in it (what a slow new-plan step is suspected of)
+    before = _work_counters(rt, args.gc_clock)
     for i in range(args.steps):
         profiler = cProfile.Profile() if args.profile_first_step and i in args.profile_steps else None
         if i in traced and tracer is None:  # started before the step's clock: the profiler's own start-up is not in it
@@ -209,6 +227,9 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         if tracer is not None and i == traced[-1]:
             out["trace"] = end_trace(tracer, args, [f"step_{j + 1}" for j in traced])
             tracer = None
+        now = _work_counters(rt, args.gc_clock)
+        out["step_work"].append({k: round(now[k] - before[k], 3) for k in now})
+        before = now
         losses.append(loss.item())
         plans.append(rt.plan.kind if rt is not None and rt.plan is not None else "")
         if rt is not None and rt.plan is not None and (not plan_changes or plan_changes[-1][1] != rt.plan.summary()):

@@ -22,6 +22,7 @@ class _Reader:
     def __init__(self, fail: str | None = None, gate: threading.Event | None = None):
         self.read, self.fail, self.gate = [], fail, gate
         self.lock = threading.Lock()
+        self.first_read = threading.Event()
 
     def read_layer_into(self, name, q, s, b):
         if self.gate is not None:
@@ -33,6 +34,7 @@ class _Reader:
         q.fill_(int(name[1:]))
         with self.lock:
             self.read.append((name, threading.current_thread().name))
+        self.first_read.set()
 
 
 def _reads(n: int):
@@ -47,7 +49,7 @@ def test_the_callback_runs_on_the_calling_thread_while_the_reads_are_under_way()
         seen.append((threading.current_thread() is threading.main_thread(), len(reader.read)))
         gate.set()  # the reads wait for this: the callback ran before any of them finished
 
-    loading._read_in_parallel(reader, reads, while_reading)
+    loading._read_in_parallel(reader, [reads], while_reading)
     assert seen == [(True, 0)]
     assert sorted(n for n, _ in reader.read) == sorted(n for n, *_ in reads)
     assert all(t.startswith("stagehand-slab-read") for _, t in reader.read)
@@ -70,7 +72,7 @@ def test_the_clock_hears_when_the_reads_ended_not_when_the_callback_did():
             torch.linalg.qr(torch.ones(64, 64) + torch.eye(64))
         callback.append(time.perf_counter() - start)
 
-    loading._read_in_parallel(reader, reads, while_reading, clock=clock)
+    loading._read_in_parallel(reader, [reads], while_reading, clock=clock)
     assert set(clock.overlapped) == {"slab reads"}
     assert 0 < clock.overlapped["slab reads"] < callback[0]
 
@@ -88,15 +90,33 @@ def test_each_block_is_handed_on_once_its_last_rows_are_in():
         names = {n for n, _ in reader.read}
         seen.append((block, threading.current_thread().name, all(f"l{i}" in names for i in range(4 * block, 4 * block + 4))))
 
-    loading._read_in_parallel(reader, reads, gate.set, rows=lambda block: block != 2, on_block_read=on_block_read)
+    loading._read_in_parallel(reader, [reads[:4], reads[4:8], reads[8:]], gate.set, rows=lambda block: block != 2,
+                              on_block_read=on_block_read)
     assert sorted(b for b, *_ in seen) == [0, 1]
     assert all(t.startswith("stagehand-slab-read") and complete for _, t, complete in seen)
+
+
+def test_a_blocks_reads_start_while_the_next_blocks_are_laid_out():
+    """Offload lays out each block's buffers as the reads of the blocks before it go: the reads do not wait for
+    the whole model's layout (Python work on the calling thread, 0.1-0.2 s for Flux)."""
+    reader, reads = _Reader(), _reads(8)
+    seen = []
+
+    def laid_out():
+        yield reads[:4]
+        reader.first_read.wait(timeout=60)  # a read of the first block ends while the second is not laid out yet
+        seen.append(len(reader.read))
+        yield reads[4:]
+
+    loading._read_in_parallel(reader, laid_out())
+    assert seen and seen[0] > 0
+    assert sorted(n for n, _ in reader.read) == sorted(n for n, *_ in reads)
 
 
 def test_a_failed_read_names_its_layer_and_cancels_the_queued_ones():
     reader, reads = _Reader(fail="l0"), _reads(2000)
     with pytest.raises(ValueError, match="layer l0 is corrupt"):
-        loading._read_in_parallel(reader, reads)
+        loading._read_in_parallel(reader, [reads])
     assert len(reader.read) < 1000  # most of the queued reads were cancelled when the first one failed
 
 

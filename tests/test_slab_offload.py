@@ -118,3 +118,39 @@ def test_int8_blocks_are_page_locked_by_the_reader_threads_as_their_rows_land(sl
     assert all(by_thread[p].startswith("stagehand-slab-read") for p in int8)
     assert by_thread[master] == threading.main_thread().name
     rt.restore()
+
+
+def test_a_non_zero_zero_point_is_refused_by_the_read_of_its_layer(slab):
+    """Offload opens the slab without a pass over every zero point (a scattered read per layer before the first
+    row); the read of each layer checks its own: a slab with one non-zero zero point still fails offload, naming
+    the layer, and leaves the model as it was."""
+    import json
+    import pathlib
+    import struct
+    import zlib
+
+    from torch_stagehand.runtime.slab import SlabUnsupportedError
+
+    model, _, manifest = slab
+    with SlabReader(manifest) as reader:
+        info = reader.header.tensors["blocks.1.up.zero_point"]
+        path = reader.path
+    with open(path, "r+b") as f:  # a zero point of 3.0, with a checksum that matches it (as a SquareQ slab's would)
+        f.seek(info.start + 8)
+        f.write(struct.pack("<f", 3.0))
+        f.seek(info.start)
+        crc = zlib.crc32(f.read(info.end - info.start))
+    with open(manifest) as f:
+        doc = json.load(f)
+    entry = next(e for e in doc["layers"] if e["canonical_name"] == "blocks.1.up")
+    entry["stagehand"]["crc32"]["blocks.1.up.zero_point"] = f"{crc:08x}"
+    pathlib.Path(manifest).write_text(json.dumps(doc))
+    with pytest.raises(SlabUnsupportedError, match=r"layer 'blocks\.1\.up'.*zero_point is non-zero"):
+        SlabReader(manifest)
+    with SlabReader(manifest, check_zero_points=False) as reader:  # opens; the layer's read refuses it
+        reader.read_layer("blocks.0.up")
+        with pytest.raises(SlabUnsupportedError, match="zero_point is non-zero"):
+            reader.read_layer("blocks.1.up")
+    with pytest.raises(SlabUnsupportedError, match=r"layer 'blocks\.1\.up'.*zero_point is non-zero"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest)
+    assert type(model.blocks[1].up) is nn.Linear  # a failed load changes nothing

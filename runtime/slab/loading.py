@@ -36,7 +36,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -87,7 +87,9 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 f"streamed expert stack {stacks[0]} (and {len(stacks) - 1} more) can not come from a slab: the "
                 "slab format holds Linear layers only; offload this model without slab=", path=manifest,
                 layer=stacks[0])
-        with SlabReader(manifest) as reader:
+        # Zero points are checked by each layer's read (`read_layer_into`), not in a pass of their own at open: one
+        # small read per layer, scattered over the file, each a seek on a cold disk before the first row is read.
+        with SlabReader(manifest, check_zero_points=False) as reader:
             reader.check_model(rt.model)
 
             def check_identity() -> None:
@@ -100,21 +102,29 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 check_identity()
                 rt.clock.mark("slab opened, identity checked")
                 return _attach_disk_tier(rt, reader, manifest)
-            reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec)
-            for block, bb in enumerate(rt.store.blocks):
-                buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
-                for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
-                    name = canonical_name(spec.fqn)
-                    if name not in reader.layers:
-                        raise SlabLayerNotFoundError(
-                            f"streamed layer {spec.fqn} is not in the slab", path=reader.path, layer=name
-                        )
-                    q, s = layer_views(buf, lay)
-                    bias = spec.module.bias
-                    bias_out = None
-                    if bias is not None and bias.is_meta and reader.layers[name].has_bias:
-                        bias_out = torch.empty(bias.shape, dtype=bias.dtype)
-                    reads.append((name, q, s, bias_out, spec))
+            for bb in rt.store.blocks:  # every streamed layer is in the slab, before any buffer or read
+                missing = next((spec.fqn for spec in bb.layers if canonical_name(spec.fqn) not in reader.layers), None)
+                if missing is not None:
+                    raise SlabLayerNotFoundError(f"streamed layer {missing} is not in the slab", path=reader.path,
+                                                 layer=canonical_name(missing))
+            reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec), as laid out
+
+            def blocks_laid_out():
+                """Each block's buffer and reads, laid out while the blocks before it are read already."""
+                for block, bb in enumerate(rt.store.blocks):
+                    buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
+                    group = []
+                    for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
+                        name = canonical_name(spec.fqn)
+                        q, s = layer_views(buf, lay)
+                        bias = spec.module.bias
+                        bias_out = None
+                        if bias is not None and bias.is_meta and reader.layers[name].has_bias:
+                            bias_out = torch.empty(bias.shape, dtype=bias.dtype)
+                        group.append((name, q, s, bias_out, spec))
+                    reads.extend(group)
+                    yield group
+
             rt.clock.mark("slab opened")
             if before_reading is not None:
                 rt.clock.beside(FILES_READ_AHEAD, before_reading())
@@ -148,8 +158,8 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 if block in streams_int8:
                     rt.store.lock_filled(block, INT8)
 
-            _read_in_parallel(reader, reads, beside_the_reads, rows=lambda block: rt.store.writes(block, INT8),
-                              clock=rt.clock, on_block_read=block_read)
+            _read_in_parallel(reader, blocks_laid_out(), beside_the_reads,
+                              rows=lambda block: rt.store.writes(block, INT8), clock=rt.clock, on_block_read=block_read)
             for _name, _q, _s, bias_out, spec in reads:
                 if bias_out is not None:
                     bias = spec.module.bias
@@ -161,18 +171,18 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
     return load
 
 
-def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[], None] | None = None,
+def _read_in_parallel(reader: SlabReader, blocks: Iterable[list], while_reading: Callable[[], None] | None = None,
                       rows: Callable[[int], bool] | None = None, clock: StageClock | None = None,
                       on_block_read: Callable[[int], None] | None = None) -> None:
     """Every layer's rows, scale and bias from the file into its buffer, on a few threads: `preadv` and the crc32
     check release the GIL, so the reads go at the page cache's (or the disk's) speed, not one memcpy core's.
+    `blocks` yields the reads a list at a time (a block's reads all in one list), each list submitted as it
+    comes: the caller lays out the next block's buffers while the first blocks are read.
     The first error (a SlabError naming the layer) is raised once the reads under way finish; the queued ones
     are cancelled. `rows(block)` False: only the layer's bias (another rank of the node reads the block's rows
     into the shared store). `on_block_read(block)` runs on the reader thread that read a block's last rows.
     `clock` hears when the last read ended (beside `while_reading`, which may end before or after)."""
-    mine = [rows is None or rows(spec.block) for *_, spec in reads]
-    reads = [(r, whole) for r, whole in zip(reads, mine) if whole or r[3] is not None]
-    left = Counter(r[4].block for r, whole in reads if whole and r[4] is not None)
+    left: Counter = Counter()  # per block, its reads not yet done
     lock = threading.Lock()
 
     def read_rows(name, q, s, b, spec) -> None:
@@ -184,15 +194,21 @@ def _read_in_parallel(reader: SlabReader, reads: list, while_reading: Callable[[
             if last:
                 on_block_read(spec.block)
 
-    workers = max(1, min(_READ_THREADS, os.cpu_count() or 1, len(reads) or 1))
+    workers = max(1, min(_READ_THREADS, os.cpu_count() or 1))
     pool = ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read")
     try:
-        futures = [pool.submit(read_rows, *r) if whole else
-                   pool.submit(reader.read_bias_into, r[0], r[3]) for r, whole in reads]
         start = time.perf_counter()
         last_read = [start]
-        for future in futures:
-            future.add_done_callback(lambda _: last_read.append(time.perf_counter()))
+        futures = []
+        for group in blocks:
+            group = [(r, rows is None or rows(r[4].block)) for r in group]
+            group = [(r, whole) for r, whole in group if whole or r[3] is not None]
+            with lock:  # counted before any of the block's reads can end
+                left.update(r[4].block for r, whole in group if whole and r[4] is not None)
+            for r, whole in group:
+                future = pool.submit(read_rows, *r) if whole else pool.submit(reader.read_bias_into, r[0], r[3])
+                future.add_done_callback(lambda _: last_read.append(time.perf_counter()))
+                futures.append(future)
         if while_reading is not None:
             while_reading()
         for done in futures:

@@ -19,10 +19,11 @@ the checks that read no tensor bytes are in `checks.py`):
   - for our slabs: slab id (manifest and header must name the same slab), the
     header's sha256 and the file size recorded in the manifest;
   - every zero_point is zero (we compute per-row symmetric only; SquareQ writes
-    zeros too) and its checksum;
+    zeros too) and its checksum (``check_zero_points=False``: left to each read);
   - with ``verify="full"``: the whole file's sha256 and every tensor's crc32.
 Every read re-checks the crc32 of what it read (when recorded), that scales
-are finite and not all zero, and that the file was not cut short meanwhile.
+are finite and not all zero, that the zero points are zero, and that the file
+was not cut short meanwhile.
 
 Plain SquareQ slabs (no checksums, no slab id) load with every check that does
 not need our extras.
@@ -84,6 +85,8 @@ class SlabReader:
         verify: ``"fast"`` (structure, hashes of the header, sizes, zero points) or
             ``"full"`` (also the file's sha256 and every tensor's crc32: reads the whole file).
         verify_checksums: re-check each tensor's crc32 on every read (when recorded).
+        check_zero_points: check every layer's zero points at open (False: each layer's only when it is read, as
+            every read does; offload reads them all and leaves them to its reads).
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class SlabReader:
         model: nn.Module | None = None,
         verify: str = "fast",
         verify_checksums: bool = True,
+        check_zero_points: bool = True,
     ):
         if verify not in ("fast", "full"):
             raise ValueError(f"SlabReader: verify must be 'fast' or 'full', got {verify!r}")
@@ -122,7 +126,8 @@ class SlabReader:
             checks.check_file_identity(self.manifest, self.header, os.fstat(self._fd).st_size, self.manifest_path,
                                        self.path)
             checks.check_own_signature(self.manifest, self.manifest_path)
-            self._check_zero_points()
+            if check_zero_points:
+                self._check_zero_points()
             if verify == "full":
                 self.verify_full()
             if model is not None:
