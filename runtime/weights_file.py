@@ -141,19 +141,32 @@ class WeightsFile:
         view faults them in from memory later. Offload from a slab reads a meta model's resident tensors this
         way beside the slab's reads (Flux: a few hundred tensors, most of them a few hundred bytes between the
         blocks' weights): faulted in one after another after the reads, each waited for the disk (0.6 s)."""
-        ranges = sorted((mf.path, *(mf.data_start + o for o in mf.header[name]["data_offsets"]))
-                        for name in names if (mf := self._where.get(name)) is not None)
-        merged: list[list] = []
-        for path, begin, end in ranges:
-            if merged and merged[-1][0] == path and begin - merged[-1][2] <= _MERGE_GAP:
-                merged[-1][2] = max(merged[-1][2], end)
-            else:
-                merged.append([path, begin, end])
-        chunks = [(path, at, min(end, at + _CHUNK)) for path, begin, end in merged for at in range(begin, end, _CHUNK)]
-        if not chunks:
-            return 0
-        with ThreadPoolExecutor(max(1, min(threads, len(chunks))), thread_name_prefix="stagehand-pages-ahead") as pool:
-            return sum(pool.map(lambda chunk: _read_range(*chunk), chunks))
+        return _read_ranges([(mf.path, *(mf.data_start + o for o in mf.header[name]["data_offsets"]))
+                             for name in names if (mf := self._where.get(name)) is not None], threads)
+
+    def read_rows_ahead(self, rows_of: Sequence[tuple[torch.Tensor, Sequence[int]]], threads: int = 16) -> int:
+        """The pages of some rows of 2-D tensors that are views of this file (`rows_of`: (tensor, row indices))
+        into the page cache, one `pread` per row, on `threads` threads; returns the bytes read. A tensor that is
+        not a view of the file, or whose rows are not contiguous in it (a transposed weight), is left out.
+
+        The slab identity's sampled rows (8 per layer, thousands in all) then fault in from memory: faulted
+        from the disk under `random_access`, each row is read a page at a time, one page after another (a row
+        of Flux's 12288-wide layers is six reads), beside the slab's reads."""
+        ranges = []
+        for t, rows in rows_of:
+            mf = self._file_of(t)
+            if mf is None or t.dim() != 2 or t.stride(1) != 1:
+                continue
+            start, item = t.data_ptr() - mf.base.data_ptr(), t.element_size()
+            ranges += [(mf.path, start + r * t.stride(0) * item, start + (r * t.stride(0) + t.shape[1]) * item)
+                       for r in rows if 0 <= r < t.shape[0]]
+        return _read_ranges(ranges, threads)
+
+    def _file_of(self, t: torch.Tensor) -> _MappedFile | None:
+        """The mapped file `t` is a view of (None: memory of its own)."""
+        storage = t.untyped_storage().data_ptr()
+        return next((mf for mf in self.files if len(mf.mm) and mf.base.untyped_storage().data_ptr() == storage),
+                    None)
 
     @contextlib.contextmanager
     def random_access(self):
@@ -178,6 +191,22 @@ class WeightsFile:
         if any(t._version != v for t, v in self._tracked):
             return  # a written page is this process's only copy of the write: never drop it
         self._advise(getattr(mmap, "MADV_DONTNEED", None))
+
+
+def _read_ranges(ranges: list[tuple[str, int, int]], threads: int) -> int:
+    """(path, begin, end) byte ranges into the page cache on `threads` threads, ranges closer than `_MERGE_GAP`
+    read as one and none longer than `_CHUNK` on one thread; returns the bytes read."""
+    merged: list[list] = []
+    for path, begin, end in sorted(ranges):
+        if merged and merged[-1][0] == path and begin - merged[-1][2] <= _MERGE_GAP:
+            merged[-1][2] = max(merged[-1][2], end)
+        else:
+            merged.append([path, begin, end])
+    chunks = [(path, at, min(end, at + _CHUNK)) for path, begin, end in merged for at in range(begin, end, _CHUNK)]
+    if not chunks:
+        return 0
+    with ThreadPoolExecutor(max(1, min(threads, len(chunks))), thread_name_prefix="stagehand-pages-ahead") as pool:
+        return sum(pool.map(lambda chunk: _read_range(*chunk), chunks))
 
 
 def _read_range(path: str, begin: int, end: int) -> int:

@@ -126,6 +126,54 @@ def test_a_checkpoints_tensors_are_read_whole_in_ranges_merged_and_chunked(tmp_p
     assert file.read_ahead(["d"]) == 4 * 5 and file.read_ahead([]) == 0
 
 
+def test_rows_of_a_checkpoints_views_are_read_a_range_per_row(tmp_path, monkeypatch):
+    """`read_rows_ahead`: each asked row of a 2-D view of the file is one range of its bytes; a tensor of its own
+    memory, a transposed view and a row past the end are left out."""
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(40, 300), "v": torch.randn(10, 20)}, str(path))
+    file = WeightsFile(path)
+    w, v = file.view("w"), file.view("v")
+    read = []
+    monkeypatch.setattr(weights_file, "_read_range", lambda p, b, e: read.append((p, b, e)) or e - b)
+    monkeypatch.setattr(weights_file, "_MERGE_GAP", 0)
+    assert file.read_rows_ahead([(w, [0, 13, 39, 40]), (v.t(), [1]), (torch.randn(4, 4), [0])]) == 3 * 300 * 4
+    start = w.data_ptr() - file.files[0].base.data_ptr()
+    assert sorted(read) == [(str(path), start + r * 1200, start + (r + 1) * 1200) for r in (0, 13, 39)]
+    assert file.read_rows_ahead([]) == 0
+
+
+def test_offload_reads_the_identitys_sampled_rows_ahead_of_checking_them(tmp_path, monkeypatch):
+    """The identity check of a model mapped from its checkpoint reads each layer's sampled rows with a read of
+    their own first (not a page at a time through the mapping), then checks them."""
+    from torch_stagehand.runtime.slab import checks
+
+    model, x, path, manifest = checkpoint_and_slab(tmp_path)
+    reference = copy.deepcopy(model)
+    stagehand.offload(reference, device="cpu", precision="int8", slab=manifest, verbose=False)
+    with SlabReader(manifest) as reader:
+        sampled = {name: e.identity["rows"] for name, e in reader.layers.items()}
+    events = []
+    rows_ahead, check = WeightsFile.read_rows_ahead, checks.check_identity
+
+    def record_rows(self, rows_of, *args, **kwargs):
+        events.append(("rows", sorted((tuple(t.shape), tuple(rows)) for t, rows in rows_of)))
+        return rows_ahead(self, rows_of, *args, **kwargs)
+
+    monkeypatch.setattr(WeightsFile, "read_rows_ahead", record_rows)
+    monkeypatch.setattr(checks, "check_identity", lambda *a, **k: events.append("checked") or check(*a, **k))
+    meta = copy.deepcopy(model).to("meta")
+    rt = stagehand.offload(meta, device="cpu", precision="int8", slab=manifest, checkpoint=path, keep_full="file",
+                           verbose=False)
+    try:
+        assert [e if e == "checked" else e[0] for e in events] == ["rows", "checked"]
+        shapes = {name: tuple(model.get_submodule(name).weight.shape) for name in sampled}
+        assert events[0][1] == sorted((shapes[name], tuple(rows)) for name, rows in sampled.items())
+        with torch.no_grad():
+            assert torch.equal(meta(x), reference(x))
+    finally:
+        rt.restore()
+
+
 class _Preparation:
     """The CUDA path's compiler preparation, on the CPU: records when each part runs against the slab's reads."""
 

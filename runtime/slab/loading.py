@@ -93,9 +93,13 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
             reader.check_model(rt.model)
 
             def check_identity() -> None:
-                # The sampled rows of weights mapped from a checkpoint: read without readahead (weights_file.py).
+                weights = _live_weights(rt, reader)
+                if rt.checkpoint is not None:  # weights mapped from it: their sampled rows' pages, a read per row
+                    rt.checkpoint.read_rows_ahead([(w, reader.layers[name].identity["rows"]) for name, w in weights
+                                                   if reader.layers[name].identity is not None])
+                # Anything else of theirs is read without readahead (weights_file.py).
                 with rt.checkpoint.random_access() if rt.checkpoint is not None else contextlib.nullcontext():
-                    checks.check_identity(reader.manifest, _live_weights(rt, reader), reader.manifest_path,
+                    checks.check_identity(reader.manifest, weights, reader.manifest_path,
                                           require=rt.config.require_slab_identity)
 
             if rt.config.int8_tier == "disk":  # no rows to read: the check is a stage of its own
