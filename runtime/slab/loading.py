@@ -31,7 +31,6 @@ the slab format to the engine here, and the engine has none back.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
@@ -49,13 +48,10 @@ from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, FILES_READ
 from . import checks
 from .errors import SlabLayerNotFoundError
 from .layers import canonical_name
-from .page_cache import ask_kernel_ahead
 from .reader import SlabReader
 
 if TYPE_CHECKING:
     from torch_stagehand.runtime.runtime import Runtime
-
-log = logging.getLogger(__name__)
 
 _READ_THREADS = 8  # enough to saturate a page cache or an NVMe drive; each thread holds no buffer of its own
 
@@ -117,15 +113,9 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                                                  layer=canonical_name(missing))
             reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec), as laid out
 
-            def file_offset(block: int) -> int:
-                return min(reader.header.tensors[reader.layers[canonical_name(spec.fqn)].qweight_key].start
-                           for spec in rt.store.blocks[block].layers)
-
             def blocks_laid_out():
-                """Each block's buffer and reads, laid out while the blocks before it are read already; in the
-                file's order, the order the kernel reads it ahead in (page_cache.py)."""
-                for block in sorted(range(len(rt.store.blocks)), key=file_offset):
-                    bb = rt.store.blocks[block]
+                """Each block's buffer and reads, laid out while the blocks before it are read already."""
+                for block, bb in enumerate(rt.store.blocks):
                     buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
                     group = []
                     for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
@@ -140,9 +130,6 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     yield group
 
             rt.clock.mark("slab opened")
-            tensors = reader.header.tensors.values()
-            ahead, why = ask_kernel_ahead(reader.path, min(t.start for t in tensors), max(t.end for t in tensors))
-            log.info("stagehand: the slab's pages ahead of its reads: %s", why)
             if before_reading is not None:
                 rt.clock.beside(FILES_READ_AHEAD, before_reading())
                 rt.clock.mark(FILES_READ_AHEAD + " (the wait)")
@@ -183,8 +170,6 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     spec.module._parameters["bias"] = torch.nn.Parameter(bias_out, requires_grad=bias.requires_grad)
             for block in range(len(rt.store.blocks)):
                 rt.store.mark_built(block, INT8)
-            if ahead is not None and ahead.seconds is not None:
-                rt.clock.beside("slab pages asked of the kernel", ahead.seconds)
             rt.clock.mark("slab rows read")
 
     return load
