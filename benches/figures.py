@@ -815,17 +815,25 @@ def _dd_seconds(log: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+def _beside_the_disk(sources) -> list[dict]:
+    """Each run of (file, what the code had, the call's dd log), with the disk's seconds in the same call."""
+    return [dict(r, _label=label, _disk=_dd_seconds(disk), _source=name)
+            for name, label, disk in sources for r in load(name)["runs"]]
+
+
+def _over_disk(r: dict) -> str:
+    """A cold offload's seconds over the disk's own read of the slab in the same call."""
+    return num(r["offload_s"] - r["_disk"]) if r["mode"] == "cold" and r["_disk"] else ""
+
+
+def _disk_alone(r: dict) -> str:
+    return num(r["_disk"]) if r["mode"] == "cold" else ""
+
+
 def start_time_read_ahead_table() -> str:
     """Offload from the checkpoint + slab, page cache dropped, by its stage clock: the preparation's parts beside
     the reads, the read-ahead before them, against the disk's own read of the slab in the same call."""
-    rows = []
-    for name, label, disk in START_TIME_READ_AHEAD:
-        for r in load(name)["runs"]:
-            rows.append(dict(r, _label=label, _disk=_dd_seconds(disk), _source=name))
-
-    def over_disk(r: dict) -> str:
-        return num(r["offload_s"] - r["_disk"]) if r["mode"] == "cold" and r["_disk"] else ""
-
+    rows = _beside_the_disk(START_TIME_READ_AHEAD)
     cols = [Col("code", lambda r: r["_label"]), Col("run", lambda r: r["mode"]),
             Col("offload s", field("offload_s")), Col("slab rows read s", _stage("slab rows read")),
             Col("reads ended s", _beside("slab reads")),
@@ -835,8 +843,8 @@ def start_time_read_ahead_table() -> str:
             Col("identity check s", _beside("slab identity check")),
             Col("resident pages read s", _beside("resident tensors' pages read")),
             Col("resident tensors s", _stage("resident tensors to the device")),
-            Col("disk alone s (dd, same call)", lambda r: num(r["_disk"]) if r["mode"] == "cold" else ""),
-            Col("offload - disk s", over_disk), Col("source", lambda r: f"`{r['_source']}`")]
+            Col("disk alone s (dd, same call)", _disk_alone),
+            Col("offload - disk s", _over_disk), Col("source", lambda r: f"`{r['_source']}`")]
     what = ("Flux-dev 12B int8 offloaded from its safetensors checkpoint and INT8 slab (11.9 GB) on the disk "
             "(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps 6 --ahead-workers 2 "
             "--bytecode-cache --drop-page-cache`); two calls, each on its own H100 machine, each running its code "
@@ -849,6 +857,118 @@ def start_time_read_ahead_table() -> str:
             "checkpoint after it, beside the reads; \"resident tensors s\": the stage that loads them after the "
             "reads")
     return f"{caption(*[n for n, _, _ in START_TIME_READ_AHEAD], what=what)}\n\n{table(rows, cols)}\n"
+
+
+# Offload from the checkpoint + slab, this session's three calls: each call's new code, then the code before it on
+# the same machine and files (cold), then dd: (file, what the code had, the call's dd log).
+START_TIME_SLAB_OPEN = (
+    ("start_time_zero_points_files.json", "zero points checked by each layer's read, not in a pass at open; each "
+     "block's reads start once it is laid out (9cc68e8)", "start_time_zero_points_disk.log"),
+    ("start_time_zero_points_A_files.json", "before (498a69e), same machine as the row above",
+     "start_time_zero_points_disk.log"),
+    ("start_time_rows_ahead_files.json", "and the identity's sampled rows read ahead, a pread per row (ae0f63d, "
+     "kept)", "start_time_rows_ahead_disk.log"),
+    ("start_time_rows_ahead_A_files.json", "before (9cc68e8), same machine as the row above",
+     "start_time_rows_ahead_disk.log"),
+    ("start_time_kernel_ahead_files.json", "and the slab's pages asked of the kernel ahead, blocks read in the "
+     "file's order (8e71ac6, taken out)", "start_time_kernel_ahead_disk.log"),
+    ("start_time_kernel_ahead_A_files.json", "before (ae0f63d, kept), same machine as the row above",
+     "start_time_kernel_ahead_disk.log"),
+)
+
+
+def start_time_slab_open_table() -> str:
+    """Offload from the checkpoint + slab by its stage clock, each call's code against the code before it on the
+    same machine, and the disk's own read of the slab there."""
+    rows = _beside_the_disk(START_TIME_SLAB_OPEN)
+
+    def reads_over_disk(r: dict) -> str:
+        reads = (r.get("offload_beside_s") or {}).get("slab reads")
+        return num(reads / r["_disk"]) if r["mode"] == "cold" and r["_disk"] and reads else ""
+
+    cols = [Col("code", lambda r: r["_label"]), Col("run", lambda r: r["mode"]),
+            Col("offload s", field("offload_s")), Col("slab opened s", _stage("slab opened")),
+            Col("wait for the files read ahead s", _stage("compiler's files read ahead (the wait)")),
+            Col("slab rows read s", _stage("slab rows read")), Col("reads ended s", _beside("slab reads")),
+            Col("identity check s", _beside("slab identity check")),
+            Col("resident pages read s", _beside("resident tensors' pages read")),
+            Col("compiler's preparation s", _beside(_PREPARATION)),
+            Col("device slots s", _stage("device slots")),
+            Col("disk alone s (dd, same call)", _disk_alone), Col("reads / disk", reads_over_disk),
+            Col("offload - disk s", _over_disk), Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Flux-dev 12B int8 offloaded from its safetensors checkpoint and INT8 slab (11.9 GB) on the disk "
+            "(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps 10 --ahead-workers 2 "
+            "--bytecode-cache --drop-page-cache`); three calls, each on its own H100 machine, each running its code "
+            "(cold, and warm where it says) and then the code before it (cold) on the same machine and files, then "
+            "`dd` of the slab after the page cache was dropped. \"slab opened s\": the stage from the manifest to "
+            "the first read; \"reads ended s\": from the first read to the last; \"identity check s\", "
+            "\"resident pages read s\" and \"compiler's preparation s\": work beside the reads, on threads of its "
+            "own and the calling thread; \"device slots s\": the stage after the reads (a first offload on a "
+            "machine measures the host link there)")
+    return f"{caption(*[n for n, _, _ in START_TIME_SLAB_OPEN], what=what)}\n\n{table(rows, cols)}\n"
+
+
+# Cold runs whose steps record their one-time work (start_time.py's `step_work`): (file, model).
+START_TIME_NEW_PLAN = (
+    ("start_time_zero_points_files.json", "Flux-dev 12B int8, checkpoint + slab"),
+    ("start_time_zero_points_A_files.json", "Flux-dev 12B int8, checkpoint + slab"),
+    ("start_time_rows_ahead_files.json", "Flux-dev 12B int8, checkpoint + slab"),
+    ("start_time_rows_ahead_A_files.json", "Flux-dev 12B int8, checkpoint + slab"),
+    ("start_time_kernel_ahead_files.json", "Flux-dev 12B int8, checkpoint + slab"),
+    ("start_time_kernel_ahead_A_files.json", "Flux-dev 12B int8, checkpoint + slab"),
+    ("start_time_step_work_qwen.json", "Qwen2.5-7B shape int8"),
+    ("start_time_step_work_qwen_2.json", "Qwen2.5-7B shape int8"),
+)
+
+
+def _new_plan_window(r: dict) -> tuple[list[float], list[float], list[dict], list[dict]]:
+    """A cold run's two steps under the plan made from the calibration, the planned steps after them, and the
+    one-time work of each (`step_work[i]` is step i; `step_ms[i]` is step i + 1; plan_kinds[i] the plan after
+    step i, so step i + 1 is the first planned one when plan_kinds[i] is the first "planned")."""
+    first = r["plan_kinds"].index("planned")  # step first + 1 runs the made plan
+    return (r["step_ms"][first:first + 2], r["step_ms"][first + 2:], r["step_work"][first + 1:first + 3],
+            r["step_work"][first + 3:])
+
+
+def start_time_new_plan_table() -> str:
+    """The steps that measure a new plan against the steady steps, and the one-time work counted in each."""
+    rows = [dict(r, _model=model, _source=name) for name, model in START_TIME_NEW_PLAN for r in load(name)["runs"]
+            if r["mode"] == "cold" and r.get("step_work")]
+
+    def plan(r: dict) -> str:
+        found = re.search(r"(\d+) resident, (\d+) streamed", r["plan_changes"][-1][1])
+        return f"{found.group(1)} resident, {found.group(2)} streamed" if found else ""
+
+    def new_steps(r: dict) -> str:
+        steps, _, _, _ = _new_plan_window(r)
+        return " / ".join(f"{s / r['steady_ms']:.2f}" for s in steps)
+
+    def later_range(r: dict) -> str:
+        _, later, _, _ = _new_plan_window(r)
+        return f"{min(later) / r['steady_ms']:.2f}-{max(later) / r['steady_ms']:.2f}" if later else ""
+
+    def one_time(r: dict) -> str:
+        _, _, work, later = _new_plan_window(r)
+        steady_h2d = statistics.median(w.get("h2d_gib", 0.0) for w in later) if later else 0.0
+        return "; ".join(f"units {w.get('compiled', 0) + w.get('loaded', 0) + w.get('first_run', 0)}, collector "
+                         f"{w['gc_s']:.3f} s, {w.get('device_allocs', 0)} new segments "
+                         f"({w.get('reserved_gib', 0.0):+.2f} GiB), H2D {w.get('h2d_gib', 0.0) - steady_h2d:+.2f} GiB"
+                         for w in work)
+
+    cols = [Col("model", lambda r: r["_model"]), Col("made plan", plan),
+            Col("new-plan steps / steady", new_steps), Col("later planned steps / steady", later_range),
+            Col("steady ms", lambda r: ms(r["steady_ms"])),
+            Col("one-time work in the two new-plan steps (H2D over a steady step's)", one_time),
+            Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Cold runs of this session's calls (`benches/start_time.py --rows <row> --modes cold --steps 10 "
+            "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), each a fresh "
+            "process on an H100 machine, LoRA r=16, AdamW, `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB. Each step "
+            "synchronised and timed; after it, the one-time work it did, read from host counters: units compiled, "
+            "loaded or run for the first time, the collector's seconds, the allocator's new device segments and "
+            "reserved GiB, the host-to-device GiB. \"new-plan steps\": the first two steps under the plan made "
+            "from the calibration (they measure it: block clocks on events, read a step later); \"later planned "
+            "steps\": the planned steps after them, the steady step being the median of the last three")
+    return f"{caption(*[n for n, _ in START_TIME_NEW_PLAN], what=what)}\n\n{table(rows, cols)}\n"
 
 
 def preparation_probe_table() -> str:
@@ -871,11 +991,14 @@ def preparation_probe_table() -> str:
 
 # The issue's table: each model's latest runs, (file, model, weights).
 START_TIME_LATEST = (
-    ("start_time_torch_key_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_rows_ahead_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_kernel_ahead_A_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_zero_points_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
     ("start_time_rblock_off_flux_int8.json", "Flux-dev 12B", "int8, built in memory"),
     ("start_time_ahead_tuning_flux.json", "Flux-dev 12B", "int8, built in memory"),
     ("start_time_rblock_flux_bf16.json", "Flux-dev 12B", "bf16, built in memory"),
-    ("start_time_torch_key_qwen.json", "Qwen2.5-7B shape", "int8, built in memory"),
+    ("start_time_step_work_qwen.json", "Qwen2.5-7B shape", "int8, built in memory"),
+    ("start_time_step_work_qwen_2.json", "Qwen2.5-7B shape", "int8, built in memory"),
     ("start_time_torch_key_qwen32.json", "Qwen2.5-32B shape", "int8, built in memory"),
 )
 
@@ -888,14 +1011,16 @@ def start_time_latest_table() -> str:
             Col("run", lambda r: r["mode"]), Col("offload s", field("offload_s")),
             Col("first step s", field("first_step_s")), Col("steady ms", lambda r: ms(r["steady_ms"])),
             Col("new-plan steps / steady", _new_plan_steps), Col("source", lambda r: f"`{r['_source']}`")]
-    what = ("Each model's latest runs (`benches/start_time.py --rows <row> --modes cold warm [warm] --steps 6-12 "
+    what = ("Each model's latest runs (`benches/start_time.py --rows <row> --modes cold [warm] [warm] --steps 6-12 "
             "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
             "AdamW, `stagehand.compile_blocks`, `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; each "
             "run a fresh process, each file's runs on one H100 machine; cold: every cache empty, warm: a second "
-            "process. The Flux int8 in-memory rows come from older code (their commits below): the changes since "
-            "touched the slab path, the weights' copies (done on a worker since 94100a7) and the reductions' "
-            "configs (c434ae8, in the 12-step cold run). \"new-plan steps / steady\": a cold run's first two "
-            "steps under the plan made from the calibration, a warm run's step 2")
+            "process. The checkpoint + slab rows: the kept code (ae0f63d) on two machines, cold, and 9cc68e8 "
+            "(the same but the identity's rows read ahead) cold and warm on a third. The Flux int8 in-memory rows "
+            "come from older code (their commits below): the changes since touched the slab path, the weights' "
+            "copies (done on a worker since 94100a7) and the reductions' configs (c434ae8, in the 12-step cold "
+            "run). \"new-plan steps / steady\": a cold run's first two steps under the plan made from the "
+            "calibration, a warm run's step 2")
     return f"{caption(*[n for n, _, _ in START_TIME_LATEST], what=what)}\n\n{table(rows, cols)}\n"
 
 
@@ -1617,6 +1742,9 @@ FIGURES: dict[str, Figure] = {
     "start_time_read_ahead": Figure(start_time_read_ahead_table, (*[n for n, _, _ in START_TIME_READ_AHEAD],
                                                                    *sorted({d for _, _, d in START_TIME_READ_AHEAD}))),
     "preparation_probe": Figure(preparation_probe_table, ("preparation_probe.json",)),
+    "start_time_slab_open": Figure(start_time_slab_open_table, (*[n for n, _, _ in START_TIME_SLAB_OPEN],
+                                                                 *sorted({d for _, _, d in START_TIME_SLAB_OPEN}))),
+    "start_time_new_plan": Figure(start_time_new_plan_table, tuple(n for n, _ in START_TIME_NEW_PLAN)),
     "start_time_latest": Figure(start_time_latest_table, tuple(n for n, _, _ in START_TIME_LATEST)),
     "start_time_warm_bf16": Figure(start_time_warm_bf16_table, tuple(n for n, _ in START_TIME_WARM_BF16)),
     "start_time_rblock": Figure(start_time_rblock_table, tuple(n for n, _, _ in START_TIME_RBLOCK)),
