@@ -830,6 +830,19 @@ def _disk_alone(r: dict) -> str:
     return num(r["_disk"]) if r["mode"] == "cold" else ""
 
 
+def _against_the_disk(*extra: Col) -> list[Col]:
+    """The last columns of a table of offloads from files: the disk alone, what offload took over it, the file."""
+    return [Col("disk alone s (dd, same call)", _disk_alone), *extra, Col("offload - disk s", _over_disk),
+            Col("source", lambda r: f"`{r['_source']}`")]
+
+
+def _files_offload(steps: str, calls: str) -> str:
+    """The first words of such a table's caption: the row, its command, and how many calls ran it."""
+    return ("Flux-dev 12B int8 offloaded from its safetensors checkpoint and INT8 slab (11.9 GB) on the disk "
+            f"(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps {steps} "
+            f"--ahead-workers 2 --bytecode-cache --drop-page-cache`); {calls} calls, each on its own H100 machine")
+
+
 def start_time_read_ahead_table() -> str:
     """Offload from the checkpoint + slab, page cache dropped, by its stage clock: the preparation's parts beside
     the reads, the read-ahead before them, against the disk's own read of the slab in the same call."""
@@ -842,13 +855,8 @@ def start_time_read_ahead_table() -> str:
             Col("of it: compile workers started s", _beside("compile workers started")),
             Col("identity check s", _beside("slab identity check")),
             Col("resident pages read s", _beside("resident tensors' pages read")),
-            Col("resident tensors s", _stage("resident tensors to the device")),
-            Col("disk alone s (dd, same call)", _disk_alone),
-            Col("offload - disk s", _over_disk), Col("source", lambda r: f"`{r['_source']}`")]
-    what = ("Flux-dev 12B int8 offloaded from its safetensors checkpoint and INT8 slab (11.9 GB) on the disk "
-            "(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps 6 --ahead-workers 2 "
-            "--bytecode-cache --drop-page-cache`); two calls, each on its own H100 machine, each running its code "
-            "(cold, warm) and then the code before (692c4e1, cold) on the same machine and files, then `dd` of the "
+            Col("resident tensors s", _stage("resident tensors to the device")), *_against_the_disk()]
+    what = (_files_offload("6", "two") + ", each running its code (cold, warm) and then the code before (692c4e1, cold) on the same machine and files, then `dd` of the "
             "slab after the page cache was dropped. The first call's files were written as "
             "`start_time_read_ahead2_*`. \"files read ahead s\": the read-ahead's own seconds on its thread, "
             "beside offload's stages before the reads (the reads waited 0.00 s for it in every run); \"compiler's "
@@ -893,13 +901,8 @@ def start_time_slab_open_table() -> str:
             Col("identity check s", _beside("slab identity check")),
             Col("resident pages read s", _beside("resident tensors' pages read")),
             Col("compiler's preparation s", _beside(_PREPARATION)),
-            Col("device slots s", _stage("device slots")),
-            Col("disk alone s (dd, same call)", _disk_alone), Col("reads / disk", reads_over_disk),
-            Col("offload - disk s", _over_disk), Col("source", lambda r: f"`{r['_source']}`")]
-    what = ("Flux-dev 12B int8 offloaded from its safetensors checkpoint and INT8 slab (11.9 GB) on the disk "
-            "(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps 10 --ahead-workers 2 "
-            "--bytecode-cache --drop-page-cache`); three calls, each on its own H100 machine, each running its code "
-            "(cold, and warm where it says) and then the code before it (cold) on the same machine and files, then "
+            Col("device slots s", _stage("device slots")), *_against_the_disk(Col("reads / disk", reads_over_disk))]
+    what = (_files_offload("10", "three") + ", each running its code (cold, and warm where it says) and then the code before it (cold) on the same machine and files, then "
             "`dd` of the slab after the page cache was dropped. \"slab opened s\": the stage from the manifest to "
             "the first read; \"reads ended s\": from the first read to the last; \"identity check s\", "
             "\"resident pages read s\" and \"compiler's preparation s\": work beside the reads, on threads of its "
