@@ -30,7 +30,8 @@ cache). A row `model:precision:blocks` compiles each block on its own (`stagehan
 "resident" rows are the baseline: the plain model, every weight on the GPU, under torch.compile's
 default backend (Inductor), cold and warm the same way. Per run: offload seconds (with a profile of
 the cold int8 offload: where its seconds go), the first step's seconds, each later step's milliseconds
-(the calibration and new-plan steps among them, the plan kind beside each), the steady step (median of
+(the calibration and new-plan steps among them, the plan kind beside each, and each step's one-time work:
+units compiled, loaded or first run, the collector, new device segments, H2D), the steady step (median of
 the last three), units compiled and loaded, compile and autotune seconds, and the first step's loss:
 a warm run computes the cold run's number exactly.
 """
