@@ -903,8 +903,9 @@ def start_time_slab_open_table() -> str:
             Col("compiler's preparation s", _beside(_PREPARATION)),
             Col("device slots s", _stage("device slots")), *_against_the_disk(Col("reads / disk", reads_over_disk))]
     what = (_files_offload("10", "three") + ", each running its code (cold, and warm where it says) and then the code before it (cold) on the same machine and files, then "
-            "`dd` of the slab after the page cache was dropped. \"slab opened s\": the stage from the manifest to "
-            "the first read; \"reads ended s\": from the first read to the last; \"identity check s\", "
+            "`dd` of the slab after the page cache was dropped. \"slab opened s\": the stage that opens and checks "
+            "the slab (before 9cc68e8 it also read every zero point and laid out every block; the layout now goes "
+            "beside the reads, in their seconds); \"reads ended s\": from the first read to the last; \"identity check s\", "
             "\"resident pages read s\" and \"compiler's preparation s\": work beside the reads, on threads of its "
             "own and the calling thread; \"device slots s\": the stage after the reads (a first offload on a "
             "machine measures the host link there)")
@@ -953,7 +954,7 @@ def start_time_new_plan_table() -> str:
     def one_time(r: dict) -> str:
         _, _, work, later = _new_plan_window(r)
         steady_h2d = statistics.median(w.get("h2d_gib", 0.0) for w in later) if later else 0.0
-        return "; ".join(f"units {w.get('compiled', 0) + w.get('loaded', 0) + w.get('first_run', 0)}, collector "
+        return "; ".join(f"units {w.get('compiled', 0)} / {w.get('loaded', 0)} / {w.get('first_run', 0)}, collector "
                          f"{w['gc_s']:.3f} s, {w.get('device_allocs', 0)} new segments "
                          f"({w.get('reserved_gib', 0.0):+.2f} GiB), H2D {w.get('h2d_gib', 0.0) - steady_h2d:+.2f} GiB"
                          for w in work)
@@ -966,9 +967,9 @@ def start_time_new_plan_table() -> str:
     what = ("Cold runs of this session's calls (`benches/start_time.py --rows <row> --modes cold --steps 10 "
             "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), each a fresh "
             "process on an H100 machine, LoRA r=16, AdamW, `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB. Each step "
-            "synchronised and timed; after it, the one-time work it did, read from host counters: units compiled, "
-            "loaded or run for the first time, the collector's seconds, the allocator's new device segments and "
-            "reserved GiB, the host-to-device GiB. \"new-plan steps\": the first two steps under the plan made "
+            "synchronised and timed; after it, the one-time work it did, read from host counters: units compiled "
+            "/ loaded from the caches (of those compiled) / run for the first time, the collector's seconds, the "
+            "allocator's new device segments and reserved GiB, the slot pool's host-to-device GiB. \"new-plan steps\": the first two steps under the plan made "
             "from the calibration (they measure it: block clocks on events, read a step later); \"later planned "
             "steps\": the planned steps after them, the steady step being the median of the last three")
     return f"{caption(*[n for n, _ in START_TIME_NEW_PLAN], what=what)}\n\n{table(rows, cols)}\n"

@@ -146,8 +146,9 @@ class WeightsFile:
 
     def read_rows_ahead(self, rows_of: Sequence[tuple[torch.Tensor, Sequence[int]]], threads: int = 16) -> int:
         """The pages of some rows of 2-D tensors that are views of this file (`rows_of`: (tensor, row indices))
-        into the page cache, one `pread` per row, on `threads` threads; returns the bytes read. A tensor that is
-        not a view of the file, or whose rows are not contiguous in it (a transposed weight), is left out.
+        into the page cache, a `pread` per row (rows closer than `_MERGE_GAP` read as one, the bytes between
+        them too), on `threads` threads; returns the bytes read. A tensor that is not a view of the file, or
+        whose rows are not contiguous in it (a transposed weight), is left out.
 
         The slab identity's sampled rows (8 per layer, thousands in all) then fault in from memory: faulted
         from the disk under `random_access`, each row is read a page at a time, one page after another (a row

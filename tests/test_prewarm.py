@@ -120,6 +120,36 @@ def test_a_failed_read_names_its_layer_and_cancels_the_queued_ones():
     assert len(reader.read) < 1000  # most of the queued reads were cancelled when the first one failed
 
 
+def test_a_read_that_failed_before_the_layout_did_is_the_error_named():
+    """The layout of a later block raises after a read of an earlier one failed: the read's error (it names the
+    layer) is the one offload reports, the layout's its cause."""
+    failed = threading.Event()
+
+    class Failing(_Reader):
+        def read_layer_into(self, name, q, s, b):
+            failed.set()
+            raise ValueError(f"layer {name} is corrupt")
+
+    reads = _reads(3)
+
+    def laid_out():
+        yield reads[:1]
+        failed.wait(timeout=60)
+        raise RuntimeError("block 1 could not be laid out")
+
+    with pytest.raises(ValueError, match="layer l0 is corrupt") as caught:
+        loading._read_in_parallel(Failing(), laid_out())
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_a_block_in_two_lists_is_refused():
+    """`on_block_read` hands a block on when its last read ends: a block whose reads came in two lists would be
+    handed on before its second list was read."""
+    reads = [(n, q, s, b, types.SimpleNamespace(block=0)) for n, q, s, b, _ in _reads(4)]
+    with pytest.raises(ValueError, match=r"blocks \[0\] came in two lists"):
+        loading._read_in_parallel(_Reader(), [reads[:2], reads[2:]], on_block_read=lambda block: None)
+
+
 def test_the_compiler_imports_load_in_the_calling_process():
     script = ("import sys; from torch_stagehand.compiler.inner import prewarm_compiler_imports as p; "
               "b = 'torch._inductor.compile_fx' in sys.modules; p(); print(b, 'torch._inductor.compile_fx' in sys.modules)")

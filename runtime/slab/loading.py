@@ -35,7 +35,7 @@ import os
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
@@ -89,7 +89,9 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 layer=stacks[0])
         # Zero points are checked by each layer's read (`read_layer_into`), not in a pass of their own at open: one
         # small read per layer, scattered over the file, each a seek on a cold disk before the first row is read.
-        with SlabReader(manifest, check_zero_points=False) as reader:
+        # Not on the ranks of a node that share the store: each reads some blocks' rows, and a bad zero point must
+        # stop every one of them at open, as before.
+        with SlabReader(manifest, check_zero_points=rt.store.node is not None) as reader:
             reader.check_model(rt.model)
 
             def check_identity() -> None:
@@ -183,11 +185,12 @@ def _read_in_parallel(reader: SlabReader, blocks: Iterable[list], while_reading:
     `blocks` yields the reads a list at a time (a block's reads all in one list), each list submitted as it
     comes: the caller lays out the next block's buffers while the first blocks are read.
     The first error (a SlabError naming the layer) is raised once the reads under way finish; the queued ones
-    are cancelled. `rows(block)` False: only the layer's bias (another rank of the node reads the block's rows
-    into the shared store). `on_block_read(block)` runs on the reader thread that read a block's last rows.
+    are cancelled, and no block is laid out after it. `rows(block)` False: only the layer's bias (another rank
+    of the node reads the block's rows into the shared store). `on_block_read(block)` runs on the reader thread that read a block's last rows.
     `clock` hears when the last read ended (beside `while_reading`, which may end before or after)."""
     left: Counter = Counter()  # per block, its reads not yet done
     lock = threading.Lock()
+    failed: list[BaseException] = []  # the reads' errors, in the order they ended
 
     def read_rows(name, q, s, b, spec) -> None:
         reader.read_layer_into(name, q, s, b)
@@ -200,19 +203,42 @@ def _read_in_parallel(reader: SlabReader, blocks: Iterable[list], while_reading:
 
     workers = max(1, min(_READ_THREADS, os.cpu_count() or 1))
     pool = ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read")
+
+    def ended(future) -> None:
+        last_read.append(time.perf_counter())
+        if not future.cancelled() and future.exception() is not None:
+            failed.append(future.exception())
+
     try:
         start = time.perf_counter()
         last_read = [start]
-        futures = []
-        for group in blocks:
-            group = [(r, rows is None or rows(r[4].block)) for r in group]
-            group = [(r, whole) for r, whole in group if whole or r[3] is not None]
-            with lock:  # counted before any of the block's reads can end
-                left.update(r[4].block for r, whole in group if whole and r[4] is not None)
-            for r, whole in group:
-                future = pool.submit(read_rows, *r) if whole else pool.submit(reader.read_bias_into, r[0], r[3])
-                future.add_done_callback(lambda _: last_read.append(time.perf_counter()))
-                futures.append(future)
+        futures, submitted = [], set()
+        try:
+            for group in blocks:
+                if failed:  # a read failed: no more layout, no more reads
+                    break
+                group = [(r, rows is None or rows(r[4].block)) for r in group]
+                group = [(r, whole) for r, whole in group if whole or r[3] is not None]
+                blocks_in = {r[4].block for r, _ in group if r[4] is not None}
+                if blocks_in & submitted:  # on_block_read would run before the block's later reads
+                    raise ValueError(f"slab reads: blocks {sorted(blocks_in & submitted)} came in two lists")
+                submitted |= blocks_in
+                with lock:  # counted before any of the block's reads can end
+                    left.update(r[4].block for r, whole in group if whole and r[4] is not None)
+                for r, whole in group:
+                    future = pool.submit(read_rows, *r) if whole else pool.submit(reader.read_bias_into, r[0], r[3])
+                    future.add_done_callback(ended)
+                    futures.append(future)
+        except BaseException as e:  # the layout failed: a read that failed before it is the error to name
+            for future in futures:
+                future.cancel()
+            wait(futures)
+            first = next((f.exception() for f in futures if not f.cancelled() and f.exception() is not None), None)
+            if first is not None:
+                raise first from e
+            raise
+        if failed:
+            raise failed[0]
         if while_reading is not None:
             while_reading()
         for done in futures:
