@@ -459,11 +459,17 @@ def _first_step_gc(r: dict) -> str:
     return "" if not before or not after else f"{sum(after['s']) - sum(before['s']):.2f}"
 
 
+def _first_planned(r: dict) -> int:
+    """Where a run's made plan starts: `step_ms[i]` is step i + 1 and `plan_kinds[i]` the plan after step i, so
+    `step_ms[i]` is the first step under the made plan for the first i whose plan_kinds[i] is "planned"."""
+    return r["plan_kinds"].index("planned")
+
+
 def _new_plan_steps(r: dict) -> str:
     """The steps that measure a new plan over the steady step: a cold run's first two under the plan made from
     the calibration (`plan_kinds[i]` is the plan step i + 2 runs: a calibration measured again runs one more
     calibrating step), a warm run's step 2 (its first is the first step)."""
-    first = r["plan_kinds"].index("planned") if r["mode"] == "cold" and "planned" in r["plan_kinds"] else 0
+    first = _first_planned(r) if r["mode"] == "cold" and "planned" in r["plan_kinds"] else 0
     steps = r["step_ms"][first:first + 2] if r["mode"] == "cold" else r["step_ms"][:1]
     return " / ".join(f"{s / r['steady_ms']:.2f}" for s in steps)
 
@@ -925,13 +931,11 @@ START_TIME_NEW_PLAN = (
 )
 
 
-def _new_plan_window(r: dict) -> tuple[list[float], list[float], list[dict], list[dict]]:
-    """A cold run's two steps under the plan made from the calibration, the planned steps after them, and the
-    one-time work of each (`step_work[i]` is step i; `step_ms[i]` is step i + 1; plan_kinds[i] the plan after
-    step i, so step i + 1 is the first planned one when plan_kinds[i] is the first "planned")."""
-    first = r["plan_kinds"].index("planned")  # step first + 1 runs the made plan
-    return (r["step_ms"][first:first + 2], r["step_ms"][first + 2:], r["step_work"][first + 1:first + 3],
-            r["step_work"][first + 3:])
+def _new_plan_window(r: dict) -> tuple[list[float], list[dict], list[dict]]:
+    """A cold run's planned steps after its two new-plan steps (`_new_plan_steps`), the one-time work of those
+    two, and of the steps after them (`step_work[i]` is step i, `step_ms[i]` step i + 1)."""
+    first = _first_planned(r)
+    return r["step_ms"][first + 2:], r["step_work"][first + 1:first + 3], r["step_work"][first + 3:]
 
 
 def start_time_new_plan_table() -> str:
@@ -943,16 +947,12 @@ def start_time_new_plan_table() -> str:
         found = re.search(r"(\d+) resident, (\d+) streamed", r["plan_changes"][-1][1])
         return f"{found.group(1)} resident, {found.group(2)} streamed" if found else ""
 
-    def new_steps(r: dict) -> str:
-        steps, _, _, _ = _new_plan_window(r)
-        return " / ".join(f"{s / r['steady_ms']:.2f}" for s in steps)
-
     def later_range(r: dict) -> str:
-        _, later, _, _ = _new_plan_window(r)
+        later, _, _ = _new_plan_window(r)
         return f"{min(later) / r['steady_ms']:.2f}-{max(later) / r['steady_ms']:.2f}" if later else ""
 
     def one_time(r: dict) -> str:
-        _, _, work, later = _new_plan_window(r)
+        _, work, later = _new_plan_window(r)
         steady_h2d = statistics.median(w.get("h2d_gib", 0.0) for w in later) if later else 0.0
         return "; ".join(f"units {w.get('compiled', 0)} / {w.get('loaded', 0)} / {w.get('first_run', 0)}, collector "
                          f"{w['gc_s']:.3f} s, {w.get('device_allocs', 0)} new segments "
@@ -960,7 +960,7 @@ def start_time_new_plan_table() -> str:
                          for w in work)
 
     cols = [Col("model", lambda r: r["_model"]), Col("made plan", plan),
-            Col("new-plan steps / steady", new_steps), Col("later planned steps / steady", later_range),
+            Col("new-plan steps / steady", _new_plan_steps), Col("later planned steps / steady", later_range),
             Col("steady ms", lambda r: ms(r["steady_ms"])),
             Col("one-time work in the two new-plan steps (H2D over a steady step's)", one_time),
             Col("source", lambda r: f"`{r['_source']}`")]

@@ -165,7 +165,7 @@ class TritonCompiles:
 def _work_counters(rt, gc_clock) -> dict:
     """Counters of one-time work, read on the host after a step's synchronisation: the collector's seconds and its
     full collections, units compiled, loaded and run for the first time, the allocator's new device segments and
-    reserved GiB, the host-to-device GiB copied and the fetches a wait had to issue itself."""
+    reserved GiB, the slot pool's host-to-device GiB and the fetches a wait had to issue itself."""
     import torch
 
     counters = {"gc_s": sum(gc_clock.seconds), "gc_full": gc_clock.counts[2]}
@@ -216,6 +216,9 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
             optimizer.zero_grad(set_to_none=True)
             sync()
         steps.append(time.perf_counter() - t0)
+        now = _work_counters(rt, args.gc_clock)  # before the profile's and the trace's export: the step's own work
+        out["step_work"].append({k: round(now[k] - before[k], 3) for k in now})
+        before = now
         if i == 0:
             first_step = (t0, time.perf_counter())
         if profiler:  # where a step's seconds go (the profiler's own cost inflates them: a separate run)
@@ -228,9 +231,6 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         if tracer is not None and i == traced[-1]:
             out["trace"] = end_trace(tracer, args, [f"step_{j + 1}" for j in traced])
             tracer = None
-        now = _work_counters(rt, args.gc_clock)
-        out["step_work"].append({k: round(now[k] - before[k], 3) for k in now})
-        before = now
         losses.append(loss.item())
         plans.append(rt.plan.kind if rt is not None and rt.plan is not None else "")
         if rt is not None and rt.plan is not None and (not plan_changes or plan_changes[-1][1] != rt.plan.summary()):
