@@ -445,8 +445,12 @@ def child_from_files(args, kind: str, precision: str, regional: bool) -> dict:
     out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(time.perf_counter() - t0, 1),
                  "page_cache": args.page_cache}
     model.requires_grad_(False)  # LoRA: the base is frozen before offload (a weight that trains gets a host gradient)
+    from torch_stagehand.runtime.config import Config
+
+    out["slab_reads"] = args.slab_reads
     rt = timed_offload(args, out, model, precision="int8", checkpoint=files["checkpoint"], slab=files["slab"],
-                       keep_full="file", vram_budget=None if args.tiny else BUDGETS[kind])
+                       keep_full="file", vram_budget=None if args.tiny else BUDGETS[kind],
+                       config=Config(slab_reads=args.slab_reads))
     model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS[kind]))
     model.to(args.device)  # the adapters peft put beside the host weights (the streamed weights stay)
     return run_steps(args, kind, model, inputs, rt, out, regional)
@@ -509,7 +513,8 @@ def run_one(args, row: str, mode: str) -> dict:
     files = ":files" in row
     page_cache = drop_page_cache() if files and mode == "cold" and args.drop_page_cache else "as left"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
-           "--steps", str(args.steps), "--page-cache", page_cache] + (["--tiny"] if args.tiny else []) + \
+           "--steps", str(args.steps), "--page-cache", page_cache, "--slab-reads", args.slab_reads] + \
+          (["--tiny"] if args.tiny else []) + \
           (["--profile-offload"] if args.profile_offload and mode == "cold" else []) + \
           (["--profile-first-step"] if mode in ("profile", "coldprofile") or (mode == "cold" and args.profile_cold)
            else []) + \
@@ -581,6 +586,8 @@ def main(argv=None) -> int:
                         "the default starts them)")
     p.add_argument("--ahead-workers", type=int, default=3,
                    help="processes compiling foreseen variants ahead (STAGEHAND_AHEAD_WORKERS; serial runs: 0)")
+    p.add_argument("--slab-reads", default="auto", choices=["auto", "process", "threads"],
+                   help="Config.slab_reads of a row from files: who reads the slab's rows")
     p.add_argument("--out", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--row", help=argparse.SUPPRESS)
@@ -644,7 +651,7 @@ def main(argv=None) -> int:
                 write_json(args.out, {"env": env, "budgets": BUDGETS, "steps": args.steps, "files_prepared": prepared,
                                       "bytecode_cache": bytecode,
                                       "warm_compile_workers": not args.cold_compile_workers,
-                                      "ahead_workers": args.ahead_workers,
+                                      "ahead_workers": args.ahead_workers, "slab_reads": args.slab_reads,
                                       "rows": table_rows(results), "runs": results})
     print_table(table_rows(results), title="seconds to the first step (each run a fresh process)")
     return 0

@@ -98,14 +98,16 @@ class Carved:
 class HostArena:
     """One host allocation holding the buffers of one copy kind (e.g. "int8 pinned")."""
 
-    def __init__(self, kind: str, sizes: list[int], pinner, shared=None):
-        """`shared`: the node's NodeStore (node_store.py): the pages are the node's, each block's by its owner."""
+    def __init__(self, kind: str, sizes: list[int], pinner, shared=None, backing=None):
+        """`shared`: the node's NodeStore (node_store.py): the pages are the node's, each block's by its owner.
+        `backing`: where this process's own pages come from, when not from torch (`backing(kind, nbytes)`, page-
+        aligned): a slab's reader process writes into memfd pages (slab/read_process.py)."""
         self.kind = kind
         self.pinner = pinner
         self.capacity = sum(page_round(n) for n in sizes)
         self.shared = shared is not None
-        if shared is not None:
-            self.base = shared.backing(kind, self.capacity)  # a mapping: page-aligned
+        if shared is not None or backing is not None:
+            self.base = (shared or backing).backing(kind, self.capacity)  # a mapping: page-aligned
         else:  # one spare page so the start can be moved onto a page boundary
             raw = torch.empty(self.capacity + PAGE, dtype=torch.uint8)
             skip = (-raw.data_ptr()) % PAGE

@@ -80,9 +80,7 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     rt.clock.mark("host store planned")
     meta_blocks = fill_masters(rt.store, rt.checkpoint, progress, while_filling, rt.clock)
     rt.clock.mark("masters " + ("mapped from the checkpoint" if rt.store.keep_full == KEEP_FILE else "to the host store"))
-    if slab_loader is not None:
-        if rt.config.int8_tier != "disk":  # the disk tier holds no INT8 in RAM
-            rt.store.reserve(precisions.INT8, list(range(n)))
+    if slab_loader is not None:  # it reserves the INT8 copies' host allocation (none for the disk tier)
         slab_loader(rt, pin=[b for b, p in precision_map.items() if p == precisions.INT8])
     elif meta_blocks:
         raise RuntimeError(f"offload: block {rt.blocks[meta_blocks[0]]} has weights on the meta device and no slab "

@@ -95,25 +95,25 @@ class HostStore:
 
     # ---- host memory ----------------------------------------------------------
 
-    def _new_arena(self, kind: str, sizes: list[int], shareable: bool = True) -> HostArena:
+    def _new_arena(self, kind: str, sizes: list[int], shareable: bool = True, backing=None) -> HostArena:
         """`shareable`: the node's ranks may share it while offload runs (a rank's gradients are its own)."""
         shared = self.node if shareable and self.node is not None and not self.node.done else None
-        return HostArena(kind, sizes, self.pinner, shared=shared)
+        return HostArena(kind, sizes, self.pinner, shared=shared, backing=backing)
 
     def writes(self, block: int, precision: str) -> bool:
         """Whether this process fills the block's buffer (False: another rank of the node does, node_store.py)."""
         arena = self._arena_of.get((block, precision))
         return arena is None or not arena.shared or self.node.owns(block)
 
-    def reserve(self, precision: str, blocks: list[int]) -> None:
-        """One host allocation for the precision's buffers of `blocks` (those not held yet)."""
+    def reserve(self, precision: str, blocks: list[int], backing=None) -> None:
+        """One host allocation for the precision's buffers of `blocks` (those not held yet); `backing`: HostArena's."""
         blocks = [b for b in blocks if not self.has(b, precision) and (b, precision) not in self._reserved]
         if not blocks:
             return
         sizes = [self.nbytes(b, precision) for b in blocks]
         kind = f"{precision} {'master' if self._is_master(blocks[0], precision) else 'copy'}"
         try:
-            arena = self._new_arena(kind, sizes)
+            arena = self._new_arena(kind, sizes, backing=backing)
         except NodeStoreError:
             raise  # another rank of the node failed: its own message
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:  # say what did not fit: offload then puts the model back

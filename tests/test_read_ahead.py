@@ -198,11 +198,11 @@ def test_offload_from_a_slab_waits_for_the_files_then_reads_the_resident_tensors
     stagehand.offload(reference, device="cpu", precision="int8", slab=manifest, verbose=False)
     events, asked = [], []
     monkeypatch.setattr(api, "compiler_preparation", lambda model, device: _Preparation(events))
-    read_layer_into = SlabReader.read_layer_into
+    layer_job = SlabReader.layer_job  # the reads handed to the reader process (Config.slab_reads, "auto")
 
     def read_layer(self, *args):
         events.append("slab read")
-        return read_layer_into(self, *args)
+        return layer_job(self, *args)
 
     read_ahead = WeightsFile.read_ahead
 
@@ -210,7 +210,7 @@ def test_offload_from_a_slab_waits_for_the_files_then_reads_the_resident_tensors
         asked.append(sorted(names))
         return read_ahead(self, names, *args, **kwargs)
 
-    monkeypatch.setattr(SlabReader, "read_layer_into", read_layer)
+    monkeypatch.setattr(SlabReader, "layer_job", read_layer)
     monkeypatch.setattr(WeightsFile, "read_ahead", pages_ahead)
     meta = copy.deepcopy(model).to("meta")
     rt = stagehand.offload(meta, device="cpu", precision="int8", slab=manifest, checkpoint=path, keep_full="file",

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from torch_stagehand.runtime.beside import run_beside
+from torch_stagehand.runtime.config import ConfigError
 from torch_stagehand.runtime.host_setup import resident_file_names
 from torch_stagehand.runtime.precision import INT8, layer_views
 from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD, StageClock
@@ -48,6 +49,7 @@ from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, FILES_READ
 from . import checks
 from .errors import SlabLayerNotFoundError
 from .layers import canonical_name
+from .read_process import ProcessPages, process_reads_possible, read_in_process
 from .reader import SlabReader
 
 if TYPE_CHECKING:
@@ -113,6 +115,9 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 if missing is not None:
                     raise SlabLayerNotFoundError(f"streamed layer {missing} is not in the slab", path=reader.path,
                                                  layer=canonical_name(missing))
+            pages = _process_pages(rt)  # None: reader threads here
+            rt.store.reserve(INT8, list(range(len(rt.store.blocks))), backing=pages)
+            bias_into = _bias_buffers(rt, reader, pages)
             reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec), as laid out
 
             def blocks_laid_out():
@@ -121,13 +126,8 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
                     group = []
                     for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
-                        name = canonical_name(spec.fqn)
                         q, s = layer_views(buf, lay)
-                        bias = spec.module.bias
-                        bias_out = None
-                        if bias is not None and bias.is_meta and reader.layers[name].has_bias:
-                            bias_out = torch.empty(bias.shape, dtype=bias.dtype)
-                        group.append((name, q, s, bias_out, spec))
+                        group.append((canonical_name(spec.fqn), q, s, bias_into.get(id(spec)), spec))
                     reads.extend(group)
                     yield group
 
@@ -164,17 +164,55 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 if block in streams_int8:
                     rt.store.lock_filled(block, INT8)
 
-            _read_in_parallel(reader, blocks_laid_out(), beside_the_reads,
-                              rows=lambda block: rt.store.writes(block, INT8), clock=rt.clock, on_block_read=block_read)
+            if pages is None:
+                _read_in_parallel(reader, blocks_laid_out(), beside_the_reads, clock=rt.clock, on_block_read=block_read,
+                                  rows=lambda block: rt.store.writes(block, INT8))
+            else:
+                try:
+                    read_in_process(reader, pages, blocks_laid_out(), beside_the_reads, clock=rt.clock,
+                                    on_block_read=block_read, threads=_read_threads())
+                finally:
+                    pages.close()  # the mappings keep the pages
             for _name, _q, _s, bias_out, spec in reads:
                 if bias_out is not None:
                     bias = spec.module.bias
-                    spec.module._parameters["bias"] = torch.nn.Parameter(bias_out, requires_grad=bias.requires_grad)
+                    value = bias_out if pages is None else bias_out.to(bias.dtype, copy=True)  # out of the staging
+                    spec.module._parameters["bias"] = torch.nn.Parameter(value, requires_grad=bias.requires_grad)
             for block in range(len(rt.store.blocks)):
                 rt.store.mark_built(block, INT8)
             rt.clock.mark("slab rows read")
 
     return load
+
+
+def _process_pages(rt: "Runtime") -> ProcessPages | None:
+    """Pages for a reader process (`Config.slab_reads`), or None: reader threads in this process."""
+    choice = rt.config.slab_reads
+    why_not = process_reads_possible() or ("the ranks of this node share the store (their reads go into the "
+                                           "node's pages)" if rt.store.node is not None else None)
+    if choice == "threads" or (choice == "auto" and why_not):
+        return None
+    if why_not:
+        raise ConfigError(f"slab_reads: 'process' can not be used here: {why_not}; 'threads' or 'auto' can")
+    return ProcessPages()
+
+
+def _bias_buffers(rt: "Runtime", reader: SlabReader, pages: ProcessPages | None) -> dict[int, torch.Tensor]:
+    """id(spec) -> where a meta bias is read from the slab: its new tensor (reader threads), or float32 in pages
+    the reader process maps (cast into its new tensor once the reads end)."""
+    specs = [spec for spec in rt.layers if spec.module.bias is not None and spec.module.bias.is_meta
+             and canonical_name(spec.fqn) in reader.layers and reader.layers[canonical_name(spec.fqn)].has_bias]
+    if pages is None:
+        return {id(spec): torch.empty(spec.module.bias.shape, dtype=spec.module.bias.dtype) for spec in specs}
+    if not specs:
+        return {}
+    sizes = [spec.module.bias.numel() for spec in specs]
+    staged = pages.backing("slab biases", 4 * sum(sizes)).view(torch.float32).split(sizes)
+    return {id(spec): view for spec, view in zip(specs, staged)}
+
+
+def _read_threads() -> int:
+    return max(1, min(_READ_THREADS, os.cpu_count() or 1))
 
 
 def _read_in_parallel(reader: SlabReader, blocks: Iterable[list], while_reading: Callable[[], None] | None = None,
@@ -201,8 +239,7 @@ def _read_in_parallel(reader: SlabReader, blocks: Iterable[list], while_reading:
             if last:
                 on_block_read(spec.block)
 
-    workers = max(1, min(_READ_THREADS, os.cpu_count() or 1))
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="stagehand-slab-read")
+    pool = ThreadPoolExecutor(_read_threads(), thread_name_prefix="stagehand-slab-read")
 
     def ended(future) -> None:
         last_read.append(time.perf_counter())

@@ -232,13 +232,7 @@ class SlabReader:
         unspecified and must not be used.
         """
         e = self._entry(name)
-        width = e.padded_in_features if padded else e.in_features
-        self._check_dst(e, "qweight", qweight_out, torch.int8, (e.out_features, width))
-        self._check_dst(e, "scale", scale_out, torch.float32, (e.out_features,))
-        if bias_out is not None:
-            if not e.has_bias:
-                raise SlabShapeError("bias buffer given but the layer has no bias", path=self.path, layer=e.name)
-            self._check_dst(e, "bias", bias_out, None, (e.out_features,))
+        width = self._check_layer_buffers(e, qweight_out, scale_out, bias_out, padded)
         if width == e.padded_in_features:
             self._read_tensor(e, e.qweight_key, byte_view(qweight_out))
         else:
@@ -254,6 +248,42 @@ class SlabReader:
             raise SlabUnsupportedError("zero_point is non-zero", path=self.path, layer=e.name)
         if bias_out is not None:
             self.read_bias_into(name, bias_out)
+
+    def _check_layer_buffers(self, e: LayerEntry, qweight_out: torch.Tensor, scale_out: torch.Tensor,
+                             bias_out: torch.Tensor | None, padded: bool) -> int:
+        """`read_layer_into`'s buffers checked against layer `e`; the qweight rows' width."""
+        width = e.padded_in_features if padded else e.in_features
+        self._check_dst(e, "qweight", qweight_out, torch.int8, (e.out_features, width))
+        self._check_dst(e, "scale", scale_out, torch.float32, (e.out_features,))
+        if bias_out is not None:
+            if not e.has_bias:
+                raise SlabShapeError("bias buffer given but the layer has no bias", path=self.path, layer=e.name)
+            self._check_dst(e, "bias", bias_out, None, (e.out_features,))
+        return width
+
+    def layer_job(self, name: str, qweight_out: torch.Tensor, scale_out: torch.Tensor, bias_out: torch.Tensor | None,
+                  locate) -> dict:
+        """What `read_layer_into(name, qweight_out, scale_out, bias_out)` reads and checks, for a reader process
+        (read_worker.py): each tensor's byte range in the file and recorded crc32, and where it goes
+        (`locate(buffer)`: the buffer's place in memory that process maps; `bias_out` float32 here). The buffers
+        are checked as `read_layer_into` checks them."""
+        e = self._entry(name)
+        width = self._check_layer_buffers(e, qweight_out, scale_out, bias_out, padded=False)
+        if bias_out is not None and bias_out.dtype != torch.float32:
+            raise SlabDtypeError(f"bias buffer is {bias_out.dtype}, needs torch.float32", path=self.path, layer=e.name)
+
+        def part(key: str, to: torch.Tensor | None) -> dict:
+            info = self.header.tensors[key]
+            crc = (e.checksums or {}).get(key) if self.verify_checksums else None
+            return {"key": key, "start": info.start, "nbytes": info.nbytes, "crc": crc,
+                    "to": None if to is None else locate(to)}
+
+        job = {"layer": e.name, "qweight": part(e.qweight_key, qweight_out), "scale": part(e.scale_key, scale_out),
+               "zero_point": part(e.zero_point_key, None),
+               "bias": None if bias_out is None else part(e.bias_key, bias_out)}
+        if width != e.padded_in_features:  # stored rows wider than the buffer's: the leading columns of each
+            job["qweight"]["rows"] = [e.out_features, e.padded_in_features, width]
+        return job
 
     def read_bias_into(self, name: str, bias_out: torch.Tensor) -> None:
         """Only layer `name`'s bias (stored fp32) into `bias_out` of any float dtype."""
@@ -293,6 +323,13 @@ class SlabReader:
         b = torch.empty(e.out_features, dtype=torch.float32) if e.has_bias else None
         self.read_layer_into(name, q, s, b, padded=padded)
         return q, s, b
+
+    @property
+    def fd(self) -> int:
+        """The file's descriptor (a reader process reads through a copy of it: the very file opened and checked)."""
+        if self._fd is None:
+            raise SlabError("reader is closed", path=self.path)
+        return self._fd
 
     # ── model ─────────────────────────────────────────────────────────────
 

@@ -1,0 +1,175 @@
+"""offload(slab=...) with the reads in a reader process (`Config(slab_reads=...)`, read_process.py)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+import sys
+import threading
+import zlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_stagehand as stagehand
+from torch_stagehand.runtime.config import Config, ConfigError
+from torch_stagehand.runtime.precision import layer_views
+from torch_stagehand.runtime.slab import SlabChecksumError, SlabError, SlabReader, SlabValueError, build_slab_from_module
+from torch_stagehand.runtime.slab import loading, read_process
+
+from _helpers import ToyModel, toy
+
+D = 40  # rows of 40 and 80 columns, stored padded to 64 and 128: the reads narrow them
+
+
+@pytest.fixture
+def slab(tmp_path):
+    model, x = toy(n=3, d=D)
+    result = build_slab_from_module(model, tmp_path, "toy_int8", "toy-v1", include_prefixes=("blocks.",), pack_k=64,
+                                    progress=False, print_report=False, compare_quantizers=False)
+    return model, x, result.manifest_path
+
+
+def _meta_model(model: nn.Module) -> nn.Module:
+    """The toy model with its blocks' Linear weights and biases on the meta device (they come from the slab)."""
+    with torch.device("meta"):
+        meta = ToyModel(D, 3)
+    resident = {k: v for k, v in model.state_dict().items() if not (".up." in k or ".down." in k)}
+    meta.load_state_dict(resident, strict=False, assign=True)
+    return meta.requires_grad_(False)
+
+
+def _memfd_mappings() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {part.lstrip("/") for line in f for part in line.split() if part.startswith("/memfd:stagehand")}
+
+
+def test_the_reader_process_fills_the_store_byte_for_byte_as_the_threads_do(slab):
+    """Narrowed rows (stored padded), scales and biases of a meta model: the process's reads land in memfd pages
+    this process maps, the same bytes the reader threads put in its own memory; the models compute the same."""
+    model, x, manifest = slab
+    stores, outputs = {}, {}
+    for reads in ("threads", "process"):
+        meta = _meta_model(model)
+        rt = stagehand.offload(meta, device="cpu", precision="int8", slab=manifest,
+                               config=Config(slab_reads=reads), verbose=False)
+        if reads == "process":
+            assert "memfd:stagehand-int8-copy" in _memfd_mappings()  # the arena's pages are the memfd's
+        stores[reads] = [[t.clone() for lay in rt.store.layout(b, "int8")
+                          for t in layer_views(rt.store.buffer(b, "int8"), lay)] + [meta.blocks[b].up.bias.detach()]
+                         for b in range(3)]  # each layer's rows and scale (not the gaps between them), the bias
+        with torch.no_grad():
+            outputs[reads] = meta(x)
+    for threads, process in zip(stores["threads"], stores["process"]):
+        assert len(threads) == 5 and all(torch.equal(a, b) for a, b in zip(threads, process))
+    assert torch.equal(outputs["threads"], outputs["process"])
+    with SlabReader(manifest) as reader:  # and they are the slab's rows, narrowed
+        q, s, bias = reader.read_layer("blocks.1.down")
+    assert torch.equal(stores["process"][1][2], q) and torch.equal(stores["process"][1][3], s) and bias is None
+
+
+def _rewrite(manifest: str, key: str, offset: int, data: bytes) -> None:
+    """Write `data` into tensor `key` at `offset` and record the tensor's new crc32 (a checked slab's damage
+    that only a value check can see)."""
+    with SlabReader(manifest) as reader:
+        info = reader.header.tensors[key]
+        path = reader.path
+    with open(path, "r+b") as f:
+        f.seek(info.start + offset)
+        f.write(data)
+        f.seek(info.start)
+        crc = zlib.crc32(f.read(info.end - info.start))
+    doc = json.loads(pathlib.Path(manifest).read_text())
+    layer = key.rsplit(".", 1)[0]
+    entry = next(e for e in doc["layers"] if e["canonical_name"] == layer)
+    entry["stagehand"]["crc32"][key] = f"{crc:08x}"
+    pathlib.Path(manifest).write_text(json.dumps(doc))
+
+
+def test_a_layer_the_process_finds_corrupt_is_named_and_the_model_is_left_as_it_was(slab):
+    model, _, manifest = slab
+    with SlabReader(manifest) as reader:
+        info = reader.header.tensors["blocks.2.up.qweight"]
+        path = reader.path
+    with open(path, "r+b") as f:  # one byte of its rows flipped: the checksum
+        f.seek(info.start + 5)
+        byte = f.read(1)
+        f.seek(info.start + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(SlabChecksumError, match=r"layer 'blocks\.2\.up'.*'blocks\.2\.up\.qweight' crc32"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+    assert type(model.blocks[2].up) is nn.Linear
+    with open(path, "r+b") as f:
+        f.seek(info.start + 5)
+        f.write(byte)
+    _rewrite(manifest, "blocks.0.down.scale", 0, struct.pack("<f", float("nan")))  # a checksum that matches
+    with pytest.raises(SlabValueError, match=r"layer 'blocks\.0\.down'.*scale holds NaN or Inf"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+    assert type(model.blocks[0].down) is nn.Linear
+
+
+def test_a_reader_process_that_dies_says_how_and_the_model_is_left_as_it_was(slab, tmp_path, monkeypatch):
+    model, _, manifest = slab
+    dying = tmp_path / "dying_worker.py"
+    dying.write_text("import sys\nsys.stderr.write('out of file descriptors\\n')\nsys.exit(3)\n")
+    monkeypatch.setattr(read_process, "WORKER", str(dying))
+    with pytest.raises(SlabError, match=r"exit status 3 .*out of file descriptors.*slab_reads='threads'"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+    assert type(model.blocks[0].up) is nn.Linear
+
+
+def test_slab_reads_is_checked(slab, monkeypatch):
+    model, _, manifest = slab
+    with pytest.raises(ConfigError, match="slab_reads: must be 'auto', 'process' or 'threads', got 'fork'"):
+        Config(slab_reads="fork").validate()
+    monkeypatch.setattr(loading, "process_reads_possible", lambda: "this platform has no memfd_create")
+    with pytest.raises(ConfigError, match="slab_reads: 'process' can not be used here: this platform has no memfd"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+    assert type(model.blocks[0].up) is nn.Linear
+    monkeypatch.setattr(loading, "read_in_process", lambda *args, **kwargs: pytest.fail("auto read in a process"))
+    rt = stagehand.offload(model, device="cpu", precision="int8", slab=manifest, verbose=False)  # auto: threads
+    rt.restore()
+
+
+def test_the_process_reads_a_block_while_the_next_is_laid_out(slab):
+    """Each block goes to the process as it is laid out: block 0's rows are in before block 1 is handed over."""
+    model, _, manifest = slab
+    pages = read_process.ProcessPages()
+    first_read = threading.Event()
+    heard = []
+    with SlabReader(manifest) as reader:
+        arena = pages.backing("toy", 1 << 16)
+        blocks = []
+        for b in range(2):
+            group = []
+            for name, layer in (("up", model.blocks[b].up), ("down", model.blocks[b].down)):
+                e = reader.layers[f"blocks.{b}.{name}"]
+                q = arena[(4 * b + 2 * (name == "down")) * 4096:].view(torch.int8)[: e.out_features * e.in_features]
+                s = arena[(4 * b + 2 * (name == "down") + 1) * 4096:][: 4 * e.out_features].view(torch.float32)
+                group.append((f"blocks.{b}.{name}", q, s, None, type("Spec", (), {"block": b})()))
+            blocks.append(group)
+
+        def laid_out():
+            yield blocks[0]
+            assert first_read.wait(60), "block 0 was not read before block 1 was laid out"
+            yield blocks[1]
+
+        def block_read(block):
+            heard.append(block)
+            if block == 0:
+                first_read.set()
+
+        read_process.read_in_process(reader, pages, laid_out(), on_block_read=block_read)
+        pages.close()
+        assert heard == [0, 1]
+        q, s, _ = reader.read_layer("blocks.1.up")
+        assert torch.equal(blocks[1][0][1].view(q.shape), q) and torch.equal(blocks[1][0][2], s)
+
+
+def test_the_worker_runs_on_the_standard_library_alone():
+    """It is started by path with -I -S: importing torch or this package there would cost seconds."""
+    source = pathlib.Path(read_process.WORKER).read_text()
+    imported = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imported and imported <= set(sys.stdlib_module_names)
