@@ -152,7 +152,9 @@ class WeightsFile:
 
         The slab identity's sampled rows (8 per layer, thousands in all) then fault in from memory: faulted
         from the disk under `random_access`, each row is read a page at a time, one page after another (a row
-        of Flux's 12288-wide layers is six reads), beside the slab's reads."""
+        of Flux's 12288-wide layers is six reads), beside the slab's reads. Each read asks the kernel for its own
+        bytes only (`POSIX_FADV_RANDOM`: no readahead window of several times a row's size, taken from the
+        slab's reads' share of the disk)."""
         ranges = []
         for t, rows in rows_of:
             mf = self._file_of(t)
@@ -161,7 +163,7 @@ class WeightsFile:
             start, item = t.data_ptr() - mf.base.data_ptr(), t.element_size()
             ranges += [(mf.path, start + r * t.stride(0) * item, start + (r * t.stride(0) + t.shape[1]) * item)
                        for r in rows if 0 <= r < t.shape[0]]
-        return _read_ranges(ranges, threads)
+        return _read_ranges(ranges, threads, exact=True)
 
     def _file_of(self, t: torch.Tensor) -> _MappedFile | None:
         """The mapped file `t` is a view of (None: memory of its own)."""
@@ -194,9 +196,10 @@ class WeightsFile:
         self._advise(getattr(mmap, "MADV_DONTNEED", None))
 
 
-def _read_ranges(ranges: list[tuple[str, int, int]], threads: int) -> int:
+def _read_ranges(ranges: list[tuple[str, int, int]], threads: int, exact: bool = False) -> int:
     """(path, begin, end) byte ranges into the page cache on `threads` threads, ranges closer than `_MERGE_GAP`
-    read as one and none longer than `_CHUNK` on one thread; returns the bytes read."""
+    read as one and none longer than `_CHUNK` on one thread; returns the bytes read. `exact`: no readahead
+    beyond each range (where the platform can say so)."""
     merged: list[list] = []
     for path, begin, end in sorted(ranges):
         if merged and merged[-1][0] == path and begin - merged[-1][2] <= _MERGE_GAP:
@@ -207,16 +210,18 @@ def _read_ranges(ranges: list[tuple[str, int, int]], threads: int) -> int:
     if not chunks:
         return 0
     with ThreadPoolExecutor(max(1, min(threads, len(chunks))), thread_name_prefix="stagehand-pages-ahead") as pool:
-        return sum(pool.map(lambda chunk: _read_range(*chunk), chunks))
+        return sum(pool.map(lambda chunk: _read_range(*chunk, exact=exact), chunks))
 
 
-def _read_range(path: str, begin: int, end: int) -> int:
+def _read_range(path: str, begin: int, end: int, exact: bool = False) -> int:
     """`read_ahead`'s read of one range (0 where the file can not be read: its view's fault says why)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return 0
     try:
+        if exact and hasattr(os, "posix_fadvise"):  # this descriptor's reads only: the others keep their readahead
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return len(os.pread(fd, end - begin, begin))
     except OSError:
         return 0

@@ -134,12 +134,27 @@ def test_rows_of_a_checkpoints_views_are_read_a_range_per_row(tmp_path, monkeypa
     file = WeightsFile(path)
     w, v = file.view("w"), file.view("v")
     read = []
-    monkeypatch.setattr(weights_file, "_read_range", lambda p, b, e: read.append((p, b, e)) or e - b)
+    monkeypatch.setattr(weights_file, "_read_range", lambda p, b, e, exact: read.append((p, b, e, exact)) or e - b)
     monkeypatch.setattr(weights_file, "_MERGE_GAP", 0)
     assert file.read_rows_ahead([(w, [0, 13, 39, 40]), (v.t(), [1]), (torch.randn(4, 4), [0])]) == 3 * 300 * 4
     raw = path.read_bytes()  # each range holds its row's bytes, as the file has them
-    assert [raw[b:e] for _, b, e in sorted(read)] == [w[r].numpy().tobytes() for r in (0, 13, 39)]
-    assert {p for p, _, _ in read} == {str(path)} and file.read_rows_ahead([]) == 0
+    assert [raw[b:e] for _, b, e, _ in sorted(read)] == [w[r].numpy().tobytes() for r in (0, 13, 39)]
+    assert {p for p, _, _, _ in read} == {str(path)} and file.read_rows_ahead([]) == 0
+    assert all(exact for *_, exact in read)  # a row's bytes only, no readahead window around them
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
+def test_a_rows_read_asks_for_no_readahead_and_a_tensors_read_keeps_it(tmp_path, monkeypatch):
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(40, 300)}, str(path))
+    file = WeightsFile(path)
+    advice = []
+    fadvise = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, *args: advice.append(args) or fadvise(fd, *args))
+    assert file.read_rows_ahead([(file.view("w"), [3])]) == 300 * 4
+    assert advice == [(0, 0, os.POSIX_FADV_RANDOM)]
+    advice.clear()
+    assert file.read_ahead(["w"]) == 40 * 300 * 4 and advice == []
 
 
 def test_offload_reads_the_identitys_sampled_rows_ahead_of_checking_them(tmp_path, monkeypatch):

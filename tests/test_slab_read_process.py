@@ -173,3 +173,25 @@ def test_the_worker_runs_on_the_standard_library_alone():
     source = pathlib.Path(read_process.WORKER).read_text()
     imported = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
     assert imported and imported <= set(sys.stdlib_module_names)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_blocks_read_by_the_process_are_page_locked_memfd_pages_and_compute_as_the_threads_read_them(slab):
+    from _helpers import page_locked
+
+    model, x, manifest = slab
+    outputs = {}
+    for reads in ("threads", "process"):
+        meta = _meta_model(model)
+        rt = stagehand.offload(meta, device="cuda", precision="int8", slab=manifest,
+                               config=Config(slab_reads=reads), verbose=False)
+        try:
+            assert all(page_locked(rt.store.buffer(b, "int8")) for b in range(3))  # cudaHostRegister of the memfd's
+            if reads == "process":
+                assert "memfd:stagehand-int8-copy" in _memfd_mappings()
+            with torch.no_grad():
+                outputs[reads] = meta(x.cuda()).cpu()
+        finally:
+            del rt
+    assert torch.equal(outputs["threads"], outputs["process"])
