@@ -9,6 +9,7 @@ buffers they reuse (no page to commit, no check). The other modes read the way o
 arena, with the crc32 check and the scale checks), alone or with what runs beside it in offload on a GPU
 machine: the compiler's imports on the calling thread (`prewarm_compiler_imports`). The modes that change
 one thing (pages committed before the reads, no crc32, a shorter GIL switch interval) say what each costs.
+The process modes read as offload does with `Config(slab_reads="process")` (its default where memfd exists).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = {
@@ -31,6 +33,8 @@ MODES = {
     "store, no crc32": "offload's reads without the crc32 check",
     "store, 16 threads": "offload's reads on 16 threads (8 by default)",
     "store, huge pages": "offload's reads into an arena advised MADV_HUGEPAGE (fewer page faults)",
+    "process": "offload's reads by a reader process into memfd pages (Config.slab_reads 'process', read_process.py)",
+    "process+imports": "the same, the compiler's imports on the calling thread (offload on a GPU machine)",
 }
 
 
@@ -66,10 +70,15 @@ def read_store(manifest: str, mode: str) -> tuple[int, float, float]:
     from torch_stagehand.runtime.slab.reader import SlabReader
     from torch_stagehand.runtime.stage_clock import StageClock
 
+    from torch_stagehand.runtime.slab.read_process import ProcessPages, read_in_process
+
     reader = SlabReader(manifest)
     entries = list(reader.layers.values())
     sizes = [n for e in entries for n in (e.out_features * e.in_features, 4 * e.out_features)]
-    arena = HostArena("int8", sizes, NoPinner())
+    pages = ProcessPages() if mode.startswith("process") else None
+    arena = HostArena("int8", sizes, NoPinner(), backing=pages)
+    biases = iter(pages.backing("biases", 4 * sum(e.out_features for e in entries if e.has_bias)).view(
+        torch.float32).split([e.out_features for e in entries if e.has_bias])) if pages is not None else None
     if mode == "store, prefaulted":
         arena.base.fill_(0)  # every page committed: the reads only copy
     if mode == "store, 16 threads":
@@ -90,8 +99,8 @@ def read_store(manifest: str, mode: str) -> tuple[int, float, float]:
     for e in entries:
         q = arena.carve(e.out_features * e.in_features).view(torch.int8).view(e.out_features, e.in_features)
         s = arena.carve(4 * e.out_features).view(torch.float32)
-        bias = torch.empty(e.out_features, dtype=torch.float32) if e.has_bias else None
-        reads.append((e.name, q, s, bias, None))
+        bias = (next(biases) if pages is not None else torch.empty(e.out_features)) if e.has_bias else None
+        reads.append((e.name, q, s, bias, SimpleNamespace(block=len(reads) // 10)))  # blocks of 10 layers
     while_reading = None
     if "imports" in mode:
         from torch_stagehand.compiler.inner import prewarm_compiler_imports
@@ -101,7 +110,12 @@ def read_store(manifest: str, mode: str) -> tuple[int, float, float]:
         sys.setswitchinterval(0.0005)
     clock = StageClock()
     start = time.perf_counter()
-    loading._read_in_parallel(reader, [reads], while_reading, clock=clock)
+    blocks = [reads[i: i + 10] for i in range(0, len(reads), 10)]
+    if pages is not None:
+        read_in_process(reader, pages, blocks, while_reading, clock=clock)
+        pages.close()
+    else:
+        loading._read_in_parallel(reader, blocks, while_reading, clock=clock)
     total = time.perf_counter() - start
     reader.close()
     # The reads' own seconds: until the last one ended (the imports beside them may go on longer).
