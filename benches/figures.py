@@ -815,8 +815,10 @@ START_TIME_READ_AHEAD = (
 _PREPARATION = "compiler imports and source index"
 
 
-def _dd_seconds(log: str) -> float | None:
-    """The seconds `dd` reported in a disk log (its last "copied, S s" line)."""
+def _dd_seconds(log: str | None) -> float | None:
+    """The seconds `dd` reported in a disk log (its last "copied, S s" line); None without one."""
+    if log is None:
+        return None
     found = re.findall(r"copied, ([0-9.]+) s", (RESULTS / log).read_text())
     return float(found[-1]) if found else None
 
@@ -918,6 +920,58 @@ def start_time_slab_open_table() -> str:
     return f"{caption(*[n for n, _, _ in START_TIME_SLAB_OPEN], what=what)}\n\n{table(rows, cols)}\n"
 
 
+# Offload from the checkpoint + slab with the slab's rows read by a reader process or by threads
+# (`start_time.py --slab-reads`), in the order each call ran them: (file, who read, the call's dd log or None).
+START_TIME_READS = (
+    ("start_time_reads_process_I.json", "process (7753a06), 1st", "start_time_reads_disk_I.log"),
+    ("start_time_reads_threads_I.json", "threads (7753a06), 2nd", "start_time_reads_disk_I.log"),
+    ("start_time_reads_process2_I.json", "process (7753a06), 3rd", "start_time_reads_disk_I.log"),
+    ("start_time_reads_process_J.json", "process (c36ae4e), 1st", "start_time_reads_disk_J.log"),
+    ("start_time_reads_threads_J.json", "threads (c36ae4e), 2nd", "start_time_reads_disk_J.log"),
+    ("start_time_reads_process2_J.json", "process (c36ae4e), 3rd", "start_time_reads_disk_J.log"),
+    ("start_time_reads_process_K.json", "process (efa7eba), the call's one run", None),
+)
+
+
+def start_time_reads_table() -> str:
+    """Offload from the checkpoint + slab, the slab's rows read by a reader process or by reader threads, in the
+    same call on the same machine and files, against the disk's own read of the slab there."""
+    rows = _beside_the_disk(START_TIME_READS)
+
+    def reads_over_disk(r: dict) -> str:
+        reads = (r.get("offload_beside_s") or {}).get("slab reads")
+        return num(reads / r["_disk"]) if r["_disk"] and reads else ""
+
+    cols = [Col("read by, run", lambda r: r["_label"]), Col("offload s", field("offload_s")),
+            Col("slab rows read s", _stage("slab rows read")), Col("reads ended s", _beside("slab reads")),
+            Col("identity check s", _beside("slab identity check")),
+            Col("resident pages read s", _beside("resident tensors' pages read")),
+            Col("compiler's preparation s", _beside(_PREPARATION)), Col("first step s", field("first_step_s")),
+            *_against_the_disk(Col("reads / disk", reads_over_disk))]
+    what = (_files_offload("10", "three") + ", cold, with `--slab-reads process` (\"auto\", the default: "
+            "`Config(slab_reads=\"auto\")`) or `--slab-reads threads`, in the order listed within a call; calls I "
+            "and J then ran `dd` of the slab after the page cache was dropped; call K ran the read bench instead "
+            "(the `slab_reads_process` table: its disk read the slab in 7.67 s on 8 threads). \"reads ended s\": from "
+            "the first read to the last; \"identity check s\", \"resident pages read s\" and \"compiler's "
+            "preparation s\": work beside the reads")
+    return f"{caption(*[n for n, _, _ in START_TIME_READS], what=what)}\n\n{table(rows, cols)}\n"
+
+
+def slab_reads_process_table() -> str:
+    """The slab's reads beside the compiler's imports, by threads and by the reader process (benches/slab_reads.py)."""
+    names = ("slab_reads_process_h100.json", "slab_reads_process_cpu.json")
+    rows = [dict(r, _source=n) for n in names for r in load(n)["rows"]]
+    cols = [Col("mode", lambda r: r["mode"]), Col("what", lambda r: r.get("what", "")),
+            Col("reads s", field("seconds")), Col("GB/s", field("gb_s")), Col("x disk", field("x_disk")),
+            Col("with what ran beside s", field("call_s")), Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("`benches/slab_reads.py --slab <flux.manifest.json> --modes disk store+imports process+imports` (the CPU "
+            "run also `store` and `process` alone), each mode a fresh process after the page cache was dropped: "
+            "Flux-dev 12B's INT8 slab (11.9 GB) on an H100 machine (call K, after its offload run), and a 1.3 GB "
+            "Flux-shaped slab on the 2-core CPU machine. \"x disk\": seconds over the disk's own read of the file "
+            "(8 threads, 32 MiB chunks) in the same run")
+    return f"{caption(*names, what=what)}\n\n{table(rows, cols)}\n"
+
+
 # Cold runs whose steps record their one-time work (start_time.py's `step_work`): (file, model).
 START_TIME_NEW_PLAN = (
     ("start_time_zero_points_files.json", "Flux-dev 12B int8, checkpoint + slab"),
@@ -995,6 +1049,11 @@ def preparation_probe_table() -> str:
 
 # The issue's table: each model's latest runs, (file, model, weights).
 START_TIME_LATEST = (
+    ("start_time_reads_process_I.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_reads_process2_I.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_reads_process_J.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_reads_process2_J.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_reads_process_K.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
     ("start_time_rows_ahead_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
     ("start_time_kernel_ahead_A_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
     ("start_time_zero_points_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
@@ -1019,8 +1078,10 @@ def start_time_latest_table() -> str:
             "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
             "AdamW, `stagehand.compile_blocks`, `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; each "
             "run a fresh process, each file's runs on one H100 machine; cold: every cache empty, warm: a second "
-            "process. The checkpoint + slab rows: the kept code (ae0f63d) on two machines, cold, and 9cc68e8 "
-            "(the same but the identity's rows read ahead) cold and warm on a third. The Flux int8 in-memory rows "
+            "process. The checkpoint + slab rows: the slab's rows read by a reader process (`start_time_reads_*`: "
+            "7753a06, c36ae4e, efa7eba) cold on three machines, twice on two of them; then the code before it: "
+            "ae0f63d on two machines, cold, and 9cc68e8 (the same but the identity's rows read ahead) cold and warm "
+            "on a third. The Flux int8 in-memory rows "
             "come from older code (their commits below): the changes since touched the slab path, the weights' "
             "copies (done on a worker since 94100a7) and the reductions' configs (c434ae8, in the 12-step cold "
             "run). \"new-plan steps / steady\": a cold run's first two steps under the plan made from the "
@@ -1748,6 +1809,10 @@ FIGURES: dict[str, Figure] = {
     "preparation_probe": Figure(preparation_probe_table, ("preparation_probe.json",)),
     "start_time_slab_open": Figure(start_time_slab_open_table, (*[n for n, _, _ in START_TIME_SLAB_OPEN],
                                                                  *sorted({d for _, _, d in START_TIME_SLAB_OPEN}))),
+    "start_time_reads": Figure(start_time_reads_table, (*[n for n, _, _ in START_TIME_READS],
+                                                         *sorted({d for _, _, d in START_TIME_READS if d}))),
+    "slab_reads_process": Figure(slab_reads_process_table, ("slab_reads_process_h100.json",
+                                                            "slab_reads_process_cpu.json")),
     "start_time_new_plan": Figure(start_time_new_plan_table, tuple(n for n, _ in START_TIME_NEW_PLAN)),
     "start_time_latest": Figure(start_time_latest_table, tuple(n for n, _, _ in START_TIME_LATEST)),
     "start_time_warm_bf16": Figure(start_time_warm_bf16_table, tuple(n for n, _ in START_TIME_WARM_BF16)),
