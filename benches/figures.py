@@ -959,16 +959,20 @@ def start_time_reads_table() -> str:
 
 def slab_reads_process_table() -> str:
     """The slab's reads beside the compiler's imports, by threads and by the reader process (benches/slab_reads.py)."""
-    names = ("slab_reads_process_h100.json", "slab_reads_process_cpu.json")
-    rows = [dict(r, _source=n) for n in names for r in load(n)["rows"]]
-    cols = [Col("mode", lambda r: r["mode"]), Col("what", lambda r: r.get("what", "")),
-            Col("reads s", field("seconds")), Col("GB/s", field("gb_s")), Col("x disk", field("x_disk")),
-            Col("with what ran beside s", field("call_s")), Col("source", lambda r: f"`{r['_source']}`")]
     what = ("`benches/slab_reads.py --slab <flux.manifest.json> --modes disk store+imports process+imports` (the CPU "
             "run also `store` and `process` alone), each mode a fresh process after the page cache was dropped: "
             "Flux-dev 12B's INT8 slab (11.9 GB) on an H100 machine (call K, after its offload run), and a 1.3 GB "
             "Flux-shaped slab on the 2-core CPU machine. \"x disk\": seconds over the disk's own read of the file "
             "(8 threads, 32 MiB chunks) in the same run")
+    return _slab_reads_runs(("slab_reads_process_h100.json", "slab_reads_process_cpu.json"), what)
+
+
+def _slab_reads_runs(names: tuple[str, ...], what: str) -> str:
+    """A table of `benches/slab_reads.py` runs, every mode of each file, under its caption."""
+    rows = [dict(r, _source=n) for n in names for r in load(n)["rows"]]
+    cols = [Col("mode", lambda r: r["mode"]), Col("what", lambda r: r.get("what", "")),
+            Col("reads s", field("seconds")), Col("GB/s", field("gb_s")), Col("x disk", field("x_disk")),
+            Col("with what ran beside s", field("call_s")), Col("source", lambda r: f"`{r['_source']}`")]
     return f"{caption(*names, what=what)}\n\n{table(rows, cols)}\n"
 
 
@@ -1145,17 +1149,12 @@ def start_time_rblock_table() -> str:
 
 def slab_reads_table() -> str:
     """The slab's read path against the disk, one change at a time (benches/slab_reads.py), per call."""
-    names = ("slab_reads.json", "slab_reads_switch.json", "slab_reads_read_ahead.json")
-    rows = [dict(r, _source=n) for n in names for r in load(n)["rows"]]
-    cols = [Col("mode", lambda r: r["mode"]), Col("what", lambda r: r.get("what", "")),
-            Col("reads s", field("seconds")), Col("GB/s", field("gb_s")), Col("x disk", field("x_disk")),
-            Col("with what ran beside s", field("call_s")), Col("source", lambda r: f"`{r['_source']}`")]
     what = ("`benches/slab_reads.py --slab <flux.manifest.json>`: Flux-dev 12B's INT8 slab (11.9 GB), each mode "
             "a fresh process after the page cache was dropped; three calls, each on its own H100 machine (the "
             "modes each call's code had: the second and third ran code taken out since, where offload set the "
             "GIL's switch interval itself and, in the third, read the compiler's files ahead). \"x disk\": "
             "seconds over the disk's own read of the file in the same call")
-    return f"{caption(*names, what=what)}\n\n{table(rows, cols)}\n"
+    return _slab_reads_runs(("slab_reads.json", "slab_reads_switch.json", "slab_reads_read_ahead.json"), what)
 
 
 def start_time_freeze_table() -> str:
