@@ -120,6 +120,8 @@ def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[li
             for group in blocks:
                 if failed:
                     break
+                if not group:  # a block with nothing to read here
+                    continue
                 block = {r[4].block for r in group}
                 if len(block) != 1:
                     raise ValueError(f"slab reads: a list holds the reads of blocks {sorted(block)}, not one")
