@@ -152,9 +152,9 @@ class WeightsFile:
 
         The slab identity's sampled rows (8 per layer, thousands in all) then fault in from memory: faulted
         from the disk under `random_access`, each row is read a page at a time, one page after another (a row
-        of Flux's 12288-wide layers is six reads), beside the slab's reads. Each read asks the kernel for its own
-        bytes only (`POSIX_FADV_RANDOM`: no readahead window of several times a row's size, taken from the
-        slab's reads' share of the disk)."""
+        of Flux's 12288-wide layers is six reads), beside the slab's reads. Each read asks the kernel for no readahead
+        (`POSIX_FADV_RANDOM`): a row's bytes, not a window of several times its size taken from the slab's
+        reads' share of the disk."""
         ranges = []
         for t, rows in rows_of:
             mf = self._file_of(t)

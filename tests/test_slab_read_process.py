@@ -120,6 +120,49 @@ def test_a_reader_process_that_dies_says_how_and_the_model_is_left_as_it_was(sla
     assert type(model.blocks[0].up) is nn.Linear
 
 
+def test_a_reader_process_that_can_not_start_or_says_nonsense_is_an_error(slab, tmp_path, monkeypatch):
+    model, _, manifest = slab
+
+    def no_start(*args, **kwargs):
+        raise OSError(8, "Exec format error")
+
+    monkeypatch.setattr(read_process.subprocess, "Popen", no_start)
+    with pytest.raises(SlabError, match=r"could not start the slab reader process .*Exec format error.*'threads'"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+    monkeypatch.undo()
+    talking = tmp_path / "talking_worker.py"
+    talking.write_text("print('hello from the worker')\n")
+    monkeypatch.setattr(read_process, "WORKER", str(talking))
+    with pytest.raises(SlabError, match=r"the slab reader process said 'hello from the worker'"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+    assert type(model.blocks[0].up) is nn.Linear
+
+
+def _open_memfds() -> list[str]:
+    import os
+
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [name for name in found if "memfd:stagehand" in name]
+
+
+def test_a_load_that_fails_before_the_reads_leaves_no_memfd_open(slab, monkeypatch):
+    model, _, manifest = slab
+    before = _open_memfds()
+
+    def failing(*args):
+        raise RuntimeError("no room for the biases")
+
+    monkeypatch.setattr(loading, "_bias_buffers", failing)
+    with pytest.raises(RuntimeError, match="no room for the biases"):
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+    assert _open_memfds() == before and type(model.blocks[0].up) is nn.Linear
+
+
 def test_slab_reads_is_checked(slab, monkeypatch):
     model, _, manifest = slab
     with pytest.raises(ConfigError, match="slab_reads: must be 'auto', 'process' or 'threads', got 'fork'"):

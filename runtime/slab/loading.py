@@ -13,10 +13,16 @@ weights (where it has them) against the identity the slab records of its source
 weights (`identity.py`), beside the calling thread's own work (offload's
 compiler imports): a slab quantized from other weights of the same shapes
 is a `SlabIdentityError` naming the first such layer (the reads still queued are
-cancelled, and offload puts the model back); a slab that records no identity
-loads with a `SlabIdentityWarning`, or is refused when
-``Config(require_slab_identity=True)``. Each block streamed in INT8 is
+cancelled, or the reader process killed, and offload puts the model back); a
+slab that records no identity loads with a `SlabIdentityWarning`, or is refused
+when ``Config(require_slab_identity=True)``. Each block streamed in INT8 is
 page-locked as soon as its rows are in, beside the reads still going.
+
+Who reads the rows (`Config.slab_reads`): a reader process of its own, into
+memfd pages both map (`read_process.py`: the calling thread's compiler imports
+hold this process's GIL, which reader threads here wait for between reads), or
+reader threads here (`_read_in_parallel`: the ranks of a node that share the
+store, platforms without memfd).
 
 This is the one module of the slab package that knows the streaming engine,
 because its job is to fill the engine's host store: it writes into the INT8
@@ -75,7 +81,7 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     before_reading: Callable[[], float] | None = None) -> Callable[["Runtime", list[int]], None]:
     """The loader `Runtime` calls to fill its INT8 buffers from `slab`: `load(rt, pin)`, where `pin` lists the
     blocks that stream INT8 (each is page-locked as soon as its rows are in, beside the reads still going).
-    `while_reading()` runs on the calling thread while the reader threads read (work that would otherwise wait
+    `while_reading()` runs on the calling thread while the rows are read (work that would otherwise wait
     for the slab, or make the slab wait), and the slab's identity check on a worker thread beside it; then,
     for a model built on the meta device, its resident tensors' pages are read from its checkpoint (they are
     loaded next). `before_reading()` is waited for before the first read (offload's read-ahead of the files
@@ -116,71 +122,72 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     raise SlabLayerNotFoundError(f"streamed layer {missing} is not in the slab", path=reader.path,
                                                  layer=canonical_name(missing))
             pages = _process_pages(rt)  # None: reader threads here
-            rt.store.reserve(INT8, list(range(len(rt.store.blocks))), backing=pages)
-            bias_into = _bias_buffers(rt, reader, pages)
-            reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec), as laid out
+            try:
+                rt.store.reserve(INT8, list(range(len(rt.store.blocks))), backing=pages)
+                bias_into = _bias_buffers(rt, reader, pages)
+                reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec), as laid out
 
-            def blocks_laid_out():
-                """Each block's buffer and reads, laid out while the blocks before it are read already."""
-                for block, bb in enumerate(rt.store.blocks):
-                    buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
-                    group = []
-                    for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
-                        q, s = layer_views(buf, lay)
-                        group.append((canonical_name(spec.fqn), q, s, bias_into.get(id(spec)), spec))
-                    reads.extend(group)
-                    yield group
+                def blocks_laid_out():
+                    """Each block's buffer and reads, laid out while the blocks before it are read already."""
+                    for block, bb in enumerate(rt.store.blocks):
+                        buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
+                        group = []
+                        for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
+                            q, s = layer_views(buf, lay)
+                            group.append((canonical_name(spec.fqn), q, s, bias_into.get(id(spec)), spec))
+                        reads.extend(group)
+                        yield group
 
-            rt.clock.mark("slab opened")
-            if before_reading is not None:
-                rt.clock.beside(FILES_READ_AHEAD, before_reading())
-                rt.clock.mark(FILES_READ_AHEAD + " (the wait)")
+                rt.clock.mark("slab opened")
+                if before_reading is not None:
+                    rt.clock.beside(FILES_READ_AHEAD, before_reading())
+                    rt.clock.mark(FILES_READ_AHEAD + " (the wait)")
 
-            def calling_thread() -> None:
-                if while_reading is not None:
-                    start = time.perf_counter()
-                    while_reading()
-                    rt.clock.beside(COMPILER_PREPARATION, time.perf_counter() - start)
-                if rt.checkpoint is not None:  # the resident tensors, loaded from it once the reads end
-                    start = time.perf_counter()
-                    streamed = {spec.weight_name for spec in rt.layers}
-                    rt.checkpoint.read_ahead(resident_file_names(rt.model, rt.checkpoint, streamed))
-                    rt.clock.beside("resident tensors' pages read", time.perf_counter() - start)
+                def calling_thread() -> None:
+                    if while_reading is not None:
+                        start = time.perf_counter()
+                        while_reading()
+                        rt.clock.beside(COMPILER_PREPARATION, time.perf_counter() - start)
+                    if rt.checkpoint is not None:  # the resident tensors, loaded from it once the reads end
+                        start = time.perf_counter()
+                        streamed = {spec.weight_name for spec in rt.layers}
+                        rt.checkpoint.read_ahead(resident_file_names(rt.model, rt.checkpoint, streamed))
+                        rt.clock.beside("resident tensors' pages read", time.perf_counter() - start)
 
-            def beside_the_reads() -> None:
-                # The identity check goes beside the reads, not before them: a slab of other weights still fails
-                # offload (the reads are cancelled, the model put back), and a right one costs no wait. Its sampled
-                # rows come off the disk too (a checkpoint's pages), on threads of its own, while this thread
-                # imports the compiler: the two one after the other took longer than the reads (Flux int8 from
-                # files: 4.8 s + 3.6 s against 6.7 s).
-                seconds: dict[str, float] = {}
-                on_calling_thread = calling_thread if while_reading is not None or rt.checkpoint is not None else None
-                run_beside(check_identity, on_calling_thread, "stagehand-identity", seconds)
-                rt.clock.beside("slab identity check", seconds["work"])
+                def beside_the_reads() -> None:
+                    # The identity check goes beside the reads, not before them: a slab of other weights still fails
+                    # offload (the reads are cancelled, the model put back), and a right one costs no wait. Its sampled
+                    # rows come off the disk too (a checkpoint's pages), on threads of its own, while this thread
+                    # imports the compiler: the two one after the other took longer than the reads (Flux int8 from
+                    # files: 4.8 s + 3.6 s against 6.7 s).
+                    seconds: dict[str, float] = {}
+                    on_calling_thread = calling_thread if while_reading is not None or rt.checkpoint is not None else None
+                    run_beside(check_identity, on_calling_thread, "stagehand-identity", seconds)
+                    rt.clock.beside("slab identity check", seconds["work"])
 
-            streams_int8 = set(pin)
+                streams_int8 = set(pin)
 
-            def block_read(block: int) -> None:  # on a reader thread, while the other blocks are still read
-                if block in streams_int8:
-                    rt.store.lock_filled(block, INT8)
+                def block_read(block: int) -> None:  # on a reader (or listener) thread, while other blocks are read
+                    if block in streams_int8:
+                        rt.store.lock_filled(block, INT8)
 
-            if pages is None:
-                _read_in_parallel(reader, blocks_laid_out(), beside_the_reads, clock=rt.clock, on_block_read=block_read,
-                                  rows=lambda block: rt.store.writes(block, INT8))
-            else:
-                try:
+                if pages is None:
+                    _read_in_parallel(reader, blocks_laid_out(), beside_the_reads, clock=rt.clock,
+                                      on_block_read=block_read, rows=lambda block: rt.store.writes(block, INT8))
+                else:
                     read_in_process(reader, pages, blocks_laid_out(), beside_the_reads, clock=rt.clock,
                                     on_block_read=block_read, threads=_read_threads())
-                finally:
-                    pages.close()  # the mappings keep the pages
-            for _name, _q, _s, bias_out, spec in reads:
-                if bias_out is not None:
-                    bias = spec.module.bias
-                    value = bias_out if pages is None else bias_out.to(bias.dtype, copy=True)  # out of the staging
-                    spec.module._parameters["bias"] = torch.nn.Parameter(value, requires_grad=bias.requires_grad)
-            for block in range(len(rt.store.blocks)):
-                rt.store.mark_built(block, INT8)
-            rt.clock.mark("slab rows read")
+                for _name, _q, _s, bias_out, spec in reads:
+                    if bias_out is not None:
+                        bias = spec.module.bias
+                        value = bias_out if pages is None else bias_out.to(bias.dtype, copy=True)  # out of the staging
+                        spec.module._parameters["bias"] = torch.nn.Parameter(value, requires_grad=bias.requires_grad)
+                for block in range(len(rt.store.blocks)):
+                    rt.store.mark_built(block, INT8)
+                rt.clock.mark("slab rows read")
+            finally:  # the memfds' descriptors (the mappings keep the pages), however the load ends
+                if pages is not None:
+                    pages.close()
 
     return load
 

@@ -9,8 +9,9 @@ Python-busy thread. The reader process (read_worker.py) has a GIL of its own.
 The pages: the INT8 arena (and a staging area for biases read from the slab)
 are memfds this process maps (`ProcessPages`, a `HostArena` backing); the
 worker maps the same files and `preadv`s each layer straight into its place.
-Nothing is copied twice; the arena is page-locked block by block as each
-block's `["read", block]` arrives, as the reader threads did it.
+The rows are not copied again (a meta model's biases are: float32 staging, cast
+into their tensors after the reads); the arena is page-locked block by block as
+each block's `["read", block]` arrives, as the reader threads do it.
 
 Errors keep their names: a layer's failed check comes back as the
 `SlabError` subclass `read_layer_into` raises, naming the layer and the file;
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable, Iterable
@@ -86,32 +88,46 @@ def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[li
     (on a listener thread) once a block's layers are in. The first error is raised once the worker is gone: a
     layer's check (its SlabError), a layout error here (a read error that came before it is raised from it), or
     the worker's death."""
-    proc = subprocess.Popen(
-        [sys.executable, "-I", "-S", WORKER, str(reader.fd), ",".join(map(str, pages.fds)), str(threads)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        pass_fds=(reader.fd, *pages.fds))
+    stderr_file = tempfile.TemporaryFile()  # not a pipe: nothing has to drain it while the reads go on
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", WORKER, str(reader.fd), ",".join(map(str, pages.fds)), str(threads)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file, text=True,
+            pass_fds=(reader.fd, *pages.fds))
+    except OSError as e:
+        stderr_file.close()
+        raise SlabError(f"could not start the slab reader process ({sys.executable} {WORKER}): {e}. "
+                        "Config(slab_reads='threads') reads in this process instead", path=reader.path) from e
+    proc.stderr = stderr_file
     failed: list[BaseException] = []
     ended = threading.Event()
     start = time.perf_counter()
     last_read = [start]
 
-    def listen() -> None:  # the worker's events, as they come
+    def listen() -> None:  # the worker's events, as they come, to the end of its output
         for line in proc.stdout:
-            event = json.loads(line)
-            if event[0] == "read":
-                last_read.append(time.perf_counter())
-                if on_block_read is not None and not failed:
-                    try:
-                        on_block_read(event[1])
-                    except BaseException as e:  # noqa: BLE001 - raised on the calling thread
-                        failed.append(e)
-                        proc.kill()
-            elif event[0] == "error":
-                _block, kind, layer, message = event[1:]
-                failed.append(_ERRORS[kind](message, path=reader.path, layer=layer))
-                proc.kill()  # the reads still queued are not wanted
-            elif event[0] == "end":
-                ended.set()
+            try:
+                heard(json.loads(line))
+            except Exception as e:  # noqa: BLE001 - raised on the calling thread; the output is still drained
+                failed.append(SlabError(f"the slab reader process said {line.strip()[:200]!r}: {e}",
+                                        path=reader.path))
+                proc.kill()
+
+    def heard(event: list) -> None:
+        if event[0] == "read":
+            last_read.append(time.perf_counter())
+            if on_block_read is not None and not failed:
+                try:
+                    on_block_read(event[1])
+                except BaseException as e:  # noqa: BLE001 - raised on the calling thread
+                    failed.append(e)
+                    proc.kill()
+        elif event[0] == "error":
+            _block, kind, layer, message = event[1:]
+            failed.append(_ERRORS[kind](message, path=reader.path, layer=layer))
+            proc.kill()  # the reads still queued are not wanted
+        elif event[0] == "end":
+            ended.set()
 
     listener = threading.Thread(target=listen, name="stagehand-slab-reads", daemon=True)
     listener.start()
@@ -148,19 +164,20 @@ def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[li
                             "Config(slab_reads='threads') reads in this process instead", path=reader.path)
         if clock is not None:
             clock.beside("slab reads", max(last_read) - start)
-    finally:
+    finally:  # however it ended: the worker gone, and every block it read locked (or not) before the caller goes on
         if proc.poll() is None:
             proc.kill()
-            _finish(proc, listener)
+        _finish(proc, listener)
+        stderr_file.close()
 
 
 def _finish(proc: subprocess.Popen, listener: threading.Thread) -> str:
-    """Wait for the worker and its events; its stderr."""
+    """Wait for the worker and for the listener to hear its last event; its stderr."""
     _close_quietly(proc.stdin)
     listener.join()
-    stderr = proc.stderr.read()
     proc.wait()
-    return stderr
+    proc.stderr.seek(0)
+    return proc.stderr.read().decode(errors="replace")
 
 
 def _close_quietly(stream) -> None:

@@ -19,8 +19,10 @@ makes, in the same order and with the same messages: each tensor's crc32 where
 recorded, scales finite and not all zero, zero points zero, a file not cut
 short. Output, one JSON line per event: ``["read", block]`` once a block's
 layers are all in; ``["error", block, kind, layer, message]`` for the first
-layer that failed (nothing is read after it); ``["end"]`` when every block
-sent was read.
+layer that failed (no layer is started after it; those already reading may
+still say "read"); ``["end"]`` when every block sent was read. It dies with
+its parent (``PR_SET_PDEATHSIG``): a parent killed mid-offload leaves no
+reader writing into pages nobody else maps.
 """
 
 import json
@@ -149,7 +151,21 @@ class Worker:
             self.say("end")
 
 
+def die_with_parent() -> None:
+    """SIGKILL when the parent dies (Linux); a parent already gone: exit now."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):  # not Linux: the parent kills it on every error path
+        pass
+    if os.getppid() != parent:
+        sys.exit(1)
+
+
 def main(argv: list[str]) -> None:
+    die_with_parent()
     slab_fd, regions, threads = int(argv[1]), [int(fd) for fd in argv[2].split(",") if fd], int(argv[3])
     Worker(slab_fd, regions, threads).serve(sys.stdin)
 
