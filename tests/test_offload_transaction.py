@@ -98,7 +98,7 @@ def test_out_of_memory_during_offload_leaves_the_model_as_it_was(monkeypatch, wh
     model, x = toy(n=4)
     before = _snapshot(model)
     if where == "host arena":
-        def no_room(self, kind, sizes):
+        def no_room(self, kind, sizes, backing=None):
             raise RuntimeError("simulated: cannot allocate 4 MB")
 
         monkeypatch.setattr(host_store.HostStore, "_new_arena", no_room)
