@@ -24,6 +24,7 @@ the layout, the accounting and the freeing.
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -36,6 +37,23 @@ PAGE = 4096
 
 def page_round(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
+
+
+def new_memfd(kind: str, nbytes: int) -> int:
+    """A shared-memory file of `nbytes` with no name on any file system (its pages are committed as they are
+    written, and go with the last descriptor and mapping), named in /proc after the allocation `kind`."""
+    fd = os.memfd_create(f"stagehand-{kind.replace(' ', '-')}", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_memfd(fd: int, nbytes: int) -> torch.Tensor:
+    """The pages of a memfd this process holds open as `fd`, mapped shared (page-aligned uint8 of `nbytes`)."""
+    return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
 
 
 class PinError(RuntimeError):

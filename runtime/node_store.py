@@ -33,6 +33,8 @@ from datetime import timedelta
 
 import torch
 
+from .host_arena import map_memfd, new_memfd
+
 log = logging.getLogger(__name__)
 
 
@@ -106,9 +108,8 @@ class NodeStore:
         self._allocations += 1
         fd, identity = None, None
         if self.writer:
-            fd = os.memfd_create(f"stagehand-{kind.replace(' ', '-')}", os.MFD_CLOEXEC)
+            fd = new_memfd(kind, nbytes)
             self._fds.append(fd)
-            os.ftruncate(fd, nbytes)
             st = os.fstat(fd)
             identity = (st.st_dev, st.st_ino)
         lead = self._exchange(("allocation", index, kind, nbytes, fd, identity))[0]
@@ -119,7 +120,7 @@ class NodeStore:
                 "same model with the same blocks and precision map (or Config(node_shared_store='off'))")
         mine = fd if self.writer else self._open_leaders(lead[4], lead[5], kind)
         try:
-            pages = torch.from_file(f"/proc/self/fd/{mine}", shared=True, size=nbytes, dtype=torch.uint8)
+            pages = map_memfd(mine, nbytes)
         finally:
             if mine != fd:
                 os.close(mine)  # the mapping keeps the pages

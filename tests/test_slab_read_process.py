@@ -110,17 +110,23 @@ def test_a_layer_the_process_finds_corrupt_is_named_and_the_model_is_left_as_it_
     assert type(model.blocks[0].down) is nn.Linear
 
 
-def test_a_reader_process_that_dies_says_how_and_the_model_is_left_as_it_was(slab, tmp_path, monkeypatch):
+@pytest.mark.parametrize("worker, says", [
+    ("import sys\nsys.stderr.write('out of file descriptors\\n')\nsys.exit(3)\n",
+     r"exit status 3 .*out of file descriptors.*slab_reads='threads'"),
+    ("print('hello from the worker')\n", r"the slab reader process said 'hello from the worker'"),
+], ids=["dies", "says nonsense"])
+def test_a_reader_process_that_dies_or_says_nonsense_is_an_error_and_the_model_is_left_as_it_was(
+        slab, tmp_path, monkeypatch, worker, says):
     model, _, manifest = slab
-    dying = tmp_path / "dying_worker.py"
-    dying.write_text("import sys\nsys.stderr.write('out of file descriptors\\n')\nsys.exit(3)\n")
-    monkeypatch.setattr(read_process, "WORKER", str(dying))
-    with pytest.raises(SlabError, match=r"exit status 3 .*out of file descriptors.*slab_reads='threads'"):
+    script = tmp_path / "worker.py"
+    script.write_text(worker)
+    monkeypatch.setattr(read_process, "WORKER", str(script))
+    with pytest.raises(SlabError, match=says):
         stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
     assert type(model.blocks[0].up) is nn.Linear
 
 
-def test_a_reader_process_that_can_not_start_or_says_nonsense_is_an_error(slab, tmp_path, monkeypatch):
+def test_a_reader_process_that_can_not_start_is_an_error_that_names_the_way_round(slab, monkeypatch):
     model, _, manifest = slab
 
     def no_start(*args, **kwargs):
@@ -128,12 +134,6 @@ def test_a_reader_process_that_can_not_start_or_says_nonsense_is_an_error(slab, 
 
     monkeypatch.setattr(read_process.subprocess, "Popen", no_start)
     with pytest.raises(SlabError, match=r"could not start the slab reader process .*Exec format error.*'threads'"):
-        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
-    monkeypatch.undo()
-    talking = tmp_path / "talking_worker.py"
-    talking.write_text("print('hello from the worker')\n")
-    monkeypatch.setattr(read_process, "WORKER", str(talking))
-    with pytest.raises(SlabError, match=r"the slab reader process said 'hello from the worker'"):
         stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
     assert type(model.blocks[0].up) is nn.Linear
 

@@ -32,6 +32,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from torch_stagehand.runtime.host_arena import map_memfd, new_memfd
+
 from .errors import SlabChecksumError, SlabError, SlabTruncatedError, SlabUnsupportedError, SlabValueError
 from .reader import SlabReader
 
@@ -53,10 +55,9 @@ class ProcessPages:
         self.spans: list[tuple[int, int]] = []  # (first address, bytes) of each mapping, in the order of fds
 
     def backing(self, kind: str, nbytes: int) -> torch.Tensor:
-        fd = os.memfd_create(f"stagehand-{kind.replace(' ', '-')}", os.MFD_CLOEXEC)
+        fd = new_memfd(kind, max(nbytes, 1))  # (a mapping of 0 bytes can not be made)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
-            pages = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+            pages = map_memfd(fd, max(nbytes, 1))
         except BaseException:
             os.close(fd)
             raise
@@ -98,7 +99,6 @@ def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[li
         stderr_file.close()
         raise SlabError(f"could not start the slab reader process ({sys.executable} {WORKER}): {e}. "
                         "Config(slab_reads='threads') reads in this process instead", path=reader.path) from e
-    proc.stderr = stderr_file
     failed: list[BaseException] = []
     ended = threading.Event()
     start = time.perf_counter()
@@ -148,14 +148,14 @@ def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[li
             pass  # the worker is gone: its error or its exit status says why, below
         except BaseException as e:  # the layout failed: a read that failed before it is the error to name
             proc.kill()
-            _finish(proc, listener)
+            _finish(proc, listener, stderr_file)
             if failed:
                 raise failed[0] from e
             raise
         _close_quietly(proc.stdin)
         if while_reading is not None and not failed:
             while_reading()
-        stderr = _finish(proc, listener)
+        stderr = _finish(proc, listener, stderr_file)
         if failed:
             raise failed[0]
         if not ended.is_set():
@@ -167,17 +167,17 @@ def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[li
     finally:  # however it ended: the worker gone, and every block it read locked (or not) before the caller goes on
         if proc.poll() is None:
             proc.kill()
-        _finish(proc, listener)
+        _finish(proc, listener, stderr_file)
         stderr_file.close()
 
 
-def _finish(proc: subprocess.Popen, listener: threading.Thread) -> str:
-    """Wait for the worker and for the listener to hear its last event; its stderr."""
+def _finish(proc: subprocess.Popen, listener: threading.Thread, stderr_file) -> str:
+    """Wait for the worker and for the listener to hear its last event; what the worker wrote to its stderr."""
     _close_quietly(proc.stdin)
     listener.join()
     proc.wait()
-    proc.stderr.seek(0)
-    return proc.stderr.read().decode(errors="replace")
+    stderr_file.seek(0)
+    return stderr_file.read().decode(errors="replace")
 
 
 def _close_quietly(stream) -> None:

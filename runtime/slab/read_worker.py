@@ -43,6 +43,8 @@ class LayerError(Exception):
         self.kind, self.message = kind, message
 
 
+# pread_into and check_crc say what safetensors_io.pread_into and SlabReader._compare_crc say: this file imports
+# nothing of the package (a torch import would cost the process seconds), so it has its own copies.
 def pread_into(fd: int, buf: memoryview, offset: int) -> None:
     done, n = 0, len(buf)
     while done < n:
