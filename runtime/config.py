@@ -207,6 +207,12 @@ class Config:
     # reader threads of this process. "auto": the process where memfd_create exists (Linux) and the ranks of a
     # node do not share the store (their reads go into the node's pages), threads elsewhere.
     slab_reads: str = "auto"
+    # The reader process's reads go on after offload returns (read_process.RowsBehind): offload waits for the
+    # blocks' layout, the slab's identity check and its own stages, not for every row; the first fetch of an
+    # INT8 block waits for the rest (the first step's capture and compile run meanwhile). A layer that fails
+    # its check after offload returned is raised by that fetch. False: offload returns with every row read.
+    # Reader threads, and a meta model's biases read from the slab, always finish before offload returns.
+    slab_rows_behind: bool = True
     # A mixture-of-experts model's eager forward with no grad over at most this many tokens (generation)
     # reads each layer directly and each expert stack only for the experts its router picked, instead of
     # copying whole blocks (eager_path.py); 0: whole blocks always.
@@ -252,6 +258,8 @@ class Config:
             raise ConfigError(f"int8_tier: must be 'ram' or 'disk', got {self.int8_tier!r}")
         if self.slab_reads not in ("auto", "process", "threads"):
             raise ConfigError(f"slab_reads: must be 'auto', 'process' or 'threads', got {self.slab_reads!r}")
+        if not isinstance(self.slab_rows_behind, bool):
+            raise ConfigError(f"slab_rows_behind: must be True or False, got {self.slab_rows_behind!r}")
         if not isinstance(self.routed_experts_max_tokens, int) or self.routed_experts_max_tokens < 0:
             raise ConfigError(f"routed_experts_max_tokens: must be an int >= 0, got {self.routed_experts_max_tokens!r}")
         if self.expert_cache_bytes != "auto" and self.expert_cache_bytes != 0:

@@ -21,13 +21,13 @@ derived from them, version-checked like INT8).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from . import host_copy
 from . import precision as precisions
+from .block_buffers import BlockBuffers
 from .blocks import StreamedLayerSpec
 from .host_arena import HostArena, NoPinner, lock_or_fall_back
 from .node_store import NodeStoreError
@@ -37,33 +37,6 @@ log = logging.getLogger(__name__)
 
 # Where a block's full-precision master is kept (Config.keep_full / offload(keep_full=...)).
 KEEP_PINNED, KEEP_RAM, KEEP_FILE = "pinned", "ram", "file"
-
-
-@dataclass
-class BlockBuffers:
-    layers: list[StreamedLayerSpec]
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # precision name -> flat uint8 buffer
-    layouts: dict[str, list[LayerLayout]] = field(default_factory=dict)
-    # The master's version counter when a derived buffer was built from it: a later
-    # in-place write (load_state_dict, optimizer on a view) makes that buffer stale.
-    # None: not built from the master (read from a slab with no master to compare).
-    source_versions: dict[str, int | None] = field(default_factory=dict)
-    # keep_full="file": the layers' weights as views of the safetensors file (their stored
-    # orientation); they are the master, and a flat full-precision buffer is derived from them.
-    file_master: list[torch.Tensor] | None = None
-
-    @property
-    def full(self) -> torch.Tensor | None:
-        """The flat full-precision buffer (the master, unless the master is in the file; None if absent)."""
-        return self.buffers.get(precisions.FULL)
-
-    @property
-    def has_master(self) -> bool:
-        return self.file_master is not None or self.full is not None
-
-    def nbytes(self, precision: str) -> int:
-        buf = self.buffers.get(precision)
-        return 0 if buf is None else buf.numel()
 
 
 class HostStore:
@@ -92,6 +65,9 @@ class HostStore:
         self.on_replaced: Callable[[StreamedLayerSpec, torch.Tensor], None] | None = None
         # Run once at the next fetch, then cleared: after a step across ranks, the owners' writes (shards.py).
         self.before_fetch: Callable[[], None] | None = None
+        # A slab's rows still read by the reader process after offload returned (read_process.RowsBehind): a
+        # fetch waits for them; a buffer still being read is not page-locked here (the reads' listener locks it).
+        self.rows_behind = None
 
     # ---- host memory ----------------------------------------------------------
 
@@ -167,8 +143,8 @@ class HostStore:
                 if not keep:
                     if arena.is_locked(buf):
                         unlock.append((arena, buf))
-                    continue
-                self._lock(block, precision, arena)
+                elif precision != precisions.INT8 or self.rows_behind is None or not self.rows_behind.waiting(block):
+                    self._lock(block, precision, arena)
         if unlock:
             unlock[0][0].pinner.drain()
             for arena, buf in unlock:
@@ -198,6 +174,8 @@ class HostStore:
 
     def free(self) -> None:
         """Unlock and drop every buffer (restore / close): the memory goes back when the views die."""
+        if self.rows_behind is not None:  # no reader writes into pages that go
+            self.rows_behind.cancel()
         if self.disk_tier is not None:
             self.disk_tier.close()
             self.disk_tier = None
@@ -262,6 +240,7 @@ class HostStore:
         bb = self.blocks[block]
         if not bb.has_master:
             raise RuntimeError(f"block {block}: no full-precision weights to build {precision} from")
+        self._rows_in(precision)
         new = precision not in bb.buffers
         if new:
             self.allocate(block, precision)
@@ -371,12 +350,18 @@ class HostStore:
         return None if bb.full is None else bb.full._version
 
     def buffer(self, block: int, precision: str) -> torch.Tensor:
+        self._rows_in(precision)
         buf = self.blocks[block].buffers.get(precision)
         if buf is None and (block, precision) in self.on_disk:
             return self.disk_tier.fetch(block)
         if buf is None:
             raise RuntimeError(f"block {block} has no {precision} weights in the host store")
         return buf
+
+    def _rows_in(self, precision: str) -> None:
+        """A slab's rows read behind offload are in before any INT8 buffer is read or written (else their error)."""
+        if self.rows_behind is not None and precision == precisions.INT8:
+            self.rows_behind.wait()
 
     def layout(self, block: int, precision: str) -> list[LayerLayout]:
         bb = self.blocks[block]

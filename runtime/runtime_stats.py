@@ -60,6 +60,8 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "allocator": rt.allocator,  # what offload did to the CUDA allocator (allocator.py)
         "cost_model_cache": rt.planner.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
         "offload": rt.offload_summary,
+        # a slab's rows read behind offload (read_process.RowsBehind): their seconds, the fetches' wait for them
+        "slab_rows_behind": None if rt.store.rows_behind is None else rt.store.rows_behind.summary(),
     }
 
 

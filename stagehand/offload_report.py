@@ -94,6 +94,7 @@ class OffloadSummary:
     expert_stacks: int = 0  # MoE expert stacks among the streamed layers (3-D parameters)
     expert_bytes: int = 0  # their full-precision bytes
     node_shared: str = ""  # NodeStore.describe(): the ranks of this node share one host store
+    rows_behind: str = ""  # a slab's rows still read behind offload (read_process.RowsBehind), when it returned
 
 
     def host_line(self) -> str:
@@ -126,7 +127,7 @@ class OffloadSummary:
             f"{mb(2 * self.forward_bytes)} (forward + backward, less what the slots keep across the turn)",
             f"  host store: {self.host_line()}; device slots: {self.slots} x {mb(self.slot_bytes)}",
             f"  took {self.seconds.get('total', 0.0):.2f} s ({took}{beside})",
-        ]
+        ] + ([f"  slab rows: {self.rows_behind}"] if self.rows_behind else [])
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -151,7 +152,16 @@ def summarize(model: nn.Module, rt, clock) -> OffloadSummary:
         beside={k: round(v, 3) for k, v in clock.overlapped.items()},
         host_by_kind=host["bytes_by_kind"], keep_full=host["keep_full"],
         node_shared=rt.store.node.describe() if rt.store.node is not None else "",
+        rows_behind=_rows_behind(rt.store),
     )
+
+
+def _rows_behind(store) -> str:
+    behind = store.rows_behind
+    if behind is None or behind.done:
+        return ""
+    return (f"{behind.blocks_in} of {len(store.blocks)} blocks in; the reader process reads the rest behind offload "
+            "(the first fetch of an INT8 block waits for them)")
 
 
 def report_offload(summary: OffloadSummary, auto: bool, verbose: bool) -> None:
@@ -172,9 +182,11 @@ def first_step_line(record: dict[str, Any], stats: dict[str, Any]) -> str:
     parts = ", ".join(f"{k} {v:.2f} s" for k, v in phases.items() if v >= 0.005)
     loaded = stats.get("units_loaded", 0)
     cache = f"; {loaded} loaded from the compile cache" if loaded else ""
+    behind = stats.get("slab_rows_behind") or {}
+    waited = f"; it waited {behind['waited_s']:.1f} s for the slab's rows" if behind.get("waited_s") else ""
     return (f"stagehand: first step took {total:.1f} s ({parts}); it compiled {stats['compiled_units']} units "
             f"({stats['compiled_variants']} block variants{cache}) in {stats['compile_seconds']:.1f} s; "
-            "later steps reuse them")
+            f"later steps reuse them{waited}")
 
 
 class FirstCallProgress:

@@ -196,5 +196,11 @@ def test_a_meta_model_with_its_checkpoint_and_an_int8_slab_keeps_no_full_copy_in
     rt = stagehand.offload(meta, device="cpu", precision="int8", slab=manifest, checkpoint=path,
                            keep_full="file")
     assert set(rt.stats()["host"]["bytes_by_kind"]) == {"bf16 file", "int8 ram"}
+    # Its streamed layers' biases come from the checkpoint with the other resident tensors, not from the slab:
+    # the slab's rows are read behind offload (Config.slab_rows_behind, where a reader process reads them).
+    assert torch.equal(meta.blocks[1].up.bias, model.blocks[1].up.bias)
+    from torch_stagehand.runtime.slab.read_process import process_reads_possible
+
+    assert (rt.store.rows_behind is not None) == (process_reads_possible() is None)
     with torch.no_grad():
         assert torch.equal(meta(x), reference(x))

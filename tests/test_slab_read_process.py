@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import pathlib
+import signal
 import struct
 import sys
 import threading
@@ -22,6 +25,8 @@ from torch_stagehand.runtime.slab import loading, read_process
 from _helpers import ToyModel, toy
 
 D = 40  # rows of 40 and 80 columns, stored padded to 64 and 128: the reads narrow them
+# Offload waits for every row (the rows read behind it, and their errors: test_slab_rows_behind.py).
+SYNC = Config(slab_reads="process", slab_rows_behind=False)
 
 
 @pytest.fixture
@@ -99,14 +104,14 @@ def test_a_layer_the_process_finds_corrupt_is_named_and_the_model_is_left_as_it_
         f.seek(info.start + 5)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(SlabChecksumError, match=r"layer 'blocks\.2\.up'.*'blocks\.2\.up\.qweight' crc32"):
-        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=SYNC)
     assert type(model.blocks[2].up) is nn.Linear
     with open(path, "r+b") as f:
         f.seek(info.start + 5)
         f.write(byte)
     _rewrite(manifest, "blocks.0.down.scale", 0, struct.pack("<f", float("nan")))  # a checksum that matches
     with pytest.raises(SlabValueError, match=r"layer 'blocks\.0\.down'.*scale holds NaN or Inf"):
-        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=SYNC)
     assert type(model.blocks[0].down) is nn.Linear
 
 
@@ -122,7 +127,7 @@ def test_a_reader_process_that_dies_or_says_nonsense_is_an_error_and_the_model_i
     script.write_text(worker)
     monkeypatch.setattr(read_process, "WORKER", str(script))
     with pytest.raises(SlabError, match=says):
-        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"))
+        stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=SYNC)
     assert type(model.blocks[0].up) is nn.Linear
 
 
@@ -218,6 +223,107 @@ def test_the_worker_runs_on_the_standard_library_alone():
     assert imported and imported <= set(sys.stdlib_module_names)
 
 
+class _GatedWorker:
+    """The reader process held at its start until the test lets it go (a FIFO it opens and reads to its end):
+    offload's return can then be seen to come before any row is in, without a sleep."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        self.fifo = tmp_path / "gate"
+        os.mkfifo(self.fifo)
+        script = tmp_path / "gated_worker.py"
+        script.write_text(
+            "import os, runpy, sys\n"
+            f"with open({str(self.fifo)!r}) as gate:\n    gate.read()\n"
+            f"sys.argv[0] = {read_process.WORKER!r}\n"
+            f"runpy.run_path({read_process.WORKER!r}, run_name='__main__')\n")
+        monkeypatch.setattr(read_process, "WORKER", str(script))
+        self.offload_returned = threading.Event()
+        # Opens the FIFO (the worker's open waits for it) and closes it once offload returned: the gate goes
+        # up at offload's return, or after a minute if offload waits for the rows (the test then fails).
+        self.opener = threading.Thread(target=self._open, daemon=True)
+        self.opener.start()
+
+    def _open(self) -> None:
+        with open(self.fifo, "w"):
+            self.offload_returned.wait(60)
+
+    def release(self) -> None:
+        self.offload_returned.set()
+        self.opener.join()
+
+
+def test_offload_returns_before_the_rows_are_read_and_the_first_forward_waits_for_them(slab, tmp_path, monkeypatch):
+    model, x, manifest = slab
+    with torch.no_grad():
+        want = stagehand.offload(copy.deepcopy(model), device="cpu", precision="int8", slab=manifest, config=SYNC,
+                                 verbose=False).model(x)
+    gate = _GatedWorker(tmp_path, monkeypatch)
+    rt = stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"),
+                           verbose=False)
+    behind = rt.store.rows_behind
+    assert behind is not None and not behind.done and behind.blocks_in == 0  # returned with no row in
+    assert "slab rows handed over (read behind offload)" in rt.offload_summary["seconds"]
+    assert rt.offload_summary["rows_behind"].startswith("0 of 3 blocks in; the reader process reads the rest")
+    gate.release()
+    with torch.no_grad():
+        got = model(x)  # its first fetch waits for the rows
+    assert torch.equal(got, want)
+    report = rt.stats()["slab_rows_behind"]
+    assert report["done"] and report["blocks_in"] == 3 and report["error"] == "" and report["waited_s"] >= 0
+    rt.close()
+
+
+@pytest.mark.parametrize("damage", ["checksum", "worker dies"])
+def test_a_failure_found_behind_offload_is_raised_by_every_fetch(slab, tmp_path, monkeypatch, damage):
+    model, x, manifest = slab
+    if damage == "checksum":
+        with SlabReader(manifest) as reader:
+            info = reader.header.tensors["blocks.1.down.qweight"]
+        with open(reader.path, "r+b") as f:
+            f.seek(info.start)
+            byte = f.read(1)
+            f.seek(info.start)
+            f.write(bytes([byte[0] ^ 0x01]))
+        error, says = SlabChecksumError, r"layer 'blocks\.1\.down'.*'blocks\.1\.down\.qweight' crc32"
+    else:
+        error, says = SlabError, r"ended with exit status -9 before every layer was read"
+    gate = _GatedWorker(tmp_path, monkeypatch)
+    rt = stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"),
+                           verbose=False)
+    if damage == "worker dies":
+        os.kill(rt.store.rows_behind._worker.proc.pid, signal.SIGKILL)
+    gate.release()
+    for _ in range(2):  # and again: a model whose rows are not all in never computes
+        with pytest.raises(error, match=says), torch.no_grad():
+            model(x)
+    assert rt.stats()["slab_rows_behind"]["error"]
+    rt.close()
+
+
+def test_closing_before_the_rows_are_read_stops_the_reader(slab, tmp_path, monkeypatch):
+    model, _, manifest = slab
+    gate = _GatedWorker(tmp_path, monkeypatch)
+    rt = stagehand.offload(model, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"),
+                           verbose=False)
+    behind = rt.store.rows_behind
+    rt.close()  # the worker is killed where it waits; no reader writes into the freed pages
+    assert behind._worker.proc.poll() is not None and "cancelled" in behind.summary()["error"]
+    gate.release()
+    with pytest.raises(SlabError, match="cancelled"):
+        behind.wait()
+
+
+def test_a_meta_model_whose_biases_come_from_the_slab_has_every_row_when_offload_returns(slab):
+    model, _, manifest = slab
+    meta = _meta_model(model)
+    rt = stagehand.offload(meta, device="cpu", precision="int8", slab=manifest, config=Config(slab_reads="process"),
+                           verbose=False)
+    assert rt.store.rows_behind is None and "slab rows read" in rt.offload_summary["seconds"]
+    assert not meta.blocks[0].up.bias.is_meta
+    with pytest.raises(ConfigError, match="slab_rows_behind: must be True or False, got 'yes'"):
+        Config(slab_rows_behind="yes").validate()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_blocks_read_by_the_process_are_page_locked_memfd_pages_and_compute_as_the_threads_read_them(slab):
@@ -238,3 +344,25 @@ def test_cuda_blocks_read_by_the_process_are_page_locked_memfd_pages_and_compute
         finally:
             del rt
     assert torch.equal(outputs["threads"], outputs["process"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_rows_read_behind_offload_are_page_locked_and_compute_as_rows_read_before_it(slab, tmp_path,
+                                                                                         monkeypatch):
+    from _helpers import page_locked
+
+    model, x, manifest = slab
+    with torch.no_grad():
+        want = stagehand.offload(copy.deepcopy(model), device="cuda", precision="int8", slab=manifest, config=SYNC,
+                                 verbose=False).model(x.cuda()).cpu()
+    gate = _GatedWorker(tmp_path, monkeypatch)
+    rt = stagehand.offload(model, device="cuda", precision="int8", slab=manifest, config=Config(slab_reads="process"),
+                           verbose=False)
+    assert rt.store.rows_behind.blocks_in == 0 and not rt.store.rows_behind.done
+    gate.release()
+    with torch.no_grad():
+        got = model(x.cuda()).cpu()  # the first fetch waits; the listener page-locked each block as it came in
+    assert torch.equal(got, want)
+    assert all(page_locked(rt.store.buffer(b, "int8")) for b in range(3))
+    rt.close()

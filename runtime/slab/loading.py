@@ -24,6 +24,13 @@ hold this process's GIL, which reader threads here wait for between reads), or
 reader threads here (`_read_in_parallel`: the ranks of a node that share the
 store, platforms without memfd).
 
+The reader process's reads go on behind offload (`Config.slab_rows_behind`,
+`read_process.RowsBehind`): offload returns once every block is handed over,
+the identity checked and the compiler prepared; the host store waits for the
+rest before an INT8 buffer is read or written (the first step's first fetch,
+after its capture and compile). A layer found bad after offload returned is
+raised by that fetch, and by every one after it.
+
 This is the one module of the slab package that knows the streaming engine,
 because its job is to fill the engine's host store: it writes into the INT8
 buffers the store allocates (`precision.layer_views` names each layer's rows
@@ -61,6 +68,10 @@ from .reader import SlabReader
 if TYPE_CHECKING:
     from torch_stagehand.runtime.runtime import Runtime
 
+# Offload's stage when the reader process reads on behind it (Config.slab_rows_behind): the blocks laid out and
+# handed over, the identity checked, the compiler prepared; the rows still coming in.
+ROWS_HANDED_OVER = "slab rows handed over (read behind offload)"
+ZERO_POINTS = "slab zero points checked"  # beside the reads, with the identity, when the rows are read behind
 _READ_THREADS = 8  # enough to saturate a page cache or an NVMe drive; each thread holds no buffer of its own
 
 
@@ -125,6 +136,8 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
             try:
                 rt.store.reserve(INT8, list(range(len(rt.store.blocks))), backing=pages)
                 bias_into = _bias_buffers(rt, reader, pages)
+                # A meta model's biases from the slab are Parameters before offload returns: no reads behind then.
+                behind = pages is not None and rt.config.slab_rows_behind and not bias_into
                 reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec), as laid out
 
                 def blocks_laid_out():
@@ -162,8 +175,17 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     # files: 4.8 s + 3.6 s against 6.7 s).
                     seconds: dict[str, float] = {}
                     on_calling_thread = calling_thread if while_reading is not None or rt.checkpoint is not None else None
-                    run_beside(check_identity, on_calling_thread, "stagehand-identity", seconds)
-                    rt.clock.beside("slab identity check", seconds["work"])
+                    run_beside(check_beside, on_calling_thread, "stagehand-identity", seconds)
+                    rt.clock.beside("slab identity check", seconds["work"] - rt.clock.overlapped.get(ZERO_POINTS, 0.0))
+
+                def check_beside() -> None:
+                    # Rows read behind offload: a slab this runtime can not compute with (non-zero zero points, a
+                    # SquareQ slab's) still fails offload, not the first step. Each read checks its layer's too.
+                    if behind:
+                        start = time.perf_counter()
+                        reader.check_zero_points()
+                        rt.clock.beside(ZERO_POINTS, time.perf_counter() - start)
+                    check_identity()
 
                 streams_int8 = set(pin)
 
@@ -171,12 +193,13 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     if block in streams_int8:
                         rt.store.lock_filled(block, INT8)
 
+                rows_behind = None
                 if pages is None:
                     _read_in_parallel(reader, blocks_laid_out(), beside_the_reads, clock=rt.clock,
                                       on_block_read=block_read, rows=lambda block: rt.store.writes(block, INT8))
                 else:
-                    read_in_process(reader, pages, blocks_laid_out(), beside_the_reads, clock=rt.clock,
-                                    on_block_read=block_read, threads=_read_threads())
+                    rows_behind = read_in_process(reader, pages, blocks_laid_out(), beside_the_reads, clock=rt.clock,
+                                                  on_block_read=block_read, threads=_read_threads(), behind=behind)
                 for _name, _q, _s, bias_out, spec in reads:
                     if bias_out is not None:
                         bias = spec.module.bias
@@ -184,7 +207,8 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                         spec.module._parameters["bias"] = torch.nn.Parameter(value, requires_grad=bias.requires_grad)
                 for block in range(len(rt.store.blocks)):
                     rt.store.mark_built(block, INT8)
-                rt.clock.mark("slab rows read")
+                rt.store.rows_behind = rows_behind  # the store waits for them before an INT8 buffer is used
+                rt.clock.mark("slab rows read" if rows_behind is None else ROWS_HANDED_OVER)
             finally:  # the memfds' descriptors (the mappings keep the pages), however the load ends
                 if pages is not None:
                     pages.close()
@@ -206,9 +230,11 @@ def _process_pages(rt: "Runtime") -> ProcessPages | None:
 
 def _bias_buffers(rt: "Runtime", reader: SlabReader, pages: ProcessPages | None) -> dict[int, torch.Tensor]:
     """id(spec) -> where a meta bias is read from the slab: its new tensor (reader threads), or float32 in pages
-    the reader process maps (cast into its new tensor once the reads end)."""
+    the reader process maps (cast into its new tensor once the reads end). Not a bias the model's checkpoint
+    holds: the resident tensors come from there (`load_resident`), and the rows can then be read behind."""
     specs = [spec for spec in rt.layers if spec.module.bias is not None and spec.module.bias.is_meta
-             and canonical_name(spec.fqn) in reader.layers and reader.layers[canonical_name(spec.fqn)].has_bias]
+             and canonical_name(spec.fqn) in reader.layers and reader.layers[canonical_name(spec.fqn)].has_bias
+             and (rt.checkpoint is None or f"{spec.fqn}.bias" not in rt.checkpoint)]
     if pages is None:
         return {id(spec): torch.empty(spec.module.bias.shape, dtype=spec.module.bias.dtype) for spec in specs}
     if not specs:

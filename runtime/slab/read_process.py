@@ -82,102 +82,198 @@ class ProcessPages:
 
 def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[list],
                     while_reading: Callable[[], None] | None = None, clock=None,
-                    on_block_read: Callable[[int], None] | None = None, threads: int = 8) -> None:
+                    on_block_read: Callable[[int], None] | None = None, threads: int = 8,
+                    behind: bool = False) -> "RowsBehind | None":
     """`_read_in_parallel`'s contract (loading.py) with the reads in a worker process: `blocks` yields a block's
     reads (name, qweight view, scale view, float32 bias view or None, spec) at a time, every buffer in `pages`;
     each list goes to the worker as it comes. `while_reading()` runs here meanwhile; `on_block_read(block)` runs
     (on a listener thread) once a block's layers are in. The first error is raised once the worker is gone: a
     layer's check (its SlabError), a layout error here (a read error that came before it is raised from it), or
-    the worker's death."""
-    stderr_file = tempfile.TemporaryFile()  # not a pipe: nothing has to drain it while the reads go on
+    the worker's death. `behind`: once every block is handed over and `while_reading()` is done, return the reads
+    still going as a `RowsBehind` (an error found so far is still raised here, the worker gone)."""
+    worker = _Worker(reader, pages, threads, on_block_read)
+    handed_over = False
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", WORKER, str(reader.fd), ",".join(map(str, pages.fds)), str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr_file, text=True,
-            pass_fds=(reader.fd, *pages.fds))
-    except OSError as e:
-        stderr_file.close()
-        raise SlabError(f"could not start the slab reader process ({sys.executable} {WORKER}): {e}. "
-                        "Config(slab_reads='threads') reads in this process instead", path=reader.path) from e
-    failed: list[BaseException] = []
-    ended = threading.Event()
-    start = time.perf_counter()
-    last_read = [start]
+        worker.hand_over(blocks)
+        if while_reading is not None and not worker.failed:
+            while_reading()
+        if behind and not worker.failed:
+            handed_over = True
+            return RowsBehind(worker, clock)
+        worker.finish()
+        if clock is not None:
+            clock.beside("slab reads", worker.seconds())
+        return None
+    finally:  # however it ended (but handed over): the worker gone, every block it read locked (or not)
+        if not handed_over:
+            worker.kill()
 
-    def listen() -> None:  # the worker's events, as they come, to the end of its output
-        for line in proc.stdout:
+
+class _Worker:
+    """The reader process, the listener thread that hears its events, and what it said."""
+
+    def __init__(self, reader: SlabReader, pages: ProcessPages, threads: int,
+                 on_block_read: Callable[[int], None] | None):
+        self.path = reader.path
+        self.stderr_file = tempfile.TemporaryFile()  # not a pipe: nothing has to drain it while the reads go on
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", WORKER, str(reader.fd), ",".join(map(str, pages.fds)), str(threads)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr_file, text=True,
+                pass_fds=(reader.fd, *pages.fds))
+        except OSError as e:
+            self.stderr_file.close()
+            raise SlabError(f"could not start the slab reader process ({sys.executable} {WORKER}): {e}. "
+                            "Config(slab_reads='threads') reads in this process instead", path=reader.path) from e
+        self.reader, self.pages, self.on_block_read = reader, pages, on_block_read
+        self.failed: list[BaseException] = []
+        self.blocks_in: set[int] = set()  # read, and on_block_read done
+        self.ended = threading.Event()
+        self.start = time.perf_counter()
+        self.last_read = self.start
+        self.listener = threading.Thread(target=self._listen, name="stagehand-slab-reads", daemon=True)
+        self.listener.start()
+        self._finished: str | None = None  # the worker's stderr, once it is gone
+
+    def _listen(self) -> None:  # the worker's events, as they come, to the end of its output
+        for line in self.proc.stdout:
             try:
-                heard(json.loads(line))
+                self._heard(json.loads(line))
             except Exception as e:  # noqa: BLE001 - raised on the calling thread; the output is still drained
-                failed.append(SlabError(f"the slab reader process said {line.strip()[:200]!r}: {e}",
-                                        path=reader.path))
-                proc.kill()
+                self.failed.append(SlabError(f"the slab reader process said {line.strip()[:200]!r}: {e}",
+                                             path=self.path))
+                self.proc.kill()
 
-    def heard(event: list) -> None:
+    def _heard(self, event: list) -> None:
         if event[0] == "read":
-            last_read.append(time.perf_counter())
-            if on_block_read is not None and not failed:
+            self.last_read = time.perf_counter()
+            if self.on_block_read is not None and not self.failed:
                 try:
-                    on_block_read(event[1])
+                    self.on_block_read(event[1])
                 except BaseException as e:  # noqa: BLE001 - raised on the calling thread
-                    failed.append(e)
-                    proc.kill()
+                    self.failed.append(e)
+                    self.proc.kill()
+            self.blocks_in.add(event[1])
         elif event[0] == "error":
             _block, kind, layer, message = event[1:]
-            failed.append(_ERRORS[kind](message, path=reader.path, layer=layer))
-            proc.kill()  # the reads still queued are not wanted
+            self.failed.append(_ERRORS[kind](message, path=self.path, layer=layer))
+            self.proc.kill()  # the reads still queued are not wanted
         elif event[0] == "end":
-            ended.set()
+            self.ended.set()
 
-    listener = threading.Thread(target=listen, name="stagehand-slab-reads", daemon=True)
-    listener.start()
-    try:
+    def hand_over(self, blocks: Iterable[list]) -> None:
+        """Each block's reads to the worker as `blocks` yields them; then its input is closed."""
         try:
             for group in blocks:
-                if failed:
+                if self.failed:
                     break
                 if not group:  # a block with nothing to read here
                     continue
                 block = {r[4].block for r in group}
                 if len(block) != 1:
                     raise ValueError(f"slab reads: a list holds the reads of blocks {sorted(block)}, not one")
-                jobs = [reader.layer_job(name, q, s, bias, pages.locate) for name, q, s, bias, _spec in group]
-                proc.stdin.write(json.dumps({"block": block.pop(), "layers": jobs}) + "\n")
-                proc.stdin.flush()
+                jobs = [self.reader.layer_job(name, q, s, bias, self.pages.locate) for name, q, s, bias, _ in group]
+                self.proc.stdin.write(json.dumps({"block": block.pop(), "layers": jobs}) + "\n")
+                self.proc.stdin.flush()
         except BrokenPipeError:
-            pass  # the worker is gone: its error or its exit status says why, below
+            pass  # the worker is gone: its error or its exit status says why, in finish()
         except BaseException as e:  # the layout failed: a read that failed before it is the error to name
-            proc.kill()
-            _finish(proc, listener, stderr_file)
-            if failed:
-                raise failed[0] from e
+            self.kill()
+            if self.failed:
+                raise self.failed[0] from e
             raise
-        _close_quietly(proc.stdin)
-        if while_reading is not None and not failed:
-            while_reading()
-        stderr = _finish(proc, listener, stderr_file)
-        if failed:
-            raise failed[0]
-        if not ended.is_set():
-            raise SlabError(f"the slab reader process ({WORKER}) ended with exit status {proc.returncode} before "
-                            f"every layer was read: {stderr.strip()[-2000:] or 'it said nothing'}. "
-                            "Config(slab_reads='threads') reads in this process instead", path=reader.path)
-        if clock is not None:
-            clock.beside("slab reads", max(last_read) - start)
-    finally:  # however it ended: the worker gone, and every block it read locked (or not) before the caller goes on
-        if proc.poll() is None:
-            proc.kill()
-        _finish(proc, listener, stderr_file)
-        stderr_file.close()
+        _close_quietly(self.proc.stdin)
+
+    def finish(self) -> None:
+        """Wait for the worker's end; raise the first error, or its death."""
+        stderr = self._wait()
+        if self.failed:
+            raise self.failed[0]
+        if not self.ended.is_set():
+            raise SlabError(f"the slab reader process ({WORKER}) ended with exit status {self.proc.returncode} "
+                            f"before every layer was read: {stderr.strip()[-2000:] or 'it said nothing'}. "
+                            "Config(slab_reads='threads') reads in this process instead", path=self.path)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self._wait()
+
+    def seconds(self) -> float:
+        """From the worker's start to its last block read."""
+        return self.last_read - self.start
+
+    def _wait(self) -> str:
+        """Wait for the worker and for the listener to hear its last event; what the worker wrote to its stderr."""
+        if self._finished is None:
+            _close_quietly(self.proc.stdin)
+            self.listener.join()
+            self.proc.wait()
+            self.stderr_file.seek(0)
+            self._finished = self.stderr_file.read().decode(errors="replace")
+            self.stderr_file.close()
+        return self._finished
 
 
-def _finish(proc: subprocess.Popen, listener: threading.Thread, stderr_file) -> str:
-    """Wait for the worker and for the listener to hear its last event; what the worker wrote to its stderr."""
-    _close_quietly(proc.stdin)
-    listener.join()
-    proc.wait()
-    stderr_file.seek(0)
-    return stderr_file.read().decode(errors="replace")
+class RowsBehind:
+    """A slab's rows still read by the reader process after offload returned (`Config(slab_rows_behind=True)`).
+
+    Offload hands every block's reads over, checks the slab's identity and prepares the compiler while the
+    first rows come in; the rest (seconds of disk on a 12 GB slab) go on behind the first step's capture and
+    compile. The host store asks `waiting(block)` before it page-locks a buffer (the listener locks each block
+    as its rows come in) and calls `wait()` before any buffer's bytes are read (a fetch): the first fetch
+    waits for the reads' end. A layer that fails its check, or a worker that dies, is raised by that wait
+    and by every one after it (a model whose rows are not all there never computes); offload has returned
+    by then, so the model is not put back: `close()` it and offload again.
+    """
+
+    def __init__(self, worker: _Worker, clock=None):
+        self._worker = worker
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self.done = False
+        self.waited_s = 0.0  # what the waits here waited for the reads' end, in all
+
+    def waiting(self, block: int) -> bool:
+        """The block's rows are not in yet (nor page-locked by the listener)."""
+        return not self.done and block not in self._worker.blocks_in
+
+    @property
+    def blocks_in(self) -> int:
+        return len(self._worker.blocks_in)
+
+    def wait(self) -> None:
+        """Every block's rows in; or the reads' error, raised again on every call."""
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self.done:
+                return
+            start = time.perf_counter()
+            try:
+                self._worker.finish()
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                self.waited_s += time.perf_counter() - start
+            self.done = True
+            if self._clock is not None:
+                self._clock.beside("slab reads", self._worker.seconds())
+
+    def cancel(self) -> None:
+        """The reads are not wanted (the store is freed): the worker killed, the listener gone."""
+        with self._lock:
+            if not self.done:
+                self._worker.kill()
+                self._error = self._error or SlabError("the slab's reads were cancelled (the store was freed)",
+                                                       path=self._worker.path)
+
+    def summary(self) -> dict:
+        """For the runtime's stats: how long the reads took (so far) and how long fetches waited for them."""
+        return {"blocks_in": self.blocks_in, "done": self.done, "reads_s": round(self._worker.seconds(), 3),
+                "waited_s": round(self.waited_s, 3), "error": "" if self._error is None else str(self._error)}
 
 
 def _close_quietly(stream) -> None:

@@ -127,7 +127,7 @@ class SlabReader:
                                        self.path)
             checks.check_own_signature(self.manifest, self.manifest_path)
             if check_zero_points:
-                self._check_zero_points()
+                self.check_zero_points()
             if verify == "full":
                 self.verify_full()
             if model is not None:
@@ -140,7 +140,8 @@ class SlabReader:
 
     # The checks that need no tensor bytes are in checks.py; these two read the file.
 
-    def _check_zero_points(self) -> None:
+    def check_zero_points(self) -> None:
+        """Every layer's zero points are zero (else SlabUnsupportedError naming the first that is not)."""
         for e in self.layers.values():
             zp = torch.empty(e.out_features, dtype=torch.float32)
             self._read_tensor(e, e.zero_point_key, byte_view(zp))
