@@ -243,6 +243,17 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
             out["dynamo_graphs"] = len(rt.graph_records)
     out.update(first_step_s=round(steps[0], 2), step_ms=[round(s * 1e3, 1) for s in steps[1:]], plan_kinds=plans,
                steady_ms=round(statistics.median(steps[-3:]) * 1e3, 1), first_loss=losses[0])
+    if rt is not None and args.replans:
+
+        def one_step() -> float:
+            t0 = time.perf_counter()
+            loss_of(kind, compiled(**inputs)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            return time.perf_counter() - t0
+
+        out["replan_rounds"] = replan_rounds(rt, one_step, args.replans)
     if rt is not None:
         s = rt.stats()
         out.update({k: s[k] for k in ("compiled_units", "units_loaded", "units_compiled_cold", "compile_seconds",
@@ -295,6 +306,33 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     out["dynamo_s"] = round(sum(metrics.get("_compile.compile_inner", [])), 2)
     out["first_step_rest_s"] = round(out["first_step_s"] - out["dynamo_s"] - out.get("first_step_compile_s", 0), 2)
     return out
+
+
+def replan_rounds(rt, one_step, rounds: int, steady: int = 3) -> dict:
+    """The steps that measure a new plan, against steady steps of the same plan, `rounds` times in one process:
+    `rt.replan()` (between steps, like any re-plan), the steps that measure the new plan (block clocks on events
+    read a step later, the peak check), then `steady` steps that measure nothing. One cold run's two new-plan
+    steps against its steady step spread as far as single steps do (0.93-1.14); many rounds separate the
+    measuring's cost from that spread."""
+    from torch_stagehand.runtime.planning import REFINE_STEPS
+
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        plan = rt.replan()
+        replan_s = time.perf_counter() - t0
+        measuring = [one_step() for _ in range(REFINE_STEPS)]
+        rest = [one_step() for _ in range(steady)]
+        out.append({"replan_s": round(replan_s, 3), "plan": plan.summary(),
+                    "measuring_ms": [round(x * 1e3, 1) for x in measuring], "steady_ms": [round(x * 1e3, 1) for x in rest],
+                    "ratio": round(statistics.mean(measuring) / statistics.median(rest), 4)})
+    ratios = [r["ratio"] for r in out]
+    measuring = [x for r in out for x in r["measuring_ms"]]
+    steady_all = [x for r in out for x in r["steady_ms"]]
+    return {"rounds": out, "median_ratio": round(statistics.median(ratios), 4), "max_ratio": max(ratios),
+            "pooled_ratio": round(statistics.mean(measuring) / statistics.mean(steady_all), 4),
+            "steady_spread": [round(min(steady_all) / statistics.median(steady_all), 4),
+                              round(max(steady_all) / statistics.median(steady_all), 4)]}
 
 
 def start_trace():
@@ -516,7 +554,7 @@ def run_one(args, row: str, mode: str) -> dict:
     page_cache = drop_page_cache() if files and mode == "cold" and args.drop_page_cache else "as left"
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--row", row, "--mode", mode, "--device", args.device,
            "--steps", str(args.steps), "--page-cache", page_cache, "--slab-reads", args.slab_reads,
-           "--rows-behind", args.rows_behind] + \
+           "--rows-behind", args.rows_behind, "--replans", str(args.replans)] + \
           (["--tiny"] if args.tiny else []) + \
           (["--profile-offload"] if args.profile_offload and mode == "cold" else []) + \
           (["--profile-first-step"] if mode in ("profile", "coldprofile") or (mode == "cold" and args.profile_cold)
@@ -548,6 +586,12 @@ def _rows_behind(r: dict) -> str:
     return "" if not behind else f"reads {behind['reads_s']:.1f}s, waited {behind['waited_s']:.1f}s"
 
 
+def _replan_ratio(r: dict) -> str:
+    """`--replans`: the new-plan steps over the steady ones, median (max) of the rounds."""
+    rounds = r.get("replan_rounds")
+    return "" if not rounds else f"{rounds['median_ratio']:.3f} ({rounds['max_ratio']:.3f})"
+
+
 def table_rows(results: list[dict]) -> list[dict]:
     cold = {r["row"]: r for r in results if r.get("mode") == "cold"}
     # A coldprofile run whose first step ran without the profiler is a serial run too.
@@ -567,7 +611,7 @@ def table_rows(results: list[dict]) -> list[dict]:
             "first_step_s": r["first_step_s"],
             # what a user waits for: offload and the first step (a slab's rows read behind offload end in the step)
             "to_first_step_end_s": round(r["offload_s"] + r["first_step_s"], 2) if "offload_s" in r else "",
-            "rows_behind": _rows_behind(r), "dynamo_s": r.get("dynamo_s", ""), "graphs": r.get("dynamo_graphs", ""), "steps_2_4_ms": " / ".join(f"{x:.0f}" for x in r["step_ms"][:3]),
+            "rows_behind": _rows_behind(r), "replan_ratio": _replan_ratio(r), "dynamo_s": r.get("dynamo_s", ""), "graphs": r.get("dynamo_graphs", ""), "steps_2_4_ms": " / ".join(f"{x:.0f}" for x in r["step_ms"][:3]),
             "steady_ms": r["steady_ms"], "units": r.get("compiled_units", ""), "loaded": r.get("units_loaded", ""),
             "cold_units": r.get("units_compiled_cold", ""), "compile_s": r.get("compile_seconds", ""),
             "autotune_s": r.get("autotune_seconds", ""),
@@ -600,6 +644,9 @@ def main(argv=None) -> int:
                    help="processes compiling foreseen variants ahead (STAGEHAND_AHEAD_WORKERS; serial runs: 0)")
     p.add_argument("--slab-reads", default="auto", choices=["auto", "process", "threads"],
                    help="Config.slab_reads of a row from files: who reads the slab's rows")
+    p.add_argument("--replans", type=int, default=0,
+                   help="after the steps, this many rounds of rt.replan(), the steps that measure the new plan and "
+                        "3 steady steps (their ratio: replan_rounds in the JSON)")
     p.add_argument("--rows-behind", default="on", choices=["on", "off"],
                    help="Config.slab_rows_behind of a row from files: the reader process's reads go on after offload "
                         "returns (the first fetch waits for them), or offload waits for every row")
