@@ -253,7 +253,8 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
             sync()
             return time.perf_counter() - t0
 
-        out["replan_rounds"] = replan_rounds(rt, one_step, args.replans)
+        out["replan_rounds"] = replan_rounds(rt, one_step, args.replans, sync,
+                                             lambda: _work_counters(rt, args.gc_clock))
     if rt is not None:
         s = rt.stats()
         out.update({k: s[k] for k in ("compiled_units", "units_loaded", "units_compiled_cold", "compile_seconds",
@@ -308,24 +309,36 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     return out
 
 
-def replan_rounds(rt, one_step, rounds: int, steady: int = 3) -> dict:
+def replan_rounds(rt, one_step, rounds: int, sync, counters, steady: int = 3) -> dict:
     """The steps that measure a new plan, against steady steps of the same plan, `rounds` times in one process:
     `rt.replan()` (between steps, like any re-plan), the steps that measure the new plan (block clocks on events
     read a step later, the peak check), then `steady` steps that measure nothing. One cold run's two new-plan
     steps against its steady step spread as far as single steps do (0.93-1.14); many rounds separate the
-    measuring's cost from that spread."""
+    measuring's cost from that spread. The re-plan is synchronised, as a calibration step's is (the new plan's
+    resident blocks go up the link there): its seconds and host-to-device GiB are the round's `replan_s` and
+    `replan_h2d_gib`; each step's one-time work is in `work` (units compiled / run first, H2D GiB)."""
     from torch_stagehand.runtime.planning import REFINE_STEPS
 
     out = []
     for _ in range(rounds):
+        before = counters()
         t0 = time.perf_counter()
         plan = rt.replan()
+        sync()
         replan_s = time.perf_counter() - t0
-        measuring = [one_step() for _ in range(REFINE_STEPS)]
-        rest = [one_step() for _ in range(steady)]
+        after = counters()
+        measuring, rest, work = [], [], []
+        for i in range(REFINE_STEPS + steady):
+            (measuring if i < REFINE_STEPS else rest).append(one_step())
+            now = counters()
+            work.append([now.get(k, 0) - after.get(k, 0) for k in ("compiled", "first_run")]
+                        + [round(now.get("h2d_gib", 0) - after.get("h2d_gib", 0), 2)])
+            after = now
         out.append({"replan_s": round(replan_s, 3), "plan": plan.summary(),
+                    "replan_h2d_gib": round(after.get("h2d_gib", 0) - before.get("h2d_gib", 0)
+                                            - sum(w[2] for w in work), 2),
                     "measuring_ms": [round(x * 1e3, 1) for x in measuring], "steady_ms": [round(x * 1e3, 1) for x in rest],
-                    "ratio": round(statistics.mean(measuring) / statistics.median(rest), 4)})
+                    "work": work, "ratio": round(statistics.mean(measuring) / statistics.median(rest), 4)})
     ratios = [r["ratio"] for r in out]
     measuring = [x for r in out for x in r["measuring_ms"]]
     steady_all = [x for r in out for x in r["steady_ms"]]
