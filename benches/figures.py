@@ -957,6 +957,110 @@ def start_time_reads_table() -> str:
     return f"{caption(*[n for n, _, _ in START_TIME_READS], what=what)}\n\n{table(rows, cols)}\n"
 
 
+# Offload from the checkpoint + slab with the slab's rows read behind offload (`--rows-behind on`, the default) or
+# before it returns (`off`), in the order each call ran them: (file, what, the call's dd log).
+START_TIME_BEHIND = (
+    ("start_time_behind_on_L.json", "behind (50e0fac), 1st", "start_time_behind_disk_L.log"),
+    ("start_time_behind_off_L.json", "before offload returns (50e0fac), 2nd", "start_time_behind_disk_L.log"),
+    ("start_time_behind_on2_L.json", "behind (50e0fac), 3rd", "start_time_behind_disk_L.log"),
+    ("start_time_behind_on_M.json", "behind, zero points on threads beside the identity (39a967a), 1st",
+     "start_time_behind_disk_M.log"),
+    ("start_time_behind_on2_M.json", "the same (39a967a), 2nd", "start_time_behind_disk_M.log"),
+)
+
+
+def _rows_ended(r: dict) -> str:
+    """From the reads' start to the last block read: behind offload (its summary after the first step) or in it."""
+    behind = r.get("slab_rows_behind")
+    return num(behind["reads_s"]) if behind else _beside("slab reads")(r)
+
+
+def start_time_behind_table() -> str:
+    """Offload from the checkpoint + slab, the rows read behind offload or before it returns, in the same calls on
+    the same machines and files: what offload waited for, when the rows were in, and the first step's wait."""
+    rows = _beside_the_disk(START_TIME_BEHIND)
+    cols = [Col("rows read, run", lambda r: f"{r['_label']}, {r['mode']}"), Col("offload s", field("offload_s")),
+            Col("first step s", field("first_step_s")),
+            Col("offload + first step s", lambda r: num(r["offload_s"] + r["first_step_s"])),
+            Col("rows in s (from the reads' start)", _rows_ended),
+            Col("first step waited for rows s", lambda r: num((r.get("slab_rows_behind") or {}).get("waited_s"))),
+            Col("identity check s", _beside("slab identity check")),
+            Col("zero points s", _beside("slab zero points checked")),
+            Col("compiler's preparation s", _beside(_PREPARATION)),
+            Col("resident pages read s", _beside("resident tensors' pages read")),
+            Col("disk alone s (dd, same call)", _disk_alone), Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Flux-dev 12B int8 offloaded from its safetensors checkpoint and INT8 slab (11.9 GB) on the disk "
+            "(`benches/start_time.py --rows flux:int8:files:blocks --modes cold [warm] --steps 10 [--replans 8] "
+            "--ahead-workers 2 --bytecode-cache --drop-page-cache --rows-behind on|off`), two calls, each on its "
+            "own H200 machine, the runs in the order listed; each call then ran `dd` of the slab after the page "
+            "cache was dropped (L: 6.94 s, M: 9.47 s, the same disk type reading 1.7 and 1.3 GB/s). \"rows in s\": "
+            "from the reader process's start to its last block; \"identity check s\", \"zero points s\" (checked "
+            "beside the identity when the rows are read behind), \"compiler's preparation s\" and \"resident pages "
+            "read s\": work offload waits for, beside the reads")
+    return f"{caption(*[n for n, _, _ in START_TIME_BEHIND], what=what)}\n\n{table(rows, cols)}\n"
+
+
+# Runs with re-plan rounds (`start_time.py --replans`): (file, model, weights, whether the re-plan was synchronised).
+START_TIME_REPLANS = (
+    ("start_time_behind_on_M.json", "Flux-dev 12B", "int8, from its checkpoint + slab", "no"),
+    ("start_time_behind_on2_M.json", "Flux-dev 12B", "int8, from its checkpoint + slab", "no"),
+    ("start_time_replans_flux_bf16_N.json", "Flux-dev 12B", "bf16, built in memory", "no"),
+    ("start_time_replans_flux_bf16_O.json", "Flux-dev 12B", "bf16, built in memory", "yes"),
+    ("start_time_replans_qwen32_int8_N.json", "Qwen2.5-32B shape", "int8, built in memory", "no"),
+    ("start_time_replans_qwen32_int8_O.json", "Qwen2.5-32B shape", "int8, built in memory", "yes"),
+    ("start_time_replans_qwen_int8_N.json", "Qwen2.5-7B shape", "int8, built in memory", "no"),
+)
+
+
+def start_time_replans_table() -> str:
+    """The steps that measure a new plan against steady steps of the same plan, many re-plans in one process."""
+    rows = [dict(r, _model=model, _weights=weights, _synced=synced, _source=name)
+            for name, model, weights, synced in START_TIME_REPLANS for r in load(name)["runs"] if r.get("replan_rounds")]
+
+    def rounds(r: dict) -> list[dict]:
+        return r["replan_rounds"]["rounds"]
+
+    def first_round(r: dict) -> str:
+        first = rounds(r)[0]
+        return f"{first['ratio']:.3f} ({', '.join(f'{x:.0f}' for x in first['measuring_ms'])} ms)"
+
+    def changed(r: dict) -> str:  # the plans the rounds applied, against the plan the steps before ran
+        before = _plan_counts(r["plan_changes"][-1][1])
+        return ", ".join("same" if _plan_counts(x["plan"]) == before else _plan_counts(x["plan"]) for x in rounds(r)[:2])
+
+    cols = [Col("model", lambda r: r["_model"]), Col("weights", lambda r: r["_weights"]),
+            Col("run", lambda r: r["mode"]), Col("rounds", lambda r: str(len(rounds(r)))),
+            Col("new-plan steps / steady: median of rounds", lambda r: f"{r['replan_rounds']['median_ratio']:.3f}"),
+            Col("max", lambda r: f"{r['replan_rounds']['max_ratio']:.3f}"),
+            Col("pooled", lambda r: f"{r['replan_rounds']['pooled_ratio']:.3f}"),
+            Col("steady steps' spread", lambda r: " - ".join(f"{x:.3f}" for x in r["replan_rounds"]["steady_spread"])),
+            Col("round 1 (its two steps)", first_round), Col("plans of rounds 1, 2", changed),
+            Col("re-plan synchronised", lambda r: r["_synced"]),
+            Col("re-plan s (round 1 / median)", lambda r: f"{rounds(r)[0]['replan_s']:.2f} / "
+                f"{statistics.median(x['replan_s'] for x in rounds(r)):.2f}"),
+            Col("rounds' steady ms", lambda r: ms(statistics.median(x for y in rounds(r) for x in y["steady_ms"]))),
+            Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("After a run's steps (`benches/start_time.py ... --steps 10 --replans R`, LoRA r=16, AdamW, `vram_budget` "
+            "Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB), R rounds in the same process of `rt.replan()` between "
+            "steps, the two steps that measure the new plan (block clocks on events read a step later, the peak "
+            "check), then three steady steps of the same plan that measure nothing; every step synchronised and "
+            "timed. A round's ratio: its two new-plan steps' mean over its steady steps' median; \"pooled\": all "
+            "new-plan steps' mean over all steady steps' mean; \"steady steps' spread\": the steady steps' "
+            "min and max over their median. \"plans of rounds 1, 2\": \"same\" where the round's plan holds "
+            "the counts of the plan the steps before it ran. \"re-plan synchronised\": the bench waits for the "
+            "re-plan's device work before the next step's clock (as a calibration step's own synchronisation "
+            "does: a changed plan's new resident blocks go up the link there); where not (calls M, N), a changed "
+            "plan's uploads land in round 1's first step. Three calls, each on its own H200 machine (M, N, O; the "
+            "Flux int8 rows from files are the `start_time_behind` table's runs). Qwen-7B's plan at 20 GiB holds every "
+            "block resident on this machine: its new-plan steps measure a plan that streams nothing")
+    return f"{caption(*[n for n, _, _, _ in START_TIME_REPLANS], what=what)}\n\n{table(rows, cols)}\n"
+
+
+def _plan_counts(summary: str) -> str:
+    found = re.search(r"(\d+) resident, (\d+) streamed, (\d+) recomputed", summary)
+    return f"{found.group(1)} / {found.group(2)} / {found.group(3)}" if found else summary[:40]
+
+
 def slab_reads_process_table() -> str:
     """The slab's reads beside the compiler's imports, by threads and by the reader process (benches/slab_reads.py)."""
     what = ("`benches/slab_reads.py --slab <flux.manifest.json> --modes disk store+imports process+imports` (the CPU "
@@ -1053,19 +1157,18 @@ def preparation_probe_table() -> str:
 
 # The issue's table: each model's latest runs, (file, model, weights).
 START_TIME_LATEST = (
-    ("start_time_reads_process_I.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
-    ("start_time_reads_process2_I.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
-    ("start_time_reads_process_J.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
-    ("start_time_reads_process2_J.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
-    ("start_time_reads_process_K.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
-    ("start_time_rows_ahead_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
-    ("start_time_kernel_ahead_A_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
-    ("start_time_zero_points_files.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_behind_on_L.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_behind_on2_L.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_behind_on_M.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
+    ("start_time_behind_on2_M.json", "Flux-dev 12B", "int8, from its checkpoint + slab on the disk"),
     ("start_time_rblock_off_flux_int8.json", "Flux-dev 12B", "int8, built in memory"),
     ("start_time_ahead_tuning_flux.json", "Flux-dev 12B", "int8, built in memory"),
+    ("start_time_replans_flux_bf16_N.json", "Flux-dev 12B", "bf16, built in memory"),
+    ("start_time_replans_flux_bf16_O.json", "Flux-dev 12B", "bf16, built in memory"),
     ("start_time_rblock_flux_bf16.json", "Flux-dev 12B", "bf16, built in memory"),
-    ("start_time_step_work_qwen.json", "Qwen2.5-7B shape", "int8, built in memory"),
-    ("start_time_step_work_qwen_2.json", "Qwen2.5-7B shape", "int8, built in memory"),
+    ("start_time_replans_qwen_int8_N.json", "Qwen2.5-7B shape", "int8, built in memory"),
+    ("start_time_replans_qwen32_int8_N.json", "Qwen2.5-32B shape", "int8, built in memory"),
+    ("start_time_replans_qwen32_int8_O.json", "Qwen2.5-32B shape", "int8, built in memory"),
     ("start_time_torch_key_qwen32.json", "Qwen2.5-32B shape", "int8, built in memory"),
 )
 
@@ -1076,20 +1179,23 @@ def start_time_latest_table() -> str:
             for name, model, weights in START_TIME_LATEST for r in load(name)["runs"]]
     cols = [Col("model", lambda r: r["_model"]), Col("weights", lambda r: r["_weights"]),
             Col("run", lambda r: r["mode"]), Col("offload s", field("offload_s")),
-            Col("first step s", field("first_step_s")), Col("steady ms", lambda r: ms(r["steady_ms"])),
-            Col("new-plan steps / steady", _new_plan_steps), Col("source", lambda r: f"`{r['_source']}`")]
-    what = ("Each model's latest runs (`benches/start_time.py --rows <row> --modes cold [warm] [warm] --steps 6-12 "
-            "--ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), LoRA r=16, "
-            "AdamW, `stagehand.compile_blocks`, `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B 40 GiB; each "
-            "run a fresh process, each file's runs on one H100 machine; cold: every cache empty, warm: a second "
-            "process. The checkpoint + slab rows: the slab's rows read by a reader process (`start_time_reads_*`: "
-            "7753a06, c36ae4e, efa7eba) cold on three machines, twice on two of them; then the code before it: "
-            "ae0f63d on two machines, cold, and 9cc68e8 (the same but the identity's rows read ahead) cold and warm "
-            "on a third. The Flux int8 in-memory rows "
-            "come from older code (their commits below): the changes since touched the slab path, the weights' "
-            "copies (done on a worker since 94100a7) and the reductions' configs (c434ae8, in the 12-step cold "
-            "run). \"new-plan steps / steady\": a cold run's first two steps under the plan made from the "
-            "calibration, a warm run's step 2")
+            Col("first step s", field("first_step_s")),
+            Col("offload + first step s", lambda r: num(r["offload_s"] + r["first_step_s"])),
+            Col("steady ms", lambda r: ms(r["steady_ms"])),
+            Col("new-plan steps / steady", _new_plan_steps),
+            Col("re-plan rounds: median (max)", lambda r: "" if not r.get("replan_rounds") else
+                f"{r['replan_rounds']['median_ratio']:.3f} ({r['replan_rounds']['max_ratio']:.3f})"),
+            Col("source", lambda r: f"`{r['_source']}`")]
+    what = ("Each model's latest runs (`benches/start_time.py --rows <row> --modes cold [warm] [warm] --steps 6-10 "
+            "[--replans R] --ahead-workers 2 --bytecode-cache`, the checkpoint + slab row with `--drop-page-cache`), "
+            "LoRA r=16, AdamW, `stagehand.compile_blocks`, `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB, Qwen-32B "
+            "40 GiB; each run a fresh process, each file's runs on one machine; cold: every cache empty, warm: a "
+            "second process. This session's runs are on H200 machines (calls L-O, the current code: the checkpoint "
+            "+ slab rows read the slab's rows behind offload; Flux bf16 and Qwen-32B twice, each on its own "
+            "machine); the older rows (H100) are each model's earlier latest, Flux int8 in memory from older code "
+            "(the changes since touched the slab path, the weights' copies and the reductions' configs). \"new-plan "
+            "steps / steady\": a cold run's first two steps under the plan made from the calibration, a warm run's "
+            "step 2; \"re-plan rounds\": the `start_time_replans` table's ratio")
     return f"{caption(*[n for n, _, _ in START_TIME_LATEST], what=what)}\n\n{table(rows, cols)}\n"
 
 
@@ -1810,6 +1916,9 @@ FIGURES: dict[str, Figure] = {
                                                                  *sorted({d for _, _, d in START_TIME_SLAB_OPEN}))),
     "start_time_reads": Figure(start_time_reads_table, (*[n for n, _, _ in START_TIME_READS],
                                                          *sorted({d for _, _, d in START_TIME_READS if d}))),
+    "start_time_behind": Figure(start_time_behind_table, (*[n for n, _, _ in START_TIME_BEHIND],
+                                                           *sorted({d for _, _, d in START_TIME_BEHIND}))),
+    "start_time_replans": Figure(start_time_replans_table, tuple(n for n, _, _, _ in START_TIME_REPLANS)),
     "slab_reads_process": Figure(slab_reads_process_table, ("slab_reads_process_h100.json",
                                                             "slab_reads_process_cpu.json")),
     "start_time_new_plan": Figure(start_time_new_plan_table, tuple(n for n, _ in START_TIME_NEW_PLAN)),
