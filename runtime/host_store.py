@@ -128,6 +128,8 @@ class HostStore:
         A flat full-precision copy derived from a file master is dropped when its
         block stops streaming it: the file holds those weights.
         """
+        if self.rows_behind is not None and self.offloaded:  # a new map after offload: every row in first
+            self.rows_behind.wait()
         unlock = []  # (arena, buffer): unlocked together after one drain of the copies in flight
         for block, bb in enumerate(self.blocks):
             streams = precision_map.get(block)
@@ -150,17 +152,18 @@ class HostStore:
             for arena, buf in unlock:
                 arena.unlock(buf, drained=True)
 
-    def lock_filled(self, block: int, precision: str) -> None:
+    def lock_filled(self, block: int, precision: str, refuse: bool | None = None) -> None:
         """Page-lock a copy as soon as its bytes are in (a slab's reads: beside the reads still going, not after
-        them); `set_pins` keeps it locked or unlocks it by the precision map. Any thread."""
+        them); `set_pins` keeps it locked or unlocks it by the precision map. Any thread. `refuse`: a refused lock
+        fails offload (default: until offload is done); False: the buffer stays pageable, with a warning."""
         arena = self._arena_of.get((block, precision))
         if self.pin and arena is not None and not arena.shared:
-            self._lock(block, precision, arena)
+            self._lock(block, precision, arena, refuse)
 
-    def _lock(self, block: int, precision: str, arena: HostArena) -> None:
+    def _lock(self, block: int, precision: str, arena: HostArena, refuse: bool | None = None) -> None:
         bb = self.blocks[block]
         lock_or_fall_back(arena, bb.buffers[precision], f"block {block}'s {precision} copy (first layer "
-                          f"{bb.layers[0].fqn})", refuse=not self.offloaded)
+                          f"{bb.layers[0].fqn})", refuse=not self.offloaded if refuse is None else refuse)
 
     def _drop(self, block: int, precision: str) -> None:
         bb = self.blocks[block]

@@ -25,7 +25,7 @@ from torch_stagehand.runtime.slab import loading, read_process
 from _helpers import ToyModel, toy
 
 D = 40  # rows of 40 and 80 columns, stored padded to 64 and 128: the reads narrow them
-# Offload waits for every row (the rows read behind it, and their errors: test_slab_rows_behind.py).
+# Offload waits for every row (the rows read behind it, and their errors: the `_GatedWorker` tests below).
 SYNC = Config(slab_reads="process", slab_rows_behind=False)
 
 
@@ -237,19 +237,18 @@ class _GatedWorker:
             f"sys.argv[0] = {read_process.WORKER!r}\n"
             f"runpy.run_path({read_process.WORKER!r}, run_name='__main__')\n")
         monkeypatch.setattr(read_process, "WORKER", str(script))
-        self.offload_returned = threading.Event()
-        # Opens the FIFO (the worker's open waits for it) and closes it once offload returned: the gate goes
-        # up at offload's return, or after a minute if offload waits for the rows (the test then fails).
-        self.opener = threading.Thread(target=self._open, daemon=True)
-        self.opener.start()
-
-    def _open(self) -> None:
-        with open(self.fifo, "w"):
-            self.offload_returned.wait(60)
+        # Held open read-write (an open that waits for no reader): the worker's read ends when it is closed.
+        self.fd = os.open(self.fifo, os.O_RDWR)
+        # Closed after a minute if offload waits for the rows (the gated worker never reads them): the test fails.
+        self.timer = threading.Timer(60, self.release)
+        self.timer.daemon = True
+        self.timer.start()
 
     def release(self) -> None:
-        self.offload_returned.set()
-        self.opener.join()
+        self.timer.cancel()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def test_offload_returns_before_the_rows_are_read_and_the_first_forward_waits_for_them(slab, tmp_path, monkeypatch):
@@ -269,7 +268,7 @@ def test_offload_returns_before_the_rows_are_read_and_the_first_forward_waits_fo
         got = model(x)  # its first fetch waits for the rows
     assert torch.equal(got, want)
     report = rt.stats()["slab_rows_behind"]
-    assert report["done"] and report["blocks_in"] == 3 and report["error"] == "" and report["waited_s"] >= 0
+    assert report["done"] and report["blocks_in"] == 3 and report["error"] == "" and report["reads_s"] > 0
     rt.close()
 
 
@@ -296,6 +295,8 @@ def test_a_failure_found_behind_offload_is_raised_by_every_fetch(slab, tmp_path,
     for _ in range(2):  # and again: a model whose rows are not all in never computes
         with pytest.raises(error, match=says), torch.no_grad():
             model(x)
+    with pytest.raises(error, match=says):  # a new precision map after offload pins by every row: it waits too
+        rt.set_precision("int8")
     assert rt.stats()["slab_rows_behind"]["error"]
     rt.close()
 
@@ -366,3 +367,26 @@ def test_cuda_rows_read_behind_offload_are_page_locked_and_compute_as_rows_read_
     assert torch.equal(got, want)
     assert all(page_locked(rt.store.buffer(b, "int8")) for b in range(3))
     rt.close()
+
+
+def test_an_interrupted_wait_for_the_rows_is_not_their_error():
+    """Ctrl-C while the first step waits for the rows: the next wait waits again (the reads' own error would be
+    raised by every wait after it)."""
+
+    class Worker:
+        path, blocks_in = "slab.safetensors", {0}
+        calls = 0
+
+        def finish(self):
+            Worker.calls += 1
+            if Worker.calls == 1:
+                raise KeyboardInterrupt
+
+        def seconds(self):
+            return 1.0
+
+    behind = read_process.RowsBehind(Worker())
+    with pytest.raises(KeyboardInterrupt):
+        behind.wait()
+    behind.wait()
+    assert behind.done and Worker.calls == 2 and behind.summary()["error"] == ""

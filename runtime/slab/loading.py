@@ -192,8 +192,8 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 streams_int8 = set(pin)
 
                 def block_read(block: int) -> None:  # on a reader (or listener) thread, while other blocks are read
-                    if block in streams_int8:
-                        rt.store.lock_filled(block, INT8)
+                    if block in streams_int8:  # read behind: a refused lock leaves it pageable (offload may be done)
+                        rt.store.lock_filled(block, INT8, refuse=False if behind else None)
 
                 rows_behind = None
                 if pages is None:

@@ -97,7 +97,7 @@ def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[li
         worker.hand_over(blocks)
         if while_reading is not None and not worker.failed:
             while_reading()
-        if behind and not worker.failed:
+        if behind and not worker.failed and not worker.gone_early():
             handed_over = True
             return RowsBehind(worker, clock)
         worker.finish()
@@ -194,6 +194,10 @@ class _Worker:
                             f"before every layer was read: {stderr.strip()[-2000:] or 'it said nothing'}. "
                             "Config(slab_reads='threads') reads in this process instead", path=self.path)
 
+    def gone_early(self) -> bool:
+        """The worker ended before saying every block was read (offload then raises why, not the first step)."""
+        return self.proc.poll() is not None and not self.ended.is_set()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -246,14 +250,14 @@ class RowsBehind:
     def wait(self) -> None:
         """Every block's rows in; or the reads' error, raised again on every call."""
         with self._lock:
-            if self._error is not None:
-                raise self._error
+            if self._error is not None:  # (without the traceback of the step that first raised it)
+                raise self._error.with_traceback(None)
             if self.done:
                 return
             start = time.perf_counter()
             try:
                 self._worker.finish()
-            except BaseException as e:
+            except Exception as e:  # the reads' error; an interrupt of the wait is not theirs: the next wait waits
                 self._error = e
                 raise
             finally:
