@@ -13,6 +13,11 @@ The rows are not copied again (a meta model's biases are: float32 staging, cast
 into their tensors after the reads); the arena is page-locked block by block as
 each block's `["read", block]` arrives, as the reader threads do it.
 
+Offload need not wait for the last row (`Config.slab_rows_behind`): once
+every block is handed over, `read_in_process(..., behind=True)` returns the
+reads still going as a `RowsBehind`, which the host store waits for before an
+INT8 buffer is used.
+
 Errors keep their names: a layer's failed check comes back as the
 `SlabError` subclass `read_layer_into` raises, naming the layer and the file;
 a worker that dies says how, with its last words. Nothing falls back to
