@@ -195,6 +195,15 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
     if rt is not None:
         rt.attach(optimizer)
     steps, losses, plans, plan_changes = [], [], [], []
+
+    def train_step():
+        """One step: forward, backward, AdamW, synchronised (the timed steps and the re-plan rounds' alike)."""
+        loss = loss_of(kind, compiled(**inputs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+        return loss
     out["profiled_steps"] = args.profile_steps if args.profile_first_step else []
     traced = range(min(args.trace_steps), max(args.trace_steps) + 1) if args.trace_steps and args.mode == "cold" else ()
     out["traced_steps"] = list(traced)
@@ -210,11 +219,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         if profiler:
             profiler.enable()
         with _step_range(tracer, i):
-            loss = loss_of(kind, compiled(**inputs))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sync()
+            loss = train_step()
         steps.append(time.perf_counter() - t0)
         now = _work_counters(rt, args.gc_clock)  # before the profile's and the trace's export: the step's own work
         out["step_work"].append({k: round(now[k] - before[k], 3) for k in now})
@@ -247,10 +252,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
 
         def one_step() -> float:
             t0 = time.perf_counter()
-            loss_of(kind, compiled(**inputs)).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sync()
+            train_step()
             return time.perf_counter() - t0
 
         out["replan_rounds"] = replan_rounds(rt, one_step, args.replans, sync,

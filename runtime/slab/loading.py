@@ -183,11 +183,13 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     # SquareQ slab's) still fails offload, not the first step. Each read checks its layer's too.
                     # A small read per layer, scattered: on threads of their own, beside the identity's reads (one
                     # after the other, on one thread, took 4.4 s + 3.2 s beside Flux's reads on an H200 machine).
-                    with ThreadPoolExecutor(1, thread_name_prefix="stagehand-zero-points") as one:
-                        zero_points = one.submit(_timed, reader.check_zero_points, _ZERO_POINT_THREADS) if behind else None
+                    if not behind:  # each layer's read checks its zero points before offload returns
                         rt.clock.beside("slab identity check", _timed(check_identity))
-                        if zero_points is not None:
-                            rt.clock.beside(ZERO_POINTS, zero_points.result())
+                        return
+                    with ThreadPoolExecutor(1, thread_name_prefix="stagehand-zero-points") as one:
+                        zero_points = one.submit(_timed, reader.check_zero_points, _ZERO_POINT_THREADS)
+                        rt.clock.beside("slab identity check", _timed(check_identity))
+                        rt.clock.beside(ZERO_POINTS, zero_points.result())
 
                 streams_int8 = set(pin)
 
