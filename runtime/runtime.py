@@ -129,7 +129,7 @@ class Runtime(SelectivePrecisionAPI):
         for index, spec in enumerate(layers):
             attach_streamed(spec, registry.new_layer_id(self.id, index), self.grads.anchors[spec.block],
                             functools.partial(self.grads.sync_anchor, spec.block), self.block_tokens[spec.block],
-                            index - self._block_first_layer[spec.block], self.device)
+                            index - self._block_first_layer[spec.block], self.device, self.id)
             self._hooks.append(spec.module.register_load_state_dict_post_hook(self._after_load_state_dict))
         self._conversion_guards = guard_conversions(model, [spec.fqn for spec in layers])
         self.clock.mark("streamed layers attached")
