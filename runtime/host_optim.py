@@ -41,6 +41,8 @@ from typing import Callable
 import torch
 from torch.optim.adam import adam as adam_functional
 
+from .streamed import is_dtensor
+
 MASTERS = ("fp32", "bf16")
 STATES = ("fp32", "bf16", "int8")
 QBLOCK = 128  # elements per scale of int8 moments
@@ -58,10 +60,15 @@ class Noise:
 
     WINDOW = 1 << 16
 
-    def __init__(self, generator: torch.Generator | None):
-        self.generator = generator
+    def __init__(self, generator: torch.Generator | None, device: torch.device | None = None):
+        # The values and offsets are drawn by the (CPU) generator, one random stream wherever the weights
+        # live; on a GPU the buffer is copied up once a step and the offsets stay host ints (no device read).
+        self.generator, self.device = generator, device
         self._bits: torch.Tensor | None = None  # int32 in [0, 2**16): bf16 rounding
         self._unit: torch.Tensor | None = None  # float32 in [0, 1): int8 codes
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device is None or self.device.type == "cpu" else t.to(self.device)
 
     def _slice(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         offset = int(torch.randint(0, buf.numel() - n + 1, (1,), generator=self.generator))
@@ -69,16 +76,17 @@ class Noise:
 
     def bits(self, n: int) -> torch.Tensor:
         if n > CHUNK:  # more than a chunk at once: a value per element
-            return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=self.generator)
+            return self._on_device(torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=self.generator))
         if self._bits is None:
-            self._bits = torch.randint(0, 1 << 16, (CHUNK + self.WINDOW,), dtype=torch.int32, generator=self.generator)
+            self._bits = self._on_device(torch.randint(0, 1 << 16, (CHUNK + self.WINDOW,), dtype=torch.int32,
+                                                       generator=self.generator))
         return self._slice(self._bits, n)
 
     def unit(self, n: int) -> torch.Tensor:
         if n > CHUNK:
-            return torch.rand(n, generator=self.generator)
+            return self._on_device(torch.rand(n, generator=self.generator))
         if self._unit is None:
-            self._unit = torch.rand(CHUNK + self.WINDOW, generator=self.generator)
+            self._unit = self._on_device(torch.rand(CHUNK + self.WINDOW, generator=self.generator))
         return self._slice(self._unit, n)
 
 
@@ -107,15 +115,17 @@ class Hyper:
 
 class Scratch:
     """fp32 working buffers for one block's step, carved from one allocation kept across steps (a fresh
-    multi-GB allocation per step would fault its pages in again every time)."""
+    multi-GB allocation per step would fault its pages in again every time), on `device` (the host by default;
+    the resident parameters' lane keeps one on the GPU)."""
 
-    def __init__(self):
-        self._buf = torch.empty(0, dtype=torch.float32)
+    def __init__(self, device: torch.device | None = None):
+        self.device = device
+        self._buf = torch.empty(0, dtype=torch.float32, device=device)
 
     def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
         need = sum(math.prod(s) for s in shapes)
         if self._buf.numel() < need:
-            self._buf = torch.empty(need, dtype=torch.float32)
+            self._buf = torch.empty(need, dtype=torch.float32, device=self.device)
         out, at = [], 0
         for shape in shapes:
             n = math.prod(shape)
@@ -142,9 +152,12 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
     gradients, for weights stepped in fp32 and rounded back; two more for decoded moments).
     `write_weights=False` (weights with a master of their own): only the master and the moments move; the
     weights are written later from the master (the delayed update publishes them)."""
+    if not params:
+        return
+    device = params[0].device
     grad32, weight32 = (sc.views([torch.Size([CHUNK])])[0] for sc in scratch[:2])
-    step = torch.zeros((), dtype=torch.float32)
-    noise = Noise(generator)
+    step = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernel wants it beside the weights
+    noise = Noise(generator, device)
     for p, g, st in zip(params, grads, states):
         w, g = p.detach().view(-1), g.view(-1)
         fp32_master = st["master"].view(-1) if "master" in st else None
@@ -235,26 +248,125 @@ class Moments:
         return x.clamp_(-top, top)
 
 
-def new_state(p: torch.Tensor, master: str, states: str = "fp32", keep_master: bool = False) -> dict:
+def new_state(p: torch.Tensor, master: str, states: str = "fp32", keep_master: bool = False,
+              pin: bool = False) -> dict:
     """The moments in `states` (STATES), and an fp32 master copy of a low-precision weight under master="fp32"
-    (of any weight with `keep_master`: the delayed update steps a master while the weight is in use)."""
+    (of any weight with `keep_master`: the delayed update steps a master while the weight is in use), on the
+    weight's device (page-locked with `pin`, for host states the GPU copies to and from)."""
+    kw = dict(device=p.device, pin_memory=pin)
     if states == "int8":
         n, blocks = p.numel(), -(-p.numel() // QBLOCK)
-        state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(n, dtype=torch.int8),
-                 "exp_avg_scale": torch.zeros(blocks), "exp_avg_sq": torch.zeros(n, dtype=torch.uint8),
-                 "exp_avg_sq_scale": torch.zeros(blocks)}
+        state = {"exp_avg": torch.zeros(n, dtype=torch.int8, **kw), "exp_avg_scale": torch.zeros(blocks, **kw),
+                 "exp_avg_sq": torch.zeros(n, dtype=torch.uint8, **kw), "exp_avg_sq_scale": torch.zeros(blocks, **kw)}
     else:
         dtype = torch.float32 if states == "fp32" else torch.bfloat16
-        state = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape, dtype=dtype),
-                 "exp_avg_sq": torch.zeros(p.shape, dtype=dtype)}
+        state = {"exp_avg": torch.zeros(p.shape, dtype=dtype, **kw), "exp_avg_sq": torch.zeros(p.shape, dtype=dtype, **kw)}
+    state = {"step": torch.zeros((), dtype=torch.float32, device=p.device), **state}
     if (master == "fp32" and p.dtype != torch.float32) or keep_master:
-        master32 = p.detach().float()
-        state["master"] = master32.clone() if master32.data_ptr() == p.data_ptr() else master32  # its own memory
+        master32 = torch.empty(p.shape, dtype=torch.float32, **kw)
+        master32.copy_(p.detach())  # its own memory, also for an fp32 weight
+        state["master"] = master32
     return state
 
 
 def state_bytes(p: torch.Tensor, master: str, states: str = "fp32") -> int:
     return int(p.numel() * (STATE_BYTES[states] + (4 if master == "fp32" and p.dtype != torch.float32 else 0)))
+
+
+RESIDENT_PLACES = ("auto", "device", "host")
+
+
+class ResidentAdamW:
+    """AdamW for the parameters that do not stream (embeddings, heads, norms, the streamed Linears' biases, LoRA
+    adapters), with the same master and moments as the streamed weights: an fp32 master of a bf16 parameter
+    under master="fp32" (rounded to nearest into the parameter after each step), stochastic rounding of the
+    parameter itself under master="bf16", moments in `states`.
+
+    Stepped in the parameter's own dtype (bf16 weights, bf16 moments, no master: what torch's AdamW does over a
+    bf16 model) an update smaller than half a bf16 spacing rounds away: at lr 2e-5 an embedding row of
+    magnitude 0.02 (spacing 1.2e-4) barely moves while the streamed weights, stepped from their masters, train.
+
+    `place`: "device" keeps the states beside the parameter (on the GPU: memory the VRAM plan sees in the
+    steps it measures); "host" keeps them in page-locked host memory beside the streamed weights' states, each
+    step copying the gradients down, stepping on the host and copying the rounded weights up (what ZeRO-Offload
+    does for every parameter). On a CPU device the two are the same.
+
+    A parameter FSDP sharded (a DTensor) keeps the states of its local shard and steps that shard: the states
+    are plain tensors of the shard's shape, as each rank's AdamW over its shards would keep them."""
+
+    def __init__(self, master: str, states: str, place: str, generator: torch.Generator):
+        self.master, self.states, self.place, self.generator = master, states, place, generator
+        self._scratch: dict[torch.device, tuple[Scratch, ...]] = {}
+        # place="host" with GPU parameters: per parameter, the page-locked copy of its value the host steps and
+        # the one its gradient lands in (not optimizer state: made again from the parameter)
+        self._staging: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def on_host(self, p: torch.Tensor) -> bool:
+        return self.place == "host" and p.device.type != "cpu"
+
+    def new_state(self, p: torch.Tensor) -> dict:
+        if not self.on_host(p):
+            return new_state(_local(p), self.master, self.states)
+        return new_state(self._stage(p), self.master, self.states, pin=True)
+
+    def _stage(self, p: torch.Tensor) -> torch.Tensor:
+        if p not in self._staging:
+            local = _local(p)
+            value = torch.empty(local.shape, dtype=p.dtype, pin_memory=True)
+            value.copy_(local)
+            self._staging[p] = (value, torch.empty(p.shape, dtype=p.dtype, pin_memory=True))
+        return self._staging[p][0]
+
+    def adopt(self, p: torch.Tensor, state: dict) -> dict:
+        """A loaded state (torch's load_state_dict would cast it to the parameter's dtype and device) placed
+        where this lane keeps it, its values as saved."""
+        if self.on_host(p):
+            self._stage(p)
+            state = {k: v.to("cpu").pin_memory() if k != "step" else v.to("cpu", torch.float32)
+                     for k, v in state.items()}
+        else:
+            state = {k: v.to(p.device) if k != "step" else v.to(p.device, torch.float32) for k, v in state.items()}
+        if "master" not in state and self.master == "fp32" and p.dtype != torch.float32:
+            state["master"] = new_state(p, self.master, "bf16")["master"].to(state["exp_avg"].device)  # saved without
+        return state
+
+    def state_bytes(self, p: torch.Tensor) -> int:
+        return state_bytes(p, self.master, self.states) + (2 * p.numel() * p.element_size() if self.on_host(p) else 0)
+
+    def _scratch_for(self, device: torch.device) -> tuple[Scratch, ...]:
+        if device not in self._scratch:
+            self._scratch[device] = tuple(Scratch(device) for _ in range(4))
+        return self._scratch[device]
+
+    def step(self, params: list[torch.Tensor], states: list[dict], hyper: Hyper) -> None:
+        """One AdamW step of `params` from their `.grad` (already scaled by any clipping)."""
+        here = [i for i, p in enumerate(params) if not self.on_host(p)]
+        by_device: dict[torch.device, list[int]] = {}
+        for i in here:
+            by_device.setdefault(params[i].device, []).append(i)
+        for device, idx in by_device.items():
+            adamw_step([_local(params[i]) for i in idx], [_local(params[i].grad) for i in idx],
+                       [states[i] for i in idx], hyper, self.master, self._scratch_for(device), self.generator)
+        away = [i for i, p in enumerate(params) if self.on_host(p)]
+        if not away:
+            return
+        values, grads = zip(*(self._staging[params[i]] for i in away))
+        for i, g in zip(away, grads):
+            g.copy_(_local(params[i].grad), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the host reads the gradients now (the step is the host's work)
+        adamw_step(list(values), list(grads), [states[i] for i in away], hyper, self.master,
+                   self._scratch_for(torch.device("cpu")), self.generator)
+        for i, v in zip(away, values):
+            # on the compute stream, before the next forward; the next step's copies down wait for it too
+            _local(params[i]).copy_(v, non_blocking=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of `t`'s values on this rank: the local shard of a DTensor (FSDP2), `t` itself otherwise."""
+    t = t.detach()
+    return t._local_tensor if is_dtensor(t) else t
 
 
 class LandingWorker:
@@ -342,5 +454,5 @@ class LandingWorker:
         self._thread.join(timeout=60)
 
 
-__all__ = ["LandingWorker", "Hyper", "Moments", "Noise", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_",
+__all__ = ["LandingWorker", "ResidentAdamW", "RESIDENT_PLACES", "Hyper", "Moments", "Noise", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_",
            "MASTERS", "STATES", "STATE_BYTES"]

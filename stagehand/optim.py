@@ -9,12 +9,20 @@ tensor at the end of backward, and the optimizer steps the host master. This
 one is faster: a streamed block steps on the host as soon as its gradients
 have landed, overlapped with the backward of the blocks before it
 (runtime/host_optim.py), and every other parameter (embeddings, heads, norms,
-LoRA adapters: resident) steps where it lives with torch's own AdamW. The
-update is AdamW's, at the same point of the step; nothing is delayed.
+biases, LoRA adapters: resident) steps in `step()` with the same master and
+moments. The update is AdamW's, at the same point of the step; nothing is delayed.
 
-- `master="fp32"` (default): an fp32 master and fp32 moments per streamed
-  weight, 12 bytes a parameter on the host. `master="bf16"`: the bf16 weight
-  is its own master, updated with stochastic rounding (8 bytes a parameter).
+- `master="fp32"` (default): an fp32 master and fp32 moments per weight,
+  streamed or resident, 12 bytes a parameter; the bf16 copy the model computes
+  with is rounded from the master after each step. `master="bf16"`: the bf16
+  weight is its own master, updated with stochastic rounding (8 bytes a parameter).
+- `resident_states="auto"` (default): where the resident parameters' masters and
+  moments live. "device": beside the parameters, on the GPU (the VRAM plan counts
+  them in the steps it measures); "host": page-locked on the host with the streamed
+  ones, each step copying their gradients down and their weights up. "auto" keeps
+  them on the device when they take at most half of what the VRAM budget leaves
+  beside the resident tensors and two slots of the largest block, else on the host
+  (with a warning naming the bytes).
 - `states="fp32"` (default), `"bf16"` or `"int8"`: the moments' bytes, 8, 4
   or 2 a parameter (the smaller ones stochastically rounded after each step;
   runtime/host_optim.py says how). With `master="bf16"`, `states="int8"`
@@ -47,20 +55,20 @@ update is AdamW's, at the same point of the step; nothing is delayed.
   not see the streamed weights' gradients under overlap (they are consumed as
   they land); use this argument.
 
-The host memory the states need is checked before anything is allocated; a
-host too small is a `HostMemoryError` with the numbers per component.
+The host memory the states need (the resident parameters' host states too) is
+checked before anything is allocated; a host too small is a `HostMemoryError`
+with the numbers per component.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
+import warnings
 from collections import defaultdict
 
 import torch
-from torch.optim.adam import adam as adam_functional
 
 from torch_stagehand.runtime import registry
 from torch_stagehand.optim_delayed import DelayedStep
@@ -69,22 +77,36 @@ from torch_stagehand.runtime.delayed_update import DelayedUpdate
 from torch_stagehand.runtime.device_optim import DeviceAdamW
 from torch_stagehand.runtime.events import progress
 from torch_stagehand.runtime.host_budget import gib, probe_machine
-from torch_stagehand.runtime.host_optim import (MASTERS, STATE_BYTES, STATES, Hyper, LandingWorker, Scratch,
-                                                 adamw_step, new_state, state_bytes)
+from torch_stagehand.runtime.allocator import allocated_bytes
+from torch_stagehand.runtime.host_optim import (MASTERS, RESIDENT_PLACES, STATE_BYTES, STATES, Hyper, LandingWorker,
+                                                 ResidentAdamW, Scratch, adamw_step, new_state, state_bytes)
 from torch_stagehand.runtime.host_plan import HostMemoryError
 from torch_stagehand.runtime.streamed import HostMasterParameter
 
 log = logging.getLogger(__name__)
 
+
+class HostUpdateWarning(UserWarning):
+    """HostAdamW keeps work on the host that could run on the GPU (device_update="auto"), or the resident
+    parameters' states on the host (resident_states="auto"): the message says why."""
+
+
+def _warn_once(message: str) -> None:
+    # Python's default warning filter shows a message once per place it is raised from: once a process here.
+    warnings.warn(message, HostUpdateWarning, stacklevel=3)
+
+
 class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master: str = "fp32", states: str = "fp32", overlap: bool = True,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, seed: int = 0,
-                 device_update="auto", delayed_update: bool = False):
+                 device_update="auto", delayed_update: bool = False, resident_states: str = "auto"):
         if master not in MASTERS:
             raise ValueError(f"HostAdamW: master must be one of {MASTERS}, got {master!r}")
         if states not in STATES:
             raise ValueError(f"HostAdamW: states must be one of {STATES}, got {states!r}")
+        if resident_states not in RESIDENT_PLACES:
+            raise ValueError(f"HostAdamW: resident_states must be one of {RESIDENT_PLACES}, got {resident_states!r}")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"HostAdamW: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -105,10 +127,15 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._param_of = {self._layer(p)[0]: p for p in self._streamed}
         self._check_shards(delayed_update)
+        self._resident = [p for g in self.param_groups for p in g["params"]
+                          if not isinstance(p, HostMasterParameter) and p.requires_grad]
+        self.resident_lane = ResidentAdamW(master, states, self._resident_place(resident_states), self._generator)
         self._preflight()
         for p in progress([p for p in self._streamed if p.requires_grad and self._owned(p)],
                           "HostAdamW: host optimizer states"):
             self.state[p] = new_state(p, master, states, keep_master=delayed_update)
+        for p in self._resident:  # made now, so that every step the planner measures holds them
+            self.state[p] = self.resident_lane.new_state(p)
         self.worker = None
         self.host_seconds = 0.0  # time spent stepping streamed blocks on the host (benches read it)
         self.blocks_stepped_in_backward = 0  # blocks stepped by the worker while the backward ran
@@ -125,6 +152,9 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                                                      overlap and max_grad_norm is None)
         if delayed_update:
             self.device_update_note = "delayed_update=True steps every block on the host"
+        elif device_update == "auto" and self.device_update_note not in ("", "no GPU", "no streamed weight"):
+            _warn_once(f"HostAdamW: device_update='auto' steps every streamed block on the host: "
+                       f"{self.device_update_note}")
         if self.runtime is not None:
             self.runtime.attach(self)  # step phases, telemetry
             if (overlap and max_grad_norm is None) or self.delayed is not None:  # the delayed update publishes there
@@ -154,9 +184,41 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             raise ValueError("HostAdamW: delayed_update=True is not built for several ranks (each block steps on its "
                              "owner: runtime/shards.py); use the default exact update")
 
+    def _resident_place(self, requested: str) -> str:
+        """Where the resident parameters' states live ("auto": ResidentAdamW's rule, in the class docstring)."""
+        rt = self.runtime
+        device = rt.device if rt is not None else next((p.device for p in self._resident), torch.device("cpu"))
+        if requested != "auto" or device.type != "cuda":
+            return "device" if requested == "auto" else requested
+        nbytes = sum(state_bytes(p, self.master, self.states) for p in self._resident)
+        budget = rt.planner.budget.soft or rt.planner.budget.hard if rt is not None else None
+        if budget is None:
+            room = torch.cuda.mem_get_info(device)[0]
+        else:
+            room = budget - allocated_bytes(device) - 2 * rt.store.max_block_bytes()
+        if nbytes <= room // 2:
+            return "device"
+        _warn_once(f"HostAdamW: the masters and moments of the {len(self._resident)} resident parameters "
+                   f"({gib(nbytes)}) stay on the host: the VRAM budget leaves {gib(max(0, room))} beside the resident "
+                   f"tensors and two slots; each step copies their gradients down and their weights up "
+                   f"(resident_states='device' keeps them on the GPU)")
+        return "host"
+
     def _preflight(self) -> None:
         moments = f"{self.states} moments (exp_avg, exp_avg_sq)"
-        need = {"fp32 masters": 0, moments: 0, "a second set of gradient buffers (delayed_update)": 0}
+        resident = "the resident parameters' masters and moments"
+        need = {"fp32 masters": 0, moments: 0, "a second set of gradient buffers (delayed_update)": 0, resident: 0}
+        lane, on_device = self.resident_lane, 0
+        for p in self._resident:
+            if lane.on_host(p) or p.device.type == "cpu":
+                need[resident] += lane.state_bytes(p)
+            else:
+                on_device += lane.state_bytes(p)
+        if on_device and on_device > torch.cuda.mem_get_info(self._resident[0].device)[0]:
+            raise torch.OutOfMemoryError(
+                f"HostAdamW: the masters and moments of the {len(self._resident)} resident parameters need "
+                f"{gib(on_device)} on {self._resident[0].device}, more than is free there; pass "
+                "resident_states='host', master='bf16' or states='int8'")
         for p in self._streamed:
             if p.requires_grad and self._owned(p):
                 total = state_bytes(p, self.master, self.states)
@@ -169,12 +231,13 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         if sum(need.values()) <= machine.usable_bytes:
             return
         parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items() if v)
+        count = len(self._streamed) + len(self._resident)
         fix = "master='bf16' (the bf16 weights are their own master: 4 bytes a parameter fewer); " \
             if self.master == "fp32" and need["fp32 masters"] else ""
         fix += f"states='int8' (2 bytes a parameter for the moments instead of {STATE_BYTES[self.states]:.0f}); " \
             if self.states != "int8" else ""
         raise HostMemoryError(
-            f"HostAdamW: the optimizer states of {len(self._streamed)} streamed weights need {gib(sum(need.values()))} "
+            f"HostAdamW: the optimizer states of {count} parameters need {gib(sum(need.values()))} "
             f"of host memory ({parts}) and {gib(machine.usable_bytes)} can be had ({machine.describe()}). To fit: "
             f"{fix}freeze some streamed weights, or train LoRA adapters instead")
 
@@ -280,36 +343,29 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         return loss
 
     def _step_resident(self, scale: float) -> None:
-        """Every parameter that is not streamed steps where it lives, with torch's AdamW (foreach on a GPU)."""
+        """Every parameter that is not streamed steps with its master and moments (ResidentAdamW)."""
         for group in self.param_groups:
             ps = [p for p in group["params"] if not isinstance(p, HostMasterParameter) and p.grad is not None]
             if not ps:
                 continue
             for p in ps:
-                if p not in self.state:
-                    self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                     "exp_avg_sq": torch.zeros_like(p)}
+                if p not in self.state:  # made trainable after the optimizer was built
+                    self.state[p] = self.resident_lane.new_state(p)
             if scale != 1.0:
                 torch._foreach_mul_([p.grad for p in ps], scale)
-            hyper = self._hyper(group)
-            states = [self.state[p] for p in ps]
-            adam_functional(
-                ps, [p.grad for p in ps], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-                [s["step"] for s in states], foreach=ps[0].device.type == "cuda", decoupled_weight_decay=True,
-                amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr,
-                weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
+            self.resident_lane.step(ps, [self.state[p] for p in ps], self._hyper(group))
 
     def _clip_scale(self) -> float:
-        """min(1, max_grad_norm / the global L2 norm of every gradient): one number read on the host. Several
-        ranks: each streamed gradient is on its block's owner alone, so their squares are summed over the ranks;
-        the resident ones (DDP's mean, the same on every rank) count once."""
-        streamed = sum(float(p.grad.float().square().sum()) for p in self._streamed if p.grad is not None)
-        resident = sum(float(p.grad.float().square().sum()) for g in self.param_groups for p in g["params"]
-                       if p.grad is not None and not isinstance(p, HostMasterParameter))
+        """min(1, max_grad_norm / the global L2 norm of every gradient): one number read on the host per device
+        the gradients are on. Several ranks: each streamed gradient is on its block's owner alone, so their
+        squares are summed over the ranks; the resident ones (DDP's mean, the same on every rank) count once."""
+        streamed = _squared_norm([p.grad for p in self._streamed if p.grad is not None])
+        resident = _squared_norm([p.grad for g in self.param_groups for p in g["params"]
+                                  if p.grad is not None and not isinstance(p, HostMasterParameter)])
         shards = self.runtime.grads.shards if self.runtime is not None else None
         if shards is not None:
             streamed = shards.sum_over_blocks(streamed)
-        total = math.sqrt(streamed + resident)
+        total = (streamed + resident) ** 0.5
         return min(1.0, self.max_grad_norm / (total + 1e-6))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
@@ -321,11 +377,11 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         return dict(super().state_dict(), stagehand_rng=self._generator.get_state())
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, except that a streamed weight's states stay as kept (torch casts them to the weight's dtype:
-        fp32 moments of a bf16 weight, int8 codes), and the random stream continues where it was saved."""
+        """torch's, except that every parameter's states stay as kept (torch casts them to the parameter's dtype:
+        fp32 masters and moments of a bf16 weight, int8 codes), a resident parameter's where `resident_states`
+        places them, and the random stream continues where it was saved."""
         params = [p for g in self.param_groups for p in g["params"]]
-        exact = {params[i]: {k: v.clone() for k, v in st.items()}
-                 for i, st in state_dict["state"].items() if isinstance(params[i], HostMasterParameter)}
+        exact = {params[i]: {k: v.clone() for k, v in st.items()} for i, st in state_dict["state"].items()}
         for p, st in exact.items():
             kept = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}.get(st["exp_avg"].dtype)
             if kept != self.states:
@@ -336,10 +392,22 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             {"state": {i: st for i, st in state_dict["state"].items() if params[i] not in exact}}
         super().load_state_dict(state_dict)
         for p, st in exact.items():
-            self.state[p] = st
+            self.state[p] = st if isinstance(p, HostMasterParameter) else self.resident_lane.adopt(p, st)
         self._repin_device_states()
         if rng is not None:
             self._generator.set_state(rng)
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> float:
+    """The sum of the gradients' squares in fp32, read once per device (not once per tensor: a sync each)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_device[g.device].append(g)
+    total = 0.0
+    for gs in by_device.values():
+        norms = torch._foreach_norm(gs, 2, dtype=torch.float32)
+        total += float(torch.stack(norms).square().sum())
+    return total
 
 
 def share_host_cores(ranks: int) -> None:

@@ -258,20 +258,22 @@ def _train(states: str, steps: int = 30, seed: int = 0):
     return losses, model, opt, rt
 
 
-@pytest.mark.parametrize("states, tol", [("bf16", 2e-3), ("int8", 2e-2)])
+@pytest.mark.parametrize("states, tol", [("bf16", 4e-3), ("int8", 2e-2)])
 def test_smaller_moments_follow_fp32_adamw(states, tol):
-    """30 steps of the toy model: every step's loss within tol of fp32 moments' (measured 6.4e-4 bf16, 8.8e-3
-    int8, CPU, torch 2.13), and the moments take the bytes they say."""
+    """30 steps of the toy model, every parameter (streamed and resident) with the smaller moments: every step's
+    loss within tol of fp32 moments' (measured 2.2e-3 bf16, CPU, torch 2.13), and the moments take the bytes
+    they say, the resident parameters' too."""
     reference, _, _, rt = _train("fp32")
     rt.close()
     losses, model, opt, rt = _train(states)
     assert max(abs(a - b) / b for a, b in zip(losses, reference)) < tol
     assert losses[-1] < 0.1 * losses[0]  # it trains
-    from torch_stagehand.runtime.host_optim import STATE_BYTES
+    from torch_stagehand.runtime.host_optim import QBLOCK
 
-    for p in opt._streamed:
+    for p in opt._streamed + opt._resident:
         kept = sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k.startswith("exp_avg"))
-        assert kept == pytest.approx(STATE_BYTES[states] * p.numel(), rel=0.05)
+        # bf16: 2 + 2 bytes; int8: 1 + 1 bytes and an fp32 scale each per started block of QBLOCK
+        assert kept == (4 * p.numel() if states == "bf16" else 2 * p.numel() + 8 * -(-p.numel() // QBLOCK))
     rt.close()
 
 
