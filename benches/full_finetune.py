@@ -24,11 +24,24 @@ timed ones:
   from the costs its second step measured; the row says which and why).
 - `stagehand_dpu`: every block on the host with `delayed_update=True` (ZeRO-Offload's
   one-step-delayed update: different math, the update overlaps the next step).
+- `stagehand_eager`: `stagehand` with the inner compiler "eager" (no Inductor): what the
+  compiler contributes, apart from what the offload design does.
+  Every stagehand row keeps an fp32 master and fp32 moments of every parameter, streamed
+  or resident (HostAdamW's defaults), as DeepSpeed's bf16 mode does; the row says where
+  the resident parameters' states live (`resident_states`) and how many blocks the plan
+  recomputes.
 - `torchao`: torchao's `CPUOffloadOptimizer` (AdamW states and step on the CPU)
   with the whole model resident, compiled with Inductor: where the weights fit.
 - `deepspeed2`: DeepSpeed ZeRO-2 with `offload_optimizer: cpu` (its CPU Adam,
-  built on the machine); `deepspeed3`: ZeRO-3 with `offload_param` and
-  `offload_optimizer` on the CPU. One process each, world size 1.
+  built on the machine), configured as DeepSpeed's ZeRO-Offload documentation recommends for
+  speed: `pin_memory`, `overlap_comm`, `contiguous_gradients`, `reduce_scatter`,
+  `round_robin_gradients`, bucket sizes 5e8, and the CPU cores bound (what the launcher's
+  `--bind_cores_to_rank` does for one rank: the process's affinity is every core and
+  OMP_NUM_THREADS their count). No activation recompute. `deepspeed2_ckpt`: the same with
+  the model's own activation checkpointing (every layer recomputed). `deepspeed2_compile`: the same
+  as `deepspeed2` with `engine.compile()` (Inductor). `deepspeed3`: ZeRO-3 with
+  `offload_param` and `offload_optimizer` on the CPU. One process each, world size 1; the
+  row holds DeepSpeed's version and its config.
 
 Per row: step ms (median), first step s, GPU peak allocated and reserved,
 host peak RSS, loss of each step. A row that does not fit (GPU or host) says so.
@@ -119,7 +132,7 @@ def _timed(label: str, step, steps: int, device: str) -> dict:
             "first_step_s": round(first_s, 1), "losses": [round(float(x), 4) for x in losses], **_peaks(device)}
 
 
-def row_stagehand(args, device_update: str = "auto", delayed: bool = False) -> list[dict]:
+def row_stagehand(args, device_update: str = "auto", delayed: bool = False, inner: str | None = None) -> list[dict]:
     import torch_stagehand as stagehand
     from torch_stagehand.optim import HostAdamW
 
@@ -139,7 +152,9 @@ def row_stagehand(args, device_update: str = "auto", delayed: bool = False) -> l
     if (args.master, args.states) != ("fp32", "fp32"):
         where += f", {args.master} master, {args.states} moments"
     states_s = time.perf_counter() - t0
-    inner = "inductor" if args.device == "cuda" else "eager"
+    inner = inner or ("inductor" if args.device == "cuda" else "eager")
+    if inner == "eager":
+        where += ", inner compiler eager"
     step = _train_step(args, torch.compile(model, backend="stagehand", options={"inner": inner}), inputs, opt)
     streamed_bytes = sum(s.module.weight.numel() * s.module.weight.element_size() for s in rt.layers)
     from models import pinned_h2d_gbps
@@ -170,7 +185,9 @@ def row_stagehand(args, device_update: str = "auto", delayed: bool = False) -> l
                    optimizer_states_s=round(states_s, 1), streamed_gb=round(streamed_bytes / 1e9, 2),
                    device_update=device_update, device_blocks=sorted(opt.device_blocks),
                    device_choice=opt.device_choice, device_update_note=opt.device_update_note,
-                   master=args.master, states=args.states, checkpointing=args.checkpointing)
+                   master=args.master, states=args.states, checkpointing=args.checkpointing, inner=inner,
+                   resident_states=opt.resident_lane.place,
+                   recompute=f"planned: {after.get('planned_recompute_blocks')} of {len(rt.blocks)} blocks")
         if h2d:
             row.update(h2d_gbps=round(h2d, 1), d2h_gbps=round(d2h, 1),
                        limit_h2d_ms=round(h2d_gb / h2d * 1e3, 1), limit_d2h_ms=round(d2h_gb / d2h * 1e3, 1),
@@ -193,7 +210,8 @@ def row_torchao(args) -> list[dict]:
 
 def _deepspeed_config(stage: int) -> dict:
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "overlap_comm": True, "contiguous_gradients": True}
+            "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True,
+            "round_robin_gradients": True, "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
     if stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
@@ -201,16 +219,30 @@ def _deepspeed_config(stage: int) -> dict:
             "wall_clock_breakdown": False}
 
 
-def row_deepspeed(args, stage: int) -> list[dict]:
+def _bind_cores() -> dict:
+    """What the DeepSpeed launcher's --bind_cores_to_rank does for one rank: the process on every core it may
+    use, OpenMP (its CPU Adam) on as many threads."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores)
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    torch.set_num_threads(len(cores))
+    return {"cores": len(cores), "omp_num_threads": len(cores)}
+
+
+def row_deepspeed(args, stage: int, checkpointing: bool = False, compiled: bool = False) -> list[dict]:
     import deepspeed
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("LOCAL_RANK", "0"),
                        ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
+    binding = _bind_cores()
     deepspeed.init_distributed()
+    args.checkpointing = args.checkpointing or checkpointing
     model, inputs, _ = _build(args)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_deepspeed_config(stage))
+    config = _deepspeed_config(stage)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if compiled:
+        engine.compile()
 
     def step():
         loss = _loss(args, engine(**inputs))
@@ -220,12 +252,20 @@ def row_deepspeed(args, stage: int) -> list[dict]:
 
     label = "DeepSpeed ZeRO-2, offload_optimizer cpu" if stage == 2 else \
         "DeepSpeed ZeRO-3, offload_param + offload_optimizer cpu"
-    return [_timed(label, step, args.steps, args.device)]
+    label += ", model checkpointing" if args.checkpointing else ""
+    label += ", engine.compile() (Inductor)" if compiled else ""
+    row = _timed(label, step, args.steps, args.device)
+    row.update(deepspeed=deepspeed.__version__, deepspeed_config=config, binding=binding, compiled=compiled,
+               checkpointing=args.checkpointing, master="fp32", states="fp32",
+               recompute="every layer (model checkpointing)" if args.checkpointing else "none")
+    return [row]
 
 
 ROWS = {"stagehand": row_stagehand, "stagehand_host": lambda a: row_stagehand(a, "off"),
+        "stagehand_eager": lambda a: row_stagehand(a, inner="eager"),
         "stagehand_dpu": lambda a: row_stagehand(a, "off", delayed=True), "torchao": row_torchao,
-        "deepspeed2": lambda a: row_deepspeed(a, 2), "deepspeed3": lambda a: row_deepspeed(a, 3)}
+        "deepspeed2": lambda a: row_deepspeed(a, 2), "deepspeed2_ckpt": lambda a: row_deepspeed(a, 2, checkpointing=True),
+        "deepspeed2_compile": lambda a: row_deepspeed(a, 2, compiled=True), "deepspeed3": lambda a: row_deepspeed(a, 3)}
 
 
 # ---- the driver: one process per row ---------------------------------------------------------------
@@ -285,7 +325,7 @@ def main() -> None:
     for r in rows:
         if best_peer and r.get("step_ms"):
             r["x_best_deepspeed"] = round(r["step_ms"] / best_peer, 2)
-    cols = ["mode", "step_ms", "x_best_deepspeed", "device_blocks", "peak_gib", "peak_reserved_gib", "peak_rss_gb", "first_step_s",
+    cols = ["mode", "step_ms", "x_best_deepspeed", "recompute", "resident_states", "device_blocks", "peak_gib", "peak_reserved_gib", "peak_rss_gb", "first_step_s",
             "limit_h2d_ms", "limit_d2h_ms", "limit_host_optimizer_ms", "x_slowest_limit", "error"]
     print_table([[r.get(c) for c in cols] for r in rows], headers=cols,
                 title=f"Full fine-tune, {args.model} ({'tiny' if args.tiny else 'full size'}), AdamW, every parameter")

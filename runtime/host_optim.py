@@ -300,6 +300,50 @@ class ResidentAdamW:
         # place="host" with GPU parameters: per parameter, the page-locked copy of its value the host steps and
         # the one its gradient lands in (not optimizer state: made again from the parameter)
         self._staging: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hooks: list = []  # `overlap`: the gradient hooks
+        self._ahead: set[torch.Tensor] = set()  # host-placed parameters stepped during this backward
+        self._landing_scratch = tuple(Scratch() for _ in range(4))  # the landing thread's own
+
+    def overlap(self, params: list[torch.Tensor], state_of: Callable, hyper_of: Callable,
+                run_later: Callable) -> None:
+        """Step each host-placed parameter during the backward, as soon as its gradient is final: its
+        post-accumulate-grad hook copies the gradient down on a side stream and `run_later(work)` steps it on
+        the host optimizer's landing thread (in order with the streamed blocks' landings), so the host's AdamW
+        overlaps the backward of the blocks before it; `step()` only copies the new weights up. The head's
+        gradient is final first, the embeddings' last. For one backward per step, one rank (DDP reduces a
+        gradient after this hook would read it)."""
+        away = [p for p in params if self.on_host(p)]
+        if not away:
+            return
+        self._copies = torch.cuda.Stream(away[0].device)
+        self._state_of, self._hyper_of, self._run_later = state_of, hyper_of, run_later
+        self._hooks = [p.register_post_accumulate_grad_hook(self._landed) for p in away]
+
+    def _landed(self, p: torch.Tensor) -> None:
+        if p.grad is None or p in self._ahead:
+            return
+        value, host_grad = self._staging[p]
+        ready = torch.cuda.Event()
+        ready.record()
+        self._copies.wait_event(ready)
+        with torch.cuda.stream(self._copies):
+            host_grad.copy_(_local(p.grad), non_blocking=True)
+            p.grad.record_stream(self._copies)
+            copied = torch.cuda.Event()
+            copied.record()
+        self._ahead.add(p)
+        state, hyper = self._state_of(p), self._hyper_of(p)
+
+        def work():
+            copied.synchronize()
+            adamw_step([value], [host_grad], [state], hyper, self.master, self._landing_scratch, self.generator)
+
+        self._run_later(work)
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def on_host(self, p: torch.Tensor) -> bool:
         return self.place == "host" and p.device.type != "cpu"
@@ -338,8 +382,16 @@ class ResidentAdamW:
             self._scratch[device] = tuple(Scratch(device) for _ in range(4))
         return self._scratch[device]
 
+    def publish_ahead(self) -> None:
+        """Copy up the weights stepped during the backward (`overlap`; the landing thread is drained)."""
+        for p in self._ahead:
+            _local(p).copy_(self._staging[p][0], non_blocking=True)
+        self._ahead.clear()
+
     def step(self, params: list[torch.Tensor], states: list[dict], hyper: Hyper) -> None:
-        """One AdamW step of `params` from their `.grad` (already scaled by any clipping)."""
+        """One AdamW step of `params` from their `.grad` (already scaled by any clipping); those stepped
+        during the backward (`overlap`) are left out: `publish_ahead` copies them up."""
+        params = [p for p in params if p not in self._ahead]
         here = [i for i, p in enumerate(params) if not self.on_host(p)]
         by_device: dict[torch.device, list[int]] = {}
         for i in here:
@@ -407,6 +459,11 @@ class LandingWorker:
     def update_on_device(self, index: int, grad: torch.Tensor, compute) -> tuple:
         return self.device.update_on_device(index, grad, compute)
 
+    def run_later(self, work: Callable[[], None]) -> None:
+        """Run `work` on this thread, in order with the landings; `drain()` waits for it too (the resident
+        parameters stepped during the backward: ResidentAdamW.overlap)."""
+        self._queue.put(work)
+
     def _run(self) -> None:
         while True:
             land = self._queue.get()
@@ -414,7 +471,7 @@ class LandingWorker:
                 if land is None:
                     return
                 if self._error is None:
-                    self._take(land)
+                    land() if callable(land) else self._take(land)
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread at the optimizer step
                 self._error = e
             finally:

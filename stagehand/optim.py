@@ -159,6 +159,10 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             self.runtime.attach(self)  # step phases, telemetry
             if (overlap and max_grad_norm is None) or self.delayed is not None:  # the delayed update publishes there
                 self._start_worker()
+        if self.worker is not None and self.delayed is None and accumulation_steps == 1 and \
+                self.runtime.grads.shards is None and not _distributed():
+            self.resident_lane.overlap(self._resident, lambda p: self.state[p],
+                                       lambda p: self._hyper(self._group_of[p]), self.worker.run_later)
         if isinstance(self._device_mode, set) and self._device_mode:
             self._enable_device(self._device_mode)
 
@@ -268,6 +272,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                 self.runtime.grads.device_updates = {}
             self.worker = None
         self.device = None
+        self.resident_lane.close()
         self._unpin_device_states()  # restore() frees every pinned byte, the optimizer's too
 
     # ---- stepping ---------------------------------------------------------------------------------------
@@ -344,6 +349,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
 
     def _step_resident(self, scale: float) -> None:
         """Every parameter that is not streamed steps with its master and moments (ResidentAdamW)."""
+        self.resident_lane.publish_ahead()
         for group in self.param_groups:
             ps = [p for p in group["params"] if not isinstance(p, HostMasterParameter) and p.grad is not None]
             if not ps:
@@ -396,6 +402,10 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         self._repin_device_states()
         if rng is not None:
             self._generator.set_state(rng)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _squared_norm(grads: list[torch.Tensor]) -> float:

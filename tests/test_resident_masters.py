@@ -185,20 +185,24 @@ def test_clipping_reads_the_norm_once_and_scales_resident_and_streamed_alike():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("place", ["device", "host"])
+@pytest.mark.parametrize("place", ["device", "host", "host, after the backward"])
 def test_on_a_gpu_the_resident_states_live_where_asked_and_train_alike(place):
     """resident_states="device": the masters and moments beside the parameters on the GPU; "host": page-locked
-    on the host, the gradients copied down and the weights up each step. Both follow the fp32-master AdamW
-    (computed on the CPU: the GPU's bf16 matmuls round differently, well inside the bound)."""
+    on the host, each gradient copied down as it is final and stepped on the host during the backward, the
+    weights copied up at step(); "host, after the backward" (overlap=False): all of it in step(). Each follows
+    the fp32-master AdamW (computed on the CPU: the GPU's bf16 matmuls round differently, well inside it)."""
     model = _model("qwen2 tied")
     initial = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     reference = _reference(model, "fp32")
-    rt, opt = _train(model, "fp32", range(STEPS), device="cuda", resident_states=place)
+    kw = {"overlap": False} if place.endswith("after the backward") else {}
+    rt, opt = _train(model, "fp32", range(STEPS), device="cuda", resident_states=place.split(",")[0], **kw)
     try:
+        assert bool(opt.resident_lane._hooks) == (place == "host")
         for p in opt._resident:
             st = opt.state[p]
             assert p.device.type == "cuda"
             assert st["master"].device.type == ("cuda" if place == "device" else "cpu")
+            assert int(st["step"]) == STEPS
             assert place == "device" or st["master"].is_pinned()
         errors = _change_errors(initial, {n: t.cpu() for n, t in _trained(model, opt).items()}, reference)
         worst = max(errors, key=errors.get)
