@@ -391,7 +391,8 @@ class ResidentAdamW:
     def step(self, params: list[torch.Tensor], states: list[dict], hyper: Hyper) -> None:
         """One AdamW step of `params` from their `.grad` (already scaled by any clipping); those stepped
         during the backward (`overlap`) are left out: `publish_ahead` copies them up."""
-        params = [p for p in params if p not in self._ahead]
+        keep = [i for i, p in enumerate(params) if p not in self._ahead]
+        params, states = [params[i] for i in keep], [states[i] for i in keep]
         here = [i for i, p in enumerate(params) if not self.on_host(p)]
         by_device: dict[torch.device, list[int]] = {}
         for i in here:

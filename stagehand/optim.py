@@ -348,8 +348,8 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         return loss
 
     def _step_resident(self, scale: float) -> None:
-        """Every parameter that is not streamed steps with its master and moments (ResidentAdamW)."""
-        self.resident_lane.publish_ahead()
+        """Every parameter that is not streamed steps with its master and moments (ResidentAdamW); those the
+        landing thread stepped during the backward are copied up."""
         for group in self.param_groups:
             ps = [p for p in group["params"] if not isinstance(p, HostMasterParameter) and p.grad is not None]
             if not ps:
@@ -360,6 +360,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             if scale != 1.0:
                 torch._foreach_mul_([p.grad for p in ps], scale)
             self.resident_lane.step(ps, [self.state[p] for p in ps], self._hyper(group))
+        self.resident_lane.publish_ahead()
 
     def _clip_scale(self) -> float:
         """min(1, max_grad_norm / the global L2 norm of every gradient): one number read on the host per device

@@ -205,6 +205,9 @@ def test_on_a_gpu_the_resident_states_live_where_asked_and_train_alike(place):
             assert int(st["step"]) == STEPS
             assert place == "device" or st["master"].is_pinned()
         errors = _change_errors(initial, {n: t.cpu() for n, t in _trained(model, opt).items()}, reference)
+        # The keys' bias shifts every query's scores by the same amount, which softmax cancels: its gradient is
+        # zero but for rounding, and its change is the rounding's (the GPU's and the CPU's differ).
+        errors = {n: e for n, e in errors.items() if not n.endswith("k_proj.bias")}
         worst = max(errors, key=errors.get)
         assert errors[worst] < 0.25, f"{worst}: its change is {errors[worst]:.0%} off the fp32-master AdamW's"
         for p in opt._resident:  # the weight the GPU computes with is the master, rounded
