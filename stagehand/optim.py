@@ -19,7 +19,9 @@ moments. The update is AdamW's, at the same point of the step; nothing is delaye
 - `resident_states="auto"` (default): where the resident parameters' masters and
   moments live. "device": beside the parameters, on the GPU (the VRAM plan counts
   them in the steps it measures); "host": page-locked on the host with the streamed
-  ones, each step copying their gradients down and their weights up. "auto" keeps
+  ones, each gradient copied down as soon as it is final and stepped during the
+  backward (after it without overlap, with accumulation, clipping or several ranks),
+  the weights copied up in step(). "auto" keeps
   them on the device when they take at most half of what the VRAM budget leaves
   beside the resident tensors and two slots of the largest block, else on the host
   (with a warning naming the bytes).

@@ -1,8 +1,10 @@
 """The figures README.md and docs/ quote are the figures their files give (benches/figures.py).
 
 A generated block (`<!-- figures:NAME -->` ... `<!-- /figures:NAME -->`) that differs from what its result files
-give now, a block that names no figure or is never closed, and a cited `benches/results/...` path that does not
-exist each fail here, naming the document and the block. `make figures` rewrites the blocks."""
+give now, a block that names no figure or is never closed, a cited `benches/results/...` path that does not
+exist, and a block that reads a run recording no commit and clean tree each fail here, naming the document and
+the block; a measured figure typed into a document's prose fails naming the document and its line. `make figures`
+rewrites the blocks."""
 
 from __future__ import annotations
 
@@ -38,10 +40,14 @@ def test_every_quoted_figure_matches_its_files(figures, render):
 
 
 def test_every_document_quotes_generated_figures(figures):
-    """The README's measured summary and every results page hold generated blocks, not hand-typed tables."""
+    """The README's measured summary and every results page hold generated blocks, not hand-typed tables; a results
+    page whose runs recorded no commit says that they are to be re-run instead."""
     docs = {p.relative_to(ROOT).as_posix(): p.read_text() for p in figures.documents()}
-    for doc in ("README.md", "docs/coming-from.md", *(p for p in docs if p.startswith("docs/results/"))):
+    for doc in ("README.md", "docs/coming-from.md"):
         assert figures.BLOCK.search(docs[doc]), f"{doc} quotes no generated figure"
+    for doc in (p for p in docs if p.startswith("docs/results/")):
+        assert figures.BLOCK.search(docs[doc]) or "to be re-run" in docs[doc], \
+            f"{doc} quotes no generated figure and says nothing is to be re-run"
     assert "figures:headline" in docs["README.md"] and "figures:offload_report" in docs["README.md"]
 
 
@@ -74,6 +80,51 @@ def test_an_edited_figure_is_caught_and_named(figures, render, tmp_path):
     assert figures.write([page], root=tmp_path, render=render) == ["docs/results/budget-sweeps.md: sweep_flux"]
     assert page.read_text() == text  # --write puts the file's figure back
     assert figures.check([page], root=tmp_path, render=render) == []
+
+
+def test_a_figure_typed_into_prose_is_named_with_its_line(figures, render, tmp_path):
+    page = _copy_of(ROOT / "docs" / "results" / "budget-sweeps.md", tmp_path)
+    lines = page.read_text().splitlines(keepends=True)
+    lines[2:2] = ["A streamed Flux runs 612 ms a step, 1.9x faster, with `vram_budget=\"16GiB\"` as you type it.\n",
+                  "\n", "```bash\n", "python train.py    # 612 ms a step: code, not prose\n", "```\n", "\n"]
+    page.write_text("".join(lines))
+
+    problems = figures.check([page], root=tmp_path, render=render)
+    assert [(p.doc, p.line) for p in problems] == [("docs/results/budget-sweeps.md", 3)] * 2, problems
+    assert "'612 ms'" in problems[0].what and "'1.9x'" in problems[1].what
+    assert str(problems[0]).startswith("docs/results/budget-sweeps.md:3: '612 ms' stands in the prose")
+
+
+@pytest.mark.parametrize("text, found", [
+    ("took 2.5-3.1 s, then 40 min", ["2.5-3.1 s", "40 min"]),
+    ("11.9 GB at 1.7 GB/s; 75% of the reads; 0.53× the step", ["11.9 GB", "1.7 GB/s", "75%", "0.53×"]),
+    ("Qwen2.5-7B on sm_90, bf16s, 48x3072, commit 3ec649d, 12 bytes a parameter, 4 heads", []),
+])
+def test_the_prose_figure_pattern(figures, text, found):
+    assert [m.group(0) for m in figures.PROSE_FIGURE.finditer(text)] == found
+
+
+def test_a_block_that_reads_a_run_without_its_commit_is_named(figures, tmp_path, monkeypatch):
+    """A JSON without a 40-hex commit and a clean tree in its env, or a log without benches/device_run.sh's
+    header, may not be quoted."""
+    env = {"device": "NVIDIA H200", "torch": "2.11.0+cu130"}
+    (tmp_path / "labelled.json").write_text(figures.json.dumps({"env": dict(env, commit="a" * 40, tree="clean")}))
+    (tmp_path / "short_commit.json").write_text(figures.json.dumps({"env": dict(env, commit="3ec649d", tree="clean")}))
+    (tmp_path / "dirty.json").write_text(figures.json.dumps({"env": dict(env, commit="a" * 40, tree="dirty")}))
+    (tmp_path / "labelled_tests.log").write_text(f"# stage pytests | commit {'b' * 40} | clean tree | 2026-11-28 | H200\n")
+    (tmp_path / "unlabelled_tests.log").write_text("7 passed in 64.12s\n")
+    monkeypatch.setattr(figures, "RESULTS", tmp_path)
+    assert figures.unrecorded("labelled.json") is None and figures.unrecorded("labelled_tests.log") is None
+    assert "no 40-hex commit" in figures.unrecorded("short_commit.json")
+    assert "'dirty'" in figures.unrecorded("dirty.json")
+    assert "header" in figures.unrecorded("unlabelled_tests.log")
+    assert figures.labelled_test_logs() == ("labelled_tests.log",)
+
+    monkeypatch.setitem(figures.FIGURES, "two_runs", figures.Figure(lambda: "| a |\n", ("labelled.json", "dirty.json")))
+    doc = tmp_path / "page.md"
+    doc.write_text("<!-- figures:two_runs -->\n| a |\n<!-- /figures:two_runs -->\n")
+    problems = figures.check([doc], root=tmp_path, render=figures.Renderer())
+    assert [(p.block, p.what.split(",")[0]) for p in problems] == [("two_runs", "reads benches/results/dirty.json")]
 
 
 def test_a_missing_result_file_an_unknown_block_and_an_unclosed_one_are_named(figures, render, tmp_path):
