@@ -186,7 +186,7 @@ def row_stagehand(args, device_update: str = "auto", delayed: bool = False, inne
                    device_update=device_update, device_blocks=sorted(opt.device_blocks),
                    device_choice=opt.device_choice, device_update_note=opt.device_update_note,
                    master=args.master, states=args.states, checkpointing=args.checkpointing, inner=inner,
-                   resident_states=opt.resident_lane.place,
+                   resident_states=opt.resident_lane.place(opt._resident),
                    recompute=f"planned: {after.get('planned_recompute_blocks')} of {len(rt.blocks)} blocks")
         if h2d:
             row.update(h2d_gbps=round(h2d, 1), d2h_gbps=round(d2h, 1),

@@ -286,16 +286,17 @@ class ResidentAdamW:
     bf16 model) an update smaller than half a bf16 spacing rounds away: at lr 2e-5 an embedding row of
     magnitude 0.02 (spacing 1.2e-4) barely moves while the streamed weights, stepped from their masters, train.
 
-    `place`: "device" keeps the states beside the parameter (on the GPU: memory the VRAM plan sees in the
-    steps it measures); "host" keeps them in page-locked host memory beside the streamed weights' states, each
-    step copying the gradients down, stepping on the host and copying the rounded weights up (what ZeRO-Offload
-    does for every parameter). On a CPU device the two are the same.
+    Per parameter, `host` names those whose states live in page-locked host memory beside the streamed
+    weights' states, each step copying the gradient down, stepping on the host and copying the rounded weight
+    up (what ZeRO-Offload does for every parameter); every other one keeps its states beside it (on the GPU:
+    memory the VRAM plan sees in the steps it measures). On a CPU device the two are the same.
 
     A parameter FSDP sharded (a DTensor) keeps the states of its local shard and steps that shard: the states
     are plain tensors of the shard's shape, as each rank's AdamW over its shards would keep them."""
 
-    def __init__(self, master: str, states: str, place: str, generator: torch.Generator):
-        self.master, self.states, self.place, self.generator = master, states, place, generator
+    def __init__(self, master: str, states: str, host, generator: torch.Generator):
+        self.master, self.states, self.generator = master, states, generator
+        self.host: set[torch.Tensor] = set(host)
         self._scratch: dict[torch.device, tuple[Scratch, ...]] = {}
         # place="host" with GPU parameters: per parameter, the page-locked copy of its value the host steps and
         # the one its gradient lands in (not optimizer state: made again from the parameter)
@@ -346,7 +347,14 @@ class ResidentAdamW:
         self._hooks = []
 
     def on_host(self, p: torch.Tensor) -> bool:
-        return self.place == "host" and p.device.type != "cpu"
+        return p in self.host and p.device.type != "cpu"
+
+    def place(self, params: list[torch.Tensor]) -> str:
+        """Where `params`' states live, in words."""
+        away = sum(self.on_host(p) for p in params)
+        if away in (0, len(params)):
+            return "host" if away else "device"
+        return f"host for {away} of {len(params)} parameters, the rest on the device"
 
     def new_state(self, p: torch.Tensor) -> dict:
         if not self.on_host(p):

@@ -21,10 +21,10 @@ moments. The update is AdamW's, at the same point of the step; nothing is delaye
   them in the steps it measures); "host": page-locked on the host with the streamed
   ones, each gradient copied down as soon as it is final and stepped during the
   backward (after it without overlap, with accumulation, clipping or several ranks),
-  the weights copied up in step(). "auto" keeps
-  them on the device when they take at most half of what the VRAM budget leaves
-  beside the resident tensors and two slots of the largest block, else on the host
-  (with a warning naming the bytes).
+  the weights copied up in step(). "auto" decides per parameter, in the model's
+  order (embeddings first): on the device while they take at most half of what the
+  VRAM budget leaves beside the resident tensors and two slots of the largest block,
+  the rest on the host (with a warning naming the bytes).
 - `states="fp32"` (default), `"bf16"` or `"int8"`: the moments' bytes, 8, 4
   or 2 a parameter (the smaller ones stochastically rounded after each step;
   runtime/host_optim.py says how). With `master="bf16"`, `states="int8"`
@@ -131,7 +131,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         self._check_shards(delayed_update)
         self._resident = [p for g in self.param_groups for p in g["params"]
                           if not isinstance(p, HostMasterParameter) and p.requires_grad]
-        self.resident_lane = ResidentAdamW(master, states, self._resident_place(resident_states), self._generator)
+        self.resident_lane = ResidentAdamW(master, states, self._resident_on_host(resident_states), self._generator)
         self._preflight()
         for p in progress([p for p in self._streamed if p.requires_grad and self._owned(p)],
                           "HostAdamW: host optimizer states"):
@@ -190,25 +190,37 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             raise ValueError("HostAdamW: delayed_update=True is not built for several ranks (each block steps on its "
                              "owner: runtime/shards.py); use the default exact update")
 
-    def _resident_place(self, requested: str) -> str:
-        """Where the resident parameters' states live ("auto": ResidentAdamW's rule, in the class docstring)."""
+    def _resident_on_host(self, requested: str) -> list[torch.Tensor]:
+        """The resident parameters whose states live on the host.
+
+        "auto" on a GPU: the states stay beside their parameters, in the model's order, while they take at most
+        half of what the VRAM budget leaves beside the resident tensors and two slots of the largest block; the
+        rest go to the host. The model's order puts the embeddings first: their gradient is the backward's last,
+        so their update on the host could hide behind no block, while a head's, final first, overlaps the
+        backward there (ResidentAdamW.overlap)."""
         rt = self.runtime
         device = rt.device if rt is not None else next((p.device for p in self._resident), torch.device("cpu"))
         if requested != "auto" or device.type != "cuda":
-            return "device" if requested == "auto" else requested
-        nbytes = sum(state_bytes(p, self.master, self.states) for p in self._resident)
+            return list(self._resident) if requested == "host" else []
         budget = rt.planner.budget.soft or rt.planner.budget.hard if rt is not None else None
         if budget is None:
             room = torch.cuda.mem_get_info(device)[0]
         else:
             room = budget - allocated_bytes(device) - 2 * rt.store.max_block_bytes()
-        if nbytes <= room // 2:
-            return "device"
-        _warn_once(f"HostAdamW: the masters and moments of the {len(self._resident)} resident parameters "
-                   f"({gib(nbytes)}) stay on the host: the VRAM budget leaves {gib(max(0, room))} beside the resident "
-                   f"tensors and two slots; each step copies their gradients down and their weights up "
-                   f"(resident_states='device' keeps them on the GPU)")
-        return "host"
+        left, on_host = room // 2, []
+        for p in self._resident:
+            nbytes = state_bytes(p, self.master, self.states)
+            if nbytes <= left:
+                left -= nbytes
+            else:
+                on_host.append(p)
+        if on_host:
+            nbytes = sum(state_bytes(p, self.master, self.states) for p in on_host)
+            _warn_once(f"HostAdamW: the masters and moments of {len(on_host)} of the {len(self._resident)} resident "
+                       f"parameters ({gib(nbytes)}) stay on the host: the VRAM budget leaves {gib(max(0, room))} "
+                       f"beside the resident tensors and two slots; each step copies their gradients down and their "
+                       f"weights up (resident_states='device' keeps them on the GPU)")
+        return on_host
 
     def _preflight(self) -> None:
         moments = f"{self.states} moments (exp_avg, exp_avg_sq)"
