@@ -263,8 +263,9 @@ def main(argv=None) -> int:
     rows = [run_row(args, g) for g in args.gpus]
     rows += [run_row(args, int(r.split(":")[0]), "off") for r in args.rows]
     rows += [run_row(args, g, engine="deepspeed") for g in args.deepspeed]
-    one = next((r for r in rows if r.get("gpus") == 1 and r["engine"] == "stagehand" and "error" not in r), None)
     for r in rows:
+        # each system against its own one-GPU row: a ratio to another system's is no scaling figure
+        one = next((o for o in rows if o.get("gpus") == 1 and o["engine"] == r["engine"] and "error" not in o), None)
         if one is not None and "error" not in r:
             r["speedup"] = round(r["samples_s"] / one["samples_s"], 3)
             r["node_memory_vs_one"] = round(r["node_pss_gb"] / one["node_pss_gb"], 3)
