@@ -482,7 +482,10 @@ def moe_table(name: str = "moe_qwen3_30b.json") -> str:
     rows = [r for r in data["rows"] if "error" not in r]
     cols = [Col("run", lambda r: r["mode"]), Col("step ms", field("step_ms", ms)),
             Col("H2D GB / step", field("h2d_gb_step", num, 1)),
-            Col("H2D limit ms", field("h2d_limit_ms", ms)), Col("compute limit ms", field("compute_limit_ms", ms)),
+            Col("the plan's H2D GB / step", field("planned_h2d_gb_step", num, 1)),
+            Col("H2D limit ms (the plan's bytes)", field("planned_h2d_limit_ms", ms)),
+            Col("H2D ms of the measured traffic", field("h2d_limit_ms", ms)),
+            Col("compute limit ms", field("compute_limit_ms", ms)),
             Col("step / larger limit", field("vs_limit", num, 2)),
             Col("x experts dense", field("vs_dense_experts", num, 3)), Col("peak GiB", field("peak_gib", num, 1)),
             Col("first step s", field("first_step_s", num, 1)),
@@ -490,8 +493,10 @@ def moe_table(name: str = "moe_qwen3_30b.json") -> str:
     what = (f"transformers' Qwen3MoeForCausalLM at Qwen3-30B-A3B's shape ({data['params_b']}B parameters: 48 layers, "
             f"128 experts, top-8), LoRA r=16 on attention, AdamW, checkpointing, T={data['sequence']}; the resident "
             "row is the plain model on the GPU with each layer compiled by torch.compile (the compute limit); the "
-            f"H2D limit is each row's H2D bytes per step at the pinned bandwidth measured in the run "
-            f"({data['pinned_h2d_gbps']} GB/s); `stagehand.compile_blocks`, `vram_budget` per row; int8 stacks are "
+            f"H2D limit is the weight bytes the row's plan must copy up a step (each streamed block's fetches, the "
+            f"slots' reuse counted) at the pinned bandwidth measured in the run ({data['pinned_h2d_gbps']} GB/s), "
+            "with the time of the traffic the run measured beside it (a run that recorded no plan bytes shows that "
+            "alone, and its \"step / larger limit\" is to it); `stagehand.compile_blocks`, `vram_budget` per row; int8 stacks are "
             "multiplied from their bytes by the grouped kernel (the autotuner's pick against dequantize + "
             "`grouped_mm`), and the \"experts dense\" row compiles the same blocks with `experts_math=\"dense\"` "
             "(the stacks dequantized in the graph for the model's `grouped_mm`): \"x experts dense\" is the step "

@@ -73,6 +73,8 @@ def plan_stats(plan: Any, pool: SlotPool | None) -> dict:
     return {"plan": plan.kind, "resident_blocks": counts["resident_blocks"], "spilled_blocks": counts["spilled_blocks"],
             "planned_recompute_blocks": counts["recomputed_blocks"], "lookahead": plan.lookahead,
             "predicted_step_ms": round(plan.predicted_step_s * 1e3, 3),
+            # the weight bytes the plan must copy up a step (each streamed block's fetches, the slots' reuse counted)
+            "planned_h2d_bytes": plan.h2d_bytes_per_step(),
             "cost_model": plan.cost_model,  # what predicted_step_ms rests on: "default", "measured" or "given"
             "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": plan.measured_peak_bytes,
             "streamed_device_bytes": None if pool is None else pool.device_bytes()}

@@ -432,3 +432,40 @@ def test_the_gpu_time_outside_the_blocks_is_at_least_the_measured_turn_and_tail(
     assert cal.clocks.gpu.glue_seconds(17.0) == (9 - 7) + (17 - 15)
     model = cal.finish(CostModel(frozen=True), lambda m: (100.0, 0))  # a residual of zero
     assert model.other_s == 4.0 and model.measured["calibration_glue_s"] == 4.0
+
+
+@pytest.mark.parametrize("budget", ["half", "tiny"])
+def test_the_plans_h2d_bytes_are_what_a_step_moves(budget):
+    """`stats()["planned_h2d_bytes"]`, the bytes the plan must copy up a step (the limit the benches divide by
+    the link's bandwidth), is what a step under that plan copies: each streamed block's fetches, the slots'
+    reuse across the forward-backward turn counted, nothing for the resident blocks."""
+    model, x = _model()
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget(budget))
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    torch._dynamo.reset()
+    _step(compiled, model, x)  # the first step compiles
+    before = rt.stats()["h2d_bytes"]
+    _step(compiled, model, x)
+    stats = rt.stats()
+    streamed = (N - stats["resident_blocks"]) * _block_bytes()
+    assert stats["h2d_bytes"] - before == stats["planned_h2d_bytes"] <= 2 * streamed
+    assert stats["planned_h2d_bytes"] > 0
+
+
+def test_a_trained_blocks_weights_are_fetched_again_in_the_next_forward():
+    """Full fine-tuning: the optimizer writes a trained block's master, so the slot the backward left it in is
+    stale and the next forward fetches it: the plan's bytes a step count that fetch."""
+    from torch_stagehand.optim import HostAdamW
+
+    model, x = _model()
+    model.requires_grad_(True)
+    rt = stagehand.offload(model, device="cpu", vram_budget=_budget("tiny"))
+    opt = HostAdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    torch._dynamo.reset()
+    for _ in range(2):
+        before = rt.stats()["h2d_bytes"]
+        _step(compiled, model, x)
+        opt.step()
+    stats = rt.stats()
+    assert stats["h2d_bytes"] - before == stats["planned_h2d_bytes"]

@@ -93,6 +93,15 @@ class Plan:
         """Device bytes of streamed weights the plan holds: its rotating slots and its resident blocks."""
         return self.slots * self.slot_bytes + sum(p.bytes for p in self.blocks if p.resident)
 
+    def h2d_bytes_per_step(self) -> int:
+        """The weight bytes a training step under this plan copies up, once steps follow each other: the
+        blocks' predicted fetches, less the first streamed blocks of the forward that the previous step's
+        backward left in the slots (it ends with them; a block whose weights train is refreshed, so fetched)."""
+        streamed = [p for p in self.blocks if not p.resident]
+        trains = {b for b, c in enumerate(self.costs or ()) if c.grad_bytes}
+        kept = [p for p in streamed[:self.slots] if p.block not in trains]
+        return sum(p.h2d_bytes for p in self.blocks) - sum(p.bytes for p in kept)
+
     def counts(self) -> dict[str, int]:
         return {"resident_blocks": len(self.resident), "streamed_blocks": len(self.blocks) - len(self.resident),
                 "recomputed_blocks": len(self.recomputed), "spilled_blocks": len(self.spilled)}
