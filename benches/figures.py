@@ -717,7 +717,7 @@ def full_finetune_equal() -> str:
             f"(lr {data['lr']}), bf16 weights, an fp32 master and fp32 moments of every parameter on both sides; "
             f"one process per row; median of 3 or 4 steps. DeepSpeed "
             f"{ds['deepspeed']}, ZeRO-2, offload_optimizer cpu with pin_memory, {settings}; "
-            f"{ds['binding']['cores']} cores bound, OMP_NUM_THREADS {ds['binding']['omp_num_threads']}")
+            f"its CPU Adam on {ds['binding']['cores']} threads (every core)")
     return f"{caption(*EQUAL_WORK_RUNS, what=what)}\n\n{table(rows, cols)}\n"
 
 

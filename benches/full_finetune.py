@@ -35,9 +35,10 @@ timed ones:
 - `deepspeed2`: DeepSpeed ZeRO-2 with `offload_optimizer: cpu` (its CPU Adam,
   built on the machine), configured as DeepSpeed's ZeRO-Offload documentation recommends for
   speed: `pin_memory`, `overlap_comm`, `contiguous_gradients`, `reduce_scatter`,
-  `round_robin_gradients`, bucket sizes 5e8, and the CPU cores bound (what the launcher's
-  `--bind_cores_to_rank` does for one rank: the process's affinity is every core and
-  OMP_NUM_THREADS their count). No activation recompute. `deepspeed2_ckpt`: the same with
+  `round_robin_gradients`, bucket sizes 5e8, and its CPU Adam on every core the process may use
+  (OMP_NUM_THREADS set before the process starts, and torch's threads; the launcher's
+  `--bind_cores_to_rank` also pins the cores, which for one rank owning every core changes
+  nothing). No activation recompute. `deepspeed2_ckpt`: the same with
   the model's own activation checkpointing (every layer recomputed). `deepspeed2_compile`: the same
   as `deepspeed2` with `engine.compile()` (Inductor). `deepspeed3`: ZeRO-3 with
   `offload_param` and `offload_optimizer` on the CPU. One process each, world size 1; the
@@ -219,14 +220,12 @@ def _deepspeed_config(stage: int) -> dict:
             "wall_clock_breakdown": False}
 
 
-def _bind_cores() -> dict:
-    """What the DeepSpeed launcher's --bind_cores_to_rank does for one rank: the process on every core it may
-    use, OpenMP (its CPU Adam) on as many threads."""
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, cores)
-    os.environ["OMP_NUM_THREADS"] = str(len(cores))
-    torch.set_num_threads(len(cores))
-    return {"cores": len(cores), "omp_num_threads": len(cores)}
+def _cpu_adam_threads() -> dict:
+    """DeepSpeed's CPU Adam runs on OpenMP: as many threads as the cores this process may use (run_row sets
+    OMP_NUM_THREADS before the process starts; torch's own threads follow here)."""
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    return {"cores": cores, "omp_num_threads": int(os.environ.get("OMP_NUM_THREADS", "0")) or None}
 
 
 def row_deepspeed(args, stage: int, checkpointing: bool = False, compiled: bool = False) -> list[dict]:
@@ -235,7 +234,7 @@ def row_deepspeed(args, stage: int, checkpointing: bool = False, compiled: bool 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"), ("LOCAL_RANK", "0"),
                        ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
-    binding = _bind_cores()
+    binding = _cpu_adam_threads()
     deepspeed.init_distributed()
     args.checkpointing = args.checkpointing or checkpointing
     model, inputs, _ = _build(args)
@@ -281,7 +280,9 @@ def run_row(name: str, args) -> list[dict]:
     print(f"== {name}", flush=True)
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=args.row_timeout, text=True, capture_output=False)
+        env = dict(os.environ, OMP_NUM_THREADS=str(len(os.sched_getaffinity(0)))) if name.startswith("deepspeed") \
+            else None
+        proc = subprocess.run(cmd, timeout=args.row_timeout, text=True, capture_output=False, env=env)
     except subprocess.TimeoutExpired:
         return [{"mode": name, "error": f"did not finish in {args.row_timeout} s"}]
     if proc.returncode == 0 and os.path.exists(part):

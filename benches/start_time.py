@@ -9,7 +9,7 @@
 
 Every run is a fresh process (the thing a user starts many times a day), on the full-size model of
 benches/models.py (random init on the GPU, bf16, peft LoRA r=16 on the attention projections, AdamW;
-Flux with its own checkpointing, Qwen without), offloaded under the README's budget for it (Flux 16 GiB,
+Flux with its own checkpointing, Qwen without), offloaded under the documented budget for it (Flux 16 GiB,
 Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precision) the runs are, in order:
 
 - cold: empty caches (stagehand's: the W8A16 tune file, the compile bundle; Inductor's; Triton's), with

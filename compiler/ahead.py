@@ -28,8 +28,8 @@ no cache key holds them; with torch's defaults a worker traced Flux's attention 
 turns off, and the step faulted), and both sides key units the same whatever order they imported modules in
 (compile_cache.import_order_free_keys). How many: the backend option `ahead_workers`, else
 `STAGEHAND_AHEAD_WORKERS`, else none (with 2 started at offload, full-size Flux int8's cold first step on an
-H100 took 31.4-33.6 s against 47.6 s serial: README, Cold starts; each worker holds a CUDA context outside the
-VRAM budget). Each worker's Triton compile pool gets its share of the cores. Each job keeps its timeline
+H100 took 31.4-33.6 s against 47.6 s serial, in benches/results/start_time_ahead*; each worker holds a CUDA
+context outside the VRAM budget). Each worker's Triton compile pool gets its share of the cores. Each job keeps its timeline
 (submitted, started, done, asked for) and its worker's seconds per phase of torch's compile (`stats["jobs"]`); the
 step's wait for a running job first does the work the step put off for it (`take`'s `while_waiting`: the W8A16
 tuning its eager forward deferred, kernels/tune_deferral.py). No workers in a run that finds the

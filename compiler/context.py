@@ -58,7 +58,7 @@ class BackendOptions:
     experts_math: str = "grouped"
     # Worker processes that compile foreseen block variants while the step runs (ahead.py); None: the
     # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: each holds a CUDA context outside the VRAM budget,
-    # and on two-unit models they start slower than the step compiles; README, Cold starts).
+    # and on two-unit models they start slower than the step compiles: benches/start_time.py measures both).
     ahead_workers: int | None = None
 
     def workers_ahead(self) -> int:

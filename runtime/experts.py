@@ -34,7 +34,7 @@ from . import precision as precisions
 from . import registry
 from .precision import LayerLayout
 from .precision.traced import in_graph
-from .streamed import HostMasterParameter, guard_on_runtime, make_streamed, streamed_experts_class
+from .streamed import HostMasterParameter, guard_on_runtime, make_streamed, runtime_key, streamed_experts_class
 
 
 class StreamedExpertsTrainError(RuntimeError):
@@ -142,7 +142,7 @@ def _read_stack(module, name: str) -> torch.Tensor:
                                          forward_memo=reads)
         w = reads[name]
     else:
-        guard_on_runtime(module._sh_runtime_id)
+        guard_on_runtime(module._sh_runtime_key)
         w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype,
                                                  module._sh_device)
     for wrapper in module.__dict__.get("_sh_lora", {}).get(name, ()):  # peft target_parameters (lora_experts.py)
@@ -166,7 +166,7 @@ def attach_streamed(spec, layer_id: int, anchor: torch.Tensor, on_requires_grad,
     if not hasattr(module, "_sh_layer"):
         module._sh_layer, module._sh_fqn = layer_id, spec.fqn.rpartition(".")[0]
         module._sh_block_tok, module._sh_device, module._sh_trains = block_tok, device, {}
-        module._sh_runtime_id = runtime_id
+        module._sh_runtime_key = runtime_key(runtime_id)
     weight = spec.weight
     weight.__class__ = HostMasterParameter
     weight._sh_fqn, weight._sh_layer, weight._sh_name = spec.fqn, layer_id, spec.fqn

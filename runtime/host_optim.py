@@ -61,32 +61,40 @@ class Noise:
     WINDOW = 1 << 16
 
     def __init__(self, generator: torch.Generator | None, device: torch.device | None = None):
-        # The values and offsets are drawn by the (CPU) generator, one random stream wherever the weights
-        # live; on a GPU the buffer is copied up once a step and the offsets stay host ints (no device read).
-        self.generator, self.device = generator, device
+        # One random stream wherever the weights live: the (CPU) generator draws the values on the host, and on
+        # a GPU only the seed of a device generator that draws them there (no copy up, no device read: the
+        # offsets stay host ints).
+        self.generator = generator
+        self.device = device if device is not None and device.type != "cpu" else None
+        self._draw = generator
+        if self.device is not None:
+            seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
+            self._draw = torch.Generator(self.device).manual_seed(seed)
         self._bits: torch.Tensor | None = None  # int32 in [0, 2**16): bf16 rounding
         self._unit: torch.Tensor | None = None  # float32 in [0, 1): int8 codes
-
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.device is None or self.device.type == "cpu" else t.to(self.device)
 
     def _slice(self, buf: torch.Tensor, n: int) -> torch.Tensor:
         offset = int(torch.randint(0, buf.numel() - n + 1, (1,), generator=self.generator))
         return buf[offset:offset + n]
 
+    def _randint(self, n: int) -> torch.Tensor:
+        return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=self._draw, device=self.device)
+
+    def _rand(self, n: int) -> torch.Tensor:
+        return torch.rand(n, generator=self._draw, device=self.device)
+
     def bits(self, n: int) -> torch.Tensor:
         if n > CHUNK:  # more than a chunk at once: a value per element
-            return self._on_device(torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=self.generator))
+            return self._randint(n)
         if self._bits is None:
-            self._bits = self._on_device(torch.randint(0, 1 << 16, (CHUNK + self.WINDOW,), dtype=torch.int32,
-                                                       generator=self.generator))
+            self._bits = self._randint(CHUNK + self.WINDOW)
         return self._slice(self._bits, n)
 
     def unit(self, n: int) -> torch.Tensor:
         if n > CHUNK:
-            return self._on_device(torch.rand(n, generator=self.generator))
+            return self._rand(n)
         if self._unit is None:
-            self._unit = self._on_device(torch.rand(CHUNK + self.WINDOW, generator=self.generator))
+            self._unit = self._rand(CHUNK + self.WINDOW)
         return self._slice(self._unit, n)
 
 
@@ -299,8 +307,11 @@ class ResidentAdamW:
         self.host: set[torch.Tensor] = set(host)
         self._scratch: dict[torch.device, tuple[Scratch, ...]] = {}
         # place="host" with GPU parameters: per parameter, the page-locked copy of its value the host steps and
-        # the one its gradient lands in (not optimizer state: made again from the parameter)
+        # the one its gradient lands in (not optimizer state: made again from the parameter), and the parameter's
+        # version when the value was last copied (a parameter written since, by load_state_dict or by hand, is
+        # copied down again before it steps: the value is its master when it has no fp32 one)
         self._staging: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copied_version: dict[torch.Tensor, int] = {}
         self._hooks: list = []  # `overlap`: the gradient hooks
         self._ahead: set[torch.Tensor] = set()  # host-placed parameters stepped during this backward
         self._landing_scratch = tuple(Scratch() for _ in range(4))  # the landing thread's own
@@ -325,13 +336,14 @@ class ResidentAdamW:
             return
         value, host_grad = self._staging[p]
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(p.device))
         self._copies.wait_event(ready)
         with torch.cuda.stream(self._copies):
+            self._refresh(p)
             host_grad.copy_(_local(p.grad), non_blocking=True)
             p.grad.record_stream(self._copies)
             copied = torch.cuda.Event()
-            copied.record()
+            copied.record(self._copies)
         self._ahead.add(p)
         state, hyper = self._state_of(p), self._hyper_of(p)
 
@@ -341,10 +353,26 @@ class ResidentAdamW:
 
         self._run_later(work)
 
+    def _refresh(self, p: torch.Tensor) -> None:
+        """Copy the parameter down into its staged value if it was written since the last copy (on the current
+        stream, before the host reads the value)."""
+        local = _local(p)
+        if self._copied_version.get(p) != local._version:
+            self._staging[p][0].copy_(local, non_blocking=True)
+            self._copied_version[p] = local._version
+
+    def _copy_up(self, p: torch.Tensor) -> None:
+        local = _local(p)
+        local.copy_(self._staging[p][0], non_blocking=True)  # on the compute stream, before the next forward
+        self._copied_version[p] = local._version
+
     def close(self) -> None:
+        """Remove the gradient hooks and free the page-locked staging (the states stay with the optimizer)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._staging.clear()
+        self._copied_version.clear()
 
     def on_host(self, p: torch.Tensor) -> bool:
         return p in self.host and p.device.type != "cpu"
@@ -363,10 +391,11 @@ class ResidentAdamW:
 
     def _stage(self, p: torch.Tensor) -> torch.Tensor:
         if p not in self._staging:
-            local = _local(p)
+            local = _local(p)  # a DTensor's shard: the value and the gradient are this rank's part
             value = torch.empty(local.shape, dtype=p.dtype, pin_memory=True)
             value.copy_(local)
-            self._staging[p] = (value, torch.empty(p.shape, dtype=p.dtype, pin_memory=True))
+            self._staging[p] = (value, torch.empty(local.shape, dtype=p.dtype, pin_memory=True))
+            self._copied_version[p] = local._version
         return self._staging[p][0]
 
     def adopt(self, p: torch.Tensor, state: dict) -> dict:
@@ -379,11 +408,13 @@ class ResidentAdamW:
         else:
             state = {k: v.to(p.device) if k != "step" else v.to(p.device, torch.float32) for k, v in state.items()}
         if "master" not in state and self.master == "fp32" and p.dtype != torch.float32:
-            state["master"] = new_state(p, self.master, "bf16")["master"].to(state["exp_avg"].device)  # saved without
+            state["master"] = _local(p).float().to(state["exp_avg"].device)  # saved by an optimizer without one
         return state
 
     def state_bytes(self, p: torch.Tensor) -> int:
-        return state_bytes(p, self.master, self.states) + (2 * p.numel() * p.element_size() if self.on_host(p) else 0)
+        local = _local(p)  # a DTensor's shard
+        staging = 2 * local.numel() * local.element_size() if self.on_host(p) else 0
+        return state_bytes(local, self.master, self.states) + staging
 
     def _scratch_for(self, device: torch.device) -> tuple[Scratch, ...]:
         if device not in self._scratch:
@@ -393,7 +424,7 @@ class ResidentAdamW:
     def publish_ahead(self) -> None:
         """Copy up the weights stepped during the backward (`overlap`; the landing thread is drained)."""
         for p in self._ahead:
-            _local(p).copy_(self._staging[p][0], non_blocking=True)
+            self._copy_up(p)
         self._ahead.clear()
 
     def step(self, params: list[torch.Tensor], states: list[dict], hyper: Hyper) -> None:
@@ -413,15 +444,15 @@ class ResidentAdamW:
             return
         values, grads = zip(*(self._staging[params[i]] for i in away))
         for i, g in zip(away, grads):
+            self._refresh(params[i])
             g.copy_(_local(params[i].grad), non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(params[away[0]].device))
         done.synchronize()  # the host reads the gradients now (the step is the host's work)
         adamw_step(list(values), list(grads), [states[i] for i in away], hyper, self.master,
                    self._scratch_for(torch.device("cpu")), self.generator)
-        for i, v in zip(away, values):
-            # on the compute stream, before the next forward; the next step's copies down wait for it too
-            _local(params[i]).copy_(v, non_blocking=True)
+        for i in away:
+            self._copy_up(params[i])  # the next step's copies down wait for it too (the same stream)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

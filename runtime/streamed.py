@@ -172,11 +172,11 @@ class StreamedMixin:
     _sh_block_tok: torch.Tensor
     _sh_position: int
     _sh_out_features: int
-    _sh_runtime_id: int  # the runtime the layer streams from: what a compiled graph is guarded on
+    _sh_runtime_key: str  # the runtime the layer streams from: what a compiled graph is guarded on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            guard_on_runtime(self._sh_runtime_id)
+            guard_on_runtime(self._sh_runtime_key)
         return torch.ops.stagehand.streamed_linear(x, self.bias, self._sh_block_tok, self._sh_position,
                                                    self._sh_out_features, self._sh_anchor)
 
@@ -236,17 +236,22 @@ def streamed_class(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def guard_on_runtime(runtime_id: int) -> None:
+def runtime_key(runtime_id: int) -> str:
+    return f"runtime {runtime_id}"
+
+
+def guard_on_runtime(key: str) -> None:
     """Make the graph being captured specific to one offloaded runtime.
 
     A compiled graph bakes in its runtime: the precision of each block's ops, the schedule, the plan. The block
     tokens are graph inputs guarded by their metadata only (so identical blocks share a graph), so without more a
     second model of the same architecture offloaded in the same process, or the same model offloaded again with
-    another precision, would pass Dynamo's guards and run the first runtime's graph. Dynamo specializes an int
-    attribute of a module, but installs its guard only once a branch reads it: this branch is that read, so a
-    graph captured for runtime 1 fails its guards for runtime 2 and Dynamo captures a graph of its own."""
-    if runtime_id <= 0:
-        raise RuntimeError("stagehand: a streamed layer without a live runtime (was the model restored?)")
+    another precision, would pass Dynamo's guards and run the first runtime's graph. Dynamo guards a string
+    attribute of a module by its value (a string never becomes symbolic, as an int may), but only once a branch
+    reads it: this branch is that read, so a graph captured for one runtime fails its guards for the next and
+    Dynamo captures a graph of its own. The key is never empty; the branch is there for its guard."""
+    if not key:
+        raise RuntimeError("stagehand: a streamed layer without its runtime's key")
 
 
 def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tensor, on_requires_grad,
@@ -255,7 +260,7 @@ def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tens
     `block_tok`, `position`: the block's token and the layer's place among its streamed layers; `runtime_id`: the
     runtime's registry id (`guard_on_runtime`)."""
     module.__class__ = streamed_class(type(module))
-    module._sh_layer, module._sh_runtime_id = layer_id, runtime_id
+    module._sh_layer, module._sh_runtime_key = layer_id, runtime_key(runtime_id)
     module._sh_fqn = fqn
     module._sh_anchor = anchor
     module._sh_block_tok, module._sh_position, module._sh_out_features = block_tok, position, out_features
@@ -295,7 +300,7 @@ def _guarded_apply(module: nn.Module, fn, recurse: bool = True):
     return type(module)._apply(module, fn, recurse)
 
 
-_STREAMED_ATTRS = ("_sh_layer", "_sh_runtime_id", "_sh_fqn", "_sh_anchor", "_sh_block_tok", "_sh_position", "_sh_out_features",
+_STREAMED_ATTRS = ("_sh_layer", "_sh_runtime_key", "_sh_fqn", "_sh_anchor", "_sh_block_tok", "_sh_position", "_sh_out_features",
                    "_sh_stacks", "_sh_trains", "_sh_device", "_sh_lora", "_sh_routed", "_sh_reads")
 
 
@@ -327,7 +332,7 @@ class StreamedExpertsMixin:
     _sh_layer: int
     _sh_fqn: str
     _sh_block_tok: torch.Tensor
-    _sh_runtime_id: int  # guard_on_runtime
+    _sh_runtime_key: str  # guard_on_runtime
     _sh_stacks: dict[str, tuple[int, tuple[int, ...], torch.dtype]]  # name -> (position in the block, shape, dtype)
     _sh_trains: dict[str, bool]  # name -> requires_grad, kept by the parameter's callback (no parameter read)
     _sh_device: torch.device

@@ -154,7 +154,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                                                      overlap and max_grad_norm is None)
         if delayed_update:
             self.device_update_note = "delayed_update=True steps every block on the host"
-        elif device_update == "auto" and self.device_update_note not in ("", "no GPU", "no streamed weight"):
+        elif device_update == "auto" and self.device_update_note and self.runtime.device.type == "cuda":
             _warn_once(f"HostAdamW: device_update='auto' steps every streamed block on the host: "
                        f"{self.device_update_note}")
         if self.runtime is not None:
@@ -193,7 +193,8 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
     def _resident_on_host(self, requested: str) -> list[torch.Tensor]:
         """The resident parameters whose states live on the host.
 
-        "auto" on a GPU: the states stay beside their parameters, in the model's order, while they take at most
+        "auto" on a GPU: the states stay beside their parameters, in the optimizer's order of its parameters (the
+        model's, for `model.parameters()`), while they take at most
         half of what the VRAM budget leaves beside the resident tensors and two slots of the largest block; the
         rest go to the host. The model's order puts the embeddings first: their gradient is the backward's last,
         so their update on the host could hide behind no block, while a head's, final first, overlaps the
@@ -232,11 +233,12 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                 need[resident] += lane.state_bytes(p)
             else:
                 on_device += lane.state_bytes(p)
-        if on_device and on_device > torch.cuda.mem_get_info(self._resident[0].device)[0]:
+        gpu = next((p.device for p in self._resident if p.device.type == "cuda" and not lane.on_host(p)), None)
+        if on_device and on_device > torch.cuda.mem_get_info(gpu)[0]:
             raise torch.OutOfMemoryError(
                 f"HostAdamW: the masters and moments of the {len(self._resident)} resident parameters need "
-                f"{gib(on_device)} on {self._resident[0].device}, more than is free there; pass "
-                "resident_states='host', master='bf16' or states='int8'")
+                f"{gib(on_device)} on {gpu}, more than is free there; pass resident_states='host', master='bf16' "
+                "or states='int8'")
         for p in self._streamed:
             if p.requires_grad and self._owned(p):
                 total = state_bytes(p, self.master, self.states)
@@ -402,12 +404,16 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         fp32 masters and moments of a bf16 weight, int8 codes), a resident parameter's where `resident_states`
         places them, and the random stream continues where it was saved."""
         params = [p for g in self.param_groups for p in g["params"]]
+        model = self.runtime.model if self.runtime is not None else None
+        names = {p: n for n, p in model.named_parameters()} if model is not None else {}
         exact = {params[i]: {k: v.clone() for k, v in st.items()} for i, st in state_dict["state"].items()}
         for p, st in exact.items():
             kept = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}.get(st["exp_avg"].dtype)
             if kept != self.states:
-                raise ValueError(f"HostAdamW.load_state_dict: the saved moments are {kept}, this optimizer keeps "
-                                 f"states={self.states!r}")
+                old = " (a checkpoint of a HostAdamW that stepped the resident parameters in their own dtype)" \
+                    if not isinstance(p, HostMasterParameter) and kept == "bf16" else ""
+                raise ValueError(f"HostAdamW.load_state_dict: the saved moments of {names.get(p, 'a parameter')} "
+                                 f"are {kept}{old}, this optimizer keeps states={self.states!r}")
         rng = state_dict.get("stagehand_rng")
         state_dict = {k: v for k, v in state_dict.items() if k != "stagehand_rng"} | \
             {"state": {i: st for i, st in state_dict["state"].items() if params[i] not in exact}}

@@ -24,7 +24,7 @@ def test_dit_shape_and_block_bytes():
     assert per_block == 96 * (3 * 96 + 96 + 4 * 96 + 4 * 96)  # qkv, proj, fc1, fc2
     with torch.no_grad():
         assert model(x).shape == x.shape
-    # The performance workload (README: 216 MiB of BF16 per block), counted on its real block.
+    # The performance workload (216 MiB of BF16 per block), counted on its real block.
     with torch.device("meta"):
         big = DiT(depth=1, hidden=3072, heads=24).to(torch.bfloat16)
     weights = [p for n, p in big.blocks[0].named_parameters() if n.endswith("weight") and p.dim() == 2]

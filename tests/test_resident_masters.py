@@ -167,7 +167,7 @@ def test_a_resumed_run_continues_exactly(master, tmp_path):
         rt.close()
 
 
-def test_clipping_reads_the_norm_once_and_scales_resident_and_streamed_alike():
+def test_clipping_scales_by_the_norm_of_every_gradient_resident_and_streamed():
     model = _model("llama")
     clip = 0.5
     ref = copy.deepcopy(model)
@@ -226,5 +226,28 @@ def test_device_update_auto_that_stays_on_the_host_warns_why():
     try:
         with pytest.warns(HostUpdateWarning, match="max_grad_norm"):
             HostAdamW(model.parameters(), lr=LR, max_grad_norm=1.0)
+    finally:
+        rt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("place", ["device", "host"])
+def test_a_bf16_master_written_after_the_optimizer_was_built_steps_from_its_new_value(place):
+    """master="bf16": the weight is its own master. Written after the optimizer was built (a checkpoint loaded
+    into the model, an edit by hand), the next step starts from the new value, wherever the states live (the
+    host's page-locked copy of it is refreshed before it steps)."""
+    model = _model("llama")
+    rt = stagehand.offload(model, device="cuda", verbose=False)
+    try:
+        opt = HostAdamW(model.parameters(), lr=0.0, weight_decay=0.0, master="bf16", resident_states=place)
+        embed = model.model.embed_tokens.weight
+        with torch.no_grad():
+            embed.add_(1.0)
+        written = embed.detach().clone()
+        ids = _batches()[0].cuda()
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        assert torch.equal(embed.detach(), written)  # lr 0: the step leaves the new value as it is
     finally:
         rt.close()

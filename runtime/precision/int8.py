@@ -18,8 +18,8 @@ from .base import OneBytePerRow
 from .traced import TracedLinear, TracedMath, in_graph
 
 # From this many rows (tokens) up the W8A16 autotuner picks dequantize + cuBLAS over its fused kernels on an
-# H100 (README, "kernels": the fused kernels reach 0.47-0.85 of cuBLAS at M >= 256 and the dequantize pass
-# pays for itself above 512). That path is plain aten ops, so compiled blocks trace it into their graph.
+# H100 (benches/kernels.py measured the fused kernels at 0.47-0.85 of cuBLAS at M >= 256, and the dequantize
+# pass paying for itself above 512). That path is plain aten ops, so compiled blocks trace it into their graph.
 TRACED_MIN_ROWS = 513
 
 
