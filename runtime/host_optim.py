@@ -340,7 +340,7 @@ class ResidentAdamW:
         self._copies.wait_event(ready)
         with torch.cuda.stream(self._copies):
             self._refresh(p)
-            host_grad.copy_(_local(p.grad), non_blocking=True)
+            host_grad.copy_(local_shard(p.grad), non_blocking=True)
             p.grad.record_stream(self._copies)
             copied = torch.cuda.Event()
             copied.record(self._copies)
@@ -356,13 +356,13 @@ class ResidentAdamW:
     def _refresh(self, p: torch.Tensor) -> None:
         """Copy the parameter down into its staged value if it was written since the last copy (on the current
         stream, before the host reads the value)."""
-        local = _local(p)
+        local = local_shard(p)
         if self._copied_version.get(p) != local._version:
             self._staging[p][0].copy_(local, non_blocking=True)
             self._copied_version[p] = local._version
 
     def _copy_up(self, p: torch.Tensor) -> None:
-        local = _local(p)
+        local = local_shard(p)
         local.copy_(self._staging[p][0], non_blocking=True)  # on the compute stream, before the next forward
         self._copied_version[p] = local._version
 
@@ -386,12 +386,12 @@ class ResidentAdamW:
 
     def new_state(self, p: torch.Tensor) -> dict:
         if not self.on_host(p):
-            return new_state(_local(p), self.master, self.states)
+            return new_state(local_shard(p), self.master, self.states)
         return new_state(self._stage(p), self.master, self.states, pin=True)
 
     def _stage(self, p: torch.Tensor) -> torch.Tensor:
         if p not in self._staging:
-            local = _local(p)  # a DTensor's shard: the value and the gradient are this rank's part
+            local = local_shard(p)  # a DTensor's shard: the value and the gradient are this rank's part
             value = torch.empty(local.shape, dtype=p.dtype, pin_memory=True)
             value.copy_(local)
             self._staging[p] = (value, torch.empty(local.shape, dtype=p.dtype, pin_memory=True))
@@ -408,11 +408,11 @@ class ResidentAdamW:
         else:
             state = {k: v.to(p.device) if k != "step" else v.to(p.device, torch.float32) for k, v in state.items()}
         if "master" not in state and self.master == "fp32" and p.dtype != torch.float32:
-            state["master"] = _local(p).float().to(state["exp_avg"].device)  # saved by an optimizer without one
+            state["master"] = local_shard(p).float().to(state["exp_avg"].device)  # saved by an optimizer without one
         return state
 
     def state_bytes(self, p: torch.Tensor) -> int:
-        local = _local(p)  # a DTensor's shard
+        local = local_shard(p)  # a DTensor's shard
         staging = 2 * local.numel() * local.element_size() if self.on_host(p) else 0
         return state_bytes(local, self.master, self.states) + staging
 
@@ -437,7 +437,7 @@ class ResidentAdamW:
         for i in here:
             by_device.setdefault(params[i].device, []).append(i)
         for device, idx in by_device.items():
-            adamw_step([_local(params[i]) for i in idx], [_local(params[i].grad) for i in idx],
+            adamw_step([local_shard(params[i]) for i in idx], [local_shard(params[i].grad) for i in idx],
                        [states[i] for i in idx], hyper, self.master, self._scratch_for(device), self.generator)
         away = [i for i, p in enumerate(params) if self.on_host(p)]
         if not away:
@@ -445,7 +445,7 @@ class ResidentAdamW:
         values, grads = zip(*(self._staging[params[i]] for i in away))
         for i, g in zip(away, grads):
             self._refresh(params[i])
-            g.copy_(_local(params[i].grad), non_blocking=True)
+            g.copy_(local_shard(params[i].grad), non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(params[away[0]].device))
         done.synchronize()  # the host reads the gradients now (the step is the host's work)
@@ -455,7 +455,7 @@ class ResidentAdamW:
             self._copy_up(params[i])  # the next step's copies down wait for it too (the same stream)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor of `t`'s values on this rank: the local shard of a DTensor (FSDP2), `t` itself otherwise."""
     t = t.detach()
     return t._local_tensor if is_dtensor(t) else t
@@ -551,5 +551,5 @@ class LandingWorker:
         self._thread.join(timeout=60)
 
 
-__all__ = ["LandingWorker", "ResidentAdamW", "RESIDENT_PLACES", "Hyper", "Moments", "Noise", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_",
+__all__ = ["LandingWorker", "ResidentAdamW", "local_shard", "RESIDENT_PLACES", "Hyper", "Moments", "Noise", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_",
            "MASTERS", "STATES", "STATE_BYTES"]

@@ -81,7 +81,8 @@ from torch_stagehand.runtime.events import progress
 from torch_stagehand.runtime.host_budget import gib, probe_machine
 from torch_stagehand.runtime.allocator import allocated_bytes
 from torch_stagehand.runtime.host_optim import (MASTERS, RESIDENT_PLACES, STATE_BYTES, STATES, Hyper, LandingWorker,
-                                                 ResidentAdamW, Scratch, adamw_step, new_state, state_bytes)
+                                                 ResidentAdamW, Scratch, adamw_step, local_shard, new_state,
+                                                 state_bytes)
 from torch_stagehand.runtime.host_plan import HostMemoryError
 from torch_stagehand.runtime.streamed import HostMasterParameter
 
@@ -154,7 +155,8 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                                                      overlap and max_grad_norm is None)
         if delayed_update:
             self.device_update_note = "delayed_update=True steps every block on the host"
-        elif device_update == "auto" and self.device_update_note and self.runtime.device.type == "cuda":
+        elif device_update == "auto" and self.device_update_note and self.runtime is not None and \
+                self.runtime.device.type == "cuda":
             _warn_once(f"HostAdamW: device_update='auto' steps every streamed block on the host: "
                        f"{self.device_update_note}")
         if self.runtime is not None:
@@ -210,13 +212,13 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             room = budget - allocated_bytes(device) - 2 * rt.store.max_block_bytes()
         left, on_host = room // 2, []
         for p in self._resident:
-            nbytes = state_bytes(p, self.master, self.states)
+            nbytes = state_bytes(local_shard(p), self.master, self.states)
             if nbytes <= left:
                 left -= nbytes
             else:
                 on_host.append(p)
         if on_host:
-            nbytes = sum(state_bytes(p, self.master, self.states) for p in on_host)
+            nbytes = sum(state_bytes(local_shard(p), self.master, self.states) for p in on_host)
             _warn_once(f"HostAdamW: the masters and moments of {len(on_host)} of the {len(self._resident)} resident "
                        f"parameters ({gib(nbytes)}) stay on the host: the VRAM budget leaves {gib(max(0, room))} "
                        f"beside the resident tensors and two slots; each step copies their gradients down and their "

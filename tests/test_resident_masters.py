@@ -251,3 +251,17 @@ def test_a_bf16_master_written_after_the_optimizer_was_built_steps_from_its_new_
         assert torch.equal(embed.detach(), written)  # lr 0: the step leaves the new value as it is
     finally:
         rt.close()
+
+
+def test_a_model_that_was_never_offloaded_steps_with_masters_too():
+    """No streamed weight (nothing offloaded): every parameter is resident and still gets its fp32 master."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    opt = HostAdamW(model.parameters(), lr=LR)
+    assert opt.runtime is None and opt.device_update_note == "no streamed weight"
+    before = model.weight.detach().float().clone()
+    model(torch.randn(4, 16, dtype=torch.bfloat16)).float().square().sum().backward()
+    opt.step()
+    master = opt.state[model.weight]["master"]
+    assert master.dtype == torch.float32 and not torch.equal(master, before)
+    assert torch.equal(model.weight.detach(), master.to(torch.bfloat16))
