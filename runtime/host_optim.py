@@ -348,6 +348,8 @@ class ResidentAdamW:
         state, hyper = self._state_of(p), self._hyper_of(p)
 
         def work():
+            # On the landing thread, as GradLane.apply waits for a landing: the thread issuing the backward
+            # never waits here.
             copied.synchronize()
             adamw_step([value], [host_grad], [state], hyper, self.master, self._landing_scratch, self.generator)
 
@@ -448,7 +450,9 @@ class ResidentAdamW:
             g.copy_(local_shard(params[i].grad), non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(params[away[0]].device))
-        done.synchronize()  # the host reads the gradients now (the step is the host's work)
+        # Once a step, and only off the overlapped path (overlap=False, accumulation, clipping, several ranks):
+        # the host's AdamW needs the final gradients, which exist only once the backward has run.
+        done.synchronize()
         adamw_step(list(values), list(grads), [states[i] for i in away], hyper, self.master,
                    self._scratch_for(torch.device("cpu")), self.generator)
         for i in away:

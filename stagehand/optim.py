@@ -432,7 +432,9 @@ def _distributed() -> bool:
 
 
 def _squared_norm(grads: list[torch.Tensor]) -> float:
-    """The sum of the gradients' squares in fp32, read once per device (not once per tensor: a sync each)."""
+    """The sum of the gradients' squares in fp32, read once per device (not once per tensor: a sync each).
+    torch.nn.utils.get_total_norm would take a bf16 gradient's norm in bf16 and gather the devices' norms on
+    the first one."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         by_device[g.device].append(g)

@@ -45,8 +45,9 @@ def _compiled_loss(model, rt, train: bool) -> float:
     loss = compiled(IDS, labels=IDS).loss
     if train:
         loss.backward()
-    assert rt.stats()["sync_fetches"] == 0 or not train  # the schedule is this runtime's own
-    return float(loss)
+        # another runtime's schedule would fetch this one's blocks synchronously (seen: 7 a step)
+        assert rt.stats()["sync_fetches"] == 0
+    return float(loss.detach())
 
 
 def _check(model, precision: str, train: bool = False, **offload_kw) -> None:
