@@ -14,7 +14,7 @@ AdamW), in this one process:
    first step is the compile: `compile_s`; `--inductor-limit-s` bounds it,
    `--baselines eager` leaves it out); for Qwen also with checkpointing on,
    eager, and under Inductor with `--ckpt-inductor`;
-2. `offload(precision="int8")` with no budget: the fixed two-slot plan;
+2. `offload(precision=--precision)` (int8 unless told) with no budget: the fixed two-slot plan;
 3. one budget set (the largest): two steps under the smallest plan, the
    second measured (calibration: per-block times and activation bytes);
 4. "resident int8": the stagehand runtime, int8, with a budget every block
@@ -208,7 +208,7 @@ def run(args) -> dict:
 
     device, sync = args.device, Sync(args.device)
     env = print_header(env_info())
-    results: dict = {"env": env, "model": args.model, "tiny": args.tiny, "rows": []}
+    results: dict = {"env": env, "model": args.model, "precision": args.precision, "tiny": args.tiny, "rows": []}
     if device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11's cuDNN SDPA backward faults at Flux's shape
     results["inductor"] = inductor_settings()  # before any compile: how warm its cache was
@@ -269,10 +269,10 @@ def run(args) -> dict:
         return results
 
     t0 = time.perf_counter()
-    rt = stagehand.offload(model, device=device, precision="int8")
+    rt = stagehand.offload(model, device=device, precision=args.precision)
     results["offload_s"] = round(time.perf_counter() - t0, 1)
     rt.attach(optimizer)
-    streamed = sum(rt.block_nbytes(b, "int8") for b in range(len(rt.blocks)))
+    streamed = sum(rt.block_nbytes(b, args.precision) for b in range(len(rt.blocks)))
     compiled = torch.compile(model, backend="stagehand")
     rows.append(with_ratios(dict(timed("two-slot (no budget)", step_of(compiled), args.steps, sync, rt),
                                  **plan_columns(rt), ckpt=ckpt)))
@@ -284,7 +284,7 @@ def run(args) -> dict:
     plans = [(f"budget {name}", nbytes, False) for name, nbytes in budgets]
     if not args.skip_resident_int8:  # every block resident in int8: the budget far above what the model needs
         nbytes = int(args.resident_int8_fraction * streamed) if args.tiny else int(args.resident_int8_gib * GiB)
-        plans.insert(0, (f"resident int8 (stagehand, budget {nbytes / GiB:.3g} GiB)", nbytes, True))
+        plans.insert(0, (f"resident {args.precision} (stagehand, budget {nbytes / GiB:.3g} GiB)", nbytes, True))
     rt.replan(vram_budget=plans[0][1])  # calibrate once, under the smallest plan
     for _ in range(2):
         step_of(compiled)()
@@ -310,6 +310,9 @@ def run(args) -> dict:
                 print(f"  {label}: only {row['resident']} of {len(rt.blocks)} blocks resident", flush=True)
         if row["peak_gib"] is not None:
             row["under_budget"] = row["peak_gib"] <= nbytes / GiB
+        if ckpt and row["recomputed"] < len(rt.blocks):  # unequal recompute, said in the row (the baseline's is all)
+            row["recompute_note"] = (f"recomputes {row['recomputed']} of {len(rt.blocks)} blocks; the resident "
+                                     f"baselines recompute all {len(rt.blocks)}")
         with_ratios(row)
         if device == "cuda" and budget_gib in args.trace_budgets:
             row["gpu_lanes"] = gpu_lanes(step_of(compiled))
@@ -391,6 +394,8 @@ def main(argv=None) -> int:
                              "records the error and the sweep goes on (0: no limit)")
     parser.add_argument("--baselines-only", action="store_true",
                         help="stop after the resident rows (e.g. to fill Inductor's cache before a timed-out run)")
+    parser.add_argument("--precision", choices=["int8", "bf16"], default="int8",
+                        help="the streamed blocks' precision (bf16: the row beside the bf16 peers)")
     parser.add_argument("--skip-resident-int8", action="store_true", help="no 'resident int8' row")
     parser.add_argument("--resident-int8-gib", type=float, default=70,
                         help="the budget of the 'resident int8' row (large enough that every block stays resident)")
@@ -401,7 +406,7 @@ def main(argv=None) -> int:
     args.out = args.out or os.path.join(RESULTS, f"budget_sweep_{args.model}{'_tiny' if args.tiny else ''}.json")
     results = run(args)
     rows, env = results["rows"], results["env"]
-    title = f"budget sweep, {args.model} {results['shape']}, int8, {env['device']}, commit {env['commit'][:12]}"
+    title = f"budget sweep, {args.model} {results['shape']}, {args.precision}, {env['device']}, commit {env['commit'][:12]}"
     print_rows(rows, ["mode", "ckpt", "step_ms", *RATIO_COLUMNS, *(f"{r}_ckpt" for r in RATIO_COLUMNS),
                       "peak_gib", "peak_reserved_gib", "budget_gib", "under_budget", "error"],
                title=f"{title}: step time against the resident baselines (same run)")

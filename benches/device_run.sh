@@ -5,7 +5,7 @@
 #   STAGES="stream" STREAM_ARGS="--tokens 1024 4096" bash benches/device_run.sh
 #   STAGES="alltests" bash benches/device_run.sh                      # every gpu test but the kernels', one run, 4 files at a time
 #   STAGES="tests models" MODEL=qwen bash benches/device_run.sh       # full-size models (benches/models.py)
-#   STAGES="peer" bash benches/device_run.sh                          # musubi-tuner's block swap on Flux 12B
+#   STAGES="peer" MUSUBI_COMMIT=<sha> bash benches/device_run.sh      # musubi-tuner's block swap on Flux 12B (bf16, fp8)
 #   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8 bf16" bash benches/device_run.sh   # host memory (benches/host_memory.py)
 #   STAGES="hostmem" MODEL=flux HOSTMEM_RUNS="int8" HOSTMEM_ARGS="--cgroup-gb 32" bash benches/device_run.sh
 #   STAGES="hostmem" HOSTMEM_RUNS="disk" bash benches/device_run.sh                   # the disk tier's GB/s
@@ -29,7 +29,7 @@
 #                  # Flux's resident Inductor compile alone (~6 min cold): fills Inductor's cache in /tmp for the full
 #                  # sweep in a next call on the same (still warm) machine, whose JSON says how warm the cache was
 # Wheels carried in .whl/ (diffusers for the Flux rows) are installed to /tmp/site first;
-# the peer stage needs musubi's custom_offloading_utils.py as .peer/musubi_offload.py.
+# the peer stage needs musubi-tuner's package in .peer/musubi_tuner (benches/peer_musubi_flux.py says which files).
 #
 # The device copy has no .git: the caller names the commit and whether the tree was clean, and every
 # GPU test log (and every bench's JSON env) carries them. A log without them says "commit unknown":
@@ -137,8 +137,9 @@ for stage in $STAGES; do
     kernels) timeout ${KERNELS_TIMEOUT:-300} python3 benches/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -70 | tee "$OUT/kernels.log" ;;
     models) timeout ${MODELS_TIMEOUT:-540} python3 benches/models.py --model ${MODEL:-qwen} ${MODELS_ARGS:-} \
               --out "$OUT/models_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/models_${MODEL:-qwen}.log" ;;
-    peer)   SWAPS=${SWAPS:-34} STEPS=${PEER_STEPS:-3} MUSUBI_OFFLOAD_DIR=.peer timeout ${PEER_TIMEOUT:-300} \
-              python3 benches/peer_musubi_flux.py 2>&1 | tee "$OUT/peer_musubi_flux.jsonl" ;;
+    peer)   CONFIGS=${PEER_CONFIGS:-bf16:0:compiled bf16:18:compiled fp8:0:compiled fp8:6:compiled} STEPS=${PEER_STEPS:-3} \
+              MUSUBI_DIR=.peer MUSUBI_COMMIT=${MUSUBI_COMMIT:-unknown} timeout ${PEER_TIMEOUT:-400} \
+              python3 benches/peer_musubi_flux.py 2>&1 | grep -vE "^INFO|it/s\]|Warning|warn" | tee "$OUT/${PEER_NAME:-peer_musubi_flux}.jsonl" ;;
     hostmem) timeout ${HOSTMEM_TIMEOUT:-540} python3 benches/host_memory.py --model ${MODEL:-flux} --runs ${HOSTMEM_RUNS:-int8 bf16} \
               ${HOSTMEM_ARGS:-} --out "$OUT/host_memory_${MODEL:-flux}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn|it/s\]" \
               | tee "$OUT/host_memory_${MODEL:-flux}.log" ;;
@@ -156,7 +157,12 @@ for stage in $STAGES; do
     sptests) run_tests sptests "$OUT/sp_tests.log" ${SPTESTS_TIMEOUT:-240} 20 -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py \
               tests/test_traced_linear.py tests/test_selective_gpu.py ;;
     sweep)  timeout ${SWEEP_TIMEOUT:-540} python3 benches/budget_sweep.py --model ${MODEL:-qwen} ${SWEEP_ARGS:-} \
-              --out "$OUT/budget_sweep_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/budget_sweep_${MODEL:-qwen}.log" ;;
+              --out "$OUT/${SWEEP_NAME:-budget_sweep_${MODEL:-qwen}}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
+              | tee "$OUT/${SWEEP_NAME:-budget_sweep_${MODEL:-qwen}}.log" ;;
+    sweep2) # a second sweep in the same call (e.g. the other precision)
+            timeout ${SWEEP2_TIMEOUT:-300} python3 benches/budget_sweep.py --model ${MODEL:-qwen} ${SWEEP2_ARGS:-} \
+              --out "$OUT/${SWEEP2_NAME:?name the second sweep}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
+              | tee "$OUT/${SWEEP2_NAME}.log" ;;
     btests) run_tests btests "$OUT/gpu_budget_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -rs -s \
               tests/test_gpu_budget.py ;;
     moe)    timeout ${MOE_TIMEOUT:-560} python3 benches/moe.py ${MOE_ARGS:-} --out "$OUT/${MOE_NAME:-moe_qwen3_30b}.json" 2>&1 \

@@ -11,7 +11,8 @@ Rows:
 - resident (eager) and resident (inductor): everything on the device; the inductor row runs last (its first step
   compiles the whole model, ~6 min at 12B on an H100), `--resident-compilers eager` leaves it out.
 - diffusers group offload, `enable_group_offload(onload_device, offload_type="block_level",
-  num_blocks_per_group=K, use_stream=True)` for each K in --groups (use_stream on CUDA only).
+  num_blocks_per_group=K, use_stream=True)` for each K in --groups (use_stream on CUDA only), eager and with
+  `compile_repeated_blocks()` (--group-compile).
 - accelerate `cpu_offload(model, execution_device)`: every parameter through hooks.
 - stagehand bf16 and int8 (inner compiler inductor on CUDA, eager on the CPU).
 Each row builds a fresh model (the offloaders change it in place). A row whose tool cannot train this set-up
@@ -62,17 +63,23 @@ def row_resident(args, sync, compiler: str):
     return dict(row, **host_memory())
 
 
-def row_group_offload(args, sync, k: int):
+def row_group_offload(args, sync, k: int, compiled: str):
+    """diffusers' block-level group offloading; `compiled` "regional" compiles each repeated block with
+    `compile_repeated_blocks()` after the offload hooks are on (diffusers made the two compose in PR 11605), as the
+    resident (inductor, regional) baseline of benches/budget_sweep.py is compiled."""
     model, inputs, _ = build(args, "cpu")
     base = model.get_base_model()
     t0 = time.perf_counter()
     base.enable_group_offload(torch.device(args.device), offload_type="block_level", num_blocks_per_group=k,
                               use_stream=args.device == "cuda")
     prepare_s = time.perf_counter() - t0
+    if compiled == "regional":
+        torch._dynamo.reset()
+        base.compile_repeated_blocks()
     optimizer = torch.optim.AdamW(trainable(model), lr=1e-5)
-    row = measure(f"diffusers group offload, num_blocks_per_group={k}",
+    row = measure(f"diffusers group offload, num_blocks_per_group={k}, use_stream, {compiled}",
                   make_step("flux", model, model, inputs, optimizer), args.steps, sync)
-    return dict(row, prepare_s=round(prepare_s, 1), **host_memory())
+    return dict(row, prepare_s=round(prepare_s, 1), compiled=compiled, **host_memory())
 
 
 def row_accelerate(args, sync):
@@ -112,6 +119,8 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--groups", type=int, nargs="+", default=[1, 4], help="diffusers num_blocks_per_group values")
+    p.add_argument("--group-compile", nargs="+", choices=["none", "regional"], default=["none", "regional"],
+                   help="the group-offload rows eager (none) and with compile_repeated_blocks() (regional)")
     p.add_argument("--rows", nargs="+", default=["resident", "group", "accelerate"],
                    help="resident, group, accelerate, stagehand (stagehand: also in benches/models.py)")
     p.add_argument("--resident-compilers", nargs="+", choices=["eager", "inductor"], default=["eager", "inductor"],
@@ -130,7 +139,8 @@ def main(argv=None) -> dict:
     if "eager" in resident:
         jobs.append(("resident (eager)", lambda: row_resident(args, sync, "eager")))
     if "group" in args.rows:
-        jobs += [(f"group {k}", lambda k=k: row_group_offload(args, sync, k)) for k in args.groups]
+        jobs += [(f"group {k} {c}", lambda k=k, c=c: row_group_offload(args, sync, k, c))
+                 for k in args.groups for c in args.group_compile]
     if "accelerate" in args.rows:
         jobs.append(("accelerate", lambda: row_accelerate(args, sync)))
     if "stagehand" in args.rows:
