@@ -50,8 +50,8 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from . import process_settings
-from .ahead_wire import receive, send
+from torch_stagehand.compiler import process_settings
+from torch_stagehand.compiler.ahead_wire import receive, send
 
 log = logging.getLogger("torch_stagehand.compiler")
 

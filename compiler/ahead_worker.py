@@ -28,7 +28,7 @@ def fake_inputs(specs: list) -> tuple[list, Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from .symbolic import FakedInputs
+    from torch_stagehand.compiler.symbolic import FakedInputs
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     storages: dict[int, torch.Tensor] = {}
@@ -55,8 +55,8 @@ def compile_job(job) -> dict:
     import torch
     from torch.fx._graph_pickler import GraphPickler
 
-    from . import compile_cache, inner, process_settings
-    from .inner import compile_unit
+    from torch_stagehand.compiler import compile_cache, inner, process_settings
+    from torch_stagehand.compiler.inner import compile_unit
 
     from torch._dynamo.utils import compilation_time_metrics
 
@@ -242,7 +242,7 @@ def profiled(compile_fn, job, directory: str) -> dict:
 
 
 def main() -> None:
-    from . import ahead, ahead_wire
+    from torch_stagehand.compiler import ahead, ahead_wire
 
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
@@ -263,7 +263,7 @@ def main() -> None:
         from torch._inductor.async_compile import maybe_warm_pool
 
         maybe_warm_pool()
-    from .inner import prewarm_compiler_imports
+    from torch_stagehand.compiler.inner import prewarm_compiler_imports
 
     prewarm_compiler_imports()  # Inductor's and AOTAutograd's modules and the cache keys' hashes, before a job waits
     compile_w8a16(configs.get("w8a16"), jobs)

@@ -29,13 +29,13 @@ import torch.fx as fx
 
 from torch_stagehand.runtime import registry
 
-from .context import BackendOptions, CompileContext, PassLog, PassRecord
-from .graph_nodes import streams, token_owners
-from .inner import compile_unit, warm_compile_workers
-from .interface import StreamingRuntime
-from .passes import GRAPH_PASSES, JOINT_PASSES, VARIANT_PASSES
-from .passes.assign_segments import Segment
-from .variants import variant_cache
+from torch_stagehand.compiler.context import BackendOptions, CompileContext, PassLog, PassRecord
+from torch_stagehand.compiler.graph_nodes import streams, token_owners
+from torch_stagehand.compiler.inner import compile_unit, warm_compile_workers
+from torch_stagehand.compiler.interface import StreamingRuntime
+from torch_stagehand.compiler.passes import GRAPH_PASSES, JOINT_PASSES, VARIANT_PASSES
+from torch_stagehand.compiler.passes.assign_segments import Segment
+from torch_stagehand.compiler.variants import variant_cache
 
 log = logging.getLogger("torch_stagehand.compiler")
 _graph_ids = itertools.count()

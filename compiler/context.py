@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
-from .interface import StreamingRuntime
+from torch_stagehand.compiler.interface import StreamingRuntime
 
 if TYPE_CHECKING:
     import networkx as nx
-    from .variants import VariantCache
+    from torch_stagehand.compiler.variants import VariantCache
 
 log = logging.getLogger("torch_stagehand.compiler")
 

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .compile_cache import cacheable_functions, import_order_free_keys, ops_fingerprint
-from .context import PassLog
-from .mutation import MutationIndex
-from .process_settings import AUTOTUNED, autotune_choice
-from .source_hash import passes_uuid
-from .symbolic import fake_static
+from torch_stagehand.compiler.compile_cache import cacheable_functions, import_order_free_keys, ops_fingerprint
+from torch_stagehand.compiler.context import PassLog
+from torch_stagehand.compiler.mutation import MutationIndex
+from torch_stagehand.compiler.process_settings import AUTOTUNED, autotune_choice
+from torch_stagehand.compiler.source_hash import passes_uuid
+from torch_stagehand.compiler.symbolic import fake_static
 
 if TYPE_CHECKING:
-    from .symbolic import FakedInputs
+    from torch_stagehand.compiler.symbolic import FakedInputs
 
 OnGraph = Callable[[str, fx.GraphModule], None]
 log = logging.getLogger("torch_stagehand.compiler")

@@ -10,8 +10,8 @@ from typing import Any, Callable, Protocol
 
 import torch.fx as fx
 
-from .graph_nodes import example_value
-from .mask_algebra import Affine, Subst, Unknown, Value, _is_one, size_key, substitute
+from torch_stagehand.compiler.graph_nodes import example_value
+from torch_stagehand.compiler.mask_algebra import Affine, Subst, Unknown, Value, _is_one, size_key, substitute
 
 
 class MaskInterpreter(Protocol):

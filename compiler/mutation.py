@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .graph_nodes import example_value
+from torch_stagehand.compiler.graph_nodes import example_value
 
 # `x op= y` on a tensor: Dynamo records the operator module's in-place function.
 _INPLACE_OPERATORS = {

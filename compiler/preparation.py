@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from .inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
-from .read_ahead import ReadAhead, ReadAheadStats, compiler_roots
+from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
+from torch_stagehand.compiler.read_ahead import ReadAhead, ReadAheadStats, compiler_roots
 
 
 class CompilerPreparation:

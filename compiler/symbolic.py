@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .graph_nodes import example_value
+from torch_stagehand.compiler.graph_nodes import example_value
 
 
 def _is_symbolic(value: Any) -> bool:

@@ -34,18 +34,18 @@ import torch.nn as nn
 from torch_stagehand import kernels
 from torch_stagehand.runtime import registry
 
-from . import compile_cache, residual_hints
-from .context import CompileContext, PassLog, VariantContext
-from .ahead import AheadJob
-from .ahead_wire import input_specs, pickle_graph
-from .graph_nodes import draws_random, example_value, is_streamed_read, streamed_arg
-from .inner import compile_unit
-from .recompute import run_again_after_oom, run_recomputed
-from .symbolic import SymbolicInputs
-from .variant_keys import input_signature, structure_key
+from torch_stagehand.compiler import compile_cache, residual_hints
+from torch_stagehand.compiler.context import CompileContext, PassLog, VariantContext
+from torch_stagehand.compiler.ahead import AheadJob
+from torch_stagehand.compiler.ahead_wire import input_specs, pickle_graph
+from torch_stagehand.compiler.graph_nodes import draws_random, example_value, is_streamed_read, streamed_arg
+from torch_stagehand.compiler.inner import compile_unit
+from torch_stagehand.compiler.recompute import run_again_after_oom, run_recomputed
+from torch_stagehand.compiler.symbolic import SymbolicInputs
+from torch_stagehand.compiler.variant_keys import input_signature, structure_key
 
 if TYPE_CHECKING:
-    from .passes.assign_segments import Segment
+    from torch_stagehand.compiler.passes.assign_segments import Segment
 
 log = logging.getLogger("torch_stagehand.compiler")
 # Beyond this many input signatures per structure, shapes are changing per call.

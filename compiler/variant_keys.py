@@ -6,7 +6,7 @@ import hashlib
 
 import torch.fx as fx
 
-from .symbolic import input_key
+from torch_stagehand.compiler.symbolic import input_key
 
 
 def structure_key(gm: fx.GraphModule) -> str:

@@ -20,10 +20,10 @@ import torch
 
 from torch_stagehand.runtime.blocks import layout_fingerprint
 
-from .ahead import AheadCompiler
-from .compile_cache import CompileBundle, enabled as bundle_enabled
-from .interface import StreamingRuntime
-from .symbolic import Guard, GuardedVariants
+from torch_stagehand.compiler.ahead import AheadCompiler
+from torch_stagehand.compiler.compile_cache import CompileBundle, enabled as bundle_enabled
+from torch_stagehand.compiler.interface import StreamingRuntime
+from torch_stagehand.compiler.symbolic import Guard, GuardedVariants
 
 
 class VariantCache:

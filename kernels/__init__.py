@@ -11,16 +11,16 @@ under TRITON_INTERPRET=1 on the CPU).
 
 import contextlib
 
-from .fallback import TritonUnavailableWarning, warn_reference_fallback
-from .quantize import dequantize, quantize_per_row
-from .reference import grouped_lowbit_ref, grouped_out_features, int8_linear_grad_input_ref, int8_linear_ref
+from torch_stagehand.kernels.fallback import TritonUnavailableWarning, warn_reference_fallback
+from torch_stagehand.kernels.quantize import dequantize, quantize_per_row
+from torch_stagehand.kernels.reference import grouped_lowbit_ref, grouped_out_features, int8_linear_grad_input_ref, int8_linear_ref
 
 TRITON_IMPORT_ERROR: BaseException | None = None  # why the fused kernels are missing, if they are
 try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
-    from .launch import int8_linear_grad_input_triton, int8_linear_triton
-    from .tune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
-    from .tune_deferral import deferred as deferred_tuning, tune_deferred
-    from .grouped import grouped_lowbit as _grouped_lowbit_cuda
+    from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
+    from torch_stagehand.kernels.tune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
+    from torch_stagehand.kernels.tune_deferral import deferred as deferred_tuning, tune_deferred
+    from torch_stagehand.kernels.grouped import grouped_lowbit as _grouped_lowbit_cuda
 
     HAS_TRITON = True
 except Exception as e:  # pragma: no cover - depends on the install

@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from . import tune
-from .launch import _k_split, _launch_bwd, _launch_fwd, _rows
-from .launch_memo import Executor
+from torch_stagehand.kernels import tune
+from torch_stagehand.kernels.launch import _k_split, _launch_bwd, _launch_fwd, _rows
+from torch_stagehand.kernels.launch_memo import Executor
 
 # A token count in each regime the fused kernels serve: M <= 16 (a modulation's GEMV: one row per sample) and
 # 64 < M <= 512 (Flux's text stream). From 513 rows up a compiled block dequantizes in its graph

@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from .fallback import warn_reference_fallback
-from .launch_memo import Executor, LaunchMemo, tensor_key
+from torch_stagehand.kernels.fallback import warn_reference_fallback
+from torch_stagehand.kernels.launch_memo import Executor, LaunchMemo, tensor_key
 
 TRITON_IMPORT_ERROR: BaseException | None = None
 try:  # a broken Triton install must not break the CPU path (the twin); CUDA calls then warn once

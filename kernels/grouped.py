@@ -31,10 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import tune, w8a16
-from .reference import check_grouped_args as check_args
-from .reference import grouped_lowbit_ref
-from .tune import DEQUANT, LaunchConfig, interpreting
+from torch_stagehand.kernels import tune, w8a16
+from torch_stagehand.kernels.reference import check_grouped_args as check_args
+from torch_stagehand.kernels.reference import grouped_lowbit_ref
+from torch_stagehand.kernels.tune import DEQUANT, LaunchConfig, interpreting
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -168,7 +168,7 @@ def has_scaled_grouped_mm(x: torch.Tensor, q: torch.Tensor, rows_are_out: bool) 
 def scaled_grouped_mm(x, q, scale, offs):
     """y = x @ (q * s)^T per expert with the activation quantized to E4M3 per row, as fp8 Linears do on
     FP8 tensor cores (precision/fp8.py)."""
-    from .fp8_quant import quantize_rows
+    from torch_stagehand.kernels.fp8_quant import quantize_rows
 
     xq, xs = quantize_rows(x)
     return torch._scaled_grouped_mm(xq, q.transpose(-2, -1), xs.reshape(-1).float(), scale.float(), offs=offs,

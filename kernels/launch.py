@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import tune, tune_deferral, w8a16
-from .launch_memo import Executor, LaunchMemo, tensor_key
-from .tune import LaunchConfig
+from torch_stagehand.kernels import tune, tune_deferral, w8a16
+from torch_stagehand.kernels.launch_memo import Executor, LaunchMemo, tensor_key
+from torch_stagehand.kernels.tune import LaunchConfig
 
 _ACTS = {None: 0, "gelu_tanh": 1}
 _REDUCE_BLOCK = 1024

@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import triton
 
-from . import tune_cache, tune_deferral as deferral
+from torch_stagehand.kernels import tune_cache, tune_deferral as deferral
 
 
 @dataclass(frozen=True)

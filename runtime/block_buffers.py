@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import precision as precisions
-from .blocks import StreamedLayerSpec
-from .precision import LayerLayout
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.blocks import StreamedLayerSpec
+from torch_stagehand.runtime.precision import LayerLayout
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from .linear_like import is_conv1d
+from torch_stagehand.runtime.linear_like import is_conv1d
 
 
 class BlockSelectionError(ValueError):

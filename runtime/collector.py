@@ -35,7 +35,7 @@ import logging
 import time
 from typing import Any
 
-from .conductor.phases import Phase
+from torch_stagehand.runtime.conductor.phases import Phase
 
 log = logging.getLogger(__name__)
 

@@ -263,7 +263,7 @@ class Config:
         if not isinstance(self.routed_experts_max_tokens, int) or self.routed_experts_max_tokens < 0:
             raise ConfigError(f"routed_experts_max_tokens: must be an int >= 0, got {self.routed_experts_max_tokens!r}")
         if self.expert_cache_bytes != "auto" and self.expert_cache_bytes != 0:
-            from .conductor.costs import BudgetError, parse_bytes
+            from torch_stagehand.runtime.conductor.costs import BudgetError, parse_bytes
 
             try:
                 parse_bytes(self.expert_cache_bytes, "expert_cache_bytes")

@@ -25,7 +25,7 @@ from typing import Callable
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .streamed import ShardedStreamedWeightError, is_dtensor, sharded_message
+from torch_stagehand.runtime.streamed import ShardedStreamedWeightError, is_dtensor, sharded_message
 
 
 def ignore_streamed(module: nn.Module, layers) -> Callable[[], None]:

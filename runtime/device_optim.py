@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as adam_functional
 
-from .host_arena import HostArena, lock_or_fall_back
+from torch_stagehand.runtime.host_arena import HostArena, lock_or_fall_back
 
 RING = 2  # a slot uploads the next layer's states while the other one is stepped and written back
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")

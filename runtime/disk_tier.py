@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .host_arena import HostArena
-from .precision import INT8, layer_views
+from torch_stagehand.runtime.host_arena import HostArena
+from torch_stagehand.runtime.precision import INT8, layer_views
 
 RING = 3  # one buffer being copied to the device, one being read ahead, one spare
 

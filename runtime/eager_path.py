@@ -26,13 +26,13 @@ import contextlib
 
 import torch
 
-from .blocks import check_not_wrapped_off_device
-from .ddp import check_not_sharded
-from .conductor.trace import EAGER
-from .eager_notice import warn_eager_once
-from .expert_cache import ExpertCache
-from .ops import grad_input_from_slot, linear_from_slot
-from .precision import LayerLayout
+from torch_stagehand.runtime.blocks import check_not_wrapped_off_device
+from torch_stagehand.runtime.ddp import check_not_sharded
+from torch_stagehand.runtime.conductor.trace import EAGER
+from torch_stagehand.runtime.eager_notice import warn_eager_once
+from torch_stagehand.runtime.expert_cache import ExpertCache
+from torch_stagehand.runtime.ops import grad_input_from_slot, linear_from_slot
+from torch_stagehand.runtime.precision import LayerLayout
 
 
 # A module's forward memo (experts.py) holds its stacks by name, and these: the router's choice, the module's
@@ -77,7 +77,7 @@ class EagerPath:
         """An expert stack on the device in the module's shape; `routed`: the experts' indices the router
         picked for this call (any shape), when the experts module saw them; `forward_memo`: what the module
         keeps for one forward (experts.py), where the router's choice is read once for all its stacks."""
-        from .experts import dense_from_slot
+        from torch_stagehand.runtime.experts import dense_from_slot
 
         rt = self.rt
         backward = torch._C._current_graph_task_id() != -1

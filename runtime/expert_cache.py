@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import precision as precisions
+from torch_stagehand.runtime import precision as precisions
 
 # The least the pool holds: this many tokens' picks, twice (a forward's and the next block's prefetch). A
 # forward whose picks need more than half the pool reads its block whole: at a tight budget the cache is
@@ -72,7 +72,7 @@ class ExpertCache:
     def __init__(self, rt, capacity_bytes: int | str):
         self.rt = rt
         if capacity_bytes not in ("auto", 0):
-            from .conductor.costs import parse_bytes
+            from torch_stagehand.runtime.conductor.costs import parse_bytes
 
             capacity_bytes = parse_bytes(capacity_bytes, "expert_cache_bytes")
         self.capacity_bytes = capacity_bytes

@@ -30,11 +30,11 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from . import precision as precisions
-from . import registry
-from .precision import LayerLayout
-from .precision.traced import in_graph
-from .streamed import HostMasterParameter, guard_on_runtime, make_streamed, runtime_key, streamed_experts_class
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime import registry
+from torch_stagehand.runtime.precision import LayerLayout
+from torch_stagehand.runtime.precision.traced import in_graph
+from torch_stagehand.runtime.streamed import HostMasterParameter, guard_on_runtime, make_streamed, runtime_key, streamed_experts_class
 
 
 class StreamedExpertsTrainError(RuntimeError):

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import precision as precisions
-from .blocks import StreamedLayerSpec
-from .node_store import several_ranks
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.blocks import StreamedLayerSpec
+from torch_stagehand.runtime.node_store import several_ranks
 
 STAGING_RING = 3  # device staging buffers: a GEMM may fill one while two copies are in flight
 

@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 from torch.optim.adam import adam as adam_functional
 
-from .streamed import is_dtensor
+from torch_stagehand.runtime.streamed import is_dtensor
 
 MASTERS = ("fp32", "bf16")
 STATES = ("fp32", "bf16", "int8")

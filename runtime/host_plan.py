@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import precision as precisions
-from .blocks import StreamedLayerSpec
-from .host_budget import MachineMemory, gib
-from .host_store import KEEP_FILE, KEEP_PINNED, KEEP_RAM, HostStore
-from .streamed import StreamedDtypeError
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.blocks import StreamedLayerSpec
+from torch_stagehand.runtime.host_budget import MachineMemory, gib
+from torch_stagehand.runtime.host_store import KEEP_FILE, KEEP_PINNED, KEEP_RAM, HostStore
+from torch_stagehand.runtime.streamed import StreamedDtypeError
 
 KEEP_AUTO = "auto"
 KEEP_FULL_CHOICES = (KEEP_AUTO, KEEP_PINNED, KEEP_RAM, KEEP_FILE)
@@ -110,7 +110,7 @@ def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dic
         counted[f"grad {'pinned' if pin else 'ram'}"] = sum(
             _block_bytes(per_block[b], precisions.FULL) for b in training_blocks)
     if int8_on_disk:
-        from .disk_tier import RING
+        from torch_stagehand.runtime.disk_tier import RING
 
         counted[f"{precisions.INT8} staging {'pinned' if pin else 'ram'}"] = RING * max(
             _block_bytes(layers_, precisions.INT8) for layers_ in per_block)

@@ -15,16 +15,16 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from . import host_arena, host_budget, host_copy, node_store
-from . import precision as precisions
-from .allocator import use_expandable_segments
-from .beside import run_beside
-from .blocks import StreamedLayerSpec
-from .host_plan import HostPlan, plan_host, preflight
-from .host_store import KEEP_FILE, HostStore
-from .shards import GradShards
-from .stage_clock import COMPILER_PREPARATION, StageClock
-from .weights_file import CheckpointError, WeightsFile
+from torch_stagehand.runtime import host_arena, host_budget, host_copy, node_store
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.allocator import use_expandable_segments
+from torch_stagehand.runtime.beside import run_beside
+from torch_stagehand.runtime.blocks import StreamedLayerSpec
+from torch_stagehand.runtime.host_plan import HostPlan, plan_host, preflight
+from torch_stagehand.runtime.host_store import KEEP_FILE, HostStore
+from torch_stagehand.runtime.shards import GradShards
+from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, StageClock
+from torch_stagehand.runtime.weights_file import CheckpointError, WeightsFile
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from typing import Callable
 
 import torch
 
-from . import host_copy
-from . import precision as precisions
-from .block_buffers import BlockBuffers
-from .blocks import StreamedLayerSpec
-from .host_arena import HostArena, NoPinner, lock_or_fall_back
-from .node_store import NodeStoreError
-from .precision import LayerLayout
+from torch_stagehand.runtime import host_copy
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.block_buffers import BlockBuffers
+from torch_stagehand.runtime.blocks import StreamedLayerSpec
+from torch_stagehand.runtime.host_arena import HostArena, NoPinner, lock_or_fall_back
+from torch_stagehand.runtime.node_store import NodeStoreError
+from torch_stagehand.runtime.precision import LayerLayout
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from .streamed import StreamedExpertsMixin
+from torch_stagehand.runtime.streamed import StreamedExpertsMixin
 
 
 class StreamedLoraMergeError(RuntimeError):

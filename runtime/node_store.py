@@ -33,7 +33,7 @@ from datetime import timedelta
 
 import torch
 
-from .host_arena import map_memfd, new_memfd
+from torch_stagehand.runtime.host_arena import map_memfd, new_memfd
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ class NodeStore:
         dist.barrier(group=self.group)
 
     def _measure_link(self, device: torch.device, pinned: bool) -> None:
-        from .conductor.costs import cached_bandwidth, measure_bandwidth
+        from torch_stagehand.runtime.conductor.costs import cached_bandwidth, measure_bandwidth
 
         known = {d: cached_bandwidth(device, pinned, d, ranks=self.local_size) for d in ("h2d", "d2h")}
         have = self._exchange(("link", all(v is not None for v in known.values())))

@@ -24,8 +24,8 @@ from collections import Counter
 import torch
 import torch.nn as nn
 
-from .blocks import StreamedLayerSpec
-from .streamed import is_streamed, make_plain
+from torch_stagehand.runtime.blocks import StreamedLayerSpec
+from torch_stagehand.runtime.streamed import is_streamed, make_plain
 
 
 def named_tensors(model: nn.Module):

@@ -54,10 +54,10 @@ from typing import Any
 
 import torch
 
-from .allocator import allocator_ooms, device_room, fragmented_bytes
-from .conductor.costs import Budget, BudgetError, human
-from .conductor.phases import Phase
-from .planning import SHRINK_FRACTION  # no smaller room to plan for: the rule for a plan that did not fit
+from torch_stagehand.runtime.allocator import allocator_ooms, device_room, fragmented_bytes
+from torch_stagehand.runtime.conductor.costs import Budget, BudgetError, human
+from torch_stagehand.runtime.conductor.phases import Phase
+from torch_stagehand.runtime.planning import SHRINK_FRACTION  # no smaller room to plan for: the rule for a plan that did not fit
 
 log = logging.getLogger(__name__)
 

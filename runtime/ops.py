@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from . import precision as precisions
-from . import registry
-from .precision import LayerLayout
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime import registry
+from torch_stagehand.runtime.precision import LayerLayout
 
 # ---- the math on a slot: the layout's code names the precision that computes it ------------
 

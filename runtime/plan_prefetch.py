@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import NO_BLOCK
+from torch_stagehand.runtime.registry import NO_BLOCK
 
 
 def prefetch_ahead(driver, block: int) -> None:

@@ -16,31 +16,31 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .collector import CollectorFreeze
-from .config import Config
-from . import precision as precisions
-from . import registry
-from .blocks import StreamedLayerSpec, layer_slots
-from .conductor.fetch_order import FetchOrder
-from .conductor.costs import CostModel, budget_from
-from .conductor.phases import PhaseTracker
-from .conductor.telemetry import TelemetryWriter
-from .eager_notice import EagerFallbackWarning  # noqa: F401 (the warning's home)
-from .eager_path import EagerPath
-from .experts import attach_streamed
-from .events import RuntimeEvents, progress, unwrap_optimizer
-from .grads import GradLane
-from .ddp import check_not_sharded, ignore_streamed
-from .host_setup import build_host_store, load_resident
-from .host_plan import check_master_dtypes
-from .offload_undo import OffloadUndo
-from .oom_recovery import OomRecovery
-from .precision import PrecisionMapError
-from .planning import PlanDriver
-from .runtime_stats import planner_step_record, runtime_stats
-from .stage_clock import StageClock
-from .selective.runtime_api import SelectivePrecisionAPI
-from .streamed import guard_conversions, make_plain, unguard
+from torch_stagehand.runtime.collector import CollectorFreeze
+from torch_stagehand.runtime.config import Config
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime import registry
+from torch_stagehand.runtime.blocks import StreamedLayerSpec, layer_slots
+from torch_stagehand.runtime.conductor.fetch_order import FetchOrder
+from torch_stagehand.runtime.conductor.costs import CostModel, budget_from
+from torch_stagehand.runtime.conductor.phases import PhaseTracker
+from torch_stagehand.runtime.conductor.telemetry import TelemetryWriter
+from torch_stagehand.runtime.eager_notice import EagerFallbackWarning  # noqa: F401 (the warning's home)
+from torch_stagehand.runtime.eager_path import EagerPath
+from torch_stagehand.runtime.experts import attach_streamed
+from torch_stagehand.runtime.events import RuntimeEvents, progress, unwrap_optimizer
+from torch_stagehand.runtime.grads import GradLane
+from torch_stagehand.runtime.ddp import check_not_sharded, ignore_streamed
+from torch_stagehand.runtime.host_setup import build_host_store, load_resident
+from torch_stagehand.runtime.host_plan import check_master_dtypes
+from torch_stagehand.runtime.offload_undo import OffloadUndo
+from torch_stagehand.runtime.oom_recovery import OomRecovery
+from torch_stagehand.runtime.precision import PrecisionMapError
+from torch_stagehand.runtime.planning import PlanDriver
+from torch_stagehand.runtime.runtime_stats import planner_step_record, runtime_stats
+from torch_stagehand.runtime.stage_clock import StageClock
+from torch_stagehand.runtime.selective.runtime_api import SelectivePrecisionAPI
+from torch_stagehand.runtime.streamed import guard_conversions, make_plain, unguard
 
 log = logging.getLogger(__name__)
 

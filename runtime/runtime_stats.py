@@ -9,9 +9,9 @@ import torch
 
 from torch_stagehand import kernels
 
-from .host_plan import host_report
-from .slots import SlotPool
-from .spill import ActivationSpill
+from torch_stagehand.runtime.host_plan import host_report
+from torch_stagehand.runtime.slots import SlotPool
+from torch_stagehand.runtime.spill import ActivationSpill
 
 def runtime_stats(rt: Any) -> dict[str, Any]:
     """`rt`: the Runtime (not imported: runtime.py imports this module)."""

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from . import precision as precisions
-from .node_store import destroy_group, several_ranks
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.node_store import destroy_group, several_ranks
 
 
 class GradShards:

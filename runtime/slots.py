@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .conductor.trace import (DENIED, EVICT, H2D_COPY, HIT, IN_FLIGHT, NOT_HELD, PREFETCH, RELEASED,
+from torch_stagehand.runtime.conductor.trace import (DENIED, EVICT, H2D_COPY, HIT, IN_FLIGHT, NOT_HELD, PREFETCH, RELEASED,
                               SYNC_FETCH, WAIT)
-from .host_store import HostStore
+from torch_stagehand.runtime.host_store import HostStore
 
 log = logging.getLogger(__name__)
 

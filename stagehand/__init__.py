@@ -9,9 +9,9 @@ from torch_stagehand.runtime import ops as _ops  # noqa: F401  (registers the cu
 from torch_stagehand.runtime.oom_recovery import BackwardIncompleteError, OutOfMemoryWarning
 from torch_stagehand.runtime.runtime import EagerFallbackWarning, Runtime
 
-from .api import RegionalCompileWarning, compile_blocks, explain, offload, runtime_of
-from .config import ConductorConfig, Config, ConfigError, PrecisionConfig
-from .version import __version__
+from torch_stagehand.api import RegionalCompileWarning, compile_blocks, explain, offload, runtime_of
+from torch_stagehand.config import ConductorConfig, Config, ConfigError, PrecisionConfig
+from torch_stagehand.version import __version__
 
 __all__ = ["__version__", "BackwardIncompleteError", "Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning",
            "NotOffloadedWarning", "OutOfMemoryWarning", "PrecisionConfig", "RegionalCompileWarning", "Runtime",

@@ -70,7 +70,7 @@ def offload(
     """
     from torch_stagehand.runtime.stage_clock import StageClock
 
-    from .offload_report import FirstCallProgress, report_offload, summarize
+    from torch_stagehand.offload_report import FirstCallProgress, report_offload, summarize
 
     clock = StageClock()
     if any(is_streamed(m) for m in model.modules()):
@@ -309,7 +309,7 @@ def explain(model: nn.Module, *args, **kwargs):
     from torch_stagehand.runtime.conductor.predict import predict_backward
     from torch_stagehand.runtime.conductor.trace import WAIT, recording
 
-    from .report import Report, rows_from_trace
+    from torch_stagehand.report import Report, rows_from_trace
 
     rt = runtime_of(model)
     breaks_before = dict(counters["graph_break"])

@@ -30,7 +30,7 @@ from typing import Any
 from accelerate.utils import TorchDynamoPlugin
 from transformers import Trainer, TrainerCallback
 
-from .api import runtime_of
+from torch_stagehand.api import runtime_of
 
 BACKEND = "stagehand"
 

@@ -42,16 +42,16 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .annotate_blocks import annotate_blocks
-from .assign_segments import assign_segments
-from .causal_attention import causal_attention
-from .inline_checkpoints import inline_checkpoints
-from .link_units import link_units
-from .refetch_weights import refetch_weights
-from .rewrite_linear import rewrite_linear
-from .schedule_backward import schedule_backward
-from .schedule_forward import schedule_forward
-from .split_segments import split_segments
+from torch_stagehand.compiler.passes.annotate_blocks import annotate_blocks
+from torch_stagehand.compiler.passes.assign_segments import assign_segments
+from torch_stagehand.compiler.passes.causal_attention import causal_attention
+from torch_stagehand.compiler.passes.inline_checkpoints import inline_checkpoints
+from torch_stagehand.compiler.passes.link_units import link_units
+from torch_stagehand.compiler.passes.refetch_weights import refetch_weights
+from torch_stagehand.compiler.passes.rewrite_linear import rewrite_linear
+from torch_stagehand.compiler.passes.schedule_backward import schedule_backward
+from torch_stagehand.compiler.passes.schedule_forward import schedule_forward
+from torch_stagehand.compiler.passes.split_segments import split_segments
 
 GRAPH_PASSES = (inline_checkpoints, causal_attention, annotate_blocks, assign_segments, split_segments, link_units)
 VARIANT_PASSES = (rewrite_linear, schedule_forward)
@@ -65,7 +65,7 @@ def pass_names(passes: Sequence[Callable]) -> list[str]:
 def joint_passes_uuid() -> str:
     """The cache uuid Inductor sees for JOINT_PASSES (changes whenever their modules' source, or the ops'
     registrations they trace through, do: inner.JointPasses.uuid)."""
-    from ..inner import JointPasses
+    from torch_stagehand.compiler.inner import JointPasses
 
     return JointPasses(JOINT_PASSES).uuid()
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..context import CompileContext, compiler_pass
-from ..graph_nodes import is_streamed_experts, is_streamed_linear, normalize_module_path, streamed_arg
+from torch_stagehand.compiler.context import CompileContext, compiler_pass
+from torch_stagehand.compiler.graph_nodes import is_streamed_experts, is_streamed_linear, normalize_module_path, streamed_arg
 
 @compiler_pass("annotate_blocks")
 def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch.fx as fx
 
-from ..context import CompileContext, compiler_pass
-from ..graph_nodes import RECOMPUTE, is_streamed_read
+from torch_stagehand.compiler.context import CompileContext, compiler_pass
+from torch_stagehand.compiler.graph_nodes import RECOMPUTE, is_streamed_read
 
 
 @dataclass

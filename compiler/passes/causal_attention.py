@@ -37,10 +37,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..context import CompileContext, compiler_pass
-from ..graph_nodes import example_value, has_static_shape
-from ..mask_proof import prove_causal, size_key
-from ..mutation import MutationIndex
+from torch_stagehand.compiler.context import CompileContext, compiler_pass
+from torch_stagehand.compiler.graph_nodes import example_value, has_static_shape
+from torch_stagehand.compiler.mask_proof import prove_causal, size_key
+from torch_stagehand.compiler.mutation import MutationIndex
 
 _MASK_ARG, _CAUSAL_ARG = 3, 5  # positions in scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
 _SIZE_READS = {"size", "sym_size", "sym_numel", "dim"}  # read a tensor's shape, not its data

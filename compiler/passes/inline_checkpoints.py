@@ -40,8 +40,8 @@ import torch.fx as fx
 
 from torch_stagehand.runtime.runtime import EagerFallbackWarning
 
-from ..context import CompileContext, compiler_pass
-from ..graph_nodes import RECOMPUTE, streams
+from torch_stagehand.compiler.context import CompileContext, compiler_pass
+from torch_stagehand.compiler.graph_nodes import RECOMPUTE, streams
 
 
 def _checkpoint_ops() -> tuple:

@@ -33,10 +33,10 @@ from torch_stagehand.runtime.conductor import FetchOrder
 from torch_stagehand.runtime.conductor.fetch_order import edge_token
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
-from ..context import CompileContext, compiler_pass
-from ..graph_nodes import is_streamed_read
-from ..units import BlockUnit, GlueUnit
-from .assign_segments import Segment
+from torch_stagehand.compiler.context import CompileContext, compiler_pass
+from torch_stagehand.compiler.graph_nodes import is_streamed_read
+from torch_stagehand.compiler.units import BlockUnit, GlueUnit
+from torch_stagehand.compiler.passes.assign_segments import Segment
 
 
 class _Tokens:

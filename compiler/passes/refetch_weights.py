@@ -22,8 +22,8 @@ import torch.fx as fx
 
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
-from ..context import PassLog, compiler_pass
-from ..graph_nodes import descendants
+from torch_stagehand.compiler.context import PassLog, compiler_pass
+from torch_stagehand.compiler.graph_nodes import descendants
 
 
 def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:

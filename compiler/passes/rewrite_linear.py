@@ -40,8 +40,8 @@ from torch_stagehand.runtime.precision import LayerLayout
 from torch_stagehand.runtime.experts import expert_weights_from_slot, grouped_experts_from_slot
 from torch_stagehand.runtime.ops import SCHEDULE_OPS, grad_tap
 
-from ..context import VariantContext, compiler_pass
-from ..graph_nodes import (add_placeholder, example_value, has_static_shape, is_streamed_experts, is_streamed_linear,
+from torch_stagehand.compiler.context import VariantContext, compiler_pass
+from torch_stagehand.compiler.graph_nodes import (add_placeholder, example_value, has_static_shape, is_streamed_experts, is_streamed_linear,
                            streamed_arg)
 
 WEIGHTS, BLOCK_TOK, PREV_TOK = "stagehand_weights", "stagehand_block_tok", "stagehand_prev_tok"

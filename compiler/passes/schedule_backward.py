@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
-from ..context import PassLog, compiler_pass
+from torch_stagehand.compiler.context import PassLog, compiler_pass
 
 
 @compiler_pass("schedule_backward")

@@ -25,9 +25,9 @@ from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.experts import expert_weights_from_slot
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
-from ..context import VariantContext, compiler_pass
-from ..graph_nodes import add_placeholder, descendants, example_value, find_placeholder
-from .rewrite_linear import BLOCK_TOK, WEIGHTS
+from torch_stagehand.compiler.context import VariantContext, compiler_pass
+from torch_stagehand.compiler.graph_nodes import add_placeholder, descendants, example_value, find_placeholder
+from torch_stagehand.compiler.passes.rewrite_linear import BLOCK_TOK, WEIGHTS
 
 FETCH_TOK, NEXT_TOK = "stagehand_fetch_tok", "stagehand_next_tok"
 TOKEN_INPUTS = (FETCH_TOK, BLOCK_TOK, NEXT_TOK, "stagehand_prev_tok")

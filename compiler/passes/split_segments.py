@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from ..context import CompileContext, compiler_pass
+from torch_stagehand.compiler.context import CompileContext, compiler_pass
 
 
 @compiler_pass("split_segments")

@@ -8,10 +8,10 @@ measured step); `arbiter` is the run-time Conductor over `budget`,
 `transfer` and `policy` (the seed's modes, priorities, tokens and rules).
 """
 
-from .fetch_order import LOOKAHEAD_DEPTH, FetchOrder, Lookahead
-from .phases import Phase, PhaseTracker
-from .telemetry import TelemetryWriter
-from .trace import ScheduleTrace, TraceRow, recording
+from torch_stagehand.runtime.conductor.fetch_order import LOOKAHEAD_DEPTH, FetchOrder, Lookahead
+from torch_stagehand.runtime.conductor.phases import Phase, PhaseTracker
+from torch_stagehand.runtime.conductor.telemetry import TelemetryWriter
+from torch_stagehand.runtime.conductor.trace import ScheduleTrace, TraceRow, recording
 
 __all__ = ["LOOKAHEAD_DEPTH", "FetchOrder", "Lookahead", "Phase", "PhaseTracker", "ScheduleTrace",
            "TelemetryWriter", "TraceRow", "recording"]

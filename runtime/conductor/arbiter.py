@@ -23,9 +23,9 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from .budget import BudgetManager, BudgetMode, Priority
-from .policy import HeuristicPolicyBridgeV0, RuntimeLimitHints
-from .transfer import Direction, TransferDenial, TransferManager
+from torch_stagehand.runtime.conductor.budget import BudgetManager, BudgetMode, Priority
+from torch_stagehand.runtime.conductor.policy import HeuristicPolicyBridgeV0, RuntimeLimitHints
+from torch_stagehand.runtime.conductor.transfer import Direction, TransferDenial, TransferManager
 
 log = logging.getLogger(__name__)
 

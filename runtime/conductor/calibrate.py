@@ -40,8 +40,8 @@ from typing import Callable
 
 import torch
 
-from ..allocator import allocated_bytes
-from .costs import CostModel
+from torch_stagehand.runtime.allocator import allocated_bytes
+from torch_stagehand.runtime.conductor.costs import CostModel
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 

@@ -27,10 +27,10 @@ import os
 
 import torch
 
-from ..atomic_file import write_atomic
-from ..blocks import layout_fingerprint
-from .costs import MEASURED, CostModel, cache_dir
-from .planner import build_plan
+from torch_stagehand.runtime.atomic_file import write_atomic
+from torch_stagehand.runtime.blocks import layout_fingerprint
+from torch_stagehand.runtime.conductor.costs import MEASURED, CostModel, cache_dir
+from torch_stagehand.runtime.conductor.planner import build_plan
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..atomic_file import write_atomic
+from torch_stagehand.runtime.atomic_file import write_atomic
 # Compute time assumed for a block before one was measured: only the ratio to the transfer
 # time matters, and 1 ms per block keeps the first plan transfer-aware without a measurement.
 DEFAULT_BLOCK_SECONDS = 1e-3

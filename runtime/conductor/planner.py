@@ -30,7 +30,7 @@ from typing import Sequence
 
 from tabulate import tabulate
 
-from .costs import DEFAULT, BlockCost, Budget, BudgetError, CostModel, human
+from torch_stagehand.runtime.conductor.costs import DEFAULT, BlockCost, Budget, BudgetError, CostModel, human
 
 KEEP, RECOMPUTE, SPILL, MODEL = "keep", "recompute", "spill", "model"  # MODEL: the model's checkpointing decides
 MAX_SLOTS = 4

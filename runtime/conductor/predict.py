@@ -14,8 +14,8 @@ from typing import Sequence
 
 from torch_stagehand.runtime.registry import NO_BLOCK
 
-from .fetch_order import FetchOrder
-from .trace import TraceRow, recording
+from torch_stagehand.runtime.conductor.fetch_order import FetchOrder
+from torch_stagehand.runtime.conductor.trace import TraceRow, recording
 
 
 def predict_backward(pool, forward_blocks: Sequence[int], precision: dict[int, str], n_blocks: int) -> list[TraceRow]:

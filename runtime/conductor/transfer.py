@@ -15,7 +15,7 @@ import enum
 import itertools
 from dataclasses import dataclass
 
-from .budget import Priority
+from torch_stagehand.runtime.conductor.budget import Priority
 
 
 class Direction(str, enum.Enum):

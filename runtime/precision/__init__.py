@@ -9,10 +9,10 @@ branches on which precision it is. Adding one (FP8) is a new entry here:
     precisions.register(MyFp8())          # a `Precision` subclass
 """
 
-from .base import Precision
-from .layout import ALIGN, CODE_DTYPES, DTYPE_CODES, LayerLayout, align
-from .registry import FP8, FULL, INT8, by_code, get, layer_views, master, names, register, unregister
-from .validate import PrecisionMapError, validate_precision_map
+from torch_stagehand.runtime.precision.base import Precision
+from torch_stagehand.runtime.precision.layout import ALIGN, CODE_DTYPES, DTYPE_CODES, LayerLayout, align
+from torch_stagehand.runtime.precision.registry import FP8, FULL, INT8, by_code, get, layer_views, master, names, register, unregister
+from torch_stagehand.runtime.precision.validate import PrecisionMapError, validate_precision_map
 
 __all__ = [
     "ALIGN",

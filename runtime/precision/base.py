@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..host_copy import copy_to_host
-from .layout import DTYPE_CODES, LayerLayout, align
+from torch_stagehand.runtime.host_copy import copy_to_host
+from torch_stagehand.runtime.precision.layout import DTYPE_CODES, LayerLayout, align
 
 if TYPE_CHECKING:
-    from ..blocks import StreamedLayerSpec
+    from torch_stagehand.runtime.blocks import StreamedLayerSpec
 
 
 class Precision(abc.ABC):

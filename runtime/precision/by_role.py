@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import Precision
-from .layout import LayerLayout
+from torch_stagehand.runtime.precision.base import Precision
+from torch_stagehand.runtime.precision.layout import LayerLayout
 
 if TYPE_CHECKING:
-    from ..blocks import StreamedLayerSpec
+    from torch_stagehand.runtime.blocks import StreamedLayerSpec
 
 ATTENTION, MLP = "attn", "mlp"
 _ATTENTION_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "to_q", "to_k", "to_v", "to_out", "qkv", "c_attn",

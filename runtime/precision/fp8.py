@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from torch_stagehand.kernels.fp8_quant import E4M3, quantize_rows, quantize_rows_ref, transpose_bytes
 
-from .base import OneBytePerRow
-from .fp8_graph import fp8_linear_in_graph
+from torch_stagehand.runtime.precision.base import OneBytePerRow
+from torch_stagehand.runtime.precision.fp8_graph import fp8_linear_in_graph
 
 
 class Fp8UnsupportedError(RuntimeError):

@@ -11,8 +11,8 @@ import torch
 
 from torch_stagehand.kernels.fp8_quant import E4M3, quantize_rows_ref
 
-from .layout import LayerLayout
-from .traced import TracedLinear, TracedMath, cast_to, in_graph
+from torch_stagehand.runtime.precision.layout import LayerLayout
+from torch_stagehand.runtime.precision.traced import TracedLinear, TracedMath, cast_to, in_graph
 
 
 def _views(slot: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..host_copy import copy_to_host
-from .base import Precision
-from .layout import DTYPE_CODES, LayerLayout, dense_view, logical
+from torch_stagehand.runtime.host_copy import copy_to_host
+from torch_stagehand.runtime.precision.base import Precision
+from torch_stagehand.runtime.precision.layout import DTYPE_CODES, LayerLayout, dense_view, logical
 
 if TYPE_CHECKING:
-    from ..blocks import StreamedLayerSpec
+    from torch_stagehand.runtime.blocks import StreamedLayerSpec
 
 
 class FullPrecision(Precision):

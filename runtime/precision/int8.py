@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from torch_stagehand import kernels
 
-from .base import OneBytePerRow
-from .traced import TracedLinear, TracedMath, in_graph
+from torch_stagehand.runtime.precision.base import OneBytePerRow
+from torch_stagehand.runtime.precision.traced import TracedLinear, TracedMath, in_graph
 
 # From this many rows (tokens) up the W8A16 autotuner picks dequantize + cuBLAS over its fused kernels on an
 # H100 (benches/kernels.py measured the fused kernels at 0.47-0.85 of cuBLAS at M >= 256, and the dequantize

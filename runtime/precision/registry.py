@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import Precision
-from .by_role import ATTENTION, MLP, ByRole, by_role_name, by_roles_name
-from .fp8 import Fp8PerRow
-from .full import FullPrecision
-from .int8 import Int8PerRow
-from .layout import LayerLayout
+from torch_stagehand.runtime.precision.base import Precision
+from torch_stagehand.runtime.precision.by_role import ATTENTION, MLP, ByRole, by_role_name, by_roles_name
+from torch_stagehand.runtime.precision.fp8 import Fp8PerRow
+from torch_stagehand.runtime.precision.full import FullPrecision
+from torch_stagehand.runtime.precision.int8 import Int8PerRow
+from torch_stagehand.runtime.precision.layout import LayerLayout
 
 _BY_NAME: dict[str, Precision] = {}
 _BY_CODE: dict[int, Precision] = {}

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .layout import LayerLayout
+from torch_stagehand.runtime.precision.layout import LayerLayout
 
 
 # The Python functions rewrite_linear puts in a variant graph (each calls TracedLinear with its math): the

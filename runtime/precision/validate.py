@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from .registry import FULL, names
+from torch_stagehand.runtime.precision.registry import FULL, names
 
 
 class PrecisionMapError(ValueError):

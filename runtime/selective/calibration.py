@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ..precision import FULL
+from torch_stagehand.runtime.precision import FULL
 
 log = logging.getLogger("torch_stagehand.selective_precision")
 _SAMPLED_BYTES = 1 << 16  # per block buffer: enough to tell weights apart, cheap on a 12B model

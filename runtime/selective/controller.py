@@ -18,13 +18,13 @@ from typing import Any, Mapping
 
 import torch
 
-from ..precision import FP8, FULL, INT8
-from . import fp8_rules
-from .calibration import CalibrationResult, calibrate
-from .grad_stats import BlockGradStats, WindowStats
-from .policy import Change, SelectivePolicy, check_force_lists
-from .telemetry import PrecisionTelemetry
-from .units import Units
+from torch_stagehand.runtime.precision import FP8, FULL, INT8
+from torch_stagehand.runtime.selective import fp8_rules
+from torch_stagehand.runtime.selective.calibration import CalibrationResult, calibrate
+from torch_stagehand.runtime.selective.grad_stats import BlockGradStats, WindowStats
+from torch_stagehand.runtime.selective.policy import Change, SelectivePolicy, check_force_lists
+from torch_stagehand.runtime.selective.telemetry import PrecisionTelemetry
+from torch_stagehand.runtime.selective.units import Units
 
 log = logging.getLogger("torch_stagehand.selective_precision")
 AUTO = "auto"  # offload(precision="auto"): the policy picks the map

@@ -18,8 +18,8 @@ import torch
 
 from torch_stagehand.runtime.precision.fp8 import has_fp8_tensor_cores, quantize_rows_e4m3, scaled_grad_input, scaled_linear
 
-from ..atomic_file import write_atomic
-from . import fp8_rules
+from torch_stagehand.runtime.atomic_file import write_atomic
+from torch_stagehand.runtime.selective import fp8_rules
 
 
 def time_back_to_back(fn, iters: int, repeats: int = 5) -> float:

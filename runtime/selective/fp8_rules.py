@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..atomic_file import write_atomic
+from torch_stagehand.runtime.atomic_file import write_atomic
 
 VERSION = 1
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import precision as precisions
+from torch_stagehand.runtime import precision as precisions
 
 
 class SelectivePrecisionAPI:

@@ -12,8 +12,8 @@ from typing import Mapping
 
 import torch
 
-from .. import precision as precisions
-from ..precision.by_role import ATTENTION, MLP, ByRole, by_role_name, by_roles_name, layer_role
+from torch_stagehand.runtime import precision as precisions
+from torch_stagehand.runtime.precision.by_role import ATTENTION, MLP, ByRole, by_role_name, by_roles_name, layer_role
 
 FULL = precisions.FULL
 

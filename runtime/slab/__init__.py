@@ -20,9 +20,9 @@ re-exported: it is the one module that depends on the streaming engine (its
 docstring says why), imported by `api.offload` where it needs it.
 """
 
-from .builder import build_slab_from_module
-from .checkpoint import build_slab_from_checkpoint
-from .errors import (
+from torch_stagehand.runtime.slab.builder import build_slab_from_module
+from torch_stagehand.runtime.slab.checkpoint import build_slab_from_checkpoint
+from torch_stagehand.runtime.slab.errors import (
     SlabAbiError,
     SlabChecksumError,
     SlabDtypeError,
@@ -43,10 +43,10 @@ from .errors import (
     SlabUnsupportedError,
     SlabValueError,
 )
-from .layers import canonical_name, compute_model_signature
-from .manifest import CURRENT_KERNEL_ABI_VERSION, LayerEntry, SlabManifest, load_manifest
-from .reader import SlabReader, slab_paths
-from .report import BuildResult, LayerReport
+from torch_stagehand.runtime.slab.layers import canonical_name, compute_model_signature
+from torch_stagehand.runtime.slab.manifest import CURRENT_KERNEL_ABI_VERSION, LayerEntry, SlabManifest, load_manifest
+from torch_stagehand.runtime.slab.reader import SlabReader, slab_paths
+from torch_stagehand.runtime.slab.report import BuildResult, LayerReport
 
 __all__ = [
     "BuildResult",

@@ -31,10 +31,10 @@ from torch import nn
 
 from torch_stagehand.kernels import dequantize, quantize_per_row
 
-from .errors import SlabError, SlabShapeError
-from .identity import RowSampler
-from .layers import iter_linear_layers, signature_from_shapes
-from .manifest import (
+from torch_stagehand.runtime.slab.errors import SlabError, SlabShapeError
+from torch_stagehand.runtime.slab.identity import RowSampler
+from torch_stagehand.runtime.slab.layers import iter_linear_layers, signature_from_shapes
+from torch_stagehand.runtime.slab.manifest import (
     CURRENT_KERNEL_ABI_VERSION,
     MIN_RUNTIME_VERSION,
     QUANT_VERSION,
@@ -44,8 +44,8 @@ from .manifest import (
     SlabManifest,
     check_slab_name,
 )
-from .report import BuildResult, LayerReport, print_and_save_report
-from .safetensors_io import IncrementalWriter, byte_view
+from torch_stagehand.runtime.slab.report import BuildResult, LayerReport, print_and_save_report
+from torch_stagehand.runtime.slab.safetensors_io import IncrementalWriter, byte_view
 
 # Weight elements quantized per chunk: 2M elements = 8 MB as fp32; the quantizer's
 # temporaries are a few of these.

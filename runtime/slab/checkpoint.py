@@ -20,11 +20,11 @@ import torch
 
 from torch_stagehand.runtime.linear_like import is_adapter_path
 
-from .builder import LayerPlan, find_block_prefixes, write_slab
-from .errors import SlabError, SlabMissingTensorError, SlabPathError
-from .layers import canonical_name
-from .report import BuildResult
-from .safetensors_io import ST_DTYPES, byte_view, pread_into, read_header
+from torch_stagehand.runtime.slab.builder import LayerPlan, find_block_prefixes, write_slab
+from torch_stagehand.runtime.slab.errors import SlabError, SlabMissingTensorError, SlabPathError
+from torch_stagehand.runtime.slab.layers import canonical_name
+from torch_stagehand.runtime.slab.report import BuildResult
+from torch_stagehand.runtime.slab.safetensors_io import ST_DTYPES, byte_view, pread_into, read_header
 
 _INDEX_PREFERENCE = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 

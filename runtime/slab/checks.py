@@ -19,8 +19,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import identity
-from .errors import (
+from torch_stagehand.runtime.slab import identity
+from torch_stagehand.runtime.slab.errors import (
     SlabChecksumError,
     SlabDtypeError,
     SlabExtraTensorError,
@@ -33,9 +33,9 @@ from .errors import (
     SlabSignatureError,
     SlabTruncatedError,
 )
-from .layers import compute_model_signature, iter_linear_layers, signature_from_shapes
-from .manifest import SLAB_ID_KEY, SlabManifest
-from .safetensors_io import MANIFEST_DTYPE_TO_TAG, SafetensorsHeader
+from torch_stagehand.runtime.slab.layers import compute_model_signature, iter_linear_layers, signature_from_shapes
+from torch_stagehand.runtime.slab.manifest import SLAB_ID_KEY, SlabManifest
+from torch_stagehand.runtime.slab.safetensors_io import MANIFEST_DTYPE_TO_TAG, SafetensorsHeader
 
 
 def check_slab_id(manifest: SlabManifest, header: SafetensorsHeader, manifest_path: str, path: str) -> None:

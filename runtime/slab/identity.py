@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .errors import SlabIdentityError
+from torch_stagehand.runtime.slab.errors import SlabIdentityError
 
 SCHEME = "sha256-sampled-rows-1"
 SAMPLED_ROWS = 8

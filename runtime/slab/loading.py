@@ -59,11 +59,11 @@ from torch_stagehand.runtime.host_setup import resident_file_names
 from torch_stagehand.runtime.precision import INT8, layer_views
 from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD, StageClock
 
-from . import checks
-from .errors import SlabLayerNotFoundError
-from .layers import canonical_name
-from .read_process import ProcessPages, process_reads_possible, read_in_process
-from .reader import SlabReader
+from torch_stagehand.runtime.slab import checks
+from torch_stagehand.runtime.slab.errors import SlabLayerNotFoundError
+from torch_stagehand.runtime.slab.layers import canonical_name
+from torch_stagehand.runtime.slab.read_process import ProcessPages, process_reads_possible, read_in_process
+from torch_stagehand.runtime.slab.reader import SlabReader
 
 if TYPE_CHECKING:
     from torch_stagehand.runtime.runtime import Runtime

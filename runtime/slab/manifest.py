@@ -30,8 +30,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import identity
-from .errors import (
+from torch_stagehand.runtime.slab import identity
+from torch_stagehand.runtime.slab.errors import (
     SlabAbiError,
     SlabDtypeError,
     SlabManifestError,

@@ -39,8 +39,8 @@ import torch
 
 from torch_stagehand.runtime.host_arena import map_memfd, new_memfd
 
-from .errors import SlabChecksumError, SlabError, SlabTruncatedError, SlabUnsupportedError, SlabValueError
-from .reader import SlabReader
+from torch_stagehand.runtime.slab.errors import SlabChecksumError, SlabError, SlabTruncatedError, SlabUnsupportedError, SlabValueError
+from torch_stagehand.runtime.slab.reader import SlabReader
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read_worker.py")
 _ERRORS = {"checksum": SlabChecksumError, "value": SlabValueError, "unsupported": SlabUnsupportedError,

@@ -40,8 +40,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import checks
-from .errors import (
+from torch_stagehand.runtime.slab import checks
+from torch_stagehand.runtime.slab.errors import (
     SlabChecksumError,
     SlabDtypeError,
     SlabError,
@@ -52,9 +52,9 @@ from .errors import (
     SlabUnsupportedError,
     SlabValueError,
 )
-from .layers import iter_linear_layers
-from .manifest import LayerEntry, SlabManifest, check_slab_name, load_manifest
-from .safetensors_io import byte_view, crc32_hex, pread_into, read_header
+from torch_stagehand.runtime.slab.layers import iter_linear_layers
+from torch_stagehand.runtime.slab.manifest import LayerEntry, SlabManifest, check_slab_name, load_manifest
+from torch_stagehand.runtime.slab.safetensors_io import byte_view, crc32_hex, pread_into, read_header
 
 # Bytes read per pread when a layer has to be narrowed (padded -> unpadded) or hashed.
 _CHUNK_BYTES = 8 << 20

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from .manifest import SlabManifest
+from torch_stagehand.runtime.slab.manifest import SlabManifest
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import SlabHeaderError, SlabTruncatedError
+from torch_stagehand.runtime.slab.errors import SlabHeaderError, SlabTruncatedError
 
 if sys.byteorder != "little":  # safetensors is little-endian; we copy raw bytes.
     raise ImportError("torch_stagehand slab I/O needs a little-endian host")

@@ -52,7 +52,7 @@ def resolve_device(name: str | None):
 
 def build_target(target: str, device) -> tuple[Any, Any]:
     """(model, example_inputs) for a preset or a file:factory target."""
-    from .presets import PRESETS, TargetError, load_target
+    from torch_stagehand.app.presets import PRESETS, TargetError, load_target
 
     kwargs: dict[str, Any] = {}
     if target == "dit-48x3072":
@@ -148,7 +148,7 @@ def explain_target(args) -> tuple[Any, Any]:
 
     import torch_stagehand as stagehand
     from torch_stagehand.config import Config
-    from .presets import PRESETS, call_model
+    from torch_stagehand.app.presets import PRESETS, call_model
     from torch_stagehand.runtime.blocks import find_blocks
 
     precision = parse_precision(args.precision)
@@ -224,7 +224,7 @@ def cmd_schedule(args) -> int:
     print()
     print(report.plan_table())
     if args.timeline:
-        from .plots import timeline_figure
+        from torch_stagehand.app.plots import timeline_figure
 
         timeline_figure(rt.plan.timeline(), report.blocks, args.timeline,
                         f"{args.target}: one step as the plan predicts it{rt.plan.cost_note} "
@@ -254,7 +254,7 @@ def cmd_schedule(args) -> int:
 def cmd_demo(args) -> int:
     # The demo is a library of its own (run, print_result): the checks of the
     # command's options live here, so the demo never imports the CLI.
-    from . import demo
+    from torch_stagehand.app import demo
 
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
@@ -278,7 +278,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from .telemetry_plots import plot_telemetry
+    from torch_stagehand.app.telemetry_plots import plot_telemetry
 
     out = args.out or os.path.dirname(os.path.abspath(args.telemetry))
     check_output_path("--out", out, folder=True)

@@ -129,8 +129,8 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
 
     from torch_stagehand.runtime.atomic_file import write_atomic
 
-    from .plots import demo_figure
-    from .textdata import ByteBatches, stdlib_corpus
+    from torch_stagehand.app.plots import demo_figure
+    from torch_stagehand.app.textdata import ByteBatches, stdlib_corpus
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_start = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.atomic_file import write_atomic
 
-from .colors import precision_colors
+from torch_stagehand.app.colors import precision_colors
 
 
 

@@ -17,7 +17,7 @@ import os
 import warnings
 from typing import Any
 
-from .plots import draw_precision_map, save_figure
+from torch_stagehand.app.plots import draw_precision_map, save_figure
 
 PHASE_COLORS = {"forward": "#3b6fb6", "backward": "#e8892b", "optimizer": "#2e9e5b", "step_begin": "#7f8c8d"}
 

@@ -38,8 +38,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from torch_stagehand.runtime.precision.fp8 import Fp8UnsupportedError
     from torch_stagehand.runtime.selective.fp8_rules import Fp8PolicyError
 
-    from .telemetry_plots import TelemetryFileError
-    from .textdata import CorpusError
+    from torch_stagehand.app.telemetry_plots import TelemetryFileError
+    from torch_stagehand.app.textdata import CorpusError
 
     return (ConfigError, precisions.PrecisionMapError, BlockSelectionError, BudgetError, TelemetryPathError,
             HostMemoryError, Fp8UnsupportedError, Fp8PolicyError, TelemetryFileError, CorpusError)
