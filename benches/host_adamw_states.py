@@ -20,7 +20,7 @@ import torch
 
 from _common import env_info, print_header, print_table, write_json
 
-from torch_stagehand.runtime.host_optim import STATE_BYTES, Hyper, Scratch, adamw_step, new_state
+from torch_stagehand.runtime.train.host import STATE_BYTES, Hyper, Scratch, adamw_step, new_state
 
 SETTINGS = [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "bf16"), ("bf16", "int8"), ("fp32", "int8")]
 

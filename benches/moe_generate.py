@@ -9,7 +9,7 @@ The Qwen3-30B-A3B shape (benches/moe.py, 61 GB in bf16), random init on the GPU,
 1. stagehand: `offload(model, precision=..., vram_budget=...)` and `generate` as it is (no compile: a
    KV cache indexed by layer would trace every block): each new token reads its layers and only the experts
    its router picked (`Config.routed_experts_max_tokens`, the default), through the expert cache with the
-   next block's experts prefetched from its router's guess (runtime/expert_cache.py; "auto" size, or the
+   next block's experts prefetched from its router's guess (runtime/experts/cache.py; "auto" size, or the
    cache at its floor), or, for comparison, streams every block whole (`routed_experts_max_tokens=0`);
 2. accelerate: the same model back on the host (`rt.restore()`), `infer_auto_device_map` with the same
    GPU budget and `dispatch_model` (layers that do not fit run from host memory through its hooks).

@@ -15,7 +15,7 @@ batch 1 of 4096 image + 512 text tokens per rank. The ranks of the node share on
 `--workload fullft`: Qwen2.5-7B's shape (transformers, random init on each GPU, bf16, sequence 2048, batch 1
 per rank), every parameter trained: `offload(vram_budget=...)`, `compile_blocks`, DDP for the resident
 parameters, `stagehand.optim.HostAdamW` (fp32 master and moments). On several ranks each block's gradients are
-summed into its owner, which alone keeps its optimizer states and steps it on the host (runtime/shards.py).
+summed into its owner, which alone keeps its optimizer states and steps it on the host (runtime/train/shards.py).
 `--deepspeed N` adds DeepSpeed ZeRO-2 with `offload_optimizer: cpu` on N GPUs (the same model, DeepSpeed's
 CPU Adam), in the same run.
 
@@ -130,7 +130,7 @@ def child(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from torch_stagehand.runtime import node_store
+    from torch_stagehand.runtime.host import node_store
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))

@@ -65,10 +65,10 @@ def read_store(manifest: str, mode: str) -> tuple[int, float, float]:
     """Offload's read path into one fresh arena; returns (bytes, the reads' seconds, the call's seconds)."""
     import torch
 
-    from torch_stagehand.runtime.host_arena import HostArena, NoPinner
+    from torch_stagehand.runtime.host.arena import HostArena, NoPinner
     from torch_stagehand.runtime.slab import loading
     from torch_stagehand.runtime.slab.reader import SlabReader
-    from torch_stagehand.runtime.stage_clock import StageClock
+    from torch_stagehand.runtime.telemetry.stage_clock import StageClock
 
     from torch_stagehand.runtime.slab.read_process import ProcessPages, read_in_process
 

@@ -319,7 +319,7 @@ def replan_rounds(rt, one_step, rounds: int, sync, counters, steady: int = 3) ->
     measuring's cost from that spread. The re-plan is synchronised, as a calibration step's is (the new plan's
     resident blocks go up the link there): its seconds and host-to-device GiB are the round's `replan_s` and
     `replan_h2d_gib`; each step's one-time work is in `work` (units compiled / run first, H2D GiB)."""
-    from torch_stagehand.runtime.planning import REFINE_STEPS
+    from torch_stagehand.runtime.conductor.driver import REFINE_STEPS
 
     out = []
     for _ in range(rounds):
@@ -500,7 +500,7 @@ def child_from_files(args, kind: str, precision: str, regional: bool) -> dict:
     out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(time.perf_counter() - t0, 1),
                  "page_cache": args.page_cache}
     model.requires_grad_(False)  # LoRA: the base is frozen before offload (a weight that trains gets a host gradient)
-    from torch_stagehand.runtime.config import Config
+    from torch_stagehand.config import Config
 
     out["slab_reads"], out["rows_behind"] = args.slab_reads, args.rows_behind
     rt = timed_offload(args, out, model, precision="int8", checkpoint=files["checkpoint"], slab=files["slab"],

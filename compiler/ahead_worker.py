@@ -250,7 +250,9 @@ def main() -> None:
     configs = ahead_wire.receive(jobs)
     import torch
 
-    from torch_stagehand.runtime import experts, ops  # noqa: F401 - they register the stagehand ops the graphs call
+    from torch_stagehand.runtime import ops  # noqa: F401 - they register the stagehand ops the graphs call
+
+    from torch_stagehand.runtime.experts.stacks import stacks as experts
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 

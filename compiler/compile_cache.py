@@ -85,7 +85,7 @@ def _sources_hash(modules: list[Any]) -> str:
 def cacheable_functions() -> dict[str, str]:
     """The Python functions our variant graphs call, for `unsafe_marked_cacheable_functions`: name -> a hash
     of the source that decides what they trace to (the stagehand ops, the precisions' traced math and the
-    kernels' torch code they call, and each function's own module: experts.py's stack read is one): an edit
+    kernels' torch code they call, and each function's own module: experts/stacks.py's stack read is one): an edit
     there changes every key that holds them."""
     from torch_stagehand import kernels
     from torch_stagehand.runtime import ops, precision
@@ -97,10 +97,11 @@ def cacheable_functions() -> dict[str, str]:
 
 
 def ops_fingerprint() -> str:
-    """A hash of the modules that register the stagehand ops (`ops.py`, and `experts.py`'s stack read): their
+    """A hash of the modules that register the stagehand ops (`ops.py`, and `experts/stacks.py`'s stack read): their
     fake and autograd rules are traced into every unit's graph, so the joint passes' uuid (the caches' key)
     holds it."""
-    from torch_stagehand.runtime import experts, ops
+    from torch_stagehand.runtime import ops
+    from torch_stagehand.runtime.experts.stacks import stacks as experts
 
     return _sources_hash([ops, experts])
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torch_stagehand.runtime.experts import EXPERTS_ARGS, STREAMED_EXPERTS_OPS
+from torch_stagehand.runtime.experts.stacks import EXPERTS_ARGS, STREAMED_EXPERTS_OPS
 from torch_stagehand.runtime.ops import STREAMED_LINEAR_OPS
 
 

@@ -60,7 +60,7 @@ class StreamingRuntime(Protocol):
 
     def recover_from_oom(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
         """A unit (`where` names it) ran out of device memory before it returned: free, re-plan under the memory
-        left; True when the unit should run again (runtime/oom_recovery.py says when it should not)."""
+        left; True when the unit should run again (runtime/conductor/oom_recovery.py says when it should not)."""
         ...
 
     def record_compile(self, seconds: float, block_variant: bool, loaded: bool = False) -> None:

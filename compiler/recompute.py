@@ -45,7 +45,7 @@ _TOKENS = 4
 
 def run_again_after_oom(run: Callable[[], object], recover: Callable[[BaseException], bool]):
     """`run()`; when it runs out of device memory and `recover(error)` says the owner re-planned, it runs again
-    (runtime/oom_recovery.py says when not); else the error goes on. A unit's forward (units.py) and a recomputed
+    (runtime/conductor/oom_recovery.py says when not); else the error goes on. A unit's forward (units.py) and a recomputed
     block's backward (below) start from inputs that are still whole, so running them again is exact."""
     while True:
         try:

@@ -31,7 +31,7 @@ class StreamedLayerSpec:
     experts as `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; gpt-oss as [E, H, 2I] / [E, I, H]).
     It streams as the matrix of its E x rows rows (`as_matrix`): one row per expert and output row of the
     stored layout, so a per-row INT8 scale is per expert and row, and the model gets it back in its own
-    3-D shape (`experts.py`).
+    3-D shape (`experts/stacks.py`).
     """
 
     fqn: str  # module FQN relative to the offloaded model (an expert stack: the parameter's FQN)

@@ -10,7 +10,7 @@ Two ways, chosen per call:
   every token, though its router picks a few experts of each block (8 of 128 in Qwen3-30B-A3B). Then each
   Linear copies only its own rows, on the compute stream (ordered with the math), into a device buffer
   kept per size; each expert stack gets the rows of the experts routed to from the expert cache
-  (expert_cache.py: kept between tokens, the misses copied on its copy stream, the next block's guessed
+  (experts/cache.py: kept between tokens, the misses copied on its copy stream, the next block's guessed
   experts prefetched there), gathered into a dense stack buffer kept per place in the block, where the cost
   model says the routed copies beat one copy of the block. The host waits once per experts module and
   forward, for the router's choice (it must name the rows to copy; the next router's guess comes in the
@@ -27,15 +27,15 @@ import contextlib
 import torch
 
 from torch_stagehand.runtime.blocks import check_not_wrapped_off_device
-from torch_stagehand.runtime.ddp import check_not_sharded
+from torch_stagehand.runtime.train.ddp import check_not_sharded
 from torch_stagehand.runtime.conductor.trace import EAGER
 from torch_stagehand.runtime.eager_notice import warn_eager_once
-from torch_stagehand.runtime.expert_cache import ExpertCache
+from torch_stagehand.runtime.experts.cache import ExpertCache
 from torch_stagehand.runtime.ops import grad_input_from_slot, linear_from_slot
 from torch_stagehand.runtime.precision import LayerLayout
 
 
-# A module's forward memo (experts.py) holds its stacks by name, and these: the router's choice, the module's
+# A module's forward memo (experts/stacks.py) holds its stacks by name, and these: the router's choice, the module's
 # hidden states (the next router's input for the guess) and the guess, until the prefetch is issued.
 _PICKED, _HIDDEN, _GUESS = ("picked",), ("hidden",), ("guess",)
 
@@ -76,8 +76,8 @@ class EagerPath:
               forward_memo: dict | None = None) -> torch.Tensor:
         """An expert stack on the device in the module's shape; `routed`: the experts' indices the router
         picked for this call (any shape), when the experts module saw them; `forward_memo`: what the module
-        keeps for one forward (experts.py), where the router's choice is read once for all its stacks."""
-        from torch_stagehand.runtime.experts import dense_from_slot
+        keeps for one forward (experts/stacks.py), where the router's choice is read once for all its stacks."""
+        from torch_stagehand.runtime.experts.stacks import dense_from_slot
 
         rt = self.rt
         backward = torch._C._current_graph_task_id() != -1

@@ -64,7 +64,7 @@ def _linear_out(x: torch.Tensor, n_out: int) -> torch.Tensor:
 def streamed_linear(x: torch.Tensor, bias: torch.Tensor | None, block_tok: torch.Tensor, position: int,
                     out_features: int, anchor: torch.Tensor | None = None) -> torch.Tensor:
     """The `position`-th streamed Linear of the block `block_tok` names. `anchor`: the block's grad anchor
-    (grads.py); it requires grad when the layer's weight may train. Nothing here names one layer of one
+    (train/grads.py); it requires grad when the layer's weight may train. Nothing here names one layer of one
     block as a constant, so every block of a structure captures the same graph."""
     rt, index = _layer_of(block_tok, position)
     return rt.eager_linear(index, x, bias)
@@ -97,7 +97,7 @@ def _(dy, block_tok, position, in_features):
 
 @custom_op("stagehand::streamed_linear_grad_weight", mutates_args=())
 def streamed_linear_grad_weight(dy: torch.Tensor, x: torch.Tensor, block_tok: torch.Tensor, position: int) -> torch.Tensor:
-    """The layer's weight gradient, computed and sent to its host buffer (grads.py); returns a token.
+    """The layer's weight gradient, computed and sent to its host buffer (train/grads.py); returns a token.
     Nothing when the layer does not train (decided at run time: a traced call sees no token value)."""
     rt, index = _layer_of(block_tok, position)
     if rt.grads.trainable(index):
@@ -245,7 +245,7 @@ linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 @custom_op("stagehand::grad_weight", mutates_args=())
 def grad_weight(dy: torch.Tensor, x: torch.Tensor, block_tok: torch.Tensor, position: int) -> torch.Tensor:
     """In a compiled block's backward: the weight gradient of the block's `position`-th streamed layer,
-    computed and sent to its host buffer (grads.py). Returns a token nothing reads (kept: side effect)."""
+    computed and sent to its host buffer (train/grads.py). Returns a token nothing reads (kept: side effect)."""
     rt, block = registry.decode(block_tok)
     rt.grads.grad_weight_at(block, position, dy, x)
     return registry_sentinel()

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from torch_stagehand.runtime.collector import CollectorFreeze
-from torch_stagehand.runtime.config import Config
+from torch_stagehand.config import Config
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime import registry
 from torch_stagehand.runtime.blocks import StreamedLayerSpec, layer_slots
@@ -27,18 +27,18 @@ from torch_stagehand.runtime.conductor.phases import PhaseTracker
 from torch_stagehand.runtime.conductor.telemetry import TelemetryWriter
 from torch_stagehand.runtime.eager_notice import EagerFallbackWarning  # noqa: F401 (the warning's home)
 from torch_stagehand.runtime.eager_path import EagerPath
-from torch_stagehand.runtime.experts import attach_streamed
-from torch_stagehand.runtime.events import RuntimeEvents, progress, unwrap_optimizer
-from torch_stagehand.runtime.grads import GradLane
-from torch_stagehand.runtime.ddp import check_not_sharded, ignore_streamed
-from torch_stagehand.runtime.host_setup import build_host_store, load_resident
-from torch_stagehand.runtime.host_plan import check_master_dtypes
-from torch_stagehand.runtime.offload_undo import OffloadUndo
-from torch_stagehand.runtime.oom_recovery import OomRecovery
+from torch_stagehand.runtime.experts.stacks import attach_streamed
+from torch_stagehand.runtime.telemetry.events import RuntimeEvents, progress, unwrap_optimizer
+from torch_stagehand.runtime.train.grads import GradLane
+from torch_stagehand.runtime.train.ddp import check_not_sharded, ignore_streamed
+from torch_stagehand.runtime.host.setup import build_host_store, load_resident
+from torch_stagehand.runtime.host.plan import check_master_dtypes
+from torch_stagehand.runtime.host.undo import OffloadUndo
+from torch_stagehand.runtime.conductor.oom_recovery import OomRecovery
 from torch_stagehand.runtime.precision import PrecisionMapError
-from torch_stagehand.runtime.planning import PlanDriver
-from torch_stagehand.runtime.runtime_stats import planner_step_record, runtime_stats
-from torch_stagehand.runtime.stage_clock import StageClock
+from torch_stagehand.runtime.conductor.driver import PlanDriver
+from torch_stagehand.runtime.telemetry.stats import planner_step_record, runtime_stats
+from torch_stagehand.runtime.telemetry.stage_clock import StageClock
 from torch_stagehand.runtime.selective.runtime_api import SelectivePrecisionAPI
 from torch_stagehand.runtime.streamed import guard_conversions, make_plain, unguard
 
@@ -117,7 +117,7 @@ class Runtime(SelectivePrecisionAPI):
         build_host_store(self, precision, slab_loader, self._keep_full, progress, while_filling)
         # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
-        # Several ranks: a training block's gradients go to its owner alone (shards.py; made by build_host_store).
+        # Several ranks: a training block's gradients go to its owner alone (train/shards.py; made by build_host_store).
         self.grads.shards = self.shards
         if self.shards is not None:
             self.on_close(self.shards.close)
@@ -210,7 +210,7 @@ class Runtime(SelectivePrecisionAPI):
         return self.planner.replan(cost_model, vram_budget)
 
     def stats(self) -> dict[str, Any]:
-        """Counters since offload: transfers, slots, host memory, compiles, the plan (runtime_stats.py)."""
+        """Counters since offload: transfers, slots, host memory, compiles, the plan (telemetry/stats.py)."""
         return runtime_stats(self)
 
     def attach(self, optimizer: torch.optim.Optimizer):
@@ -222,7 +222,7 @@ class Runtime(SelectivePrecisionAPI):
         self._attached.append(optimizer)
         pre = optimizer.register_step_pre_hook(lambda *_: self.phases.optimizer_begin())
         post = optimizer.register_step_post_hook(lambda *_: self._optimizer_stepped())
-        self.grads.step_syncs = True  # several ranks: they sync at this step (shards.py), not at a later fetch
+        self.grads.step_syncs = True  # several ranks: they sync at this step (train/shards.py), not at a later fetch
         self._hooks += [pre, post]
         self._hooks += self._selective_hooks(optimizer)  # selective precision runs before the step
         return self
@@ -232,12 +232,12 @@ class Runtime(SelectivePrecisionAPI):
         self.phases.end_step()
 
     def streamed_parameters(self) -> set[nn.Parameter]:
-        """The streamed weights: what FSDP2's `fully_shard(..., ignored_params=...)` must leave alone (ddp.py)."""
+        """The streamed weights: what FSDP2's `fully_shard(..., ignored_params=...)` must leave alone (train/ddp.py)."""
         return {spec.weight for spec in self.layers}
 
     def prepare_ddp(self, module: nn.Module) -> nn.Module:
         """Call before `DistributedDataParallel(module)` when `module` wraps the offloaded model under other
-        names (a peft model made after offload): DDP then leaves the streamed weights alone (ddp.py)."""
+        names (a peft model made after offload): DDP then leaves the streamed weights alone (train/ddp.py)."""
         self.on_close(ignore_streamed(module, self.layers))
         return module
 
@@ -296,7 +296,7 @@ class Runtime(SelectivePrecisionAPI):
 
     def record_first_run(self) -> None:
         """Count a compiled unit's first run (`units_first_run`: a calibration step that holds one is measured
-        again, planning.py)."""
+        again, conductor/driver.py)."""
         self.units_first_run += 1
 
     def record_graph(self, record: Any) -> None:

@@ -9,7 +9,7 @@ same, and `restore()` swaps the class back. The subclass:
 * keeps its weight on the host when the model is moved (`_apply` touches only
   the bias and buffers), like SquareQ's dtype protection;
 * hands its block's grad anchor to the op, so a weight that requires grad gets
-  its gradient in backward, landed in a host buffer (grads.py): the host copy
+  its gradient in backward, landed in a host buffer (train/grads.py): the host copy
   is the master, and any optimizer over `model.parameters()` steps it;
 * refuses `.half()` / `.to(dtype)` and the like, which would convert its bias
   but not its weight (`refuse_dtype_conversion`; `guard_conversions` installs
@@ -57,7 +57,7 @@ class HostMasterParameter(nn.Parameter):
     _sh_on_requires_grad = None  # the runtime's callback: the block's grad anchor follows the flag
 
     # requires_grad decides whether the weight gets a gradient in backward: the block's grad anchor
-    # (grads.py) must follow it, however the flag is set (`requires_grad_`, `model.requires_grad_()`,
+    # (train/grads.py) must follow it, however the flag is set (`requires_grad_`, `model.requires_grad_()`,
     # or assignment).
     def requires_grad_(self, requires_grad: bool = True):
         super().requires_grad_(requires_grad)
@@ -165,7 +165,7 @@ class StreamedMixin:
     _sh_params = ("weight",)  # the parameters that stream (their values live in the host store)
     _sh_layer: int  # global layer id (registry): the layer from Python (a parameter back to its runtime)
     _sh_fqn: str
-    _sh_anchor: torch.Tensor  # the block's grad anchor (grads.py)
+    _sh_anchor: torch.Tensor  # the block's grad anchor (train/grads.py)
     # What forward hands the op: the block's token (a plain tensor attribute, so Dynamo makes it a graph
     # input guarded by its metadata), the layer's position in the block and its width. All three are the
     # same in every block of a structure, so one Dynamo graph serves them all (registry.py).
@@ -324,7 +324,7 @@ class StreamedExpertsMixin:
     the real weights), and a property of the same name on the swapped class shadows each for attribute
     access: `self.gate_up_proj` in the model's own forward (its grouped-GEMM, batched or looped
     implementation) reads `stagehand::streamed_experts`, the stack on the device in the module's dtype and
-    shape (experts.py). Dynamo captures that op, and the backend rewrites it into a view of the block's slot.
+    shape (experts/stacks.py). Dynamo captures that op, and the backend rewrites it into a view of the block's slot.
     Only the stacks are taken from `.to()`; the module's other parameters (expert biases) move as usual.
     """
 
@@ -345,7 +345,7 @@ class StreamedExpertsMixin:
         self.__dict__["_sh_routed"] = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
                                             and a.dtype in (torch.int32, torch.int64) and a.dim() >= 1), None)
         # Each stack read once a forward (a loop over the experts reads it often); the hidden states are the
-        # next block's router input for the expert cache's guess (expert_cache.py).
+        # next block's router input for the expert cache's guess (experts/cache.py).
         hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()
                        and a.dim() >= 2), None)
         self.__dict__["_sh_reads"] = {("hidden",): hidden}
@@ -396,7 +396,7 @@ class StreamedExpertsMixin:
 
 def streamed_experts_class(cls: type, names: tuple[str, ...], getter) -> type:
     """The swapped class for a module class and its streamed stacks: `getter(module, name)` is each
-    stack's property (experts.py)."""
+    stack's property (experts/stacks.py)."""
     key = (cls, names)
     if key not in _SUBCLASSES:
         props = {name: property(lambda self, _n=name: getter(self, _n)) for name in names}

@@ -6,7 +6,7 @@
 
 from torch_stagehand.compiler.backend import NotOffloadedWarning
 from torch_stagehand.runtime import ops as _ops  # noqa: F401  (registers the custom ops)
-from torch_stagehand.runtime.oom_recovery import BackwardIncompleteError, OutOfMemoryWarning
+from torch_stagehand.runtime.conductor.oom_recovery import BackwardIncompleteError, OutOfMemoryWarning
 from torch_stagehand.runtime.runtime import EagerFallbackWarning, Runtime
 
 from torch_stagehand.api import RegionalCompileWarning, compile_blocks, explain, offload, runtime_of

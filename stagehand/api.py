@@ -15,7 +15,7 @@ from torch_stagehand.compiler.preparation import compiler_preparation
 from torch_stagehand.config import Config
 from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
-from torch_stagehand.runtime.lora_experts import adopt_expert_adapters, release_expert_adapters
+from torch_stagehand.runtime.experts.lora import adopt_expert_adapters, release_expert_adapters
 from torch_stagehand.runtime.precision import FULL, validate_precision_map
 from torch_stagehand.runtime.runtime import Runtime
 from torch_stagehand.runtime.selective.controller import AUTO, SelectivePrecision, selective_precision_requested
@@ -68,7 +68,7 @@ def offload(
     precision, bytes per step, host bytes, seconds per stage) and one line after the first step
     (what the first call's compile cost). The same summary is in `rt.stats()["offload"]`.
     """
-    from torch_stagehand.runtime.stage_clock import StageClock
+    from torch_stagehand.runtime.telemetry.stage_clock import StageClock
 
     from torch_stagehand.offload_report import FirstCallProgress, report_offload, summarize
 
@@ -102,7 +102,7 @@ def offload(
         slab_loader = slab_loader_for(slab, while_reading=prepare_compiler, before_reading=files_read)
     weights_file = None
     if checkpoint is not None:
-        from torch_stagehand.runtime.weights_file import WeightsFile
+        from torch_stagehand.runtime.host.weights_file import WeightsFile
 
         weights_file = WeightsFile(checkpoint)
     # They start now, while the host store fills, and compile the W8A16 kernels a cold step would compile itself.
@@ -133,7 +133,7 @@ def offload(
     undo_attention_guard = disable_unsafe_sdpa_backends(device)
     if undo_attention_guard is not None:
         rt.on_close(undo_attention_guard)
-    rt.prepare_ddp(model)  # DistributedDataParallel(model) leaves the streamed weights alone (ddp.py)
+    rt.prepare_ddp(model)  # DistributedDataParallel(model) leaves the streamed weights alone (train/ddp.py)
     if adopt_expert_adapters(model):  # peft target_parameters on streamed experts read the stream
         rt.on_close(functools.partial(release_expert_adapters, model))
     clock.mark("policy, attention guard, DDP, adapters")

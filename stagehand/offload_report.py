@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from torch_stagehand.runtime.blocks import is_streamable_linear
-from torch_stagehand.runtime.host_plan import host_report
+from torch_stagehand.runtime.host.plan import host_report
 
 
 class BlockListSkippedWarning(UserWarning):
@@ -134,7 +134,7 @@ class OffloadSummary:
 
 
 def summarize(model: nn.Module, rt, clock) -> OffloadSummary:
-    """What offload did; `clock` is its StageClock (runtime/stage_clock.py)."""
+    """What offload did; `clock` is its StageClock (runtime/telemetry/stage_clock.py)."""
     precision = rt.precision
     counts = Counter(precision.values())
     host = host_report(rt.store)

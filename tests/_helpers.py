@@ -154,7 +154,7 @@ class RecordingPinner:
         self.drains = 0  # device synchronisations before unlocking (one per batch)
 
     def register(self, ptr: int, nbytes: int) -> None:
-        from torch_stagehand.runtime.host_arena import PinError
+        from torch_stagehand.runtime.host.arena import PinError
 
         self.calls += 1
         if self.calls == self.fail_at:

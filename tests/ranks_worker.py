@@ -31,7 +31,8 @@ from _helpers import int8_reference  # noqa: E402
 
 import torch_stagehand as stagehand  # noqa: E402
 from torch_stagehand import Config  # noqa: E402
-from torch_stagehand.runtime import host_store, node_store  # noqa: E402
+from torch_stagehand.runtime.host import store as host_store  # noqa: E402
+from torch_stagehand.runtime.host import node_store
 
 PRECISION = {0: "int8"}  # one block streams INT8 (the leader quantizes it), the rest their fp32 masters
 PER_RANK = 2  # sequences per rank
@@ -104,7 +105,7 @@ def ddp_step(rank: int, world: int, device: str) -> dict:
 
 
 def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3, device: str = "cpu") -> dict:
-    """Every weight trains; the streamed ones step on their block's owner (runtime/shards.py)."""
+    """Every weight trains; the streamed ones step on their block's owner (runtime/train/shards.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from torch_stagehand.optim import HostAdamW
@@ -127,13 +128,13 @@ def full_finetune(rank: int, world: int, optimizer_kind: str, steps: int = 3, de
         ref_opt.zero_grad()
 
     rt = stagehand.offload(model, device=device, verbose=False, config=Config(node_timeout_s=60))
-    if optimizer_kind == "fsdp":  # FSDP2 shards the resident parameters; the streamed ones: shards.py
+    if optimizer_kind == "fsdp":  # FSDP2 shards the resident parameters; the streamed ones: train/shards.py
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         wrapped = fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=rt.streamed_parameters())
     else:
-        wrapped = torch.nn.parallel.DistributedDataParallel(  # the resident ones; the streamed: shards.py
+        wrapped = torch.nn.parallel.DistributedDataParallel(  # the resident ones; the streamed: train/shards.py
             model, device_ids=[rank] if device != "cpu" else None)
     compiled = torch.compile(wrapped, backend="stagehand", options={"inner": "eager"})
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3) if optimizer_kind == "torch"

@@ -364,7 +364,7 @@ def test_later_plans_measure_the_blocks_again_and_keep_the_smaller_times():
     the GPU waiting inside a block); the first REFINE_STEPS steps of each later plan measure host and GPU
     time again, per kind and block, and the smaller value stays for the next plan made. The plan running
     keeps its prediction; a later step changes nothing."""
-    from torch_stagehand.runtime.planning import REFINE_STEPS
+    from torch_stagehand.runtime.conductor.driver import REFINE_STEPS
 
     model, x = _model()
     rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))

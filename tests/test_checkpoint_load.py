@@ -14,7 +14,7 @@ import torch
 from accelerate import init_empty_weights
 
 import torch_stagehand as stagehand
-from torch_stagehand.runtime.weights_file import CheckpointError
+from torch_stagehand.runtime.host.weights_file import CheckpointError
 
 from _helpers import close, int8_reference, rel_err
 

@@ -159,14 +159,15 @@ def test_every_function_a_variant_graph_calls_is_marked_cacheable():
 
 
 def test_the_keys_follow_the_source_of_every_module_that_decides_what_a_variant_traces(monkeypatch):
-    from torch_stagehand.runtime import experts, ops
+    from torch_stagehand.runtime import ops
+    from torch_stagehand.runtime.experts.stacks import stacks as experts
 
     hashed = []
     real = compile_cache._sources_hash
     monkeypatch.setattr(compile_cache, "_sources_hash", lambda modules: hashed.append(list(modules)) or real(modules))
     marked = compile_cache.cacheable_functions()
     compile_cache.ops_fingerprint()
-    # The expert stack read: its in-graph math and its op's fake rule live in experts.py.
+    # The expert stack read: its in-graph math and its op's fake rule live in experts/stacks.py.
     assert f"{experts.__name__}.expert_weights_from_slot" in marked
     assert experts in hashed[0] and ops in hashed[0]
     assert experts in hashed[1] and ops in hashed[1]

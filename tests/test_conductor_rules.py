@@ -11,7 +11,7 @@ import torch
 
 import torch_stagehand as stagehand
 from torch_stagehand.config import Config, ConductorConfig
-from torch_stagehand.runtime.conductor.arbiter import WINDOW_CAP, Conductor
+from torch_stagehand.runtime.conductor.conductor import WINDOW_CAP, Conductor
 from torch_stagehand.runtime.conductor.budget import BudgetDenial, BudgetManager, BudgetMode, Priority
 from torch_stagehand.runtime.conductor.costs import CostModel
 from torch_stagehand.runtime.conductor.planner import build_plan

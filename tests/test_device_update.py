@@ -1,4 +1,4 @@
-"""HostAdamW's update on the device (runtime/device_optim.py): chosen blocks step where their gradient is.
+"""HostAdamW's update on the device (runtime/train/device.py): chosen blocks step where their gradient is.
 
 The same AdamW as the host's (fp32 master and moments, the weight rounded to
 nearest), its states carried to the update and back, the gradient never sent
@@ -19,7 +19,7 @@ import torch
 import torch_stagehand as stagehand
 from torch_stagehand.optim import HostAdamW
 from torch_stagehand.runtime.conductor.costs import CostModel
-from torch_stagehand.runtime.device_optim import choose_device_blocks, ring_bytes, transfer_bytes
+from torch_stagehand.runtime.train.device import choose_device_blocks, ring_bytes, transfer_bytes
 
 from _helpers import rel_err, toy
 
@@ -72,7 +72,7 @@ def test_the_backward_weight_fetch_counts_against_the_link():
 
 
 def test_transfer_and_ring_bytes():
-    from torch_stagehand.runtime.device_optim import DeviceAdamW
+    from torch_stagehand.runtime.train.device import DeviceAdamW
 
     assert transfer_bytes(10, has_master=True, weight_bytes=20) == (120, 140)
     assert transfer_bytes(10, has_master=False, weight_bytes=40) == (120, 120)
@@ -215,7 +215,7 @@ def test_auto_chooses_from_the_measured_host_time(monkeypatch):
     rt.close()
 
 
-# ---- the one-step-delayed update (runtime/delayed_update.py) ----------------------------------------------
+# ---- the one-step-delayed update (runtime/train/delayed.py) ----------------------------------------------
 
 
 def delayed_reference(model, x, steps: int, streamed: set[str], lr: float = LR) -> list[float]:

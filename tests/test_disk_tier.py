@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import torch_stagehand as stagehand
-from torch_stagehand.runtime import host_budget
-from torch_stagehand.runtime.host_budget import MachineMemory
-from torch_stagehand.runtime.host_plan import HostMemoryError
+from torch_stagehand.runtime.host import budget as host_budget
+from torch_stagehand.runtime.host.budget import MachineMemory
+from torch_stagehand.runtime.host.plan import HostMemoryError
 from torch_stagehand.runtime.slab import build_slab_from_module
 
 from _helpers import page_locked, rel_err, toy
@@ -103,7 +103,7 @@ def test_the_preflight_does_not_count_int8_on_disk_as_ram(slab, monkeypatch):
 
 
 def test_int8_tier_is_a_config_field_checked_by_name():
-    from torch_stagehand.runtime.config import ConfigError
+    from torch_stagehand.config import ConfigError
 
     with pytest.raises(ConfigError, match="int8_tier: must be"):
         stagehand.Config(int8_tier="nvme").validate()

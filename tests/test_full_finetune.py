@@ -224,9 +224,9 @@ def test_int8_stream_of_a_trainable_weight_is_requantized_from_the_master_after_
 
 
 def test_a_host_too_small_for_the_gradients_is_refused_before_anything_moves(monkeypatch):
-    from torch_stagehand.runtime import host_budget
-    from torch_stagehand.runtime.host_budget import MachineMemory
-    from torch_stagehand.runtime.host_plan import HostMemoryError
+    from torch_stagehand.runtime.host import budget as host_budget
+    from torch_stagehand.runtime.host.budget import MachineMemory
+    from torch_stagehand.runtime.host.plan import HostMemoryError
 
     model, _ = _trainable_toy(n=4, d=64)
     frozen = copy.deepcopy(model).requires_grad_(False)

@@ -40,7 +40,7 @@ def _train(model, forward, x, target, optimizer, steps=STEPS):
 @pytest.mark.parametrize("budget", [None, "4MiB"], ids=["two slots", "budget"])
 def test_full_finetune_on_the_gpu_equals_plain_training(optimizer, budget):
     """"host": HostAdamW as it comes (device_update="auto": after the first step it may move blocks to the
-    device); "host+device": blocks 0, 2, 4 forced onto the device (runtime/device_optim.py), the others on
+    device); "host+device": blocks 0, 2, 4 forced onto the device (runtime/train/device.py), the others on
     the host, from the first step."""
     model, x = toy(d=256, n=6)
     model.requires_grad_(True)
@@ -119,7 +119,7 @@ def test_llama_bf16_full_finetune_with_host_adamw_follows_plain_training(device_
 
 
 def test_the_delayed_update_on_the_gpu_trains_streamed_weights_one_step_late():
-    """DPU (runtime/delayed_update.py) with Inductor, D2H gradient landings and a second set of gradient
+    """DPU (runtime/train/delayed.py) with Inductor, D2H gradient landings and a second set of gradient
     buffers: the losses of plain training whose streamed weights step with the previous step's gradients."""
     model, x = toy(d=256, n=6)
     model.requires_grad_(True)

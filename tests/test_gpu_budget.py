@@ -76,7 +76,7 @@ def test_budget_plan_calibrates_replans_and_stays_under_its_budget(budget_blocks
 def test_reserve_holds_the_shortfall_in_the_allocators_cache_and_allocates_nothing():
     # allocator.reserve: what a made plan's first step would map piece by piece is held (cached, free) when the
     # plan is applied; a target already held maps nothing.
-    from torch_stagehand.runtime.allocator import reserve
+    from torch_stagehand.runtime.device.allocator import reserve
 
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.empty_cache()

@@ -18,7 +18,7 @@ import torch
 
 import torch_stagehand as stagehand
 from torch_stagehand.optim import HostAdamW
-from torch_stagehand.runtime.host_optim import Hyper, Scratch, adamw_step, new_state, stochastic_round_
+from torch_stagehand.runtime.train.host import Hyper, Scratch, adamw_step, new_state, stochastic_round_
 
 from _helpers import rel_err, toy
 
@@ -141,7 +141,7 @@ def test_a_bf16_weight_steps_from_its_fp32_master_and_rounds_to_nearest():
 
 @pytest.mark.parametrize("shared", [False, True], ids=["a value per element", "a step's shared noise"])
 def test_stochastic_rounding_is_unbiased_and_exact_on_bf16_values(shared):
-    from torch_stagehand.runtime.host_optim import Noise
+    from torch_stagehand.runtime.train.host import Noise
 
     gen = torch.Generator().manual_seed(0)
     src = torch.full((200_000,), 1.0 + 2**-10)  # a quarter of the way from 1 to the next bf16 value (1 + 2**-7)
@@ -204,15 +204,15 @@ def test_an_int8_stream_is_rebuilt_by_the_worker_after_its_block_steps():
 
 
 def test_a_host_too_small_for_the_states_is_refused_before_allocating(monkeypatch):
-    from torch_stagehand.runtime import host_budget
-    from torch_stagehand.runtime.host_budget import MachineMemory
-    from torch_stagehand.runtime.host_plan import HostMemoryError
+    from torch_stagehand.runtime.host import budget as host_budget
+    from torch_stagehand.runtime.host.budget import MachineMemory
+    from torch_stagehand.runtime.host.plan import HostMemoryError
 
     model, _ = _model()
     model.to(torch.bfloat16)
     rt = stagehand.offload(model, device="cpu", verbose=False)
     monkeypatch.setattr(host_budget, "probe_machine", lambda: MachineMemory(total_bytes=2**30, available_bytes=1000))
-    import torch_stagehand.optim as optim_module
+    import torch_stagehand.runtime.train.optimizer as optim_module
     monkeypatch.setattr(optim_module, "probe_machine", host_budget.probe_machine)
     with pytest.raises(HostMemoryError, match=r"fp32 masters .*fp32 moments.*master='bf16'"):
         HostAdamW(model.parameters(), lr=LR)
@@ -222,7 +222,7 @@ def test_a_host_too_small_for_the_states_is_refused_before_allocating(monkeypatc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32 weight", "bf16 weight, fp32 master"])
 def test_a_step_in_chunks_equals_one_pass(monkeypatch, dtype):
     """The chunks (cache-sized) each start from the same step count: the result is the whole tensor's step."""
-    from torch_stagehand.runtime import host_optim
+    from torch_stagehand.runtime.train import host as host_optim
 
     torch.manual_seed(0)
     weights = [torch.randn(37, 29).to(dtype), torch.randn(300).to(dtype)]
@@ -268,7 +268,7 @@ def test_smaller_moments_follow_fp32_adamw(states, tol):
     losses, model, opt, rt = _train(states)
     assert max(abs(a - b) / b for a, b in zip(losses, reference)) < tol
     assert losses[-1] < 0.1 * losses[0]  # it trains
-    from torch_stagehand.runtime.host_optim import QBLOCK
+    from torch_stagehand.runtime.train.host import QBLOCK
 
     for p in opt._streamed + opt._resident:
         kept = sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k.startswith("exp_avg"))
@@ -278,7 +278,7 @@ def test_smaller_moments_follow_fp32_adamw(states, tol):
 
 
 def test_int8_codes_are_unbiased_within_one_code_and_keep_a_nonzero_second_moment():
-    from torch_stagehand.runtime.host_optim import QBLOCK, Moments, Noise
+    from torch_stagehand.runtime.train.host import QBLOCK, Moments, Noise
 
     n = 5 * QBLOCK + 37  # a last block that is not whole
     gen = torch.Generator().manual_seed(0)
@@ -327,10 +327,10 @@ def test_a_resumed_run_with_int8_moments_continues_exactly(tmp_path):
 
 
 def test_a_host_too_small_for_fp32_moments_is_told_of_int8_moments(monkeypatch):
-    from torch_stagehand.runtime import host_budget
-    from torch_stagehand.runtime.host_budget import MachineMemory
-    from torch_stagehand.runtime.host_plan import HostMemoryError
-    import torch_stagehand.optim as optim_module
+    from torch_stagehand.runtime.host import budget as host_budget
+    from torch_stagehand.runtime.host.budget import MachineMemory
+    from torch_stagehand.runtime.host.plan import HostMemoryError
+    import torch_stagehand.runtime.train.optimizer as optim_module
 
     model, _ = _model()
     rt = stagehand.offload(model, device="cpu", verbose=False)

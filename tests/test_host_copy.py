@@ -1,4 +1,4 @@
-"""Device-to-host copies through the pinned bounce buffer (runtime/host_copy.py), and the GPU quantizer's
+"""Device-to-host copies through the pinned bounce buffer (runtime/host/copy.py), and the GPU quantizer's
 larger chunks (kernels/quantize.py): the same bytes as the plain paths."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from torch_stagehand.kernels import quantize as quantize_module
 from torch_stagehand.kernels import quantize_per_row
-from torch_stagehand.runtime import host_copy
+from torch_stagehand.runtime.host import copy as host_copy
 
 
 def test_a_host_source_is_a_plain_copy_and_leaves_no_bounce_buffer():

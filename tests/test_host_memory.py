@@ -17,12 +17,13 @@ from safetensors.torch import save_file
 
 import torch_stagehand as stagehand
 from torch_stagehand.kernels import quantize_per_row
-from torch_stagehand.runtime import host_arena, host_budget
-from torch_stagehand.runtime.host_arena import PAGE, page_round
-from torch_stagehand.runtime.host_budget import MachineMemory
-from torch_stagehand.runtime.config import ConfigError
-from torch_stagehand.runtime.host_plan import HostMemoryError
-from torch_stagehand.runtime.weights_file import CheckpointError
+from torch_stagehand.runtime.host import arena as host_arena
+from torch_stagehand.runtime.host import budget as host_budget
+from torch_stagehand.runtime.host.arena import PAGE, page_round
+from torch_stagehand.runtime.host.budget import MachineMemory
+from torch_stagehand.config import ConfigError
+from torch_stagehand.runtime.host.plan import HostMemoryError
+from torch_stagehand.runtime.host.weights_file import CheckpointError
 
 from _helpers import RecordingPinner, int8_reference, page_locked, rel_err, toy
 
@@ -122,7 +123,7 @@ def test_a_failed_offload_unlocks_what_it_locked(monkeypatch, pinner):
     def pool(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)
+    monkeypatch.setattr("torch_stagehand.runtime.conductor.driver.SlotPool", pool)
     with pytest.raises(torch.OutOfMemoryError):
         stagehand.offload(model, device="cpu", precision="int8")
     assert pinner.calls >= 3 and pinner.locked == {}

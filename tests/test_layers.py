@@ -82,8 +82,8 @@ def test_no_module_imports_a_layer_above_its_own():
 
 
 def test_the_slab_format_and_the_precision_registry_stay_off_the_engine():
-    engine = {"torch_stagehand.runtime.runtime", "torch_stagehand.runtime.slots", "torch_stagehand.runtime.ops",
-              "torch_stagehand.runtime.host_store"}
+    engine = {"torch_stagehand.runtime.runtime", "torch_stagehand.runtime.device.slots", "torch_stagehand.runtime.ops",
+              "torch_stagehand.runtime.host.store"}
     graph = _graph()
     bad = [(a, b) for a, b in graph.edges
            if (a.startswith("torch_stagehand.runtime.slab") and a != "torch_stagehand.runtime.slab.loading"

@@ -16,8 +16,8 @@ import transformers
 
 import torch_stagehand as stagehand
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
-from torch_stagehand.runtime.experts import StreamedExpertsTrainError
-from torch_stagehand.runtime.lora_experts import StreamedLoraMergeError
+from torch_stagehand.runtime.experts.stacks import StreamedExpertsTrainError
+from torch_stagehand.runtime.experts.lora import StreamedLoraMergeError
 from torch_stagehand.runtime.streamed import HostMasterParameter
 
 from _helpers import int8_reference, rel_err
@@ -432,7 +432,7 @@ def test_a_full_expert_cache_gives_up_the_entries_of_the_block_that_runs_furthes
     from collections import OrderedDict
     from types import SimpleNamespace
 
-    from torch_stagehand.runtime.expert_cache import ExpertCache, _Pool
+    from torch_stagehand.runtime.experts.cache import ExpertCache, _Pool
 
     cache = ExpertCache(SimpleNamespace(device=torch.device("cpu"), blocks=["b0", "b1", "b2", "b3"]), 0)
     pool = _Pool([], [])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torch_stagehand import Config
-from torch_stagehand.runtime import node_store
+from torch_stagehand.runtime.host import node_store
 
 WORKER = os.path.join(os.path.dirname(__file__), "ranks_worker.py")
 PAGE_SLACK = 64 * 1024  # per rank: Pss is reported in kB, rounded per mapping
@@ -94,7 +94,7 @@ def test_full_fine_tuning_with_sharded_host_optimizer_equals_one_process(world, 
 
 
 def test_a_blocks_gradients_are_summed_in_runs_of_one_dtype():
-    from torch_stagehand.runtime.grads import _dtype_runs
+    from torch_stagehand.runtime.train.grads import _dtype_runs
     from torch_stagehand.runtime.precision.layout import LayerLayout
 
     def lay(offset, out, inp, dtype):

@@ -12,9 +12,9 @@ import torch
 
 import torch_stagehand as stagehand
 from torch_stagehand import api
-from torch_stagehand.runtime import host_setup
+from torch_stagehand.runtime.host import setup as host_setup
 from torch_stagehand.runtime.beside import run_beside
-from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION
+from torch_stagehand.runtime.telemetry.stage_clock import COMPILER_PREPARATION
 
 from _helpers import assert_exact, toy
 from test_host_memory import _saved

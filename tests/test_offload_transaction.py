@@ -18,7 +18,10 @@ import torch.nn as nn
 
 import torch_stagehand as stagehand
 from torch_stagehand.compiler import backend as backend_module
-from torch_stagehand.runtime import host_arena, host_store, registry, slots
+from torch_stagehand.runtime import registry
+from torch_stagehand.runtime.host import arena as host_arena
+from torch_stagehand.runtime.host import store as host_store
+from torch_stagehand.runtime.device import slots
 from torch_stagehand.runtime.blocks import BlockSelectionError
 from torch_stagehand.runtime.conductor.telemetry import TelemetryPathError
 from torch_stagehand.runtime.slab import SlabError, build_slab_from_module
@@ -108,7 +111,7 @@ def test_out_of_memory_during_offload_leaves_the_model_as_it_was(monkeypatch, wh
         def pool(*args, **kwargs):
             raise torch.OutOfMemoryError("simulated: cannot allocate the slots")
 
-        monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)  # the plan driver allocates the pool
+        monkeypatch.setattr("torch_stagehand.runtime.conductor.driver.SlotPool", pool)  # the plan driver allocates the pool
     says = {"host arena": r"bf16 copies of blocks 0\.\.3 .* first layer blocks\.0\.up",
             "pinning": r"pin block 2's bf16 copy \(first layer blocks\.2\.up\)", "slots": r"slots of .* MiB"}[where]
     with pytest.raises(torch.OutOfMemoryError, match=says + ".*simulated" + (".*ulimit -l" if where == "pinning" else "")):
@@ -125,7 +128,7 @@ def test_a_failed_offload_keeps_weights_the_user_holds_and_frees_what_it_built(m
     def pool(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
-    monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)  # the plan driver allocates the pool
+    monkeypatch.setattr("torch_stagehand.runtime.conductor.driver.SlotPool", pool)  # the plan driver allocates the pool
     stores = []
     real_init = host_store.HostStore.__init__
 
@@ -323,7 +326,7 @@ def test_a_failed_offload_keeps_every_parameter_object_and_every_tie(monkeypatch
         def pool(*args, **kwargs):
             raise torch.OutOfMemoryError("simulated: cannot allocate the slots")
 
-        monkeypatch.setattr("torch_stagehand.runtime.planning.SlotPool", pool)
+        monkeypatch.setattr("torch_stagehand.runtime.conductor.driver.SlotPool", pool)
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         stagehand.offload(model, device="cpu")
     assert _ids(model) == ids

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import torch_stagehand as stagehand
-from torch_stagehand.runtime import allocator, oom_recovery
-from torch_stagehand.runtime.oom_recovery import OutOfMemoryWarning
+from torch_stagehand.runtime.device import allocator
+from torch_stagehand.runtime.conductor import oom_recovery
+from torch_stagehand.runtime.conductor.oom_recovery import OutOfMemoryWarning
 
 from _helpers import block_bytes_by_precision, close, toy
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torch_stagehand as stagehand
-from torch_stagehand.runtime.oom_recovery import OutOfMemoryWarning, allocator_ooms, device_room
+from torch_stagehand.runtime.conductor.oom_recovery import OutOfMemoryWarning, allocator_ooms, device_room
 
 from _helpers import rel_err, square_loss_step, toy
 
@@ -28,7 +28,7 @@ _step = square_loss_step
 
 def _step_as_a_loop_does(call, model, x, optimizer):
     """A step; a backward that ran out of memory (a non-recomputed block's backward cannot run again inside it,
-    oom_recovery.py) raises before the optimizer stepped, and the loop runs the step again."""
+    conductor/oom_recovery.py) raises before the optimizer stepped, and the loop runs the step again."""
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     failed = False
     try:
@@ -91,7 +91,7 @@ def test_a_memory_fraction_lowered_mid_run_is_survived_with_the_same_numbers(inn
 def test_allocated_bytes_reads_what_torch_memory_allocated_reads():
     """The schedule's admissions read the allocated bytes from the nested statistics (allocator.allocated_bytes):
     the same number torch.cuda.memory_allocated flattens every statistic to find."""
-    from torch_stagehand.runtime.allocator import allocated_bytes
+    from torch_stagehand.runtime.device.allocator import allocated_bytes
 
     device = torch.device("cuda")
     before = allocated_bytes(device)

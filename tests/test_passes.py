@@ -30,7 +30,7 @@ from torch_stagehand.compiler.variants import variant_cache
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.conductor.fetch_order import edge_token
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
-from torch_stagehand.runtime.slots import SlotState
+from torch_stagehand.runtime.device.slots import SlotState
 
 from _helpers import assert_exact, toy
 

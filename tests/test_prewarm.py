@@ -59,7 +59,7 @@ def test_the_callback_runs_on_the_calling_thread_while_the_reads_are_under_way()
 def test_the_clock_hears_when_the_reads_ended_not_when_the_callback_did():
     """The reads end while the callback still runs: offload's report must say when the last read ended (the
     stage then waited for the callback's work, not the disk), not the stage's whole time."""
-    from torch_stagehand.runtime.stage_clock import StageClock
+    from torch_stagehand.runtime.telemetry.stage_clock import StageClock
 
     reader, reads, clock = _Reader(), _reads(8), StageClock()
     callback = []

@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 import torch_stagehand as stagehand
 from torch_stagehand import api
 from torch_stagehand.compiler import read_ahead as ahead
-from torch_stagehand.runtime import weights_file
+from torch_stagehand.runtime.host import weights_file
 from torch_stagehand.runtime.slab.reader import SlabReader
-from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD
-from torch_stagehand.runtime.weights_file import WeightsFile
+from torch_stagehand.runtime.telemetry.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD
+from torch_stagehand.runtime.host.weights_file import WeightsFile
 
 from _helpers import toy
 from test_checkpoint_load import checkpoint_and_slab

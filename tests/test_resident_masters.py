@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 import torch_stagehand as stagehand
 from torch_stagehand.optim import HostAdamW
-from torch_stagehand.runtime.host_optim import stochastic_round_
+from torch_stagehand.runtime.train.host import stochastic_round_
 from torch_stagehand.runtime.streamed import HostMasterParameter
 
 LR, STEPS = 2e-5, 12

@@ -96,7 +96,7 @@ def test_int8_blocks_are_page_locked_by_the_reader_threads_as_their_rows_land(sl
     INT8 copy pageable, and its master is locked by `set_pins` on the calling thread."""
     import threading
 
-    from torch_stagehand.runtime import host_arena
+    from torch_stagehand.runtime.host import arena as host_arena
 
     from _helpers import RecordingPinner
 

@@ -37,7 +37,7 @@ def _reads_in_backward(node: fx.Node, backward: set[fx.Node]) -> bool:
 
 
 def _adapts(node: fx.Node, derived: set[fx.Node]) -> bool:
-    """`baddbmm(stack, lhs, rhs)`: a LoRA delta added to an expert stack (runtime/lora_experts.py). The
+    """`baddbmm(stack, lhs, rhs)`: a LoRA delta added to an expert stack (runtime/experts/lora.py). The
     adapted stack is recomputed in the backward from the refetched stack and the small factors, which are
     saved instead of it."""
     return node.target is torch.ops.aten.baddbmm.default and node.args[0] in derived

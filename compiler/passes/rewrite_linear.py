@@ -26,7 +26,7 @@ GEMM becomes `grouped_experts_from_slot`, which multiplies from the bytes (backe
 A layer whose weight trains (full fine-tuning; `ctx.trainable` holds its position
 in the block) gets `grad_tap(y, x, anchor, block_tok, position)` after its linear:
 the identity forward, and in backward the grad-weight GEMM beside the grad-input,
-its result sent to the weight's host gradient buffer (runtime/grads.py). The
+its result sent to the weight's host gradient buffer (runtime/train/grads.py). The
 anchor is the block's grad anchor, which the captured `streamed_linear` takes.
 """
 
@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.precision import LayerLayout
-from torch_stagehand.runtime.experts import expert_weights_from_slot, grouped_experts_from_slot
+from torch_stagehand.runtime.experts.stacks import expert_weights_from_slot, grouped_experts_from_slot
 from torch_stagehand.runtime.ops import SCHEDULE_OPS, grad_tap
 
 from torch_stagehand.compiler.context import VariantContext, compiler_pass
@@ -118,7 +118,7 @@ def _rewrite_experts(gm: fx.GraphModule, node: fx.Node, ctx: VariantContext, wei
       from the bytes; no bf16 copy of the stack is made (backend option experts_math="grouped").
     * Otherwise `expert_weights_from_slot(weights, layout, shape, dtype)`: the stack as views of the slot (or
       their dequantization), traced into the graph, read by whatever the model does with it.
-    Streamed experts are frozen (runtime/experts.py refuses a training forward otherwise): no grad tap."""
+    Streamed experts are frozen (runtime/experts/stacks.py refuses a training forward otherwise): no grad tap."""
     rt = ctx.runtime
     position, shape, dtype = (streamed_arg(node, name) for name in ("position", "shape", "dtype"))
     layout = rt.layer_layout(rt.layer_at(ctx.block, position), ctx.precision)

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from torch_stagehand.runtime import precision as precisions
-from torch_stagehand.runtime.experts import expert_weights_from_slot
+from torch_stagehand.runtime.experts.stacks import expert_weights_from_slot
 from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from torch_stagehand.compiler.context import VariantContext, compiler_pass

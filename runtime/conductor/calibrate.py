@@ -16,7 +16,7 @@ each block's activation decision. Per block:
   meanwhile. In the calibration step the copies often hide it (the GPU waits on
   PCIe); in a plan with fewer copies it can be what sets the step's pace. A host
   held back by a full launch queue reads high here; the first steps of every
-  later plan measure it again and the smaller value stays (planning.py). `host_fetch_share`: the
+  later plan measure it again and the smaller value stays (conductor/driver.py). `host_fetch_share`: the
   part of it spent in the schedule ops (wait / prefetch / evict: fetches,
   admission, slot bookkeeping), which a resident block mostly skips.
 
@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from torch_stagehand.runtime.allocator import allocated_bytes
+from torch_stagehand.runtime.device.allocator import allocated_bytes
 from torch_stagehand.runtime.conductor.costs import CostModel
 
 FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"

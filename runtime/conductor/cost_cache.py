@@ -62,7 +62,7 @@ def cost_key(rt, inputs: str) -> dict:
             "layout": layout_fingerprint(rt.device.type, rt.blocks, rt.layers),
             "precision": [rt.precision[b] for b in range(len(rt.blocks))],
             "grad_bytes": list(rt.grads.grad_bytes()), "inputs": inputs,
-            # The ranks of a node copying at once share its host link (node_store.py): a model of its own.
+            # The ranks of a node copying at once share its host link (host/node_store.py): a model of its own.
             "node_ranks": 1 if rt.store.node is None else rt.store.node.local_size}
 
 

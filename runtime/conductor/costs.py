@@ -119,12 +119,12 @@ class BlockCost:
     host_recompute_s: float = 0.0
     host_backward_s: float = 0.0
     host_fetch_share: float = 0.0  # of those, the share spent in schedule ops: what a resident block skips
-    # Full fine-tuning (grads.py): the bytes of the block's weight gradients sent D2H after its backward, and
+    # Full fine-tuning (train/grads.py): the bytes of the block's weight gradients sent D2H after its backward, and
     # the host optimizer's time to step the block once they landed (HostAdamW, overlapped with the backward of
     # the blocks before it; 0 when the optimizer runs after the backward and the step's tail holds it).
     grad_bytes: int = 0
     optimizer_s: float = 0.0
-    # A block whose optimizer step runs on the device (device_optim.py): `grad_bytes` are the states and weights
+    # A block whose optimizer step runs on the device (train/device.py): `grad_bytes` are the states and weights
     # it sends home instead, `optimizer_s` is 0, and these are the states it fetches for the update.
     update_in_bytes: int = 0
 
@@ -163,7 +163,7 @@ class CostModel:
 
     def learn_link(self, device: torch.device, pinned: bool, node=None) -> None:
         """The host link's bandwidth both ways: what the ranks of a shared node store measured copying at once
-        (node_store.py), else this device's own (cached per machine)."""
+        (host/node_store.py), else this device's own (cached per machine)."""
         if node is not None and node.link_bps:
             self.h2d_bps, self.d2h_bps = node.link_bps["h2d"], node.link_bps["d2h"]
             self.measured["h2d"] = self.measured["d2h"] = node.link_source

@@ -63,7 +63,7 @@ class Plan:
     costs: list[BlockCost] | None = field(default=None, repr=False)  # what it was predicted from (timeline)
     h2d_bps: float = 0.0
     d2h_bps: float | None = None
-    measured_peak_bytes: int | None = None  # the first step under this plan (CUDA; planning.py checks it)
+    measured_peak_bytes: int | None = None  # the first step under this plan (CUDA; conductor/driver.py checks it)
     cost_model: str = DEFAULT  # `CostModel.source` of the model its predictions came from
 
     @property

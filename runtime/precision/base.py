@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from torch_stagehand.runtime.host_copy import copy_to_host
+from torch_stagehand.runtime.host.copy import copy_to_host
 from torch_stagehand.runtime.precision.layout import DTYPE_CODES, LayerLayout, align
 
 if TYPE_CHECKING:

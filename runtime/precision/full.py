@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from torch_stagehand.runtime.host_copy import copy_to_host
+from torch_stagehand.runtime.host.copy import copy_to_host
 from torch_stagehand.runtime.precision.base import Precision
 from torch_stagehand.runtime.precision.layout import DTYPE_CODES, LayerLayout, dense_view, logical
 

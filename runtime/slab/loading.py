@@ -54,10 +54,10 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from torch_stagehand.runtime.beside import run_beside
-from torch_stagehand.runtime.config import ConfigError
-from torch_stagehand.runtime.host_setup import resident_file_names
+from torch_stagehand.config import ConfigError
+from torch_stagehand.runtime.host.setup import resident_file_names
 from torch_stagehand.runtime.precision import INT8, layer_views
-from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD, StageClock
+from torch_stagehand.runtime.telemetry.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD, StageClock
 
 from torch_stagehand.runtime.slab import checks
 from torch_stagehand.runtime.slab.errors import SlabLayerNotFoundError
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 # handed over, the identity checked, the compiler prepared; the rows still coming in.
 ROWS_HANDED_OVER = "slab rows handed over (read behind offload)"
 ZERO_POINTS = "slab zero points checked"  # beside the reads, with the identity, when the rows are read behind
-_ZERO_POINT_THREADS = 16  # small reads at once: a cold disk's seeks overlap (as the identity's rows, weights_file.py)
+_ZERO_POINT_THREADS = 16  # small reads at once: a cold disk's seeks overlap (as the identity's rows, host/weights_file.py)
 _READ_THREADS = 8  # enough to saturate a page cache or an NVMe drive; each thread holds no buffer of its own
 
 
@@ -119,7 +119,7 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 if rt.checkpoint is not None:  # weights mapped from it: their sampled rows' pages, a read per row
                     rt.checkpoint.read_rows_ahead([(w, reader.layers[name].identity["rows"]) for name, w in weights
                                                    if reader.layers[name].identity is not None])
-                # Anything else of theirs is read without readahead (weights_file.py).
+                # Anything else of theirs is read without readahead (host/weights_file.py).
                 with rt.checkpoint.random_access() if rt.checkpoint is not None else contextlib.nullcontext():
                     checks.check_identity(reader.manifest, weights, reader.manifest_path,
                                           require=rt.config.require_slab_identity)
@@ -331,7 +331,7 @@ def _read_in_parallel(reader: SlabReader, blocks: Iterable[list], while_reading:
 
 def _attach_disk_tier(rt: "Runtime", reader: SlabReader, manifest: str) -> None:
     """Config(int8_tier="disk"): the INT8 rows stay in the file; only meta biases are read now."""
-    from torch_stagehand.runtime.disk_tier import DiskTier
+    from torch_stagehand.runtime.host.disk_tier import DiskTier
 
     names = {}
     for block, bb in enumerate(rt.store.blocks):

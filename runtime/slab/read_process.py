@@ -37,7 +37,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from torch_stagehand.runtime.host_arena import map_memfd, new_memfd
+from torch_stagehand.runtime.host.arena import map_memfd, new_memfd
 
 from torch_stagehand.runtime.slab.errors import SlabChecksumError, SlabError, SlabTruncatedError, SlabUnsupportedError, SlabValueError
 from torch_stagehand.runtime.slab.reader import SlabReader

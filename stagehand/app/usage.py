@@ -34,7 +34,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from torch_stagehand.runtime.blocks import BlockSelectionError
     from torch_stagehand.runtime.conductor.costs import BudgetError
     from torch_stagehand.runtime.conductor.telemetry import TelemetryPathError
-    from torch_stagehand.runtime.host_plan import HostMemoryError
+    from torch_stagehand.runtime.host.plan import HostMemoryError
     from torch_stagehand.runtime.precision.fp8 import Fp8UnsupportedError
     from torch_stagehand.runtime.selective.fp8_rules import Fp8PolicyError
 

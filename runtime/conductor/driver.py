@@ -31,15 +31,15 @@ import time
 
 import torch
 
-from torch_stagehand.runtime.allocator import allocated_bytes, reserve
+from torch_stagehand.runtime.device.allocator import allocated_bytes, reserve
 from torch_stagehand.runtime.conductor import cost_cache
-from torch_stagehand.runtime.conductor.arbiter import Conductor
+from torch_stagehand.runtime.conductor.conductor import Conductor
 from torch_stagehand.runtime.conductor.calibrate import FORWARD, BlockClocks, Calibration
 from torch_stagehand.runtime.conductor.costs import Budget, BudgetError, CostModel, budget_from
 from torch_stagehand.runtime.conductor.planner import Plan, build_plan, make_plan
-from torch_stagehand.runtime.plan_prefetch import prefetch_ahead
-from torch_stagehand.runtime.slots import SlotPool
-from torch_stagehand.runtime.spill import ActivationSpill
+from torch_stagehand.runtime.conductor.prefetch import prefetch_ahead
+from torch_stagehand.runtime.device.slots import SlotPool
+from torch_stagehand.runtime.device.spill import ActivationSpill
 
 log = logging.getLogger(__name__)
 

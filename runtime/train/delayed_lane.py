@@ -1,6 +1,6 @@
-"""HostAdamW's one-step-delayed update (runtime/delayed_update.py says what it changes and how).
+"""HostAdamW's one-step-delayed update (runtime/train/delayed.py says what it changes and how).
 
-A mixin of `HostAdamW` (stagehand/optim.py): the update thread's work, the
+A mixin of `HostAdamW` (train/optimizer.py): the update thread's work, the
 publishing of a block's weights by the landing worker, and `flush`.
 """
 
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from torch_stagehand.runtime.host_optim import adamw_step
+from torch_stagehand.runtime.train.host import adamw_step
 
 
 class DelayedStep:

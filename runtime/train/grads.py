@@ -35,7 +35,7 @@ import torch
 
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.blocks import StreamedLayerSpec
-from torch_stagehand.runtime.node_store import several_ranks
+from torch_stagehand.runtime.host.node_store import several_ranks
 
 STAGING_RING = 3  # device staging buffers: a GEMM may fill one while two copies are in flight
 
@@ -47,7 +47,7 @@ class _Landing:
     target: torch.Tensor
     event: "torch.cuda.Event | None"
     direct: bool  # written straight into the weight's host gradient buffer (the weight had no .grad)
-    updated: bool = False  # no gradient came home: the optimizer stepped the weight on the device (device_optim.py)
+    updated: bool = False  # no gradient came home: the optimizer stepped the weight on the device (train/device.py)
 
 
 class GradLane:
@@ -65,7 +65,7 @@ class GradLane:
         self._next_staging = 0
         self._landing: list[_Landing] = []
         self._queued_for: int | None = None  # the backward (graph task) whose end runs finish()
-        # A host optimizer that steps blocks as their gradients land (host_optim.py): `begin_backward()` at
+        # A host optimizer that steps blocks as their gradients land (train/host.py): `begin_backward()` at
         # the first gradient of every backward, then each landing while it is `accepting`.
         self.consumer = None
         self._consumed: set[int] = set()  # layers handed to the consumer in this backward
@@ -73,11 +73,11 @@ class GradLane:
         # autograd graph task, its own end-of-backward callback) is part of the outer one.
         self._in_backward = False
         self.optimizer_seconds: dict[int, float] = {}  # block -> its last host optimizer step, measured
-        # block -> (H2D, D2H) bytes a step of the blocks the optimizer steps on the device (device_optim.py)
+        # block -> (H2D, D2H) bytes a step of the blocks the optimizer steps on the device (train/device.py)
         self.device_updates: dict[int, tuple[int, int]] = {}
         self.d2h_bytes = 0
         self.grad_gemms = 0
-        # Several ranks (shards.py): a block's gradients are gathered in a flat device buffer, summed into its
+        # Several ranks (train/shards.py): a block's gradients are gathered in a flat device buffer, summed into its
         # owner, and landed there alone.
         self.shards = None
         self.step_syncs = False  # an attached optimizer's step syncs the ranks (Runtime.attach): no fetch needs to
@@ -99,7 +99,7 @@ class GradLane:
         return tuple(i - first for i in range(first, first + len(self.store.blocks[block].layers)) if self.trainable(i))
 
     def lands(self, block: int) -> bool:
-        """Whether this rank lands the block's gradients (several ranks: only its owner does, shards.py)."""
+        """Whether this rank lands the block's gradients (several ranks: only its owner does, train/shards.py)."""
         return self.shards is None or self.shards.mine(block)
 
     def sync_anchor(self, block: int) -> None:
@@ -108,7 +108,7 @@ class GradLane:
         if wants and self.shards is None and several_ranks():
             raise RuntimeError(
                 f"stagehand: a streamed weight of block {block} was made trainable after offload on one of several "
-                "ranks, which offload did not prepare for (each block's gradient goes to one owner, shards.py): "
+                "ranks, which offload did not prepare for (each block's gradient goes to one owner, train/shards.py): "
                 "set requires_grad before offload, or Config(node_shared_store='auto') so offload prepares it")
         if self.anchors[block].requires_grad != wants:
             self.anchors[block].requires_grad_(wants)
@@ -187,13 +187,13 @@ class GradLane:
 
     def _deliver(self, land: _Landing, consumer) -> None:
         if consumer is not None:
-            consumer.landed(land)  # the host optimizer applies it as it lands (host_optim.py)
+            consumer.landed(land)  # the host optimizer applies it as it lands (train/host.py)
             self._consumed.add(land.index)
         else:
             self._landing.append(land)
         self.d2h_bytes += land.target.numel() * land.target.element_size()
 
-    # ---- several ranks (shards.py) ----------------------------------------------------------
+    # ---- several ranks (train/shards.py) ----------------------------------------------------------
 
     def _gather(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """The layer's gradient into its block's flat device buffer; the block's last one sends the buffer to
@@ -274,7 +274,7 @@ class GradLane:
 
     def _update_on_device(self, index: int, a: torch.Tensor, b: torch.Tensor, home: torch.Tensor,
                           consumer) -> _Landing:
-        """The gradient stays on the device: the optimizer steps the weight there (device_optim.py), from the
+        """The gradient stays on the device: the optimizer steps the weight there (train/device.py), from the
         staging buffer, and sends home the new master, moments and weight instead of the gradient."""
         with torch.no_grad():
             if self.cuda:
@@ -315,7 +315,7 @@ class GradLane:
     def _staging_buffer(self, i: int, target: torch.Tensor) -> torch.Tensor:
         if not self._staging:  # allocated at the first gradient: LoRA runs never hold them
             largest = max(s.out_features * s.in_features * s.weight.element_size()
-                          for s in self.layers if not s.experts)  # expert stacks never train (experts.py)
+                          for s in self.layers if not s.experts)  # expert stacks never train (experts/stacks.py)
             self._staging = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(STAGING_RING)]
         n = target.numel() * target.element_size()
         return self._staging[i][:n].view(target.dtype).view(target.shape)

@@ -9,7 +9,7 @@ that precision's registry entry, which also says how the buffer is laid out.
 Streaming only ever reads these buffers: the host copy is the master and is
 never modified by it.
 
-Where the bytes live (`host_arena.py`): the buffers of one copy kind are views
+Where the bytes live (`host/arena.py`): the buffers of one copy kind are views
 into one large host allocation, and only the buffers a block streams are
 page-locked, at their exact size (`set_pins`). The master of a block that
 streams INT8 is kept pageable (`keep_full="ram"`) or not in RAM at all
@@ -25,12 +25,12 @@ from typing import Callable
 
 import torch
 
-from torch_stagehand.runtime import host_copy
+from torch_stagehand.runtime.host import copy as host_copy
 from torch_stagehand.runtime import precision as precisions
-from torch_stagehand.runtime.block_buffers import BlockBuffers
+from torch_stagehand.runtime.host.buffers import BlockBuffers
 from torch_stagehand.runtime.blocks import StreamedLayerSpec
-from torch_stagehand.runtime.host_arena import HostArena, NoPinner, lock_or_fall_back
-from torch_stagehand.runtime.node_store import NodeStoreError
+from torch_stagehand.runtime.host.arena import HostArena, NoPinner, lock_or_fall_back
+from torch_stagehand.runtime.host.node_store import NodeStoreError
 from torch_stagehand.runtime.precision import LayerLayout
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class HostStore:
     def __init__(self, layers: list[StreamedLayerSpec], n_blocks: int, pin: bool, quantizer: str, quant_device=None,
                  pinner=None, keep_full: str = KEEP_PINNED, node=None):
         self.pin = pin
-        # The node's shared store (node_store.py): offload's allocations are the node's, each block's by its owner.
+        # The node's shared store (host/node_store.py): offload's allocations are the node's, each block's by its owner.
         self.node = node
         self.pinner = pinner if pinner is not None else NoPinner()
         self.keep_full = keep_full
@@ -55,15 +55,15 @@ class HostStore:
         self.requantized_blocks = 0
         self.arenas: list[HostArena] = []
         self.after_file_read: Callable[[], None] | None = None  # keep_full="file": drop the mapped pages read
-        # Config(int8_tier="disk"): (block, precision) copies read from the slab file at each fetch (disk_tier.py).
+        # Config(int8_tier="disk"): (block, precision) copies read from the slab file at each fetch (host/disk_tier.py).
         self.disk_tier = None
         self.on_disk: set[tuple[int, str]] = set()
         self._reserved: dict[tuple[int, str], torch.Tensor] = {}  # carved, not yet handed out
         self._arena_of: dict[tuple[int, str], HostArena] = {}
-        self.offloaded = False  # offload is done: a refused page-lock falls back to pageable (host_arena.py)
-        # Told when a module's weight was replaced by a view of the store (offload_undo.py keeps the original).
+        self.offloaded = False  # offload is done: a refused page-lock falls back to pageable (host/arena.py)
+        # Told when a module's weight was replaced by a view of the store (host/undo.py keeps the original).
         self.on_replaced: Callable[[StreamedLayerSpec, torch.Tensor], None] | None = None
-        # Run once at the next fetch, then cleared: after a step across ranks, the owners' writes (shards.py).
+        # Run once at the next fetch, then cleared: after a step across ranks, the owners' writes (train/shards.py).
         self.before_fetch: Callable[[], None] | None = None
         # A slab's rows still read by the reader process after offload returned (read_process.RowsBehind): a
         # fetch waits for them; a buffer still being read is not page-locked here (the reads' listener locks it).
@@ -77,7 +77,7 @@ class HostStore:
         return HostArena(kind, sizes, self.pinner, shared=shared, backing=backing)
 
     def writes(self, block: int, precision: str) -> bool:
-        """Whether this process fills the block's buffer (False: another rank of the node does, node_store.py)."""
+        """Whether this process fills the block's buffer (False: another rank of the node does, host/node_store.py)."""
         arena = self._arena_of.get((block, precision))
         return arena is None or not arena.shared or self.node.owns(block)
 
@@ -103,7 +103,7 @@ class HostStore:
             self._arena_of[(b, precision)] = arena
 
     def grad_buffers(self, blocks: list[int]) -> dict[int, torch.Tensor]:
-        """Host gradient buffers for blocks whose weights train (grads.py): each the size and layout of
+        """Host gradient buffers for blocks whose weights train (train/grads.py): each the size and layout of
         the block's master, one allocation, page-locked where the store pins (the D2H copies land there)."""
         sizes = [precisions.master().layout(self.blocks[b].layers)[1] for b in blocks]
         try:

@@ -51,7 +51,7 @@ class OffloadUndo:
         # (they hold no memory) go back in place of what was loaded.
         self._meta = [(module, kind, name, t) for module in model.modules() for kind in ("_parameters", "_buffers")
                       for name, t in getattr(module, kind).items() if t is not None and t.is_meta]
-        # A rank of a node that shares its store (node_store.py) keeps its weights until the store is sealed: the
+        # A rank of a node that shares its store (host/node_store.py) keeps its weights until the store is sealed: the
         # blocks other ranks write may not be in the pages yet, and an undo must not read them from there.
         self._deferred: list[tuple[StreamedLayerSpec, torch.Tensor]] | None = None
 

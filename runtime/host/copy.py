@@ -1,6 +1,6 @@
 """Device-to-host copies into the store's pageable buffers, through one pinned bounce buffer.
 
-The store's buffers stay pageable until `HostStore.set_pins` locks what streams (host_arena.py says
+The store's buffers stay pageable until `HostStore.set_pins` locks what streams (host/arena.py says
 why). A copy from the GPU into pageable memory goes through the driver's own small staging buffers at
 a few GB/s: a 7B model built on the GPU took 10.7 s to reach the host store, and its INT8 copies
 (quantized on the GPU) as long again (H100, benches/results/start_time_qwen.json). Through one

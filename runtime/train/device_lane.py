@@ -1,6 +1,6 @@
-"""HostAdamW's updates on the GPU (runtime/device_optim.py): which blocks, and the lane the gradients are handed to.
+"""HostAdamW's updates on the GPU (runtime/train/device.py): which blocks, and the lane the gradients are handed to.
 
-A mixin of `HostAdamW` (stagehand/optim.py), kept apart so each file reads as
+A mixin of `HostAdamW` (train/optimizer.py), kept apart so each file reads as
 one job: this one decides where a block's update runs and drives the device
 lane; the optimizer itself owns the states and the host path.
 """
@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from torch_stagehand.runtime.device_optim import DeviceAdamW, choose_device_blocks, pin_states, transfer_bytes
+from torch_stagehand.runtime.train.device import DeviceAdamW, choose_device_blocks, pin_states, transfer_bytes
 
 log = logging.getLogger("torch_stagehand.optim")
 
@@ -55,7 +55,7 @@ class DeviceUpdate:
         if not overlapping:
             return "the blocks step after the backward (overlap=False or max_grad_norm), not inside it"
         if rt.grads.shards is not None:
-            return "several ranks: each block steps on its owner's host (runtime/shards.py)"
+            return "several ranks: each block steps on its owner's host (runtime/train/shards.py)"
         if self.accumulation_steps != 1:
             return "gradient accumulation sums each backward's gradients on the host"
         if self.states != "fp32":

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torch_stagehand.runtime.host_arena import HostArena
+from torch_stagehand.runtime.host.arena import HostArena
 from torch_stagehand.runtime.precision import INT8, layer_views
 
 RING = 3  # one buffer being copied to the device, one being read ahead, one spare

@@ -1,4 +1,4 @@
-"""One block's host copies (the host store's entry per block, host_store.py): a flat buffer per precision,
+"""One block's host copies (the host store's entry per block, host/store.py): a flat buffer per precision,
 its layout, the master version each derived buffer was built from, and a mapped file's weights when the
 file is the master."""
 

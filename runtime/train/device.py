@@ -1,9 +1,9 @@
 """AdamW on the GPU for chosen streamed blocks: the states come to the gradient, not the gradient to the states.
 
-`HostAdamW` steps a block on the host once its gradients have landed (host_optim.py): its
+`HostAdamW` steps a block on the host once its gradients have landed (train/host.py): its
 time is the host's memory bandwidth, ~28 bytes a parameter read and written each step (fp32
 master, moments, gradient, the rounded weight). The other place is the GPU, inside the
-backward, while the layer's gradient is still in its staging buffer (grads.py): the layer's
+backward, while the layer's gradient is still in its staging buffer (train/grads.py): the layer's
 fp32 master and moments cross PCIe (12 bytes a parameter each way), its new bf16 weight comes
 back with them (2 bytes), and the gradient never goes home. Which is faster depends on the
 host's memory bandwidth against the link, so the optimizer chooses per block from measured
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as adam_functional
 
-from torch_stagehand.runtime.host_arena import HostArena, lock_or_fall_back
+from torch_stagehand.runtime.host.arena import HostArena, lock_or_fall_back
 
 RING = 2  # a slot uploads the next layer's states while the other one is stepped and written back
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")

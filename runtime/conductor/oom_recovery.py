@@ -43,7 +43,7 @@ warning) before the step runs again.
 
 Fragmentation: a cache holding gigabytes in pieces too small for a logits buffer fails a unit that
 fits the room. On CUDA, `offload` turns on the caching allocator's expandable segments before it
-allocates anything (allocator.py, `Config.expandable_segments`).
+allocates anything (device/allocator.py, `Config.expandable_segments`).
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ from typing import Any
 
 import torch
 
-from torch_stagehand.runtime.allocator import allocator_ooms, device_room, fragmented_bytes
+from torch_stagehand.runtime.device.allocator import allocator_ooms, device_room, fragmented_bytes
 from torch_stagehand.runtime.conductor.costs import Budget, BudgetError, human
 from torch_stagehand.runtime.conductor.phases import Phase
-from torch_stagehand.runtime.planning import SHRINK_FRACTION  # no smaller room to plan for: the rule for a plan that did not fit
+from torch_stagehand.runtime.conductor.driver import SHRINK_FRACTION  # no smaller room to plan for: the rule for a plan that did not fit
 
 log = logging.getLogger(__name__)
 

@@ -15,16 +15,22 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from torch_stagehand.runtime import host_arena, host_budget, host_copy, node_store
+from torch_stagehand.runtime.host import arena as host_arena
+
+from torch_stagehand.runtime.host import budget as host_budget
+
+from torch_stagehand.runtime.host import copy as host_copy
+
+from torch_stagehand.runtime.host import node_store
 from torch_stagehand.runtime import precision as precisions
-from torch_stagehand.runtime.allocator import use_expandable_segments
+from torch_stagehand.runtime.device.allocator import use_expandable_segments
 from torch_stagehand.runtime.beside import run_beside
 from torch_stagehand.runtime.blocks import StreamedLayerSpec
-from torch_stagehand.runtime.host_plan import HostPlan, plan_host, preflight
-from torch_stagehand.runtime.host_store import KEEP_FILE, HostStore
-from torch_stagehand.runtime.shards import GradShards
-from torch_stagehand.runtime.stage_clock import COMPILER_PREPARATION, StageClock
-from torch_stagehand.runtime.weights_file import CheckpointError, WeightsFile
+from torch_stagehand.runtime.host.plan import HostPlan, plan_host, preflight
+from torch_stagehand.runtime.host.store import KEEP_FILE, HostStore
+from torch_stagehand.runtime.train.shards import GradShards
+from torch_stagehand.runtime.telemetry.stage_clock import COMPILER_PREPARATION, StageClock
+from torch_stagehand.runtime.host.weights_file import CheckpointError, WeightsFile
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +73,10 @@ def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: 
     n = len(rt.blocks)
     # Before the first device allocation: the slots and resident blocks then live in expandable segments.
     rt.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
-    # The ranks of a node share one store (node_store.py): a collective of every rank, before any allocation.
+    # The ranks of a node share one store (host/node_store.py): a collective of every rank, before any allocation.
     rt.node = node_store.join(rt.config, rt.device)
     # Its process group now, while every rank is here: after this point a rank that fails meets the others only
-    # at the node's exchanges (node_store.py), which tell them.
+    # at the node's exchanges (host/node_store.py), which tell them.
     rt.shards = GradShards.create(rt.layers, rt.node, rt.device)
     if rt.node is not None:
         rt._undo.defer_releases()  # the weights of blocks other ranks write stay until they are written (seal)

@@ -4,7 +4,7 @@ Without it every rank of a node builds and pins its own copy: eight GPUs trainin
 Here the node's first rank (its leader) creates each host allocation of the store as a memfd (an anonymous
 shared-memory file); the other ranks of the node map the same pages through `/proc/<leader pid>/fd/<fd>`.
 Each block's buffers have one writer, its owner (block b: the node's rank b mod the ranks of the node): it copies
-the block's weights, quantizes them, reads them from a slab, and under full fine-tuning steps them (shards.py),
+the block's weights, quantizes them, reads them from a slab, and under full fine-tuning steps them (train/shards.py),
 so the node's ranks fill the store in parallel. Every rank page-locks the ranges it streams with
 `cudaHostRegister`, as it does its own memory (sglang's CPU offloader and LightX2V's shared arena register
 shared segments the same way).
@@ -21,7 +21,7 @@ when its connection closes (or after `Config.node_timeout_s`). Between the excha
 the shared pages: their owners have finished writing them only at `seal`.
 
 After offload the store is read-only under LoRA; under full fine-tuning each block's owner writes it after its
-optimizer step, and the other ranks wait for that at their next read (shards.py).
+optimizer step, and the other ranks wait for that at their next read (train/shards.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from datetime import timedelta
 
 import torch
 
-from torch_stagehand.runtime.host_arena import map_memfd, new_memfd
+from torch_stagehand.runtime.host.arena import map_memfd, new_memfd
 
 log = logging.getLogger(__name__)
 

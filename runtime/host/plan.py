@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.blocks import StreamedLayerSpec
-from torch_stagehand.runtime.host_budget import MachineMemory, gib
-from torch_stagehand.runtime.host_store import KEEP_FILE, KEEP_PINNED, KEEP_RAM, HostStore
+from torch_stagehand.runtime.host.budget import MachineMemory, gib
+from torch_stagehand.runtime.host.store import KEEP_FILE, KEEP_PINNED, KEEP_RAM, HostStore
 from torch_stagehand.runtime.streamed import StreamedDtypeError
 
 KEEP_AUTO = "auto"
@@ -37,7 +37,7 @@ class HostPlan:
     bytes: dict[str, int] = field(default_factory=dict)  # "int8 pinned", "bf16 ram", "bf16 file", ...
     freed_bytes: int = 0  # streamed weights in RAM now that the store replaces (they are freed as it fills)
     from_slab: bool = False
-    node_ranks: int = 1  # ranks of this node sharing the store (node_store.py): its copies are held once
+    node_ranks: int = 1  # ranks of this node sharing the store (host/node_store.py): its copies are held once
 
     def node_need(self) -> int:
         """Host memory the node still needs: the shared copies once; each rank's private ones (a disk tier's
@@ -110,7 +110,7 @@ def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dic
         counted[f"grad {'pinned' if pin else 'ram'}"] = sum(
             _block_bytes(per_block[b], precisions.FULL) for b in training_blocks)
     if int8_on_disk:
-        from torch_stagehand.runtime.disk_tier import RING
+        from torch_stagehand.runtime.host.disk_tier import RING
 
         counted[f"{precisions.INT8} staging {'pinned' if pin else 'ram'}"] = RING * max(
             _block_bytes(layers_, precisions.INT8) for layers_ in per_block)
@@ -178,8 +178,8 @@ def host_report(store: HostStore) -> dict:
         "pinned_requested_bytes": requested,
         "pinned_locked_bytes": sum(a.locked_bytes for a in store.arenas),
         "host_allocations": len(store.arenas),
-        "pin_refusals": sum(a.pin_refusals for a in store.arenas),  # left pageable at run time (host_arena.py)
-        # The node's ranks share the store's allocations made at offload (node_store.py): these bytes once.
+        "pin_refusals": sum(a.pin_refusals for a in store.arenas),  # left pageable at run time (host/arena.py)
+        # The node's ranks share the store's allocations made at offload (host/node_store.py): these bytes once.
         "node_shared_bytes": 0 if store.node is None else store.node.shared_bytes,
         "node_ranks": 1 if store.node is None else store.node.local_size,
         "bytes_by_kind": dict(sorted(kinds.items())),

@@ -9,9 +9,9 @@ import torch
 
 from torch_stagehand import kernels
 
-from torch_stagehand.runtime.host_plan import host_report
-from torch_stagehand.runtime.slots import SlotPool
-from torch_stagehand.runtime.spill import ActivationSpill
+from torch_stagehand.runtime.host.plan import host_report
+from torch_stagehand.runtime.device.slots import SlotPool
+from torch_stagehand.runtime.device.spill import ActivationSpill
 
 def runtime_stats(rt: Any) -> dict[str, Any]:
     """`rt`: the Runtime (not imported: runtime.py imports this module)."""
@@ -55,9 +55,9 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "calibration_remeasured": list(rt.planner.remeasured),  # steps with one-time unit work: measured again
         "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
         "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered
-        "oom_recoveries": list(rt.oom.records),  # out of memory in a step: where, budgets, plan (oom_recovery.py)
+        "oom_recoveries": list(rt.oom.records),  # out of memory in a step: where, budgets, plan (conductor/oom_recovery.py)
         "gc_freezes": list(rt.collector.freezes),  # after compiling: objects frozen, ms (collector.py)
-        "allocator": rt.allocator,  # what offload did to the CUDA allocator (allocator.py)
+        "allocator": rt.allocator,  # what offload did to the CUDA allocator (device/allocator.py)
         "cost_model_cache": rt.planner.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
         "offload": rt.offload_summary,
         # a slab's rows read behind offload (read_process.RowsBehind): their seconds, the fetches' wait for them
@@ -87,7 +87,7 @@ def spill_stats(spill: ActivationSpill | None) -> dict:
 
 
 def planner_step_record(planner: Any) -> dict:
-    """The plan's and the conductor's part of a telemetry line (`planner`: runtime/planning.py's PlanDriver)."""
+    """The plan's and the conductor's part of a telemetry line (`planner`: runtime/conductor/driver.py's PlanDriver)."""
     record = {"plan": planner.plan.counts() if planner.plan is not None else {}}
     if planner._admit:
         record.update(planner.conductor.snapshot())

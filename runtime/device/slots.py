@@ -33,7 +33,7 @@ import torch
 
 from torch_stagehand.runtime.conductor.trace import (DENIED, EVICT, H2D_COPY, HIT, IN_FLIGHT, NOT_HELD, PREFETCH, RELEASED,
                               SYNC_FETCH, WAIT)
-from torch_stagehand.runtime.host_store import HostStore
+from torch_stagehand.runtime.host.store import HostStore
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class SlotPool:
         fetch rebuilds a stale INT8 copy first); a stale copy a reader holds
         means the weights were written while the block computes, an error.
         """
-        self.store.fetching()  # after a step across ranks: the owners' writes land first (shards.py)
+        self.store.fetching()  # after a step across ranks: the owners' writes land first (train/shards.py)
         slot = self._find(block, precision)
         if slot is None or slot.master_version == self.store.master_version(block):
             return slot

@@ -117,7 +117,7 @@ class HostArena:
     """One host allocation holding the buffers of one copy kind (e.g. "int8 pinned")."""
 
     def __init__(self, kind: str, sizes: list[int], pinner, shared=None, backing=None):
-        """`shared`: the node's NodeStore (node_store.py): the pages are the node's, each block's by its owner.
+        """`shared`: the node's NodeStore (host/node_store.py): the pages are the node's, each block's by its owner.
         `backing`: where this process's own pages come from, when not from torch (`backing(kind, nbytes)`, page-
         aligned): a slab's reader process writes into memfd pages (slab/read_process.py)."""
         self.kind = kind

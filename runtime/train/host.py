@@ -1,7 +1,7 @@
 """AdamW on the host for streamed weights: a block steps as soon as its gradients have landed.
 
 The gradients of a block's trainable streamed weights land in host memory at
-the end of the block's backward (grads.py). Waiting for the whole backward to
+the end of the block's backward (train/grads.py). Waiting for the whole backward to
 end before the optimizer runs (what a torch optimizer over `.grad` does, and
 DeepSpeed's ZeRO-Offload without its delayed update) leaves the host idle for
 the backward and the GPU idle for the optimizer. Here a worker thread takes
@@ -466,12 +466,12 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 class LandingWorker:
-    """A thread that applies each landed gradient (grads.py `GradLane.apply`) and steps a block when its
+    """A thread that applies each landed gradient (train/grads.py `GradLane.apply`) and steps a block when its
     last trainable weight's gradient of this step has landed.
 
     `blocks`: block -> the layer indices this optimizer steps in it; `step_block(block)` runs the step.
     The GradLane hands it landings only in the backward that ends an accumulation cycle. `device`: the
-    optimizer, when some of its blocks are stepped on the GPU instead (device_optim.py): the lane asks it
+    optimizer, when some of its blocks are stepped on the GPU instead (train/device.py): the lane asks it
     which, and hands their gradients to it; their landings here only wait for the write-back."""
 
     def __init__(self, lane, blocks: dict[int, set[int]], step_block: Callable[[int], None],

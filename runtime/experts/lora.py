@@ -7,7 +7,7 @@ forward it registers a `torch.nn.utils.parametrize` parametrization on the modul
 call moves parameters around under Dynamo; so offload swaps each such wrapper's class:
 
 * its forward calls the wrapped module directly (peft's own checks first);
-* the module's stack property (experts.py) hands the streamed stack to `adapted(w)`, which adds each
+* the module's stack property (experts/stacks.py) hands the streamed stack to `adapted(w)`, which adds each
   active adapter's low-rank update as peft's `_LoraFactorsProxy` does, `baddbmm(w, lhs, rhs, alpha=scaling)`
   (peft sums several adapters' deltas first: the same update, rounded in another order).
 

@@ -13,9 +13,9 @@ kept on the device in shards, all-gathered at every forward and stepped as FSDP'
 fully_shard's assignment of it is refused (streamed.py), and `check_not_sharded` checks again at the first graph
 or eager call.
 
-A streamed weight that trains is ignored by DDP too: its gradient reaches the host by the runtime's own lane (grads.py),
+A streamed weight that trains is ignored by DDP too: its gradient reaches the host by the runtime's own lane (train/grads.py),
 not by autograd's accumulation that DDP hooks, and on several ranks the runtime sums it into its block's owner
-(shards.py).
+(train/shards.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ b mod the node's ranks), which lands them on its host, steps the block, and rebu
 copies in the node's shared store. The other ranks hold no gradient buffer and no optimizer state for it, and
 their `.grad` of its weights stays None (a torch optimizer skips such a parameter).
 
-One collective per block, issued when the block's last training weight has its gradient (grads.py gathers
+One collective per block, issued when the block's last training weight has its gradient (train/grads.py gathers
 them into one flat device buffer first), so every rank issues the same collectives in the same order whatever
 its compiled graphs look like (plans may differ between ranks: a block one recomputes, another keeps). They
 run on a process group of their own, never interleaved with DDP's all-reduces of the resident parameters.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from torch_stagehand.runtime import precision as precisions
-from torch_stagehand.runtime.node_store import destroy_group, several_ranks
+from torch_stagehand.runtime.host.node_store import destroy_group, several_ranks
 
 
 class GradShards:

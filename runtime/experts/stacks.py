@@ -22,7 +22,7 @@ so Dynamo captures one op per stack, with the block's token as a graph input lik
   weights are never saved for backward.
 
 A stack whose parameter requires grad is refused in a grad-enabled forward (experts stream frozen: LoRA on
-attention, or peft's `target_parameters` on the experts, `lora_experts.py`), never silently left untrained.
+attention, or peft's `target_parameters` on the experts, `experts/lora.py`), never silently left untrained.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _read_stack(module, name: str) -> torch.Tensor:
         guard_on_runtime(module._sh_runtime_key)
         w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype,
                                                  module._sh_device)
-    for wrapper in module.__dict__.get("_sh_lora", {}).get(name, ()):  # peft target_parameters (lora_experts.py)
+    for wrapper in module.__dict__.get("_sh_lora", {}).get(name, ()):  # peft target_parameters (experts/lora.py)
         w = wrapper.adapted(w)
     return w
 
