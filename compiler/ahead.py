@@ -52,13 +52,14 @@ from typing import Any, Callable, Hashable
 
 from torch_stagehand.compiler import process_settings
 from torch_stagehand.compiler.ahead_wire import receive, send
+from torch_stagehand.environment import child_environment, env
 
 log = logging.getLogger("torch_stagehand.compiler")
 
 
 def _debug() -> bool:
     """`STAGEHAND_AHEAD_DEBUG=1`: workers write to this process's stderr, with AOTAutograd's cache key details."""
-    return os.environ.get("STAGEHAND_AHEAD_DEBUG", "0") == "1"
+    return env("STAGEHAND_AHEAD_DEBUG")
 
 
 @dataclass
@@ -109,13 +110,13 @@ class _Worker:
         # STAGEHAND_AHEAD_THREADS. The main process compiles nothing meanwhile: it runs the forward eagerly, tunes,
         # and waits.
         threads = max(1, _ahead_threads() or (os.cpu_count() or 1) // pool.size)
-        if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
-            threads = min(threads, int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"]))
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-                   TORCHINDUCTOR_COMPILE_THREADS=str(threads))
+        if env("TORCHINDUCTOR_COMPILE_THREADS") is not None:
+            threads = min(threads, env("TORCHINDUCTOR_COMPILE_THREADS"))
+        child = child_environment(PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                                  TORCHINDUCTOR_COMPILE_THREADS=str(threads))
         self.process = subprocess.Popen([sys.executable, "-m", "torch_stagehand.compiler.ahead_worker"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=None if _debug() else subprocess.DEVNULL, env=env)
+                                        stderr=None if _debug() else subprocess.DEVNULL, env=child)
         send(self.process.stdin, dict(pool.configs, w8a16=w8a16))
         self.thread = threading.Thread(target=self._run, name="stagehand-ahead", daemon=True)
         self.thread.start()
@@ -361,10 +362,7 @@ class AheadCompiler:
 
 def _ahead_threads() -> int:
     """`STAGEHAND_AHEAD_THREADS`: each worker's Triton compile threads (0 or unset: cores / workers)."""
-    value = os.environ.get("STAGEHAND_AHEAD_THREADS", "0")
-    if not value.isdigit():
-        raise ValueError(f"stagehand: STAGEHAND_AHEAD_THREADS must be an int >= 0, got {value!r}")
-    return int(value)
+    return env("STAGEHAND_AHEAD_THREADS")
 
 
 def _configs() -> dict[str, Any]:

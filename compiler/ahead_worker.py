@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from typing import Any
+from torch_stagehand.environment import env
 
 
 def fake_inputs(specs: list) -> tuple[list, Any]:
@@ -252,7 +253,7 @@ def main() -> None:
 
     from torch_stagehand.runtime import ops  # noqa: F401 - they register the stagehand ops the graphs call
 
-    from torch_stagehand.runtime.experts.stacks import stacks as experts
+    from torch_stagehand.runtime.experts import stacks as experts
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
@@ -279,7 +280,7 @@ def main() -> None:
         if job is None:
             return
         try:
-            reply = profiled(compile_job, job, os.environ.get("STAGEHAND_AHEAD_PROFILE", ""))
+            reply = profiled(compile_job, job, env("STAGEHAND_AHEAD_PROFILE") or "")
         except BaseException:  # noqa: BLE001 - the main process compiles the variant itself, and logs why
             reply = {"error": traceback.format_exc(limit=6)}
         ahead_wire.send(replies, reply)

@@ -47,6 +47,7 @@ import torch
 
 from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.runtime.conductor.costs import cache_dir
+from torch_stagehand.environment import env
 
 log = logging.getLogger("torch_stagehand.compiler")
 
@@ -56,7 +57,7 @@ _FORMAT = 1
 
 def enabled() -> bool:
     """`STAGEHAND_COMPILE_CACHE=0` turns the bundle off (torch's own caches follow their own switches)."""
-    return os.environ.get("STAGEHAND_COMPILE_CACHE", "1") != "0"
+    return env("STAGEHAND_COMPILE_CACHE")
 
 
 # ---- making units cacheable ------------------------------------------------------------------
@@ -101,7 +102,7 @@ def ops_fingerprint() -> str:
     fake and autograd rules are traced into every unit's graph, so the joint passes' uuid (the caches' key)
     holds it."""
     from torch_stagehand.runtime import ops
-    from torch_stagehand.runtime.experts.stacks import stacks as experts
+    from torch_stagehand.runtime.experts import stacks as experts
 
     return _sources_hash([ops, experts])
 

@@ -14,13 +14,13 @@ graph-level context plus the block and precision the variant is built for).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
 
 from torch_stagehand.compiler.interface import StreamingRuntime
+from torch_stagehand.environment import env
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -68,10 +68,7 @@ class BackendOptions:
             return 0
         workers = self.ahead_workers
         if workers is None:
-            env = os.environ.get("STAGEHAND_AHEAD_WORKERS")
-            if env is not None and not env.strip().isdigit():
-                raise BackendOptionsError(f"stagehand: STAGEHAND_AHEAD_WORKERS must be an int >= 0, got {env!r}")
-            workers = int(env) if env is not None else 0
+            workers = env("STAGEHAND_AHEAD_WORKERS") or 0
         return workers
 
     @staticmethod

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -27,6 +26,7 @@ from torch_stagehand.compiler.mutation import MutationIndex
 from torch_stagehand.compiler.process_settings import AUTOTUNED, autotune_choice
 from torch_stagehand.compiler.source_hash import passes_uuid
 from torch_stagehand.compiler.symbolic import fake_static
+from torch_stagehand.environment import env
 
 if TYPE_CHECKING:
     from torch_stagehand.compiler.symbolic import FakedInputs
@@ -39,7 +39,7 @@ def compile_workers_wanted(device: torch.device) -> bool:
     """Start Inductor's compile workers at offload? On CUDA, unless `STAGEHAND_WARM_COMPILE_WORKERS=0` (the pool
     serves Triton; CPU kernels compile in process). `TORCH_WARM_POOL=0` and `TORCHINDUCTOR_COMPILE_THREADS=1`
     turn it off too, as they do for torch."""
-    return device.type == "cuda" and os.environ.get("STAGEHAND_WARM_COMPILE_WORKERS", "1") != "0"
+    return device.type == "cuda" and env("STAGEHAND_WARM_COMPILE_WORKERS")
 
 
 def warm_compile_workers(device: torch.device) -> bool:

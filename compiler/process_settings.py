@@ -13,11 +13,11 @@ kernels that keep several launch configs; a worker started at offload holds the 
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
 import torch
+from torch_stagehand.environment import env, set_env
 
 _SDPA_BACKENDS = ("flash", "mem_efficient", "math", "cudnn")
 
@@ -32,10 +32,7 @@ AUTOTUNE_VARIABLE = "STAGEHAND_INDUCTOR_AUTOTUNE"
 def autotune_choice() -> str:
     """`STAGEHAND_INDUCTOR_AUTOTUNE` (its default when unset), checked. A job carries the main process's to its
     worker (`current`): the worker was started with the environment of the offload."""
-    choice = os.environ.get(AUTOTUNE_VARIABLE, AUTOTUNE_DEFAULT)
-    if choice not in AUTOTUNED:
-        raise ValueError(f"{AUTOTUNE_VARIABLE} must be one of {sorted(AUTOTUNED)}, got {choice!r}")
-    return choice
+    return env(AUTOTUNE_VARIABLE)
 
 
 def _fp32_precision_holders() -> list[tuple[str, Any]]:
@@ -88,4 +85,4 @@ def adopt(settings: dict[str, Any]) -> None:
             deterministic, warn_only = settings["deterministic"]
             torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     if now["inductor_autotune"] != settings["inductor_autotune"]:
-        os.environ[AUTOTUNE_VARIABLE] = settings["inductor_autotune"]
+        set_env(AUTOTUNE_VARIABLE, settings["inductor_autotune"])

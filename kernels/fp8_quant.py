@@ -20,12 +20,12 @@ the kernel is checked bit for bit against the twin on the GPU only.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from torch_stagehand.kernels.fallback import warn_reference_fallback
 from torch_stagehand.kernels.launch_memo import Executor, LaunchMemo, tensor_key
+from torch_stagehand.environment import env
 
 TRITON_IMPORT_ERROR: BaseException | None = None
 try:  # a broken Triton install must not break the CPU path (the twin); CUDA calls then warn once
@@ -100,7 +100,7 @@ def transpose_bytes(q: torch.Tensor, tile: int = _TILE) -> torch.Tensor:
         raise ValueError(f"fp8 transpose_bytes: expected a contiguous 2-D 1-byte tensor, got {tuple(q.shape)} "
                          f"{q.dtype} strides {q.stride()}")
     # The CPU tests run the kernel under the interpreter; a GPU call (every fp8 grad-input) skips the env read.
-    interpreting = not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpreting = not q.is_cuda and env("TRITON_INTERPRET")
     if not (HAS_TRITON and (q.is_cuda or interpreting)):
         if q.is_cuda:
             warn_reference_fallback("the fp8 quantize and transpose kernels", TRITON_IMPORT_ERROR)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 import triton
 
 from torch_stagehand.kernels import tune_cache, tune_deferral as deferral
+from torch_stagehand.environment import env
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ _SM_COUNT: dict = {}
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env("TRITON_INTERPRET")
 
 
 def sms(device) -> int:
@@ -143,7 +143,7 @@ def _shortlisted(kind: str, m: int, tile: tuple) -> bool:
 
 def every_candidate() -> bool:
     """`STAGEHAND_TUNE_EVERY=1`: time every candidate, not the shortlists (benches/kernels.py measures them all)."""
-    return os.environ.get("STAGEHAND_TUNE_EVERY", "0") == "1"
+    return env("STAGEHAND_TUNE_EVERY")
 
 
 def candidates(kind: str, m: int, n_out: int, red: int, device, every: bool | None = None) -> list[LaunchConfig]:
@@ -234,7 +234,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
     the key runs `provisional_config(options)` now and is tuned by `tune_deferral.tune_deferred`."""
     if key[-1] == torch.float32 and not interpreting():
         return options[0] if options else F32_CONFIG
-    if interpreting() or device.type != "cuda" or os.environ.get("STAGEHAND_AUTOTUNE", "1") == "0":
+    if interpreting() or device.type != "cuda" or not env("STAGEHAND_AUTOTUNE"):
         return options[0] if options else heuristic(kind, m, n_out, red, device)
     if key in _LOG:
         return _LOG[key]["chosen"]
@@ -291,7 +291,7 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
 def precompile_threads() -> int:
     """Threads that compile a key's candidates at once (`STAGEHAND_TUNE_THREADS`; 1: one after another, as each
     is first run)."""
-    return max(1, int(os.environ.get("STAGEHAND_TUNE_THREADS", "8")))
+    return max(1, env("STAGEHAND_TUNE_THREADS"))
 
 
 def precompile_all(configs: list[LaunchConfig], precompile, device) -> None:

@@ -24,14 +24,16 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+from torch_stagehand.environment import env
+from torch_stagehand.environment import cache_dir as stagehand_cache_dir
 
 
 def cache_dir() -> str:
-    return os.environ.get("STAGEHAND_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_stagehand")
+    return stagehand_cache_dir()
 
 
 def enabled() -> bool:
-    return os.environ.get("STAGEHAND_TUNE_CACHE", "1") != "0"
+    return env("STAGEHAND_TUNE_CACHE")
 
 
 def source_fingerprint() -> str:

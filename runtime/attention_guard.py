@@ -17,10 +17,10 @@ off is closed (`restore()`).
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
+from torch_stagehand.environment import env
 
 
 class AttentionBackendWarning(UserWarning):
@@ -32,7 +32,7 @@ _HOLDERS = [0]  # live runtimes that keep cuDNN SDPA off (it was on before the f
 
 def disable_unsafe_sdpa_backends(device: torch.device):
     """Turn cuDNN SDPA off for a CUDA runtime. Returns the undo to call when that runtime closes, or None."""
-    if device.type != "cuda" or os.environ.get("STAGEHAND_ALLOW_CUDNN_SDPA") == "1":
+    if device.type != "cuda" or env("STAGEHAND_ALLOW_CUDNN_SDPA"):
         return None
     if _HOLDERS[0]:
         _HOLDERS[0] += 1

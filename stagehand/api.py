@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import warnings
 
 import torch
@@ -20,6 +19,7 @@ from torch_stagehand.runtime.precision import FULL, validate_precision_map
 from torch_stagehand.runtime.runtime import Runtime
 from torch_stagehand.runtime.selective.controller import AUTO, SelectivePrecision, selective_precision_requested
 from torch_stagehand.runtime.streamed import is_streamed
+from torch_stagehand.environment import env
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def offload(
 def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precision_map: dict, auto: bool):
     """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now (compiler/variants.py), with the
     W8A16 kernels to compile as they start (`_w8a16_ahead`), or None."""
-    if not os.environ.get("STAGEHAND_AHEAD_WORKERS"):
+    if not env("STAGEHAND_AHEAD_WORKERS"):
         return None
     from torch_stagehand.compiler.context import BackendOptions
     from torch_stagehand.compiler.variants import start_ahead_at_offload
@@ -176,7 +176,7 @@ def _w8a16_ahead(device: torch.device, layers, precision_map: dict, auto: bool):
         return None
     # STAGEHAND_AHEAD_TUNING=0: not the candidates (the workers' CPU beside offload, for a model whose small-M keys
     # never come: an LLM trains at M > 512).
-    ahead_tuning = not auto and os.environ.get("STAGEHAND_AHEAD_TUNING", "1") != "0"
+    ahead_tuning = not auto and env("STAGEHAND_AHEAD_TUNING")
     return {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "shapes": tuning_shapes(layers, precision_map) if ahead_tuning else []}
 

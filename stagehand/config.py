@@ -24,12 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_stagehand.environment import ConfigError  # one error for a Config field and an environment variable
 from torch_stagehand.runtime import precision as precisions
-
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field."""
-
 
 _DEFAULT_H2D_SLOTS = 2
 

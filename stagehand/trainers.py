@@ -24,13 +24,13 @@ This module imports transformers and accelerate; `import torch_stagehand` does n
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from accelerate.utils import TorchDynamoPlugin
 from transformers import Trainer, TrainerCallback
 
 from torch_stagehand.api import runtime_of
+from torch_stagehand.environment import env, set_env
 
 BACKEND = "stagehand"
 
@@ -93,8 +93,8 @@ class StagehandTrainer(Trainer):
         if self.args.torch_compile_backend != BACKEND:
             return super()._build_accelerator_args(**kwargs)
         # TrainingArguments exported the name for old accelerate versions; accelerate's enum refuses it.
-        if os.environ.get("ACCELERATE_DYNAMO_BACKEND") == BACKEND:
-            del os.environ["ACCELERATE_DYNAMO_BACKEND"]
+        if env("ACCELERATE_DYNAMO_BACKEND") == BACKEND:
+            set_env("ACCELERATE_DYNAMO_BACKEND", None)
         self.args.torch_compile_backend = "no"
         try:
             built = super()._build_accelerator_args(**kwargs)

@@ -160,7 +160,7 @@ def test_every_function_a_variant_graph_calls_is_marked_cacheable():
 
 def test_the_keys_follow_the_source_of_every_module_that_decides_what_a_variant_traces(monkeypatch):
     from torch_stagehand.runtime import ops
-    from torch_stagehand.runtime.experts.stacks import stacks as experts
+    from torch_stagehand.runtime.experts import stacks as experts
 
     hashed = []
     real = compile_cache._sources_hash

@@ -31,6 +31,7 @@ from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.runtime.blocks import layout_fingerprint
 from torch_stagehand.runtime.conductor.costs import MEASURED, CostModel, cache_dir
 from torch_stagehand.runtime.conductor.planner import build_plan
+from torch_stagehand.environment import env
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ HOST_KINDS = ("forward", "recompute", "backward")
 
 
 def enabled() -> bool:
-    return os.environ.get("STAGEHAND_COST_CACHE", "1") != "0"
+    return env("STAGEHAND_COST_CACHE")
 
 
 def input_signature(input_shapes: list[str]) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from torch_stagehand.runtime.atomic_file import write_atomic
+from torch_stagehand.environment import cache_dir as stagehand_cache_dir
 # Compute time assumed for a block before one was measured: only the ratio to the transfer
 # time matters, and 1 ms per block keeps the first plan transfer-aware without a measurement.
 DEFAULT_BLOCK_SECONDS = 1e-3
@@ -245,7 +246,7 @@ def _keep_smaller(known: list[float], measured: list[float], scale: list[float] 
 
 
 def cache_dir() -> str:
-    return os.environ.get("STAGEHAND_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_stagehand")
+    return stagehand_cache_dir()
 
 
 def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = None,

@@ -10,10 +10,10 @@ configures the allocator: the user's settings stand. The setting is process-wide
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
+from torch_stagehand.environment import env, is_set
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
@@ -63,8 +63,8 @@ def use_expandable_segments(device: torch.device) -> str:
     if device.type != "cuda":
         return "not CUDA"
     for var in ALLOC_CONF_VARS:
-        if os.environ.get(var):
-            return f"{var}={os.environ[var]} set by the user: left as it is"
+        if is_set(var):
+            return f"{var}={env(var)} set by the user: left as it is"
     # torch >= 2.10 deprecates the cuda-named setter for the accelerator-wide one
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     setter("expandable_segments:True")

@@ -34,6 +34,7 @@ from datetime import timedelta
 import torch
 
 from torch_stagehand.runtime.host.arena import map_memfd, new_memfd
+from torch_stagehand.environment import env
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ class NodeStore:
 def node_name() -> str:
     """What names this process's node: the host name, or STAGEHAND_NODE_NAME where the host names do not tell
     the nodes apart (containers that share a host's memory but not its name, or the reverse)."""
-    return os.environ.get("STAGEHAND_NODE_NAME") or socket.gethostname()
+    return env("STAGEHAND_NODE_NAME") or socket.gethostname()
 
 
 def _pid_namespace() -> int:

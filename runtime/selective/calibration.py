@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from torch_stagehand.runtime.precision import FULL
+from torch_stagehand.environment import cache_dir as stagehand_cache_dir
 
 log = logging.getLogger("torch_stagehand.selective_precision")
 _SAMPLED_BYTES = 1 << 16  # per block buffer: enough to tell weights apart, cheap on a 12B model
@@ -41,8 +42,7 @@ class CalibrationResult:
 
 
 def default_cache_dir() -> str:
-    root = os.environ.get("STAGEHAND_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_stagehand")
-    return os.path.join(root, "calibration")
+    return os.path.join(stagehand_cache_dir(), "calibration")
 
 
 def _tensor_digest(t: torch.Tensor) -> str:

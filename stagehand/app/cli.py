@@ -288,6 +288,20 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_env(args) -> int:
+    from tabulate import tabulate
+
+    from torch_stagehand.environment import env, table
+
+    rows = []
+    for row in table():
+        value = env(row["variable"])  # a bad value: ConfigError naming the variable, one line
+        rows.append([row["variable"], row["default"], "" if row["set"] is None else f"{row['set']} -> {value}",
+                     row["what"]])
+    print(tabulate(rows, headers=["variable", "default", "set here", "what it does"], tablefmt="github"))
+    return 0
+
+
 # ---- argument parsing -------------------------------------------------------------------
 
 
@@ -347,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default: the telemetry file's folder)")
     p.add_argument("--title", default=None, help="title prefix of the plots (default: the folder's name)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("env", help="the environment variables torch-stagehand reads: defaults, values set here")
+    p.set_defaults(func=cmd_env)
     return parser
 
 
