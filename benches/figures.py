@@ -342,6 +342,70 @@ def headline() -> str:
     return f"{caption(*HEADLINE_SWEEPS, what=what)}\n\n{table(rows, cols)}\n"
 
 
+# ---- Flux LoRA beside the peers, like for like ---------------------------------------------------------------------
+
+FLUX_PEER_RUNS = ("budget_sweep_flux_bf16_16.json", "budget_sweep_flux_int8_16.json", "peer_musubi_flux_eager.jsonl",
+                  "peer_musubi_flux_compiled.jsonl", "peer_offload_flux.json")
+
+
+def flux_peers() -> str:
+    """Flux-dev LoRA at one memory size: stagehand bf16 beside the bf16 peers, stagehand int8 beside musubi-tuner's
+    fp8 mode; each tool's compiled and eager rows, each ratio to that tool's own resident run (same LoRA, same
+    loop), the recompute of each row said."""
+    sweeps = {name: load(name) for name in FLUX_PEER_RUNS[:2]}
+    bf16_rows = {r["mode"]: r for r in sweeps["budget_sweep_flux_bf16_16.json"]["rows"]}
+    int8_rows = {r["mode"]: r for r in sweeps["budget_sweep_flux_int8_16.json"]["rows"]}
+    musubi = {**{k: v for k, v in load("peer_musubi_flux_eager.jsonl").items() if ":" in k},
+              **{k: v for k, v in load("peer_musubi_flux_compiled.jsonl").items() if ":" in k}}
+    group = load("peer_offload_flux.json")["rows"]
+    all_ckpt = "all 57 (the model's checkpointing)"
+    sh_base = {"inductor": bf16_rows.get("resident (inductor, regional)"), "eager": bf16_rows.get("resident (eager)")}
+    mu_base = {"inductor": musubi.get("bf16:0:compiled"), "eager": musubi.get("bf16:0:eager")}
+    rows = []
+
+    def add(tool, what, precision, compiled, row, base, recompute):
+        if row is None:
+            return
+        rows.append(dict(row, _tool=tool, _what=what, _precision=precision, _compiled=compiled, _recompute=recompute,
+                         _base=base.get("inductor" if compiled != "eager" else "eager")))
+
+    budget = lambda r: f"{r['recomputed']} of 57; {r['resident']} blocks resident" if r else ""  # noqa: E731
+    add("(resident)", "every weight on the GPU, peft LoRA", "bf16", "eager", sh_base["eager"], sh_base, all_ckpt)
+    add("(resident)", "every weight on the GPU, peft LoRA", "bf16", "regional", sh_base["inductor"], sh_base, all_ckpt)
+    add("stagehand", "`vram_budget=16 GiB`", "bf16", "stagehand", bf16_rows.get("budget 16.0 GiB"), sh_base,
+        budget(bf16_rows.get("budget 16.0 GiB")))
+    add("stagehand", "`vram_budget=16 GiB`", "int8", "stagehand", int8_rows.get("budget 16.0 GiB"), sh_base,
+        budget(int8_rows.get("budget 16.0 GiB")))
+    add("musubi-tuner (resident)", "every weight on the GPU, its hook LoRA", "bf16", "eager", mu_base["eager"],
+        mu_base, all_ckpt)
+    add("musubi-tuner (resident)", "every weight on the GPU, its hook LoRA", "bf16", "per block",
+        mu_base["inductor"], mu_base, all_ckpt)
+    add("musubi-tuner (resident)", "every weight on the GPU, its hook LoRA", "fp8_scaled", "per block",
+        musubi.get("fp8:0:compiled"), mu_base, all_ckpt)
+    for key, what, precision in (("bf16:18", "`blocks_to_swap 18`, H2D-only, pinned", "bf16"),
+                                 ("fp8:6", "`blocks_to_swap 6`, H2D-only, pinned", "fp8_scaled")):
+        add("musubi-tuner", what, precision, "eager", musubi.get(f"{key}:eager"), mu_base, all_ckpt)
+        add("musubi-tuner", what, precision, "per block, Linears left out", musubi.get(f"{key}:compiled"), mu_base,
+            all_ckpt)
+    for r in group:
+        compiled = "regional" if r.get("compiled") == "regional" or "regional" in r.get("mode", "") else "eager"
+        add("diffusers", "group offload, 1 block a group, `use_stream`", "bf16", compiled, r, {}, all_ckpt)
+
+    cols = [Col("tool", lambda r: r["_tool"]), Col("set-up", lambda r: r["_what"]),
+            Col("weights", lambda r: r["_precision"]), Col("compiled", lambda r: r["_compiled"]),
+            Col("step ms", field("step_ms", ms)), Col("x its own resident", lambda r: ratio(r, r["_base"])),
+            Col("GPU peak GiB", field("peak_gib")), Col("GPU peak reserved GiB", field("peak_reserved_gib")),
+            Col("blocks recomputed", lambda r: r["_recompute"]),
+            Col("", lambda r: (r.get("error") or "").splitlines()[-1][:160] if r.get("error") else "")]
+    what = ("Flux-dev 12B (diffusers, random init), 4096 image + 512 text tokens, LoRA r=16 on the attention "
+            "projections, an AdamW step on the LoRA parameters, median of 3 steps; compiled: regional = each "
+            "repeated block under torch.compile's defaults, per block = musubi-tuner's `--compile` (with a swap "
+            "it leaves the swapped Linears out), stagehand = `torch.compile(backend=\"stagehand\")`; each ratio is "
+            "to the same tool's resident run compiled the same way (eager to eager), diffusers' rows have none of "
+            "their own; stagehand int8's is the bf16 sweep's resident of the same call")
+    return f"{caption(*FLUX_PEER_RUNS, what=what)}\n\n{table(rows, cols)}\n"
+
+
 # ---- seconds to the first step -------------------------------------------------------------------------------------
 
 
@@ -806,6 +870,7 @@ FIGURES: dict[str, Figure] = {
     "soak_oom": Figure(soak_oom, ("soak_oom.json",)),
     "soak_restore": Figure(lambda: soak("soak_qwen7b_restore.json"), ("soak_qwen7b_restore.json",)),
     "full_finetune_equal": Figure(full_finetune_equal, EQUAL_WORK_RUNS),
+    "flux_peers": Figure(flux_peers, FLUX_PEER_RUNS),
     **{f"full_finetune_{run}": Figure(lambda run=run: full_finetune(f"full_finetune_{run}.json"),
                                       (f"full_finetune_{run}.json",))
        for run in ("flux",)},
