@@ -186,7 +186,7 @@ def profiles(step, sync) -> dict:
 
 def cost_model_record(rt) -> dict:
     """The planner's cost model for the JSON: per-block seconds in ms (GPU, host), the rest as it is."""
-    model = vars(rt.planner.cost_model)
+    model = vars(rt.plan_driver.cost_model)
     ms = lambda values: None if values is None else [round(v * 1e3, 3) for v in values]  # noqa: E731
     record = {k: v for k, v in model.items() if k not in ("forward_s", "backward_s", "host_s")}
     record.update(forward_ms=ms(model["forward_s"]), backward_ms=ms(model["backward_s"]),
@@ -331,7 +331,7 @@ def conductor_overhead(rt, step, sync, steps: int = 3) -> dict:
     """Host ms per step with the conductor's admission on and off (what `enabled: false` saves)."""
     out = {}
     for label, admit in (("on", True), ("off", False)):
-        rt.planner._admit = admit and rt.planner.conductor.enabled
+        rt.plan_driver._admit = admit and rt.plan_driver.conductor.enabled
         host = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -339,7 +339,7 @@ def conductor_overhead(rt, step, sync, steps: int = 3) -> dict:
             host.append((time.perf_counter() - t0) * 1e3)
             sync()
         out[f"host_ms_{label}"] = round(statistics.median(host), 2)
-    rt.planner._admit = rt.planner.conductor.enabled
+    rt.plan_driver._admit = rt.plan_driver.conductor.enabled
     return out
 
 

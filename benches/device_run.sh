@@ -23,7 +23,7 @@
 #   STAGES="start" MODEL=qwen START_ROWS="qwen:int8 qwen:resident" START_MODES="cold warm bundle"   # seconds to the first step
 #   STAGES="pytests start" TEST_FILES=tests/test_ahead_compile.py TESTS_NAME=ahead_gpu_tests MODEL=ahead \
 #     START_ROWS="flux:int8:files:blocks qwen:int8:blocks" START_MODES="serial cold warm" START_ARGS="--steps 6"
-#                  # ahead-compile workers (compiler/ahead.py) against the same cold run without them (serial)
+#                  # ahead-compile workers (compiler/startup/ahead.py) against the same cold run without them (serial)
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
 #   STAGES="sweep" MODEL=flux SWEEP_ARGS="--baselines inductor --baselines-only" SWEEP_TIMEOUT=570 bash benches/device_run.sh
 #                  # Flux's resident Inductor compile alone (~6 min cold): fills Inductor's cache in /tmp for the full

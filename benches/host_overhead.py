@@ -82,7 +82,7 @@ def main():
     q, s = K.quantize_per_row(w.float(), "absmax")
     for fn in (lambda: K.int8_linear(x, q, s), lambda: K.int8_linear_grad_input(dy, q, s)):
         fn()  # autotune outside the timing
-    from torch_stagehand.kernels.tune import bucket
+    from torch_stagehand.kernels.tuning.autotune import bucket
 
     fwd_cfg = K.tuned_configs()[("fwd", x.device, bucket(m), n, k, x.dtype)]
     bwd_cfg = K.tuned_configs()[("bwd", x.device, bucket(m), n, k, x.dtype)]

@@ -56,7 +56,7 @@ def _precompile_job(job):
     import torch
 
     from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
-    from torch_stagehand.kernels.tune import candidates, tiles
+    from torch_stagehand.kernels.tuning.autotune import candidates, tiles
 
     kind, m, tile = job
     dev = torch.device("cuda")
@@ -82,7 +82,7 @@ def _precompile_job(job):
 def precompile(workers: int):
     import multiprocessing as mp
 
-    from torch_stagehand.kernels.tune import tiles
+    from torch_stagehand.kernels.tuning.autotune import tiles
 
     jobs = [(kind, m, t) for kind in ("bwd", "fwd") for m in MS for t in range(len(tiles(m, kind)))]
     t0 = time.time()
@@ -127,7 +127,7 @@ def run(args):
     import torch
 
     import torch_stagehand.kernels as K
-    from torch_stagehand.kernels.tune import _rotating_copies, graph_time
+    from torch_stagehand.kernels.tuning.autotune import _rotating_copies, graph_time
 
     info = print_header(env_info())
     bw = copy_bandwidth(args.rep)

@@ -178,8 +178,8 @@ def child(args) -> None:
             h2d_gb_step=round((after["h2d_bytes"] - before["h2d_bytes"]) / args.steps / 1e9, 3),
             d2h_gb_step=round((rt.grads.d2h_bytes - d2h0) / args.steps / 1e9, 3),  # this rank's gradients home
             sync_fetches_step=(after["sync_fetches"] - before["sync_fetches"]) / args.steps,
-            h2d_gbps=round(rt.planner.cost_model.h2d_bps / 1e9, 1),
-            h2d_source=rt.planner.cost_model.measured.get("h2d"),
+            h2d_gbps=round(rt.plan_driver.cost_model.h2d_bps / 1e9, 1),
+            h2d_source=rt.plan_driver.cost_model.measured.get("h2d"),
             pinned_locked_gb=round(host["pinned_locked_bytes"] / 1e9, 2),
             host_store_gb=round(rt.store.host_bytes() / 1e9, 2), node_ranks=host["node_ranks"],
             node_shared_gb=round(host["node_shared_bytes"] / 1e9, 2))

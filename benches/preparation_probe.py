@@ -2,7 +2,7 @@
 
     python benches/preparation_probe.py --out benches/results/preparation_probe.json   (root, on a GPU machine)
 
-Offload from a slab runs, on its calling thread, the compiler's preparation (compiler/preparation.py: start
+Offload from a slab runs, on its calling thread, the compiler's preparation (compiler/startup/preparation.py: start
 Inductor's compile workers, import the compiler, index the model's sources) while reader threads read the slab.
 This bench reproduces that pair without a model: a 12 GB file of its own read by 8 threads in 36 MiB preads
 (a Flux layer's rows) beside offload's own preparation, which times its parts. Each mode is a fresh process after the
@@ -31,7 +31,7 @@ def child(mode: str, big: str) -> dict:
     import torch
 
     import torch_stagehand  # noqa: F401 - what a training script has imported before offload
-    from torch_stagehand.compiler.preparation import CompilerPreparation
+    from torch_stagehand.compiler.startup.preparation import CompilerPreparation
 
     torch.zeros(1, device="cuda")
     preparation = CompilerPreparation(torch.nn.Linear(4, 4), torch.device("cuda"))

@@ -189,8 +189,8 @@ def run_steps(args, rt, compiled, optimizer, inputs, rec: Recorder, budgets: lis
         if step == args.gc_freeze_at:
             gc.freeze()  # every object made so far out of the collector's reach: does the spread change?
             events.append("gc_freeze")
-        if step == args.rules_off_at and rt.planner.conductor.enabled:
-            policy = rt.planner.conductor.policy  # does the spread come from the rules' hints?
+        if step == args.rules_off_at and rt.plan_driver.conductor.enabled:
+            policy = rt.plan_driver.conductor.policy  # does the spread come from the rules' hints?
             policy.pressure_threshold, policy.contention_checks = math.inf, 2**62
             events.append("rules_off")
         GC.read()

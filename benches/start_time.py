@@ -13,11 +13,11 @@ Flux with its own checkpointing, Qwen without), offloaded under the documented b
 Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precision) the runs are, in order:
 
 - cold: empty caches (stagehand's: the W8A16 tune file, the compile bundle; Inductor's; Triton's), with
-  `--ahead-workers` (3) processes compiling the variants the step will ask for next (compiler/ahead.py);
+  `--ahead-workers` (3) processes compiling the variants the step will ask for next (compiler/startup/ahead.py);
 - serial (`--modes ... serial`): cold, with no such workers: the baseline the cold row's `vs_serial` divides by;
 - warm: a second process on the same machine, every cache as the cold run left it;
 - bundle (`--modes ... bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
-  with only the compile bundle (compiler/compile_cache.py) to start from;
+  with only the compile bundle (compiler/startup/compile_cache.py) to start from;
 - profile (`--modes ... profile`): a warm run whose first step runs under cProfile (`first_step_profile`:
   where its seconds go; the profiler makes it slower, so it is a run of its own, not the warm row's);
   coldprofile: the same of a serial run (empty caches, no workers): where a cold compile's seconds go.
@@ -261,7 +261,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         s = rt.stats()
         out.update({k: s[k] for k in ("compiled_units", "units_loaded", "units_compiled_cold", "compile_seconds",
                                       "autotune_seconds", "compiled_variants")})
-        out["replans"] = rt.planner.replans
+        out["replans"] = rt.plan_driver.replans
         # Why the plan changed and what it was: corrections (peaks learned, budgets shrunk), out-of-memory recoveries
         out.update(plan_changes=plan_changes, plan_corrections=s["plan_corrections"],
                    calibration_remeasured=s["calibration_remeasured"], plan_reservations=s["plan_reservations"],
@@ -277,12 +277,12 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
                              + (f" [{info['ahead']}]" if info.get("ahead") else "") for info in cache.info.values()]
         clock0 = cache.ahead.t0 if cache.ahead is not None else first_step[0]
         out["main_triton_compiles"] = triton_compiles.summary(*first_step, clock0)
-        if cache.ahead is not None:  # variants compiled ahead in worker processes (compiler/ahead.py)
+        if cache.ahead is not None:  # variants compiled ahead in worker processes (compiler/startup/ahead.py)
             stats = cache.ahead.stats
             out["ahead"] = dict(stats, workers=cache.ahead.size, gpu_processes=_gpu_processes())
             out["ahead_summary"] = (f"{sum('compiled ahead' in line for line in out['unit_cache'])} of "
                                     f"{stats['submitted']} ahead, waited {stats['waited_s']:.1f}s")
-        from torch_stagehand.kernels import tune
+        from torch_stagehand.kernels.tuning import autotune as tune
 
         tuned = tune.tuning_log().values()  # the keys this process tuned (none when the picks came from disk)
         out["tuning"] = {"keys": sum(1 for t in tuned if not t.get("from_disk")),
@@ -299,7 +299,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         out.update(units_loaded=counters["aot_autograd"].get("autograd_cache_hit", 0),
                    units_compiled_cold=counters["aot_autograd"].get("autograd_cache_miss", 0))
     from torch._dynamo.utils import compilation_time_metrics as metrics
-    from torch_stagehand.compiler.process_settings import autotune_choice
+    from torch_stagehand.compiler.startup.process_settings import autotune_choice
 
     # The Inductor kernels that keep several launch configs, timed at their first launch (compiler/inner.py)
     out["inductor_autotune"] = autotune_choice()
@@ -500,7 +500,7 @@ def child_from_files(args, kind: str, precision: str, regional: bool) -> dict:
     out: dict = {"row": args.row, "mode": args.mode, "shape": shape, "build_s": round(time.perf_counter() - t0, 1),
                  "page_cache": args.page_cache}
     model.requires_grad_(False)  # LoRA: the base is frozen before offload (a weight that trains gets a host gradient)
-    from torch_stagehand.config import Config
+    from torch_stagehand.runtime.config import Config
 
     out["slab_reads"], out["rows_behind"] = args.slab_reads, args.rows_behind
     rt = timed_offload(args, out, model, precision="int8", checkpoint=files["checkpoint"], slab=files["slab"],
@@ -579,7 +579,7 @@ def run_one(args, row: str, mode: str) -> dict:
           (["--trace-steps", *map(str, args.trace_steps)] if args.trace_steps else [])
     env = dict(os.environ, **caches(row, mode), **bytecode_env(args), STAGEHAND_TUNE_CACHE="1",
                STAGEHAND_COMPILE_CACHE="1", STAGEHAND_WARM_COMPILE_WORKERS="0" if args.cold_compile_workers else "1")
-    # serial: the cold baseline, every unit compiled in the step, none ahead in workers (compiler/ahead.py)
+    # serial: the cold baseline, every unit compiled in the step, none ahead in workers (compiler/startup/ahead.py)
     env["STAGEHAND_AHEAD_WORKERS"] = "0" if mode in ("serial", "coldprofile") else str(args.ahead_workers)
     print(f"start_time: {row} {mode} ...", flush=True)
     t0 = time.perf_counter()

@@ -56,7 +56,7 @@ class BackendOptions:
     # whichever the autotuner measures faster; fp8 rowwise tensor cores); "dense": the stack is dequantized
     # in the graph and the model's own GEMM reads it (the A/B reference).
     experts_math: str = "grouped"
-    # Worker processes that compile foreseen block variants while the step runs (ahead.py); None: the
+    # Worker processes that compile foreseen block variants while the step runs (compiler/startup/ahead.py); None: the
     # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: each holds a CUDA context outside the VRAM budget,
     # and on two-unit models they start slower than the step compiles: benches/start_time.py measures both).
     ahead_workers: int | None = None

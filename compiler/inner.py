@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from torch_stagehand.compiler.compile_cache import cacheable_functions, import_order_free_keys, ops_fingerprint
+from torch_stagehand.compiler.startup.compile_cache import cacheable_functions, import_order_free_keys, ops_fingerprint
 from torch_stagehand.compiler.context import PassLog
 from torch_stagehand.compiler.mutation import MutationIndex
-from torch_stagehand.compiler.process_settings import AUTOTUNED, autotune_choice
+from torch_stagehand.compiler.startup.process_settings import AUTOTUNED, autotune_choice
 from torch_stagehand.compiler.source_hash import passes_uuid
 from torch_stagehand.compiler.symbolic import fake_static
 from torch_stagehand.environment import env
@@ -261,7 +261,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph:
     joint = JointPasses(joint_passes, log)
     gm = _bake_scalar_reads(gm, example_inputs)
     if faked is None and inner == "inductor":
-        faked = fake_static(example_inputs)  # the compile caches need a ShapeEnv (compile_cache.py)
+        faked = fake_static(example_inputs)  # the compile caches need a ShapeEnv (compiler/startup/compile_cache.py)
     inputs, context = (example_inputs, contextlib.nullcontext()) if faked is None else (faked.values, faked.tracing())
     with context, import_order_free_keys():
         if inner == "eager":

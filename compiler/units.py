@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -32,17 +33,46 @@ import torch.fx as fx
 import torch.nn as nn
 
 from torch_stagehand import kernels
-from torch_stagehand.runtime import registry
-
-from torch_stagehand.compiler import compile_cache, residual_hints
+from torch_stagehand.compiler import residual_hints
 from torch_stagehand.compiler.context import CompileContext, PassLog, VariantContext
-from torch_stagehand.compiler.ahead import AheadJob
-from torch_stagehand.compiler.ahead_wire import input_specs, pickle_graph
 from torch_stagehand.compiler.graph_nodes import draws_random, example_value, is_streamed_read, streamed_arg
 from torch_stagehand.compiler.inner import compile_unit
 from torch_stagehand.compiler.recompute import run_again_after_oom, run_recomputed
+from torch_stagehand.compiler.startup import compile_cache
+from torch_stagehand.compiler.startup.ahead import AheadJob
+from torch_stagehand.compiler.startup.ahead_wire import input_specs, pickle_graph
 from torch_stagehand.compiler.symbolic import SymbolicInputs
-from torch_stagehand.compiler.variant_keys import input_signature, structure_key
+from torch_stagehand.compiler.symbolic import input_key
+from torch_stagehand.runtime import registry
+
+
+# ---- the parts of a block variant's cache key: what its graph computes, and its inputs
+
+def structure_key(gm: fx.GraphModule) -> str:
+    """A hash of what the graph computes, blind to node names."""
+    index: dict[fx.Node, str] = {}
+    parts = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = f"%{i}"
+        target = node.target
+        if node.op == "get_attr":
+            target = f"{target}@{id(getattr(gm, target, None))}"  # a constant shares only with itself
+        elif node.op == "placeholder":
+            target = ""
+        elif not isinstance(target, str):
+            target = getattr(target, "__module__", "") + "." + getattr(target, "__qualname__", str(target))
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+        parts.append((node.op, target, repr(args)))
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+
+
+def input_signature(args: tuple, grad: bool = True) -> tuple:
+    """The input part of a static variant's key: every tensor's exact shape and strides (and, with grad on,
+    its grad flag: symbolic.input_key)."""
+    return tuple(input_key(a, exact_sizes=True, grad=grad) for a in args)
+
+
+# ---- glue and block units
 
 if TYPE_CHECKING:
     from torch_stagehand.compiler.passes.assign_segments import Segment
@@ -244,7 +274,7 @@ class BlockUnit(_Unit):
 
     def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, label: str) -> bool:
         """From a recomputed block's forward (grad off) whose variant is not compiled: hand the training variant
-        its recompute will run, then this inference variant, to the ahead-compile workers (ahead.py), if any.
+        its recompute will run, then this inference variant, to the ahead-compile workers (compiler/startup/ahead.py), if any.
         True when the training variant went: the forward runs the variant graph eagerly and goes on to the next
         structure; each variant loads where the step asks for it, or while it waits for another (`_preload`)."""
         ahead = self.ctx.variants.ahead
@@ -362,7 +392,7 @@ class BlockUnit(_Unit):
         compiled, eager = self._variant_for(args, block, precision, recomputes, defer)
         # The graph itself, run eagerly while a worker compiles it: the W8A16 launches it meets run their untuned
         # default, and their tuning waits for the wait on the worker (`_compile`), so that the forward hands the
-        # next block structure to a worker sooner (kernels/tune_deferral.py).
+        # next block structure to a worker sooner (kernels/tuning/deferral.py).
         key = self.last_key
         try:
             with kernels.deferred_tuning() if eager else contextlib.nullcontext():

@@ -20,15 +20,15 @@ import torch
 
 from torch_stagehand.runtime.blocks import layout_fingerprint
 
-from torch_stagehand.compiler.ahead import AheadCompiler
-from torch_stagehand.compiler.compile_cache import CompileBundle, enabled as bundle_enabled
+from torch_stagehand.compiler.startup.ahead import AheadCompiler
+from torch_stagehand.compiler.startup.compile_cache import CompileBundle, enabled as bundle_enabled
 from torch_stagehand.compiler.interface import StreamingRuntime
 from torch_stagehand.compiler.symbolic import Guard, GuardedVariants
 
 
 class VariantCache:
     def __init__(self, bundle: CompileBundle | None = None) -> None:
-        self.bundle = bundle  # this model's compiled units on disk (compile_cache.py); None: off
+        self.bundle = bundle  # this model's compiled units on disk (compiler/startup/compile_cache.py); None: off
         # Did a run before this one compile the model? (Asked before this run writes the bundle.)
         self.compiled_before = _written(bundle)
         self._bundle_loaded = False
@@ -36,7 +36,7 @@ class VariantCache:
         self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
         self.warned_shapes = False  # the second-input-shape warning is given once per runtime
         self.shapes_seen: dict[Hashable, set[tuple]] = {}  # static variants: input shapes per structure key
-        self.ahead: AheadCompiler | None = None  # workers compiling foreseen variants (ahead.py); set by the backend
+        self.ahead: AheadCompiler | None = None  # workers compiling foreseen variants (compiler/startup/ahead.py); set by the backend
         self._ran: set[Hashable] = set()  # the variants that have run once (`first_run`)
 
     def first_run(self, key: Hashable) -> bool:

@@ -18,8 +18,8 @@ from torch_stagehand.kernels.reference import grouped_lowbit_ref, grouped_out_fe
 TRITON_IMPORT_ERROR: BaseException | None = None  # why the fused kernels are missing, if they are
 try:  # Triton is a dependency, but a broken or absent install must not break the CPU path.
     from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
-    from torch_stagehand.kernels.tune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
-    from torch_stagehand.kernels.tune_deferral import deferred as deferred_tuning, tune_deferred
+    from torch_stagehand.kernels.tuning.autotune import LaunchConfig, tuned_configs, tuning_log, tuning_seconds
+    from torch_stagehand.kernels.tuning.deferral import deferred as deferred_tuning, tune_deferred
     from torch_stagehand.kernels.grouped import grouped_lowbit as _grouped_lowbit_cuda
 
     HAS_TRITON = True

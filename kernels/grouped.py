@@ -31,10 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_stagehand.kernels import tune, w8a16
+from torch_stagehand.kernels import w8a16
+
+from torch_stagehand.kernels.tuning import autotune as tune
 from torch_stagehand.kernels.reference import check_grouped_args as check_args
 from torch_stagehand.kernels.reference import grouped_lowbit_ref
-from torch_stagehand.kernels.tune import DEQUANT, LaunchConfig, interpreting
+from torch_stagehand.kernels.tuning.autotune import DEQUANT, LaunchConfig, interpreting
 
 
 @triton.jit(do_not_specialize=["S"])

@@ -2,7 +2,7 @@
 
 `int8_linear_triton` / `int8_linear_grad_input_triton` always take the Triton
 path (the CPU interpreter included, for the tests); `torch_stagehand.kernels`
-decides when to call them. The config of each launch comes from kernels/tune.py
+decides when to call them. The config of each launch comes from kernels/tuning/autotune.py
 (autotuned on CUDA, heuristic elsewhere) unless the caller passes one.
 """
 
@@ -11,9 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torch_stagehand.kernels import tune, tune_deferral, w8a16
+from torch_stagehand.kernels import w8a16
+
+from torch_stagehand.kernels.tuning import autotune as tune
+
+from torch_stagehand.kernels.tuning import deferral as tune_deferral
 from torch_stagehand.kernels.launch_memo import Executor, LaunchMemo, tensor_key
-from torch_stagehand.kernels.tune import LaunchConfig
+from torch_stagehand.kernels.tuning.autotune import LaunchConfig
 
 _ACTS = {None: 0, "gelu_tanh": 1}
 _REDUCE_BLOCK = 1024
@@ -125,7 +129,7 @@ def _dequant(ex: Executor, q, scale, k, dtype):
 def compile_provisional(device: torch.device, dtype: torch.dtype) -> bool:
     """Compile and load the dequantize kernel of `tune.provisional_config` for `dtype` activations on `device`, into
     Triton's cache with its launcher (built with the C compiler): the first Triton kernel a cold step's eager
-    forward would compile. The first ahead-compile worker does it as it starts (ahead_worker.py), so that step
+    forward would compile. The first ahead-compile worker does it as it starts (compiler/startup/ahead_worker.py), so that step
     reads it back. A tiny launch with a real call's specialization: sizes and strides multiples of 16, aligned
     pointers. False where nothing runs Triton's compiled kernels (the CPU, the interpreter, fp32)."""
     if device.type != "cuda" or _interpreting() or dtype not in (torch.bfloat16, torch.float16):

@@ -23,17 +23,37 @@ Two ways, chosen per call:
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
 from torch_stagehand.runtime.blocks import check_not_wrapped_off_device
-from torch_stagehand.runtime.train.ddp import check_not_sharded
 from torch_stagehand.runtime.conductor.trace import EAGER
-from torch_stagehand.runtime.eager_notice import warn_eager_once
 from torch_stagehand.runtime.experts.cache import ExpertCache
 from torch_stagehand.runtime.ops import grad_input_from_slot, linear_from_slot
 from torch_stagehand.runtime.precision import LayerLayout
+from torch_stagehand.runtime.train.ddp import check_not_sharded
 
+
+# ---- the eager path is correct but slow: a compiled model that takes it is told once per block and cause
+
+class EagerFallbackWarning(UserWarning):
+    """A compiled model ran a block through the eager op path (correct, slower)."""
+
+
+def warn_eager_once(warned: set, block: int, block_name: str, backward: bool) -> None:
+    """Warn that `block` ran eagerly inside a compiled model, once per (block, cause) in `warned`."""
+    cause = ("recomputed in backward outside the compiled program (reentrant checkpointing, or a checkpoint "
+             "the backend could not place)" if backward else
+             "ran outside the compiled program (a graph the backend did not get, or Dynamo fell back to eager)")
+    if (block, cause) not in warned:
+        warned.add((block, cause))
+        warnings.warn(f"stagehand: block {block_name} {cause}: its streamed linears run the eager op "
+                      "path, one op at a time (correct, slower; counted in stats()['eager_linear_calls'])",
+                      EagerFallbackWarning, stacklevel=5)
+
+
+# ---- the ops no compiled block scheduled
 
 # A module's forward memo (experts/stacks.py) holds its stacks by name, and these: the router's choice, the module's
 # hidden states (the next router's input for the guess) and the guess, until the prefetch is issued.
@@ -130,7 +150,7 @@ class EagerPath:
                 # acquired is held, so this prefetch can never overwrite it.
                 if not backward:
                     rt.fetch_order.record_forward(block)
-                rt.planner.prefetch(rt.fetch_order.eager_next(block, backward))
+                rt.plan_driver.prefetch(rt.fetch_order.eager_next(block, backward))
             yield slot, rt.store.layout(block, precision)[index - first].as_ints()
         finally:
             rt.pool.release(block, precision)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from torch_stagehand.runtime.collector import CollectorFreeze
-from torch_stagehand.config import Config
+from torch_stagehand.runtime.config import Config
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime import registry
 from torch_stagehand.runtime.blocks import StreamedLayerSpec, layer_slots
@@ -25,7 +25,7 @@ from torch_stagehand.runtime.conductor.fetch_order import FetchOrder
 from torch_stagehand.runtime.conductor.costs import CostModel, budget_from
 from torch_stagehand.runtime.conductor.phases import PhaseTracker
 from torch_stagehand.runtime.conductor.telemetry import TelemetryWriter
-from torch_stagehand.runtime.eager_notice import EagerFallbackWarning  # noqa: F401 (the warning's home)
+from torch_stagehand.runtime.eager_path import EagerFallbackWarning  # noqa: F401 (the warning's home)
 from torch_stagehand.runtime.eager_path import EagerPath
 from torch_stagehand.runtime.experts.stacks import attach_streamed
 from torch_stagehand.runtime.telemetry.events import RuntimeEvents, progress, unwrap_optimizer
@@ -91,7 +91,7 @@ class Runtime(SelectivePrecisionAPI):
             raise
 
         self.phases = PhaseTracker(on_step_end=self._record_step)
-        self.phases.listeners.append(lambda old, new: self.planner.on_phase(new, self.phases.step))
+        self.phases.listeners.append(lambda old, new: self.plan_driver.on_phase(new, self.phases.step))
         self.oom = OomRecovery(self)  # out of memory at a unit's boundary: re-plan, run it again
         self.recover_from_oom = self.oom.recover  # (the StreamingRuntime protocol's name for it)
         self.collector = CollectorFreeze(self)  # after a step that compiled: gc.freeze (no full-collection pauses)
@@ -140,13 +140,13 @@ class Runtime(SelectivePrecisionAPI):
         self.clock.mark("resident tensors to the device")
 
         self._precision: dict[int, str] = {}
-        self.planner = PlanDriver(self, budget, cost_model)
+        self.plan_driver = PlanDriver(self, budget, cost_model)
         self.set_precision(precision)
         self.clock.mark("precision copies built, host store pinned")
         if self.node is not None:  # every block's owner has filled its pages: from here every rank reads them
             self.node.seal(self.device, self.store.pin, keep_group=self.grads.shards is not None)
             self._undo.release_deferred()
-        self.pool = self.planner.make_pool()  # the slots and resident blocks the plan asks for
+        self.pool = self.plan_driver.make_pool()  # the slots and resident blocks the plan asks for
         # Token outputs are allocated once: a prefetch / evict returns its block's.
         self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks] for _ in range(2))
         self.store.offloaded = True  # from here a refused page-lock leaves the buffer pageable, and says so
@@ -196,18 +196,18 @@ class Runtime(SelectivePrecisionAPI):
         self._precision = new
         self.store.set_pins(new)  # what streams is locked, what no longer does is not
         if self.pool is not None:
-            self.planner.apply("precision map changed")
+            self.plan_driver.apply("precision map changed")
 
     @property
     def plan(self):
         """The per-block decisions the runtime runs (conductor/planner.py; `print(rt.plan)` shows the table)."""
-        return self.planner.plan
+        return self.plan_driver.plan
 
     def replan(self, cost_model: CostModel | None = None, vram_budget: int | str | None = None):
         """Plan again now, between steps: under a new `vram_budget` if given ("12GiB"); `cost_model`
         replaces the measured one (tests inject constants)."""
         self._check_open()
-        return self.planner.replan(cost_model, vram_budget)
+        return self.plan_driver.replan(cost_model, vram_budget)
 
     def stats(self) -> dict[str, Any]:
         """Counters since offload: transfers, slots, host memory, compiles, the plan (telemetry/stats.py)."""
@@ -302,7 +302,7 @@ class Runtime(SelectivePrecisionAPI):
     def record_graph(self, record: Any) -> None:
         check_not_sharded(self.layers)  # before a graph runs: no streamed weight in FSDP's hands
         self.graph_records.append(record)
-        self.planner.on_graph(getattr(record, "input_shapes", []))  # the first graph's inputs key the kept cost model
+        self.plan_driver.on_graph(getattr(record, "input_shapes", []))  # the first graph's inputs key the kept cost model
         self.events.compiled("graph", 0.0)
 
     def on_close(self, callback: Callable[[], None]) -> None:
@@ -314,8 +314,8 @@ class Runtime(SelectivePrecisionAPI):
     # time that a resident block mostly skips).
     def op_prefetch(self, block: int) -> torch.Tensor:
         t0 = time.perf_counter()
-        self.planner.prefetch(block)
-        self.planner.schedule_op_took(t0)
+        self.plan_driver.prefetch(block)
+        self.plan_driver.schedule_op_took(t0)
         return self._fetch_tokens[block]
 
     def op_wait(self, block: int, precision_code: int, nbytes: int, backward: bool) -> torch.Tensor:
@@ -327,8 +327,8 @@ class Runtime(SelectivePrecisionAPI):
             self.grads.forward_ran()
         precision = precisions.by_code(precision_code).name
         slot = self.pool.acquire(block, precision)
-        self.planner.on_wait(block, kind)  # after the stream waited for the copy: calibration times compute
-        self.planner.schedule_op_took(t0)
+        self.plan_driver.on_wait(block, kind)  # after the stream waited for the copy: calibration times compute
+        self.plan_driver.schedule_op_took(t0)
         if slot.numel() != nbytes:
             raise RuntimeError(
                 f"stagehand: block {block} ({self.blocks[block]}, {precision}) holds {slot.numel()} bytes but the "
@@ -339,8 +339,8 @@ class Runtime(SelectivePrecisionAPI):
     def op_release(self, block: int, precision_code: int) -> torch.Tensor:
         t0 = time.perf_counter()
         self.pool.release(block, precisions.by_code(precision_code).name)
-        self.planner.on_release(block)
-        self.planner.schedule_op_took(t0)
+        self.plan_driver.on_release(block)
+        self.plan_driver.schedule_op_took(t0)
         return self._free_tokens[block]
 
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -351,10 +351,10 @@ class Runtime(SelectivePrecisionAPI):
 
     def planned_recompute(self, block: int) -> bool | None:
         """The plan's activation decision for a block (None: the model's own checkpointing decides)."""
-        return self.planner.recompute_of(block)
+        return self.plan_driver.recompute_of(block)
 
     def spill_hooks(self, block: int):
-        return self.planner.spill_hooks(block)
+        return self.plan_driver.spill_hooks(block)
 
     def record_recompute(self, block: int) -> None:  # a compiled block unit re-ran its forward in backward
         self.recomputed_blocks += 1
@@ -389,9 +389,9 @@ class Runtime(SelectivePrecisionAPI):
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
             record["vram_peak_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
         self._step_base = now
-        record = dict(record, **planner_step_record(self.planner))
+        record = dict(record, **planner_step_record(self.plan_driver))
         self.telemetry.write(record)
-        self.planner.on_step_end(step)
+        self.plan_driver.on_step_end(step)
         self.events.step(record)
 
     def _check_open(self) -> None:

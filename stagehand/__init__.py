@@ -10,7 +10,7 @@ from torch_stagehand.runtime.conductor.oom_recovery import BackwardIncompleteErr
 from torch_stagehand.runtime.runtime import EagerFallbackWarning, Runtime
 
 from torch_stagehand.api import RegionalCompileWarning, compile_blocks, explain, offload, runtime_of
-from torch_stagehand.config import ConductorConfig, Config, ConfigError, PrecisionConfig
+from torch_stagehand.runtime.config import ConductorConfig, Config, ConfigError, PrecisionConfig
 from torch_stagehand.version import __version__
 
 __all__ = ["__version__", "BackwardIncompleteError", "Config", "ConductorConfig", "ConfigError", "EagerFallbackWarning",

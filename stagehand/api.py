@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map_only
 
-from torch_stagehand.compiler.preparation import compiler_preparation
+from torch_stagehand.compiler.startup.preparation import compiler_preparation
 from torch_stagehand.config import Config
 from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
@@ -161,14 +161,14 @@ def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precisio
 
 def _w8a16_ahead(device: torch.device, layers, precision_map: dict, auto: bool):
     """Where blocks may stream INT8 on CUDA, what the ahead-compile workers compile of the W8A16 kernels as they
-    start (compiler/ahead.py's `w8a16`): the device, the activation dtype, and the INT8 Linears' shapes, whose
-    tuning candidates they compile (kernels/ahead_tuning.py; none under precision="auto", which starts in bf16).
+    start (compiler/startup/ahead.py's `w8a16`): the device, the activation dtype, and the INT8 Linears' shapes, whose
+    tuning candidates they compile (kernels/tuning/ahead.py; none under precision="auto", which starts in bf16).
     None elsewhere."""
     from torch_stagehand import kernels
 
     if device.type != "cuda" or not kernels.HAS_TRITON or not (auto or "int8" in precision_map.values()):
         return None  # (without Triton the W8A16 calls take the reference twin: nothing to compile)
-    from torch_stagehand.kernels.ahead_tuning import tuning_shapes
+    from torch_stagehand.kernels.tuning.ahead import tuning_shapes
 
     # The activations' dtype is the streamed Linears' (a LoRA adapter or a norm kept in fp32 is not).
     dtype = next((lay.module.weight.dtype for lay in layers if not getattr(lay, "experts", 0)), None)

@@ -100,7 +100,7 @@ def ddp_step(rank: int, world: int, device: str) -> dict:
             "node_ranks": host["node_ranks"], "node_shared_bytes": host["node_shared_bytes"],
             "pinned_locked_bytes": host["pinned_locked_bytes"], "pinned_requested_bytes": host["pinned_requested_bytes"],
             "eager_linear_calls": rt.stats()["eager_linear_calls"],
-            "h2d_source": rt.planner.cost_model.measured.get("h2d"),
+            "h2d_source": rt.plan_driver.cost_model.measured.get("h2d"),
             "writer": rt.store.node is not None and rt.store.node.writer}
 
 

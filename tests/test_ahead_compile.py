@@ -1,4 +1,4 @@
-"""Variants compiled ahead of need in worker processes (compiler/ahead.py): a recomputed block's first forward hands
+"""Variants compiled ahead of need in worker processes (compiler/startup/ahead.py): a recomputed block's first forward hands
 its training variant to a worker and runs the variant graph eagerly; the backward loads what the worker compiled
 (AOTAutograd's cache hits); a job that fails, or one still queued when its variant is needed, costs the main
 process its own compile and nothing else."""
@@ -12,11 +12,12 @@ import torch
 import torch.fx as fx
 
 import torch_stagehand as stagehand
-from torch_stagehand.compiler import compile_cache
-from torch_stagehand.compiler.ahead import AheadCompiler, AheadJob
-from torch_stagehand.compiler.ahead_wire import input_specs, pickle_graph
-from torch_stagehand.compiler.ahead_worker import fake_inputs
+from torch_stagehand.compiler.startup import compile_cache
+from torch_stagehand.compiler.startup.ahead import AheadCompiler, AheadJob
+from torch_stagehand.compiler.startup.ahead_wire import input_specs, pickle_graph
+from torch_stagehand.compiler.startup.ahead_worker import fake_inputs
 from torch_stagehand.compiler.context import BackendOptions, BackendOptionsError
+from torch_stagehand.config import ConfigError
 from torch_stagehand.compiler.inner import compile_unit
 from torch_stagehand.compiler.passes import JOINT_PASSES
 from torch_stagehand.compiler.variants import variant_cache
@@ -73,7 +74,7 @@ def test_the_forward_runs_eagerly_while_a_worker_compiles_and_the_backward_loads
     # the variant graph eagerly, as did the two blocks after it; the backward's recompute loaded the training
     # variant the worker compiled (torch's caches). The inference variant waits for the next step's forward.
     assert stats["submitted"] == 2 and len(stats["worker_pids"]) == 2
-    # Each of the three blocks' forwards ran its graph eagerly with the W8A16 tuning deferred (kernels/tune.py).
+    # Each of the three blocks' forwards ran its graph eagerly with the W8A16 tuning deferred (kernels/tuning/autotune.py).
     assert deferrals == [True] * 3
     assert [i["cache"] for i in infos] == ["hit"] and not stats["refused"]
     assert infos[0]["ahead"].startswith("compiled ahead in a worker") and "(miss)" in infos[0]["ahead"]
@@ -180,7 +181,7 @@ def test_a_worker_compiles_under_the_attention_backends_the_main_process_allows(
     """Which attention backend a variant traces to is in no cache key: a worker with torch's defaults compiled
     Flux's attention with cuDNN's, which offload() turns off, under the main process's key (its backward faulted).
     A job carries the main process's settings and the worker compiles under them."""
-    from torch_stagehand.compiler import process_settings
+    from torch_stagehand.compiler.startup import process_settings
 
     gm, args = _tiny_graph()
     before = process_settings.current()
@@ -254,7 +255,7 @@ def test_the_main_process_works_while_it_waits_for_a_running_job_and_not_for_a_f
     # W8A16 tuning); it asks done() between its pieces. A job done already is taken without it.
     from concurrent.futures import Future
 
-    from torch_stagehand.compiler.ahead import AheadResult
+    from torch_stagehand.compiler.startup.ahead import AheadResult
 
     pool = AheadCompiler(1)  # no job submitted: no worker started
     running, finished = Future(), Future()
@@ -283,7 +284,7 @@ def test_while_it_waits_the_main_process_loads_the_jobs_other_workers_finished()
     # step (it compiles it there), as is a preload that raises; the job asked for is never preloaded.
     from concurrent.futures import Future
 
-    from torch_stagehand.compiler.ahead import AheadResult
+    from torch_stagehand.compiler.startup.ahead import AheadResult
 
     pool = AheadCompiler(1)
     futures = {key: Future() for key in ("asked", "failed", "a", "broken", "b", "c")}
@@ -319,7 +320,7 @@ def test_while_it_waits_the_main_process_loads_the_jobs_other_workers_finished()
 
 
 def test_the_workers_triton_threads_from_the_environment(monkeypatch):
-    from torch_stagehand.compiler.ahead import _ahead_threads
+    from torch_stagehand.compiler.startup.ahead import _ahead_threads
 
     monkeypatch.delenv("STAGEHAND_AHEAD_THREADS", raising=False)
     assert _ahead_threads() == 0  # cores / workers
@@ -335,7 +336,7 @@ def test_a_worker_records_each_triton_kernels_compile_seconds(monkeypatch):
     which of its kernels were the slowest; the report still reaches Inductor."""
     from torch._inductor import async_compile
 
-    from torch_stagehand.compiler import ahead_worker
+    from torch_stagehand.compiler.startup import ahead_worker
 
     reached = []
     monkeypatch.setattr(async_compile, "_add_triton_kernel_info", lambda name, info: reached.append(name),
@@ -360,7 +361,7 @@ def test_a_worker_waits_for_a_graphs_kernels_at_the_jobs_end(monkeypatch):
     from torch._inductor import config as inductor_config
     from torch._inductor.async_compile import AsyncCompile
 
-    from torch_stagehand.compiler import ahead_worker
+    from torch_stagehand.compiler.startup import ahead_worker
 
     monkeypatch.setattr(AsyncCompile, "wait", AsyncCompile.wait)  # put back after the test
     monkeypatch.setattr(ahead_worker, "_WAIT", [])
@@ -387,7 +388,7 @@ def test_a_worker_loads_only_the_reductions_inductor_may_retune(monkeypatch):
 
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner, HeuristicType
 
-    from torch_stagehand.compiler import ahead_worker
+    from torch_stagehand.compiler.startup import ahead_worker
 
     loaded = []
     monkeypatch.setattr(CachingAutotuner, "_make_launchers", lambda self: loaded.append(self.name))
@@ -412,13 +413,15 @@ def test_a_worker_loads_only_the_reductions_inductor_may_retune(monkeypatch):
 
 
 def test_the_first_workers_share_the_w8a16_kernels_they_compile_as_they_start(monkeypatch, capsys):
-    """Offload names the W8A16 kernels a cold step would compile itself (kernels/ahead_tuning.py): the first worker
+    """Offload names the W8A16 kernels a cold step would compile itself (kernels/tuning/ahead.py): the first worker
     compiles the provisional one, each of the first `size` its share of the tuning candidates, a worker started
     after one left none. A worker that cannot compile them says why on its stderr and goes on (they only save the
     step compiles)."""
     from types import SimpleNamespace
 
-    from torch_stagehand.compiler import ahead, ahead_worker
+    from torch_stagehand.compiler.startup import ahead
+
+    from torch_stagehand.compiler.startup import ahead_worker
 
     started = []
 
@@ -481,7 +484,7 @@ def test_ahead_workers_from_the_environment(monkeypatch):
     assert BackendOptions().workers_ahead() == 1
     assert BackendOptions(ahead_workers=0).workers_ahead() == 0  # the option wins
     monkeypatch.setenv("STAGEHAND_AHEAD_WORKERS", "many")
-    with pytest.raises(BackendOptionsError, match="STAGEHAND_AHEAD_WORKERS"):
+    with pytest.raises(ConfigError, match="STAGEHAND_AHEAD_WORKERS must be an int >= 0, got 'many'"):
         BackendOptions().workers_ahead()
 
 
@@ -533,7 +536,7 @@ def test_on_cuda_workers_compile_ahead_and_hold_no_tensors_on_the_device(fresh_c
 def test_no_workers_when_a_run_before_compiled_the_model(tmp_path):
     """A warm start loads its variants in a fraction of a second each: workers that would have to start first
     are not made. The first run of the model (no compile bundle yet) gets them."""
-    from torch_stagehand.compiler.compile_cache import CompileBundle
+    from torch_stagehand.compiler.startup.compile_cache import CompileBundle
     from torch_stagehand.compiler.variants import VariantCache
 
     bundle = CompileBundle(str(tmp_path / "model.bundle"), torch.device("cpu"))

@@ -45,7 +45,7 @@ IN_PLACE = {
     "benches/slab_build.py": "/proc/self/clear_refs; a child's result part, read after it exited",
     "benches/soak.py": "an append-only JSONL of steps, one record a line",
     "benches/start_time.py": "/proc/sys/vm/drop_caches; an empty marker written after its files were complete",
-    "kernels/tune_cache.py": "writes a temporary file (mkstemp) and renames it",
+    "kernels/tuning/cache.py": "writes a temporary file (mkstemp) and renames it",
     "runtime/conductor/telemetry.py": "an append-only JSONL; a killed run's torn last line is skipped on reading",
     "runtime/selective/telemetry.py": "an append-only JSONL, one record a line",
 }

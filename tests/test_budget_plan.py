@@ -132,7 +132,7 @@ def test_a_small_budget_with_measured_activations_recomputes_in_the_compiled_pro
     recomputed = rt.stats()["recomputed_blocks"]
     assert recomputed == len(rt.plan.recomputed)
     # A budget with room for everything keeps every activation: the next step recomputes nothing.
-    rt.planner.budget = type(rt.planner.budget)(soft=100 * b, hard=100 * b)
+    rt.plan_driver.budget = type(rt.plan_driver.budget)(soft=100 * b, hard=100 * b)
     rt.replan()
     assert rt.plan.recomputed == set() and rt.plan.resident == set(range(N))
     _same(_step(compiled, model, x), ref, inner)
@@ -227,11 +227,11 @@ def test_a_refused_budget_leaves_the_plan_and_the_budget_in_force():
     plain = copy.deepcopy(model)
     ref = _step(plain, plain, x)
     rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
-    plan, budget = rt.plan, rt.planner.budget
+    plan, budget = rt.plan, rt.plan_driver.budget
     with pytest.raises(BudgetError, match="no plan fits"):
         rt.replan(vram_budget=_block_bytes() // 2)
     # the conductor's pressure rules read the budget: a refused one must not tighten them
-    assert rt.plan is plan and rt.planner.budget == budget
+    assert rt.plan is plan and rt.plan_driver.budget == budget
     _same(_step(model, model, x), ref)
 
 
@@ -244,14 +244,14 @@ def test_a_measured_peak_over_the_prediction_corrects_the_cost_model_and_replans
     rt = stagehand.offload(model, device="cpu", vram_budget=budget)
     plan = rt.plan
     assert len(plan.resident) == N and plan.predicted_peak_bytes <= budget
-    rt.planner._check_peak(step=1, peak=plan.predicted_peak_bytes - 1)  # under the prediction: nothing to learn
-    assert rt.plan is plan and rt.planner.cost_model.base_bytes == 0 and plan.measured_peak_bytes is not None
-    rt.planner._check_peak(step=2, peak=plan.predicted_peak_bytes + 2 * b)  # the step held two blocks more
-    assert rt.planner.cost_model.base_bytes == 2 * b
+    rt.plan_driver._check_peak(step=1, peak=plan.predicted_peak_bytes - 1)  # under the prediction: nothing to learn
+    assert rt.plan is plan and rt.plan_driver.cost_model.base_bytes == 0 and plan.measured_peak_bytes is not None
+    rt.plan_driver._check_peak(step=2, peak=plan.predicted_peak_bytes + 2 * b)  # the step held two blocks more
+    assert rt.plan_driver.cost_model.base_bytes == 2 * b
     assert rt.plan is not plan and len(rt.plan.resident) < N
     # the corrected prediction fits again, with the miss as a margin: a new plan's first step is not
     # checked before it runs, and the hard cap is never to be crossed
-    assert rt.planner.peak_margin == 2 * b and rt.plan.predicted_peak_bytes <= budget - 2 * b
+    assert rt.plan_driver.peak_margin == 2 * b and rt.plan.predicted_peak_bytes <= budget - 2 * b
     assert rt.plan.budget.soft == budget and "MiB under the budget" in rt.plan.notes[-1]
     notes = rt.stats()["plan_corrections"]
     assert len(notes) == 1 and "over the plan's prediction" in notes[0] and "re-planned" in notes[0]
@@ -273,7 +273,7 @@ def test_a_plan_that_does_not_fit_when_applied_shrinks_the_budget_and_says_so(mo
 
     monkeypatch.setattr(rt.pool, "reconfigure", device_with_room_for_three_blocks)
     rt.replan(vram_budget=_budget("everything"))
-    assert rt.planner.shrinks and "budget shrunk" in rt.planner.shrinks[-1]
+    assert rt.plan_driver.shrinks and "budget shrunk" in rt.plan_driver.shrinks[-1]
     assert rt.stats()["streamed_device_bytes"] <= 3 * b
     _same(_step(model, model, x), ref)
 
@@ -289,7 +289,7 @@ def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real
     plain = copy.deepcopy(model)
     ref = _step(plain, plain, x)
     rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
-    rt.planner.calibrated = False  # on the CPU the defaults stand unless asked; the GPU always calibrates
+    rt.plan_driver.calibrated = False  # on the CPU the defaults stand unless asked; the GPU always calibrates
     rt.replan()
     assert rt.plan.kind == "calibrating" and rt.plan.recomputed == set(range(N)) and rt.plan.slots == 2
     torch._dynamo.reset()
@@ -300,8 +300,8 @@ def test_calibration_measures_a_step_under_the_smallest_plan_then_plans_for_real
         _same(_step(compiled, model, x), ref)
         optimizer.step()
         assert rt.plan.kind == ("calibrating" if step == 0 else "planned")
-    measured = rt.planner.cost_model
-    assert rt.planner.calibrated and "calibration_step_s" in measured.measured
+    measured = rt.plan_driver.cost_model
+    assert rt.plan_driver.calibrated and "calibration_step_s" in measured.measured
     assert len(measured.forward_s) == N and all(t > 0 for t in measured.forward_s + measured.backward_s)
     assert rt.stats()["recomputed_blocks"] >= 2 * N  # the two calibration steps recomputed every block
     assert rt.plan.predicted_step_s > 0 and 0 < len(rt.plan.resident) < N
@@ -315,7 +315,7 @@ def test_a_calibration_step_that_compiled_units_is_measured_again_on_the_next_st
     model, x = _model()
     other = x[:1].detach().clone().requires_grad_(True)  # another batch size: new units in the measured step
     rt = stagehand.offload(model, device="cpu", vram_budget=_budget("half"))
-    rt.planner.calibrated = False  # on the CPU the defaults stand unless asked; the GPU always calibrates
+    rt.plan_driver.calibrated = False  # on the CPU the defaults stand unless asked; the GPU always calibrates
     rt.replan()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
@@ -331,7 +331,7 @@ def test_a_calibration_step_that_compiled_units_is_measured_again_on_the_next_st
     assert units[1] > 0 and units[2] == 0  # step 1 compiled the other shape's units; step 2 nothing
     assert kinds == ["calibrating", "calibrating", "planned", "planned"]
     assert rt.stats()["calibration_remeasured"] == [1]
-    assert rt.planner.calibrated and "calibration_step_s" in rt.planner.cost_model.measured
+    assert rt.plan_driver.calibrated and "calibration_step_s" in rt.plan_driver.cost_model.measured
     # Every unit compiled ran, and its first run was counted once (a calibration step that holds a unit's first
     # run, whose kernels load and tune then, is measured again too).
     assert rt.stats()["units_first_run"] == rt.compile_count > 0
@@ -376,17 +376,17 @@ def test_later_plans_measure_the_blocks_again_and_keep_the_smaller_times():
     torch._dynamo.reset()
     for _ in range(REFINE_STEPS + 1):  # no optimizer attached: the first step ends when the second begins
         _step(compiled, model, x)
-    host = rt.planner.cost_model.host_s
+    host = rt.plan_driver.cost_model.host_s
     assert all(0 < s < slow for s in host["forward"]) and all(0 < s < slow for s in host["backward"])
     # a recompute is measured only where the plan recomputes; elsewhere the known value stays
     assert all((s < slow) == (b in rt.plan.recomputed) for b, s in enumerate(host["recompute"]))
     assert rt.plan.predicted_step_s == predicted and rt.stats()["host_refinements"] >= 2 * N
-    gpu = rt.planner.cost_model
+    gpu = rt.plan_driver.cost_model
     assert all(0 < s < slow for s in gpu.forward_s + gpu.backward_s) and rt.stats()["compute_refinements"] >= 2 * N
     before = copy.deepcopy((host, gpu.forward_s, gpu.backward_s))
     _step(compiled, model, x)
-    assert (rt.planner.cost_model.host_s, gpu.forward_s, gpu.backward_s) == before
-    assert rt.planner.refining is None
+    assert (rt.plan_driver.cost_model.host_s, gpu.forward_s, gpu.backward_s) == before
+    assert rt.plan_driver.refining is None
     assert rt.replan().predicted_step_s < predicted  # the next plan is made from the lowered times
 
 

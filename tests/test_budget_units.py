@@ -41,5 +41,5 @@ def test_offload_and_replan_refuse_a_budget_without_a_unit_and_change_nothing():
     plan = rt.plan
     with pytest.raises(BudgetError, match="vram_budget: 20 is 20 bytes"):
         rt.replan(vram_budget=20)
-    assert rt.plan is plan and rt.planner.budget.soft == 2**20
+    assert rt.plan is plan and rt.plan_driver.budget.soft == 2**20
     rt.restore()

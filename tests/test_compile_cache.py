@@ -1,4 +1,4 @@
-"""Warm starts (compiler/compile_cache.py): a second process loads every unit the first one compiled.
+"""Warm starts (compiler/startup/compile_cache.py): a second process loads every unit the first one compiled.
 
 Each run is a fresh process with its own Inductor cache folder, so only the stagehand bundle carries
 compiled units from one to the next (as on a machine that lost /tmp). The model is a tiny random Llama,
@@ -17,8 +17,8 @@ import textwrap
 import pytest
 import torch
 
-from torch_stagehand.compiler import compile_cache
-from torch_stagehand.compiler.compile_cache import CompileBundle, _join
+from torch_stagehand.compiler.startup import compile_cache
+from torch_stagehand.compiler.startup.compile_cache import CompileBundle, _join
 
 CHILD = textwrap.dedent(r'''
     import inspect, json, sys

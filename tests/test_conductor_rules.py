@@ -201,14 +201,14 @@ def test_rule_1_in_the_runtime_denied_speculative_prefetches_degrade_to_later_fe
     ref_out, ref_grads = _train(copy.deepcopy(model), x)
     b = block_bytes_by_precision(model)["bf16"][0]
     rt = stagehand.offload(model, device="cpu", vram_budget=100 * b)
-    rt.planner.apply("test", _manual_plan(rt, slots=4))
+    rt.plan_driver.apply("test", _manual_plan(rt, slots=4))
     assert rt.plan.lookahead == 3
-    rt.planner.conductor._pressure = lambda: 0.95  # the device is 95% full
+    rt.plan_driver.conductor._pressure = lambda: 0.95  # the device is 95% full
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     torch._dynamo.reset()
     out, grads = _train(model, x, call=compiled)
     _assert_same(out, grads, ref_out, ref_grads)
-    denials = rt.planner.conductor.denials
+    denials = rt.plan_driver.conductor.denials
     assert denials.get(WINDOW_CAP, 0) > 0  # backward prefetched one block ahead only
     assert rt.stats()["stale_slots"] == 0
 
@@ -218,7 +218,7 @@ def test_an_allocation_failure_during_a_prefetch_shrinks_the_window_and_the_step
     ref_out, ref_grads = _train(copy.deepcopy(model), x, steps=1)
     b = block_bytes_by_precision(model)["bf16"][0]
     rt = stagehand.offload(model, device="cpu", vram_budget=100 * b)
-    rt.planner.apply("test", _manual_plan(rt, slots=4))
+    rt.plan_driver.apply("test", _manual_plan(rt, slots=4))
     real = rt.pool.prefetch
     failures = []
 
@@ -232,7 +232,7 @@ def test_an_allocation_failure_during_a_prefetch_shrinks_the_window_and_the_step
     out, grads = _train(model, x, steps=1)
     assert failures
     _assert_same(out, grads, ref_out, ref_grads)
-    conductor = rt.planner.conductor
+    conductor = rt.plan_driver.conductor
     assert conductor.denials.get("allocation_failed") == 1
     assert any("could not allocate" in note and "window cut to 2" in note for note in conductor.window_notes)
 
@@ -243,7 +243,7 @@ def test_disabled_conductor_allocates_nothing_and_changes_nothing():
     b = block_bytes_by_precision(model)["bf16"][0]
     rt = stagehand.offload(model, device="cpu", vram_budget=3 * b,
                            config=Config(conductor=ConductorConfig(enabled=False)))
-    conductor = rt.planner.conductor
+    conductor = rt.plan_driver.conductor
     assert not conductor.enabled and vars(conductor) == {"enabled": False}  # no sub-object at all
     out, grads = _train(model, x, steps=1)
     _assert_same(out, grads, ref_out, ref_grads)
@@ -258,7 +258,7 @@ def test_telemetry_lines_carry_hints_denials_and_phases(tmp_path):
     b = block_bytes_by_precision(model)["bf16"][0]
     path = tmp_path / "telemetry.jsonl"
     rt = stagehand.offload(model, device="cpu", vram_budget=100 * b, config=Config(telemetry_file=str(path)))
-    rt.planner.apply("test", _manual_plan(rt, slots=3))
+    rt.plan_driver.apply("test", _manual_plan(rt, slots=3))
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     rt.attach(optimizer)
     for _ in range(2):

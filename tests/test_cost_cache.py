@@ -45,7 +45,7 @@ def _run(batch=2, budget_blocks=N - 1, calibrated=None):
     budget = budget_blocks * block_bytes_by_precision(toy(n=N)[0])["bf16"][0]
     rt = stagehand.offload(model, device="cpu", vram_budget=budget)
     if calibrated is not None:
-        rt.planner.calibrated = calibrated  # as a GPU run before its calibration step
+        rt.plan_driver.calibrated = calibrated  # as a GPU run before its calibration step
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     compiled(x).float().square().mean().backward()
@@ -54,15 +54,15 @@ def _run(batch=2, budget_blocks=N - 1, calibrated=None):
 
 def test_a_kept_model_is_loaded_by_the_next_run_of_the_same_job_and_skips_calibration(cache_dir):
     first = _run()
-    assert first.planner.kept.inputs is not None  # the first graph named the job
-    first.planner.kept.keep(_measured())
+    assert first.plan_driver.kept.inputs is not None  # the first graph named the job
+    first.plan_driver.kept.keep(_measured())
     files = os.listdir(cache_dir / "cost_models")
     assert len(files) == 1
     first.restore()
 
     second = _run(calibrated=False)
-    model = second.planner.cost_model
-    assert second.planner.calibrated and second.planner._calibrate_at is None
+    model = second.plan_driver.cost_model
+    assert second.plan_driver.calibrated and second.plan_driver._calibrate_at is None
     assert model.source == MEASURED and model.forward_s == _measured().forward_s
     assert model.host_s == _measured().host_s and model.other_s == 0.05
     assert model.measured["cost_cache"] == str(cache_dir / "cost_models" / files[0])
@@ -73,7 +73,7 @@ def test_a_kept_model_is_loaded_by_the_next_run_of_the_same_job_and_skips_calibr
 @pytest.mark.parametrize("change", ["batch", "precision"])
 def test_another_shape_or_precision_map_misses(cache_dir, change):
     first = _run()
-    first.planner.kept.keep(_measured())
+    first.plan_driver.kept.keep(_measured())
     first.restore()
     if change == "batch":
         second = _run(batch=3, calibrated=False)
@@ -82,25 +82,25 @@ def test_another_shape_or_precision_map_misses(cache_dir, change):
         model, x = toy(n=N)
         second = stagehand.offload(model, device="cpu", vram_budget=N * 2**20,
                                    precision={b: "int8" for b in range(N)})
-        second.planner.calibrated = False
+        second.plan_driver.calibrated = False
         torch._dynamo.reset()
         torch.compile(model, backend="stagehand", options={"inner": "eager"})(x.requires_grad_(True)).sum().backward()
-    assert not second.planner.calibrated
+    assert not second.plan_driver.calibrated
     assert "no calibrated cost model kept" in second.stats()["cost_model_cache"]
-    assert "cost_cache" not in second.planner.cost_model.measured
+    assert "cost_cache" not in second.plan_driver.cost_model.measured
     second.restore()
 
 
 def test_no_model_is_kept_before_one_was_measured_nor_with_the_cache_off(cache_dir, monkeypatch):
     rt = _run()
-    rt.planner.kept.keep(CostModel())  # defaults: nothing measured
-    rt.planner.kept.keep(CostModel(forward_s=[1.0] * N, backward_s=[1.0] * N))  # given by hand
+    rt.plan_driver.kept.keep(CostModel())  # defaults: nothing measured
+    rt.plan_driver.kept.keep(CostModel(forward_s=[1.0] * N, backward_s=[1.0] * N))  # given by hand
     assert not (cache_dir / "cost_models").exists()
     rt.restore()
     monkeypatch.setenv("STAGEHAND_COST_CACHE", "0")
     rt = _run()
-    assert rt.planner.kept.inputs is None
-    rt.planner.kept.keep(_measured())
+    assert rt.plan_driver.kept.inputs is None
+    rt.plan_driver.kept.keep(_measured())
     assert not (cache_dir / "cost_models").exists()
     rt.restore()
 
@@ -155,19 +155,19 @@ def test_an_unwritable_cache_costs_nothing_but_the_next_calibration(tmp_path):
 
 def _decisions(rt, resident=(), recompute=(0, 1, 2, 3), slots=2) -> dict:
     return {"resident": list(resident), "recompute": list(recompute), "spill": [], "slots": slots,
-            "budget": [rt.planner.budget.soft, rt.planner.budget.hard]}
+            "budget": [rt.plan_driver.budget.soft, rt.plan_driver.budget.hard]}
 
 
 def test_the_next_run_resumes_the_plan_the_first_one_ended_on(cache_dir):
     """Not the plan its search would make from the kept model (which may keep or recompute other blocks than the
     variants the first run compiled): the one kept beside it, predicted under that model."""
     first = _run()
-    made = first.planner.plan
+    made = first.plan_driver.plan
     decisions = _decisions(first, recompute=[b for b in range(N) if b not in made.recomputed] or [0])
-    first.planner.kept.keep(_measured(), decisions)
+    first.plan_driver.kept.keep(_measured(), decisions)
     first.restore()
     second = _run(calibrated=False)
-    plan = second.planner.plan
+    plan = second.plan_driver.plan
     assert plan.kind == "planned" and plan.recomputed == set(decisions["recompute"]) and plan.resident == set()
     assert plan.slots == 2 and any("resumed" in n for n in plan.notes)
     assert plan.predicted_step_s > 0 and plan.cost_model == MEASURED  # predicted under the kept model
@@ -180,11 +180,11 @@ def test_a_kept_plan_for_another_budget_or_not_usable_is_not_resumed(cache_dir, 
     decisions = _decisions(first)
     if why == "malformed":
         decisions["recompute"] = [N + 5]  # no such block
-    first.planner.kept.keep(_measured(), decisions)
+    first.plan_driver.kept.keep(_measured(), decisions)
     first.restore()
     second = _run(budget_blocks=N - 2 if why == "another budget" else N - 1, calibrated=False)
     note = second.stats()["cost_model_cache"]
-    assert second.planner.calibrated and note.startswith("calibrated cost model loaded")  # the model is used
-    assert not any("resumed" in n for n in second.planner.plan.notes)
+    assert second.plan_driver.calibrated and note.startswith("calibrated cost model loaded")  # the model is used
+    assert not any("resumed" in n for n in second.plan_driver.plan.notes)
     assert ("its plan ignored: recompute is not a list of block numbers below 4" in note) == (why == "malformed")
     second.restore()

@@ -54,7 +54,7 @@ def test_a_calibrated_plan_drops_the_note():
     """The CPU runs the calibrate-then-plan path when asked: the calibrating plan is still the default's
     guess; the plan made from the measured step is not."""
     model, x, rt = _offloaded()
-    rt.planner.calibrated = False  # the CPU keeps the defaults unless asked; CUDA always calibrates
+    rt.plan_driver.calibrated = False  # the CPU keeps the defaults unless asked; CUDA always calibrates
     rt.replan()
     assert rt.plan.kind == "calibrating" and NOTE in rt.plan.summary()
     torch._dynamo.reset()
@@ -64,7 +64,7 @@ def test_a_calibrated_plan_drops_the_note():
     for _ in range(3):  # warm-up, measured, then the plan made from the measurements
         compiled(x).float().square().mean().backward()
         optimizer.step()
-    assert rt.plan.kind == "planned" and rt.planner.cost_model.source == MEASURED
+    assert rt.plan.kind == "planned" and rt.plan_driver.cost_model.source == MEASURED
     assert rt.plan.cost_model == MEASURED and NOTE not in str(rt.plan)
     assert rt.stats()["cost_model"] == MEASURED
     rt.restore()

@@ -209,8 +209,8 @@ def test_auto_chooses_from_the_measured_host_time(monkeypatch):
     n_layers = sum(1 for s in rt.layers if s.block in opt.device_blocks)
     _steps(model, x, opt, 1)
     assert opt.device.layers_updated == n_layers
-    rt.planner._training_costs(rt.planner.cost_model)
-    model_costs = rt.planner.cost_model
+    rt.plan_driver._training_costs(rt.plan_driver.cost_model)
+    model_costs = rt.plan_driver.cost_model
     assert [b for b, n in enumerate(model_costs.update_in_bytes) if n] == sorted(opt.device_blocks)
     rt.close()
 

@@ -103,7 +103,7 @@ def test_the_preflight_does_not_count_int8_on_disk_as_ram(slab, monkeypatch):
 
 
 def test_int8_tier_is_a_config_field_checked_by_name():
-    from torch_stagehand.config import ConfigError
+    from torch_stagehand.runtime.config import ConfigError
 
     with pytest.raises(ConfigError, match="int8_tier: must be"):
         stagehand.Config(int8_tier="nvme").validate()

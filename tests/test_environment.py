@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from torch_stagehand.app.cli import main
-from torch_stagehand.config import ConfigError
+from torch_stagehand.runtime.config import ConfigError
 from torch_stagehand.environment import VARIABLES, cache_dir, env, set_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

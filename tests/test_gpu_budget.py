@@ -52,10 +52,10 @@ def test_budget_plan_calibrates_replans_and_stays_under_its_budget(budget_blocks
     for _ in range(2):  # warm-up (compile), then the measured step
         _step(compiled, model, x)
         optimizer.step()
-    assert rt.plan.kind == "planned" and rt.planner.calibrated
+    assert rt.plan.kind == "planned" and rt.plan_driver.calibrated
     # The made plan's predicted peak is held by the allocator before its first step (planning.reserve_for_plan).
     assert torch.cuda.memory_reserved() >= min(rt.plan.predicted_peak_bytes, budget) - (64 << 20)
-    measured = rt.planner.cost_model
+    measured = rt.plan_driver.cost_model
     assert measured.forward_s and all(t > 0 for t in measured.forward_s)
     assert all(a >= i for a, i in zip(measured.activation_bytes, measured.input_bytes))
     _step(compiled, model, x)  # the new plan's variants compile
@@ -105,8 +105,8 @@ def test_a_memory_fraction_below_the_budget_shrinks_the_plan_and_says_so(caplog)
     torch.cuda.set_per_process_memory_fraction(cap / total)
     try:
         rt = stagehand.offload(model, device="cuda", vram_budget=total)  # promises the whole device
-        rt.replan(stagehand.runtime_of(model).planner.cost_model.with_(frozen=True))
-        assert rt.planner.shrinks and "budget shrunk" in rt.planner.shrinks[0]
+        rt.replan(stagehand.runtime_of(model).plan_driver.cost_model.with_(frozen=True))
+        assert rt.plan_driver.shrinks and "budget shrunk" in rt.plan_driver.shrinks[0]
         assert rt.stats()["resident_blocks"] < N
         compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
         torch._dynamo.reset()
@@ -137,4 +137,4 @@ def test_spilled_activations_cross_pcie_both_ways_and_give_the_same_gradients(in
     assert rel_err(out, ref_out) < 1e-4 and max(rel_err(grads[k], ref_grads[k]) for k in grads) < 1e-4
     stats = rt.stats()
     assert stats["d2h_bytes"] > 0 and stats["restored_bytes"] == stats["d2h_bytes"]
-    assert all(page_locked(buf) for bufs in rt.planner.spill._free.values() for buf in bufs)
+    assert all(page_locked(buf) for bufs in rt.plan_driver.spill._free.values() for buf in bufs)

@@ -161,7 +161,8 @@ def test_the_option_is_checked():
 @pytest.mark.parametrize("rows_are_out", [True, False])
 @pytest.mark.parametrize("wdtype", [torch.int8, torch.float8_e4m3fn])
 def test_every_candidate_on_the_gpu_computes_the_torch_twin(rows_are_out, wdtype):
-    from torch_stagehand.kernels import grouped, tune
+    from torch_stagehand.kernels import grouped
+    from torch_stagehand.kernels.tuning import autotune as tune
 
     torch.manual_seed(0)
     experts, rows, cols = 16, 384, 256

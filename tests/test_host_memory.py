@@ -21,7 +21,7 @@ from torch_stagehand.runtime.host import arena as host_arena
 from torch_stagehand.runtime.host import budget as host_budget
 from torch_stagehand.runtime.host.arena import PAGE, page_round
 from torch_stagehand.runtime.host.budget import MachineMemory
-from torch_stagehand.config import ConfigError
+from torch_stagehand.runtime.config import ConfigError
 from torch_stagehand.runtime.host.plan import HostMemoryError
 from torch_stagehand.runtime.host.weights_file import CheckpointError
 

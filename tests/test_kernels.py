@@ -158,7 +158,7 @@ def test_twins_reject_bad_arguments_by_name(call, match):
 
 
 def test_sample_check_passes_right_output_and_flags_a_wrong_tile():
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.tuning import autotune as tune
 
     g = torch.Generator().manual_seed(9)
     ref = torch.randn(300, 200, generator=g)
@@ -174,7 +174,7 @@ def test_sample_check_passes_right_output_and_flags_a_wrong_tile():
 
 
 def test_sample_check_judges_a_cancelled_element_by_what_cancelled():
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.tuning import autotune as tune
 
     # A dot product whose terms cancel to ~0: a bf16-rounded operand moves it far
     # relative to itself, but not relative to the terms. Seen on a real backward.
@@ -195,7 +195,7 @@ def test_sample_check_judges_a_cancelled_element_by_what_cancelled():
 
 
 def test_a_timed_replay_holds_enough_rounds_for_a_millisecond_and_no_more_than_24_calls():
-    from torch_stagehand.kernels.tune import rounds_per_replay
+    from torch_stagehand.kernels.tuning.autotune import rounds_per_replay
 
     assert rounds_per_replay(0.4, 3) == 3  # a big GEMM round (3 weights): 9 calls, not 24
     assert rounds_per_replay(2.0, 3) == 1  # a round of more than the target: one
@@ -208,7 +208,7 @@ def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
     # The selection logic on the CPU: fake device, fake timings.
     from types import SimpleNamespace
 
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.tuning import autotune as tune
 
     monkeypatch.setattr(tune, "sms", lambda device: 132)
     monkeypatch.setattr(tune.torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -246,7 +246,7 @@ def test_a_key_times_its_regimes_shortlist_unless_every_candidate_is_asked_for(m
     # gives every candidate back.
     from types import SimpleNamespace
 
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.tuning import autotune as tune
 
     monkeypatch.setattr(tune, "sms", lambda device: 132)
     monkeypatch.delenv("STAGEHAND_TUNE_EVERY", raising=False)
@@ -283,7 +283,9 @@ def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkey
     # does.
     from types import SimpleNamespace
 
-    from torch_stagehand.kernels import tune, tune_deferral as deferral
+    from torch_stagehand.kernels.tuning import autotune as tune
+
+    from torch_stagehand.kernels.tuning import deferral
 
     monkeypatch.setattr(tune, "sms", lambda device: 132)
     monkeypatch.setattr(tune.torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -334,14 +336,18 @@ def test_a_deferred_key_runs_its_default_and_is_tuned_when_the_step_waits(monkey
 
 
 def test_the_tuning_candidates_compiled_ahead_follow_the_int8_layers_and_stop_when_asked():
-    # kernels/ahead_tuning.py: from the INT8 blocks' Linears (distinct shapes, bias or not; bf16 blocks and expert
+    # kernels/tuning/ahead.py: from the INT8 blocks' Linears (distinct shapes, bias or not; bf16 blocks and expert
     # stacks left out), every candidate the tuner would time in each regime the fused kernels serve, forward and
     # grad-input; compiled a round of `threads` at a time until `stop()`, a failure counted and left to the tuner.
     from types import SimpleNamespace
 
     import dataclasses
 
-    from torch_stagehand.kernels import ahead_tuning, launch, tune
+    from torch_stagehand.kernels import launch
+
+    from torch_stagehand.kernels.tuning import ahead as ahead_tuning
+
+    from torch_stagehand.kernels.tuning import autotune as tune
 
     lay = lambda block, out, inp, bias=True, experts=0: SimpleNamespace(  # noqa: E731
         block=block, out_features=out, in_features=inp, experts=experts,
@@ -384,7 +390,9 @@ def test_the_candidates_compiled_while_the_step_waits_yield_the_cpu():
 
     import threading
 
-    from torch_stagehand.kernels import tune, tune_deferral as deferral
+    from torch_stagehand.kernels.tuning import autotune as tune
+
+    from torch_stagehand.kernels.tuning import deferral
 
     def nice_in_thread(cfg):
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
@@ -570,7 +578,7 @@ def test_gpu_fp32_activations_use_the_ieee_path():
 
 
 def _tile_params():
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.tuning import autotune as tune
 
     out = []
     for m in (7, 100, 1000, 4096):
@@ -588,7 +596,7 @@ def test_gpu_every_autotune_candidate_is_correct_or_rejected(kind, m, tile):
     # (every split, both variants) on a ragged shape: either its output is right,
     # or the tuner's sampled check rejects it. The untuned default (tile 0,
     # variant 0) must simply be right.
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.tuning import autotune as tune
     from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
 
     k, kp, n = 1008, 1024, 1500
@@ -647,7 +655,8 @@ def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waitin
     # What a cold step's eager forward does with a key not tuned yet (tune_deferral.deferred): dequantize +
     # cuBLAS (tune.provisional_config), right, and not kept for replay (a replay would skip the tuned pick later); the
     # wait tunes it and the grad-input key of the same layer (the backward's).
-    from torch_stagehand.kernels import tune, tune_deferral as deferral
+    from torch_stagehand.kernels.tuning import autotune as tune
+    from torch_stagehand.kernels.tuning import deferral
     from torch_stagehand.kernels.launch import FWD_MEMO, int8_linear_triton
 
     m, k, n = 40, 1536, 2560  # a shape no other test tunes
@@ -670,7 +679,8 @@ def test_gpu_a_deferred_key_is_right_untuned_not_replayed_and_tuned_while_waitin
 _DEFERRED_FORWARDS = """
 import json, sys, torch
 from triton import knobs
-from torch_stagehand.kernels import tune, tune_deferral as deferral
+from torch_stagehand.kernels.tuning import autotune as tune
+from torch_stagehand.kernels.tuning import deferral
 from torch_stagehand.kernels.launch import int8_linear_triton
 from torch_stagehand.kernels.reference import int8_linear_ref
 heard = []
@@ -712,7 +722,7 @@ def test_gpu_after_the_first_workers_head_start_a_deferred_forward_compiles_noth
 _TUNED_CALLS = """
 import json, torch
 from triton import knobs
-from torch_stagehand.kernels import tune
+from torch_stagehand.kernels.tuning import autotune as tune
 from torch_stagehand.kernels.launch import int8_linear_grad_input_triton, int8_linear_triton
 heard = []
 knobs.compilation.listener = lambda *, src, cache_hit, **_: heard.append([getattr(src, "name", "?"), cache_hit])
@@ -729,7 +739,7 @@ print(json.dumps({"heard": heard, "tuned": len(tune.tuning_log())}))
 @gpu
 @needs_cuda
 def test_gpu_the_tuning_candidates_compiled_ahead_are_all_the_tuner_reads(tmp_path):
-    # kernels/ahead_tuning.py in a worker-like process (meta tensors, compiled and loaded), then a fresh process
+    # kernels/tuning/ahead.py in a worker-like process (meta tensors, compiled and loaded), then a fresh process
     # whose tuner times every candidate of four keys (forward and grad-input at M = 1 and 300, the two regimes
     # the fused kernels serve, one with a bias): it compiles nothing itself, every kernel it asks for comes from
     # Triton's cache.

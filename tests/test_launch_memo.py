@@ -145,7 +145,7 @@ def test_a_compile_only_executor_compiles_each_kernel_and_launches_nothing():
 def test_precompile_all_compiles_every_candidate_on_threads_and_leaves_failures_to_the_timed_loop(monkeypatch):
     import threading
 
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.tuning import autotune as tune
 
     configs = [tune.LaunchConfig(64, 16, 128, s) for s in (1, 2, 4, 8)]
     seen, threads = [], set()
@@ -215,7 +215,7 @@ def test_gpu_replayed_calls_equal_the_full_path(m, bias):
         assert _rel(dx, int8_linear_grad_input_ref(dy, q, s)) < 1e-2
     # The full path with the same (now tuned) config gives the same bits as the replay.
     from torch_stagehand.kernels import tuned_configs
-    from torch_stagehand.kernels.tune import bucket
+    from torch_stagehand.kernels.tuning.autotune import bucket
 
     chosen = tuned_configs()[("fwd", xs[-1].device, bucket(m), n, k, torch.bfloat16)]
     assert torch.equal(ys[-1], int8_linear_triton(xs[-1], q, s, b, config=chosen))
@@ -227,7 +227,7 @@ def test_gpu_replayed_calls_equal_the_full_path(m, bias):
 def test_gpu_candidates_compiled_on_threads_are_tried_and_checked_as_compiled_one_by_one(m, monkeypatch, tmp_path):
     """A key tuned with its candidates compiled at once on threads (first, in a fresh Triton cache: they really
     compile there) times and rejects the same candidates as one tuned serially, and its output is right."""
-    from torch_stagehand.kernels import tune
+    from torch_stagehand.kernels.tuning import autotune as tune
     from torch_stagehand.kernels.launch import clear_launch_memo, int8_linear_triton
 
     n, k = 1536, 1024

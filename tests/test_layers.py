@@ -1,6 +1,7 @@
 """The layers of the package, enforced on its import graph (docs/ARCHITECTURE.md draws them).
 
     app  ->  front door (torch_stagehand, api, report, config)  ->  compiler  ->  runtime  ->  kernels
+         ->  environment (every layer reads its variables there; it imports nothing of the package)
 
 A module may import its own layer and the layers below it, never one above;
 inside the runtime, the slab file format and the precision registry do not
@@ -18,7 +19,7 @@ import networkx as nx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FOLDERS = {"stagehand": "torch_stagehand", "compiler": "torch_stagehand.compiler",
            "runtime": "torch_stagehand.runtime", "kernels": "torch_stagehand.kernels"}
-LAYERS = ["torch_stagehand.kernels", "torch_stagehand.runtime", "torch_stagehand.compiler", "torch_stagehand",
+LAYERS = ["torch_stagehand.environment", "torch_stagehand.kernels", "torch_stagehand.runtime", "torch_stagehand.compiler", "torch_stagehand",
           "torch_stagehand.app"]
 
 

@@ -276,7 +276,7 @@ def test_generation_reading_only_the_routed_experts_gives_the_whole_block_number
     # The cache at its floor (two blocks' picks): entries are evicted and taken again all the time.
     rt_routed = stagehand.offload(routed, device="cpu", precision=precision, verbose=False,
                                   config=stagehand.Config(expert_cache_bytes=0))
-    rt_routed.planner.cost_model.h2d_bps = SLOW_LINK
+    rt_routed.plan_driver.cost_model.h2d_bps = SLOW_LINK
     kw = _generate_kw()
     for prompt in (_inputs()[:1, :2], _inputs()[:1]):  # a 2-token prompt (2 x top-2 of 8 experts), a 12-token one
         with torch.no_grad():
@@ -304,7 +304,7 @@ def test_the_cost_model_reads_the_whole_block_where_the_routed_copies_cost_more(
                          plain.generate(_inputs()[:1, :2], **_generate_kw(3)))
     reads = rt.stats()["routed_reads"]
     assert reads["whole_stacks"] > 0 and reads["expert_cache"]["misses"] == 0
-    rt.planner.cost_model.h2d_bps = SLOW_LINK  # now the bytes dominate: routed
+    rt.plan_driver.cost_model.h2d_bps = SLOW_LINK  # now the bytes dominate: routed
     with torch.no_grad():
         model.generate(_inputs()[:1, :2], **_generate_kw(3))
     assert rt.stats()["routed_reads"]["expert_cache"]["misses"] > 0
@@ -317,7 +317,7 @@ def test_the_expert_cache_keeps_experts_between_tokens_and_prefetches_from_the_n
     plain.config.use_cache = model.config.use_cache = True
     rt = stagehand.offload(model, device="cpu", precision="int8", verbose=False,
                            config=stagehand.Config(expert_cache_bytes="1MiB"))
-    rt.planner.cost_model.h2d_bps = SLOW_LINK
+    rt.plan_driver.cost_model.h2d_bps = SLOW_LINK
     whole = copy.deepcopy(plain)
     stagehand.offload(whole, device="cpu", precision="int8", verbose=False,
                       config=stagehand.Config(routed_experts_max_tokens=0))
@@ -381,7 +381,7 @@ def test_a_looped_experts_implementation_reads_each_stack_once_a_forward_under_i
     plain = copy.deepcopy(model)
     model.config.use_cache = plain.config.use_cache = True
     rt = stagehand.offload(model, device="cpu", verbose=False)
-    rt.planner.cost_model.h2d_bps = SLOW_LINK  # routed reads pay
+    rt.plan_driver.cost_model.h2d_bps = SLOW_LINK  # routed reads pay
     waits = []  # the router's choice read on the host: once per experts module and forward, not per stack
     unique = torch.unique
     monkeypatch.setattr(torch, "unique", lambda *a, **k: waits.append(1) or unique(*a, **k))
@@ -460,7 +460,7 @@ def test_the_expert_cache_forgets_a_block_whose_weights_were_loaded_since():
         m.config.use_cache = True
     rt = stagehand.offload(model, device="cpu", precision="int8", verbose=False,
                            config=stagehand.Config(expert_cache_bytes="1MiB"))
-    rt.planner.cost_model.h2d_bps = SLOW_LINK
+    rt.plan_driver.cost_model.h2d_bps = SLOW_LINK
     stagehand.offload(whole, device="cpu", precision="int8", verbose=False,
                       config=stagehand.Config(routed_experts_max_tokens=0))
     prompt = _inputs()[:1, :1]
@@ -475,7 +475,7 @@ def test_blocks_of_two_precisions_share_the_expert_cache_and_a_precision_change_
     model.config.use_cache = True
     rt = stagehand.offload(model, device="cpu", precision={0: "bf16", 1: "int8", 2: "bf16"}, verbose=False,
                            config=stagehand.Config(expert_cache_bytes="1MiB"))
-    rt.planner.cost_model.h2d_bps = SLOW_LINK
+    rt.plan_driver.cost_model.h2d_bps = SLOW_LINK
     with torch.no_grad():
         model.generate(_inputs()[:1, :1], **_generate_kw(3))
     pools = list(rt.eager.cache._pools.values())

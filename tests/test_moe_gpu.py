@@ -76,7 +76,7 @@ def test_generation_reading_the_routed_experts_from_pinned_memory_gives_the_whol
                                  config=stagehand.Config(routed_experts_max_tokens=0))
     rt_routed = stagehand.offload(routed, device="cuda", precision=precision, verbose=False,
                                   config=stagehand.Config(expert_cache_bytes=cache))
-    rt_routed.planner.cost_model.h2d_bps = SLOW_LINK  # tiny blocks: make the routed copies pay
+    rt_routed.plan_driver.cost_model.h2d_bps = SLOW_LINK  # tiny blocks: make the routed copies pay
     prompt = _inputs().cuda()[:1, :2]  # 2 tokens x top-2 of 8 experts: the prompt reads its experts directly too
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True,
               pad_token_id=0, use_cache=True)

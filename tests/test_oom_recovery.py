@@ -120,9 +120,9 @@ def test_out_of_memory_in_a_blocks_forward_replans_and_runs_the_block_again_with
     [record] = rt.stats()["oom_recoveries"]
     assert record["step"] == 1 and record["action"] == "ran it again" and "injected" in record["error"]
     # The new budget is smaller than the one the plan had: fewer resident blocks, no more device bytes.
-    assert rt.planner.budget.limit < before.budget.limit
+    assert rt.plan_driver.budget.limit < before.budget.limit
     assert len(rt.plan.resident) < len(before.resident)
-    assert rt.stats()["streamed_device_bytes"] <= rt.planner.budget.limit
+    assert rt.stats()["streamed_device_bytes"] <= rt.plan_driver.budget.limit
     assert ref_rt.stats()["oom_recoveries"] == []
 
 
@@ -135,7 +135,7 @@ def test_a_run_without_a_budget_gets_one_after_running_out_of_memory():
         losses = _train(compiled, optimizer, x, 2)
     assert losses == ref_losses
     _same(_params(model), ref_params)
-    assert rt.planner.planning and rt.plan.kind == "planned"
+    assert rt.plan_driver.planning and rt.plan.kind == "planned"
 
 
 def test_out_of_memory_in_a_recomputed_backward_runs_the_recompute_again():
@@ -162,12 +162,12 @@ def test_out_of_memory_in_a_saved_activation_backward_raises_without_a_step_and_
     ooms["n"] += 1  # what the CUDA allocator counts when it refuses an allocation
     _same(_params(model), start)  # the optimizer never stepped on the partial gradients
     assert any(s.holds for s in rt.pool.all_slots())  # the failed backward left its block held
-    limit = rt.planner.budget.limit
+    limit = rt.plan_driver.budget.limit
     with pytest.warns(OutOfMemoryWarning, match=r"backward of block 4 .* must be run again"):
         losses = _train(compiled, optimizer, x, 2)  # the loop runs the step again
     assert losses == ref_losses
     _same(_params(model), ref_params)
-    assert rt.planner.budget.limit < limit
+    assert rt.plan_driver.budget.limit < limit
     assert not any(s.holds for s in rt.pool.all_slots())
 
 
@@ -185,10 +185,10 @@ def test_a_backward_that_raised_something_else_releases_its_slots_and_keeps_the_
     with pytest.raises(ValueError):
         compiled(x).float().square().mean().backward()
     rt.op_wait = real
-    budget = rt.planner.budget
+    budget = rt.plan_driver.budget
     with pytest.warns(OutOfMemoryWarning, match="did not finish"):
         _train(compiled, optimizer, x, 1)
-    assert rt.planner.budget is budget and rt.stats()["oom_recoveries"] == []
+    assert rt.plan_driver.budget is budget and rt.stats()["oom_recoveries"] == []
 
 
 def test_recovery_gives_up_after_max_tries_and_for_a_backward_that_sends_gradients_home():
@@ -214,16 +214,16 @@ def test_recovery_gives_up_after_max_tries_and_for_a_backward_that_sends_gradien
 def test_the_budget_comes_back_when_the_device_has_room_again(monkeypatch):
     ref_losses, ref_params, ref_rt = _reference(6)
     rt, model, compiled, optimizer, x = _offloaded()
-    given, resident = rt.planner.budget, len(rt.plan.resident)
+    given, resident = rt.plan_driver.budget, len(rt.plan.resident)
     monkeypatch.setattr(oom_recovery, "REGROW_EVERY", 2)
     _fail_once(rt, block=3, kind="forward")
     with pytest.warns(OutOfMemoryWarning):
         losses = _train(compiled, optimizer, x, 2)  # step 0 recovers; at step 1's end the room is unknown (CPU)
-    assert rt.planner.budget.limit < given.limit and len(rt.plan.resident) < resident
+    assert rt.plan_driver.budget.limit < given.limit and len(rt.plan.resident) < resident
     room = 10 * given.limit + 2 * oom_recovery.MIN_MARGIN
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: room)  # the other job left
     losses += _train(compiled, optimizer, x, 4)
-    assert rt.planner.budget == given and len(rt.plan.resident) == resident
+    assert rt.plan_driver.budget == given and len(rt.plan.resident) == resident
     assert rt.stats()["oom_recoveries"][-1]["action"] == "the user's budget is back"
     assert losses == ref_losses  # the same steps, whatever the plan
     _same(_params(model), ref_params)
@@ -244,20 +244,20 @@ def _recovered_once(monkeypatch):
 
 def test_a_room_grown_by_5_percent_leaves_the_budget_and_by_20_raises_it_to_the_room(monkeypatch):
     rt, model, compiled, optimizer, x = _recovered_once(monkeypatch)
-    shrunk = rt.planner.budget.limit
+    shrunk = rt.plan_driver.budget.limit
     margin = oom_recovery.MIN_MARGIN
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: int(shrunk * 1.05) + margin)  # +5%: not enough
     _train(compiled, optimizer, x, 2)
-    assert rt.planner.budget.limit == shrunk
+    assert rt.plan_driver.budget.limit == shrunk
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: int(shrunk * 1.2) + margin)  # +20%
     _train(compiled, optimizer, x, 1)
-    assert shrunk < rt.planner.budget.limit == int(shrunk * 1.2)  # still under the user's: raised with the room
+    assert shrunk < rt.plan_driver.budget.limit == int(shrunk * 1.2)  # still under the user's: raised with the room
     assert rt.stats()["oom_recoveries"][-1]["action"] == "budget raised with the room"
 
 
 def test_a_unit_failing_again_is_planned_for_without_the_fragmented_cache(monkeypatch):
     rt, model, compiled, optimizer, x = _offloaded()
-    ceiling = min(rt.planner.budget.limit, rt.plan.predicted_peak_bytes)
+    ceiling = min(rt.plan_driver.budget.limit, rt.plan.predicted_peak_bytes)
     margin = oom_recovery.MIN_MARGIN
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: int(0.9 * ceiling) + margin)
     monkeypatch.setattr(oom_recovery, "fragmented_bytes", lambda device: int(0.2 * ceiling))
@@ -268,17 +268,17 @@ def test_a_unit_failing_again_is_planned_for_without_the_fragmented_cache(monkey
     first, second = rt.stats()["oom_recoveries"]
     assert first["budget_after"].startswith(f"soft {oom_recovery.human(int(0.9 * ceiling))}")
     assert second["budget_after"].startswith(f"soft {oom_recovery.human(int(0.7 * ceiling))}")
-    assert rt.planner.budget.limit == int(0.9 * ceiling) + margin - int(0.2 * ceiling) - margin
+    assert rt.plan_driver.budget.limit == int(0.9 * ceiling) + margin - int(0.2 * ceiling) - margin
 
 
 def test_a_budget_the_user_sets_after_a_recovery_stands(monkeypatch):
     rt, model, compiled, optimizer, x = _recovered_once(monkeypatch)
-    mine = rt.planner.budget.limit - 1024
+    mine = rt.plan_driver.budget.limit - 1024
     rt.replan(vram_budget=mine)
     room = 10 * mine + 2 * oom_recovery.MIN_MARGIN
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: room)
     _train(compiled, optimizer, x, 2)
-    assert rt.planner.budget.limit == mine and rt.oom._user_budget is None
+    assert rt.plan_driver.budget.limit == mine and rt.oom._user_budget is None
 
 
 def test_the_optimizer_is_refused_after_a_backward_that_raised_and_the_next_forward_drops_its_gradients(monkeypatch):
@@ -296,7 +296,7 @@ def test_the_optimizer_is_refused_after_a_backward_that_raised_and_the_next_forw
     with pytest.raises(stagehand.BackwardIncompleteError, match="did not finish .* partial"):
         optimizer.step()
     _same(_params(model), start)
-    limit = rt.planner.budget.limit
+    limit = rt.plan_driver.budget.limit
     losses = []
     dropped = r"must be run again .* partial gradients of \d+ parameters were dropped"
     with pytest.warns(OutOfMemoryWarning, match=dropped):
@@ -308,7 +308,7 @@ def test_the_optimizer_is_refused_after_a_backward_that_raised_and_the_next_forw
             losses.append(loss.item())
     assert losses == ref_losses
     _same(_params(model), ref_params)
-    assert rt.planner.budget.limit < limit  # re-planned for the refusal no recovery handled
+    assert rt.plan_driver.budget.limit < limit  # re-planned for the refusal no recovery handled
 
 
 def test_offload_turns_on_expandable_segments_unless_the_environment_configures_the_allocator(monkeypatch):
@@ -341,13 +341,13 @@ def test_a_plan_that_did_not_fit_when_applied_counts_as_handled_and_a_pending_re
 
     monkeypatch.setattr(rt.pool, "reconfigure", reconfigure)
     _fail_the_losss_backward(compiled, x, ooms)
-    rt.replan(vram_budget=rt.planner.budget.limit)  # a plan applied before the next forward
-    step, limit = rt.phases.step, rt.planner.budget.limit
+    rt.replan(vram_budget=rt.plan_driver.budget.limit)  # a plan applied before the next forward
+    step, limit = rt.phases.step, rt.plan_driver.budget.limit
     with pytest.warns(OutOfMemoryWarning, match="the last backward .* must be run again"):
         losses = _train(compiled, optimizer, x, 2)  # its own applications' refusals: none refuses the optimizer
     assert losses == ref_losses
     _same(_params(model), ref_params)
-    assert rt.phases.step == step + 3 and rt.planner.budget.limit < limit
+    assert rt.phases.step == step + 3 and rt.plan_driver.budget.limit < limit
 
 
 def test_a_backward_that_raised_before_its_first_block_is_found_by_the_next_forward(monkeypatch):
@@ -360,12 +360,12 @@ def test_a_backward_that_raised_before_its_first_block_is_found_by_the_next_forw
     _fail_the_losss_backward(compiled, x, ooms)
     with pytest.raises(stagehand.BackwardIncompleteError, match="after the forward"):
         optimizer.step()
-    limit, step = rt.planner.budget.limit, rt.phases.step
+    limit, step = rt.plan_driver.budget.limit, rt.phases.step
     with pytest.warns(OutOfMemoryWarning, match="the last backward .* must be run again"):
         losses = _train(compiled, optimizer, x, 2)
     assert losses == ref_losses
     _same(_params(model), ref_params)
-    assert rt.planner.budget.limit < limit
+    assert rt.plan_driver.budget.limit < limit
     assert rt.phases.step == step + 3  # the failed step ended when the next forward began
 
 
@@ -376,12 +376,12 @@ def test_a_loop_that_skips_the_optimizer_after_the_losss_backward_raised_is_foun
     rt, model, compiled, optimizer, x = _offloaded()
     ooms = _allocator_count(monkeypatch)
     _fail_the_losss_backward(compiled, x, ooms)
-    step, limit = rt.phases.step, rt.planner.budget.limit
+    step, limit = rt.phases.step, rt.plan_driver.budget.limit
     with pytest.warns(OutOfMemoryWarning, match="the last backward .* must be run again"):
         losses = _train(compiled, optimizer, x, 2)
     assert losses == ref_losses
     _same(_params(model), ref_params)
-    assert rt.phases.step == step + 3 and rt.planner.budget.limit < limit
+    assert rt.phases.step == step + 3 and rt.plan_driver.budget.limit < limit
 
 
 def test_two_forwards_in_one_step_stay_one_step():

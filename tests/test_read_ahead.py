@@ -1,4 +1,4 @@
-"""Reads moved ahead of a slab's: the compiler's module files before the first read (compiler/read_ahead.py),
+"""Reads moved ahead of a slab's: the compiler's module files before the first read (compiler/startup/read_ahead.py),
 a meta model's resident tensors from its checkpoint beside the reads (WeightsFile.read_ahead). What each reads,
 that offload waits for the first before any slab read and reads the second's exact tensors, and that the
 folders it reads hold what the compiler's preparation imports."""
@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 import torch_stagehand as stagehand
 from torch_stagehand import api
-from torch_stagehand.compiler import read_ahead as ahead
+from torch_stagehand.compiler.startup import read_ahead as ahead
 from torch_stagehand.runtime.host import weights_file
 from torch_stagehand.runtime.slab.reader import SlabReader
 from torch_stagehand.runtime.telemetry.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD
@@ -83,7 +83,7 @@ def test_the_thread_reads_the_same_and_says_so_once_joined(tmp_path):
 _COVERAGE = """
 import os, sys, torch_stagehand
 before = set(sys.modules)
-from torch_stagehand.compiler.read_ahead import compiler_roots, files_ahead
+from torch_stagehand.compiler.startup.read_ahead import compiler_roots, files_ahead
 packages, bytecode = compiler_roots()
 ahead = {os.path.realpath(f) for f in files_ahead(packages, bytecode)}
 import torch._inductor.codecache as codecache
@@ -245,8 +245,8 @@ def test_offload_from_a_slab_waits_for_the_files_then_reads_the_resident_tensors
 
 
 def test_the_preparation_reads_its_files_ahead_and_times_its_parts(monkeypatch):
-    from torch_stagehand.compiler import preparation as module
-    from torch_stagehand.compiler.preparation import CompilerPreparation
+    from torch_stagehand.compiler.startup import preparation as module
+    from torch_stagehand.compiler.startup.preparation import CompilerPreparation
 
     model, _ = toy(n=2)
     monkeypatch.setattr(module, "_compiler_imported", lambda: False)  # (another test may have compiled here)
@@ -261,7 +261,7 @@ def test_the_preparation_reads_its_files_ahead_and_times_its_parts(monkeypatch):
 
 def test_a_process_that_imported_the_compiler_reads_nothing_ahead(monkeypatch):
     """A second offload: the compiler is imported and its workers' start hashed torch's sources already."""
-    from torch_stagehand.compiler import preparation as module
+    from torch_stagehand.compiler.startup import preparation as module
 
     model, _ = toy(n=2)
     monkeypatch.setattr(module, "_compiler_imported", lambda: True)
@@ -276,7 +276,7 @@ def test_a_process_that_imported_the_compiler_reads_nothing_ahead(monkeypatch):
 def test_cuda_offload_of_a_meta_model_from_its_files_reads_ahead_and_computes_the_same(tmp_path, monkeypatch):
     """On CUDA the real preparation runs: its files read before the slab's first read, the compile workers
     started and the compiler imported beside the reads, the resident tensors' pages read after them."""
-    from torch_stagehand.compiler import preparation
+    from torch_stagehand.compiler.startup import preparation
 
     model, x, path, manifest = checkpoint_and_slab(tmp_path)
     reference = copy.deepcopy(model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torch_stagehand.config import Config, ConfigError
-from torch_stagehand.config import PrecisionConfig
+from torch_stagehand.runtime.config import PrecisionConfig
 from torch_stagehand.runtime.selective.grad_stats import BlockGradStats
 from torch_stagehand.runtime.selective.policy import SelectivePolicy
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import torch_stagehand as stagehand
-from torch_stagehand.config import Config, ConfigError
+from torch_stagehand.runtime.config import Config, ConfigError
 from torch_stagehand.runtime.precision import layer_views
 from torch_stagehand.runtime.slab import SlabChecksumError, SlabError, SlabReader, SlabValueError, build_slab_from_module
 from torch_stagehand.runtime.slab import loading, read_process

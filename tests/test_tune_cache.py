@@ -9,7 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from torch_stagehand.kernels import tune, tune_cache  # noqa: E402
+from torch_stagehand.kernels.tuning import autotune as tune  # noqa: E402
+
+from torch_stagehand.kernels.tuning import cache as tune_cache
 
 
 def test_configs_round_trip_through_the_file(tmp_path):

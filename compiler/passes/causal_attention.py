@@ -21,7 +21,7 @@ A mask is rewritten only when all of these hold:
    `mask = base[:, None]` put the batch's padding into a mask whose
    construction shows only the triangle.
 3. Its construction is the causal triangle over (L, L) for every length
-   (`compiler/mask_proof.py`: aranges, comparisons, tril / triu, ones / full,
+   (`compiler/passes/mask_proof.py`: aranges, comparisons, tril / triu, ones / full,
    broadcasting and indexing as closed forms of the indices). Where the
    construction uses an op that proof does not model and every size is
    static, the mask is evaluated once instead (its value is then fixed).
@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from torch_stagehand.compiler.context import CompileContext, compiler_pass
 from torch_stagehand.compiler.graph_nodes import example_value, has_static_shape
-from torch_stagehand.compiler.mask_proof import prove_causal, size_key
+from torch_stagehand.compiler.passes.mask_proof import prove_causal, size_key
 from torch_stagehand.compiler.mutation import MutationIndex
 
 _MASK_ARG, _CAUSAL_ARG = 3, 5  # positions in scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)

@@ -91,7 +91,7 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
             tapped += trains
             out = gm.graph.call_function(torch.ops.aten.add.Tensor, (tap, bias)) if bias_add else tap
         # Every node standing for the linear's output carries its metadata (example_value too: the compile
-        # caches refuse a method call on a node without one, compiler/compile_cache.py).
+        # caches refuse a method call on a node without one, compiler/startup/compile_cache.py).
         for made in dict.fromkeys((new, tap, out)):
             made.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["stagehand_precision"] = precision

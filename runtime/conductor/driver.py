@@ -28,18 +28,57 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
-from torch_stagehand.runtime.device.allocator import allocated_bytes, reserve
 from torch_stagehand.runtime.conductor import cost_cache
-from torch_stagehand.runtime.conductor.conductor import Conductor
 from torch_stagehand.runtime.conductor.calibrate import FORWARD, BlockClocks, Calibration
+from torch_stagehand.runtime.conductor.conductor import Conductor
 from torch_stagehand.runtime.conductor.costs import Budget, BudgetError, CostModel, budget_from
 from torch_stagehand.runtime.conductor.planner import Plan, build_plan, make_plan
-from torch_stagehand.runtime.conductor.prefetch import prefetch_ahead
+from torch_stagehand.runtime.device.allocator import allocated_bytes, allocator_ooms, reserve
 from torch_stagehand.runtime.device.slots import SlotPool
 from torch_stagehand.runtime.device.spill import ActivationSpill
+from torch_stagehand.runtime.registry import NO_BLOCK
+
+
+# ---- the plan's prefetch: the next block and up to the plan's lookahead of streamed blocks after it
+
+def prefetch_ahead(driver, block: int) -> None:
+    """`driver` (a PlanDriver) fetches `block` and the streamed blocks its plan looks ahead to."""
+    rt, plan = driver.rt, driver.plan
+    if block == NO_BLOCK:
+        return
+    if plan is None or plan.kind == "fixed":
+        rt.pool.prefetch(block, rt._precision[block])
+        return
+    backward = torch._C._current_graph_task_id() != -1
+    resident = rt.pool.resident_slots
+    wanted, b, steps = [], block, 0
+    while b != NO_BLOCK and len(wanted) < plan.lookahead and steps < len(rt.blocks):
+        if b not in resident:
+            wanted.append(b)
+        b = rt.fetch_order.eager_next(b, backward)
+        steps += 1
+    for depth, b in enumerate(wanted):
+        precision = rt._precision[b]
+        if not driver._admit or rt.pool.cached(b, precision):
+            rt.pool.prefetch(b, precision)  # a hit moves nothing: no token needed
+            continue
+        if driver.conductor.admit_prefetch(b, depth) is not None:
+            continue  # denied (counted with its reason): the block's wait fetches it later
+        try:
+            issued = rt.pool.prefetch(b, precision).issued
+        except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
+            driver.conductor.allocation_failed(b, e)
+            rt.oom.note_handled()
+            return
+        if not issued:
+            driver.conductor.copy_not_issued(b)
+
+
+# ---- the plan driver: the planner's decisions applied to the slot pool and the prefetches
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +97,9 @@ class PlanDriver:
     def __init__(self, rt, budget: Budget, cost_model: CostModel | None = None):
         self.rt = rt
         self.budget = budget
+        # Told, after each plan application, how many allocations the device refused during it (the driver
+        # handled those itself: it shrank the budget or raised); OOM recovery counts them as accounted for.
+        self.on_refusals: list[Callable[[int], None]] = []
         self.planning = budget.limit is not None
         if cost_model is None:
             cost_model = CostModel()  # H2D bandwidth measured when a plan is first made for a budget
@@ -142,6 +184,17 @@ class PlanDriver:
         return make_plan(costs, precision, budget, model)
 
     def apply(self, reason: str, plan: Plan | None = None, resumed: bool = False, reserve_peak: bool = True) -> Plan:
+        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns (`_apply`
+        says how); the device's refused allocations during it go to the `on_refusals` listeners."""
+        before = allocator_ooms(self.rt.device)
+        try:
+            return self._apply(reason, plan, resumed, reserve_peak)
+        finally:
+            refused = allocator_ooms(self.rt.device) - before
+            for listener in self.on_refusals:
+                listener(refused)
+
+    def _apply(self, reason: str, plan: Plan | None, resumed: bool, reserve_peak: bool) -> Plan:
         """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns.
 
         A made plan that does not fit on the device when applied (the budget promised more
@@ -397,4 +450,3 @@ class PlanDriver:
             torch.cuda.empty_cache()
         self.reserve_for_plan()
         self.kept.keep(self.cost_model, self._decisions())
-

@@ -101,16 +101,11 @@ class OomRecovery:
         # Before every other listener: a refused optimizer phase must not start anything (the host lanes).
         rt.phases.listeners.insert(0, self._before_optimizer)
         rt.phases.new_forward_checks.append(self._new_forward)
-        apply = rt.planner.apply
+        rt.plan_driver.on_refusals.append(self._handled_by_the_driver)
 
-        def apply_and_account(reason: str, plan=None, resumed: bool = False, reserve_peak: bool = True):
-            before = allocator_ooms(rt.device)
-            try:  # the driver's own refused tries are handled by it (it shrinks the budget or raises): only those
-                return apply(reason, plan, resumed, reserve_peak)
-            finally:
-                self._ooms_seen += allocator_ooms(rt.device) - before
-
-        rt.planner.apply = apply_and_account
+    def _handled_by_the_driver(self, refused: int) -> None:
+        """Allocations the device refused while a plan was applied: the driver shrank its budget or raised."""
+        self._ooms_seen += refused
 
     def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
         """`where` (a unit) raised `error`, out of memory, at its boundary. Re-plan; True: run it again."""
@@ -258,7 +253,7 @@ class OomRecovery:
     def _replan(self, reason: str, without_fragments: bool = False) -> tuple[str, str]:
         """Make and apply the plan for the room left (`without_fragments`: less the reserved bytes no tensor uses
         that the cache could not hand back); return the budgets before and after."""
-        driver = self.rt.planner
+        driver = self.rt.plan_driver
         old_budget, old_planning, plan = driver.budget, driver.planning, driver.plan
         if self.rt.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the cache back: the retry may find the memory in one piece
@@ -290,7 +285,7 @@ class OomRecovery:
         """Between steps, while a recovery keeps the budget below the user's: when the room grew (the other job
         left, the memory fraction went back up), plan for the larger room, up to the user's budget; at it, the
         user's budget is back and regrowing stops. A plan that does not fit leaves the budget as it was."""
-        driver, (user, user_planning) = self.rt.planner, self._user_budget
+        driver, (user, user_planning) = self.rt.plan_driver, self._user_budget
         if driver.budget is not self._ours:  # the user re-planned since (rt.replan): theirs stands
             self._user_budget = None
             return

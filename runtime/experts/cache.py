@@ -160,14 +160,14 @@ class ExpertCache:
         if isinstance(self.capacity_bytes, int):
             return self.capacity_bytes
         rt = self.rt  # "auto" (nothing where no budget or no CUDA)
-        limit = rt.planner.budget.limit if rt.planner.planning else None
+        limit = rt.plan_driver.budget.limit if rt.plan_driver.planning else None
         if limit is None or rt.device.type != "cuda":
             return 0
         # What the plan itself may take (its predicted peak), or the most this process has held if more: a long
         # prompt still streams whole blocks through the slots, and they come back after the routed reads began
         # (sized from the memory held at that moment, a cache took 9.9 GiB of an 8 GiB budget at full size).
         # The dense stacks the model reads (a buffer per place in a block, eager_path.py) come next.
-        plan = rt.planner.plan
+        plan = rt.plan_driver.plan
         held = max(plan.predicted_peak_bytes if plan is not None else 0, torch.cuda.max_memory_reserved(rt.device))
         dense = sum(rt.layers[i].weight.numel() * rt.layers[i].weight.element_size() for i in self.stacks(block))
         return max(0, int((limit - held - dense) * 0.8))
@@ -201,7 +201,7 @@ class ExpertCache:
             return False
         missing = [e for e in picked if (block, e) not in pool.where]
         per_expert = sum(v[0].nbytes for stack in views for v in stack)
-        bps = rt.planner.cost_model.h2d_bps
+        bps = rt.plan_driver.cost_model.h2d_bps
         routed = len(missing) * (per_expert / bps + sum(len(s) for s in views) * COPY_SECONDS)
         return routed < rt.block_nbytes(block, rt._precision[block]) / bps
 

@@ -33,7 +33,7 @@ from torch_stagehand.runtime.precision.layout import LayerLayout
 
 
 # The Python functions rewrite_linear puts in a variant graph (each calls TracedLinear with its math): the
-# compile caches must be told they are safe to key by name (compiler/compile_cache.py).
+# compile caches must be told they are safe to key by name (compiler/startup/compile_cache.py).
 IN_GRAPH_FUNCTIONS: list[Callable] = []
 
 

@@ -40,7 +40,7 @@ def check_force_lists(cfg, n_blocks: int) -> None:
     if bad:
         # A config that does not fit the model (a ValueError still; the CLI reports ConfigError in one line).
         # Imported here: the engine itself stays free of torch.
-        from torch_stagehand.config import ConfigError
+        from torch_stagehand.runtime.config import ConfigError
 
         raise ConfigError(f"selective_precision.force_*_blocks: block {bad[0]} does not exist "
                          f"(the model has blocks 0..{n_blocks - 1})")

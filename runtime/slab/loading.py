@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 
 from torch_stagehand.runtime.beside import run_beside
-from torch_stagehand.config import ConfigError
+from torch_stagehand.runtime.config import ConfigError
 from torch_stagehand.runtime.host.setup import resident_file_names
 from torch_stagehand.runtime.precision import INT8, layer_views
 from torch_stagehand.runtime.telemetry.stage_clock import COMPILER_PREPARATION, FILES_READ_AHEAD, StageClock

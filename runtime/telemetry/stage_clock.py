@@ -12,7 +12,7 @@ import time
 # What offload's calling thread does beside the host store's fill (the slab's reads or the weights' copies), as
 # `beside` records it: the bench and the report read it by this name.
 COMPILER_PREPARATION = "compiler imports and source index"
-# Its files read before a slab's reads begin (compiler/read_ahead.py): on a thread of its own, beside the stages
+# Its files read before a slab's reads begin (compiler/startup/read_ahead.py): on a thread of its own, beside the stages
 # before the reads; the stage of this name (and " (the wait)") is what the reads waited for it.
 FILES_READ_AHEAD = "compiler's files read ahead"
 

@@ -37,7 +37,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "compiled_variants": rt.block_variant_count,
         "compiled_units": rt.compile_count,
         "units_first_run": rt.units_first_run,
-        "units_loaded": rt.units_loaded,  # of those, loaded from the compile caches (compiler/compile_cache.py)
+        "units_loaded": rt.units_loaded,  # of those, loaded from the compile caches (compiler/startup/compile_cache.py)
         "units_compiled_cold": rt.compile_count - rt.units_loaded,
         "compile_seconds": round(rt.compile_seconds, 3),
         "autotune_seconds": round(kernels.tuning_seconds(), 3),  # process-wide (W8A16 tuning)
@@ -49,16 +49,16 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "routed_reads": {"direct_reads": rt.eager.direct_reads, "whole_stacks": rt.eager.whole_stacks,
                          "expert_cache": rt.eager.cache.stats()},
         "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
-        **plan_stats(rt.planner.plan, rt.pool), **spill_stats(rt.planner.spill),
-        "plan_corrections": rt.planner.shrinks + rt.planner.peak_corrections,  # budgets shrunk, peaks learned
-        "plan_reservations": list(rt.planner.reservations),  # memory held ahead for a made plan's peak, and its s
-        "calibration_remeasured": list(rt.planner.remeasured),  # steps with one-time unit work: measured again
-        "host_refinements": rt.planner.host_refinements,  # host issue times later plans' steps lowered
-        "compute_refinements": rt.planner.compute_refinements,  # GPU times per block they lowered
+        **plan_stats(rt.plan_driver.plan, rt.pool), **spill_stats(rt.plan_driver.spill),
+        "plan_corrections": rt.plan_driver.shrinks + rt.plan_driver.peak_corrections,  # budgets shrunk, peaks learned
+        "plan_reservations": list(rt.plan_driver.reservations),  # memory held ahead for a made plan's peak, and its s
+        "calibration_remeasured": list(rt.plan_driver.remeasured),  # steps with one-time unit work: measured again
+        "host_refinements": rt.plan_driver.host_refinements,  # host issue times later plans' steps lowered
+        "compute_refinements": rt.plan_driver.compute_refinements,  # GPU times per block they lowered
         "oom_recoveries": list(rt.oom.records),  # out of memory in a step: where, budgets, plan (conductor/oom_recovery.py)
         "gc_freezes": list(rt.collector.freezes),  # after compiling: objects frozen, ms (collector.py)
         "allocator": rt.allocator,  # what offload did to the CUDA allocator (device/allocator.py)
-        "cost_model_cache": rt.planner.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
+        "cost_model_cache": rt.plan_driver.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
         "offload": rt.offload_summary,
         # a slab's rows read behind offload (read_process.RowsBehind): their seconds, the fetches' wait for them
         "slab_rows_behind": None if rt.store.rows_behind is None else rt.store.rows_behind.summary(),

@@ -73,8 +73,8 @@ from collections import defaultdict
 import torch
 
 from torch_stagehand.runtime import registry
-from torch_stagehand.runtime.train.delayed_lane import DelayedStep
-from torch_stagehand.runtime.train.device_lane import CHOOSE_AFTER_STEPS, DeviceUpdate
+from torch_stagehand.runtime.train.delayed import DelayedStep
+from torch_stagehand.runtime.train.device import CHOOSE_AFTER_STEPS, DeviceUpdate
 from torch_stagehand.runtime.train.delayed import DelayedUpdate
 from torch_stagehand.runtime.train.device import DeviceAdamW
 from torch_stagehand.runtime.telemetry.events import progress
@@ -205,7 +205,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         device = rt.device if rt is not None else next((p.device for p in self._resident), torch.device("cpu"))
         if requested != "auto" or device.type != "cuda":
             return list(self._resident) if requested == "host" else []
-        budget = rt.planner.budget.soft or rt.planner.budget.hard if rt is not None else None
+        budget = rt.plan_driver.budget.soft or rt.plan_driver.budget.hard if rt is not None else None
         if budget is None:
             room = torch.cuda.mem_get_info(device)[0]
         else:

@@ -2,7 +2,7 @@
 
 On CUDA: start Inductor's compile workers, import the compiler, index the model's sources for Dynamo
 (compiler/inner.py), beside the slab's reads or the weights' copies: a warm start's first step spent ~1 s of
-it otherwise. Before a slab's reads, the files this work opens are read ahead (compiler/read_ahead.py): beside
+it otherwise. Before a slab's reads, the files this work opens are read ahead (compiler/startup/read_ahead.py): beside
 the reads each would wait for a disk busy with the slab.
 """
 
@@ -14,7 +14,7 @@ import time
 import torch
 
 from torch_stagehand.compiler.inner import dynamo_source_files, prewarm_compiler_imports, warm_compile_workers
-from torch_stagehand.compiler.read_ahead import ReadAhead, ReadAheadStats, compiler_roots
+from torch_stagehand.compiler.startup.read_ahead import ReadAhead, ReadAheadStats, compiler_roots
 
 
 class CompilerPreparation:

@@ -7,7 +7,7 @@ reduction) and whether the sizes divide by 16; not on the token count (M and T a
 sizes themselves. So the candidates can be compiled from the layers' shapes, before any token count is known:
 per INT8 streamed Linear and per token regime the fused kernels serve (`REGIME_ROWS`), every candidate of the
 forward and of the grad-input, compiled only (`Executor(compile_only=True)`), on meta tensors of the call's
-shapes. The ahead-compile workers do it as they start, while offload works (ahead_worker.py), into Triton's
+shapes. The ahead-compile workers do it as they start, while offload works (compiler/startup/ahead_worker.py), into Triton's
 cache, where the step's tuner reads them back; with each kernel's launcher, which Triton builds with the C
 compiler at a kernel's first load.
 """
@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from torch_stagehand.kernels import tune
+from torch_stagehand.kernels.tuning import autotune as tune
 from torch_stagehand.kernels.launch import _k_split, _launch_bwd, _launch_fwd, _rows
 from torch_stagehand.kernels.launch_memo import Executor
 

@@ -4,7 +4,7 @@ A cold first step compiles its units one after another, as it reaches them, and 
 (Flux LoRA: one training variant per block structure, 10-12 s each). A recomputed block's forward does not need
 its variant compiled: it runs under no_grad, and its backward runs the training variant again. So when such a
 forward meets a variant not compiled yet, the unit (units.BlockUnit._compile_ahead) hands the variant to a
-worker process (ahead_worker.py) and runs the variant graph eagerly: the forward goes on to the next structure,
+worker process (compiler/startup/ahead_worker.py) and runs the variant graph eagerly: the forward goes on to the next structure,
 whose variant goes to the next worker, while the first compiles. A worker compiles into torch's own caches
 (AOTAutograd's, Inductor's FX graph cache, Triton's): when the backward's recompute reaches the variant, the main
 process compiles it as always and loads it from the cache instead. The first step's forward then computes with
@@ -23,7 +23,7 @@ Inductor re-tunes at load, ahead_worker.load_only_rescalable_reductions) and sto
 block's inference variant, which only the next step's forward needs, is held back until the step first waits for
 a job (its backward): a free worker then takes the training variants first.
 
-A worker compiles under the main process's attention backends and matmul switches (process_settings.py:
+A worker compiles under the main process's attention backends and matmul switches (compiler/startup/process_settings.py:
 no cache key holds them; with torch's defaults a worker traced Flux's attention to the cuDNN backend offload()
 turns off, and the step faulted), and both sides key units the same whatever order they imported modules in
 (compile_cache.import_order_free_keys). How many: the backend option `ahead_workers`, else
@@ -32,7 +32,7 @@ H100 took 31.4-33.6 s against 47.6 s serial, in benches/results/start_time_ahead
 context outside the VRAM budget). Each worker's Triton compile pool gets its share of the cores. Each job keeps its timeline
 (submitted, started, done, asked for) and its worker's seconds per phase of torch's compile (`stats["jobs"]`); the
 step's wait for a running job first does the work the step put off for it (`take`'s `while_waiting`: the W8A16
-tuning its eager forward deferred, kernels/tune_deferral.py). No workers in a run that finds the
+tuning its eager forward deferred, kernels/tuning/deferral.py). No workers in a run that finds the
 model's compile bundle (a run before compiled it: the variants load from the caches).
 """
 
@@ -50,8 +50,8 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from torch_stagehand.compiler import process_settings
-from torch_stagehand.compiler.ahead_wire import receive, send
+from torch_stagehand.compiler.startup import process_settings
+from torch_stagehand.compiler.startup.ahead_wire import receive, send
 from torch_stagehand.environment import child_environment, env
 
 log = logging.getLogger("torch_stagehand.compiler")
@@ -76,7 +76,7 @@ class AheadJob:
     # in-graph functions registered), and this is part of every key.
     cacheable: dict[str, str] = field(default_factory=dict)
     # The main process's attention backends and matmul switches when it handed the job over
-    # (process_settings.py: what the variant traces to depends on them, and no cache key holds them).
+    # (compiler/startup/process_settings.py: what the variant traces to depends on them, and no cache key holds them).
     settings: dict[str, Any] = field(default_factory=process_settings.current)
 
 
@@ -114,7 +114,7 @@ class _Worker:
             threads = min(threads, env("TORCHINDUCTOR_COMPILE_THREADS"))
         child = child_environment(PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                                   TORCHINDUCTOR_COMPILE_THREADS=str(threads))
-        self.process = subprocess.Popen([sys.executable, "-m", "torch_stagehand.compiler.ahead_worker"],
+        self.process = subprocess.Popen([sys.executable, "-m", "torch_stagehand.compiler.startup.ahead_worker"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=None if _debug() else subprocess.DEVNULL, env=child)
         send(self.process.stdin, dict(pool.configs, w8a16=w8a16))
@@ -189,7 +189,7 @@ class AheadCompiler:
         # where a cold step would compile them (not on threads of this process: they would share its GIL with
         # offload). The first worker compiles the kernel the step's eager forward runs for the keys it defers
         # (kernels/tune.provisional_config, 0.4-0.7 s), and each of the first `workers` its share of the INT8 Linears'
-        # tuning candidates (kernels/ahead_tuning.py: 5.1-5.7 s of a cold Flux step otherwise).
+        # tuning candidates (kernels/tuning/ahead.py: 5.1-5.7 s of a cold Flux step otherwise).
         self.w8a16 = w8a16
         self.idle_s = idle_s  # a worker without a job this long ends
         self.wait_s = wait_s  # the longest the main process waits for a job a worker is on

@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 
 from torch_stagehand.compiler.graph_nodes import example_value
-from torch_stagehand.compiler.mask_algebra import (FALSE, TRUE, Affine, Conj, Select, Unknown, Value, _and, _atom, _coefs, _constant, _is_one,
+from torch_stagehand.compiler.passes.mask_algebra import (FALSE, TRUE, Affine, Conj, Select, Unknown, Value, _and, _atom, _coefs, _constant, _is_one,
                            _not, allowed_positions, const_value, is_causal_triangle, shifted, size_key, substitute)
-from torch_stagehand.compiler.mask_layout import LAYOUT_HANDLERS, node_arg
+from torch_stagehand.compiler.passes.mask_layout import LAYOUT_HANDLERS, node_arg
 
 # ---- the interpreter --------------------------------------------------------------------------------
 

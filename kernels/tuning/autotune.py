@@ -16,11 +16,11 @@ or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
    weights do.
 
 Under `tune_deferral.deferred()` a key that would be tuned runs `provisional_config` (dequantize + cuBLAS), and is tuned
-later (tune_deferral.py: a cold step's eager forward while a worker compiles).
+later (kernels/tuning/deferral.py: a cold step's eager forward while a worker compiles).
 
 STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried, rejected and chosen is kept in
-`tuning_log()`, and each choice is written to an on-disk cache (tune_cache.py) that the next process reads back
-(checked once, never timed again). A cold step's candidates are compiled ahead, in workers (ahead_tuning.py).
+`tuning_log()`, and each choice is written to an on-disk cache (kernels/tuning/cache.py) that the next process reads back
+(checked once, never timed again). A cold step's candidates are compiled ahead, in workers (kernels/tuning/ahead.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from typing import Callable
 import torch
 import triton
 
-from torch_stagehand.kernels import tune_cache, tune_deferral as deferral
+from torch_stagehand.kernels.tuning import cache as tune_cache
+
+from torch_stagehand.kernels.tuning import deferral
 from torch_stagehand.environment import env
 
 

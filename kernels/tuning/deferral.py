@@ -1,8 +1,8 @@
 """W8A16 tuning put off, and done while the step waits for something else.
 
-A cold first step with ahead-compile workers (compiler/ahead.py) runs each block structure's first forward
+A cold first step with ahead-compile workers (compiler/startup/ahead.py) runs each block structure's first forward
 eagerly while a worker compiles it, and hands the next structure to a worker when the forward reaches it. A
-W8A16 key met in that forward would be tuned there (tune.py: a second or more per key), holding the forward, and
+W8A16 key met in that forward would be tuned there (kernels/tuning/autotune.py: a second or more per key), holding the forward, and
 with it the next structure's job: full-size Flux int8's double blocks' four keys, 4-5 s, stood between the two
 structures' jobs. Under `deferred()` such a key runs `tune.provisional_config` (right, not the fastest; its launch
 is not kept for replay) and is queued with a call that tunes it on stand-in tensors of the same shapes. The

@@ -2,7 +2,7 @@
 
 AOTAutograd picks an attention backend while it traces `scaled_dot_product_attention` (flash, memory-efficient,
 cuDNN or the math decomposition, as `torch.backends.cuda` allows), and neither its cache key nor Inductor's
-records which were allowed. An ahead-compile worker (ahead_worker.py) is a fresh process: with torch's defaults
+records which were allowed. An ahead-compile worker (compiler/startup/ahead_worker.py) is a fresh process: with torch's defaults
 it traced Flux's attention to cuDNN's, which `offload()` turns off in the main process (attention_guard.py: its
 backward faults at Flux's shape), wrote the variant under the key the main process asks for, and the main
 process's backward then faulted (illegal memory access, full-size Flux int8 on an H100). So every job carries

@@ -1,4 +1,4 @@
-"""The values a causal-mask proof computes with (compiler/mask_proof.py): closed forms of a tensor's elements.
+"""The values a causal-mask proof computes with (compiler/passes/mask_proof.py): closed forms of a tensor's elements.
 
 - `Affine`: an integer tensor whose element at index (i0, i1, ...) is `const + sum(coef[a] * i_a)`.
 - `Conj`: a boolean tensor that is the AND of atoms `const + sum(coef[a] * i_a) <= 0`.

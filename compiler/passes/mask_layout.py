@@ -1,6 +1,6 @@
-"""The layout ops of a mask's construction, for the proof (compiler/mask_proof.py): indexing, views, broadcasting.
+"""The layout ops of a mask's construction, for the proof (compiler/passes/mask_proof.py): indexing, views, broadcasting.
 
-Each handler takes the interpreter and the node and returns the node's value (mask_algebra.py) in the node's own
+Each handler takes the interpreter and the node and returns the node's value (compiler/passes/mask_algebra.py) in the node's own
 axes: a substitution of the source's axes by the result's, never a change of the values themselves.
 """
 
@@ -11,11 +11,11 @@ from typing import Any, Callable, Protocol
 import torch.fx as fx
 
 from torch_stagehand.compiler.graph_nodes import example_value
-from torch_stagehand.compiler.mask_algebra import Affine, Subst, Unknown, Value, _is_one, size_key, substitute
+from torch_stagehand.compiler.passes.mask_algebra import Affine, Subst, Unknown, Value, _is_one, size_key, substitute
 
 
 class MaskInterpreter(Protocol):
-    """What a layout handler reads of the interpreter (mask_proof.py): the values known so far, per node."""
+    """What a layout handler reads of the interpreter (compiler/passes/mask_proof.py): the values known so far, per node."""
 
     known: dict[fx.Node, Any]  # node -> its value and fake tensor
 

@@ -1,12 +1,12 @@
 """A worker process of `ahead.AheadCompiler`: compiles unit variants into torch's caches, from their graph and a
 description of their inputs, and says how it went.
 
-Run as `python -m torch_stagehand.compiler.ahead_worker`. It reads jobs from stdin and answers on the stdout it
+Run as `python -m torch_stagehand.compiler.startup.ahead_worker`. It reads jobs from stdin and answers on the stdout it
 was started with (length-prefixed pickles, `ahead_wire.send` / `ahead_wire.receive`); anything else that writes
-to stdout (a library's print) goes to stderr instead. A job: `AheadJob` (ahead.py). It compiles with the same
+to stdout (a library's print) goes to stderr instead. A job: `AheadJob` (compiler/startup/ahead.py). It compiles with the same
 `inner.compile_unit` as the main process, from fake inputs with the job's exact sizes, strides, storage offsets,
 dtypes, devices and grad flags, under the main process's Inductor and AOTAutograd config and its attention
-backends (process_settings.py): the same cache keys and the same graph, so when the step reaches the variant the
+backends (compiler/startup/process_settings.py): the same cache keys and the same graph, so when the step reaches the variant the
 main process loads what this wrote. It allocates no device tensor (fake tensors) and loads no kernel but the
 reductions Inductor re-tunes at their load (`load_only_rescalable_reductions`); it reads nothing of the runtime
 (the variant passes ran in the main process; the joint passes read only the graph).
@@ -56,7 +56,11 @@ def compile_job(job) -> dict:
     import torch
     from torch.fx._graph_pickler import GraphPickler
 
-    from torch_stagehand.compiler import compile_cache, inner, process_settings
+    from torch_stagehand.compiler import inner
+
+    from torch_stagehand.compiler.startup import compile_cache
+
+    from torch_stagehand.compiler.startup import process_settings
     from torch_stagehand.compiler.inner import compile_unit
 
     from torch._dynamo.utils import compilation_time_metrics
@@ -193,7 +197,7 @@ def compile_w8a16(wanted: dict | None, jobs) -> dict:
     """`wanted` (AheadCompiler's `w8a16` share): compile into Triton's cache the W8A16 kernels a cold step would
     compile itself: the kernel its eager forward runs for the keys it defers (`provisional`:
     kernels/launch.compile_provisional), and this worker's share of the INT8 Linears' tuning candidates
-    (kernels/ahead_tuning.py), until a job arrives on `jobs` (the rest the step's tuner compiles). Only a head
+    (kernels/tuning/ahead.py), until a job arrives on `jobs` (the rest the step's tuner compiles). Only a head
     start: a failure is printed on this worker's stderr and the worker goes on. Returns what it compiled."""
     if not wanted:
         return {}
@@ -201,7 +205,9 @@ def compile_w8a16(wanted: dict | None, jobs) -> dict:
 
     import torch
 
-    from torch_stagehand.kernels import ahead_tuning, tune
+    from torch_stagehand.kernels.tuning import ahead as ahead_tuning
+
+    from torch_stagehand.kernels.tuning import autotune as tune
     from torch_stagehand.kernels.launch import compile_provisional
 
     done: dict = {}
@@ -243,7 +249,8 @@ def profiled(compile_fn, job, directory: str) -> dict:
 
 
 def main() -> None:
-    from torch_stagehand.compiler import ahead, ahead_wire
+    from torch_stagehand.compiler.startup import ahead
+    from torch_stagehand.compiler.startup import ahead_wire
 
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
