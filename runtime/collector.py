@@ -33,7 +33,7 @@ import atexit
 import gc
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from torch_stagehand.runtime.conductor.phases import Phase
 
@@ -41,18 +41,19 @@ log = logging.getLogger(__name__)
 
 
 class CollectorFreeze:
-    def __init__(self, rt: Any):
-        self.rt = rt
+    def __init__(self, enabled: bool, phases, compiled: Callable[[], int]):
+        """`enabled`: Config.freeze_gc_after_compile; `phases`: the tracker whose step ends it listens to;
+        `compiled()`: how many units have compiled so far (a step that compiled ends with a freeze)."""
+        self.enabled, self.phases, self.compiled = enabled, phases, compiled
         self.freezes: list[dict[str, Any]] = []  # one per freeze: step, objects frozen, ms of the collection
-        self._compiled_at_freeze = 0  # rt.compile_count at the last freeze
+        self._compiled_at_freeze = 0  # compiled() at the last freeze
         self._closed = False
-        if rt.config.freeze_gc_after_compile:
-            rt.phases.listeners.append(self.on_phase)
-            rt._hooks.append(self)  # close() calls remove(): the frozen objects become collectable again
+        if enabled:
+            phases.listeners.append(self.on_phase)
 
     def freeze_before_compile(self) -> None:
         """At offload's end (module docstring): freeze what exists, after a collection of the young generations."""
-        if self._closed or not self.rt.config.freeze_gc_after_compile:
+        if self._closed or not self.enabled:
             return
         t0 = time.perf_counter()
         gc.collect(1)
@@ -61,13 +62,13 @@ class CollectorFreeze:
                              "collect_ms": round((time.perf_counter() - t0) * 1e3, 1)})
 
     def on_phase(self, old: Phase, new: Phase) -> None:
-        if self._closed or new is not Phase.STEP_END or self.rt.compile_count == self._compiled_at_freeze:
+        if self._closed or new is not Phase.STEP_END or self.compiled() == self._compiled_at_freeze:
             return  # (close() ends an open step after removing its hooks: nothing is frozen then)
-        self._compiled_at_freeze = self.rt.compile_count
+        self._compiled_at_freeze = self.compiled()
         t0 = time.perf_counter()
         gc.collect()  # this step's garbage (the compile's) goes first: frozen garbage would stay
         _freeze()
-        record = {"at": "step", "step": self.rt.phases.step, "frozen_objects": gc.get_freeze_count(),
+        record = {"at": "step", "step": self.phases.step, "frozen_objects": gc.get_freeze_count(),
                   "collect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
         self.freezes.append(record)
         log.info("stagehand: after compiling, %d objects moved out of the collector's walks (%.0f ms)",

@@ -21,6 +21,7 @@ from torch_stagehand.runtime.config import Config
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime import registry
 from torch_stagehand.runtime.blocks import StreamedLayerSpec, layer_slots
+from torch_stagehand.runtime.conductor.cost_cache import KeptCostModel, job_key
 from torch_stagehand.runtime.conductor.fetch_order import FetchOrder
 from torch_stagehand.runtime.conductor.costs import CostModel, budget_from
 from torch_stagehand.runtime.conductor.phases import PhaseTracker
@@ -31,7 +32,11 @@ from torch_stagehand.runtime.experts.stacks import attach_streamed
 from torch_stagehand.runtime.telemetry.events import RuntimeEvents, progress, unwrap_optimizer
 from torch_stagehand.runtime.train.grads import GradLane
 from torch_stagehand.runtime.train.ddp import check_not_sharded, ignore_streamed
-from torch_stagehand.runtime.host.setup import build_host_store, load_resident
+from torch_stagehand.runtime.device.allocator import use_expandable_segments
+from torch_stagehand.runtime.host import node_store
+from torch_stagehand.runtime.train.shards import GradShards
+from torch_stagehand.runtime.host.setup import fill_masters, load_resident, make_host_store, missing_stack
+from torch_stagehand.runtime.host.store import KEEP_FILE
 from torch_stagehand.runtime.host.plan import check_master_dtypes
 from torch_stagehand.runtime.host.undo import OffloadUndo
 from torch_stagehand.runtime.conductor.oom_recovery import OomRecovery
@@ -84,6 +89,7 @@ class Runtime(SelectivePrecisionAPI):
         self.id = registry.register_runtime(self)
         self.pool = self.node = self.shards = None
         self.clock = clock or StageClock()
+        self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path and the plan's prefetches fetch next
         try:
             self._offload(precision, slab_loader, budget, cost_model, while_filling)
         except BaseException as e:
@@ -92,10 +98,14 @@ class Runtime(SelectivePrecisionAPI):
 
         self.phases = PhaseTracker(on_step_end=self._record_step)
         self.phases.listeners.append(lambda old, new: self.plan_driver.on_phase(new, self.phases.step))
-        self.oom = OomRecovery(self)  # out of memory at a unit's boundary: re-plan, run it again
+        # out of memory at a unit's boundary: re-plan, run it again
+        self.oom = OomRecovery(self.device, self.blocks, self.phases, self.plan_driver, self.abort_held_blocks,
+                               self._attached, allocator=getattr(self, "allocator", ""))
         self.recover_from_oom = self.oom.recover  # (the StreamingRuntime protocol's name for it)
-        self.collector = CollectorFreeze(self)  # after a step that compiled: gc.freeze (no full-collection pauses)
-        self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path prefetches next
+        # after a step that compiled: gc.freeze (no full-collection pauses)
+        self.collector = CollectorFreeze(self.config.freeze_gc_after_compile, self.phases, lambda: self.compile_count)
+        if self.config.freeze_gc_after_compile:
+            self._hooks.append(self.collector)  # close() calls remove(): the frozen objects become collectable again
         self._step_base = self._counters()
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
         self.compile_seconds, self.compile_count = 0.0, 0  # every compiled unit (block variants and glue)
@@ -113,11 +123,33 @@ class Runtime(SelectivePrecisionAPI):
     def _offload(self, precision: dict[int, str], slab_loader, budget, cost_model, while_filling=None) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
         model, layers = self.model, self.layers
-        # self.store: planned and checked against the machine's memory before anything is allocated.
-        build_host_store(self, precision, slab_loader, self._keep_full, progress, while_filling)
+        # The host store: planned and checked against the machine's memory before anything is allocated.
+        # Before the first device allocation: the slots and resident blocks then live in expandable segments.
+        self.allocator = use_expandable_segments(self.device) if self.config.expandable_segments else "left as it is"
+        # The ranks of a node share one store (host/node_store.py): a collective of every rank, before any allocation.
+        self.node = node_store.join(self.config, self.device)
+        # Its process group now, while every rank is here: after this point a rank that fails meets the others only
+        # at the node's exchanges (host/node_store.py), which tell them.
+        self.shards = GradShards.create(layers, self.node, self.device)
+        if self.node is not None:
+            self._undo.defer_releases()  # the weights of blocks other ranks write stay until they are written (seal)
+        self.store, self.host_plan = make_host_store(layers, len(self.blocks), precision, self.config, self.device,
+                                                     self._keep_full, self.checkpoint, slab_loader is not None,
+                                                     node=self.node)
+        self.store.on_replaced = self._undo.replaced  # the original Parameter objects are kept, their memory released
+        self.clock.mark("host store planned")
+        meta_blocks = fill_masters(self.store, self.checkpoint, progress, while_filling, self.clock)
+        self.clock.mark("masters " + ("mapped from the checkpoint" if self.store.keep_full == KEEP_FILE
+                                      else "to the host store"))
+        if slab_loader is not None:  # it reserves the INT8 copies' host allocation (none for the disk tier)
+            slab_loader(self, pin=[b for b, p in precision.items() if p == precisions.INT8])
+        elif meta_blocks:
+            raise RuntimeError(f"offload: block {self.blocks[meta_blocks[0]]} has weights on the meta device and no "
+                               "slab was given (nor a checkpoint= holding them)"
+                               + missing_stack(self.store, self.checkpoint, meta_blocks[0]))
         # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
-        # Several ranks: a training block's gradients go to its owner alone (train/shards.py; made by build_host_store).
+        # Several ranks: a training block's gradients go to its owner alone (train/shards.py; made above).
         self.grads.shards = self.shards
         if self.shards is not None:
             self.on_close(self.shards.close)
@@ -140,7 +172,11 @@ class Runtime(SelectivePrecisionAPI):
         self.clock.mark("resident tensors to the device")
 
         self._precision: dict[int, str] = {}
-        self.plan_driver = PlanDriver(self, budget, cost_model)
+        self.plan_driver = PlanDriver(
+            self.device, len(self.blocks), self.config, self.store, self.grads, self.fetch_order,
+            precision=lambda: self._precision, step=lambda: self.phases.step if hasattr(self, "phases") else None,
+            compiled_units=lambda: self.compile_count + self.units_first_run, kept=KeptCostModel(self._job_key, len(self.blocks)),
+            budget=budget, cost_model=cost_model)
         self.set_precision(precision)
         self.clock.mark("precision copies built, host store pinned")
         if self.node is not None:  # every block's owner has filled its pages: from here every rank reads them
@@ -151,6 +187,10 @@ class Runtime(SelectivePrecisionAPI):
         self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks] for _ in range(2))
         self.store.offloaded = True  # from here a refused page-lock leaves the buffer pageable, and says so
         self.clock.mark("device slots")
+
+    def _job_key(self) -> dict:
+        """What this runtime's cost model is a model of, as it is now (the cost cache's key, but the inputs)."""
+        return job_key(self.device, self.blocks, self.layers, self._precision, self.grads.grad_bytes(), self.store.node)
 
     def _abandon(self, error: BaseException) -> None:
         """Undo a failed offload: plain layers and weights back, no hooks, nothing registered, nothing held
@@ -168,6 +208,8 @@ class Runtime(SelectivePrecisionAPI):
         self.telemetry.close()
         getattr(self, "store", None) is not None and self.store.free()
         self.store = self.pool = self.checkpoint = None  # the pinned store and slots are freed with the exception
+        if getattr(self, "plan_driver", None) is not None:
+            self.plan_driver.pool = None
         self._closed = True
 
     # ---- public API -----------------------------------------------------------------

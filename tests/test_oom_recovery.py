@@ -402,9 +402,9 @@ def test_the_fragmentation_note_names_the_way_out_that_is_left(monkeypatch):
     rt, *_ = _offloaded()
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: 8 * 2**30)
     monkeypatch.setattr(oom_recovery, "fragmented_bytes", lambda device: 3 * 2**30)
-    rt.allocator = "left as it is"
+    rt.oom.allocator = "left as it is"
     assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in rt.oom._fragmentation_note()
-    rt.allocator = "expandable_segments:True (Config.expandable_segments)"
+    rt.oom.allocator = "expandable_segments:True (Config.expandable_segments)"
     note = rt.oom._fragmentation_note()
     assert "expandable segments are on" in note and "PYTORCH_CUDA_ALLOC_CONF" not in note
     monkeypatch.setattr(oom_recovery, "fragmented_bytes", lambda device: 2**30)

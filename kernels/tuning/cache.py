@@ -38,10 +38,10 @@ def enabled() -> bool:
 
 def source_fingerprint() -> str:
     """A hash of the kernels' and the tuner's source: an edit to either starts a new cache file."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    kernels = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # kernels/, this file is in kernels/tuning/
     digest = hashlib.sha256()
-    for name in ("w8a16.py", "launch.py", "kernels/tuning/autotune.py", "grouped.py"):
-        with open(os.path.join(here, name), "rb") as f:
+    for name in ("w8a16.py", "launch.py", os.path.join("tuning", "autotune.py"), "grouped.py"):
+        with open(os.path.join(kernels, name), "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:16]
 

@@ -25,6 +25,8 @@ import logging
 import math
 import os
 
+from typing import Callable
+
 import torch
 
 from torch_stagehand.runtime.atomic_file import write_atomic
@@ -57,14 +59,19 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def cost_key(rt, inputs: str) -> dict:
-    """What a cost model measured for `rt` with graph inputs `inputs` is a model of."""
-    return {"format": FORMAT, "device": _device_name(rt.device), "torch": torch.__version__,
-            "layout": layout_fingerprint(rt.device.type, rt.blocks, rt.layers),
-            "precision": [rt.precision[b] for b in range(len(rt.blocks))],
-            "grad_bytes": list(rt.grads.grad_bytes()), "inputs": inputs,
+def job_key(device: torch.device, blocks: list[str], layers, precision: dict[int, str], grad_bytes, node) -> dict:
+    """What a runtime's cost model is a model of, but its graph inputs: the device, torch, the blocks' layout and
+    precision, full fine-tuning's gradient bytes, the ranks sharing the host link."""
+    return {"format": FORMAT, "device": _device_name(device), "torch": torch.__version__,
+            "layout": layout_fingerprint(device.type, blocks, layers),
+            "precision": [precision[b] for b in range(len(blocks))], "grad_bytes": list(grad_bytes),
             # The ranks of a node copying at once share its host link (host/node_store.py): a model of its own.
-            "node_ranks": 1 if rt.store.node is None else rt.store.node.local_size}
+            "node_ranks": 1 if node is None else node.local_size}
+
+
+def cost_key(job: dict, inputs: str) -> dict:
+    """The cache key of a cost model measured for `job` (`job_key`) with graph inputs `inputs`."""
+    return {**job, "inputs": inputs}
 
 
 def entry_path(key: dict, root: str | None = None) -> str:
@@ -190,8 +197,8 @@ def _number(v) -> bool:
 class KeptCostModel:
     """One runtime's entry in the cache: keyed once the first compiled graph's inputs are known."""
 
-    def __init__(self, rt):
-        self.rt = rt
+    def __init__(self, job: Callable[[], dict], n_blocks: int):
+        self.job, self.n_blocks = job, n_blocks  # job(): `job_key` of the runtime as it is now
         self.inputs: str | None = None  # input_signature of the first compiled graph
         self.note: str | None = None  # what the lookup found (the log line)
         self.plan: dict | None = None  # the plan decisions kept with the loaded model (`plan_decisions`)
@@ -203,7 +210,7 @@ class KeptCostModel:
         self.inputs = input_signature(input_shapes)
         if not load:
             return None
-        model, self.plan, self.note = read_entry(cost_key(self.rt, self.inputs), len(self.rt.blocks))
+        model, self.plan, self.note = read_entry(cost_key(self.job(), self.inputs), self.n_blocks)
         (log.warning if "ignored" in self.note else log.info)("stagehand: %s", self.note)
         return model
 
@@ -211,4 +218,4 @@ class KeptCostModel:
         """Write a measured model (after calibration, and when later steps refined or corrected it), with the
         decisions of the plan in force (`plan_decisions`)."""
         if self.inputs is not None and model.source == MEASURED and not model.frozen:
-            save_entry(model, cost_key(self.rt, self.inputs), plan=plan)
+            save_entry(model, cost_key(self.job(), self.inputs), plan=plan)

@@ -47,32 +47,33 @@ from torch_stagehand.runtime.registry import NO_BLOCK
 
 def prefetch_ahead(driver, block: int) -> None:
     """`driver` (a PlanDriver) fetches `block` and the streamed blocks its plan looks ahead to."""
-    rt, plan = driver.rt, driver.plan
+    pool, plan, precision_of = driver.pool, driver.plan, driver.precision()
     if block == NO_BLOCK:
         return
     if plan is None or plan.kind == "fixed":
-        rt.pool.prefetch(block, rt._precision[block])
+        pool.prefetch(block, precision_of[block])
         return
     backward = torch._C._current_graph_task_id() != -1
-    resident = rt.pool.resident_slots
+    resident = pool.resident_slots
     wanted, b, steps = [], block, 0
-    while b != NO_BLOCK and len(wanted) < plan.lookahead and steps < len(rt.blocks):
+    while b != NO_BLOCK and len(wanted) < plan.lookahead and steps < driver.n_blocks:
         if b not in resident:
             wanted.append(b)
-        b = rt.fetch_order.eager_next(b, backward)
+        b = driver.fetch_order.eager_next(b, backward)
         steps += 1
     for depth, b in enumerate(wanted):
-        precision = rt._precision[b]
-        if not driver._admit or rt.pool.cached(b, precision):
-            rt.pool.prefetch(b, precision)  # a hit moves nothing: no token needed
+        precision = precision_of[b]
+        if not driver._admit or pool.cached(b, precision):
+            pool.prefetch(b, precision)  # a hit moves nothing: no token needed
             continue
         if driver.conductor.admit_prefetch(b, depth) is not None:
             continue  # denied (counted with its reason): the block's wait fetches it later
         try:
-            issued = rt.pool.prefetch(b, precision).issued
+            issued = pool.prefetch(b, precision).issued
         except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
             driver.conductor.allocation_failed(b, e)
-            rt.oom.note_handled()
+            for listener in driver.on_refused_prefetch:
+                listener()
             return
         if not issued:
             driver.conductor.copy_not_issued(b)
@@ -94,20 +95,34 @@ FIRST_PLAN_MARGIN = 0.01
 
 
 class PlanDriver:
-    def __init__(self, rt, budget: Budget, cost_model: CostModel | None = None):
-        self.rt = rt
+    """The plan at run time, and the one owner of the budget and the slot pool it sizes.
+
+    It gets what it uses: the device, the block count, the config, the host store (block sizes, pinning), the
+    gradient lane (full fine-tuning's costs), the fetch order, and three readings of the runtime's state: the
+    precision map, the step, and how many units have compiled or first run (one-time seconds in a measured step).
+    `kept` is the cost model on disk for this job (`cost_cache.KeptCostModel`)."""
+
+    def __init__(self, device: torch.device, n_blocks: int, config, store, grads, fetch_order,
+                 precision: Callable[[], dict[int, str]], step: Callable[[], int | None],
+                 compiled_units: Callable[[], int], kept, budget: Budget, cost_model: CostModel | None = None):
+        self.device, self.n_blocks, self.config, self.store = device, n_blocks, config, store
+        self.grads, self.fetch_order = grads, fetch_order
+        self.precision, self.step, self.compiled_units = precision, step, compiled_units
+        self.pool: SlotPool | None = None  # made by make_pool, for the first plan
         self.budget = budget
+        # Told when a prefetch the driver issued was refused by the allocator (the conductor counted it).
+        self.on_refused_prefetch: list[Callable[[], None]] = []
         # Told, after each plan application, how many allocations the device refused during it (the driver
         # handled those itself: it shrank the budget or raised); OOM recovery counts them as accounted for.
         self.on_refusals: list[Callable[[int], None]] = []
         self.planning = budget.limit is not None
         if cost_model is None:
             cost_model = CostModel()  # H2D bandwidth measured when a plan is first made for a budget
-            if rt.device.type == "cuda":  # what stays on the device besides the blocks, until a step is measured
-                cost_model.base_bytes = allocated_bytes(rt.device)
+            if device.type == "cuda":  # what stays on the device besides the blocks, until a step is measured
+                cost_model.base_bytes = allocated_bytes(device)
         self.cost_model = cost_model
-        self.calibrated = cost_model.frozen or rt.device.type != "cuda"
-        self.conductor = Conductor(rt.config.conductor, budget.soft, budget.hard, pressure=self._pressure,
+        self.calibrated = cost_model.frozen or device.type != "cuda"
+        self.conductor = Conductor(config.conductor, budget.soft, budget.hard, pressure=self._pressure,
                                    external=self._external)
         self._admit = self.conductor.enabled  # one attribute read on the hot path when disabled
         self.calibration: Calibration | None = None
@@ -125,20 +140,20 @@ class PlanDriver:
         self._refine_steps, self._unread = 0, []  # _unread: measured steps' GPU clocks not yet reached
         self.host_refinements = 0  # host issue times the later plans' steps lowered
         self.compute_refinements = 0  # GPU times per block the later plans' steps lowered
-        self.kept = cost_cache.KeptCostModel(rt)  # the measured model on disk, for the next run of this job
+        self.kept = kept  # the measured model on disk, for the next run of this job
 
     # ---- making the plan --------------------------------------------------------------------
 
     def make(self) -> Plan:
         """The plan for the current precision map and cost model (not applied)."""
-        rt, model = self.rt, self.cost_model
+        model = self.cost_model
         costs, precision, _ = self._costs()
         if not self.planning:
-            plan = build_plan(costs, precision, set(), None, rt.config.slot_count, model, kind="fixed")
-            plan.slot_bytes = rt.store.max_block_bytes()  # any precision a block may switch to fits
+            plan = build_plan(costs, precision, set(), None, self.config.slot_count, model, kind="fixed")
+            plan.slot_bytes = self.store.max_block_bytes()  # any precision a block may switch to fits
             return plan
         if "h2d" not in model.measured and not model.frozen:
-            model.learn_link(rt.device, rt.store.pin, rt.store.node)
+            model.learn_link(self.device, self.store.pin, self.store.node)
         if not self.calibrated:  # the smallest plan, measured before planning for real
             plan = build_plan(costs, precision, set(), set(range(len(costs))), 2, model, kind="calibrating",
                               budget=self.budget)
@@ -148,16 +163,17 @@ class PlanDriver:
 
     def _costs(self):
         """(the blocks' costs, the precision map, the cost model) a plan is made or predicted from."""
-        rt, model = self.rt, self.cost_model
+        model = self.cost_model
         self._training_costs(model)
-        precision = [rt.precision[b] for b in range(len(rt.blocks))]
-        return model.block_costs([rt.store.nbytes(b, p) for b, p in enumerate(precision)]), precision, model
+        current = self.precision()
+        precision = [current[b] for b in range(self.n_blocks)]
+        return model.block_costs([self.store.nbytes(b, p) for b, p in enumerate(precision)]), precision, model
 
     def _training_costs(self, model: CostModel) -> None:
         """Full fine-tuning's part of the cost model: the gradient bytes each block sends home, the host
         optimizer's measured step per block when it overlaps the backward (HostAdamW; one that runs after
         it is in the step's measured tail), the states the device-updated blocks move instead."""
-        grads = self.rt.grads
+        grads = self.grads
         grad_bytes = grads.grad_bytes()
         model.grad_bytes = grad_bytes if any(grad_bytes) else None
         if grads.optimizer_seconds and not model.frozen:
@@ -186,11 +202,11 @@ class PlanDriver:
     def apply(self, reason: str, plan: Plan | None = None, resumed: bool = False, reserve_peak: bool = True) -> Plan:
         """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns (`_apply`
         says how); the device's refused allocations during it go to the `on_refusals` listeners."""
-        before = allocator_ooms(self.rt.device)
+        before = allocator_ooms(self.device)
         try:
             return self._apply(reason, plan, resumed, reserve_peak)
         finally:
-            refused = allocator_ooms(self.rt.device) - before
+            refused = allocator_ooms(self.device) - before
             for listener in self.on_refusals:
                 listener(refused)
 
@@ -206,19 +222,19 @@ class PlanDriver:
         """
         given = plan is not None and not resumed
         plan = plan or self.make()
-        if self.rt.pool is None or (plan.kind == "fixed" and self.plan is not None):
+        if self.pool is None or (plan.kind == "fixed" and self.plan is not None):
             self.plan = plan  # the fixed plan's pool never changes (its slots fit every precision)
             return plan
         for attempt in range(SHRINK_TRIES + 1):
             try:
-                self.rt.pool.reconfigure(plan.slots, plan.slot_bytes,
+                self.pool.reconfigure(plan.slots, plan.slot_bytes,
                                          {p.block: p.precision for p in plan.blocks if p.resident})
                 break
             except torch.OutOfMemoryError as e:
                 if given or not self.planning or attempt == SHRINK_TRIES:
                     raise torch.OutOfMemoryError(f"stagehand: the plan ({plan.summary()}) did not fit on "
-                                                 f"{self.rt.device} when applied ({reason}): {e}") from e
-                self.rt.pool.reconfigure(0, 0, {})  # free what the attempt placed
+                                                 f"{self.device} when applied ({reason}): {e}") from e
+                self.pool.reconfigure(0, 0, {})  # free what the attempt placed
                 limit = int(min(self.budget.limit, plan.predicted_peak_bytes) - SHRINK_FRACTION * plan.weight_bytes)
                 self.budget = Budget(limit, min(self.budget.hard or limit, limit))
                 note = f"the plan did not fit on the device ({reason}); budget shrunk to {self.budget.describe()}"
@@ -227,14 +243,14 @@ class PlanDriver:
                 try:
                     plan = self.make()
                 except BudgetError as small:
-                    raise torch.OutOfMemoryError(f"stagehand: no plan fits in what {self.rt.device} has left "
+                    raise torch.OutOfMemoryError(f"stagehand: no plan fits in what {self.device} has left "
                                                  f"({reason}; {small})") from e
         if not self.calibrated and plan.kind == "calibrating" and self._calibrate_at is None:
-            self._calibrate_at = self.rt.phases.step + WARMUP_STEPS if hasattr(self.rt, "phases") else WARMUP_STEPS
+            self._calibrate_at = (self.step() or 0) + WARMUP_STEPS if self.step() is not None else WARMUP_STEPS
         self.plan = plan
         self.replans += 1
         # The first step under a made plan measures its peak (`_check_peak`); a hand-made one is the user's.
-        self._peak_check = "pending" if plan.kind == "planned" and not given and self.rt.device.type == "cuda" else None
+        self._peak_check = "pending" if plan.kind == "planned" and not given and self.device.type == "cuda" else None
         self._refine_steps = REFINE_STEPS if plan.kind == "planned" else 0
         if self._admit:
             self.window = self.conductor.reserve_plan(
@@ -250,25 +266,25 @@ class PlanDriver:
         the calibration plan, 19 GiB under the made one; its first planned step took 1.27x the steady one, and
         1.00x with the 8.4 GiB held ahead, in 27-30 ms)."""
         plan = self.plan
-        if plan is None or plan.kind != "planned" or self.rt.device.type != "cuda":
+        if plan is None or plan.kind != "planned" or self.device.type != "cuda":
             return
-        added, seconds = reserve(self.rt.device, plan.predicted_peak_bytes)
+        added, seconds = reserve(self.device, plan.predicted_peak_bytes)
         if added:
-            self.reservations.append({"step": self.rt.phases.step if hasattr(self.rt, "phases") else None,
+            self.reservations.append({"step": self.step(),
                                       "gib": round(added / 2**30, 2), "s": round(seconds, 3)})
             log.info("stagehand: the allocator holds %.2f GiB more for the plan's peak (%.0f ms)", added / 2**30,
                      seconds * 1e3)
 
     def make_pool(self) -> SlotPool:
         """The runtime's slot pool, allocated for the first plan (slots, then the resident blocks)."""
-        rt, plan = self.rt, self.make()
+        plan = self.make()
         try:
-            rt.pool = SlotPool(rt.device, plan.slots, plan.slot_bytes, rt.store)
+            self.pool = SlotPool(self.device, plan.slots, plan.slot_bytes, self.store)
         except torch.OutOfMemoryError as e:
-            raise torch.OutOfMemoryError(f"offload: no room on {rt.device} for {plan.slots} slots of "
+            raise torch.OutOfMemoryError(f"offload: no room on {self.device} for {plan.slots} slots of "
                                          f"{plan.slot_bytes / 2**20:.1f} MiB (the largest block): {e}") from e
         self.apply("offload")
-        return rt.pool
+        return self.pool
 
     def replan(self, cost_model: CostModel | None = None, vram_budget=None) -> Plan:
         """All or nothing: a budget no plan fits raises and leaves the plan, budget and cost model in force
@@ -277,9 +293,9 @@ class PlanDriver:
         if cost_model is not None:
             self.cost_model, self.calibrated = cost_model, True
         if vram_budget is not None:
-            self.budget = budget_from(self.rt.config, vram_budget)
+            self.budget = budget_from(self.config, vram_budget)
             self.planning = True
-        hand_back = self.rt.device.type == "cuda" and vram_budget is not None
+        hand_back = self.device.type == "cuda" and vram_budget is not None
         try:
             plan = self.apply("replan()", reserve_peak=not hand_back)
         except (BudgetError, torch.OutOfMemoryError):
@@ -314,7 +330,7 @@ class PlanDriver:
         if self.plan is None or block not in self.plan.spilled:
             return None
         if self.spill is None:
-            self.spill = ActivationSpill(self.rt.device, self.rt.store.pin)
+            self.spill = ActivationSpill(self.device, self.store.pin)
         return self.spill.hooks()
 
     # ---- run time ---------------------------------------------------------------------------
@@ -327,9 +343,9 @@ class PlanDriver:
         if self._admit:
             self.conductor.copy_consumed(block)
         if kind == FORWARD and self.plan is not None and self.plan.kind != "fixed":
-            learned = self.rt.fetch_order.learned_order()
+            learned = self.fetch_order.learned_order()
             if not learned or learned[-1] != block:  # a block split by a graph break is one entry
-                self.rt.fetch_order.record_forward(block)
+                self.fetch_order.record_forward(block)
         if self.calibration is not None:
             self.calibration.on_wait(block, kind)
         if self.refining is not None:
@@ -354,30 +370,29 @@ class PlanDriver:
 
     def _pressure(self) -> float:
         """Device memory in use over the hard cap (the device's size without one); a host read, no sync."""
-        rt, cap = self.rt, self.budget.hard
-        if rt.device.type == "cuda":
+        cap = self.budget.hard
+        if self.device.type == "cuda":
             if cap is None:
                 cap = self._device_total = getattr(self, "_device_total", None) or \
-                    torch.cuda.get_device_properties(rt.device).total_memory
-            return allocated_bytes(rt.device) / cap
-        return rt.pool.device_bytes() / cap if cap and rt.pool is not None else 0.0
+                    torch.cuda.get_device_properties(self.device).total_memory
+            return allocated_bytes(self.device) / cap
+        return self.pool.device_bytes() / cap if cap and self.pool is not None else 0.0
 
     def _external(self) -> int:
         """Device bytes the conductor does not reserve (everything but the streamed weights)."""
-        rt = self.rt
-        if rt.device.type != "cuda" or rt.pool is None:
+        if self.device.type != "cuda" or self.pool is None:
             return 0
-        return max(0, allocated_bytes(rt.device) - rt.pool.device_bytes())
+        return max(0, allocated_bytes(self.device) - self.pool.device_bytes())
 
     def on_step_begin(self, step: int) -> None:
         if not self.calibrated and step == self._calibrate_at and self.calibration is None:
-            rt = self.rt  # units compiled, loaded or first run in the measured step: one-time seconds in it
-            self.calibration = Calibration(len(rt.blocks), rt.device, lambda: rt.compile_count + rt.units_first_run)
+            # units compiled, loaded or first run in the measured step: one-time seconds in it
+            self.calibration = Calibration(self.n_blocks, self.device, self.compiled_units)
         if self._peak_check == "pending" and self.calibration is None:
-            torch.cuda.reset_peak_memory_stats(self.rt.device)  # host-side counters: no synchronisation
+            torch.cuda.reset_peak_memory_stats(self.device)  # host-side counters: no synchronisation
             self._peak_check = "measuring"
         if self._refine_steps and self.calibration is None and self.cost_model.host_s is not None:
-            self.refining = BlockClocks(len(self.rt.blocks), self.rt.device)
+            self.refining = BlockClocks(self.n_blocks, self.device)
 
     def _check_peak(self, step: int, peak: int) -> None:
         """The first step of a new plan, measured: a peak above the prediction corrects the cost model.
@@ -417,7 +432,7 @@ class PlanDriver:
         self._unread = [t for t, done in reached if not done]
         self.compute_refinements += sum(self.cost_model.refine_compute(t.seconds()) for t, done in reached if done)
         if self._peak_check == "measuring":
-            self._check_peak(step, torch.cuda.max_memory_allocated(self.rt.device))
+            self._check_peak(step, torch.cuda.max_memory_allocated(self.device))
         if self.calibration is None:
             if learned != self.host_refinements + self.compute_refinements + len(self.peak_corrections):
                 self.kept.keep(self.cost_model, self._decisions())  # refined or corrected: the next run starts here
@@ -444,7 +459,7 @@ class PlanDriver:
         # the step 1.22x the steady one with a plan search and copies in it). A margin keeps such a miss inside.
         self.peak_margin = max(self.peak_margin, int(FIRST_PLAN_MARGIN * (self.budget.hard or self.budget.soft or 0)))
         self.apply(f"calibrated on step {step}", reserve_peak=False)
-        if self.budget.limit is not None and torch.cuda.memory_reserved(self.rt.device) > self.budget.limit:
+        if self.budget.limit is not None and torch.cuda.memory_reserved(self.device) > self.budget.limit:
             # The first steps' compile peaks left the allocator's cache above the budget: hand it back. Not
             # otherwise: the next step would ask the driver again for every block the cache held.
             torch.cuda.empty_cache()

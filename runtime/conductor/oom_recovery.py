@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -80,13 +80,23 @@ class OutOfMemoryWarning(UserWarning):
 
 
 class OomRecovery:
-    def __init__(self, rt: Any):
-        self.rt = rt
+    """Out of device memory at a unit's boundary: re-plan through the driver for the room left, and say so.
+
+    It gets what it uses: the device, the block names (for its messages), the phase tracker it listens to, the
+    plan driver it re-plans through, the runtime's `abort_held_blocks` (a unit's evict never ran) and the list of
+    attached optimizers (whose gradients a refused step must not leave behind), and what offload did to the
+    allocator."""
+
+    def __init__(self, device: torch.device, blocks: list[str], phases, driver, abort_held_blocks: Callable[[], None],
+                 attached: list, allocator: str = ""):
+        self.device, self.blocks, self.phases, self.driver = device, blocks, phases, driver
+        self.abort_held_blocks, self.attached = abort_held_blocks, attached
+        self.allocator = allocator  # what offload did to the caching allocator (device/allocator.py's note)
         self.records: list[dict[str, Any]] = []  # one per recovery (and per refusal): stats()["oom_recoveries"]
         self._tries: dict[str, int] = {}  # unit -> recoveries in this step
         # The allocator's count of refused allocations when every refusal so far was accounted for (at a
         # forward's start, after a recovery, after a plan application: the driver shrinks or raises itself).
-        self._ooms_seen = allocator_ooms(rt.device)
+        self._ooms_seen = allocator_ooms(self.device)
         self._first_block: int | None = None  # the block the current forward waited for first
         self._first_step, self._other_block_seen = -1, False  # its step; another block waited for since
         self._backward_entered = False  # this step reached a block's backward op
@@ -97,11 +107,12 @@ class OomRecovery:
         self._failed_in_a_row = 0  # steps in a row that raised (a step run again that failed again)
         self._user_budget: tuple[Budget, bool] | None = None  # (budget, planning) before the first recovery
         self._ours: Budget | None = None  # the budget the last recovery or regrow set (a user's replan replaces it)
-        rt.phases.listeners.append(self.on_phase)
+        self.phases.listeners.append(self.on_phase)
         # Before every other listener: a refused optimizer phase must not start anything (the host lanes).
-        rt.phases.listeners.insert(0, self._before_optimizer)
-        rt.phases.new_forward_checks.append(self._new_forward)
-        rt.plan_driver.on_refusals.append(self._handled_by_the_driver)
+        self.phases.listeners.insert(0, self._before_optimizer)
+        self.phases.new_forward_checks.append(self._new_forward)
+        self.driver.on_refusals.append(self._handled_by_the_driver)
+        self.driver.on_refused_prefetch.append(self.note_handled)
 
     def _handled_by_the_driver(self, refused: int) -> None:
         """Allocations the device refused while a plan was applied: the driver shrank its budget or raised."""
@@ -109,13 +120,12 @@ class OomRecovery:
 
     def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
         """`where` (a unit) raised `error`, out of memory, at its boundary. Re-plan; True: run it again."""
-        rt = self.rt
-        rt.abort_held_blocks()  # the unit's evict never ran
+        self.abort_held_blocks()  # the unit's evict never ran
         # This unit's refusal, and any earlier one of this forward that someone caught (the step went on to
         # reach this unit), are accounted for: the last step's were read when this forward began.
-        self._ooms_seen = max(self._ooms_seen, allocator_ooms(rt.device))
+        self._ooms_seen = max(self._ooms_seen, allocator_ooms(self.device))
         tries = self._tries[where] = self._tries.get(where, 0) + 1
-        self._forward_raised = self.rt.phases.phase is Phase.FORWARD  # until it runs again
+        self._forward_raised = self.phases.phase is Phase.FORWARD  # until it runs again
         if trainable_backward:
             return self._refuse(where, error, "its backward sends the streamed weights' gradients home as it "
                                 "runs; a second run would send them twice")
@@ -142,13 +152,13 @@ class OomRecovery:
             self._watch_backward()
         if new is Phase.STEP_END:
             self._ended_from = old
-            if self._user_budget is not None and (self.rt.phases.step + 1) % REGROW_EVERY == 0:
+            if self._user_budget is not None and (self.phases.step + 1) % REGROW_EVERY == 0:
                 self.regrow()
-        if new is not Phase.FORWARD or old is Phase.FORWARD or self.rt.pool is None:
+        if new is not Phase.FORWARD or old is Phase.FORWARD or self.driver.pool is None:
             return
         self._tries.clear()  # a new forward: every unit may recover again
         held = self._held_blocks()
-        ooms = allocator_ooms(self.rt.device)
+        ooms = allocator_ooms(self.device)
         # (a unit that gave up had its refusal accounted when it tried to recover: its flag says it raised)
         out_of_memory, self._ooms_seen = ooms > self._ooms_seen or self._forward_raised, ooms
         # A refusal no recovery handled in a step that ended before its optimizer: its forward raised, or its
@@ -162,9 +172,9 @@ class OomRecovery:
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
         if not failed:
             return
-        self.rt.abort_held_blocks()
+        self.abort_held_blocks()
         part = "backward" if partial else "forward"
-        where = f"the {part} of block {held[0]} ({self.rt.blocks[held[0]]})" if held else f"the last {part}"
+        where = f"the {part} of block {held[0]} ({self.blocks[held[0]]})" if held else f"the last {part}"
         dropped = self._drop_partial_gradients() if partial else ""
         if not out_of_memory:  # it raised something else: nothing to re-plan for
             warnings.warn(f"stagehand: {where} did not finish (it raised); its slots are released{dropped}",
@@ -183,7 +193,7 @@ class OomRecovery:
         forward again after an allocator refusal that nothing handled: the step before raised (in its forward,
         or in the loss's backward) and this is the loop running the next one. Two forwards of one step (a
         reference model's pass, chosen and rejected) see no refusal and stay one step."""
-        phases = self.rt.phases
+        phases = self.phases
         if phases.phase is not Phase.FORWARD or self._first_block is None or self._first_step != phases.step:
             # this op begins a forward (or the first block op of one an eager layer began); after a backward or
             # an optimizer the tracker ends that step first: this forward belongs to the next one
@@ -195,16 +205,16 @@ class OomRecovery:
             return False
         if self._forward_raised:  # a unit of this forward gave up and raised: that forward is over
             return True
-        return self._other_block_seen and allocator_ooms(self.rt.device) > self._ooms_seen
+        return self._other_block_seen and allocator_ooms(self.device) > self._ooms_seen
 
     def _held_blocks(self) -> list[int]:
         """Blocks whose slots a reader still holds (between steps: a unit that raised before its evict)."""
-        return [s.key[0] for s in self.rt.pool.all_slots() if s.holds]
+        return [s.key[0] for s in self.driver.pool.all_slots() if s.holds]
 
     def note_handled(self) -> None:
         """An allocator refusal that its caller handled (a prefetch that fell back to the block's wait): it did
         not end a step, nor did any refusal before it in this step (the step went on to reach it)."""
-        self._ooms_seen = max(self._ooms_seen, allocator_ooms(self.rt.device))
+        self._ooms_seen = max(self._ooms_seen, allocator_ooms(self.device))
 
     def _watch_backward(self) -> None:
         """Ask autograd's engine to say when this backward ends: its final callbacks run only when the whole
@@ -223,24 +233,24 @@ class OomRecovery:
         gradients are partial: some parameters have this step's, some the last accumulation's only), and
         again on every try until the next forward. Straight from the forward (no block's backward ran), an
         allocator refusal that nothing handled since the forward began counts as such a backward."""
-        if new is not Phase.OPTIMIZER or self.rt.pool is None:
+        if new is not Phase.OPTIMIZER or self.driver.pool is None:
             return
         held = self._held_blocks()
-        early = old is Phase.FORWARD and allocator_ooms(self.rt.device) > self._ooms_seen
+        early = old is Phase.FORWARD and allocator_ooms(self.device) > self._ooms_seen
         if self._refused or (old is Phase.BACKWARD and (held or self._backward_done is False)) or early:
-            why = (f"block {held[0]} ({self.rt.blocks[held[0]]}) is still held by it" if held
+            why = (f"block {held[0]} ({self.blocks[held[0]]}) is still held by it" if held
                    else "the allocator refused memory after the forward and no recovery handled it" if early
                    else "it raised")
             self._refused = True
             raise BackwardIncompleteError(
-                f"stagehand: the optimizer must not step at step {self.rt.phases.step}: the backward before it "
+                f"stagehand: the optimizer must not step at step {self.phases.step}: the backward before it "
                 f"did not finish ({why}), so its gradients are partial. Zero them (optimizer.zero_grad()) and "
                 "run the step again: its next forward releases the held memory and re-plans")
 
     def _drop_partial_gradients(self) -> str:
         """Set to None the gradients of the attached optimizers' parameters (what the failed backward left
         behind, summed into whatever was accumulated before it); returns the warning's words for it."""
-        params = [p for opt in self.rt._attached for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for opt in self.attached for g in opt.param_groups for p in g["params"] if p.grad is not None]
         for p in params:
             p.grad = None
         if not params:
@@ -253,20 +263,20 @@ class OomRecovery:
     def _replan(self, reason: str, without_fragments: bool = False) -> tuple[str, str]:
         """Make and apply the plan for the room left (`without_fragments`: less the reserved bytes no tensor uses
         that the cache could not hand back); return the budgets before and after."""
-        driver = self.rt.plan_driver
+        driver = self.driver
         old_budget, old_planning, plan = driver.budget, driver.planning, driver.plan
-        if self.rt.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the cache back: the retry may find the memory in one piece
-        room = device_room(self.rt.device)
+        room = device_room(self.device)
         if room is not None and without_fragments:
-            room -= fragmented_bytes(self.rt.device)
+            room -= fragmented_bytes(self.device)
         limit = old_budget.limit
         ceiling = min(limit, plan.predicted_peak_bytes) if limit is not None else plan.predicted_peak_bytes
         new = None if room is None else int(room - max(MIN_MARGIN, MARGIN_FRACTION * room))
         if new is None or new >= ceiling:  # the room did not shrink below the plan: it predicted too little
             new = int(ceiling - SHRINK_FRACTION * plan.weight_bytes)
         if new <= 0:
-            raise BudgetError(f"the room left on {self.rt.device} ({human(room or 0)}) holds no plan")
+            raise BudgetError(f"the room left on {self.device} ({human(room or 0)}) holds no plan")
         # Soft: the new limit; hard: the room itself (less the least margin), for when nothing fits the soft one.
         hard = new if room is None else max(new, int(room - MIN_MARGIN))
         driver.budget, driver.planning = Budget(new, hard), True
@@ -285,11 +295,11 @@ class OomRecovery:
         """Between steps, while a recovery keeps the budget below the user's: when the room grew (the other job
         left, the memory fraction went back up), plan for the larger room, up to the user's budget; at it, the
         user's budget is back and regrowing stops. A plan that does not fit leaves the budget as it was."""
-        driver, (user, user_planning) = self.rt.plan_driver, self._user_budget
+        driver, (user, user_planning) = self.driver, self._user_budget
         if driver.budget is not self._ours:  # the user re-planned since (rt.replan): theirs stands
             self._user_budget = None
             return
-        room = device_room(self.rt.device)
+        room = device_room(self.device)
         if room is None:
             return
         cap = int(room - max(MIN_MARGIN, MARGIN_FRACTION * room))
@@ -308,9 +318,9 @@ class OomRecovery:
         self._ours = driver.budget
         if back:
             driver.planning, self._user_budget = user_planning, None
-        self.records.append({"step": self.rt.phases.step, "where": "between steps", "budget_before": before.describe(),
+        self.records.append({"step": self.phases.step, "where": "between steps", "budget_before": before.describe(),
                              "budget_after": f"{driver.budget.describe()}; room {human(room)}",
-                             "plan": self.rt.plan.summary(),
+                             "plan": self.driver.plan.summary(),
                              "action": "the user's budget is back" if back else "budget raised with the room"})
         log.warning("stagehand: the device has room again (%s): budget %s -> %s", human(room), before.describe(),
                     driver.budget.describe())
@@ -318,11 +328,11 @@ class OomRecovery:
     # ---- what it says ------------------------------------------------------------------------
 
     def _fragmentation_note(self) -> str:
-        device = self.rt.device
+        device = self.device
         room, scattered = device_room(device), fragmented_bytes(device)
         if room is None or scattered < FRAGMENTED_NOTE * room:
             return ""
-        if "expandable_segments:True" in getattr(self.rt, "allocator", ""):
+        if "expandable_segments:True" in self.allocator:
             way_out = ("expandable segments are on: the gaps lie between tensors the step still holds; the step "
                        "run again plans without them, or give a smaller vram_budget")
         else:
@@ -331,15 +341,14 @@ class OomRecovery:
                 f"small for the allocation (fragmentation): {way_out}")
 
     def _record(self, where: str, error: BaseException | None, before: str, after: str, action: str) -> None:
-        rt = self.rt
-        record = {"step": rt.phases.step, "where": where, "budget_before": before, "budget_after": after,
-                  "plan": rt.plan.summary(), "action": action, "error": _first_line(error)}
+        record = {"step": self.phases.step, "where": where, "budget_before": before, "budget_after": after,
+                  "plan": self.driver.plan.summary(), "action": action, "error": _first_line(error)}
         self.records.append(record)
         warnings.warn(f"stagehand: out of device memory in {where} at step {record['step']}; re-planned "
                       f"(budget {before} -> {after}: {record['plan']}) and {action}", OutOfMemoryWarning, stacklevel=3)
 
     def _refuse(self, where: str, error: BaseException | None, why: str) -> bool:
-        self.records.append({"step": self.rt.phases.step, "where": where, "action": "raised", "why": why,
+        self.records.append({"step": self.phases.step, "where": where, "action": "raised", "why": why,
                              "error": _first_line(error)})
         log.error("stagehand: out of device memory in %s; not run again: %s", where, why)
         return False

@@ -16,19 +16,13 @@ import torch
 import torch.nn as nn
 
 from torch_stagehand.runtime.host import arena as host_arena
-
 from torch_stagehand.runtime.host import budget as host_budget
-
 from torch_stagehand.runtime.host import copy as host_copy
-
-from torch_stagehand.runtime.host import node_store
 from torch_stagehand.runtime import precision as precisions
-from torch_stagehand.runtime.device.allocator import use_expandable_segments
 from torch_stagehand.runtime.beside import run_beside
 from torch_stagehand.runtime.blocks import StreamedLayerSpec
 from torch_stagehand.runtime.host.plan import HostPlan, plan_host, preflight
 from torch_stagehand.runtime.host.store import KEEP_FILE, HostStore
-from torch_stagehand.runtime.train.shards import GradShards
 from torch_stagehand.runtime.telemetry.stage_clock import COMPILER_PREPARATION, StageClock
 from torch_stagehand.runtime.host.weights_file import CheckpointError, WeightsFile
 
@@ -65,39 +59,11 @@ def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_ma
     return store, plan
 
 
-def build_host_store(rt, precision_map: dict[int, str], slab_loader, keep_full: str, progress,
-                     while_filling: Callable[[], None] | None = None) -> None:
-    """The Runtime's host store (`rt.store`, `rt.host_plan`): planned, preflighted, filled with the
-    masters (from the model or its checkpoint) and, given a slab, its INT8 rows. `while_filling()` runs on the
-    calling thread while a worker thread copies the masters (`fill_masters`)."""
-    n = len(rt.blocks)
-    # Before the first device allocation: the slots and resident blocks then live in expandable segments.
-    rt.allocator = use_expandable_segments(rt.device) if rt.config.expandable_segments else "left as it is"
-    # The ranks of a node share one store (host/node_store.py): a collective of every rank, before any allocation.
-    rt.node = node_store.join(rt.config, rt.device)
-    # Its process group now, while every rank is here: after this point a rank that fails meets the others only
-    # at the node's exchanges (host/node_store.py), which tell them.
-    rt.shards = GradShards.create(rt.layers, rt.node, rt.device)
-    if rt.node is not None:
-        rt._undo.defer_releases()  # the weights of blocks other ranks write stay until they are written (seal)
-    rt.store, rt.host_plan = make_host_store(rt.layers, n, precision_map, rt.config, rt.device, keep_full,
-                                             rt.checkpoint, slab_loader is not None, node=rt.node)
-    rt.store.on_replaced = rt._undo.replaced  # the original Parameter objects are kept, their memory released
-    rt.clock.mark("host store planned")
-    meta_blocks = fill_masters(rt.store, rt.checkpoint, progress, while_filling, rt.clock)
-    rt.clock.mark("masters " + ("mapped from the checkpoint" if rt.store.keep_full == KEEP_FILE else "to the host store"))
-    if slab_loader is not None:  # it reserves the INT8 copies' host allocation (none for the disk tier)
-        slab_loader(rt, pin=[b for b, p in precision_map.items() if p == precisions.INT8])
-    elif meta_blocks:
-        raise RuntimeError(f"offload: block {rt.blocks[meta_blocks[0]]} has weights on the meta device and no slab "
-                           "was given (nor a checkpoint= holding them)" + _missing_stack(rt, meta_blocks[0]))
-
-
-def _missing_stack(rt, block: int) -> str:
+def missing_stack(store: HostStore, checkpoint: WeightsFile | None, block: int) -> str:
     """Why a checkpoint did not fill an expert stack: it stores the experts one by one (transformers' saved
     layout), which offload does not fuse."""
-    for spec in rt.store.blocks[block].layers:
-        if spec.experts and spec.weight.is_meta and rt.checkpoint is not None and spec.weight_name not in rt.checkpoint:
+    for spec in store.blocks[block].layers:
+        if spec.experts and spec.weight.is_meta and checkpoint is not None and spec.weight_name not in checkpoint:
             return (f"; the checkpoint has no {spec.weight_name} (the fused {spec.experts}-expert stack): a checkpoint "
                     "that stores the experts one by one is not fused into stacks by offload yet, so build the "
                     "model with its weights (from_pretrained) and offload it from memory")

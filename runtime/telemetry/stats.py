@@ -91,6 +91,6 @@ def planner_step_record(planner: Any) -> dict:
     record = {"plan": planner.plan.counts() if planner.plan is not None else {}}
     if planner._admit:
         record.update(planner.conductor.snapshot())
-    if planner.rt.device.type == "cuda":
-        record["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved(planner.rt.device) / 2**20, 1)
+    if planner.device.type == "cuda":
+        record["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved(planner.device) / 2**20, 1)
     return record
