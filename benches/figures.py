@@ -361,6 +361,7 @@ def flux_peers() -> str:
     all_ckpt = "all 57 (the model's checkpointing)"
     sh_base = {"inductor": bf16_rows.get("resident (inductor, regional)"), "eager": bf16_rows.get("resident (eager)")}
     mu_base = {"inductor": musubi.get("bf16:0:compiled"), "eager": musubi.get("bf16:0:eager")}
+    mu_fp8_base = {"inductor": musubi.get("fp8:0:compiled")}  # no eager fp8 resident run: its eager row has none
     rows = []
 
     def add(tool, what, precision, compiled, row, base, recompute):
@@ -381,11 +382,11 @@ def flux_peers() -> str:
     add("musubi-tuner (resident)", "every weight on the GPU, its hook LoRA", "bf16", "per block",
         mu_base["inductor"], mu_base, all_ckpt)
     add("musubi-tuner (resident)", "every weight on the GPU, its hook LoRA", "fp8_scaled", "per block",
-        musubi.get("fp8:0:compiled"), mu_base, all_ckpt)
-    for key, what, precision in (("bf16:18", "`blocks_to_swap 18`, H2D-only, pinned", "bf16"),
-                                 ("fp8:6", "`blocks_to_swap 6`, H2D-only, pinned", "fp8_scaled")):
-        add("musubi-tuner", what, precision, "eager", musubi.get(f"{key}:eager"), mu_base, all_ckpt)
-        add("musubi-tuner", what, precision, "per block, Linears left out", musubi.get(f"{key}:compiled"), mu_base,
+        musubi.get("fp8:0:compiled"), mu_fp8_base, all_ckpt)
+    for key, what, precision, base in (("bf16:18", "`blocks_to_swap 18`, H2D-only, pinned", "bf16", mu_base),
+                                       ("fp8:6", "`blocks_to_swap 6`, H2D-only, pinned", "fp8_scaled", mu_fp8_base)):
+        add("musubi-tuner", what, precision, "eager", musubi.get(f"{key}:eager"), base, all_ckpt)
+        add("musubi-tuner", what, precision, "per block, Linears left out", musubi.get(f"{key}:compiled"), base,
             all_ckpt)
     for r in group:
         compiled = "regional" if r.get("compiled") == "regional" or "regional" in r.get("mode", "") else "eager"
@@ -401,8 +402,9 @@ def flux_peers() -> str:
             "projections, an AdamW step on the LoRA parameters, median of 3 steps; compiled: regional = each "
             "repeated block under torch.compile's defaults, per block = musubi-tuner's `--compile` (with a swap "
             "it leaves the swapped Linears out), stagehand = `torch.compile(backend=\"stagehand\")`; each ratio is "
-            "to the same tool's resident run compiled the same way (eager to eager), diffusers' rows have none of "
-            "their own; stagehand int8's is the bf16 sweep's resident of the same call")
+            "to the same tool's resident run of the same weights compiled the same way (eager to eager; musubi-tuner's "
+            "fp8 has no eager resident run, diffusers' rows have none of their own); stagehand int8's is the bf16 "
+            "resident of the same call")
     return f"{caption(*FLUX_PEER_RUNS, what=what)}\n\n{table(rows, cols)}\n"
 
 
@@ -857,6 +859,7 @@ FIGURES: dict[str, Figure] = {
     "start_time_latest": Figure(start_time_latest_table, tuple(n for n, _, _ in START_TIME_LATEST)),
     "capture_split": Figure(capture_split_table, ("capture_split_cpu.json",)),
     "moe": Figure(moe_table, ("moe_qwen3_30b.json",)),
+    "moe_planned": Figure(lambda: moe_table("moe_qwen3_30b_planned.json"), ("moe_qwen3_30b_planned.json",)),
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
     "multi_gpu_flux": Figure(lambda: multi_gpu_table("multi_gpu_flux.json"), ("multi_gpu_flux.json",)),
     "host_adamw_states": Figure(host_adamw_states, ("host_adamw_states_cpu.json",)),

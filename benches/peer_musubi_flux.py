@@ -16,7 +16,8 @@ wrappers do not fit its Linear-weight swap), and an AdamW step on the LoRA param
 Per config: step ms, peaks over the timed steps, the warm-up step's seconds and peaks, host memory, the loss (equal
 to the same weights' resident loss when nothing but the place of the weights differs).
 
-    MUSUBI_DIR=.peer CONFIGS="bf16:0:compiled bf16:18:compiled fp8:0:compiled fp8:8:compiled" python benches/peer_musubi_flux.py
+    MUSUBI_DIR=.peer CONFIGS="bf16:0:eager bf16:18:eager fp8:6:eager" python benches/peer_musubi_flux.py
+    MUSUBI_DIR=.peer CONFIGS="bf16:0:compiled bf16:18:compiled fp8:0:compiled fp8:6:compiled" python benches/peer_musubi_flux.py
 
 MUSUBI_DIR holds musubi-tuner's package as `musubi_tuner/` (its modules/custom_offloading_utils.py,
 modules/fp8_optimization_utils.py, utils/safetensors_utils.py, utils/device_utils.py and the `__init__.py` files),
@@ -35,7 +36,8 @@ dev = torch.device("cuda")
 sync = Sync("cuda")
 torch.backends.cuda.enable_cudnn_sdp(False)  # torch 2.11 cuDNN SDPA backward faults at this shape
 STEPS = int(os.environ.get("STEPS", 3)); RING = int(os.environ.get("RING", 2)); TINY = os.environ.get("TINY") == "1"
-CONFIGS = os.environ.get("CONFIGS", "bf16:0:compiled bf16:18:compiled fp8:0:compiled fp8:8:compiled").split()
+CONFIGS = os.environ.get("CONFIGS", "bf16:0:eager bf16:18:eager fp8:6:eager bf16:0:compiled bf16:18:compiled "
+                                    "fp8:0:compiled fp8:6:compiled").split()
 IMG, TXT = (256, 64) if TINY else (4096, 512)
 # musubi's Flux fp8 targets (flux_models.Flux.fp8_optimization) in diffusers' names: the blocks, not their norms
 # (diffusers' norm1.linear / norm1_context.linear / norm.linear are BFL's img_mod / txt_mod / modulation)

@@ -41,8 +41,7 @@ from torch_stagehand.compiler.recompute import run_again_after_oom, run_recomput
 from torch_stagehand.compiler.startup import compile_cache
 from torch_stagehand.compiler.startup.ahead import AheadJob
 from torch_stagehand.compiler.startup.ahead_wire import input_specs, pickle_graph
-from torch_stagehand.compiler.symbolic import SymbolicInputs
-from torch_stagehand.compiler.symbolic import input_key
+from torch_stagehand.compiler.symbolic import SymbolicInputs, input_key
 from torch_stagehand.runtime import registry
 
 

@@ -129,7 +129,7 @@ def default_tile(rows_per_expert: int, f32: bool) -> tuple[int, int, int, int, i
 
 
 def tiles(rows_per_expert: int) -> list[tuple[int, int, int, int, int]]:
-    """The tiles the autotuner tries (grouped_tune.py): token tiles near the rows an expert gets."""
+    """The tiles the autotuner (tuning/autotune.py) tries: token tiles near the rows an expert gets."""
     if rows_per_expert <= 32:
         return [(16, 128, 128, 4, 4), (32, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 3)]
     if rows_per_expert <= 128:

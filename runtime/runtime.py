@@ -26,8 +26,7 @@ from torch_stagehand.runtime.conductor.fetch_order import FetchOrder
 from torch_stagehand.runtime.conductor.costs import CostModel, budget_from
 from torch_stagehand.runtime.conductor.phases import PhaseTracker
 from torch_stagehand.runtime.conductor.telemetry import TelemetryWriter
-from torch_stagehand.runtime.eager_path import EagerFallbackWarning  # noqa: F401 (the warning's home)
-from torch_stagehand.runtime.eager_path import EagerPath
+from torch_stagehand.runtime.eager_path import EagerFallbackWarning, EagerPath  # noqa: F401 (the warning's home)
 from torch_stagehand.runtime.experts.stacks import attach_streamed
 from torch_stagehand.runtime.telemetry.events import RuntimeEvents, progress, unwrap_optimizer
 from torch_stagehand.runtime.train.grads import GradLane

@@ -26,6 +26,8 @@ class Variable:
     default: Any
     doc: str
     choices: tuple[str, ...] = ()
+    # Another tool's variable: read as that tool reads it, never refused here (its value is the tool's business).
+    foreign: bool = False
 
 
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
@@ -52,13 +54,18 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("STAGEHAND_ALLOW_CUDNN_SDPA", "flag", False,
              "1: keep cuDNN's attention under block streaming (its gradients were measured wrong there)"),
     # other tools' variables that change what we do
-    Variable("TRITON_INTERPRET", "flag", False, "Triton's interpreter: the kernels run on the CPU"),
-    Variable("TORCHINDUCTOR_COMPILE_THREADS", "int", None, "Inductor's compile threads: caps the ahead workers'"),
-    Variable("PYTORCH_CUDA_ALLOC_CONF", "str", None, "the user's allocator settings: expandable segments left alone"),
-    Variable("PYTORCH_ALLOC_CONF", "str", None, "the user's allocator settings: expandable segments left alone"),
-    Variable("ACCELERATE_DYNAMO_BACKEND", "str", None, "TrainingArguments' export for accelerate (trainers.py)"),
+    Variable("TRITON_INTERPRET", "flag", False, "Triton's interpreter: the kernels run on the CPU", foreign=True),
+    Variable("TORCHINDUCTOR_COMPILE_THREADS", "int", None, "Inductor's compile threads: caps the ahead workers'",
+             foreign=True),
+    Variable("PYTORCH_CUDA_ALLOC_CONF", "str", None, "the user's allocator settings: expandable segments left alone",
+             foreign=True),
+    Variable("PYTORCH_ALLOC_CONF", "str", None, "the user's allocator settings: expandable segments left alone",
+             foreign=True),
+    Variable("ACCELERATE_DYNAMO_BACKEND", "str", None, "TrainingArguments' export for accelerate (trainers.py)",
+             foreign=True),
 )}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_TRITON_TRUE = ("1", "true", "yes", "on", "y")  # Triton's own reading of a flag (anything else is off)
 
 
 def env(name: str) -> Any:
@@ -68,12 +75,21 @@ def env(name: str) -> Any:
     if raw is None or raw.strip() == "":
         return var.default
     value = raw.strip()
+    if var.foreign:
+        if var.kind == "flag":
+            return value.lower() in _TRITON_TRUE
+        if var.kind == "int":
+            try:
+                return int(value)
+            except ValueError:
+                return var.default  # the tool that owns it says what is wrong with it
+        return value
     if var.kind == "flag":
         if value.lower() in _TRUE:
             return True
         if value.lower() in _FALSE:
             return False
-        raise ConfigError(f"{name} must be 0 or 1, got {raw!r}")
+        raise ConfigError(f"{name} must be 0 or 1 (or true / false, yes / no, on / off), got {raw!r}")
     if var.kind == "int":
         if not value.isdigit():
             raise ConfigError(f"{name} must be an int >= 0, got {raw!r}")

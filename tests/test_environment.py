@@ -26,7 +26,7 @@ def test_values_are_typed_and_default_when_unset(monkeypatch):
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("STAGEHAND_AHEAD_DEBUG", "maybe", "STAGEHAND_AHEAD_DEBUG must be 0 or 1, got 'maybe'"),
+    ("STAGEHAND_AHEAD_DEBUG", "maybe", r"STAGEHAND_AHEAD_DEBUG must be 0 or 1 \(or true / false.*got 'maybe'"),
     ("STAGEHAND_AHEAD_WORKERS", "-1", "STAGEHAND_AHEAD_WORKERS must be an int >= 0, got '-1'"),
     ("STAGEHAND_INDUCTOR_AUTOTUNE", "some", "STAGEHAND_INDUCTOR_AUTOTUNE must be one of .* got 'some'"),
 ])
@@ -34,6 +34,17 @@ def test_a_bad_value_names_the_variable(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=message):
         env(name)
+
+
+def test_other_tools_variables_are_read_as_those_tools_read_them(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "y")  # Triton's own truthy spelling
+    assert env("TRITON_INTERPRET") is True
+    monkeypatch.setenv("TRITON_INTERPRET", "2")  # not refused here: Triton reads it as off
+    assert env("TRITON_INTERPRET") is False
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "-1")
+    assert env("TORCHINDUCTOR_COMPILE_THREADS") == -1
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "many")
+    assert env("TORCHINDUCTOR_COMPILE_THREADS") is None
 
 
 def test_set_env_sets_and_removes(monkeypatch):

@@ -110,8 +110,9 @@ class _Worker:
         # STAGEHAND_AHEAD_THREADS. The main process compiles nothing meanwhile: it runs the forward eagerly, tunes,
         # and waits.
         threads = max(1, _ahead_threads() or (os.cpu_count() or 1) // pool.size)
-        if env("TORCHINDUCTOR_COMPILE_THREADS") is not None:
-            threads = min(threads, env("TORCHINDUCTOR_COMPILE_THREADS"))
+        limit = env("TORCHINDUCTOR_COMPILE_THREADS")
+        if limit is not None and limit > 0:  # the user's cap on Inductor's threads holds for the workers too
+            threads = min(threads, limit)
         child = child_environment(PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
                                   TORCHINDUCTOR_COMPILE_THREADS=str(threads))
         self.process = subprocess.Popen([sys.executable, "-m", "torch_stagehand.compiler.startup.ahead_worker"],

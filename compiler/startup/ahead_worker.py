@@ -260,7 +260,7 @@ def main() -> None:
 
     from torch_stagehand.runtime import ops  # noqa: F401 - they register the stagehand ops the graphs call
 
-    from torch_stagehand.runtime.experts import stacks as experts
+    from torch_stagehand.runtime.experts import stacks as experts  # noqa: F401 - it registers the experts' op
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 

@@ -89,11 +89,12 @@ def cacheable_functions() -> dict[str, str]:
     kernels' torch code they call, and each function's own module: experts/stacks.py's stack read is one): an edit
     there changes every key that holds them."""
     from torch_stagehand import kernels
+    from torch_stagehand.kernels import tuning
     from torch_stagehand.runtime import ops, precision
     from torch_stagehand.runtime.precision.traced import IN_GRAPH_FUNCTIONS
 
     own = [inspect.getmodule(fn) for fn in IN_GRAPH_FUNCTIONS]
-    source = _sources_hash(list(dict.fromkeys([ops, precision, kernels, *own])))
+    source = _sources_hash(list(dict.fromkeys([ops, precision, kernels, tuning, *own])))
     return {f"{fn.__module__}.{fn.__name__}": source for fn in (ops.grad_tap, *IN_GRAPH_FUNCTIONS)}
 
 

@@ -4,8 +4,10 @@
 calls alike), `phases` tracks the training step, `telemetry` writes what each
 step moved, `trace` records what the slot pool did for `explain()`.
 `planner` makes the plan for a VRAM budget from `costs` (and `calibrate`'s
-measured step); `arbiter` is the run-time Conductor over `budget`,
-`transfer` and `policy` (the seed's modes, priorities, tokens and rules).
+measured step); `driver` applies it (`PlanDriver`, the one owner of the
+budget), `oom_recovery` re-plans through the driver when the device runs out;
+`conductor` is the run-time Conductor over `budget`, `transfer` and `policy`
+(the seed's modes, priorities, tokens and rules).
 """
 
 from torch_stagehand.runtime.conductor.fetch_order import LOOKAHEAD_DEPTH, FetchOrder, Lookahead

@@ -246,7 +246,7 @@ class PlanDriver:
                     raise torch.OutOfMemoryError(f"stagehand: no plan fits in what {self.device} has left "
                                                  f"({reason}; {small})") from e
         if not self.calibrated and plan.kind == "calibrating" and self._calibrate_at is None:
-            self._calibrate_at = (self.step() or 0) + WARMUP_STEPS if self.step() is not None else WARMUP_STEPS
+            self._calibrate_at = WARMUP_STEPS if self.step() is None else self.step() + WARMUP_STEPS
         self.plan = plan
         self.replans += 1
         # The first step under a made plan measures its peak (`_check_peak`); a hand-made one is the user's.

@@ -181,13 +181,3 @@ def _resident_owners(model: nn.Module, streamed: set[str]) -> dict[int, list[tup
                 if t is not None and t.is_meta and fqn not in streamed:
                     owners.setdefault(id(t), []).append((module, kind, name, fqn, t))
     return owners
-
-
-def progress(items, label: str):
-    """A progress bar on a terminal for the slow loops of offload (a 12B model takes a minute); silent elsewhere."""
-    items = list(items)
-    if len(items) < 8:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=label, unit="block", disable=None, leave=False)

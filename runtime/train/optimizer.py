@@ -73,10 +73,8 @@ from collections import defaultdict
 import torch
 
 from torch_stagehand.runtime import registry
-from torch_stagehand.runtime.train.delayed import DelayedStep
-from torch_stagehand.runtime.train.device import CHOOSE_AFTER_STEPS, DeviceUpdate
-from torch_stagehand.runtime.train.delayed import DelayedUpdate
-from torch_stagehand.runtime.train.device import DeviceAdamW
+from torch_stagehand.runtime.train.delayed import DelayedStep, DelayedUpdate
+from torch_stagehand.runtime.train.device import CHOOSE_AFTER_STEPS, DeviceAdamW, DeviceUpdate
 from torch_stagehand.runtime.telemetry.events import progress
 from torch_stagehand.runtime.host.budget import gib, probe_machine
 from torch_stagehand.runtime.device.allocator import allocated_bytes
@@ -86,7 +84,7 @@ from torch_stagehand.runtime.train.host import (MASTERS, RESIDENT_PLACES, STATE_
 from torch_stagehand.runtime.host.plan import HostMemoryError
 from torch_stagehand.runtime.streamed import HostMasterParameter
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("torch_stagehand.optim")  # the public name (torch_stagehand.optim)
 
 
 class HostUpdateWarning(UserWarning):
