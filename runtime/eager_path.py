@@ -68,6 +68,9 @@ class EagerPath:
         self.cache = ExpertCache(rt, rt.config.expert_cache_bytes)
         self.direct_reads = 0
         self.whole_stacks = 0  # direct-read calls whose router picked too many experts: the block came whole
+        self.linear_calls = 0  # calls of a streamed layer through this path (stats()["eager_linear_calls"])
+        self.blocks_taken: set[int] = set()  # the blocks they belong to (stats()["eager_blocks"])
+        self.warned: set[tuple[int, str]] = set()  # (block, cause) already told (warn_eager_once)
 
     # ---- the ops' entry points ------------------------------------------------------------
 
@@ -157,11 +160,10 @@ class EagerPath:
 
     def count(self, block: int, backward: bool) -> None:
         """The eager op path is correct but slow: count it, and say once per cause when a compiled model took it."""
-        rt = self.rt
-        rt.eager_linear_calls += 1
-        rt.eager_blocks.add(block)
-        if rt.graph_records:  # else the model is simply being called without torch.compile
-            warn_eager_once(rt._eager_warned, block, rt.blocks[block], backward)
+        self.linear_calls += 1
+        self.blocks_taken.add(block)
+        if self.rt.graph_records:  # else the model is simply being called without torch.compile
+            warn_eager_once(self.warned, block, self.rt.blocks[block], backward)
 
     # ---- direct reads ------------------------------------------------------------------------
 

@@ -112,9 +112,6 @@ class Runtime(SelectivePrecisionAPI):
         self.units_loaded = 0  # of those, loaded from the compile caches (a warm start), not compiled
         self.block_variant_count = 0
         self.graph_breaks: list[str] = []
-        self.eager_linear_calls = 0
-        self.eager_blocks: set[int] = set()
-        self._eager_warned: set[tuple[int, str]] = set()
         self.recomputed_blocks = 0
         self.offload_summary: dict[str, Any] = {}  # what offload() reported (the front door fills it)
         self.events = RuntimeEvents()  # step ends and compiles, for the front door's reports

@@ -17,7 +17,7 @@ from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
 from torch_stagehand.runtime.experts.lora import adopt_expert_adapters, release_expert_adapters
 from torch_stagehand.runtime.precision import FULL, validate_precision_map
 from torch_stagehand.runtime.runtime import Runtime
-from torch_stagehand.runtime.selective.controller import AUTO, SelectivePrecision, selective_precision_requested
+from torch_stagehand.runtime.selective.controller import AUTO, selective_precision_requested
 from torch_stagehand.runtime.streamed import is_streamed
 from torch_stagehand.environment import env
 
@@ -125,8 +125,7 @@ def offload(
     clock.mark("ahead workers adopted")
     if selective_precision_requested(config.selective_precision, auto):
         try:
-            rt.selective = SelectivePrecision(rt, precision_map, start_given=not auto)
-            rt.on_close(rt.selective.close)
+            rt.start_selective_precision(precision_map, start_given=not auto)
         except BaseException:
             rt.restore()
             raise

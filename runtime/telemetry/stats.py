@@ -43,8 +43,8 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "autotune_seconds": round(kernels.tuning_seconds(), 3),  # process-wide (W8A16 tuning)
         "steps": rt.phases.step,
         "precision_counts": dict(Counter(rt._precision.values())),
-        "eager_linear_calls": rt.eager_linear_calls,
-        "eager_blocks": [rt.blocks[b] for b in sorted(rt.eager_blocks)],
+        "eager_linear_calls": rt.eager.linear_calls,
+        "eager_blocks": [rt.blocks[b] for b in sorted(rt.eager.blocks_taken)],
         # generation's routed reads (eager_path.py): stacks read routed or whole, and the expert cache
         "routed_reads": {"direct_reads": rt.eager.direct_reads, "whole_stacks": rt.eager.whole_stacks,
                          "expert_cache": rt.eager.cache.stats()},
