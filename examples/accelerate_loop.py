@@ -79,6 +79,9 @@ def main(argv=None):
             if step >= args.steps:
                 break
     print(f"stagehand ran {rt.stats()['steps']} steps here, streamed {rt.stats()['h2d_bytes'] / 1e6:,.1f} MB")
+    # As accelerate's docs say: under torchrun the process group goes down before the process exits (a gloo
+    # group left to the interpreter's exit can abort a rank in its C++ teardown).
+    accelerator.end_training()
     return model, rt
 
 
