@@ -84,11 +84,13 @@ def parse(argv=None):
 
 
 class Recorder:
-    """The per-step JSONL (appended line by line: a killed run keeps every step before it) and the rows."""
+    """The per-step JSONL (appended line by line: a killed run keeps every step before it) and the rows. Its
+    first line is the run's environment (`{"env": ...}`: commit, tree, device), so the steps say which code ran."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, env: dict):
         self.path, self.rows = path, []
         self._file = open(path, "a", buffering=1)
+        self._file.write(json.dumps({"env": env}) + "\n")
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
@@ -367,10 +369,15 @@ def telemetry_check(path: str, soak_rows: list[dict]) -> dict:
             "telemetry_complete": ids == list(range(len(ids))) and len(ids) >= len(soak_rows)}
 
 
+def read_steps(path: str) -> list[dict]:
+    """A run's step records (its JSONL without the environment line)."""
+    with open(path) as f:
+        return [row for row in (json.loads(line) for line in f if line.strip()) if "step" in row]
+
+
 def summarize(args, path: str) -> int:
     """The summary of a run that was cut before it wrote one, from its steps alone."""
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_steps(path)
     soak_rows = [r for r in rows if r["phase"] == "soak"]
     table = visits(args, soak_rows)
     print_table(table, title=f"per budget visit (settled steps), from {path}")
@@ -411,7 +418,7 @@ def main(argv=None) -> int:
     jsonl = os.path.join(args.out, f"{args.name}.jsonl")
     if os.path.exists(jsonl):
         os.remove(jsonl)
-    rec = Recorder(jsonl)
+    rec = Recorder(jsonl, info)
     run_steps(args, rt, compiled, optimizer, inputs, rec, budgets, device)
     oom = oom_phase(args, rt, compiled, optimizer, inputs, rec, device) if device.type == "cuda" else []
     rec.close()

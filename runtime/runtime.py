@@ -86,7 +86,8 @@ class Runtime(SelectivePrecisionAPI):
         self._undo = OffloadUndo(model, layers)
         self._layer_slots = layer_slots(model, layers)  # to notice adapters wrapped around a layer after offload
         self.id = registry.register_runtime(self)
-        self.pool = self.node = self.shards = None
+        self.node = self.shards = None
+        self.plan_driver: PlanDriver | None = None  # made in _offload; it owns the slot pool
         self.clock = clock or StageClock()
         self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path and the plan's prefetches fetch next
         try:
@@ -178,7 +179,7 @@ class Runtime(SelectivePrecisionAPI):
         if self.node is not None:  # every block's owner has filled its pages: from here every rank reads them
             self.node.seal(self.device, self.store.pin, keep_group=self.grads.shards is not None)
             self._undo.release_deferred()
-        self.pool = self.plan_driver.make_pool()  # the slots and resident blocks the plan asks for
+        self.plan_driver.make_pool()  # the slots and resident blocks the plan asks for
         # Token outputs are allocated once: a prefetch / evict returns its block's.
         self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks] for _ in range(2))
         self.store.offloaded = True  # from here a refused page-lock leaves the buffer pageable, and says so
@@ -203,12 +204,17 @@ class Runtime(SelectivePrecisionAPI):
         self._undo.undo()
         self.telemetry.close()
         getattr(self, "store", None) is not None and self.store.free()
-        self.store = self.pool = self.checkpoint = None  # the pinned store and slots are freed with the exception
-        if getattr(self, "plan_driver", None) is not None:
+        self.store = self.checkpoint = None  # the pinned store and slots are freed with the exception
+        if self.plan_driver is not None:
             self.plan_driver.pool = None
         self._closed = True
 
     # ---- public API -----------------------------------------------------------------
+
+    @property
+    def pool(self):
+        """The device slots (`SlotPool`), owned by the plan driver, which sizes them; None before and after."""
+        return None if self.plan_driver is None else self.plan_driver.pool
 
     @property
     def precision(self) -> dict[int, str]:

@@ -20,8 +20,10 @@ def test_the_soak_in_miniature_records_every_step_and_compares_each_budgets_visi
             "--budgets", "1.0,0.4", "--out", str(tmp_path)]
     assert soak.main(args) == 0
     result = json.loads((tmp_path / "soak_tiny.json").read_text())
-    rows = [json.loads(line) for line in (tmp_path / "soak_tiny.jsonl").read_text().splitlines()]
-    assert len(rows) == 24 == result["steps_run"] == result["telemetry_records"]
+    lines = [json.loads(line) for line in (tmp_path / "soak_tiny.jsonl").read_text().splitlines()]
+    assert "commit" in lines[0]["env"] and "tree" in lines[0]["env"]  # the steps say which code ran them
+    rows = soak.read_steps(str(tmp_path / "soak_tiny.jsonl"))
+    assert rows == lines[1:] and len(rows) == 24 == result["steps_run"] == result["telemetry_records"]
     assert result["telemetry_complete"] and result["losses_finite"]
     assert result["switches"] == 5 and result["restore"]["pinned_locked_bytes"] == 0
     visits = result["visits"]
