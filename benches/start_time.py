@@ -150,7 +150,7 @@ class TritonCompiles:
 
     def summary(self, t0: float, end: float, clock0: float) -> dict:
         """The compiles between `t0` and `end` (the first step), their starts on the clock that began at
-        `clock0` (the ahead-compile pool's, so they line up with its jobs' timeline)."""
+        `clock0`."""
         inside = [e for e in self.events if t0 <= e[0] + e[1] and e[0] <= end]
         per_kernel: dict[str, list] = {}
         for _, seconds, name in inside:
@@ -275,7 +275,7 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         cache = variant_cache(rt)
         out["unit_cache"] = [f"{info['label']}: {info.get('cache')} {info['seconds']:.2f}s ({info.get('why')})"
                              + (f" [{info['ahead']}]" if info.get("ahead") else "") for info in cache.info.values()]
-        clock0 = cache.ahead.t0 if cache.ahead is not None else first_step[0]
+        clock0 = first_step[0]
         out["main_triton_compiles"] = triton_compiles.summary(*first_step, clock0)
         if cache.ahead is not None:  # variants compiled ahead in worker processes (compiler/startup/ahead.py)
             stats = cache.ahead.stats

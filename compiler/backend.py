@@ -2,18 +2,9 @@
 
     torch.compile(model, backend="stagehand", options={"inner": "eager"})
 
-On each Dynamo graph it finds the offloaded runtime the graph streams from,
-builds a `CompileContext` (the runtime through the `StreamingRuntime`
-protocol, the options, the runtime's `VariantCache`, the per-variant and
-joint pass lists) and runs `passes.GRAPH_PASSES` (inline_checkpoints ->
-causal_attention -> annotate_blocks -> assign_segments -> split_segments ->
-link_units). The result is an outer
-graph that calls one unit per segment; block units run `VARIANT_PASSES` and
-the inner compiler (with `JOINT_PASSES` on the joint graph) lazily, per
-precision. The order of every stage is written once, in passes/__init__.py.
-
-The outer graph runs as plain Python (like DDPOptimizer's stitching graph);
-all tensor work happens inside the compiled units.
+On each Dynamo graph it finds the offloaded runtime the graph streams from, builds a `CompileContext` and runs
+`passes.GRAPH_PASSES`: the result is an outer graph, run as plain Python, that calls one compiled unit per
+segment (units.py). The order of every stage is written once, in passes/__init__.py.
 """
 
 from __future__ import annotations
@@ -89,14 +80,10 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     ctx = CompileContext(rt, opts, variants, VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids),
                          tokens=tokens)
     outer = ctx.run(GRAPH_PASSES, gm)
-    rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran,
-                                _input_shapes(example_inputs)))
+    # Each input as `shape:dtype` (a symbolic size reads as its symbol), or its value.
+    shapes = [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
+    rt.record_graph(GraphRecord(ctx.graph_id, ctx.segments, ctx.dag, outer, ctx.passes_ran, shapes))
     return outer
-
-
-def _input_shapes(example_inputs) -> list[str]:
-    """`shape:dtype` per tensor input (a symbolic size reads as its symbol), the value of any other."""
-    return [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(x) for x in example_inputs]
 
 
 def _warn_if_nothing_offloaded() -> None:

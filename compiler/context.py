@@ -1,20 +1,14 @@
 """What the passes share: the runtime's static facts, options, and a log of the passes that ran.
 
-A pass reads its context and the graph and returns a graph; it never touches
-runtime *state* (slots, streams, counters). `CompileContext.runtime` is typed
-with the `StreamingRuntime` protocol (interface.py), which exposes only what is
-fixed at compile time: block names, layer layouts, byte counts, tokens.
-
-Every context is a `PassLog`: `run(passes, target)` runs an ordered pass list
-and records, per pass, its name and the notes it made through `note()`;
-`explain()` prints them. A per-variant pass gets a `VariantContext` (the
-graph-level context plus the block and precision the variant is built for).
+A pass reads its context and the graph and returns a graph; it never touches runtime state (the runtime is
+typed as the `StreamingRuntime` protocol, interface.py). Every context is a `PassLog`: `run(passes, target)`
+records per pass its name and the notes it made through `note()`, which `explain()` prints.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import torch
@@ -40,72 +34,55 @@ class BackendOptionsError(ValueError):
 
 @dataclass(frozen=True)
 class BackendOptions:
+    """What `torch.compile(model, backend="stagehand", options={...})` takes; an unknown name or value is a
+    `BackendOptionsError` naming it."""
+
     inner: str = "inductor"
-    # "blocks": every block recomputes its forward in backward (saves its inputs, not its
-    # activations), whatever the model's own checkpointing flag; None: only the blocks the
-    # model itself checkpoints; "model": the model checkpoints every block outside the compiled
-    # graph, which `compile_blocks` moved in here (each block recomputes where no plan says otherwise).
-    # With a VRAM plan, the plan decides (except under "blocks").
+    """The compiler of each unit's graph: "inductor" (Triton kernels) or "eager" (the graph's ops as they are: the
+    reference that shows what the compiler contributes)."""
     recompute: str | None = None
-    # "graph": a precision that can write its linear as graph ops (fp8 on FP8 tensor cores) is traced
-    # into the block's graph, where Inductor fuses its quantization and calls its GEMM directly;
-    # "op": every streamed linear stays the opaque `stagehand::linear` op (the A/B reference).
+    """'blocks': every block recomputes its forward in backward (saves its inputs, not its activations), whatever
+    the model's own checkpointing flag; None: only the blocks the model itself checkpoints; "model": the model
+    checkpoints every block outside the compiled graph, which `compile_blocks` moved in here (each block
+    recomputes where no plan says otherwise). With a VRAM plan, the plan decides (except under "blocks")."""
     linear_math: str = "graph"
-    # "grouped": a one-byte expert stack (int8, fp8) that the model reads only through grouped GEMMs is
-    # multiplied from its bytes (`stagehand::grouped_experts`: the Triton kernel or dequantize + grouped_mm,
-    # whichever the autotuner measures faster; fp8 rowwise tensor cores); "dense": the stack is dequantized
-    # in the graph and the model's own GEMM reads it (the A/B reference).
+    """'graph': a precision that can write its linear as graph ops (fp8 on FP8 tensor cores) is traced into the
+    block's graph, where Inductor fuses its quantization and calls its GEMM directly; "op": every streamed linear
+    stays the opaque `stagehand::linear` op (the A/B reference)."""
     experts_math: str = "grouped"
-    # Worker processes that compile foreseen block variants while the step runs (compiler/startup/ahead.py); None: the
-    # environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: each holds a CUDA context outside the VRAM budget,
-    # and on two-unit models they start slower than the step compiles: benches/start_time.py measures both).
+    """'grouped': a one-byte expert stack (int8, fp8) that the model reads only through grouped GEMMs is multiplied
+    from its bytes (`stagehand::grouped_experts`: the Triton kernel or dequantize + grouped_mm, whichever the
+    autotuner measures faster; fp8 rowwise tensor cores); "dense": the stack is dequantized in the graph and the
+    model's own GEMM reads it (the A/B reference)."""
     ahead_workers: int | None = None
+    """Worker processes that compile foreseen block variants while the step runs (compiler/startup/ahead.py); None:
+    the environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: each holds a CUDA context outside the VRAM budget,
+    and on small models they start slower than the step compiles)."""
 
     def workers_ahead(self) -> int:
         """How many ahead-compile workers the runtime's variants get (none with the eager inner compiler,
         which keeps no cache to fill)."""
         if self.inner != "inductor":
             return 0
-        workers = self.ahead_workers
-        if workers is None:
-            workers = env("STAGEHAND_AHEAD_WORKERS") or 0
-        return workers
+        return self.ahead_workers if self.ahead_workers is not None else env("STAGEHAND_AHEAD_WORKERS") or 0
 
     @staticmethod
     def from_dict(options: dict[str, Any] | None) -> "BackendOptions":
         options = dict(options or {})
-        inner = options.pop("inner", "inductor")
-        recompute = options.pop("recompute", None)
-        linear_math = options.pop("linear_math", "graph")
-        experts_math = options.pop("experts_math", "grouped")
-        ahead_workers = options.pop("ahead_workers", None)
-        if options:
+        names = [f.name for f in fields(BackendOptions)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise BackendOptionsError(f"backend 'stagehand': unknown option(s) {unknown} (known: {', '.join(names)})")
+        for name, allowed in (("experts_math", EXPERTS_MATH), ("linear_math", LINEAR_MATH),
+                              ("recompute", RECOMPUTE_MODES), ("inner", INNER_COMPILERS)):
+            if name in options and options[name] not in allowed:
+                raise BackendOptionsError(
+                    f"backend 'stagehand': options['{name}'] must be one of {allowed}, got {options[name]!r}")
+        workers = options.get("ahead_workers")
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
             raise BackendOptionsError(
-                f"backend 'stagehand': unknown option(s) {sorted(options)} (known: inner, recompute, linear_math, "
-                "experts_math, ahead_workers)"
-            )
-        if experts_math not in EXPERTS_MATH:
-            raise BackendOptionsError(
-                f"backend 'stagehand': options['experts_math'] must be one of {EXPERTS_MATH}, got {experts_math!r}"
-            )
-        if linear_math not in LINEAR_MATH:
-            raise BackendOptionsError(
-                f"backend 'stagehand': options['linear_math'] must be one of {LINEAR_MATH}, got {linear_math!r}"
-            )
-        if recompute not in RECOMPUTE_MODES:
-            raise BackendOptionsError(
-                f"backend 'stagehand': options['recompute'] must be one of {RECOMPUTE_MODES}, got {recompute!r}"
-            )
-        if inner not in INNER_COMPILERS:
-            raise BackendOptionsError(
-                f"backend 'stagehand': options['inner'] must be one of {INNER_COMPILERS}, got {inner!r}"
-            )
-        if ahead_workers is not None and (isinstance(ahead_workers, bool) or not isinstance(ahead_workers, int)
-                                          or ahead_workers < 0):
-            raise BackendOptionsError(
-                f"backend 'stagehand': options['ahead_workers'] must be an int >= 0, got {ahead_workers!r}")
-        return BackendOptions(inner=inner, recompute=recompute, linear_math=linear_math, experts_math=experts_math,
-                              ahead_workers=ahead_workers)
+                f"backend 'stagehand': options['ahead_workers'] must be an int >= 0, got {workers!r}")
+        return BackendOptions(**options)
 
 
 T = TypeVar("T")

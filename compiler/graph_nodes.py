@@ -69,26 +69,30 @@ def streams(gm: fx.GraphModule) -> fx.Node | None:
 _STREAMED_ARGS = ("x", "bias", "block_tok", "position", "out_features", "anchor")
 
 
+def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """A call's argument by position, else by keyword."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
 def streamed_arg(node: fx.Node, name: str) -> Any:
     """An argument of a captured `streamed_linear(x, bias, block_tok, position, out_features, anchor)` node,
     or of a `streamed_experts(block_tok, position, shape, dtype, device)` node."""
-    i = (EXPERTS_ARGS if is_streamed_experts(node) else _STREAMED_ARGS).index(name)
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name)
+    return node_arg(node, (EXPERTS_ARGS if is_streamed_experts(node) else _STREAMED_ARGS).index(name), name)
 
 
 def token_owners(gm: fx.GraphModule, example_inputs) -> dict[str, tuple[Any, int]]:
-    """`{node name: (runtime, block)}` for the graph's inputs (and attributes) that are block tokens.
-
-    A streamed Linear holds its block's token as a tensor attribute, so Dynamo passes it in as a graph input
-    (or, without inlined nn modules, a get_attr): the example input is the token object itself. A backend
-    handed fake inputs (DDPOptimizer compiles each bucket's piece of the graph on fakes) finds the token in
-    the placeholder's record of what Dynamo captured (`grapharg`), whose example is the real one."""
+    """`{node name: (runtime, block)}` for the graph's inputs (and get_attrs) that are block tokens: the example
+    input itself, or for a backend handed fake inputs (DDPOptimizer's buckets) the real value Dynamo captured."""
     from torch_stagehand.runtime import registry
 
     owners: dict[str, tuple[Any, int]] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, value in zip(placeholders, example_inputs):
-        found = registry.token_owner(value) or registry.token_owner(_captured_example(node))
+        try:
+            captured = getattr(node.meta.get("grapharg"), "example", None)
+        except Exception:  # a GraphArg whose example was released raises on access
+            captured = None
+        found = registry.token_owner(value) or registry.token_owner(captured)
         if found is not None:
             owners[node.name] = found
     for node in gm.graph.find_nodes(op="get_attr"):
@@ -99,14 +103,6 @@ def token_owners(gm: fx.GraphModule, example_inputs) -> dict[str, tuple[Any, int
         if found is not None:
             owners[node.name] = found
     return owners
-
-
-def _captured_example(placeholder: fx.Node) -> Any:
-    """The real value Dynamo captured for a graph input, while it still holds it (None otherwise)."""
-    try:
-        return getattr(placeholder.meta.get("grapharg"), "example", None)
-    except Exception:  # a GraphArg whose example was released raises on access
-        return None
 
 
 _ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]")
@@ -153,16 +149,12 @@ _RANDOM_CALLS = frozenset({
 _DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})
 
 
-def _argument(node: fx.Node, position: int, name: str, default: Any) -> Any:
-    return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
-
-
 def _draws_nothing(node: fx.Node, name: str) -> bool:
     """A dropout or attention call whose constant arguments say it draws no random number."""
     if name in _DROPOUTS:
-        p, training = _argument(node, 1, "p", 0.5), _argument(node, 2, "training", True)
+        p, training = node_arg(node, 1, "p", 0.5), node_arg(node, 2, "training", True)
         return (isinstance(p, (int, float)) and p == 0) or training is False
-    p = _argument(node, 4, "dropout_p", 0.0)  # scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, ...)
+    p = node_arg(node, 4, "dropout_p", 0.0)  # scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, ...)
     return isinstance(p, (int, float)) and p == 0
 
 

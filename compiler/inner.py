@@ -1,12 +1,8 @@
 """Compiling one unit (a block variant or a glue segment) with the inner compiler.
 
-Both paths go through AOTAutograd, and both run the joint passes (the
-caller hands in `passes.JOINT_PASSES`) on the joint graph before it is
-partitioned: "eager" through our partition_fn, "inductor" through Inductor's
-`joint_custom_post_pass`, whose cache uuid is a hash of the passes' source
-(`source_hash.passes_uuid`). The forward, backward and inference graphs that
-come out are handed to `on_graph` (for explain); the joint passes note what
-they did in the `PassLog` given.
+Both paths go through AOTAutograd and run the joint passes on the joint graph before it is partitioned: "eager"
+through our partition_fn, "inductor" through Inductor's `joint_custom_post_pass` (its cache uuid hashes the
+passes' source). The graphs that come out are handed to `on_graph` (for explain).
 """
 
 from __future__ import annotations
@@ -43,12 +39,9 @@ def compile_workers_wanted(device: torch.device) -> bool:
 
 
 def warm_compile_workers(device: torch.device) -> bool:
-    """Start Inductor's compile workers now, when `compile_workers_wanted`. torch's own inductor backend does when
-    Dynamo hands it a graph; a backend that calls `compile_fx` per unit must do it itself: the workers take
-    seconds to come up, and until they are ready every Triton kernel of the first units compiles in the main
-    process, one after another. Started at offload, they come up while it reads the weights: full-size Flux
-    int8's cold first step took 42.6 s against 50.9 s without (H100, one call,
-    benches/results/start_time_pool_flux.json). True when the pool was asked for."""
+    """Start Inductor's compile workers now, when `compile_workers_wanted` (torch's inductor backend does when
+    Dynamo hands it a graph; one that calls `compile_fx` per unit must itself, or the first units' kernels
+    compile in the main process, one after another). True when the pool was asked for."""
     if not compile_workers_wanted(device):
         return False
     from torch._inductor.async_compile import maybe_warm_pool
@@ -58,17 +51,15 @@ def warm_compile_workers(device: torch.device) -> bool:
 
 
 def prewarm_compiler_imports(source_files: Sequence[str] = ()) -> None:
-    """Import Inductor's and AOTAutograd's modules now (~2 s that the first unit's compile, or a warm start's
-    first load, would otherwise spend). Called by `offload()` on its calling thread while other threads fill
-    the host store (read the slab, or copy the weights): never on a thread of its own, since two threads
-    importing one circle of modules can each see the other's half-made module. Then starts `prewarm_cache_keys`
-    on a thread of its own (it imports nothing), and indexes `source_files` for Dynamo
-    (`index_sources_for_dynamo`), on this thread, while the store fills."""
+    """Import Inductor's and AOTAutograd's modules now, start `prewarm_cache_keys` on a thread, and index
+    `source_files` for Dynamo. Called by `offload()` on its calling thread while other threads fill the host
+    store; never on a thread of its own (two threads importing one circle of modules can each see the other's
+    half-made module)."""
     import torch._functorch.aot_autograd  # noqa: F401
     import torch._inductor.codecache  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
 
-    start_prewarm_cache_keys()
+    threading.Thread(target=prewarm_cache_keys, name="stagehand-cache-keys", daemon=True).start()
     index_sources_for_dynamo(source_files)
 
 
@@ -104,16 +95,13 @@ def dynamo_source_files(model: torch.nn.Module) -> list[str]:
 
 
 def index_sources_for_dynamo(files: Sequence[str]) -> None:
-    """Fill Dynamo's index of which function each source line is in (`torch._dynamo.funcname_cache`). Dynamo
-    names the function around every line it turns into a graph node, and tokenizes a whole file the first
-    time it meets it: 0.2-0.6 s of a first step (Flux, Qwen-32B), which offload spends here instead, while the
-    host store fills."""
+    """Fill Dynamo's index of which function each source line is in (`torch._dynamo.funcname_cache`), which it
+    builds by tokenizing a whole file the first time a trace meets it."""
     try:
         from torch._dynamo import funcname_cache
-    except ImportError:  # pragma: no cover - a torch without it: Dynamo does nothing of the kind
-        return
-    add = getattr(funcname_cache, "_add_file", None)
-    if add is None:  # a torch whose index works otherwise: Dynamo builds it as before
+
+        add = funcname_cache._add_file
+    except (ImportError, AttributeError):  # a torch without them: Dynamo builds its index as it goes
         return
     for path in files:
         if path not in funcname_cache.cache:
@@ -121,12 +109,9 @@ def index_sources_for_dynamo(files: Sequence[str]) -> None:
 
 
 def prewarm_cache_keys() -> None:
-    """Work out the hashes torch's compile caches put in every key, once per process: of Triton's build (its
-    sources and library) and, once Inductor is imported, of torch's own sources. The first unit a process
-    compiles or loads otherwise spends them (0.4-0.6 s on an H100's host: most of a warm unit load's first
-    one); here they are file reads and hashing, beside the rest of `offload()` and Dynamo's first trace. All
-    are cached (functools), so the first key that needs one uses it, or computes it itself if this has not
-    finished (same values). Imports nothing (it runs on a thread of its own: `prewarm_compiler_imports`)."""
+    """Work out the hashes torch's compile caches put in every key, once per process (Triton's build and, once
+    Inductor is imported, torch's sources), before the first unit needs them. All are cached (functools): a key
+    that needs one before this finished computes the same value itself. Imports nothing (it runs on a thread)."""
     try:
         from triton.runtime.cache import triton_key  # triton is imported with the kernels
 
@@ -138,10 +123,6 @@ def prewarm_cache_keys() -> None:
             CacheBase.get_system()
     except Exception as error:  # noqa: BLE001 - an older or newer torch or Triton without them: nothing is lost
         log.debug("stagehand: cache-key prewarm skipped: %s", error)
-
-
-def start_prewarm_cache_keys() -> None:
-    threading.Thread(target=prewarm_cache_keys, name="stagehand-cache-keys", daemon=True).start()
 
 
 def _eager_backward_lowering():
@@ -171,14 +152,9 @@ def compile_eager(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph, j
         return min_cut_rematerialization_partition(joint_gm, joint_inputs, **kwargs)
 
     with _eager_backward_lowering():
-        return aot_module_simplified(
-            gm,
-            example_inputs,
-            fw_compiler=compiler("forward"),
-            bw_compiler=compiler("backward"),
-            inference_compiler=compiler("inference"),
-            partition_fn=partition,
-        )
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
+                                     bw_compiler=compiler("backward"), inference_compiler=compiler("inference"),
+                                     partition_fn=partition)
 
 
 class JointPasses:
@@ -227,21 +203,11 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
 
 def one_config_per_kernel(inductor_config) -> dict:
     """Inductor's config for one launch config per Triton kernel of the kinds `STAGEHAND_INDUCTOR_AUTOTUNE`
-    leaves out ("pointwise": reductions get one; "1"/"all": Inductor's default, "0"/"none": every kernel one).
-    Inductor compiles several configs of a reduction (and of some pointwise kernels) and times them at the
-    kernel's first launch: in a cold first step, full-size Flux's units ran 133 such timings (2.9 s under the
-    profiler, in the step, where its backward first meets each kernel), and its single block's q/k RMSNorm fused
-    with the rotary embedding compiled three configs for 4.4 s in a worker, on the step's critical path. A
-    reduction's one config is the pick Inductor makes in deterministic mode (`force_filter_reduction_configs`), a
-    pointwise kernel's its untimed heuristic. Deterministic mode also keeps a reduction from growing a second
-    config at its first launch (`dynamic_scale_rblock`: a halved RBLOCK where registers limit occupancy, compiled
-    in the main process and timed against the first, in every process, for no autotune cache keeps the pick of a
-    one-config kernel): 9 of Flux bf16's reductions did, 0.4 s of each warm first step, and the winner of a timing
-    can differ from one process to the next. Without it the cold first steps were 1.8-3.3 s shorter and the
-    steady steps the same within their spread (benches/results/start_time_rblock_*.json). A torch without
-    these switches gets Inductor's default. On one H100 machine, Flux int8's cold first step took 17.5 s with
-    the default against 22.0 s with every kernel timed, and its steady step 622 ms against 648-665
-    (benches/results/start_time_one_config_flux.json)."""
+    leaves out ("pointwise": reductions get one; "1"/"all": Inductor's default, "0"/"none": every kernel one),
+    instead of several compiled and timed at the kernel's first launch, in the step. A reduction's one config is
+    the pick Inductor makes in deterministic mode (`force_filter_reduction_configs`), a pointwise kernel's its
+    untimed heuristic; `dynamic_scale_rblock` off keeps a reduction from growing a second config at its first
+    launch, timed again in every process. A torch without these switches gets Inductor's default."""
     timed, patches = AUTOTUNED[autotune_choice()], {}
     if "pointwise" not in timed and hasattr(inductor_config.triton, "autotune_pointwise"):
         patches["triton.autotune_pointwise"] = False
@@ -269,7 +235,6 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph:
         return compile_inductor(gm, inputs, on_graph, joint, replay_rng)
 
 
-
 class ScalarReadAfterWriteError(RuntimeError):
     """A unit reads `.item()` of an input after writing into it: the value at call time cannot be baked in."""
 
@@ -291,13 +256,9 @@ def _refuse_reads_after_writes(gm: fx.GraphModule, reads: list[fx.Node]) -> None
 def _bake_scalar_reads(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
     """A copy of `gm` in which `.item()` of a 0-dim input is the number the input holds now.
 
-    Under `dynamic=True` Dynamo passes Python floats (a norm's eps) as 0-dim tensor inputs
-    read with `.item()`. Units compile from real inputs, outside Dynamo, where such a read
-    cannot be traced (no ShapeEnv; with one, AOTAutograd asks Dynamo, which is not there, to
-    restart). The value becomes a constant of this variant instead, and the variant key holds
-    the value (symbolic.input_key), so another value compiles another variant, never a
-    stale number. `gm` itself is left as it is: other variants are compiled from it.
-    """
+    Under `dynamic=True` Dynamo passes Python floats (a norm's eps) as 0-dim tensor inputs read with `.item()`,
+    which cannot be traced outside Dynamo. The value becomes a constant of this variant, and the variant key holds
+    it (symbolic.input_key), so another value compiles another variant. `gm` itself is left as it is."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     reads = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "item"
              and n.args[0] in placeholders and isinstance(example_inputs[placeholders.index(n.args[0])], torch.Tensor)]

@@ -1,11 +1,7 @@
 """What the compiler reads from the runtime: the `StreamingRuntime` protocol.
 
-The compiler sits above the runtime and may import it, but it must not reach
-into the runtime's state (slot pool, host store, counters). Everything the
-passes, the units and the backend use from a `Runtime` is declared here, so
-the interface between the two is written down in one place and a hand-made
-fake runtime is enough to run a pass in a test. `Runtime` implements it
-(tests/test_passes.py checks that it does).
+Everything the passes, the units and the backend use from a `Runtime` is declared here, so a hand-made fake
+runtime is enough to run a pass in a test; `Runtime` implements it (tests/test_passes.py checks that it does).
 """
 
 from __future__ import annotations
@@ -36,58 +32,45 @@ class StreamingRuntime(Protocol):
     @property
     def precision(self) -> dict[int, str]:
         """The current precision map (block -> precision name); a copy."""
-        ...
 
     def layer_at(self, block: int, position: int) -> int:
         """Index in `layers` of block `block`'s `position`-th streamed layer (what a captured
         `streamed_linear(x, bias, block_tok, position, ...)` names)."""
-        ...
 
     def layer_layout(self, index: int, precision: str) -> list[int]:
         """Where layer `index` sits in its block's device bytes, as op-schema ints."""
-        ...
 
     def block_nbytes(self, block: int, precision: str) -> int: ...
 
     def trainable_positions(self, block: int) -> tuple[int, ...]:
         """The positions of the block's streamed layers whose weights train now (a variant compiles per set)."""
-        ...
 
     # ---- the few things the compiler tells the runtime -----------------------------------
     def abort_held_blocks(self) -> None:
         """A compiled unit raised before its evict ran: release every block it held."""
-        ...
 
     def recover_from_oom(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
         """A unit (`where` names it) ran out of device memory before it returned: free, re-plan under the memory
         left; True when the unit should run again (runtime/conductor/oom_recovery.py says when it should not)."""
-        ...
 
     def record_compile(self, seconds: float, block_variant: bool, loaded: bool = False) -> None:
         """Count one compiled unit in `stats()` (`loaded`: from the compile caches, not compiled)."""
-        ...
 
     def record_first_run(self) -> None:
         """Count a compiled unit's first run (its kernels load and tune then)."""
-        ...
 
     def planned_recompute(self, block: int) -> bool | None:
         """The runtime's plan for the block's activations: recompute (True), keep (False), or None when the
         model's own checkpointing decides (no VRAM budget was planned for)."""
-        ...
 
     def spill_hooks(self, block: int) -> Any:
         """A context (saved-tensor hooks) that spills the block's saved activations to host, or None."""
-        ...
 
     def record_recompute(self, block: int) -> None:
         """Count one block recompute (a block unit re-ran its forward in backward) in `stats()`."""
-        ...
 
     def record_graph(self, record: Any) -> None:
         """Keep what the backend did to one Dynamo graph, for `explain()`."""
-        ...
 
     def on_close(self, callback: Callable[[], None]) -> None:
         """Call `callback` when the runtime closes (the compiler drops its variants then)."""
-        ...

@@ -1,19 +1,9 @@
 """Which values of a Dynamo graph are written in place, for passes that evaluate or fold graph values.
 
-Dynamo's graph is not functional. `mask.logical_and_(keep)`, `m[..., :n] = x`,
-`torch.add(a, b, out=m)` and an in-place op on a view (`base[:, None].mul_(k)`)
-all change a value after the node that built it ran, and nothing in that
-node's inputs shows it: following data edges backwards from a use misses the
-write. A pass that evaluates a subgraph or proves something about a value
-from its construction must therefore first ask whether the value, anything it
-was computed from, or anything sharing their storage is written anywhere in
-the graph (`MutationIndex.writers`), and leave the value alone if so.
-
-Storage identity comes from the fake values Dynamo recorded (`example_value`):
-a view shares its base's fake storage, so `StorageWeakRef` of the two are
-equal, exactly the aliasing the real tensors will have. A write whose target
-has no fake value (no record) cannot be placed, and `unplaced` then holds it:
-a caller must treat that as "anything may be written".
+Dynamo's graph is not functional: `mask.logical_and_(keep)`, `m[..., :n] = x`, `out=` and an in-place op on a
+view change a value after the node that built it ran, with no data edge to show it. A pass that uses a value's
+construction first asks `MutationIndex.writers` about it. Storage identity comes from Dynamo's fake values (a view
+shares its base's fake storage); a write whose target has no fake value is `unplaced`: it may write anything.
 """
 
 from __future__ import annotations
@@ -26,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from torch_stagehand.compiler.graph_nodes import example_value
+from torch_stagehand.compiler.graph_nodes import example_value, node_arg
 
 # `x op= y` on a tensor: Dynamo records the operator module's in-place function.
 _INPLACE_OPERATORS = {
@@ -34,8 +24,6 @@ _INPLACE_OPERATORS = {
     operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
     operator.imatmul, operator.setitem,
 }
-
-
 _INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS}  # "__iadd__", ..., "__setitem__"
 
 
@@ -93,12 +81,8 @@ def _schema_writes(node: fx.Node, target) -> list[Any]:
     schema = getattr(op, "_schema", None)
     if schema is None:
         return []
-    written = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            written.append(value)
-    return written
+    return [node_arg(node, i, arg.name) for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write]
 
 
 def _calls_mutating_subgraph(node: fx.Node) -> bool:

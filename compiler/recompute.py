@@ -1,38 +1,16 @@
 """Block recompute: a block unit that saves its inputs, not its activations.
 
-Used for blocks the model itself checkpoints (their checkpoint regions were
-inlined by `passes/inline_checkpoints`) and for every block when the backend
-option `recompute="blocks"` asks for it.
-
-Forward: the block's compiled *inference* variant runs under `no_grad`
-(wait -> prefetch(next) -> linears -> evict), and only the unit's inputs are
-saved: the hidden states and the resident parameters (LoRA adapters, norms),
-never a streamed weight (the slot is not an input of the unit).
-
-Backward: the block's compiled *training* variant runs again on the saved
-inputs with grad enabled, and its backward graph runs at once through
-`torch.autograd.grad`. The two share one fetch of the block's weights: the
-recompute's `wait` brings the block in (usually already prefetched by the
-block after it), its evict leaves the bytes in the slot, and the backward
-graph's `wait_bw` finds them there. The recompute's own `prefetch` is pointed
-at the block whose backward runs next (the unit's `prev` token takes the
-`next` position), so the H2D copy of that block overlaps this one's work.
-
-Inputs that need no grad stay attached as they are; the ones that need grad
-are detached so the grads come back here and are returned to the outer
-autograd graph (which accumulates them into the parameters' `.grad`).
-
-The recompute replays the forward's random numbers (the CPU and CUDA
-generator states are kept and restored, as torch.utils.checkpoint does, and
-recomputed variants compile with Inductor's `fallback_random` so both
-variants draw from those generators in the same order): dropout inside a
-block gets the same masks twice. Gradients of gradients are refused
-(`once_differentiable`), not silently zero.
+Forward: the block's inference variant runs under `no_grad` and only the unit's inputs are saved (never a
+streamed weight). Backward: the training variant runs again on them with grad enabled and its backward at once
+(`torch.autograd.grad`), under the same fetch of the block's weights (the recompute's evict leaves the bytes in
+the slot for `wait_bw`); its prefetch points at the block whose backward runs next. The forward's random numbers
+are replayed (generator states kept and restored; recomputed variants compile with `fallback_random`).
+Gradients of gradients are refused (`once_differentiable`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -44,9 +22,9 @@ _TOKENS = 4
 
 
 def run_again_after_oom(run: Callable[[], object], recover: Callable[[BaseException], bool]):
-    """`run()`; when it runs out of device memory and `recover(error)` says the owner re-planned, it runs again
-    (runtime/conductor/oom_recovery.py says when not); else the error goes on. A unit's forward (units.py) and a recomputed
-    block's backward (below) start from inputs that are still whole, so running them again is exact."""
+    """`run()`, run again when it runs out of device memory and `recover(error)` says the owner re-planned; else
+    the error goes on. A unit's forward and a recomputed block's backward start from inputs that are still whole,
+    so running them again is exact."""
     while True:
         try:
             return run()
@@ -55,13 +33,13 @@ def run_again_after_oom(run: Callable[[], object], recover: Callable[[BaseExcept
                 raise
 
 
-class _RecomputeHooks:
+class _RecomputeHooks(NamedTuple):
     """What a recomputed block tells its owner: a recompute ran; the backward failed (drop held slots); the
     backward ran out of memory (`on_oom(error)`: True when the owner re-planned and it may run again)."""
 
-    def __init__(self, on_recompute: Callable[[], None], on_error: Callable[[], None],
-                 on_oom: Callable[[BaseException], bool] | None = None):
-        self.on_recompute, self.on_error, self.on_oom = on_recompute, on_error, on_oom
+    on_recompute: Callable[[], None]
+    on_error: Callable[[], None]
+    on_oom: Callable[[BaseException], bool] | None = None
 
 
 class RecomputedBlock(torch.autograd.Function):

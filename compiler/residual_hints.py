@@ -1,18 +1,11 @@
 """Which arguments of a model's blocks carry the residual stream, remembered between runs (regional compilation).
 
-Under `compile_blocks` Dynamo traces each block's forward, and guards on every tensor argument's grad flag. A
-model's first block takes its residual stream from an embedding that trains nothing, so there that argument needs
-no grad where every later block's does: Dynamo traces the first block apart from the others of its structure (Flux
-LoRA: three traces for two structures; on an H100 a warm Flux step's Dynamo capture took 2.0-2.4 s with three,
-1.4-2.1 s with two: benches/results/start_time_hints_*.json). The block
-unit gives that argument grad inside the graph anyway (units.BlockUnit._residual_stream_needing_grad: the first
-block then shares the others' training variant). When it does, it names the arguments it did it for (their
-names in the block's forward, from Dynamo's sources) in a small file beside the model's compile bundle
-(`record`), and a later run's `compile_blocks` gives them grad before Dynamo sees them (`give_grad`): one trace
-per structure. The price is the one the unit already pays: the first block's input gradient, computed and
-dropped. Blocks are named by the list that holds them (`transformer_blocks` for `transformer_blocks.7`): the
-blocks of one list share a forward. A file that cannot be read, or does not hold a name list per block list, is
-ignored with a warning that says why.
+Under `compile_blocks` Dynamo guards on every tensor argument's grad flag, and a model's first block takes its
+residual stream from an embedding that trains nothing: Dynamo would trace it apart from the others of its
+structure. The block unit gives that argument grad anyway (units.BlockUnit._residual_stream_needing_grad) and
+names it here, in a file beside the model's compile bundle (`record`); a later run's `compile_blocks` gives it
+grad before Dynamo sees it (`give_grad`): one trace per structure. Blocks are named by the list that holds them.
+A file that cannot be read, or is not a name list per block list, is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -43,18 +36,6 @@ def block_list(fqn: str) -> str:
     return re.sub(r"\.\d+$", "", fqn)
 
 
-def argument_names(placeholders: list, positions) -> list[str]:
-    """The forward's argument names of the graph inputs at `positions`, from their Dynamo sources (an input
-    Dynamo read from somewhere else than a forward argument has none, and is left out)."""
-    names = []
-    for i in sorted(positions):
-        grapharg = placeholders[i].meta.get("grapharg")
-        name = getattr(getattr(grapharg, "source", None), "local_name", None)
-        if isinstance(name, str):
-            names.append(name)
-    return names
-
-
 def load(bundle_path: str) -> dict[str, list[str]]:
     """The hints recorded beside `bundle_path`: block list -> argument names; {} when there is no file, or one
     that is unreadable or not of this shape (a warning says which)."""
@@ -76,30 +57,24 @@ def load(bundle_path: str) -> dict[str, list[str]]:
 
 
 def remember(bundle_path: str, fqn: str, template: Any, positions) -> None:
-    """The block unit of `fqn` gave grad to its graph inputs at `positions`: note their argument names for the
-    blocks of its list (once per process: the unit calls this at every step's first block)."""
-    seen = (bundle_path, block_list(fqn), tuple(positions))
-    if seen in _recorded:
+    """The block unit of `fqn` gave grad to its graph inputs at `positions`: note their argument names (from
+    their Dynamo sources; an input not read from a forward argument has none) for the blocks of its list, once per
+    process. A file that cannot be written costs only the next run's extra trace."""
+    key = block_list(fqn)
+    if (bundle_path, key, tuple(positions)) in _recorded:
         return
-    _recorded.add(seen)
+    _recorded.add((bundle_path, key, tuple(positions)))
     placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
-    record(bundle_path, fqn, argument_names(placeholders, positions))
-
-
-def record(bundle_path: str, fqn: str, names: list[str]) -> None:
-    """Note that the blocks of `fqn`'s list need grad on `names` (`remember` calls it once per process and list);
-    a file that cannot be written costs only the next run's extra trace."""
-    path, key = hints_file(bundle_path), block_list(fqn)
-    if not names:
-        return
-    hints = load(bundle_path)
-    if hints.get(key) == names:
+    sources = (getattr(placeholders[i].meta.get("grapharg"), "source", None) for i in sorted(positions))
+    names = [name for name in (getattr(source, "local_name", None) for source in sources) if isinstance(name, str)]
+    hints = load(bundle_path) if names else {}
+    if not names or hints.get(key) == names:
         return
     hints[key] = names
     try:
-        write_atomic(path, json.dumps(hints, indent=1, sort_keys=True))
+        write_atomic(hints_file(bundle_path), json.dumps(hints, indent=1, sort_keys=True))
     except OSError as e:
-        log.warning("stagehand: residual-stream hints %s not written: %s", path, e)
+        log.warning("stagehand: residual-stream hints %s not written: %s", hints_file(bundle_path), e)
 
 
 def positional_names(forward: Any) -> list[str]:

@@ -1,11 +1,5 @@
-"""A hash of source text, for the cache uuids of custom graph passes.
-
-torch/_inductor/custom_graph_pass.py asks a custom pass for a `uuid()` that
-changes whenever its implementation does, and recommends hashing the pass's
-source files (`get_hash_for_files`). We hash `inspect.getsource` text instead
-of file bytes so the same helper works for any module and is testable on
-plain strings.
-"""
+"""A hash of source text, for the cache uuids of custom graph passes (torch/_inductor/custom_graph_pass.py
+asks for a `uuid()` that changes whenever the pass's implementation does)."""
 
 from __future__ import annotations
 

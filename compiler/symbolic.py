@@ -1,22 +1,9 @@
 """Shape-generic units: compile once for every size of the dimensions Dynamo made dynamic.
 
-Units compile lazily, outside Dynamo, from the real inputs of their first call
-(units.py). When the Dynamo graph they came from is static, the variant is
-specialised to those sizes, and a new batch or sequence length needs a new
-variant. When Dynamo made dimensions dynamic (its automatic dynamic shapes at
-the second distinct size, or `dynamic=True`), the unit's placeholders carry
-symbolic example values (`s0`, `s1`); `SymbolicInputs` then fakes the real
-inputs with those dimensions symbolic, in a fresh `ShapeEnv`, and the inner
-compiler (AOTAutograd + Inductor or eager) traces a program valid for any
-size. Whatever that compile assumed about the sizes (Inductor may guard on a
-divisibility or a relation) comes back as a guard expression over the inputs,
-checked before a variant runs (`GuardedVariants`), as Dynamo checks its own:
-a call that breaks one compiles another variant instead of running a wrong
-one.
-
-Everything not symbolic in the Dynamo graph (a hidden size, the dtypes) stays
-static and is guarded as well (`ignore_static=False`), so the guard is the
-whole truth about which inputs a variant accepts.
+When a unit's placeholders carry symbolic example values, `SymbolicInputs` fakes its real inputs with those
+dimensions symbolic in a fresh `ShapeEnv` and the inner compiler traces a program valid for any size. Whatever the
+compile assumed about the sizes (static ones included: `ignore_static=False`) comes back as a guard over the
+inputs, checked before a variant runs (`GuardedVariants`): a call that breaks one compiles another variant.
 """
 
 from __future__ import annotations
@@ -37,15 +24,12 @@ def _is_symbolic(value: Any) -> bool:
 
 
 def input_key(a: Any, exact_sizes: bool, grad: bool = True) -> Any:
-    """One input's part of a variant key: with `exact_sizes`, a tensor's shape and strides too
-    (a static variant); without, only what a shape-generic variant's guard does not check.
-    `grad`: grad mode is on. Off, an input's grad flag changes nothing compiled (AOTAutograd makes
-    an inference graph whatever the flags), so the key leaves it out: a block whose input needs no
-    grad (a model's first) and one whose input does share the inference variant."""
+    """One input's part of a variant key: with `exact_sizes`, a tensor's shape and strides too (a static
+    variant); without, only what a shape-generic variant's guard does not check. `grad`: grad mode is on; off,
+    a grad flag changes nothing compiled (an inference graph), so the key leaves it out."""
     if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
-        # A Python float Dynamo passed as a tensor: a variant compiles its value in as a constant
-        # (inner._bake_scalar_reads), so the value is keyed. A CPU scalar: .item() reads host
-        # memory, never the device (normal graphs have no such input).
+        # A Python float Dynamo passed as a tensor: compiled in as a constant (inner._bake_scalar_reads), so
+        # keyed by value (.item() of a CPU scalar reads host memory, never the device).
         return (a.dtype, a.requires_grad and grad, a.item())
     if isinstance(a, torch.Tensor):
         if exact_sizes:
@@ -156,10 +140,7 @@ class GuardedVariants:
     entries: list[tuple[Guard, Callable]] = field(default_factory=list)
 
     def find(self, args: Sequence[Any]) -> Callable | None:
-        for guard, compiled in self.entries:
-            if guard(args):
-                return compiled
-        return None
+        return next((compiled for guard, compiled in self.entries if guard(args)), None)
 
     def add(self, guard: Guard, compiled: Callable) -> None:
         self.entries.append((guard, compiled))

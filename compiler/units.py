@@ -1,22 +1,11 @@
 """Units: the callables the outer graph runs, one per segment.
 
-A `GlueUnit` compiles its segment as it is. A `BlockUnit` holds its segment as
-a template and, at each call, runs the variant for the block's *current*
-precision: the per-variant passes (`ctx.variant_passes`: rewrite_linear ->
-schedule_forward) give the variant graph, whose structure key (graph shape,
-layouts, input metadata, grad mode) indexes the runtime's `VariantCache`
-(variants.py). Identical blocks therefore share one compiled variant, a
-precision switch re-links variants, and returning to a map seen before
-compiles nothing. Variants compile on first use with the real inputs, so any
-strides the previous unit's compiled code produced are seen as they are. When
-Dynamo made dimensions dynamic, the variant is compiled for all their sizes
-(symbolic.py) and guarded, instead of once per size.
-
-A block unit whose segment came from the model's own activation checkpoint
-(or every block unit, with the backend option `recompute="blocks"`; or the
-blocks the runtime's VRAM plan recomputes, `planned_recompute`) runs
-through `recompute.run_recomputed`: its inference variant in the forward, its
-training variant again in backward, under one fetch of its weights.
+A `GlueUnit` compiles its segment as it is. A `BlockUnit` holds its segment as a template and at each call runs
+the variant for the block's current layout and precision: the variant passes make the variant graph, whose key
+(structure, input signature, grad mode, inner compiler, rng replay) indexes the runtime's `VariantCache`, so
+identical blocks share one variant and a precision switch re-links them. Variants compile on first use from the
+real inputs, shape-generic where Dynamo made dimensions dynamic (symbolic.py). A block unit that recomputes runs
+through `recompute.run_recomputed`.
 """
 
 from __future__ import annotations
@@ -65,12 +54,6 @@ def structure_key(gm: fx.GraphModule) -> str:
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
 
-def input_signature(args: tuple, grad: bool = True) -> tuple:
-    """The input part of a static variant's key: every tensor's exact shape and strides (and, with grad on,
-    its grad flag: symbolic.input_key)."""
-    return tuple(input_key(a, exact_sizes=True, grad=grad) for a in args)
-
-
 # ---- glue and block units
 
 if TYPE_CHECKING:
@@ -93,9 +76,8 @@ def _tuple_output(gm: fx.GraphModule) -> bool:
 
 def _code_settled(gm: fx.GraphModule) -> fx.GraphModule:
     """`gm` with its code generated now. A lazy GraphModule (Dynamo's) generates it at first use, and the compile
-    caches key on the module's attributes in their order: generated later, they land wherever the first use
-    falls (a deepcopy, the cache key itself), which is not the same in every process (one with ahead-compile
-    workers deep-copies the graph to ship it), and a key that differs misses the cache."""
+    caches key on the module's attributes in their order, which would then depend on where the first use falls
+    (a process with ahead-compile workers deep-copies the graph first): a key that differs misses."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     _LazyGraphModule.force_recompile(gm)
@@ -126,10 +108,11 @@ class _Unit(nn.Module):
         self.symbolic = SymbolicInputs.of(template)
 
     def signature(self, args: tuple) -> tuple:
-        """The input part of a variant key: exact shapes, or for a shape-generic unit what guards don't check."""
+        """The input part of a variant key: exact shapes and strides, or for a shape-generic unit what guards don't
+        check (symbolic.input_key)."""
         grad = torch.is_grad_enabled()
         if self.symbolic is None:
-            return input_signature(args, grad)
+            return tuple(input_key(a, exact_sizes=True, grad=grad) for a in args)
         return ("symbolic", self.symbolic.coarse_key(args, grad))
 
     def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool,
@@ -174,6 +157,7 @@ class _Unit(nn.Module):
                         "to stop recompiling", label, per_structure)
         return compiled
 
+
 class GlueUnit(_Unit):
     """A segment with no streamed weights: compiled as is."""
 
@@ -193,13 +177,9 @@ class GlueUnit(_Unit):
 
 
 class BlockUnit(_Unit):
-    """A block segment, run for the block its caller names, in that block's current precision.
-
-    Called as `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)`; returns
-    `(*outputs, next_fetch_tok)`. The block is read from `block_tok` at each call:
-    Dynamo reuses a graph for every block of its structure (the token is a graph
-    input), so the block this segment was traced from is only its first user.
-    """
+    """A block segment, run for the block its caller names (`block_tok`, read at each call: Dynamo reuses a graph
+    for every block of its structure), in that block's current precision. Called as
+    `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)`; returns `(*outputs, next_fetch_tok)`."""
 
     def __init__(self, template, ctx, segment, name):
         super().__init__(template, ctx, segment, name)
@@ -226,7 +206,7 @@ class BlockUnit(_Unit):
 
     def _layout_key(self, block: int, precision: str) -> int:
         """Where the block's layers sit in its device bytes, as a small id (blocks that agree share it, and a
-        variant graph): worked out once per block and precision, a dict lookup per call after that."""
+        variant graph), worked out once per block and precision."""
         key = (block, precision)
         if key not in self._layouts:
             rt = self.ctx.runtime
@@ -265,17 +245,16 @@ class BlockUnit(_Unit):
 
     def _compiling_ahead(self, key: tuple) -> bool:
         """Is a worker on `key` and the training variant not loaded yet? Then a forward runs its graph eagerly
-        meanwhile (the first step's); after, forwards load the inference variant, waiting for its worker if need
-        be (an eager forward is a few times slower than the compiled one)."""
+        meanwhile; after, forwards load the inference variant, waiting for its worker if need be."""
         cache, training = self.ctx.variants, self._training_of.get(key)
         future = None if cache.ahead is None else cache.ahead.futures.get(key)
         return future is not None and not future.done() and training is not None and training not in cache.info
 
     def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, label: str) -> bool:
         """From a recomputed block's forward (grad off) whose variant is not compiled: hand the training variant
-        its recompute will run, then this inference variant, to the ahead-compile workers (compiler/startup/ahead.py), if any.
-        True when the training variant went: the forward runs the variant graph eagerly and goes on to the next
-        structure; each variant loads where the step asks for it, or while it waits for another (`_preload`)."""
+        its recompute will run, then this inference variant, to the ahead-compile workers, if any. True when the
+        training variant went: the forward runs the variant graph eagerly; each variant loads where the step asks
+        for it, or while it waits for another (`_preload`)."""
         ahead = self.ctx.variants.ahead
         if ahead is None or self.symbolic is not None:
             return False
@@ -308,8 +287,7 @@ class BlockUnit(_Unit):
         return f"block variant {skey} ({precision}, first used by {self.ctx.runtime.blocks[block]})"
 
     def _preload(self, key, gm, inputs, label, vctx, replay_rng, grad) -> Callable[[], None]:
-        """Loads a variant a worker compiled (from the caches it filled) while the step waits for another job
-        (ahead.AheadCompiler.take), for the inputs the job was made from."""
+        """Loads a variant a worker compiled, for the inputs the job was made from (ahead.AheadCompiler.take)."""
         def preload() -> None:
             if key not in self.ctx.variants.info:
                 with torch.set_grad_enabled(grad):
@@ -318,12 +296,8 @@ class BlockUnit(_Unit):
         return preload
 
     def recomputes_block(self, block: int) -> bool:
-        """Does `block` re-run its forward in backward instead of saving its activations?
-
-        The backend option `recompute="blocks"` says yes for every block; else the
-        runtime's plan decides when it planned for a VRAM budget; else the model's own
-        checkpointing. Read at each call: a re-plan re-links the variants.
-        """
+        """Does `block` re-run its forward in backward instead of saving its activations? `recompute="blocks"`
+        says yes; else the runtime's VRAM plan, if any; else the model's own checkpointing. Read at each call."""
         if self.ctx.options.recompute == "blocks":
             return True
         planned = self.ctx.runtime.planned_recompute(block)
@@ -335,10 +309,8 @@ class BlockUnit(_Unit):
         block = registry.decode(args[-3])[1]
         # Out of memory before the block returned: the runtime re-plans, and the block runs again under the
         # new plan (which may recompute or spill it where the old one kept its activations).
-        return _run_unit(self.ctx.runtime, lambda: self._where_forward(block), lambda: self._forward(args, block))
-
-    def _where_forward(self, block: int) -> str:
-        return f"the forward of block {block} ({self.ctx.runtime.blocks[block]})"
+        return _run_unit(self.ctx.runtime, lambda: f"the forward of block {block} ({self.ctx.runtime.blocks[block]})",
+                         lambda: self._forward(args, block))
 
     def _forward(self, args: tuple, block: int):
         rt = self.ctx.runtime
@@ -346,13 +318,15 @@ class BlockUnit(_Unit):
         recomputes = self.recomputes_block(block)
         if torch.is_grad_enabled():
             args = self._residual_stream_needing_grad(args)
-        if recomputes and torch.is_grad_enabled() and any(
-            isinstance(a, torch.Tensor) and a.requires_grad for a in args
-        ):
-            # The recompute runs in the precision this forward ran in, whatever the map is by then.
+        if recomputes and torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                                          for a in args):
+            # The recompute runs in the precision this forward ran in, whatever the map is by then; out of memory,
+            # its backward may run again (recompute.py).
             return run_recomputed(lambda a: self._run_variant(a, block, precision, True, backward_follows=True), args,
                                   lambda: rt.record_recompute(block), rt.abort_held_blocks,
-                                  lambda error: self._recover_backward(block, error))
+                                  lambda error: rt.recover_from_oom(
+                                      f"the recomputed backward of block {block} ({rt.blocks[block]})", error,
+                                      trainable_backward=bool(rt.trainable_positions(block))))
         spill = rt.spill_hooks(block) if torch.is_grad_enabled() else None
         if spill is not None:  # the plan sends this block's saved activations to host and back
             with spill:
@@ -361,9 +335,8 @@ class BlockUnit(_Unit):
 
     def _residual_stream_needing_grad(self, args: tuple) -> tuple:
         """`args` with the residual stream needing grad where the block trains but its stream does not (a model's
-        first block: its input comes from an embedding that trains nothing). Every later block's stream needs
-        grad, so the first then shares their training variant instead of compiling its own (Flux: 8-11 s of a
-        cold step); the price is the first block's input gradient, computed and dropped (residual_hints.py)."""
+        first block, fed by an embedding that trains nothing): the first then shares the later blocks' training
+        variant; the price is its input gradient, computed and dropped (residual_hints.py)."""
         inputs = args[:-4]
         residual = self._residual_inputs()
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in inputs) or all(
@@ -375,12 +348,6 @@ class BlockUnit(_Unit):
         return tuple(a.detach().requires_grad_() if i in residual and not a.requires_grad else a
                      for i, a in enumerate(inputs)) + tuple(args[-4:])
 
-    def _recover_backward(self, block: int, error: BaseException) -> bool:
-        """The recomputed backward ran out of memory: may it run again (recompute.py)?"""
-        rt = self.ctx.runtime
-        return rt.recover_from_oom(f"the recomputed backward of block {block} ({rt.blocks[block]})",
-                                   error, trainable_backward=bool(rt.trainable_positions(block)))
-
     def _run_variant(self, args: tuple, block: int, precision: str, recomputes: bool, backward_follows: bool):
         """Run the compiled variant for the block's layout, `precision` and the current grad mode.
         `backward_follows`: a backward will run this block (grad is on, or this is a recompute's forward), so its
@@ -389,9 +356,8 @@ class BlockUnit(_Unit):
         # A recomputed block's forward (grad off; a backward follows) may run eagerly while workers compile.
         defer = recomputes and backward_follows and not torch.is_grad_enabled()
         compiled, eager = self._variant_for(args, block, precision, recomputes, defer)
-        # The graph itself, run eagerly while a worker compiles it: the W8A16 launches it meets run their untuned
-        # default, and their tuning waits for the wait on the worker (`_compile`), so that the forward hands the
-        # next block structure to a worker sooner (kernels/tuning/deferral.py).
+        # Run eagerly while a worker compiles it, the W8A16 tuning waits for the wait on the worker (`_compile`):
+        # the forward hands the next block structure to a worker sooner (kernels/tuning/deferral.py).
         key = self.last_key
         try:
             with kernels.deferred_tuning() if eager else contextlib.nullcontext():
@@ -404,16 +370,14 @@ class BlockUnit(_Unit):
         return out
 
     def _variant_for(self, args: tuple, block: int, precision: str, recomputes: bool, defer: bool):
-        """The compiled variant for the block's layout, `precision` and the grad mode (compiled on first use).
-        `defer`: a recomputed block's forward, which may run the variant graph eagerly while ahead-compile
-        workers compile it and the training variant its recompute runs (`_compile_ahead`); then the graph
-        itself is returned. Returns (the callable, whether it is that graph, to run eagerly)."""
+        """(the compiled variant for the block's layout, `precision` and the grad mode, False), compiled on first
+        use; or (the variant graph, True) with `defer` (a recomputed block's forward) while ahead-compile workers
+        compile it (`_compile_ahead`): it runs eagerly."""
         rt = self.ctx.runtime
         gm, skey, vctx = self.variant_graph(precision, rt_trainable(rt, block), block)
         self.last_precision = precision
-        # A recomputed block replays its forward's random numbers, which compiles differently (`replay_rng`);
-        # a graph that draws none compiles the same either way, so a kept block and a recomputed one share
-        # one variant: a re-plan that moves blocks between the two compiles (or loads) nothing.
+        # A recomputed block replays its forward's random numbers, which compiles differently; a graph that
+        # draws none compiles the same either way, so kept and recomputed blocks share one variant.
         replay_rng = recomputes and self._random[skey]
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,

@@ -1,12 +1,9 @@
 """The compiled-variant cache: one per runtime, owned by the compiler.
 
-A unit's compiled code is keyed by (structure key, input signature, grad mode,
-inner compiler); a shape-generic unit's key holds no sizes, and its variants
-are told apart by their guards (symbolic.py). The cache lives as long as its runtime, not as long as one
-Dynamo graph, so a Dynamo recompile or a precision switch re-links variants
-that were compiled before, and identical blocks share one. The runtime never
-reads it: it only calls the `on_close` callback registered here, which drops
-the compiled code when the model is restored or its runtime closed.
+Keyed by (structure key, input signature, grad mode, inner compiler, rng replay); a shape-generic key holds no
+sizes and its variants are told apart by their guards (symbolic.py). It lives as long as its runtime, so a Dynamo
+recompile or a precision switch re-links variants compiled before. The runtime never reads it: it only calls the
+`on_close` callback registered here, which drops the compiled code.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ class VariantCache:
         self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
         self.warned_shapes = False  # the second-input-shape warning is given once per runtime
         self.shapes_seen: dict[Hashable, set[tuple]] = {}  # static variants: input shapes per structure key
-        self.ahead: AheadCompiler | None = None  # workers compiling foreseen variants (compiler/startup/ahead.py); set by the backend
+        self.ahead: AheadCompiler | None = None  # workers compiling foreseen variants; set by the backend
         self._ran: set[Hashable] = set()  # the variants that have run once (`first_run`)
 
     def first_run(self, key: Hashable) -> bool:
@@ -65,8 +62,7 @@ class VariantCache:
     def use_ahead(self, workers: int) -> "AheadCompiler | None":
         """The runtime's ahead-compile workers (made once, at the first graph that asks for some, or at offload:
         `start_ahead_at_offload`). None when a run before this one compiled the model (its bundle is on disk):
-        the variants load from the caches in a fraction of a second each, and a worker that has to start first
-        would only delay them."""
+        the variants then load from the caches faster than a worker starts."""
         if self.ahead is not None and self.ahead.size != workers:  # the backend's option overrides the environment
             self.ahead.close()
             self.ahead = None
@@ -101,9 +97,8 @@ class VariantCache:
 
     def after_compile(self, loaded: bool, by_worker: bool = False) -> None:
         """A unit compiled cold, here or by this run's ahead-compile worker (`by_worker`, then loaded): write the
-        bundle again, so a run killed later still leaves what it compiled, and the next run knows the model
-        is compiled (else it would start workers and wait for them to load what it loads itself: 22 s of a
-        warm Flux step on an H100)."""
+        bundle again, so a run killed later still leaves what it compiled, and the next run knows the model is
+        compiled (and starts no workers)."""
         if self.bundle is not None and (not loaded or by_worker):
             self.bundle.save(units=len(self.info), even_empty=by_worker)
 
@@ -155,10 +150,9 @@ def _written(bundle: CompileBundle | None) -> bool:
 def start_ahead_at_offload(device, blocks: list[str], layers, workers: int,
                            w8a16: dict | None = None) -> AheadCompiler | None:
     """At offload, before the host store is filled: start the `workers` ahead-compile workers that
-    `STAGEHAND_AHEAD_WORKERS` asks for, unless a run before compiled this model. They import torch and its
-    compiler while offload works (seconds a worker started at the first job makes the first step wait); offload
-    hands them to the model's variant cache (`VariantCache.adopt_ahead`), and a backend option for another count
-    replaces them. `w8a16`: the W8A16 kernels they compile as they start (AheadCompiler's)."""
+    `STAGEHAND_AHEAD_WORKERS` asks for, unless a run before compiled this model, so they import torch's compiler
+    while offload works. Offload hands them to the model's variant cache (`VariantCache.adopt_ahead`); a backend
+    option for another count replaces them. `w8a16`: the W8A16 kernels they compile as they start."""
     if workers <= 0 or _written(_bundle_of(layout_fingerprint(device.type, blocks, layers), device)):
         return None
     return AheadCompiler(workers, w8a16=w8a16).start()
@@ -168,12 +162,9 @@ def variant_cache(rt: StreamingRuntime) -> VariantCache:
     """The runtime's variant cache (created on first use; emptied when the runtime closes)."""
     cache = _caches.get(rt)
     if cache is None:
-        cache = _caches[rt] = VariantCache(_bundle_of(model_fingerprint(rt), rt.device))
+        # The bundle is named by the blocks and every streamed layer's place and shape, not the precision map:
+        # one file holds the variants of every map a run used.
+        fingerprint = layout_fingerprint(rt.device.type, rt.blocks, rt.layers)
+        cache = _caches[rt] = VariantCache(_bundle_of(fingerprint, rt.device))
         rt.on_close(cache.clear)
     return cache
-
-
-def model_fingerprint(rt: StreamingRuntime) -> str:
-    """Names the model's bundle: its blocks and every streamed layer's place and shape (not the precision
-    map: one file holds the variants of every map a run used)."""
-    return layout_fingerprint(rt.device.type, rt.blocks, rt.layers)

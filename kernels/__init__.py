@@ -1,12 +1,8 @@
 """W8A16 kernels and their torch reference twins.
 
-`int8_linear` / `int8_linear_grad_input` take the fused Triton kernels when the
-activation is on a CUDA device and Triton imports, and the reference twin
-otherwise (same numbers within bf16 rounding); a CUDA call that takes the twin
-because Triton failed to import warns once (`TritonUnavailableWarning`, naming
-`TRITON_IMPORT_ERROR`). `int8_linear_triton` /
-`int8_linear_grad_input_triton` always take the Triton path (the tests run them
-under TRITON_INTERPRET=1 on the CPU).
+`int8_linear` / `int8_linear_grad_input` take the fused Triton kernels for a CUDA activation when Triton imports,
+else the reference twin (the same numbers within bf16 rounding; on CUDA it warns once, `TritonUnavailableWarning`,
+naming `TRITON_IMPORT_ERROR`). `int8_linear_triton` / `int8_linear_grad_input_triton` always take Triton.
 """
 
 import contextlib
@@ -36,8 +32,7 @@ except Exception as e:  # pragma: no cover - depends on the install
     def tuned_configs():
         return {}
 
-    def tuning_log():
-        return {}
+    tuning_log = tuned_configs
 
     def tuning_seconds():
         return 0.0
@@ -81,24 +76,8 @@ def int8_linear_grad_input(dy, qweight, scale, k=None):
 
 
 __all__ = [
-    "HAS_TRITON",
-    "LaunchConfig",
-    "TRITON_IMPORT_ERROR",
-    "TritonUnavailableWarning",
-    "dequantize",
-    "grouped_lowbit",
-    "grouped_lowbit_ref",
-    "grouped_out_features",
-    "int8_linear",
-    "int8_linear_grad_input",
-    "int8_linear_grad_input_ref",
-    "int8_linear_grad_input_triton",
-    "int8_linear_ref",
-    "int8_linear_triton",
-    "quantize_per_row",
-    "deferred_tuning",
-    "tune_deferred",
-    "tuned_configs",
-    "tuning_log",
-    "tuning_seconds",
+    "HAS_TRITON", "LaunchConfig", "TRITON_IMPORT_ERROR", "TritonUnavailableWarning", "dequantize", "grouped_lowbit",
+    "grouped_lowbit_ref", "grouped_out_features", "int8_linear", "int8_linear_grad_input", "int8_linear_grad_input_ref",
+    "int8_linear_grad_input_triton", "int8_linear_ref", "int8_linear_triton", "quantize_per_row", "deferred_tuning",
+    "tune_deferred", "tuned_configs", "tuning_log", "tuning_seconds",
 ]

@@ -1,11 +1,5 @@
-"""Saying so when a CUDA tensor takes a torch reference twin because Triton did not import.
-
-Triton is a dependency, but a broken install (a wheel built for another CUDA, a missing
-compiler) must not break the model: the kernels fall back to their reference twins. On the
-CPU that is the design; on CUDA it is correct but slow (the W8A16 twin dequantizes the whole
-weight to compute), so the first such call warns, naming the import error, once per kernel
-family and process.
-"""
+"""The warning a CUDA call gives, once per kernel family, when it takes a torch twin because Triton did not import
+(a broken install must not break the model; on CUDA the twin is correct but slow)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
-"""Per-row E4M3 quantization of an activation (or of a gradient times a column scale) in one kernel.
-
-The fp8 precision's GEMMs (`torch._scaled_mm`) take the activation in E4M3 with
-one fp32 scale per row. Written as torch ops that is five passes over an fp32
-copy (float, abs, amax, divide, clamp + cast): at 4096 x 12288 about 1 GB of
-memory traffic, which costs more than FP8 saves on the GEMM. This kernel reads
-each row twice (absmax, then scale + cast; the second read mostly hits L2) and
-writes one byte per element plus one scale (holding a whole row in registers
-instead, one read, was slower at 3072 and 12288 wide on an H100):
-
-    v       = x[m, :] (* col_scale)          in fp32
-    scale_m = max(max|v| / 448, 1e-12)
-    q[m, :] = clamp(v / scale_m, -448, 448) -> E4M3 (round to nearest even)
-
-the same arithmetic as `quantize_rows_ref`, its torch twin (used on the CPU and
-by the tests). Triton's CPU interpreter rounds to E4M3 wrongly where rounding
-carries into the next power of two (125.0 -> 64 instead of 128, triton 3.9), so
-the kernel is checked bit for bit against the twin on the GPU only.
+"""Per-row E4M3 quantization of an activation (or a gradient times a column scale) in one kernel, for the fp8
+GEMMs: v = x[m, :] (* col_scale) in fp32, scale_m = max(max|v| / 448, 1e-12), q[m, :] = E4M3(clamp(v / scale_m,
+-448, 448)). `quantize_rows_ref` is its torch twin (bit for bit on the GPU; the interpreter rounds E4M3 wrongly).
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -43,7 +27,7 @@ MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of a division by 
 _BLOCK = 1024
 # Two of these calls per fp8 Linear (forward, grad-input): replayed like the W8A16 launches.
 QUANT_MEMO = LaunchMemo("fp8 quantize_rows")
-# One per fp8 grad-input: the column-major copy of the 1-byte weight that _scaled_mm's second operand must be.
+# One per fp8 grad-input: the column-major weight copy _scaled_mm's second operand must be.
 TRANSPOSE_MEMO = LaunchMemo("fp8 transpose")
 _TILE = 128  # 128-byte rows: whole cache lines in and out
 
@@ -91,15 +75,11 @@ def _transpose_kernel(src, dst, N, K, TILE: tl.constexpr):
 
 
 def transpose_bytes(q: torch.Tensor, tile: int = _TILE) -> torch.Tensor:
-    """[n, k] contiguous 1-byte tensor (E4M3 or uint8) -> its transpose [k, n], contiguous.
-
-    torch's generic copy moves 1-byte elements through a transposed view at ~150 GB/s on an H100
-    (benches/results/fp8_parts_h100.json: 0.26 ms for a 12288 x 3072 weight, more than the fp8 GEMM
-    saves); a tiled kernel reads and writes whole rows."""
+    """[n, k] contiguous 1-byte tensor -> its transpose [k, n], contiguous, by a tiled kernel (whole rows)."""
     if q.dim() != 2 or q.element_size() != 1 or not q.is_contiguous():
         raise ValueError(f"fp8 transpose_bytes: expected a contiguous 2-D 1-byte tensor, got {tuple(q.shape)} "
                          f"{q.dtype} strides {q.stride()}")
-    # The CPU tests run the kernel under the interpreter; a GPU call (every fp8 grad-input) skips the env read.
+    # The CPU tests run the kernel under the interpreter; a GPU call skips the env read.
     interpreting = not q.is_cuda and env("TRITON_INTERPRET")
     if not (HAS_TRITON and (q.is_cuda or interpreting)):
         if q.is_cuda:

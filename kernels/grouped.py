@@ -1,26 +1,12 @@
 """Grouped low-bit GEMM for mixture-of-experts stacks: one-byte weights (int8, fp8 E4M3) x bf16 activations.
 
-The tokens of a block's experts arrive sorted by expert (the model's own grouped path: `offs[e]` is the
-end of expert e's rows, a cumulative count). For each expert e,
+With tokens sorted by expert (`offs[e]`: the end of expert e's rows), for each expert e
 
     y[rows of e] = x[rows of e] @ B_e,    B_e[k, n] = q[e, n, k] * s[e, n]   (rows_are_out: q[e] is [N, K])
                                           B_e[k, n] = q[e, k, n] * s[e, k]   (else: q[e] is [K, N])
 
-which is what `torch._grouped_mm(x, dequantize(q, s), offs)` computes, without the bf16 copy of the
-stack. The backward's grad-input is the same product with the roles of q's two dimensions swapped:
-`dx = grouped(dy, q, s, offs, not rows_are_out)`.
-
-A scale on the output dimension is applied to the fp32 accumulator once (the epilogue); a scale on the
-reduction dimension multiplies each weight tile before the dot, in fp32 and rounded once to bf16, as the
-dequantized stack is.
-
-Which expert a program computes is found on the device from `offs` (no host read of the routing): the
-grid has `cdiv(S, BLOCK_M) + E` token tiles (enough whatever the split, since each expert wastes at most
-one partial tile); each program counts the tiles of the experts before it with a cumulative sum over the
-padded expert axis and exits if it is past the last. Rows past `offs[-1]` (expert-parallel sentinels) are
-left unwritten, as grouped_mm leaves them.
-
-`F32=True` computes in fp32 (ieee): Triton's CPU interpreter multiplies bf16 `tl.dot` operands wrongly.
+as `torch._grouped_mm(x, dequantize(q, s), offs)` without the bf16 copy; grad-input: `not rows_are_out`. A program
+finds its expert on the device from `offs`; rows past `offs[-1]` are left unwritten. `F32=True`: fp32 math.
 """
 
 from __future__ import annotations
@@ -32,10 +18,8 @@ import triton
 import triton.language as tl
 
 from torch_stagehand.kernels import w8a16
-
+from torch_stagehand.kernels.reference import check_grouped_args as check_args, grouped_lowbit_ref
 from torch_stagehand.kernels.tuning import autotune as tune
-from torch_stagehand.kernels.reference import check_grouped_args as check_args
-from torch_stagehand.kernels.reference import grouped_lowbit_ref
 from torch_stagehand.kernels.tuning.autotune import DEQUANT, LaunchConfig, interpreting
 
 
@@ -49,7 +33,7 @@ def _grouped_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    # ---- which expert and which of its token tiles this program computes
+    # Which expert and which of its token tiles: a cumulative sum of tiles over the padded expert axis.
     e_idx = tl.arange(0, E_P2)
     ends = tl.load(offs_ptr + e_idx, mask=e_idx < E, other=0)
     starts = tl.load(offs_ptr + e_idx - 1, mask=(e_idx >= 1) & (e_idx < E), other=0)
@@ -84,7 +68,7 @@ def _grouped_kernel(
             b = w.to(cdt)
         else:
             sk = tl.load(s_base + ks * stride_sk, mask=k_ok, other=0.0)
-            b = (w * sk[:, None]).to(cdt)
+            b = (w * sk[:, None]).to(cdt)  # rounded once, as the dequantized stack is
         if F32:
             acc = tl.dot(a.to(cdt), b, acc, input_precision="ieee")
         else:
@@ -107,7 +91,8 @@ def grouped_lowbit_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     if s_rows == 0:
         return y
     f32 = x.dtype == torch.float32 or interpreting()
-    bm, bn, bk, warps, stages = tile or default_tile(s_rows // max(e, 1), f32)
+    bm, bn, bk, warps, stages = tile or ((32, 32, 32, 4, 2) if f32 else (64, 128, 64, 4, 3)
+                                         if s_rows // max(e, 1) <= 64 else (128, 128, 64, 8, 3))
     # q[e] as B_e[k, n]: strides along the reduction and the output dimension.
     stride_qk, stride_qn = (q.stride(2), q.stride(1)) if rows_are_out else (q.stride(1), q.stride(2))
     stride_sk, stride_sn = (0, scale.stride(1)) if rows_are_out else (scale.stride(1), 0)
@@ -122,12 +107,6 @@ def grouped_lowbit_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return y
 
 
-def default_tile(rows_per_expert: int, f32: bool) -> tuple[int, int, int, int, int]:
-    if f32:
-        return (32, 32, 32, 4, 2)
-    return (64, 128, 64, 4, 3) if rows_per_expert <= 64 else (128, 128, 64, 8, 3)
-
-
 def tiles(rows_per_expert: int) -> list[tuple[int, int, int, int, int]]:
     """The tiles the autotuner (tuning/autotune.py) tries: token tiles near the rows an expert gets."""
     if rows_per_expert <= 32:
@@ -135,9 +114,6 @@ def tiles(rows_per_expert: int) -> list[tuple[int, int, int, int, int]]:
     if rows_per_expert <= 128:
         return [(64, 128, 64, 4, 3), (64, 64, 128, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 3)]
     return [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 32, 4, 4)]
-
-
-# ----------------------------------------------------------------------------- the op's choice on CUDA
 
 
 def dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -158,18 +134,15 @@ def dequant_grouped_mm(x, q, scale, offs, rows_are_out):
 
 
 def has_scaled_grouped_mm(x: torch.Tensor, q: torch.Tensor, rows_are_out: bool) -> bool:
-    """fp8 stacks on FP8 grouped tensor cores: torch's rowwise `_scaled_grouped_mm` (Hopper), where the
-    weight's scale is on the output dimension and both dimensions are 16-byte aligned."""
+    """Can `_scaled_grouped_mm` (Hopper, rowwise) take this fp8 stack: scale on the output dim, 16-aligned dims?"""
     return (q.dtype == torch.float8_e4m3fn and rows_are_out and x.is_cuda and x.dtype == torch.bfloat16
             and hasattr(torch, "_scaled_grouped_mm")
             and _hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())
-            and q.shape[1] % 16 == 0
-            and q.shape[2] % 16 == 0)
+            and q.shape[1] % 16 == 0 and q.shape[2] % 16 == 0)
 
 
 def scaled_grouped_mm(x, q, scale, offs):
-    """y = x @ (q * s)^T per expert with the activation quantized to E4M3 per row, as fp8 Linears do on
-    FP8 tensor cores (precision/fp8.py)."""
+    """y = x @ (q * s)^T per expert, x quantized to E4M3 per row as fp8 Linears do (precision/fp8.py)."""
     from torch_stagehand.kernels.fp8_quant import quantize_rows
 
     xq, xs = quantize_rows(x)
@@ -186,21 +159,20 @@ def _hopper(index: int) -> bool:  # asked at every call of the op: once per devi
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
+def _options(rows_per_expert: int) -> list:
+    """The autotuner's candidates, made once per tile regime (the op asks at every call)."""
+    return _options_of(tuple(tiles(rows_per_expert)))
+
+
 @functools.lru_cache(maxsize=None)
 def _options_of(tile_set: tuple) -> list:
     return [LaunchConfig(bn, bm, bk, 1, w, st) for bm, bn, bk, w, st in tile_set] + [DEQUANT]
 
 
-def _options(rows_per_expert: int):
-    """The autotuner's candidates (made once per tile regime: the op asks at every call)."""
-    return _options_of(tuple(tiles(rows_per_expert)))
-
-
 def grouped_lowbit(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
                    rows_are_out: bool) -> torch.Tensor:
     """What the op computes with. On CUDA: fp8 rowwise tensor cores where they apply, else the autotuner's
-    pick between the Triton kernel's tiles and dequantize + grouped GEMM (tune.pick: each checked against an
-    fp32 reference, timed as CUDA graphs, kept on disk). Elsewhere the torch twin."""
+    pick between the Triton kernel's tiles and dequantize + grouped GEMM. Elsewhere the torch twin."""
     if not x.is_cuda:
         return grouped_lowbit_ref(x, q, scale, offs, rows_are_out)
     check_args(x, q, scale, offs, rows_are_out)

@@ -1,33 +1,25 @@
-"""Launchers for the W8A16 Triton kernels: argument checks, views, launches.
+"""Launchers for the W8A16 Triton kernels: argument checks, views, launches (the CPU interpreter included).
 
-`int8_linear_triton` / `int8_linear_grad_input_triton` always take the Triton
-path (the CPU interpreter included, for the tests); `torch_stagehand.kernels`
-decides when to call them. The config of each launch comes from kernels/tuning/autotune.py
-(autotuned on CUDA, heuristic elsewhere) unless the caller passes one.
+Each launch's config comes from kernels/tuning/autotune.py unless the caller passes one.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from torch_stagehand.kernels import w8a16
-
-from torch_stagehand.kernels.tuning import autotune as tune
-
-from torch_stagehand.kernels.tuning import deferral as tune_deferral
 from torch_stagehand.kernels.launch_memo import Executor, LaunchMemo, tensor_key
-from torch_stagehand.kernels.tuning.autotune import LaunchConfig
+from torch_stagehand.kernels.reference import check_weight, int8_linear_grad_input_ref, int8_linear_ref
+from torch_stagehand.kernels.tuning import autotune as tune, deferral as tune_deferral
+from torch_stagehand.kernels.tuning.autotune import LaunchConfig, interpreting
 
 _ACTS = {None: 0, "gelu_tanh": 1}
 _REDUCE_BLOCK = 1024
 # Per launcher: call key -> the launches the first call with that key resolved to (launch_memo.py).
 FWD_MEMO, BWD_MEMO = LaunchMemo("int8_linear"), LaunchMemo("int8_linear_grad_input")
-
-
-def launch_memo_stats() -> dict:
-    """Keys recorded, replays run and slow-path calls, per launcher."""
-    return {m.name: m.stats() for m in (FWD_MEMO, BWD_MEMO)}
 
 
 def clear_launch_memo() -> None:
@@ -36,22 +28,12 @@ def clear_launch_memo() -> None:
 
 
 def _cdiv(a: int, b: int) -> int:
-    # Not triton.cdiv: in Triton 3.6 that is a constexpr_function whose host-side call
-    # costs ~5 us (argument unwrapping); five per launch were a third of the host time.
-    return -(-a // b)
-
-
-def _interpreting() -> bool:
-    return tune.interpreting()
-
-
-# ----------------------------------------------------------------------------- views
+    return -(-a // b)  # not triton.cdiv: a constexpr_function, microseconds per host-side call
 
 
 def _rows(t: torch.Tensor):
-    """Collapse t's leading dims to (B, T) rows with strides; copy only if impossible.
-
-    Returns (t, M, T, stride_b, stride_t). Rows are m = b * T + t."""
+    """Collapse t's leading dims to (B, T) rows with strides, copying only if impossible: (t, M, T, stride_b,
+    stride_t), rows m = b * T + t."""
     dims = []  # outer to inner, size-1 dims dropped (their stride is meaningless)
     for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
         if size == 1:
@@ -70,15 +52,7 @@ def _rows(t: torch.Tensor):
 
 
 def _check_weight(qweight, scale, bias, n_in: int, what: str, device):
-    if qweight.dim() != 2 or qweight.dtype != torch.int8:
-        raise ValueError(f"{what}: qweight must be a 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
-    n, kp = qweight.shape
-    if n_in > kp:
-        raise ValueError(f"{what}: K={n_in} is wider than qweight's {kp} columns")
-    if scale.numel() != n:
-        raise ValueError(f"{what}: scale has {scale.numel()} elements, qweight has {n} rows")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"{what}: bias has {bias.numel()} elements, qweight has {n} rows")
+    check_weight(qweight, scale, n_in, what, bias)
     for name, t in (("qweight", qweight), ("scale", scale), ("bias", bias)):
         if t is not None and t.device != device:
             raise ValueError(f"{what}: {name} is on {t.device}, the activation on {device}")
@@ -99,17 +73,9 @@ def _check_act(t: torch.Tensor, what: str, name: str):
         raise ValueError(f"{what}: {name} must have at least one dimension")
 
 
-_DUMMY: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _dummy(device) -> torch.Tensor:
-    # The fp32 workspace argument of an unsplit launch: never read or written.
-    if device not in _DUMMY:
-        _DUMMY[device] = torch.empty(1, dtype=torch.float32, device=device)
-    return _DUMMY[device]
-
-
-# ----------------------------------------------------------------------------- launches
+    return torch.empty(1, dtype=torch.float32, device=device)  # an unsplit launch's workspace: never touched
 
 
 def _k_split(red: int, cfg: LaunchConfig):
@@ -127,12 +93,10 @@ def _dequant(ex: Executor, q, scale, k, dtype):
 
 
 def compile_provisional(device: torch.device, dtype: torch.dtype) -> bool:
-    """Compile and load the dequantize kernel of `tune.provisional_config` for `dtype` activations on `device`, into
-    Triton's cache with its launcher (built with the C compiler): the first Triton kernel a cold step's eager
-    forward would compile. The first ahead-compile worker does it as it starts (compiler/startup/ahead_worker.py), so that step
-    reads it back. A tiny launch with a real call's specialization: sizes and strides multiples of 16, aligned
-    pointers. False where nothing runs Triton's compiled kernels (the CPU, the interpreter, fp32)."""
-    if device.type != "cuda" or _interpreting() or dtype not in (torch.bfloat16, torch.float16):
+    """Compile and load the dequantize kernel of `tune.provisional_config` for `dtype` on `device` (a cold step's
+    first Triton kernel; the first ahead-compile worker does it) by a tiny launch with a real call's
+    specialization. False where nothing runs Triton's compiled kernels (the CPU, the interpreter, fp32)."""
+    if device.type != "cuda" or interpreting() or dtype not in (torch.bfloat16, torch.float16):
         return False
     with torch.cuda.device(device):
         q = torch.zeros((32, 256), dtype=torch.int8, device=device)
@@ -181,16 +145,14 @@ def _compile_only(ex: Executor) -> Executor:
 
 
 def _copied_nothing(pairs) -> bool:
-    """Did the argument checks leave every tensor where the caller had it? (pairs: (checked, given)).
-
-    A replay passes the caller's tensors straight to the kernels, so only such a call is recorded."""
+    """Did the checks leave every tensor (pairs: (checked, given)) where the caller had it? Only then is it recorded."""
     return all(a is None or a.data_ptr() == b.data_ptr() for a, b in pairs)
 
 
 def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config: LaunchConfig | None = None):
     """Triton W8A16 forward: y = (x @ q[:, :K].T) * scale + bias, optional tanh-GeLU."""
     what = "int8_linear"
-    memo = config is None and FWD_MEMO.enabled(_interpreting())
+    memo = config is None and FWD_MEMO.enabled(interpreting())
     if memo:
         key = (tensor_key(x), tensor_key(qweight), tensor_key(scale), tensor_key(bias), activation)
         replay = FWD_MEMO.get(key)
@@ -204,14 +166,13 @@ def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config:
     q, scale, bias = _check_weight(qweight, scale, bias, K, what, x.device)
     N = q.shape[0]
     lead = x.shape[:-1]
-    if K == 0 or x.numel() == 0 or N == 0:
-        y = torch.empty((*lead, N), dtype=x.dtype, device=x.device)
-        return y if y.numel() == 0 else int8_linear_ref_epilogue(y, scale, bias, activation)
+    if K == 0 or x.numel() == 0 or N == 0:  # nothing to launch: at K == 0 only the epilogue remains
+        return int8_linear_ref(x, q, scale, bias, activation)
     x2, M, T, sb, st = _rows(x)
     memo = memo and x2 is x and _copied_nothing(zip((q, scale, bias), given))
     ex = Executor(dict(x=x2, q=q, scale=scale, bias=bias), record=memo, constants=(_dummy(x.device),))
     y = ex.buffer("y", (*lead, N), x.dtype, x.device)
-    f32 = _interpreting() or x.dtype == torch.float32
+    f32 = interpreting() or x.dtype == torch.float32
     act = _ACTS[activation]
 
     def run(cfg, w=q, executor=None):
@@ -246,30 +207,22 @@ def int8_linear_triton(x, qweight, scale, bias=None, activation=None, *, config:
     return y
 
 
+def _stand_in_weight(N: int, K: int, device):
+    """A random weight as the slots hold it: int8 rows, a float32 scale each."""
+    return (torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device),
+            torch.rand(N, dtype=torch.float32, device=device) * 1e-2 + 1e-3)
+
+
 def _forward_on_stand_ins(M: int, N: int, K: int, dtype, device, has_bias: bool, activation) -> None:
-    """A forward call on random tensors of these shapes: tunes its key when `tune_deferral.tune_deferred` runs
-    it, after the caller's tensors are gone. The weight as the slots hold it: int8 rows, a float32 scale each."""
-    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device)
-    scale = torch.rand(N, dtype=torch.float32, device=device) * 1e-2 + 1e-3
+    """A forward call on random tensors of these shapes: tunes its key after the caller's tensors are gone."""
     bias = torch.randn(N, dtype=dtype, device=device) if has_bias else None
-    int8_linear_triton(torch.randn(M, K, dtype=dtype, device=device), q, scale, bias, activation)
+    int8_linear_triton(torch.randn(M, K, dtype=dtype, device=device), *_stand_in_weight(N, K, device), bias,
+                       activation)
 
 
 def _grad_input_on_stand_ins(M: int, N: int, K: int, dtype, device) -> None:
     """The grad-input call of the same layer on random tensors (the key a backward asks for next)."""
-    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=device)
-    scale = torch.rand(N, dtype=torch.float32, device=device) * 1e-2 + 1e-3
-    int8_linear_grad_input_triton(torch.randn(M, N, dtype=dtype, device=device), q, scale, K)
-
-
-def int8_linear_ref_epilogue(y, scale, bias, activation):
-    # K == 0: the product is zero and only the epilogue remains (kept out of the kernel).
-    acc = torch.zeros(y.shape, dtype=torch.float32, device=y.device) * scale
-    if bias is not None:
-        acc = acc + bias.float()
-    if activation == "gelu_tanh":
-        acc = torch.nn.functional.gelu(acc, approximate="tanh")
-    return y.copy_(acc)
+    int8_linear_grad_input_triton(torch.randn(M, N, dtype=dtype, device=device), *_stand_in_weight(N, K, device), K)
 
 
 def _launch_bwd(ex: Executor, T, sb, st, M, N, KO, cfg: LaunchConfig, f32: bool):
@@ -295,7 +248,7 @@ def _launch_bwd(ex: Executor, T, sb, st, M, N, KO, cfg: LaunchConfig, f32: bool)
 def int8_linear_grad_input_triton(dy, qweight, scale, k=None, *, config: LaunchConfig | None = None):
     """Triton grad-input: dx = (dy * scale) @ q[:, :k]."""
     what = "int8_linear_grad_input"
-    memo = config is None and BWD_MEMO.enabled(_interpreting())
+    memo = config is None and BWD_MEMO.enabled(interpreting())
     if memo:
         key = (tensor_key(dy), tensor_key(qweight), tensor_key(scale), k)
         replay = BWD_MEMO.get(key)
@@ -311,14 +264,13 @@ def int8_linear_grad_input_triton(dy, qweight, scale, k=None, *, config: LaunchC
     if dy.shape[-1] != N:
         raise ValueError(f"{what}: dy has {dy.shape[-1]} features, qweight has {N} rows")
     lead = dy.shape[:-1]
-    if dy.numel() == 0 or k == 0 or N == 0:
-        dx = torch.empty((*lead, k), dtype=dy.dtype, device=dy.device)
-        return dx if dx.numel() == 0 else dx.zero_()
+    if dy.numel() == 0 or k == 0 or N == 0:  # nothing to launch: zeros
+        return int8_linear_grad_input_ref(dy, q, scale, k)
     dy2, M, T, sb, st = _rows(dy)
     memo = memo and dy2 is dy and _copied_nothing(zip((q, scale), given))
     ex = Executor(dict(dy=dy2, q=q, scale=scale), record=memo, constants=(_dummy(dy.device),))
     dx = ex.buffer("dx", (*lead, k), dy.dtype, dy.device)
-    f32 = _interpreting() or dy.dtype == torch.float32
+    f32 = interpreting() or dy.dtype == torch.float32
 
     def run(cfg, w=q, executor=None):
         executor = executor or Executor(dict(ex.tensors, q=w), record=False)

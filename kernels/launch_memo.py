@@ -1,55 +1,35 @@
 """Launches worked out once and replayed with new tensors: the host side of a W8A16 call.
 
-Triton's `kernel[grid](*args)` binds and specializes every argument on every
-call, and the launchers around it check, view and look up a config each time:
-~90 us of host time per W8A16 forward on an H100's host against cuBLAS's ~30
-(benches/results/host_overhead.json). A model whose GPU work per linear is
-short (Qwen-7B at 2048 tokens) is then bound by the host, not the GPU. A call
-site inside a compiled block sees the same shapes, strides, dtypes and
-alignments step after step, so:
-
-- the first call with a key (built by the launcher from `tensor_key` of each
-  tensor argument: every property the argument checks, the config choice and
-  Triton's specialization depend on) runs the whole way
-  through an `Executor` that records what it resolved to: the buffers it
-  allocated (shape, dtype), and per step either a compiled Triton binary with
-  its grid and its arguments in signature order, or a torch call (the
-  dequantize + cuBLAS mode);
-- later calls with that key allocate the same buffers and call each binary's
-  launcher directly, passing only the new tensors (`Replay`).
-
-A launch is recorded only if every tensor it received is one the replay can
-supply (the caller's own, a buffer allocated in the call, or a persistent
-constant), and never under Triton's interpreter or with a launch hook set (a
-profiler such as proton wants every launch through Triton's own path).
+The first call with a key (`tensor_key` of each tensor argument) runs through an `Executor` that records the buffers
+it allocated and each step (a compiled binary with its grid and arguments, or a torch call); later calls allocate
+the same buffers and call each binary's launcher directly (`Replay`), skipping Triton's per-call binding. Recorded
+only if the replay can supply every tensor a launch received, never under the interpreter or a launch hook.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-_HOOKS: list = []
+@functools.cache
+def _triton_runtime_knobs():
+    try:
+        from triton import knobs
+
+        return knobs.runtime
+    except Exception:  # noqa: BLE001 - an older Triton without knobs: no hooks to honour
+        return None
 
 
 def _launch_hook_set() -> bool:
     """Is a Triton launch hook installed (a profiler)? Then every launch goes through Triton."""
-    if not _HOOKS:
-        try:
-            from triton import knobs
-
-            _HOOKS.append(knobs.runtime)
-        except Exception:  # noqa: BLE001 - an older Triton without knobs: no hooks to honour
-            _HOOKS.append(None)
-    runtime = _HOOKS[0]
-    return runtime is not None and (_hook_in(runtime.launch_enter_hook) or _hook_in(runtime.launch_exit_hook))
-
-
-def _hook_in(hook) -> bool:
+    runtime = _triton_runtime_knobs()
     # Triton 3.6 keeps each hook as a HookChain (never None; empty when nothing is installed).
-    return hook is not None and bool(getattr(hook, "calls", True))
+    return runtime is not None and any(hook is not None and bool(getattr(hook, "calls", True))
+                                       for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 def tensor_key(t: torch.Tensor | None):

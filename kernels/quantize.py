@@ -1,37 +1,19 @@
-"""Per-row symmetric INT8 quantization of Linear weights.
-
-`qweight[o, i] = round(w[o, i] / scale[o])` clamped to [-127, 127] with an fp32
-`scale[o]` per output row (zero point 0: symmetric, as squareq-int8-slab.txt).
-
-"absmax" sets `scale = max|w_row| / 127`: no value is clipped, but one outlier
-makes the step coarse for the whole row.
-
-"mse" minimises each row's squared reconstruction error ||w - q * s||^2:
-  1. a coarse grid of clipping ratios (scale = ratio * absmax / 127), then a fine
-     grid around the best coarse ratio;
-  2. least-squares refits: for the rounding q the best scale has the closed form
-     s = <w, q> / <q, q>; re-round with it and keep it where the error drops.
-Every candidate is compared against the incumbent, ratio 1.0 (absmax) included,
-so "mse" is never worse than absmax on any row.
+"""Per-row symmetric INT8 quantization of Linear weights: `qweight[o, i] = round(w[o, i] / scale[o])` in
+[-127, 127], an fp32 `scale[o]` per output row. "absmax": scale = max|w_row| / 127. "mse": the least squared error
+over coarse then fine clipping ratios and least-squares refits, never worse than absmax on any row.
 """
 
 from __future__ import annotations
 
 import torch
 
+from torch_stagehand.environment import tunable
+
 QMAX = 127
-# Coarse ratios 1.00, 0.95, ..., 0.30 find heavy-tailed rows (optimum near 0.5); the
-# fine grid (+-0.025 in 0.005 steps) matters more on trained weights, whose optimum
-# is mostly at 0.95-1.0: on all-MiniLM-L6-v2 the fine grid and the refits give
-# almost all of the 2% lower squared error (a plain 1.0..0.5 grid: 0.2%).
+# Coarse ratios find heavy-tailed rows; the fine grid matters more on trained weights (optimum mostly 0.95-1.0).
 _COARSE = torch.linspace(1.0, 0.3, 15).tolist()
 _FINE = torch.linspace(-0.025, 0.025, 11).tolist()
 _REFITS = 2
-# Rows per chunk, so a 12288 x 3072 weight never needs many fp32 copies at once. On a GPU the search is bound
-# by its launches (~30 small ops per candidate scale), so a chunk there holds ~64 M elements (a 7B model's
-# widest weight in two chunks): 7x fewer launches than 1024 rows. Rows are independent: the same result.
-_ROWS_PER_CHUNK = 1024
-_GPU_CHUNK_ELEMENTS = 64 * 2**20
 METHODS = ("mse", "absmax")
 
 
@@ -49,22 +31,23 @@ def quantize_per_row(w: torch.Tensor, method: str = "mse") -> tuple[torch.Tensor
         raise ValueError("quantize_per_row: weight holds NaN or Inf")
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-    chunk = max(_ROWS_PER_CHUNK, _GPU_CHUNK_ELEMENTS // max(1, w.shape[1])) if w.is_cuda else _ROWS_PER_CHUNK
+    # Rows per chunk (bounding the fp32 copies); more on a GPU, where the search is bound by its launches.
+    chunk = tunable("quantize_rows_per_chunk")
+    if w.is_cuda:
+        chunk = max(chunk, tunable("quantize_gpu_chunk") // max(1, w.shape[1]))
     for start in range(0, w.shape[0], chunk):
         rows = w[start : start + chunk].float()
         s = _best_scale(rows) if method == "mse" else _absmax_scale(rows)
         scale[start : start + rows.shape[0]] = s
-        q[start : start + rows.shape[0]] = _quantize(rows, s)
+        q[start : start + rows.shape[0]] = torch.round(rows / s[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """qweight * scale[:, None] in `dtype` (the padding columns of a slab included)."""
     if qweight.dim() != 2 or scale.numel() != qweight.shape[0]:
-        raise ValueError(
-            f"dequantize: qweight {tuple(qweight.shape)} and scale {tuple(scale.shape)} disagree "
-            "(need a 2-D qweight with one scale per row)"
-        )
+        raise ValueError(f"dequantize: qweight {tuple(qweight.shape)} and scale {tuple(scale.shape)} disagree "
+                         "(need a 2-D qweight with one scale per row)")
     return (qweight.float() * scale.float().reshape(-1, 1)).to(dtype)
 
 
@@ -72,10 +55,6 @@ def _absmax_scale(rows: torch.Tensor) -> torch.Tensor:
     # An all-zero row gets scale 1 (any scale reproduces it exactly; 0 would divide by zero).
     absmax = rows.abs().amax(dim=1)
     return torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
-
-
-def _quantize(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.round(rows / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
 
 
 def _err(rows: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,6 @@
-"""Torch reference twins of the W8A16 kernels.
-
-These define the numbers: fp32 accumulation, per-row scale (and bias, and the
-optional tanh-GeLU) in the epilogue, output in the activation's dtype. They run
-anywhere (the CPU path and the tests' ground truth). `qweight` may be wider than
-the activation's K (slab files pad K); the padding columns are ignored.
+"""Torch reference twins of the W8A16 kernels: they define the numbers (fp32 accumulation; per-row scale, bias and
+the optional tanh-GeLU in the epilogue; output in the activation's dtype) and run anywhere. `qweight` may be wider
+than the activation's K (slab files pad K): the padding columns are ignored.
 """
 
 from __future__ import annotations
@@ -12,15 +9,10 @@ import torch
 import torch.nn.functional as F
 
 
-def int8_linear_ref(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-) -> torch.Tensor:
+def int8_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                    activation: str | None = None) -> torch.Tensor:
     k = x.shape[-1]
-    _check(qweight, scale, k, "int8_linear", bias)
+    check_weight(qweight, scale, k, "int8_linear", bias)
     if activation not in (None, "gelu_tanh"):
         raise ValueError(f"int8_linear: unknown activation {activation!r} (supported: 'gelu_tanh')")
     acc = x.float() @ qweight[:, :k].float().t()
@@ -34,14 +26,14 @@ def int8_linear_ref(
 
 def int8_linear_grad_input_ref(dy: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, k: int | None = None) -> torch.Tensor:
     k = qweight.shape[1] if k is None else k
-    _check(qweight, scale, k, "int8_linear_grad_input")
+    check_weight(qweight, scale, k, "int8_linear_grad_input")
     if dy.shape[-1] != qweight.shape[0]:
         raise ValueError(f"int8_linear_grad_input: dy has {dy.shape[-1]} features, qweight has {qweight.shape[0]} rows")
     return ((dy.float() * scale.float().reshape(-1)) @ qweight[:, :k].float()).to(dy.dtype)
 
 
-def _check(qweight, scale, k, what, bias=None):
-    # The same messages as the Triton launchers, so callers see one contract.
+def check_weight(qweight, scale, k, what, bias=None):
+    """The weight's checks, for the twins and the Triton launchers alike: one contract, one set of messages."""
     if qweight.dim() != 2 or qweight.dtype != torch.int8:
         raise ValueError(f"{what}: qweight must be a 2-D int8 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
     if k < 0 or k > qweight.shape[1]:

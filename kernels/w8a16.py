@@ -3,30 +3,9 @@
 Forward   y  = (x @ q[:, :K].T) * scale + bias  (optional tanh-GeLU), K = x.shape[-1]
 Grad-in   dx = (dy * scale) @ q[:, :k]
 
-Both kernels compute the TRANSPOSED output tile, with the int8 weight as the
-LEFT `tl.dot` operand: on Hopper only wgmma's A operand may come from registers,
-so the int8 -> bf16 conversion (and the grad-input's per-row scale) happens in
-registers and feeds the tensor cores directly (an "RS" wgmma), instead of a
-round trip through shared memory. It also makes small M cheap: the token count
-becomes wgmma's N, which may be as small as 8, so a 16-token decode step uses
-a 64 x 16 instruction instead of wasting three quarters of a 64-row one.
-
-(Tried and measured: the weight as the RIGHT operand, converted through shared
-memory for an all-shared-memory wgmma, the layout most W8A16 kernels use. On an
-H100 with Triton 3.6 it was slower at every benchmarked shape: forward 3-19%,
-grad-input 6-48%; benches/results/kernels_smem_weight_experiment.json.)
-
-Small M is bandwidth-bound and would leave most SMs idle with one program per
-weight tile, so the launchers can split the reduction (SPLIT > 1): each split
-writes an fp32 partial and a second small kernel sums them and applies the
-epilogue (a nonlinear GeLU needs the full sum, so atomics would not save it).
-
-`F32=True` computes in fp32 (ieee). It exists for Triton's CPU interpreter,
-whose bf16 `tl.dot` is wrong, and for fp32 activations on the GPU.
-
-Activations may have any leading shape and strides: the launcher collapses the
-leading dims to at most two (B, T) with their strides and the kernels index
-rows as b * stride_b + t * stride_t, so views into a flat buffer are never copied.
+Both compute the TRANSPOSED output tile, the weight as the LEFT `tl.dot` operand (on Hopper only wgmma's A operand
+may come from registers, where the int8 is converted). Small M may split the reduction (SPLIT > 1: fp32 partials,
+then a kernel sums them and applies the epilogue). `F32=True`: fp32 math, for the interpreter and fp32 activations.
 """
 
 from __future__ import annotations
@@ -34,29 +13,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# sqrt(2/pi), for the tanh GeLU: gelu(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u).
-_GELU_C = 0.7978845608028654
-
-
 @triton.jit
 def _gelu_tanh(v):
-    # x * sigmoid(2u) is 0.5 x (1 + tanh(u)); tl.sigmoid exists on every backend
-    # (libdevice tanh does not exist in the interpreter).
+    # x * sigmoid(2u) is 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); tl.sigmoid exists on every
+    # backend (libdevice tanh does not in the interpreter).
     u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
     return v * tl.sigmoid(2.0 * u)
 
 
-# ----------------------------------------------------------------------------- int8 conversion
-# int8 -> bf16/fp16 the compiler already does with byte permutes and a packed
-# half-precision subtract. int8 -> fp32 (the register-scaled paths: the weight
-# tile times its row scale) it does with I2F, a quarter-rate conversion-pipe
-# instruction. FAST=True converts with byte permutes and one fp32 subtract
-# (full-rate pipes), four int8 (one register) per call. Measured on an H100
-# (Triton 3.6): grad-input 2-5% faster at M >= 256, the register-scaled forward
-# 7-15% slower (two-warpgroup tiles), so only grad-input uses it.
-#   u = q ^ 0x80 (= q + 128 as an unsigned byte), placed in the low byte of 2^23
-#   gives the fp32 2^23 + u; minus (2^23 + 128) leaves q exactly.
-# The CPU interpreter cannot run inline PTX: it always takes FAST=False.
+# int8 -> fp32 (the register-scaled paths) compiles to I2F, a quarter-rate instruction. FAST=True (grad-input only,
+# where it is faster) uses full-rate byte permutes and one fp32 subtract, four int8 per call:
+#   u = q ^ 0x80 (= q + 128 unsigned) in the low byte of 2^23 gives the fp32 2^23 + u; minus (2^23 + 128) leaves q.
+# The CPU interpreter cannot run inline PTX: it takes FAST=False.
 
 _PTX_I8_TO_F32 = tl.constexpr("""{
 .reg .b32 u;
@@ -89,13 +57,9 @@ def _convert_kernel(q_ptr, out_ptr, n, BLOCK: tl.constexpr, FAST: tl.constexpr):
     tl.store(out_ptr + offs, _int8_to_f32(q, FAST), mask=ok)
 
 
-# ----------------------------------------------------------------------------- tiles
-
-
 @triton.jit
 def _tile_ids(N_OUT, M, BLOCK_O: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
-    # Grouped order: GROUP weight tiles walk the token tiles together, so the
-    # activation tiles they share stay in L2 (matters at large M only).
+    # GROUP weight tiles walk the token tiles together: the activation tiles they share stay in L2.
     pid = tl.program_id(0)
     num_o = tl.cdiv(N_OUT, BLOCK_O)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -109,16 +73,14 @@ def _tile_ids(N_OUT, M, BLOCK_O: tl.constexpr, BLOCK_M: tl.constexpr, GROUP: tl.
 
 @triton.jit
 def _row_offsets(offs_m, M, T, stride_b, stride_t):
-    # Rows past M wrap to valid rows (their results are masked at the store), so
-    # the loads in the main loop need no mask along M.
+    # Rows past M wrap to valid rows (masked at the store): the main loop's loads need no mask along M.
     m = offs_m % M
     b = m // T
     t = m - b * T
     return b.to(tl.int64) * stride_b + t.to(tl.int64) * stride_t
 
 
-# M and T change with every batch shape; specializing on them (== 1, % 16) would only
-# multiply compiles: they feed masks and the row wrap, never a vectorized address.
+# M and T change with every batch shape and never feed a vectorized address: not specialized.
 @triton.jit(do_not_specialize=["M", "T"])
 def _fwd_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr,
@@ -128,14 +90,9 @@ def _fwd_kernel(
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, F32: tl.constexpr,
     SCALE_A: tl.constexpr = False,
 ):
-    """acc[BLOCK_N, BLOCK_M] = W[n, k] @ X^T[k, m] over this program's K range.
-
-    With a split grid (dim 1 > 1) the fp32 sum goes to ws_ptr[pid_k, m, n];
-    otherwise scale/bias/activation are applied and y[m, n] stored in y's dtype.
-    The split is a run-time branch, so one binary serves every split count.
-    SCALE_A (unsplit launches only) multiplies the weight tile by its row scale in
-    registers, as the grad-input kernel must: one more rounding of the weight, but
-    different code from the compiler, which the autotuner may find faster."""
+    """acc[BLOCK_N, BLOCK_M] = W[n, k] @ X^T[k, m] over this program's K range; with a split grid the fp32 sum
+    goes to ws_ptr[pid_k, m, n] (a run-time branch: one binary for every split), else the epilogue stores y[m, n].
+    SCALE_A (unsplit only) scales the weight tile in registers: other code, which the autotuner may prefer."""
     pid_n, pid_m = _tile_ids(N, M, BLOCK_N, BLOCK_M, GROUP)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,8 +101,7 @@ def _fwd_kernel(
     rn = offs_n % N  # wrapped like the rows of x: no load mask along N
     x_rows = _row_offsets(offs_m, M, T, stride_xb, stride_xt)
 
-    # The loop runs over K_SPLIT (a plain argument: a bound computed from program ids
-    # breaks older interpreters) and masks past K; with EVEN_K every split is full.
+    # The loop bound is the K_SPLIT argument (one computed from program ids breaks older interpreters).
     k_lo = pid_k * K_SPLIT
     k_left = K - k_lo
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
@@ -160,12 +116,10 @@ def _fwd_kernel(
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs)
         else:
-            # Mask both: when the weight has no K padding, columns past K are the
-            # next row (or past the buffer's end).
+            # Mask both: without K padding, the weight's columns past K are the next row.
             k_ok = offs_k < k_left - kk
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
             xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
-        # int8 -> compute dtype in registers; the dot takes it as its register operand.
         if SCALE_A:
             a = (w.to(tl.float32) * s_rows[:, None]).to(cdt)
         else:
@@ -223,21 +177,15 @@ def _bwd_kernel(
     EVEN_R: tl.constexpr, EVEN_O: tl.constexpr, TRANS_LOAD: tl.constexpr, F32: tl.constexpr,
     FAST_CVT: tl.constexpr = False,
 ):
-    """acc[BLOCK_O, BLOCK_M] = (W^T * scale)[o, n] @ dY^T[n, m], reducing over N.
-
-    The per-row scale multiplies the weight tile in registers (fp32, then one
-    rounding to bf16): it runs along the reduction, so no epilogue can apply it.
-    TRANS_LOAD loads the weight tile in its natural [n, o] order and transposes
-    in registers; otherwise the tile is loaded [o, n] directly. Which one the
-    compiler turns into the faster wgmma differs, so the autotuner tries both."""
+    """acc[BLOCK_O, BLOCK_M] = (W^T * scale)[o, n] @ dY^T[n, m], reducing over N: the row scale multiplies the
+    weight tile in registers. TRANS_LOAD loads it [n, o] and transposes, else [o, n]; the autotuner tries both."""
     pid_o, pid_m = _tile_ids(KO, M, BLOCK_O, BLOCK_M, GROUP)
     pid_r = tl.program_id(1)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = tl.arange(0, BLOCK_R)
-    # The weight's contiguous dim is O here: wrapping it with % (as the token rows
-    # are) would hide its contiguity from the compiler and turn 16-byte copies into
-    # byte copies, so a ragged O edge is masked instead (EVEN_O: no edge at all).
+    # O is the weight's contiguous dim: a ragged edge is masked, not wrapped with % (which would hide the
+    # contiguity and turn 16-byte copies into byte copies). EVEN_O: no edge.
     o_ok = offs_o < KO
     y_rows = _row_offsets(offs_m, M, T, stride_yb, stride_yt)
 
@@ -309,8 +257,7 @@ def _dequant_kernel(q_ptr, s_ptr, out_ptr, N, K, stride_qn, BLOCK_N: tl.constexp
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     ok = n_ok[:, None] & (offs_k < K)[None, :]
-    # No `other=`: the masked lanes are never stored, and a constant can not be cast to fp8 (grouped.py's
-    # stacks dequantize here too).
+    # No `other=`: masked lanes are never stored, and a constant can not be cast to fp8 (grouped stacks).
     q = tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * stride_qn + offs_k[None, :], mask=ok)
     s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)
     out = (q.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty)

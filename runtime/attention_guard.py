@@ -1,18 +1,9 @@
 """A guard against an attention backend that returns wrong gradients under block streaming.
 
-Measured on an H200 with torch 2.11 (cuDNN 9 as shipped in its CUDA 13 wheel): a tiny
-diffusers Flux transformer with peft LoRA, compiled with the stagehand backend,
-got LoRA gradients with cosine -0.18 to 0.13 against the plain model (values up
-to 1e20 in bf16), with or without checkpointing, while the loss matched; with
-cuDNN's SDPA backend disabled the same run agreed to cosine 0.9998. The compiled
-units hand each attention a gradient whose strides differ from its output's,
-which cuDNN's SDPA backward has mishandled before (pytorch/pytorch#141147); the
-same backend also faults at Flux's full shape on the H100 (DESIGN.md). So
-`offload` on CUDA turns that backend off, says so once, and leaves flash and
-memory-efficient attention (which were right in every run) to carry attention.
-`STAGEHAND_ALLOW_CUDNN_SDPA=1` keeps it on for whoever has checked their build.
-The setting is process-wide; it comes back when the last runtime that turned it
-off is closed (`restore()`).
+cuDNN's SDPA backward gave wrong LoRA gradients for streamed, compiled blocks (their attention gets a gradient
+whose strides differ from its output's; cf. pytorch/pytorch#141147), so `offload` on CUDA turns that backend off,
+says so once, and leaves flash and memory-efficient attention to carry attention. `STAGEHAND_ALLOW_CUDNN_SDPA=1`
+keeps it on. The setting is process-wide; it comes back when the last runtime that turned it off is closed.
 """
 
 from __future__ import annotations

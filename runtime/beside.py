@@ -1,10 +1,8 @@
 """One piece of work on a thread of its own while the calling thread does another.
 
-Offload fills the host store (copies that release the GIL: the device-to-host link, memcpy into fresh pages)
-on a worker thread while the calling thread imports the compiler and starts its workers; beside a slab's reads,
-the slab's identity check runs on one while the calling thread imports. The imports stay on
-the calling thread: two threads importing one circle of modules can each see the other's half-made module
-(compiler/inner.py), so the thread that goes on to compile is the one that imported.
+Offload fills the host store (copies that release the GIL) on a worker thread while the calling thread imports
+the compiler and starts its workers. The imports stay on the calling thread: two threads importing one circle of
+modules can each see the other's half-made module (compiler/inner.py).
 """
 
 from __future__ import annotations
@@ -25,25 +23,25 @@ def run_beside(work: Callable[[], T], on_calling_thread: Callable[[], None] | No
     failed, the calling thread's error is raised, with the worker's as its cause. `seconds`, when given, gets
     how long each side took ("work", "calling thread"). With nothing for the calling thread (a CPU offload
     prepares no compiler), `work` runs here: a thread would only wait."""
-    if on_calling_thread is None:
+    seconds = {} if seconds is None else seconds
+
+    def timed_work() -> T:
         start = time.perf_counter()
         try:
             return work()
         finally:
-            if seconds is not None:
-                seconds["work"] = time.perf_counter() - start
+            seconds["work"] = time.perf_counter() - start
+
+    if on_calling_thread is None:
+        return timed_work()
     result: list = []
     failed: list[BaseException] = []
 
     def target() -> None:
-        start = time.perf_counter()
         try:
-            result.append(work())
+            result.append(timed_work())
         except BaseException as error:  # noqa: BLE001 - handed to the calling thread, which raises it
             failed.append(error)
-        finally:
-            if seconds is not None:
-                seconds["work"] = time.perf_counter() - start
 
     worker = threading.Thread(target=target, name=name, daemon=True)
     worker.start()
@@ -56,8 +54,7 @@ def run_beside(work: Callable[[], T], on_calling_thread: Callable[[], None] | No
             raise error from failed[0]
         raise
     finally:
-        if seconds is not None:
-            seconds["calling thread"] = time.perf_counter() - start
+        seconds["calling thread"] = time.perf_counter() - start
     worker.join()
     if failed:
         raise failed[0]

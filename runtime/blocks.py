@@ -1,12 +1,8 @@
 """Finding the transformer blocks and the Linear layers inside them that stream.
 
-`find_blocks(model, "auto")` returns the children of every outermost
-`nn.ModuleList` whose children are repeated blocks (same class, at least two,
-each holding a Linear). Children need not be structurally identical (SD3's
-last block differs), and a model may have several such lists (Flux's double
-and single blocks): all are returned, in registration order, which for the
-supported families is execution order. The compiler never relies on this
-order for correctness: it schedules by the order blocks appear in the graph.
+`find_blocks(model, "auto")` returns the children of every outermost `nn.ModuleList` whose children are repeated
+blocks (same class, at least two, each holding a Linear; not necessarily identical), of every such list, in
+registration order. The compiler schedules by the order blocks appear in the graph, never by this one.
 """
 
 from __future__ import annotations
@@ -27,11 +23,9 @@ class BlockSelectionError(ValueError):
 class StreamedLayerSpec:
     """One streamed weight: a Linear's (or GPT-2 Conv1D's), or a mixture-of-experts stack.
 
-    An expert stack is a 3-D parameter of a module that is not a Linear (transformers 5 keeps a block's
-    experts as `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; gpt-oss as [E, H, 2I] / [E, I, H]).
-    It streams as the matrix of its E x rows rows (`as_matrix`): one row per expert and output row of the
-    stored layout, so a per-row INT8 scale is per expert and row, and the model gets it back in its own
-    3-D shape (`experts/stacks.py`).
+    An expert stack is a 3-D parameter [E, rows, in] of a module that is not a Linear. It streams as the matrix of
+    its E x rows rows (`as_matrix`), so a per-row INT8 scale is per expert and row; the model gets it back in its
+    own 3-D shape (`experts/stacks.py`).
     """
 
     fqn: str  # module FQN relative to the offloaded model (an expert stack: the parameter's FQN)
@@ -106,8 +100,7 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[str]
             raise BlockSelectionError(
                 f"offload: found no nn.ModuleList of repeated blocks in {type(model).__name__} "
                 "(need >= 2 children of one class, each holding an nn.Linear); "
-                "pass blocks='<FQN of the block list>' or a list of block FQNs"
-            )
+                "pass blocks='<FQN of the block list>' or a list of block FQNs")
         names = lists
     elif isinstance(blocks, str):
         names = [blocks]
@@ -118,25 +111,19 @@ def find_blocks(model: nn.Module, blocks: str | list[str] = "auto") -> list[str]
 
     result: list[str] = []
     for name in names:
-        if name not in modules or name == "":
+        module = modules.get(name) if name else None
+        is_list = isinstance(module, (nn.ModuleList, nn.Sequential))
+        if module is None or (isinstance(blocks, str) and not is_list):
             candidates = ", ".join(_repeated_block_lists(model)) or "none found"
-            raise BlockSelectionError(
-                f"offload: blocks names {name!r}, which is not a submodule of {type(model).__name__} "
-                f"(repeated block lists found: {candidates})"
-            )
-        module = modules[name]
-        if isinstance(blocks, str) and not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            candidates = ", ".join(_repeated_block_lists(model)) or "none found"
+            if module is None:
+                raise BlockSelectionError(
+                    f"offload: blocks names {name!r}, which is not a submodule of {type(model).__name__} "
+                    f"(repeated block lists found: {candidates})")
             raise BlockSelectionError(
                 f"offload: blocks={name!r} names a {type(module).__name__}, not a list of repeated blocks "
                 f"(an nn.ModuleList or nn.Sequential; found: {candidates}); to stream single modules, "
-                f"pass a list of their FQNs: blocks=[{name!r}, ...]"
-            )
-        children = (
-            [f"{name}.{child}" for child, _ in module.named_children()]
-            if isinstance(module, (nn.ModuleList, nn.Sequential))
-            else [name]
-        )
+                f"pass a list of their FQNs: blocks=[{name!r}, ...]")
+        children = [f"{name}.{child}" for child, _ in module.named_children()] if is_list else [name]
         for child in children:
             if not _has_linear(modules[child]):
                 raise BlockSelectionError(f"offload: block {child!r} holds no nn.Linear; nothing would stream")
@@ -155,11 +142,10 @@ EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def expert_stacks(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """A module's own 3-D floating parameters whose first dimension is the number of experts the module says
-    it holds: stacks of expert matrices, [experts, rows, in] in the module's layout. Found by structure, not
-    by class name, so a new MoE family works as it is. A Linear's weight, a router's and expert biases are
-    2-D and stay resident; a convolution's weight or an attention's 3-D projection (Funnel's `r_kernel`)
-    belongs to no module that counts experts, and stays resident too."""
+    """A module's own 3-D floating parameters whose first dimension is the number of experts the module says it
+    holds: stacks of expert matrices, [experts, rows, in] in the module's layout. Found by structure, not by class
+    name, so a new MoE family works as it is; a convolution's or an attention's 3-D weight belongs to no module
+    that counts experts."""
     if is_streamable_linear(module) or isinstance(module, nn.modules.conv._ConvNd):
         return []
     count = next((v for v in (getattr(module, a, None) for a in EXPERT_COUNT_ATTRS) if isinstance(v, int)), None)
@@ -182,15 +168,14 @@ def streamed_layers(model: nn.Module, block_fqns: list[str]) -> list[StreamedLay
                 continue
             for adapter in _adapter_module_names(module):
                 skip_prefixes.append(f"{name}.{adapter}" if name else adapter)
-            prefix = f"{block_fqn}.{name}" if name else block_fqn
+            fqn = f"{block_fqn}.{name}" if name else block_fqn
             for pname, p in expert_stacks(module):
-                specs.append(StreamedLayerSpec(f"{prefix}.{pname}", index, module, int(p.shape[0] * p.shape[1]),
+                specs.append(StreamedLayerSpec(f"{fqn}.{pname}", index, module, int(p.shape[0] * p.shape[1]),
                                                int(p.shape[2]), False, param=pname, experts=int(p.shape[0])))
             if not is_streamable_linear(module):
                 continue
             transposed = is_conv1d(module)
             out_f, in_f = (module.weight.shape[1], module.weight.shape[0]) if transposed else module.weight.shape
-            fqn = f"{block_fqn}.{name}" if name else block_fqn
             specs.append(StreamedLayerSpec(fqn, index, module, int(out_f), int(in_f), transposed))
     return specs
 
@@ -226,9 +211,8 @@ def layer_slots(model: nn.Module, specs: list[StreamedLayerSpec]) -> list[LayerS
 
 
 def check_not_wrapped_off_device(spec: StreamedLayerSpec, slot: LayerSlot, device) -> None:
-    """peft applied after offload wraps the streamed layer and puts its adapters where the layer's weight is: the
-    host. On a CPU stream that is right (and computes correctly); on another device it would fail inside the
-    adapter with a bare device mismatch, so say which layer and what to do instead."""
+    """peft applied after offload puts its adapters where the layer's weight is, the host: right on a CPU stream,
+    elsewhere a bare device mismatch inside the adapter, so say which layer and what to do instead."""
     wrapper = slot.parent._modules.get(slot.name)
     if wrapper is spec.module or wrapper is None:
         return
@@ -237,5 +221,4 @@ def check_not_wrapped_off_device(spec: StreamedLayerSpec, slot: LayerSlot, devic
             raise WrappedAfterOffloadError(
                 f"stagehand: streamed layer {spec.fqn} was wrapped by {type(wrapper).__name__} after offload "
                 f"(peft adapters?), and its {pname} is on {p.device}, not {device}: apply peft before offload, "
-                f"or move the model to {device} after adding adapters (streamed weights stay on the host)"
-            )
+                f"or move the model to {device} after adding adapters (streamed weights stay on the host)")

@@ -1,19 +1,15 @@
 """One dataclass tree for every knob, with the seeds' defaults.
 
-`Config.from_json` reads either this tree directly or the training-config
-layout the seeds show (``{"memory": {"stagehand": {"conductor_config": ...,
-"selective_precision": ...}}}``). Every validation error names the field by its
-dotted path, e.g. ``selective_precision.bf16_threshold``.
+`Config.from_json` reads either this tree directly or the seeds' training-config layout
+(``{"memory": {"stagehand": {"conductor_config": ..., "selective_precision": ...}}}``). Every validation error
+names the field by its dotted path, e.g. ``selective_precision.bf16_threshold``.
 
-Two knobs appear twice, once in the seeds' conductor section and once at the
-top; the top-level one is the source of truth, the conductor one is honoured
-when the top-level one is unset, and two different values are an error:
+Two knobs appear twice, in the conductor section and at the top; the top-level one wins, the conductor one is
+honoured when the top-level one is unset, and two different values are an error:
 
-- device slots: ``slots``, else ``conductor.h2d_slots`` when it differs from
-  its default (2; the seeds name the same slots so), else
+- device slots: ``slots``, else ``conductor.h2d_slots`` when it differs from its default (2), else
   ``conductor.prefetch_window + 1`` (`Config.slot_count`);
-- telemetry: ``telemetry_file``, else ``conductor.telemetry_file``
-  (`Config.telemetry_path`).
+- telemetry: ``telemetry_file``, else ``conductor.telemetry_file`` (`Config.telemetry_path`).
 """
 
 from __future__ import annotations
@@ -35,41 +31,43 @@ class ConductorConfig:
     """Budgets and transfer slots (conductor.txt). Sizes in MB; None = no cap."""
 
     enabled: bool = True
+    """False: no budget, transfer or policy manager (planned prefetches are issued without admission)."""
     vram_soft_cap_mb: float | None = None
+    """The VRAM budget the plan is made for (`offload(vram_budget=...)`, when given, takes its place)."""
     vram_hard_cap_mb: float | None = None
+    """Device memory the run never crosses; a plan goes over the soft cap up to it only when none fits."""
     pinned_budget_mb: float | None = None
-    h2d_slots: int = _DEFAULT_H2D_SLOTS  # the device slots when Config.slots is unset (see the module docstring)
+    """Validated and kept for the seeds' config layout; the host store's page-locking is decided by `pin_memory`
+    and the preflight, not by this cap."""
+    h2d_slots: int = _DEFAULT_H2D_SLOTS
+    """The device slots when Config.slots is unset (see the module docstring)."""
     d2h_slots: int = 2
-    # How many blocks ahead the plan fetches while the current block computes.
+    """The transfer manager's device-to-host tokens (the seeds' layout); the gradient and spill copies take none."""
     prefetch_window: int = 1
-    # Rule 1: above this VRAM pressure in BACKWARD, speculative prefetch stops.
+    """How many blocks ahead the plan fetches while the current block computes."""
     backward_pressure_threshold: float = 0.8
-    # Rule 3: this many consecutive "all slots busy" checks shrink the window.
+    """Rule 1: above this VRAM pressure in BACKWARD, speculative prefetch stops."""
     contention_checks: int = 3
-    telemetry_file: str | None = None  # used when Config.telemetry_file is unset
+    """Rule 3: this many consecutive "all slots busy" checks shrink the window."""
+    telemetry_file: str | None = None
+    """The telemetry file when Config.telemetry_file is unset."""
     telemetry_interval_steps: int = 1
+    """Validated and kept for the seeds' config layout; the telemetry writes a line every step."""
     debug_event_trace: bool = False
+    """Keep an event trace of every admission and denial (debugging)."""
 
     def validate(self, prefix: str = "conductor") -> None:
-        _positive_int(self.h2d_slots, f"{prefix}.h2d_slots")
-        _positive_int(self.d2h_slots, f"{prefix}.d2h_slots")
+        for name in ("h2d_slots", "d2h_slots", "contention_checks", "telemetry_interval_steps"):
+            _positive_int(getattr(self, name), f"{prefix}.{name}")
         _non_negative_int(self.prefetch_window, f"{prefix}.prefetch_window")
-        _positive_int(self.contention_checks, f"{prefix}.contention_checks")
-        _positive_int(self.telemetry_interval_steps, f"{prefix}.telemetry_interval_steps")
         _unit_interval(self.backward_pressure_threshold, f"{prefix}.backward_pressure_threshold")
         for name in ("vram_soft_cap_mb", "vram_hard_cap_mb", "pinned_budget_mb"):
             value = getattr(self, name)
             if value is not None and (not _is_number(value) or value <= 0):
                 raise ConfigError(f"{prefix}.{name}: must be a positive number of MB or null, got {value!r}")
-        if (
-            self.vram_soft_cap_mb is not None
-            and self.vram_hard_cap_mb is not None
-            and self.vram_soft_cap_mb > self.vram_hard_cap_mb
-        ):
-            raise ConfigError(
-                f"{prefix}.vram_soft_cap_mb: {self.vram_soft_cap_mb} is above "
-                f"{prefix}.vram_hard_cap_mb {self.vram_hard_cap_mb}"
-            )
+        soft, hard = self.vram_soft_cap_mb, self.vram_hard_cap_mb
+        if soft is not None and hard is not None and soft > hard:
+            raise ConfigError(f"{prefix}.vram_soft_cap_mb: {soft} is above {prefix}.vram_hard_cap_mb {hard}")
 
 
 @dataclass
@@ -77,69 +75,88 @@ class PrecisionConfig:
     """Selective precision (selective-precision.txt), defaults as the seed's."""
 
     enabled: bool = True
-    # "off" | "static" | "dynamic"; None = not set: the policy stays off unless offload(precision="auto"),
-    # which runs it with the seed's default ("dynamic", `effective_mode`).
+    """False: the policy never runs, whatever `mode` says."""
     mode: str | None = None
+    """'off' | "static" | "dynamic"; None = not set: the policy stays off unless offload(precision="auto"), which
+    runs it with the seed's default ("dynamic", `effective_mode`)."""
     bf16_threshold: float = 0.6
+    """A block whose sensitivity score is at or above this goes (or comes back) to bf16."""
     int8_threshold: float = 0.3
+    """A block scored below this goes to fewer bytes (int8, or fp8 by the FP8 policy)."""
     ambiguous_default: str = precisions.FULL
+    """The precision of a block scored between the two thresholds that has no starting precision of its own."""
     hysteresis_margin: float = 0.1
+    """A bf16 block goes down only below int8_threshold minus this, so a score near a threshold does not flip it
+    back and forth."""
     grad_weight: float = 0.7
+    """The gradient score's share of a block's sensitivity."""
     error_weight: float = 0.3
+    """The calibration error's share of a block's sensitivity."""
     grad_sensitivity_threshold: float = 2.0
+    """The relative gradient magnitude that scores 1 (the score is capped there)."""
     run_calibration: bool = True
+    """Let `rt.calibrate(batches)` measure each block's quantization error (kept on disk); False: the gradient
+    score alone."""
     calibration_samples: int = 4
+    """Batches the calibration runs."""
     quant_error_threshold: float = 0.05
+    """The quantization error that scores 1 (the score is capped there)."""
     warmup_steps: int = 10
+    """Steps before the first policy update."""
     history_window: int = 5
+    """Steps of gradient statistics a score averages over."""
     update_interval_steps: int = 10
+    """The policy updates the map every this many steps (mode 'dynamic')."""
     min_steps_between_switches: int = 20
+    """A block switched by the policy is not switched again for this many steps."""
     force_bf16_blocks: list[int] = field(default_factory=list)
+    """Blocks that stay bf16 in every mode."""
     force_int8_blocks: list[int] = field(default_factory=list)
+    """Blocks that stay int8 in every mode."""
     log_decisions: bool = True
+    """Log each switch the policy makes, with its score and reason."""
     telemetry_enabled: bool = True
+    """Write the policy's decisions and scores to `telemetry_file`."""
     telemetry_file: str = "selective_precision_telemetry.jsonl"
-    # Beyond the seed (issue 10): where calibration results are cached (None = $STAGEHAND_CACHE_DIR/calibration).
+    """The policy's JSONL telemetry (relative to the working directory)."""
     calibration_cache_dir: str | None = None
-    # Loss feedback (needs rt.observe_loss(loss)): a switch to fewer bytes followed within
-    # loss_feedback_steps by a mean loss above (1 + loss_spike_ratio) x the mean before it is reverted,
-    # and the block stays in bf16 for loss_feedback_block_steps.
+    """Where calibration results are cached (None = $STAGEHAND_CACHE_DIR/calibration)."""
     loss_spike_ratio: float = 0.1
+    """Loss feedback (needs rt.observe_loss(loss)): a switch to fewer bytes followed within loss_feedback_steps by a
+    mean loss above (1 + loss_spike_ratio) x the mean before it is reverted, and the block stays in bf16 for
+    loss_feedback_block_steps."""
     loss_feedback_steps: int = 20
+    """Steps after a switch to fewer bytes in which the loss is watched (see loss_spike_ratio)."""
     loss_feedback_block_steps: int = 100
-    # FP8: a measured policy file (`python -m torch_stagehand.runtime.selective.fp8_bench`); blocks the policy
-    # sends to fewer bytes take fp8 where every layer was measured faster than bf16 at fp8_tokens tokens.
+    """Steps a block reverted by the loss feedback stays bf16."""
     fp8_policy_file: str | None = None
+    """FP8: a measured policy file (`python -m torch_stagehand.runtime.selective.fp8_bench`); blocks the policy
+    sends to fewer bytes take fp8 where every layer was measured faster than bf16 at fp8_tokens tokens."""
     fp8_tokens: int | None = None
-    # fp8 on a device without FP8 tensor cores (CPU, pre-sm_89) computes a dequantized emulation; off = refused.
+    """The token count the FP8 policy file's measurements are read at (required with `fp8_policy_file`)."""
     fp8_emulate: bool = False
-    # "block": one precision per block (the seed); "layer": a block's attention and MLP are scored and
-    # switched apart (maps then hold by-role precisions such as "int8-mlp": attention bf16, MLP int8).
+    """FP8 on a device without FP8 tensor cores (CPU, pre-sm_89) computes a dequantized emulation; off = refused."""
     granularity: str = "block"
+    """'block': one precision per block (the seed); "layer": a block's attention and MLP are scored and switched
+    apart (maps then hold by-role precisions such as "int8-mlp": attention bf16, MLP int8)."""
 
     @property
     def effective_mode(self) -> str:
         return "dynamic" if self.mode is None else self.mode
 
     def validate(self, prefix: str = "selective_precision") -> None:
-        if self.mode is not None and self.mode not in ("off", "static", "dynamic"):
-            raise ConfigError(f"{prefix}.mode: must be 'off', 'static' or 'dynamic', got {self.mode!r}")
-        known = precisions.names()
-        if self.ambiguous_default not in known:
-            choices = ", ".join(repr(n) for n in known[:-1]) + f" or {known[-1]!r}"
-            raise ConfigError(f"{prefix}.ambiguous_default: must be {choices}, got {self.ambiguous_default!r}")
+        if self.mode is not None:
+            _one_of(self.mode, ("off", "static", "dynamic"), f"{prefix}.mode")
+        _one_of(self.ambiguous_default, precisions.names(), f"{prefix}.ambiguous_default")
         for name in ("bf16_threshold", "int8_threshold", "hysteresis_margin", "grad_weight", "error_weight"):
             _unit_interval(getattr(self, name), f"{prefix}.{name}")
         if self.int8_threshold > self.bf16_threshold:
-            raise ConfigError(
-                f"{prefix}.int8_threshold: {self.int8_threshold} is above "
-                f"{prefix}.bf16_threshold {self.bf16_threshold}; the ambiguous zone would be empty"
-            )
-        for name in ("grad_sensitivity_threshold", "quant_error_threshold"):
-            value = getattr(self, name)
-            if not _is_number(value) or value <= 0:
-                raise ConfigError(f"{prefix}.{name}: must be a positive number, got {value!r}")
-        for name in ("calibration_samples", "history_window", "update_interval_steps"):
+            raise ConfigError(f"{prefix}.int8_threshold: {self.int8_threshold} is above {prefix}.bf16_threshold "
+                              f"{self.bf16_threshold}; the ambiguous zone would be empty")
+        for name in ("grad_sensitivity_threshold", "quant_error_threshold", "loss_spike_ratio"):
+            _positive_number(getattr(self, name), f"{prefix}.{name}")
+        for name in ("calibration_samples", "history_window", "update_interval_steps", "loss_feedback_steps",
+                     "loss_feedback_block_steps"):
             _positive_int(getattr(self, name), f"{prefix}.{name}")
         for name in ("warmup_steps", "min_steps_between_switches"):
             _non_negative_int(getattr(self, name), f"{prefix}.{name}")
@@ -147,11 +164,7 @@ class PrecisionConfig:
             blocks = getattr(self, name)
             if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
                 raise ConfigError(f"{prefix}.{name}: must be a list of block indices, got {blocks!r}")
-        if self.granularity not in ("block", "layer"):
-            raise ConfigError(f"{prefix}.granularity: must be 'block' or 'layer', got {self.granularity!r}")
-        _positive_number(self.loss_spike_ratio, f"{prefix}.loss_spike_ratio")
-        for name in ("loss_feedback_steps", "loss_feedback_block_steps"):
-            _positive_int(getattr(self, name), f"{prefix}.{name}")
+        _one_of(self.granularity, ("block", "layer"), f"{prefix}.granularity")
         if self.fp8_policy_file is not None and self.fp8_tokens is None:
             raise ConfigError(f"{prefix}.fp8_tokens: must be set with {prefix}.fp8_policy_file "
                               "(the policy's rules are per token count)")
@@ -159,9 +172,8 @@ class PrecisionConfig:
             _positive_int(self.fp8_tokens, f"{prefix}.fp8_tokens")
         both = set(self.force_bf16_blocks) & set(self.force_int8_blocks)
         if both:
-            raise ConfigError(
-                f"{prefix}.force_bf16_blocks and {prefix}.force_int8_blocks both name block(s) {sorted(both)}"
-            )
+            raise ConfigError(f"{prefix}.force_bf16_blocks and {prefix}.force_int8_blocks both name block(s) "
+                              f"{sorted(both)}")
 
 
 @dataclass
@@ -169,59 +181,60 @@ class Config:
     """Top of the tree: what `offload(..., config=Config(...))` takes."""
 
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    """Budgets, transfer slots and the run-time rules (`ConductorConfig`)."""
     selective_precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    # Device slots for streamed blocks; None = prefetch_window + 1 (the plan's need).
+    """The selective-precision policy (`PrecisionConfig`)."""
     slots: int | None = None
-    # "mse" (per-row clipping search) or "absmax" for INT8 built from live weights.
+    """Device slots for streamed blocks; None = prefetch_window + 1 (the plan's need)."""
     quantizer: str = "mse"
-    # Pin host buffers when streaming to CUDA (False only for debugging).
+    """'mse' (per-row clipping search) or "absmax" for INT8 built from live weights."""
     pin_memory: bool = True
-    # Telemetry JSONL of what actually happened (bytes, stalls, phases); None = off.
+    """Pin host buffers when streaming to CUDA (False only for debugging)."""
     telemetry_file: str | None = None
-    # offload(slab=...): refuse a slab that records no identity of its source weights (older
-    # slabs, plain SquareQ ones) instead of loading it with a SlabIdentityWarning.
+    """Telemetry JSONL of what actually happened (bytes, stalls, phases); None = off."""
     require_slab_identity: bool = False
-    # CUDA: turn on the caching allocator's expandable segments at offload (a cache fragmented into pieces
-    # too small for a logits buffer fails units that fit the room), unless PYTORCH_CUDA_ALLOC_CONF or
-    # PYTORCH_ALLOC_CONF configures the allocator. False: leave the allocator as it is.
+    """offload(slab=...): refuse a slab that records no identity of its source weights (older slabs, plain SquareQ
+    ones) instead of loading it with a SlabIdentityWarning."""
     expandable_segments: bool = True
-    # At offload's end and after a step that compiled units: gc.collect() once, then gc.freeze(), so the collector
-    # stops walking the libraries', the model's and the compile's millions of objects (full collections of
-    # 0.5-0.7 s every few hundred steps otherwise, and during the first step). restore() unfreezes. False: leave
-    # the collector alone.
+    """CUDA: turn on the caching allocator's expandable segments at offload (a cache fragmented into pieces too
+    small for a logits buffer fails units that fit the room), unless PYTORCH_CUDA_ALLOC_CONF or
+    PYTORCH_ALLOC_CONF configures the allocator. False: leave the allocator as it is."""
     freeze_gc_after_compile: bool = True
-    # Where the full-precision master of a block that streams INT8 is kept: "pinned", "ram"
-    # (pageable), "file" (not in RAM: views of the model's safetensors file, offload(checkpoint=...)),
-    # or "auto" ("ram" while it fits the memory there is, else "file" when a checkpoint is given).
+    """At offload's end and after a step that compiled units: gc.collect() once, then gc.freeze(), so the collector
+    stops walking the libraries', the model's and the compile's millions of objects (collector.py). restore()
+    unfreezes. False: leave the collector alone."""
     keep_full: str = "auto"
-    # "disk": with offload(slab=...), INT8 blocks are read from the slab file at each fetch through a
-    # small pinned staging ring (host/disk_tier.py) instead of being held in RAM; "ram": held in RAM.
+    """Where the full-precision master of a block that streams INT8 is kept: "pinned", "ram" (pageable), "file" (not
+    in RAM: views of the model's safetensors file, offload(checkpoint=...)), or "auto" ("ram" while it fits the
+    memory there is, else "file" when a checkpoint is given)."""
     int8_tier: str = "ram"
-    # offload(slab=...): who reads the INT8 rows. "process": a reader process of its own, into shared host
-    # memory (memfd) this process maps: offload's compiler preparation holds this process's GIL beside the reads,
-    # and reader threads here wait for it between reads (1.15-1.6x the disk's time on an H100 machine). "threads":
-    # reader threads of this process. "auto": the process where memfd_create exists (Linux) and the ranks of a
-    # node do not share the store (their reads go into the node's pages), threads elsewhere.
+    """'disk': with offload(slab=...), INT8 blocks are read from the slab file at each fetch through a small pinned
+    staging ring (host/disk_tier.py) instead of being held in RAM; "ram": held in RAM."""
     slab_reads: str = "auto"
-    # The reader process's reads go on after offload returns (read_process.RowsBehind): offload waits for the
-    # blocks' layout, the slab's identity check and its own stages, not for every row; the first fetch of an
-    # INT8 block waits for the rest (the first step's capture and compile run meanwhile). A layer that fails
-    # its check after offload returned is raised by that fetch. False: offload returns with every row read.
-    # Reader threads, and a meta model's biases read from the slab, always finish before offload returns.
+    """offload(slab=...): who reads the INT8 rows. "process": a reader process of its own, into shared host memory
+    (memfd) this process maps (offload's compiler preparation holds this process's GIL beside the reads, which
+    reader threads here would wait for). "threads": reader threads of this process. "auto": the process where
+    memfd_create exists (Linux) and the ranks of a node do not share the store (their reads go into the node's
+    pages), threads elsewhere."""
     slab_rows_behind: bool = True
-    # A mixture-of-experts model's eager forward with no grad over at most this many tokens (generation)
-    # reads each layer directly and each expert stack only for the experts its router picked, instead of
-    # copying whole blocks (eager_path.py); 0: whole blocks always.
+    """The reader process's reads go on after offload returns (read_process.RowsBehind): offload waits for the
+    blocks' layout, the slab's identity check and its own stages, not for every row; the first fetch of an INT8
+    block waits for the rest (the first step's capture and compile run meanwhile). A layer that fails its check
+    after offload returned is raised by that fetch. False: offload returns with every row read. Reader threads,
+    and a meta model's biases read from the slab, always finish before offload returns."""
     routed_experts_max_tokens: int = 16
-    # The device cache of routed experts between generation steps (experts/cache.py): bytes or a size ("2GiB"),
-    # or "auto": what the VRAM budget leaves at the first routed read, less a fifth (nothing beyond its floor,
-    # two tokens' picks twice, without a budget).
+    """A mixture-of-experts model's eager forward with no grad over at most this many tokens (generation) reads each
+    layer directly and each expert stack only for the experts its router picked, instead of copying whole blocks
+    (eager_path.py); 0: whole blocks always."""
     expert_cache_bytes: int | str = "auto"
-    # Under torch.distributed: the ranks of one node share one host store (host/node_store.py): "auto" (when more
-    # than one rank runs on the node and they can map each other's memory), "on" (refuse where not), "off".
+    """The device cache of routed experts between generation steps (experts/cache.py): bytes or a size ("2GiB"), or
+    "auto": what the VRAM budget leaves at the first routed read, less a fifth (nothing beyond its floor, two
+    tokens' picks twice, without a budget)."""
     node_shared_store: str = "auto"
-    # Seconds a rank waits for the other ranks of its node during offload (a rank that died is reported then).
+    """Under torch.distributed: the ranks of one node share one host store (host/node_store.py): "auto" (when more
+    than one rank runs on the node and they can map each other's memory), "on" (refuse where not), "off"."""
     node_timeout_s: float = 600.0
+    """Seconds a rank waits for the other ranks of its node during offload (a rank that died is reported then)."""
 
     def validate(self) -> "Config":
         self.conductor.validate("conductor")
@@ -230,30 +243,21 @@ class Config:
         if self.slots is not None:
             _positive_int(self.slots, "slots")
             if h2d_slots not in (_DEFAULT_H2D_SLOTS, self.slots):
-                raise ConfigError(
-                    f"conductor.h2d_slots: {h2d_slots} disagrees with slots: {self.slots}; both set the "
-                    "device slots (slots wins when set): set one of them"
-                )
+                raise ConfigError(f"conductor.h2d_slots: {h2d_slots} disagrees with slots: {self.slots}; both set "
+                                  "the device slots (slots wins when set): set one of them")
         slots_field = "slots" if self.slots is not None else "conductor.h2d_slots"
         if self.slot_count < self.conductor.prefetch_window + 1:
-            raise ConfigError(
-                f"{slots_field}: {self.slot_count} cannot hold the computing block plus "
-                f"conductor.prefetch_window={self.conductor.prefetch_window} prefetched ones"
-            )
+            raise ConfigError(f"{slots_field}: {self.slot_count} cannot hold the computing block plus "
+                              f"conductor.prefetch_window={self.conductor.prefetch_window} prefetched ones")
         shadow = self.conductor.telemetry_file
         if self.telemetry_file is not None and shadow is not None and shadow != self.telemetry_file:
             raise ConfigError(
                 f"conductor.telemetry_file: {shadow!r} disagrees with telemetry_file: {self.telemetry_file!r}; "
-                "both name the telemetry JSONL (telemetry_file wins when set): set one of them"
-            )
-        if self.quantizer not in ("mse", "absmax"):
-            raise ConfigError(f"quantizer: must be 'mse' or 'absmax', got {self.quantizer!r}")
-        if self.keep_full not in ("auto", "pinned", "ram", "file"):
-            raise ConfigError(f"keep_full: must be 'auto', 'pinned', 'ram' or 'file', got {self.keep_full!r}")
-        if self.int8_tier not in ("ram", "disk"):
-            raise ConfigError(f"int8_tier: must be 'ram' or 'disk', got {self.int8_tier!r}")
-        if self.slab_reads not in ("auto", "process", "threads"):
-            raise ConfigError(f"slab_reads: must be 'auto', 'process' or 'threads', got {self.slab_reads!r}")
+                "both name the telemetry JSONL (telemetry_file wins when set): set one of them")
+        for name, choices in (("quantizer", ("mse", "absmax")), ("keep_full", ("auto", "pinned", "ram", "file")),
+                              ("int8_tier", ("ram", "disk")), ("slab_reads", ("auto", "process", "threads")),
+                              ("node_shared_store", ("auto", "on", "off"))):
+            _one_of(getattr(self, name), choices, name)
         if not isinstance(self.slab_rows_behind, bool):
             raise ConfigError(f"slab_rows_behind: must be True or False, got {self.slab_rows_behind!r}")
         if not isinstance(self.routed_experts_max_tokens, int) or self.routed_experts_max_tokens < 0:
@@ -265,15 +269,11 @@ class Config:
                 parse_bytes(self.expert_cache_bytes, "expert_cache_bytes")
             except BudgetError as e:
                 raise ConfigError(f"{e}; or 'auto'") from None
-        if self.node_shared_store not in ("auto", "on", "off"):
-            raise ConfigError(f"node_shared_store: must be 'auto', 'on' or 'off', got {self.node_shared_store!r}")
         if not _is_number(self.node_timeout_s) or self.node_timeout_s <= 0:
             raise ConfigError(f"node_timeout_s: must be a positive number of seconds, got {self.node_timeout_s!r}")
-        for name in ("expandable_segments", "freeze_gc_after_compile"):
+        for name in ("expandable_segments", "freeze_gc_after_compile", "require_slab_identity"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
-        if not isinstance(self.require_slab_identity, bool):
-            raise ConfigError(f"require_slab_identity: must be true or false, got {self.require_slab_identity!r}")
         return self
 
     @property
@@ -289,8 +289,6 @@ class Config:
     def telemetry_path(self) -> str | None:
         """Where telemetry goes: `telemetry_file`, else `conductor.telemetry_file`; None = off."""
         return self.telemetry_file if self.telemetry_file is not None else self.conductor.telemetry_file
-
-    # ---- JSON -------------------------------------------------------------
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Config":
@@ -343,6 +341,12 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 
 _NESTED = {(Config, "conductor"): ConductorConfig, (Config, "selective_precision"): PrecisionConfig}
+
+
+def _one_of(value: Any, choices, path: str) -> None:
+    if value not in choices:
+        listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise ConfigError(f"{path}: must be {listed}, got {value!r}")
 
 
 def _is_number(value: Any) -> bool:

@@ -2,22 +2,15 @@
 
 Two ways, chosen per call:
 
-* **Through the block's slot** (what the eager path always did): the op acquires its block's slot (a copy of
-  the whole block if it is not there), computes, releases it; the first layer of a block prefetches the
-  block that ran after it last time. Correct everywhere, slow where the fetches could have been scheduled.
-* **Direct reads, routed experts only** (`Config.routed_experts_max_tokens`): a forward with no grad over a
-  few tokens (generation: one token a step) of a mixture-of-experts model would copy every block whole at
-  every token, though its router picks a few experts of each block (8 of 128 in Qwen3-30B-A3B). Then each
-  Linear copies only its own rows, on the compute stream (ordered with the math), into a device buffer
-  kept per size; each expert stack gets the rows of the experts routed to from the expert cache
-  (experts/cache.py: kept between tokens, the misses copied on its copy stream, the next block's guessed
-  experts prefetched there), gathered into a dense stack buffer kept per place in the block, where the cost
-  model says the routed copies beat one copy of the block. The host waits once per experts module and
-  forward, for the router's choice (it must name the rows to copy; the next router's guess comes in the
-  same transfer): this path runs only without grad over a few tokens, never in a training step. A block
-  the slot pool holds already (resident in the plan) is read from its slot instead. The rows of experts not
-  routed to are stale in the stack buffer; no experts implementation reads them (the grouped GEMM's groups
-  for them are empty, the batched and looped ones index the routed experts).
+* **Through the block's slot**: the op acquires its block's slot (copying the whole block if it is not there),
+  computes, releases it; the first layer of a block prefetches the block that ran after it last time.
+* **Direct reads, routed experts only** (`Config.routed_experts_max_tokens`): a forward with no grad over a few
+  tokens (generation) of a mixture-of-experts model, whose router picks a few experts of each block. Each Linear
+  copies only its own rows, on the compute stream, into a device buffer kept per size; each expert stack gets the
+  rows of the routed experts from the expert cache (experts/cache.py), gathered into a dense stack buffer, where
+  the cost model says the routed copies beat one copy of the block. The host waits once per experts module and
+  forward for the router's choice. A block the slot pool holds already is read from its slot. The rows of experts
+  not routed to are stale in the stack buffer; no experts implementation reads them.
 """
 
 from __future__ import annotations
@@ -35,8 +28,6 @@ from torch_stagehand.runtime.precision import LayerLayout
 from torch_stagehand.runtime.train.ddp import check_not_sharded
 
 
-# ---- the eager path is correct but slow: a compiled model that takes it is told once per block and cause
-
 class EagerFallbackWarning(UserWarning):
     """A compiled model ran a block through the eager op path (correct, slower)."""
 
@@ -52,8 +43,6 @@ def warn_eager_once(warned: set, block: int, block_name: str, backward: bool) ->
                       "path, one op at a time (correct, slower; counted in stats()['eager_linear_calls'])",
                       EagerFallbackWarning, stacklevel=5)
 
-
-# ---- the ops no compiled block scheduled
 
 # A module's forward memo (experts/stacks.py) holds its stacks by name, and these: the router's choice, the module's
 # hidden states (the next router's input for the guess) and the guess, until the prefetch is issued.
@@ -72,14 +61,9 @@ class EagerPath:
         self.blocks_taken: set[int] = set()  # the blocks they belong to (stats()["eager_blocks"])
         self.warned: set[tuple[int, str]] = set()  # (block, cause) already told (warn_eager_once)
 
-    # ---- the ops' entry points ------------------------------------------------------------
-
     def linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rt = self.rt
-        # A forward run inside backward is activation checkpointing recomputing a block:
-        # it belongs to the backward phase, and the next block needed is the previous one.
-        backward = torch._C._current_graph_task_id() != -1
-        (rt.phases.backward_op if backward else rt.phases.forward_op)()
+        backward = self._phase()
         if not backward:
             rt.grads.forward_ran()
         spec = rt.layers[index]
@@ -103,8 +87,7 @@ class EagerPath:
         from torch_stagehand.runtime.experts.stacks import dense_from_slot
 
         rt = self.rt
-        backward = torch._C._current_graph_task_id() != -1
-        (rt.phases.backward_op if backward else rt.phases.forward_op)()
+        backward = self._phase()
         spec = rt.layers[index]
         tokens = routed.numel() // routed.shape[-1] if routed is not None and routed.dim() > 1 else None
         if routed is not None and self._direct(spec.block, routed.numel() if tokens is None else tokens):
@@ -130,27 +113,30 @@ class EagerPath:
             w = w.clone() if w.untyped_storage().data_ptr() == slot.untyped_storage().data_ptr() else w
             return w.view(spec.weight.shape)
 
-    # ---- through the block's slot ----------------------------------------------------------
+    def _phase(self) -> bool:
+        """Note the op's phase; True in backward (a forward there is a checkpointed block's recompute)."""
+        backward = torch._C._current_graph_task_id() != -1
+        (self.rt.phases.backward_op if backward else self.rt.phases.forward_op)()
+        return backward
 
     @contextlib.contextmanager
     def slot(self, index: int, backward: bool):
         """The layer's block, held for the one op that reads it (then released)."""
         rt = self.rt
         rt._check_open()
-        spec = rt.layers[index]
-        block = spec.block
+        block = rt.layers[index].block
         precision = rt._precision[block]
         self.count(block, backward)
         slot = rt.pool.acquire(block, precision, reader=EAGER)
         try:
             first = rt._block_first_layer[block]
             if first == index:
-                for i in range(index, index + len(rt.store.blocks[block].layers)):
+                end = index + len(rt.store.blocks[block].layers)
+                for i in range(index, end):
                     check_not_wrapped_off_device(rt.layers[i], rt._layer_slots[i], rt.device)
-                check_not_sharded(rt.layers[index:index + len(rt.store.blocks[block].layers)])
-                # Eager calls have no schedule; fetching the block that runs next (in the order the
-                # blocks ran, reversed in backward) while this one runs still pays. The slot just
-                # acquired is held, so this prefetch can never overwrite it.
+                check_not_sharded(rt.layers[index:end])
+                # No schedule: fetch the block that runs next (in the order the blocks ran, reversed in backward);
+                # the slot just acquired is held, so this prefetch can never overwrite it.
                 if not backward:
                     rt.fetch_order.record_forward(block)
                 rt.plan_driver.prefetch(rt.fetch_order.eager_next(block, backward))
@@ -164,8 +150,6 @@ class EagerPath:
         self.blocks_taken.add(block)
         if self.rt.graph_records:  # else the model is simply being called without torch.compile
             warn_eager_once(self.warned, block, self.rt.blocks[block], backward)
-
-    # ---- direct reads ------------------------------------------------------------------------
 
     def _direct(self, block: int, tokens: int) -> bool:
         """Read this call's layers directly: no grad, few tokens, a MoE model, a block not held in a slot."""

@@ -1,12 +1,8 @@
 """Process-wide lookup from the values that travel through graphs to runtimes.
 
-Custom ops only carry tensors and ints. A block is named by its *block token*:
-a 0-dim int64 CPU tensor holding `runtime_id << 32 | block`. Every streamed
-Linear holds its block's token as a plain tensor attribute and hands it to
-`streamed_linear` with its position in the block, so Dynamo lifts the token to
-a graph input (guarded by its metadata, not its value) instead of baking a
-per-layer constant into the graph: identical blocks share one Dynamo graph,
-compiled once even when each block is compiled on its own. A global layer id
+A block is named by its *block token*: a 0-dim int64 CPU tensor holding `runtime_id << 32 | block`. Every streamed
+Linear hands its block's token to `streamed_linear` with its position in the block, so Dynamo lifts the token to a
+graph input (guarded by its metadata, not its value): identical blocks share one Dynamo graph. A global layer id
 names a layer from Python (a parameter back to its runtime).
 """
 
@@ -18,9 +14,7 @@ from typing import Any
 
 import torch
 
-# The registry sits below the Runtime (ops and the conductor read it), so it never imports it:
-# a registered runtime is any object; callers know it is a `runtime.Runtime`.
-Runtime = Any
+Runtime = Any  # the registry sits below runtime.Runtime and never imports it
 
 NO_BLOCK = -1
 _runtime_ids = itertools.count(1)
@@ -60,10 +54,8 @@ def layer(layer_id: int) -> tuple["Runtime", int]:
         rid, index = _layers[layer_id]
         return _runtimes[rid], index
     except KeyError:
-        raise RuntimeError(
-            f"stagehand: streamed layer id {layer_id} belongs to no live runtime "
-            "(was the model restored or its Runtime closed?)"
-        ) from None
+        raise RuntimeError(f"stagehand: streamed layer id {layer_id} belongs to no live runtime "
+                           "(was the model restored or its Runtime closed?)") from None
 
 
 def make_token(rid: int, block: int) -> torch.Tensor:

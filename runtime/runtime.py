@@ -1,15 +1,12 @@
 """The Runtime: what `offload()` returns and what the ops call into.
 
-It owns the host store, the device slots, the block tokens, the precision map, the phase tracker
-and telemetry. It implements the compiler's `StreamingRuntime` protocol (compiler/interface.py: the
-static facts the passes read, plus `abort_held_blocks`, `record_compile`, `record_graph`, `on_close`);
-the compiled variants live in the compiler's own cache, which the runtime never reads.
+It builds the engine's parts in order and holds them, and implements the compiler's `StreamingRuntime`
+protocol (compiler/interface.py); the compiled variants live in the compiler's own cache.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from typing import Any, Callable
 
@@ -46,24 +43,15 @@ from torch_stagehand.runtime.telemetry.stage_clock import StageClock
 from torch_stagehand.runtime.selective.runtime_api import SelectivePrecisionAPI
 from torch_stagehand.runtime.streamed import guard_conversions, make_plain, unguard
 
-log = logging.getLogger(__name__)
-
 
 class Runtime(SelectivePrecisionAPI):
-    def __init__(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        block_fqns: list[str],
-        layers: list[StreamedLayerSpec],
-        precision: dict[int, str],
-        config: Config,
-        slab_loader=None, while_filling: Callable[[], None] | None = None,  # beside the masters' copies
-        vram_budget: int | str | None = None,
-        cost_model: CostModel | None = None,
-        keep_full: str | None = None, checkpoint=None,  # checkpoint: a WeightsFile (a meta model loads from it)
-        clock: StageClock | None = None,  # offload's stages, for its report
-    ):
+    def __init__(self, model: nn.Module, device: torch.device, block_fqns: list[str], layers: list[StreamedLayerSpec],
+                 precision: dict[int, str], config: Config, slab_loader=None,
+                 while_filling: Callable[[], None] | None = None,  # beside the masters' copies
+                 vram_budget: int | str | None = None, cost_model: CostModel | None = None,
+                 keep_full: str | None = None,
+                 checkpoint=None,  # a WeightsFile (a meta model loads from it)
+                 clock: StageClock | None = None):  # offload's stages, for its report
         check_master_dtypes(layers)
         budget = budget_from(config, vram_budget)  # a budget that cannot be read fails before the model is touched
         self.model = model
@@ -71,25 +59,23 @@ class Runtime(SelectivePrecisionAPI):
         self.blocks = list(block_fqns)
         self.layers = layers
         self.config = config
-        self._closed = False
-        self._restored = False
+        self._closed = self._restored = False
         self._hooks: list[Any] = []
         self._attached: list[torch.optim.Optimizer] = []  # optimizers whose steps end a step (attach)
         self._conversion_guards: list[nn.Module] = []
         self._on_close: list[Callable[[], None]] = []
         self.checkpoint, self._keep_full = checkpoint, keep_full if keep_full is not None else config.keep_full
-        # Checked before the model is touched: a bad path fails here, not at the first step.
         self.telemetry = TelemetryWriter(config.telemetry_path)
-        self._block_first_layer = {}
+        self._block_first_layer: dict[int, int] = {}
         for index, spec in enumerate(layers):
             self._block_first_layer.setdefault(spec.block, index)
         self._undo = OffloadUndo(model, layers)
-        self._layer_slots = layer_slots(model, layers)  # to notice adapters wrapped around a layer after offload
+        self._layer_slots = layer_slots(model, layers)  # adapters wrapped around a layer after offload
         self.id = registry.register_runtime(self)
         self.node = self.shards = None
         self.plan_driver: PlanDriver | None = None  # made in _offload; it owns the slot pool
         self.clock = clock or StageClock()
-        self.fetch_order = FetchOrder(len(self.blocks))  # what the eager path and the plan's prefetches fetch next
+        self.fetch_order = FetchOrder(len(self.blocks))
         try:
             self._offload(precision, slab_loader, budget, cost_model, while_filling)
         except BaseException as e:
@@ -98,42 +84,35 @@ class Runtime(SelectivePrecisionAPI):
 
         self.phases = PhaseTracker(on_step_end=self._record_step)
         self.phases.listeners.append(lambda old, new: self.plan_driver.on_phase(new, self.phases.step))
-        # out of memory at a unit's boundary: re-plan, run it again
         self.oom = OomRecovery(self.device, self.blocks, self.phases, self.plan_driver, self.abort_held_blocks,
                                self._attached, allocator=getattr(self, "allocator", ""))
         self.recover_from_oom = self.oom.recover  # (the StreamingRuntime protocol's name for it)
-        # after a step that compiled: gc.freeze (no full-collection pauses)
         self.collector = CollectorFreeze(self.config.freeze_gc_after_compile, self.phases, lambda: self.compile_count)
         if self.config.freeze_gc_after_compile:
-            self._hooks.append(self.collector)  # close() calls remove(): the frozen objects become collectable again
+            self._hooks.append(self.collector)  # close() calls remove(): it unfreezes
         self._step_base = self._counters()
         self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
         self.compile_seconds, self.compile_count = 0.0, 0  # every compiled unit (block variants and glue)
         self.units_first_run = 0  # compiled units that have run once (record_first_run)
         self.units_loaded = 0  # of those, loaded from the compile caches (a warm start), not compiled
-        self.block_variant_count = 0
-        self.graph_breaks: list[str] = []
-        self.recomputed_blocks = 0
+        self.block_variant_count = self.recomputed_blocks = 0
         self.offload_summary: dict[str, Any] = {}  # what offload() reported (the front door fills it)
         self.events = RuntimeEvents()  # step ends and compiles, for the front door's reports
 
     def _offload(self, precision: dict[int, str], slab_loader, budget, cost_model, while_filling=None) -> None:
         """Every step of offload that changes the model or allocates; any of them may raise."""
         model, layers = self.model, self.layers
-        # The host store: planned and checked against the machine's memory before anything is allocated.
         # Before the first device allocation: the slots and resident blocks then live in expandable segments.
         self.allocator = use_expandable_segments(self.device) if self.config.expandable_segments else "left as it is"
-        # The ranks of a node share one store (host/node_store.py): a collective of every rank, before any allocation.
-        self.node = node_store.join(self.config, self.device)
-        # Its process group now, while every rank is here: after this point a rank that fails meets the others only
-        # at the node's exchanges (host/node_store.py), which tell them.
+        self.node = node_store.join(self.config, self.device)  # a collective of every rank: before any allocation
+        # Its process group now, while every rank is here (a rank that fails later meets the others only at the
+        # node's exchanges, which tell them).
         self.shards = GradShards.create(layers, self.node, self.device)
         if self.node is not None:
             self._undo.defer_releases()  # the weights of blocks other ranks write stay until they are written (seal)
-        self.store, self.host_plan = make_host_store(layers, len(self.blocks), precision, self.config, self.device,
-                                                     self._keep_full, self.checkpoint, slab_loader is not None,
-                                                     node=self.node)
-        self.store.on_replaced = self._undo.replaced  # the original Parameter objects are kept, their memory released
+        self.store, _ = make_host_store(layers, len(self.blocks), precision, self.config, self.device, self._keep_full,
+                                        self.checkpoint, slab_loader is not None, node=self.node)
+        self.store.on_replaced = self._undo.replaced
         self.clock.mark("host store planned")
         meta_blocks = fill_masters(self.store, self.checkpoint, progress, while_filling, self.clock)
         self.clock.mark("masters " + ("mapped from the checkpoint" if self.store.keep_full == KEEP_FILE
@@ -144,10 +123,8 @@ class Runtime(SelectivePrecisionAPI):
             raise RuntimeError(f"offload: block {self.blocks[meta_blocks[0]]} has weights on the meta device and no "
                                "slab was given (nor a checkpoint= holding them)"
                                + missing_stack(self.store, self.checkpoint, meta_blocks[0]))
-        # Trainable weights' gradients, landed on the host; the compiler asks it which layers train (interface.py).
         self.grads = GradLane(layers, self.store, self.device, self._block_first_layer)
-        # Several ranks: a training block's gradients go to its owner alone (train/shards.py; made above).
-        self.grads.shards = self.shards
+        self.grads.shards = self.shards  # several ranks: a block's gradients go to its owner alone
         if self.shards is not None:
             self.on_close(self.shards.close)
         self.trainable_positions = self.grads.trainable_positions
@@ -172,16 +149,17 @@ class Runtime(SelectivePrecisionAPI):
         self.plan_driver = PlanDriver(
             self.device, len(self.blocks), self.config, self.store, self.grads, self.fetch_order,
             precision=lambda: self._precision, step=lambda: self.phases.step if hasattr(self, "phases") else None,
-            compiled_units=lambda: self.compile_count + self.units_first_run, kept=KeptCostModel(self._job_key, len(self.blocks)),
-            budget=budget, cost_model=cost_model)
+            compiled_units=lambda: self.compile_count + self.units_first_run,
+            kept=KeptCostModel(self._job_key, len(self.blocks)), budget=budget, cost_model=cost_model)
         self.set_precision(precision)
         self.clock.mark("precision copies built, host store pinned")
-        if self.node is not None:  # every block's owner has filled its pages: from here every rank reads them
+        if self.node is not None:  # every block's owner has filled its pages
             self.node.seal(self.device, self.store.pin, keep_group=self.grads.shards is not None)
             self._undo.release_deferred()
-        self.plan_driver.make_pool()  # the slots and resident blocks the plan asks for
+        self.plan_driver.make_pool()
         # Token outputs are allocated once: a prefetch / evict returns its block's.
-        self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks] for _ in range(2))
+        self._fetch_tokens, self._free_tokens = ([torch.zeros((), dtype=torch.int64) for _ in self.blocks]
+                                                 for _ in range(2))
         self.store.offloaded = True  # from here a refused page-lock leaves the buffer pageable, and says so
         self.clock.mark("device slots")
 
@@ -196,9 +174,7 @@ class Runtime(SelectivePrecisionAPI):
             self.node.abort(error)
         if self.shards is not None:
             self.shards.close()  # its process group (on_close callbacks do not run for an offload that failed)
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self._remove_hooks()
         unguard(self._conversion_guards)
         registry.unregister_runtime(self.id)
         self._undo.undo()
@@ -222,19 +198,14 @@ class Runtime(SelectivePrecisionAPI):
 
     def set_precision(self, precision: str | dict[int, str]) -> None:
         """Set the precision of every block (a registered name: "bf16", "int8") or of the blocks a map names.
-
-        The next call runs the new map; compiled variants are re-linked, new ones
-        compiled once. Derived copies (INT8) missing from the host store are
-        built now, off the hot path.
-        """
+        The next call runs the new map; compiled variants are re-linked, new ones compiled once. Derived copies
+        (INT8) missing from the host store are built now, off the hot path."""
         self._check_open()
         new = precisions.validate_precision_map(precision, self.blocks, base=self._precision)
         for block, value in new.items():
             if not self.store.can_stream(block, value):
-                raise PrecisionMapError(
-                    f"precision map: block {block} ({self.blocks[block]}) has no full-precision weights "
-                    f"to stream {value} from (it was loaded from an INT8 slab only)"
-                )
+                raise PrecisionMapError(f"precision map: block {block} ({self.blocks[block]}) has no full-precision "
+                                        f"weights to stream {value} from (it was loaded from an INT8 slab only)")
         self._check_precision_devices(new)  # fp8 needs FP8 tensor cores unless emulation was asked for
         self.store.build_missing(new, progress)
         self._precision = new
@@ -287,10 +258,8 @@ class Runtime(SelectivePrecisionAPI):
 
     def restore(self) -> nn.Module:
         """Put the model back: plain modules, weights as tensors on their original devices, bit-exact.
-
-        Idempotent: a second call returns the model. Every hook and reference to the host
-        store and slots is dropped, so they are freed with this Runtime.
-        """
+        Idempotent. Every hook and reference to the host store and slots is dropped, so they are freed with this
+        Runtime."""
         if self._restored:
             return self.model
         self._check_open()
@@ -311,9 +280,7 @@ class Runtime(SelectivePrecisionAPI):
     def close(self) -> None:
         if self._closed:
             return
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self._remove_hooks()
         self.phases.end_step()
         self.telemetry.close()
         self.store.free()  # unlock the pinned ranges; the memory goes when the last view does
@@ -354,8 +321,7 @@ class Runtime(SelectivePrecisionAPI):
 
     # ---- called by the ops -------------------------------------------------------------
 
-    # Each schedule op reports its host time to the planner (calibration: the share of a block's issue
-    # time that a resident block mostly skips).
+    # Each schedule op reports its host time to the planner (calibration).
     def op_prefetch(self, block: int) -> torch.Tensor:
         t0 = time.perf_counter()
         self.plan_driver.prefetch(block)
@@ -376,8 +342,7 @@ class Runtime(SelectivePrecisionAPI):
         if slot.numel() != nbytes:
             raise RuntimeError(
                 f"stagehand: block {block} ({self.blocks[block]}, {precision}) holds {slot.numel()} bytes but the "
-                f"compiled graph expects {nbytes}: the block's layout changed after compilation"
-            )
+                f"compiled graph expects {nbytes}: the block's layout changed after compilation")
         return slot
 
     def op_release(self, block: int, precision_code: int) -> torch.Tensor:
@@ -388,7 +353,7 @@ class Runtime(SelectivePrecisionAPI):
         return self._free_tokens[block]
 
     def eager_linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.eager.linear(index, x, bias)  # eager_path.py: through the block's slot, or read directly
+        return self.eager.linear(index, x, bias)
 
     def eager_grad_input(self, index: int, dy: torch.Tensor) -> torch.Tensor:
         return self.eager.grad_input(index, dy)
@@ -413,8 +378,7 @@ class Runtime(SelectivePrecisionAPI):
         return self.store.nbytes(block, precision)
 
     def _after_load_state_dict(self, module, incompatible_keys) -> None:
-        # load_state_dict wrote the host master in place; drop stale device copies.
-        # (INT8 copies notice through the buffer's version counter and re-quantize.)
+        # load_state_dict wrote the host master in place: drop stale device copies (INT8 copies notice themselves).
         self.pool.invalidate(self.layers[registry.layer(module._sh_layer)[1]].block)
 
     def _counters(self) -> dict[str, int]:
@@ -424,11 +388,11 @@ class Runtime(SelectivePrecisionAPI):
         if self.grads.host:  # full fine-tuning: resident blocks the optimizer stepped are copied in ahead
             self.pool.refresh_resident()
         now = self._counters()
-        record: dict[str, Any] = {"step_id": step, "phase_durations": {k: round(v, 6) for k, v in durations.items()}}
-        record.update({k: now[k] - self._step_base[k] for k in now})
-        record["peak_streamed_bytes"] = self.pool.stats.peak_resident_bytes
-        record["denials"] = dict(self.pool.stats.denials)
-        record["precision"] = {str(b): p for b, p in self._precision.items()}
+        record: dict[str, Any] = {"step_id": step, "phase_durations": {k: round(v, 6) for k, v in durations.items()},
+                                  **{k: now[k] - self._step_base[k] for k in now},
+                                  "peak_streamed_bytes": self.pool.stats.peak_resident_bytes,
+                                  "denials": dict(self.pool.stats.denials),
+                                  "precision": {str(b): p for b, p in self._precision.items()}}
         if self.device.type == "cuda":
             record["vram_allocated_mb"] = round(torch.cuda.memory_allocated(self.device) / 2**20, 1)
             record["vram_peak_mb"] = round(torch.cuda.max_memory_allocated(self.device) / 2**20, 1)
@@ -437,6 +401,11 @@ class Runtime(SelectivePrecisionAPI):
         self.telemetry.write(record)
         self.plan_driver.on_step_end(step)
         self.events.step(record)
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -1,27 +1,11 @@
-"""Streamed Linear modules: the same module objects, with a class swapped in.
+"""Streamed modules: the same module objects, with a class swapped in.
 
-`offload` changes `module.__class__` from `nn.Linear` (or transformers'
-`Conv1D`) to a subclass made here, so `isinstance(m, nn.Linear)` still holds
-(peft, HF and diffusers code keeps working), the module tree and FQNs stay the
-same, and `restore()` swaps the class back. The subclass:
-
-* forwards through `stagehand::streamed_linear`, the op the backend rewrites;
-* keeps its weight on the host when the model is moved (`_apply` touches only
-  the bias and buffers), like SquareQ's dtype protection;
-* hands its block's grad anchor to the op, so a weight that requires grad gets
-  its gradient in backward, landed in a host buffer (train/grads.py): the host copy
-  is the master, and any optimizer over `model.parameters()` steps it;
-* refuses `.half()` / `.to(dtype)` and the like, which would convert its bias
-  but not its weight (`refuse_dtype_conversion`; `guard_conversions` installs
-  the same check on its ancestors, so `model.half()` refuses before anything
-  is converted);
-* takes a new weight (`module.weight = nn.Parameter(...)`, and so
-  `load_state_dict(assign=True)`) by copying its values into the host master.
-
-Its weight is a `HostMasterParameter`: a view of the block's flat host buffer
-whose in-place writes, `.data` writes included, bump that buffer's version
-counter, which the slot pool and the derived (INT8) copies compare against
-before they serve the block again.
+`offload` changes `module.__class__` from `nn.Linear` (or transformers' `Conv1D`) to a subclass made here, so
+`isinstance(m, nn.Linear)` still holds, the module tree and FQNs stay the same, and `restore()` swaps the class
+back. The subclass forwards through `stagehand::streamed_linear`, keeps its weight on the host when the model is
+moved, refuses dtype conversions that would leave the weight behind, and takes a new weight by copying its
+values into the host master. The weight is a `HostMasterParameter`, a view of the block's flat host buffer whose
+writes bump that buffer's version counter, which the slots and derived copies check before serving it again.
 """
 
 from __future__ import annotations
@@ -44,10 +28,8 @@ class StreamedDtypeError(TypeError):
 class HostMasterParameter(nn.Parameter):
     """A streamed weight: a view of its block's flat host buffer, the master copy of the weight.
 
-    Every write to it must move the buffer's version counter, the one thing the
-    slots and the derived copies check (an int compare per block fetch or slot
-    hit). In-place ops do; `Tensor.data` would not (it hands out a tensor with a
-    fresh counter), so here `.data` is `detach()`, which shares the counter, and
+    Every write must move the buffer's version counter, which the slots and derived copies check. In-place ops
+    do; `Tensor.data` would not (a fresh counter), so here `.data` is `detach()`, which shares the counter, and
     assigning `.data` copies the values in (the master must stay in the buffer).
     """
 
@@ -56,9 +38,7 @@ class HostMasterParameter(nn.Parameter):
     _sh_layer: int  # the layer's global id (registry): which runtime and layer it belongs to
     _sh_on_requires_grad = None  # the runtime's callback: the block's grad anchor follows the flag
 
-    # requires_grad decides whether the weight gets a gradient in backward: the block's grad anchor
-    # (train/grads.py) must follow it, however the flag is set (`requires_grad_`, `model.requires_grad_()`,
-    # or assignment).
+    # The block's grad anchor (train/grads.py) must follow requires_grad however the flag is set.
     def requires_grad_(self, requires_grad: bool = True):
         super().requires_grad_(requires_grad)
         if self._sh_on_requires_grad is not None:
@@ -82,13 +62,12 @@ class HostMasterParameter(nn.Parameter):
         copy_into_master(self, value, self._sh_name)
 
     def module_load(self, other: torch.Tensor, assign: bool = False) -> torch.Tensor:
-        # load_state_dict under torch.__future__.set_swap_module_params_on_conversion(True) swaps
-        # the parameter with what this returns: copy the values in and return another view of the
-        # same host bytes, so the swapped-in weight is still the master.
+        # load_state_dict with swap_module_params_on_conversion swaps the parameter with what this returns:
+        # another view of the same host bytes, so the swapped-in weight is still the master.
         copy_into_master(self, other, self._sh_name)
         alias = HostMasterParameter(self.detach(), requires_grad=self.requires_grad)
-        alias._sh_fqn, alias._sh_layer, alias._sh_on_requires_grad = self._sh_fqn, self._sh_layer, self._sh_on_requires_grad
-        alias._sh_name = self._sh_name
+        for name in ("_sh_fqn", "_sh_layer", "_sh_on_requires_grad", "_sh_name"):
+            setattr(alias, name, getattr(self, name))
         return alias
 
     def __repr__(self) -> str:
@@ -116,9 +95,7 @@ def copy_into_master(master: torch.Tensor, value, name: str) -> None:
         raise StreamedWeightAssignmentError(
             f"{where} in {master.dtype}; the new value is {value.dtype} (convert it first: value.to({master.dtype}))")
     with torch.no_grad():
-        # An in-place write: the buffer's version moves, so the block's slot copy and its
-        # INT8 copy are refreshed before the next call reads them.
-        master.detach().copy_(value)
+        master.detach().copy_(value)  # in place: the version moves, so slot and INT8 copies are refreshed
 
 
 class ShardedStreamedWeightError(StreamedWeightAssignmentError):
@@ -126,8 +103,7 @@ class ShardedStreamedWeightError(StreamedWeightAssignmentError):
 
 
 def is_dtensor(t) -> bool:
-    """A DTensor (FSDP2's sharded parameter): only once its module is imported can one exist, so this imports
-    nothing (the DTensor package costs a second to load)."""
+    """A DTensor (FSDP2's sharded parameter); imports nothing (none exists before its module is imported)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
 
@@ -139,13 +115,9 @@ def sharded_message(name: str) -> str:
 
 
 def refuse_dtype_conversion(fn, modules) -> None:
-    """Raise if `fn` (what `Module._apply` maps over tensors) would change a streamed weight's dtype.
-
-    The weights stay in the host store when a model is converted (only biases
-    and buffers follow), so a `.half()` would leave the model computing in two
-    dtypes. Probing `fn` on a 0-dim tensor of each weight's dtype tells a device
-    move (fine) from a dtype conversion (refused) before anything is converted.
-    """
+    """Raise if `fn` (what `Module._apply` maps over tensors) would change a streamed weight's dtype: the weights
+    stay in the host store, so a `.half()` would leave the model in two dtypes. Probing `fn` on a 0-dim tensor
+    tells a device move (fine) from a dtype conversion before anything is converted."""
     checked: dict[torch.dtype, torch.dtype] = {}
     for module, name in ((m, n) for m in modules for n in m._sh_params):
         dtype = module._parameters[name].dtype
@@ -161,67 +133,72 @@ def refuse_dtype_conversion(fn, modules) -> None:
             )
 
 
-class StreamedMixin:
-    _sh_params = ("weight",)  # the parameters that stream (their values live in the host store)
+class _StreamedModule:
+    """What the swapped classes share: their `_sh_params` live in the host store, not in the module."""
+
+    _sh_params: tuple[str, ...]
     _sh_layer: int  # global layer id (registry): the layer from Python (a parameter back to its runtime)
     _sh_fqn: str
-    _sh_anchor: torch.Tensor  # the block's grad anchor (train/grads.py)
-    # What forward hands the op: the block's token (a plain tensor attribute, so Dynamo makes it a graph
-    # input guarded by its metadata), the layer's position in the block and its width. All three are the
-    # same in every block of a structure, so one Dynamo graph serves them all (registry.py).
     _sh_block_tok: torch.Tensor
+    _sh_runtime_key: str  # the runtime the layer streams from: what a compiled graph is guarded on
+    _sh_copied = "is streamed"  # what `__deepcopy__`'s error says the module does
+    _sh_not_deletable = ""  # what `__delattr__`'s error adds
+
+    def _apply(self, fn, recurse=True):
+        # Only the other parameters and buffers follow .to()/.cuda(): the streamed ones are host store views.
+        # A dtype conversion (.half()) is refused: the bias would follow and the weight not.
+        refuse_dtype_conversion(fn, [self])
+        order = list(self._parameters)
+        streamed = {name: self._parameters.pop(name) for name in self._sh_params}
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            # Back in their places: named_parameters() keeps the model's order (optimizer state follows it).
+            self._parameters.update(streamed)
+            for name in order:
+                self._parameters[name] = self._parameters.pop(name)
+
+    def __setattr__(self, name, value):
+        # `module.weight = nn.Parameter(w)` (and load_state_dict(assign=True)) would put a tensor outside the host
+        # store that the stream never reads: take its values (and its requires_grad) into the master instead.
+        if name in type(self)._sh_params and isinstance(value, nn.Parameter):
+            master = self._parameters[name]
+            copy_into_master(master, value, f"{self._sh_fqn}.{name}")
+            master.requires_grad_(value.requires_grad)
+            return
+        if name in type(self)._sh_params and value is None:
+            raise StreamedWeightAssignmentError(
+                f"stagehand: {self._sh_fqn}.{name} streams from the host store and can not be set to None; "
+                "call restore() on the Runtime first")
+        super().__setattr__(name, value)  # a plain tensor: nn.Module's own TypeError
+
+    def __delattr__(self, name):
+        if name in type(self)._sh_params:
+            raise StreamedWeightAssignmentError(
+                f"stagehand: {self._sh_fqn}.{name} streams from the host store and can not be deleted"
+                f"{self._sh_not_deletable}; call restore() on the Runtime first")
+        super().__delattr__(name)
+
+    def __deepcopy__(self, memo):
+        # A copy would alias the original's host store and slots through the layer id.
+        raise TypeError(
+            f"stagehand: {self._sh_fqn} {self._sh_copied}; deepcopy the model before offload() or after restore()")
+
+
+class StreamedMixin(_StreamedModule):
+    _sh_params = ("weight",)
+    _sh_anchor: torch.Tensor  # the block's grad anchor (train/grads.py)
+    # What forward hands the op besides the block's token (a plain tensor attribute: a graph input guarded by
+    # its metadata): the layer's position in the block and its width, the same in every block of a structure,
+    # so one Dynamo graph serves them all (registry.py).
     _sh_position: int
     _sh_out_features: int
-    _sh_runtime_key: str  # the runtime the layer streams from: what a compiled graph is guarded on
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             guard_on_runtime(self._sh_runtime_key)
         return torch.ops.stagehand.streamed_linear(x, self.bias, self._sh_block_tok, self._sh_position,
                                                    self._sh_out_features, self._sh_anchor)
-
-    def _apply(self, fn, recurse=True):
-        # Only the bias and buffers follow .to()/.cuda(): the weight is the host store's
-        # view, and converting it would silently duplicate or corrupt it. A dtype
-        # conversion (.half()) is refused: the bias would follow and the weight not.
-        refuse_dtype_conversion(fn, [self])
-        order = list(self._parameters)
-        weight = self._parameters.pop("weight")
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            # Back in its place: named_parameters() keeps the model's order (optimizer state follows it).
-            self._parameters["weight"] = weight
-            for name in order:
-                self._parameters[name] = self._parameters.pop(name)
-
-    def __setattr__(self, name, value):
-        # `module.weight = nn.Parameter(w)` (and load_state_dict(assign=True), which does the
-        # same) would put a tensor outside the host store that the stream never reads: take
-        # its values into the master instead (and its requires_grad, which forward checks).
-        if name == "weight" and isinstance(value, nn.Parameter):
-            master = self._parameters["weight"]
-            copy_into_master(master, value, f"{self._sh_fqn}.weight")
-            master.requires_grad_(value.requires_grad)
-            return
-        if name == "weight" and value is None:
-            raise StreamedWeightAssignmentError(
-                f"stagehand: {self._sh_fqn}.weight streams from the host store and can not be set to None; "
-                "call restore() on the Runtime first")
-        super().__setattr__(name, value)  # a plain tensor: nn.Module's own TypeError
-
-    def __delattr__(self, name):
-        if name == "weight":
-            raise StreamedWeightAssignmentError(
-                f"stagehand: {self._sh_fqn}.weight streams from the host store and can not be deleted; "
-                "call restore() on the Runtime first")
-        super().__delattr__(name)
-
-    def __deepcopy__(self, memo):
-        # A copy would alias the original's host store and slots through the layer id.
-        raise TypeError(
-            f"stagehand: {self._sh_fqn} is streamed; deepcopy the model before offload() or after restore()"
-        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, streamed (layer {self._sh_layer})"
@@ -243,13 +220,9 @@ def runtime_key(runtime_id: int) -> str:
 def guard_on_runtime(key: str) -> None:
     """Make the graph being captured specific to one offloaded runtime.
 
-    A compiled graph bakes in its runtime: the precision of each block's ops, the schedule, the plan. The block
-    tokens are graph inputs guarded by their metadata only (so identical blocks share a graph), so without more a
-    second model of the same architecture offloaded in the same process, or the same model offloaded again with
-    another precision, would pass Dynamo's guards and run the first runtime's graph. Dynamo guards a string
-    attribute of a module by its value (a string never becomes symbolic, as an int may), but only once a branch
-    reads it: this branch is that read, so a graph captured for one runtime fails its guards for the next and
-    Dynamo captures a graph of its own. The key is never empty; the branch is there for its guard."""
+    A compiled graph bakes in its runtime (precisions, schedule, plan), but the block tokens are guarded by their
+    metadata only, so a second runtime of the same architecture would pass Dynamo's guards. Dynamo guards a string
+    attribute by its value once a branch reads it: this branch is that read. The key is never empty."""
     if not key:
         raise RuntimeError("stagehand: a streamed layer without its runtime's key")
 
@@ -260,30 +233,22 @@ def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tens
     `block_tok`, `position`: the block's token and the layer's place among its streamed layers; `runtime_id`: the
     runtime's registry id (`guard_on_runtime`)."""
     module.__class__ = streamed_class(type(module))
-    module._sh_layer, module._sh_runtime_key = layer_id, runtime_key(runtime_id)
-    module._sh_fqn = fqn
-    module._sh_anchor = anchor
+    module._sh_layer, module._sh_runtime_key, module._sh_fqn, module._sh_anchor = (
+        layer_id, runtime_key(runtime_id), fqn, anchor)
     module._sh_block_tok, module._sh_position, module._sh_out_features = block_tok, position, out_features
     weight = module._parameters["weight"]
     weight.__class__ = HostMasterParameter
-    weight._sh_fqn, weight._sh_layer, weight._sh_name = fqn, layer_id, f"{fqn}.weight"
-    weight._sh_on_requires_grad = on_requires_grad
+    weight._sh_fqn, weight._sh_layer, weight._sh_name, weight._sh_on_requires_grad = (
+        fqn, layer_id, f"{fqn}.weight", on_requires_grad)
 
 
 def guard_conversions(model: nn.Module, streamed_fqns: list[str]) -> list[nn.Module]:
-    """Check dtype conversions at every ancestor of a streamed layer, before anything converts.
-
-    `model.half()` converts children first, so the check in a streamed
-    module's own `_apply` would come after the modules before it were
-    converted. An instance `_apply` on each ancestor runs the check over all
-    its streamed descendants first. Returns the guarded modules (`unguard`).
-    """
-    names = {fqn.rsplit(".", 1)[0] if "." in fqn else "" for fqn in streamed_fqns}
-    for fqn in list(names):
-        while "." in fqn:
-            fqn = fqn.rsplit(".", 1)[0]
-            names.add(fqn)
-    names.add("")
+    """Check dtype conversions at every ancestor of a streamed layer, before anything converts (`model.half()`
+    converts children first, so a streamed module's own check would come too late). Returns the guarded modules
+    (`unguard`)."""
+    names = {""}
+    for parts in (fqn.split(".") for fqn in streamed_fqns):
+        names.update(".".join(parts[:i]) for i in range(1, len(parts)))
     guarded = [model.get_submodule(name) for name in sorted(names)]
     for module in guarded:
         module.__dict__["_apply"] = types.MethodType(_guarded_apply, module)
@@ -314,28 +279,20 @@ def make_plain(module: nn.Module) -> None:
 
 
 def is_streamed(module: nn.Module) -> bool:
-    return isinstance(module, (StreamedMixin, StreamedExpertsMixin))
+    return isinstance(module, _StreamedModule)
 
 
-class StreamedExpertsMixin:
-    """A module holding expert stacks (3-D parameters: blocks.expert_stacks) that stream.
-
-    The stacks stay in `_parameters` as host master views (state_dict, optimizers and load_state_dict see
-    the real weights), and a property of the same name on the swapped class shadows each for attribute
-    access: `self.gate_up_proj` in the model's own forward (its grouped-GEMM, batched or looped
-    implementation) reads `stagehand::streamed_experts`, the stack on the device in the module's dtype and
-    shape (experts/stacks.py). Dynamo captures that op, and the backend rewrites it into a view of the block's slot.
-    Only the stacks are taken from `.to()`; the module's other parameters (expert biases) move as usual.
+class StreamedExpertsMixin(_StreamedModule):
+    """A module holding expert stacks (3-D parameters: blocks.expert_stacks) that stream. The stacks stay in
+    `_parameters` as host master views; a property of the same name on the swapped class shadows each, reading
+    `stagehand::streamed_experts` (experts/stacks.py), which the backend rewrites into a view of the block's slot.
     """
 
-    _sh_params: tuple[str, ...]
-    _sh_layer: int
-    _sh_fqn: str
-    _sh_block_tok: torch.Tensor
-    _sh_runtime_key: str  # guard_on_runtime
     _sh_stacks: dict[str, tuple[int, tuple[int, ...], torch.dtype]]  # name -> (position in the block, shape, dtype)
     _sh_trains: dict[str, bool]  # name -> requires_grad, kept by the parameter's callback (no parameter read)
     _sh_device: torch.device
+    _sh_copied = "streams its experts"
+    _sh_not_deletable = " or parametrized (peft's target_parameters: apply peft before offload())"
 
     def forward(self, *args, **kwargs):
         # Eagerly, the router's choice (the one integer tensor the experts get) goes to the stacks' property:
@@ -354,41 +311,6 @@ class StreamedExpertsMixin:
         finally:
             self.__dict__.pop("_sh_routed", None)
             self.__dict__.pop("_sh_reads", None)
-
-    def _apply(self, fn, recurse=True):
-        refuse_dtype_conversion(fn, [self])
-        order = list(self._parameters)
-        stacks = {name: self._parameters.pop(name) for name in self._sh_params}
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            self._parameters.update(stacks)
-            for name in order:
-                self._parameters[name] = self._parameters.pop(name)
-
-    def __setattr__(self, name, value):
-        if name in type(self)._sh_params and isinstance(value, nn.Parameter):
-            master = self._parameters[name]
-            copy_into_master(master, value, f"{self._sh_fqn}.{name}")
-            master.requires_grad_(value.requires_grad)
-            return
-        if name in type(self)._sh_params and value is None:
-            raise StreamedWeightAssignmentError(
-                f"stagehand: {self._sh_fqn}.{name} streams from the host store and can not be set to None; "
-                "call restore() on the Runtime first")
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name):
-        if name in type(self)._sh_params:
-            raise StreamedWeightAssignmentError(
-                f"stagehand: {self._sh_fqn}.{name} streams from the host store and can not be deleted or "
-                "parametrized (peft's target_parameters: apply peft before offload()); call restore() on the "
-                "Runtime first")
-        super().__delattr__(name)
-
-    def __deepcopy__(self, memo):
-        raise TypeError(
-            f"stagehand: {self._sh_fqn} streams its experts; deepcopy the model before offload() or after restore()")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, experts streamed ({', '.join(self._sh_params)})"

@@ -1,4 +1,4 @@
-"""The front door: `offload` and `explain`."""
+"""The front door: `offload`, `compile_blocks`, `explain`, `runtime_of`."""
 
 from __future__ import annotations
 
@@ -87,9 +87,7 @@ def offload(
                          "selective_precision.enabled is false in the config")
     precision_map = validate_precision_map(FULL if auto else precision, block_fqns, context="offload: precision map")
     clock.mark("find blocks")
-    # While the slab's rows come off the disk on reader threads, or a worker thread copies the weights into the host
-    # store, this thread starts Inductor's compile workers (if asked), imports the compiler and indexes the model's
-    # sources for Dynamo: a warm start's first step spent ~1 s of it otherwise.
+    # While the slab's rows are read, or a worker thread fills the host store, this thread prepares the compiler.
     prepare_compiler = compiler_preparation(model, device)
     slab_loader = None
     if slab is not None:
@@ -105,7 +103,6 @@ def offload(
         from torch_stagehand.runtime.host.weights_file import WeightsFile
 
         weights_file = WeightsFile(checkpoint)
-    # They start now, while the host store fills, and compile the W8A16 kernels a cold step would compile itself.
     ahead = _ahead_workers(device, block_fqns, layers, precision_map, auto)
     clock.mark("sources indexed, files opened, workers started")
     try:
@@ -147,8 +144,8 @@ def offload(
 
 
 def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precision_map: dict, auto: bool):
-    """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now (compiler/variants.py), with the
-    W8A16 kernels to compile as they start (`_w8a16_ahead`), or None."""
+    """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now while the host store fills, or
+    None."""
     if not env("STAGEHAND_AHEAD_WORKERS"):
         return None
     from torch_stagehand.compiler.context import BackendOptions
@@ -159,10 +156,9 @@ def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precisio
 
 
 def _w8a16_ahead(device: torch.device, layers, precision_map: dict, auto: bool):
-    """Where blocks may stream INT8 on CUDA, what the ahead-compile workers compile of the W8A16 kernels as they
-    start (compiler/startup/ahead.py's `w8a16`): the device, the activation dtype, and the INT8 Linears' shapes, whose
-    tuning candidates they compile (kernels/tuning/ahead.py; none under precision="auto", which starts in bf16).
-    None elsewhere."""
+    """Where blocks may stream INT8 on CUDA, what the ahead-compile workers compile of the W8A16 kernels
+    (compiler/startup/ahead.py's `w8a16`): the device, the activation dtype, and the INT8 Linears' shapes whose
+    tuning candidates they compile (none under precision="auto", which starts in bf16). None elsewhere."""
     from torch_stagehand import kernels
 
     if device.type != "cuda" or not kernels.HAS_TRITON or not (auto or "int8" in precision_map.values()):
@@ -173,8 +169,6 @@ def _w8a16_ahead(device: torch.device, layers, precision_map: dict, auto: bool):
     dtype = next((lay.module.weight.dtype for lay in layers if not getattr(lay, "experts", 0)), None)
     if dtype is None:
         return None
-    # STAGEHAND_AHEAD_TUNING=0: not the candidates (the workers' CPU beside offload, for a model whose small-M keys
-    # never come: an LLM trains at M > 512).
     ahead_tuning = not auto and env("STAGEHAND_AHEAD_TUNING")
     return {"device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "shapes": tuning_shapes(layers, precision_map) if ahead_tuning else []}
@@ -197,12 +191,10 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     """Compile each block of an offloaded model on its own (regional compilation), in place; returns the model.
 
     `compile_kwargs` go to `torch.compile` (`backend="stagehand"` unless given). Dynamo traces one block of each
-    structure and every other block of it runs the same graph: a streamed Linear hands the backend its block's
-    token (a graph input), not a constant naming it. Flux's 57 blocks are two traces, three in a LoRA run's first
-    process (the first double block apart: residual_hints.py), where compiling the whole model traces every
-    block. The code outside the blocks (embeddings, the head, the loss) runs eagerly. A model's own activation
-    checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and done by the block units
-    instead (backend option `recompute="model"`), so no block runs its forward three times.
+    structure and every other block of it runs the same graph (a streamed Linear hands the backend its block's
+    token, a graph input). The code outside the blocks (embeddings, the head, the loss) runs eagerly. A model's
+    own activation checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and done by the
+    block units instead (backend option `recompute="model"`), so no block runs its forward three times.
     """
     from torch_stagehand.compiler import residual_hints
     from torch_stagehand.compiler.variants import variant_cache
@@ -218,12 +210,11 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
     compile_kwargs.setdefault("backend", "stagehand")
     if compile_kwargs["backend"] == "stagehand" and _move_checkpointing_into_blocks(model):
         compile_kwargs["options"] = {"recompute": "model", **(compile_kwargs.get("options") or {})}
-    # The residual-stream arguments a run before found (compiler/residual_hints.py): given grad on the first block.
+    # The residual-stream arguments an earlier run found (compiler/residual_hints.py): given grad on the first block.
     bundle = variant_cache(rt).bundle if compile_kwargs["backend"] == "stagehand" else None
     hints = residual_hints.load(bundle.path) if bundle is not None else {}
     for fqn in rt.blocks:  # named from the model that was offloaded (a peft wrapper added later has other names)
         block = rt.model.get_submodule(fqn)
-        # As `block.compile(**compile_kwargs)`, with the inputs' strides made canonical first (unit_strides).
         residual = hints.get(residual_hints.block_list(fqn))
         needing_grad = functools.partial(residual_hints.give_grad, residual_hints.positional_names(block.forward),
                                          residual) if residual else None
@@ -233,15 +224,10 @@ def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
 
 
 def _block_call(compiled_call, block: nn.Module, needing_grad=None):
-    """`compiled_call` with every tensor argument given the canonical stride in its size-1 dimensions, and in
-    training, where the block has a parameter that trains, its residual-stream arguments needing grad
-    (`needing_grad(args, kwargs, trains)`: residual_hints.give_grad).
-
-    Such a stride addresses nothing, but Dynamo guards on it: Flux's first single block gets the double blocks'
-    output ([1, 4096, 3072], batch stride 4096 * 3072) and the others a slice of the previous one's
-    ([1, 4096, 3072] of [1, 4608, 3072]), so without this the second is traced again, with the batch stride
-    dynamic, and its units compile shape-generic. A view (squeeze + unsqueeze: cheap in autograd), no copy. The
-    grad flags: residual_hints.py (a model's first block is otherwise traced apart)."""
+    """As `block.compile(...)`'s call: `compiled_call` with every tensor argument given the canonical stride in its
+    size-1 dimensions (such a stride addresses nothing, but Dynamo guards on it), and in training, where the block
+    has a parameter that trains, its residual-stream arguments needing grad (`needing_grad(args, kwargs,
+    trains)`: residual_hints.give_grad; a model's first block is otherwise traced apart)."""
 
     def call(*args, **kwargs):
         args, kwargs = tree_map_only(torch.Tensor, unit_strides, (args, kwargs))
@@ -266,10 +252,8 @@ def unit_strides(t: torch.Tensor) -> torch.Tensor:
 
 
 def _move_checkpointing_into_blocks(model: nn.Module) -> bool:
-    """Switch off the model's own activation checkpointing (HF and diffusers: a module's `gradient_checkpointing`
-    flag); say whether it was on. Around a compiled block it would run the block's forward twice outside the
-    units' view, on top of any recompute the plan chose; the units recompute instead, as the whole-model compile
-    does with the checkpoints it captures (passes/inline_checkpoints)."""
+    """Switch off the model's own activation checkpointing (a module's `gradient_checkpointing` flag: HF and
+    diffusers); say whether it was on. The block units recompute instead."""
     flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for module in flagged:
         module.gradient_checkpointing = False
@@ -278,31 +262,19 @@ def _move_checkpointing_into_blocks(model: nn.Module) -> bool:
     return bool(flagged)
 
 
-def _capture_backend():
-    """The stagehand backend (inner "eager": readable ATen) as a callable no Dynamo cache entry was made with."""
-    from torch_stagehand.compiler import stagehand_backend
-
-    def explain_capture(gm, example_inputs):
-        return stagehand_backend(gm, example_inputs, options={"inner": "eager"})
-
-    return explain_capture
-
-
 def explain(model: nn.Module, *args, **kwargs):
     """Compile and run `model(*args, **kwargs)` once; report what the backend did.
 
-    Uses the inner compiler "eager" so the graphs are readable ATen. With grad
-    enabled the report includes the backward graphs and backward schedule
-    (compiled with the forward; no backward is run, so the backward rows are
-    predicted and say so). Runs one forward, which streams the blocks like any
-    other call; the forward rows are the slot pool's trace of that call, from
-    the slots as earlier calls left them. The call compiles through a backend
-    callable made for this call alone: Dynamo guards each cache entry on the
-    backend that made it, so explain's capture adds an entry of its own and
-    never hits, evicts or resets the entries of the model being trained.
+    Uses the inner compiler "eager" so the graphs are readable ATen. With grad enabled the report includes the
+    backward graphs and backward schedule (compiled with the forward; no backward is run, so the backward rows
+    are predicted and say so). Runs one forward, which streams the blocks like any other call; the forward rows
+    are the slot pool's trace of that call. The call compiles through a backend callable made for this call
+    alone: Dynamo guards each cache entry on the backend that made it, so explain never hits, evicts or resets
+    the entries of the model being trained.
     """
     from torch._dynamo.utils import counters
 
+    from torch_stagehand.compiler import stagehand_backend
     from torch_stagehand.compiler.units import BlockUnit
     from torch_stagehand.compiler.variants import variant_cache
     from torch_stagehand.runtime.conductor.predict import predict_backward
@@ -313,7 +285,10 @@ def explain(model: nn.Module, *args, **kwargs):
     rt = runtime_of(model)
     breaks_before = dict(counters["graph_break"])
     first_record = len(rt.graph_records)
-    compiled = torch.compile(model, backend=_capture_backend())
+    def explain_capture(gm, example_inputs):
+        return stagehand_backend(gm, example_inputs, options={"inner": "eager"})
+
+    compiled = torch.compile(model, backend=explain_capture)
     with recording(rt.pool) as trace:
         compiled(*args, **kwargs)
     if len(rt.graph_records) == first_record:  # e.g. Dynamo's recompile limit for this code was reached
@@ -360,19 +335,9 @@ def explain(model: nn.Module, *args, **kwargs):
         forward_blocks = [r.block for r in trace.rows if r.action == WAIT and r.phase == "forward"]
         predicted = predict_backward(rt.pool, forward_blocks, rt.precision, len(rt.blocks))
         schedule += rows_from_trace(predicted, predicted=True, start=len(schedule))
-    return Report(
-        blocks=list(rt.blocks),
-        graphs=graphs,
-        schedule=schedule,
-        graph_breaks=graph_breaks,
-        graph_count=max(1, len(records)),
-        stats=rt.stats(),
-        segments=segments,
-        passes=passes,
-        offload=dict(rt.offload_summary),
-        plan=rt.plan,
-        expert_bytes=expert_bytes_per_block(rt),
-    )
+    return Report(blocks=list(rt.blocks), graphs=graphs, schedule=schedule, graph_breaks=graph_breaks,
+                  graph_count=max(1, len(records)), stats=rt.stats(), segments=segments, passes=passes,
+                  offload=dict(rt.offload_summary), plan=rt.plan, expert_bytes=expert_bytes_per_block(rt))
 
 
 def expert_bytes_per_block(rt) -> dict[int, int]:

@@ -1,9 +1,5 @@
-"""What `offload()` did, said once and visibly: block lists found and skipped (with the reason),
-blocks per precision, bytes streamed per step, host bytes, slots, and how long each stage took.
-
-The same summary is in `rt.stats()["offload"]` and in `explain()`'s report. A block list that
-`blocks="auto"` skipped although it holds Linear weights is also a `BlockListSkippedWarning`:
-those weights stay resident on the device, which is rarely what a user with a big model wants.
+"""What `offload()` did, said once (also in `rt.stats()["offload"]` and explain's report), and the first call's
+progress. A block list that `blocks="auto"` skipped although it holds Linear weights is a `BlockListSkippedWarning`.
 """
 
 from __future__ import annotations
@@ -96,7 +92,6 @@ class OffloadSummary:
     node_shared: str = ""  # NodeStore.describe(): the ranks of this node share one host store
     rows_behind: str = ""  # a slab's rows still read behind offload (read_process.RowsBehind), when it returned
 
-
     def host_line(self) -> str:
         """Where each host copy is: "11,846.4 MB int8 pinned, 23,668.5 MB bf16 file" (not one word for all)."""
         kinds = ", ".join(f"{n / 1e6:,.1f} MB {kind}" for kind, n in self.host_by_kind.items())
@@ -138,6 +133,7 @@ def summarize(model: nn.Module, rt, clock) -> OffloadSummary:
     precision = rt.precision
     counts = Counter(precision.values())
     host = host_report(rt.store)
+    behind = rt.store.rows_behind
     per_precision: Counter = Counter()
     for block, p in precision.items():
         per_precision[p] += rt.block_nbytes(block, p)
@@ -152,16 +148,10 @@ def summarize(model: nn.Module, rt, clock) -> OffloadSummary:
         beside={k: round(v, 3) for k, v in clock.overlapped.items()},
         host_by_kind=host["bytes_by_kind"], keep_full=host["keep_full"],
         node_shared=rt.store.node.describe() if rt.store.node is not None else "",
-        rows_behind=_rows_behind(rt.store),
+        rows_behind="" if behind is None or behind.done else (
+            f"{behind.blocks_in} of {len(rt.store.blocks)} blocks in; the reader process reads the rest behind "
+            "offload (the first fetch of an INT8 block waits for them)"),
     )
-
-
-def _rows_behind(store) -> str:
-    behind = store.rows_behind
-    if behind is None or behind.done:
-        return ""
-    return (f"{behind.blocks_in} of {len(store.blocks)} blocks in; the reader process reads the rest behind offload "
-            "(the first fetch of an INT8 block waits for them)")
 
 
 def report_offload(summary: OffloadSummary, auto: bool, verbose: bool) -> None:
@@ -219,9 +209,13 @@ class FirstCallProgress:
         self.loaded += loaded
         self.seconds += seconds
         if self.live:
+            expected = self._expected()
+            of = f" of ~{expected}" if expected >= self.units else ""
+            left = (f", ~{(expected - self.units) * self.seconds / self.units:.0f} s left"  # at this run's pace
+                    if expected > self.units else "")
             cache = f", {self.loaded} loaded from the compile cache" if self.loaded else ""
-            self._write(f"\r  compiled {self.units}{self._of()} units ({self.variants} block variants{cache}) "
-                        f"in {self.seconds:.1f} s{self._left()}")
+            self._write(f"\r  compiled {self.units}{of} units ({self.variants} block variants{cache}) "
+                        f"in {self.seconds:.1f} s{left}")
 
     def _expected(self) -> int:
         """The units the last run of this model had when it wrote its compile bundle (0: no earlier run)."""
@@ -229,15 +223,6 @@ class FirstCallProgress:
 
         bundle = variant_cache(self.rt).bundle
         return 0 if bundle is None else bundle.last_run_units
-
-    def _of(self) -> str:
-        expected = self._expected()
-        return f" of ~{expected}" if expected >= self.units else ""
-
-    def _left(self) -> str:
-        """An estimate: the units the last run had, left to do at this run's pace so far."""
-        left = self._expected() - self.units
-        return f", ~{left * self.seconds / self.units:.0f} s left" if left > 0 and self.units else ""
 
     def on_step(self, record: dict[str, Any]) -> None:
         self.rt.events.compile_listeners.remove(self.on_compile)

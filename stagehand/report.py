@@ -1,8 +1,7 @@
 """`explain()`'s result: the blocks, the rewritten graphs, the passes that ran, the schedule table.
 
-The schedule rows are the conductor's trace of the call explain made (what
-the slot pool actually did), turned into table rows here; rows the call did
-not run (the backward) are marked "predicted" in their note.
+The schedule rows are the conductor's trace of the call explain made; rows the call did not run (the backward)
+are marked "predicted" in their note.
 """
 
 from __future__ import annotations
@@ -91,12 +90,9 @@ class Report:
         return f"{self.plan.summary()}\n" + tabulate(rows, headers=headers, tablefmt=tablefmt)
 
     def schedule_rows(self) -> list[list]:
-        return [
-            [r.phase, r.position, r.action, f"{r.block} {self.blocks[r.block]}",
-             "-" if r.slot is None else "R" if r.slot < 0 else r.slot,  # R: the block's own resident slot
-             f"{r.bytes / 1e6:.2f}", r.precision, r.note]
-            for r in self.schedule
-        ]
+        return [[r.phase, r.position, r.action, f"{r.block} {self.blocks[r.block]}",
+                 "-" if r.slot is None else "R" if r.slot < 0 else r.slot,  # R: the block's own resident slot
+                 f"{r.bytes / 1e6:.2f}", r.precision, r.note] for r in self.schedule]
 
     def table(self, tablefmt: str = "simple") -> str:
         return tabulate(self.schedule_rows(), headers=_HEADERS, tablefmt=tablefmt)
@@ -116,10 +112,8 @@ class Report:
         stalls = sum(1 for r in self.schedule if "sync fetch" in r.note)
         moved = sum(r.bytes for r in self.schedule if r.moved_bytes)
         what = "forward as run" + (", backward predicted" if any(PREDICTED in r.note for r in self.schedule) else "")
-        return (
-            f"{len(self.blocks)} blocks, {self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s); "
-            f"this call ({what}): {fetches} H2D fetches ({moved / 1e6:.1f} MB), {stalls} synchronous"
-        )
+        return (f"{len(self.blocks)} blocks, {self.graph_count} graph(s), {len(self.graph_breaks)} graph break(s); "
+                f"this call ({what}): {fetches} H2D fetches ({moved / 1e6:.1f} MB), {stalls} synchronous")
 
     def host_summary(self) -> str:
         """Where the host copies are (stats()["host"]): pinned bytes asked for and locked, bytes per copy kind."""

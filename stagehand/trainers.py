@@ -8,13 +8,11 @@
     trainer = StagehandTrainer(model=model, args=args, train_dataset=ds)   # a Trainer in every other way
     trainer.train()                                         # resume_from_checkpoint=... works too
 
-Why a subclass: `TrainingArguments` takes any `torch_compile_backend`, but the stock `Trainer` hands
-it to accelerate's `TorchDynamoPlugin`, whose backend is an enum of accelerate's own names
-(`'STAGEHAND' is not a valid DynamoBackend`). `StagehandTrainer` gives accelerate a plugin that
-compiles with `backend="stagehand"` (and `stagehand_options`, e.g. `{"inner": "eager"}` on a CPU),
-and adds `StagehandCallback`, which attaches the Trainer's optimizer to the runtime (step phases
-and telemetry). With the stock `Trainer` (no `torch_compile`, your own `torch.compile`), add
-`StagehandCallback()` to its callbacks.
+Why a subclass: the stock `Trainer` hands `torch_compile_backend` to accelerate's `TorchDynamoPlugin`, whose
+backend is an enum of accelerate's own names. `StagehandTrainer` gives accelerate a plugin that compiles with
+`backend="stagehand"` (and `stagehand_options`, e.g. `{"inner": "eager"}` on a CPU), and adds `StagehandCallback`,
+which attaches the Trainer's optimizer to the runtime (step phases and telemetry). With the stock `Trainer` (no
+`torch_compile`, your own `torch.compile`), add `StagehandCallback()` to its callbacks.
 
 accelerate: `Accelerator(dynamo_plugin=stagehand_dynamo_plugin())` compiles prepared models with
 the backend; `rt.attach(optimizer)` takes the prepared (wrapped) optimizer.

@@ -1,9 +1,5 @@
-"""`torch_stagehand.__version__`: the installed distribution's version, else the source tree's pyproject.toml.
-
-`stagehand --version` prints the same string. A checkout put on the path without being
-installed has no package metadata; its pyproject.toml (beside the package folders) still
-says which version the code is.
-"""
+"""`torch_stagehand.__version__` (and `stagehand --version`): the installed distribution's version, else the
+version the source tree's pyproject.toml names (a checkout put on the path without being installed)."""
 
 from __future__ import annotations
 
@@ -17,10 +13,8 @@ _PYPROJECT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 
 def source_version(pyproject: str | None = None) -> str | None:
-    """The version a source checkout's pyproject.toml names, or None if it is not this project's.
-
-    Read with a pattern, not tomllib: Python 3.10 (which the project supports) has no tomllib,
-    and the `[project]` table's two plain string keys are all that is needed."""
+    """The version a source checkout's pyproject.toml names, or None if it is not this project's (read with a
+    pattern: Python 3.10 has no tomllib)."""
     try:
         with open(pyproject or _PYPROJECT, encoding="utf-8") as f:
             text = f.read()

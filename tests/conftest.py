@@ -1,7 +1,8 @@
-"""Shared pytest set-up: `gpu` tests skip without CUDA (the marker is registered in pyproject)."""
+"""Shared pytest set-up: `gpu` tests skip without CUDA (the marker is registered in pyproject); `patch_config`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -14,6 +15,15 @@ os.environ["STAGEHAND_TUNE_CACHE"] = "0"
 os.environ["STAGEHAND_COMPILE_CACHE"] = "0"
 # Nor a calibrated cost model (runtime/conductor/cost_cache.py): every test on a GPU calibrates.
 os.environ["STAGEHAND_COST_CACHE"] = "0"
+
+
+@pytest.fixture
+def patch_config():
+    """`patch_config(name=value, ...)`: `torch_stagehand.config.patch` until the test ends (a variable or a tunable)."""
+    from torch_stagehand import config
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(config.patch(**changes))
 
 
 def pytest_collection_modifyitems(config, items):

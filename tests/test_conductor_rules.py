@@ -11,12 +11,11 @@ import torch
 
 import torch_stagehand as stagehand
 from torch_stagehand.config import Config, ConductorConfig
-from torch_stagehand.runtime.conductor.conductor import WINDOW_CAP, Conductor
-from torch_stagehand.runtime.conductor.budget import BudgetDenial, BudgetManager, BudgetMode, Priority
+from torch_stagehand.runtime.conductor.conductor import (WINDOW_CAP, BudgetDenial, BudgetManager, BudgetMode, Conductor,
+                                                        Direction, PrefetchRules, Priority, TransferDenial,
+                                                        TransferManager)
 from torch_stagehand.runtime.conductor.costs import CostModel
 from torch_stagehand.runtime.conductor.planner import build_plan
-from torch_stagehand.runtime.conductor.policy import HeuristicPolicyBridgeV0
-from torch_stagehand.runtime.conductor.transfer import Direction, TransferDenial, TransferManager
 
 from _helpers import assert_exact, block_bytes_by_precision, toy
 
@@ -95,7 +94,7 @@ def test_transfer_pools_are_separate_and_denials_are_typed():
 
 
 def test_rule_1_backward_pressure_suppresses_speculative_and_cuts_the_window():
-    policy = HeuristicPolicyBridgeV0(h2d_slots=3, d2h_slots=2, window=3)
+    policy = PrefetchRules(h2d_slots=3, d2h_slots=2, window=3)
     assert policy.update("forward", 0.95, 0).prefetch_window_cap == 3  # pressure outside backward: no rule
     assert policy.update("backward", 0.79, 0).prefetch_window_cap == 3  # under the threshold: no rule
     h = policy.update("backward", 0.81, 0)
@@ -103,14 +102,14 @@ def test_rule_1_backward_pressure_suppresses_speculative_and_cuts_the_window():
 
 
 def test_rule_2_optimizer_phase_limits_h2d_to_one_and_suppresses_speculative():
-    policy = HeuristicPolicyBridgeV0(h2d_slots=3, d2h_slots=2, window=3)
+    policy = PrefetchRules(h2d_slots=3, d2h_slots=2, window=3)
     h = policy.update("optimizer", 0.0, 0)
     assert h.max_inflight_h2d == 1 and h.suppress_speculative and h.prefetch_window_cap == 3
     assert h.reasons == ("optimizer_phase",)
 
 
 def test_rule_3_contention_shrinks_the_window_progressively():
-    policy = HeuristicPolicyBridgeV0(h2d_slots=4, d2h_slots=2, window=4, contention_checks=3)
+    policy = PrefetchRules(h2d_slots=4, d2h_slots=2, window=4, contention_checks=3)
     assert policy.update("forward", 0.0, 3).prefetch_window_cap == 4  # three full checks: not yet
     assert policy.update("forward", 0.0, 4).prefetch_window_cap == 3
     assert policy.update("forward", 0.0, 5).prefetch_window_cap == 2
@@ -119,7 +118,7 @@ def test_rule_3_contention_shrinks_the_window_progressively():
 
 
 def test_hints_are_monotonic_within_a_step_and_reset_at_step_begin():
-    policy = HeuristicPolicyBridgeV0(h2d_slots=3, d2h_slots=2, window=3)
+    policy = PrefetchRules(h2d_slots=3, d2h_slots=2, window=3)
     seen = [policy.update("backward", 0.9, 0)]
     for phase, pressure in [("backward", 0.1), ("forward", 0.0), ("optimizer", 0.0), ("backward", 0.0)]:
         seen.append(policy.update(phase, pressure, 0))

@@ -85,3 +85,37 @@ def test_stagehand_env_prints_the_table_and_refuses_a_bad_value(monkeypatch, cap
     monkeypatch.setenv("STAGEHAND_TUNE_THREADS", "four")
     assert main(["env"]) == 2
     assert "STAGEHAND_TUNE_THREADS must be an int >= 0, got 'four'" in capsys.readouterr().err
+
+
+def test_config_patch_sets_variables_and_tunables_for_its_block_only(monkeypatch):
+    from torch_stagehand import config
+    from torch_stagehand.environment import TUNABLES, tunable
+
+    monkeypatch.delenv("STAGEHAND_TUNE_THREADS", raising=False)
+    monkeypatch.setenv("STAGEHAND_AUTOTUNE", "1")
+    with config.patch(STAGEHAND_TUNE_THREADS=3, STAGEHAND_AUTOTUNE=False, weights_file_chunk=1000):
+        assert env("STAGEHAND_TUNE_THREADS") == 3 and env("STAGEHAND_AUTOTUNE") is False
+        assert tunable("weights_file_chunk") == 1000
+    assert "STAGEHAND_TUNE_THREADS" not in os.environ and os.environ["STAGEHAND_AUTOTUNE"] == "1"
+    assert tunable("weights_file_chunk") == TUNABLES["weights_file_chunk"]
+
+    @config.patch(oom_regrow_every=2)
+    def decorated():
+        return tunable("oom_regrow_every")
+
+    assert decorated() == 2 and tunable("oom_regrow_every") == TUNABLES["oom_regrow_every"]
+
+
+def test_config_patch_refuses_an_unknown_name_and_a_bad_value_and_restores():
+    from torch_stagehand import config
+
+    with pytest.raises(ConfigError, match=r"config.patch: unknown setting\(s\) \['weights_file_chunks'\]"):
+        with config.patch(weights_file_chunks=1):
+            pass
+    with pytest.raises(ConfigError, match="STAGEHAND_TUNE_THREADS must be an int >= 0, got 'four'"):
+        with config.patch(STAGEHAND_TUNE_THREADS="four"):
+            pass
+    assert os.environ.get("STAGEHAND_TUNE_THREADS") in (None, "")
+    with pytest.raises(ConfigError, match="config.patch: oom_regrow_every must be an int >= 1, got 0"):
+        with config.patch(oom_regrow_every=0):
+            pass

@@ -220,9 +220,9 @@ def test_a_host_too_small_for_the_states_is_refused_before_allocating(monkeypatc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32 weight", "bf16 weight, fp32 master"])
-def test_a_step_in_chunks_equals_one_pass(monkeypatch, dtype):
+def test_a_step_in_chunks_equals_one_pass(dtype):
     """The chunks (cache-sized) each start from the same step count: the result is the whole tensor's step."""
-    from torch_stagehand.runtime.train import host as host_optim
+    from torch_stagehand import config
 
     torch.manual_seed(0)
     weights = [torch.randn(37, 29).to(dtype), torch.randn(300).to(dtype)]
@@ -230,11 +230,11 @@ def test_a_step_in_chunks_equals_one_pass(monkeypatch, dtype):
     hyper = Hyper(lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2)
     results = []
     for chunk in (1 << 21, 100):
-        monkeypatch.setattr(host_optim, "CHUNK", chunk)
         ws = [w.clone() for w in weights]
         states = [new_state(w, "fp32") for w in ws]
-        for _ in range(3):
-            adamw_step(ws, grads, states, hyper, "fp32", (Scratch(), Scratch()))
+        with config.patch(host_adamw_chunk=chunk):
+            for _ in range(3):
+                adamw_step(ws, grads, states, hyper, "fp32", (Scratch(), Scratch()))
         results.append((ws, states))
     (one, one_states), (chunked, chunked_states) = results
     for a, b, sa, sb in zip(one, chunked, one_states, chunked_states):

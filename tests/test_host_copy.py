@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_stagehand.kernels import quantize as quantize_module
 from torch_stagehand.kernels import quantize_per_row
 from torch_stagehand.runtime.host import copy as host_copy
 
@@ -36,10 +35,10 @@ def test_gpu_to_pageable_goes_through_the_bounce_and_copies_every_byte(transpose
 
 
 @pytest.mark.gpu
-def test_gpu_quantizer_chunks_give_the_rows_of_small_chunks(monkeypatch):
+def test_gpu_quantizer_chunks_give_the_rows_of_small_chunks(patch_config):
     w = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16)
     w[7, 3] = 40.0  # an outlier row: its clipping search picks a ratio below 1
     q_big, s_big = quantize_per_row(w)
-    monkeypatch.setattr(quantize_module, "_GPU_CHUNK_ELEMENTS", 1)  # back to 1024-row chunks
+    patch_config(quantize_gpu_chunk=1)  # back to 1024-row chunks
     q_small, s_small = quantize_per_row(w)
     assert torch.equal(q_big, q_small) and torch.equal(s_big, s_small)

@@ -460,12 +460,10 @@ def test_quantize_zero_rows_and_bf16_input():
         assert torch.allclose(dequantize(q, s), w.float(), atol=w.float().abs().max().item() / 100)
 
 
-def test_quantize_chunks_agree_with_one_pass(monkeypatch):
-    import torch_stagehand.kernels.quantize as qz
-
+def test_quantize_chunks_agree_with_one_pass(patch_config):
     w = torch.randn(50, 64, generator=torch.Generator().manual_seed(8))
     whole = quantize_per_row(w)
-    monkeypatch.setattr(qz, "_ROWS_PER_CHUNK", 7)
+    patch_config(quantize_rows_per_chunk=7)
     chunked = quantize_per_row(w)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 
@@ -744,7 +742,7 @@ def test_gpu_the_tuning_candidates_compiled_ahead_are_all_the_tuner_reads(tmp_pa
     # the fused kernels serve, one with a bias): it compiles nothing itself, every kernel it asks for comes from
     # Triton's cache.
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"), STAGEHAND_CACHE_DIR=str(tmp_path / "sh"))
-    worker = ("import torch; from torch_stagehand.kernels import ahead_tuning as a; d = torch.device('cuda'); "
+    worker = ("import torch; from torch_stagehand.kernels.tuning import ahead as a; d = torch.device('cuda'); "
               "r = a.compile_candidates(a.candidate_launches([(2304, 1792, True)], torch.bfloat16, d), d, 8); "
               "assert r['compiled'] > 10 and r['left'] == 0, r")
     subprocess.run([sys.executable, "-c", worker], env=env, check=True, timeout=300)

@@ -211,11 +211,11 @@ def test_recovery_gives_up_after_max_tries_and_for_a_backward_that_sends_gradien
     assert refused is False and "twice" in rt.stats()["oom_recoveries"][-1]["why"]
 
 
-def test_the_budget_comes_back_when_the_device_has_room_again(monkeypatch):
+def test_the_budget_comes_back_when_the_device_has_room_again(monkeypatch, patch_config):
     ref_losses, ref_params, ref_rt = _reference(6)
     rt, model, compiled, optimizer, x = _offloaded()
     given, resident = rt.plan_driver.budget, len(rt.plan.resident)
-    monkeypatch.setattr(oom_recovery, "REGROW_EVERY", 2)
+    patch_config(oom_regrow_every=2)
     _fail_once(rt, block=3, kind="forward")
     with pytest.warns(OutOfMemoryWarning):
         losses = _train(compiled, optimizer, x, 2)  # step 0 recovers; at step 1's end the room is unknown (CPU)
@@ -232,18 +232,18 @@ def test_the_budget_comes_back_when_the_device_has_room_again(monkeypatch):
     assert len(rt.stats()["oom_recoveries"]) == records  # back at the user's budget: no more looking
 
 
-def _recovered_once(monkeypatch):
+def _recovered_once(patch_config):
     """An offloaded model whose first step recovered from out of memory in block 3; the room read every step."""
     rt, model, compiled, optimizer, x = _offloaded()
-    monkeypatch.setattr(oom_recovery, "REGROW_EVERY", 1)
+    patch_config(oom_regrow_every=1)
     _fail_once(rt, block=3, kind="forward")
     with pytest.warns(OutOfMemoryWarning):
         _train(compiled, optimizer, x, 1)
     return rt, model, compiled, optimizer, x
 
 
-def test_a_room_grown_by_5_percent_leaves_the_budget_and_by_20_raises_it_to_the_room(monkeypatch):
-    rt, model, compiled, optimizer, x = _recovered_once(monkeypatch)
+def test_a_room_grown_by_5_percent_leaves_the_budget_and_by_20_raises_it_to_the_room(monkeypatch, patch_config):
+    rt, model, compiled, optimizer, x = _recovered_once(patch_config)
     shrunk = rt.plan_driver.budget.limit
     margin = oom_recovery.MIN_MARGIN
     monkeypatch.setattr(oom_recovery, "device_room", lambda device: int(shrunk * 1.05) + margin)  # +5%: not enough
@@ -271,8 +271,8 @@ def test_a_unit_failing_again_is_planned_for_without_the_fragmented_cache(monkey
     assert rt.plan_driver.budget.limit == int(0.9 * ceiling) + margin - int(0.2 * ceiling) - margin
 
 
-def test_a_budget_the_user_sets_after_a_recovery_stands(monkeypatch):
-    rt, model, compiled, optimizer, x = _recovered_once(monkeypatch)
+def test_a_budget_the_user_sets_after_a_recovery_stands(monkeypatch, patch_config):
+    rt, model, compiled, optimizer, x = _recovered_once(patch_config)
     mine = rt.plan_driver.budget.limit - 1024
     rt.replan(vram_budget=mine)
     room = 10 * mine + 2 * oom_recovery.MIN_MARGIN

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import torch_stagehand as stagehand
-from torch_stagehand import api
+from torch_stagehand import api, config
 from torch_stagehand.compiler.startup import read_ahead as ahead
 from torch_stagehand.runtime.host import weights_file
 from torch_stagehand.runtime.slab.reader import SlabReader
@@ -113,16 +113,16 @@ def test_the_read_ahead_holds_what_torch_key_hashes_and_most_of_what_the_compile
     assert imported > 100 and covered >= 0.8 * imported, (imported, covered)
 
 
-def test_a_checkpoints_tensors_are_read_whole_in_ranges_merged_and_chunked(tmp_path, monkeypatch):
+@config.patch(weights_file_chunk=1000)  # every range over a few chunks, each on a thread
+def test_a_checkpoints_tensors_are_read_whole_in_ranges_merged_and_chunked(tmp_path):
     tensors = {"a": torch.randn(1000), "b": torch.randn(7), "c": torch.randn(3000), "d": torch.randn(5)}
     path = tmp_path / "w.safetensors"
     save_file(tensors, str(path))
     file = WeightsFile(path)
-    monkeypatch.setattr(weights_file, "_CHUNK", 1000)  # every range over a few chunks, each on a thread
     # Merged across the 28 bytes of "b" between "a" and "c" (the default gap): those bytes are read too.
     assert file.read_ahead(["a", "c", "not in the file"], threads=3) == 4 * (1000 + 7 + 3000)
-    monkeypatch.setattr(weights_file, "_MERGE_GAP", 0)
-    assert file.read_ahead(["a", "c"], threads=3) == 4 * (1000 + 3000)
+    with config.patch(weights_file_merge_gap=0):
+        assert file.read_ahead(["a", "c"], threads=3) == 4 * (1000 + 3000)
     assert file.read_ahead(["d"]) == 4 * 5 and file.read_ahead([]) == 0
 
 
@@ -135,8 +135,8 @@ def test_rows_of_a_checkpoints_views_are_read_a_range_per_row(tmp_path, monkeypa
     w, v = file.view("w"), file.view("v")
     read = []
     monkeypatch.setattr(weights_file, "_read_range", lambda p, b, e, exact: read.append((p, b, e, exact)) or e - b)
-    monkeypatch.setattr(weights_file, "_MERGE_GAP", 0)
-    assert file.read_rows_ahead([(w, [0, 13, 39, 40]), (v.t(), [1]), (torch.randn(4, 4), [0])]) == 3 * 300 * 4
+    with config.patch(weights_file_merge_gap=0):
+        assert file.read_rows_ahead([(w, [0, 13, 39, 40]), (v.t(), [1]), (torch.randn(4, 4), [0])]) == 3 * 300 * 4
     raw = path.read_bytes()  # each range holds its row's bytes, as the file has them
     assert [raw[b:e] for _, b, e, _ in sorted(read)] == [w[r].numpy().tobytes() for r in (0, 13, 39)]
     assert {p for p, _, _, _ in read} == {str(path)} and file.read_rows_ahead([]) == 0

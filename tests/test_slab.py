@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from torch_stagehand import config
 from torch_stagehand.kernels import quantize_per_row
 from torch_stagehand.runtime.slab import (
     SlabAbiError,
@@ -36,7 +37,6 @@ from torch_stagehand.runtime.slab import (
     compute_model_signature,
     load_manifest,
 )
-from torch_stagehand.runtime.slab import builder as slab_builder  # its _CHUNK_ELEMS is patched below
 
 # ── helpers ──────────────────────────────────────────────────────────────
 
@@ -179,10 +179,10 @@ def test_report_json_and_quantizer_comparison(tmp_path):
     assert rep["summary"]["cosine_absmax_mean"] < rep["summary"]["cosine_mse_mean"]
 
 
-def test_chunked_quantization_is_row_exact(tmp_path, monkeypatch):
-    # Tiny chunks: every layer is quantized a few rows at a time; same bytes as one call.
+@config.patch(slab_chunk_elements=200)  # tiny chunks: every layer quantized a few rows at a time
+def test_chunked_quantization_is_row_exact(tmp_path):
+    # The same bytes as one call.
     model = make_toy()
-    monkeypatch.setattr(slab_builder, "_CHUNK_ELEMS", 200)
     res = build(model, tmp_path)
     with SlabReader(res.manifest_path, verify="full") as r:
         for name in r.layers:
@@ -195,8 +195,8 @@ def test_chunked_quantization_is_row_exact(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("single", [False, True])
-def test_streaming_equals_module_builder(tmp_path, monkeypatch, single):
-    monkeypatch.setattr(slab_builder, "_CHUNK_ELEMS", 500)
+@config.patch(slab_chunk_elements=500)
+def test_streaming_equals_module_builder(tmp_path, single):
     model = nn.Module()  # no embedding: every 2-D weight is a Linear
     model.blocks = make_toy().blocks
     model.head = nn.Linear(72, 11).to(torch.bfloat16)

@@ -1,41 +1,17 @@
-"""The compiler passes, one per module, and the one ordered pass list per stage.
+"""The compiler passes, one per module, and the one ordered pass list per stage (the only place that knows it).
 
-Every pass is named (`@compiler_pass(name)`), notes what it changed through
-`ctx.note`, and is run by `PassLog.run(passes, target)`, which records the
-passes that ran in order (`explain()` lists them). Three stages:
+Every pass is named (`@compiler_pass(name)`), notes what it changed through `ctx.note` and is run by `PassLog.run`,
+which records the passes that ran (`explain()` lists them):
 
-- `GRAPH_PASSES`, once per Dynamo graph, `(gm, CompileContext) -> gm`:
-  inline_checkpoints (a model's own checkpointed blocks become block
-  recompute) -> causal_attention (a constant causal mask becomes
-  is_causal) -> annotate_blocks -> assign_segments (records the segments and their DAG on
-  the context) -> split_segments (returns the outer graph) -> link_units.
-- `VARIANT_PASSES`, once per block unit and precision, on a copy of the
-  block's segment, `(gm, VariantContext) -> gm`: rewrite_linear -> schedule_forward.
-- `JOINT_PASSES`, inside AOTAutograd on the joint forward+backward graph,
-  `(fx.Graph, PassLog) -> fx.Graph` (Inductor hands a joint pass a Graph):
-  refetch_weights (the backward reads weights from its own wait_bw, never
-  a saved copy) -> schedule_backward. Inductor's FX cache keys on `joint_passes_uuid()`, a
-  hash of the source of these passes' modules (source_hash.py).
+- `GRAPH_PASSES`, once per Dynamo graph, `(gm, CompileContext) -> gm` (split_segments returns the outer graph);
+- `VARIANT_PASSES`, once per block variant on a copy of the block's segment, `(gm, VariantContext) -> gm`;
+- `JOINT_PASSES`, inside AOTAutograd on the joint graph, `(fx.Graph, PassLog) -> fx.Graph`; Inductor's FX cache
+  keys on `joint_passes_uuid()`.
 
-The backend driver (backend.py) runs GRAPH_PASSES and hands the other two
-lists to the units through the context, so this package is the only place
-that knows the order.
-
-Rules for pass authors:
-
-- A pass never reaches into runtime state; it reads its context and the graph.
-- A pass that evaluates, folds or proves something about a graph value
-  respects mutation. Dynamo's graph is not functional: a value written in
-  place (an in-place op, `setitem`, `out=`, a write into a view's base) after
-  its node ran is not the value its construction shows, and no data edge
-  leads from the write to the value's later readers. Before using a value's
-  construction, ask `compiler.mutation.MutationIndex.writers(...)` about the
-  value, everything it is computed from, and (through the fake storages)
-  everything aliasing them; if anything writes there, leave the value alone
-  (causal_attention, inner._bake_scalar_reads), or run on the functionalized
-  graph inside AOTAutograd, where every write is explicit (JOINT_PASSES).
-- A pass records what it changed, and what it declined to change with the
-  reason, through `ctx.note` (`explain()` and `stagehand inspect` print it).
+Rules for pass authors: a pass never reaches into runtime state. A pass that evaluates, folds or proves something
+about a graph value first asks `compiler.mutation.MutationIndex.writers(...)` about the value, what it is computed
+from and what aliases them, and leaves it alone if anything writes there (or runs on the functionalized joint
+graph, where every write is explicit). A pass notes what it changed, and what it declined to change and why.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Pass `annotate_blocks`: tag every node with the block it belongs to.
 
-Streamed-linear nodes know their block from the block token they take (a graph
-input whose example value the backend looked up: `ctx.tokens`; a token of
-another offloaded model is refused) and their position in it; every other node
-finds it through `nn_module_stack`. The module paths Dynamo records start at
-the compiled root (`L['self'].model.layers[0]...`), so the pass first learns
-the prefix under which the streamed layers' FQNs appear and matches block FQNs
-under it. When the compiled root is a block itself (a torch.compile per block,
-`stagehand.compile_blocks`), the paths are shorter than the FQNs: every node
-of the graph belongs to that block, and the graph is one block unit.
-
-Sets `node.meta["stagehand_block"]` (int or None) on every node and
-`node.meta["stagehand_layer"]` (index in `runtime.layers`) on streamed linears.
+A streamed read knows its block from the block token it takes (`ctx.tokens`; a token of another offloaded model
+is refused); every other node finds it through `nn_module_stack`, whose paths start at the compiled root: the pass
+learns the prefix under which the streamed layers' FQNs appear. When the compiled root is a block itself
+(`compile_blocks`), every node belongs to that block. Sets `node.meta["stagehand_block"]` (int or None) on every
+node and `node.meta["stagehand_layer"]` (index in `runtime.layers`) on streamed reads.
 """
 
 from __future__ import annotations
@@ -19,7 +12,9 @@ from __future__ import annotations
 import torch.fx as fx
 
 from torch_stagehand.compiler.context import CompileContext, compiler_pass
-from torch_stagehand.compiler.graph_nodes import is_streamed_experts, is_streamed_linear, normalize_module_path, streamed_arg
+from torch_stagehand.compiler.graph_nodes import (
+    is_streamed_experts, is_streamed_linear, normalize_module_path, streamed_arg)
+
 
 @compiler_pass("annotate_blocks")
 def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

@@ -1,18 +1,9 @@
 """Pass `assign_segments`: cut the annotated graph into segments and record their DAG.
 
-A segment is a maximal run of nodes (in graph order) that belong to one block,
-or a run of "glue" that belongs to none (prologue, epilogue, code between
-blocks). Nodes with no module (getitem, size arithmetic) and glue that sits
-inside a block's run (the next block-owned node is the same block) join the
-block's segment, so a block is one unit unless the code really leaves it. A
-graph break inside a block gives two partial segments of that block, each
-fetching and releasing it: correct, and the second usually finds the weights
-still resident.
-
-Sets `node.meta["stagehand_segment"]`, and records on the context the
-segments (`ctx.segments`) and their DAG in networkx (`ctx.dag`, from
-`segment_dag`): edges carry the values that cross segment boundaries, which
-`explain()` prints. The graph itself is returned unchanged.
+A segment is a maximal run of nodes (in graph order) of one block, or of glue that belongs to none; glue inside a
+block's run joins it, so a block is one unit unless the code really leaves it (a graph break inside a block gives
+two partial segments, each fetching it). Sets `node.meta["stagehand_segment"]` and records `ctx.segments` and
+`ctx.dag` (edges carry the values that cross segments, which `explain()` prints); the graph is unchanged.
 """
 
 from __future__ import annotations

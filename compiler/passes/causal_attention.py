@@ -1,34 +1,10 @@
 """Pass `causal_attention`: a causal mask built from constants becomes `is_causal=True`.
 
-Under torch.compile, transformers cannot look at data, so in training (no KV
-cache) it builds the causal mask as a tensor: it would have to read the
-position ids to rule out packed sequences, and a data-dependent branch is
-what Dynamo cannot trace. SDPA then gets `attn_mask=<bool L x L>` and no
-`is_causal`, which rules out flash attention: torch picks the memory-efficient
-kernel with a mask (and transformers repeats K/V for GQA). On the Qwen2.5-7B
-shape at 2048 tokens that costs 4x in the attention backward and ~40 ms a
-step on an H100, against the same model run eagerly, where transformers checks
-the data and passes `is_causal=True`.
-
-A mask is rewritten only when all of these hold:
-
-1. It is built from constants: no graph input, parameter or buffer among the
-   nodes it is computed from, other than sizes (a symbolic length is fine).
-2. Nothing writes in place into it, into anything it is computed from, or into
-   anything sharing their storage (`compiler/mutation.py`). Dynamo's graph is
-   not functional: `mask.logical_and_(keep)`, `causal[..., :n] = ...masked_fill(pad)`
-   (transformers <= 4.47 and much remote code) or `base.mul_(keep)` after
-   `mask = base[:, None]` put the batch's padding into a mask whose
-   construction shows only the triangle.
-3. Its construction is the causal triangle over (L, L) for every length
-   (`compiler/passes/mask_proof.py`: aranges, comparisons, tril / triu, ones / full,
-   broadcasting and indexing as closed forms of the indices). Where the
-   construction uses an op that proof does not model and every size is
-   static, the mask is evaluated once instead (its value is then fixed).
-
-A mask that depends on an input (padding, packed sequences), that is written
-after it was built, or that is anything but the plain causal pattern (sliding
-window, prefix-LM, an additive bias, L != S) is left as it is, and the pass
+Under torch.compile transformers builds the causal mask as a tensor in training, which rules out SDPA's flash
+kernel. A mask is rewritten only when it is built from constants (sizes aside), nothing writes in place into it or
+what it is computed from (`compiler/mutation.py`), and its construction is the causal triangle over (L, L) for
+every length (mask_proof.py); where the proof does not model an op and every size is static, the mask is
+evaluated once instead. Any other mask (padding, sliding window, an additive bias, L != S) is kept, and the pass
 says why.
 """
 
@@ -38,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from torch_stagehand.compiler.context import CompileContext, compiler_pass
-from torch_stagehand.compiler.graph_nodes import example_value, has_static_shape
+from torch_stagehand.compiler.graph_nodes import example_value, has_static_shape, node_arg
 from torch_stagehand.compiler.passes.mask_proof import prove_causal, size_key
 from torch_stagehand.compiler.mutation import MutationIndex
 
@@ -56,8 +32,8 @@ def causal_attention(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     verdicts: dict[fx.Node, tuple[bool, str]] = {}  # one decision per mask node (every layer shares the model's one)
     rewritten = 0
     for node in list(gm.graph.nodes):
-        mask = _arg(node, "attn_mask", _MASK_ARG) if is_sdpa(node) else None
-        if not isinstance(mask, fx.Node) or _arg(node, "is_causal", _CAUSAL_ARG):
+        mask = node_arg(node, _MASK_ARG, "attn_mask") if is_sdpa(node) else None
+        if not isinstance(mask, fx.Node) or node_arg(node, _CAUSAL_ARG, "is_causal"):
             continue
         if mask not in verdicts:
             verdicts[mask] = _decide(gm, node, mask, writes)
@@ -87,9 +63,8 @@ def _decide(gm: fx.GraphModule, sdpa: fx.Node, mask: fx.Node, writes: MutationIn
     writers = writes.writers(built_from)
     if writers:
         return False, f"written in place after it was built ({', '.join(sorted(w.name for w in writers))})"
-    query = sdpa.args[0] if sdpa.args else sdpa.kwargs.get("query")
-    key = sdpa.args[1] if len(sdpa.args) > 1 else sdpa.kwargs.get("key")
-    q_len, k_len, fake = _dim(query, -2), _dim(key, -2), example_value(mask)
+    q_len, k_len = _dim(node_arg(sdpa, 0, "query"), -2), _dim(node_arg(sdpa, 1, "key"), -2)
+    fake = example_value(mask)
     if q_len is None or k_len is None or size_key(q_len) != size_key(k_len):
         return False, "queries and keys of different lengths (is_causal is top-left aligned)"
     if not isinstance(fake, torch.Tensor) or fake.dim() < 2 or \
@@ -175,12 +150,6 @@ def _erase_unused(graph: fx.Graph, mask: fx.Node) -> None:
     for node in reversed(_construction(mask) or []):
         if not node.users and node.op != "placeholder":
             graph.erase_node(node)
-
-
-def _arg(node: fx.Node, name: str, index: int):
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[index] if len(node.args) > index else None
 
 
 def _set(node: fx.Node, name: str, index: int, value) -> None:

@@ -1,37 +1,16 @@
 """Pass `inline_checkpoints`: a model's own activation checkpoints become block recompute.
 
-HF transformers and diffusers call each block through
-`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` when gradient
-checkpointing is on. Dynamo captures that as a higher-order op,
-
-    out = tag_activation_checkpoint(wrap_body_3, x, bias, ...)   # body: a GraphModule
-    y = out[0]
-
-whose body holds the block's streamed linears. Left alone, the body is opaque
-to the partition (no block is found, nothing is compiled per block) and
-AOTAutograd traces through it, so every streamed linear runs the eager op.
-
-This pass copies the body into the graph in place of the call (each copied
-node keeps its `nn_module_stack`, so the partition finds the block) and marks
-the copied nodes `stagehand_recompute`: the block unit that owns them does
-not save the activations of the forward, it re-runs its compiled forward in
-backward, under one fetch of the block's weights (see `compiler/recompute.py`).
-The model's own checkpoint and the backend's recompute are therefore one
-recompute, never two.
-
-The call's own options do not carry over: the block recompute always replays
-the forward's random numbers (`preserve_rng_state`), and a selective policy
-(`context_fn`) becomes a whole-block recompute (the pass notes it): the
-weights, the bulk of what a block holds, are never saved either way.
-
-A call whose body streams nothing is left as it is (AOTAutograd handles it).
-A call this pass cannot place (an output used other than by indexing) is left
-as it is and reported: it stays correct through the eager op path, which
-counts and warns.
+Dynamo captures `torch.utils.checkpoint.checkpoint` as `tag_activation_checkpoint(body, *operands)`, opaque to the
+partition. This pass copies a body that streams into the graph in place of the call (the nodes keep their
+`nn_module_stack`) and marks the copies `stagehand_recompute`: the block unit that owns them recomputes
+(compiler/recompute.py), so the model's checkpoint and the backend's recompute are one. The block recompute
+always replays random numbers, and a selective policy (`context_fn`) becomes a whole-block recompute (noted). A
+call whose outputs are used other than by indexing is left as it is, warned: it runs the eager op path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
 
@@ -45,17 +24,12 @@ from torch_stagehand.compiler.graph_nodes import RECOMPUTE, streams
 
 
 def _checkpoint_ops() -> tuple:
-    ops = []
-    higher = getattr(torch.ops, "higher_order", None)
-    if higher is not None and hasattr(higher, "tag_activation_checkpoint"):
-        ops.append(higher.tag_activation_checkpoint)
-    try:
+    ops = [getattr(getattr(torch.ops, "higher_order", None), "tag_activation_checkpoint", None)]
+    with contextlib.suppress(ImportError):  # an older torch
         from torch._higher_order_ops.wrap import tag_activation_checkpoint
 
         ops.append(tag_activation_checkpoint)
-    except ImportError:  # pragma: no cover - older torch
-        pass
-    return tuple(ops)
+    return tuple(op for op in ops if op is not None)
 
 
 CHECKPOINT_OPS = _checkpoint_ops()
@@ -77,9 +51,8 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     operands = list(node.args[1:])
     if len(operands) != len(placeholders):
-        raise RuntimeError(
-            f"stagehand: checkpoint {node.name} passes {len(operands)} operands to a body with {len(placeholders)} inputs"
-        )
+        raise RuntimeError(f"stagehand: checkpoint {node.name} passes {len(operands)} operands to a body with "
+                           f"{len(placeholders)} inputs")
     val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, operands))
     with graph.inserting_before(node):
         for inner in body.graph.nodes:

@@ -1,25 +1,10 @@
 """Pass `link_units`: each segment submodule becomes a unit, and blocks get their tokens.
 
-After `split_segments` the outer graph calls `submod_<i>` in order. This pass
-replaces each submodule by a `GlueUnit` (no streamed weights: compiled as it
-is) or a `BlockUnit` (compiled per precision, lazily, see units.py) and
-threads the schedule's tokens through the outer graph:
-
-- one `get_attr` per block token (and the no-block token), read at the top;
-- each block unit is called as `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)`
-  where `fetch_tok` is the previous block unit's `prefetch(next)` output when
-  it prefetched this block, else a `prefetch` issued just before the call
-  (the first block of a graph);
-- block units return `(*outputs, next_fetch)`: the users of the outputs are
-  rewired through `getitem`.
-
-"next" and "previous" come from the conductor's `FetchOrder` (the one owner of
-fetch order): the neighbouring streaming units in the order this graph runs
-them, or the neighbouring blocks in model order at the graph's ends (a graph
-break still prefetches across it). The block tokens are the graph's own inputs
-(each streamed Linear holds its block's), so a graph Dynamo reuses for another
-block of the same structure runs that block: the ends are asked per call
-(`fetch_order.edge_token`), from the block the caller's token names.
+Each `submod_<i>` becomes a `GlueUnit` or a `BlockUnit` (units.py), called as
+`unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)` and returning `(*outputs, next_fetch)`; `fetch_tok` is
+the previous block unit's prefetch when it prefetched this block, else a prefetch issued just before the call.
+"next" and "previous" come from the conductor's `FetchOrder`; where the block tokens are the graph's own inputs
+(a graph serves every block of its structure) the graph's ends are asked per call (`fetch_order.edge_token`).
 """
 
 from __future__ import annotations
@@ -36,7 +21,6 @@ from torch_stagehand.runtime.ops import SCHEDULE_OPS
 from torch_stagehand.compiler.context import CompileContext, compiler_pass
 from torch_stagehand.compiler.graph_nodes import is_streamed_read
 from torch_stagehand.compiler.units import BlockUnit, GlueUnit
-from torch_stagehand.compiler.passes.assign_segments import Segment
 
 
 class _Tokens:
@@ -58,8 +42,7 @@ class _Tokens:
             token = self.rt.no_block_token if block == registry.NO_BLOCK else self.rt.block_tokens[block]
             self.outer.register_buffer(name, token, persistent=False)
             graph = self.outer.graph
-            where = graph.inserting_after(self.anchor) if self.anchor else graph.inserting_before(next(iter(graph.nodes)))
-            with where:
+            with graph.inserting_after(self.anchor) if self.anchor else graph.inserting_before(next(iter(graph.nodes))):
                 self.nodes[block] = self.anchor = graph.get_attr(name)
         return self.nodes[block]
 
@@ -78,7 +61,7 @@ def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     rt, graph, segments = ctx.runtime, outer.graph, ctx.segments
     n_blocks = len(rt.blocks)
     calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
-    streaming = [s for s in segments if s.block is not None and has_streamed_linear(s)]
+    streaming = [s for s in segments if s.block is not None and any(is_streamed_read(n) for n in s.nodes)]
     tokens = _Tokens(outer, ctx)
     blocks = [s.block for s in streaming]
     order = FetchOrder.for_graph(blocks, n_blocks)
@@ -94,33 +77,24 @@ def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         call.target = name
         if not is_block:
             continue
-        i = streaming.index(seg)
-        b = seg.block
-        block_tok = tokens[b]
-        nxt = tokens[order[i].next_fwd] if i < len(streaming) - 1 else tokens.edge(call, b, order[i].next_fwd, +1, blocks)
-        prev = tokens[order[i].next_bwd] if i > 0 else tokens.edge(call, b, order[i].next_bwd, -1, blocks)
+        i, b = streaming.index(seg), seg.block
+        block_tok, fwd, bwd = tokens[b], order[i].next_fwd, order[i].next_bwd
+        nxt = tokens[fwd] if i < len(streaming) - 1 else tokens.edge(call, b, fwd, +1, blocks)
+        prev = tokens[bwd] if i > 0 else tokens.edge(call, b, bwd, -1, blocks)
         if previous_next is not None and previous_next[0] == b:
             fetch = previous_next[1]
         else:  # first block of this graph: nothing fetched it ahead
             with graph.inserting_before(call):
                 fetch = graph.call_function(SCHEDULE_OPS["prefetch"], (block_tok, []))
         call.args = tuple(call.args) + (fetch, block_tok, nxt, prev)
-        previous_next = (order[i].next_fwd, _split_outputs(graph, call, unit.returns_tuple, len(_outputs(template))))
+        outputs = next(n for n in template.graph.nodes if n.op == "output").args[0]
+        previous_next = (fwd, _split_outputs(graph, call, unit.returns_tuple, len(outputs)))
     graph.lint()
     outer.recompile()
     ctx.note(f"{len(streaming)} block units, {len(segments) - len(streaming)} glue units"
-             + (f"; the block tokens are graph inputs (the graph serves every block of its structure)"
+             + ("; the block tokens are graph inputs (the graph serves every block of its structure)"
                 if tokens.inputs else ""))
     return outer
-
-
-def has_streamed_linear(segment: Segment) -> bool:
-    return any(is_streamed_read(n) for n in segment.nodes)
-
-
-def _outputs(template: fx.GraphModule) -> tuple:
-    output = next(n for n in template.graph.nodes if n.op == "output")
-    return tuple(output.args[0])
 
 
 def _split_outputs(graph: fx.Graph, call: fx.Node, returned_tuple: bool, n_outputs: int) -> fx.Node:

@@ -1,11 +1,10 @@
-"""The values a causal-mask proof computes with (compiler/passes/mask_proof.py): closed forms of a tensor's elements.
+"""The values a causal-mask proof computes with (mask_proof.py): closed forms of a tensor's elements.
 
 - `Affine`: an integer tensor whose element at index (i0, i1, ...) is `const + sum(coef[a] * i_a)`.
 - `Conj`: a boolean tensor that is the AND of atoms `const + sum(coef[a] * i_a) <= 0`.
 - `Select`: a float tensor `on` where a `Conj` holds, `off` elsewhere (an additive mask).
 
-A value lives in the axes of the node that made it; `substitute` re-expresses it in another node's axes
-(indexing, views, broadcasting), and `allowed_positions` / `is_causal_triangle` read the verdict.
+A value lives in the axes of the node that made it; `substitute` re-expresses it in another node's axes.
 """
 
 from __future__ import annotations
@@ -34,7 +33,8 @@ class Affine:
     integral: bool = True  # every element an integer (comparisons may then be tightened: x < y <=> x + 1 <= y)
 
     def scaled(self, k: float) -> "Affine":
-        return Affine(self.const * k, _coefs({a: c * k for a, c in self.coefs}), self.integral and float(k).is_integer())
+        integral = self.integral and float(k).is_integer()
+        return Affine(self.const * k, _coefs({a: c * k for a, c in self.coefs}), integral)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,5 @@
-"""The layout ops of a mask's construction, for the proof (compiler/passes/mask_proof.py): indexing, views, broadcasting.
-
-Each handler takes the interpreter and the node and returns the node's value (compiler/passes/mask_algebra.py) in the node's own
-axes: a substitution of the source's axes by the result's, never a change of the values themselves.
+"""The layout ops of a mask's construction, for the proof (mask_proof.py): indexing, views, broadcasting. Each
+handler returns the node's value in its own axes: a substitution of the source's axes, never a change of values.
 """
 
 from __future__ import annotations
@@ -10,12 +8,12 @@ from typing import Any, Callable, Protocol
 
 import torch.fx as fx
 
-from torch_stagehand.compiler.graph_nodes import example_value
+from torch_stagehand.compiler.graph_nodes import example_value, node_arg
 from torch_stagehand.compiler.passes.mask_algebra import Affine, Subst, Unknown, Value, _is_one, size_key, substitute
 
 
 class MaskInterpreter(Protocol):
-    """What a layout handler reads of the interpreter (compiler/passes/mask_proof.py): the values known so far, per node."""
+    """What a layout handler reads of the interpreter (mask_proof.py): the values known so far, per node."""
 
     known: dict[fx.Node, Any]  # node -> its value and fake tensor
 
@@ -24,19 +22,10 @@ class MaskInterpreter(Protocol):
     def operand(self, x, out_ndim: int) -> Value: ...
 
 
-def node_arg(node: fx.Node, index: int, name: str, default=None):
-    """A call's argument by position, else by keyword."""
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def _identity(it: MaskInterpreter, node: fx.Node) -> Value:
-    return it.operand(node.args[0], it.ndim(node))  # dtype and device changes: _normalise adapts the kind
-
-
-def _expand(it: MaskInterpreter, node: fx.Node) -> Value:
-    return it.operand(node.args[0], it.ndim(node))  # new leading axes; size-1 axes carry no coefficient
+    """Dtype and device changes (_normalise adapts the kind) and expands (new leading axes; size-1 axes carry no
+    coefficient): the operand broadcast to the node's axes."""
+    return it.operand(node.args[0], it.ndim(node))
 
 
 def _axis_map(it: MaskInterpreter, node: fx.Node, image: Callable[[int], int]) -> Value:
@@ -127,5 +116,5 @@ def _getitem(it: MaskInterpreter, node: fx.Node) -> Value:
 
 LAYOUT_HANDLERS: dict[str, Callable] = {
     "getitem": _getitem, "unsqueeze": _unsqueeze, "permute": _permute, "transpose": _transpose,
-    "reshape": _reshape, "expand": _expand, "identity": _identity,
+    "reshape": _reshape, "expand": _identity, "identity": _identity,
 }

@@ -1,26 +1,10 @@
 """Prove from its construction that an attention mask is the causal triangle, for any sequence length.
 
-A mask built from constants alone (`arange`, `ones`, comparisons, `tril`...) is
-a function of the sizes it was built for. Evaluating it proves the pattern for
-one size only, and under dynamic shapes the size is a symbol. This module
-interprets the mask's construction over a small algebra in which such masks
-are closed forms of the element's indices, so the proof holds for every size:
-
-- `Affine`: an integer tensor whose element at index (i0, i1, ...) is
-  `const + sum(coef[a] * i_a)`: `arange(n)`, position ids, `arange + offset`,
-  indices gathered through them, a constant (`ones`, `full`, `cumsum` of zeros).
-- `Conj`: a boolean tensor that is the AND of atoms `const + sum(coef[a] * i_a) <= 0`:
-  comparisons of two `Affine`s, `tril` / `triu`, `&` of such, constants.
-- `Select`: a float tensor `on` where a `Conj` holds, `off` elsewhere: an additive
-  mask (`full(min).triu(1)`, `zeros.masked_fill(~causal, -inf)`, `where`).
-
-Each value lives in the axes of the node that made it; axes of static size 1
-carry no coefficient (their index is always 0), which makes broadcasting a
-shift of axis numbers. An op outside the algebra makes the proof `unknown`;
-an op inside it with another result (a sliding window, an additive bias,
-padding from an input) makes it `other`. Nothing here runs the graph, so the
-caller must first rule out in-place writes (`compiler/mutation.py`): the
-algebra reads each node as the value its construction shows.
+Evaluating a mask proves its pattern for one size only. This interprets the construction over mask_algebra's
+closed forms of the element's indices (aranges, comparisons, tril / triu, fills, broadcasting, indexing), so the
+proof holds for every size. Axes of static size 1 carry no coefficient, which makes broadcasting a shift of axis
+numbers. An op outside the algebra makes the verdict `unknown`; another pattern makes it `other`. Nothing runs
+the graph: the caller must first rule out in-place writes (`compiler/mutation.py`).
 """
 
 from __future__ import annotations
@@ -32,10 +16,11 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from torch_stagehand.compiler.graph_nodes import example_value
-from torch_stagehand.compiler.passes.mask_algebra import (FALSE, TRUE, Affine, Conj, Select, Unknown, Value, _and, _atom, _coefs, _constant, _is_one,
-                           _not, allowed_positions, const_value, is_causal_triangle, shifted, size_key, substitute)
-from torch_stagehand.compiler.passes.mask_layout import LAYOUT_HANDLERS, node_arg
+from torch_stagehand.compiler.graph_nodes import example_value, node_arg
+from torch_stagehand.compiler.passes.mask_algebra import (
+    FALSE, TRUE, Affine, Conj, Select, Unknown, Value, _and, _atom, _coefs, _constant, _is_one, _not, allowed_positions,
+    const_value, is_causal_triangle, shifted, size_key, substitute)
+from torch_stagehand.compiler.passes.mask_layout import LAYOUT_HANDLERS
 
 # ---- the interpreter --------------------------------------------------------------------------------
 
@@ -47,9 +32,7 @@ class _Node:
 
 
 def _scalar(x) -> float:
-    if isinstance(x, bool):
-        return float(x)
-    if isinstance(x, (int, float)):
+    if isinstance(x, (int, float)):  # bool included
         return float(x)
     raise Unknown(f"a non-constant scalar {x!r}")
 
@@ -109,10 +92,12 @@ def _normalise(x: Value, fake: torch.Tensor) -> Value:
 
 def _op_name(node: fx.Node) -> str | None:
     if node.op == "call_method":
-        return _METHOD_ALIASES.get(node.target, node.target)
-    if node.op == "call_function":
-        return _FUNCTION_NAMES.get(node.target)
-    return None
+        name = node.target
+    elif node.op == "call_function" and getattr(node.target, "__module__", None) in ("torch", "_operator"):
+        name = node.target.__name__
+    else:
+        return None
+    return _ALIASES.get(name, name)
 
 
 # sources ------------------------------------------------------------------------------------------
@@ -321,7 +306,7 @@ def _diff(it: MaskInterpreter, node: fx.Node) -> Value:
         raise Unknown("diff other than one step of an affine tensor")
     dim = node_arg(node, 2, "dim", -1) % n
     step = dict(x.coefs).get(dim, 0)
-    prepend = node.kwargs.get("prepend", node.args[3] if len(node.args) > 3 else None)
+    prepend = node_arg(node, 3, "prepend")
     if prepend is not None:
         p = it.operand(prepend, n)
         if not isinstance(p, Affine):
@@ -334,30 +319,16 @@ def _diff(it: MaskInterpreter, node: fx.Node) -> Value:
     return Affine(float(step), (), x.integral)
 
 
-# layout: indexing, views, broadcasting ------------------------------------------------------------
+# the handlers by op name (layout: mask_layout.py) ------------------------------------------------
 
-_FUNCTION_NAMES: dict[Any, str] = {
-    torch.arange: "arange", torch.ones: "ones", torch.zeros: "zeros", torch.full: "full",
-    torch.ones_like: "ones_like", torch.zeros_like: "zeros_like", torch.full_like: "full_like",
-    operator.add: "add", torch.add: "add", operator.sub: "sub", torch.sub: "sub", operator.mul: "mul",
-    torch.mul: "mul", operator.neg: "neg", torch.neg: "neg",
-    operator.le: "le", torch.le: "le", operator.lt: "lt", torch.lt: "lt", operator.ge: "ge", torch.ge: "ge",
-    operator.gt: "gt", torch.gt: "gt", operator.eq: "eq", torch.eq: "eq", operator.ne: "ne", torch.ne: "ne",
-    operator.and_: "and", torch.logical_and: "and", torch.bitwise_and: "and",
-    operator.or_: "or", torch.logical_or: "or", torch.bitwise_or: "or",
-    operator.invert: "invert", torch.logical_not: "invert", torch.bitwise_not: "invert",
-    torch.tril: "tril", torch.triu: "triu", torch.where: "where", torch.masked_fill: "masked_fill",
-    torch.cumsum: "cumsum", torch.diff: "diff", operator.getitem: "getitem", torch.unsqueeze: "unsqueeze",
-    torch.permute: "permute", torch.transpose: "transpose", torch.reshape: "reshape",
-    torch.broadcast_to: "expand", torch.clone: "identity",
-}
-_METHOD_ALIASES = {
+# The handler's name for a torch or operator function's or a Tensor method's name, where they differ.
+_ALIASES = {
     "__add__": "add", "__radd__": "add", "__sub__": "sub", "__rsub__": "rsub", "__mul__": "mul", "__rmul__": "mul",
     "__neg__": "neg", "__le__": "le", "__lt__": "lt", "__ge__": "ge", "__gt__": "gt", "__eq__": "eq", "__ne__": "ne",
-    "__and__": "and", "__rand__": "and", "logical_and": "and", "bitwise_and": "and",
-    "__or__": "or", "__ror__": "or", "logical_or": "or", "bitwise_or": "or",
+    "and_": "and", "__and__": "and", "__rand__": "and", "logical_and": "and", "bitwise_and": "and",
+    "or_": "or", "__or__": "or", "__ror__": "or", "logical_or": "or", "bitwise_or": "or",
     "__invert__": "invert", "logical_not": "invert", "bitwise_not": "invert", "__getitem__": "getitem",
-    "new_ones": "ones", "new_zeros": "zeros", "new_full": "new_full", "view": "reshape", "expand_as": "expand",
+    "new_ones": "ones", "new_zeros": "zeros", "view": "reshape", "expand_as": "expand", "broadcast_to": "expand",
     **{m: "identity" for m in ("to", "type", "type_as", "bool", "int", "long", "float", "half", "bfloat16",
                                "double", "contiguous", "clone", "detach", "cuda", "cpu")},
 }
@@ -365,7 +336,8 @@ _HANDLERS: dict[str, Callable[[MaskInterpreter, fx.Node], Value]] = {
     "arange": _arange,
     "ones": _filled(lambda n: 1), "ones_like": _filled(lambda n: 1),
     "zeros": _filled(lambda n: 0), "zeros_like": _filled(lambda n: 0),
-    "full": _filled(lambda n: node_arg(n, 1, "fill_value")), "full_like": _filled(lambda n: node_arg(n, 1, "fill_value")),
+    "full": _filled(lambda n: node_arg(n, 1, "fill_value")),
+    "full_like": _filled(lambda n: node_arg(n, 1, "fill_value")),
     "new_full": _filled(lambda n: node_arg(n, 2, "fill_value")),
     "add": _add(1), "sub": _add(-1), "rsub": _add(-1, reverse=True), "mul": _mul, "neg": _neg,
     **{name: _compare(name) for name in _COMPARE},

@@ -1,18 +1,10 @@
 """Pass `refetch_weights`: no value computed from a block's weights alone crosses into the backward.
 
-A streamed Linear's op saves tokens only and its backward asks for the block with `wait_bw`. An expert
-stack is different: the model's own code computes with it (`grouped_mm`, `bmm`, a loop of `linear`), so
-autograd's formulas for those ops read the stack in the backward, and AOTAutograd's partitioner would save
-it (or the slot under it) between forward and backward: the block's bytes held on the device through the
-whole step, and a slot that the next fetch overwrites read later.
-
-On the joint graph, for each forward `wait` (a block's slot), this pass finds the values computed from the
-slot and constants alone (views of it, a dequantization), and where the backward reads one it reads a copy
-of that computation made from the block's `wait_bw` slot instead, placed before the first such reader. The
-`wait_bw` is the one `schedule_backward` then dedupes with the block's Linears' and closes with an `evict`:
-one fetch per block per direction, as before. Nothing computed from an activation is touched (an
-activation may be saved: it is not the weights). A stack with a LoRA delta added (`baddbmm` of the stack
-and two low-rank factors, peft's target_parameters) is recomputed the same way, from the saved factors.
+The model's own code computes with an expert stack (`grouped_mm`, `bmm`...), so autograd's formulas read it in
+the backward, and the partitioner would save it (or the slot under it). On the joint graph, for each forward
+`wait`, the values computed from the slot and constants alone (views, a dequantization, a LoRA `baddbmm` of the
+stack) that the backward reads are recomputed there from the block's `wait_bw` slot, before the first reader;
+`schedule_backward` dedupes that `wait_bw` with the Linears'. Nothing computed from an activation is touched.
 """
 
 from __future__ import annotations
@@ -24,11 +16,6 @@ from torch_stagehand.runtime.ops import SCHEDULE_OPS
 
 from torch_stagehand.compiler.context import PassLog, compiler_pass
 from torch_stagehand.compiler.graph_nodes import descendants
-
-
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Everything the joint graph computes from its tangents (AOTAutograd names them `tangents_*`)."""
-    return descendants([n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)])
 
 
 def _reads_in_backward(node: fx.Node, backward: set[fx.Node]) -> bool:
@@ -70,7 +57,8 @@ def refetch_weights(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
         if ctx is not None:
             ctx.note("no forward wait: no block's weights in this graph")
         return graph
-    backward = _backward_nodes(graph)
+    # Everything the joint graph computes from its tangents (AOTAutograd names them `tangents_*`).
+    backward = descendants([n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)])
     position = {n: i for i, n in enumerate(graph.nodes)}
     moved = 0
     for slot in waits:

@@ -1,33 +1,13 @@
-"""Pass `rewrite_linear`: streamed Linears become `stagehand::linear` on a weight token.
+"""Pass `rewrite_linear`: streamed reads become reads of the block's slot, a per-variant pass.
 
-Before: `y = streamed_linear(x, bias, block_tok, position, out_features, anchor)` (what Dynamo captured).
-After:  `y = stagehand.linear(x, weights, bias, block_tok, prev_tok, layout)`
-where `weights` is a new placeholder standing for the block's device bytes in
-the chosen precision and `layout` says where this layer sits in them (offsets,
-shape, dtype or INT8 + scale). Nothing in the graph names one block, so
-every block with the same structure and layout produces the same graph and
-shares one compiled variant. `schedule_forward` later feeds `weights` from a
-`wait`. A per-variant pass: the block and precision come from a `VariantContext`.
-
-A precision whose GEMM cannot add the bias in its epilogue (`bias_in_graph`: fp8)
-gets `stagehand.linear(x, weights, None, ...) + bias` instead, so Inductor fuses
-the add into the op that reads the output next (an activation, a residual add).
-
-A precision that can write its math in graph ops (`graph_linear`: fp8 on FP8
-tensor cores, int8 at many rows) gets `graph_linear(x, weights, block_tok, prev_tok, layout) + bias`:
-a Python call that AOTAutograd traces into aten ops, so Inductor fuses the
-activation's quantization and calls the GEMM from its own code, with none of the
-op's per-call host work. The backend option `linear_math="op"` keeps the op.
-
-An expert stack (`streamed_experts`) becomes `expert_weights_from_slot`, the stack as views of the slot or
-their dequantization; a one-byte stack that the model reads only through grouped GEMMs is not made: each
-GEMM becomes `grouped_experts_from_slot`, which multiplies from the bytes (backend option `experts_math`).
-
-A layer whose weight trains (full fine-tuning; `ctx.trainable` holds its position
-in the block) gets `grad_tap(y, x, anchor, block_tok, position)` after its linear:
-the identity forward, and in backward the grad-weight GEMM beside the grad-input,
-its result sent to the weight's host gradient buffer (runtime/train/grads.py). The
-anchor is the block's grad anchor, which the captured `streamed_linear` takes.
+`streamed_linear(x, bias, block_tok, position, out_features, anchor)` becomes
+`stagehand.linear(x, weights, bias, block_tok, prev_tok, layout)`: `weights` is a new placeholder for the block's
+device bytes (`schedule_forward` feeds it from a `wait`) and `layout` places the layer in them, so every block of
+one structure and layout gives one graph. A precision whose GEMM cannot add the bias (`bias_in_graph`) gets the add
+in the graph; one with a `graph_linear` is traced in as graph ops instead of the op (`linear_math="op"` keeps the
+op). An expert stack becomes `expert_weights_from_slot`, or, for a one-byte stack read only by grouped GEMMs, each
+GEMM `grouped_experts_from_slot` (`experts_math`). A layer whose weight trains gets a `grad_tap` after its linear
+(its grad-weight GEMM in the backward, runtime/train/grads.py).
 """
 
 from __future__ import annotations
@@ -41,8 +21,8 @@ from torch_stagehand.runtime.experts.stacks import expert_weights_from_slot, gro
 from torch_stagehand.runtime.ops import SCHEDULE_OPS, grad_tap
 
 from torch_stagehand.compiler.context import VariantContext, compiler_pass
-from torch_stagehand.compiler.graph_nodes import (add_placeholder, example_value, has_static_shape, is_streamed_experts, is_streamed_linear,
-                           streamed_arg)
+from torch_stagehand.compiler.graph_nodes import (
+    add_placeholder, example_value, has_static_shape, is_streamed_experts, is_streamed_linear, node_arg, streamed_arg)
 
 WEIGHTS, BLOCK_TOK, PREV_TOK = "stagehand_weights", "stagehand_block_tok", "stagehand_prev_tok"
 
@@ -109,42 +89,35 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
 
 
 def _rewrite_experts(gm: fx.GraphModule, node: fx.Node, ctx: VariantContext, weights: fx.Node) -> int:
-    """`streamed_experts(block_tok, position, shape, dtype, device)` -> the stack read from the slot. Returns
-    how many of the model's grouped GEMMs now compute from the stack's bytes.
-
-    * A one-byte stack (int8, fp8: its layout has a scale) that the model reads only through grouped GEMMs
-      (`_grouped_mm(x, stack.transpose(-2, -1), offs)`, or the stack itself as gpt-oss keeps it): each GEMM
-      becomes `grouped_experts_from_slot(x, weights, offs, layout, shape, rows_are_out)`, which multiplies
-      from the bytes; no bf16 copy of the stack is made (backend option experts_math="grouped").
-    * Otherwise `expert_weights_from_slot(weights, layout, shape, dtype)`: the stack as views of the slot (or
-      their dequantization), traced into the graph, read by whatever the model does with it.
-    Streamed experts are frozen (runtime/experts/stacks.py refuses a training forward otherwise): no grad tap."""
+    """`streamed_experts(block_tok, position, shape, dtype, device)` -> the stack read from the slot: for a one-byte
+    stack (its layout has a scale) read only through grouped GEMMs, each GEMM `grouped_experts_from_slot`, no bf16
+    copy made; else `expert_weights_from_slot`, views of the slot or their dequantization. Returns how many GEMMs
+    now compute from the bytes. Streamed experts are frozen (runtime/experts/stacks.py): no grad tap."""
     rt = ctx.runtime
     position, shape, dtype = (streamed_arg(node, name) for name in ("position", "shape", "dtype"))
     layout = rt.layer_layout(rt.layer_at(ctx.block, position), ctx.precision)
     gemms = (_grouped_gemms(node) if LayerLayout.from_ints(layout).scale_offset >= 0
              and ctx.parent.options.experts_math == "grouped" else None)
-    if gemms:
-        for gemm, rows_are_out in gemms:
-            x, offs = gemm.args[0], gemm.kwargs.get("offs", gemm.args[2] if len(gemm.args) > 2 else None)
-            with gm.graph.inserting_before(gemm):
-                new = gm.graph.call_function(grouped_experts_from_slot,
-                                             (x, weights, offs, layout, list(shape), rows_are_out))
-            new.meta.update({k: v for k, v in gemm.meta.items() if k != "val"})
-            new.meta["stagehand_precision"] = ctx.precision
-            gemm.replace_all_uses_with(new)
-            gm.graph.erase_node(gemm)
-        for user in list(node.users):  # the transposes the GEMMs read
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(node)
-        return len(gemms)
-    with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(expert_weights_from_slot, (weights, layout, list(shape), dtype))
-    new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-    new.meta["stagehand_precision"] = ctx.precision
-    node.replace_all_uses_with(new)
+    if not gemms:
+        _replace(gm, node, expert_weights_from_slot, (weights, layout, list(shape), dtype), ctx.precision)
+        return 0
+    for gemm, rows_are_out in gemms:
+        args = (gemm.args[0], weights, node_arg(gemm, 2, "offs"), layout, list(shape), rows_are_out)
+        _replace(gm, gemm, grouped_experts_from_slot, args, ctx.precision)
+    for user in list(node.users):  # the transposes the GEMMs read
+        gm.graph.erase_node(user)
     gm.graph.erase_node(node)
-    return 0
+    return len(gemms)
+
+
+def _replace(gm: fx.GraphModule, old: fx.Node, target, args: tuple, precision: str) -> None:
+    """`old` replaced by `target(*args)`, which takes its metadata (not its fake value) and names the precision."""
+    with gm.graph.inserting_before(old):
+        new = gm.graph.call_function(target, args)
+    new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
+    new.meta["stagehand_precision"] = precision
+    old.replace_all_uses_with(new)
+    gm.graph.erase_node(old)
 
 
 def _grouped_gemm_targets() -> tuple:
@@ -160,22 +133,17 @@ def _plain_grouped_gemm(node: fx.Node, weight: fx.Node) -> bool:
     """`grouped_mm(x, weight, offs=...)` with `weight` as its second operand, no bias, no output dtype."""
     if node.op != "call_function" or node.target not in _grouped_gemm_targets():
         return False
-    args, kwargs = node.args, node.kwargs
-    offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
-    extra = {k: v for k, v in kwargs.items() if k != "offs"}
-    return (len(args) >= 2 and args[1] is weight and args[0] is not weight and isinstance(offs, fx.Node)
-            and len(args) <= 3 and all(v is None for v in extra.values()))
+    extra = {k: v for k, v in node.kwargs.items() if k != "offs"}
+    return (2 <= len(node.args) <= 3 and node.args[1] is weight and node.args[0] is not weight
+            and isinstance(node_arg(node, 2, "offs"), fx.Node) and all(v is None for v in extra.values()))
 
 
 def _swaps_last_two(node: fx.Node, stack: fx.Node) -> bool:
     """`stack.transpose(-2, -1)` (or (1, 2), torch.transpose) of a 3-D stack."""
-    if not ((node.op == "call_method" and node.target == "transpose")
-            or (node.op == "call_function" and node.target is torch.transpose)):
-        return False
-    if len(node.args) != 3 or node.args[0] is not stack or node.kwargs:
-        return False
-    dims = {d % 3 for d in node.args[1:] if isinstance(d, int)}
-    return dims == {1, 2}
+    transpose = ((node.op == "call_method" and node.target == "transpose")
+                 or (node.op == "call_function" and node.target is torch.transpose))
+    return (transpose and len(node.args) == 3 and node.args[0] is stack and not node.kwargs
+            and {d % 3 for d in node.args[1:] if isinstance(d, int)} == {1, 2})
 
 
 def _grouped_gemms(stack: fx.Node) -> list[tuple[fx.Node, bool]] | None:

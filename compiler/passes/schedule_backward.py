@@ -1,18 +1,9 @@
 """Pass `schedule_backward`: the backward half of the schedule, on the joint graph.
 
-Each `linear`'s backward formula asks for its block with `wait_bw` and
-prefetches the previous block, once per linear. This pass keeps one `wait_bw`
-and one `prefetch` per block and closes the block's backward with an `evict`
-after its last reader (every reader is an input of the evict: order by data).
-
-It runs on the joint graph before AOTAutograd partitions it, so the backward
-graph that compiled autograd copies already holds the schedule: through our
-partition_fn for the "eager" inner compiler and through Inductor's
-`joint_custom_post_pass` for "inductor". Inductor hands a joint pass an
-`fx.Graph` (not a GraphModule) and nothing else, so the signature is
-`(graph, ctx) -> graph` with an optional `PassLog` for its notes; Inductor's
-FX cache keys on the pass through a hash of this module's source
-(`passes.joint_passes_uuid`).
+Each `linear`'s backward asks for its block with `wait_bw` and prefetches the previous block; this keeps one
+`wait_bw` and one `prefetch` per block and closes the block's backward with an `evict` after its last reader.
+It runs before AOTAutograd partitions the graph (our partition_fn, or Inductor's `joint_custom_post_pass`, which
+hands it an `fx.Graph`), so the backward graph already holds the schedule.
 """
 
 from __future__ import annotations
@@ -60,7 +51,10 @@ def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
         last = max(readers, key=position.__getitem__)
         with graph.inserting_after(last):
             node = graph.call_function(evict, (block_tok, slot, readers, code))
-        _set_fake_token_meta(node, slot)
+        mode = getattr(slot.meta.get("val"), "fake_mode", None)
+        if isinstance(mode, FakeTensorMode):  # the evict's token, faked as the slot is
+            with mode:
+                node.meta["val"] = torch.empty((), dtype=torch.int64)
     graph.lint()
     if ctx is not None:
         ctx.note(f"{waits} wait_bw -> {len(kept)} (one per block), {dropped_prefetches} duplicate prefetches "
@@ -76,18 +70,9 @@ def _readers(slot: fx.Node, prefetch) -> list[fx.Node]:
     readers, todo = [], [u for u in slot.users if u.target is not prefetch]
     while todo:
         node = todo.pop()
-        if isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
-            todo.extend(node.users)
-        elif isinstance(node.meta.get("val"), (tuple, list)):  # several results (a custom op's): their getitems
+        if (isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+                or isinstance(node.meta.get("val"), (tuple, list))):  # a view, or several results: their getitems
             todo.extend(node.users)
         elif node not in readers:
             readers.append(node)
     return readers
-
-
-def _set_fake_token_meta(node: fx.Node, like: fx.Node) -> None:
-    fake = like.meta.get("val")
-    mode = getattr(fake, "fake_mode", None)
-    if isinstance(mode, FakeTensorMode):
-        with mode:
-            node.meta["val"] = torch.empty((), dtype=torch.int64)

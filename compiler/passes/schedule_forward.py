@@ -1,19 +1,10 @@
-"""Pass `schedule_forward`: prefetch / wait / evict nodes and their transfer tokens.
-
-Per block variant graph, after rewrite_linear (a per-variant pass: the block
-and precision come from a `VariantContext`):
+"""Pass `schedule_forward`: prefetch / wait / evict nodes and their transfer tokens, per block variant graph:
 
     slot       = wait(fetch_tok, block_tok, nbytes, precision)   # replaces `weights`
     next_fetch = prefetch(next_tok, after=[slot])                # H2D of the next block overlaps this one
     ...        = linear(x, slot, ...)                            # every read depends on the wait
     free       = evict(block_tok, slot, readers=[...])           # after the last reader
     return (*outputs, next_fetch)                                # next block's graph waits on it
-
-The backward half is `schedule_backward` (a joint-graph pass, its own module).
-
-The plan here is the simple one (fetch the next block while this computes;
-the device-slot cache keeps the last forward block resident across the
-forward/backward turn); the Conductor's placement rules plug in here later.
 """
 
 from __future__ import annotations

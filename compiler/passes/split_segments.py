@@ -1,10 +1,5 @@
-"""Pass `split_segments`: one submodule per segment under an outer graph.
-
-Reads the segments `assign_segments` recorded on the context and returns the
-outer graph (`torch.fx.passes.split_module`, original order kept): it calls
-`submod_<index>` in order and carries the values between them. The graph it
-returns replaces the input graph; semantics are unchanged.
-"""
+"""Pass `split_segments`: the outer graph calling one submodule `submod_<index>` per recorded segment, in order
+(`torch.fx.passes.split_module`); it replaces the input graph."""
 
 from __future__ import annotations
 

@@ -1,44 +1,18 @@
-"""Variants compiled ahead of need, in worker processes.
+"""Variants compiled ahead of need, in worker processes (compiler/startup/ahead_worker.py).
 
-A cold first step compiles its units one after another, as it reaches them, and each compile holds the step
-(Flux LoRA: one training variant per block structure, 10-12 s each). A recomputed block's forward does not need
-its variant compiled: it runs under no_grad, and its backward runs the training variant again. So when such a
-forward meets a variant not compiled yet, the unit (units.BlockUnit._compile_ahead) hands the variant to a
-worker process (compiler/startup/ahead_worker.py) and runs the variant graph eagerly: the forward goes on to the next structure,
-whose variant goes to the next worker, while the first compiles. A worker compiles into torch's own caches
-(AOTAutograd's, Inductor's FX graph cache, Triton's): when the backward's recompute reaches the variant, the main
-process compiles it as always and loads it from the cache instead. The first step's forward then computes with
-the plain ops (numbers within rounding of the compiled ones); every later forward, and every backward, runs the
-compiled variant.
-
-Nothing depends on a worker being right. A job still queued when its variant is needed is dropped and the main
-process compiles the variant itself; one running is waited for (compiling it twice would only be slower); one
-that failed, or whose cache entry the main process does not hit (another key), costs the main process its own
-compile, as without workers, and the log says so (as does the unit's `ahead` entry in the variant cache's info,
-which benches/start_time.py prints). A variant whose graph or inputs cannot travel to a worker is compiled in
-the forward, as without workers (the pool's `refused` says why). Workers start at `offload()` when
-`STAGEHAND_AHEAD_WORKERS` asks for them (variants.start_ahead_at_offload: their imports overlap the offload),
-else at the first job; they allocate no device tensor (fake inputs; the only kernels loaded are the reductions
-Inductor re-tunes at load, ahead_worker.load_only_rescalable_reductions) and stop with the runtime. A recomputed
-block's inference variant, which only the next step's forward needs, is held back until the step first waits for
-a job (its backward): a free worker then takes the training variants first.
-
-A worker compiles under the main process's attention backends and matmul switches (compiler/startup/process_settings.py:
-no cache key holds them; with torch's defaults a worker traced Flux's attention to the cuDNN backend offload()
-turns off, and the step faulted), and both sides key units the same whatever order they imported modules in
-(compile_cache.import_order_free_keys). How many: the backend option `ahead_workers`, else
-`STAGEHAND_AHEAD_WORKERS`, else none (with 2 started at offload, full-size Flux int8's cold first step on an
-H100 took 31.4-33.6 s against 47.6 s serial, in benches/results/start_time_ahead*; each worker holds a CUDA
-context outside the VRAM budget). Each worker's Triton compile pool gets its share of the cores. Each job keeps its timeline
-(submitted, started, done, asked for) and its worker's seconds per phase of torch's compile (`stats["jobs"]`); the
-step's wait for a running job first does the work the step put off for it (`take`'s `while_waiting`: the W8A16
-tuning its eager forward deferred, kernels/tuning/deferral.py). No workers in a run that finds the
-model's compile bundle (a run before compiled it: the variants load from the caches).
+A recomputed block's first forward runs under no_grad and its backward runs the training variant again, so the
+forward need not wait for its variant: the unit (units.BlockUnit._compile_ahead) hands the variant to a worker
+and runs the variant graph eagerly. A worker compiles into torch's own caches; when the step asks for the variant
+the main process compiles it as always and loads it from them. Nothing depends on a worker being right: a job
+still queued when asked for is dropped, a running one is waited for, and a failed one or a cache miss costs the
+main process its own compile, as without workers (the log and the unit's `ahead` info say so). Workers compile
+under the main process's config and process settings (process_settings.py) and allocate no device tensor.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -47,7 +21,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Hashable
 
 from torch_stagehand.compiler.startup import process_settings
@@ -72,11 +46,9 @@ class AheadJob:
     grad: bool  # grad mode the variant runs in
     replay_rng: bool
     joint_passes: tuple[Callable, ...]
-    # The main process's compile_cache.cacheable_functions(): a worker has imported other modules (fewer
-    # in-graph functions registered), and this is part of every key.
+    # The main process's compile_cache.cacheable_functions() (part of every key; a worker registered fewer).
     cacheable: dict[str, str] = field(default_factory=dict)
-    # The main process's attention backends and matmul switches when it handed the job over
-    # (compiler/startup/process_settings.py: what the variant traces to depends on them, and no cache key holds them).
+    # The main process's process_settings when it handed the job over (no cache key holds them).
     settings: dict[str, Any] = field(default_factory=process_settings.current)
 
 
@@ -89,14 +61,15 @@ class AheadResult:
     error: str = ""
     cuda_context: bool = False  # the worker holds a CUDA context (it compiled for the device)
     settings: dict[str, Any] = field(default_factory=dict)  # the worker's process_settings while it compiled
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase of torch's compile (ahead_worker)
-    kernels: dict[str, Any] = field(default_factory=dict)  # its Triton kernels' compile seconds (ahead_worker)
 
     def describe(self) -> str:
         if self.error:
             return f"its ahead compile failed ({self.error.strip().splitlines()[-1]})"
         context = "; the worker holds a CUDA context" if self.cuda_context else ""
         return f"compiled ahead in a worker in {self.seconds:.1f}s ({self.state}{context})"
+
+
+_RESULT_FIELDS = {f.name for f in fields(AheadResult)}
 
 
 class _Worker:
@@ -106,9 +79,8 @@ class _Worker:
     def __init__(self, pool: "AheadCompiler", w8a16: dict | None = None):
         self.pool = pool
         self.jobs_done = 0
-        # Each worker's Triton compile pool gets its share of the cores (not in any cache key), or
-        # STAGEHAND_AHEAD_THREADS. The main process compiles nothing meanwhile: it runs the forward eagerly, tunes,
-        # and waits.
+        # Each worker's Triton compile pool gets its share of the cores (the main process compiles nothing
+        # meanwhile), or STAGEHAND_AHEAD_THREADS.
         threads = max(1, _ahead_threads() or (os.cpu_count() or 1) // pool.size)
         limit = env("TORCHINDUCTOR_COMPILE_THREADS")
         if limit is not None and limit > 0:  # the user's cap on Inductor's threads holds for the workers too
@@ -128,7 +100,6 @@ class _Worker:
                 job, future = item
                 if not future.set_running_or_notify_cancel():
                     continue  # dropped while queued: the main process compiled it itself
-                self.pool.mark(job.key, "started_s")
                 try:
                     send(self.process.stdin, job)
                     reply = receive(self.process.stdout)
@@ -137,11 +108,8 @@ class _Worker:
                 if reply is None:
                     reply = {"error": f"the worker exited (code {self.process.poll()})"}
                 self.jobs_done += 1
-                self.pool.mark(job.key, "done_s")
-                future.set_result(AheadResult(reply.get("seconds", 0.0), reply.get("state", ""),
-                                              reply.get("error", ""), reply.get("cuda_context", False),
-                                              reply.get("settings", {}), reply.get("phases", {}),
-                                              reply.get("kernels", {})))
+                # the fields this process knows; a reply may carry more (a worker of another version)
+                future.set_result(AheadResult(**{k: v for k, v in reply.items() if k in _RESULT_FIELDS}))
         finally:
             self.end()
 
@@ -169,16 +137,12 @@ class _Worker:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        try:
+        with contextlib.suppress(OSError):
             self.process.stdout.close()
-        except OSError:
-            pass
 
     def close_input(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.process.stdin.close()
-        except OSError:
-            pass
 
 
 class AheadCompiler:
@@ -186,11 +150,8 @@ class AheadCompiler:
 
     def __init__(self, workers: int, idle_s: float = 30.0, wait_s: float = 900.0, w8a16: dict | None = None):
         self.size = workers
-        # {"device", "dtype" (name), "shapes"}: W8A16 kernels the workers compile into Triton's cache as they start,
-        # where a cold step would compile them (not on threads of this process: they would share its GIL with
-        # offload). The first worker compiles the kernel the step's eager forward runs for the keys it defers
-        # (kernels/tune.provisional_config, 0.4-0.7 s), and each of the first `workers` its share of the INT8 Linears'
-        # tuning candidates (kernels/tuning/ahead.py: 5.1-5.7 s of a cold Flux step otherwise).
+        # {"device", "dtype" (name), "shapes"}: W8A16 kernels the workers compile into Triton's cache as they start
+        # (in processes: threads here would share the GIL with offload); split by `_w8a16_share`.
         self.w8a16 = w8a16
         self.idle_s = idle_s  # a worker without a job this long ends
         self.wait_s = wait_s  # the longest the main process waits for a job a worker is on
@@ -208,52 +169,28 @@ class AheadCompiler:
         self.dropped = 0  # jobs dropped while queued (the main process compiled them itself)
         self.worker_pids: list[int] = []
         self.refused: list[str] = []  # variants not handed over (their graph or inputs would not travel), and why
-        # Per job, when it was submitted, started and done, and when the main process asked for it (seconds since
-        # the pool was made): where a cold first step waits, and on what.
-        self.timeline: dict[Hashable, dict[str, Any]] = {}
-        self.t0 = time.perf_counter()  # the timeline's zero
+        self.labels: dict[Hashable, str] = {}  # per job submitted
         self._closed = False
 
     @property
     def stats(self) -> dict[str, Any]:
         return {"submitted": len(self.futures), "waited_s": self.waited_s, "busy_waiting_s": self.busy_waiting_s,
                 "dropped": self.dropped, "preloaded": list(self.preloaded),
-                "worker_pids": list(self.worker_pids), "refused": list(self.refused), "jobs": self.jobs_timeline()}
-
-    def mark(self, key: Hashable, event: str) -> None:
-        """Note when `event` happened to `key`'s job (its timeline entry, made at submit)."""
-        entry = self.timeline.get(key)
-        if entry is not None:
-            entry[event] = round(time.perf_counter() - self.t0, 3)
-
-    def jobs_timeline(self) -> list[dict[str, Any]]:
-        """Each job's timeline entry, with its worker's seconds and phases once it is done."""
-        out = []
-        for key, entry in self.timeline.items():
-            future = self.futures.get(key)
-            result = future.result() if future is not None and future.done() and not future.cancelled() else None
-            extra = {} if result is None else {"worker_s": round(result.seconds, 3), "phases": result.phases,
-                                               "kernels": result.kernels,
-                                               "error": result.error.strip().splitlines()[-1] if result.error else ""}
-            out.append(dict(entry, **extra))
-        return out
+                "worker_pids": list(self.worker_pids), "refused": list(self.refused)}
 
     def submit(self, job: AheadJob, later: bool = False, preload: Callable[[], None] | None = None) -> bool:
         """Queue `job` unless its variant was asked for before; True when queued. `later`: held back until the
         main process first waits for a job (`take`): an inference variant, which only the next step's forward
-        needs, must not keep a worker from a training variant that the forward has yet to hand over and the
-        backward will wait for (Flux bf16: a single-block training job queued behind the double block's inference
-        job was compiled in the step after all, 14.8 s). `preload()`: loads the variant into the main process
-        (compiles it there, from the caches the worker filled); `take` calls it while the step waits for another
-        job, once this one is done."""
+        needs, must not keep a worker from a training variant the backward will wait for. `preload()`: loads the
+        variant into the main process from the caches the worker filled; `take` calls it while the step waits
+        for another job, once this one is done."""
         if self.size <= 0 or self._closed or job.key in self.futures:
             return False
         future: Future = Future()
         self.futures[job.key] = future
-        self.timeline[job.key] = {"label": job.label, "later": later}
+        self.labels[job.key] = job.label
         if preload is not None:
             self.preloads[job.key] = preload
-        self.mark(job.key, "submitted_s")
         with self.lock:
             if later:
                 self.held.append((job, future))
@@ -265,9 +202,8 @@ class AheadCompiler:
         return True
 
     def start(self) -> "AheadCompiler":
-        """Start the workers now, before any job (offload does, for a model not compiled before: they import
-        torch and its compiler while offload fills the host store, not while the first step waits). They compile
-        under the Inductor and AOTAutograd config of this moment."""
+        """Start the workers now, before any job (offload does: they import torch's compiler while it fills the
+        host store). They compile under the Inductor and AOTAutograd config of this moment."""
         with self.lock:
             if not self._closed:
                 self._start_workers()
@@ -308,7 +244,6 @@ class AheadCompiler:
         future = self.futures.get(key)
         if future is None:
             return None
-        self.mark(key, "asked_s")
         self.preloads.pop(key, None)  # asked for now: the caller loads it (or compiles it, if dropped)
         if future.cancel():
             self.dropped += 1
@@ -328,19 +263,18 @@ class AheadCompiler:
         return result
 
     def _preload_one(self) -> bool:
-        """Load one job a worker finished without error that the step has not asked for yet (Flux: the double
-        block's training and inference variants, ~1.4 s, while the step waits for the single block's training
-        variant): it would load them later in the step anyway. False when none is left."""
+        """Load one job a worker finished without error that the step has not asked for yet (it would load it
+        later in the step anyway). False when none is left."""
         for key, future in list(self.futures.items()):
             if key not in self.preloads or not future.done() or future.cancelled() or future.result().error:
                 continue
             preload = self.preloads.pop(key)
             try:
                 preload()
-                self.preloaded.append(self.timeline[key]["label"])
+                self.preloaded.append(self.labels[key])
             except Exception as e:  # noqa: BLE001 - only a speed-up: the step loads it where it asks for it
                 log.warning("stagehand: loading %s ahead failed (%s: %s); it loads where the step asks for it",
-                            self.timeline[key]["label"], type(e).__name__, e)
+                            self.labels[key], type(e).__name__, e)
             return True
         return False
 

@@ -1,6 +1,6 @@
-"""What travels between the main process and an ahead-compile worker (compiler/startup/ahead.py, compiler/startup/ahead_worker.py): length-prefixed
-pickles on the worker's stdin and stdout, a variant graph node by node (torch's GraphPickler, our in-graph functions
-by name), and a description of its inputs that the worker fakes again."""
+"""What travels between the main process and an ahead-compile worker: length-prefixed pickles on the worker's
+stdin and stdout, a variant graph node by node (torch's GraphPickler, our in-graph functions by name), and a
+description of its inputs that the worker fakes again."""
 
 from __future__ import annotations
 

@@ -1,34 +1,12 @@
 """Warm starts: a unit compiled once is loaded, not compiled, by the next process.
 
-Units compile outside Dynamo (units.py) through AOTAutograd and Inductor, so
-torch's own caches do the keeping: AOTAutograd's cache and Inductor's FX graph
-cache key a unit on everything that makes its code (the variant graph, which
-holds the block's precision in rewrite_linear's ops; the inputs' shapes,
-strides and dtypes; Inductor's config, where our joint passes sit with a uuid
-that hashes their source and the ops' registrations; torch and triton
-versions; the device), and Triton's and the autotuner's caches keep the
-kernels. Two things would make both caches step aside for every unit, and
-are taken care of here and in inner.py:
-
-- no ShapeEnv: their guards live in one, and a unit compiles outside
-  Dynamo's context. `inner.compile_unit` fakes static inputs too (symbolic.py).
-- a call the cache cannot vouch for: `grad_tap` (full fine-tuning's weight
-  gradient) is a Python function around an autograd.Function; it is marked
-  cacheable under a hash of its module's source, so an edit to it misses.
-
-Each compile says how it went (`CompileOutcome`: "hit", "miss" = compiled and
-stored, "bypass: <torch's reason>"); `stats()` counts the units loaded.
-
-torch's caches live in TORCHINDUCTOR_CACHE_DIR (a folder under /tmp by
-default), which a container or a fresh node does not keep. `CompileBundle`
-writes what this process compiled or loaded (`torch.compiler.
-save_cache_artifacts`) to one file per model under the stagehand cache dir,
-behind a header (format, torch / triton versions, device, a sha256 of the
-payload), and loads it before the first unit compiles. A file written by
-other versions or another device is ignored with one line that says why; a
-file whose payload does not match its checksum is never loaded. Writes go to
-a temporary name and are renamed: a killed process leaves the old file or
-none.
+Units compile outside Dynamo through AOTAutograd and Inductor, so torch's own caches key and keep them; what would
+make them step aside is handled here and in inner.py (a ShapeEnv for static inputs too; `grad_tap` and the
+in-graph functions marked cacheable under a hash of their source). `track` says how each compile went
+(`CompileOutcome`). torch's caches live under TORCHINDUCTOR_CACHE_DIR, which a fresh node does not keep:
+`CompileBundle` writes what this process compiled or loaded to one file per model (a header with the torch /
+triton versions, the device and a sha256 of the payload; written atomically), and loads it before the first
+unit compiles; a file of other versions, another device or a bad checksum is ignored with one line saying why.
 """
 
 from __future__ import annotations
@@ -85,9 +63,8 @@ def _sources_hash(modules: list[Any]) -> str:
 
 def cacheable_functions() -> dict[str, str]:
     """The Python functions our variant graphs call, for `unsafe_marked_cacheable_functions`: name -> a hash
-    of the source that decides what they trace to (the stagehand ops, the precisions' traced math and the
-    kernels' torch code they call, and each function's own module: experts/stacks.py's stack read is one): an edit
-    there changes every key that holds them."""
+    of the source that decides what they trace to (the ops, the precisions, the kernels and each function's own
+    module): an edit there changes every key that holds them."""
     from torch_stagehand import kernels
     from torch_stagehand.kernels import tuning
     from torch_stagehand.runtime import ops, precision
@@ -99,9 +76,8 @@ def cacheable_functions() -> dict[str, str]:
 
 
 def ops_fingerprint() -> str:
-    """A hash of the modules that register the stagehand ops (`ops.py`, and `experts/stacks.py`'s stack read): their
-    fake and autograd rules are traced into every unit's graph, so the joint passes' uuid (the caches' key)
-    holds it."""
+    """A hash of the modules that register the stagehand ops (`ops.py`, `experts/stacks.py`): their fake and
+    autograd rules are traced into every unit's graph, so the joint passes' uuid holds it."""
     from torch_stagehand.runtime import ops
     from torch_stagehand.runtime.experts import stacks as experts
 
@@ -115,25 +91,18 @@ def memory_format_named(name: str) -> torch.memory_format:
     return getattr(torch, name.rpartition(".")[2])
 
 
-def _reduce_memory_format(memory_format: torch.memory_format) -> tuple:
-    return memory_format_named, (str(memory_format),)
-
-
 @contextlib.contextmanager
 def import_order_free_keys() -> Iterator[None]:
-    """Around a unit's compile: torch's cache-key pickler names each input's memory format (a tensor's metadata
-    holds one) as the first module in `sys.modules` that reaches `torch.contiguous_format`: `torch._utils` in
-    one process, `transformers.image_processing_utils_fast` in one that imported transformers in another order
-    (measured, full-size Flux on an H100: every variant an ahead-compile worker stored missed in the main
-    process, and a warm start run from another script would miss too). While this runs, the key picklers name
-    it by this module's function instead, the same in every process."""
+    """Around a unit's compile: torch's cache-key pickler names an input's memory format by the first module in
+    `sys.modules` that reaches `torch.contiguous_format`, which depends on import order (a key of one process
+    would miss in another). While this runs, the key picklers name it by this module's function instead."""
     from torch._inductor.codecache import FxGraphCachePickler
 
     original = FxGraphCachePickler.__dict__["__init__"]
 
     def init(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.dispatch_table[torch.memory_format] = _reduce_memory_format
+        self.dispatch_table[torch.memory_format] = lambda form: (memory_format_named, (str(form),))
 
     FxGraphCachePickler.__init__ = init
     try:
@@ -187,10 +156,8 @@ def track() -> Iterator[CompileOutcome]:
         logger.removeHandler(handler)
         logger.setLevel(level)
     moved = {k for k, v in counters["aot_autograd"].items() if v != before.get(k, 0)}
-    if "autograd_cache_hit" in moved:
-        outcome.state = "hit"
-    elif "autograd_cache_miss" in moved:
-        outcome.state = "miss"
+    if moved & {"autograd_cache_hit", "autograd_cache_miss"}:
+        outcome.state = "hit" if "autograd_cache_hit" in moved else "miss"
     elif "autograd_cache_bypass" in moved:
         outcome.state = "bypass: " + (handler.reasons[0] if handler.reasons else "no reason given")
 
@@ -205,13 +172,9 @@ def _environment(device: torch.device) -> dict[str, str]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        device_name = f"{props.name} sm{props.major}{props.minor}"
-    else:
-        device_name = device.type
-    # No stagehand version: what stagehand puts in a unit (its graph, the joint passes' and ops' sources) is in
-    # torch's own keys already.
+    props = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    device_name = f"{props.name} sm{props.major}{props.minor}" if props is not None else device.type
+    # No stagehand version: what stagehand puts in a unit is in torch's own keys already.
     return {"torch": torch.__version__, "triton": triton_version, "device": device_name}
 
 
@@ -236,45 +199,41 @@ class CompileBundle:
             return False
         try:
             with open(self.path, "rb") as f:
-                data = f.read()
-            header, payload = _split(data)
+                header, payload = _split(f.read())
         except (OSError, ValueError) as e:
-            self.message = f"compile cache {self.path} ignored: unreadable ({e})"
-            log.warning("stagehand: %s", self.message)
-            return False
-        mismatch = [f"{k} {header.get('env', {}).get(k)!r} (here {v!r})" for k, v in self.env.items()
-                    if header.get("env", {}).get(k) != v]
+            return self._ignored(f"unreadable ({e})")
+        written = header.get("env", {})
+        mismatch = [f"{k} {written.get(k)!r} (here {v!r})" for k, v in self.env.items() if written.get(k) != v]
         if mismatch:
-            self.message = f"compile cache {self.path} ignored: written under " + ", ".join(mismatch)
-            log.warning("stagehand: %s", self.message)
-            return False
+            return self._ignored("written under " + ", ".join(mismatch))
         if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            self.message = f"compile cache {self.path} ignored: corrupt (its payload does not match its sha256)"
-            log.warning("stagehand: %s", self.message)
-            return False
+            return self._ignored("corrupt (its payload does not match its sha256)")
         info = _load_artifacts(payload)
         if info is None:
-            self.message = f"compile cache {self.path} ignored: torch could not read its artifacts"
-            log.warning("stagehand: %s", self.message)
-            return False
+            return self._ignored("torch could not read its artifacts")
         self.loaded_artifacts = sum(len(v) for v in _artifact_lists(info))
         self.last_run_units = int(header.get("units", 0) or 0)
         self.message = f"compile cache {self.path}: {self.loaded_artifacts} artifacts loaded"
         log.info("stagehand: %s", self.message)
         return True
 
+    def _ignored(self, why: str) -> bool:
+        self.message = f"compile cache {self.path} ignored: {why}"
+        log.warning("stagehand: %s", self.message)
+        return False
+
     def save(self, units: int = 0, even_empty: bool = False) -> bool:
         """Write every artifact this process compiled or loaded so far (atomically), and `units`, how many
-        units it has; False when there is none or the folder is not writable (the run goes on: the bundle
-        only saves time). `even_empty`: write it with no artifacts too. Units loaded from what this run's
-        ahead-compile workers stored are in torch's caches on this machine but recorded in no process's
-        artifacts; the bundle then still says the model was compiled (the next run starts no workers)."""
+        units it has; False when there is none or the folder is not writable (the bundle only saves time).
+        `even_empty`: write it with no artifacts too (units loaded from what this run's ahead-compile workers
+        stored are in no process's artifacts, but the next run must know the model was compiled)."""
         saved = torch.compiler.save_cache_artifacts()
         if saved is None and not even_empty:
             return False
         payload = saved[0] if saved is not None else _no_artifacts()
+        artifacts = sum(len(v) for v in _artifact_lists(saved[1])) if saved is not None else 0
         header = {"format": _FORMAT, "env": self.env, "sha256": hashlib.sha256(payload).hexdigest(),
-                  "artifacts": sum(len(v) for v in _artifact_lists(saved[1])), "units": units}
+                  "artifacts": artifacts, "units": units}
         try:
             write_atomic(self.path, _join(header, payload))
             return True

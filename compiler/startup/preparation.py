@@ -1,9 +1,6 @@
-"""What offload's calling thread does for the compiler while other threads fill the host store.
-
-On CUDA: start Inductor's compile workers, import the compiler, index the model's sources for Dynamo
-(compiler/inner.py), beside the slab's reads or the weights' copies: a warm start's first step spent ~1 s of
-it otherwise. Before a slab's reads, the files this work opens are read ahead (compiler/startup/read_ahead.py): beside
-the reads each would wait for a disk busy with the slab.
+"""What offload's calling thread does for the compiler while other threads fill the host store (on CUDA): start
+Inductor's compile workers, import the compiler, index the model's sources for Dynamo (compiler/inner.py); before
+a slab's reads, the files this work opens are read ahead (read_ahead.py), else each would wait behind the slab.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Process-wide settings that change what a variant traces or compiles to, though no torch cache key holds them.
 
-AOTAutograd picks an attention backend while it traces `scaled_dot_product_attention` (flash, memory-efficient,
-cuDNN or the math decomposition, as `torch.backends.cuda` allows), and neither its cache key nor Inductor's
-records which were allowed. An ahead-compile worker (compiler/startup/ahead_worker.py) is a fresh process: with torch's defaults
-it traced Flux's attention to cuDNN's, which `offload()` turns off in the main process (attention_guard.py: its
-backward faults at Flux's shape), wrote the variant under the key the main process asks for, and the main
-process's backward then faulted (illegal memory access, full-size Flux int8 on an H100). So every job carries
-the main process's settings (`current`), and the worker adopts them (`adopt`) before it compiles, the matmul
-and determinism switches (which the keys do hold) with them, and `STAGEHAND_INDUCTOR_AUTOTUNE` (inner.py: the
-kernels that keep several launch configs; a worker started at offload holds the environment of then).
+AOTAutograd picks an attention backend while it traces SDPA, as `torch.backends.cuda` allows, and no cache key
+records which were allowed: an ahead-compile worker with torch's defaults could trace to cuDNN's attention, which
+`offload()` turns off (attention_guard.py), under the key the main process asks for. So every job carries the
+main process's settings (`current`) and the worker adopts them (`adopt`): the attention backends, the matmul
+and determinism switches, and `STAGEHAND_INDUCTOR_AUTOTUNE` (a worker holds the environment of its start).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Files read into the page cache before the disk gets busy: the compiler's files ahead of a slab's reads.
 
-Offload from a slab reads ~12 GB (Flux int8) on reader threads while its calling thread starts Inductor's
-compile workers, imports the compiler and indexes the model's sources for Dynamo. On a cold page cache that
-work took 8.7-10 s beside the reads against 1.7-2.5 s without them (H100 machines), and offload waited for it
-past its last read: each file it opened waited for a disk queue full of the slab's reads (~70 ms a file). Most
-of the wait was not the imports but the compile workers' start: Inductor hands them `torch_key()`, a hash of
-every source file of torch (2,300 files, read one after another on the calling thread: 7.6-9 s beside the reads,
-0.75 s without). Read first, many at once (small reads a disk serves side by side), while offload's stages
-before the reads run, those files cost the work beside the reads no wait.
-
-Which files: the source of every module of torch's packages (what `torch_key` reads), the bytecode where
-Python cached it of the compiler's modules that an `import torch_stagehand` has not imported (Inductor,
-AOTAutograd, torch.export's serializer, torch.ao's quantization patterns that Inductor's passes import) with
-Jinja2 and MarkupSafe for Inductor's templates, and the model's source files Dynamo will tokenize. A package
-that is missing, or a file that can not be read, is left to whoever asks for it (the import says why): this
-only moves reads earlier. A queued hint (`posix_fadvise(WILLNEED)` from a thread started beside the reads)
-did not help: listing the folders waited behind the reads too.
+Beside a slab's reads every file offload's calling thread opens (Inductor's compile workers hash all of torch's
+sources, `torch_key`; the compiler's imports; Dynamo's tokenizing of the model's sources) waits behind a disk
+queue full of them. Read first, many at once, they cost that work no wait. Which files: the source of every
+module of torch's packages, the cached bytecode of the compiler's modules not imported yet (`_TORCH_FOLDERS`)
+with Jinja2 and MarkupSafe, and the model's source files. A file that cannot be read is left to whoever asks.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""The W8A16 candidates a cold step's tuner will time, compiled before the step, in the ahead-compile workers.
-
-The tuner compiles a key's candidates when the step first meets the key (tune.precompile_all): in full-size
-Flux int8's cold step, 26-33 kernels, 5.1-5.7 s of the main process on 8 threads, running past the step's wait
-for its workers. A candidate's binaries depend on its launch config, the dtypes, the flags (bias, an even
-reduction) and whether the sizes divide by 16; not on the token count (M and T are never specialized) nor on the
-sizes themselves. So the candidates can be compiled from the layers' shapes, before any token count is known:
-per INT8 streamed Linear and per token regime the fused kernels serve (`REGIME_ROWS`), every candidate of the
-forward and of the grad-input, compiled only (`Executor(compile_only=True)`), on meta tensors of the call's
-shapes. The ahead-compile workers do it as they start, while offload works (compiler/startup/ahead_worker.py), into Triton's
-cache, where the step's tuner reads them back; with each kernel's launcher, which Triton builds with the C
-compiler at a kernel's first load.
+"""The W8A16 candidates a cold step's tuner will time, compiled ahead into Triton's cache by the ahead-compile
+workers: a binary depends on the config, dtypes, flags and 16-divisibility, not the token count, so every candidate
+of each INT8 Linear shape and token regime (`REGIME_ROWS`) is compiled on meta tensors and loaded.
 """
 
 from __future__ import annotations
@@ -25,23 +16,20 @@ from torch_stagehand.kernels.tuning import autotune as tune
 from torch_stagehand.kernels.launch import _k_split, _launch_bwd, _launch_fwd, _rows
 from torch_stagehand.kernels.launch_memo import Executor
 
-# A token count in each regime the fused kernels serve: M <= 16 (a modulation's GEMV: one row per sample) and
-# 64 < M <= 512 (Flux's text stream). From 513 rows up a compiled block dequantizes in its graph
-# (runtime/precision/int8.TRACED_MIN_ROWS); M of 17-64 (token tiles of 32 and 64) is left to the step.
+# A token count in the regimes M <= 16 and 64 < M <= 512 (above, compiled blocks dequantize in their graph).
 REGIME_ROWS = (1, 512)
 
 
 def tuning_shapes(layers, precision: dict[int, str]) -> list[tuple[int, int, bool]]:
-    """(out features, in features, has a bias) of each distinct streamed Linear in an INT8 block (`layers`:
-    runtime/blocks.StreamedLayerSpec; expert stacks run other kernels)."""
+    """(out features, in features, has a bias) of each distinct streamed Linear (not a stack) in an INT8 block."""
     shapes = {(lay.out_features, lay.in_features, getattr(lay.module, "bias", None) is not None)
               for lay in layers if precision.get(lay.block) == "int8" and not getattr(lay, "experts", 0)}
     return sorted(shapes)
 
 
 def candidate_launches(shapes, dtype: torch.dtype, device: torch.device) -> list[Callable[[], None]]:
-    """One call per (shape, regime, kind, candidate) that compiles that candidate's kernels, in a fixed order (each
-    worker takes its share by position)."""
+    """One call per (shape, regime, kind, candidate) that compiles its kernels, in a fixed order (workers share by
+    position)."""
     out = []
     for n, k, bias in shapes:
         for m in REGIME_ROWS:
@@ -53,9 +41,8 @@ def candidate_launches(shapes, dtype: torch.dtype, device: torch.device) -> list
 
 
 def regime_configs(kind: str, m: int, n_out: int, red: int, device) -> list[tune.LaunchConfig]:
-    """The tuner's candidates for a token count in `m`'s regime, one per binary any token count of the regime
-    asks for: the split counts worth trying follow the token count (tune.splits), and a split count changes the
-    binary only through whether the reduction divides evenly into its pieces."""
+    """The tuner's candidates for any token count of `m`'s regime, one per binary (a split count changes the binary
+    only through whether the reduction divides evenly)."""
     seen, out = set(), []
     for cfg in tune.candidates(kind, m, n_out, red, device):
         for split in (1, 2, 4, 8, 16):
@@ -75,8 +62,7 @@ def _meta(shape, dtype) -> torch.Tensor:
 
 
 class _Compiling(Executor):
-    """Compiles a call's kernels without launching them (the tuner's `precompile`), and then loads each: Triton
-    builds a kernel's launcher (the C compiler, ~0.3 s per signature) at its first load, into its cache too."""
+    """Compiles a call's kernels without launching them, then loads each (which builds its launcher)."""
 
     def __init__(self, tensors: dict):
         super().__init__(tensors, record=False, compile_only=True)
@@ -115,9 +101,8 @@ def _compile_grad_input(m: int, n: int, k: int, dtype, device, cfg) -> None:
 
 def compile_candidates(launches: list[Callable[[], None]], device: torch.device, threads: int,
                        stop: Callable[[], bool] = lambda: False) -> dict[str, int]:
-    """Run `launches` on `threads` threads, a round of `threads` at a time, until `stop()` says so (asked between
-    rounds: a job for the worker waits). A candidate that does not compile is counted and left to the tuner,
-    which records why it rejected it. Returns how many compiled, failed and were left."""
+    """Run `launches` on `threads` threads, a round at a time, until `stop()` says so (asked between rounds; a
+    failure is left to the tuner, which records why). Returns how many compiled, failed and were left."""
     done = failed = 0
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for start in range(0, len(launches), max(1, threads)):

@@ -1,26 +1,8 @@
 """Configs and the autotuner of the W8A16 launches.
 
-A candidate is a whole launch sequence (split-K partials and their reduction,
-or dequantize + cuBLAS), which Triton's own autotuner cannot time. Per key
-(kernel, device, M bucket, N, K, dtype) each candidate is:
-
-1. run once (compiles; a config the compiler rejects is skipped). The key's
-   candidates are compiled first, all at once on threads (`precompile_all`),
-   so this run finds each one's kernels ready;
-2. checked: sampled output elements against an fp32 reference computed from
-   the same int8 weight. A candidate that is wrong (a compiler bug in some
-   configs of some Triton versions has been seen) is rejected, never picked;
-3. timed as a CUDA graph that calls it on rotating copies of the weight whose
-   total exceeds twice the L2 size: GPU time only (no host launch gaps, which
-   at small M exceed the kernel itself), with weights arriving cold as streamed
-   weights do.
-
-Under `tune_deferral.deferred()` a key that would be tuned runs `provisional_config` (dequantize + cuBLAS), and is tuned
-later (kernels/tuning/deferral.py: a cold step's eager forward while a worker compiles).
-
-STAGEHAND_AUTOTUNE=0 skips all of it and uses `heuristic`. What was tried, rejected and chosen is kept in
-`tuning_log()`, and each choice is written to an on-disk cache (kernels/tuning/cache.py) that the next process reads back
-(checked once, never timed again). A cold step's candidates are compiled ahead, in workers (kernels/tuning/ahead.py).
+A candidate is a whole launch sequence (split-K and its reduction, or dequantize + cuBLAS). Per key the candidates
+are compiled at once, then each is run, checked against fp32 (a miscompiled config is rejected) and timed as a CUDA
+graph over weight copies larger than the L2. STAGEHAND_AUTOTUNE=0: `heuristic`. Choices are kept on disk.
 """
 
 from __future__ import annotations
@@ -35,19 +17,15 @@ from typing import Callable
 import torch
 import triton
 
-from torch_stagehand.kernels.tuning import cache as tune_cache
-
-from torch_stagehand.kernels.tuning import deferral
 from torch_stagehand.environment import env
+from torch_stagehand.kernels.tuning import cache as tune_cache, deferral
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """One launch: output tile (weight rows) x token tile x reduction step, split count.
-
-    variant: forward 1 = scale the weight tile in registers; grad-input 1 = load the
-    weight tile [n, o] and transpose in registers. mode "dequant": dequantize the
-    weight to the activation dtype with a Triton kernel, then cuBLAS (tiles unused)."""
+    """One launch: output tile (weight rows) x token tile x reduction step, split count. variant 1: forward, scale
+    the weight tile in registers; grad-input, load it [n, o] and transpose in registers. mode "dequant": dequantize
+    the weight with a Triton kernel, then cuBLAS (tiles unused)."""
 
     block_o: int
     block_m: int
@@ -84,17 +62,12 @@ def bucket(m: int) -> int:
 
 
 def tiles(m: int, kind: str = "fwd"):
-    """Tile shapes (block_o, block_m, block_r, warps, stages) for a token count.
-
-    Small M streams the weight (bandwidth-bound: deep pipelines, long reduction
-    steps, token tile 16-64); large M is matrix-bound (128-row weight tiles, 4 or
-    8 warps = one or two warpgroups). The first entry is the untuned default."""
+    """Tile shapes (block_o, block_m, block_r, warps, stages) for a token count, the untuned default first: small M
+    is bandwidth-bound (deep pipelines, long reduction steps), large M matrix-bound (one or two warpgroups)."""
     if m <= 64:
         bm = max(16, bucket(m))
         out = [(64, bm, 128, 4, 4), (64, bm, 256, 4, 3), (128, bm, 128, 4, 4), (128, bm, 256, 8, 3)]
-        # 16/32-row weight tiles (mma.sync, no wgmma) give 4-8x more programs than
-        # 64/128-row ones: they may fill the SMs without a split and its second launch.
-        # Grad-input reads 16-row tiles as 16-byte pieces of 32-byte sectors: only 32.
+        # 16/32-row weight tiles may fill the SMs without a split (grad-input: 32 only, 16 reads half sectors).
         if kind == "fwd":
             out.append((16, bm, 512 if bm == 16 else 256, 4, 4))
         out.append((32, bm, 256 if bm <= 32 else 128, 4, 4))
@@ -117,64 +90,30 @@ def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
     return out
 
 
-# Shortlists, from every candidate timed on an H100 (benches/results/kernels.json: 4 shapes x fwd/bwd at M = 16,
-# 256 and 4096). A cold first step tunes its keys while a worker compiles (Flux: 9 keys, 138 candidates, 11-13 s
-# of the CPU the worker needed), so a key times its regime's default and the tiles that came within ~20% of the
-# best somewhere, with every split, not the tiles that never did:
-# - M > 512 (compute-bound): dequantize + cuBLAS was fastest everywhere, then the 128x256x64 two-warpgroup tiles
-#   (6-30% behind); every other tile was 25-60% behind;
-# - 64 < M <= 512: 64x128x128 won every forward, 128x128x64/128 every grad-input but one (64x128x128 there);
-#   128x64x128 was 18-75% behind;
-# - M <= 64 (bandwidth-bound; Flux's modulation GEMVs, M = 1: its 9 keys of a cold step): 32x16x256 won every
-#   forward, 64x16x128 every grad-input (128x16x128 within 0-16%); the others were 10-50% behind;
-# - grad-input's register-transposed variant 1 was never within 25% of the best, at any M.
+# Per regime, the tiles that came within ~20% of the best somewhere when every candidate was timed on an H100
+# (benches/kernels.py, STAGEHAND_TUNE_EVERY=1): a key times its regime's default and these, with every split.
 _SHORTLIST = {"compute": {(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)},
               "mid": {(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)},
               "bandwidth": {("fwd", 32, 256), ("fwd", 32, 128), ("bwd", 128, 128)}}
 
 
-def _shortlisted(kind: str, m: int, tile: tuple) -> bool:
-    """Is `tile` (block_o, block_m, block_r, warps, stages) on its regime's shortlist?"""
-    bo, _, br, _, _ = tile
-    if m > 512:
-        return tile in _SHORTLIST["compute"]
-    if m > 64:
-        return tile in _SHORTLIST["mid"]
-    return (kind, bo, br) in _SHORTLIST["bandwidth"]  # the token tile follows M here
-
-
-def every_candidate() -> bool:
-    """`STAGEHAND_TUNE_EVERY=1`: time every candidate, not the shortlists (benches/kernels.py measures them all)."""
-    return env("STAGEHAND_TUNE_EVERY")
-
-
 def candidates(kind: str, m: int, n_out: int, red: int, device, every: bool | None = None) -> list[LaunchConfig]:
-    """The launches the tuner times for this key: its regime's default and shortlist (`_SHORTLIST`), or with
-    `every` (default `every_candidate()`) every tile and variant."""
+    """The launches the tuner times: the regime's default and shortlist, or every one (`STAGEHAND_TUNE_EVERY`)."""
     n_sm = sms(device)
-    every = every_candidate() if every is None else every
+    every = env("STAGEHAND_TUNE_EVERY") if every is None else every
     regime = tiles(m, kind)
-    if not every:
-        regime = [regime[0]] + [t for t in regime[1:] if _shortlisted(kind, m, t)]
+    if not every:  # in the bandwidth regime the token tile follows M: the shortlist names (kind, bo, br)
+        short = _SHORTLIST["compute" if m > 512 else "mid" if m > 64 else "bandwidth"]
+        regime = [regime[0]] + [t for t in regime[1:] if (t if m > 64 else (kind, t[0], t[2])) in short]
     out = []
     for bo, bm, br, w, st in regime:
         for s in splits(m, n_out, red, bo, bm, br, n_sm):
-            if kind == "bwd":
-                variants = (0, 1) if every else (0,)
-            elif w == 8:
-                # Two-warpgroup forward tiles with the plain int8 -> bf16 conversion
-                # came out WRONG on an H100 with Triton 3.6 (a few % of the output
-                # tiles off by a missing/stale k-step; all 9 such candidates rejected
-                # by the check below, every shape, benches/results/kernels.json), while
-                # the same tiles scaling the weight in registers (as grad-input does)
-                # were right everywhere. So: register-scaled only, which cannot split.
-                if s > 1:
-                    continue
-                variants = (1,)
-            else:
-                variants = (0,)
-            for v in variants:
-                out.append(LaunchConfig(bo, bm, br, s, w, st, v))
+            # Two-warpgroup forward tiles are miscompiled with the plain int8 -> bf16 conversion (Triton 3.6);
+            # scaled in registers (variant 1) they are right, and that variant cannot split.
+            if kind != "bwd" and w == 8 and s > 1:
+                continue
+            variants = ((0, 1) if every else (0,)) if kind == "bwd" else (1,) if w == 8 else (0,)
+            out += [LaunchConfig(bo, bm, br, s, w, st, v) for v in variants]
     if m > 512:  # compute-bound: a bf16 copy of the weight costs a few percent
         out.append(DEQUANT)
     return out
@@ -190,10 +129,8 @@ def heuristic(kind: str, m: int, n_out: int, red: int, device) -> LaunchConfig:
 
 
 def provisional_config(options: list[LaunchConfig] | None = None) -> LaunchConfig:
-    """A key whose tuning is put off (`tune_deferral.deferred`) runs `options`' default, else dequantize + cuBLAS:
-    one Triton kernel for every shape (the first ahead-compile worker compiles it: `launch.compile_provisional`),
-    where the untuned fused default is a compile per token regime and flag set (full-size Flux int8's eager
-    forward: three, 1.4-1.8 s). Its numbers are a candidate's (the tuner's pick at M > 512 on an H100)."""
+    """What a key whose tuning is put off runs: `options`' default, else dequantize + cuBLAS (one Triton kernel
+    for every shape, compiled ahead: `launch.compile_provisional`)."""
     return options[0] if options else DEQUANT
 
 
@@ -217,8 +154,7 @@ def tuning_log() -> dict:
 
 
 def tune_later(key, later: Callable[[], None]) -> None:
-    """Queue `key` for `tune_deferred` beside a deferred one (the grad-input key of a layer whose forward key
-    was deferred: the backward asks for it next), unless it is tuned already or queued."""
+    """Queue `key` for `tune_deferred` beside a deferred one (a deferred forward's grad-input key), unless tuned."""
     if key not in _LOG:
         deferral.queue(key, later)
 
@@ -227,13 +163,10 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
          precompile=None, later: Callable[[], None] | None = None) -> LaunchConfig:
     """The config for key: tuned once (see the module docstring), then cached.
 
-    run(cfg, weight) launches; check(cfg) returns None if the output is right,
-    else a reason. `options`: the candidates of another kernel (grouped.py), the
-    first one its untuned default; else this module's W8A16 candidates.
-    `precompile(cfg)`: compiles cfg's kernels without launching them; given, every
-    candidate is compiled at once on threads before the first is run (`precompile_all`).
-    `later()`: tunes `key` on stand-in tensors of the same shapes; given, under `tune_deferral.deferred()`
-    the key runs `provisional_config(options)` now and is tuned by `tune_deferral.tune_deferred`."""
+    run(cfg, weight) launches; check(cfg) returns None if the output is right, else a reason. `options`: another
+    kernel's candidates (grouped.py), its untuned default first; else the W8A16 ones. `precompile(cfg)`: compiles
+    cfg's kernels without launching them (all candidates at once, `precompile_all`). `later()`: tunes `key` on
+    stand-in tensors; given, under `deferral.deferred()` the key runs `provisional_config(options)` for now."""
     if key[-1] == torch.float32 and not interpreting():
         return options[0] if options else F32_CONFIG
     if interpreting() or device.type != "cuda" or not env("STAGEHAND_AUTOTUNE"):
@@ -291,14 +224,12 @@ def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[Lau
 
 
 def precompile_threads() -> int:
-    """Threads that compile a key's candidates at once (`STAGEHAND_TUNE_THREADS`; 1: one after another, as each
-    is first run)."""
+    """Threads that compile a key's candidates at once (`STAGEHAND_TUNE_THREADS`; 1: each as it is first run)."""
     return max(1, env("STAGEHAND_TUNE_THREADS"))
 
 
 def precompile_all(configs: list[LaunchConfig], precompile, device) -> None:
-    """Compile every candidate's Triton kernels on `precompile_threads()` threads before any is timed, not one after
-    another as each is first run (a few tenths of a second each, most of it in LLVM and ptxas, outside the GIL)."""
+    """Compile every candidate's kernels on `precompile_threads()` threads (mostly outside the GIL) first."""
     threads = min(precompile_threads(), len(configs))
     if threads <= 1:
         return
@@ -314,8 +245,7 @@ def precompile_all(configs: list[LaunchConfig], precompile, device) -> None:
 
 
 def compiled_on(device, compile_fn: Callable[[], None]) -> bool:
-    """`compile_fn()` on `device` (a new thread starts on device 0); False where the compiler rejects the candidate
-    (e.g. out of shared memory): the timed loop runs it again and rejects it with its reason."""
+    """`compile_fn()` on `device`; False where the compiler rejects it (the timed loop records why)."""
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         try:
             compile_fn()
@@ -331,18 +261,14 @@ def _rotating_copies(weight: torch.Tensor, cap: int = 16) -> list[torch.Tensor]:
 
 
 def rounds_per_replay(round_ms: float, n_weights: int, target_ms: float = 1.0, cap_calls: int = 24) -> int:
-    """Rounds over the rotating weights that one timed replay makes: enough for `target_ms` of GPU work (the
-    replay's own start is then noise), at most `cap_calls` calls. A big GEMM (0.3-0.5 ms a call at M=4096) is
-    timed in a few calls instead of 24: most of the timing of a cold first step's tuning."""
+    """Rounds over the rotating weights per timed replay: `target_ms` of GPU work, at most `cap_calls` calls."""
     most = max(1, cap_calls // max(1, n_weights))
     return most if round_ms <= 0 else max(1, min(most, math.ceil(target_ms / round_ms)))
 
 
 def graph_time(fn, weights, replays: int = 5) -> float:
-    """Median ms per call of fn(w) for w cycling over weights, from CUDA graph replays: one round over the weights
-    is captured and timed once, then as many rounds as `rounds_per_replay` asks are captured and timed.
-
-    Falls back to triton's do_bench (L2 flushed, host gaps included) when capture fails."""
+    """Median ms per call of fn(w) for w cycling over weights, from CUDA graph replays of `rounds_per_replay`
+    rounds; triton's do_bench (host gaps included) where capture fails."""
     try:
         fn(weights[0])  # warm: lazy handles (cuBLAS workspace) must exist before capture
         torch.cuda.synchronize()
@@ -378,14 +304,9 @@ def graph_time(fn, weights, replays: int = 5) -> float:
 
 
 def sample_check(out: torch.Tensor, ref_fn, n_cols: int, n_rows: int, gen_seed: int = 0):
-    """Compare out[rows, cols] (2-D view) with ref_fn(rows, cols) on a random sample.
-
-    ref_fn returns (reference, magnitude): the fp32 result and the same product on
-    absolute values (sum |a_i b_i| per element). Tolerance: one bf16 rounding of the
-    output, 2% of the sample's RMS, and two bf16 roundings of every product term
-    (2^-7 * magnitude): an element that cancels to near zero is judged by the size
-    of what cancelled, not by its own size. A wrong or missing reduction step
-    (a whole tile, a split) is far outside it."""
+    """Compare out[rows, cols] (2-D view) with ref_fn(rows, cols) -> (fp32 reference, the same product on absolute
+    values) on a random sample; None if right, else why. Tolerance: one bf16 rounding of the output, 2% of the
+    sample's RMS, and 2^-7 * magnitude (an element that cancels is judged by what cancelled)."""
     g = torch.Generator().manual_seed(gen_seed)
     cols = torch.randperm(n_cols, generator=g)[:64].to(out.device)
     rows = torch.randperm(n_rows, generator=g)[:256].to(out.device)

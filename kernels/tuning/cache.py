@@ -1,16 +1,8 @@
 """The W8A16 autotuner's choices, kept on disk across runs.
 
-Tuning every (kernel, M bucket, N, K) key of a 12B Flux times ~50 shapes x ~15
-candidates as CUDA graphs: most of the first step of a fresh process. The
-choice only depends on the device, the Triton and torch builds and the
-kernels' source, so it is written to a JSON file named by a fingerprint of
-exactly those, and read back by the next process: a changed kernel, a new
-Triton or another GPU gets a new file, never a stale config.
-
-The file lives in `$STAGEHAND_CACHE_DIR` (default `~/.cache/torch_stagehand`);
-`STAGEHAND_TUNE_CACHE=0` turns it off. A config read back is still checked
-once against the fp32 reference before it is used (see `tune.pick`), so a
-file that lies costs a re-tune, not a wrong number.
+A choice depends only on the device, the Triton and torch builds and the kernels' source, so it goes to a JSON
+file named by a fingerprint of exactly those in `$STAGEHAND_CACHE_DIR` (`STAGEHAND_TUNE_CACHE=0`: off). A config
+read back is still checked once before use (`tune.pick`): a file that lies costs a re-tune, not a wrong number.
 """
 
 from __future__ import annotations
@@ -24,12 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from torch_stagehand.environment import env
-from torch_stagehand.environment import cache_dir as stagehand_cache_dir
-
-
-def cache_dir() -> str:
-    return stagehand_cache_dir()
+from torch_stagehand.environment import cache_dir, env
 
 
 def enabled() -> bool:

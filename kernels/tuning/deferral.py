@@ -1,17 +1,6 @@
-"""W8A16 tuning put off, and done while the step waits for something else.
-
-A cold first step with ahead-compile workers (compiler/startup/ahead.py) runs each block structure's first forward
-eagerly while a worker compiles it, and hands the next structure to a worker when the forward reaches it. A
-W8A16 key met in that forward would be tuned there (kernels/tuning/autotune.py: a second or more per key), holding the forward, and
-with it the next structure's job: full-size Flux int8's double blocks' four keys, 4-5 s, stood between the two
-structures' jobs. Under `deferred()` such a key runs `tune.provisional_config` (right, not the fastest; its launch
-is not kept for replay) and is queued with a call that tunes it on stand-in tensors of the same shapes. The
-step's backward then waits for the worker anyway, and `tune_deferred` tunes the queue meanwhile, until the
-worker is done; a key left is tuned where it is next asked for, as without the deferral.
-
-While it does, the threads that compile the candidates yield the CPU (`yield_cpu`: nice 10, per thread, and the
-ptxas each starts): the worker's compile is the step's critical path, and the two share the cores (Flux int8 on
-16 cores: its 8 keys took 16 s beside two compiling workers, against 9 s in the forward).
+"""W8A16 tuning put off, and done while the step waits for something else: under `deferred()` (a cold step's eager
+forward) a new key runs `tune.provisional_config`, not kept for replay, and is queued to be tuned on stand-in
+tensors by `tune_deferred` while the backward waits for a worker, its threads yielding the CPU (`yield_cpu`).
 """
 
 from __future__ import annotations
@@ -29,8 +18,7 @@ YIELDING_NICE = 10
 
 @contextlib.contextmanager
 def deferred():
-    """Within: a key not tuned yet (here or on disk) whose caller can tune it later (tune.pick's `later`) runs its
-    `tune.provisional_config` launch, and is queued for `tune_deferred`."""
+    """Within: a new key that can be tuned later (tune.pick's `later`) runs provisionally and is queued."""
     before = getattr(_DEFERRING, "on", False)
     _DEFERRING.on = True
     try:
@@ -63,8 +51,7 @@ def pending_keys() -> list:
 
 
 def tune_deferred(stop: Callable[[], bool] = lambda: False) -> int:
-    """Tune the queued keys, in the order they were queued, until none is left or `stop()` says so (asked
-    before each key: a key's tuning is not cut short). Returns how many were tuned."""
+    """Tune the queued keys in order until none is left or `stop()` (asked before each key); returns how many."""
     done = 0
     _YIELDING[0] = True
     try:
@@ -83,8 +70,7 @@ def yielding() -> bool:
 
 
 def yield_cpu() -> None:
-    """Lower this thread's priority (and that of the processes it starts) to `YIELDING_NICE`; a thread already
-    lower, or a system without per-thread priorities, stays as it is."""
+    """Lower this thread's priority (and its child processes') to `YIELDING_NICE`, where it is higher."""
     with contextlib.suppress(OSError, AttributeError):
         tid = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, tid) < YIELDING_NICE:

@@ -1,36 +1,11 @@
-"""Calibration: one training step measured, turned into the planner's cost model.
+"""Calibration: one training step under the smallest plan (every block streamed and recomputed: it fits any budget a
+plan fits and shows both sides of each activation decision), turned into the planner's cost model.
 
-The step runs the smallest plan (every block streamed, every block
-recomputed): it fits any budget a plan can fit, and it shows both sides of
-each block's activation decision. Per block:
-
-- `input_bytes`: device memory allocated between the forward waits of two
-  consecutive blocks (a recomputed block keeps its inputs, nothing else);
-- `activation_bytes`: memory allocated between the block's recompute `wait`
-  and its backward `wait_bw` (what its forward saves when it is not recomputed);
-- `forward_s`: the recompute's forward (the training variant), wait to evict;
-- `backward_s`: the backward, wait_bw to evict;
-- `host_s`: the host's time from one block's wait to the next block's (forward,
-  recompute, backward; the glue between them included), from its own clock
-  (`HostClock`): what the host needs to issue the block, whatever the GPU does
-  meanwhile. In the calibration step the copies often hide it (the GPU waits on
-  PCIe); in a plan with fewer copies it can be what sets the step's pace. A host
-  held back by a full launch queue reads high here; the first steps of every
-  later plan measure it again and the smaller value stays (conductor/driver.py). `host_fetch_share`: the
-  part of it spent in the schedule ops (wait / prefetch / evict: fetches,
-  admission, slot bookkeeping), which a resident block mostly skips.
-
-Times come from CUDA events on the compute stream, read once at the end of
-the step (the one host synchronisation calibration costs); memory from the
-allocator's counters (host reads, no sync). On the CPU the clock is the host's
-and memory reads zero (the CPU budget bounds the weights alone), so the CI
-runs the same calibrate-then-plan path. `base_bytes` is what the step's
-peak holds beyond the plan's predicted weights and activations, `other_s` the
-step's time beyond its predicted block time, and at least the GPU's measured
-time outside the blocks after the forward (the turn: head, loss and their
-backward; then the optimizer), which this host- and copy-bound step can hide
-and a resident plan pays in full: both carry every plan's prediction from the
-measured point.
+Per block: `input_bytes` (allocated between two blocks' forward waits), `activation_bytes` (between its recompute's
+`wait` and its backward's `wait_bw`), `forward_s` / `backward_s` (CUDA events, read once at the step's end),
+`host_s` (`HostClock`) and `host_fetch_share` (the part in schedule ops, which a resident block mostly skips). On the
+CPU the clock is the host's and memory reads zero, so the CI runs the same path. `base_bytes` is the peak beyond the
+predicted blocks; `other_s` the time beyond them, at least the GPU's measured time outside the blocks.
 """
 
 from __future__ import annotations
@@ -47,15 +22,9 @@ FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"
 
 
 class HostClock:
-    """The host's issue time per kind and block, from its own clock: from one block's wait to the next
-    block's (the glue between included), the last to its release.
-
-    A host far ahead of the GPU blocks in a launch once CUDA's launch queue is full, and then
-    its clock runs at the GPU's pace: a copy-bound or GPU-bound stretch inflates the spans it
-    covers. The step issues each recomputed block's forward twice (forward, recompute: the same
-    work, the recompute with autograd's bookkeeping on top), so the smaller of the two is the
-    forward's issue time. Spans from several steps and plans keep their minimum
-    (`CostModel.refine_host`): the step that held the host back least is the best measure."""
+    """The host's issue time per kind and block: from one block's wait to the next block's (the glue included),
+    the last to its release. A full launch queue makes spans read high, never low: the smaller of a block's
+    forward and recompute is its forward's, and several steps keep their minimum (`CostModel.refine_host`)."""
 
     def __init__(self, n_blocks: int):
         self.n = n_blocks
@@ -78,11 +47,9 @@ class HostClock:
 
 
 class BlockTimer:
-    """The GPU's time per kind and block: an event on the compute stream after the block's wait (the
-    copy it waited for is not counted) and one at its release, read after one synchronisation
-    (`seconds`); on the CPU, the host's clock. A span also holds the gaps where the GPU waited for a
-    host still issuing the block, so it reads high on a slow host and never low: as with the host's
-    spans, the smallest measured is the best measure (`CostModel.refine_compute`)."""
+    """The GPU's time per kind and block: events on the compute stream after the block's wait (its copy not
+    counted) and at its release (on the CPU, the host's clock). A slow host's gaps make a span read high, never
+    low: the smallest measured stays (`CostModel.refine_compute`)."""
 
     def __init__(self, n_blocks: int, device: torch.device):
         self.n = n_blocks
@@ -118,9 +85,8 @@ class BlockTimer:
             self._spans.append((block, kind, start, self.event()))
 
     def glue_seconds(self, end) -> float:
-        """The GPU's time outside the blocks after the forward: from the last forward block's release to
-        the first backward item's start (the head, the loss and their backward: the turn), and from the
-        last release to `end` (the optimizer). Read after the caller synchronised."""
+        """The GPU's time outside the blocks after the forward (read after a sync): the last forward release to the
+        first backward start (the turn: head, loss, their backward), and the last release to `end` (the optimizer)."""
         spans = self._spans
         forward_ends = [stop for _, kind, _, stop in spans if kind == FORWARD]
         backward_starts = [start for _, kind, start, _ in spans if kind != FORWARD]
@@ -141,8 +107,7 @@ class BlockTimer:
 
 
 class BlockClocks:
-    """The host's clock and the GPU's over one step, both opened at a block's wait (after the stream waited
-    for its copy) and closed at its release: what calibration and every plan's first steps measure."""
+    """The host's and the GPU's clocks per block, opened at its wait (after its copy) and closed at its release."""
 
     def __init__(self, n_blocks: int, device: torch.device):
         self.host = HostClock(n_blocks)
@@ -171,30 +136,17 @@ class Calibration:
         if self.cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        self._start = self._event()
+        self._start = self.clocks.gpu.event()
 
     def one_time_work_in_step(self) -> bool:
-        """Whether a unit compiled, loaded or ran for the first time in the measured step (`units` counts all
-        three; a unit loaded just before the step's first op first runs inside it). Then the step's times hold
-        one-time seconds: the compile or load, and the kernels loading and tuning at the unit's first call
-        (0.7-1.1 s of a full-size model's step where ahead-compile workers leave the first compiled forward to
-        it), which would join every plan's predicted step (`other_s`), and their memory `base_bytes`."""
+        """Whether a unit compiled, loaded or first ran in the measured step (one-time seconds no plan has)."""
         return self._units() != self._units_at_start
-
-    def _event(self):
-        return self.clocks.gpu.event()
-
-    def _seconds(self, start, stop) -> float:
-        return self.clocks.gpu.elapsed(start, stop)
-
-    def _allocated(self) -> int:
-        return allocated_bytes(self.device)  # (0 off CUDA)
 
     def on_wait(self, block: int, kind: str) -> None:
         key = (block, kind)
         if key in self._alloc:
             return  # a block split by a graph break: its first part opens the span
-        self._alloc[key] = self._allocated()
+        self._alloc[key] = allocated_bytes(self.device)  # (0 off CUDA)
         if kind == FORWARD:
             self._forward_order.append(block)
         self.clocks.on_wait(block, kind)
@@ -209,12 +161,13 @@ class Calibration:
 
     def finish(self, base: CostModel, predict: Callable[[CostModel], tuple[float, int]]) -> CostModel:
         """The measured cost model; `predict(model)` is (step s, peak bytes) of the calibration plan under it."""
-        end = self._event()
+        gpu = self.clocks.gpu
+        end = gpu.event()
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        step_s = self._seconds(self._start, end)
+        step_s = gpu.elapsed(self._start, end)
         peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
-        seconds = self.clocks.gpu.seconds()
+        seconds = gpu.seconds()
         order = self._forward_order
         inputs = [0] * self.n
         for a, b in zip(order, order[1:]):
@@ -234,7 +187,7 @@ class Calibration:
         model.base_bytes = max(0, peak - predicted_peak)
         # What the step spends outside the blocks: at least the GPU's measured turn and tail (in this
         # host-bound, copy-bound step the residual can hide them, and a resident plan pays them in full).
-        glue_s = self.clocks.gpu.glue_seconds(end)
+        glue_s = gpu.glue_seconds(end)
         model.other_s = max(0.0, step_s - predicted_s, glue_s)
         model.measured = dict(base.measured, calibration_step_s=round(step_s, 4), calibration_peak_bytes=peak,
                               calibration_host_s=round(sum(map(sum, model.host_s.values())), 4),
@@ -242,5 +195,4 @@ class Calibration:
         return model
 
     def _host_seconds(self) -> dict[str, list[float]]:
-        """Per kind and block: the host's issue time in this step (`HostClock`)."""
         return self.clocks.host.seconds()

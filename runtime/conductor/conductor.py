@@ -1,35 +1,307 @@
-"""The run-time Conductor: phases in, hints out, every prefetch admitted or denied with a reason.
+"""The run-time Conductor: phases in, hints out, every prefetch admitted or denied with a reason (conductor.txt).
 
-`Conductor(config, ...)` with `enabled: false` stores that and returns: no
-budget manager, no transfer manager, no policy, nothing allocated; the
-runtime then never calls it on the hot path (`PlanDriver` checks one
-attribute). Enabled, it holds:
-
-- a `BudgetManager` (budget.py) that reserves the plan's device memory: each
-  resident block and the slot the computing block reads CRITICAL, the slot of
-  the next block REQUIRED, the deeper prefetch slots SPECULATIVE; a slot it
-  cannot grant shortens the plan's window, and says so;
-- a `TransferManager` (transfer.py) whose H2D tokens every prefetch copy needs;
-- the policy bridge (policy.py) whose hints are recomputed at each phase
-  change and each admission check, without blocking the host (pressure is
-  the allocator's counter, a host read).
-
-A denied prefetch is simply not issued: the block's `wait` fetches it later
-(CRITICAL, never denied), so a denial costs a stall, never a stale slot.
+Disabled it allocates nothing and `PlanDriver` never calls it on the hot path. Enabled: a `BudgetManager` reserves
+the plan's device memory (resident blocks and the computing block's slot CRITICAL, the next REQUIRED, deeper ones
+SPECULATIVE; a slot not granted shortens the window), a `TransferManager` hands out the H2D token every prefetch
+needs, and `PrefetchRules`'s hints are recomputed at each phase change and admission (host reads only). A
+denied prefetch is fetched by the block's `wait` (never denied): a stall, never a stale slot.
 """
 
 from __future__ import annotations
 
+import enum
+import itertools
 import logging
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
-
-from torch_stagehand.runtime.conductor.budget import BudgetManager, BudgetMode, Priority
-from torch_stagehand.runtime.conductor.policy import HeuristicPolicyBridgeV0, RuntimeLimitHints
-from torch_stagehand.runtime.conductor.transfer import Direction, TransferDenial, TransferManager
 
 log = logging.getLogger(__name__)
 
 WINDOW_CAP = "prefetch_window_cap"  # a denial reason of the conductor's own: deeper than the hints allow
+BACKWARD, OPTIMIZER = "backward", "optimizer"
+
+
+class BudgetMode(enum.Enum):
+    HARD = "hard"
+    SOFT = "soft"
+    BURST = "burst"
+    FLOOR = "floor"
+    CEILING = "ceiling"
+
+
+class Priority(enum.IntEnum):
+    """Lower value, higher priority (CRITICAL > REQUIRED > SPECULATIVE > BACKGROUND)."""
+
+    CRITICAL = 0
+    REQUIRED = 1
+    SPECULATIVE = 2
+    BACKGROUND = 3
+
+
+class BudgetDenial(str, enum.Enum):
+    SOFT_CAP_EXCEEDED = "soft_cap_exceeded"
+    HARD_CAP_EXCEEDED = "hard_cap_exceeded"
+    HEADROOM_RESERVED = "headroom_reserved_for_higher_priority"
+    CEILING_EXCEEDED = "ceiling_exceeded"
+    NOTHING_LEFT = "nothing_left_under_the_soft_cap"
+
+
+@dataclass
+class Reservation:
+    id: int
+    owner: str
+    nbytes: int  # granted
+    requested: int
+    mode: BudgetMode
+    priority: Priority
+    phase: str | None = None  # released when this phase ends
+
+
+@dataclass
+class Grant:
+    reservation: Reservation | None
+    denial: BudgetDenial | None = None
+
+    @property
+    def granted(self) -> int:
+        return 0 if self.reservation is None else self.reservation.nbytes
+
+    @property
+    def partial(self) -> bool:
+        return self.reservation is not None and self.reservation.nbytes < self.reservation.requested
+
+    def __bool__(self) -> bool:
+        return self.reservation is not None
+
+
+class BudgetManager:
+    """The budget manager: device-memory reservations by mode and priority (conductor.txt).
+
+    Modes: HARD, all of it under the soft cap or nothing; SOFT, what is left under the soft cap (a partial grant) or
+    nothing; BURST, all of it under the hard cap or nothing; FLOOR, a guaranteed minimum granted as BURST is (never
+    counted as free); CEILING, no bytes: an upper bound on what its owner may hold from now on. CRITICAL (the block
+    that must compute now) may always use up to the hard cap; SPECULATIVE and BACKGROUND leave `headroom` bytes free
+    under the soft cap for the REQUIRED work that follows. A refusal carries a `BudgetDenial`; `end_phase(phase)` drops
+    the reservations scoped to it. `used` is the reserved bytes plus `external()`, the device memory the manager does
+    not reserve itself, read without blocking the host."""
+
+    def __init__(self, soft_cap: int | None, hard_cap: int | None, headroom: int = 0,
+                 external: Callable[[], int] = lambda: 0):
+        self.hard_cap = hard_cap if hard_cap is not None else soft_cap
+        self.soft_cap = soft_cap if soft_cap is not None else self.hard_cap
+        self.headroom = headroom
+        self.external = external
+        self.reservations: dict[int, Reservation] = {}
+        self.ceilings: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self.grants = self.denials = self.partials = 0
+
+    @property
+    def reserved(self) -> int:
+        return sum(r.nbytes for r in self.reservations.values())
+
+    @property
+    def used(self) -> int:
+        return self.reserved + self.external()
+
+    def pressure(self) -> float:
+        """Used bytes over the hard cap (0 without caps)."""
+        return self.used / self.hard_cap if self.hard_cap else 0.0
+
+    def held_by(self, owner: str) -> int:
+        return sum(r.nbytes for r in self.reservations.values() if r.owner == owner)
+
+    def request(self, owner: str, nbytes: int, mode: BudgetMode = BudgetMode.HARD,
+                priority: Priority = Priority.REQUIRED, phase: str | None = None) -> Grant:
+        if mode is BudgetMode.CEILING:
+            self.ceilings[owner] = nbytes
+            return self._grant(owner, 0, nbytes, mode, priority, phase)
+        ceiling = self.ceilings.get(owner)
+        if ceiling is not None and self.held_by(owner) + nbytes > ceiling and mode is not BudgetMode.SOFT:
+            return self._deny(BudgetDenial.CEILING_EXCEEDED)
+        if self.hard_cap is None:  # no caps: everything is granted (the manager only counts)
+            return self._grant(owner, nbytes, nbytes, mode, priority, phase)
+        used = self.used
+        soft = self.soft_cap - (self.headroom if priority >= Priority.SPECULATIVE else 0)
+        if priority is Priority.CRITICAL or mode in (BudgetMode.BURST, BudgetMode.FLOOR):
+            if used + nbytes > self.hard_cap:
+                return self._deny(BudgetDenial.HARD_CAP_EXCEEDED)
+            return self._grant(owner, nbytes, nbytes, mode, priority, phase)
+        left = soft - used
+        if ceiling is not None:
+            left = min(left, ceiling - self.held_by(owner))
+        if mode is BudgetMode.SOFT:
+            if left <= 0:
+                return self._deny(BudgetDenial.NOTHING_LEFT)
+            return self._grant(owner, min(nbytes, left), nbytes, mode, priority, phase)
+        if nbytes > left:  # HARD
+            within_soft = used + nbytes <= self.soft_cap
+            return self._deny(BudgetDenial.HEADROOM_RESERVED if within_soft else BudgetDenial.SOFT_CAP_EXCEEDED)
+        return self._grant(owner, nbytes, nbytes, mode, priority, phase)
+
+    def release(self, reservation: Reservation | Grant | None) -> None:
+        if isinstance(reservation, Grant):
+            reservation = reservation.reservation
+        if reservation is not None:
+            self.reservations.pop(reservation.id, None)
+
+    def end_phase(self, phase: str) -> int:
+        """Drop the reservations scoped to `phase`; returns how many."""
+        ended = [i for i, r in self.reservations.items() if r.phase == phase]
+        for i in ended:
+            del self.reservations[i]
+        return len(ended)
+
+    def _grant(self, owner, nbytes, requested, mode, priority, phase) -> Grant:
+        r = Reservation(next(self._ids), owner, nbytes, requested, mode, priority, phase)
+        if mode is not BudgetMode.CEILING:
+            self.reservations[r.id] = r
+        self.grants += 1
+        self.partials += nbytes < requested
+        return Grant(r)
+
+    def _deny(self, reason: BudgetDenial) -> Grant:
+        self.denials += 1
+        return Grant(None, reason)
+
+
+class Direction(str, enum.Enum):
+    H2D = "h2d"
+    D2H = "d2h"
+
+
+class TransferDenial(str, enum.Enum):
+    H2D_SLOTS_EXHAUSTED = "h2d_slots_exhausted"
+    D2H_SLOTS_EXHAUSTED = "d2h_slots_exhausted"
+    PHASE_RULE_SUPPRESSED_SPECULATIVE = "phase_rule_suppressed_speculative"
+    H2D_LIMITED_BY_HINT = "h2d_limited_by_hint"
+    D2H_LIMITED_BY_HINT = "d2h_limited_by_hint"
+
+
+@dataclass(frozen=True)
+class TransferToken:
+    id: int
+    direction: Direction
+    priority: Priority
+    key: object = None  # what the copy is for (a block), so it can be completed by name
+
+
+class TransferManager:
+    """The transfer manager: separate H2D and D2H pools of tokens; a PCIe copy is issued only with one (conductor.txt).
+
+    A request gets a `TransferToken` or a `TransferDenial` (the pool is exhausted, the phase rules suppress speculative
+    work, or the hints cap the direction's copies in flight). CRITICAL requests are never denied: a stall at worst.
+    `contention` counts consecutive checks that found the pool full (the policy's rule 3)."""
+
+    def __init__(self, h2d_slots: int, d2h_slots: int):
+        self.capacity = {Direction.H2D: h2d_slots, Direction.D2H: d2h_slots}
+        self.limits = dict(self.capacity)  # in-flight caps from the hints (never above capacity)
+        self.suppress_speculative = False
+        self.inflight: dict[Direction, dict[int, TransferToken]] = {d: {} for d in Direction}
+        self.contention = 0  # consecutive checks that found a pool full
+        self.denials: dict[str, int] = {}
+        self._ids = itertools.count(1)
+
+    def request(self, direction: Direction, priority: Priority, key: object = None) -> TransferToken | TransferDenial:
+        inflight = self.inflight[direction]
+        full = len(inflight) >= self.capacity[direction]
+        self.contention = self.contention + 1 if full else 0
+        if priority is not Priority.CRITICAL:
+            denial = None
+            if self.suppress_speculative and priority >= Priority.SPECULATIVE:
+                denial = TransferDenial.PHASE_RULE_SUPPRESSED_SPECULATIVE
+            elif full:
+                denial = TransferDenial(f"{direction.value}_slots_exhausted")
+            elif len(inflight) >= self.limits[direction]:
+                denial = TransferDenial(f"{direction.value}_limited_by_hint")
+            if denial is not None:
+                self.denials[denial.value] = self.denials.get(denial.value, 0) + 1
+                return denial
+        token = TransferToken(next(self._ids), direction, priority, key)
+        inflight[token.id] = token
+        return token
+
+    def complete(self, token: TransferToken) -> None:
+        self.inflight[token.direction].pop(token.id, None)
+
+    def complete_key(self, direction: Direction, key: object) -> None:
+        """Complete every in-flight copy of `key` (the block's wait consumed it)."""
+        inflight = self.inflight[direction]
+        for token_id in [i for i, t in inflight.items() if t.key == key]:
+            del inflight[token_id]
+
+    def reset(self) -> None:
+        """A new step: copies of the last one are done (the step's waits ordered them)."""
+        for pool in self.inflight.values():
+            pool.clear()
+        self.contention = 0
+
+    def inflight_count(self, direction: Direction) -> int:
+        return len(self.inflight[direction])
+
+
+@dataclass(frozen=True)
+class RuntimeLimitHints:
+    max_inflight_h2d: int
+    max_inflight_d2h: int
+    prefetch_window_cap: int
+    suppress_speculative: bool = False
+    reasons: tuple[str, ...] = field(default=())
+
+    def tighten(self, other: "RuntimeLimitHints") -> "RuntimeLimitHints":
+        """The stricter of the two, field by field (what monotonic means)."""
+        reasons = self.reasons + tuple(r for r in other.reasons if r not in self.reasons)
+        return RuntimeLimitHints(min(self.max_inflight_h2d, other.max_inflight_h2d),
+                                 min(self.max_inflight_d2h, other.max_inflight_d2h),
+                                 min(self.prefetch_window_cap, other.prefetch_window_cap),
+                                 self.suppress_speculative or other.suppress_speculative, reasons)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "reasons": list(self.reasons)}
+
+
+class PrefetchRules:
+    """The policy bridge: the seed's three rules as limit hints, which only tighten within a step.
+
+    Rule 1, backward pressure: in BACKWARD above the pressure threshold (0.8), speculative prefetch stops and the
+    window drops to 1. Rule 2, optimizer protection: in OPTIMIZER, speculative work stops and H2D is limited to one
+    copy in flight. Rule 3, contention: a transfer pool found full on more than `contention_checks` consecutive checks
+    shrinks the window by one (to 1 at least) each time. `reset()` at STEP_BEGIN returns the plan's values;
+    `shrink(reason)` tightens the window for anything else (an allocation failure during a prefetch)."""
+
+    def __init__(self, h2d_slots: int, d2h_slots: int, window: int, pressure_threshold: float = 0.8,
+                 contention_checks: int = 3):
+        self.base = RuntimeLimitHints(h2d_slots, d2h_slots, max(window, 1))
+        self.pressure_threshold = pressure_threshold
+        self.contention_checks = contention_checks
+        self.hints = self.base
+
+    def set_window(self, window: int) -> None:
+        """The plan changed its lookahead: the base the next `reset` returns to."""
+        self.base = replace(self.base, prefetch_window_cap=max(window, 1))
+
+    def reset(self) -> RuntimeLimitHints:
+        self.hints = self.base
+        return self.hints
+
+    def update(self, phase: str, pressure: float, contention: int) -> RuntimeLimitHints:
+        h = candidate = self.hints
+        if phase == BACKWARD and pressure > self.pressure_threshold:
+            candidate = candidate.tighten(replace(h, prefetch_window_cap=1, suppress_speculative=True,
+                                                  reasons=("backward_pressure",)))
+        if phase == OPTIMIZER:
+            candidate = candidate.tighten(replace(h, max_inflight_h2d=1, suppress_speculative=True,
+                                                  reasons=("optimizer_phase",)))
+        if contention > self.contention_checks:
+            candidate = candidate.tighten(replace(h, prefetch_window_cap=max(1, h.prefetch_window_cap - 1),
+                                                  reasons=("contention",)))
+        self.hints = candidate  # already the stricter of the two
+        return self.hints
+
+    def shrink(self, reason: str) -> RuntimeLimitHints:
+        h = self.hints
+        self.hints = h.tighten(replace(h, prefetch_window_cap=max(1, h.prefetch_window_cap - 1), reasons=(reason,)))
+        return self.hints
 
 
 class Conductor:
@@ -41,7 +313,7 @@ class Conductor:
         self.config = config
         self.budget = BudgetManager(soft_cap, hard_cap, external=external)
         self.transfers = TransferManager(config.h2d_slots, config.d2h_slots)
-        self.policy = HeuristicPolicyBridgeV0(config.h2d_slots, config.d2h_slots, config.prefetch_window,
+        self.policy = PrefetchRules(config.h2d_slots, config.d2h_slots, config.prefetch_window,
                                               config.backward_pressure_threshold, config.contention_checks)
         self._pressure = pressure or self.budget.pressure
         self.phase = "idle"
@@ -51,23 +323,19 @@ class Conductor:
         self.events: list[dict] | None = [] if config.debug_event_trace else None
         self._plan_reservations: list = []
 
-    # ---- the plan's memory --------------------------------------------------------------------
-
     def reserve_plan(self, resident_bytes: list[int], slot_bytes: int, slots: int, window: int) -> int:
         """Reserve the plan's device memory; returns the window the granted slots allow."""
         for r in self._plan_reservations:
             self.budget.release(r)
-        self._plan_reservations = []
-        for nbytes in resident_bytes:
-            self._plan_reservations.append(self.budget.request("resident", nbytes, BudgetMode.FLOOR, Priority.CRITICAL))
+        self._plan_reservations = [self.budget.request("resident", nbytes, BudgetMode.FLOOR, Priority.CRITICAL)
+                                   for nbytes in resident_bytes]
         granted = 0
         for i in range(slots):
             priority = Priority.CRITICAL if i == 0 else Priority.REQUIRED if i == 1 else Priority.SPECULATIVE
             grant = self.budget.request("slots", slot_bytes, BudgetMode.HARD, priority)
             if not grant:
-                note = f"slot {i} ({priority.name}) not granted: {grant.denial.value}; window cut to {max(granted - 1, 1)}"
-                self.window_notes.append(note)
-                log.warning("stagehand conductor: %s", note)
+                self._note(f"slot {i} ({priority.name}) not granted: {grant.denial.value}; window cut to "
+                           f"{max(granted - 1, 1)}")
                 break
             self._plan_reservations.append(grant)
             granted += 1
@@ -77,8 +345,6 @@ class Conductor:
         self.policy.set_window(allowed)
         self.hints = self.policy.hints.tighten(self.policy.base) if self.phase != "idle" else self.policy.reset()
         return allowed
-
-    # ---- phases and hints -----------------------------------------------------------------------
 
     def on_phase(self, phase: str) -> None:
         previous, self.phase = self.phase, phase
@@ -97,8 +363,6 @@ class Conductor:
         self.transfers.suppress_speculative = self.hints.suppress_speculative
         return self.hints
 
-    # ---- admission ------------------------------------------------------------------------------
-
     def admit_prefetch(self, block: int, depth: int) -> str | None:
         """None if the prefetch `depth` blocks ahead (0: the next block) may copy now, else the denial reason."""
         priority = Priority.REQUIRED if depth == 0 else Priority.SPECULATIVE
@@ -112,22 +376,20 @@ class Conductor:
         return None
 
     def copy_consumed(self, block: int) -> None:
-        """The block's wait ordered the compute after its copy: its H2D token is free."""
-        self.transfers.complete_key(Direction.H2D, block)
-
-    def copy_not_issued(self, block: int) -> None:
-        """An admitted prefetch found the block resident (or failed): give its token back."""
+        """The block's H2D token is free: its wait consumed the copy, or the prefetch was not issued."""
         self.transfers.complete_key(Direction.H2D, block)
 
     def allocation_failed(self, block: int, error: BaseException) -> None:
         """A prefetch could not allocate: shrink the window and say so; the step goes on."""
-        self.copy_not_issued(block)
+        self.copy_consumed(block)
         self.hints = self.policy.shrink("allocation_failed")
-        note = (f"prefetch of block {block} could not allocate ({type(error).__name__}); prefetch window "
-                f"cut to {self.hints.prefetch_window_cap}, the block is fetched at its wait")
+        self._note(f"prefetch of block {block} could not allocate ({type(error).__name__}); prefetch window "
+                   f"cut to {self.hints.prefetch_window_cap}, the block is fetched at its wait")
+        self._deny("allocation_failed", block)
+
+    def _note(self, note: str) -> None:
         self.window_notes.append(note)
         log.warning("stagehand conductor: %s", note)
-        self._deny("allocation_failed", block)
 
     def _deny(self, reason: str, block: int) -> str:
         self.denials[reason] = self.denials.get(reason, 0) + 1
@@ -137,8 +399,6 @@ class Conductor:
     def _event(self, kind: str, **fields) -> None:
         if self.events is not None:
             self.events.append({"event": kind, "phase": self.phase, **fields})
-
-    # ---- telemetry ------------------------------------------------------------------------------
 
     def snapshot(self) -> dict:
         b = self.budget

@@ -1,20 +1,10 @@
-"""The calibrated cost model, kept on disk for the next run of the same job (a warm start).
+"""The calibrated cost model, kept on disk for the next run of the same job (a warm start), with its last plan.
 
-Calibration costs a run its first steps: two under the smallest plan (every block streamed and
-recomputed; the first compiles), one measured, then a re-plan whose variants compile again. A second
-process with the same job starts from the model the first one measured and refined, and runs the
-planned plan from its first step. The entry is keyed as the H2D bandwidth is (the device's name, the
-torch version) and by what the numbers are of: the blocks and every streamed layer's place and shape,
-the precision map, the weights that train (gradient bytes per block) and the compiled graph's input
-shapes and dtypes (batch, sequence, the LoRA adapters; the budget is not in it: the model is what the
-planner plans every budget from). An entry is one JSON file under `<cache_dir>/cost_models/`, named by
-a hash of its key and holding the key itself, so a hash collision reads as a mismatch.
-
-An entry that cannot be read, does not parse, holds another key or a list without one finite, non-negative
-value per block is never used: the run calibrates, and one line says why. The first peak of the
-planned plan is still measured (`PlanDriver._check_peak`): a base that grew since (another optimizer, say)
-corrects the model as in any run. `STAGEHAND_COST_CACHE=0` turns the cache off (the test suite does: each
-test calibrates).
+A later process with the same job starts from the model the first measured and refined, and runs the plan it ended
+on from its first step. The key: the device, torch, the blocks' layout, the precision map, the gradient bytes, the
+ranks sharing the host link and the compiled graph's inputs (not the budget). One JSON file per entry under
+`<cache_dir>/cost_models/`, named by the key's hash and holding the key. An entry not usable is never used: the run
+calibrates and one line says why. `STAGEHAND_COST_CACHE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -24,7 +14,6 @@ import json
 import logging
 import math
 import os
-
 from typing import Callable
 
 import torch
@@ -50,19 +39,14 @@ def enabled() -> bool:
 
 
 def input_signature(input_shapes: list[str]) -> str:
-    """The compiled graph's inputs as the cost model depends on them (`GraphRecord.input_shapes`: each
-    one's shape and dtype), hashed."""
+    """The compiled graph's input shapes and dtypes (`GraphRecord.input_shapes`), hashed."""
     return hashlib.sha256("|".join(input_shapes).encode()).hexdigest()[:16]
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
-
 def job_key(device: torch.device, blocks: list[str], layers, precision: dict[int, str], grad_bytes, node) -> dict:
-    """What a runtime's cost model is a model of, but its graph inputs: the device, torch, the blocks' layout and
-    precision, full fine-tuning's gradient bytes, the ranks sharing the host link."""
-    return {"format": FORMAT, "device": _device_name(device), "torch": torch.__version__,
+    """What a runtime's cost model is of, but its graph inputs (device, torch, layout, precision, gradients, ranks)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {"format": FORMAT, "device": name, "torch": torch.__version__,
             "layout": layout_fingerprint(device.type, blocks, layers),
             "precision": [precision[b] for b in range(len(blocks))], "grad_bytes": list(grad_bytes),
             # The ranks of a node copying at once share its host link (host/node_store.py): a model of its own.
@@ -88,12 +72,8 @@ def plan_decisions(plan, budget) -> dict:
 
 def resumed_plan(decisions: dict | None, costs, precision, model: CostModel, budget):
     """The plan an earlier run of this job ended on (`plan_decisions`), predicted under the model it kept; None when
-    there is none, it was made for another budget, or it no longer fits this one.
-
-    A run plans from the model the earlier run had refined by its end, which may choose other blocks to keep or
-    recompute than the plan that run ended on; every such difference is a block variant the earlier run never
-    compiled, compiled in this run's first step. Resuming the plan reuses all of them (and skips the search);
-    its first steps refine the model as after any plan."""
+    there is none, it was made for another budget, or it no longer fits this one. (A plan made afresh from the
+    refined model may differ, and each difference is a variant to compile in the first step.)"""
     if decisions is None or decisions["budget"] != [budget.soft, budget.hard]:
         return None
     plan = build_plan(costs, precision, set(decisions["resident"]), set(decisions["recompute"]), decisions["slots"],
@@ -105,9 +85,8 @@ def resumed_plan(decisions: dict | None, costs, precision, model: CostModel, bud
 
 
 def save_entry(model: CostModel, key: dict, root: str | None = None, plan: dict | None = None) -> str | None:
-    """Write `model` (and `plan`, `plan_decisions`) under `key` (`write_atomic`: a reader never sees half a
-    file); the path, or None when the cache directory cannot be written (the next run calibrates again, nothing
-    else is lost)."""
+    """Write `model` (and `plan`, `plan_decisions`) under `key`, atomically; the path, or None when the cache
+    directory cannot be written (the next run calibrates again)."""
     path = entry_path(key, root)
     data = {name: getattr(model, name) for name in PER_BLOCK + SCALARS}
     data["host_s"] = model.host_s
@@ -215,7 +194,6 @@ class KeptCostModel:
         return model
 
     def keep(self, model: CostModel, plan: dict | None = None) -> None:
-        """Write a measured model (after calibration, and when later steps refined or corrected it), with the
-        decisions of the plan in force (`plan_decisions`)."""
+        """Write a measured model with the decisions of the plan in force (`plan_decisions`)."""
         if self.inputs is not None and model.source == MEASURED and not model.frozen:
             save_entry(model, cost_key(self.job(), self.inputs), plan=plan)

@@ -1,21 +1,9 @@
 """The planner's inputs: byte sizes, the budget, and a cost model from measurements.
 
-`BlockCost` is one block as the planner sees it: its streamed bytes in the
-precision it runs in, its compute time forward and backward, and what it
-leaves saved for backward when its activations are kept or recomputed.
-`CostModel` adds the machine: H2D / D2H bandwidth (`h2d_bandwidth`, measured
-once per device and cached on disk) and the bytes of everything that is not a
-block (resident parameters, glue activations, optimizer state), calibrated
-from a measured step. On the CPU there is nothing to measure memory with, so
-the defaults make the budget bound the device copy of the streamed weights
-alone, and tests inject constants. `CostModel.source` says which of these a
-prediction rests on ("default", "measured", "given"): a time predicted from the
-defaults is a guess, and every place that shows one says so.
-
-`parse_bytes` reads a budget: an int of bytes or a string such as "20GiB",
-"512 MB", "1.5g". A string needs its unit ("20" is refused, not read as 20
-bytes), and a number of bytes below `MIN_BUDGET_BYTES` is refused as a unit
-mistake (20 meant as GiB, 512 as MB).
+`BlockCost` is one block as the planner sees it; `CostModel` adds the machine (H2D / D2H bandwidth, measured once
+per device and cached on disk) and the bytes that are no block's, calibrated from a measured step; its `source`
+says what a prediction rests on. On the CPU the budget bounds the streamed weights' device copy alone. `parse_bytes`
+reads a budget: bytes (at least `MIN_BUDGET_BYTES`: fewer is a unit mistake) or a string with its unit ("20GiB").
 """
 
 from __future__ import annotations
@@ -29,7 +17,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from torch_stagehand.runtime.atomic_file import write_atomic
-from torch_stagehand.environment import cache_dir as stagehand_cache_dir
+from torch_stagehand.environment import cache_dir
+
 # Compute time assumed for a block before one was measured: only the ratio to the transfer
 # time matters, and 1 ms per block keeps the first plan transfer-aware without a measurement.
 DEFAULT_BLOCK_SECONDS = 1e-3
@@ -47,8 +36,7 @@ _UNITS = {"b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 _UNIT_HINT = "a size with a unit: '20GiB', '512MiB' (GiB = 2**30 bytes) or '20GB', '512MB' (GB = 10**9 bytes)"
 # The fewest bytes a budget given as a number may be: fewer is a unit mistake (20 meant as GiB, 512 as MB).
-# Not 1 MiB, though no device budget is that small: on the CPU the budget bounds the streamed weights
-# alone, and toy models are planned in KiB there (the CPU suite's blocks are 16 KiB, its budgets 4 KiB up).
+# Not 1 MiB: on the CPU toy models are planned in KiB (the budget bounds the streamed weights alone).
 MIN_BUDGET_BYTES = 4 * 2**10
 
 
@@ -120,13 +108,11 @@ class BlockCost:
     host_recompute_s: float = 0.0
     host_backward_s: float = 0.0
     host_fetch_share: float = 0.0  # of those, the share spent in schedule ops: what a resident block skips
-    # Full fine-tuning (train/grads.py): the bytes of the block's weight gradients sent D2H after its backward, and
-    # the host optimizer's time to step the block once they landed (HostAdamW, overlapped with the backward of
-    # the blocks before it; 0 when the optimizer runs after the backward and the step's tail holds it).
+    # Full fine-tuning: weight-gradient bytes sent D2H after its backward, and the host optimizer's step of the block
+    # once they landed (0 when the optimizer runs after the backward). A block updated on the device sends its
+    # states and weights home instead (`grad_bytes`), fetches `update_in_bytes` of states and has no `optimizer_s`.
     grad_bytes: int = 0
     optimizer_s: float = 0.0
-    # A block whose optimizer step runs on the device (train/device.py): `grad_bytes` are the states and weights
-    # it sends home instead, `optimizer_s` is 0, and these are the states it fetches for the update.
     update_in_bytes: int = 0
 
 
@@ -152,10 +138,9 @@ class CostModel:
 
     @property
     def source(self) -> str:
-        """MEASURED: a calibration step measured the block times (`Calibration.finish`, also when the model was
-        kept and loaded again); GIVEN: a caller set them (tests, `rt.replan(cost_model=...)`); DEFAULT: no block
-        time is known, so every predicted time rests on DEFAULT_BLOCK_SECONDS (a measured H2D bandwidth alone
-        does not make it measured: the compute it overlaps is still the guess)."""
+        """MEASURED: a calibration step measured the block times (also one kept and loaded again); GIVEN: a caller
+        set them (tests, `rt.replan(cost_model=...)`); DEFAULT: no block time is known (a measured bandwidth alone
+        leaves the compute it overlaps a guess)."""
         if "calibration_step_s" in self.measured:
             return MEASURED
         if self.forward_s is None and self.backward_s is None and self.host_s is None:
@@ -163,8 +148,7 @@ class CostModel:
         return GIVEN
 
     def learn_link(self, device: torch.device, pinned: bool, node=None) -> None:
-        """The host link's bandwidth both ways: what the ranks of a shared node store measured copying at once
-        (host/node_store.py), else this device's own (cached per machine)."""
+        """The host link's bandwidth both ways: the shared node store's (host/node_store.py), else this device's."""
         if node is not None and node.link_bps:
             self.h2d_bps, self.d2h_bps = node.link_bps["h2d"], node.link_bps["d2h"]
             self.measured["h2d"] = self.measured["d2h"] = node.link_source
@@ -190,8 +174,7 @@ class CostModel:
         return replace(self, **changes)
 
     def count_device_updates(self, updates: dict[int, tuple[int, int]]) -> None:
-        """Blocks stepped on the device (block -> (H2D, D2H) bytes a step): their states come in for the update
-        and go home with the weights instead of the gradients, and the host optimizer does not step them."""
+        """Blocks stepped on the device (block -> (H2D, D2H) bytes a step): their states move instead of gradients."""
         if not updates or self.grad_bytes is None:
             self.update_in_bytes = None
             return
@@ -202,9 +185,8 @@ class CostModel:
         self.update_in_bytes = [updates[b][0] if b in updates else 0 for b in range(n)]
 
     def refine_host(self, seconds: dict[str, list[float]], resident: set[int]) -> int:
-        """Keep the smaller of the known and a newly measured host issue time, per kind and block; the count
-        of values lowered. A span measured while `block` was resident lacks its fetch work: it is scaled back
-        to a streamed block's (by `host_fetch_share`) so every stored value means the same thing."""
+        """Keep the smaller of the known and a newly measured host issue time, per kind and block; the count of
+        values lowered. A resident block's span lacks its fetch work: scaled back to a streamed one's."""
         if self.host_s is None or self.frozen:
             return 0
         share = [self.host_fetch_share[b] if self.host_fetch_share and b in resident else 0.0
@@ -218,9 +200,8 @@ class CostModel:
         return lowered
 
     def refine_compute(self, seconds: dict[str, list[float]]) -> int:
-        """Keep the smaller of the known and a newly measured GPU time per block (`BlockTimer` spans): the
-        forward from a recompute where the block recomputed (the training variant, as calibration takes it),
-        else from its forward; the backward as measured. The count of values lowered."""
+        """Keep the smaller of the known and a newly measured GPU time per block (`BlockTimer` spans; the forward
+        from a recompute where there was one, as calibration takes it); the count of values lowered."""
         if self.forward_s is None or self.backward_s is None or self.frozen:
             return 0
         forward = [r or f for f, r in zip(seconds["forward"], seconds["recompute"])]
@@ -230,9 +211,8 @@ class CostModel:
 
 
 def _keep_smaller(known: list[float], measured: list[float], scale: list[float] | None = None):
-    """A new list (never a caller's, written in place) with each measured value, scaled, where it is below the
-    known one or the known one is unset; and how many it lowered. A measured 0 (the block did not run) or a
-    scale of 0 teaches nothing."""
+    """A new list with each measured value, scaled, where it is below the known one or that is unset; and how many
+    it lowered. A measured 0 (the block did not run) or a scale of 0 teaches nothing."""
     out, lowered = list(known), 0
     for b, value in enumerate(measured):
         value *= 1.0 if scale is None else scale[b]
@@ -245,17 +225,10 @@ def _keep_smaller(known: list[float], measured: list[float], scale: list[float] 
 # ---- H2D bandwidth, measured once per machine --------------------------------------------------
 
 
-def cache_dir() -> str:
-    return stagehand_cache_dir()
-
-
 def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = None,
                   direction: str = "h2d") -> tuple[float, str]:
-    """Pinned H2D (or `direction="d2h"`) bytes/s and where the number came from ("cached", "measured", "default").
-
-    Measured once per device name (256 MiB copied 4 times, a second) and kept in
-    `<cache_dir>/h2d_bandwidth.json`; the CPU has no link to measure.
-    """
+    """Pinned H2D (or `direction="d2h"`) bytes/s and where the number came from ("cached", "measured", "default"):
+    measured once per device name and kept in `<cache_dir>/h2d_bandwidth.json`; the CPU has no link to measure."""
     device = torch.device(device)
     if device.type != "cuda":
         return DEFAULT_H2D_BPS, "default (no device link on the CPU)"

@@ -1,28 +1,12 @@
 """The plan at run time: the planner's decisions applied to the slot pool and the prefetches.
 
-`PlanDriver` owns the runtime's `Plan` (conductor/planner.py). With no budget
-the plan is the fixed one (every block streamed, `Config.slot_count` slots,
-one block of lookahead, the model's own checkpointing decides recompute):
-exactly what the runtime did before it planned. With a budget it asks the
-planner for the fastest plan that fits and applies it: resident blocks get
-their own device copy (`SlotPool.reconfigure`), the rotating slots follow the
-plan, and `prefetch` fetches up to `lookahead` streamed blocks ahead of the
-one asked for, skipping resident ones (their weights are already there, so the next streamed
-block's copy overlaps their compute). Recompute reaches the program via `Runtime.planned_recompute`.
-
-On CUDA, unless the cost model was injected (`frozen`), the first steps run
-the smallest plan and the second of them is measured (conductor/calibrate.py;
-the first one compiles; a measured step in which a unit compiled, loaded or
-first ran is measured again on the next); the plan is re-made from the measurements when
-that step ends. The first `REFINE_STEPS` steps of every later plan measure each
-block again (`BlockClocks`): the host's issue time and the GPU's time (its
-events read at a later step's end, once reached: no synchronisation): the
-calibration step's copies hold the host back in a full launch queue, and a slow
-host leaves the GPU waiting inside a block, so both read high there and never
-low; the smaller value stays for the next plan made (the plan running keeps the prediction it was chosen by).
-A new precision map re-plans at once (bytes per block changed). The measured model is kept on disk with the plan
-in force (conductor/cost_cache.py, keyed by the first compiled graph's inputs too): a later run of the same job
-loads both when that graph is captured and resumes the plan."""
+Without a budget the plan is the fixed one (every block streamed through `Config.slot_count` slots, the model's
+checkpointing decides recompute). With one, `PlanDriver` applies the planner's: resident blocks get their own copy
+(`SlotPool.reconfigure`), `prefetch` fetches `lookahead` streamed blocks ahead. On CUDA (unless the cost model is
+`frozen`) the smallest plan runs first and a step of it is measured (conductor/calibrate.py), then the plan is
+re-made; the first `REFINE_STEPS` steps of every later plan measure each block again (`BlockClocks`) and the smaller
+values stay. The measured model is kept on disk with the plan in force (conductor/cost_cache.py).
+"""
 
 from __future__ import annotations
 
@@ -42,45 +26,6 @@ from torch_stagehand.runtime.device.slots import SlotPool
 from torch_stagehand.runtime.device.spill import ActivationSpill
 from torch_stagehand.runtime.registry import NO_BLOCK
 
-
-# ---- the plan's prefetch: the next block and up to the plan's lookahead of streamed blocks after it
-
-def prefetch_ahead(driver, block: int) -> None:
-    """`driver` (a PlanDriver) fetches `block` and the streamed blocks its plan looks ahead to."""
-    pool, plan, precision_of = driver.pool, driver.plan, driver.precision()
-    if block == NO_BLOCK:
-        return
-    if plan is None or plan.kind == "fixed":
-        pool.prefetch(block, precision_of[block])
-        return
-    backward = torch._C._current_graph_task_id() != -1
-    resident = pool.resident_slots
-    wanted, b, steps = [], block, 0
-    while b != NO_BLOCK and len(wanted) < plan.lookahead and steps < driver.n_blocks:
-        if b not in resident:
-            wanted.append(b)
-        b = driver.fetch_order.eager_next(b, backward)
-        steps += 1
-    for depth, b in enumerate(wanted):
-        precision = precision_of[b]
-        if not driver._admit or pool.cached(b, precision):
-            pool.prefetch(b, precision)  # a hit moves nothing: no token needed
-            continue
-        if driver.conductor.admit_prefetch(b, depth) is not None:
-            continue  # denied (counted with its reason): the block's wait fetches it later
-        try:
-            issued = pool.prefetch(b, precision).issued
-        except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
-            driver.conductor.allocation_failed(b, e)
-            for listener in driver.on_refused_prefetch:
-                listener()
-            return
-        if not issued:
-            driver.conductor.copy_not_issued(b)
-
-
-# ---- the plan driver: the planner's decisions applied to the slot pool and the prefetches
-
 log = logging.getLogger(__name__)
 
 # Steps run under the smallest plan before the measured one: the first compiles, so its times say nothing.
@@ -95,12 +40,8 @@ FIRST_PLAN_MARGIN = 0.01
 
 
 class PlanDriver:
-    """The plan at run time, and the one owner of the budget and the slot pool it sizes.
-
-    It gets what it uses: the device, the block count, the config, the host store (block sizes, pinning), the
-    gradient lane (full fine-tuning's costs), the fetch order, and three readings of the runtime's state: the
-    precision map, the step, and how many units have compiled or first run (one-time seconds in a measured step).
-    `kept` is the cost model on disk for this job (`cost_cache.KeptCostModel`)."""
+    """The plan at run time, and the one owner of the budget and the slot pool it sizes. `precision`, `step` and
+    `compiled_units` read the runtime's state; `kept` is the job's cost model on disk (`KeptCostModel`)."""
 
     def __init__(self, device: torch.device, n_blocks: int, config, store, grads, fetch_order,
                  precision: Callable[[], dict[int, str]], step: Callable[[], int | None],
@@ -142,8 +83,6 @@ class PlanDriver:
         self.compute_refinements = 0  # GPU times per block the later plans' steps lowered
         self.kept = kept  # the measured model on disk, for the next run of this job
 
-    # ---- making the plan --------------------------------------------------------------------
-
     def make(self) -> Plan:
         """The plan for the current precision map and cost model (not applied)."""
         model = self.cost_model
@@ -159,33 +98,8 @@ class PlanDriver:
                               budget=self.budget)
             plan.notes.append(f"runs {WARMUP_STEPS + 1} steps, the last one measured, then re-planned")
             return plan
-        return self._make_with_margin(costs, precision, model)
-
-    def _costs(self):
-        """(the blocks' costs, the precision map, the cost model) a plan is made or predicted from."""
-        model = self.cost_model
-        self._training_costs(model)
-        current = self.precision()
-        precision = [current[b] for b in range(self.n_blocks)]
-        return model.block_costs([self.store.nbytes(b, p) for b, p in enumerate(precision)]), precision, model
-
-    def _training_costs(self, model: CostModel) -> None:
-        """Full fine-tuning's part of the cost model: the gradient bytes each block sends home, the host
-        optimizer's measured step per block when it overlaps the backward (HostAdamW; one that runs after
-        it is in the step's measured tail), the states the device-updated blocks move instead."""
-        grads = self.grads
-        grad_bytes = grads.grad_bytes()
-        model.grad_bytes = grad_bytes if any(grad_bytes) else None
-        if grads.optimizer_seconds and not model.frozen:
-            known = grads.optimizer_seconds
-            mean = sum(known.values()) / len(known)
-            model.optimizer_s = [known.get(b, mean) if n else 0.0 for b, n in enumerate(grad_bytes)]
-        model.count_device_updates(grads.device_updates)
-
-    def _make_with_margin(self, costs, precision, model: CostModel) -> Plan:
-        """The planned plan, predicted `peak_margin` under the budget when a measured peak ever missed its
-        prediction or a calibration made it (a new plan's first step is checked only after it ran: the margin
-        keeps it under the hard cap); the budget itself when nothing fits with the margin."""
+        # Planned `peak_margin` under the budget once a measured peak missed its prediction, or a calibration set
+        # one; under the budget itself when nothing fits with the margin.
         margin, budget = self.peak_margin, self.budget
         if margin:
             shrink = lambda v: None if v is None else max(1, v - margin)  # noqa: E731
@@ -199,9 +113,33 @@ class PlanDriver:
                 pass
         return make_plan(costs, precision, budget, model)
 
+    def _costs(self):
+        """(the blocks' costs, the precision map, the cost model) a plan is made or predicted from."""
+        model = self.cost_model
+        self._training_costs(model)
+        current = self.precision()
+        precision = [current[b] for b in range(self.n_blocks)]
+        return model.block_costs([self.store.nbytes(b, p) for b, p in enumerate(precision)]), precision, model
+
+    def _training_costs(self, model: CostModel) -> None:
+        """Full fine-tuning's costs: gradient bytes, the host optimizer's measured steps, device updates' states."""
+        grads = self.grads
+        grad_bytes = grads.grad_bytes()
+        model.grad_bytes = grad_bytes if any(grad_bytes) else None
+        if grads.optimizer_seconds and not model.frozen:
+            known = grads.optimizer_seconds
+            mean = sum(known.values()) / len(known)
+            model.optimizer_s = [known.get(b, mean) if n else 0.0 for b, n in enumerate(grad_bytes)]
+        model.count_device_updates(grads.device_updates)
+
     def apply(self, reason: str, plan: Plan | None = None, resumed: bool = False, reserve_peak: bool = True) -> Plan:
-        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns (`_apply`
-        says how); the device's refused allocations during it go to the `on_refusals` listeners."""
+        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns.
+
+        A made plan that does not fit on the device when applied (another process, a memory fraction) is re-made
+        under a smaller budget, and the runtime says so; a plan given by hand raises. `resumed`: `plan` is the one
+        an earlier run of the job ended on (`cost_cache.resumed_plan`), treated as a made one. `reserve_peak`: have
+        the allocator hold the plan's predicted peak now (a caller that empties the cache after reserves after
+        that). The device's refused allocations during it go to the `on_refusals` listeners."""
         before = allocator_ooms(self.device)
         try:
             return self._apply(reason, plan, resumed, reserve_peak)
@@ -211,15 +149,6 @@ class PlanDriver:
                 listener(refused)
 
     def _apply(self, reason: str, plan: Plan | None, resumed: bool, reserve_peak: bool) -> Plan:
-        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns.
-
-        A made plan that does not fit on the device when applied (the budget promised more
-        than the device has: another process, a memory fraction) is re-made under a smaller
-        budget, and the runtime says so; a plan given by hand raises. `resumed`: `plan` is the one
-        an earlier run of the job ended on (`cost_cache.resumed_plan`), treated as a made one.
-        `reserve_peak`: have the allocator hold the plan's predicted peak now (`reserve_for_plan`); a caller
-        that empties the allocator's cache after applying reserves after that.
-        """
         given = plan is not None and not resumed
         plan = plan or self.make()
         if self.pool is None or (plan.kind == "fixed" and self.plan is not None):
@@ -261,17 +190,13 @@ class PlanDriver:
         return plan
 
     def reserve_for_plan(self) -> None:
-        """A made plan's predicted peak, held by the allocator from now on (allocator.reserve): its first step
-        then runs as the later ones do, instead of mapping the memory it grows into (Qwen2.5-7B: 2.5 GiB under
-        the calibration plan, 19 GiB under the made one; its first planned step took 1.27x the steady one, and
-        1.00x with the 8.4 GiB held ahead, in 27-30 ms)."""
+        """Have the allocator hold a made plan's predicted peak now, so its first step runs as the later ones do."""
         plan = self.plan
         if plan is None or plan.kind != "planned" or self.device.type != "cuda":
             return
         added, seconds = reserve(self.device, plan.predicted_peak_bytes)
         if added:
-            self.reservations.append({"step": self.step(),
-                                      "gib": round(added / 2**30, 2), "s": round(seconds, 3)})
+            self.reservations.append({"step": self.step(), "gib": round(added / 2**30, 2), "s": round(seconds, 3)})
             log.info("stagehand: the allocator holds %.2f GiB more for the plan's peak (%.0f ms)", added / 2**30,
                      seconds * 1e3)
 
@@ -287,8 +212,7 @@ class PlanDriver:
         return self.pool
 
     def replan(self, cost_model: CostModel | None = None, vram_budget=None) -> Plan:
-        """All or nothing: a budget no plan fits raises and leaves the plan, budget and cost model in force
-        (the conductor's pressure rules read the budget: a refused one must not tighten them)."""
+        """All or nothing: a budget no plan fits raises and leaves the plan, budget and cost model in force."""
         before = (self.cost_model, self.calibrated, self.budget, self.planning)
         if cost_model is not None:
             self.cost_model, self.calibrated = cost_model, True
@@ -307,9 +231,8 @@ class PlanDriver:
         return plan
 
     def on_graph(self, input_shapes: list[str]) -> None:
-        """The first compiled graph, before it runs: a run that has not calibrated yet starts from the model an
-        earlier run of the same job kept, when there is one, and resumes the plan that run ended on (else applies
-        the plan made from the model)."""
+        """The first compiled graph, before it runs: a run not calibrated yet starts from the model an earlier run of
+        the job kept, if any, and resumes the plan that run ended on (else the plan made from the model)."""
         model = self.kept.on_graph(input_shapes, load=not self.calibrated) if self.planning else None
         if model is not None:
             self.cost_model, self.calibrated, self._calibrate_at = model, True, None
@@ -333,11 +256,38 @@ class PlanDriver:
             self.spill = ActivationSpill(self.device, self.store.pin)
         return self.spill.hooks()
 
-    # ---- run time ---------------------------------------------------------------------------
-
     def prefetch(self, block: int) -> None:
         """Fetch `block` (the one the schedule names next) and, per the plan, the streamed blocks after it."""
-        prefetch_ahead(self, block)
+        pool, plan, precision_of = self.pool, self.plan, self.precision()
+        if block == NO_BLOCK:
+            return
+        if plan is None or plan.kind == "fixed":
+            pool.prefetch(block, precision_of[block])
+            return
+        backward = torch._C._current_graph_task_id() != -1
+        resident = pool.resident_slots
+        wanted, b, steps = [], block, 0
+        while b != NO_BLOCK and len(wanted) < plan.lookahead and steps < self.n_blocks:
+            if b not in resident:
+                wanted.append(b)
+            b = self.fetch_order.eager_next(b, backward)
+            steps += 1
+        for depth, b in enumerate(wanted):
+            precision = precision_of[b]
+            if not self._admit or pool.cached(b, precision):
+                pool.prefetch(b, precision)  # a hit moves nothing: no token needed
+                continue
+            if self.conductor.admit_prefetch(b, depth) is not None:
+                continue  # denied (counted with its reason): the block's wait fetches it later
+            try:
+                issued = pool.prefetch(b, precision).issued
+            except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
+                self.conductor.allocation_failed(b, e)
+                for listener in self.on_refused_prefetch:
+                    listener()
+                return
+            if not issued:
+                self.conductor.copy_consumed(b)
 
     def on_wait(self, block: int, kind: str) -> None:
         if self._admit:
@@ -395,13 +345,8 @@ class PlanDriver:
             self.refining = BlockClocks(self.n_blocks, self.device)
 
     def _check_peak(self, step: int, peak: int) -> None:
-        """The first step of a new plan, measured: a peak above the prediction corrects the cost model.
-
-        The planner predicts the peak from one calibrated step of another plan; what that misses (the
-        allocator's rounding, buffers that live only under other plans) shows here. The excess joins
-        `base_bytes` for every later plan, and a plan whose corrected peak is over the soft cap is
-        re-made at once, so the budget holds from the next step on. A host read of the allocator's
-        counter, once per plan."""
+        """The first step of a new plan, measured: the excess of its peak over the prediction (the allocator's
+        rounding, buffers only other plans have) joins `base_bytes`, and a peak over the soft cap re-plans at once."""
         self._peak_check = None
         plan = self.plan
         plan.measured_peak_bytes = peak
@@ -454,9 +399,8 @@ class PlanDriver:
 
         self.cost_model = calibration.finish(self.cost_model, predict)
         self.calibrated = True
-        # This plan's peak is predicted from a step of another plan (all streamed and recomputed), and checked only
-        # after its first step: a miss over the cap re-plans in that step (Qwen2.5-32B shape: 207 MiB over 40 GiB,
-        # the step 1.22x the steady one with a plan search and copies in it). A margin keeps such a miss inside.
+        # This plan's peak is predicted from a step of another plan and checked only after its first step, where a
+        # miss over the cap would re-plan: a margin keeps such a miss inside.
         self.peak_margin = max(self.peak_margin, int(FIRST_PLAN_MARGIN * (self.budget.hard or self.budget.soft or 0)))
         self.apply(f"calibrated on step {step}", reserve_peak=False)
         if self.budget.limit is not None and torch.cuda.memory_reserved(self.device) > self.budget.limit:

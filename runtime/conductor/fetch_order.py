@@ -1,22 +1,11 @@
 """Fetch order: which block to fetch next, the one owner of that answer.
 
-Both paths ask here. The compiler (`link_units`) hands over the order its
-block units run in one Dynamo graph and wires each unit's next / previous
-token from `FetchOrder.for_graph`. The eager op path has no schedule, so
-`FetchOrder` learns the order from the calls themselves: the blocks started in
-the last forward pass, in the order they ran (a model whose blocks run 1, 0, 2
-prefetches in that order, not in registration order); before a pass has been
-seen it falls back to registration order.
-
-One rule for both, per position in an order: the forward fetches the block
-that runs next, the backward (the order reversed) the block that ran before.
-At the ends of the order the neighbour in registration order is fetched
-instead, unless that block already runs in this order: across a graph break
-the next graph holds the following blocks (block 3 ends one graph, block 4
-starts the next), but a block that ran earlier in this order is not "next".
-
-Lookahead depth is 1 (one block ahead of the computing one, two device
-slots); the planner raises it here later, nowhere else.
+The compiler (`link_units`) wires each block unit's next / previous token from `FetchOrder.for_graph` over the
+order one graph runs its blocks in; the eager path learns the order from the calls (the blocks of the last forward
+pass, as they ran; registration order before a pass was seen). One rule for both: the forward fetches the block
+that runs next, the backward the one that ran before; at an order's ends, the neighbour in registration order,
+unless it already runs in this order (across a graph break the next graph holds the following blocks, but a block
+that ran earlier is not "next"). A `Lookahead` is one block deep; a plan's deeper one is `PlanDriver.prefetch`'s.
 """
 
 from __future__ import annotations
@@ -47,40 +36,21 @@ class FetchOrder:
 
     def __init__(self, n_blocks: int):
         self.n_blocks = n_blocks
-        self.depth = LOOKAHEAD_DEPTH
         self._current: list[int] = []  # blocks started in the forward pass under way
         self._current_set: set[int] = set()
         self._last: dict[int, Lookahead] = {}  # the last complete pass, by block
         self._current_lookahead: dict[int, Lookahead] | None = None  # computed once per pass, for the backward
 
-    # ---- the pure rule ----------------------------------------------------------------
-
     @staticmethod
     def for_graph(blocks_in_order: Sequence[int], n_blocks: int) -> list[Lookahead]:
         """One `Lookahead` per position of `blocks_in_order` (a block may appear at several positions)."""
-        present = set(blocks_in_order)
-        last = len(blocks_in_order) - 1
-        result = []
-        for i, block in enumerate(blocks_in_order):
-            if i < last:
-                next_fwd = blocks_in_order[i + 1]
-            else:
-                next_fwd = _neighbour(block + 1, n_blocks, present)
-            if i > 0:
-                next_bwd = blocks_in_order[i - 1]
-            else:
-                next_bwd = _neighbour(block - 1, n_blocks, present)
-            result.append(Lookahead(block, next_fwd, next_bwd))
-        return result
-
-    # ---- the eager path ---------------------------------------------------------------
+        present, last = set(blocks_in_order), len(blocks_in_order) - 1
+        return [Lookahead(block, blocks_in_order[i + 1] if i < last else _neighbour(block + 1, n_blocks, present),
+                          blocks_in_order[i - 1] if i > 0 else _neighbour(block - 1, n_blocks, present))
+                for i, block in enumerate(blocks_in_order)]
 
     def record_forward(self, block: int) -> None:
-        """Block `block` starts running in a forward pass (eager path: its first layer was called).
-
-        A block seen again means a new pass began: the pass so far becomes
-        the order the next forward prefetches by.
-        """
+        """Block `block` starts a forward (eager path); a block seen again begins a new pass."""
         if block in self._current_set:
             self._last = _by_block(self.for_graph(self._current, self.n_blocks))
             self._current, self._current_set = [], set()
@@ -89,12 +59,8 @@ class FetchOrder:
         self._current_lookahead = None
 
     def eager_next(self, block: int, backward: bool) -> int:
-        """The block to prefetch while `block` runs eagerly; NO_BLOCK for none.
-
-        Forward: the successor in the last complete pass (this pass has not
-        reached it yet). Backward: the predecessor in this step's forward pass
-        (it has run in full), else in the last one.
-        """
+        """The block to prefetch while `block` runs eagerly (NO_BLOCK: none): forward, its successor in the last
+        complete pass; backward, its predecessor in this step's forward pass (run in full), else in the last one."""
         if backward and block in self._current_set:
             if self._current_lookahead is None:
                 self._current_lookahead = _by_block(self.for_graph(self._current, self.n_blocks))
@@ -111,9 +77,7 @@ class FetchOrder:
 
 
 def edge_token(block_tok: torch.Tensor, step: int, present: Sequence[torch.Tensor]) -> torch.Tensor:
-    """At a compiled graph's end, the token of the block to fetch next: the neighbour in registration order
-    (`step` +1 forward, -1 backward) unless it runs in this graph (`present`: the graph's block tokens).
-    Asked per call, not fixed when the graph compiled: one graph serves every block of its structure."""
+    """At a graph's end, the token of the registration-order neighbour not in `present` (asked per call)."""
     rt, block = registry.decode(block_tok)
     nb = _neighbour(block + step, len(rt.blocks), {registry.decode(t)[1] for t in present})
     return rt.no_block_token if nb == NO_BLOCK else rt.block_tokens[nb]

@@ -1,49 +1,18 @@
-"""Out of device memory in the middle of a step: re-plan under what is free now, and run the block again.
+"""Out of device memory in the middle of a step: re-plan under what is free now, and run the unit again.
 
-Another process, a tensor the training script holds, or a lowered
-`torch.cuda.set_per_process_memory_fraction` can take device memory that the
-plan counted on. A compiled unit that then fails to allocate raises
-`torch.OutOfMemoryError` before it returns anything: its inputs are intact and
-nothing outside it has changed, so the unit's boundary (a block's, or a glue
-segment's) is a safe place to start again. The compiler's units catch the
-error there and call `recover` (compiler/units.py, compiler/recompute.py):
+A compiled unit that fails to allocate raises before it returns anything, so its boundary is a safe place to start
+again: the units call `recover` (compiler/units.py, compiler/recompute.py), which releases the unit's slots, hands
+the cache back, plans for the room (free plus reserved, bounded by the memory fraction) less a margin (when the room
+did not shrink: the budget less SHRINK_FRACTION of the plan's weights; a run without a budget gets one), and the
+unit runs again; failing again, the next plan also leaves out the cache's unusable fragments. Each recovery warns
+and is kept in `stats()["oom_recoveries"]`; `regrow` raises the budget again (the room read every
+`oom_regrow_every` steps, a tunable) up to the user's, unless the user re-planned meanwhile.
 
-- every slot the unit held is released and the allocator's cached blocks are
-  handed back (`torch.cuda.empty_cache`);
-- the room the process has now is read: the device's free memory plus what
-  this process has reserved, bounded by the per-process memory fraction;
-- the budget becomes that room less a margin (or, when the room did not
-  shrink, the budget less a quarter of the plan's weights, the rule a plan that
-  does not fit when applied follows), and the plan is made and applied under it
-  at once: a run without a budget gets one. Not calibrated yet: the smallest plan;
-- the unit runs again: the forward of a block, a glue segment, or a recomputed
-  block's backward (recompute.py re-runs its forward from the saved inputs). If it
-  fails again, the next plan leaves out the reserved bytes no tensor uses that the
-  cache could not hand back (fragments too small for what the unit asks).
-
-Each recovery warns and is kept in `stats()["oom_recoveries"]`. The step goes
-on: nothing is skipped, and the optimizer steps on the whole gradient, as an
-undisturbed step would. When the memory comes back (the other job left),
-`regrow` raises the budget again between steps, up to the user's (the room is
-read every `REGROW_EVERY` steps); a budget the user sets meanwhile
-(`rt.replan(vram_budget=...)`) stands. Not retried, and said so:
-
-- a unit whose backward is not recomputed: its saved activations are consumed
-  as it runs, so the error leaves `loss.backward()`. The optimizer has not
-  stepped; the next forward finds the held slots (or the allocator's refusal that
-  no recovery handled), releases them and re-plans (`on_phase`), and the warning
-  says the step must be run again;
-- a recomputed backward of a block whose streamed weights train: it sends gradients
-  home as it computes them, and a second run would send them twice;
-- a unit that fails `MAX_TRIES` times in one step, or no plan fits the room.
-
-A step whose backward raised is never half-applied: the attached optimizer refuses to step on its
-gradients (`on_phase`, OPTIMIZER after such a backward), and the next forward drops them (with the
-warning) before the step runs again.
-
-Fragmentation: a cache holding gigabytes in pieces too small for a logits buffer fails a unit that
-fits the room. On CUDA, `offload` turns on the caching allocator's expandable segments before it
-allocates anything (device/allocator.py, `Config.expandable_segments`).
+Not retried, and said so: a backward that is not recomputed (the error leaves `loss.backward()`; the next forward
+releases the held slots and re-plans), a recomputed backward whose streamed weights train (its gradients would go
+home twice), `MAX_TRIES` failures of a unit in one step, no plan that fits. A step whose backward raised is never
+half-applied: the optimizer refuses to step on it (`BackwardIncompleteError`) and the next forward drops its
+gradients.
 """
 
 from __future__ import annotations
@@ -54,10 +23,11 @@ from typing import Any, Callable
 
 import torch
 
+from torch_stagehand.environment import tunable
 from torch_stagehand.runtime.device.allocator import allocator_ooms, device_room, fragmented_bytes
 from torch_stagehand.runtime.conductor.costs import Budget, BudgetError, human
 from torch_stagehand.runtime.conductor.phases import Phase
-from torch_stagehand.runtime.conductor.driver import SHRINK_FRACTION  # no smaller room to plan for: the rule for a plan that did not fit
+from torch_stagehand.runtime.conductor.driver import SHRINK_FRACTION
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +36,9 @@ MAX_TRIES = 3  # recoveries of one unit in one step before the error is let thro
 # and whatever took the memory may take a little more.
 MARGIN_FRACTION, MIN_MARGIN = 0.05, 16 * 2**20
 FRAGMENTED_NOTE = 0.25  # of the room: above it, a refusal says how to stop the fragmentation
-# While a recovery keeps the budget below the user's, the room is read every REGROW_EVERY steps (a driver call,
+# While a recovery keeps the budget below the user's, the room is read every `oom_regrow_every` steps (a driver call,
 # no synchronisation), and the plan is re-made when it grew by more than REGROW_STEP of the budget in force.
-REGROW_EVERY, REGROW_STEP = 50, 0.10
+REGROW_STEP = 0.10
 
 
 class BackwardIncompleteError(RuntimeError):
@@ -81,11 +51,7 @@ class OutOfMemoryWarning(UserWarning):
 
 class OomRecovery:
     """Out of device memory at a unit's boundary: re-plan through the driver for the room left, and say so.
-
-    It gets what it uses: the device, the block names (for its messages), the phase tracker it listens to, the
-    plan driver it re-plans through, the runtime's `abort_held_blocks` (a unit's evict never ran) and the list of
-    attached optimizers (whose gradients a refused step must not leave behind), and what offload did to the
-    allocator."""
+    `attached`: the optimizers whose gradients a refused step must not leave behind."""
 
     def __init__(self, device: torch.device, blocks: list[str], phases, driver, abort_held_blocks: Callable[[], None],
                  attached: list, allocator: str = ""):
@@ -143,16 +109,14 @@ class OomRecovery:
         return True
 
     def on_phase(self, old: Phase, new: Phase) -> None:
-        """A backward that starts inside autograd's engine is watched to its end (`_watch_backward`). A forward
-        after a step that raised releases the slots it left held, drops the partial gradients when a backward
-        had begun, and re-plans when the allocator refused memory that no recovery handled. The optimizer
-        stepping right after a backward that did not finish is refused (`_before_optimizer`)."""
+        """A backward is watched to its end (`_watch_backward`). A forward after a step that raised releases the
+        slots it left held, drops partial gradients, and re-plans when a refusal went unhandled."""
         if new is Phase.BACKWARD:
             self._backward_entered = True
             self._watch_backward()
         if new is Phase.STEP_END:
             self._ended_from = old
-            if self._user_budget is not None and (self.phases.step + 1) % REGROW_EVERY == 0:
+            if self._user_budget is not None and (self.phases.step + 1) % tunable("oom_regrow_every") == 0:
                 self.regrow()
         if new is not Phase.FORWARD or old is Phase.FORWARD or self.driver.pool is None:
             return
@@ -189,10 +153,8 @@ class OomRecovery:
                      f"not step on it); this forward runs under the new plan{dropped}")
 
     def _new_forward(self, block: int) -> bool:
-        """A forward op of `block` (PhaseTracker.new_forward_checks): True when it is the first block of the
-        forward again after an allocator refusal that nothing handled: the step before raised (in its forward,
-        or in the loss's backward) and this is the loop running the next one. Two forwards of one step (a
-        reference model's pass, chosen and rejected) see no refusal and stay one step."""
+        """A forward op of `block` (PhaseTracker.new_forward_checks): True when it is the forward's first block again
+        after an allocator refusal nothing handled (the step before raised). Two forwards of one step stay one."""
         phases = self.phases
         if phases.phase is not Phase.FORWARD or self._first_block is None or self._first_step != phases.step:
             # this op begins a forward (or the first block op of one an eager layer began); after a backward or
@@ -212,27 +174,20 @@ class OomRecovery:
         return [s.key[0] for s in self.driver.pool.all_slots() if s.holds]
 
     def note_handled(self) -> None:
-        """An allocator refusal that its caller handled (a prefetch that fell back to the block's wait): it did
-        not end a step, nor did any refusal before it in this step (the step went on to reach it)."""
+        """An allocator refusal its caller handled (a prefetch left to the block's wait): it ended no step."""
         self._ooms_seen = max(self._ooms_seen, allocator_ooms(self.device))
 
     def _watch_backward(self) -> None:
-        """Ask autograd's engine to say when this backward ends: its final callbacks run only when the whole
-        graph ran, not when a node raised. Outside the engine (no graph task) there is no verdict."""
+        """Ask autograd's engine to say when this backward ends (its callbacks run only when no node raised)."""
         if torch._C._current_graph_task_id() == -1:
             self._backward_done = None
             return
         self._backward_done = False
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
-
-    def _backward_finished(self) -> None:
-        self._backward_done = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: setattr(self, "_backward_done", True))
 
     def _before_optimizer(self, old: Phase, new: Phase) -> None:
-        """The optimizer is about to step right after a backward: refuse when that backward raised (its
-        gradients are partial: some parameters have this step's, some the last accumulation's only), and
-        again on every try until the next forward. Straight from the forward (no block's backward ran), an
-        allocator refusal that nothing handled since the forward began counts as such a backward."""
+        """The optimizer is about to step: refuse, until the next forward, when the backward before it raised (its
+        gradients are partial), or, straight from the forward, after an allocator refusal nothing handled."""
         if new is not Phase.OPTIMIZER or self.driver.pool is None:
             return
         held = self._held_blocks()
@@ -248,8 +203,7 @@ class OomRecovery:
                 "run the step again: its next forward releases the held memory and re-plans")
 
     def _drop_partial_gradients(self) -> str:
-        """Set to None the gradients of the attached optimizers' parameters (what the failed backward left
-        behind, summed into whatever was accumulated before it); returns the warning's words for it."""
+        """Drop the gradients the failed backward left in the attached optimizers' parameters; the warning's words."""
         params = [p for opt in self.attached for g in opt.param_groups for p in g["params"] if p.grad is not None]
         for p in params:
             p.grad = None
@@ -258,11 +212,8 @@ class OomRecovery:
         return (f"; the partial gradients of {len(params)} parameters were dropped (an accumulation window that "
                 "ran before it must run again)")
 
-    # ---- the plan --------------------------------------------------------------------------
-
     def _replan(self, reason: str, without_fragments: bool = False) -> tuple[str, str]:
-        """Make and apply the plan for the room left (`without_fragments`: less the reserved bytes no tensor uses
-        that the cache could not hand back); return the budgets before and after."""
+        """Make and apply the plan for the room left (`without_fragments`: less unusable cached bytes); the budgets."""
         driver = self.driver
         old_budget, old_planning, plan = driver.budget, driver.planning, driver.plan
         if self.device.type == "cuda":
@@ -292,9 +243,8 @@ class OomRecovery:
         return old_budget.describe(), f"{driver.budget.describe()}{room_note}"
 
     def regrow(self) -> None:
-        """Between steps, while a recovery keeps the budget below the user's: when the room grew (the other job
-        left, the memory fraction went back up), plan for the larger room, up to the user's budget; at it, the
-        user's budget is back and regrowing stops. A plan that does not fit leaves the budget as it was."""
+        """Between steps, while a recovery keeps the budget below the user's: when the room grew, plan for it, up to
+        the user's budget (then regrowing stops). A plan that does not fit leaves the budget as it was."""
         driver, (user, user_planning) = self.driver, self._user_budget
         if driver.budget is not self._ours:  # the user re-planned since (rt.replan): theirs stands
             self._user_budget = None
@@ -324,8 +274,6 @@ class OomRecovery:
                              "action": "the user's budget is back" if back else "budget raised with the room"})
         log.warning("stagehand: the device has room again (%s): budget %s -> %s", human(room), before.describe(),
                     driver.budget.describe())
-
-    # ---- what it says ------------------------------------------------------------------------
 
     def _fragmentation_note(self) -> str:
         device = self.device

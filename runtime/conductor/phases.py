@@ -1,10 +1,8 @@
-"""Training-step phases, as conductor.txt defines them.
+"""Training-step phases (conductor.txt): STEP_BEGIN -> FORWARD -> BACKWARD -> OPTIMIZER -> STEP_END.
 
-STEP_BEGIN -> FORWARD -> BACKWARD -> OPTIMIZER -> STEP_END come from the
-compiled program itself (the first scheduled forward op, the first backward
-op) and from the attached optimizer's step hooks. Without an optimizer a
-forward that follows a backward starts a new step. Durations are host-side
-wall time between transitions (the GPU runs asynchronously behind them).
+They come from the compiled program (its first forward op, its first backward op) and the attached optimizer's
+step hooks; without an optimizer a forward after a backward starts a new step. Durations are host wall time
+between transitions (the GPU runs behind them).
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ class PhaseTracker:
     def _enter(self, phase: Phase) -> None:
         now = time.perf_counter()
         if self.phase not in (Phase.IDLE, Phase.STEP_END):
-            key = self.phase.value
-            self.durations[key] = self.durations.get(key, 0.0) + now - self._since
+            self.durations[self.phase.value] = self.durations.get(self.phase.value, 0.0) + now - self._since
         old, self.phase, self._since = self.phase, phase, now
         for listener in self.listeners:
             listener(old, phase)
@@ -47,10 +44,9 @@ class PhaseTracker:
     def forward_op(self, block: int | None = None) -> None:
         if block is not None and any(check(block) for check in self.new_forward_checks):
             self.end_step()
-        if self.phase in (Phase.IDLE, Phase.STEP_END):
-            self._enter(Phase.STEP_BEGIN)
-        elif self.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
+        if self.phase in (Phase.BACKWARD, Phase.OPTIMIZER):
             self.end_step()  # no optimizer attached (or it never stepped): a new step begins
+        if self.phase in (Phase.IDLE, Phase.STEP_END):
             self._enter(Phase.STEP_BEGIN)
         if self.phase is not Phase.FORWARD:
             self._enter(Phase.FORWARD)

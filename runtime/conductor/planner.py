@@ -1,31 +1,17 @@
 """The planner: one VRAM budget in, the fastest plan that fits out (pure; no device needed).
 
-Per block it decides whether the weights stay resident on the device or
-stream through the rotating slots, and whether the block's saved activations
-are kept or recomputed in backward (block recompute, compiler/recompute.py);
-for the whole model, how many slots rotate and how far ahead they prefetch.
-
-Search: for every count of resident blocks (spread evenly over the model, so
-a streamed block's copy overlaps the compute of the resident ones before it)
-and every slot count 1..4, the fewest recomputed blocks that bring the
-predicted peak under the cap (recompute only adds time, so fewest is
-fastest; streamed blocks recompute first: their backward waits on PCIe
-anyway), then `simulate` predicts the step. The least predicted step time
-under the soft cap wins; if nothing fits the soft cap, the fastest under the
-hard cap (the plan says so); if nothing fits the hard cap, `BudgetError`
-with the smallest peak any plan reaches.
-
-Predicted peak = base + resident weights + slots x slot bytes + the most
-saved-for-backward bytes alive at once (`activation_peak`).
-
-A plan predicted from the default cost model (no block time measured: the CPU,
-or CUDA before its calibration step) says "(default cost model)" beside every
-predicted time it prints (`Plan.cost_note`).
+Per block: resident or streamed weights, kept, recomputed or spilled activations; the rotating slots and their
+lookahead. For every count of resident blocks (spread evenly, so streamed copies overlap resident compute) and slot
+count, the fewest recomputed blocks (streamed first) that bring the predicted peak (`predicted_peak`) under the cap;
+`simulate` predicts the step. The least predicted time under the soft cap wins, else the fastest under the hard
+cap, else `BudgetError` with the smallest peak any plan reaches. Times from the default cost model say so
+(`Plan.cost_note`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Sequence
 
 from tabulate import tabulate
@@ -94,9 +80,8 @@ class Plan:
         return self.slots * self.slot_bytes + sum(p.bytes for p in self.blocks if p.resident)
 
     def h2d_bytes_per_step(self) -> int:
-        """The weight bytes a training step under this plan copies up, once steps follow each other: the
-        blocks' predicted fetches, less the first streamed blocks of the forward that the previous step's
-        backward left in the slots (it ends with them; a block whose weights train is refreshed, so fetched)."""
+        """The weight bytes a steady training step copies up: the predicted fetches, less the forward's first streamed
+        blocks that the previous backward left in the slots (unless their weights train: refreshed, so fetched)."""
         streamed = [p for p in self.blocks if not p.resident]
         trains = {b for b, c in enumerate(self.costs or ()) if c.grad_bytes}
         kept = [p for p in streamed[:self.slots] if p.block not in trains]
@@ -150,13 +135,9 @@ def predicted_peak(costs: Sequence[BlockCost], resident: set[int], recompute: se
 
 
 def activation_peak(costs: Sequence[BlockCost], recompute: set[int], spill: frozenset[int] = frozenset()) -> int:
-    """The most saved-for-backward bytes alive at once.
-
-    The backward frees blocks last to first: while block b runs its backward,
-    blocks 0..b-1 still hold what they saved, and b holds its activations (a
-    recomputed b holds its inputs and the activations its recompute made; a
-    spilled b holds nothing on the device until its activations come back).
-    """
+    """The most saved-for-backward bytes alive at once: while block b runs its backward, blocks 0..b-1 still hold
+    what they saved (a recomputed block its inputs, a spilled one nothing) and b its activations (recomputed: its
+    inputs too)."""
     peak = held = 0
     for b, c in enumerate(costs):
         now = c.input_bytes + c.activation_bytes if b in recompute else c.activation_bytes
@@ -170,26 +151,16 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
              lanes: list | None = None) -> tuple[float, list[float], list[int]]:
     """Predicted seconds of the blocks' forward + backward, per-block seconds, per-block H2D bytes.
 
-    One host issuing the blocks in order, one copy engine, one compute stream.
-    A block's compute cannot start before the host starts issuing it nor end
-    before the host has issued all of it (`BlockCost.host_*_s`): where the host
-    is slower than the GPU, the host sets the pace. A streamed block's copy starts when it is
-    issued (the computing block prefetches `lookahead_of(slots)` streamed blocks
-    ahead, skipping resident ones), when the copy engine is free, and when the slot it
-    reuses was released; its compute starts when the copy is done and the block
-    before it finished. A resident block's host time loses the share the
-    calibration measured in the schedule ops (no fetch to issue). The last `slots` streamed blocks of the forward are still
-    in their slots at the turn: the backward finds them there. A spilled block's
-    activations go out on the D2H lane after its forward (the other direction:
-    they overlap the weights coming in; the backward waits for the lane to
-    drain) and come back before its backward, on the compute stream.
-    Full fine-tuning: a resident block whose weights train is refreshed each
-    step (the optimizer wrote its master), so its forward fetches it; after a
-    block's backward its gradients go home on the D2H lane, and the host
-    optimizer steps the block once they landed (`_gradient_lanes`): the step
-    ends when both the GPU and the host optimizer are done.
-    `lanes`, if given, receives (lane, block, start s, end s) for the "h2d",
-    "d2h", "optimizer" and "compute" lanes: the predicted timeline of one step.
+    One host issuing the blocks in order, one copy engine, one compute stream. A block's compute starts no
+    earlier than the host starts issuing it and ends no earlier than the host has issued it (`BlockCost.host_*_s`).
+    A streamed block's copy starts once issued (`lookahead_of(slots)` streamed blocks ahead, skipping resident
+    ones), the copy engine is free and the slot it reuses is released; its compute, once the copy is done and the
+    block before it finished. A resident block's host time loses its schedule ops' share. The forward's last
+    `slots` streamed blocks are still in their slots at the turn. A spilled block's activations go out on the D2H
+    lane after its forward and come back before its backward, on the compute stream. Full fine-tuning: a resident
+    block whose weights train is fetched again each step; gradients go home on the D2H lane after each backward,
+    and the host optimizer steps a block once they landed (`_gradient_lanes`). `lanes`, if given, receives
+    (lane, block, start s, end s) on the "host", "h2d", "d2h", "optimizer" and "compute" lanes.
     """
     n = len(costs)
     per_block, h2d = [0.0] * n, [0] * n
@@ -234,9 +205,7 @@ def _d2h_lane(costs, spill, d2h_bps: float, per_block: list[float], lanes: list 
 
 def _gradient_lanes(costs, ends: dict[int, float], d2h_bps: float, lanes: list | None = None,
                     h2d_bps: float | None = None) -> float:
-    """When the host optimizer is done with the step: each block's gradients go home after its backward,
-    one copy at a time on the D2H lane; the host steps a block once its copy landed, one block at a time.
-    A block updated on the device holds the lane for its states' trip in or out, whichever is longer."""
+    """When the host optimizer is done: gradients (or states) go home on the D2H lane, then the host steps."""
     d2h = host = 0.0
     for b in sorted(ends, key=ends.get):  # backward order
         if not costs[b].grad_bytes:
@@ -258,11 +227,7 @@ def _pass(items, slots: int, bps: float, per_block: list[float], h2d: list[int],
     """One pass (forward or backward) of (block, GPU s, bytes or None if resident, host s) items from `t0`
     on the GPU and `host_t` on the host: (the GPU's end, the host's end). `ends` receives each block's end."""
     depth = lookahead_of(slots)
-    streamed_before = []  # streamed items in [0, j]
-    count = 0
-    for _, _, nbytes, _ in items:
-        count += nbytes is not None
-        streamed_before.append(count)
+    streamed_before = list(accumulate(int(nbytes is not None) for _, _, nbytes, _ in items))  # in [0, j]
     copy_free, compute_end = t0, t0
     starts, releases = [0.0] * len(items), []  # compute start per item; release time per streamed ordinal
     issuer = 0
@@ -307,7 +272,7 @@ def spread(k: int, n: int) -> set[int]:
 
 def make_plan(costs: Sequence[BlockCost], precision: Sequence[str], budget: Budget, model: CostModel,
               max_slots: int = MAX_SLOTS) -> Plan:
-    """The plan with the least predicted step time under the soft cap (else the hard cap); see the module doc."""
+    """The plan with the least predicted step time under the soft cap (else the hard cap)."""
     if budget.limit is None:
         raise BudgetError("planner: no VRAM budget (vram_budget, conductor.vram_soft_cap_mb or vram_hard_cap_mb)")
     best = _search(costs, budget.limit, model, max_slots)
@@ -372,13 +337,9 @@ def _search(costs: Sequence[BlockCost], limit: int, model: CostModel, max_slots:
 def _fewest_savers(costs, resident, candidates, slots, slot_bytes, model: CostModel, limit):
     """(recompute, spill): the fewest blocks, in candidate order, whose saving brings the peak under `limit`.
 
-    Each one recomputes, or spills where the cost model says that is cheaper: its
-    activations' way back (H2D) costs less than re-running its forward. Spill needs
-    a measured D2H bandwidth (`CostModel.d2h_bps`).
-
-    The peak is `predicted_peak`'s, kept as two per-block lists that each added block edits in one place (what
-    it holds in its backward, what it holds from its forward on): re-simulating it per block was 0.4 of a Flux
-    re-plan's 0.5 s under the profiler, and the search calls this per resident count and slot count.
+    Each recomputes, or spills where its activations' way back (H2D) costs less than re-running its forward (spill
+    needs a measured `CostModel.d2h_bps`). The peak is `predicted_peak`'s, kept as two per-block lists (held in its
+    backward, held from its forward on) that each added block edits in place: the search calls this often.
     """
     recompute: set[int] = set()
     spill: set[int] = set()

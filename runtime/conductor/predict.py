@@ -1,11 +1,6 @@
-"""The backward schedule, predicted from a forward that ran.
-
-`explain()` runs one forward and no backward (a backward would accumulate
-gradients in the user's model). Its backward rows are therefore a prediction:
-the forward's block order reversed, each block's wait / prefetch(next in the
-backward) / evict as the backward schedule emits them, played through a meta
-twin of the live slot pool (same decisions, no bytes moved), starting from the
-slots the forward left behind.
+"""The backward schedule `explain()` prints, predicted from a forward that ran (a backward would accumulate
+gradients in the user's model): the forward's order reversed, each block's wait / prefetch / evict played through
+a meta twin of the live slot pool (same decisions, no bytes), from the slots the forward left.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Telemetry: one JSON line per step of what actually happened.
+"""Telemetry: one JSON line per step of what happened.
 
-Fields follow conductor.txt's telemetry where they apply (step_id,
-vram_allocated_mb, phase_durations) plus the stream's own counters for the
-step: bytes moved, fetches issued, how many were prefetched, how many waits
-had to fetch synchronously (stalls), denials by reason, the precision map, the process's
-host resident memory (`host_rss_mb`, Linux) and on CUDA the allocated and peak GPU memory.
+conductor.txt's fields where they apply (step_id, vram_allocated_mb, phase_durations) and the step's counters:
+bytes moved, fetches issued and prefetched, waits that fetched synchronously (stalls), denials by reason, the
+precision map, the host's resident memory (`host_rss_mb`, Linux), on CUDA the allocated and peak GPU memory.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The schedule trace: what the slot pool actually did, one row per decision.
+"""The schedule trace: what the slot pool did, one row per decision, for `explain()` (a record, not a replay).
 
-`explain()` prints the schedule from this record of a real call, not from a
-replay. The `SlotPool` makes the decisions (a prefetch issued, found resident
-or denied; a wait that found its copy, or had to fetch synchronously; an eager
-fetch; an evict) and reports each to its `trace` attribute when one is set.
-Off by default: the pool's only cost then is one `is not None` check per
-decision. `recording(pool)` switches it on around a call.
-
-Bounded: a trace keeps its first `capacity` rows and counts the rest, so a
-trace left on cannot grow without limit (explain wants the first step anyway).
+The `SlotPool` reports each decision (a prefetch issued, found resident or denied; a wait that found its copy or
+fetched synchronously; an eager fetch; an evict) to its `trace` when one is set: off by default, one `is not None`
+check per decision. `recording(pool)` switches it on around a call. A trace keeps its first `capacity` rows and
+counts the rest.
 """
 
 from __future__ import annotations

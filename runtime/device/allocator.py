@@ -1,11 +1,6 @@
-"""What the CUDA caching allocator says and how it is set: refusals counted, the room this process may
-hold, the bytes its cache holds in pieces, expandable segments.
-
-Expandable segments: a cache holding gigabytes in pieces too small for a logits buffer fails a unit that
-fits the room (the soak's loss glue, 5.97 GiB of them). `offload` turns them on before it allocates
-anything on the device (`Config.expandable_segments`), unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
-configures the allocator: the user's settings stand. The setting is process-wide and stays after
-`restore()`, as an environment variable would.
+"""What the CUDA caching allocator says and how it is set: refusals counted, the room this process may hold, the
+bytes its cache holds in pieces, expandable segments (process-wide; they stay after `restore()`, as an environment
+variable would).
 """
 
 from __future__ import annotations
@@ -27,9 +22,7 @@ def allocator_ooms(device: torch.device) -> int:
 
 
 def allocated_bytes(device: torch.device) -> int:
-    """`torch.cuda.memory_allocated(device)` from the allocator's nested statistics: memory_allocated flattens
-    every statistic into a new dict first (memory_stats), 0.1-0.6 ms a read, and the schedule's admissions read
-    it at every fetch (~200 times a Flux step). 0 off CUDA or before CUDA is initialized."""
+    """`torch.cuda.memory_allocated(device)` without flattening every statistic (read at every fetch); 0 off CUDA."""
     if device.type != "cuda":
         return 0
     return int(torch.cuda.memory.memory_stats_as_nested_dict(device).get("allocated_bytes", {}).get("all", {})
@@ -37,29 +30,28 @@ def allocated_bytes(device: torch.device) -> int:
 
 
 def device_room(device: torch.device) -> int | None:
-    """Bytes this process may hold on `device` now: free memory plus its own reserved bytes, bounded by the
-    per-process memory fraction. None off CUDA (no device memory to read)."""
+    """Bytes this process may hold on `device` now (free plus its reserved, within its memory fraction), or None."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()  # the getters want one
     free, total = torch.cuda.mem_get_info(index)
     room = free + torch.cuda.memory_reserved(index)
-    fraction = _memory_fraction(index)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
+    fraction = None if getter is None else float(getter(index))
     return int(min(room, fraction * total)) if fraction is not None else int(room)
 
 
 def fragmented_bytes(device: torch.device) -> int:
-    """Reserved bytes no tensor uses that `empty_cache` could not hand back: pieces of segments that hold live
-    tensors, free but too small or too scattered for a large allocation. 0 off CUDA."""
+    """Reserved bytes no tensor uses: free pieces of segments that hold live tensors. 0 off CUDA."""
     if device.type != "cuda":
         return 0
     return max(0, torch.cuda.memory_reserved(device) - allocated_bytes(device))
 
 
 def use_expandable_segments(device: torch.device) -> str:
-    """Turn on the CUDA caching allocator's expandable segments for the segments it maps from now on (the
-    ones it holds are handed back at the first re-plan), unless the environment configures the allocator:
-    the user's settings stand. Returns what was done, for the log."""
+    """Turn on the caching allocator's expandable segments for the segments it maps from now on (a cache of pieces
+    too small for a large buffer fails a unit that fits), unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
+    configures the allocator: the user's settings stand. Returns what was done, for the log."""
     if device.type != "cuda":
         return "not CUDA"
     for var in ALLOC_CONF_VARS:
@@ -72,14 +64,9 @@ def use_expandable_segments(device: torch.device) -> str:
 
 
 def reserve(device: torch.device, nbytes: int) -> tuple[int, float]:
-    """Have the caching allocator hold `nbytes` in all now (a plan's predicted peak), so that the plan's first
-    step finds its memory mapped: growing from a calibration step's 2.5 GiB to a 19 GiB plan maps the
-    difference piece by piece inside that step (held ahead on an H100: 8.4-22 GiB in 27-85 ms).
-    Allocations of the shortfall, held until the cache holds `nbytes`, then freed: the cache keeps them. A free
-    piece of the cache large enough serves one without mapping anything (it is held, and the next asks again),
-    so the cache never grows past `nbytes`, nor past what the device has room for: an allocation the allocator
-    refused would count as an out of memory the runtime reacts to. Returns (bytes newly held, seconds); nothing
-    off CUDA."""
+    """Have the caching allocator hold `nbytes` (a plan's predicted peak) now, so the plan's first step finds it
+    mapped: the shortfall allocated, then freed into the cache, never past the device's room (a refusal would
+    count as an out of memory). Returns (bytes newly held, seconds); nothing off CUDA."""
     if device.type != "cuda":
         return 0, 0.0
     before = torch.cuda.memory_reserved(device)
@@ -91,8 +78,3 @@ def reserve(device: torch.device, nbytes: int) -> tuple[int, float]:
     del held  # freed here: kept cached
     added = torch.cuda.memory_reserved(device) - before
     return (added, time.perf_counter() - start) if added > 0 else (0, 0.0)
-
-
-def _memory_fraction(index: int) -> float | None:
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
-    return None if getter is None else float(getter(index))

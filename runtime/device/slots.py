@@ -1,28 +1,14 @@
-"""Device slots: a fixed set of flat device buffers that streamed blocks are
-copied into, allocated once.
+"""Device slots: a fixed set of flat device buffers, allocated once, that streamed blocks are copied into.
 
-Every reader holds the slot it reads (a compiled block from `wait` to `evict`, an
-eager op for the one op), and a held slot is never the target of a fetch.
-
-A slot moves FREE -> LOADING (H2D copy issued on the side stream, `ready`
-event recorded) -> IN_USE (the compute stream waits on `ready`; never the host)
--> READY (released by evict: `free` event recorded on the compute stream; the
-data stays valid and is reused if the same block is asked for again) and back
-to LOADING when another block claims it (the copy stream first waits on
-`free`, so a slot is never overwritten while a kernel still reads it).
-
-On the CPU the same state machine runs with plain synchronous copies, so the
-CI exercises the slot logic the GPU uses.
-
-Resident blocks (the planner's choice, `set_resident`) get a slot of their own,
-sized to the block and never a fetch target: filled once, then every wait is a
-hit. They obey the same freshness rule (a write to the weights refills the
-slot in place at the next wait). `reconfigure` changes the rotating slots and
-the resident set between steps (a re-plan).
+A slot moves FREE -> LOADING (H2D copy on the side stream, `ready` event) -> IN_USE (held by its readers; the
+compute stream waits on `ready`, never the host) -> READY (released: `free` event; the bytes serve the block again)
+and back to LOADING for another block once `free` passed. A held slot is never a fetch target. Resident blocks get
+a slot of their own, refilled in place when their weights are written. On the CPU: synchronous copies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import logging
@@ -46,10 +32,9 @@ class SlotState(enum.Enum):
 
 
 class Denial(str, enum.Enum):
-    """Why a fetch was not issued (typed, as conductor.txt asks)."""
+    """Why a fetch was not issued."""
 
     ALL_SLOTS_BUSY = "all_slots_busy"  # every slot is in use or loading
-    NO_NEXT_BLOCK = "no_next_block"  # the sentinel token: nothing to fetch
 
 
 class SlotsExhaustedError(RuntimeError):
@@ -66,11 +51,8 @@ class Slot:
     released_at: int = 0  # LRU tick
     ready_event: object = None
     free_event: object = None
-    # Readers holding the slot (compiled waits and eager reads alike); IN_USE while > 0.
-    # A held slot is never a fetch target, on any path.
-    holds: int = 0
-    # The block's master version (HostStore.master_version) when the slot was filled: a
-    # write to the weights since makes the slot's bytes stale, and a hit on it is refused.
+    holds: int = 0  # readers holding the slot (compiled waits and eager reads); IN_USE while > 0
+    # The block's HostStore.master_version when the slot was filled: a write since makes the bytes stale.
     master_version: int | None = None
     resident: bool = False  # a resident block's own slot (index -1): never a fetch target
 
@@ -123,35 +105,23 @@ class SlotPool:
         """Device bytes allocated for streamed weights: the rotating slots and the resident blocks' own."""
         return len(self.slots) * self.slot_bytes + sum(s.buf.numel() for s in self.resident_slots.values())
 
-    # ---- queries --------------------------------------------------------------
-
     def _find(self, block: int, precision: str) -> Slot | None:
         own = self.resident_slots.get(block)
         if own is not None and own.key == (block, precision):
             return own
-        for s in self.slots:
-            if s.key == (block, precision):
-                return s
-        return None
+        return next((s for s in self.slots if s.key == (block, precision)), None)
 
     def _find_fresh(self, block: int, precision: str) -> Slot | None:
-        """The slot holding the block, unless the weights were written since it was filled.
-
-        One int compare per lookup: the master's version counter moves on every
-        write to a streamed weight (in-place ops, `.data`, load_state_dict). A
-        stale copy nobody reads is dropped, so the caller fetches afresh (and the
-        fetch rebuilds a stale INT8 copy first); a stale copy a reader holds
-        means the weights were written while the block computes, an error.
-        """
+        """The slot holding the block, unless the weights were written since it was filled (the master's version
+        counter moves on every write). A stale copy nobody reads is dropped, so the caller fetches afresh; a stale
+        copy a reader holds means the weights were written while the block computes, an error."""
         self.store.fetching()  # after a step across ranks: the owners' writes land first (train/shards.py)
         slot = self._find(block, precision)
         if slot is None or slot.master_version == self.store.master_version(block):
             return slot
         if slot.holds:
-            raise RuntimeError(
-                f"stagehand: the weights of block {block} were written while the block is being read "
-                "(between its forward and backward?); write streamed weights between calls"
-            )
+            raise RuntimeError(f"stagehand: the weights of block {block} were written while the block is being read "
+                               "(between its forward and backward?); write streamed weights between calls")
         self.stats.stale_slots += 1
         if slot.resident:  # its own slot: refilled in place (the copy waits for its last reader)
             self._issue_copy(slot, block, precision)
@@ -161,16 +131,14 @@ class SlotPool:
 
     def shadow(self) -> "SlotPool":
         """A twin on the meta device in this pool's state: plays on it move no bytes (explain's prediction)."""
-        twin = SlotPool(torch.device("meta"), len(self.slots), self.slot_bytes, self.store)
-        for mine, theirs in zip(self.slots, twin.slots):
-            theirs.key, theirs.state, theirs.nbytes = mine.key, mine.state, mine.nbytes
-            theirs.released_at, theirs.holds = mine.released_at, mine.holds
-            theirs.master_version = mine.master_version
-        for block, mine in self.resident_slots.items():
-            theirs = twin._new_slot(-1, mine.buf.numel(), resident=True)
-            theirs.key, theirs.state, theirs.nbytes, theirs.holds = mine.key, mine.state, mine.nbytes, mine.holds
-            theirs.master_version = mine.master_version
-            twin.resident_slots[block] = theirs
+        twin = SlotPool(torch.device("meta"), 0, self.slot_bytes, self.store)
+
+        def twin_of(s: Slot) -> Slot:
+            return dataclasses.replace(s, buf=torch.empty(s.buf.numel(), dtype=torch.uint8, device="meta"),
+                                       ready_event=None, free_event=None)
+
+        twin.slots = [twin_of(s) for s in self.slots]
+        twin.resident_slots = {block: twin_of(s) for block, s in self.resident_slots.items()}
         twin._tick = itertools.count(max((s.released_at for s in self.all_slots()), default=0) + 1)
         twin.stats.resident_bytes = twin.stats.peak_resident_bytes = self.stats.resident_bytes
         return twin
@@ -184,15 +152,9 @@ class SlotPool:
         """slot index -> (block, precision, state) for slots holding data."""
         return {s.index: (s.key[0], s.key[1], s.state.value) for s in self.slots if s.key is not None}
 
-    # ---- the plan: resident blocks and rotating slots ------------------------------------
-
     def reconfigure(self, n_slots: int, slot_bytes: int, resident: dict[int, str]) -> None:
-        """Rotating slots and resident blocks as a plan says (between steps: nothing may be held).
-
-        Slots that keep their size keep their bytes (a block still cached is still
-        a hit); resident blocks are copied in now, once. On CUDA the copy stream
-        is drained first so no buffer is freed under a copy in flight.
-        """
+        """Rotating slots and resident blocks as a plan says, between steps. Slots that keep their size keep their
+        bytes; resident blocks are copied in now, once."""
         held = [s.key for s in self.all_slots() if s.holds]
         if held:
             raise RuntimeError(f"stagehand: cannot re-plan while blocks {held} are being read")
@@ -221,25 +183,17 @@ class SlotPool:
             own.state = SlotState.READY
 
     def refresh_resident(self) -> int:
-        """Copy in now every resident block whose weights were written since (full fine-tuning: the optimizer
-        stepped them), between steps, so the next forward finds them on their way instead of fetching each at
-        its wait. Returns the blocks refreshed."""
+        """Copy in now, between steps, every resident block whose weights were written since; returns how many."""
         stale = [(b, s) for b, s in self.resident_slots.items()
                  if s.key is not None and not s.holds and s.master_version != self.store.master_version(b)]
         for block, slot in stale:
             self._find_fresh(block, slot.key[1])  # a stale resident copy is refilled in place, and counted
         return len(stale)
 
-    # ---- transitions ------------------------------------------------------------
-
     def _victim(self, steal_loading: bool = False) -> Slot | None:
-        """A slot to fill: a free one, else the least recently released one.
-
-        `steal_loading` (only when a block must be resident now) also takes a
-        slot whose prefetch nobody has waited on yet: its copy is ordered
-        before ours on the copy stream and nothing reads it, so this is safe;
-        the block it was fetching will be fetched again when asked for.
-        """
+        """A slot to fill: a free one, else the least recently released one. `steal_loading` (a block must be
+        resident now) also takes a slot whose prefetch nobody waited on yet: its copy is ordered before ours on the
+        copy stream and nothing reads it."""
         free = [s for s in self.slots if s.state is SlotState.FREE]
         if free:
             return free[0]
@@ -258,8 +212,7 @@ class SlotPool:
         if n > slot.buf.numel():
             raise RuntimeError(f"block {block} ({precision}) needs {n} bytes but its slot holds {slot.buf.numel()}")
         if self.cuda:
-            # A released slot's free event orders this copy after its last reader (a new slot's
-            # unrecorded event is a no-op wait).
+            # After the slot's last reader (a new slot's unrecorded event is a no-op wait).
             with torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(slot.free_event)
                 slot.buf[:n].copy_(src, non_blocking=True)
@@ -300,21 +253,13 @@ class SlotPool:
         return FetchOutcome(True, victim.index)
 
     def acquire(self, block: int, precision: str, reader: str = WAIT) -> torch.Tensor:
-        """Make the block resident and readable on the current stream, and hold it; returns its bytes.
-
-        Every reader holds the slot until its `release`: the compiled schedule
-        from `wait` to `evict`, an eager call for the one op that reads it.
-        Holds count, so an eager read inside a scheduled block never drops the
-        schedule's hold, and a held slot is never the target of a fetch (a
-        prefetch issued while a block computes can not overwrite its bytes).
-        `reader` only labels the trace row (WAIT or EAGER).
-        """
+        """Make the block resident and readable on the current stream, and hold it until `release` (holds count);
+        returns its bytes. `reader` labels the trace row (WAIT or EAGER)."""
         slot = self._find_fresh(block, precision)
         if slot is None:
             victim = self._victim(steal_loading=True)
             if victim is None and not self.slots:
-                # The plan keeps every block resident, but this one is asked for in another
-                # precision (a switch between a forward and its backward): one slot, said once.
+                # Every block is resident, but this one is asked for in another precision: one slot, said once.
                 log.warning("stagehand: block %d asked for in %s, not its resident precision: adding a slot",
                             block, precision)
                 self.slot_bytes = max(self.slot_bytes, self.store.nbytes(block, precision))
@@ -323,10 +268,9 @@ class SlotPool:
                     self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             if victim is None:
                 held = {s.index: s.key for s in self.slots}
-                raise SlotsExhaustedError(
-                    f"stagehand: block {block} ({precision}) must be resident but all {len(self.slots)} "
-                    f"slots are in use (slot -> (block, precision): {held}); raise Config.slots"
-                )
+                raise SlotsExhaustedError(f"stagehand: block {block} ({precision}) must be resident but all "
+                                          f"{len(self.slots)} slots are in use (slot -> (block, precision): {held}); "
+                                          "raise Config.slots")
             self._issue_copy(victim, block, precision)
             self.stats.sync_fetches += 1
             slot = victim

@@ -1,22 +1,12 @@
-"""Activation spill: a block's saved activations go to pinned host memory in the forward and come
-back for its backward (the plan's third option besides keeping and recomputing them).
-
-`ActivationSpill.hooks()` is a `saved_tensors_hooks` context the compiled block
-unit runs its training variant under. Pack copies each saved device tensor
-(contiguous, not a parameter) into a pinned host buffer on a D2H stream of
-its own: PCIe is full duplex, so the copy runs while the weights come in on
-the other direction; `record_stream` lets the allocator reuse the device
-memory once the copy is done, without the host waiting. Unpack makes the
-compute stream wait for that copy and copies the bytes back (H2D, from
-pinned memory, non-blocking). Host buffers are pooled by size and reused
-across steps (the next step's D2H copy is ordered after this step's restore,
-which ran on the compute stream the D2H stream waits on). On the CPU the same
-path runs with plain copies, so the CI checks the numbers.
+"""Activation spill: saved activations go to pinned host memory on a D2H stream in the forward (PCIe is full
+duplex) and come back for the backward, through the `saved_tensors_hooks` of `hooks()`; host buffers are pooled
+by size across steps. On the CPU: plain copies.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
@@ -38,18 +28,15 @@ class ActivationSpill:
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _eligible(self, t: torch.Tensor) -> bool:
-        return (t.device == self.device and t.is_contiguous() and not isinstance(t, torch.nn.Parameter)
-                and not (t.is_leaf and t.requires_grad) and t.numel() * t.element_size() >= MIN_SPILL_BYTES
-                and type(t) is torch.Tensor)
-
     def _buffer(self, t: torch.Tensor) -> torch.Tensor:
         key = (tuple(t.shape), t.dtype)
         free = self._free[key]
         return free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
 
     def _pack(self, t: torch.Tensor):
-        if not self._eligible(t):
+        if not (t.device == self.device and t.is_contiguous() and not isinstance(t, torch.nn.Parameter)
+                and not (t.is_leaf and t.requires_grad) and t.numel() * t.element_size() >= MIN_SPILL_BYTES
+                and type(t) is torch.Tensor):
             return t
         host = self._buffer(t)
         event = None
@@ -83,8 +70,7 @@ class ActivationSpill:
         return out
 
 
-class _Spilled:
-    __slots__ = ("host", "event", "requires_grad")
-
-    def __init__(self, host, event, requires_grad):
-        self.host, self.event, self.requires_grad = host, event, requires_grad
+class _Spilled(NamedTuple):
+    host: torch.Tensor
+    event: object
+    requires_grad: bool

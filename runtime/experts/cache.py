@@ -1,37 +1,16 @@
 """Routed experts kept on the GPU between tokens, and fetched one block ahead from the next router's guess.
 
-Generation reads only the experts its router picked (eager_path.py). Token after token, a block's router
-picks many of the same experts again, and the experts a block will pick are well guessed by applying the
-next block's router to this block's input (the residual stream changes little from one block to the next:
-Eliseev & Mazur's speculative expert prefetch). So:
-
-* **The cache.** A pool of entries on the device, each one expert of one block: its rows (and row scales)
-  of every stack of the block, in the stored precision (int8 stays int8: half the bytes of bf16, dequantized
-  when read). Blocks of one stack layout share a pool. A full pool gives up the entry whose block runs
-  furthest ahead (generation walks the blocks in a cycle: the blocks just run are needed last), and within
-  a block its least recently used expert. Its size is `Config.expert_cache_bytes` ("auto": what the VRAM
-  budget leaves beside the plan's predicted peak and the dense stacks, less a fifth; at least FLOOR_TOKENS
-  tokens' picks twice, the one allocation past the plan). A forward whose picks fill more than half of it
-  reads its block whole.
-* **Reading a block.** The picked experts that are cached are hits; the misses are copied in, all on one
-  copy stream, and the compute stream waits for them; then the picked rows are gathered (and dequantized)
-  into the dense stack the model's experts code reads (the rows of experts not picked are stale there, and
-  no experts implementation reads them).
-* **Prefetch.** Before the host reads this block's picks (its one wait per module and forward), the next
-  MoE block's router is applied to this block's hidden states on the device; the host reads both choices
-  in one transfer, and the next block's guessed experts that are not cached are copied on the copy stream
-  while this block computes. A wrong guess costs bytes, never numbers: the next block reads what its own
-  router picked.
-* **Whole block or routed.** Per block and forward, `worth_routing` compares the routed misses' copy time
-  (bytes over the measured H2D bandwidth, plus `COPY_SECONDS` per copy issued) with one copy of the block.
-
-Ordering: every write into the pool is on the copy stream, which first waits for the gathers already issued
-(the last reads of the entries it may overwrite); every gather waits for the copies of the entries it reads.
-On the CPU (the tests) copies are immediate and there are no streams.
+Generation reads only the experts its router picked (eager_path.py). A pool entry is one expert of one block (its
+rows and scales of every stack, stored precision); blocks of one stack layout share a pool. Misses are copied in on
+a copy stream, then the picked rows gathered into the dense stack the model reads. The next MoE block's router,
+applied to this block's hidden states, guesses its picks, copied while this block computes (a wrong guess costs
+bytes, never numbers). Every write into the pool waits for the gathers already issued; every gather waits for the
+copies of the entries it reads. On the CPU copies are immediate and there are no streams.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -39,14 +18,9 @@ import torch
 
 from torch_stagehand.runtime import precision as precisions
 
-# The least the pool holds: this many tokens' picks, twice (a forward's and the next block's prefetch). A
-# forward whose picks need more than half the pool reads its block whole: at a tight budget the cache is
-# small, and a long forward (a prompt of 16 tokens) has most of the block's experts anyway.
+# The least the pool holds: this many tokens' picks, twice (a forward's and the next block's prefetch).
 FLOOR_TOKENS = 2
-# What one host-to-device copy costs beyond its bytes: the host's issue of a small cudaMemcpyAsync and its
-# latency on the link (~10 us measured with the routed reads on an H100). It makes a routed read of many
-# experts lose to one copy of the whole block.
-COPY_SECONDS = 10e-6
+COPY_SECONDS = 10e-6  # what one small host-to-device copy costs beyond its bytes (issue and link latency)
 
 
 @dataclass
@@ -58,8 +32,7 @@ class _Pool:
     where: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, expert) -> entry
     order: dict[int, "OrderedDict[int, None]"] = field(default_factory=dict)  # block -> its experts, oldest first
     free: list[int] = field(default_factory=list)
-    # entry -> the event the copy stream records after the entry's copy (CUDA), made with the pool and recorded
-    # again at each copy: waiting on one never recorded returns at once
+    # entry -> the copy stream's event after the entry's last copy (CUDA; never recorded: no wait)
     ready: list = field(default_factory=list)
 
 
@@ -89,16 +62,13 @@ class ExpertCache:
         self.hits = self.misses = self.prefetched = self.prefetch_hits = self.copies = 0
         self._guessed: dict[int, set[int]] = {}  # block -> the experts prefetched for its next forward
 
-    # ---- the block's stacks and their layout ----------------------------------------------------------
-
     def stacks(self, block: int) -> list[int]:
         rt = self.rt
         first = rt._block_first_layer[block]
         return [i for i in range(first, first + len(rt.store.blocks[block].layers)) if rt.layers[i].experts]
 
     def _host_views(self, block: int) -> list[tuple[torch.Tensor, ...]]:
-        """Each stack of the block in the host store as [experts, rows, cols] (and its scales [experts, rows]),
-        made once per block, precision and host buffer (a forward asks for them several times)."""
+        """Each stack of the block in the host store as [experts, rows, cols] (and scales [experts, rows]), cached."""
         rt = self.rt
         precision = rt._precision[block]
         host = rt.store.buffer(block, precision)
@@ -118,9 +88,7 @@ class ExpertCache:
         return out
 
     def _fresh(self, block: int) -> None:
-        """The host copy current (a derived int8 copy is rebuilt from a master written since), and the block's
-        cached experts forgotten if its master was written since they were copied (load_state_dict, an
-        in-place edit: the version counter of the weights moves)."""
+        """The host copy current, and the block's cached experts forgotten if its master was written since."""
         rt = self.rt
         rt.store.fetching()
         rt.store.ensure_fresh(block, rt._precision[block])
@@ -136,8 +104,7 @@ class ExpertCache:
         self._guessed.pop(block, None)
 
     def _pool(self, block: int, views: list[tuple[torch.Tensor, ...]], top_k: int | None = None) -> _Pool:
-        """The pool of the block's stack layout, made at the first routed read (`top_k`: the router's picks
-        per token, for the floor: FLOOR_TOKENS tokens' picks, twice, for this block's and the next's)."""
+        """The pool of the block's stack layout, made at the first routed read (`top_k`: picks per token)."""
         key = _layout_key(views)
         pool = self._pools.get(key)
         if pool is None:  # blocks of another layout share the cache's bytes
@@ -159,14 +126,12 @@ class ExpertCache:
     def _capacity(self, block: int) -> int:
         if isinstance(self.capacity_bytes, int):
             return self.capacity_bytes
-        rt = self.rt  # "auto" (nothing where no budget or no CUDA)
+        rt = self.rt  # "auto": what the budget leaves beside the plan and the dense stacks, less a fifth
         limit = rt.plan_driver.budget.limit if rt.plan_driver.planning else None
         if limit is None or rt.device.type != "cuda":
             return 0
-        # What the plan itself may take (its predicted peak), or the most this process has held if more: a long
-        # prompt still streams whole blocks through the slots, and they come back after the routed reads began
-        # (sized from the memory held at that moment, a cache took 9.9 GiB of an 8 GiB budget at full size).
-        # The dense stacks the model reads (a buffer per place in a block, eager_path.py) come next.
+        # The plan's predicted peak, or the most this process has held if more (a long prompt still streams whole
+        # blocks through the slots), then the dense stacks the model reads (eager_path.py).
         plan = rt.plan_driver.plan
         held = max(plan.predicted_peak_bytes if plan is not None else 0, torch.cuda.max_memory_reserved(rt.device))
         dense = sum(rt.layers[i].weight.numel() * rt.layers[i].weight.element_size() for i in self.stacks(block))
@@ -174,8 +139,6 @@ class ExpertCache:
 
     def entries(self) -> int:
         return sum(len(p.weights[0]) for p in self._pools.values())
-
-    # ---- whole block or routed -------------------------------------------------------------------------
 
     def _prune(self) -> None:
         """After a change of the precision map: a layout no block streams now gives its pool up."""
@@ -191,8 +154,9 @@ class ExpertCache:
             del self._pools[key]
 
     def worth_routing(self, block: int, picked: list[int], top_k: int) -> bool:
-        """Is copying this forward's missing experts faster than one copy of the block? Never where its picks
-        take more than half the pool (the other half is the next block's prefetch)."""
+        """Is copying this forward's missing experts (bytes over the H2D bandwidth, plus `COPY_SECONDS` a copy)
+        faster than one copy of the block? Never where its picks take more than half the pool (the other half is
+        the next block's prefetch)."""
         rt = self.rt
         self._prune()
         views = self._host_views(block)
@@ -205,11 +169,8 @@ class ExpertCache:
         routed = len(missing) * (per_expert / bps + sum(len(s) for s in views) * COPY_SECONDS)
         return routed < rt.block_nbytes(block, rt._precision[block]) / bps
 
-    # ---- reading a block's stack -----------------------------------------------------------------------
-
     def read(self, index: int, picked: list[int], dtype: torch.dtype, out: torch.Tensor, memo: dict) -> torch.Tensor:
-        """`out` (the stack's dense device buffer) with the rows of the `picked` experts written. `memo`: the
-        experts module's forward memo (its first stack read fetches the experts of every stack)."""
+        """`out` (the stack's dense buffer) with the `picked` experts' rows written (`memo`: the forward's)."""
         rt = self.rt
         block = rt.layers[index].block
         stack = self.stacks(block).index(index)
@@ -261,7 +222,7 @@ class ExpertCache:
         if stream is not None:
             stream.wait_event(self._gathered)  # the gathers already issued read the entries about to change
         pinned = views[0][0].is_pinned()
-        with torch.cuda.stream(stream) if stream is not None else _nothing():
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for e in experts:
                 entry = self._take(pool, keep, block)
                 for stack, host in enumerate(views):
@@ -276,10 +237,9 @@ class ExpertCache:
                     pool.ready[entry].record(stream)
 
     def _take(self, pool: _Pool, keep: set, block: int) -> int:
-        """A free entry, or the one whose next use is furthest away: generation walks the blocks in a cycle,
-        so the entries of the blocks just run are needed last (Belady's choice for a cyclic walk; evicting the
-        least recently used would, with fewer entries than a token's experts, evict each just before its use).
-        Within a block, its least recently used expert; never one in `keep`."""
+        """A free entry, or the one whose next use is furthest away: generation walks the blocks in a cycle, so the
+        blocks just run are needed last (Belady's choice; LRU would evict each just before its use). Within a
+        block, its least recently used expert; never one in `keep`."""
         if pool.free:
             return pool.free.pop()
         n = len(self.rt.blocks)
@@ -291,11 +251,8 @@ class ExpertCache:
                     return pool.where.pop((other, e))
         raise RuntimeError(f"stagehand: the expert cache's {len(pool.where)} entries are all in use by this forward")
 
-    # ---- prefetch from the next block's router --------------------------------------------------------
-
     def router_guess(self, block: int, hidden: torch.Tensor | None, top_k: int) -> tuple[int, torch.Tensor] | None:
-        """(next MoE block, its router's top-k experts for `hidden`, on the device), or None where no next
-        router is known on this device."""
+        """(next MoE block, its router's top-k experts for `hidden` on the device), or None."""
         found = self._router_after(block)
         if found is None or hidden is None or not hidden.is_floating_point():
             return None
@@ -306,8 +263,7 @@ class ExpertCache:
         return nxt, logits.topk(min(top_k, weight.shape[0]), dim=-1).indices.reshape(-1)  # the host dedupes
 
     def prefetch(self, block: int, experts: list[int], reading: tuple[int, list[int]]) -> None:
-        """Copy the guessed experts of `block` that are not cached, on the copy stream (does not wait).
-        `reading`: the block and experts this forward reads now, whose entries its later gathers still read."""
+        """Copy the guessed experts of `block` not cached, without waiting; `reading`: (block, experts) read now."""
         self._fresh(block)
         views = self._host_views(block)
         pool = self._pool(block, views)
@@ -319,8 +275,7 @@ class ExpertCache:
         self._guessed[block] = set(experts)
 
     def _router_after(self, block: int):
-        """The router of the next block that holds experts: a 2-D [experts, hidden] parameter on the device in
-        the module around that block's experts (found by its shape, as the stacks are)."""
+        """The next MoE block's router: a 2-D [experts, hidden] parameter of the module around its experts."""
         if block in self._routers:
             return self._routers[block]
         rt = self.rt
@@ -355,11 +310,3 @@ class ExpertCache:
         self._pools.clear()
         self._routers.clear()
         self._views.clear()
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

@@ -1,18 +1,8 @@
 """LoRA on streamed expert stacks: peft's `target_parameters` wrappers, made to read the stream.
 
-peft (0.17+) adapts a fused expert parameter with a `ParamWrapper` around the experts module. At each
-forward it registers a `torch.nn.utils.parametrize` parametrization on the module (the stack becomes
-`original` plus the low-rank delta), runs the module, and removes it again. A streamed stack has no
-`original` on the device (its parameter is the host master), and re-registering a parametrization per
-call moves parameters around under Dynamo; so offload swaps each such wrapper's class:
-
-* its forward calls the wrapped module directly (peft's own checks first);
-* the module's stack property (experts/stacks.py) hands the streamed stack to `adapted(w)`, which adds each
-  active adapter's low-rank update as peft's `_LoraFactorsProxy` does, `baddbmm(w, lhs, rhs, alpha=scaling)`
-  (peft sums several adapters' deltas first: the same update, rounded in another order).
-
-The backward re-reads the stack from the block's `wait_bw` slot and recomputes the `baddbmm` from it and
-the saved low-rank factors (`refetch_weights`), so the adapted stack is not kept either. Merging an adapter
+peft parametrizes the experts module per forward, which a streamed stack (no `original` on the device) cannot
+take; so offload swaps each `ParamWrapper`'s class: its forward calls the wrapped module, and the stack property
+hands the stream to `adapted(w)`, which adds each active adapter as `baddbmm(w, lhs, rhs, alpha=scaling)`. Merging
 into a streamed stack is refused: the stream would not see it.
 """
 
@@ -30,19 +20,14 @@ class StreamedLoraMergeError(RuntimeError):
     """An adapter merge into a streamed expert stack: the host master is what streams."""
 
 
-def _param_wrapper_class():
-    # A model holds a peft wrapper only where peft was imported: never import it here (peft pulls in
-    # transformers, a hundred MB of a process that offloads a model without either).
-    layer = sys.modules.get("peft.tuners.lora.layer")
-    return getattr(layer, "ParamWrapper", None)  # None: peft not in use, or a version without target_parameters
-
-
 _SUBCLASSES: dict[type, type] = {}
 
 
 def adopt_expert_adapters(model: nn.Module) -> int:
     """Swap the class of every peft ParamWrapper around a streamed expert stack; returns how many."""
-    wrapper_cls = _param_wrapper_class()
+    # Only where peft was imported can a model hold its wrapper: never import it here (it pulls in transformers).
+    # None: peft not in use, or a version without target_parameters.
+    wrapper_cls = getattr(sys.modules.get("peft.tuners.lora.layer"), "ParamWrapper", None)
     if wrapper_cls is None:
         return 0
     adopted = 0
@@ -82,8 +67,7 @@ class StreamedParamWrapperMixin:
         return self.base_layer(x, *args, **kwargs)
 
     def get_param(self):
-        # What peft's delta code reads of the parameter: its dtype and the device the delta is made on. The
-        # parameter itself is the host master, and the attribute reads the stream (which calls `adapted`).
+        # What peft's delta code reads of the parameter: its dtype and device (the parameter is the host master).
         base = self.get_base_layer()
         return torch.empty(0, dtype=base._sh_stacks[self.parameter_name][2], device=base._sh_device)
 
@@ -94,8 +78,7 @@ class StreamedParamWrapperMixin:
         adapters = [a for a in self.active_adapters if a in self.lora_A]
         if not adapters:
             return w
-        # One baddbmm per adapter (peft folds one adapter so; several it sums as deltas, the same update):
-        # the backward recomputes each from the refetched stack and its factors (refetch_weights).
+        # One baddbmm per adapter (peft sums several as deltas: the same update, rounded in another order).
         with torch.autocast(device_type=w.device.type, enabled=False):
             for adapter in adapters:
                 lhs, rhs, scaling = self.get_delta_factors(adapter)

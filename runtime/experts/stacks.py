@@ -1,28 +1,9 @@
 """Mixture-of-experts stacks that stream: the op the model reads them through, eagerly and in a compiled block.
 
-transformers 5 keeps a block's experts as 3-D parameters of one module (`gate_up_proj` [E, 2I, H],
-`down_proj` [E, H, I]; gpt-oss [E, H, 2I] and [E, I, H] with 2-D biases), and each family's experts
-implementation (grouped GEMM, batched, a loop over the routed experts) reads them as `self.gate_up_proj`.
-offload swaps the module's class (`streamed.StreamedExpertsMixin`): each stack is a property that calls
-
-    w = stagehand::streamed_experts(block_tok, position, shape, dtype, device)
-
-so Dynamo captures one op per stack, with the block's token as a graph input like a streamed Linear's.
-
-* Eagerly the op fetches the block and returns the stack on the device, a copy (bf16) or dequantized
-  (int8 / fp8, per expert and row): correct, slow, counted like the eager Linear path. A forward with no
-  grad over a few tokens (generation) copies only the rows of the experts the router picked
-  (eager_path.py; the experts module's forward hands the property the router's indices).
-* In a compiled block the backend's `rewrite_linear` replaces it with `expert_weights_from_slot(weights,
-  layout, shape)`: aten views of the block's slot (bf16) or their dequantization, which AOTAutograd traces
-  into the block's graph and Inductor fuses. A one-byte stack that the model reads only through grouped
-  GEMMs is not made at all: each GEMM becomes `grouped_experts_from_slot` (`stagehand::grouped_experts`,
-  kernels/grouped.py), which multiplies from the slot's bytes. The joint pass `refetch_weights` makes the
-  backward read the stack (or its bytes) from the block's `wait_bw` slot again instead of saving it:
-  weights are never saved for backward.
-
-A stack whose parameter requires grad is refused in a grad-enabled forward (experts stream frozen: LoRA on
-attention, or peft's `target_parameters` on the experts, `experts/lora.py`), never silently left untrained.
+Each 3-D stack of a swapped experts module (`streamed.StreamedExpertsMixin`) is a property calling
+`stagehand::streamed_experts`, which eagerly returns the stack on the device; a compiled block reads the slot
+(`expert_weights_from_slot`, `grouped_experts_from_slot`). Streamed experts are frozen (LoRA via peft's
+`target_parameters`, experts/lora.py): a stack that requires grad is refused in a grad-enabled forward.
 """
 
 from __future__ import annotations
@@ -73,9 +54,7 @@ def dense_from_slot(slot: torch.Tensor, lay: LayerLayout, dtype: torch.dtype) ->
 @custom_op("stagehand::grouped_experts", mutates_args=())
 def grouped_experts(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
                     rows_are_out: bool) -> torch.Tensor:
-    """Per expert e, x[its rows] @ B_e, B_e the one-byte stack q [E, R, C] with its per-row scale [E, R]
-    (rows_are_out: q[e] is [out, in], transformers' usual layout; else [in, out], gpt-oss): what the model's
-    grouped GEMM computes with the dequantized stack, from the bytes (kernels/grouped.py)."""
+    """Per expert e, x[its rows] @ B_e from the one-byte stack q [E, R, C] and scales [E, R] (kernels/grouped.py)."""
     from torch_stagehand import kernels
 
     return kernels.grouped_lowbit(x, q, scale, offs, rows_are_out)
@@ -91,8 +70,7 @@ def _(x, q, scale, offs, rows_are_out):
 def _grouped_setup(ctx, inputs, output):
     _x, q, scale, offs, rows_are_out = inputs
     ctx.rows_are_out = rows_are_out
-    # The stack's views are saved here; `refetch_weights` makes the backward read them from the block's
-    # wait_bw slot instead (they are computed from the forward slot alone), so no weight crosses the turn.
+    # `refetch_weights` makes the backward read these from the block's wait_bw slot instead.
     ctx.save_for_backward(q, scale, offs)
 
 
@@ -109,8 +87,7 @@ grouped_experts.register_autograd(_grouped_backward, setup_context=_grouped_setu
 @in_graph
 def grouped_experts_from_slot(x: torch.Tensor, slot: torch.Tensor, offs: torch.Tensor, layout: list[int],
                               shape: list[int], rows_are_out: bool) -> torch.Tensor:
-    """A grouped GEMM of the model's with a one-byte expert stack, computed from the block's slot: what a
-    compiled block runs where the rewrite found the stack read only by grouped GEMMs (rewrite_linear)."""
+    """A grouped GEMM with a one-byte expert stack, from the block's slot (rewrite_linear's)."""
     lay = LayerLayout.from_ints(list(layout))
     q, s = precisions.by_code(lay.code).views(slot, lay)
     experts = shape[0]

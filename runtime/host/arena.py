@@ -1,24 +1,8 @@
 """Host arenas: a few large host allocations, carved into per-block buffers, pinned at their real size.
 
-`tensor.pin_memory()` / `torch.empty(..., pin_memory=True)` go through
-PyTorch's CachingHostAllocator, which rounds every request up to the next
-power of two (c10 `CachingHostAllocator.h`: `llvm::PowerOf2Ceil(size)`; the
-`pinned_use_cuda_host_register` allocator setting changes how a block is
-pinned, not its rounding; torch 2.13's process-wide `pinned_max_round_threshold`
-setting can turn it off, torch 2.11 has none): a 680 MB block takes a 1 GiB
-pinned block. Here a
-set of buffers (all INT8 copies of a model, all its masters) is one plain
-pageable `torch.empty`, and the ranges that stream are page-locked in place
-with `cudaHostRegister` at their exact size (rounded to the page). Per-block
-buffers are views into it, each starting on a page, so one block's range can
-be locked or unlocked on its own (a block switching precision).
-
-Pages of a fresh arena are not committed until written: filling it block by
-block while the model's own weights are freed keeps RSS near one copy. Locking
-commits them, so ranges are locked after they are filled.
-
-The same code runs on the CPU with `NoPinner` (nothing is locked): CI tests
-the layout, the accounting and the freeing.
+PyTorch's pinned allocator rounds every request up to a power of two. Here a set of buffers is one pageable
+allocation whose streamed ranges are page-locked in place (`cudaHostRegister`), each buffer on its own pages. Pages
+are committed when written, and locking commits them: a range is locked after it is filled. `NoPinner`: the CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from dataclasses import dataclass
 
 import torch
 
@@ -106,20 +89,12 @@ class CudaPinner:
             log.warning("stagehand: cudaHostUnregister failed with cudaError %d", err)
 
 
-@dataclass
-class Carved:
-    offset: int  # bytes from the arena's (page-aligned) start
-    nbytes: int  # what the buffer asked for
-    view: torch.Tensor
-
-
 class HostArena:
     """One host allocation holding the buffers of one copy kind (e.g. "int8 pinned")."""
 
     def __init__(self, kind: str, sizes: list[int], pinner, shared=None, backing=None):
-        """`shared`: the node's NodeStore (host/node_store.py): the pages are the node's, each block's by its owner.
-        `backing`: where this process's own pages come from, when not from torch (`backing(kind, nbytes)`, page-
-        aligned): a slab's reader process writes into memfd pages (slab/read_process.py)."""
+        """`shared`: the node's NodeStore (host/node_store.py), whose pages these are. `backing`: where this
+        process's pages come from when not from torch (`backing(kind, nbytes)`, page-aligned: slab/read_process.py)."""
         self.kind = kind
         self.pinner = pinner
         self.capacity = sum(page_round(n) for n in sizes)
@@ -140,8 +115,8 @@ class HostArena:
     def carve(self, nbytes: int) -> torch.Tensor:
         if self._next + page_round(nbytes) > self.capacity:
             raise RuntimeError(f"host arena {self.kind}: {nbytes} bytes do not fit ({self.capacity - self._next} left)")
-        # Not a view of the base: a tensor of its own on the same storage, so each block's buffer has
-        # its own version counter (a write to one block's weights must not make the others stale).
+        # A tensor of its own on the base's storage (not a view): its own version counter, so a write to one
+        # block's weights does not make the others stale.
         view = torch.empty(0, dtype=torch.uint8).set_(
             self.base.untyped_storage(), self.base.storage_offset() + self._next, (nbytes,), (1,))
         self._next += page_round(nbytes)
@@ -194,15 +169,13 @@ def locked_memory_limit() -> str:
         return "unknown"
 
 
-# Measured: an H200 copies H2D from pageable memory at 20 GB/s, from page-locked at 55 (DESIGN.md).
 PAGEABLE_COST = "copies from pageable memory are staged by the driver (~20 GB/s H2D on an H200 against ~55 pinned)"
 
 
 def lock_or_fall_back(arena: HostArena, view: torch.Tensor, what: str, refuse: bool) -> bool:
-    """Page-lock `view` (`what` names it). A refusal (the locked-memory limit, a driver that will not) is an
-    OutOfMemoryError that says so when `refuse` (during offload: the model goes back, nothing is lost);
-    later (a run in progress: a precision switch, the first gradients) the buffer stays pageable, with a
-    warning that names the limit and the cost, and the run goes on. True if locked."""
+    """Page-lock `view` (`what` names it); True if locked. A refusal (the locked-memory limit, the driver) is an
+    OutOfMemoryError that says so when `refuse` (during offload: the model goes back); else (a run in progress)
+    the buffer stays pageable, with a warning that names the limit and the cost."""
     try:
         arena.lock(view)
         return True

@@ -1,19 +1,6 @@
-"""What the machine can give the host store: available RAM, the cgroup's limit, the pinned cap.
-
-`probe_machine()` reads the limits that decide whether an offload fits before
-anything is allocated (`host_plan.preflight`):
-
-* `/proc/meminfo` MemAvailable: what can be allocated without swapping;
-* the cgroup (v2 `memory.max` / `memory.current`, v1 `memory.limit_in_bytes`
-  / `memory.usage_in_bytes`) a container or `systemd-run -p MemoryMax=` puts
-  the process in: past it the kernel OOM-kills with no traceback;
-* the pinned cap: Windows (and WSL2, whose pinned pages are Windows' memory)
-  page-locks at most about half of the physical RAM;
-* RLIMIT_MEMLOCK, reported: the NVIDIA driver page-locks through its own path
-  (cudaHostRegister and cudaHostAlloc are not bounded by it), so it applies
-  only where `mlock` is what pins.
-
-Tests replace `probe_machine` (monkeypatch) with a small fake machine.
+"""What the machine can give the host store (`probe_machine`, read before anything is allocated): MemAvailable,
+the cgroup's limit (v2 or v1: past it the kernel OOM-kills), the pinned cap of Windows and WSL2 (about half the
+RAM), and RLIMIT_MEMLOCK, reported only (CUDA's pinning is not bounded by it). Tests replace `probe_machine`.
 """
 
 from __future__ import annotations
@@ -66,26 +53,27 @@ def gib(n: int) -> str:
             return f"{n / size:.2f} {unit}"
 
 
-def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
-    out = {}
+def _read(path: str) -> str:
+    """The file's text ("" where it can not be read)."""
     try:
         with open(path) as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                fields = rest.split()
-                if fields:
-                    out[key] = int(fields[0]) * (1024 if len(fields) > 1 else 1)
+            return f.read()
     except OSError:
-        pass
+        return ""
+
+
+def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    out = {}
+    for line in _read(path).splitlines():
+        key, _, rest = line.partition(":")
+        fields = rest.split()
+        if fields:
+            out[key] = int(fields[0]) * (1024 if len(fields) > 1 else 1)
     return out
 
 
 def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
+    text = _read(path).strip()
     if text == "max" or not text.isdigit():
         return None
     value = int(text)
@@ -95,14 +83,10 @@ def _read_int(path: str) -> int | None:
 def _cgroup() -> tuple[int | None, int]:
     """(limit, usage) of this process's memory cgroup; (None, 0) when there is none."""
     rel = ""
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                parts = line.strip().split(":", 2)
-                if len(parts) == 3 and parts[0] == "0":
-                    rel = parts[2]
-    except OSError:
-        pass
+    for line in _read("/proc/self/cgroup").splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) == 3 and parts[0] == "0":
+            rel = parts[2]
     for base in (os.path.join("/sys/fs/cgroup", rel.lstrip("/")), "/sys/fs/cgroup"):
         limit = _read_int(os.path.join(base, "memory.max"))
         if limit is not None:
@@ -111,14 +95,6 @@ def _cgroup() -> tuple[int | None, int]:
     if limit is not None:
         return limit, _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes") or 0
     return None, 0
-
-
-def _is_wsl() -> bool:
-    try:
-        with open("/proc/version") as f:
-            return "microsoft" in f.read().lower()
-    except OSError:
-        return False
 
 
 def probe_machine() -> MachineMemory:
@@ -134,14 +110,9 @@ def probe_machine() -> MachineMemory:
         except ImportError:
             pass
     limit, used = _cgroup() if sys.platform.startswith("linux") else (None, 0)
-    where = "windows" if sys.platform == "win32" else "wsl" if _is_wsl() else "linux"
+    wsl = "microsoft" in _read("/proc/version").lower()
+    where = "windows" if sys.platform == "win32" else "wsl" if wsl else "linux"
     soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] if hasattr(resource, "RLIMIT_MEMLOCK") else -1
-    return MachineMemory(
-        total_bytes=total,
-        available_bytes=available,
-        cgroup_limit_bytes=limit,
-        cgroup_used_bytes=used,
-        pinned_cap_bytes=total // 2 if where != "linux" else None,
-        memlock_limit_bytes=None if soft < 0 or soft >= _UNLIMITED else soft,
-        where=where,
-    )
+    return MachineMemory(total_bytes=total, available_bytes=available, cgroup_limit_bytes=limit, cgroup_used_bytes=used,
+                         pinned_cap_bytes=total // 2 if where != "linux" else None,
+                         memlock_limit_bytes=None if soft < 0 or soft >= _UNLIMITED else soft, where=where)

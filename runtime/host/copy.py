@@ -1,14 +1,8 @@
 """Device-to-host copies into the store's pageable buffers, through one pinned bounce buffer.
 
-The store's buffers stay pageable until `HostStore.set_pins` locks what streams (host/arena.py says
-why). A copy from the GPU into pageable memory goes through the driver's own small staging buffers at
-a few GB/s: a 7B model built on the GPU took 10.7 s to reach the host store, and its INT8 copies
-(quantized on the GPU) as long again (H100, benches/results/start_time_qwen.json). Through one
-pinned buffer the bytes cross at the link's speed and the host copies them into place.
-
-The bounce buffer is allocated on first use at the size of the largest tensor copied so far (a layer:
-~100 MB for a 7B model) and released by `release()` when the store is built (offload, a new precision
-map), so no pinned memory outlives the build.
+A GPU's copy into pageable memory goes through the driver's small staging buffers at a few GB/s; through one
+pinned buffer it goes at the link's speed. The buffer grows to the largest tensor copied and is freed by
+`release()` once the store is built, so no pinned memory outlives a build.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""The disk tier: INT8 blocks that stream from the slab file, not from RAM.
+"""The disk tier (`Config(int8_tier="disk")` with `offload(slab=...)`): INT8 blocks read from the slab at each fetch.
 
-When even the INT8 copies do not fit in RAM (`Config(int8_tier="disk")` with
-`offload(slab=...)`), a block's INT8 bytes are read from the slab into one of
-a few pinned staging buffers (a ring, one host allocation, page-locked at its
-exact size) and copied to the device slot from there. A worker thread reads
-ahead: when block b is fetched, the next block in the direction the fetches
-move (b+1 in the forward, b-1 in the backward) is read while b computes. A
-staging buffer is read into again only after the H2D copy from it has
-finished (its CUDA event, waited on by the worker, never by the host).
-
-The step then runs at the disk's speed (`stats()["host"]["disk_tier"]` has
-the bytes read and the GB/s); blocks already in a device slot are not read.
+A block's bytes go from the file into one of a few pinned staging buffers (one allocation, page-locked at its
+exact size) and from there to its device slot. A worker thread reads the next block in the fetches' direction
+while the current one computes; a staging buffer is read into again only once its H2D copy finished (its event,
+waited on by the worker, never by the host). `stats()["host"]["disk_tier"]` has the bytes read and the GB/s.
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,8 +59,6 @@ class DiskTier:
         self._tick = 0
         self._last: int | None = None
 
-    # ---- the main thread ----------------------------------------------------------
-
     def fetch(self, block: int) -> torch.Tensor:
         """The block's INT8 bytes in a staging buffer (read now, or found read ahead)."""
         entry = self._entry(block)
@@ -87,9 +78,8 @@ class DiskTier:
         """The H2D copy from the block's staging buffer was issued on `stream`: reuse it after that."""
         entry = self._entry(block)
         if entry is not None and stream is not None:
-            event = torch.cuda.Event()
-            event.record(stream)
-            entry.copy_done = event
+            entry.copy_done = torch.cuda.Event()
+            entry.copy_done.record(stream)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -117,9 +107,7 @@ class DiskTier:
         entry.copy_done = None
         return entry
 
-    # ---- the worker thread --------------------------------------------------------
-
-    def _read(self, view: torch.Tensor, block: int, copy_done) -> None:
+    def _read(self, view: torch.Tensor, block: int, copy_done) -> None:  # on the worker thread; the rest: the main one
         if copy_done is not None:
             copy_done.synchronize()  # the last H2D copy out of this buffer has finished
         t0 = time.perf_counter()

@@ -1,27 +1,10 @@
 """One host store per node: the local ranks of a torch.distributed job share the streamed weights.
 
-Without it every rank of a node builds and pins its own copy: eight GPUs training Flux int8 hold 8 x 11.8 GB.
-Here the node's first rank (its leader) creates each host allocation of the store as a memfd (an anonymous
-shared-memory file); the other ranks of the node map the same pages through `/proc/<leader pid>/fd/<fd>`.
-Each block's buffers have one writer, its owner (block b: the node's rank b mod the ranks of the node): it copies
-the block's weights, quantizes them, reads them from a slab, and under full fine-tuning steps them (train/shards.py),
-so the node's ranks fill the store in parallel. Every rank page-locks the ranges it streams with
-`cudaHostRegister`, as it does its own memory (sglang's CPU offloader and LightX2V's shared arena register
-shared segments the same way).
-
-Why a memfd and not a file in /dev/shm: it has no name to leave behind. Its pages go when the last process
-that maps it exits, however it exits (a rank killed during offload included), and it is not bounded by the
-size of a container's /dev/shm mount (64 MB by docker's default).
-
-The protocol is a sequence of exchanges (`all_gather_object` on a gloo group of the node's ranks), one per
-shared allocation and one at the end of offload (`seal`), which every rank of the node passes in the same
-order. A rank that fails during offload sends an abort in the place of its next exchange; the others raise
-at that exchange, naming the rank and its error, and undo their own offload. A rank that dies is noticed
-when its connection closes (or after `Config.node_timeout_s`). Between the exchanges a follower never reads
-the shared pages: their owners have finished writing them only at `seal`.
-
-After offload the store is read-only under LoRA; under full fine-tuning each block's owner writes it after its
-optimizer step, and the other ranks wait for that at their next read (train/shards.py).
+The node's first rank creates each host allocation as a memfd (no name left behind, not bounded by /dev/shm); the
+others map it through ``/proc/<leader pid>/fd/<fd>``. Each block has one writer, its owner (rank b mod the node's
+ranks). The ranks pass the same exchanges (`all_gather_object` on a gloo group), one per shared allocation and one
+at the end of offload (`seal`), after which a follower may read the pages; a rank that fails sends an abort there
+instead, and a dead one is seen when its connection closes (or after `Config.node_timeout_s`).
 """
 
 from __future__ import annotations
@@ -73,14 +56,11 @@ class NodeStore:
                 f"{self.local_index}, {self.local_index + self.local_size}, ...")
 
     def owner(self, block: int) -> int:
-        """The rank that writes `block`'s buffers (and steps it under full fine-tuning): the node's rank
-        block mod the node's ranks."""
+        """The rank that writes `block`'s buffers (and steps it under full fine-tuning)."""
         return self.local_ranks[block % self.local_size]
 
     def owns(self, block: int) -> bool:
         return self.owner(block) == self.rank
-
-    # ---- the exchanges ----------------------------------------------------------------------------
 
     def _exchange(self, item: tuple) -> list[tuple]:
         if self.done:
@@ -129,8 +109,8 @@ class NodeStore:
         return pages
 
     def _open_leaders(self, fd: int, identity: tuple[int, int], kind: str) -> int:
-        """The leader's memfd, opened through /proc, and checked to be that very file (not another process's fd
-        of the same number: a pid the node name alone could not tell apart)."""
+        """The leader's memfd, opened through /proc, checked to be that very file (not another process's fd of
+        the same number and pid)."""
         path = f"/proc/{self.leader_pid}/fd/{fd}"
         try:
             mine = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -148,10 +128,9 @@ class NodeStore:
         return mine
 
     def seal(self, device: torch.device, pinned: bool, keep_group: bool = False) -> None:
-        """The end of offload on every rank of the node: every block's owner has written its pages, every rank may
-        read them. The memfds are closed (the mappings keep the pages). On a GPU, the host link's bandwidth is
-        measured with every local rank copying at once (they share the host's memory and PCIe). `keep_group`:
-        full fine-tuning syncs the node's ranks after each step on its group (`barrier`)."""
+        """The end of offload on every rank of the node: every owner has written its pages, every rank may read
+        them; the memfds are closed. On a GPU, the host link is measured with every local rank copying at once.
+        `keep_group`: full fine-tuning syncs the node's ranks after each step on its group (`barrier`)."""
         items = self._exchange(("sealed", self._allocations))
         counts = {got[1] for got in items}
         if len(counts) > 1:
@@ -216,8 +195,7 @@ class NodeStore:
 
 
 def node_name() -> str:
-    """What names this process's node: the host name, or STAGEHAND_NODE_NAME where the host names do not tell
-    the nodes apart (containers that share a host's memory but not its name, or the reverse)."""
+    """The host name, or STAGEHAND_NODE_NAME where the host names do not tell the nodes apart (containers)."""
     return env("STAGEHAND_NODE_NAME") or socket.gethostname()
 
 
@@ -282,9 +260,8 @@ def join(config, device) -> NodeStore | None:
 
 
 def mapped_bytes(pid: int | str = "self", name: str = "memfd:stagehand") -> dict[str, int]:
-    """What the kernel says process `pid` maps of the mappings whose path contains `name`: Rss and Pss bytes
-    (Pss splits each shared page among the processes that map it, so the Pss of a node's ranks add up to
-    the pages once). Read from /proc/<pid>/smaps, not from any counter of the runtime's."""
+    """Rss and Pss bytes process `pid` maps of the mappings whose path contains `name`, from /proc/<pid>/smaps
+    (Pss splits each shared page among the processes that map it: a node's ranks' Pss add up to the pages once)."""
     out = {"rss": 0, "pss": 0, "mappings": 0}
     counting = False
     with open(f"/proc/{pid}/smaps") as f:

@@ -1,17 +1,11 @@
-"""Which host copies offload keeps where, what they cost, and whether the machine has it.
-
-Per block: the copy it streams is pinned (its INT8 copy, or its full-precision
-master when it streams BF16); its master, when it streams INT8, is kept as
-`keep_full` says: "pinned", "ram" (pageable) or "file" (not in RAM: views of
-the model's safetensors file). `plan_host` counts the bytes of each kind and
-resolves keep_full="auto"; `preflight` compares them with the machine
-(`host_budget.probe_machine`) before anything is allocated and raises a
-`HostMemoryError` with the numbers and what to change. `host_report` is what
-`stats()["host"]` says afterwards.
+"""Which host copies offload keeps where (per block: the streamed copy pinned, the master as `keep_full` says),
+what they cost (`plan_host`, which resolves keep_full="auto"), whether the machine has it (`preflight`: a
+`HostMemoryError` with the numbers and the way out, before any allocation), and `host_report` (`stats()["host"]`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from torch_stagehand.runtime import precision as precisions
@@ -40,8 +34,8 @@ class HostPlan:
     node_ranks: int = 1  # ranks of this node sharing the store (host/node_store.py): its copies are held once
 
     def node_need(self) -> int:
-        """Host memory the node still needs: the shared copies once; each rank's private ones (a disk tier's
-        staging ring) once per rank, less the weights each rank holds now and frees."""
+        """Host memory the node still needs: the shared copies once, each rank's private ones (a disk tier's
+        staging ring) once per rank, less the weights each rank frees."""
         private = sum(n for kind, n in self.bytes.items() if " staging " in kind)
         return self.ram_bytes - private + self.node_ranks * (private - self.freed_bytes)
 
@@ -62,30 +56,26 @@ def _block_bytes(layers: list[StreamedLayerSpec], precision: str) -> int:
 def _count(per_block, precision_map, keep_full: str, pin: bool, has_master, from_slab: bool,
            int8_on_disk: bool = False) -> dict[str, int]:
     where_pinned = "pinned" if pin else "ram"
-    out: dict[str, int] = {}
-
-    def add(kind: str, n: int) -> None:
-        out[kind] = out.get(kind, 0) + n
-
+    out: Counter = Counter()
     for block, layers in enumerate(per_block):
         streams = precision_map[block]
         master = _block_bytes(layers, precisions.FULL)
         if int8_on_disk:  # read from the slab at each fetch, through the staging ring
-            add(f"{precisions.INT8} disk", _block_bytes(layers, precisions.INT8))
+            out[f"{precisions.INT8} disk"] += _block_bytes(layers, precisions.INT8)
         elif streams != precisions.FULL or from_slab:
-            add(f"{streams} {where_pinned}" if streams != precisions.FULL else f"{precisions.INT8} ram",
+            out[f"{streams} {where_pinned}" if streams != precisions.FULL else f"{precisions.INT8} ram"] += (
                 _block_bytes(layers, streams if streams != precisions.FULL else precisions.INT8))
         if not has_master[block]:
             continue
         if keep_full == KEEP_FILE:
-            add(f"{precisions.FULL} file", master)
+            out[f"{precisions.FULL} file"] += master
             if streams == precisions.FULL:  # a flat copy derived from the file streams
-                add(f"{precisions.FULL} {where_pinned}", master)
+                out[f"{precisions.FULL} {where_pinned}"] += master
         elif streams == precisions.FULL or keep_full == KEEP_PINNED:
-            add(f"{precisions.FULL} {where_pinned}", master)
+            out[f"{precisions.FULL} {where_pinned}"] += master
         else:
-            add(f"{precisions.FULL} ram", master)
-    return out
+            out[f"{precisions.FULL} ram"] += master
+    return dict(out)
 
 
 def plan_host(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dict[int, str], keep_full: str,
@@ -146,27 +136,24 @@ def preflight(plan: HostPlan, machine: MachineMemory, precision_map: dict[int, s
     raise HostMemoryError(
         f"offload: the host store does not fit: {'; '.join(problems)} (keep_full={plan.keep_full!r}: {kinds}; "
         f"{gib(plan.freed_bytes)} of weights in RAM now are moved, not copied). Machine: {machine.describe()}. "
-        f"To fit: {'; or '.join(fixes)}."
-    )
+        f"To fit: {'; or '.join(fixes)}.")
 
 
 def host_report(store: HostStore) -> dict:
     """stats()["host"]: where every host copy is, what is pinned (asked for, and locked to the page)."""
-    kinds: dict[str, int] = {}
+    kinds: Counter = Counter()
     requested = 0
     for block, bb in enumerate(store.blocks):
         for precision, buf in bb.buffers.items():
             arena = store._arena_of.get((block, precision))
             locked = arena is not None and arena.is_locked(buf)
             requested += buf.numel() if locked else 0
-            kind = f"{precision} {'pinned' if locked else 'ram'}"
-            kinds[kind] = kinds.get(kind, 0) + buf.numel()
+            kinds[f"{precision} {'pinned' if locked else 'ram'}"] += buf.numel()
         for (b, precision) in store.on_disk:
             if b == block:
-                kinds[f"{precision} disk"] = kinds.get(f"{precision} disk", 0) + store.nbytes(block, precision)
+                kinds[f"{precision} disk"] += store.nbytes(block, precision)
         if bb.file_master is not None:
-            kind = f"{precisions.FULL} file"
-            kinds[kind] = kinds.get(kind, 0) + sum(w.numel() * w.element_size() for w in bb.file_master)
+            kinds[f"{precisions.FULL} file"] += sum(w.numel() * w.element_size() for w in bb.file_master)
     tier = store.disk_tier
     if tier is not None:
         staging = "pinned" if tier.arena.locked else "ram"
@@ -174,15 +161,12 @@ def host_report(store: HostStore) -> dict:
         requested += tier.arena.requested if tier.arena.locked else 0
     return {
         **({"disk_tier": tier.stats.as_dict()} if tier is not None else {}),
-        "keep_full": store.keep_full,
-        "pinned_requested_bytes": requested,
-        "pinned_locked_bytes": sum(a.locked_bytes for a in store.arenas),
-        "host_allocations": len(store.arenas),
+        "keep_full": store.keep_full, "pinned_requested_bytes": requested,
+        "pinned_locked_bytes": sum(a.locked_bytes for a in store.arenas), "host_allocations": len(store.arenas),
         "pin_refusals": sum(a.pin_refusals for a in store.arenas),  # left pageable at run time (host/arena.py)
         # The node's ranks share the store's allocations made at offload (host/node_store.py): these bytes once.
         "node_shared_bytes": 0 if store.node is None else store.node.shared_bytes,
-        "node_ranks": 1 if store.node is None else store.node.local_size,
-        "bytes_by_kind": dict(sorted(kinds.items())),
+        "node_ranks": 1 if store.node is None else store.node.local_size, "bytes_by_kind": dict(sorted(kinds.items())),
     }
 
 
@@ -193,9 +177,7 @@ def check_master_dtypes(layers: list[StreamedLayerSpec]) -> None:
         dtype = spec.weight.dtype
         if dtype not in supported:
             names = ", ".join(str(d).removeprefix("torch.") for d in supported)
-            raise StreamedDtypeError(
-                f"offload: {spec.fqn}.weight is {dtype}; streamed weights must be one of {names} "
-                f"(convert the model first, e.g. model.to(torch.bfloat16))"
-            )
+            raise StreamedDtypeError(f"offload: {spec.fqn}.weight is {dtype}; streamed weights must be one of {names} "
+                                     "(convert the model first, e.g. model.to(torch.bfloat16))")
 
 

@@ -1,10 +1,6 @@
 """Offload's host side: plan the copies, check the machine, fill the host store (from the model or its file).
-
-Order matters for memory: the preflight runs before any allocation; each
-copy kind is one allocation whose pages are committed only as they are
-written; the model's own weights (or the file's pages) are released block by
-block as the store fills; pinning comes last (`HostStore.set_pins`, called
-once the precision map's copies are built), because locking commits pages.
+The preflight runs before any allocation, the model's weights are released block by block as the store fills, and
+pinning comes last (`HostStore.set_pins`): locking commits pages.
 """
 
 from __future__ import annotations
@@ -29,21 +25,14 @@ from torch_stagehand.runtime.host.weights_file import CheckpointError, WeightsFi
 log = logging.getLogger(__name__)
 
 
-def _in_ram(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size() if t.device.type == "cpu" and not t.is_meta else 0
-
-
 def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_map: dict[int, str], config,
                     device: torch.device, keep_full: str, checkpoint: WeightsFile | None,
                     from_slab: bool, node=None) -> tuple[HostStore, HostPlan]:
     """A planned, preflighted, still empty host store."""
     pinner = host_arena.pinner_for(device, config.pin_memory)
-    has_master = []
-    for b in range(n_blocks):
-        block_layers = [s for s in layers if s.block == b]
-        has_master.append(all(not s.weight.is_meta or (checkpoint is not None and s.weight_name in checkpoint)
-                              for s in block_layers))
-    freed = sum(_in_ram(s.weight) for s in layers)
+    has_master = [all(not s.weight.is_meta or (checkpoint is not None and s.weight_name in checkpoint)
+                      for s in layers if s.block == b) for b in range(n_blocks)]
+    freed = sum(s.weight.numel() * s.weight.element_size() for s in layers if s.weight.device.type == "cpu")
     machine = host_budget.probe_machine()
     training = tuple(sorted({s.block for s in layers if s.weight.requires_grad}))
     plan = plan_host(layers, n_blocks, precision_map, keep_full, pinner.locks, machine, has_master, freed,
@@ -73,10 +62,8 @@ def missing_stack(store: HostStore, checkpoint: WeightsFile | None, block: int) 
 def fill_masters(store: HostStore, checkpoint: WeightsFile | None, progress,
                  while_filling: Callable[[], None] | None = None, clock: StageClock | None = None) -> list[int]:
     """Masters into the store (flat buffers, or views of the file); returns the blocks with none (meta, no file).
-
-    The copies (a model on the GPU: 24 GB of Flux bf16 in 5-6 s on an H100's host) run on a worker thread while
-    `while_filling()` runs on this one (offload imports the compiler there: a warm first step's first unit load
-    otherwise spent ~1 s on it). Views of a mapped file take no time: `while_filling()` then runs after them."""
+    The copies run on a worker thread while `while_filling()` runs on this one (views of a mapped file take no
+    time: `while_filling()` then runs after them)."""
     if store.keep_full == KEEP_FILE:
         store.after_file_read = checkpoint.release_pages
         for b in progress(range(len(store.blocks)), "offload: blocks mapped from the checkpoint"):
@@ -118,8 +105,7 @@ def _copy_masters(store: HostStore, checkpoint: WeightsFile | None, progress) ->
 
 def _file_weight(checkpoint: WeightsFile, spec: StreamedLayerSpec, keep_in_file: bool = False) -> torch.Tensor:
     """The layer's weight in the file (the module's own layout); copied into the store unless kept in the file."""
-    w = spec.weight
-    name = spec.weight_name
+    w, name = spec.weight, spec.weight_name
     t = checkpoint.tensor_for(name, w, "weight", track=keep_in_file)
     if keep_in_file and t.dtype != w.dtype:
         raise CheckpointError(f"checkpoint {checkpoint.path!r}: {name} is {t.dtype}, the model's weight {w.dtype}; "
@@ -133,11 +119,8 @@ def _file_weight(checkpoint: WeightsFile, spec: StreamedLayerSpec, keep_in_file:
 
 def load_resident(model: nn.Module, checkpoint: WeightsFile, device: torch.device, streamed: set[str],
                   progress) -> None:
-    """Every meta parameter and buffer that is not a streamed weight, from the file, straight to `device`.
-
-    Tied parameters (one Parameter under two names) stay tied: each object is
-    replaced once, everywhere it is registered.
-    """
+    """Every meta parameter and buffer that is not a streamed weight, from the file, straight to `device`. Tied
+    parameters stay tied: each object is replaced once, everywhere it is registered."""
     owners = _resident_owners(model, streamed)
     untied = []
     for entries in progress(list(owners.values()), "offload: resident tensors from the checkpoint"):

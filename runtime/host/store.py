@@ -1,21 +1,8 @@
-"""The host store: the master copy of every streamed weight, one flat buffer per
-block per precision.
+"""The host store: the master copy of every streamed weight, one flat buffer per block per precision.
 
-A block's full-precision buffer holds its Linear weights exactly as the model
-had them (dtype and layout); the modules' `weight` parameters become views into
-it, so `state_dict()` and `load_state_dict()` see and update the real weights.
-Every other precision's buffer is derived from it (or read from a slab file) by
-that precision's registry entry, which also says how the buffer is laid out.
-Streaming only ever reads these buffers: the host copy is the master and is
-never modified by it.
-
-Where the bytes live (`host/arena.py`): the buffers of one copy kind are views
-into one large host allocation, and only the buffers a block streams are
-page-locked, at their exact size (`set_pins`). The master of a block that
-streams INT8 is kept pageable (`keep_full="ram"`) or not in RAM at all
-(`keep_full="file"`: the modules' weights are views of the model's safetensors
-file, mapped copy-on-write; a block that streams BF16 then gets a flat copy
-derived from them, version-checked like INT8).
+The modules' weights become views of a block's full-precision buffer (so `state_dict()` is real); every other
+precision's buffer is derived from it (or read from a slab) by its registry entry, and streaming only reads them.
+A copy kind's buffers are views of one allocation (`host/arena.py`); only what streams is page-locked.
 """
 
 from __future__ import annotations
@@ -34,19 +21,17 @@ from torch_stagehand.runtime.host.node_store import NodeStoreError
 from torch_stagehand.runtime.precision import LayerLayout
 
 
-# ---- one block's host copies: a flat buffer per precision, its layout, the master version each was built from
-
 @dataclass
 class BlockBuffers:
+    """One block's host copies: a flat buffer per precision, its layout, the master version each was built from."""
+
     layers: list[StreamedLayerSpec]
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # precision name -> flat uint8 buffer
     layouts: dict[str, list[LayerLayout]] = field(default_factory=dict)
-    # The master's version counter when a derived buffer was built from it: a later
-    # in-place write (load_state_dict, optimizer on a view) makes that buffer stale.
-    # None: not built from the master (read from a slab with no master to compare).
+    # The master's version counter when a derived buffer was built (a later in-place write makes it stale);
+    # None: not built from the master (read from a slab).
     source_versions: dict[str, int | None] = field(default_factory=dict)
-    # keep_full="file": the layers' weights as views of the safetensors file (their stored
-    # orientation); they are the master, and a flat full-precision buffer is derived from them.
+    # keep_full="file": the layers' weights as views of the safetensors file, the master.
     file_master: list[torch.Tensor] | None = None
 
     @property
@@ -63,8 +48,6 @@ class BlockBuffers:
         return 0 if buf is None else buf.numel()
 
 
-# ---- the host store: every block's copies
-
 log = logging.getLogger(__name__)
 
 # Where a block's full-precision master is kept (Config.keep_full / offload(keep_full=...)).
@@ -75,33 +58,25 @@ class HostStore:
     def __init__(self, layers: list[StreamedLayerSpec], n_blocks: int, pin: bool, quantizer: str, quant_device=None,
                  pinner=None, keep_full: str = KEEP_PINNED, node=None):
         self.pin = pin
-        # The node's shared store (host/node_store.py): offload's allocations are the node's, each block's by its owner.
-        self.node = node
+        self.node = node  # the node's shared store (host/node_store.py), or None
         self.pinner = pinner if pinner is not None else NoPinner()
         self.keep_full = keep_full
         self.quantizer = quantizer
-        # Quantizing 10 GB of weights on two CPU cores takes minutes; on the GPU, seconds.
-        self.quant_device = quant_device
+        self.quant_device = quant_device  # where derived copies are quantized (the GPU: seconds, not minutes)
         self.blocks = [BlockBuffers(layers=[s for s in layers if s.block == b]) for b in range(n_blocks)]
-        # Derived copies rebuilt because their master was written after they were built.
-        self.requantized_blocks = 0
+        self.requantized_blocks = 0  # derived copies rebuilt because their master was written since
         self.arenas: list[HostArena] = []
         self.after_file_read: Callable[[], None] | None = None  # keep_full="file": drop the mapped pages read
-        # Config(int8_tier="disk"): (block, precision) copies read from the slab file at each fetch (host/disk_tier.py).
-        self.disk_tier = None
+        self.disk_tier = None  # Config(int8_tier="disk"): the copies in on_disk are read at each fetch
         self.on_disk: set[tuple[int, str]] = set()
         self._reserved: dict[tuple[int, str], torch.Tensor] = {}  # carved, not yet handed out
         self._arena_of: dict[tuple[int, str], HostArena] = {}
         self.offloaded = False  # offload is done: a refused page-lock falls back to pageable (host/arena.py)
         # Told when a module's weight was replaced by a view of the store (host/undo.py keeps the original).
         self.on_replaced: Callable[[StreamedLayerSpec, torch.Tensor], None] | None = None
-        # Run once at the next fetch, then cleared: after a step across ranks, the owners' writes (train/shards.py).
-        self.before_fetch: Callable[[], None] | None = None
-        # A slab's rows still read by the reader process after offload returned (read_process.RowsBehind): a
-        # fetch waits for them; a buffer still being read is not page-locked here (the reads' listener locks it).
+        self.before_fetch: Callable[[], None] | None = None  # run once at the next fetch (train/shards.py)
+        # A slab's rows still read after offload returned (read_process.RowsBehind): a fetch waits for them.
         self.rows_behind = None
-
-    # ---- host memory ----------------------------------------------------------
 
     def _new_arena(self, kind: str, sizes: list[int], shareable: bool = True, backing=None) -> HostArena:
         """`shareable`: the node's ranks may share it while offload runs (a rank's gradients are its own)."""
@@ -124,11 +99,10 @@ class HostStore:
             arena = self._new_arena(kind, sizes, backing=backing)
         except NodeStoreError:
             raise  # another rank of the node failed: its own message
-        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:  # say what did not fit: offload then puts the model back
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:  # say what did not fit
             raise torch.OutOfMemoryError(
                 f"offload: no host memory for the {precision} copies of blocks {blocks[0]}..{blocks[-1]} "
-                f"({sum(sizes) / 2**20:.1f} MiB, first layer {self.blocks[blocks[0]].layers[0].fqn}): {e}"
-            ) from e
+                f"({sum(sizes) / 2**20:.1f} MiB, first layer {self.blocks[blocks[0]].layers[0].fqn}): {e}") from e
         self.arenas.append(arena)
         for b, n in zip(blocks, sizes):
             self._reserved[(b, precision)] = arena.carve(n)
@@ -155,11 +129,8 @@ class HostStore:
         return precision == precisions.FULL and self.blocks[block].file_master is None
 
     def set_pins(self, precision_map: dict[int, str]) -> None:
-        """Lock exactly what streams (plus every master under keep_full="pinned"), unlock the rest.
-
-        A flat full-precision copy derived from a file master is dropped when its
-        block stops streaming it: the file holds those weights.
-        """
+        """Lock exactly what streams (plus every master under keep_full="pinned"), unlock the rest. A flat
+        full-precision copy derived from a file master is dropped when its block stops streaming it."""
         if self.rows_behind is not None and self.offloaded:  # a new map after offload: every row in first
             self.rows_behind.wait()
         unlock = []  # (arena, buffer): unlocked together after one drain of the copies in flight
@@ -171,9 +142,8 @@ class HostStore:
                 arena = self._arena_of.get((block, precision))
                 if arena is None:
                     continue
-                keep = precision == streams or (self.keep_full == KEEP_PINNED and self._is_master(block, precision))
-                if not self.pin:
-                    keep = False
+                keep = self.pin and (precision == streams or (self.keep_full == KEEP_PINNED
+                                                              and self._is_master(block, precision)))
                 if not keep:
                     if arena.is_locked(buf):
                         unlock.append((arena, buf))
@@ -185,9 +155,8 @@ class HostStore:
                 arena.unlock(buf, drained=True)
 
     def lock_filled(self, block: int, precision: str, refuse: bool | None = None) -> None:
-        """Page-lock a copy as soon as its bytes are in (a slab's reads: beside the reads still going, not after
-        them); `set_pins` keeps it locked or unlocks it by the precision map. Any thread. `refuse`: a refused lock
-        fails offload (default: until offload is done); False: the buffer stays pageable, with a warning."""
+        """Page-lock a copy as soon as its bytes are in (a slab's reads; any thread); `set_pins` decides later.
+        `refuse`: a refused lock fails offload (default: until offload is done); False: it stays pageable."""
         arena = self._arena_of.get((block, precision))
         if self.pin and arena is not None and not arena.shared:
             self._lock(block, precision, arena, refuse)
@@ -223,16 +192,9 @@ class HostStore:
                 held.clear()
             bb.file_master = None
 
-    # ---- building -----------------------------------------------------------
-
     def adopt_full(self, block: int, source: Callable[[StreamedLayerSpec], torch.Tensor] | None = None) -> bool:
-        """Move the block's weights into one flat buffer; the modules keep views of it.
-
-        `source(spec)` gives a layer's weight in the module's own layout (default:
-        the module's weight; a checkpoint reader gives the file's tensor).
-        Returns False (and keeps nothing) when there are no weights (meta, no
-        source): such a block can only stream what a slab provides.
-        """
+        """Move the block's weights into one flat buffer; the modules keep views of it. `source(spec)`: a layer's
+        weight in the module's layout (default: the module's). False (nothing kept) when there are no weights."""
         bb = self.blocks[block]
         source = source or (lambda spec: spec.weight.detach())
         weights = [source(spec) for spec in bb.layers]
@@ -326,8 +288,6 @@ class HostStore:
         """Record the master version the precision's buffer now matches (None: there is no master)."""
         self.blocks[block].source_versions[precision] = self.master_version(block)
 
-    # ---- reading ------------------------------------------------------------
-
     def has(self, block: int, precision: str) -> bool:
         return precision in self.blocks[block].buffers or (block, precision) in self.on_disk
 
@@ -352,8 +312,7 @@ class HostStore:
         return self.has(block, precision) or (self.is_derived(block, precision) and bb.has_master)
 
     def fetching(self) -> None:
-        """A block's bytes are about to be read for a device copy: what must happen first, once, at a fetch
-        outside any backward (a recompute's fetches inside one leave it for the next forward)."""
+        """A block's bytes are about to be read for a device copy: `before_fetch`, once, outside any backward."""
         if self.before_fetch is not None and torch._C._current_graph_task_id() == -1:
             hook, self.before_fetch = self.before_fetch, None
             hook()
@@ -368,19 +327,17 @@ class HostStore:
             self.requantized_blocks += 1
 
     def mark_written(self, block: int) -> None:
-        """The block's master is (about to be) written by something that does not move its version
-        counter (torch's fused CPU optimizers write in place without): move it, so every slot copy and
-        derived copy of the block is refreshed before it is served again."""
+        """The block's master is (about to be) written without moving its version counter (torch's fused CPU
+        optimizers): move it, so every copy of the block is refreshed before it is served again."""
         bb = self.blocks[block]
         for t in bb.file_master if bb.file_master is not None else [bb.full] if bb.full is not None else []:
             torch.autograd.graph.increment_version(t)
 
     def master_version(self, block: int) -> int | None:
-        """The version counter of the block's master (None: no master). Every write to a streamed
-        weight moves it: the weights are views of one buffer (the block's, or the mapped file's)
-        and share its counter."""
+        """The version counter of the block's master (None: no master): the weights are views of one buffer and
+        share its counter, so every write to one moves it."""
         bb = self.blocks[block]
-        if bb.file_master is not None:  # each weight is a tensor of its own on the mapping: their sum moves on any write
+        if bb.file_master is not None:  # each weight is a tensor of its own on the mapping: their sum
             return sum(w._version for w in bb.file_master)
         return None if bb.full is None else bb.full._version
 
@@ -411,9 +368,8 @@ class HostStore:
 
     def max_block_bytes(self) -> int:
         """The slot size: the largest block in any precision it can stream in."""
-        return max(
-            self.nbytes(b, name) for b in range(len(self.blocks)) for name in precisions.names() if self.can_stream(b, name)
-        )
+        return max(self.nbytes(b, name) for b in range(len(self.blocks)) for name in precisions.names()
+                   if self.can_stream(b, name))
 
     def host_bytes(self) -> int:
         """Bytes of host memory the store's buffers hold (a file master is not in it)."""

@@ -1,20 +1,7 @@
-"""Offload as a transaction: what `offload` changes in a model, recorded before it
-changes it, so that a failure part-way (a NaN found while quantizing, a slab
-that does not match, out of memory for the pinned store or the slots) puts the
-model back as it was instead of leaving it half-offloaded.
-
-Offload changes the model in three ways: it swaps each streamed layer's class
-(`make_streamed`), replaces each streamed weight parameter by a view of the
-host store (and a slab may fill meta biases), and moves everything else to the
-device. The record keeps every streamed weight's Parameter *object*, so that
-an optimizer or a tie made before the call names the model's weights again
-after a failure, but not its memory: once the host store holds a weight's
-values (every layer sharing the object copied), the object's data is swapped
-for an empty tensor, so offloading a model from the GPU or the host never
-holds two copies. Undo (and `restore()`) fills the same objects again from
-the host store, on their original devices. An object another module still
-uses outside the streamed layers (a tie with a resident module) keeps its
-data: emptying it would break that module.
+"""Offload as a transaction: what `offload` changes in a model (layer classes, streamed weights, meta biases, devices)
+is recorded first, so a failure part-way puts the model back. The record keeps each weight's Parameter object (an
+optimizer or a tie made before names it again) but not its memory, emptied once the store holds it; undo and
+`restore()` refill the same objects. An object used outside the streamed layers keeps its data.
 """
 
 from __future__ import annotations
@@ -47,12 +34,10 @@ class OffloadUndo:
         self._emptied: dict[int, torch.device] = {}  # id -> the device it was on
         self._refilled: set[int] = set()
         self._biases = {s.fqn: s.module._parameters.get("bias") for s in layers}  # small; a slab may replace meta ones
-        # A model built on the meta device and loaded from its checkpoint by offload: its meta tensors
-        # (they hold no memory) go back in place of what was loaded.
+        # A meta model loaded from its checkpoint by offload: its meta tensors go back in place of what was loaded.
         self._meta = [(module, kind, name, t) for module in model.modules() for kind in ("_parameters", "_buffers")
                       for name, t in getattr(module, kind).items() if t is not None and t.is_meta]
-        # A rank of a node that shares its store (host/node_store.py) keeps its weights until the store is sealed: the
-        # blocks other ranks write may not be in the pages yet, and an undo must not read them from there.
+        # A rank of a node sharing its store keeps its weights until the store is sealed (other ranks' blocks).
         self._deferred: list[tuple[StreamedLayerSpec, torch.Tensor]] | None = None
 
     def defer_releases(self) -> None:
@@ -103,11 +88,9 @@ class OffloadUndo:
             self.move_back()
 
     def plain_weight(self, spec: StreamedLayerSpec, restoring: bool = False) -> None:
-        """The layer's weight back on its original device with the host store's values (restore()): the
-        original Parameter object where offload released it, else a Parameter of its own.
-
-        `restoring`: a weight that was on the meta device (a model loaded from its checkpoint by
-        offload) comes back on the CPU, with its values."""
+        """The layer's weight back on its original device with the host store's values (restore()): the original
+        Parameter object where offload released it, else a Parameter of its own. `restoring`: a weight that was on
+        the meta device comes back on the CPU."""
         device = self.devices[spec.weight_name]
         if restoring and device.type == "meta":
             device = torch.device("cpu")

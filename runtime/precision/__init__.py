@@ -1,36 +1,15 @@
-"""The precision registry: one entry per precision (name, code, host layout, how a block's
-buffer is built, a layer's views in a buffer or slot, linear and grad-input from a slot).
-
-The host store, the ops, the runtime, the compiler and the front door hold a
-precision's name or code and ask this registry for its entry; none of them
-branches on which precision it is. Adding one (FP8) is a new entry here:
-
-    from torch_stagehand.runtime import precision as precisions
-    precisions.register(MyFp8())          # a `Precision` subclass
+"""The precision registry: one entry per precision (name, code, host layout, how a block's buffer is built, a layer's
+views, linear and grad-input from a slot). Callers hold a name or code and ask for the entry; adding a precision
+is `precisions.register(MyPrecision())`, a `Precision` subclass.
 """
 
 from torch_stagehand.runtime.precision.base import Precision
 from torch_stagehand.runtime.precision.layout import ALIGN, CODE_DTYPES, DTYPE_CODES, LayerLayout, align
-from torch_stagehand.runtime.precision.registry import FP8, FULL, INT8, by_code, get, layer_views, master, names, register, unregister
+from torch_stagehand.runtime.precision.registry import (FP8, FULL, INT8, by_code, get, layer_views, master, names,
+                                                        register, unregister)
 from torch_stagehand.runtime.precision.validate import PrecisionMapError, validate_precision_map
 
 __all__ = [
-    "ALIGN",
-    "CODE_DTYPES",
-    "DTYPE_CODES",
-    "FP8",
-    "FULL",
-    "INT8",
-    "LayerLayout",
-    "Precision",
-    "PrecisionMapError",
-    "align",
-    "by_code",
-    "get",
-    "layer_views",
-    "master",
-    "names",
-    "register",
-    "unregister",
-    "validate_precision_map",
+    "ALIGN", "CODE_DTYPES", "DTYPE_CODES", "FP8", "FULL", "INT8", "LayerLayout", "Precision", "PrecisionMapError",
+    "align", "by_code", "get", "layer_views", "master", "names", "register", "unregister", "validate_precision_map",
 ]

@@ -1,11 +1,6 @@
-"""What a precision is: the one interface the host store, the ops and the runtime talk to.
-
-Everything that depends on how a precision stores and computes a weight lives
-in its entry: the host layout of a block, how a block's buffer is filled from
-full-precision weights, the views of one layer inside a buffer (the same
-function for the host buffer and for the device slot it is copied into), and
-the linear / grad-input math on those views. Callers hold a name or a code and
-ask the registry for the entry; none of them branches on which precision it is.
+"""What a precision is: the one interface the host store, the ops and the runtime talk to. Everything that depends on
+how a precision stores and computes a weight lives in its entry (a block's layout, filling its buffer, a layer's
+views in a host buffer or a slot alike, the math on them); callers never branch on which precision it is.
 """
 
 from __future__ import annotations
@@ -27,23 +22,18 @@ class Precision(abc.ABC):
 
     name: str  # what precision maps, the CLI and telemetry say ("bf16", "int8")
     code: int  # the small int that travels in op schemas and layouts
-    # Built from the full-precision master (the host store rebuilds it when the master's
-    # version counter moves); False only for the master itself.
+    # Built from the master (rebuilt when its version counter moves); False only for the master itself.
     derived_from_master: bool = True
 
     def bias_in_graph(self, lay: LayerLayout) -> bool:
-        """Should this layer's bias be its own add in the graph (where Inductor fuses it into the next
-        pointwise op) rather than go into the linear op? For a GEMM that cannot add it in its epilogue."""
+        """Should this layer's bias be its own add in the graph (fused by Inductor), not the linear op's?"""
         return False
 
     def graph_linear(self, lay: LayerLayout, device: torch.device, rows: int | None) -> "Callable | None":
-        """This layer's linear written in graph ops, `(x, slot, block_tok, prev_tok, layout) -> y` with no
-        bias (the rewrite adds it in the graph), which compiled blocks trace in place of the
-        `stagehand::linear` op so the inner compiler sees the math (precision/traced.py); None: the op.
-        `rows`: the activation's rows (tokens) where the captured graph knows them, else None."""
+        """This layer's linear in graph ops, `(x, slot, block_tok, prev_tok, layout) -> y` without bias, traced
+        into compiled blocks instead of the op (precision/traced.py); None: the op. `rows`: the activation's rows
+        where the captured graph knows them."""
         return None
-
-    # ---- host layout ------------------------------------------------------------
 
     @abc.abstractmethod
     def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
@@ -55,10 +45,7 @@ class Precision(abc.ABC):
         ...
 
     def layout(self, layers: list["StreamedLayerSpec"]) -> tuple[list[LayerLayout], int]:
-        """Where each layer of a block sits in the block's flat buffer, and the buffer's size.
-
-        Each weight (and its scale, if any) starts on an ALIGN boundary.
-        """
+        """Each layer's place in the block's flat buffer (ALIGN-aligned), and the buffer's size."""
         result, offset = [], 0
         for spec in layers:
             weight_bytes, scale_bytes = self.layer_nbytes(spec)
@@ -66,8 +53,6 @@ class Precision(abc.ABC):
             result.append(self.layer_layout(spec, offset, scale_offset))
             offset = align(scale_offset + scale_bytes) if scale_bytes else align(offset + weight_bytes)
         return result, offset
-
-    # ---- one layer inside a buffer (host buffer or device slot) ---------------------
 
     @abc.abstractmethod
     def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
@@ -79,12 +64,9 @@ class Precision(abc.ABC):
         """Fill the layer's bytes in `buf` from a full-precision [out, in] weight."""
         ...
 
-    # ---- the math on a slot ---------------------------------------------------------
-
     @abc.abstractmethod
-    def linear_from_slot(
-        self, x: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor | None, lay: LayerLayout
-    ) -> torch.Tensor:
+    def linear_from_slot(self, x: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor | None,
+                         lay: LayerLayout) -> torch.Tensor:
         ...
 
     @abc.abstractmethod
@@ -99,15 +81,17 @@ class Precision(abc.ABC):
         return f"<precision {self.name!r} code {self.code}>"
 
 
-class OneBytePerRow(Precision):
-    """One byte per weight plus one fp32 scale per output row, stored [out, in] ("int8", "fp8").
+def row_views(buf: torch.Tensor, lay: LayerLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-byte-per-row layer's (weight [out, in] of `dtype`, fp32 row scale [out]) as views of `buf`."""
+    n, k = lay.out_features, lay.in_features
+    q = buf[lay.offset : lay.offset + n * k].view(dtype).view(n, k)
+    return q, buf[lay.scale_offset : lay.scale_offset + 4 * n].view(torch.float32)
 
-    The layout, the views and the write are the same for every such precision; a
-    subclass names its `weight_dtype`, how a row is quantized, and the math.
-    """
+
+class OneBytePerRow(Precision):
+    """One byte per weight plus one fp32 scale per output row, stored [out, in] ("int8", "fp8")."""
 
     weight_dtype: torch.dtype
-    derived_from_master = True
 
     def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
         return spec.out_features * spec.in_features, 4 * spec.out_features
@@ -117,10 +101,7 @@ class OneBytePerRow(Precision):
                            DTYPE_CODES[self.weight_dtype])
 
     def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
-        n, k = lay.out_features, lay.in_features
-        q = buf[lay.offset : lay.offset + n * k].view(self.weight_dtype).view(n, k)
-        s = buf[lay.scale_offset : lay.scale_offset + 4 * n].view(torch.float32)
-        return q, s
+        return row_views(buf, lay, self.weight_dtype)
 
     @abc.abstractmethod
     def quantize(self, weight: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:

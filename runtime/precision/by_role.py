@@ -1,14 +1,8 @@
-"""Per-layer precision inside a block (issue 10): attention and MLP layers of one block may differ.
+"""Per-layer precision inside a block: a *by-role* precision's buffer holds the block's attention projections in one
+precision and the rest (the MLP) in another ("int8-mlp": attention bf16, MLP int8; "int8-attn+fp8-mlp").
 
-A block streams as one buffer in one precision; a *by-role* precision is one
-whose buffer holds the block's attention projections in one precision and the
-rest (the MLP) in another, e.g. "int8-mlp": attention bf16, MLP int8, or both
-in different low precisions ("int8-attn+fp8-mlp": where the FP8 policy file
-measured only the MLP's shapes faster). Every
-layer's layout carries this entry's code (the backward's `wait_bw` takes the
-block's precision from a layer's layout) and the stored dtype of the role's
-precision, which is how this entry hands each layer to the entry that
-stored it (int8 -> "int8", e4m3 -> "fp8", a float -> the full precision).
+Every layer's layout carries this entry's code (`wait_bw` takes the block's precision from a layer's layout) and
+the stored dtype of its role's precision, by which this entry hands each layer to the entry that stored it.
 """
 
 from __future__ import annotations
@@ -38,14 +32,13 @@ def layer_role(fqn: str) -> str:
 
 
 class ByRole(Precision):
-    derived_from_master = True
-
     def __init__(self, name: str, code: int, attention: Precision, mlp: Precision):
         self.name, self.code = name, code
         self.roles = {ATTENTION: attention, MLP: mlp}
-        # A layer's stored dtype tells which role's entry wrote it, so the two must store different
-        # dtypes: full precision (a float) and a low one, or two low ones (int8 and E4M3).
-        self._by_stored = {_stored_kind(entry): entry for entry in (attention, mlp)}
+        # A layer's stored dtype ("float" for the full precision) tells which role's entry wrote it: the two must
+        # store different dtypes.
+        self._by_stored = {entry.weight_dtype if entry.derived_from_master else _FLOAT: entry
+                           for entry in (attention, mlp)}
         if len(self._by_stored) != 2:
             raise ValueError(f"by-role precision {name!r}: attention ({attention.name}) and MLP ({mlp.name}) "
                              "store the same dtype; use that precision for the whole block")
@@ -101,8 +94,3 @@ def by_roles_name(attention: str, mlp: str) -> str:
 
 _FLOAT = "float"
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _stored_kind(entry: Precision):
-    """What a layer stored by `entry` holds: "float" for the full precision, else its weight dtype."""
-    return _FLOAT if not entry.derived_from_master else entry.weight_dtype

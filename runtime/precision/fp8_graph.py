@@ -1,49 +1,44 @@
-"""fp8's Linear as graph ops (see traced.py): E4M3 GEMMs on `_scaled_mm`, quantization by Inductor.
-
-The arithmetic is `quantize_rows_ref`'s (the Triton kernel's twin) and fp8.py's
-op path's: per-row E4M3 activations, the weight's row scale as the GEMM's
-column scale in the forward and folded into dy in the grad-input.
-"""
+"""fp8's Linear as graph ops (see traced.py): E4M3 GEMMs on `_scaled_mm`, the quantization by Inductor, with the
+op path's arithmetic (fp8.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from torch_stagehand.kernels.fp8_quant import E4M3, quantize_rows_ref
-
+from torch_stagehand.runtime.precision.base import row_views
 from torch_stagehand.runtime.precision.layout import LayerLayout
 from torch_stagehand.runtime.precision.traced import TracedLinear, TracedMath, cast_to, in_graph
 
 
-def _views(slot: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E4M3 weight [n, k], fp32 row scale [n]) inside the slot, as graph views (no copy)."""
-    n, k = lay.out_features, lay.in_features
-    q = slot[lay.offset : lay.offset + n * k].view(E4M3).view(n, k)
-    s = slot[lay.scale_offset : lay.scale_offset + 4 * n].view(torch.float32)
-    return q, s
-
-
-def _forward(x: torch.Tensor, slot: torch.Tensor, lay: LayerLayout) -> torch.Tensor:
-    q, s = _views(slot, lay)
-    n, k = lay.out_features, lay.in_features
-    xq, xs = quantize_rows_ref(x.reshape(-1, k))
-    # Fast accumulation in the forward only, as in fp8.scaled_linear (the op path). Row-wise scaled
-    # GEMMs return bf16 only.
+def scaled_forward(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, quantize=quantize_rows_ref) -> torch.Tensor:
+    """y = x @ (q * s)^T (no bias) on FP8 tensor cores, x quantized per row by `quantize`."""
+    n, k = q.shape
+    xq, xs = quantize(x.reshape(-1, k))
+    # Fast accumulation in the forward only (the grad-input's reductions are long); bf16 out only (row-wise).
     y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=s.view(1, n), out_dtype=torch.bfloat16, use_fast_accum=True)
     return cast_to(y, x.dtype).view(*x.shape[:-1], n)
 
 
-def _grad_input(dy: torch.Tensor, slot: torch.Tensor, lay: LayerLayout) -> torch.Tensor:
-    q, s = _views(slot, lay)
-    n, k = lay.out_features, lay.in_features
-    # The weight's row scale sits on the reduction dim here: it goes into dy before dy is quantized.
-    dq, ds = quantize_rows_ref(dy.reshape(-1, n), col_scale=s)
-    # Hopper's FP8 GEMMs are TN only: the second operand must be [n, k] column-major, i.e. W^T made
-    # contiguous; moved as bytes (Inductor's tiled copy kernel), reinterpreted after.
-    wt = q.view(torch.uint8).t().contiguous().view(E4M3)
-    ones = torch.ones(1, k, dtype=torch.float32, device=dy.device)
+def scaled_backward(dy: torch.Tensor, q: torch.Tensor, s: torch.Tensor, ones: torch.Tensor,
+                    quantize=quantize_rows_ref, transpose=None) -> torch.Tensor:
+    """dx = dy @ (q * s) on FP8 tensor cores: the row scale (the reduction dim) goes into dy before it is
+    quantized; `ones`: the unit [1, k] column scale; `transpose`: q -> q^T contiguous (default: torch's copy)."""
+    n, k = q.shape
+    dq, ds = quantize(dy.reshape(-1, n), col_scale=s)
+    # Hopper's FP8 GEMMs are TN only: W^T made contiguous (moved as bytes), reinterpreted after.
+    wt = transpose(q) if transpose is not None else q.view(torch.uint8).t().contiguous().view(E4M3)
     dx = torch._scaled_mm(dq, wt.t(), scale_a=ds, scale_b=ones, out_dtype=torch.bfloat16)
     return cast_to(dx, dy.dtype).view(*dy.shape[:-1], k)
+
+
+def _forward(x: torch.Tensor, slot: torch.Tensor, lay: LayerLayout) -> torch.Tensor:
+    return scaled_forward(x, *row_views(slot, lay, E4M3))
+
+
+def _grad_input(dy: torch.Tensor, slot: torch.Tensor, lay: LayerLayout) -> torch.Tensor:
+    ones = torch.ones(1, lay.in_features, dtype=torch.float32, device=dy.device)
+    return scaled_backward(dy, *row_views(slot, lay, E4M3), ones)
 
 
 FP8_MATH = TracedMath(_forward, _grad_input)

@@ -1,9 +1,5 @@
-""""bf16": the weights exactly as the model holds them (its own dtype, its own layout).
-
-This is the master copy: the host store adopts the modules' weights into this
-entry's buffer and the modules keep views of it, so it is never derived from
-anything. ("bf16" is the historical name; a float32 or float16 model streams
-in float32 or float16.)
+""""bf16": the weights exactly as the model holds them (its own dtype and layout: a float32 model streams float32).
+The master copy: the modules keep views of this entry's buffer, so it is never derived from anything.
 """
 
 from __future__ import annotations
@@ -33,10 +29,8 @@ class FullPrecision(Precision):
         return w.numel() * w.element_size(), 0
 
     def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
-        dtype = spec.weight.dtype
-        return LayerLayout(
-            self.code, offset, spec.out_features, spec.in_features, -1, spec.transposed, DTYPE_CODES[dtype]
-        )
+        return LayerLayout(self.code, offset, spec.out_features, spec.in_features, -1, spec.transposed,
+                           DTYPE_CODES[spec.weight.dtype])
 
     def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
         return (dense_view(buf, lay),)

@@ -1,11 +1,6 @@
-""""int8": per-row symmetric INT8 weights plus one fp32 scale per output row.
-
-Built by quantizing the full-precision master (kernels.quantize_per_row, "mse"
-or "absmax") or read from an INT8 slab; computed by the W8A16 kernels (fused
-Triton on CUDA, the torch reference twin elsewhere). Half the bytes of bf16
-over PCIe. Stored [out, in] whatever the module's layout: the quantizer and the
-kernels work on rows of output features.
-"""
+""""int8": per-row symmetric INT8 weights plus one fp32 scale per output row, stored [out, in] whatever the
+module's layout; quantized from the master (kernels.quantize_per_row) or read from a slab; computed by the W8A16
+kernels."""
 
 from __future__ import annotations
 
@@ -13,13 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from torch_stagehand import kernels
-
-from torch_stagehand.runtime.precision.base import OneBytePerRow
+from torch_stagehand.runtime.precision.base import OneBytePerRow, row_views
 from torch_stagehand.runtime.precision.traced import TracedLinear, TracedMath, in_graph
 
-# From this many rows (tokens) up the W8A16 autotuner picks dequantize + cuBLAS over its fused kernels on an
-# H100 (benches/kernels.py measured the fused kernels at 0.47-0.85 of cuBLAS at M >= 256, and the dequantize
-# pass paying for itself above 512). That path is plain aten ops, so compiled blocks trace it into their graph.
+# From this many rows up the autotuner picks dequantize + cuBLAS: aten ops, traced into compiled blocks.
 TRACED_MIN_ROWS = 513
 
 
@@ -45,7 +37,7 @@ class Int8PerRow(OneBytePerRow):
 
 
 def _dequantized(slot: torch.Tensor, lay, dtype: torch.dtype) -> torch.Tensor:
-    q, s = _LAYOUT.views(slot, lay)
+    q, s = row_views(slot, lay, torch.int8)
     return kernels.dequantize(q, s, dtype)  # one Inductor kernel over the weight, as the op's dequant mode
 
 
@@ -65,6 +57,3 @@ def int8_linear_in_graph(x: torch.Tensor, slot: torch.Tensor, block_tok: torch.T
                          layout: list[int]) -> torch.Tensor:
     """y = x @ dequantize(W)^T for an int8 layer of `slot`, as ops AOTAutograd traces into the block's graph."""
     return TracedLinear.apply(x, slot, block_tok, prev_tok, tuple(layout), INT8_MATH)
-
-
-_LAYOUT = Int8PerRow()  # stateless: its `views` for the traced math

@@ -1,10 +1,5 @@
-"""Where a layer's weight sits in its block's flat buffer, as ints that travel through op schemas.
-
-A block streams as one flat uint8 buffer (host store -> device slot); each of
-its layers is a `LayerLayout` into it. The custom ops only carry ints, so a
-layout goes into the graph as `as_ints()`, and its first int is the precision
-code: an op that receives a layout looks its precision up by that code
-(`registry.by_code`) and never needs to have heard of it before.
+"""Where a layer's weight sits in its block's flat uint8 buffer, as ints that travel through op schemas
+(`as_ints()`); the first int is the precision code, which an op looks up (`registry.by_code`).
 """
 
 from __future__ import annotations
@@ -40,15 +35,8 @@ class LayerLayout:
         return CODE_DTYPES[self.dtype_code]
 
     def as_ints(self) -> list[int]:
-        return [
-            self.code,
-            self.offset,
-            self.out_features,
-            self.in_features,
-            self.scale_offset,
-            int(self.transposed),
-            self.dtype_code,
-        ]
+        return [self.code, self.offset, self.out_features, self.in_features, self.scale_offset, int(self.transposed),
+                self.dtype_code]
 
     @staticmethod
     def from_ints(v: list[int]) -> "LayerLayout":

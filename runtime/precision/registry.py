@@ -1,8 +1,5 @@
-"""The precisions stagehand can stream, by name and by code.
-
-Precision maps, the CLI and telemetry name a precision ("bf16", "int8"); op
-schemas and layouts carry its code. Both resolve here, so a new precision
-(FP8, a test's dummy) is one `register(entry)` and nothing else changes.
+"""The precisions stagehand can stream, by name (precision maps, the CLI, telemetry) and by code (op schemas and
+layouts): a new precision is one `register(entry)`.
 """
 
 from __future__ import annotations

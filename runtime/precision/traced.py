@@ -1,26 +1,9 @@
-"""A precision's Linear written in graph ops, for compiled blocks: the inner compiler sees the math.
+"""A precision's Linear in graph ops for compiled blocks (`Precision.graph_linear`): Inductor then fuses the
+quantization and calls the GEMM from its own code, without the `stagehand::linear` op's host cost.
 
-Through the `stagehand::linear` op every streamed Linear pays the host for the
-custom op's dispatch, the layout parsed again and the kernels launched from
-Python: an fp8 Linear cost ~85 us to issue forward and ~170 us for its
-grad-input against ~25 us for a cuBLAS GEMM, and at 4096 tokens the host, not
-the GPU, set workload A's step (benches/results/fp8_parts_h100.json,
-fp8_workload_a.json). A precision whose math is aten ops (`Precision.graph_linear`)
-is traced into the block's own graph instead, and Inductor
-
-* fuses the activation's per-row quantization (fp8) with what produced it, and
-  Linears that read the same input (q, k, v, the MLP's in-projection) share one
-  by AOTAutograd's common-subexpression pass;
-* writes the weight's dequantization (int8 at many rows) or transpose (fp8's
-  grad-input) as one kernel of its own;
-* calls the GEMM (`_scaled_mm`, `mm`) straight from its generated code.
-
-`TracedLinear` keeps the op path's contract to the letter: it saves the block's
-tokens, never the slot; its backward asks for the block again with `wait_bw`
-and prefetches the previous block, the very ops `stagehand::linear`'s backward
-emits, so `schedule_backward` dedupes and closes them the same way. Each
-precision gives its math as a `TracedMath`: `forward(x, slot, lay) -> y` (no
-bias: the rewrite adds it in the graph) and `grad_input(dy, slot, lay) -> dx`.
+`TracedLinear` keeps the op's contract: it saves the block's tokens, never the slot, and its backward asks for the
+block again (`wait_bw`) and prefetches the previous one, as the op's backward does. A precision's `TracedMath`:
+`forward(x, slot, lay)` (no bias) and `grad_input(dy, slot, lay)`.
 """
 
 from __future__ import annotations
@@ -32,8 +15,7 @@ import torch
 from torch_stagehand.runtime.precision.layout import LayerLayout
 
 
-# The Python functions rewrite_linear puts in a variant graph (each calls TracedLinear with its math): the
-# compile caches must be told they are safe to key by name (compiler/startup/compile_cache.py).
+# The functions rewrite_linear puts in a variant graph: the compile caches key them by name (compile_cache.py).
 IN_GRAPH_FUNCTIONS: list[Callable] = []
 
 

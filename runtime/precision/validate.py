@@ -1,9 +1,5 @@
-"""Checking a precision map: one set of rules and words for `offload`, `Runtime.set_precision` and the CLI.
-
-A map is a precision name for every block, or {block index or block FQN:
-name}. Every caller turns what the user wrote into {block index: name} here,
-so the three front ends accept and reject the same things with the same words.
-"""
+"""Checking a precision map (a name for every block, or {block index or FQN: name}): one set of rules and words for
+`offload`, `Runtime.set_precision` and the CLI."""
 
 from __future__ import annotations
 
@@ -16,21 +12,13 @@ class PrecisionMapError(ValueError):
     """A precision map names an unknown precision or block; the message says which."""
 
 
-def validate_precision_map(
-    precision: str | Mapping,
-    blocks: Sequence[str] | int | None,
-    *,
-    base: Mapping[int, str] | None = None,
-    context: str = "precision map",
-) -> dict[int, str]:
+def validate_precision_map(precision: str | Mapping, blocks: Sequence[str] | int | None, *,
+                           base: Mapping[int, str] | None = None, context: str = "precision map") -> dict[int, str]:
     """Resolve `precision` into {block index: precision name}, or raise PrecisionMapError.
 
-    blocks: the block FQNs, or only their count (keys must then be indices), or
-    None when the model is not known yet (only the precision names are checked
-    and the map comes back as given).
-    base: the map that blocks left out keep; None gives them the full precision.
-    context: how messages start ("offload: precision map", "--precision").
-    """
+    blocks: the block FQNs, or their count (keys must then be indices), or None when the model is not known yet
+    (only the names are checked; the map comes back as given). base: the map that blocks left out keep (None: the
+    full precision). context: how messages start ("offload: precision map", "--precision")."""
     known = names()
     if isinstance(precision, str):
         if precision not in known:
@@ -40,9 +28,8 @@ def validate_precision_map(
         precision = {b: precision for b in range(_count(blocks))}
     if not isinstance(precision, Mapping):
         choices = ", ".join(repr(n) for n in known)
-        raise PrecisionMapError(
-            f"{context}: precision must be {choices} or a dict block -> precision, got {precision!r}"
-        )
+        raise PrecisionMapError(f"{context}: precision must be {choices} or a dict block -> precision, "
+                                f"got {precision!r}")
     resolved: dict[int, str] = {}
     out_of_range: list[int] = []
     for key, value in precision.items():
@@ -51,15 +38,13 @@ def validate_precision_map(
             out_of_range.append(block)
             continue
         if value not in known:
-            raise PrecisionMapError(
-                f"{context}: block {key!r} has unknown precision {value!r} (known: {', '.join(known)})"
-            )
+            raise PrecisionMapError(f"{context}: block {key!r} has unknown precision {value!r} "
+                                    f"(known: {', '.join(known)})")
         resolved[block] = value
     if out_of_range:
         bad, n = sorted(out_of_range), _count(blocks)
-        raise PrecisionMapError(
-            f"{context} names block(s) {bad}; block {bad[0]} does not exist (the model has blocks 0..{n - 1})"
-        )
+        raise PrecisionMapError(f"{context} names block(s) {bad}; block {bad[0]} does not exist "
+                                f"(the model has blocks 0..{n - 1})")
     if blocks is None:
         return resolved
     full = {b: FULL for b in range(_count(blocks))} if base is None else dict(base)

@@ -1,15 +1,6 @@
-"""Calibration before training: each block's output error in its candidate precision, on real activations.
-
-The offloaded model runs `batches` (calibration_samples of them) with no grad,
-eagerly, so the streamer brings its blocks in one at a time. A forward hook on
-each block receives that block's real input and its full-precision output,
-re-runs the block in the candidate precision (the block alone, with the same
-inputs) and records ||out_bf16 - out_candidate|| / ||out_bf16||, averaged over
-the samples. Results are cached as JSON under a fingerprint of the model's
-identity (class, config, sampled bytes of every block's master weights), the
-quant config (candidate per block, quantizer, samples, a hash of the batches)
-and the block layout (FQNs, every layer's layout in every candidate): the
-next run with the same fingerprint reads the file, any change makes a new one.
+"""Calibration before training: each block's output error ||out_bf16 - out_candidate|| / ||out_bf16|| in its
+candidate precision, from a hook that re-runs the block on its real inputs, averaged over the batches; cached as
+JSON under a fingerprint of the model, the quant config, the batches and the block layout.
 """
 
 from __future__ import annotations
@@ -25,8 +16,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from torch_stagehand.runtime.precision import FULL
 from torch_stagehand.environment import cache_dir as stagehand_cache_dir
+from torch_stagehand.runtime.atomic_file import write_atomic
+from torch_stagehand.runtime.precision import FULL
 
 log = logging.getLogger("torch_stagehand.selective_precision")
 _SAMPLED_BYTES = 1 << 16  # per block buffer: enough to tell weights apart, cheap on a 12B model
@@ -39,10 +31,6 @@ class CalibrationResult:
     path: str
     from_cache: bool
     candidates: dict[int, str] = field(default_factory=dict)
-
-
-def default_cache_dir() -> str:
-    return os.path.join(stagehand_cache_dir(), "calibration")
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
@@ -78,8 +66,7 @@ def calibrate(rt, model: nn.Module, batches: list, low_for: Callable[[int], str]
         raise ValueError("selective precision: calibrate() needs at least one batch")
     candidates = {b: low_for(b) for b in range(len(rt.blocks))}
     key = fingerprint(rt, batches, candidates)
-    folder = cache_dir or default_cache_dir()
-    path = os.path.join(folder, f"calibration-{key}.json")
+    path = os.path.join(cache_dir or os.path.join(stagehand_cache_dir(), "calibration"), f"calibration-{key}.json")
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
@@ -87,12 +74,9 @@ def calibrate(rt, model: nn.Module, batches: list, low_for: Callable[[int], str]
         log.info("selective precision: calibration read from %s", path)
         return CalibrationResult(errors, key, path, True, candidates)
     errors = _measure(rt, model, batches, candidates)
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"fingerprint": key, "candidates": {str(b): p for b, p in candidates.items()},
-                   "errors": {str(b): e for b, e in errors.items()}}, f, indent=1)
-    os.replace(tmp, path)  # another process calibrating the same model writes the same numbers
+    # Another process calibrating the same model writes the same numbers.
+    write_atomic(path, json.dumps({"fingerprint": key, "candidates": {str(b): p for b, p in candidates.items()},
+                                   "errors": {str(b): e for b, e in errors.items()}}, indent=1))
     log.info("selective precision: calibrated %d blocks, written to %s", len(errors), path)
     return CalibrationResult(errors, key, path, False, candidates)
 

@@ -1,14 +1,8 @@
-"""Selective precision acting on a Runtime: the policy runs from the optimizer's hooks.
-
-`offload(precision="auto")`, or a config whose `selective_precision.mode` is
-set, makes one of these (`rt.selective`). `rt.attach(optimizer)` registers its
-pre-step hook, so the user's loop does not change: after each backward the
-hook queues the per-block gradient reductions on the device; every
-`update_interval_steps` (after `warmup_steps`) it reads the window once, scores
-the blocks, applies the new map through `rt.set_precision` (the next call runs
-it: compiled variants re-linked, new ones compiled once, no Dynamo recompile),
-logs every change and writes a telemetry record. `rt.observe_loss(loss)`
-(optional) feeds the loss-spike revert.
+"""Selective precision acting on a Runtime (`rt.selective`, made by `offload(precision="auto")` or a set
+`selective_precision.mode`). `rt.attach(optimizer)` registers its pre-step hook: after each backward it queues the
+per-block gradient reductions on the device; every `update_interval_steps` (after `warmup_steps`) it reads the window
+once, scores the blocks, applies the new map through `rt.set_precision`, logs each change and writes a telemetry
+record. `rt.observe_loss(loss)` (optional) feeds the loss-spike revert.
 """
 
 from __future__ import annotations
@@ -74,8 +68,6 @@ class SelectivePrecision:
                               for u, p in initial.items() if p != start[u]])
         self.map_history.append((0, rt.precision))
 
-    # ---- what the runtime forwards ---------------------------------------------------------
-
     def attach(self, optimizer: torch.optim.Optimizer) -> list[Any]:
         # Bytes moved before training (calibration, a first eager call) are no step's.
         self._h2d_at_update, self._step_at_update = self.rt.pool.stats.h2d_bytes, self.step
@@ -100,8 +92,7 @@ class SelectivePrecision:
         return FP8 if unit in self._fp8_units else INT8
 
     def low_for(self, block: int) -> str:
-        """The block's precision with every unit of it sent down ("int8-attn+fp8-mlp" per layer): what
-        calibration measures the error of."""
+        """The block's precision with every unit of it sent down: what calibration measures."""
         units = self.units
         down = {u: self.low_for_unit(u) if units.block(u) == block else FULL for u in range(len(units))}
         return units.block_map(down)[block]
@@ -115,8 +106,6 @@ class SelectivePrecision:
 
     def close(self) -> None:
         self.telemetry.close()
-
-    # ---- the step ---------------------------------------------------------------------------
 
     def after_backward(self) -> None:
         if self.policy.mode != "dynamic":
@@ -154,8 +143,6 @@ class SelectivePrecision:
                 log.info("selective precision: step %d: block %s (%s) %s -> %s (%s%s)", c.step, self.units.label(c.block),
                          self.rt.blocks[self.units.block(c.block)], c.old, c.new, c.reason, score)
 
-    # ---- loss feedback -------------------------------------------------------------------------
-
     def _loss_feedback(self, new: dict[int, str]) -> list[Change]:
         if self._losses:
             values = torch.stack([v for _, v in self._losses]).cpu().tolist()  # one read per update
@@ -173,8 +160,6 @@ class SelectivePrecision:
                 still.append(c)
         self._watched = still
         return reverts
-
-    # ---- telemetry -----------------------------------------------------------------------------
 
     def _write_telemetry(self, window: WindowStats, changes: list[Change]) -> None:
         rt, pmap = self.rt, self.rt.precision

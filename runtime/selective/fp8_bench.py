@@ -1,11 +1,7 @@
 """Generate the FP8 policy file for this GPU: `python -m torch_stagehand.runtime.selective.fp8_bench --out F`.
 
-Times, per layer shape [out, in] and token count, the bf16 forward + grad-input
-(cuBLAS) against the fp8 ones (`torch._scaled_mm`, activation quantization
-included), calls back to back between CUDA events after warm-up, and writes the rules
-(`fp8_rules.rules_from_measurements`, speedup threshold 1.0 by default).
-Shapes default to the 3072-wide DiT block of workload A; pass --shapes
-"3072x3072,12288x3072,3072x12288" (out x in) for others.
+Times the bf16 forward + grad-input against the fp8 ones per layer shape (--shapes, out x in) and token count,
+and writes the rules (`fp8_rules.rules_from_measurements`).
 """
 
 from __future__ import annotations
@@ -23,9 +19,8 @@ from torch_stagehand.runtime.selective import fp8_rules
 
 
 def time_back_to_back(fn, iters: int, repeats: int = 5) -> float:
-    """Per call, `iters` calls back to back between two events (median of `repeats`): what a step pays
-    when the host issues ahead of the GPU, the host's own time showing only where it is the longer.
-    (A sync after every call would charge each call its launch latency, which a step never waits for.)"""
+    """Per call, `iters` calls back to back between two events (median of `repeats`): what a step pays when the
+    host issues ahead of the GPU (a sync per call would charge launch latency a step never waits for)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

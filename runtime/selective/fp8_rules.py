@@ -1,16 +1,10 @@
-"""The measured FP8 policy file (adaptive-fp8.txt): which layer shapes run faster in fp8 than bf16.
-
-Generated once per device by `python -m torch_stagehand.runtime.selective.fp8_bench`
-(it times bf16 and fp8 forward + grad-input per layer shape and token count on
-the GPU at hand). Format:
+"""The measured FP8 policy file (made per device by `python -m torch_stagehand.runtime.selective.fp8_bench`):
 
     {"version": 1, "device": "NVIDIA H100 80GB HBM3", "speedup_threshold": 1.0,
      "rules": [{"out_features": 3072, "in_features": 3072, "min_tokens": 4096, "measured_speedup": 1.21}, ...]}
 
-A layer of shape [out, in] takes fp8 at `tokens` tokens when a rule for its
-shape has min_tokens <= tokens; no rule means bf16 is not slower: keep it
-("never slower than BF16"). A block takes fp8 only when every one of its
-layers does (the precision map is per block).
+A layer [out, in] takes fp8 at `tokens` tokens when a rule for its shape has min_tokens <= tokens (no rule: bf16 is
+not slower, keep it); a block takes fp8 only when every one of its layers does.
 """
 
 from __future__ import annotations
@@ -51,25 +45,17 @@ class Fp8Policy:
         shapes = list(shapes)
         return bool(shapes) and all(self.layer_takes_fp8(n, k, tokens) for n, k in shapes)
 
-    def to_dict(self) -> dict:
-        return {"version": VERSION, "device": self.device, "speedup_threshold": self.speedup_threshold,
-                "rules": [vars(r) for r in self.rules]}
-
 
 def rules_from_measurements(rows: list[dict], speedup_threshold: float = 1.0) -> list[Fp8Rule]:
-    """rows: {"out_features", "in_features", "tokens", "speedup"}; per shape, the smallest token count
-    from which every measured count up is above the threshold."""
+    """Per shape of `rows`, the smallest token count from which every measured speedup is above the threshold."""
     by_shape: dict[tuple[int, int], list[dict]] = {}
     for row in rows:
         by_shape.setdefault((row["out_features"], row["in_features"]), []).append(row)
     rules = []
     for (n, k), shape_rows in sorted(by_shape.items()):
         shape_rows.sort(key=lambda r: r["tokens"])
-        start = None
-        for i in range(len(shape_rows)):
-            if all(r["speedup"] > speedup_threshold for r in shape_rows[i:]):
-                start = i
-                break
+        start = next((i for i in range(len(shape_rows))
+                      if all(r["speedup"] > speedup_threshold for r in shape_rows[i:])), None)
         if start is not None:
             worst = min(r["speedup"] for r in shape_rows[start:])
             rules.append(Fp8Rule(n, k, shape_rows[start]["tokens"], round(worst, 4)))
@@ -99,4 +85,6 @@ def load(path: str, device_name: str | None = None) -> Fp8Policy:
 
 
 def save(policy: Fp8Policy, path: str) -> None:
-    write_atomic(os.path.abspath(path), json.dumps(policy.to_dict(), indent=1))  # never a torn rules file
+    data = {"version": VERSION, "device": policy.device, "speedup_threshold": policy.speedup_threshold,
+            "rules": [vars(r) for r in policy.rules]}
+    write_atomic(os.path.abspath(path), json.dumps(data, indent=1))  # never a torn rules file

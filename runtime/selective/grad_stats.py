@@ -1,14 +1,8 @@
 """Per-block gradient statistics, accumulated on the device and read by the host once per update.
 
-After each backward (the optimizer's pre-step hook) `collect()` reduces the
-gradients of every block's trainable parameters (LoRA adapters; in a full
-fine-tune whatever of the block trains) to four numbers per block, sum of
-squares, max |g|, sum and element count, and writes them into row
-`step % window` of a device ring buffer. Nothing is read back: the reductions
-are queued device work (`torch._foreach_norm`, `stack`, `index_add_`), so the
-host never waits for the GPU in a step. `read()` copies the ring to the host,
-once per update interval (`host_reads` counts it), and averages the window:
-L2 norm, max |g|, variance and the L2 relative to the mean over blocks.
+`collect()` (after each backward) reduces each block's trainable gradients to sum of squares, max |g|, sum and
+count in row `step % window` of a device ring, as queued device work only; `read()` copies the ring to the host once
+per update and averages the window: L2 norm, max |g|, variance, and L2 relative to the mean over blocks.
 """
 
 from __future__ import annotations
@@ -52,7 +46,10 @@ class BlockGradStats:
                     owners.append(b)
         row = torch.zeros(self.n_blocks, 4, dtype=torch.float32, device=self.device)
         if grads:
-            index = self._owner_index(tuple(owners))
+            # The set of parameters with a gradient is the same every step in practice: one copy, cached.
+            index = self._index_cache.get(tuple(owners))
+            if index is None:
+                index = self._index_cache[tuple(owners)] = torch.tensor(owners, dtype=torch.int64).to(self.device)
             norms = torch.stack(torch._foreach_norm(grads, 2)).float()
             maxes = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
             sums = torch.stack([g.sum() for g in grads]).float()
@@ -63,13 +60,6 @@ class BlockGradStats:
             row[:, _COUNT].index_add_(0, index, counts)
         self.ring[self.steps % self.window].copy_(row)
         self.steps += 1
-
-    def _owner_index(self, owners: tuple[int, ...]) -> torch.Tensor:
-        # The set of parameters with a gradient is the same every step in practice: one copy, cached.
-        index = self._index_cache.get(owners)
-        if index is None:
-            index = self._index_cache[owners] = torch.tensor(owners, dtype=torch.int64).to(self.device)
-        return index
 
     def read(self) -> WindowStats:
         """The window's averages; one device -> host copy."""

@@ -1,19 +1,11 @@
 """The selective-precision decision engine: sensitivity scores in, a precision map out. Pure (no torch).
 
-sensitivity = grad_weight * grad_score + error_weight * error_score, where
-grad_score = min(relative gradient magnitude / grad_sensitivity_threshold, 1) and
-error_score = min(calibration error / quant_error_threshold, 1); without calibration
-the gradient score alone (selective-precision.txt: "relies on gradient statistics alone").
-
-Decisions (dynamic mode): a block the policy has not decided yet takes bf16 at or above
-bf16_threshold, the low precision below int8_threshold, and in between ("the ambiguous
-zone where blocks keep their current assignment") the starting map's precision when the
-user gave one, else (`precision="auto"`) `ambiguous_default`.
-After that a bf16 block goes down only below int8_threshold - hysteresis_margin, a
-low-precision block comes back only at or above bf16_threshold, anything else keeps its
-precision, and no block changes within min_steps_between_switches of its last change.
-force_bf16_blocks / force_int8_blocks win in every mode; "off" is all bf16 (but the
-force lists), "static" is the starting map with the force lists.
+sensitivity = grad_weight * min(rel. gradient magnitude / grad_sensitivity_threshold, 1) + error_weight *
+min(calibration error / quant_error_threshold, 1), or the gradient score alone. Dynamic mode: an undecided block
+takes bf16 at or above bf16_threshold, the low precision below int8_threshold, else its starting precision (the
+user's) or `ambiguous_default`; then a bf16 block goes down only below int8_threshold - hysteresis_margin, a low
+one comes back at bf16_threshold, never within min_steps_between_switches. Force lists win in every mode;
+"off" is all bf16, "static" the starting map.
 """
 
 from __future__ import annotations
@@ -38,8 +30,7 @@ class Change:
 def check_force_lists(cfg, n_blocks: int) -> None:
     bad = [b for b in (*cfg.force_bf16_blocks, *cfg.force_int8_blocks) if b >= n_blocks]
     if bad:
-        # A config that does not fit the model (a ValueError still; the CLI reports ConfigError in one line).
-        # Imported here: the engine itself stays free of torch.
+        # A config that does not fit the model (the CLI reports ConfigError in one line); imported here: no torch.
         from torch_stagehand.runtime.config import ConfigError
 
         raise ConfigError(f"selective_precision.force_*_blocks: block {bad[0]} does not exist "
@@ -50,11 +41,9 @@ class SelectivePolicy:
     def __init__(self, cfg, n_blocks: int, low_for: Callable[[int], str] | None = None,
                  pinned: Mapping[int, str] | None = None, force: Mapping[int, str] | None = None,
                  start_given: bool = False):
-        """cfg: a PrecisionConfig (validated). low_for(block): the precision a block takes when the
-        policy sends it to fewer bytes ("int8", or "fp8" where measured faster). pinned: blocks that
-        can stream one precision only (loaded from an INT8 slab alone), treated like a force list.
-        force: {unit: precision} instead of cfg's force lists (the controller's per-layer units).
-        start_given: the starting map is the user's, kept in the ambiguous zone (else ambiguous_default)."""
+        """cfg: a validated PrecisionConfig. low_for(block): where the policy sends a block for fewer bytes. pinned:
+        blocks that stream one precision only (a slab alone), like a force list. force: {unit: precision} instead
+        of cfg's force lists. start_given: the starting map is the user's, kept in the ambiguous zone."""
         self.cfg = cfg
         self.pinned = dict(pinned or {})
         self.n_blocks = n_blocks  # decision units: blocks, or (granularity "layer") a block's attention / MLP
@@ -70,24 +59,17 @@ class SelectivePolicy:
         self.blocked_until: dict[int, int] = {}  # loss feedback: block -> step before which it stays bf16
         self.last_scores: dict[int, float] = {}
 
-    # ---- maps ------------------------------------------------------------------------
-
     def forced(self, block: int) -> str | None:
         return self.pinned.get(block) or self.force.get(block)
 
     def initial_map(self, start: Mapping[int, str]) -> dict[int, str]:
         """The map in force from offload on: the starting map, all bf16 in mode off; force lists on top."""
-        out = {b: (FULL if self.mode == "off" else start[b]) for b in range(self.n_blocks)}
-        for b in range(self.n_blocks):
-            out[b] = self.forced(b) or out[b]
-        return out
+        return {b: self.forced(b) or (FULL if self.mode == "off" else start[b]) for b in range(self.n_blocks)}
 
     def due(self, step: int) -> bool:
         """Is `step` (1-based count of collected backward passes) an update step?"""
         cfg = self.cfg
         return self.mode == "dynamic" and step >= cfg.warmup_steps and step % cfg.update_interval_steps == 0
-
-    # ---- scores ----------------------------------------------------------------------
 
     def sensitivity(self, rel_magnitude: float, error: float | None) -> float:
         cfg = self.cfg
@@ -138,8 +120,6 @@ class SelectivePolicy:
     def _may_switch(self, block: int, step: int) -> bool:
         last = self.last_switch.get(block)
         return last is None or step - last >= self.cfg.min_steps_between_switches
-
-    # ---- loss feedback ---------------------------------------------------------------
 
     def revert(self, block: int, step: int, current: str) -> Change:
         """A loss spike followed this block's switch to fewer bytes: back to bf16, kept there longer."""

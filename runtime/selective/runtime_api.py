@@ -1,8 +1,4 @@
-"""What a Runtime offers for selective precision (a mixin, so runtime.py stays the engine's).
-
-`rt.selective` is the controller (controller.py) when offload turned the policy
-on, else None; these forward to it.
-"""
+"""What a Runtime offers for selective precision (a mixin): forwards to `rt.selective`, the controller, when on."""
 
 from __future__ import annotations
 
@@ -16,8 +12,7 @@ class SelectivePrecisionAPI:
     selective = None  # the controller, set by offload when the policy is on
 
     def start_selective_precision(self, precision_map: dict[int, str], start_given: bool) -> None:
-        """Turn the policy on (offload does, when the config or precision="auto" asks): the controller watches
-        the steps from here and re-links block variants as it changes the map; closed with the runtime."""
+        """Turn the policy on (offload does, when asked): a controller from here on, closed with the runtime."""
         from torch_stagehand.runtime.selective.controller import SelectivePrecision
 
         self.selective = SelectivePrecision(self, precision_map, start_given=start_given)

@@ -1,12 +1,5 @@
-"""The selective-precision JSONL (selective-precision.txt's fields, plus what issue 10 measures).
-
-One record per policy update: step_id, timestamp, blocks_bf16 / blocks_int8 /
-blocks_fp8, mean / max / min_sensitivity, precision_changes,
-estimated_bandwidth_saving_pct (from the host store's bytes per block of the
-map in force vs all-bf16), measured_bandwidth_saving_pct (the runtime's H2D
-byte counter over the interval that just ended, per step, vs the same counter
-per step over the first interval scaled to all-bf16), and block_details.
-"""
+"""The selective-precision JSONL: one record per policy update (the controller's `_write_telemetry` fields), each
+with its timestamp."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Decision units: what the policy scores and switches, and how unit maps become block maps.
-
-granularity "block": one unit per block, the unit map is the block map.
-granularity "layer": two units per block, its attention layers and the rest (MLP); a
-block whose two units differ streams a by-role precision ("int8-mlp": attention bf16,
-MLP int8; "int8-attn+fp8-mlp"; runtime/precision/by_role.py).
+"""Decision units: what the policy scores and switches. Granularity "block": one per block; "layer": a block's
+attention layers and the rest, and a block whose two units differ streams a by-role precision (precision/by_role.py).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Build INT8 slabs: the one writer every builder goes through, and the builder from a live module.
+"""Build INT8 slabs: the one writer every builder goes through (`write_slab`), and the builder from a live module.
 
-The writer computes the safetensors header from shapes alone, then quantizes
-each layer a few rows at a time (`quantize_per_row` is per-row, so chunking
-changes nothing) and appends its bytes to the file, hashed on the way (crc32
-per tensor, sha256 of the file). Peak memory is one chunk of rows (a few MB),
-never a layer's worth of quantized tensors, let alone the model's. A builder
-only says where each layer's rows come from (a `LayerPlan`): both builders
-(this module's, and `checkpoint.py`'s streamed one) quantize the same chunks
-of the same rows, so for the same weights they write the same tensors and the
-same signature.
-
-What is quantized: every ``nn.Linear`` and every transformers ``Conv1D`` (GPT-2;
-its weight is stored ``[in, out]``, written transposed to ``[out, in]`` like a
-Linear's, and the layer is marked ``source_layout: "conv1d"`` so a restore knows
-to transpose back), filtered by canonical-name prefix.
+The writer computes the header from shapes, then quantizes each layer a chunk of rows at a time (per-row: chunking
+changes nothing), appending and hashing the bytes; peak memory is one chunk. A builder says where each layer's rows
+come from (a `LayerPlan`). Quantized: ``nn.Linear`` and transformers ``Conv1D`` (written as ``[out, in]``).
 """
 
 from __future__ import annotations
@@ -29,27 +18,18 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from torch_stagehand.environment import tunable
 from torch_stagehand.kernels import dequantize, quantize_per_row
 
 from torch_stagehand.runtime.slab.errors import SlabError, SlabShapeError
 from torch_stagehand.runtime.slab.identity import RowSampler
 from torch_stagehand.runtime.slab.layers import iter_linear_layers, signature_from_shapes
 from torch_stagehand.runtime.slab.manifest import (
-    CURRENT_KERNEL_ABI_VERSION,
-    MIN_RUNTIME_VERSION,
-    QUANT_VERSION,
-    SLAB_ID_KEY,
-    STAGEHAND_FORMAT,
-    LayerEntry,
-    SlabManifest,
-    check_slab_name,
+    CURRENT_KERNEL_ABI_VERSION, MIN_RUNTIME_VERSION, QUANT_VERSION, SLAB_ID_KEY, STAGEHAND_FORMAT, LayerEntry,
+    SlabManifest, check_slab_name,
 )
 from torch_stagehand.runtime.slab.report import BuildResult, LayerReport, print_and_save_report
 from torch_stagehand.runtime.slab.safetensors_io import IncrementalWriter, byte_view
-
-# Weight elements quantized per chunk: 2M elements = 8 MB as fp32; the quantizer's
-# temporaries are a few of these.
-_CHUNK_ELEMS = 2 << 20
 
 
 @dataclass
@@ -72,11 +52,8 @@ def _padded(n: int, pack_k: int) -> int:
 
 
 def _cos_terms(w: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tuple[float, float, float]:
-    d = dequantize(q, s)
-    w = w.float()
-    return float((w * d).sum(dtype=torch.float64)), float(w.pow(2).sum(dtype=torch.float64)), float(
-        d.pow(2).sum(dtype=torch.float64)
-    )
+    d, w = dequantize(q, s), w.float()
+    return tuple(float(x.sum(dtype=torch.float64)) for x in (w * d, w.pow(2), d.pow(2)))
 
 
 def _cosine(dot: float, ww: float, dd: float) -> float:
@@ -89,20 +66,9 @@ def _alt_method(quantizer: str) -> str:
     return "absmax" if quantizer == "mse" else "mse"
 
 
-def write_slab(
-    plans: list[LayerPlan],
-    *,
-    output_dir,
-    slab_name: str,
-    architecture_id: str,
-    pack_k: int,
-    quantizer: str,
-    signature_prefixes: tuple[str, ...] | None,
-    source: str,
-    progress: bool,
-    compare_quantizers: bool,
-    print_report: bool,
-) -> BuildResult:
+def write_slab(plans: list[LayerPlan], *, output_dir, slab_name: str, architecture_id: str, pack_k: int,
+               quantizer: str, signature_prefixes: tuple[str, ...] | None, source: str, progress: bool,
+               compare_quantizers: bool, print_report: bool) -> BuildResult:
     check_slab_name(slab_name)
     if not isinstance(pack_k, int) or pack_k < 1:
         raise ValueError(f"pack_k must be a positive int, got {pack_k!r}")
@@ -138,7 +104,7 @@ def write_slab(
             t0 = time.perf_counter()
             pin = _padded(p.in_features, pack_k)
             keys = {k: f"{p.name}.{k}" for k in ("qweight", "scale", "zero_point", "bias")}
-            rows = max(1, _CHUNK_ELEMS // p.in_features)
+            rows = max(1, tunable("slab_chunk_elements") // p.in_features)
             qbuf = torch.zeros(min(rows, p.out_features), pin, dtype=torch.int8)  # padding columns stay 0
             scale = torch.empty(p.out_features, dtype=torch.float32)
             cos, alt = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
@@ -174,8 +140,7 @@ def write_slab(
                 has_bias=p.has_bias, qweight_key=keys["qweight"], scale_key=keys["scale"],
                 zero_point_key=keys["zero_point"], bias_key=keys["bias"] if p.has_bias else None, pad_k=pack_k,
                 source_layout=p.layout, source_dtype=str(p.source_dtype).replace("torch.", ""),
-                block_id=_block_id(p.name, block_prefixes), identity=sampler.record(),
-            )
+                block_id=_block_id(p.name, block_prefixes), identity=sampler.record())
             entry.checksums = {k: writer.crc32(k) for k in entry.tensor_keys()}
             layers[p.name] = entry
             slab_bytes = sum(writer.offsets[k][1] - writer.offsets[k][0] for k in entry.tensor_keys())
@@ -196,16 +161,13 @@ def write_slab(
         model_signature=signature_from_shapes((p.name, p.in_features, p.out_features, p.has_bias) for p in plans),
         architecture_id=architecture_id, quant_version=QUANT_VERSION, kernel_abi_version=CURRENT_KERNEL_ABI_VERSION,
         min_runtime_version=MIN_RUNTIME_VERSION, layers=layers,
-        stagehand={
-            "format": STAGEHAND_FORMAT, "slab_id": slab_id, "safetensors_file": os.path.basename(st_path),
-            "safetensors_bytes": size, "safetensors_sha256": sha,
-            "header_sha256": hashlib.sha256(writer.header_bytes).hexdigest(), "checksum": "crc32 per tensor",
-            "identity": "sha256 of sampled source rows per layer (identity.py)",
-            "quantizer": quantizer, "pack_k": pack_k,
-            "signature_prefixes": None if signature_prefixes is None else list(signature_prefixes),
-            "source": source,
-        },
-    )
+        stagehand={"format": STAGEHAND_FORMAT, "slab_id": slab_id, "safetensors_file": os.path.basename(st_path),
+                   "safetensors_bytes": size, "safetensors_sha256": sha,
+                   "header_sha256": hashlib.sha256(writer.header_bytes).hexdigest(), "checksum": "crc32 per tensor",
+                   "identity": "sha256 of sampled source rows per layer (identity.py)", "quantizer": quantizer,
+                   "pack_k": pack_k,
+                   "signature_prefixes": None if signature_prefixes is None else list(signature_prefixes),
+                   "source": source})
     manifest.layer_count = len(layers)
     manifest.total_qweight_bytes = sum(e.qweight_nbytes for e in layers.values())
     manifest.save(mf_path)
@@ -214,28 +176,16 @@ def write_slab(
         safetensors_path=st_path, manifest_path=mf_path,
         report_path=os.path.join(os.fspath(output_dir), f"{slab_name}.report.json"), manifest=manifest,
         layers=reports, quantizer=quantizer, alt_quantizer=_alt_method(quantizer) if compare_quantizers else None,
-        seconds=time.perf_counter() - t_start, slab_bytes=size,
-    )
+        seconds=time.perf_counter() - t_start, slab_bytes=size)
     print_and_save_report(result, print_table=print_report)
     return result
 
 
-# ── from a live module ───────────────────────────────────────────────────
 
-
-def build_slab_from_module(
-    model: nn.Module,
-    output_dir,
-    slab_name: str,
-    architecture_id: str,
-    include_prefixes: Iterable[str] | None = None,
-    pack_k: int = 64,
-    quantizer: str = "mse",
-    progress: bool = True,
-    *,
-    compare_quantizers: bool = True,
-    print_report: bool = True,
-) -> BuildResult:
+def build_slab_from_module(model: nn.Module, output_dir, slab_name: str, architecture_id: str,
+                           include_prefixes: Iterable[str] | None = None, pack_k: int = 64, quantizer: str = "mse",
+                           progress: bool = True, *, compare_quantizers: bool = True,
+                           print_report: bool = True) -> BuildResult:
     """Quantize the model's Linear / Conv1D weights (canonical names under
     `include_prefixes`, None: all) into ``{output_dir}/{slab_name}.safetensors``
     + ``.manifest.json`` + ``.report.json``. The model is only read."""
@@ -257,8 +207,6 @@ def build_slab_from_module(
                        pack_k=pack_k, quantizer=quantizer, signature_prefixes=prefixes, source="module",
                        progress=progress, compare_quantizers=compare_quantizers, print_report=print_report)
 
-
-# ── block ids (SquareQ's block_id; blocks_only) ─────────────────────────
 
 _BLOCK_RE = re.compile(r"^(.*?)\.(\d+)\.")
 

@@ -1,14 +1,5 @@
-"""Build an INT8 slab streamed from a (sharded) safetensors checkpoint, never loading the model.
-
-Reads a few rows at a time with ``pread`` (no mmap, see `safetensors_io`) and
-hands them to the one writer in `builder.py`, so resident memory stays a few
-chunks whatever the checkpoint size, and the slab is the one
-`build_slab_from_module` writes from the same weights. Where module types are
-unknown, every 2-D floating ``{name}.weight`` counts as a Linear
-(``{name}.bias`` as its bias), as SquareQ's streaming builder does; embeddings
-are 2-D too, so exclude them with `include_prefixes` or `blocks_only`, and name
-Conv1D layers in `conv1d_layers`.
-"""
+"""Build an INT8 slab streamed from a (sharded) safetensors checkpoint, never loading the model: every 2-D
+floating ``{name}.weight`` counts as a Linear (``{name}.bias`` its bias), as in SquareQ's streaming builder."""
 
 from __future__ import annotations
 
@@ -60,48 +51,25 @@ def _shard_in_folder(index_path: str, key: str, shard) -> str:
     an absolute path or a '..' would make the build read a file elsewhere."""
     parts = shard.replace("\\", "/").split("/") if isinstance(shard, str) else []
     if not parts or os.path.isabs(shard) or any(p in ("", ".", "..") for p in parts) or "\0" in shard:
-        raise SlabPathError(
-            f"index field 'weight_map' maps {key!r} to {shard!r}: a shard must be a relative path to a "
-            "file inside the checkpoint's folder (no absolute path, no '..')",
-            path=index_path,
-        )
+        raise SlabPathError(f"index field 'weight_map' maps {key!r} to {shard!r}: a shard must be a relative path "
+                            "to a file inside the checkpoint's folder (no absolute path, no '..')", path=index_path)
     return shard
 
 
-def _effective_prefixes(block: tuple[str, ...], include: tuple[str, ...] | None) -> tuple[str, ...]:
-    if include is None:
-        return block
-    out = {b for b in block for i in include if b.startswith(i)} | {i for b in block for i in include if i.startswith(b)}
-    return tuple(sorted(out))
+def build_slab_from_checkpoint(model_dir_or_index_json, output_dir, slab_name: str, architecture_id: str,
+                               include_prefixes: Iterable[str] | None = None, pack_k: int = 64,
+                               quantizer: str = "mse", blocks_only: bool = False, progress: bool = True, *,
+                               conv1d_layers: Iterable[str] | Callable[[str], bool] | None = None,
+                               compare_quantizers: bool = True, print_report: bool = True) -> BuildResult:
+    """Stream a safetensors checkpoint (a directory with ``*.safetensors.index.json`` or one ``*.safetensors``, or
+    the index / file path) into a slab, a few rows at a time with ``pread`` (no mmap): resident memory stays a few
+    chunks whatever the checkpoint size. The slab and signature are `build_slab_from_module`'s on the same weights.
+    Embeddings are 2-D too: exclude them with `include_prefixes` or `blocks_only`.
 
-
-def build_slab_from_checkpoint(
-    model_dir_or_index_json,
-    output_dir,
-    slab_name: str,
-    architecture_id: str,
-    include_prefixes: Iterable[str] | None = None,
-    pack_k: int = 64,
-    quantizer: str = "mse",
-    blocks_only: bool = False,
-    progress: bool = True,
-    *,
-    conv1d_layers: Iterable[str] | Callable[[str], bool] | None = None,
-    compare_quantizers: bool = True,
-    print_report: bool = True,
-) -> BuildResult:
-    """Stream a safetensors checkpoint (a directory with ``*.safetensors.index.json``
-    or one ``*.safetensors``, or the index / file path) into a slab, reading a few
-    rows at a time with ``pread`` (no mmap), so resident memory stays a few chunks
-    whatever the checkpoint size. Computes the same signature as
-    `build_slab_from_module` on the same weights (from shapes only).
-
-    blocks_only: keep only layers under the checkpoint's block lists (the
-        prefixes before the first numeric segment that occur with >= 2 indices,
-        e.g. ``model.layers.``), intersected with `include_prefixes`.
-    conv1d_layers: canonical names (or a predicate) of transformers Conv1D layers,
-        whose checkpoint weight is ``[in, out]``; such a layer is read whole (one
-        tensor in memory) and transposed.
+    blocks_only: keep only layers under the checkpoint's block lists (the prefixes before the first numeric segment
+        that occur with >= 2 indices, e.g. ``model.layers.``), intersected with `include_prefixes`.
+    conv1d_layers: canonical names (or a predicate) of transformers Conv1D layers, whose checkpoint weight is
+        ``[in, out]``; such a layer is read whole (one tensor in memory) and transposed.
     """
     shards = _resolve_checkpoint(model_dir_or_index_json)
     headers = {f: read_header(f) for f in sorted(set(shards.values()))}
@@ -120,28 +88,23 @@ def build_slab_from_checkpoint(
                 cand[name] = key
     prefixes = None if include_prefixes is None else tuple(include_prefixes)
     if blocks_only:
-        prefixes = _effective_prefixes(find_block_prefixes(cand), prefixes)
+        found = find_block_prefixes(cand)
+        if prefixes is not None:  # intersected with include_prefixes
+            found = [b for b in found if b.startswith(prefixes)] + [i for i in prefixes if i.startswith(found)]
+        prefixes = tuple(sorted(set(found)))
         if not prefixes:
             raise SlabError("blocks_only: no block list found (no 'name.N.' keys with >= 2 indices)",
                             path=os.fspath(model_dir_or_index_json))
     fds: dict[str, int] = {}
-
-    def fd_of(f: str) -> int:
-        if f not in fds:
-            fds[f] = os.open(f, os.O_RDONLY)
-        return fds[f]
-
-    # One reusable buffer for row chunks (bounded by _CHUNK_ELEMS elements).
-    scratch = {"buf": torch.empty(0, dtype=torch.uint8)}
+    scratch = [torch.empty(0, dtype=torch.uint8)]  # one reused buffer for row chunks (of "slab_chunk_elements" at most)
 
     def read_range(f, t, start, nbytes, name, fresh=False) -> torch.Tensor:
-        if fresh:
-            view = torch.empty(nbytes, dtype=torch.uint8)
-        else:
-            if scratch["buf"].numel() < nbytes:
-                scratch["buf"] = torch.empty(nbytes, dtype=torch.uint8)
-            view = scratch["buf"][:nbytes]
-        pread_into(fd_of(f), byte_view(view), start, f, name)
+        if not fresh and scratch[0].numel() < nbytes:
+            scratch[0] = torch.empty(nbytes, dtype=torch.uint8)
+        view = torch.empty(nbytes, dtype=torch.uint8) if fresh else scratch[0][:nbytes]
+        if f not in fds:
+            fds[f] = os.open(f, os.O_RDONLY)
+        pread_into(fds[f], byte_view(view), start, f, name)
         return view.view(ST_DTYPES[t.dtype])
 
     plans = []

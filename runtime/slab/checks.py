@@ -1,11 +1,5 @@
-"""What a slab is checked against when it opens, and a live model against a slab.
-
-These checks need the manifest, the parsed safetensors header and the file's
-size, never the tensor bytes, so they are plain functions of those; the
-checks that read bytes (zero points, ``verify="full"``) stay with the reader
-that owns the file descriptor. Each failure is its own `SlabError` subclass,
-naming the file and the layer.
-"""
+"""What a slab is checked against when it opens, and a live model against a slab: the checks that need the
+manifest, the parsed header and the file's size, never the tensor bytes (those are `SlabReader`'s)."""
 
 from __future__ import annotations
 
@@ -21,16 +15,8 @@ from torch import nn
 
 from torch_stagehand.runtime.slab import identity
 from torch_stagehand.runtime.slab.errors import (
-    SlabChecksumError,
-    SlabDtypeError,
-    SlabExtraTensorError,
-    SlabIdentityError,
-    SlabIdentityWarning,
-    SlabMismatchError,
-    SlabMissingTensorError,
-    SlabModelMismatchError,
-    SlabShapeError,
-    SlabSignatureError,
+    SlabChecksumError, SlabDtypeError, SlabExtraTensorError, SlabIdentityError, SlabIdentityWarning,
+    SlabMismatchError, SlabMissingTensorError, SlabModelMismatchError, SlabShapeError, SlabSignatureError,
     SlabTruncatedError,
 )
 from torch_stagehand.runtime.slab.layers import compute_model_signature, iter_linear_layers, signature_from_shapes
@@ -39,27 +25,20 @@ from torch_stagehand.runtime.slab.safetensors_io import MANIFEST_DTYPE_TO_TAG, S
 
 
 def check_slab_id(manifest: SlabManifest, header: SafetensorsHeader, manifest_path: str, path: str) -> None:
-    """Manifest and file name the same slab (ours only). Run first, so that a manifest of
-    another slab reads as that, not as a list of shape errors."""
+    """Manifest and file name the same slab (ours only); first, so another slab's manifest reads as that."""
     want_id = (manifest.stagehand or {}).get("slab_id")
     got_id = header.metadata.get(SLAB_ID_KEY)
     if want_id and want_id != got_id:
-        raise SlabMismatchError(
-            f"the manifest {manifest_path} describes slab {want_id}, but this file is slab "
-            f"{got_id or '<no slab id>'}: manifest and slab file do not belong together",
-            path=path,
-        )
+        raise SlabMismatchError(f"the manifest {manifest_path} describes slab {want_id}, but this file is slab "
+                                f"{got_id or '<no slab id>'}: manifest and slab file do not belong together", path=path)
 
 
 def check_tensors(manifest: SlabManifest, header: SafetensorsHeader, manifest_path: str, path: str) -> None:
     """Every listed tensor present with the right dtype and shape, no tensor the manifest does not list."""
     claimed: set[str] = set()
     for e in manifest.layers.values():
-        specs = [
-            (e.qweight_key, "int8", (e.out_features, e.padded_in_features)),
-            (e.scale_key, "float32", (e.out_features,)),
-            (e.zero_point_key, "float32", (e.out_features,)),
-        ]
+        specs = [(e.qweight_key, "int8", (e.out_features, e.padded_in_features)),
+                 (e.scale_key, "float32", (e.out_features,)), (e.zero_point_key, "float32", (e.out_features,))]
         if e.bias_key:
             specs.append((e.bias_key, e.dtype_bias, (e.out_features,)))
         for key, dtype, shape in specs:
@@ -71,23 +50,20 @@ def check_tensors(manifest: SlabManifest, header: SafetensorsHeader, manifest_pa
                 raise SlabDtypeError(f"tensor {key!r} is {info.dtype} in the file, the manifest says {dtype}",
                                      path=path, layer=e.name)
             if info.shape != shape:
-                raise SlabShapeError(
-                    f"tensor {key!r} is {list(info.shape)} in the file, the manifest says {list(shape)}",
-                    path=path, layer=e.name)
+                raise SlabShapeError(f"tensor {key!r} is {list(info.shape)} in the file, the manifest says "
+                                     f"{list(shape)}", path=path, layer=e.name)
             claimed.add(key)
     extra = sorted(set(header.tensors) - claimed)
     if extra:
         key = extra[0]
-        raise SlabExtraTensorError(
-            f"tensor {key!r} is in the file but not in the manifest {manifest_path}"
-            + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""),
-            path=path, layer=key.rsplit(".", 1)[0])
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise SlabExtraTensorError(f"tensor {key!r} is in the file but not in the manifest {manifest_path}{more}",
+                                   path=path, layer=key.rsplit(".", 1)[0])
 
 
 def check_file_identity(manifest: SlabManifest, header: SafetensorsHeader, size: int, manifest_path: str,
                         path: str) -> None:
-    """The file is as long as its header says; for our slabs, also the header's sha256 and
-    the file size recorded in the manifest."""
+    """The file is as long as its header says; ours: the header's sha256 and size the manifest records."""
     h, sh = header, manifest.stagehand
     if size != h.data_end:
         raise SlabTruncatedError(f"file has {size - h.data_end} bytes after the last tensor", path=path)
@@ -95,38 +71,27 @@ def check_file_identity(manifest: SlabManifest, header: SafetensorsHeader, size:
         return
     want = sh.get("header_sha256")
     if want is not None and hashlib.sha256(h.header_bytes).hexdigest() != want:
-        raise SlabChecksumError(
-            f"safetensors header sha256 differs from the one recorded in {manifest_path}", path=path
-        )
+        raise SlabChecksumError(f"safetensors header sha256 differs from the one recorded in {manifest_path}",
+                                path=path)
     want = sh.get("safetensors_bytes")
     if want is not None and want != size:
-        raise SlabTruncatedError(
-            f"file is {size} bytes, the manifest {manifest_path} recorded {want}", path=path
-        )
+        raise SlabTruncatedError(f"file is {size} bytes, the manifest {manifest_path} recorded {want}", path=path)
 
 
 def check_own_signature(manifest: SlabManifest, manifest_path: str) -> None:
-    # Our builders sign exactly the layers they write, so an edited layer list
-    # (or a signature pasted from another model) shows here.
+    # Our builders sign exactly the layers they write: an edited layer list (or a pasted signature) shows here.
     if manifest.stagehand is None:
         return
-    mine = signature_from_shapes(
-        (e.name, e.in_features, e.out_features, e.has_bias) for e in manifest.layers.values()
-    )
+    mine = signature_from_shapes((e.name, e.in_features, e.out_features, e.has_bias) for e in manifest.layers.values())
     if mine != manifest.model_signature:
-        raise SlabSignatureError(
-            f"model_signature {manifest.model_signature!r} does not match the manifest's own "
-            f"layer list (which signs as {mine!r}): the manifest was edited or mixed up",
-            path=manifest_path,
-        )
+        raise SlabSignatureError(f"model_signature {manifest.model_signature!r} does not match the manifest's own "
+                                 f"layer list (which signs as {mine!r}): the manifest was edited or mixed up",
+                                 path=manifest_path)
 
 
 def check_model(manifest: SlabManifest, model: nn.Module, include_prefixes: Iterable[str] | None,
                 where: str | os.PathLike) -> dict[str, nn.Module]:
-    """Check a live model against the slab; returns canonical name -> live module.
-
-    See `SlabReader.check_model`, which is the public entry.
-    """
+    """`SlabReader.check_model` (the public entry): canonical name -> live module."""
     layers = manifest.layers
     scope = tuple(include_prefixes) if include_prefixes is not None else manifest.signature_prefixes
     live = {li.name: li for li in iter_linear_layers(model)}
@@ -159,20 +124,17 @@ def check_model(manifest: SlabManifest, model: nn.Module, include_prefixes: Iter
 
 def check_identity(manifest: SlabManifest, weights: Iterable[tuple[str, torch.Tensor]], where: str,
                    require: bool = False) -> int:
-    """Check live full-precision weights against the identity the slab records for their layers.
+    """Check live weights against the identity the slab records; returns the layers checked.
 
-    `weights`: (canonical name, ``[out, in]`` weight) in the model's order, meta weights
-    and layers the slab lacks left out (other checks name those). Raises SlabIdentityError
-    naming the first layer whose weights are not the slab's source. A layer the slab
-    records no identity for (an older slab, a plain SquareQ one, or a dtype it did not
-    hash) cannot be checked: SlabIdentityError when `require`, else one
-    SlabIdentityWarning naming the file and the layers. Returns the layers checked.
+    `weights`: (canonical name, ``[out, in]`` weight) in the model's order, without meta weights and layers the slab
+    lacks. Raises SlabIdentityError naming the first layer whose weights are not the slab's source. A layer with no
+    identity recorded (an older or SquareQ slab, an unhashed dtype): SlabIdentityError when `require`, else one
+    SlabIdentityWarning naming the file and the layers.
     """
     weights = list(weights)
     checked, unchecked = 0, []
-    # On threads: a weight mapped from a checkpoint that is not in the page cache reads its sampled rows from the
-    # disk (a few KB each, thousands of them); the reads and the copies release the GIL. The results come back in
-    # the model's order, so the first layer that fails is the one named.
+    # On threads: mapped weights may read their sampled rows from the disk (the reads release the GIL); results
+    # come back in the model's order, so the first layer that fails is the one named.
     with ThreadPoolExecutor(max(1, min(8, len(weights))), thread_name_prefix="stagehand-identity") as pool:
         results = pool.map(lambda nw: identity.check_layer(nw[0], manifest.layers[nw[0]].identity, nw[1], where),
                            weights)

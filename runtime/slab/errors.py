@@ -1,8 +1,5 @@
-"""The slab error hierarchy: every error names the file and, where there is one, the layer.
-
-All derive from `SlabError` (a RuntimeError, as SquareQ raises). Nothing in the
-slab code zero-fills or skips on error: an error stops the load.
-"""
+"""The slab error hierarchy: every error names the file and, where there is one, the layer. All derive from
+`SlabError` (a RuntimeError, as SquareQ raises); nothing zero-fills or skips on error: an error stops the load."""
 
 from __future__ import annotations
 
@@ -88,8 +85,7 @@ class SlabLayerNotFoundError(SlabError, KeyError):
 
 
 class SlabIdentityError(SlabError):
-    """The slab was quantized from other weights than the model's (or records no identity,
-    when the caller requires one): see `identity.py`."""
+    """The slab was quantized from other weights than the model's (or records none, when one is required)."""
 
 
 class SlabPathError(SlabError):

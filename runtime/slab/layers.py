@@ -1,17 +1,9 @@
 """Which layers of a model a slab covers, by which name, and the model signature over them.
 
-Names: a slab stores each layer under its canonical name, the module path with
-what wrappers insert dropped (peft's ``base_model.model.`` and ``base_layer``,
-``.orig`` LoRA injection, ``_orig_mod``, activation checkpointing, FSDP), so a
-slab built from a plain model loads into the same model wrapped.
-
-The model signature is SquareQ's algorithm exactly: sha256 over the sorted
-``"{name}:{in}:{out}:{has_bias}"`` strings, joined by ``|``, first 16 hex
-digits. SquareQ takes every ``nn.Linear``; we take the Linear-like layers
-(``nn.Linear`` and transformers' ``Conv1D``, the rule of `linear_like`, shared
-with the streaming engine) whose canonical name starts with one of
-``include_prefixes`` (None: all), so with no prefixes and no Conv1D it is the
-same number SquareQ computes.
+A canonical name drops what wrappers insert (peft, LoRA's ``.orig``, ``_orig_mod``, checkpointing, FSDP), so a
+slab of a plain model loads into it wrapped. The signature is SquareQ's: sha256 over the sorted
+``"{name}:{in}:{out}:{has_bias}"`` joined by ``|``, first 16 hex digits, over the Linear-like layers
+(`linear_like`) under ``include_prefixes``: SquareQ's number for a model without Conv1D and no prefixes.
 """
 
 from __future__ import annotations
@@ -24,17 +16,14 @@ from torch import nn
 
 from torch_stagehand.runtime.linear_like import is_adapter_path, is_conv1d
 
-# Path segments that wrappers insert between a model and its Linear (peft's
-# LoraLayer.base_layer, "attn.to_q.orig" style LoRA injection, torch.compile,
-# activation checkpointing, FSDP); dropped to get the canonical name.
+# Path segments that wrappers insert between a model and its Linear, dropped from the canonical name.
 _WRAPPER_SEGMENTS = frozenset({"base_layer", "orig", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 _PEFT_PREFIX = "base_model.model."
 
 
 def canonical_name(name: str) -> str:
-    """Map a live module path back to the name a slab uses: drops peft's
-    ``base_model.model.`` prefix and wrapper segments (``base_layer``, ``orig``,
-    ``_orig_mod``, ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``)."""
+    """Map a live module path back to the name a slab uses: drops peft's ``base_model.model.`` prefix and wrapper
+    segments (``base_layer``, ``orig``, ``_orig_mod``, ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``)."""
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX):]
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)
@@ -52,8 +41,7 @@ class LinearInfo:
 
 
 def iter_linear_layers(model: nn.Module, include_prefixes: Iterable[str] | None = None) -> Iterator[LinearInfo]:
-    """Linear-like layers of `model` by canonical name (first occurrence wins when a
-    layer is reachable under two names), filtered by canonical-name prefix."""
+    """Linear-like layers of `model` by canonical name (the first of two names wins), filtered by prefix."""
     prefixes = None if include_prefixes is None else tuple(include_prefixes)
     seen: set[str] = set()
     for mname, m in model.named_modules():
@@ -79,8 +67,7 @@ def signature_from_shapes(entries: Iterable[tuple[str, int, int, bool]]) -> str:
 
 
 def compute_model_signature(model: nn.Module, include_prefixes: Iterable[str] | None = None) -> str:
-    """Signature of the Linear-like layers under `include_prefixes` (None: all);
-    equals SquareQ's `compute_model_signature(model)` for a model without Conv1D."""
-    return signature_from_shapes(
-        (li.name, li.in_features, li.out_features, li.has_bias) for li in iter_linear_layers(model, include_prefixes)
-    )
+    """Signature of the Linear-like layers under `include_prefixes` (None: all); equals SquareQ's
+    `compute_model_signature(model)` for a model without Conv1D."""
+    return signature_from_shapes((li.name, li.in_features, li.out_features, li.has_bias)
+                                 for li in iter_linear_layers(model, include_prefixes))

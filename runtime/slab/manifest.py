@@ -1,26 +1,8 @@
-"""Slab manifest: the SquareQ V2 schema and our extras, parsed and validated.
+"""Slab manifest: the SquareQ V2 schema (github.com/CodeAlexx/SquareQ, ``src/squareq/manifest.py``) and our extras.
 
-The schema is SquareQ's (github.com/CodeAlexx/SquareQ, ``src/squareq/manifest.py``
-and ``src/squareq/builder.py``): top-level ``model_signature``,
-``architecture_id``, ``quant_version`` ("squareq_bp8_v2"), ``kernel_abi_version``
-(1), ``min_runtime_version``, ``layer_count``, ``total_qweight_bytes`` and
-``layers`` (sorted by name), each layer with ``canonical_name``, ``qweight_key``,
-``scale_key``, ``zero_point_key``, ``bias_key`` (or null), ``orig_shape``
-[out, in], ``packed_shape`` [out, padded_in], ``pad_k``, ``quant_bits`` (8),
-``quant_scheme`` ("per_row_symmetric"), ``quant_axis`` (0), ``dtype_qweight``,
-``dtype_scale``, ``dtype_zero_point``, ``block_id``.
-
-Our additions live under a ``"stagehand"`` key, top level and per layer, which
-SquareQ never reads: the slab id (also written into the safetensors header),
-the safetensors file's size and sha256 and its header's sha256, per-tensor
-crc32, the quantizer, the signature scope, how a layer was stored in the
-source model (``linear`` or transformers ``conv1d``), and the identity of the
-weights it was quantized from (``identity``: hashes of sampled source rows,
-see `identity.py`; absent in slabs built before it was recorded, which still
-load). The file the manifest names (``safetensors_file``) must be a bare file
-name: a slab's files stay in the manifest's folder.
-
-Layer names and the model signature are in `layers.py`.
+Ours live under a ``"stagehand"`` key, top level and per layer, which SquareQ never reads: the slab id, the file's
+size and hashes, per-tensor crc32, the quantizer, the signature scope, the source layout and the identity
+(`identity.py`). ``safetensors_file`` must be a bare file name in the manifest's folder.
 """
 
 from __future__ import annotations
@@ -30,14 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.runtime.slab import identity
 from torch_stagehand.runtime.slab.errors import (
-    SlabAbiError,
-    SlabDtypeError,
-    SlabManifestError,
-    SlabPathError,
-    SlabShapeError,
-    SlabUnsupportedError,
+    SlabAbiError, SlabDtypeError, SlabManifestError, SlabPathError, SlabShapeError, SlabUnsupportedError,
 )
 
 CURRENT_KERNEL_ABI_VERSION = 1
@@ -48,9 +26,6 @@ MIN_RUNTIME_VERSION = "0.1.0"
 STAGEHAND_FORMAT = "stagehand-slab-1"
 # Header __metadata__ key binding a safetensors file to its manifest.
 SLAB_ID_KEY = "stagehand_slab_id"
-
-
-# ── dataclasses ──────────────────────────────────────────────────────────
 
 
 @dataclass
@@ -98,22 +73,12 @@ class LayerEntry:
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = dict(self.extra)
         d.update(
-            canonical_name=self.name,
-            qweight_key=self.qweight_key,
-            scale_key=self.scale_key,
-            zero_point_key=self.zero_point_key,
-            bias_key=self.bias_key,
+            canonical_name=self.name, qweight_key=self.qweight_key, scale_key=self.scale_key,
+            zero_point_key=self.zero_point_key, bias_key=self.bias_key,
             orig_shape=[self.out_features, self.in_features],
-            packed_shape=[self.out_features, self.padded_in_features],
-            pad_k=self.pad_k,
-            quant_bits=self.quant_bits,
-            quant_scheme=self.quant_scheme,
-            quant_axis=self.quant_axis,
-            dtype_qweight=self.dtype_qweight,
-            dtype_scale=self.dtype_scale,
-            dtype_zero_point=self.dtype_zero_point,
-            block_id=self.block_id,
-        )
+            packed_shape=[self.out_features, self.padded_in_features], pad_k=self.pad_k, quant_bits=self.quant_bits,
+            quant_scheme=self.quant_scheme, quant_axis=self.quant_axis, dtype_qweight=self.dtype_qweight,
+            dtype_scale=self.dtype_scale, dtype_zero_point=self.dtype_zero_point, block_id=self.block_id)
         sh: dict[str, Any] = {"source_layout": self.source_layout, "dtype_bias": self.dtype_bias}
         if self.source_dtype:
             sh["source_dtype"] = self.source_dtype
@@ -154,43 +119,23 @@ class SlabManifest:
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = dict(self.extra)
         d.update(
-            model_signature=self.model_signature,
-            architecture_id=self.architecture_id,
-            quant_version=self.quant_version,
-            kernel_abi_version=self.kernel_abi_version,
-            min_runtime_version=self.min_runtime_version,
-            layer_count=len(self.layers),
+            model_signature=self.model_signature, architecture_id=self.architecture_id,
+            quant_version=self.quant_version, kernel_abi_version=self.kernel_abi_version,
+            min_runtime_version=self.min_runtime_version, layer_count=len(self.layers),
             total_qweight_bytes=sum(e.qweight_nbytes for e in self.layers.values()),
-            layers=[e.to_json() for e in self.layers.values()],
-        )
+            layers=[e.to_json() for e in self.layers.values()])
         if self.stagehand is not None:
             d["stagehand"] = self.stagehand
         return d
 
     def save(self, path: str | os.PathLike) -> None:
-        tmp = f"{path}.partial"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        write_atomic(os.fspath(path), json.dumps(self.to_json(), indent=2) + "\n")
 
 
-# ── loading ──────────────────────────────────────────────────────────────
-
-_TOP_FIELDS = {
-    "model_signature": str,
-    "architecture_id": str,
-    "kernel_abi_version": int,
-    "layers": list,
-}
-_LAYER_FIELDS = {
-    "canonical_name": str,
-    "qweight_key": str,
-    "scale_key": str,
-    "zero_point_key": str,
-    "orig_shape": list,
-    "packed_shape": list,
-}
+_DTYPES = {"dtype_qweight": "int8", "dtype_scale": "float32", "dtype_zero_point": "float32"}
+_TOP_FIELDS = {"model_signature": str, "architecture_id": str, "kernel_abi_version": int, "layers": list}
+_LAYER_FIELDS = {"canonical_name": str, "qweight_key": str, "scale_key": str, "zero_point_key": str,
+                 "orig_shape": list, "packed_shape": list}
 
 
 def _req(d: dict, key: str, typ, path, layer=None):
@@ -225,10 +170,8 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
         _req(raw, k, t, path)
     abi = raw["kernel_abi_version"]
     if abi < 1 or abi > CURRENT_KERNEL_ABI_VERSION:
-        raise SlabAbiError(
-            f"kernel_abi_version {abi} is not supported (this runtime supports 1..{CURRENT_KERNEL_ABI_VERSION})",
-            path=path,
-        )
+        raise SlabAbiError(f"kernel_abi_version {abi} is not supported (this runtime supports "
+                           f"1..{CURRENT_KERNEL_ABI_VERSION})", path=path)
     qv = raw.get("quant_version", QUANT_VERSION)
     if qv != QUANT_VERSION:
         raise SlabUnsupportedError(f"quant_version {qv!r} is not {QUANT_VERSION!r}", path=path)
@@ -253,22 +196,14 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
             raise SlabManifestError(f"pad_k must be a positive int, got {pad_k!r}", path=path, layer=name)
         want_in = -(-in_f // pad_k) * pad_k
         if p_out != out_f or p_in != want_in:
-            raise SlabShapeError(
-                f"packed_shape {[p_out, p_in]} does not follow from orig_shape {[out_f, in_f]} "
-                f"and pad_k {pad_k} (expected {[out_f, want_in]})",
-                path=path,
-                layer=name,
-            )
+            raise SlabShapeError(f"packed_shape {[p_out, p_in]} does not follow from orig_shape {[out_f, in_f]} "
+                                 f"and pad_k {pad_k} (expected {[out_f, want_in]})", path=path, layer=name)
         bits, scheme, axis = d.get("quant_bits", 8), d.get("quant_scheme", QUANT_SCHEME), d.get("quant_axis", 0)
         if bits not in SUPPORTED_QUANT_BITS or scheme != QUANT_SCHEME or axis != 0:
-            raise SlabUnsupportedError(
-                f"quant_bits={bits}, quant_scheme={scheme!r}, quant_axis={axis}: only 8-bit "
-                f"{QUANT_SCHEME} along axis 0 is supported",
-                path=path,
-                layer=name,
-            )
-        dts = {k: d.get(k, v) for k, v in (("dtype_qweight", "int8"), ("dtype_scale", "float32"), ("dtype_zero_point", "float32"))}
-        if dts != {"dtype_qweight": "int8", "dtype_scale": "float32", "dtype_zero_point": "float32"}:
+            raise SlabUnsupportedError(f"quant_bits={bits}, quant_scheme={scheme!r}, quant_axis={axis}: only 8-bit "
+                                       f"{QUANT_SCHEME} along axis 0 is supported", path=path, layer=name)
+        dts = {k: d.get(k, v) for k, v in _DTYPES.items()}
+        if dts != _DTYPES:
             raise SlabDtypeError(f"dtypes {dts} are not int8 / float32 / float32", path=path, layer=name)
         bias_key = d.get("bias_key")
         if bias_key is not None and not isinstance(bias_key, str):
@@ -281,27 +216,12 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
         if problem is not None:
             raise SlabManifestError(f"field 'stagehand.identity' {problem}", path=path, layer=name)
         entry = LayerEntry(
-            name=name,
-            out_features=out_f,
-            in_features=in_f,
-            padded_in_features=p_in,
-            has_bias=bias_key is not None,
-            qweight_key=d["qweight_key"],
-            scale_key=d["scale_key"],
-            zero_point_key=d["zero_point_key"],
-            bias_key=bias_key,
-            pad_k=pad_k,
-            quant_bits=bits,
-            quant_scheme=scheme,
-            quant_axis=axis,
-            dtype_bias=lsh.get("dtype_bias", "float32"),
-            block_id=d.get("block_id"),
-            checksums=lsh.get("crc32"),
-            source_layout=lsh.get("source_layout", "linear"),
-            source_dtype=lsh.get("source_dtype"),
-            identity=record,
-            extra={k: v for k, v in d.items() if k not in _KNOWN_LAYER_KEYS},
-        )
+            name=name, out_features=out_f, in_features=in_f, padded_in_features=p_in, has_bias=bias_key is not None,
+            qweight_key=d["qweight_key"], scale_key=d["scale_key"], zero_point_key=d["zero_point_key"],
+            bias_key=bias_key, pad_k=pad_k, quant_bits=bits, quant_scheme=scheme, quant_axis=axis,
+            dtype_bias=lsh.get("dtype_bias", "float32"), block_id=d.get("block_id"), checksums=lsh.get("crc32"),
+            source_layout=lsh.get("source_layout", "linear"), source_dtype=lsh.get("source_dtype"), identity=record,
+            extra={k: v for k, v in d.items() if k not in _KNOWN_LAYER_KEYS})
         for key in entry.tensor_keys():
             if key in keys_seen:
                 raise SlabManifestError(f"tensor key {key!r} also used by layer {keys_seen[key]!r}", path=path, layer=name)
@@ -310,34 +230,22 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
     count = raw.get("layer_count", len(layers))
     if count != len(layers):
         raise SlabManifestError(f"layer_count is {count} but {len(layers)} layers are listed", path=path)
-    total = raw.get("total_qweight_bytes")
-    if total is not None and total != sum(e.qweight_nbytes for e in layers.values()):
-        raise SlabManifestError(
-            f"total_qweight_bytes is {total} but the layers' packed shapes add up to "
-            f"{sum(e.qweight_nbytes for e in layers.values())}",
-            path=path,
-        )
+    total, packed = raw.get("total_qweight_bytes"), sum(e.qweight_nbytes for e in layers.values())
+    if total is not None and total != packed:
+        raise SlabManifestError(f"total_qweight_bytes is {total} but the layers' packed shapes add up to {packed}",
+                                path=path)
     return SlabManifest(
-        model_signature=raw["model_signature"],
-        architecture_id=raw["architecture_id"],
-        quant_version=qv,
-        kernel_abi_version=abi,
-        min_runtime_version=raw.get("min_runtime_version", MIN_RUNTIME_VERSION),
-        layer_count=len(layers),
-        total_qweight_bytes=sum(e.qweight_nbytes for e in layers.values()),
-        layers=layers,
-        stagehand=sh,
-        extra={k: v for k, v in raw.items() if k not in _KNOWN_TOP_KEYS},
-        path=path,
-    )
+        model_signature=raw["model_signature"], architecture_id=raw["architecture_id"], quant_version=qv,
+        kernel_abi_version=abi, min_runtime_version=raw.get("min_runtime_version", MIN_RUNTIME_VERSION),
+        layer_count=len(layers), total_qweight_bytes=packed, layers=layers, stagehand=sh,
+        extra={k: v for k, v in raw.items() if k not in _KNOWN_TOP_KEYS}, path=path)
 
 
 def is_bare_file_name(name: Any) -> bool:
     """A file name with no folder part: not absolute, no separator, not '.' or '..'."""
     seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
-    return isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name and not any(
-        s in name for s in seps
-    )
+    return (isinstance(name, str) and name not in ("", ".", "..") and "\0" not in name
+            and not any(s in name for s in seps))
 
 
 def check_slab_name(slab_name: Any) -> str:
@@ -346,27 +254,18 @@ def check_slab_name(slab_name: Any) -> str:
     if not is_bare_file_name(slab_name):
         raise SlabPathError(
             f"slab_name is {slab_name!r}: it must be a bare file name (no path separator, no '..'); "
-            "say where the slab goes with output_dir"
-        )
+            "say where the slab goes with output_dir")
     return slab_name
 
 
 def _check_safetensors_file(name: Any, path: str) -> None:
-    # The reader opens this name beside the manifest: an absolute path or '../' would
-    # make a manifest read a file outside the slab's folder.
+    # The reader opens this name beside the manifest: an absolute path or '../' would read a file elsewhere.
     if name is not None and not is_bare_file_name(name):
-        raise SlabPathError(
-            f"field 'stagehand.safetensors_file' is {name!r}: it must be a bare file name in the "
-            "manifest's folder (no absolute path, no folder, no '..')",
-            path=path,
-        )
+        raise SlabPathError(f"field 'stagehand.safetensors_file' is {name!r}: it must be a bare file name in the "
+                            "manifest's folder (no absolute path, no folder, no '..')", path=path)
 
 
-_KNOWN_LAYER_KEYS = frozenset(
-    list(_LAYER_FIELDS)
-    + ["bias_key", "pad_k", "quant_bits", "quant_scheme", "quant_axis", "dtype_qweight", "dtype_scale",
-       "dtype_zero_point", "block_id", "stagehand"]
-)
-_KNOWN_TOP_KEYS = frozenset(
-    list(_TOP_FIELDS) + ["quant_version", "min_runtime_version", "layer_count", "total_qweight_bytes", "stagehand"]
-)
+_KNOWN_LAYER_KEYS = frozenset([*_LAYER_FIELDS, "bias_key", "pad_k", "quant_bits", "quant_scheme", "quant_axis",
+                                "dtype_qweight", "dtype_scale", "dtype_zero_point", "block_id", "stagehand"])
+_KNOWN_TOP_KEYS = frozenset([*_TOP_FIELDS, "quant_version", "min_runtime_version", "layer_count",
+                             "total_qweight_bytes", "stagehand"])

@@ -1,27 +1,7 @@
-"""A slab's INT8 rows read by a process of their own, into pages this process maps (`Config(slab_reads=...)`).
-
-Offload reads the slab beside the calling thread's compiler preparation, which
-holds the GIL for most of the reads' seconds. Reader threads here wait for it
-between reads and checks: Flux int8's 11.9 GB took 1.15-1.6x the disk's time
-on H100 machines, and a CPU probe read 1.3 GB in 1.4 s alone, 5.3 s beside a
-Python-busy thread. The reader process (read_worker.py) has a GIL of its own.
-
-The pages: the INT8 arena (and a staging area for biases read from the slab)
-are memfds this process maps (`ProcessPages`, a `HostArena` backing); the
-worker maps the same files and `preadv`s each layer straight into its place.
-The rows are not copied again (a meta model's biases are: float32 staging, cast
-into their tensors after the reads); the arena is page-locked block by block as
-each block's `["read", block]` arrives, as the reader threads do it.
-
-Offload need not wait for the last row (`Config.slab_rows_behind`): once
-every block is handed over, `read_in_process(..., behind=True)` returns the
-reads still going as a `RowsBehind`, which the host store waits for before an
-INT8 buffer is used.
-
-Errors keep their names: a layer's failed check comes back as the
-`SlabError` subclass `read_layer_into` raises, naming the layer and the file;
-a worker that dies says how, with its last words. Nothing falls back to
-threads on its own: `Config(slab_reads="threads")` is the way round.
+"""A slab's INT8 rows read by a process of its own (read_worker.py), whose reads never wait for this process's GIL
+(`Config(slab_reads=...)`). The INT8 arena and a float32 staging area for meta biases are memfds (`ProcessPages`)
+the worker maps and `preadv`s into; each block is page-locked here as its ``["read", b]`` arrives. With `behind`,
+the reads still going come back as a `RowsBehind`. A failed check is the `SlabError` `read_layer_into` raises.
 """
 
 from __future__ import annotations
@@ -90,12 +70,10 @@ def read_in_process(reader: SlabReader, pages: ProcessPages, blocks: Iterable[li
                     on_block_read: Callable[[int], None] | None = None, threads: int = 8,
                     behind: bool = False) -> "RowsBehind | None":
     """`_read_in_parallel`'s contract (loading.py) with the reads in a worker process: `blocks` yields a block's
-    reads (name, qweight view, scale view, float32 bias view or None, spec) at a time, every buffer in `pages`;
-    each list goes to the worker as it comes. `while_reading()` runs here meanwhile; `on_block_read(block)` runs
-    (on a listener thread) once a block's layers are in. The first error is raised once the worker is gone: a
-    layer's check (its SlabError), a layout error here (a read error that came before it is raised from it), or
-    the worker's death. `behind`: once every block is handed over and `while_reading()` is done, return the reads
-    still going as a `RowsBehind` (an error found so far is still raised here, the worker gone)."""
+    reads (name, qweight view, scale view, float32 bias view or None, spec) at a time, every buffer in `pages`.
+    `on_block_read(block)` runs on a listener thread. The first error (a layer's SlabError, a layout error here,
+    the worker's death) is raised once the worker is gone. `behind`: once every block is handed over and
+    `while_reading()` is done, return the reads still going as a `RowsBehind` (an error so far is raised here)."""
     worker = _Worker(reader, pages, threads, on_block_read)
     handed_over = False
     try:
@@ -167,7 +145,7 @@ class _Worker:
             self.ended.set()
 
     def hand_over(self, blocks: Iterable[list]) -> None:
-        """Each block's reads to the worker as `blocks` yields them; then its input is closed."""
+        """Each block's reads to the worker as `blocks` yields them, then its input closed."""
         try:
             for group in blocks:
                 if self.failed:
@@ -213,7 +191,7 @@ class _Worker:
         return self.last_read - self.start
 
     def _wait(self) -> str:
-        """Wait for the worker and for the listener to hear its last event; what the worker wrote to its stderr."""
+        """Wait for the worker and the listener's last event; returns the worker's stderr."""
         if self._finished is None:
             _close_quietly(self.proc.stdin)
             self.listener.join()
@@ -227,13 +205,10 @@ class _Worker:
 class RowsBehind:
     """A slab's rows still read by the reader process after offload returned (`Config(slab_rows_behind=True)`).
 
-    Offload hands every block's reads over, checks the slab's identity and prepares the compiler while the
-    first rows come in; the rest (seconds of disk on a 12 GB slab) go on behind the first step's capture and
-    compile. The host store asks `waiting(block)` before it page-locks a buffer (the listener locks each block
-    as its rows come in) and calls `wait()` before any buffer's bytes are read (a fetch): the first fetch
-    waits for the reads' end. A layer that fails its check, or a worker that dies, is raised by that wait
-    and by every one after it (a model whose rows are not all there never computes); offload has returned
-    by then, so the model is not put back: `close()` it and offload again.
+    The host store asks `waiting(block)` before it page-locks a buffer (the listener locks each block as its rows
+    come in) and calls `wait()` before any buffer's bytes are read: the first fetch waits for the reads' end. A
+    failed check or a dead worker is raised by that wait and by every one after it; the model is not put back
+    then (offload has returned): `close()` it and offload again.
     """
 
     def __init__(self, worker: _Worker, clock=None):

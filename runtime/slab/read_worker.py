@@ -1,28 +1,11 @@
-"""The slab reader process: reads INT8 layers from a slab into memory its parent maps (read_process.py starts it).
+"""The slab reader process (read_process.py starts it): INT8 layers read from a slab into memory its parent maps.
 
-Why a process: offload reads the slab while the calling thread imports and
-prepares the compiler, which holds the GIL. Reader threads in that process
-need the GIL between their reads and checks (a few handoffs per layer, each
-waiting for the busy thread's switch interval), so the reads took 1.15-1.6x
-the disk's time there. This process has a GIL of its own and nothing else to
-do.
-
-It runs by path (``python -I -S read_worker.py ...``), on the standard library
-alone: no torch, no package import, so it starts in a few tens of
-milliseconds. Arguments: the slab file's descriptor, the comma-separated
-descriptors of the parent's memfds (the regions a read's ``to: [region,
-offset]`` names), the number of reader threads.
-
-Input, one JSON line per block: ``{"block": b, "layers": [job, ...]}`` with
-each job from `SlabReader.layer_job`. It makes the checks `read_layer_into`
-makes, in the same order and with the same messages: each tensor's crc32 where
-recorded, scales finite and not all zero, zero points zero, a file not cut
-short. Output, one JSON line per event: ``["read", block]`` once a block's
-layers are all in; ``["error", block, kind, layer, message]`` for the first
-layer that failed (no layer is started after it; those already reading may
-still say "read"); ``["end"]`` when every block sent was read. It dies with
-its parent (``PR_SET_PDEATHSIG``): a parent killed mid-offload leaves no
-reader writing into pages nobody else maps.
+Run by path (``python -I -S read_worker.py SLAB_FD REGION_FDS THREADS``, REGION_FDS the memfds a job's ``to:
+[region, offset]`` names) on the standard library alone, to start in milliseconds; so this file holds the package's
+one ``pread`` loop. Input, a JSON line per block: ``{"block": b, "layers": [job, ...]}`` (`SlabReader.layer_job`;
+each layer gets `read_layer_into`'s checks and messages). Output, a JSON line per event: ``["read", block]``;
+``["error", block, kind, layer, message]`` for the first failed layer (none starts after it); ``["end"]``. It dies
+with its parent (``PR_SET_PDEATHSIG``).
 """
 
 import json
@@ -43,9 +26,8 @@ class LayerError(Exception):
         self.kind, self.message = kind, message
 
 
-# pread_into and check_crc say what safetensors_io.pread_into and SlabReader._compare_crc say: this file imports
-# nothing of the package (a torch import would cost the process seconds), so it has its own copies.
 def pread_into(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill `buf` from `offset` of `fd`; a file that ends first is a "truncated" LayerError."""
     done, n = 0, len(buf)
     while done < n:
         got = os.preadv(fd, [buf[done:]], offset + done)
@@ -54,7 +36,7 @@ def pread_into(fd: int, buf: memoryview, offset: int) -> None:
         done += got
 
 
-def check_crc(part: dict, crc: int) -> None:
+def check_crc(part: dict, crc: int) -> None:  # says what SlabReader._compare_crc says
     want = part["crc"]
     if want is not None and f"{crc & 0xFFFFFFFF:08x}" != want:
         raise LayerError("checksum", f"tensor {part['key']!r} crc32 {crc & 0xFFFFFFFF:08x} differs from the "

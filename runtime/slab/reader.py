@@ -1,37 +1,13 @@
-"""INT8 slab files: `{name}.safetensors` + `{name}.manifest.json`, SquareQ V2 compatible.
-
-`SlabReader` is what the host store uses: it validates the manifest and the
-file when it opens them and again on every read, and copies one layer's INT8
-rows and fp32 scale straight from the file into caller-owned (pinned) buffers,
-without materialising BF16 and holding at most one layer's bytes (usually none:
-it reads into the destination).
-
-What open checks (each failure is its own `SlabError` subclass, naming file and layer;
-the checks that read no tensor bytes are in `checks.py`):
-  - the manifest: schema, ABI version, quant config, packed shape = orig shape
-    padded to pad_k, layer_count / total_qweight_bytes, and (for our slabs)
-    that its model_signature matches its own layer list;
-  - the signature against `expected_signature` / `model`, when given;
-  - the safetensors header: parseable, byte ranges that tile the data region,
-    a file exactly as long as the header says;
-  - manifest vs header: every listed tensor present with the right dtype and
-    shape, no tensor the manifest does not list;
-  - for our slabs: slab id (manifest and header must name the same slab), the
-    header's sha256 and the file size recorded in the manifest;
-  - every zero_point is zero (we compute per-row symmetric only; SquareQ writes
-    zeros too) and its checksum (``check_zero_points=False``: left to each read);
-  - with ``verify="full"``: the whole file's sha256 and every tensor's crc32.
-Every read re-checks the crc32 of what it read (when recorded), that scales
-are finite and not all zero, that the zero points are zero, and that the file
-was not cut short meanwhile.
-
-Plain SquareQ slabs (no checksums, no slab id) load with every check that does
-not need our extras.
+"""INT8 slab files (`{name}.safetensors` + `{name}.manifest.json`, SquareQ V2 compatible): `SlabReader`, which
+checks a slab at open (`checks.py`; zero points; every byte with ``verify="full"``) and copies a layer's rows and
+scale from the file into caller-owned (pinned) buffers, checking each read (crc32, scales, zero points, length).
+Plain SquareQ slabs (no checksums, no slab id) get every check that needs none of ours.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -42,15 +18,8 @@ from torch import nn
 
 from torch_stagehand.runtime.slab import checks
 from torch_stagehand.runtime.slab.errors import (
-    SlabChecksumError,
-    SlabDtypeError,
-    SlabError,
-    SlabLayerNotFoundError,
-    SlabMissingTensorError,
-    SlabShapeError,
-    SlabSignatureError,
-    SlabUnsupportedError,
-    SlabValueError,
+    SlabChecksumError, SlabDtypeError, SlabError, SlabLayerNotFoundError, SlabMissingTensorError, SlabShapeError,
+    SlabSignatureError, SlabUnsupportedError, SlabValueError,
 )
 from torch_stagehand.runtime.slab.layers import iter_linear_layers
 from torch_stagehand.runtime.slab.manifest import LayerEntry, SlabManifest, check_slab_name, load_manifest
@@ -71,8 +40,7 @@ def _default_safetensors_path(manifest_path: str, manifest: SlabManifest) -> str
     recorded = (manifest.stagehand or {}).get("safetensors_file")
     if recorded:
         return os.path.join(os.path.dirname(manifest_path), recorded)
-    base = manifest_path[: -len(".manifest.json")] if manifest_path.endswith(".manifest.json") else manifest_path
-    return base + ".safetensors"
+    return manifest_path.removesuffix(".manifest.json") + ".safetensors"
 
 
 class SlabReader:
@@ -90,32 +58,21 @@ class SlabReader:
             every read does; offload reads them all and leaves them to its reads).
     """
 
-    def __init__(
-        self,
-        manifest_path: str | os.PathLike,
-        safetensors_path: str | os.PathLike | None = None,
-        *,
-        expected_signature: str | None = None,
-        model: nn.Module | None = None,
-        verify: str = "fast",
-        verify_checksums: bool = True,
-        check_zero_points: bool = True,
-    ):
+    def __init__(self, manifest_path: str | os.PathLike, safetensors_path: str | os.PathLike | None = None, *,
+                 expected_signature: str | None = None, model: nn.Module | None = None, verify: str = "fast",
+                 verify_checksums: bool = True, check_zero_points: bool = True):
         if verify not in ("fast", "full"):
             raise ValueError(f"SlabReader: verify must be 'fast' or 'full', got {verify!r}")
         self.manifest_path = os.fspath(manifest_path)
         self.manifest = load_manifest(self.manifest_path)
-        self.path = os.fspath(safetensors_path) if safetensors_path else _default_safetensors_path(
-            self.manifest_path, self.manifest
-        )
+        self.path = (os.fspath(safetensors_path) if safetensors_path
+                     else _default_safetensors_path(self.manifest_path, self.manifest))
         self.verify_checksums = verify_checksums
         self.layers: dict[str, LayerEntry] = self.manifest.layers
         self._fd: int | None = None
         if expected_signature is not None and self.manifest.model_signature != expected_signature:
-            raise SlabSignatureError(
-                f"model_signature is {self.manifest.model_signature!r}, expected {expected_signature!r}",
-                path=self.manifest_path,
-            )
+            raise SlabSignatureError(f"model_signature is {self.manifest.model_signature!r}, expected "
+                                     f"{expected_signature!r}", path=self.manifest_path)
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except OSError as e:
@@ -136,10 +93,6 @@ class SlabReader:
         except BaseException:
             self.close()
             raise
-
-    # ── open-time checks ──────────────────────────────────────────────────
-
-    # The checks that need no tensor bytes are in checks.py; these two read the file.
 
     def check_zero_points(self, threads: int = 1) -> None:
         """Every layer's zero points are zero (else SlabUnsupportedError naming the first such layer, in the slab's
@@ -165,35 +118,33 @@ class SlabReader:
 
     def verify_full(self) -> None:
         """Read the whole file: sha256 against the manifest and every tensor's crc32."""
-        sha = hashlib.sha256()
         h = self.header
-        sha.update(h.header_len.to_bytes(8, "little") + h.header_bytes)
+        sha = hashlib.sha256(h.header_len.to_bytes(8, "little") + h.header_bytes)
         owner = {k: e for e in self.layers.values() for k in e.tensor_keys()}
-        buf = torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
-        view = byte_view(buf)
+        view = byte_view(torch.empty(_CHUNK_BYTES, dtype=torch.uint8))
         for info in sorted(h.tensors.values(), key=lambda t: t.start):
-            e = owner[info.name]
-            crc, pos = 0, info.start
-            while pos < info.end:
-                n = min(_CHUNK_BYTES, info.end - pos)
-                pread_into(self._fd, view[:n], pos, self.path, e.name)
-                crc = zlib.crc32(view[:n], crc)
-                sha.update(view[:n])
-                pos += n
+            e, crc = owner[info.name], 0
+            for _, chunk in self._chunks(info.start, info.end, _CHUNK_BYTES, view, e.name):
+                crc = zlib.crc32(chunk, crc)
+                sha.update(chunk)
             self._compare_crc(e, info.name, crc)
         want = (self.manifest.stagehand or {}).get("safetensors_sha256")
         if want is not None and sha.hexdigest() != want:
             raise SlabChecksumError(f"file sha256 {sha.hexdigest()} differs from the manifest's {want}",
                                     path=self.path)
 
-    # ── reads ─────────────────────────────────────────────────────────────
+    def _chunks(self, start: int, end: int, step: int, view: memoryview, layer: str):
+        """(offset, bytes) of [start, end) read `step` bytes at a time into `view`."""
+        for pos in range(start, end, step):
+            n = min(step, end - pos)
+            pread_into(self._fd, view[:n], pos, self.path, layer)
+            yield pos, view[:n]
 
     def _compare_crc(self, e: LayerEntry, key: str, crc: int) -> None:
         want = (e.checksums or {}).get(key)
         if want is not None and self.verify_checksums and crc32_hex(crc) != want:
-            raise SlabChecksumError(
-                f"tensor {key!r} crc32 {crc32_hex(crc)} differs from the manifest's {want} (corrupt data)",
-                path=self.path, layer=e.name)
+            raise SlabChecksumError(f"tensor {key!r} crc32 {crc32_hex(crc)} differs from the manifest's {want} "
+                                    "(corrupt data)", path=self.path, layer=e.name)
 
     def _read_tensor(self, e: LayerEntry, key: str, dst: memoryview) -> None:
         info = self.header.tensors[key]
@@ -214,9 +165,7 @@ class SlabReader:
     def _check_dst(self, e: LayerEntry, what: str, t: torch.Tensor, dtype: torch.dtype | None, shape) -> None:
         if dtype is not None and t.dtype != dtype:
             raise SlabDtypeError(f"{what} buffer is {t.dtype}, needs {dtype}", path=self.path, layer=e.name)
-        numel = 1
-        for s in shape:
-            numel *= s
+        numel = math.prod(shape)
         if t.numel() != numel or (t.dim() == len(shape) and tuple(t.shape) != tuple(shape)) or t.dim() not in (1, len(shape)):
             raise SlabShapeError(f"{what} buffer has shape {list(t.shape)}, needs {list(shape)} (or flat {numel})",
                                  path=self.path, layer=e.name)
@@ -224,26 +173,16 @@ class SlabReader:
             raise SlabShapeError(f"{what} buffer must be a contiguous CPU tensor (pinned is fine)",
                                  path=self.path, layer=e.name)
 
-    def read_layer_into(
-        self,
-        name: str,
-        qweight_out: torch.Tensor,
-        scale_out: torch.Tensor,
-        bias_out: torch.Tensor | None = None,
-        *,
-        padded: bool = False,
-    ) -> None:
+    def read_layer_into(self, name: str, qweight_out: torch.Tensor, scale_out: torch.Tensor,
+                        bias_out: torch.Tensor | None = None, *, padded: bool = False) -> None:
         """Copy layer `name` into preallocated contiguous CPU tensors.
 
-        qweight_out: int8, ``[out, in_features]`` (``padded=False``: the first
-            in_features columns of each stored row, i.e. the padding dropped) or
-            ``[out, padded_in_features]`` (``padded=True``: the rows as stored,
-            padding columns are zero); a flat tensor of that many elements works too.
+        qweight_out: int8, ``[out, in_features]`` (``padded=False``: the padding columns dropped) or
+            ``[out, padded_in_features]`` (``padded=True``: the rows as stored, padding columns zero); or flat.
         scale_out: float32 ``[out]``.
-        bias_out: ``[out]`` of any float dtype (cast from the stored fp32), only for
-            a layer with a bias; None skips the bias.
-        On any error (SlabError naming the layer and file) the buffers' content is
-        unspecified and must not be used.
+        bias_out: ``[out]`` of any float dtype (cast from the stored fp32), only for a layer with a bias; None
+            skips the bias.
+        On any error (SlabError naming the layer and file) the buffers' content is unspecified.
         """
         e = self._entry(name)
         width = self._check_layer_buffers(e, qweight_out, scale_out, bias_out, padded)
@@ -277,10 +216,9 @@ class SlabReader:
 
     def layer_job(self, name: str, qweight_out: torch.Tensor, scale_out: torch.Tensor, bias_out: torch.Tensor | None,
                   locate) -> dict:
-        """What `read_layer_into(name, qweight_out, scale_out, bias_out)` reads and checks, for a reader process
-        (read_worker.py): each tensor's byte range in the file and recorded crc32, and where it goes
-        (`locate(buffer)`: the buffer's place in memory that process maps; `bias_out` float32 here). The buffers
-        are checked as `read_layer_into` checks them."""
+        """What `read_layer_into(name, qweight_out, scale_out, bias_out)` reads and checks, for read_worker.py: each
+        tensor's byte range and recorded crc32, and where it goes (`locate(buffer)`: its place in the memory that
+        process maps; `bias_out` float32 here). The buffers are checked as `read_layer_into` checks them."""
         e = self._entry(name)
         width = self._check_layer_buffers(e, qweight_out, scale_out, bias_out, padded=False)
         if bias_out is not None and bias_out.dtype != torch.float32:
@@ -313,20 +251,15 @@ class SlabReader:
             bias_out.view(-1).copy_(tmp)
 
     def _read_narrowed(self, e: LayerEntry, dst: torch.Tensor) -> None:
-        # Stored rows are wider than the destination: read a few rows at a time
-        # into a small scratch buffer and copy the leading columns out.
-        info = self.header.tensors[e.qweight_key]
-        row = e.padded_in_features
+        # Stored rows are wider than the destination: a few rows at a time through a small scratch buffer.
+        info, row = self.header.tensors[e.qweight_key], e.padded_in_features
         rows = max(1, _CHUNK_BYTES // row)
         scratch = torch.empty(min(rows, e.out_features) * row, dtype=torch.int8)
-        view = byte_view(scratch)
         crc = 0
-        for r0 in range(0, e.out_features, rows):
-            r1 = min(e.out_features, r0 + rows)
-            n = (r1 - r0) * row
-            pread_into(self._fd, view[:n], info.start + r0 * row, self.path, e.name)
-            crc = zlib.crc32(view[:n], crc)
-            dst[r0:r1].copy_(scratch[:n].view(r1 - r0, row)[:, : e.in_features])
+        for pos, chunk in self._chunks(info.start, info.end, rows * row, byte_view(scratch), e.name):
+            crc = zlib.crc32(chunk, crc)
+            r0, n = (pos - info.start) // row, len(chunk) // row
+            dst[r0:r0 + n].copy_(scratch[:n * row].view(n, row)[:, : e.in_features])
         self._compare_crc(e, e.qweight_key, crc)
 
     def read_layer(self, name: str, *, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -345,29 +278,19 @@ class SlabReader:
             raise SlabError("reader is closed", path=self.path)
         return self._fd
 
-    # ── model ─────────────────────────────────────────────────────────────
-
     def check_model(self, model: nn.Module, include_prefixes: Iterable[str] | None = None) -> dict[str, nn.Module]:
-        """Check a live model against the slab; returns canonical name -> live module.
-
-        Live names are mapped back to canonical ones (peft ``base_layer`` /
-        ``base_model.model.``, ``.orig`` LoRA injection, ``_orig_mod``; adapter
-        ``lora_*`` Linears are ignored). Raises SlabModelMismatchError naming the
-        first slab layer the model lacks or holds with another shape / bias /
-        layout, or the first model layer in the slab's scope that the slab lacks,
-        then SlabSignatureError if the signatures differ. The scope is
-        `include_prefixes`, else the prefixes the slab was built with (our slabs),
-        else the whole model (SquareQ's definition).
+        """Check a live model against the slab (by canonical names; adapter Linears ignored); returns canonical
+        name -> live module. Raises SlabModelMismatchError naming the first slab layer the model lacks or holds with
+        another shape / bias / layout, or the first model layer in the slab's scope that the slab lacks, then
+        SlabSignatureError if the signatures differ. The scope: `include_prefixes`, else the prefixes the slab was
+        built with (our slabs), else the whole model (SquareQ's definition).
         """
         return checks.check_model(self.manifest, model, include_prefixes, self.manifest_path)
 
     def check_identity(self, model: nn.Module, require: bool = False) -> int:
-        """Check that the slab was quantized from `model`'s weights (see `identity.py`).
-
-        Raises SlabIdentityError naming the first slab layer whose live weights
-        differ from the slab's source; layers on the meta device are skipped.
-        `require`: a slab that records no identity is an error, not a warning.
-        Returns how many layers were checked.
+        """Check that the slab was quantized from `model`'s weights (`identity.py`); returns the layers checked.
+        Raises SlabIdentityError naming the first layer whose weights differ from the slab's source (meta ones are
+        skipped). `require`: a slab that records no identity is an error, not a warning.
         """
         weights = []
         for li in iter_linear_layers(model):
@@ -375,8 +298,6 @@ class SlabReader:
             if li.name in self.layers and not w.is_meta:
                 weights.append((li.name, w.detach().t() if li.layout == "conv1d" else w.detach()))
         return checks.check_identity(self.manifest, weights, self.manifest_path, require)
-
-    # ── lifetime ──────────────────────────────────────────────────────────
 
     def close(self) -> None:
         if self._fd is not None:

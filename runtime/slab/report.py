@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 
+from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.runtime.slab.manifest import SlabManifest
 
 
@@ -34,63 +34,39 @@ class BuildResult:
 
     def summary(self) -> dict:
         cos = [r.cosine for r in self.layers]
-        out = {
-            "layers": len(self.layers),
-            "bf16_bytes": sum(r.bf16_bytes for r in self.layers),
-            "int8_bytes": sum(r.int8_bytes for r in self.layers),
-            "slab_file_bytes": self.slab_bytes,
-            "seconds": round(self.seconds, 3),
-            "quantizer": self.quantizer,
-            f"cosine_{self.quantizer}_mean": sum(cos) / len(cos) if cos else None,
-            f"cosine_{self.quantizer}_min": min(cos) if cos else None,
-        }
+        out = {"layers": len(self.layers), "bf16_bytes": sum(r.bf16_bytes for r in self.layers),
+               "int8_bytes": sum(r.int8_bytes for r in self.layers), "slab_file_bytes": self.slab_bytes,
+               "seconds": round(self.seconds, 3), "quantizer": self.quantizer,
+               f"cosine_{self.quantizer}_mean": sum(cos) / len(cos) if cos else None,
+               f"cosine_{self.quantizer}_min": min(cos) if cos else None}
         if self.alt_quantizer:
             alt = [r.cosine_alt for r in self.layers]
             out[f"cosine_{self.alt_quantizer}_mean"] = sum(alt) / len(alt) if alt else None
             out[f"cosine_{self.alt_quantizer}_min"] = min(alt) if alt else None
             out[f"layers_where_{self.quantizer}_beats_{self.alt_quantizer}"] = sum(
-                1 for r in self.layers if r.cosine > r.cosine_alt
-            )
+                1 for r in self.layers if r.cosine > r.cosine_alt)
         return out
 
     def table(self) -> str:
         from tabulate import tabulate
 
-        headers = ["layer", "shape", "BF16 MB", "INT8 MB", f"cos {self.quantizer}"]
-        if self.alt_quantizer:
-            headers.append(f"cos {self.alt_quantizer}")
-        headers.append("s")
-        rows = []
-        for r in self.layers:
-            row = [r.name, "x".join(map(str, r.shape)), r.bf16_bytes / 2**20, r.int8_bytes / 2**20, f"{r.cosine:.6f}"]
-            if self.alt_quantizer:
-                row.append(f"{r.cosine_alt:.6f}")
-            rows.append(row + [f"{r.seconds:.3f}"])
+        qs = [self.quantizer] + ([self.alt_quantizer] if self.alt_quantizer else [])
+        headers = ["layer", "shape", "BF16 MB", "INT8 MB", *(f"cos {q}" for q in qs), "s"]
+        rows = [[r.name, "x".join(map(str, r.shape)), r.bf16_bytes / 2**20, r.int8_bytes / 2**20, f"{r.cosine:.6f}",
+                 *([f"{r.cosine_alt:.6f}"] if self.alt_quantizer else []), f"{r.seconds:.3f}"] for r in self.layers]
         s = self.summary()
-        total = ["TOTAL", f"{s['layers']} layers", s["bf16_bytes"] / 2**20, s["int8_bytes"] / 2**20,
-                 f"{s[f'cosine_{self.quantizer}_mean'] or 0:.6f} (min {s[f'cosine_{self.quantizer}_min'] or 0:.6f})"]
-        if self.alt_quantizer:
-            total.append(f"{s[f'cosine_{self.alt_quantizer}_mean'] or 0:.6f} "
-                         f"(min {s[f'cosine_{self.alt_quantizer}_min'] or 0:.6f})")
-        rows.append(total + [f"{self.seconds:.2f}"])
+        rows.append(["TOTAL", f"{s['layers']} layers", s["bf16_bytes"] / 2**20, s["int8_bytes"] / 2**20,
+                     *(f"{s[f'cosine_{q}_mean'] or 0:.6f} (min {s[f'cosine_{q}_min'] or 0:.6f})" for q in qs),
+                     f"{self.seconds:.2f}"])
         return tabulate(rows, headers=headers, floatfmt=".2f")
 
     def to_json(self) -> dict:
-        return {
-            "slab": self.safetensors_path,
-            "manifest": self.manifest_path,
-            "model_signature": self.manifest.model_signature,
-            "architecture_id": self.manifest.architecture_id,
-            "summary": self.summary(),
-            "layers": [asdict(r) for r in self.layers],
-        }
+        return {"slab": self.safetensors_path, "manifest": self.manifest_path,
+                "model_signature": self.manifest.model_signature, "architecture_id": self.manifest.architecture_id,
+                "summary": self.summary(), "layers": [asdict(r) for r in self.layers]}
 
 
 def print_and_save_report(result: BuildResult, print_table: bool = True) -> None:
-    tmp = result.report_path + ".partial"
-    with open(tmp, "w") as f:
-        json.dump(result.to_json(), f, indent=2)
-        f.write("\n")
-    os.replace(tmp, result.report_path)
+    write_atomic(result.report_path, json.dumps(result.to_json(), indent=2) + "\n")
     if print_table:
         print(result.table())

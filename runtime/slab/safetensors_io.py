@@ -1,21 +1,16 @@
-"""Low-level safetensors I/O for slab files: no mmap, bounded memory.
+"""Safetensors headers parsed and checked, files read with ``pread`` and written, without mmap.
 
-The safetensors format is an 8-byte little-endian header length N, N bytes of
-JSON (``{"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets"}}``,
-offsets relative to the end of the header) and the raw tensor bytes, which must
-cover the data region exactly with no holes or overlaps.
-
-We parse and write it ourselves instead of going through ``safe_open`` because
-``safe_open`` memory-maps the file: every page it touches counts as resident
-memory of the process (VmRSS), so streaming a 30 GB checkpoint through it would
-look like (and, under pressure, behave like) holding the checkpoint. ``pread``
-into a small reusable buffer goes through the page cache, which is not ours.
+The format: an 8-byte little-endian header length N, N bytes of JSON (``{"__metadata__": {str: str}, name:
+{"dtype", "shape", "data_offsets"}}``, offsets from the header's end), then the tensors' bytes, tiling the data
+region. Not ``safe_open``: every page a mapping touches counts as this process's resident memory, while ``pread``
+into a small reused buffer goes through the page cache, which is not ours.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import sys
@@ -24,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_stagehand.runtime.slab import read_worker
 from torch_stagehand.runtime.slab.errors import SlabHeaderError, SlabTruncatedError
 
 if sys.byteorder != "little":  # safetensors is little-endian; we copy raw bytes.
@@ -31,16 +27,8 @@ if sys.byteorder != "little":  # safetensors is little-endian; we copy raw bytes
 
 # safetensors dtype tag <-> torch dtype.
 ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
 }
 ST_TAG: dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
 # Manifest dtype strings (SquareQ spells them like torch) <-> safetensors tags.
@@ -64,10 +52,6 @@ class TensorInfo:
     def nbytes(self) -> int:
         return self.end - self.start
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return ST_DTYPES[self.dtype]
-
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
@@ -79,18 +63,11 @@ class SafetensorsHeader:
     data_start: int
     data_end: int  # absolute offset one past the last tensor byte
 
-    @property
-    def expected_file_size(self) -> int:
-        return self.data_end
 
-
-def read_header(path: str, fd: int | None = None) -> SafetensorsHeader:
-    """Parse and check a safetensors header; raise SlabHeaderError/SlabTruncatedError.
-
-    Checks: a sane header length, valid JSON, known dtypes, shapes that agree
-    with the byte ranges, byte ranges that tile the data region with no hole or
-    overlap, and a file long enough to hold them.
-    """
+def read_header(path: str, fd: int | None = None, any_dtype: bool = False) -> SafetensorsHeader:
+    """Parse and check a safetensors header (else SlabHeaderError/SlabTruncatedError): a sane length, JSON, known
+    dtypes (`any_dtype`: others kept, their sizes unchecked), shapes that agree with the byte ranges, byte ranges
+    that tile the data region, a file long enough to hold them."""
     own = fd is None
     if own:
         try:
@@ -106,7 +83,8 @@ def read_header(path: str, fd: int | None = None) -> SafetensorsHeader:
             raise SlabHeaderError(f"header length {n} is not plausible (not a safetensors file?)", path=path)
         if 8 + n > size:
             raise SlabTruncatedError(f"header of {n} bytes runs past the end of the {size}-byte file", path=path)
-        raw = pread_exact(fd, n, 8, path)
+        raw = bytearray(n)
+        pread_into(fd, memoryview(raw), 8, path)
     finally:
         if own:
             os.close(fd)
@@ -127,15 +105,11 @@ def read_header(path: str, fd: int | None = None) -> SafetensorsHeader:
             b, e = int(b), int(e)
         except (KeyError, TypeError, ValueError) as exc:
             raise SlabHeaderError(f"tensor entry is malformed: {d!r}", path=path, layer=name) from exc
-        if tag not in ST_DTYPES:
+        if tag not in ST_DTYPES and not any_dtype:
             raise SlabHeaderError(f"unknown dtype {tag!r}", path=path, layer=name)
-        numel = 1
-        for s in shape:
-            numel *= s
-        if e < b or e - b != numel * ST_DTYPES[tag].itemsize:
+        if e < b or (tag in ST_DTYPES and e - b != math.prod(shape) * ST_DTYPES[tag].itemsize):
             raise SlabHeaderError(
-                f"tensor {name!r}: byte range [{b}, {e}) does not hold {tag} {list(shape)}", path=path, layer=name
-            )
+                f"tensor {name!r}: byte range [{b}, {e}) does not hold {tag} {list(shape)}", path=path, layer=name)
         tensors[name] = TensorInfo(name, tag, shape, data_start + b, data_start + e)
     pos = data_start
     for t in sorted(tensors.values(), key=lambda t: (t.start, t.end)):
@@ -145,33 +119,16 @@ def read_header(path: str, fd: int | None = None) -> SafetensorsHeader:
         pos = t.end
     if pos > size:
         raise SlabTruncatedError(
-            f"file is {size} bytes but the header describes {pos} bytes (truncated by {pos - size})", path=path
-        )
+            f"file is {size} bytes but the header describes {pos} bytes (truncated by {pos - size})", path=path)
     return SafetensorsHeader(path, n, bytes(raw), {str(k): str(v) for k, v in meta.items()}, tensors, data_start, pos)
 
 
-def pread_exact(fd: int, n: int, offset: int, path: str, layer: str | None = None) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = os.pread(fd, n - len(out), offset + len(out))
-        if not chunk:
-            raise SlabTruncatedError(
-                f"file ended at byte {offset + len(out)} while reading {n} bytes at {offset}", path=path, layer=layer
-            )
-        out += chunk
-    return bytes(out)
-
-
 def pread_into(fd: int, buf: memoryview, offset: int, path: str, layer: str | None = None) -> None:
-    """Fill `buf` (a writable byte memoryview) from `offset`; a short file raises."""
-    done, n = 0, len(buf)
-    while done < n:
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got <= 0:
-            raise SlabTruncatedError(
-                f"file ended at byte {offset + done} while reading {n} bytes at {offset}", path=path, layer=layer
-            )
-        done += got
+    """Fill `buf` (a writable byte memoryview) from `offset`; a short file raises SlabTruncatedError."""
+    try:
+        read_worker.pread_into(fd, buf, offset)
+    except read_worker.LayerError as e:
+        raise SlabTruncatedError(e.message, path=path, layer=layer) from None
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -187,37 +144,25 @@ def crc32_hex(value: int) -> str:
     return f"{value & 0xFFFFFFFF:08x}"
 
 
-def build_header(entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict]:
-    """Header bytes (space-padded to 8 bytes, as safetensors writes it) for tensors laid
-    out back to back in the given order; also returns name -> (rel_start, rel_end)."""
-    obj: dict = {"__metadata__": dict(metadata)}
-    offsets: dict[str, tuple[int, int]] = {}
-    pos = 0
-    for name, tag, shape in entries:
-        numel = 1
-        for s in shape:
-            numel *= s
-        end = pos + numel * ST_DTYPES[tag].itemsize
-        obj[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [pos, end]}
-        offsets[name] = (pos, end)
-        pos = end
-    raw = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    raw += b" " * ((-len(raw)) % 8)
-    return raw, offsets
-
-
 class IncrementalWriter:
-    """Writes a safetensors file whose header is known up front, tensor bytes streamed
-    in order. Hashes the whole file (sha256) and each tensor (crc32) on the way, so
-    the manifest can record them without a second pass. Peak memory: one chunk."""
+    """Writes a safetensors file whose header is known up front, tensor bytes streamed in order, hashing the file
+    (sha256) and each tensor (crc32) on the way for the manifest. Peak memory: one chunk."""
 
     def __init__(self, path: str, entries: list[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str]):
+        """`entries`: (name, dtype tag, shape) of the tensors, laid out back to back in this order."""
         self.path = path
-        self.header_bytes, rel = build_header(entries, metadata)
+        obj: dict = {"__metadata__": dict(metadata)}
+        pos = 0
+        for name, tag, shape in entries:
+            end = pos + math.prod(shape) * ST_DTYPES[tag].itemsize
+            obj[name] = {"dtype": tag, "shape": list(shape), "data_offsets": [pos, end]}
+            pos = end
+        raw = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+        self.header_bytes = raw + b" " * ((-len(raw)) % 8)  # space-padded to 8 bytes, as safetensors writes it
         base = 8 + len(self.header_bytes)
-        self.offsets = {k: (base + b, base + e) for k, (b, e) in rel.items()}
         self.order = [name for name, _, _ in entries]
-        self.total_bytes = base + (max((e for _, e in rel.values()), default=0))
+        self.offsets = {k: (base + obj[k]["data_offsets"][0], base + obj[k]["data_offsets"][1]) for k in self.order}
+        self.total_bytes = base + pos
         self._f = open(path, "wb")
         self._sha = hashlib.sha256()
         self._crc: dict[str, int] = {}

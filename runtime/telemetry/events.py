@@ -1,5 +1,5 @@
-"""Who else wants to know when a step ends or a unit compiles (the front door's reports), and the
-progress bar of offload's slow loops. Kept out of `runtime.py` so the engine stays about streaming."""
+"""Who else wants to know when a step ends or a unit compiles (the front door's reports), and the progress bar of
+offload's slow loops."""
 
 from __future__ import annotations
 

@@ -1,19 +1,14 @@
-"""Seconds per stage of offload, for its report (`rt.stats()["offload"]["seconds"]`) and the start-time bench.
-
-Offload's stages run one after another on the calling thread (`mark`); some work runs beside a stage on
-other threads (the slab's reads beside the compiler's imports): `beside` records how long each took, so
-the report shows which one the stage waited for.
+"""Seconds per stage of offload, for its report (`rt.stats()["offload"]`): the calling thread's stages one after
+another (`mark`), and work on other threads beside them (`beside`), so the report shows what a stage waited for.
 """
 
 from __future__ import annotations
 
 import time
 
-# What offload's calling thread does beside the host store's fill (the slab's reads or the weights' copies), as
-# `beside` records it: the bench and the report read it by this name.
+# The calling thread's work beside the host store's fill, by the name the report reads.
 COMPILER_PREPARATION = "compiler imports and source index"
-# Its files read before a slab's reads begin (compiler/startup/read_ahead.py): on a thread of its own, beside the stages
-# before the reads; the stage of this name (and " (the wait)") is what the reads waited for it.
+# The compiler's files read ahead of a slab's reads (compiler/startup/read_ahead.py); " (the wait)": the reads' wait.
 FILES_READ_AHEAD = "compiler's files read ahead"
 
 

@@ -8,14 +8,13 @@ from typing import Any
 import torch
 
 from torch_stagehand import kernels
-
-from torch_stagehand.runtime.host.plan import host_report
 from torch_stagehand.runtime.device.slots import SlotPool
-from torch_stagehand.runtime.device.spill import ActivationSpill
+from torch_stagehand.runtime.host.plan import host_report
+
 
 def runtime_stats(rt: Any) -> dict[str, Any]:
     """`rt`: the Runtime (not imported: runtime.py imports this module)."""
-    s = rt.pool.stats
+    s, spill = rt.pool.stats, rt.plan_driver.spill
     return {
         "blocks": len(rt.blocks),
         "streamed_layers": len(rt.layers),
@@ -49,7 +48,9 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "routed_reads": {"direct_reads": rt.eager.direct_reads, "whole_stacks": rt.eager.whole_stacks,
                          "expert_cache": rt.eager.cache.stats()},
         "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
-        **plan_stats(rt.plan_driver.plan, rt.pool), **spill_stats(rt.plan_driver.spill),
+        **_plan_stats(rt.plan_driver.plan, rt.pool),
+        **({} if spill is None else {"d2h_bytes": spill.d2h_bytes, "restored_bytes": spill.h2d_bytes,
+                                     "spilled_tensors": spill.spilled_tensors}),
         "plan_corrections": rt.plan_driver.shrinks + rt.plan_driver.peak_corrections,  # budgets shrunk, peaks learned
         "plan_reservations": list(rt.plan_driver.reservations),  # memory held ahead for a made plan's peak, and its s
         "calibration_remeasured": list(rt.plan_driver.remeasured),  # steps with one-time unit work: measured again
@@ -65,8 +66,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
     }
 
 
-def plan_stats(plan: Any, pool: SlotPool | None) -> dict:
-    """What `Runtime.stats()` reports of the plan."""
+def _plan_stats(plan: Any, pool: SlotPool | None) -> dict:
     if plan is None:
         return {}
     counts = plan.counts()
@@ -78,12 +78,6 @@ def plan_stats(plan: Any, pool: SlotPool | None) -> dict:
             "cost_model": plan.cost_model,  # what predicted_step_ms rests on: "default", "measured" or "given"
             "predicted_peak_bytes": plan.predicted_peak_bytes, "measured_peak_bytes": plan.measured_peak_bytes,
             "streamed_device_bytes": None if pool is None else pool.device_bytes()}
-
-
-def spill_stats(spill: ActivationSpill | None) -> dict:
-    if spill is None:
-        return {}
-    return {"d2h_bytes": spill.d2h_bytes, "restored_bytes": spill.h2d_bytes, "spilled_tensors": spill.spilled_tensors}
 
 
 def planner_step_record(planner: Any) -> dict:

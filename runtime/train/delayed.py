@@ -1,26 +1,9 @@
-"""The one-step-delayed update (DeepSpeed ZeRO-Offload's DPU): an option of HostAdamW that changes the math.
+"""The one-step-delayed update (ZeRO-Offload's DPU): an option of HostAdamW that changes the math.
 
-The exact path steps a block on the host as its gradients land, overlapped with
-the backward of the blocks before it; the optimizer's work past the end of the
-backward is the step's tail. Here the update computed from step t's gradients
-runs on a thread of its own through all of step t+1 (its forward and its
-backward), and the weights it produces are first used by step t+2: every
-streamed weight trains one step late. Resident parameters (embeddings, norms,
-heads, LoRA) still step exactly, in `step()`.
-
-How it stays consistent:
-- The update writes only the fp32 master and the moments (every weight keeps
-  a master of its own), never the weights that step t+1 is reading.
-- A block's new weights are *published* (rounded from its master, its version
-  moved so slots and INT8 / FP8 copies refresh) when its gradients of step t+1
-  have landed: the GPU is done reading its weights for step t+1 then, and step
-  t+2's forward fetches the new ones. The landing worker publishes, after
-  waiting for the block's update (blocks are updated in backward order, the
-  order the next backward lands them).
-- Step t's gradients are read by the update while step t+1's land: two sets of
-  host gradient buffers, swapped at each `step()`.
-- `flush()` finishes the pending update and publishes it now (a checkpoint
-  then holds the weights the masters say; the next step runs on them).
+Step t's update runs on a thread of its own through step t+1, and its weights are first used by step t+2 (resident
+parameters still step exactly). It writes only masters and moments; a block's new weights are published (rounded
+from the master, its version moved) by the landing worker once the block's gradients of step t+1 have landed;
+step t's gradients are read while step t+1's land in a second set of buffers; `flush()` publishes the pending one.
 """
 
 from __future__ import annotations
@@ -42,8 +25,7 @@ class DelayedStep:
     """`delayed_update=True`: step t's update runs beside step t+1; its weights are published block by block."""
 
     def _publish_block(self, block: int) -> None:
-        """The block's gradients of this step have landed (the landing worker): its weights are no longer read
-        in this step, so the previous step's update is written into them, rounded from the master."""
+        """The block's gradients of this step landed, so its weights are read no more: publish the last update."""
         if not self.delayed.wait(block):
             return
         for p in self._trained(block):
@@ -52,9 +34,8 @@ class DelayedStep:
         self.delayed.published(block)
 
     def _step_delayed(self, scale: float) -> None:
-        """Start the update from this step's gradients on the update thread; the next backward lands in the
-        other gradient buffers and publishes it block by block."""
-        work, blocks = {}, []
+        """Start the update from this step's gradients on the update thread; swap the gradient buffers."""
+        work = {}
         for block in self._block_params:
             ps = [p for p in self._trained(block) if p.grad is not None]
             if not ps:
@@ -63,8 +44,7 @@ class DelayedStep:
             for p in ps:
                 p.grad = None
             work[block] = lambda ps=ps, grads=grads: self._update_masters(ps, grads)
-            blocks.append(block)
-        self.delayed.swap_gradient_buffers(blocks)
+        self.delayed.swap_gradient_buffers(list(work))
         self.delayed.start(work)
 
     def _update_masters(self, ps: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -75,8 +55,7 @@ class DelayedStep:
         self.host_seconds += time.perf_counter() - t0
 
     def flush(self) -> None:
-        """The delayed update: finish the pending update and write its weights now (a checkpoint then holds the
-        weights its masters say). Nothing to do without `delayed_update`."""
+        """Finish the pending delayed update and publish its weights now (nothing without `delayed_update`)."""
         if self.delayed is None:
             return
         if self.worker is not None:

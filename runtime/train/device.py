@@ -1,29 +1,10 @@
 """AdamW on the GPU for chosen streamed blocks: the states come to the gradient, not the gradient to the states.
 
-`HostAdamW` steps a block on the host once its gradients have landed (train/host.py): its
-time is the host's memory bandwidth, ~28 bytes a parameter read and written each step (fp32
-master, moments, gradient, the rounded weight). The other place is the GPU, inside the
-backward, while the layer's gradient is still in its staging buffer (train/grads.py): the layer's
-fp32 master and moments cross PCIe (12 bytes a parameter each way), its new bf16 weight comes
-back with them (2 bytes), and the gradient never goes home. Which is faster depends on the
-host's memory bandwidth against the link, so the optimizer chooses per block from measured
-costs (`choose_device_blocks`), and both places work at once: the host steps some blocks while
-the link carries the states of the others.
-
-Per layer, on CUDA (ring slots of device buffers, `RING` of them, each the largest layer's size):
-  upload stream: wait until the slot's last write-back is done; master and moments H2D into it
-  update stream (the gradient lane's D2H stream): wait for the gradient (compute stream) and the
-                 upload; the gradient to fp32 (its staging buffer is free from here); torch's
-                 fused AdamW; the weight rounded from the master; master, moments and weight D2H
-                 into their host homes; an event `done`
-The compute stream waits only to reuse a gradient staging buffer; the host waits for `done` on
-the landing worker's thread, before the block's derived copies (INT8 / FP8) are rebuilt and
-before the optimizer's `step()` returns. The math is the host's: AdamW in fp32 on the fp32
-master, the weight rounded to nearest from it, at the same point of the step.
-
-The host states of a block updated here are page-locked (a copy from pageable memory is staged
-by the driver at a fraction of the link's speed): they move into a pinned arena when the block
-is chosen (`pin_states`).
+Inside the backward, while a layer's gradient is still in its staging buffer (train/grads.py), its fp32 master and
+moments cross PCIe through a ring of `RING` device slots (upload stream), torch's fused AdamW steps them on the
+gradient lane's D2H stream, the weight is rounded from the master (to nearest, as the host does) and everything
+goes home; the landing worker waits for `done` before the block's derived copies are rebuilt. The blocks are chosen
+from measured costs (`choose_device_blocks`); their host states are page-locked (`pin_states`).
 """
 
 from __future__ import annotations
@@ -44,7 +25,7 @@ from torch_stagehand.runtime.host.arena import HostArena, lock_or_fall_back
 log = logging.getLogger("torch_stagehand.optim")
 
 # "auto" chooses the device blocks from the host's time per block in this step: the first one's is no measure
-# (its states' and gradient buffers' pages are touched for the first time: on an H100 host, 1.5-3.8x the next).
+# (its states' and gradient buffers' pages are touched for the first time).
 CHOOSE_AFTER_STEPS = 2
 
 
@@ -98,8 +79,7 @@ class DeviceUpdate:
         return sum(i for i, _ in moved), sum(o for _, o in moved)
 
     def _choose_device_blocks(self) -> None:
-        """After the second step (every block stepped on the host, each timed): the blocks whose update moves
-        to the device, from the host's measured time per block and the link's measured bandwidths."""
+        """After the second step (every block timed on the host): choose the blocks to step on the device."""
         rt = self.runtime
         model = rt.plan_driver.cost_model
         h2d = model.h2d_bps
@@ -128,8 +108,7 @@ class DeviceUpdate:
             self._enable_device(chosen)
 
     def _enable_device(self, blocks: set[int]) -> None:
-        """Blocks `blocks` step on the device from the next backward: their states pinned, the ring allocated,
-        the gradient lane routing their layers to it and the planner counting their bytes."""
+        """Blocks `blocks` step on the device from the next backward: states pinned, ring allocated, lane told."""
         rt = self.runtime
         ps = self._trained_in(blocks)
         if not ps:
@@ -162,9 +141,7 @@ class DeviceUpdate:
         return block in self.device_blocks
 
     def update_on_device(self, index: int, grad: torch.Tensor, compute) -> tuple:
-        """Step layer `index` on the device from `grad` (a device tensor in the weight's stored orientation):
-        (the event after which `grad` may be reused, the event after which the host copies are written,
-        the bytes sent D2H)."""
+        """Step layer `index` on the device from `grad`: (grad reusable, host copies written) events, D2H bytes."""
         p = self._param_of[index]
         before = self.device.bytes_out
         consumed, done = self.device.update(p, self.state[p], grad, self._hyper(self._group_of[p]), compute)
@@ -178,8 +155,7 @@ STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def transfer_bytes(numel: int, has_master: bool, weight_bytes: int) -> tuple[int, int]:
-    """(H2D, D2H) bytes of one weight updated on the device: fp32 master (or the fp32 weight) and moments
-    in; the same out, plus the rounded weight when it has a separate master."""
+    """(H2D, D2H) bytes of one weight updated on the device: states in; states and a separate master's weight out."""
     states = 12 * numel
     return states, states + (weight_bytes if has_master else 0)
 
@@ -193,12 +169,10 @@ def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s
                          grad_s: dict[int, float], backward_fetch_s: float) -> set[int]:
     """The blocks to update on the device: the set that ends the step's optimizer work soonest.
 
-    Both places run beside the backward: the host lane steps its blocks one after another (`host_s`,
-    measured), the link carries the device blocks' states in (`in_s`, beside the backward's weight
-    fetches `backward_fetch_s`) and out (`out_s`, beside the host blocks' gradients `grad_s`). The
-    step's optimizer work ends with the slowest of the three; k device blocks are spread evenly over
-    the backward order (both lanes busy from its start to its end), and the k with the smallest bound
-    wins (the fewest on a tie: nothing moves that need not)."""
+    The work ends with the slowest of three lanes beside the backward: the host stepping its blocks (`host_s`), the
+    link in (the device blocks' states `in_s` beside the weight fetches `backward_fetch_s`) and out (`out_s` beside
+    the host blocks' gradients `grad_s`). For each k, k device blocks spread evenly over the backward order; the k
+    with the smallest bound wins (the fewest on a tie)."""
     blocks = sorted(host_s)
     best, best_cost = set(), math.inf
     for k in range(len(blocks) + 1):
@@ -213,9 +187,7 @@ def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s
 
 
 def pin_states(states: list[dict], pinner, kind: str = "adamw states") -> HostArena:
-    """Move the fp32 states of these weights into one host arena, page-locked range by range (each state is a
-    view of it from now on; a range the driver refuses to lock stays pageable, with a warning). The caller
-    keeps the arena alive as long as the states, and closes it (unlocks) when done."""
+    """Move these fp32 states into one host arena, page-locked range by range; the caller closes it."""
     tensors = [(st, key) for st in states for key in STATE_KEYS if key in st]
     arena = HostArena(kind, [st[key].numel() * st[key].element_size() for st, key in tensors], pinner)
     for st, key in tensors:
@@ -254,9 +226,8 @@ class DeviceAdamW:
         self.layers_updated = 0
 
     def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute) -> tuple:
-        """Step one weight from its device gradient `grad` (its stored orientation) with AdamW on the device,
-        its new values written back to the host: the master (or the fp32 weight) and moments, and the weight.
-        Returns (the event after which `grad` may be overwritten, the event after which the host copies are
+        """AdamW on the device for one weight from `grad`, the master (or fp32 weight), moments and weight written
+        back to the host: (the event after which `grad` may be reused, the one after which the host copies are
         written); both None on the CPU, where it all runs now."""
         n = param.numel()
         slot = self.slots[self._next]

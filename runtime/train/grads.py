@@ -1,30 +1,11 @@
 """Gradients of trainable streamed weights: computed on the device in backward, landed in host buffers.
 
-Full fine-tuning of a streamed weight: the host copy is the master and the
-optimizer updates it there, so the weight's gradient must reach the host. The
-block's compiled backward computes each trainable layer's grad-weight GEMM
-beside its grad-input (`stagehand::grad_weight`, placed by rewrite_linear's
-grad tap) into a small ring of device staging buffers, and the D2H stream
-copies it into the block's host gradient buffer (pinned, laid out like the
-block's master) as soon as it is computed: the compute stream never waits
-for the host, the host never waits for the GPU, and the block's weight slot
-is free as soon as its backward ends. Only when the gradients are needed
-(`finish`, queued to run when autograd's backward pass ends) does the host
-wait for the copies still in flight, then each weight's `.grad` is a view of
-its host gradient buffer, as for any CPU parameter: any torch optimizer over
-`model.parameters()` steps the master, whose version counter moves, so the
-slots and the INT8 / FP8 copies are refreshed before the next fetch.
-
-Accumulation follows PyTorch: a weight whose `.grad` is None gets the new
-gradient (written straight into its buffer); one that has a `.grad` (no
-`zero_grad`, `set_to_none=False`, a layer run twice) adds to it.
-
-Autograd needs a reason to run the backward of a block whose inputs do not
-require grad (the first block of a model with a frozen embedding): each block
-has a grad *anchor*, a 0-dim device tensor that requires grad exactly when one
-of the block's streamed weights does (`HostMasterParameter` keeps it in step)
-and that its streamed Linears take as an input. Its own gradient is always
-None.
+The host copy is the master the optimizer steps, so the gradient goes home: each trainable layer's grad-weight GEMM
+(`stagehand::grad_weight`, rewrite_linear's grad tap) fills a ring of device staging buffers, and the D2H stream
+copies it at once into the block's pinned host gradient buffer (the master's layout); nothing waits. When the
+backward ends (`finish`) each weight's `.grad` becomes a view of its buffer (accumulated as PyTorch does). A block's
+grad *anchor*, a 0-dim device tensor its streamed Linears take as an input, requires grad exactly when one of its
+streamed weights does: autograd's reason to run the backward of a block whose inputs need no grad.
 """
 
 from __future__ import annotations
@@ -65,27 +46,21 @@ class GradLane:
         self._next_staging = 0
         self._landing: list[_Landing] = []
         self._queued_for: int | None = None  # the backward (graph task) whose end runs finish()
-        # A host optimizer that steps blocks as their gradients land (train/host.py): `begin_backward()` at
-        # the first gradient of every backward, then each landing while it is `accepting`.
+        # A host optimizer stepping blocks as their gradients land (train/host.py): `begin_backward()` at the first
+        # gradient of every backward, then each landing while it is `accepting`.
         self.consumer = None
         self._consumed: set[int] = set()  # layers handed to the consumer in this backward
-        # A backward is everything between two forwards: a recomputed block's nested backward (its own
-        # autograd graph task, its own end-of-backward callback) is part of the outer one.
+        # A backward is everything between two forwards (a recomputed block's nested backward is part of the outer one).
         self._in_backward = False
         self.optimizer_seconds: dict[int, float] = {}  # block -> its last host optimizer step, measured
-        # block -> (H2D, D2H) bytes a step of the blocks the optimizer steps on the device (train/device.py)
-        self.device_updates: dict[int, tuple[int, int]] = {}
+        self.device_updates: dict[int, tuple[int, int]] = {}  # block updated on the device -> (H2D, D2H) bytes a step
         self.d2h_bytes = 0
         self.grad_gemms = 0
-        # Several ranks (train/shards.py): a block's gradients are gathered in a flat device buffer, summed into its
-        # owner, and landed there alone.
-        self.shards = None
+        self.shards = None  # several ranks (train/shards.py): a block's gradients summed into its owner
         self.step_syncs = False  # an attached optimizer's step syncs the ranks (Runtime.attach): no fetch needs to
         self._gathering: dict[int, tuple[int, set[int]]] = {}  # block -> (its buffer, the layers it holds)
         self._block_buffers: list[torch.Tensor] = []
         self._block_free: list["torch.cuda.Event | None"] = []
-
-    # ---- which weights train -----------------------------------------------------------
 
     def trainable(self, index: int) -> bool:
         return self.layers[index].weight.requires_grad
@@ -133,12 +108,6 @@ class GradLane:
                 out[spec.block] += weight.numel() * weight.element_size()
         return out
 
-    def record_optimizer(self, block: int, seconds: float) -> None:
-        """A host optimizer stepping blocks as their gradients land measured one block's step (HostAdamW)."""
-        self.optimizer_seconds[block] = seconds
-
-    # ---- backward ------------------------------------------------------------------------
-
     def grad_weight_at(self, block: int, position: int, dy: torch.Tensor, x: torch.Tensor) -> None:
         """`grad_weight` of the block's `position`-th streamed layer (how a compiled block names it)."""
         self.grad_weight(self.first_layer[block] + position, dy, x)
@@ -160,8 +129,7 @@ class GradLane:
         a, b = (x2, dy2) if spec.transposed else (dy2, x2)
         if self.shards is not None:
             return self._gather(index, a, b)
-        lay = self.store.layout(spec.block, precisions.FULL)[self.position(index)]
-        home = precisions.master().views(self.host[spec.block], lay)[0]  # the weight's stored orientation
+        home = self._layer_view(self.host[spec.block], spec.block, index)  # the weight's stored orientation
         direct = self._direct(index)
         consumer = self.consumer if self.consumer is not None and self.consumer.accepting else None
         if direct and consumer is not None and consumer.updates_on_device(spec.block):
@@ -193,15 +161,11 @@ class GradLane:
             self._landing.append(land)
         self.d2h_bytes += land.target.numel() * land.target.element_size()
 
-    # ---- several ranks (train/shards.py) ----------------------------------------------------------
-
     def _gather(self, index: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """The layer's gradient into its block's flat device buffer; the block's last one sends the buffer to
-        its owner, which lands every layer of it."""
+        """Gather the layer's gradient into its block's flat buffer; the block's last one sends it to its owner."""
         block = self.layers[index].block
         if block not in self._gathering:
-            i = self._free_block_buffer()
-            self._gathering[block] = (i, set())
+            self._gathering[block] = (self._free_block_buffer(), set())
         i, held = self._gathering[block]
         view = self._layer_view(self._block_buffers[i], block, index)
         with torch.no_grad():
@@ -221,8 +185,7 @@ class GradLane:
         return precisions.master().views(flat, lay)[0]
 
     def _free_block_buffer(self) -> int:
-        """A flat device buffer of the largest training block's gradients that no block is gathering into (two
-        suffice: one gathering while the last one's sum and copies run; more only if the graph interleaves)."""
+        """A free flat device buffer of the largest training block's gradients (two suffice unless graphs mix)."""
         busy = {i for i, _ in self._gathering.values()}
         i = next((k for k in range(len(self._block_buffers)) if k not in busy), None)
         if i is None:
@@ -247,35 +210,26 @@ class GradLane:
                 self._block_free[i] = torch.cuda.current_stream(self.device).record_event()
             return
         consumer = self.consumer if self.consumer is not None and self.consumer.accepting else None
-        first = self.first_layer[block]
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after the sum
         for position in self.trainable_positions(block):
-            index = first + position
+            index = self.first_layer[block] + position
             home = self._layer_view(self.host[block], block, index)
             direct = self._direct(index)
             target = home if direct else torch.empty_like(home, pin_memory=self.cuda)
-            src = self._layer_view(flat, block, index)
-            event = None
+            src, event = self._layer_view(flat, block, index), None
             if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    target.copy_(src, non_blocking=True)
-                    event = self.stream.record_event()
-                self._block_free[i] = event
+                event = self._block_free[i] = self._copy_home(target, src)  # after the sum
             else:
                 target.copy_(src)
             self._deliver(_Landing(index, target, event, direct), consumer)
 
     def flush_gathering(self) -> None:
-        """The backward ended with blocks whose training weights did not all get a gradient (a layer the forward
-        skipped): send what they hold (every rank has the same blocks here: the same model ran)."""
+        """Send the blocks some of whose training weights got no gradient (a layer the forward skipped)."""
         for block in sorted(self._gathering, reverse=True):
             self._send_block(block)
 
     def _update_on_device(self, index: int, a: torch.Tensor, b: torch.Tensor, home: torch.Tensor,
                           consumer) -> _Landing:
-        """The gradient stays on the device: the optimizer steps the weight there (train/device.py), from the
-        staging buffer, and sends home the new master, moments and weight instead of the gradient."""
+        """The gradient stays on the device: the optimizer steps the weight there and sends its states home."""
         with torch.no_grad():
             if self.cuda:
                 i, staging, compute = self._gemm(a, b, home)
@@ -303,14 +257,16 @@ class GradLane:
 
     def _to_host(self, a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> "torch.cuda.Event":
         """The GEMM into a staging buffer on the compute stream, its copy to `target` on the D2H stream."""
-        i, staging, compute = self._gemm(a, b, target)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            target.copy_(staging, non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record(self.stream)
-        self._staging_free[i] = landed
+        i, staging, _ = self._gemm(a, b, target)
+        landed = self._staging_free[i] = self._copy_home(target, staging)
         return landed
+
+    def _copy_home(self, target: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event":
+        """`src` into host `target` on the D2H stream, after the compute stream's work so far: the landed event."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            target.copy_(src, non_blocking=True)
+            return self.stream.record_event()
 
     def _staging_buffer(self, i: int, target: torch.Tensor) -> torch.Tensor:
         if not self._staging:  # allocated at the first gradient: LoRA runs never hold them
@@ -358,8 +314,7 @@ class GradLane:
         self._in_backward = False
 
     def apply(self, land: _Landing) -> None:
-        """Once its copy is done: the gradient becomes the weight's `.grad`, or is added to it (a weight
-        updated on the device has no gradient to give: its landing only waits for the write-back)."""
+        """Once its copy is done, the gradient becomes the weight's `.grad` or is added to it (device-updated: none)."""
         if land.event is not None:
             land.event.synchronize()
         if land.updated:
@@ -371,10 +326,6 @@ class GradLane:
             weight.grad = land.target
         else:
             weight.grad.add_(land.target)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._landing)
 
     def block_of(self, index: int) -> int:
         return self.layers[index].block

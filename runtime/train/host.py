@@ -1,38 +1,16 @@
 """AdamW on the host for streamed weights: a block steps as soon as its gradients have landed.
 
-The gradients of a block's trainable streamed weights land in host memory at
-the end of the block's backward (train/grads.py). Waiting for the whole backward to
-end before the optimizer runs (what a torch optimizer over `.grad` does, and
-DeepSpeed's ZeRO-Offload without its delayed update) leaves the host idle for
-the backward and the GPU idle for the optimizer. Here a worker thread takes
-each gradient as it lands, and once every trainable weight of a block has its
-gradient for this step, steps that block on the host while the GPU runs the
-backward of the blocks before it (torch's fused CPU AdamW releases the GIL and
-runs on all cores). The math is AdamW's exactly, applied at the same point of
-the step: nothing is delayed.
-
-Per weight: an fp32 master (when the weight is bf16 / fp16; an fp32 weight is
-its own master), fp32 `exp_avg` / `exp_avg_sq`: 12 bytes a parameter beside the
-streamed copy. `master="bf16"` keeps no separate master: the update is
-computed in fp32 and written back to the bf16 weight with stochastic rounding
-(an unbiased rounding, so small updates are not lost), 8 bytes a parameter.
-After each step the weight's bytes that stream (bf16 itself, or its INT8 / FP8
-copy, rebuilt here off the hot path) are fresh for the next forward.
-
-The moments can be smaller too (`states=`): "bf16" (4 bytes a parameter for both,
-stochastically rounded after each step: an exponential average moves by less than a
-bf16 rounding step per step, so round-to-nearest would freeze it) or "int8" (2 bytes
-and a scale per 128 elements: `exp_avg` as signed codes of its block's absmax,
-`exp_avg_sq` as codes of its square root, which halves its dynamic range; both
-stochastically rounded, and a nonzero second moment never reads back as zero: a zero
-denominator would turn a small momentum into a step of lr / eps). Each chunk is decoded
-to fp32, stepped by the same fused kernel and encoded again. bf16 master + int8 states
-is 4 bytes a parameter with the bf16 weight: a 12B model's full fine-tune in 48 GB of host memory.
+`LandingWorker` takes each gradient as it lands (train/grads.py) and steps a block once all its trainable weights
+have theirs, while the GPU runs the backward of the blocks before it (fused CPU AdamW releases the GIL); its
+streamed copies (INT8 / FP8 too) are rebuilt off the hot path. Per weight: an fp32 master (`master="bf16"`: none,
+the update written back with unbiased stochastic rounding) and moments in fp32, bf16 (stochastically rounded: an
+average moving by less than a bf16 step would freeze) or int8 (a scale per QBLOCK: `exp_avg` as codes of its
+absmax, `exp_avg_sq` of its square root; a nonzero second moment never decodes to zero, a step of lr / eps).
+`ResidentAdamW` steps every parameter that does not stream with the same master and moments.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 from dataclasses import dataclass
@@ -41,6 +19,7 @@ from typing import Callable
 import torch
 from torch.optim.adam import adam as adam_functional
 
+from torch_stagehand.environment import tunable
 from torch_stagehand.runtime.streamed import is_dtensor
 
 MASTERS = ("fp32", "bf16")
@@ -51,60 +30,49 @@ STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / QBLOCK}  # exp_av
 
 class Noise:
     """Uniform noise for stochastic rounding, drawn once per `adamw_step` call: a buffer of a chunk and a window
-    more, from which each chunk reads a slice at a random offset.
-
-    Drawing a value per element from torch's CPU generator (one thread) cost more than the AdamW step itself
-    (measured: a bf16 master's rounding made the step 5x slower). Each element's noise is still uniform, and
-    fresh at every step (the buffer and the offsets are drawn again); two elements of one step may share a
-    value, which leaves each one's rounding unbiased."""
+    more, from which each chunk reads a slice at a random offset (a value per element from torch's one-thread CPU
+    generator costs more than the step). Each element's noise is uniform and fresh at every step; two elements
+    of one step may share a value, which leaves each one's rounding unbiased."""
 
     WINDOW = 1 << 16
 
     def __init__(self, generator: torch.Generator | None, device: torch.device | None = None):
-        # One random stream wherever the weights live: the (CPU) generator draws the values on the host, and on
-        # a GPU only the seed of a device generator that draws them there (no copy up, no device read: the
-        # offsets stay host ints).
+        # One random stream wherever the weights live: on a GPU the (CPU) generator draws only the seed of a
+        # device generator that draws the values there (the offsets stay host ints: no device read).
         self.generator = generator
         self.device = device if device is not None and device.type != "cpu" else None
         self._draw = generator
         if self.device is not None:
             seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
             self._draw = torch.Generator(self.device).manual_seed(seed)
-        self._bits: torch.Tensor | None = None  # int32 in [0, 2**16): bf16 rounding
-        self._unit: torch.Tensor | None = None  # float32 in [0, 1): int8 codes
+        self._buffers: dict[str, torch.Tensor] = {}  # "bits" / "unit": a chunk and a window of values
 
-    def _slice(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+    def _values(self, kind: str, n: int) -> torch.Tensor:
+        if kind == "bits":  # int32 in [0, 2**16): bf16 rounding
+            return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=self._draw, device=self.device)
+        return torch.rand(n, generator=self._draw, device=self.device)  # float32 in [0, 1): int8 codes
+
+    def _noise(self, kind: str, n: int) -> torch.Tensor:
+        if n > tunable("host_adamw_chunk"):  # more than a chunk at once: a value per element
+            return self._values(kind, n)
+        if kind not in self._buffers:
+            self._buffers[kind] = self._values(kind, tunable("host_adamw_chunk") + self.WINDOW)
+        buf = self._buffers[kind]
         offset = int(torch.randint(0, buf.numel() - n + 1, (1,), generator=self.generator))
         return buf[offset:offset + n]
 
-    def _randint(self, n: int) -> torch.Tensor:
-        return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=self._draw, device=self.device)
-
-    def _rand(self, n: int) -> torch.Tensor:
-        return torch.rand(n, generator=self._draw, device=self.device)
-
     def bits(self, n: int) -> torch.Tensor:
-        if n > CHUNK:  # more than a chunk at once: a value per element
-            return self._randint(n)
-        if self._bits is None:
-            self._bits = self._randint(CHUNK + self.WINDOW)
-        return self._slice(self._bits, n)
+        return self._noise("bits", n)
 
     def unit(self, n: int) -> torch.Tensor:
-        if n > CHUNK:
-            return self._rand(n)
-        if self._unit is None:
-            self._unit = self._rand(CHUNK + self.WINDOW)
-        return self._slice(self._unit, n)
+        return self._noise("unit", n)
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None,
                       noise: Noise | None = None) -> None:
-    """Write fp32 `src` into bf16 `dst`, rounding up with probability equal to the distance (unbiased).
-
-    bf16 is fp32's upper 16 bits: adding a uniform random 16-bit integer to the fp32 bits and truncating
-    the lower half rounds up exactly with probability (dropped bits / 2**16). `noise`: the step's shared
-    noise (`Noise`); without it, a value is drawn per element."""
+    """Write fp32 `src` into bf16 `dst`, rounding up with probability equal to the distance (unbiased): bf16 is
+    fp32's upper 16 bits, so a uniform random 16-bit integer added to the bits before truncating does it.
+    `noise`: the step's shared `Noise`; without it, a value is drawn per element."""
     bits = src.contiguous().view(torch.int32)
     noise = noise.bits(src.numel()).view(src.shape) if noise is not None else \
         torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, generator=generator)
@@ -122,31 +90,20 @@ class Hyper:
 
 
 class Scratch:
-    """fp32 working buffers for one block's step, carved from one allocation kept across steps (a fresh
-    multi-GB allocation per step would fault its pages in again every time), on `device` (the host by default;
-    the resident parameters' lane keeps one on the GPU)."""
+    """fp32 working buffers for one block's step, carved from one allocation kept across steps (a fresh one would
+    fault its pages in every time), on `device` (the host by default)."""
 
     def __init__(self, device: torch.device | None = None):
         self.device = device
         self._buf = torch.empty(0, dtype=torch.float32, device=device)
 
-    def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
-        need = sum(math.prod(s) for s in shapes)
-        if self._buf.numel() < need:
-            self._buf = torch.empty(need, dtype=torch.float32, device=self.device)
-        out, at = [], 0
-        for shape in shapes:
-            n = math.prod(shape)
-            out.append(self._buf[at:at + n].view(shape))
-            at += n
-        return out
+    def buffer(self, n: int) -> torch.Tensor:
+        """`n` fp32 elements, flat."""
+        if self._buf.numel() < n:
+            self._buf = torch.empty(n, dtype=torch.float32, device=self.device)
+        return self._buf[:n]
 
 
-# Elements stepped at a time: one chunk's fp32 gradient, master, moments and rounded weight stay in the
-# cores' caches between the conversion, the AdamW kernel and the write-back, so each byte of the states
-# crosses DRAM once per step (an unchunked pass over a 7B model reads and writes ~40 bytes a parameter; this
-# ~28). 2M elements: 128K a thread on 16 cores, ~2 MB of working set each.
-CHUNK = 1 << 21
 
 
 def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], hyper: Hyper,
@@ -154,16 +111,13 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
                write_weights: bool = True) -> None:
     """One AdamW step of host weights from their gradients, in fp32, written back in the weights' dtype.
 
-    `states[i]`: the weight's `step` (a float32 scalar tensor, as torch keeps it), `exp_avg`, `exp_avg_sq`
-    (fp32, bf16, or int8 / uint8 codes with `exp_avg_scale` / `exp_avg_sq_scale`: `new_state`) and, for a
-    master="fp32" low-precision weight, its fp32 `master`. `scratch`: working buffers of a chunk (for
-    gradients, for weights stepped in fp32 and rounded back; two more for decoded moments).
-    `write_weights=False` (weights with a master of their own): only the master and the moments move; the
-    weights are written later from the master (the delayed update publishes them)."""
+    `states[i]`: as `new_state` makes them. `scratch`: a chunk's working buffers (gradients, weights stepped in
+    fp32 and rounded back; two more for decoded moments). `write_weights=False`: only the masters and the moments
+    move (the delayed update publishes the weights later)."""
     if not params:
         return
     device = params[0].device
-    grad32, weight32 = (sc.views([torch.Size([CHUNK])])[0] for sc in scratch[:2])
+    grad32, weight32 = (sc.buffer(tunable("host_adamw_chunk")) for sc in scratch[:2])
     step = torch.zeros((), dtype=torch.float32, device=device)  # the fused kernel wants it beside the weights
     noise = Noise(generator, device)
     for p, g, st in zip(params, grads, states):
@@ -191,8 +145,8 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
         st["step"].add_(1)
         if not write_weights:
             continue
-        # The fused kernel writes in place without moving the version counter; copies do, but mark every
-        # weight written, so the slots and the INT8 / FP8 copies are refreshed before they are served.
+        # The fused kernel writes without moving the version counter: mark the weight written, so slots and the
+        # INT8 / FP8 copies are refreshed before they are served.
         torch.autograd.graph.increment_version(p)
 
 
@@ -203,10 +157,11 @@ class Moments:
     def __init__(self, state: dict, scratch: tuple[Scratch, ...], noise: Noise):
         self.st, self.noise = state, noise
         self.kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}[state["exp_avg"].dtype]
-        # int8 chunks hold whole scale blocks (CHUNK is a multiple of QBLOCK; a test's small one is rounded up)
-        self.chunk = CHUNK if self.kind != "int8" else max(QBLOCK, CHUNK // QBLOCK * QBLOCK)
+        # int8 chunks hold whole scale blocks (the chunk is a multiple of QBLOCK; a test's small one is rounded up)
+        chunk = tunable("host_adamw_chunk")
+        self.chunk = chunk if self.kind != "int8" else max(QBLOCK, chunk // QBLOCK * QBLOCK)
         if self.kind != "fp32":
-            self.m32, self.v32 = (sc.views([torch.Size([self.chunk])])[0] for sc in scratch)
+            self.m32, self.v32 = (sc.buffer(self.chunk) for sc in scratch)
 
     def decode(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         m, v = self.st["exp_avg"].view(-1), self.st["exp_avg_sq"].view(-1)
@@ -258,9 +213,8 @@ class Moments:
 
 def new_state(p: torch.Tensor, master: str, states: str = "fp32", keep_master: bool = False,
               pin: bool = False) -> dict:
-    """The moments in `states` (STATES), and an fp32 master copy of a low-precision weight under master="fp32"
-    (of any weight with `keep_master`: the delayed update steps a master while the weight is in use), on the
-    weight's device (page-locked with `pin`, for host states the GPU copies to and from)."""
+    """The moments in `states`, and an fp32 master of a low-precision weight under master="fp32" (of any weight
+    with `keep_master`: the delayed update), on the weight's device (page-locked with `pin`)."""
     kw = dict(device=p.device, pin_memory=pin)
     if states == "int8":
         n, blocks = p.numel(), -(-p.numel() // QBLOCK)
@@ -286,30 +240,20 @@ RESIDENT_PLACES = ("auto", "device", "host")
 
 class ResidentAdamW:
     """AdamW for the parameters that do not stream (embeddings, heads, norms, the streamed Linears' biases, LoRA
-    adapters), with the same master and moments as the streamed weights: an fp32 master of a bf16 parameter
-    under master="fp32" (rounded to nearest into the parameter after each step), stochastic rounding of the
-    parameter itself under master="bf16", moments in `states`.
+    adapters), with the streamed weights' master and moments: not in the parameter's own dtype, where an update
+    below half a bf16 spacing rounds away.
 
-    Stepped in the parameter's own dtype (bf16 weights, bf16 moments, no master: what torch's AdamW does over a
-    bf16 model) an update smaller than half a bf16 spacing rounds away: at lr 2e-5 an embedding row of
-    magnitude 0.02 (spacing 1.2e-4) barely moves while the streamed weights, stepped from their masters, train.
-
-    Per parameter, `host` names those whose states live in page-locked host memory beside the streamed
-    weights' states, each step copying the gradient down, stepping on the host and copying the rounded weight
-    up (what ZeRO-Offload does for every parameter); every other one keeps its states beside it (on the GPU:
-    memory the VRAM plan sees in the steps it measures). On a CPU device the two are the same.
-
-    A parameter FSDP sharded (a DTensor) keeps the states of its local shard and steps that shard: the states
-    are plain tensors of the shard's shape, as each rank's AdamW over its shards would keep them."""
+    `host` names the parameters whose states live in page-locked host memory (each step copies the gradient down,
+    steps on the host and copies the weight up, as ZeRO-Offload does); the others keep their states beside them
+    (on the GPU: memory the VRAM plan sees). A DTensor (FSDP) keeps and steps the states of its local shard."""
 
     def __init__(self, master: str, states: str, host, generator: torch.Generator):
         self.master, self.states, self.generator = master, states, generator
         self.host: set[torch.Tensor] = set(host)
         self._scratch: dict[torch.device, tuple[Scratch, ...]] = {}
-        # place="host" with GPU parameters: per parameter, the page-locked copy of its value the host steps and
-        # the one its gradient lands in (not optimizer state: made again from the parameter), and the parameter's
-        # version when the value was last copied (a parameter written since, by load_state_dict or by hand, is
-        # copied down again before it steps: the value is its master when it has no fp32 one)
+        # Host-placed GPU parameters: the page-locked copies of the value the host steps and of the gradient (made
+        # again from the parameter, not optimizer state), and the parameter's version at the last copy down (one
+        # written since is copied down again before it steps)
         self._staging: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._copied_version: dict[torch.Tensor, int] = {}
         self._hooks: list = []  # `overlap`: the gradient hooks
@@ -319,11 +263,9 @@ class ResidentAdamW:
     def overlap(self, params: list[torch.Tensor], state_of: Callable, hyper_of: Callable,
                 run_later: Callable) -> None:
         """Step each host-placed parameter during the backward, as soon as its gradient is final: its
-        post-accumulate-grad hook copies the gradient down on a side stream and `run_later(work)` steps it on
-        the host optimizer's landing thread (in order with the streamed blocks' landings), so the host's AdamW
-        overlaps the backward of the blocks before it; `step()` only copies the new weights up. The head's
-        gradient is final first, the embeddings' last. For one backward per step, one rank (DDP reduces a
-        gradient after this hook would read it)."""
+        post-accumulate-grad hook copies the gradient down on a side stream and `run_later(work)` steps it on the
+        landing thread, in order with the streamed blocks' landings; `step()` only copies the weights up. For one
+        backward per step on one rank (DDP reduces a gradient after this hook would read it)."""
         away = [p for p in params if self.on_host(p)]
         if not away:
             return
@@ -347,17 +289,14 @@ class ResidentAdamW:
         self._ahead.add(p)
         state, hyper = self._state_of(p), self._hyper_of(p)
 
-        def work():
-            # On the landing thread, as GradLane.apply waits for a landing: the thread issuing the backward
-            # never waits here.
+        def work():  # on the landing thread: the thread issuing the backward never waits here
             copied.synchronize()
             adamw_step([value], [host_grad], [state], hyper, self.master, self._landing_scratch, self.generator)
 
         self._run_later(work)
 
     def _refresh(self, p: torch.Tensor) -> None:
-        """Copy the parameter down into its staged value if it was written since the last copy (on the current
-        stream, before the host reads the value)."""
+        """Copy the parameter down into its staged value if it was written since the last copy."""
         local = local_shard(p)
         if self._copied_version.get(p) != local._version:
             self._staging[p][0].copy_(local, non_blocking=True)
@@ -401,8 +340,7 @@ class ResidentAdamW:
         return self._staging[p][0]
 
     def adopt(self, p: torch.Tensor, state: dict) -> dict:
-        """A loaded state (torch's load_state_dict would cast it to the parameter's dtype and device) placed
-        where this lane keeps it, its values as saved."""
+        """A loaded state, values as saved, placed where this lane keeps it (torch's would cast it)."""
         if self.on_host(p):
             self._stage(p)
             state = {k: v.to("cpu").pin_memory() if k != "step" else v.to("cpu", torch.float32)
@@ -430,14 +368,13 @@ class ResidentAdamW:
         self._ahead.clear()
 
     def step(self, params: list[torch.Tensor], states: list[dict], hyper: Hyper) -> None:
-        """One AdamW step of `params` from their `.grad` (already scaled by any clipping); those stepped
-        during the backward (`overlap`) are left out: `publish_ahead` copies them up."""
+        """One AdamW step of `params` from their (clipped) `.grad`, less those stepped during the backward."""
         keep = [i for i, p in enumerate(params) if p not in self._ahead]
         params, states = [params[i] for i in keep], [states[i] for i in keep]
-        here = [i for i, p in enumerate(params) if not self.on_host(p)]
         by_device: dict[torch.device, list[int]] = {}
-        for i in here:
-            by_device.setdefault(params[i].device, []).append(i)
+        for i, p in enumerate(params):
+            if not self.on_host(p):
+                by_device.setdefault(p.device, []).append(i)
         for device, idx in by_device.items():
             adamw_step([local_shard(params[i]) for i in idx], [local_shard(params[i].grad) for i in idx],
                        [states[i] for i in idx], hyper, self.master, self._scratch_for(device), self.generator)
@@ -450,9 +387,7 @@ class ResidentAdamW:
             g.copy_(local_shard(params[i].grad), non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(params[away[0]].device))
-        # Once a step, and only off the overlapped path (overlap=False, accumulation, clipping, several ranks):
-        # the host's AdamW needs the final gradients, which exist only once the backward has run.
-        done.synchronize()
+        done.synchronize()  # only off the overlapped path: the host needs the final gradients
         adamw_step(list(values), list(grads), [states[i] for i in away], hyper, self.master,
                    self._scratch_for(torch.device("cpu")), self.generator)
         for i in away:
@@ -466,13 +401,10 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 
 
 class LandingWorker:
-    """A thread that applies each landed gradient (train/grads.py `GradLane.apply`) and steps a block when its
-    last trainable weight's gradient of this step has landed.
-
-    `blocks`: block -> the layer indices this optimizer steps in it; `step_block(block)` runs the step.
-    The GradLane hands it landings only in the backward that ends an accumulation cycle. `device`: the
-    optimizer, when some of its blocks are stepped on the GPU instead (train/device.py): the lane asks it
-    which, and hands their gradients to it; their landings here only wait for the write-back."""
+    """A thread that applies each landed gradient (`GradLane.apply`) and steps a block (`step_block`) once every
+    layer of it in `blocks` (block -> layer indices) has landed, in the backward that ends an accumulation cycle.
+    `device`: the optimizer, whose blocks stepped on the GPU (train/device.py) land here only to wait for the
+    write-back."""
 
     def __init__(self, lane, blocks: dict[int, set[int]], step_block: Callable[[int], None],
                  accumulation_steps: int, device=None):
@@ -504,8 +436,7 @@ class LandingWorker:
         return self.device.update_on_device(index, grad, compute)
 
     def run_later(self, work: Callable[[], None]) -> None:
-        """Run `work` on this thread, in order with the landings; `drain()` waits for it too (the resident
-        parameters stepped during the backward: ResidentAdamW.overlap)."""
+        """Run `work` on this thread, in order with the landings (`drain()` waits for it too)."""
         self._queue.put(work)
 
     def _run(self) -> None:
@@ -555,5 +486,5 @@ class LandingWorker:
         self._thread.join(timeout=60)
 
 
-__all__ = ["LandingWorker", "ResidentAdamW", "local_shard", "RESIDENT_PLACES", "Hyper", "Moments", "Noise", "Scratch", "adamw_step", "new_state", "state_bytes", "stochastic_round_",
-           "MASTERS", "STATES", "STATE_BYTES"]
+__all__ = ["LandingWorker", "ResidentAdamW", "local_shard", "RESIDENT_PLACES", "Hyper", "Moments", "Noise", "Scratch",
+           "adamw_step", "new_state", "state_bytes", "stochastic_round_", "MASTERS", "STATES", "STATE_BYTES"]

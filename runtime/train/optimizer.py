@@ -1,66 +1,5 @@
-"""`HostAdamW`: the optimizer for full fine-tuning of an offloaded model.
-
-    rt = stagehand.offload(model, device="cuda", vram_budget="24GiB")   # weights keep requires_grad=True
-    opt = stagehand.optim.HostAdamW(model.parameters(), lr=1e-5)       # instead of torch.optim.AdamW
-    loss = compiled(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()
-
-Any torch optimizer trains a streamed weight correctly: its `.grad` is a host
-tensor at the end of backward, and the optimizer steps the host master. This
-one is faster: a streamed block steps on the host as soon as its gradients
-have landed, overlapped with the backward of the blocks before it
-(runtime/train/host.py), and every other parameter (embeddings, heads, norms,
-biases, LoRA adapters: resident) steps in `step()` with the same master and
-moments. The update is AdamW's, at the same point of the step; nothing is delayed.
-
-- `master="fp32"` (default): an fp32 master and fp32 moments per weight,
-  streamed or resident, 12 bytes a parameter; the bf16 copy the model computes
-  with is rounded from the master after each step. `master="bf16"`: the bf16
-  weight is its own master, updated with stochastic rounding (8 bytes a parameter).
-- `resident_states="auto"` (default): where the resident parameters' masters and
-  moments live. "device": beside the parameters, on the GPU (the VRAM plan counts
-  them in the steps it measures); "host": page-locked on the host with the streamed
-  ones, each gradient copied down as soon as it is final and stepped during the
-  backward (after it without overlap, with accumulation, clipping or several ranks),
-  the weights copied up in step(). "auto" decides per parameter, in the model's
-  order (embeddings first): on the device while they take at most half of what the
-  VRAM budget leaves beside the resident tensors and two slots of the largest block,
-  the rest on the host (with a warning naming the bytes).
-- `states="fp32"` (default), `"bf16"` or `"int8"`: the moments' bytes, 8, 4
-  or 2 a parameter (the smaller ones stochastically rounded after each step;
-  runtime/train/host.py says how). With `master="bf16"`, `states="int8"`
-  needs 2 bytes a parameter beside the bf16 weight. Smaller states cost host
-  time: each is decoded, stepped and encoded again (benches/host_adamw_states.py).
-  The random stream is in `state_dict()`, so a resumed run rounds as the
-  uninterrupted one would.
-- `device_update="auto"` (default): some blocks are stepped on the GPU instead,
-  inside the backward, their fp32 master and moments streamed in and out
-  beside the weights (runtime/train/device.py), so the host's memory
-  bandwidth and the PCIe link share the work. After the second step the
-  blocks are chosen from measured costs (the host's time per block, the
-  link's bandwidths); a list of blocks forces them, "off" keeps every block
-  on the host. Same math, fp32 on both sides; it needs fp32 master and
-  moments, `overlap`, no `max_grad_norm` and `accumulation_steps=1` ("auto"
-  says why it stays on the host in `device_update_note`).
-- `delayed_update=True`: ZeRO-Offload's one-step-delayed update (DPU), off by
-  default because it changes the math: the update from step t's gradients
-  runs beside all of step t+1 and its weights are first used by step t+2
-  (runtime/train/delayed.py). Resident parameters still step exactly. It
-  keeps an fp32 master of every streamed weight and a second set of host
-  gradient buffers; `flush()` (called by `state_dict()`) publishes the pending
-  update.
-- `overlap=False` steps every block in `step()` (after the backward).
-- `accumulation_steps=k`: `step()` is called after every k backwards; the
-  blocks step during the k-th. A different cadence is an error at `step()`.
-- `max_grad_norm`: clips by the global norm of every gradient, streamed and
-  resident (overlap then waits for the whole backward: the norm needs every
-  gradient before any block may step). `torch.nn.utils.clip_grad_norm_` does
-  not see the streamed weights' gradients under overlap (they are consumed as
-  they land); use this argument.
-
-The host memory the states need (the resident parameters' host states too) is
-checked before anything is allocated; a host too small is a `HostMemoryError`
-with the numbers per component.
-"""
+"""`HostAdamW`: the optimizer for full fine-tuning of an offloaded model (its stepping lanes: train/host.py,
+train/device.py, train/delayed.py)."""
 
 from __future__ import annotations
 
@@ -98,21 +37,66 @@ def _warn_once(message: str) -> None:
 
 
 class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
+    """AdamW for full fine-tuning of an offloaded model, in place of `torch.optim.AdamW`.
+
+        rt = stagehand.offload(model, device="cuda", vram_budget="24GiB")   # weights keep requires_grad=True
+        opt = stagehand.optim.HostAdamW(model.parameters(), lr=1e-5)
+        loss = compiled(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()
+
+    A streamed block steps on the host as soon as its gradients have landed, overlapped with the backward of the
+    blocks before it; every other parameter (embeddings, heads, norms, biases, LoRA adapters) steps in `step()` with
+    the same master and moments. The update is AdamW's, at the same point of the step (any torch optimizer trains
+    streamed weights correctly too: their `.grad` is a host tensor after the backward; this one overlaps). A host
+    too small for the states is a `HostMemoryError`, with the numbers per component, before anything is allocated.
+
+    Args:
+        lr: the learning rate.
+        betas: the decay rates of the two moments.
+        eps: added to the second moment's square root in the denominator.
+        weight_decay: decoupled weight decay, as AdamW's.
+        master: "fp32" (default): an fp32 master and fp32 moments per weight, 12 bytes a parameter; the bf16 copy
+            the model computes with is rounded from the master after each step. "bf16": the bf16 weight is its own
+            master, updated with stochastic rounding (8 bytes a parameter).
+        states: "fp32" (default), "bf16" or "int8": the moments' bytes, 8, 4 or 2 a parameter (the smaller ones
+            stochastically rounded; decoding and encoding them costs host time). master="bf16" with states="int8":
+            2 bytes a parameter beside the bf16 weight.
+        overlap: False steps every block in `step()`, after the backward.
+        accumulation_steps: `step()` is called after every k backwards; the blocks step during the k-th. Another
+            cadence is an error at `step()`.
+        max_grad_norm: clip by the global norm of every gradient, streamed and resident (overlap then waits for the
+            whole backward). Use it, not `torch.nn.utils.clip_grad_norm_`, which does not see the streamed weights'
+            gradients under overlap (they are consumed as they land).
+        seed: of the stochastic rounding's random stream, kept in `state_dict()` (a resumed run rounds the same).
+        device_update: "auto" (default): some blocks step on the GPU inside the backward, their fp32 master and
+            moments streamed in and out beside the weights, chosen after the second step from the measured host
+            time per block and link bandwidths; a list of blocks forces them; "off" keeps every block on the host.
+            It needs fp32 master and moments, `overlap`, no `max_grad_norm` and `accumulation_steps=1` (why "auto"
+            stays on the host: `device_update_note`).
+        delayed_update: True: ZeRO-Offload's one-step-delayed update, which changes the math: step t's update runs
+            beside step t+1 and its weights are first used by step t+2 (resident parameters step exactly). It keeps
+            an fp32 master of every streamed weight and a second set of host gradient buffers; `flush()` (called by
+            `state_dict()`) publishes the pending update.
+        resident_states: where the resident parameters' masters and moments live. "device": beside them (the VRAM
+            plan counts them); "host": page-locked, each gradient copied down once final and stepped during the
+            backward (after it with accumulation, clipping or several ranks), the weights copied up in `step()`;
+            "auto" (default): in the model's order, on the device while they take at most half of what the VRAM
+            budget leaves beside the resident tensors and two slots of the largest block, the rest on the host
+            (with a warning naming the bytes).
+    """
+
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master: str = "fp32", states: str = "fp32", overlap: bool = True,
                  accumulation_steps: int = 1, max_grad_norm: float | None = None, seed: int = 0,
                  device_update="auto", delayed_update: bool = False, resident_states: str = "auto"):
-        if master not in MASTERS:
-            raise ValueError(f"HostAdamW: master must be one of {MASTERS}, got {master!r}")
-        if states not in STATES:
-            raise ValueError(f"HostAdamW: states must be one of {STATES}, got {states!r}")
-        if resident_states not in RESIDENT_PLACES:
-            raise ValueError(f"HostAdamW: resident_states must be one of {RESIDENT_PLACES}, got {resident_states!r}")
+        for name, value, known in (("master", master, MASTERS), ("states", states, STATES),
+                                   ("resident_states", resident_states, RESIDENT_PLACES)):
+            if value not in known:
+                raise ValueError(f"HostAdamW: {name} must be one of {known}, got {value!r}")
         if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
             raise ValueError(f"HostAdamW: accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.master, self.max_grad_norm, self.accumulation_steps = master, max_grad_norm, accumulation_steps
-        self.states = states
+        self.master, self.states = master, states
+        self.max_grad_norm, self.accumulation_steps = max_grad_norm, accumulation_steps
         self._delayed_update = delayed_update
         if delayed_update and master != "fp32":
             raise ValueError("HostAdamW: delayed_update=True updates a master while the weights are in use by the "
@@ -168,15 +152,13 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         if isinstance(self._device_mode, set) and self._device_mode:
             self._enable_device(self._device_mode)
 
-    # ---- set-up ---------------------------------------------------------------------------------------
-
     def _layer(self, p: torch.Tensor) -> tuple[int, int]:
         """(layer index, block) of a streamed weight."""
         _, index = registry.layer(p._sh_layer)
         return index, self.runtime.layers[index].block
 
     def _owned(self, p: torch.Tensor) -> bool:
-        """Several ranks: this rank keeps the states of, and steps, only the blocks it owns (runtime/train/shards.py)."""
+        """Several ranks: this rank keeps the states of, and steps, only the blocks it owns (train/shards.py)."""
         shards = self.runtime.grads.shards if self.runtime is not None else None
         return shards is None or shards.mine(self._layer(p)[1])
 
@@ -191,14 +173,9 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                              "owner: runtime/train/shards.py); use the default exact update")
 
     def _resident_on_host(self, requested: str) -> list[torch.Tensor]:
-        """The resident parameters whose states live on the host.
-
-        "auto" on a GPU: the states stay beside their parameters, in the optimizer's order of its parameters (the
-        model's, for `model.parameters()`), while they take at most
-        half of what the VRAM budget leaves beside the resident tensors and two slots of the largest block; the
-        rest go to the host. The model's order puts the embeddings first: their gradient is the backward's last,
-        so their update on the host could hide behind no block, while a head's, final first, overlaps the
-        backward there (ResidentAdamW.overlap)."""
+        """The resident parameters whose states live on the host ("auto": see `resident_states`). The model's order
+        keeps the embeddings on the device: their gradient is the backward's last, so a host update of theirs could
+        hide behind no block, while a head's, final first, overlaps the backward (ResidentAdamW.overlap)."""
         rt = self.runtime
         device = rt.device if rt is not None else next((p.device for p in self._resident), torch.device("cpu"))
         if requested != "auto" or device.type != "cuda":
@@ -208,17 +185,17 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             room = torch.cuda.mem_get_info(device)[0]
         else:
             room = budget - allocated_bytes(device) - 2 * rt.store.max_block_bytes()
-        left, on_host = room // 2, []
+        left, on_host, away = room // 2, [], 0
         for p in self._resident:
             nbytes = state_bytes(local_shard(p), self.master, self.states)
             if nbytes <= left:
                 left -= nbytes
             else:
                 on_host.append(p)
+                away += nbytes
         if on_host:
-            nbytes = sum(state_bytes(local_shard(p), self.master, self.states) for p in on_host)
             _warn_once(f"HostAdamW: the masters and moments of {len(on_host)} of the {len(self._resident)} resident "
-                       f"parameters ({gib(nbytes)}) stay on the host: the VRAM budget leaves {gib(max(0, room))} "
+                       f"parameters ({gib(away)}) stay on the host: the VRAM budget leaves {gib(max(0, room))} "
                        f"beside the resident tensors and two slots; each step copies their gradients down and their "
                        f"weights up (resident_states='device' keeps them on the GPU)")
         return on_host
@@ -291,8 +268,6 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         self.resident_lane.close()
         self._unpin_device_states()  # restore() frees every pinned byte, the optimizer's too
 
-    # ---- stepping ---------------------------------------------------------------------------------------
-
     def _hyper(self, group: dict) -> Hyper:
         beta1, beta2 = group["betas"]
         return Hyper(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
@@ -322,7 +297,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         seconds = time.perf_counter() - t0
         self.host_seconds += seconds
         if self.worker is not None:  # overlapped with the backward: the planner models it as a lane of its own
-            rt.grads.record_optimizer(block, seconds)
+            rt.grads.optimizer_seconds[block] = seconds
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -364,8 +339,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         return loss
 
     def _step_resident(self, scale: float) -> None:
-        """Every parameter that is not streamed steps with its master and moments (ResidentAdamW); those the
-        landing thread stepped during the backward are copied up."""
+        """Step the parameters that do not stream (ResidentAdamW); copy up those stepped in the backward."""
         for group in self.param_groups:
             ps = [p for p in group["params"] if not isinstance(p, HostMasterParameter) and p.grad is not None]
             if not ps:
@@ -379,9 +353,8 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         self.resident_lane.publish_ahead()
 
     def _clip_scale(self) -> float:
-        """min(1, max_grad_norm / the global L2 norm of every gradient): one number read on the host per device
-        the gradients are on. Several ranks: each streamed gradient is on its block's owner alone, so their
-        squares are summed over the ranks; the resident ones (DDP's mean, the same on every rank) count once."""
+        """min(1, max_grad_norm / the global L2 norm of every gradient), one host read per device. Several ranks: the
+        streamed gradients' squares (each on its block's owner) are summed over the ranks; the resident ones once."""
         streamed = _squared_norm([p.grad for p in self._streamed if p.grad is not None])
         resident = _squared_norm([p.grad for g in self.param_groups for p in g["params"]
                                   if p.grad is not None and not isinstance(p, HostMasterParameter)])
@@ -391,11 +364,8 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         total = (streamed + resident) ** 0.5
         return min(1.0, self.max_grad_norm / (total + 1e-6))
 
-    # ---- checkpoints --------------------------------------------------------------------------------------
-
     def state_dict(self) -> dict:
-        """torch's, with the stochastic rounding's random stream (a resumed run rounds as this one would); the
-        delayed update's pending step is finished and published first (`flush`)."""
+        """torch's, with the stochastic rounding's random stream; a pending delayed update is published first."""
         self.flush()
         return dict(super().state_dict(), stagehand_rng=self._generator.get_state())
 
@@ -430,9 +400,8 @@ def _distributed() -> bool:
 
 
 def _squared_norm(grads: list[torch.Tensor]) -> float:
-    """The sum of the gradients' squares in fp32, read once per device (not once per tensor: a sync each).
-    torch.nn.utils.get_total_norm would take a bf16 gradient's norm in bf16 and gather the devices' norms on
-    the first one."""
+    """The sum of the gradients' squares in fp32, read once per device (not once per tensor: a sync each; torch's
+    get_total_norm would take a bf16 gradient's norm in bf16)."""
     by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
         by_device[g.device].append(g)
@@ -444,9 +413,8 @@ def _squared_norm(grads: list[torch.Tensor]) -> float:
 
 
 def share_host_cores(ranks: int) -> None:
-    """torchrun sets OMP_NUM_THREADS=1 in every rank it starts (when the variable is unset): the host optimizer
-    would step on one core (measured: 8 s a step for Qwen-7B's half, against 0.7 s on 16 cores). Left at one
-    thread, each rank takes its share of the cores the process may run on."""
+    """torchrun sets OMP_NUM_THREADS=1 in every rank it starts (when unset), which would leave the host optimizer
+    one core: left at one thread, each rank takes its share of the cores the process may run on."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = max(1, cores // ranks)
     if torch.get_num_threads() == 1 and share > 1:

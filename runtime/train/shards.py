@@ -1,34 +1,17 @@
-"""Full fine-tuning across ranks, ZeRO-2 style on the host: each training block has one owner per node, which
-alone lands its gradient, keeps its optimizer states and steps its master.
+"""Full fine-tuning across ranks, ZeRO-2 style on the host: each training block has one owner per node (rank b mod
+the node's ranks), which alone lands its gradient, keeps its optimizer states and steps its master.
 
-Under torch.distributed every rank computes every block's weight gradients in its backward. DDP would
-all-reduce them to every rank: each rank would then land every gradient on the host and step every master (N
-times the host work, and with the node's shared store N writers of one master). Here a block's gradients are
-summed once, on the GPU over NCCL (gloo on the CPU), into the block's owner (`NodeStore.owns`: the node's rank
-b mod the node's ranks), which lands them on its host, steps the block, and rebuilds the block's streamed
-copies in the node's shared store. The other ranks hold no gradient buffer and no optimizer state for it, and
-their `.grad` of its weights stays None (a torch optimizer skips such a parameter).
-
-One collective per block, issued when the block's last training weight has its gradient (train/grads.py gathers
-them into one flat device buffer first), so every rank issues the same collectives in the same order whatever
-its compiled graphs look like (plans may differ between ranks: a block one recomputes, another keeps). They
-run on a process group of their own, never interleaved with DDP's all-reduces of the resident parameters.
-
-After a step the owners write their blocks, and no rank may read those bytes before they are written. At the
-step of an attached optimizer (`Runtime.attach`, which every rank calls; without one, at the first fetch of
-the next forward: `HostStore.before_fetch`), every rank rebuilds the streamed copies of the blocks it owns,
-waits for the node's other ranks (a barrier), and marks the blocks it does not own written (their version
-counters move, so its slots and resident copies are fetched again). A rank that then saves or evaluates alone
-waits for nobody.
-
-Several nodes: each node has its own owners; a block's gradient is all-reduced over every rank and each
-node's owner keeps it. Without a node-shared store (`node_shared_store="off"`) every rank owns every block:
-its gradients are all-reduced, and each rank steps its own master (DDP's arithmetic, on the host).
+A block's gradients are summed once (NCCL, gloo on the CPU) into its owner, on a group of their own: one collective
+per block at its last training weight's gradient (train/grads.py gathers them), the same on every rank whatever its
+plan. After a step (an attached optimizer's, else at the next forward's first fetch) each rank rebuilds its blocks'
+copies in the node's shared store, waits for the node, and marks the others' blocks written. Several nodes: every
+rank gets the sum, each node's owner keeps it; without a node-shared store every rank owns every block.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.host.node_store import destroy_group, several_ranks
@@ -48,13 +31,10 @@ class GradShards:
 
     @classmethod
     def create(cls, layers, node, device: torch.device) -> "GradShards | None":
-        """The shards of a job of several ranks whose streamed weights train, or whose node shares the store (a
-        weight may be made trainable later); None otherwise. A collective."""
+        """The shards of a job of several ranks whose weights train or whose node shares the store (a collective)."""
         trains = any(spec.weight.requires_grad for spec in layers)
         if not several_ranks() or not (trains or node is not None):
             return None
-        import torch.distributed as dist
-
         group = dist.new_group(backend="nccl" if torch.device(device).type == "cuda" else "gloo")
         return cls(group, dist.get_world_size(), node, device)
 
@@ -63,10 +43,7 @@ class GradShards:
         return self.node is None or self.node.owns(block)
 
     def reduce(self, values: torch.Tensor, block: int) -> None:
-        """Sum `values` (gradients of the block) over the ranks into its owner(s), who divide them by the ranks
-        (DDP's mean). On a GPU the compute stream waits for it; the host does not."""
-        import torch.distributed as dist
-
+        """Sum the block's gradients into its owner(s), who divide by the ranks (DDP's mean); the host never waits."""
         if self.to_owner:
             dist.reduce(values, dst=self.node.owner(block), group=self.group)
         else:
@@ -76,10 +53,7 @@ class GradShards:
         self.reduces += 1
 
     def sum_over_blocks(self, value: float) -> float:
-        """This rank's sum over the streamed gradients it holds (HostAdamW's squared norm), made the sum over every
-        block once: summed over the ranks, less the copies of a block that several ranks hold."""
-        import torch.distributed as dist
-
+        """HostAdamW's squared norm: this rank's sum over its gradients made the sum over every block once."""
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.group)
         return float(t) / self.copies

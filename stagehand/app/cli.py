@@ -1,17 +1,8 @@
-"""The `stagehand` command: inspect, schedule, demo.
+"""The `stagehand` command: inspect, schedule, demo, plot, env (`stagehand --help`).
 
-    stagehand inspect  TARGET [--graph SUBSTR] [--precision P] [--device D] [--train] [--config C]
-    stagehand schedule TARGET [--json PATH]    [--precision P] [--device D] [--train] [--config C]
-    stagehand demo     [--steps N] [--device D] [--out DIR] [--seed S] [--precision P] [--inner I] [--config C]
-    stagehand plot     TELEMETRY.jsonl [--out DIR] [--title T]
-    stagehand --version
-
-TARGET is a preset (tiny-llama, tiny-gpt2, tiny-flux, dit-48x3072) or
-`path/to/file.py:factory` naming a function that returns (model, example_inputs).
-Usage errors (unknown target, bad precision map, bad config, a precision the
-device cannot run, a budget without a unit, ...: `UsageError` and the library
-errors `usage.user_errors` lists) print one line to stderr and exit with status
-2; any other exception is a bug and prints its traceback.
+TARGET is a preset (tiny-llama, tiny-gpt2, tiny-flux, dit-48x3072) or `path/to/file.py:factory` naming a function
+that returns (model, example_inputs). Usage errors (`UsageError` and the library errors `usage.user_errors` lists)
+print one line to stderr and exit with status 2; any other exception is a bug and prints its traceback.
 """
 
 from __future__ import annotations
@@ -26,18 +17,13 @@ import traceback
 from typing import Any
 
 from torch_stagehand.app.progress import Stage
-from torch_stagehand.app.usage import (  # noqa: F401  (parse_precision, PrecisionRanges: the CLI's API)
-    PrecisionRanges, TargetFailed, UsageError, check_output_path, check_precision_range, check_vram_budget, one_line,
-    parse_precision, user_errors,
-)
+from torch_stagehand.app.usage import (TargetFailed, UsageError, check_output_path, check_precision_range,
+                                       check_vram_budget, one_line, parse_precision, user_errors)
 from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.version import __version__
 
-DIT_CPU_TOKENS = 16
-
-
-# ---- targets --------------------------------------------------------------------------
+DIT_CPU_TOKENS = 16  # on a CPU a few tokens keep the one forward explain() runs short
 
 
 def resolve_device(name: str | None):
@@ -55,9 +41,7 @@ def build_target(target: str, device) -> tuple[Any, Any]:
     from torch_stagehand.app.presets import PRESETS, TargetError, load_target
 
     kwargs: dict[str, Any] = {}
-    if target == "dit-48x3072":
-        # Zeros build fast; tables and graphs do not depend on the values. On a CPU a
-        # few tokens keep the one forward that explain() runs short.
+    if target == "dit-48x3072":  # zeros build fast; tables and graphs do not depend on the values
         kwargs = {"init": "zeros"}
         if device.type != "cuda":
             kwargs["tokens"] = DIT_CPU_TOKENS
@@ -80,13 +64,9 @@ def map_tensors(fn, inputs: Any) -> Any:
 
 
 def prepare_training(model, inputs, lora_rank: int = 4) -> tuple[Any, Any, str]:
-    """Freeze the base and make something trainable, so the backward graphs exist.
-
-    With peft installed: LoRA (r=4) is injected in place into every Linear that
-    will stream (the blocks' Linears, matched by full FQN), before offload, as
-    a real LoRA run does. Without peft: the floating-point input tensors get
-    requires_grad. Returns (model, inputs, description).
-    """
+    """Freeze the base and make something trainable, so the backward graphs exist: with peft, LoRA (r=4) injected
+    into every Linear that will stream, before offload; without it, the float inputs require grad. Returns (model,
+    inputs, description)."""
     from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
     from torch_stagehand.runtime.linear_like import is_conv1d
 
@@ -155,11 +135,9 @@ def explain_target(args) -> tuple[Any, Any]:
     vram_budget = check_vram_budget(args.vram_budget)
     config = load_config(args.config)
     device = resolve_device(args.device)
-    if config is None and args.target == "dit-48x3072":
-        # Its weights are built as zeros (see build_target): the MSE clipping search would
-        # spend minutes per GB on a CPU for nothing; graphs and schedule are the same.
+    if config is None and args.target == "dit-48x3072":  # zero weights: the MSE clipping search is for nothing
         config = Config(quantizer="absmax")
-    # Presets can take a while (dit-48x3072: 10.9 GB); a file target's errors must stay one line.
+    # Presets can take a while; a file target's errors must stay one line.
     building = Stage(f"building {args.target}") if args.target in PRESETS else contextlib.nullcontext()
     with building, _quiet_library_logs(preimport=args.target == "tiny-flux"):
         model, inputs = build_target(args.target, device)
@@ -185,23 +163,17 @@ def explain_target(args) -> tuple[Any, Any]:
     return report, rt
 
 
-# ---- commands ------------------------------------------------------------------------------
-
-
-def _print_overview(table: str, report) -> None:
-    """A table, then the report's summary line and its graph breaks."""
-    print(table)
-    print()
-    print(report.summary())
+def _print_overview(table: str, report, then: str) -> None:
+    """A table, the report's summary line and its graph breaks, then a second table."""
+    print(f"{table}\n\n{report.summary()}")
     for reason in report.graph_breaks:
         print(f"graph break: {reason}")
+    print(f"\n{then}")
 
 
 def cmd_inspect(args) -> int:
     report, _ = explain_target(args)
-    _print_overview(report.segment_table(), report)
-    print()
-    print(report.pass_table())
+    _print_overview(report.segment_table(), report, report.pass_table())
     shown = 0
     for name, code in report.graphs.items():
         if args.graph and args.graph not in name:
@@ -220,9 +192,7 @@ def cmd_schedule(args) -> int:
         if path:
             check_output_path(flag, path, folder=False)
     report, rt = explain_target(args)
-    _print_overview(report.table(), report)
-    print()
-    print(report.plan_table())
+    _print_overview(report.table(), report, report.plan_table())
     if args.timeline:
         from torch_stagehand.app.plots import timeline_figure
 
@@ -232,11 +202,8 @@ def cmd_schedule(args) -> int:
         print(f"wrote the predicted step timeline to {args.timeline}", file=sys.stderr)
     if args.json:
         payload = {
-            "target": args.target,
-            "blocks": report.blocks,
-            "precision": {str(b): p for b, p in rt.precision.items()},
-            "summary": report.summary(),
-            "graph_breaks": report.graph_breaks,
+            "target": args.target, "blocks": report.blocks, "precision": {str(b): p for b, p in rt.precision.items()},
+            "summary": report.summary(), "graph_breaks": report.graph_breaks,
             "rows": [dict(row.as_dict(), block_name=report.blocks[row.block]) for row in report.schedule],
             "plan": {"summary": rt.plan.summary(), "slots": rt.plan.slots, "lookahead": rt.plan.lookahead,
                      "predicted_step_s": rt.plan.predicted_step_s, "cost_model": rt.plan.cost_model,
@@ -252,9 +219,7 @@ def cmd_schedule(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    # The demo is a library of its own (run, print_result): the checks of the
-    # command's options live here, so the demo never imports the CLI.
-    from torch_stagehand.app import demo
+    from torch_stagehand.app import demo  # a library of its own: the option checks live here
 
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
@@ -300,9 +265,6 @@ def cmd_env(args) -> int:
                      row["what"]])
     print(tabulate(rows, headers=["variable", "default", "set here", "what it does"], tablefmt="github"))
     return 0
-
-
-# ---- argument parsing -------------------------------------------------------------------
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,9 +1,8 @@
 """The one precision -> colour table every plot draws from (the demo's, `stagehand plot`'s).
 
-Built from the precision registry each time it is asked, so a precision registered later gets a
-colour of its own: named precisions take their colour from `_NAMED` (a low precision's by-role
-variants are shades of its colour: light for attention only, dark for the MLP only), any other
-name the next unused colour of `_SPARE`, then generated hues. No two names ever share a colour.
+Built from the precision registry each time it is asked: named precisions take their colour from `_NAMED` (by-role
+variants are shades of their precision's colour), any other name the next unused colour of `_SPARE`, then
+generated hues. No two names ever share a colour.
 """
 
 from __future__ import annotations

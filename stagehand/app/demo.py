@@ -1,23 +1,10 @@
 """`stagehand demo`: LoRA-train a small causal LM through the backend, on text every machine has.
 
-The model is a `LlamaForCausalLM` from a small config with a byte-level
-vocabulary (256: no tokenizer, nothing downloaded), random init. The text is
-the Python standard library's own source (`textdata.py`). The run is what a
-user's LoRA run looks like:
-
-    model.requires_grad_(False)
-    model = peft.get_peft_model(model, LoraConfig(r=8, target_modules=[the 7 projections],
-                                                  modules_to_save=["lm_head"]))
-    rt = stagehand.offload(model, device, precision={...half int8...}, config=Config(telemetry_file=...))
-    compiled = torch.compile(model, backend="stagehand", options={"inner": ...})
-    rt.attach(optimizer)                                  # AdamW over the adapters and the head
-    loss = compiled(input_ids=ids, labels=ids).loss; loss.backward(); optimizer.step()
-
-The LM head trains in full too (it stays resident: only the blocks stream); a
-random-init base with adapters alone learns slowly, and the head makes the
-loss curve show within a CPU minute. On a CPU the inner compiler is "eager"
-(Inductor's C++ compile of the block variants takes over a minute on 2
-cores); on a GPU it is "inductor" and the model is larger and bf16.
+A random-init `LlamaForCausalLM` with a byte-level vocabulary (256: no tokenizer, nothing downloaded), trained
+on the Python standard library's own source (`textdata.py`) as a user's LoRA run is: peft first (adapters and
+the LM head train; the head makes the loss curve show within a CPU minute), then offload with half the blocks
+int8, `torch.compile(backend="stagehand")`, `rt.attach(optimizer)`. The inner compiler is "eager" on a CPU
+(Inductor's C++ compile takes minutes there), "inductor" on a GPU, where the model is larger and bf16.
 """
 
 from __future__ import annotations
@@ -118,15 +105,14 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
         log=None, batch: int | None = None, seq: int | None = None) -> DemoResult:
     """Train, then write telemetry.jsonl, demo.png, schedule.txt and summary.json into `out`.
 
-    steps / batch / seq default to the device's shape (CPU_SHAPE or GPU_SHAPE);
-    precision defaults to `default_precision` (second half of the blocks int8).
+    steps / batch / seq default to the device's shape (CPU_SHAPE or GPU_SHAPE); precision defaults to
+    `default_precision` (second half of the blocks int8).
     """
     import torch
     from tqdm.auto import tqdm
 
     import torch_stagehand as stagehand
     from torch_stagehand.config import Config
-
     from torch_stagehand.runtime.atomic_file import write_atomic
 
     from torch_stagehand.app.plots import demo_figure
@@ -196,11 +182,8 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
     train_stats = rt.stats()
     records = [dict(r) for r in rt.telemetry.records]
 
-    # The schedule of one training step, from explain() on one batch. Its forward is
-    # not a training step, so the telemetry file is closed first.
-    # explain() compiles with options {"inner": "eager"}: on a frame already compiled with those
-    # (the CPU demo's) Dynamo would reuse it; explain() would then reset Dynamo itself, with a
-    # warning meant for users. Here the reset is expected, so do it quietly first.
+    # The schedule of one training step, from explain() on one batch; its forward is not a training step, so the
+    # telemetry file is closed first.
     rt.telemetry.close()
     rt.telemetry.path = None
     torch._dynamo.reset()

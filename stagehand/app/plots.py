@@ -1,6 +1,5 @@
-"""The demo's picture: loss, bytes streamed per step, and the per-block precision map.
-
-matplotlib is imported here only (the Agg backend: no display needed).
+"""The demo's picture (loss, bytes streamed per step, the per-block precision map), the plan's timeline, and
+what every plot shares. matplotlib is imported when a figure is drawn (the Agg backend: no display needed).
 """
 
 from __future__ import annotations
@@ -15,12 +14,24 @@ from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.app.colors import precision_colors
 
 
+def pyplot():
+    import matplotlib
 
-def save_figure(fig, path: str, dpi: int) -> None:
-    """The figure as a PNG at `path`, written whole (rendered in memory, then a temporary file and a rename)."""
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> str:
+    """The figure as a PNG at `path`, written whole (rendered in memory, then a temporary file and a rename), and
+    closed; returns `path`."""
     png = io.BytesIO()
     fig.savefig(png, dpi=dpi, format="png")
     write_atomic(os.path.abspath(path), png.getvalue())
+    pyplot().close(fig)
+    return path
+
 
 def _short(name: str) -> str:
     for prefix in ("base_model.model.", "model."):
@@ -42,12 +53,7 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list[str], path: str,
                 title: str = "stagehand demo") -> str:
     """Write a PNG with three panels to `path`; returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_bytes, ax_prec) = plt.subplots(
+    fig, (ax_loss, ax_bytes, ax_prec) = pyplot().subplots(
         3, 1, figsize=(9, 8.5), gridspec_kw={"height_ratios": [3, 1.6, 1.6]}, constrained_layout=True)
     fig.suptitle(title, fontsize=12)
 
@@ -81,10 +87,7 @@ def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list
     ax_prec.set_yticklabels([f"{i} {_short(b)}" for i, b in enumerate(blocks)], fontsize=8)
     ax_prec.set_xlabel("step")
     ax_prec.set_title("precision of each block's weight stream")
-
-    save_figure(fig, path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def draw_precision_map(ax, records: list[dict[str, Any]], blocks: list[int], extent: tuple) -> dict[str, str]:
@@ -110,14 +113,9 @@ def draw_precision_map(ax, records: list[dict[str, Any]], blocks: list[int], ext
 def timeline_figure(lanes: list[tuple[str, int, float, float]], blocks: list[str], path: str, title: str) -> str:
     """One step's lanes (host issue, H2D, D2H, compute, and under full fine-tuning the host optimizer) as bars per
     block: where the copies hide behind compute, and where the host, not the GPU, sets the pace."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = ["host", "h2d", "d2h", "compute"] + (["optimizer"] if any(lane[0] == "optimizer" for lane in lanes) else [])
     colors = {"host": "#8a8a8a", "h2d": "#3b6fb6", "d2h": "#e8892b", "compute": "#2e9e5b", "optimizer": "#8e44ad"}
-    fig, ax = plt.subplots(figsize=(11, 2.8))
+    fig, ax = pyplot().subplots(figsize=(11, 2.8))
     for lane, block, start, end in lanes:
         y = names.index(lane)
         ax.broken_barh([(start * 1e3, max(end - start, 1e-9) * 1e3)], (y - 0.4, 0.8), facecolors=colors[lane],
@@ -128,6 +126,4 @@ def timeline_figure(lanes: list[tuple[str, int, float, float]], blocks: list[str
     ax.set_xlabel("ms (predicted)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)

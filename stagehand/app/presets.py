@@ -1,14 +1,8 @@
-"""Built-in targets for `stagehand inspect/schedule`, the tests and the benches.
+"""Built-in targets for `stagehand inspect/schedule`, the tests and the benches, or `path/to/file.py:factory`.
 
-Each factory returns `(model, example_inputs)`; `example_inputs` is a tuple
-(positional) or a dict (keyword arguments). Models are real HF transformers /
-diffusers classes from small configs with random init, except `dit-48x3072`,
-the performance workload's shape: 48 uniform pre-norm blocks, hidden 3072,
-24 heads, MLP 4x (226.5 MB = 216 MiB of BF16 Linear weights per block,
-10.9 GB = 10.1 GiB in all).
-
-A target may also be `path/to/file.py:factory` naming a function that
-returns `(model, example_inputs)`.
+Each factory returns `(model, example_inputs)`: a tuple (positional) or a dict (keyword arguments). Models are
+real HF transformers / diffusers classes from small configs with random init, except `dit-48x3072`, the
+performance workload's shape: 48 uniform pre-norm blocks, hidden 3072, 24 heads, MLP 4x (10.9 GB of BF16 Linears).
 """
 
 from __future__ import annotations
@@ -25,17 +19,13 @@ Example = tuple[nn.Module, Any]
 
 
 def call_model(fn, example_inputs: Any):
-    """fn(**inputs), fn(*inputs) or fn(inputs), as a target's example inputs are shaped.
-
-    fn is the model, or anything called like it (stagehand.explain bound to the model)."""
+    """fn(**inputs), fn(*inputs) or fn(inputs), as a target's example inputs are shaped (fn: the model, or
+    anything called like it)."""
     if isinstance(example_inputs, dict):
         return fn(**example_inputs)
     if isinstance(example_inputs, (tuple, list)):
         return fn(*example_inputs)
     return fn(example_inputs)
-
-
-# ---- the performance workload's shape ------------------------------------------------
 
 
 class DiTBlock(nn.Module):
@@ -92,9 +82,6 @@ def dit(depth=48, hidden=3072, heads=24, tokens=256, batch=1, dtype=torch.bfloat
     return model.requires_grad_(False), (x,)
 
 
-# ---- HF / diffusers tiny configs --------------------------------------------------
-
-
 def tiny_llama(dtype=torch.bfloat16, layers=4, batch=2, seq=16, seed=0) -> Example:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -141,12 +128,8 @@ def tiny_flux(dtype=torch.bfloat16, double=2, single=2, batch=1, image_tokens=16
     return model, inputs
 
 
-PRESETS: dict[str, Callable[..., Example]] = {
-    "tiny-llama": tiny_llama,
-    "tiny-gpt2": tiny_gpt2,
-    "tiny-flux": tiny_flux,
-    "dit-48x3072": dit,
-}
+PRESETS: dict[str, Callable[..., Example]] = {"tiny-llama": tiny_llama, "tiny-gpt2": tiny_gpt2, "tiny-flux": tiny_flux,
+                                              "dit-48x3072": dit}
 
 
 class TargetError(ValueError):

@@ -6,8 +6,7 @@
   (`host_rss_mb`) and the streamed weights held in device slots (`peak_streamed_bytes`), per step.
 - `precision.png`: the precision of each block's weight stream at each step (a heatmap).
 
-Fields a record lacks (older files, a CPU run's GPU memory) are left out of the plot and said so
-in its title. matplotlib's Agg backend: no display needed.
+Fields a record lacks (older files, a CPU run's GPU memory) are left out of the plot and said so in its title.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import os
 import warnings
 from typing import Any
 
-from torch_stagehand.app.plots import draw_precision_map, save_figure
+from torch_stagehand.app.plots import draw_precision_map, pyplot, save_figure
 
 PHASE_COLORS = {"forward": "#3b6fb6", "backward": "#e8892b", "optimizer": "#2e9e5b", "step_begin": "#7f8c8d"}
 
@@ -38,8 +37,7 @@ def load_records(path: str) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            if number == len(lines) and not line.endswith("\n"):
-                # The log is appended a line at a time: a run killed mid-write leaves its last line torn.
+            if number == len(lines) and not line.endswith("\n"):  # a run killed mid-write
                 warnings.warn(f"{path}:{number}: a torn last line (the run was stopped mid-write); skipped",
                               stacklevel=2)
                 continue
@@ -52,27 +50,11 @@ def load_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: str) -> str:
-    save_figure(fig, path, dpi=110)
-    _plt().close(fig)
-    return path
-
-
 def timeline_figure(records: list[dict[str, Any]], path: str, title: str) -> str:
-    plt = _plt()
     steps = [r["step_id"] for r in records]
     phases = sorted({p for r in records for p in r.get("phase_durations", {})},
                     key=lambda p: (list(PHASE_COLORS).index(p) if p in PHASE_COLORS else 99, p))
-    fig, (ax_t, ax_bw) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, constrained_layout=True,
+    fig, (ax_t, ax_bw) = pyplot().subplots(2, 1, figsize=(9, 6.5), sharex=True, constrained_layout=True,
                                       gridspec_kw={"height_ratios": [2, 1.3]})
     fig.suptitle(f"{title}: step timeline", fontsize=12)
     bottom = [0.0] * len(records)
@@ -100,13 +82,12 @@ def timeline_figure(records: list[dict[str, Any]], path: str, title: str) -> str
     ax_mb.set_ylabel("MB streamed")
     ax_bw.set_title(f"host -> device traffic ({sum(mb):,.1f} MB in {len(records)} steps)")
     ax_bw.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def memory_figure(records: list[dict[str, Any]], path: str, title: str) -> str:
-    plt = _plt()
     steps = [r["step_id"] for r in records]
-    fig, ax = plt.subplots(figsize=(9, 4.5), constrained_layout=True)
+    fig, ax = pyplot().subplots(figsize=(9, 4.5), constrained_layout=True)
     series = [("vram_allocated_mb", "GPU allocated", "#3b6fb6", "-"), ("vram_peak_mb", "GPU peak", "#3b6fb6", "--"),
               ("host_rss_mb", "host resident (RSS)", "#e8892b", "-")]
     missing = []
@@ -123,13 +104,12 @@ def memory_figure(records: list[dict[str, Any]], path: str, title: str) -> str:
     ax.set_title(f"{title}: memory per step{note}", fontsize=11)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def precision_figure(records: list[dict[str, Any]], path: str, title: str) -> str:
-    plt = _plt()
     blocks = sorted({int(b) for r in records for b in r.get("precision", {})})
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.3 * max(len(blocks), 2)), constrained_layout=True)
+    fig, ax = pyplot().subplots(figsize=(9, 1.2 + 0.3 * max(len(blocks), 2)), constrained_layout=True)
     steps = [r["step_id"] for r in records]
     draw_precision_map(ax, records, blocks, extent=(steps[0] - 0.5, steps[-1] + 0.5, len(blocks) - 0.5, -0.5))
     ax.set_yticks(range(len(blocks)))
@@ -137,7 +117,7 @@ def precision_figure(records: list[dict[str, Any]], path: str, title: str) -> st
     ax.set_xlabel("step")
     changes = sum(1 for a, b in zip(records, records[1:]) if a.get("precision") != b.get("precision"))
     ax.set_title(f"{title}: precision of each block's weight stream ({changes} map changes)", fontsize=11)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_telemetry(path: str, out: str, title: str | None = None) -> dict[str, str]:

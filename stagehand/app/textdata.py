@@ -1,10 +1,7 @@
-"""Real text that every machine has: the Python standard library's own source.
+"""Real text that every machine has: the Python standard library's own source, for the demo's byte-level LM.
 
-The demo trains a byte-level language model (vocabulary 256, so no tokenizer
-and no download) on the top-level ``*.py`` files of
-``sysconfig.get_paths()["stdlib"]``, taken in sorted order until `max_bytes`.
-The selection is deterministic for a given Python version; batches are random
-windows drawn with a seeded generator.
+The top-level ``*.py`` files of ``sysconfig.get_paths()["stdlib"]``, in sorted order until `max_bytes`
+(deterministic for a given Python version); batches are random windows drawn with a seeded generator.
 """
 
 from __future__ import annotations

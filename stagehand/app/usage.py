@@ -1,7 +1,5 @@
-"""What the user typed, checked: usage errors, precision maps (as ranges until checked), output paths, sizes.
-
-Every mistake here is a UsageError: the command prints it as one line and exits with status 2. So are
-the library's own errors for a mistake in what was asked (`user_errors`), whatever raises them.
+"""What the user typed, checked: precision maps (as ranges until checked), output paths, sizes. Every mistake
+is a UsageError (one line, exit status 2), and so are the library's errors `user_errors` lists.
 """
 
 from __future__ import annotations
@@ -26,10 +24,9 @@ class TargetFailed(UsageError):
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """The library's exceptions that mean "what you asked for cannot be done", each with a message naming the
-    field, block, device or file: a bad config or budget, a precision the device cannot run, host copies that
-    do not fit, an unreadable telemetry file. A command reports them as usage errors; any other exception is a
-    bug and keeps its traceback. Imported when called (a command failed), not with this module."""
+    """The library's exceptions that mean "what you asked for cannot be done" (a bad config or budget, a precision
+    the device cannot run, host copies that do not fit, ...): a command reports them as usage errors. Imported
+    when called (a command failed), not with this module."""
     from torch_stagehand.config import ConfigError
     from torch_stagehand.runtime.blocks import BlockSelectionError
     from torch_stagehand.runtime.conductor.costs import BudgetError
@@ -62,17 +59,10 @@ def check_vram_budget(text: str | None) -> str | None:
     return text
 
 
-# ---- precision maps ---------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class PrecisionRanges:
-    """A parsed map like '0-3:int8,4:bf16', kept as (first, last, precision) ranges.
-
-    Ranges stay ranges until `check_precision_range` has checked them against the
-    model's block count: expanding '0-99999999999:int8' first would build a dict of
-    a hundred billion entries before anything could say the model has 4 blocks.
-    """
+    """A parsed map like '0-3:int8,4:bf16', kept as (first, last, precision) ranges until `check_precision_range`
+    has checked them against the model's block count ('0-99999999999:int8' is never expanded)."""
 
     text: str
     parts: tuple[tuple[int, int, str], ...]  # (first block, last block inclusive, precision), in the order written
@@ -105,9 +95,8 @@ def _parse_part(part: str, text: str, known) -> tuple[int, int, str]:
         lo = int(first)
         hi = int(last) if dash else lo
     except ValueError:
-        raise UsageError(
-            f"--precision {text!r}: part {part!r}: blocks must be an index (4) or a range (0-3), got {blocks.strip()!r}"
-        ) from None
+        raise UsageError(f"--precision {text!r}: part {part!r}: blocks must be an index (4) or a range (0-3), "
+                         f"got {blocks.strip()!r}") from None
     if lo < 0 or hi < lo:
         raise UsageError(f"--precision {text!r}: part {part!r}: range {blocks.strip()!r} must be ascending and >= 0")
     _checked({lo: precision}, None, f"--precision {text!r}")  # the precision's name, by the library's rules
