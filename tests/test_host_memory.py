@@ -280,7 +280,9 @@ def test_cuda_slab_offload_locks_each_int8_block_beside_the_reads(tmp_path):
     plain = copy.deepcopy(model)
     manifest = build_slab_from_module(model, tmp_path, "toy", "toy", include_prefixes=("blocks.",), progress=False,
                                       print_report=False, compare_quantizers=False).manifest_path
-    rt = stagehand.offload(model, device="cuda", precision="int8", keep_full="ram", slab=manifest)
+    # The reader threads (the default on Linux is a reader process whose rows land after offload returns).
+    rt = stagehand.offload(model, device="cuda", precision="int8", keep_full="ram", slab=manifest,
+                           config=stagehand.Config(slab_reads="threads"))
     assert "slab reads" in rt.stats()["offload"]["beside"]
     assert all(page_locked(rt.store.buffer(b, "int8")) for b in range(6))
     assert not any(page_locked(rt.store.buffer(b, "bf16")) for b in range(6))

@@ -1,4 +1,4 @@
-"""The `stagehand` command: inspect, schedule, demo, plot, env (`stagehand --help`).
+"""The `stagehand` command: inspect, schedule, plan, demo, plot, env (`stagehand --help`).
 
 TARGET is a preset (tiny-llama, tiny-gpt2, tiny-flux, dit-48x3072) or `path/to/file.py:factory` naming a function
 that returns (model, example_inputs). Usage errors (`UsageError` and the library errors `usage.user_errors` lists)
@@ -267,6 +267,21 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from torch_stagehand.app.plan import PlanInputError, plan_folder, render
+
+    if args.json:
+        check_output_path("--json", args.json, folder=False)
+    try:
+        plan = plan_folder(args.folder, args.vram_budget, args.precision, args.train, args.tokens)
+    except PlanInputError as e:
+        raise UsageError(str(e)) from None
+    print(render(plan))
+    if args.json:
+        write_atomic(os.path.abspath(args.json), json.dumps(plan.to_json(), indent=1))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, exit 2 (argparse prints usage + error)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -323,6 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default: the telemetry file's folder)")
     p.add_argument("--title", default=None, help="title prefix of the plots (default: the folder's name)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("plan", help="the plan for a checkpoint folder, from its config alone (no weights, no GPU)")
+    p.add_argument("folder", help="a transformers or diffusers model folder (its config.json)")
+    p.add_argument("--vram-budget", required=True, help="the GPU memory the run may use: '16GiB', '24GB'")
+    p.add_argument("--precision", default="int8", help="what the blocks stream in: bf16, int8 or fp8")
+    p.add_argument("--train", default="lora", help="lora, full (HostAdamW's fp32 masters and moments) or none")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of one training sample (batch 1)")
+    p.add_argument("--json", help="also write the plan to this JSON file")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("env", help="the environment variables torch-stagehand reads: defaults, values set here")
     p.set_defaults(func=cmd_env)
