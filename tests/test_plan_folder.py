@@ -40,7 +40,7 @@ def test_the_plan_counts_the_blocks_and_host_bytes_offload_holds(tmp_path):
     rt = stagehand.offload(model, device="cpu", precision="int8", verbose=False)
     try:
         assert plan.blocks == len(rt.blocks) == 4 and plan.block_lists == ["model.layers"]
-        assert _kinds_by_precision(plan.host) == _kinds_by_precision(rt.stats()["host"]["bytes_by_kind"])
+        assert _kinds_by_precision(plan.host.bytes) == _kinds_by_precision(rt.stats()["host"]["bytes_by_kind"])
         assert plan.bytes_per_precision["int8"] < plan.bytes_per_precision["bf16"]
     finally:
         rt.close()
@@ -90,6 +90,7 @@ def test_the_command_prints_the_plan_and_its_json(tmp_path, capsys):
     assert "4 blocks in model.layers" in text and "default" in text and "not this machine's" in text
     data = json.loads(out.read_text())
     assert data["blocks"] == 4 and data["vram"]["budget_bytes"] == 64 * 2**20
+    assert data["host"]["ram_bytes"] == sum(data["host"]["bytes_by_kind"].values())  # no file master here
 
 
 @pytest.mark.parametrize("make, argv_tail, message", [

@@ -23,7 +23,7 @@ from torch_stagehand.runtime.conductor.costs import (DEFAULT_BLOCK_SECONDS, DEFA
                                                      CostModel, human, parse_bytes)
 from torch_stagehand.runtime.conductor.planner import RECOMPUTE, SPILL, BudgetError, make_plan
 from torch_stagehand.runtime.host.budget import probe_machine
-from torch_stagehand.runtime.host.plan import plan_host
+from torch_stagehand.runtime.host.plan import HostPlan, plan_host
 from torch_stagehand.runtime.train.host import STATE_BYTES
 
 TRAIN = ("lora", "full", "none")
@@ -48,16 +48,15 @@ class FolderPlan:
     precision: str
     train: str
     tokens: int
-    host: dict[str, int]  # copy kind -> bytes, as offload's preflight counts them
-    host_ram_bytes: int
-    host_pinned_bytes: int
+    host: HostPlan  # the copies offload's preflight counts: kind -> bytes, and the RAM / page-locked totals
     optimizer_bytes: int  # HostAdamW's fp32 masters and moments (train="full")
     resident_bytes: int  # what stays on the GPU outside the blocks (embeddings, head, norms, LoRA)
     activations: str  # how the activations were found
     vram: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "host": {"bytes_by_kind": dict(self.host.bytes), "keep_full": self.host.keep_full,
+                                          "ram_bytes": self.host.ram_bytes, "pinned_bytes": self.host.pinned_bytes}}
 
 
 def _read_config(folder: str) -> tuple[str, dict]:
@@ -280,8 +279,8 @@ def plan_folder(folder: str, vram_budget: str | int, precision: str = "int8", tr
             "cost_model": f"default (link {cost_model.h2d_bps / 1e9:.0f} GB/s, {1e3 * costs[0].forward_s:.0f} ms "
                           "forward per block): not this machine's; the first steps of a run measure both"}
     return FolderPlan(folder, name, kind, n, sorted({f.rsplit(".", 1)[0] for f in block_fqns}), total, streamed,
-                      {p: sum(v) for p, v in bytes_of.items()}, precision, train, tokens, dict(host.bytes),
-                      host.ram_bytes, host.pinned_bytes, optimizer, resident, how, vram)
+                      {p: sum(v) for p, v in bytes_of.items()}, precision, train, tokens, host, optimizer,
+                      resident, how, vram)
 
 
 def _has_safetensors(folder: str) -> bool:
@@ -294,15 +293,16 @@ def render(plan: FolderPlan) -> str:
              f"{', '.join(plan.block_lists)}",
              f"  {plan.parameters:,} parameters, {plan.streamed_parameters:,} of them streamed",
              "  streamed weights: " + ", ".join(f"{p} {human(n)}" for p, n in plan.bytes_per_precision.items()),
-             f"  host memory ({plan.precision}, train={plan.train}): {human(plan.host_ram_bytes)} RAM, of it "
-             f"{human(plan.host_pinned_bytes)} page-locked"
+             f"  host memory ({plan.precision}, train={plan.train}): {human(plan.host.ram_bytes)} RAM, of it "
+             f"{human(plan.host.pinned_bytes)} page-locked"
              + (f"; HostAdamW's fp32 masters and moments {human(plan.optimizer_bytes)} more" if plan.optimizer_bytes
                 else ""),
-             "    " + ", ".join(f"{k} {human(n)}" for k, n in plan.host.items()),
+             "    " + ", ".join(f"{k} {human(n)}" for k, n in plan.host.bytes.items()),
              f"  on the GPU outside the blocks: {human(plan.resident_bytes)}",
              f"  activations: {plan.activations}",
              f"  VRAM plan for {human(v['budget_bytes'])}: {len(v['resident_blocks'])} blocks resident, "
-             f"{len(v['streamed_blocks'])} streamed through {v['slots']} slots, {len(v['recomputed_blocks'])} "
+             f"{len(v['streamed_blocks'])} streamed"
+             + (f" through {v['slots']} slots" if v["streamed_blocks"] else "") + f", {len(v['recomputed_blocks'])} "
              f"recomputed, {len(v['spilled_blocks'])} spilled; predicted peak {human(v['predicted_peak_bytes'])}",
              f"  step bound {v['predicted_step_s'] * 1e3:.0f} ms under the {v['cost_model']}"]
     return "\n".join(lines)
