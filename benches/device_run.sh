@@ -17,11 +17,11 @@
 #   STAGES="soak" SOAK_WAIT=560 bash benches/device_run.sh; then at once STAGES="soakwait"   # 2000-step soak (~11 min)
 #   STAGES="soakfg oomtests" SOAK_ARGS="--steps 800 --every 100" SOAK_TIMEOUT=420 bash benches/device_run.sh
 #   STAGES="fullft" FULLFT_NAME=full_finetune_qwen14 FULLFT_ARGS="--layers 14 --budgets 16 --rows stagehand deepspeed2"
-#   STAGES="pytests start" TEST_FILES=tests/test_regional_compile.py TESTS_NAME=regional_gpu_tests MODEL=flux_blocks START_ROWS="flux:int8:blocks"
-#   STAGES="pytests moe" TEST_FILES=tests/test_moe_gpu.py TESTS_NAME=moe_gpu_tests MOE_ARGS="--precisions int8"   # MoE
+#   STAGES="pytests start" TEST_FILES=tests/compiler/test_regional_compile.py TESTS_NAME=regional_gpu_tests MODEL=flux_blocks START_ROWS="flux:int8:blocks"
+#   STAGES="pytests moe" TEST_FILES=tests/runtime/experts/test_moe_gpu.py TESTS_NAME=moe_gpu_tests MOE_ARGS="--precisions int8"   # MoE
 #   STAGES="multigpu" MULTIGPU_ARGS="--gpus 1 2 --budget 16"   # on nvidia-h100-x2: Flux LoRA, DDP, a node store
 #   STAGES="start" MODEL=qwen START_ROWS="qwen:int8 qwen:resident" START_MODES="cold warm bundle"   # seconds to the first step
-#   STAGES="pytests start" TEST_FILES=tests/test_ahead_compile.py TESTS_NAME=ahead_gpu_tests MODEL=ahead \
+#   STAGES="pytests start" TEST_FILES=tests/compiler/test_ahead_compile.py TESTS_NAME=ahead_gpu_tests MODEL=ahead \
 #     START_ROWS="flux:int8:files:blocks qwen:int8:blocks" START_MODES="serial cold warm" START_ARGS="--steps 6"
 #                  # ahead-compile workers (compiler/startup/ahead.py) against the same cold run without them (serial)
 #   STAGES="btests sweep" MODEL=qwen SWEEP_ARGS="--budgets 8 12 16 20 24" bash benches/device_run.sh  # VRAM-budget plans
@@ -121,13 +121,13 @@ for stage in $STAGES; do
     alltests) # every gpu-marked test but the kernel ones (stage ktests) in ONE pytest run, 4 files at a time on the
             # one GPU (caplog: logging on); gpu_tests.log is that run's result lines and its summary, nothing merged
             run_tests alltests "$OUT/gpu_tests.log" ${TESTS_TIMEOUT:-540} results -q -m gpu -p no:cacheprovider -rA \
-              -n ${TESTS_WORKERS:-4} --dist loadfile --ignore tests/test_kernels.py tests/
+              -n ${TESTS_WORKERS:-4} --dist loadfile --ignore tests/kernels/test_kernels.py tests/
             sed -n '/= FAILURES =/,/short test summary/p;/= ERRORS =/,/short test summary/p' /tmp/alltests.pytest.log \
               | grep -E "^E |^____|^tests/.*Error|^>" | head -200 > "$OUT/gpu_test_failures.log" ;;
     ktests) run_tests ktests "$OUT/kernel_tests.log" ${KTESTS_TIMEOUT:-240} 15 -q -m gpu -p no:cacheprovider -n 12 \
-              tests/test_kernels.py ;;
+              tests/kernels/test_kernels.py ;;
     tests)  run_tests tests "$OUT/gpu_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -p no:logging -rs \
-              tests/test_gpu.py tests/test_host_memory.py tests/test_disk_tier.py ;;
+              tests/runtime/test_gpu.py tests/runtime/host/test_host_memory.py tests/runtime/host/test_disk_tier.py ;;
     pytests) # the gpu tests of the files named in TEST_FILES, into $OUT/$TESTS_NAME.log
             run_tests pytests "$OUT/${TESTS_NAME:-gpu_tests}.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider \
               -p no:logging -rs ${TEST_FILES:?name the test files} ;;
@@ -148,14 +148,14 @@ for stage in $STAGES; do
     convergence) timeout ${CONV_TIMEOUT:-540} python3 benches/convergence.py --steps ${CONV_STEPS:-600} ${CONV_ARGS:-} \
               --out "$OUT/convergence.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/convergence.log" ;;
     hostovh) timeout 240 python3 benches/host_overhead.py --out "$OUT/host_overhead.json" 2>&1 | tail -40 | tee "$OUT/host_overhead.log" ;;
-    memotests) run_tests memotests "$OUT/memo_tests.log" 240 15 -q -m gpu -p no:cacheprovider -rA tests/test_launch_memo.py ;;
+    memotests) run_tests memotests "$OUT/memo_tests.log" 240 15 -q -m gpu -p no:cacheprovider -rA tests/kernels/test_launch_memo.py ;;
     fp8a)   timeout ${FP8A_TIMEOUT:-540} python3 benches/fp8_workload.py ${FP8A_ARGS:-} --out "$OUT/fp8_workload_a.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/fp8_workload_a.log" ;;
     fp8parts) timeout 180 python3 benches/fp8_parts.py ${FP8PARTS_ARGS:-} --out "$OUT/fp8_parts.json" 2>&1 | tee "$OUT/fp8_parts.log" ;;
     graphtests) run_tests graphtests "$OUT/traced_linear_tests.log" 120 5 -q -m gpu -p no:cacheprovider -p no:logging -rs \
-              tests/test_traced_linear.py ;;
-    sptests) run_tests sptests "$OUT/sp_tests.log" ${SPTESTS_TIMEOUT:-240} 20 -q -m gpu -p no:cacheprovider -rs tests/test_fp8.py \
-              tests/test_traced_linear.py tests/test_selective_gpu.py ;;
+              tests/compiler/test_traced_linear.py ;;
+    sptests) run_tests sptests "$OUT/sp_tests.log" ${SPTESTS_TIMEOUT:-240} 20 -q -m gpu -p no:cacheprovider -rs tests/runtime/precision/test_fp8.py \
+              tests/compiler/test_traced_linear.py tests/runtime/selective/test_selective_gpu.py ;;
     sweep)  timeout ${SWEEP_TIMEOUT:-540} python3 benches/budget_sweep.py --model ${MODEL:-qwen} ${SWEEP_ARGS:-} \
               --out "$OUT/${SWEEP_NAME:-budget_sweep_${MODEL:-qwen}}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
               | tee "$OUT/${SWEEP_NAME:-budget_sweep_${MODEL:-qwen}}.log" ;;
@@ -164,7 +164,7 @@ for stage in $STAGES; do
               --out "$OUT/${SWEEP2_NAME:?name the second sweep}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
               | tee "$OUT/${SWEEP2_NAME}.log" ;;
     btests) run_tests btests "$OUT/gpu_budget_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -rs -s \
-              tests/test_gpu_budget.py ;;
+              tests/runtime/conductor/test_gpu_budget.py ;;
     moe)    timeout ${MOE_TIMEOUT:-560} python3 benches/moe.py ${MOE_ARGS:-} --out "$OUT/${MOE_NAME:-moe_qwen3_30b}.json" 2>&1 \
               | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/${MOE_NAME:-moe_qwen3_30b}.log" ;;
     moegen) timeout ${MOEGEN_TIMEOUT:-560} python3 benches/moe_generate.py ${MOEGEN_ARGS:-} --out "$OUT/moe_generate.json" 2>&1 \
@@ -183,7 +183,7 @@ for stage in $STAGES; do
               --out "$OUT/${FULLFT_NAME:-full_finetune_qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
               | tee "$OUT/${FULLFT_NAME:-full_finetune_qwen}.log" ;;
     oomtests) run_tests oomtests "$OUT/oom_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -rs \
-              tests/test_oom_recovery_gpu.py tests/test_gpu_budget.py ;;
+              tests/runtime/conductor/test_oom_recovery_gpu.py tests/runtime/conductor/test_gpu_budget.py ;;
     soak)   # benches/soak.py in its own session (it outlives this call: the device tool keeps a setsid process
             # until the machine goes back), waited for up to SOAK_WAIT s; stage soakwait in the next call waits on
             mkdir -p /tmp/soak && rm -f /tmp/soak/rc && : > /tmp/soak/soak.log  # soak_wait finds it at once

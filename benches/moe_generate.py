@@ -130,7 +130,7 @@ def run(args) -> dict:
             r["x_accelerate"] = (round(r["tokens_per_s"] / base["tokens_per_s"], 2)
                                  if r.get("tokens_per_s") and base.get("tokens_per_s") else None)
     # No comparison of the tokens: random weights give near-uniform logits, whose greedy picks flip between
-    # any two sets of kernels (the numbers are checked against the plain model by tests/test_moe.py).
+    # any two sets of kernels (the numbers are checked against the plain model by tests/runtime/experts/test_moe.py).
     return results
 
 

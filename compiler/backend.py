@@ -1,11 +1,6 @@
-"""The `stagehand` torch.compile backend: the driver that runs the passes.
-
-    torch.compile(model, backend="stagehand", options={"inner": "eager"})
-
-On each Dynamo graph it finds the offloaded runtime the graph streams from, builds a `CompileContext` and runs
-`passes.GRAPH_PASSES`: the result is an outer graph, run as plain Python, that calls one compiled unit per
-segment (units.py). The order of every stage is written once, in passes/__init__.py.
-"""
+"""The `stagehand` torch.compile backend (`torch.compile(model, backend="stagehand", options={...})`). On each Dynamo
+graph it finds the offloaded runtime the graph streams from and runs `passes.GRAPH_PASSES`: the result is an outer
+graph, run as plain Python, that calls one compiled unit per segment (units.py)."""
 
 from __future__ import annotations
 
@@ -68,8 +63,7 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     opts = BackendOptions.from_dict(options)
     tokens = token_owners(gm, example_inputs)
     rt = _runtime_of(gm, tokens)
-    if rt is None:
-        # Nothing streams in this graph (e.g. a graph break left only glue): compile it plainly.
+    if rt is None:  # nothing streams in this graph (e.g. a graph break left only glue)
         _warn_if_nothing_offloaded()
         log.info("stagehand: graph has no streamed layers; compiling it with %s alone", opts.inner)
         return compile_unit(gm, list(example_inputs), opts.inner, lambda *_: None, JOINT_PASSES, PassLog())

@@ -1,8 +1,6 @@
-"""What the passes share: the runtime's static facts, options, and a log of the passes that ran.
-
-A pass reads its context and the graph and returns a graph; it never touches runtime state (the runtime is
-typed as the `StreamingRuntime` protocol, interface.py). Every context is a `PassLog`: `run(passes, target)`
-records per pass its name and the notes it made through `note()`, which `explain()` prints.
+"""What the passes share: the runtime's static facts (the `StreamingRuntime` protocol, interface.py), options,
+and a log of the passes that ran. Every context is a `PassLog`: `run(passes, target)` records per pass its name
+and the notes it made through `note()`, which `explain()` prints.
 """
 
 from __future__ import annotations
@@ -60,8 +58,7 @@ class BackendOptions:
     and on small models they start slower than the step compiles)."""
 
     def workers_ahead(self) -> int:
-        """How many ahead-compile workers the runtime's variants get (none with the eager inner compiler,
-        which keeps no cache to fill)."""
+        """How many ahead-compile workers the variants get (none with "eager", which keeps no cache to fill)."""
         if self.inner != "inductor":
             return 0
         return self.ahead_workers if self.ahead_workers is not None else env("STAGEHAND_AHEAD_WORKERS") or 0
@@ -105,9 +102,6 @@ class PassRecord:
     name: str
     notes: list[str] = field(default_factory=list)
 
-    def as_dict(self) -> dict:
-        return {"name": self.name, "notes": list(self.notes)}
-
 
 class PassLog:
     """Runs ordered pass lists and keeps, in order, the passes that ran with their notes."""
@@ -135,12 +129,10 @@ class CompileContext(PassLog):
                  variant_passes: Sequence[Callable], joint_passes: Sequence[Callable], graph_id: int = 0,
                  tokens: dict[str, tuple[Any, int]] | None = None):
         super().__init__()
-        # The graph's block-token inputs, `{node name: (runtime, block)}` (graph_nodes.token_owners).
-        self.tokens = dict(tokens or {})
+        self.tokens = dict(tokens or {})  # the graph's block-token inputs (graph_nodes.token_owners)
         self.runtime = runtime
         self.options = options
         self.variants = variants  # compiled variants of this runtime (shared across graphs)
-        # The per-variant and joint pass lists (passes.VARIANT_PASSES / JOINT_PASSES), handed to the units.
         self.variant_passes = tuple(variant_passes)
         self.joint_passes = tuple(joint_passes)
         self.graph_id = graph_id
@@ -153,8 +145,7 @@ class CompileContext(PassLog):
 
 
 class VariantContext(PassLog):
-    """What a per-variant pass (rewrite_linear, schedule_forward) reads: the block, its precision, and
-    the positions of its streamed layers whose weights train (their gradients are computed in backward)."""
+    """What a per-variant pass reads: the block, its precision, and the positions of its layers that train."""
 
     def __init__(self, parent: CompileContext, block: int, precision: str, trainable: tuple[int, ...] = ()):
         super().__init__()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Any
 
@@ -12,8 +13,7 @@ from torch_stagehand.runtime.experts.stacks import EXPERTS_ARGS, STREAMED_EXPERT
 from torch_stagehand.runtime.ops import STREAMED_LINEAR_OPS
 
 
-# Node meta key: the node came from the body of the model's own activation checkpoint
-# (set by passes/inline_checkpoints, read by assign_segments: the block recomputes).
+# Node meta key: the node came from the model's own activation checkpoint (inline_checkpoints): the block recomputes.
 RECOMPUTE = "stagehand_recompute"
 
 
@@ -23,7 +23,6 @@ def example_value(node: Any) -> Any:
 
 
 def has_static_shape(value: Any) -> bool:
-    """A tensor whose every size is a plain int (no symbolic dimension)."""
     return isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in value.shape)
 
 
@@ -32,12 +31,10 @@ def is_streamed_linear(node: fx.Node) -> bool:
 
 
 def is_streamed_experts(node: fx.Node) -> bool:
-    """A captured `streamed_experts(block_tok, position, shape, dtype, device)`: an expert stack read."""
     return node.op == "call_function" and node.target in STREAMED_EXPERTS_OPS
 
 
 def is_streamed_read(node: fx.Node) -> bool:
-    """A node that reads a streamed layer of a block: a streamed linear or an expert stack."""
     return is_streamed_linear(node) or is_streamed_experts(node)
 
 
@@ -53,8 +50,7 @@ def descendants(nodes, skip: fx.Node | None = None) -> set[fx.Node]:
 
 
 def streams(gm: fx.GraphModule) -> fx.Node | None:
-    """The first streamed read (a linear, an expert stack) of this graph or of a subgraph it calls (a checkpoint
-    body), if any."""
+    """The first streamed read of this graph or of a subgraph it calls (a checkpoint body), if any."""
     for node in gm.graph.nodes:
         if is_streamed_read(node):
             return node
@@ -70,7 +66,6 @@ _STREAMED_ARGS = ("x", "bias", "block_tok", "position", "out_features", "anchor"
 
 
 def node_arg(node: fx.Node, index: int, name: str, default: Any = None) -> Any:
-    """A call's argument by position, else by keyword."""
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
@@ -81,8 +76,8 @@ def streamed_arg(node: fx.Node, name: str) -> Any:
 
 
 def token_owners(gm: fx.GraphModule, example_inputs) -> dict[str, tuple[Any, int]]:
-    """`{node name: (runtime, block)}` for the graph's inputs (and get_attrs) that are block tokens: the example
-    input itself, or for a backend handed fake inputs (DDPOptimizer's buckets) the real value Dynamo captured."""
+    """`{node name: (runtime, block)}` for the graph's inputs and get_attrs that are block tokens (for fake inputs,
+    DDPOptimizer's buckets, by the real value Dynamo captured)."""
     from torch_stagehand.runtime import registry
 
     owners: dict[str, tuple[Any, int]] = {}
@@ -96,10 +91,7 @@ def token_owners(gm: fx.GraphModule, example_inputs) -> dict[str, tuple[Any, int
         if found is not None:
             owners[node.name] = found
     for node in gm.graph.find_nodes(op="get_attr"):
-        value: Any = gm
-        for part in node.target.split("."):
-            value = getattr(value, part, None)
-        found = registry.token_owner(value)
+        found = registry.token_owner(attr_at(gm, node.target))
         if found is not None:
             owners[node.name] = found
     return owners
@@ -125,8 +117,16 @@ def normalize_module_path(path: str) -> str:
     return path.strip(".")
 
 
+def attr_at(module: fx.GraphModule, target: str) -> Any:
+    """What a `get_attr` target (maybe a dotted path) names, or None."""
+    try:
+        return operator.attrgetter(target)(module)
+    except AttributeError:
+        return None
+
+
 def add_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
-    """A new input after the last placeholder (inputs keep their order)."""
+    """A new input after the last placeholder."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     where = placeholders[-1] if placeholders else next(iter(gm.graph.nodes))
     with (gm.graph.inserting_after(where) if placeholders else gm.graph.inserting_before(where)):
@@ -137,15 +137,12 @@ def find_placeholder(gm: fx.GraphModule, name: str) -> fx.Node:
     return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name)
 
 
-# Functions and methods that draw from a random generator (by name: Dynamo's graphs call torch functions,
-# an ATen graph calls overloads, which carry the `nondeterministic_seeded` tag instead).
-_RANDOM_CALLS = frozenset({
-    "rrelu", "native_dropout", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
-    "bernoulli", "multinomial", "normal", "poisson", "bernoulli_", "uniform_", "normal_", "random_",
-    "exponential_", "cauchy_", "geometric_", "log_normal_", "rrelu_",
-})
-# Dropouts `f(input, p, training, ...)`: ATen returns the input (decomposed: a clone) when p is 0 or training is
-# off, drawing nothing. diffusers' blocks hold `nn.Dropout(0.0)` in their attention and feed-forward.
+# Functions and methods that draw random numbers, by name (ATen overloads carry `nondeterministic_seeded` instead).
+_RANDOM_CALLS = frozenset({"rrelu", "native_dropout", "rand", "randn", "randint", "rand_like", "randn_like",
+                           "randint_like", "randperm", "bernoulli", "multinomial", "normal", "poisson", "bernoulli_",
+                           "uniform_", "normal_", "random_", "exponential_", "cauchy_", "geometric_", "log_normal_",
+                           "rrelu_"})
+# Dropouts `f(input, p, training, ...)` draw nothing when p is 0 or training is off (diffusers' `nn.Dropout(0.0)`).
 _DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})
 
 
@@ -159,10 +156,8 @@ def _draws_nothing(node: fx.Node, name: str) -> bool:
 
 
 def draws_random(gm: fx.GraphModule) -> bool:
-    """Could running `gm` draw random numbers? A graph that cannot compiles the same for a recomputed block (whose
-    forward must replay its random numbers, units.py) as for a kept one, so the two share one compiled variant.
-    Conservative: an opaque module or subgraph call counts; a dropout or attention only with a probability that
-    is not the constant 0 (or, for a dropout, training not the constant False)."""
+    """Could running `gm` draw random numbers? (If not, recomputed and kept blocks share one variant.)
+    Conservative: an opaque module or subgraph call counts; a dropout or attention unless constants say no."""
     for node in gm.graph.nodes:
         if node.op == "call_module":
             return True

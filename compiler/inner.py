@@ -1,13 +1,12 @@
-"""Compiling one unit (a block variant or a glue segment) with the inner compiler.
-
-Both paths go through AOTAutograd and run the joint passes on the joint graph before it is partitioned: "eager"
-through our partition_fn, "inductor" through Inductor's `joint_custom_post_pass` (its cache uuid hashes the
-passes' source). The graphs that come out are handed to `on_graph` (for explain).
-"""
+"""Compiling one unit (a block variant or a glue segment) with the inner compiler. Both paths go through AOTAutograd
+and run the joint passes on the joint graph before it is partitioned: "eager" through our partition_fn, "inductor"
+through Inductor's `joint_custom_post_pass` (its cache uuid hashes the passes' source). The graphs that come out are
+handed to `on_graph` (for explain)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import sys
 import threading
@@ -32,16 +31,14 @@ log = logging.getLogger("torch_stagehand.compiler")
 
 
 def compile_workers_wanted(device: torch.device) -> bool:
-    """Start Inductor's compile workers at offload? On CUDA, unless `STAGEHAND_WARM_COMPILE_WORKERS=0` (the pool
-    serves Triton; CPU kernels compile in process). `TORCH_WARM_POOL=0` and `TORCHINDUCTOR_COMPILE_THREADS=1`
-    turn it off too, as they do for torch."""
+    """Start Inductor's compile workers at offload? On CUDA (CPU kernels compile in process), unless
+    `STAGEHAND_WARM_COMPILE_WORKERS=0`; `TORCH_WARM_POOL=0` and `TORCHINDUCTOR_COMPILE_THREADS=1` too, as for torch."""
     return device.type == "cuda" and env("STAGEHAND_WARM_COMPILE_WORKERS")
 
 
 def warm_compile_workers(device: torch.device) -> bool:
-    """Start Inductor's compile workers now, when `compile_workers_wanted` (torch's inductor backend does when
-    Dynamo hands it a graph; one that calls `compile_fx` per unit must itself, or the first units' kernels
-    compile in the main process, one after another). True when the pool was asked for."""
+    """Start Inductor's compile workers now, when `compile_workers_wanted` (torch's backend does; calling
+    `compile_fx` per unit we must, or the first units' kernels compile serially here). True when asked for."""
     if not compile_workers_wanted(device):
         return False
     from torch._inductor.async_compile import maybe_warm_pool
@@ -51,10 +48,8 @@ def warm_compile_workers(device: torch.device) -> bool:
 
 
 def prewarm_compiler_imports(source_files: Sequence[str] = ()) -> None:
-    """Import Inductor's and AOTAutograd's modules now, start `prewarm_cache_keys` on a thread, and index
-    `source_files` for Dynamo. Called by `offload()` on its calling thread while other threads fill the host
-    store; never on a thread of its own (two threads importing one circle of modules can each see the other's
-    half-made module)."""
+    """Import Inductor's and AOTAutograd's modules, start `prewarm_cache_keys` on a thread, index `source_files`
+    for Dynamo. Never on a thread of its own: two threads importing one circle of modules see half-made modules."""
     import torch._functorch.aot_autograd  # noqa: F401
     import torch._inductor.codecache  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
@@ -64,10 +59,8 @@ def prewarm_compiler_imports(source_files: Sequence[str] = ()) -> None:
 
 
 def dynamo_source_files(model: torch.nn.Module) -> list[str]:
-    """The source files Dynamo will read as it traces `model`: those of its modules' methods and of the objects
-    they keep and call (diffusers' attention processors), of the functions those methods call by a global name
-    (a block's helpers: diffusers' rotary embedding, its attention dispatch), of a streamed layer's forward
-    (runtime/streamed.py), and of torch.nn.functional."""
+    """The source files Dynamo will read tracing `model`: of its modules' methods and the objects they call
+    (attention processors), of the functions those call by a global name, of StreamedMixin and torch.nn.functional."""
     import types
 
     from torch_stagehand.runtime.streamed import StreamedMixin
@@ -95,8 +88,7 @@ def dynamo_source_files(model: torch.nn.Module) -> list[str]:
 
 
 def index_sources_for_dynamo(files: Sequence[str]) -> None:
-    """Fill Dynamo's index of which function each source line is in (`torch._dynamo.funcname_cache`), which it
-    builds by tokenizing a whole file the first time a trace meets it."""
+    """Fill Dynamo's index of which function each source line is in (it tokenizes a whole file at first sight)."""
     try:
         from torch._dynamo import funcname_cache
 
@@ -109,9 +101,8 @@ def index_sources_for_dynamo(files: Sequence[str]) -> None:
 
 
 def prewarm_cache_keys() -> None:
-    """Work out the hashes torch's compile caches put in every key, once per process (Triton's build and, once
-    Inductor is imported, torch's sources), before the first unit needs them. All are cached (functools): a key
-    that needs one before this finished computes the same value itself. Imports nothing (it runs on a thread)."""
+    """Work out the (functools-cached) hashes torch's compile caches put in every key before the first unit needs
+    them: Triton's build and, once Inductor is imported, torch's sources. Imports nothing (it runs on a thread)."""
     try:
         from triton.runtime.cache import triton_key  # triton is imported with the kernels
 
@@ -126,8 +117,7 @@ def prewarm_cache_keys() -> None:
 
 
 def _eager_backward_lowering():
-    # Compile the backward with the forward (first call), not at the first backward;
-    # explain() then sees every graph without running a backward. Older torch lacks it.
+    # Compile the backward with the forward, so explain() sees every graph without a backward. Older torch lacks it.
     config = torch._functorch.config
     if hasattr(config, "force_non_lazy_backward_lowering"):
         return config.patch(force_non_lazy_backward_lowering=True)
@@ -173,10 +163,8 @@ class JointPasses:
 
 
 def _custom_pass(joint: JointPasses):
-    try:
-        from torch._inductor.custom_graph_pass import CustomGraphPass
-    except ImportError:  # pragma: no cover - older torch
-        return joint
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
     return type("StagehandJointPasses", (JointPasses, CustomGraphPass), {})(joint.passes, joint.log)
 
 
@@ -190,8 +178,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
         on_graph(kind, graph_module)
         return compile_fx_inner(graph_module, inputs, **kwargs)
 
-    # A recomputed block's two variants must draw random numbers as eager does (from the generators
-    # the recompute restores, in program order), not from Inductor's own seeds.
+    # A recomputed block's variants draw random numbers from the generators the recompute restores, as eager does.
     patches = dict(joint_custom_post_pass=_custom_pass(joint),
                    unsafe_marked_cacheable_functions={**inductor_config.unsafe_marked_cacheable_functions,
                                                       **cacheable_functions()})
@@ -202,12 +189,10 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph
 
 
 def one_config_per_kernel(inductor_config) -> dict:
-    """Inductor's config for one launch config per Triton kernel of the kinds `STAGEHAND_INDUCTOR_AUTOTUNE`
-    leaves out ("pointwise": reductions get one; "1"/"all": Inductor's default, "0"/"none": every kernel one),
-    instead of several compiled and timed at the kernel's first launch, in the step. A reduction's one config is
-    the pick Inductor makes in deterministic mode (`force_filter_reduction_configs`), a pointwise kernel's its
-    untimed heuristic; `dynamic_scale_rblock` off keeps a reduction from growing a second config at its first
-    launch, timed again in every process. A torch without these switches gets Inductor's default."""
+    """Inductor's config for one launch config per Triton kernel of the kinds `STAGEHAND_INDUCTOR_AUTOTUNE` leaves
+    out, instead of several timed at its first launch in the step: a reduction's is deterministic mode's pick
+    (`dynamic_scale_rblock` off: no second config grown at its first launch), a pointwise kernel's the untimed
+    heuristic. A torch without these switches gets Inductor's default."""
     timed, patches = AUTOTUNED[autotune_choice()], {}
     if "pointwise" not in timed and hasattr(inductor_config.triton, "autotune_pointwise"):
         patches["triton.autotune_pointwise"] = False
@@ -222,8 +207,8 @@ def one_config_per_kernel(inductor_config) -> dict:
 def compile_unit(gm: fx.GraphModule, example_inputs: list, inner: str, on_graph: OnGraph,
                  joint_passes: Sequence[Callable], log: PassLog | None = None, replay_rng: bool = False,
                  faked: "FakedInputs | None" = None):
-    """`replay_rng`: the unit is recomputed in backward and must replay its forward's random numbers.
-    `faked`: compile shape-generic, from these fake inputs (symbolic.py), instead of the real ones."""
+    """`replay_rng`: the unit is recomputed and replays its forward's random numbers. `faked`: compile from these
+    fake inputs (symbolic.py), not the real ones."""
     joint = JointPasses(joint_passes, log)
     gm = _bake_scalar_reads(gm, example_inputs)
     if faked is None and inner == "inductor":
@@ -239,11 +224,17 @@ class ScalarReadAfterWriteError(RuntimeError):
     """A unit reads `.item()` of an input after writing into it: the value at call time cannot be baked in."""
 
 
-def _refuse_reads_after_writes(gm: fx.GraphModule, reads: list[fx.Node]) -> None:
-    """Baking folds a read to the input's value at the call; a write before the read would change it
-    (compiler/mutation.py: the rule for every pass that folds graph values)."""
-    writes = MutationIndex.of(gm.graph)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+def _bake_scalar_reads(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+    """A copy of `gm` in which `.item()` of a 0-dim input is the number the input holds now: under `dynamic=True`
+    Dynamo passes Python floats (a norm's eps) as 0-dim tensors, which cannot be traced outside Dynamo. The
+    variant key holds the value (symbolic.input_key), so another value compiles another variant."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    reads = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "item"
+             and n.args[0] in placeholders and isinstance(example_inputs[placeholders.index(n.args[0])], torch.Tensor)]
+    if not reads:
+        return gm
+    # A write before the read would change the value baked in (compiler/mutation.py).
+    writes, order = MutationIndex.of(gm.graph), {n: i for i, n in enumerate(gm.graph.nodes)}
     for read in reads:
         before = [w.name for w in writes.writers([read.args[0]]) if order[w] < order[read]]
         if before:
@@ -251,25 +242,8 @@ def _refuse_reads_after_writes(gm: fx.GraphModule, reads: list[fx.Node]) -> None
                 f"stagehand: input {read.args[0].name} is written in place ({', '.join(before)}) before its "
                 f".item() is read ({read.name}); under dynamic shapes that read is compiled in as the input's "
                 "value, which the write changes. Compile with dynamic=False, or move the write out of the model")
-
-
-def _bake_scalar_reads(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
-    """A copy of `gm` in which `.item()` of a 0-dim input is the number the input holds now.
-
-    Under `dynamic=True` Dynamo passes Python floats (a norm's eps) as 0-dim tensor inputs read with `.item()`,
-    which cannot be traced outside Dynamo. The value becomes a constant of this variant, and the variant key holds
-    it (symbolic.input_key), so another value compiles another variant. `gm` itself is left as it is."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    reads = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "item"
-             and n.args[0] in placeholders and isinstance(example_inputs[placeholders.index(n.args[0])], torch.Tensor)]
-    if not reads:
-        return gm
-    _refuse_reads_after_writes(gm, reads)
-    import copy
-
     baked = copy.deepcopy(gm)
-    nodes = list(gm.graph.nodes)
-    baked_nodes = list(baked.graph.nodes)
+    nodes, baked_nodes = list(gm.graph.nodes), list(baked.graph.nodes)
     for read in reads:
         value = example_inputs[placeholders.index(read.args[0])].item()
         node = baked_nodes[nodes.index(read)]

@@ -1,8 +1,6 @@
-"""What the compiler reads from the runtime: the `StreamingRuntime` protocol.
-
-Everything the passes, the units and the backend use from a `Runtime` is declared here, so a hand-made fake
-runtime is enough to run a pass in a test; `Runtime` implements it (tests/test_passes.py checks that it does).
-"""
+"""What the compiler reads from the runtime: the `StreamingRuntime` protocol. Everything the passes, the units and
+the backend use from a `Runtime` is declared here, so a hand-made fake runtime is enough to run a pass in a test;
+`Runtime` implements it (tests/compiler/test_passes.py checks)."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ class StreamingRuntime(Protocol):
         """The current precision map (block -> precision name); a copy."""
 
     def layer_at(self, block: int, position: int) -> int:
-        """Index in `layers` of block `block`'s `position`-th streamed layer (what a captured
-        `streamed_linear(x, bias, block_tok, position, ...)` names)."""
+        """Index in `layers` of block `block`'s `position`-th streamed layer (as a captured read names it)."""
 
     def layer_layout(self, index: int, precision: str) -> list[int]:
         """Where layer `index` sits in its block's device bytes, as op-schema ints."""
@@ -50,8 +47,7 @@ class StreamingRuntime(Protocol):
         """A compiled unit raised before its evict ran: release every block it held."""
 
     def recover_from_oom(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
-        """A unit (`where` names it) ran out of device memory before it returned: free, re-plan under the memory
-        left; True when the unit should run again (runtime/conductor/oom_recovery.py says when it should not)."""
+        """A unit (`where`) ran out of device memory: free, re-plan; True when it should run again (oom_recovery.py)."""
 
     def record_compile(self, seconds: float, block_variant: bool, loaded: bool = False) -> None:
         """Count one compiled unit in `stats()` (`loaded`: from the compile caches, not compiled)."""
@@ -60,8 +56,7 @@ class StreamingRuntime(Protocol):
         """Count a compiled unit's first run (its kernels load and tune then)."""
 
     def planned_recompute(self, block: int) -> bool | None:
-        """The runtime's plan for the block's activations: recompute (True), keep (False), or None when the
-        model's own checkpointing decides (no VRAM budget was planned for)."""
+        """Recompute the block's activations (True), keep them (False), or None: the model's checkpointing decides."""
 
     def spill_hooks(self, block: int) -> Any:
         """A context (saved-tensor hooks) that spills the block's saved activations to host, or None."""

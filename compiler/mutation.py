@@ -1,10 +1,7 @@
-"""Which values of a Dynamo graph are written in place, for passes that evaluate or fold graph values.
-
-Dynamo's graph is not functional: `mask.logical_and_(keep)`, `m[..., :n] = x`, `out=` and an in-place op on a
-view change a value after the node that built it ran, with no data edge to show it. A pass that uses a value's
-construction first asks `MutationIndex.writers` about it. Storage identity comes from Dynamo's fake values (a view
-shares its base's fake storage); a write whose target has no fake value is `unplaced`: it may write anything.
-"""
+"""Which values of a Dynamo graph are written in place, for passes that evaluate or fold graph values. Dynamo's graph
+is not functional: `mask.logical_and_(keep)`, `m[..., :n] = x`, `out=` and in-place ops on views change a value with
+no data edge to show it. Storage identity comes from Dynamo's fake values (a view shares its base's); a write whose
+target has no fake value is `unplaced`: it may write anything."""
 
 from __future__ import annotations
 
@@ -19,16 +16,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch_stagehand.compiler.graph_nodes import example_value, node_arg
 
 # `x op= y` on a tensor: Dynamo records the operator module's in-place function.
-_INPLACE_OPERATORS = {
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
-    operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-    operator.imatmul, operator.setitem,
-}
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+                      operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.imatmul, operator.setitem}
 _INPLACE_DUNDERS = {f"__{op.__name__}__" for op in _INPLACE_OPERATORS}  # "__iadd__", ..., "__setitem__"
 
 
 def storage_of(value: Any) -> StorageWeakRef | None:
-    """The storage a (fake or real) tensor lives in; None for anything else or a tensor with no storage."""
     if not isinstance(value, torch.Tensor):
         return None
     try:
@@ -38,7 +32,7 @@ def storage_of(value: Any) -> StorageWeakRef | None:
 
 
 def written_args(node: fx.Node) -> list[Any]:
-    """The arguments `node` writes into (empty for a functional node)."""
+    """The arguments `node` writes into."""
     written: list[Any] = []
     out = node.kwargs.get("out")
     if out is not None:

@@ -1,30 +1,23 @@
-"""Block recompute: a block unit that saves its inputs, not its activations.
-
-Forward: the block's inference variant runs under `no_grad` and only the unit's inputs are saved (never a
-streamed weight). Backward: the training variant runs again on them with grad enabled and its backward at once
-(`torch.autograd.grad`), under the same fetch of the block's weights (the recompute's evict leaves the bytes in
-the slot for `wait_bw`); its prefetch points at the block whose backward runs next. The forward's random numbers
-are replayed (generator states kept and restored; recomputed variants compile with `fallback_random`).
-Gradients of gradients are refused (`once_differentiable`).
-"""
+"""Block recompute: a block unit that saves its inputs, not its activations. Forward: the inference variant runs
+under `no_grad`, saving only the unit's inputs (never a streamed weight). Backward: the training variant runs again
+on them and its backward at once (`torch.autograd.grad`), under the same fetch of the block's weights; its prefetch
+points at the block whose backward runs next. The forward's random numbers are replayed (generator states restored;
+`fallback_random`). Gradients of gradients are refused."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
-# A unit runner: args -> outputs, compiled for the grad mode it is called in; args
-# are the unit's inputs followed by the four tokens (fetch, block, next, prev);
-# outputs end with the next-fetch token.
+# A unit runner: (*inputs, fetch, block, next, prev tokens) -> (*outputs, next-fetch token), for the grad mode.
 Runner = Callable[[tuple], tuple]
 _TOKENS = 4
 
 
 def run_again_after_oom(run: Callable[[], object], recover: Callable[[BaseException], bool]):
-    """`run()`, run again when it runs out of device memory and `recover(error)` says the owner re-planned; else
-    the error goes on. A unit's forward and a recomputed block's backward start from inputs that are still whole,
-    so running them again is exact."""
+    """`run()`, again after running out of device memory while `recover(error)` says the owner re-planned (a
+    unit's forward and a recompute's backward start from whole inputs: running them again is exact)."""
     while True:
         try:
             return run()
@@ -33,25 +26,15 @@ def run_again_after_oom(run: Callable[[], object], recover: Callable[[BaseExcept
                 raise
 
 
-class _RecomputeHooks(NamedTuple):
-    """What a recomputed block tells its owner: a recompute ran; the backward failed (drop held slots); the
-    backward ran out of memory (`on_oom(error)`: True when the owner re-planned and it may run again)."""
-
-    on_recompute: Callable[[], None]
-    on_error: Callable[[], None]
-    on_oom: Callable[[BaseException], bool] | None = None
-
-
 class RecomputedBlock(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: Runner, hooks: _RecomputeHooks, *args):
-        ctx.run, ctx.hooks = run, hooks
+    def forward(ctx, run: Runner, on_recompute, on_error, on_oom, *args):
+        ctx.run, ctx.on_recompute, ctx.on_error, ctx.on_oom = run, on_recompute, on_error, on_oom
         ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
         ctx.needs_grad = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
         ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
-        # The recompute must draw the same random numbers (dropout masks) as this forward,
-        # as torch.utils.checkpoint makes sure: keep the generators' states to replay them.
+        # The recompute must draw this forward's random numbers (dropout masks): keep the generators' states.
         ctx.cuda_devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.cuda_devices]
@@ -71,8 +54,7 @@ class RecomputedBlock(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # the recompute builds no graph of its gradient: say so
     def backward(ctx, *grad_outputs):
-        # The recompute starts from the saved inputs: out of memory, it can run again once the owner re-planned.
-        recover = ctx.hooks.on_oom or (lambda error: False)
+        recover = ctx.on_oom or (lambda error: False)
         return run_again_after_oom(lambda: RecomputedBlock._backward(ctx, grad_outputs), recover)
 
     @staticmethod
@@ -87,7 +69,7 @@ class RecomputedBlock(torch.autograd.Function):
         fetch_tok, block_tok, _next_tok, prev_tok = args[-_TOKENS:]
         # In backward the block that runs next is the previous one: prefetch it.
         args[-_TOKENS:] = [fetch_tok, block_tok, prev_tok, prev_tok]
-        ctx.hooks.on_recompute()
+        ctx.on_recompute()
         grads: list[torch.Tensor | None] = [None] * len(args)
         try:
             with torch.random.fork_rng(devices=ctx.cuda_devices):
@@ -96,25 +78,22 @@ class RecomputedBlock(torch.autograd.Function):
                     torch.cuda.set_rng_state(state, device)
                 with torch.enable_grad():
                     outputs = tuple(ctx.run(tuple(args)))
-            pairs = [
-                (out, grad)
-                for out, grad in zip(outputs[:-1], grad_outputs[:-1])
-                if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
-            ]
+            pairs = [(out, grad) for out, grad in zip(outputs[:-1], grad_outputs[:-1])
+                     if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None]
             if pairs and inputs_with_grad:
-                found = torch.autograd.grad(
-                    [o for o, _ in pairs], [args[i] for i in inputs_with_grad], [g for _, g in pairs],
-                    allow_unused=True,
-                )
+                found = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in inputs_with_grad],
+                                            [g for _, g in pairs], allow_unused=True)
                 for i, g in zip(inputs_with_grad, found):
                     grads[i] = g
         except BaseException:
-            ctx.hooks.on_error()  # a wait_bw inside took a hold its evict never dropped
+            ctx.on_error()  # a wait_bw inside took a hold its evict never dropped
             raise
-        return (None, None, *grads)
+        return (None, None, None, None, *grads)
 
 
 def run_recomputed(run: Runner, args: tuple, on_recompute: Callable[[], None], on_error: Callable[[], None],
                    on_oom: Callable[[BaseException], bool] | None = None) -> tuple:
-    """Run a block unit so that its backward recomputes it (see the module docstring)."""
-    return RecomputedBlock.apply(run, _RecomputeHooks(on_recompute, on_error, on_oom), *args)
+    """Run a block unit so that its backward recomputes it (module docstring), telling its owner that a recompute
+    ran, that the backward failed (drop held slots), or that it ran out of memory (`on_oom(error)`: True when the
+    owner re-planned and it may run again)."""
+    return RecomputedBlock.apply(run, on_recompute, on_error, on_oom, *args)

@@ -1,12 +1,8 @@
 """Which arguments of a model's blocks carry the residual stream, remembered between runs (regional compilation).
-
-Under `compile_blocks` Dynamo guards on every tensor argument's grad flag, and a model's first block takes its
-residual stream from an embedding that trains nothing: Dynamo would trace it apart from the others of its
-structure. The block unit gives that argument grad anyway (units.BlockUnit._residual_stream_needing_grad) and
-names it here, in a file beside the model's compile bundle (`record`); a later run's `compile_blocks` gives it
-grad before Dynamo sees it (`give_grad`): one trace per structure. Blocks are named by the list that holds them.
-A file that cannot be read, or is not a name list per block list, is ignored with a warning.
-"""
+Under `compile_blocks` Dynamo guards on every tensor argument's grad flag, and a first block fed by a frozen
+embedding would trace apart from the others of its structure. The block unit gives that argument grad anyway
+(units.BlockUnit._residual_stream_needing_grad) and names it in a file beside the compile bundle (`remember`); a
+later run's `compile_blocks` gives it grad before Dynamo sees it (`give_grad`). A bad file is ignored, warned."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ def block_list(fqn: str) -> str:
 
 
 def load(bundle_path: str) -> dict[str, list[str]]:
-    """The hints recorded beside `bundle_path`: block list -> argument names; {} when there is no file, or one
-    that is unreadable or not of this shape (a warning says which)."""
+    """The hints recorded beside `bundle_path`: block list -> argument names; {} without a (valid) file."""
     path = hints_file(bundle_path)
     if not os.path.exists(path):
         return {}
@@ -57,9 +52,8 @@ def load(bundle_path: str) -> dict[str, list[str]]:
 
 
 def remember(bundle_path: str, fqn: str, template: Any, positions) -> None:
-    """The block unit of `fqn` gave grad to its graph inputs at `positions`: note their argument names (from
-    their Dynamo sources; an input not read from a forward argument has none) for the blocks of its list, once per
-    process. A file that cannot be written costs only the next run's extra trace."""
+    """The block unit of `fqn` gave grad to its graph inputs at `positions`: note their argument names (from their
+    Dynamo sources) for its block list, once per process. An unwritable file costs the next run an extra trace."""
     key = block_list(fqn)
     if (bundle_path, key, tuple(positions)) in _recorded:
         return
@@ -85,11 +79,9 @@ def positional_names(forward: Any) -> list[str]:
 
 def give_grad(positional: list[str], names: list[str], args: tuple, kwargs: dict,
               trains: Callable[[], bool] = lambda: True) -> tuple[tuple, dict]:
-    """`args` and `kwargs` of a call of a forward taking `positional` with the floating tensors passed as `names`
-    needing grad (a new leaf where one did not), when `trains()`: the grad flags a later block of the list gets,
-    so Dynamo runs the same graph. Each argument stays where it came (by position or by keyword: Dynamo guards on
-    the forward's locals either way). Every block of the list calls this, and every one but the first already
-    has the flags: then nothing is copied and `trains` is not asked."""
+    """`args` and `kwargs` of a forward taking `positional`, with the floating tensors passed as `names` made to
+    need grad (a new leaf) when `trains()`: the flags a later block gets, so Dynamo runs the same graph. Where all
+    have them already (every block but the first), nothing is copied and `trains` is not asked."""
     def lacks_grad(value: Any) -> bool:
         return isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad
 

@@ -24,10 +24,7 @@ HASHED_PACKAGE = "torch_stagehand.compiler"  # the passes' helpers (graph_nodes,
 
 def passes_uuid(passes: Sequence[Callable]) -> str:
     """Cache uuid of a pass list: the passes' names and a hash of the source of their modules and of every
-    compiler module those import (a helper such as graph_nodes.descendants is part of the pass).
-
-    Editing a pass or a helper it uses changes the uuid, so Inductor's FX graph cache never serves a graph
-    compiled with an older version of the pass."""
+    compiler module those use, so Inductor's FX graph cache never serves a graph an older pass compiled."""
     modules = _with_imports([inspect.getmodule(p) for p in passes])
     names = "+".join(getattr(p, "name", p.__name__) for p in passes)
     return f"stagehand-{names}-" + hash_sources(inspect.getsource(m) for m in modules)

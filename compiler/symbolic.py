@@ -1,10 +1,7 @@
-"""Shape-generic units: compile once for every size of the dimensions Dynamo made dynamic.
-
-When a unit's placeholders carry symbolic example values, `SymbolicInputs` fakes its real inputs with those
-dimensions symbolic in a fresh `ShapeEnv` and the inner compiler traces a program valid for any size. Whatever the
-compile assumed about the sizes (static ones included: `ignore_static=False`) comes back as a guard over the
-inputs, checked before a variant runs (`GuardedVariants`): a call that breaks one compiles another variant.
-"""
+"""Shape-generic units: compile once for every size of the dimensions Dynamo made dynamic. `SymbolicInputs` fakes a
+unit's real inputs with those dimensions symbolic in a fresh `ShapeEnv`. Whatever the compile assumed about the sizes
+(static ones included) comes back as a guard over the inputs, checked before a variant runs (`GuardedVariants`): a
+call that breaks one compiles another variant."""
 
 from __future__ import annotations
 
@@ -24,12 +21,10 @@ def _is_symbolic(value: Any) -> bool:
 
 
 def input_key(a: Any, exact_sizes: bool, grad: bool = True) -> Any:
-    """One input's part of a variant key: with `exact_sizes`, a tensor's shape and strides too (a static
-    variant); without, only what a shape-generic variant's guard does not check. `grad`: grad mode is on; off,
-    a grad flag changes nothing compiled (an inference graph), so the key leaves it out."""
+    """One input's part of a variant key: with `exact_sizes`, a tensor's shape and strides too; without, only what
+    a shape-generic variant's guard does not check. Without `grad` (grad mode) the grad flag is left out."""
     if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == "cpu":
-        # A Python float Dynamo passed as a tensor: compiled in as a constant (inner._bake_scalar_reads), so
-        # keyed by value (.item() of a CPU scalar reads host memory, never the device).
+        # A Python float Dynamo passed as a tensor, compiled in as a constant (inner._bake_scalar_reads): by value.
         return (a.dtype, a.requires_grad and grad, a.item())
     if isinstance(a, torch.Tensor):
         if exact_sizes:
@@ -53,14 +48,9 @@ class SymbolicInputs:
         values = [example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
         if not any(_is_symbolic(v) for v in values):
             return None
-        dims = tuple(
-            tuple(not isinstance(s, int) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in values
-        )
+        dims = tuple(tuple(not isinstance(s, int) for s in v.shape) if isinstance(v, torch.Tensor) else None
+                     for v in values)
         return SymbolicInputs(dims, tuple(isinstance(v, torch.SymInt) for v in values))
-
-    def coarse_key(self, args: Sequence[Any], grad: bool = True) -> tuple:
-        """What no guard checks and a variant fixes: per input, its type, dtype, device, rank, grad flag."""
-        return tuple(input_key(a, exact_sizes=False, grad=grad) for a in args)
 
     def fake(self, args: Sequence[Any]) -> "FakedInputs":
         """Fake `args` in a fresh ShapeEnv, the dynamic dimensions symbolic."""
@@ -79,8 +69,7 @@ class SymbolicInputs:
                 dynamic = dims if dims is not None and len(dims) == a.dim() else (False,) * a.dim()
                 context = StatelessSymbolicContext(
                     dynamic_sizes=[DimDynamic.DUCK if d else DimDynamic.STATIC for d in dynamic])
-                # No source for a 0-dim CPU tensor (a float Dynamo passes as a tensor, a transfer token):
-                # with one, the fake mode would make its value symbolic, which only Dynamo can resolve.
+                # No source for a 0-dim CPU tensor: the fake mode would make its value symbolic (only Dynamo can).
                 fakes.append(mode.from_tensor(a, source=None if a.dim() == 0 and a.device.type == "cpu" else source,
                                               symbolic_context=context))
             elif symint and isinstance(a, int):
@@ -92,8 +81,7 @@ class SymbolicInputs:
 
 
 def fake_static(args: Sequence[Any]) -> "FakedInputs":
-    """Fake `args` with every size static, in a fresh ShapeEnv: what Inductor's FX graph cache and
-    AOTAutograd's cache need to run at all (their guards live in a ShapeEnv; without one both bypass)."""
+    """Fake `args` with every size static in a fresh ShapeEnv, without which torch's compile caches bypass."""
     return SymbolicInputs((), ()).fake(args)
 
 

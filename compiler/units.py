@@ -1,17 +1,14 @@
-"""Units: the callables the outer graph runs, one per segment.
-
-A `GlueUnit` compiles its segment as it is. A `BlockUnit` holds its segment as a template and at each call runs
-the variant for the block's current layout and precision: the variant passes make the variant graph, whose key
-(structure, input signature, grad mode, inner compiler, rng replay) indexes the runtime's `VariantCache`, so
-identical blocks share one variant and a precision switch re-links them. Variants compile on first use from the
-real inputs, shape-generic where Dynamo made dimensions dynamic (symbolic.py). A block unit that recomputes runs
-through `recompute.run_recomputed`.
-"""
+"""Units: the callables the outer graph runs, one per segment. A `GlueUnit` compiles its segment as it is. A
+`BlockUnit` runs, per call, the variant of its template for the block's current layout and precision, keyed
+(structure, input signature, grad mode, inner compiler, rng replay) in the runtime's `VariantCache`: identical blocks
+share one variant, a precision switch re-links them. Variants compile on first use, shape-generic where Dynamo made
+dimensions dynamic (symbolic.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import logging
 import time
@@ -33,8 +30,12 @@ from torch_stagehand.compiler.startup.ahead_wire import input_specs, pickle_grap
 from torch_stagehand.compiler.symbolic import SymbolicInputs, input_key
 from torch_stagehand.runtime import registry
 
+if TYPE_CHECKING:
+    from torch_stagehand.compiler.passes.assign_segments import Segment
 
-# ---- the parts of a block variant's cache key: what its graph computes, and its inputs
+log = logging.getLogger("torch_stagehand.compiler")
+_SHAPE_VARIANTS_WARNING = 8  # input signatures per structure beyond which shapes are changing per call
+
 
 def structure_key(gm: fx.GraphModule) -> str:
     """A hash of what the graph computes, blind to node names."""
@@ -54,16 +55,6 @@ def structure_key(gm: fx.GraphModule) -> str:
     return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
 
-# ---- glue and block units
-
-if TYPE_CHECKING:
-    from torch_stagehand.compiler.passes.assign_segments import Segment
-
-log = logging.getLogger("torch_stagehand.compiler")
-# Beyond this many input signatures per structure, shapes are changing per call.
-_SHAPE_VARIANTS_WARNING = 8
-
-
 def _tuple_output(gm: fx.GraphModule) -> bool:
     """Make the graph return a tuple (AOTAutograd wants one); say whether it returned one already."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -75,9 +66,8 @@ def _tuple_output(gm: fx.GraphModule) -> bool:
 
 
 def _code_settled(gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm` with its code generated now. A lazy GraphModule (Dynamo's) generates it at first use, and the compile
-    caches key on the module's attributes in their order, which would then depend on where the first use falls
-    (a process with ahead-compile workers deep-copies the graph first): a key that differs misses."""
+    """`gm` with its code generated now: a lazy GraphModule (Dynamo's) generates it at first use, and the compile
+    caches key on the module's attributes in their order, which would then depend on where that use falls."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     _LazyGraphModule.force_recompile(gm)
@@ -85,14 +75,12 @@ def _code_settled(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def rt_trainable(rt, block: int) -> tuple[int, ...]:
-    """The positions of `block` whose streamed weights train, in the current grad mode (no grad: none): they
-    get their grad-weight GEMM in the backward."""
+    """The positions of `block` whose streamed weights train (get a grad-weight GEMM); none without grad."""
     return rt.trainable_positions(block) if torch.is_grad_enabled() else ()
 
 
 def _run_unit(rt, where: Callable[[], str], run: Callable[[], Any]):
-    """`run()`, run again after the runtime recovered from out of memory (recompute.run_again_after_oom);
-    `where()` names the unit, made only then: this wraps every unit call."""
+    """`run()`, again after the runtime recovered from out of memory; `where()` names the unit (made only then)."""
     return run_again_after_oom(run, lambda error: rt.recover_from_oom(where(), error))
 
 
@@ -104,16 +92,13 @@ class _Unit(nn.Module):
         self.segment = segment
         self.unit_name = name
         self.last_key = None  # the variant the last call ran (explain reads it)
-        # Dynamo made some dimensions dynamic: compile shape-generic variants (symbolic.py).
-        self.symbolic = SymbolicInputs.of(template)
+        self.symbolic = SymbolicInputs.of(template)  # dynamic dimensions: shape-generic variants (symbolic.py)
 
     def signature(self, args: tuple) -> tuple:
-        """The input part of a variant key: exact shapes and strides, or for a shape-generic unit what guards don't
-        check (symbolic.input_key)."""
-        grad = torch.is_grad_enabled()
-        if self.symbolic is None:
-            return tuple(input_key(a, exact_sizes=True, grad=grad) for a in args)
-        return ("symbolic", self.symbolic.coarse_key(args, grad))
+        """A variant key's input part (symbolic.input_key): exact, or what a shape-generic unit's guards skip."""
+        exact = self.symbolic is None
+        key = tuple(input_key(a, exact_sizes=exact, grad=torch.is_grad_enabled()) for a in args)
+        return key if exact else ("symbolic", key)
 
     def _compile(self, key: Any, gm: fx.GraphModule, args: tuple, label: str, block_variant: bool,
                  pass_log: PassLog, replay_rng: bool = False):
@@ -124,13 +109,11 @@ class _Unit(nn.Module):
         def on_graph(kind: str, graph_module: fx.GraphModule) -> None:
             graphs[kind] = graph_module.print_readable(print_output=False, include_stride=False, include_device=True)
         if not torch.is_grad_enabled():
-            # An inference variant: its inputs' grad flags change nothing compiled (the key leaves them out,
-            # symbolic.input_key), and must not change torch's cache keys either (AOTAutograd's holds them).
+            # Grad flags change nothing an inference variant compiles; AOTAutograd's cache key must not see them.
             args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         faked = None if self.symbolic is None else self.symbolic.fake(args)
         why = cache.why_new(key)  # before it joins the cache
-        # A worker compiling this variant ahead: wait for it, then load what it wrote (a queued job is dropped).
-        # Meanwhile, the W8A16 tuning the eager forward put off (`_run_variant`).
+        # Wait for a worker compiling this ahead (doing the W8A16 tuning put off meanwhile); a queued job is dropped.
         ahead = cache.ahead.take(key, kernels.tune_deferred) if cache.ahead is not None else None
         cache.before_compile()
         start = time.perf_counter()
@@ -143,7 +126,7 @@ class _Unit(nn.Module):
             "label": label, "graphs": graphs, "seconds": seconds, "shape_generic": faked is not None,
             "cache": outcome.state, "why": why, "ahead": ahead.describe() if ahead is not None else "",
             "scheduled": gm.print_readable(print_output=False, include_stride=False, include_device=True),
-            "passes": [r.as_dict() for r in pass_log.passes_ran],
+            "passes": [dataclasses.asdict(r) for r in pass_log.passes_ran],
         }, guard=None if faked is None else faked.guard())
         cache.after_compile(outcome.loaded, by_worker=ahead is not None and not ahead.error)
         log.info("stagehand: %s %s (%s%s) in %.2fs (cache: %s; %s%s)", "loaded" if outcome.loaded else "compiled",
@@ -177,9 +160,8 @@ class GlueUnit(_Unit):
 
 
 class BlockUnit(_Unit):
-    """A block segment, run for the block its caller names (`block_tok`, read at each call: Dynamo reuses a graph
-    for every block of its structure), in that block's current precision. Called as
-    `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)`; returns `(*outputs, next_fetch_tok)`."""
+    """A block segment, run for the block its caller's `block_tok` names (Dynamo reuses a graph for every block of
+    its structure): `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)` -> `(*outputs, next_fetch_tok)`."""
 
     def __init__(self, template, ctx, segment, name):
         super().__init__(template, ctx, segment, name)
@@ -205,8 +187,7 @@ class BlockUnit(_Unit):
         return super().signature(tuple("block_tok" if i in self._token_inputs else a for i, a in enumerate(args)))
 
     def _layout_key(self, block: int, precision: str) -> int:
-        """Where the block's layers sit in its device bytes, as a small id (blocks that agree share it, and a
-        variant graph), worked out once per block and precision."""
+        """Where the block's layers sit in its device bytes, as a small id shared by blocks that agree."""
         key = (block, precision)
         if key not in self._layouts:
             rt = self.ctx.runtime
@@ -217,8 +198,7 @@ class BlockUnit(_Unit):
 
     def variant_graph(self, precision: str, trainable: tuple[int, ...] = (),
                       block: int | None = None) -> tuple[fx.GraphModule, str, VariantContext]:
-        """The variant graph for `precision`, the layers that train and the block's layout (built once per unit
-        and triple), its structure key, and its pass log."""
+        """(variant graph, structure key, pass log) for `precision`, the layers that train and the block's layout."""
         block = self.block if block is None else block
         key = (precision, trainable, self._layout_key(block, precision))
         if key not in self._variants:
@@ -230,8 +210,7 @@ class BlockUnit(_Unit):
         return self._variants[key]
 
     def _residual_inputs(self) -> frozenset[int]:
-        """The inputs that carry the residual stream: floating tensors shaped like one of the block's outputs
-        (the previous block's output; it needs grad wherever anything before it trains)."""
+        """The inputs that carry the residual stream: floating tensors shaped like one of the block's outputs."""
         if self._residual is None:
             output = next(n for n in self.template.graph.nodes if n.op == "output")
             values: list = []
@@ -244,17 +223,14 @@ class BlockUnit(_Unit):
         return self._residual
 
     def _compiling_ahead(self, key: tuple) -> bool:
-        """Is a worker on `key` and the training variant not loaded yet? Then a forward runs its graph eagerly
-        meanwhile; after, forwards load the inference variant, waiting for its worker if need be."""
+        """Is a worker on `key` and its training variant not loaded yet? Then a forward runs its graph eagerly."""
         cache, training = self.ctx.variants, self._training_of.get(key)
         future = None if cache.ahead is None else cache.ahead.futures.get(key)
         return future is not None and not future.done() and training is not None and training not in cache.info
 
     def _compile_ahead(self, args: tuple, block: int, precision: str, recomputes: bool, label: str) -> bool:
-        """From a recomputed block's forward (grad off) whose variant is not compiled: hand the training variant
-        its recompute will run, then this inference variant, to the ahead-compile workers, if any. True when the
-        training variant went: the forward runs the variant graph eagerly; each variant loads where the step asks
-        for it, or while it waits for another (`_preload`)."""
+        """From a recomputed block's forward (grad off): hand the training variant its recompute will run, then this
+        inference variant, to the ahead-compile workers. True when the training variant went (run eagerly now)."""
         ahead = self.ctx.variants.ahead
         if ahead is None or self.symbolic is not None:
             return False
@@ -287,7 +263,6 @@ class BlockUnit(_Unit):
         return f"block variant {skey} ({precision}, first used by {self.ctx.runtime.blocks[block]})"
 
     def _preload(self, key, gm, inputs, label, vctx, replay_rng, grad) -> Callable[[], None]:
-        """Loads a variant a worker compiled, for the inputs the job was made from (ahead.AheadCompiler.take)."""
         def preload() -> None:
             if key not in self.ctx.variants.info:
                 with torch.set_grad_enabled(grad):
@@ -296,8 +271,7 @@ class BlockUnit(_Unit):
         return preload
 
     def recomputes_block(self, block: int) -> bool:
-        """Does `block` re-run its forward in backward instead of saving its activations? `recompute="blocks"`
-        says yes; else the runtime's VRAM plan, if any; else the model's own checkpointing. Read at each call."""
+        """Does `block` recompute in backward? `recompute="blocks"`, else the VRAM plan, else the model's checkpoint."""
         if self.ctx.options.recompute == "blocks":
             return True
         planned = self.ctx.runtime.planned_recompute(block)
@@ -307,8 +281,6 @@ class BlockUnit(_Unit):
 
     def forward(self, *args):
         block = registry.decode(args[-3])[1]
-        # Out of memory before the block returned: the runtime re-plans, and the block runs again under the
-        # new plan (which may recompute or spill it where the old one kept its activations).
         return _run_unit(self.ctx.runtime, lambda: f"the forward of block {block} ({self.ctx.runtime.blocks[block]})",
                          lambda: self._forward(args, block))
 
@@ -320,8 +292,7 @@ class BlockUnit(_Unit):
             args = self._residual_stream_needing_grad(args)
         if recomputes and torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
                                                           for a in args):
-            # The recompute runs in the precision this forward ran in, whatever the map is by then; out of memory,
-            # its backward may run again (recompute.py).
+            # The recompute runs in the precision this forward ran in, whatever the map is by then.
             return run_recomputed(lambda a: self._run_variant(a, block, precision, True, backward_follows=True), args,
                                   lambda: rt.record_recompute(block), rt.abort_held_blocks,
                                   lambda error: rt.recover_from_oom(
@@ -334,9 +305,8 @@ class BlockUnit(_Unit):
         return self._run_variant(args, block, precision, recomputes, backward_follows=torch.is_grad_enabled())
 
     def _residual_stream_needing_grad(self, args: tuple) -> tuple:
-        """`args` with the residual stream needing grad where the block trains but its stream does not (a model's
-        first block, fed by an embedding that trains nothing): the first then shares the later blocks' training
-        variant; the price is its input gradient, computed and dropped (residual_hints.py)."""
+        """`args` with the residual stream needing grad where the block trains but its stream does not (a first
+        block after a frozen embedding), so it shares the later blocks' training variant (residual_hints.py)."""
         inputs = args[:-4]
         residual = self._residual_inputs()
         if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in inputs) or all(
@@ -349,15 +319,13 @@ class BlockUnit(_Unit):
                      for i, a in enumerate(inputs)) + tuple(args[-4:])
 
     def _run_variant(self, args: tuple, block: int, precision: str, recomputes: bool, backward_follows: bool):
-        """Run the compiled variant for the block's layout, `precision` and the current grad mode.
-        `backward_follows`: a backward will run this block (grad is on, or this is a recompute's forward), so its
-        training variants are worth compiling ahead; not in inference."""
+        """Run the compiled variant for the block's layout, `precision` and grad mode. `backward_follows`: grad is
+        on or this is a recompute's forward (its training variants are worth compiling ahead)."""
         rt = self.ctx.runtime
         # A recomputed block's forward (grad off; a backward follows) may run eagerly while workers compile.
         defer = recomputes and backward_follows and not torch.is_grad_enabled()
         compiled, eager = self._variant_for(args, block, precision, recomputes, defer)
-        # Run eagerly while a worker compiles it, the W8A16 tuning waits for the wait on the worker (`_compile`):
-        # the forward hands the next block structure to a worker sooner (kernels/tuning/deferral.py).
+        # Run eagerly, its W8A16 tuning waits for the wait on the worker (kernels/tuning/deferral.py).
         key = self.last_key
         try:
             with kernels.deferred_tuning() if eager else contextlib.nullcontext():
@@ -370,14 +338,12 @@ class BlockUnit(_Unit):
         return out
 
     def _variant_for(self, args: tuple, block: int, precision: str, recomputes: bool, defer: bool):
-        """(the compiled variant for the block's layout, `precision` and the grad mode, False), compiled on first
-        use; or (the variant graph, True) with `defer` (a recomputed block's forward) while ahead-compile workers
-        compile it (`_compile_ahead`): it runs eagerly."""
+        """(compiled variant, False), compiled on first use; or with `defer`, while workers compile it, (variant
+        graph, True) to run eagerly."""
         rt = self.ctx.runtime
         gm, skey, vctx = self.variant_graph(precision, rt_trainable(rt, block), block)
         self.last_precision = precision
-        # A recomputed block replays its forward's random numbers, which compiles differently; a graph that
-        # draws none compiles the same either way, so kept and recomputed blocks share one variant.
+        # Replaying random numbers compiles differently; a graph drawing none is shared by kept and recomputed blocks.
         replay_rng = recomputes and self._random[skey]
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
@@ -388,6 +354,5 @@ class BlockUnit(_Unit):
             if defer and (self._compiling_ahead(key) or (
                     key not in self._training_of and self._compile_ahead(args, block, precision, recomputes, label))):
                 return gm, True  # eagerly, while a worker compiles it
-            # The variant passes, then the joint passes this compile runs.
             compiled = self._compile(key, gm, args, label, True, PassLog(vctx.passes_ran), replay_rng)
         return compiled, False

@@ -1,10 +1,7 @@
-"""The compiled-variant cache: one per runtime, owned by the compiler.
-
-Keyed by (structure key, input signature, grad mode, inner compiler, rng replay); a shape-generic key holds no
-sizes and its variants are told apart by their guards (symbolic.py). It lives as long as its runtime, so a Dynamo
-recompile or a precision switch re-links variants compiled before. The runtime never reads it: it only calls the
-`on_close` callback registered here, which drops the compiled code.
-"""
+"""The compiled-variant cache: one per runtime, owned by the compiler (the runtime only calls its `on_close`). Keyed
+by (structure key, input signature, grad mode, inner compiler, rng replay); a shape-generic key holds no sizes and
+its variants are told apart by their guards (symbolic.py). It lives as long as its runtime, so a Dynamo recompile or
+a precision switch re-links variants compiled before."""
 
 from __future__ import annotations
 
@@ -15,10 +12,11 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from torch_stagehand.environment import env
 from torch_stagehand.runtime.blocks import layout_fingerprint
 
 from torch_stagehand.compiler.startup.ahead import AheadCompiler
-from torch_stagehand.compiler.startup.compile_cache import CompileBundle, enabled as bundle_enabled
+from torch_stagehand.compiler.startup.compile_cache import CompileBundle
 from torch_stagehand.compiler.interface import StreamingRuntime
 from torch_stagehand.compiler.symbolic import Guard, GuardedVariants
 
@@ -26,8 +24,7 @@ from torch_stagehand.compiler.symbolic import Guard, GuardedVariants
 class VariantCache:
     def __init__(self, bundle: CompileBundle | None = None) -> None:
         self.bundle = bundle  # this model's compiled units on disk (compiler/startup/compile_cache.py); None: off
-        # Did a run before this one compile the model? (Asked before this run writes the bundle.)
-        self.compiled_before = _written(bundle)
+        self.compiled_before = _written(bundle)  # by a run before this one (asked before this run writes it)
         self._bundle_loaded = False
         self.compiled: dict[Hashable, Callable] = {}
         self.info: dict[Hashable, dict[str, Any]] = {}  # label, graphs, scheduled, seconds, passes (explain)
@@ -37,8 +34,7 @@ class VariantCache:
         self._ran: set[Hashable] = set()  # the variants that have run once (`first_run`)
 
     def first_run(self, key: Hashable) -> bool:
-        """Is this the end of `key`'s first run? (Its first launches load and tune its kernels: one-time seconds
-        a calibration must not measure, runtime/conductor/calibrate.py.)"""
+        """Is this the end of `key`'s first run (whose one-time kernel loads a calibration must not measure)?"""
         if key in self._ran:
             return False
         self._ran.add(key)
@@ -51,18 +47,15 @@ class VariantCache:
         if not block_variant or self.warned_shapes or len(shapes) < 2:
             return
         self.warned_shapes = True
-        warnings.warn(
-            f"stagehand: {label} is compiling for a second input shape with static shapes "
-            f"({len(self)} units compiled so far), so every new batch or sequence length recompiles every block. "
-            "Leave torch.compile's `dynamic` unset (Dynamo then makes the changing dimensions dynamic and each "
-            "block compiles once for all sizes) or pad inputs to a few bucket sizes (said once per offloaded model)",
-            stacklevel=2,
-        )
+        warnings.warn(f"stagehand: {label} is compiling for a second input shape with static shapes "
+                      f"({len(self)} units compiled so far), so every new batch or sequence length recompiles every "
+                      "block. Leave torch.compile's `dynamic` unset (Dynamo then makes the changing dimensions dynamic "
+                      "and each block compiles once for all sizes) or pad inputs to a few bucket sizes (said once per "
+                      "offloaded model)", stacklevel=2)
 
     def use_ahead(self, workers: int) -> "AheadCompiler | None":
-        """The runtime's ahead-compile workers (made once, at the first graph that asks for some, or at offload:
-        `start_ahead_at_offload`). None when a run before this one compiled the model (its bundle is on disk):
-        the variants then load from the caches faster than a worker starts."""
+        """The runtime's ahead-compile workers, made once; None when a run before compiled the model (its bundle
+        is on disk: the variants load faster than a worker starts)."""
         if self.ahead is not None and self.ahead.size != workers:  # the backend's option overrides the environment
             self.ahead.close()
             self.ahead = None
@@ -96,15 +89,13 @@ class VariantCache:
             self.bundle.load()
 
     def after_compile(self, loaded: bool, by_worker: bool = False) -> None:
-        """A unit compiled cold, here or by this run's ahead-compile worker (`by_worker`, then loaded): write the
-        bundle again, so a run killed later still leaves what it compiled, and the next run knows the model is
-        compiled (and starts no workers)."""
+        """A unit compiled cold, here or by a worker (`by_worker`): write the bundle again, so a run killed later
+        still leaves what it compiled and the next run knows the model is compiled."""
         if self.bundle is not None and (not loaded or by_worker):
             self.bundle.save(units=len(self.info), even_empty=by_worker)
 
     def why_new(self, key: tuple) -> str:
-        """Why `key` (structure, signature, grad mode, inner compiler, rng replay) compiles although variants of its
-        structure exist: what it differs in from the nearest of them ("new structure" when there are none)."""
+        """What `key` differs in from the nearest variant of its structure ("new structure" when there is none)."""
         names = ("signature", "grad mode", "inner compiler", "random-number replay")
         best: list[str] | None = None
         for other in self.compiled:
@@ -139,7 +130,7 @@ _caches: "weakref.WeakKeyDictionary[Any, VariantCache]" = weakref.WeakKeyDiction
 
 
 def _bundle_of(fingerprint: str, device) -> CompileBundle | None:
-    return CompileBundle.for_model(fingerprint, device) if bundle_enabled() else None
+    return CompileBundle.for_model(fingerprint, device) if env("STAGEHAND_COMPILE_CACHE") else None
 
 
 def _written(bundle: CompileBundle | None) -> bool:
@@ -149,10 +140,8 @@ def _written(bundle: CompileBundle | None) -> bool:
 
 def start_ahead_at_offload(device, blocks: list[str], layers, workers: int,
                            w8a16: dict | None = None) -> AheadCompiler | None:
-    """At offload, before the host store is filled: start the `workers` ahead-compile workers that
-    `STAGEHAND_AHEAD_WORKERS` asks for, unless a run before compiled this model, so they import torch's compiler
-    while offload works. Offload hands them to the model's variant cache (`VariantCache.adopt_ahead`); a backend
-    option for another count replaces them. `w8a16`: the W8A16 kernels they compile as they start."""
+    """At offload: start `workers` ahead-compile workers (unless a run before compiled this model), importing
+    torch's compiler while offload works; `VariantCache.adopt_ahead` takes them. `w8a16`: kernels to compile first."""
     if workers <= 0 or _written(_bundle_of(layout_fingerprint(device.type, blocks, layers), device)):
         return None
     return AheadCompiler(workers, w8a16=w8a16).start()
@@ -162,8 +151,7 @@ def variant_cache(rt: StreamingRuntime) -> VariantCache:
     """The runtime's variant cache (created on first use; emptied when the runtime closes)."""
     cache = _caches.get(rt)
     if cache is None:
-        # The bundle is named by the blocks and every streamed layer's place and shape, not the precision map:
-        # one file holds the variants of every map a run used.
+        # Named by the blocks and layers, not the precision map: one file holds the variants of every map used.
         fingerprint = layout_fingerprint(rt.device.type, rt.blocks, rt.layers)
         cache = _caches[rt] = VariantCache(_bundle_of(fingerprint, rt.device))
         rt.on_close(cache.clear)

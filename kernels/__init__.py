@@ -1,9 +1,7 @@
-"""W8A16 kernels and their torch reference twins.
-
-`int8_linear` / `int8_linear_grad_input` take the fused Triton kernels for a CUDA activation when Triton imports,
-else the reference twin (the same numbers within bf16 rounding; on CUDA it warns once, `TritonUnavailableWarning`,
-naming `TRITON_IMPORT_ERROR`). `int8_linear_triton` / `int8_linear_grad_input_triton` always take Triton.
-"""
+"""W8A16 kernels and their torch reference twins. `int8_linear` / `int8_linear_grad_input` take the fused Triton
+kernels for a CUDA activation when Triton imports, else the reference twin (the same numbers within bf16 rounding; on
+CUDA it warns once, `TritonUnavailableWarning`, naming `TRITON_IMPORT_ERROR`). `int8_linear_triton` /
+`int8_linear_grad_input_triton` always take Triton."""
 
 import contextlib
 
@@ -32,13 +30,10 @@ except Exception as e:  # pragma: no cover - depends on the install
     def tuned_configs():
         return {}
 
-    tuning_log = tuned_configs
-
     def tuning_seconds():
         return 0.0
 
-    def deferred_tuning():
-        return contextlib.nullcontext()
+    tuning_log, deferred_tuning = tuned_configs, contextlib.nullcontext
 
     def tune_deferred(stop=lambda: False):
         return 0
@@ -75,9 +70,7 @@ def int8_linear_grad_input(dy, qweight, scale, k=None):
     return int8_linear_grad_input_ref(dy, qweight, scale, k)
 
 
-__all__ = [
-    "HAS_TRITON", "LaunchConfig", "TRITON_IMPORT_ERROR", "TritonUnavailableWarning", "dequantize", "grouped_lowbit",
-    "grouped_lowbit_ref", "grouped_out_features", "int8_linear", "int8_linear_grad_input", "int8_linear_grad_input_ref",
-    "int8_linear_grad_input_triton", "int8_linear_ref", "int8_linear_triton", "quantize_per_row", "deferred_tuning",
-    "tune_deferred", "tuned_configs", "tuning_log", "tuning_seconds",
-]
+__all__ = ["HAS_TRITON", "LaunchConfig", "TRITON_IMPORT_ERROR", "TritonUnavailableWarning", "dequantize",
+           "grouped_lowbit", "grouped_lowbit_ref", "grouped_out_features", "int8_linear", "int8_linear_grad_input",
+           "int8_linear_grad_input_ref", "int8_linear_grad_input_triton", "int8_linear_ref", "int8_linear_triton",
+           "quantize_per_row", "deferred_tuning", "tune_deferred", "tuned_configs", "tuning_log", "tuning_seconds"]

@@ -25,10 +25,8 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale instead of a division by zero
 _BLOCK = 1024
-# Two of these calls per fp8 Linear (forward, grad-input): replayed like the W8A16 launches.
-QUANT_MEMO = LaunchMemo("fp8 quantize_rows")
-# One per fp8 grad-input: the column-major weight copy _scaled_mm's second operand must be.
-TRANSPOSE_MEMO = LaunchMemo("fp8 transpose")
+QUANT_MEMO = LaunchMemo("fp8 quantize_rows")  # two calls per fp8 Linear: replayed like the W8A16 launches
+TRANSPOSE_MEMO = LaunchMemo("fp8 transpose")  # one per grad-input: the column-major weight _scaled_mm takes
 _TILE = 128  # 128-byte rows: whole cache lines in and out
 
 

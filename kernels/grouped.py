@@ -97,18 +97,15 @@ def grouped_lowbit_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     stride_qk, stride_qn = (q.stride(2), q.stride(1)) if rows_are_out else (q.stride(1), q.stride(2))
     stride_sk, stride_sn = (0, scale.stride(1)) if rows_are_out else (scale.stride(1), 0)
     grid = (-(-s_rows // bm) + e, -(-n // bn))
-    _grouped_kernel[grid](
-        x, q, scale, offs, y, s_rows, n, k, e,
-        x.stride(0), x.stride(1), q.stride(0), stride_qk, stride_qn, scale.stride(0), stride_sk, stride_sn,
-        y.stride(0), y.stride(1),
-        E_P2=max(16, triton.next_power_of_2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        SCALE_N=rows_are_out, F32=f32, num_warps=warps, num_stages=stages,
-    )
+    _grouped_kernel[grid](x, q, scale, offs, y, s_rows, n, k, e, x.stride(0), x.stride(1), q.stride(0), stride_qk,
+                          stride_qn, scale.stride(0), stride_sk, stride_sn, y.stride(0), y.stride(1),
+                          E_P2=max(16, triton.next_power_of_2(e)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                          SCALE_N=rows_are_out, F32=f32, num_warps=warps, num_stages=stages)
     return y
 
 
 def tiles(rows_per_expert: int) -> list[tuple[int, int, int, int, int]]:
-    """The tiles the autotuner (tuning/autotune.py) tries: token tiles near the rows an expert gets."""
+    """The tiles the autotuner tries: token tiles near the rows an expert gets."""
     if rows_per_expert <= 32:
         return [(16, 128, 128, 4, 4), (32, 128, 64, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 3)]
     if rows_per_expert <= 128:
@@ -171,8 +168,8 @@ def _options_of(tile_set: tuple) -> list:
 
 def grouped_lowbit(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
                    rows_are_out: bool) -> torch.Tensor:
-    """What the op computes with. On CUDA: fp8 rowwise tensor cores where they apply, else the autotuner's
-    pick between the Triton kernel's tiles and dequantize + grouped GEMM. Elsewhere the torch twin."""
+    """On CUDA: fp8 rowwise tensor cores where they apply, else the autotuner's pick between the Triton kernel's
+    tiles and dequantize + grouped GEMM. Elsewhere the torch twin."""
     if not x.is_cuda:
         return grouped_lowbit_ref(x, q, scale, offs, rows_are_out)
     check_args(x, q, scale, offs, rows_are_out)

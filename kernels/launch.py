@@ -1,7 +1,5 @@
-"""Launchers for the W8A16 Triton kernels: argument checks, views, launches (the CPU interpreter included).
-
-Each launch's config comes from kernels/tuning/autotune.py unless the caller passes one.
-"""
+"""Launchers for the W8A16 Triton kernels (the CPU interpreter included): checks, views, launches with the
+config of kernels/tuning/autotune.py unless the caller passes one."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from torch_stagehand.kernels.tuning.autotune import LaunchConfig, interpreting
 
 _ACTS = {None: 0, "gelu_tanh": 1}
 _REDUCE_BLOCK = 1024
-# Per launcher: call key -> the launches the first call with that key resolved to (launch_memo.py).
-FWD_MEMO, BWD_MEMO = LaunchMemo("int8_linear"), LaunchMemo("int8_linear_grad_input")
+FWD_MEMO, BWD_MEMO = LaunchMemo("int8_linear"), LaunchMemo("int8_linear_grad_input")  # launch_memo.py
 
 
 def clear_launch_memo() -> None:
@@ -32,8 +29,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _rows(t: torch.Tensor):
-    """Collapse t's leading dims to (B, T) rows with strides, copying only if impossible: (t, M, T, stride_b,
-    stride_t), rows m = b * T + t."""
+    """Collapse t's leading dims to (B, T) strided rows, m = b * T + t, copying only if impossible: (t, M, T,
+    stride_b, stride_t)."""
     dims = []  # outer to inner, size-1 dims dropped (their stride is meaningless)
     for size, stride in zip(t.shape[:-1], t.stride()[:-1]):
         if size == 1:
@@ -93,9 +90,8 @@ def _dequant(ex: Executor, q, scale, k, dtype):
 
 
 def compile_provisional(device: torch.device, dtype: torch.dtype) -> bool:
-    """Compile and load the dequantize kernel of `tune.provisional_config` for `dtype` on `device` (a cold step's
-    first Triton kernel; the first ahead-compile worker does it) by a tiny launch with a real call's
-    specialization. False where nothing runs Triton's compiled kernels (the CPU, the interpreter, fp32)."""
+    """Compile and load the dequantize kernel of `tune.provisional_config` (a cold step's first Triton kernel) by a
+    tiny launch with a real call's specialization. False where no compiled kernel runs (CPU, interpreter, fp32)."""
     if device.type != "cuda" or interpreting() or dtype not in (torch.bfloat16, torch.float16):
         return False
     with torch.cuda.device(device):
@@ -140,12 +136,11 @@ def _launch_fwd(ex: Executor, T, sb, st, M, N, K, act, cfg: LaunchConfig, f32: b
 
 
 def _compile_only(ex: Executor) -> Executor:
-    """An executor over the call's tensors that compiles its kernels and launches nothing (tune.precompile_all)."""
     return Executor(dict(ex.tensors), record=False, compile_only=True)
 
 
 def _copied_nothing(pairs) -> bool:
-    """Did the checks leave every tensor (pairs: (checked, given)) where the caller had it? Only then is it recorded."""
+    """Did the checks leave every (checked, given) tensor where the caller had it? Only then is the call recorded."""
     return all(a is None or a.data_ptr() == b.data_ptr() for a, b in pairs)
 
 

@@ -1,10 +1,8 @@
-"""Launches worked out once and replayed with new tensors: the host side of a W8A16 call.
-
-The first call with a key (`tensor_key` of each tensor argument) runs through an `Executor` that records the buffers
-it allocated and each step (a compiled binary with its grid and arguments, or a torch call); later calls allocate
-the same buffers and call each binary's launcher directly (`Replay`), skipping Triton's per-call binding. Recorded
-only if the replay can supply every tensor a launch received, never under the interpreter or a launch hook.
-"""
+"""Launches worked out once and replayed with new tensors: the host side of a W8A16 call. The first call with a key
+(`tensor_key` of each tensor argument) runs through an `Executor` that records the buffers it allocated and each step
+(a compiled binary with its grid and arguments, or a torch call); later calls allocate the same buffers and call each
+binary's launcher directly (`Replay`), skipping Triton's per-call binding. Recorded only if the replay can supply
+every tensor a launch received, never under the interpreter or a launch hook."""
 
 from __future__ import annotations
 
@@ -14,22 +12,20 @@ from typing import Callable
 
 import torch
 
+
 @functools.cache
 def _triton_runtime_knobs():
-    try:
-        from triton import knobs
+    from triton import knobs  # only asked where Triton imported (triton >= 3.6 has knobs)
 
-        return knobs.runtime
-    except Exception:  # noqa: BLE001 - an older Triton without knobs: no hooks to honour
-        return None
+    return knobs.runtime
 
 
 def _launch_hook_set() -> bool:
     """Is a Triton launch hook installed (a profiler)? Then every launch goes through Triton."""
     runtime = _triton_runtime_knobs()
     # Triton 3.6 keeps each hook as a HookChain (never None; empty when nothing is installed).
-    return runtime is not None and any(hook is not None and bool(getattr(hook, "calls", True))
-                                       for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 def tensor_key(t: torch.Tensor | None):
@@ -73,16 +69,6 @@ class KernelStep:
         c.run(*self.grid, stream, c.function, c.packed_metadata, None, None, None, *args)
 
 
-@dataclass
-class TorchStep:
-    """A torch call on the call's tensors (the dequantize + cuBLAS mode's GEMM)."""
-
-    fn: Callable[[dict], None]
-
-    def __call__(self, tensors: dict, stream: int) -> None:
-        self.fn(tensors)
-
-
 class Executor:
     """Runs one call's launches (the slow path) and, with `record=True`, writes them down for a `Replay`."""
 
@@ -115,8 +101,8 @@ class Executor:
         if self.compile_only:
             return
         fn(self.tensors)
-        if self.recordable:
-            self.steps.append(TorchStep(fn))
+        if self.recordable:  # a step, as a KernelStep is: (tensors, stream)
+            self.steps.append(lambda tensors, stream: fn(tensors))
 
     def _record_kernel(self, fn, grid, args, kwargs, compiled) -> None:
         if compiled is None or not hasattr(compiled, "packed_metadata"):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _gelu_tanh(v):
-    # x * sigmoid(2u) is 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); tl.sigmoid exists on every
-    # backend (libdevice tanh does not in the interpreter).
+    # x * sigmoid(2u) is 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3): no libdevice tanh to interpret.
     u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
     return v * tl.sigmoid(2.0 * u)
 
@@ -92,7 +92,7 @@ def _fwd_kernel(
 ):
     """acc[BLOCK_N, BLOCK_M] = W[n, k] @ X^T[k, m] over this program's K range; with a split grid the fp32 sum
     goes to ws_ptr[pid_k, m, n] (a run-time branch: one binary for every split), else the epilogue stores y[m, n].
-    SCALE_A (unsplit only) scales the weight tile in registers: other code, which the autotuner may prefer."""
+    SCALE_A (unsplit only) scales the weight tile in registers (the autotuner may prefer it)."""
     pid_n, pid_m = _tile_ids(N, M, BLOCK_N, BLOCK_M, GROUP)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,15 +1,11 @@
 """One dataclass tree for every knob, with the seeds' defaults.
 
-`Config.from_json` reads either this tree directly or the seeds' training-config layout
-(``{"memory": {"stagehand": {"conductor_config": ..., "selective_precision": ...}}}``). Every validation error
-names the field by its dotted path, e.g. ``selective_precision.bf16_threshold``.
-
-Two knobs appear twice, in the conductor section and at the top; the top-level one wins, the conductor one is
-honoured when the top-level one is unset, and two different values are an error:
-
-- device slots: ``slots``, else ``conductor.h2d_slots`` when it differs from its default (2), else
-  ``conductor.prefetch_window + 1`` (`Config.slot_count`);
-- telemetry: ``telemetry_file``, else ``conductor.telemetry_file`` (`Config.telemetry_path`).
+`Config.from_json` reads this tree or the seeds' training-config layout
+(``{"memory": {"stagehand": {"conductor_config": ..., "selective_precision": ...}}}``); every validation error
+names the field by its dotted path. Two knobs appear twice: the top-level one wins, the conductor one is honoured
+when it is unset, two different values are an error. Device slots: ``slots``, else ``conductor.h2d_slots`` when
+not its default (2), else ``conductor.prefetch_window + 1`` (`Config.slot_count`); telemetry: ``telemetry_file``,
+else ``conductor.telemetry_file`` (`Config.telemetry_path`).
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ class ConductorConfig:
     vram_hard_cap_mb: float | None = None
     """Device memory the run never crosses; a plan goes over the soft cap up to it only when none fits."""
     pinned_budget_mb: float | None = None
-    """Validated and kept for the seeds' config layout; the host store's page-locking is decided by `pin_memory`
-    and the preflight, not by this cap."""
+    """Validated and kept for the seeds' layout; `pin_memory` and the preflight decide page-locking, not this."""
     h2d_slots: int = _DEFAULT_H2D_SLOTS
     """The device slots when Config.slots is unset (see the module docstring)."""
     d2h_slots: int = 2
@@ -57,14 +52,7 @@ class ConductorConfig:
     """Keep an event trace of every admission and denial (debugging)."""
 
     def validate(self, prefix: str = "conductor") -> None:
-        for name in ("h2d_slots", "d2h_slots", "contention_checks", "telemetry_interval_steps"):
-            _positive_int(getattr(self, name), f"{prefix}.{name}")
-        _non_negative_int(self.prefetch_window, f"{prefix}.prefetch_window")
-        _unit_interval(self.backward_pressure_threshold, f"{prefix}.backward_pressure_threshold")
-        for name in ("vram_soft_cap_mb", "vram_hard_cap_mb", "pinned_budget_mb"):
-            value = getattr(self, name)
-            if value is not None and (not _is_number(value) or value <= 0):
-                raise ConfigError(f"{prefix}.{name}: must be a positive number of MB or null, got {value!r}")
+        _check(self, f"{prefix}.", _CONDUCTOR_RULES)
         soft, hard = self.vram_soft_cap_mb, self.vram_hard_cap_mb
         if soft is not None and hard is not None and soft > hard:
             raise ConfigError(f"{prefix}.vram_soft_cap_mb: {soft} is above {prefix}.vram_hard_cap_mb {hard}")
@@ -77,8 +65,7 @@ class PrecisionConfig:
     enabled: bool = True
     """False: the policy never runs, whatever `mode` says."""
     mode: str | None = None
-    """'off' | "static" | "dynamic"; None = not set: the policy stays off unless offload(precision="auto"), which
-    runs it with the seed's default ("dynamic", `effective_mode`)."""
+    """'off' | "static" | "dynamic"; None: off unless offload(precision="auto") ("dynamic", `effective_mode`)."""
     bf16_threshold: float = 0.6
     """A block whose sensitivity score is at or above this goes (or comes back) to bf16."""
     int8_threshold: float = 0.3
@@ -86,8 +73,7 @@ class PrecisionConfig:
     ambiguous_default: str = precisions.FULL
     """The precision of a block scored between the two thresholds that has no starting precision of its own."""
     hysteresis_margin: float = 0.1
-    """A bf16 block goes down only below int8_threshold minus this, so a score near a threshold does not flip it
-    back and forth."""
+    """A bf16 block goes down only below int8_threshold minus this (no flip-flop near a threshold)."""
     grad_weight: float = 0.7
     """The gradient score's share of a block's sensitivity."""
     error_weight: float = 0.3
@@ -95,8 +81,7 @@ class PrecisionConfig:
     grad_sensitivity_threshold: float = 2.0
     """The relative gradient magnitude that scores 1 (the score is capped there)."""
     run_calibration: bool = True
-    """Let `rt.calibrate(batches)` measure each block's quantization error (kept on disk); False: the gradient
-    score alone."""
+    """Let `rt.calibrate(batches)` measure each block's quantization error (kept on disk); False: gradients alone."""
     calibration_samples: int = 4
     """Batches the calibration runs."""
     quant_error_threshold: float = 0.05
@@ -122,9 +107,8 @@ class PrecisionConfig:
     calibration_cache_dir: str | None = None
     """Where calibration results are cached (None = $STAGEHAND_CACHE_DIR/calibration)."""
     loss_spike_ratio: float = 0.1
-    """Loss feedback (needs rt.observe_loss(loss)): a switch to fewer bytes followed within loss_feedback_steps by a
-    mean loss above (1 + loss_spike_ratio) x the mean before it is reverted, and the block stays in bf16 for
-    loss_feedback_block_steps."""
+    """Loss feedback (rt.observe_loss(loss)): a switch to fewer bytes followed within loss_feedback_steps by a mean
+    loss above (1 + this) x the mean before it is reverted, the block kept bf16 for loss_feedback_block_steps."""
     loss_feedback_steps: int = 20
     """Steps after a switch to fewer bytes in which the loss is watched (see loss_spike_ratio)."""
     loss_feedback_block_steps: int = 100
@@ -145,31 +129,13 @@ class PrecisionConfig:
         return "dynamic" if self.mode is None else self.mode
 
     def validate(self, prefix: str = "selective_precision") -> None:
-        if self.mode is not None:
-            _one_of(self.mode, ("off", "static", "dynamic"), f"{prefix}.mode")
-        _one_of(self.ambiguous_default, precisions.names(), f"{prefix}.ambiguous_default")
-        for name in ("bf16_threshold", "int8_threshold", "hysteresis_margin", "grad_weight", "error_weight"):
-            _unit_interval(getattr(self, name), f"{prefix}.{name}")
+        _check(self, f"{prefix}.", _PRECISION_RULES + (("ambiguous_default", _one_of(*precisions.names())),))
         if self.int8_threshold > self.bf16_threshold:
             raise ConfigError(f"{prefix}.int8_threshold: {self.int8_threshold} is above {prefix}.bf16_threshold "
                               f"{self.bf16_threshold}; the ambiguous zone would be empty")
-        for name in ("grad_sensitivity_threshold", "quant_error_threshold", "loss_spike_ratio"):
-            _positive_number(getattr(self, name), f"{prefix}.{name}")
-        for name in ("calibration_samples", "history_window", "update_interval_steps", "loss_feedback_steps",
-                     "loss_feedback_block_steps"):
-            _positive_int(getattr(self, name), f"{prefix}.{name}")
-        for name in ("warmup_steps", "min_steps_between_switches"):
-            _non_negative_int(getattr(self, name), f"{prefix}.{name}")
-        for name in ("force_bf16_blocks", "force_int8_blocks"):
-            blocks = getattr(self, name)
-            if not isinstance(blocks, list) or not all(isinstance(b, int) and b >= 0 for b in blocks):
-                raise ConfigError(f"{prefix}.{name}: must be a list of block indices, got {blocks!r}")
-        _one_of(self.granularity, ("block", "layer"), f"{prefix}.granularity")
         if self.fp8_policy_file is not None and self.fp8_tokens is None:
             raise ConfigError(f"{prefix}.fp8_tokens: must be set with {prefix}.fp8_policy_file "
                               "(the policy's rules are per token count)")
-        if self.fp8_tokens is not None:
-            _positive_int(self.fp8_tokens, f"{prefix}.fp8_tokens")
         both = set(self.force_bf16_blocks) & set(self.force_int8_blocks)
         if both:
             raise ConfigError(f"{prefix}.force_bf16_blocks and {prefix}.force_int8_blocks both name block(s) "
@@ -196,13 +162,11 @@ class Config:
     """offload(slab=...): refuse a slab that records no identity of its source weights (older slabs, plain SquareQ
     ones) instead of loading it with a SlabIdentityWarning."""
     expandable_segments: bool = True
-    """CUDA: turn on the caching allocator's expandable segments at offload (a cache fragmented into pieces too
-    small for a logits buffer fails units that fit the room), unless PYTORCH_CUDA_ALLOC_CONF or
-    PYTORCH_ALLOC_CONF configures the allocator. False: leave the allocator as it is."""
+    """CUDA: turn on the caching allocator's expandable segments at offload (a fragmented cache fails units that
+    fit), unless PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF configures it. False: leave the allocator alone."""
     freeze_gc_after_compile: bool = True
-    """At offload's end and after a step that compiled units: gc.collect() once, then gc.freeze(), so the collector
-    stops walking the libraries', the model's and the compile's millions of objects (collector.py). restore()
-    unfreezes. False: leave the collector alone."""
+    """At offload's end and after a step that compiled units: gc.collect(), then gc.freeze(), so the collector stops
+    walking the compile's millions of objects (collector.py); restore() unfreezes. False: leave it alone."""
     keep_full: str = "auto"
     """Where the full-precision master of a block that streams INT8 is kept: "pinned", "ram" (pageable), "file" (not
     in RAM: views of the model's safetensors file, offload(checkpoint=...)), or "auto" ("ram" while it fits the
@@ -211,21 +175,16 @@ class Config:
     """'disk': with offload(slab=...), INT8 blocks are read from the slab file at each fetch through a small pinned
     staging ring (host/disk_tier.py) instead of being held in RAM; "ram": held in RAM."""
     slab_reads: str = "auto"
-    """offload(slab=...): who reads the INT8 rows. "process": a reader process of its own, into shared host memory
-    (memfd) this process maps (offload's compiler preparation holds this process's GIL beside the reads, which
-    reader threads here would wait for). "threads": reader threads of this process. "auto": the process where
-    memfd_create exists (Linux) and the ranks of a node do not share the store (their reads go into the node's
-    pages), threads elsewhere."""
+    """offload(slab=...): who reads the INT8 rows. "process": a reader process, into shared memory (memfd) mapped
+    here (offload's compiler preparation holds this GIL, which reader threads would wait for); "threads": threads
+    here; "auto": the process where memfd_create exists and the node's ranks do not share the store, else threads."""
     slab_rows_behind: bool = True
-    """The reader process's reads go on after offload returns (read_process.RowsBehind): offload waits for the
-    blocks' layout, the slab's identity check and its own stages, not for every row; the first fetch of an INT8
-    block waits for the rest (the first step's capture and compile run meanwhile). A layer that fails its check
-    after offload returned is raised by that fetch. False: offload returns with every row read. Reader threads,
-    and a meta model's biases read from the slab, always finish before offload returns."""
+    """The reader process's reads go on after offload returns (read_process.RowsBehind); the first INT8 fetch waits
+    for the rest (the first step's capture and compile run meanwhile) and raises a layer that failed its check.
+    False: offload returns with every row read (reader threads and a meta model's slab biases always do)."""
     routed_experts_max_tokens: int = 16
-    """A mixture-of-experts model's eager forward with no grad over at most this many tokens (generation) reads each
-    layer directly and each expert stack only for the experts its router picked, instead of copying whole blocks
-    (eager_path.py); 0: whole blocks always."""
+    """A mixture-of-experts eager no-grad forward of at most this many tokens (generation) reads each layer directly
+    and each expert stack only for the experts its router picked (eager_path.py); 0: whole blocks always."""
     expert_cache_bytes: int | str = "auto"
     """The device cache of routed experts between generation steps (experts/cache.py): bytes or a size ("2GiB"), or
     "auto": what the VRAM budget leaves at the first routed read, less a fifth (nothing beyond its floor, two
@@ -239,12 +198,11 @@ class Config:
     def validate(self) -> "Config":
         self.conductor.validate("conductor")
         self.selective_precision.validate("selective_precision")
+        _check(self, "", _CONFIG_RULES)
         h2d_slots = self.conductor.h2d_slots
-        if self.slots is not None:
-            _positive_int(self.slots, "slots")
-            if h2d_slots not in (_DEFAULT_H2D_SLOTS, self.slots):
-                raise ConfigError(f"conductor.h2d_slots: {h2d_slots} disagrees with slots: {self.slots}; both set "
-                                  "the device slots (slots wins when set): set one of them")
+        if self.slots is not None and h2d_slots not in (_DEFAULT_H2D_SLOTS, self.slots):
+            raise ConfigError(f"conductor.h2d_slots: {h2d_slots} disagrees with slots: {self.slots}; both set "
+                              "the device slots (slots wins when set): set one of them")
         slots_field = "slots" if self.slots is not None else "conductor.h2d_slots"
         if self.slot_count < self.conductor.prefetch_window + 1:
             raise ConfigError(f"{slots_field}: {self.slot_count} cannot hold the computing block plus "
@@ -254,14 +212,6 @@ class Config:
             raise ConfigError(
                 f"conductor.telemetry_file: {shadow!r} disagrees with telemetry_file: {self.telemetry_file!r}; "
                 "both name the telemetry JSONL (telemetry_file wins when set): set one of them")
-        for name, choices in (("quantizer", ("mse", "absmax")), ("keep_full", ("auto", "pinned", "ram", "file")),
-                              ("int8_tier", ("ram", "disk")), ("slab_reads", ("auto", "process", "threads")),
-                              ("node_shared_store", ("auto", "on", "off"))):
-            _one_of(getattr(self, name), choices, name)
-        if not isinstance(self.slab_rows_behind, bool):
-            raise ConfigError(f"slab_rows_behind: must be True or False, got {self.slab_rows_behind!r}")
-        if not isinstance(self.routed_experts_max_tokens, int) or self.routed_experts_max_tokens < 0:
-            raise ConfigError(f"routed_experts_max_tokens: must be an int >= 0, got {self.routed_experts_max_tokens!r}")
         if self.expert_cache_bytes != "auto" and self.expert_cache_bytes != 0:
             from torch_stagehand.runtime.conductor.costs import BudgetError, parse_bytes
 
@@ -269,11 +219,6 @@ class Config:
                 parse_bytes(self.expert_cache_bytes, "expert_cache_bytes")
             except BudgetError as e:
                 raise ConfigError(f"{e}; or 'auto'") from None
-        if not _is_number(self.node_timeout_s) or self.node_timeout_s <= 0:
-            raise ConfigError(f"node_timeout_s: must be a positive number of seconds, got {self.node_timeout_s!r}")
-        for name in ("expandable_segments", "freeze_gc_after_compile", "require_slab_identity"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         return self
 
     @property
@@ -343,31 +288,55 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 _NESTED = {(Config, "conductor"): ConductorConfig, (Config, "selective_precision"): PrecisionConfig}
 
 
-def _one_of(value: Any, choices, path: str) -> None:
-    if value not in choices:
-        listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
-        raise ConfigError(f"{path}: must be {listed}, got {value!r}")
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _positive_number(value: Any, path: str) -> None:
-    if not _is_number(value) or value <= 0:
-        raise ConfigError(f"{path}: must be a positive number, got {value!r}")
+def _one_of(*choices) -> tuple:
+    listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+    return (lambda value: value in choices), f"must be {listed}"
 
 
-def _positive_int(value: Any, path: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{path}: must be a positive integer, got {value!r}")
+def _optional(rule: tuple) -> tuple:
+    return (lambda value: value is None or rule[0](value)), rule[1]
 
 
-def _non_negative_int(value: Any, path: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{path}: must be a non-negative integer, got {value!r}")
+def _check(obj: Any, prefix: str, rules) -> None:
+    """Each rule: (space-separated field names, (a test of the value, what the error says it must be))."""
+    for names, (ok, must) in rules:
+        for name in names.split():
+            value = getattr(obj, name)
+            if not ok(value):
+                raise ConfigError(f"{prefix}{name}: {must}, got {value!r}")
 
 
-def _unit_interval(value: Any, path: str) -> None:
-    if not _is_number(value) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{path}: must be a number in [0, 1], got {value!r}")
+_POSITIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1), "must be a positive integer"
+_NON_NEGATIVE_INT = (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0), \
+    "must be a non-negative integer"
+_UNIT = (lambda v: _is_number(v) and 0.0 <= v <= 1.0), "must be a number in [0, 1]"
+_BLOCKS = (lambda v: isinstance(v, list) and all(isinstance(b, int) and b >= 0 for b in v)), \
+    "must be a list of block indices"
+_CONDUCTOR_RULES = (
+    ("h2d_slots d2h_slots contention_checks telemetry_interval_steps", _POSITIVE_INT),
+    ("prefetch_window", _NON_NEGATIVE_INT), ("backward_pressure_threshold", _UNIT),
+    ("vram_soft_cap_mb vram_hard_cap_mb pinned_budget_mb",
+     _optional(((lambda v: _is_number(v) and v > 0), "must be a positive number of MB or null"))))
+_PRECISION_RULES = (
+    ("mode", _optional(_one_of("off", "static", "dynamic"))),
+    ("bf16_threshold int8_threshold hysteresis_margin grad_weight error_weight", _UNIT),
+    ("grad_sensitivity_threshold quant_error_threshold loss_spike_ratio",
+     ((lambda v: _is_number(v) and v > 0), "must be a positive number")),
+    ("calibration_samples history_window update_interval_steps loss_feedback_steps loss_feedback_block_steps",
+     _POSITIVE_INT),
+    ("warmup_steps min_steps_between_switches", _NON_NEGATIVE_INT),
+    ("force_bf16_blocks force_int8_blocks", _BLOCKS),
+    ("granularity", _one_of("block", "layer")), ("fp8_tokens", _optional(_POSITIVE_INT)))
+_CONFIG_RULES = (
+    ("slots", _optional(_POSITIVE_INT)), ("quantizer", _one_of("mse", "absmax")),
+    ("keep_full", _one_of("auto", "pinned", "ram", "file")), ("int8_tier", _one_of("ram", "disk")),
+    ("slab_reads", _one_of("auto", "process", "threads")), ("node_shared_store", _one_of("auto", "on", "off")),
+    ("slab_rows_behind", ((lambda v: isinstance(v, bool)), "must be True or False")),
+    ("routed_experts_max_tokens", ((lambda v: isinstance(v, int) and v >= 0), "must be an int >= 0")),
+    ("node_timeout_s", ((lambda v: _is_number(v) and v > 0), "must be a positive number of seconds")),
+    ("expandable_segments freeze_gc_after_compile require_slab_identity",
+     ((lambda v: isinstance(v, bool)), "must be true or false")))

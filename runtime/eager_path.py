@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Callable
 
 import torch
 
@@ -50,11 +51,18 @@ _PICKED, _HIDDEN, _GUESS = ("picked",), ("hidden",), ("guess",)
 
 
 class EagerPath:
-    def __init__(self, rt, max_routed_tokens: int):
-        self.rt = rt
-        self.max_routed_tokens = max_routed_tokens if any(s.experts for s in rt.layers) else 0
+    def __init__(self, layers, store, pool, plan_driver, fetch_order, phases, cache: ExpertCache, *,
+                 first_layer: dict[int, int], layer_slots: list, block_names: list[str], device: torch.device,
+                 precision: Callable[[], dict[int, str]], forward_ran: Callable[[], None],
+                 check_open: Callable[[], None], graph_records: list, max_routed_tokens: int):
+        """`first_layer`: block -> its first layer's index in `layers`; `precision()`: the map now (read);
+        `check_open()` raises once the runtime is closed; `graph_records`: the backend's (none: not compiled)."""
+        self.layers, self.store, self.pool, self.plan_driver, self.phases = layers, store, pool, plan_driver, phases
+        self.fetch_order, self.cache, self.first_layer, self.layer_slots = fetch_order, cache, first_layer, layer_slots
+        self.block_names, self.device, self.precision, self.forward_ran = block_names, device, precision, forward_ran
+        self.check_open, self.graph_records = check_open, graph_records
+        self.max_routed_tokens = max_routed_tokens if any(s.experts for s in layers) else 0
         self._buffers: dict[tuple, torch.Tensor] = {}  # (what, shape, dtype) -> a device buffer reused
-        self.cache = ExpertCache(rt, rt.config.expert_cache_bytes)
         self.direct_reads = 0
         self.whole_stacks = 0  # direct-read calls whose router picked too many experts: the block came whole
         self.linear_calls = 0  # calls of a streamed layer through this path (stats()["eager_linear_calls"])
@@ -62,11 +70,10 @@ class EagerPath:
         self.warned: set[tuple[int, str]] = set()  # (block, cause) already told (warn_eager_once)
 
     def linear(self, index: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rt = self.rt
         backward = self._phase()
         if not backward:
-            rt.grads.forward_ran()
-        spec = rt.layers[index]
+            self.forward_ran()
+        spec = self.layers[index]
         if self._direct(spec.block, x.numel() // max(spec.in_features, 1)):
             self.count(spec.block, backward)
             slot, lay = self._layer_rows(index)
@@ -75,7 +82,7 @@ class EagerPath:
             return linear_from_slot(x, slot, bias, layout)
 
     def grad_input(self, index: int, dy: torch.Tensor) -> torch.Tensor:
-        self.rt.phases.backward_op()
+        self.phases.backward_op()
         with self.slot(index, backward=True) as (slot, layout):
             return grad_input_from_slot(dy, slot, layout)
 
@@ -86,9 +93,8 @@ class EagerPath:
         keeps for one forward (experts/stacks.py), where the router's choice is read once for all its stacks."""
         from torch_stagehand.runtime.experts.stacks import dense_from_slot
 
-        rt = self.rt
         backward = self._phase()
-        spec = rt.layers[index]
+        spec = self.layers[index]
         tokens = routed.numel() // routed.shape[-1] if routed is not None and routed.dim() > 1 else None
         if routed is not None and self._direct(spec.block, routed.numel() if tokens is None else tokens):
             memo = forward_memo if forward_memo is not None else {}
@@ -97,7 +103,7 @@ class EagerPath:
             top_k = routed.shape[-1] if routed.dim() > 1 else 1
             if memo.setdefault(("routed", spec.block), self.cache.worth_routing(spec.block, picked, top_k)):
                 self.count(spec.block, backward)
-                out = self._buffer(("stack", index - rt._block_first_layer[spec.block]), spec.weight.numel(),
+                out = self._buffer(("stack", index - self.first_layer[spec.block]), spec.weight.numel(),
                                    dtype).view(spec.weight.shape)
                 self.cache.read(index, picked, dtype, out, memo)
                 self.direct_reads += 1
@@ -116,48 +122,46 @@ class EagerPath:
     def _phase(self) -> bool:
         """Note the op's phase; True in backward (a forward there is a checkpointed block's recompute)."""
         backward = torch._C._current_graph_task_id() != -1
-        (self.rt.phases.backward_op if backward else self.rt.phases.forward_op)()
+        (self.phases.backward_op if backward else self.phases.forward_op)()
         return backward
 
     @contextlib.contextmanager
     def slot(self, index: int, backward: bool):
         """The layer's block, held for the one op that reads it (then released)."""
-        rt = self.rt
-        rt._check_open()
-        block = rt.layers[index].block
-        precision = rt._precision[block]
+        self.check_open()
+        block = self.layers[index].block
+        precision = self.precision()[block]
         self.count(block, backward)
-        slot = rt.pool.acquire(block, precision, reader=EAGER)
+        slot = self.pool.acquire(block, precision, reader=EAGER)
         try:
-            first = rt._block_first_layer[block]
+            first = self.first_layer[block]
             if first == index:
-                end = index + len(rt.store.blocks[block].layers)
+                end = index + len(self.store.blocks[block].layers)
                 for i in range(index, end):
-                    check_not_wrapped_off_device(rt.layers[i], rt._layer_slots[i], rt.device)
-                check_not_sharded(rt.layers[index:end])
+                    check_not_wrapped_off_device(self.layers[i], self.layer_slots[i], self.device)
+                check_not_sharded(self.layers[index:end])
                 # No schedule: fetch the block that runs next (in the order the blocks ran, reversed in backward);
                 # the slot just acquired is held, so this prefetch can never overwrite it.
                 if not backward:
-                    rt.fetch_order.record_forward(block)
-                rt.plan_driver.prefetch(rt.fetch_order.eager_next(block, backward))
-            yield slot, rt.store.layout(block, precision)[index - first].as_ints()
+                    self.fetch_order.record_forward(block)
+                self.plan_driver.prefetch(self.fetch_order.eager_next(block, backward))
+            yield slot, self.store.layout(block, precision)[index - first].as_ints()
         finally:
-            rt.pool.release(block, precision)
+            self.pool.release(block, precision)
 
     def count(self, block: int, backward: bool) -> None:
         """The eager op path is correct but slow: count it, and say once per cause when a compiled model took it."""
         self.linear_calls += 1
         self.blocks_taken.add(block)
-        if self.rt.graph_records:  # else the model is simply being called without torch.compile
-            warn_eager_once(self.warned, block, self.rt.blocks[block], backward)
+        if self.graph_records:  # else the model is simply being called without torch.compile
+            warn_eager_once(self.warned, block, self.block_names[block], backward)
 
     def _direct(self, block: int, tokens: int) -> bool:
         """Read this call's layers directly: no grad, few tokens, a MoE model, a block not held in a slot."""
-        rt = self.rt
         if not self.max_routed_tokens or tokens > self.max_routed_tokens or torch.is_grad_enabled():
             return False
-        precision = rt._precision[block]
-        return (block, precision) not in rt.store.on_disk and not rt.pool.cached(block, precision)
+        precision = self.precision()[block]
+        return (block, precision) not in self.store.on_disk and not self.pool.cached(block, precision)
 
     def _picked(self, block: int, routed: torch.Tensor, memo: dict) -> list[int]:
         """The experts the router picked, on the host: the path's one wait, once per module and forward. The
@@ -177,17 +181,16 @@ class EagerPath:
         return picked
 
     def _host(self, block: int) -> tuple[torch.Tensor, list[LayerLayout]]:
-        rt = self.rt
-        precision = rt._precision[block]
-        rt.store.fetching()
-        rt.store.ensure_fresh(block, precision)
-        return rt.store.buffer(block, precision), rt.store.layout(block, precision)
+        store, precision = self.store, self.precision()[block]
+        store.fetching()
+        store.ensure_fresh(block, precision)
+        return store.buffer(block, precision), store.layout(block, precision)
 
     def _buffer(self, what, numel: int, dtype: torch.dtype) -> torch.Tensor:
         key = (what, numel, dtype)
         if key not in self._buffers:
             with torch.inference_mode(False):  # made under inference_mode, it could not be written outside it
-                self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.rt.device)
+                self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.device)
         return self._buffers[key]
 
     def release(self) -> None:
@@ -197,14 +200,13 @@ class EagerPath:
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, pinned: bool) -> None:
         dst.copy_(src, non_blocking=pinned)  # on the compute stream: ordered with the math reading it
-        self.rt.pool.stats.h2d_bytes += src.numel() * src.element_size()
+        self.pool.stats.h2d_bytes += src.numel() * src.element_size()
 
     def _layer_rows(self, index: int) -> tuple[torch.Tensor, LayerLayout]:
         """One Linear's bytes (weight and scale) copied into a device buffer, and its layout there."""
-        rt = self.rt
-        spec = rt.layers[index]
+        spec = self.layers[index]
         host, layouts = self._host(spec.block)
-        lay = layouts[index - rt._block_first_layer[spec.block]]
+        lay = layouts[index - self.first_layer[spec.block]]
         end = (lay.scale_offset + 4 * lay.out_features if lay.scale_offset >= 0
                else lay.offset + lay.out_features * lay.in_features * lay.dtype.itemsize)
         buf = self._buffer("linear", end - lay.offset, torch.uint8)

@@ -24,6 +24,7 @@ from torch_stagehand.runtime.conductor.costs import CostModel, budget_from
 from torch_stagehand.runtime.conductor.phases import PhaseTracker
 from torch_stagehand.runtime.conductor.telemetry import TelemetryWriter
 from torch_stagehand.runtime.eager_path import EagerFallbackWarning, EagerPath  # noqa: F401 (the warning's home)
+from torch_stagehand.runtime.experts.cache import ExpertCache
 from torch_stagehand.runtime.experts.stacks import attach_streamed
 from torch_stagehand.runtime.telemetry.events import RuntimeEvents, progress, unwrap_optimizer
 from torch_stagehand.runtime.train.grads import GradLane
@@ -70,7 +71,6 @@ class Runtime(SelectivePrecisionAPI):
         for index, spec in enumerate(layers):
             self._block_first_layer.setdefault(spec.block, index)
         self._undo = OffloadUndo(model, layers)
-        self._layer_slots = layer_slots(model, layers)  # adapters wrapped around a layer after offload
         self.id = registry.register_runtime(self)
         self.node = self.shards = None
         self.plan_driver: PlanDriver | None = None  # made in _offload; it owns the slot pool
@@ -84,6 +84,16 @@ class Runtime(SelectivePrecisionAPI):
 
         self.phases = PhaseTracker(on_step_end=self._record_step)
         self.phases.listeners.append(lambda old, new: self.plan_driver.on_phase(new, self.phases.step))
+        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
+        reads = dict(first_layer=self._block_first_layer, precision=lambda: self._precision, device=self.device)
+        cache = ExpertCache(model, layers, self.store, self.plan_driver, self.pool,
+                            capacity_bytes=config.expert_cache_bytes, **reads)
+        self.eager = EagerPath(layers, self.store, self.pool, self.plan_driver, self.fetch_order, self.phases, cache,
+                               layer_slots=layer_slots(model, layers),  # adapters wrapped around a layer after offload
+                               block_names=self.blocks, forward_ran=self.grads.forward_ran, check_open=self._check_open,
+                               graph_records=self.graph_records, max_routed_tokens=config.routed_experts_max_tokens,
+                               **reads)
+        self.on_close(self.eager.release)
         self.oom = OomRecovery(self.device, self.blocks, self.phases, self.plan_driver, self.abort_held_blocks,
                                self._attached, allocator=getattr(self, "allocator", ""))
         self.recover_from_oom = self.oom.recover  # (the StreamingRuntime protocol's name for it)
@@ -91,7 +101,6 @@ class Runtime(SelectivePrecisionAPI):
         if self.config.freeze_gc_after_compile:
             self._hooks.append(self.collector)  # close() calls remove(): it unfreezes
         self._step_base = self._counters()
-        self.graph_records: list[Any] = []  # what the backend did to each Dynamo graph (record_graph)
         self.compile_seconds, self.compile_count = 0.0, 0  # every compiled unit (block variants and glue)
         self.units_first_run = 0  # compiled units that have run once (record_first_run)
         self.units_loaded = 0  # of those, loaded from the compile caches (a warm start), not compiled
@@ -118,7 +127,8 @@ class Runtime(SelectivePrecisionAPI):
         self.clock.mark("masters " + ("mapped from the checkpoint" if self.store.keep_full == KEEP_FILE
                                       else "to the host store"))
         if slab_loader is not None:  # it reserves the INT8 copies' host allocation (none for the disk tier)
-            slab_loader(self, pin=[b for b, p in precision.items() if p == precisions.INT8])
+            slab_loader(model, layers, self.store, self.checkpoint, self.config, self.clock,
+                        pin=[b for b, p in precision.items() if p == precisions.INT8])
         elif meta_blocks:
             raise RuntimeError(f"offload: block {self.blocks[meta_blocks[0]]} has weights on the meta device and no "
                                "slab was given (nor a checkpoint= holding them)"
@@ -128,8 +138,6 @@ class Runtime(SelectivePrecisionAPI):
         if self.shards is not None:
             self.on_close(self.shards.close)
         self.trainable_positions = self.grads.trainable_positions
-        self.eager = EagerPath(self, self.config.routed_experts_max_tokens)
-        self.on_close(self.eager.release)
         self.block_tokens = [registry.make_token(self.id, b) for b in range(len(self.blocks))]
         self.no_block_token = registry.make_token(self.id, registry.NO_BLOCK)
         for index, spec in enumerate(layers):
@@ -227,6 +235,16 @@ class Runtime(SelectivePrecisionAPI):
     def stats(self) -> dict[str, Any]:
         """Counters since offload: transfers, slots, host memory, compiles, the plan (telemetry/stats.py)."""
         return runtime_stats(self)
+
+    def start_selective_precision(self, precision_map: dict[int, str], start_given: bool) -> None:
+        """Turn the policy on (offload does, when asked): a controller from here on, closed with the runtime."""
+        from torch_stagehand.runtime.selective.controller import SelectivePrecision
+
+        self.selective = SelectivePrecision(precision_map, start_given, config=self.config, model=self.model,
+                                            device=self.device, blocks=self.blocks, layers=self.layers,
+                                            store=self.store, pool=self.pool, precision=lambda: self._precision,
+                                            set_precision=self.set_precision)
+        self.on_close(self.selective.close)
 
     def attach(self, optimizer: torch.optim.Optimizer):
         """Phases from the optimizer: OPTIMIZER before its step, STEP_END after (a wrapper: its inner one; once)."""

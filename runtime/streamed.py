@@ -1,11 +1,10 @@
 """Streamed modules: the same module objects, with a class swapped in.
 
 `offload` changes `module.__class__` from `nn.Linear` (or transformers' `Conv1D`) to a subclass made here, so
-`isinstance(m, nn.Linear)` still holds, the module tree and FQNs stay the same, and `restore()` swaps the class
-back. The subclass forwards through `stagehand::streamed_linear`, keeps its weight on the host when the model is
-moved, refuses dtype conversions that would leave the weight behind, and takes a new weight by copying its
-values into the host master. The weight is a `HostMasterParameter`, a view of the block's flat host buffer whose
-writes bump that buffer's version counter, which the slots and derived copies check before serving it again.
+`isinstance(m, nn.Linear)` holds, the module tree and FQNs stay, and `restore()` swaps the class back. The subclass
+forwards through `stagehand::streamed_linear`, keeps its weight on the host when the model moves, refuses dtype
+conversions that would leave the weight behind, and copies a new weight's values into the host master (a
+`HostMasterParameter`, a view of the block's flat host buffer whose version counter the slots and copies check).
 """
 
 from __future__ import annotations
@@ -26,12 +25,9 @@ class StreamedDtypeError(TypeError):
 
 
 class HostMasterParameter(nn.Parameter):
-    """A streamed weight: a view of its block's flat host buffer, the master copy of the weight.
-
-    Every write must move the buffer's version counter, which the slots and derived copies check. In-place ops
-    do; `Tensor.data` would not (a fresh counter), so here `.data` is `detach()`, which shares the counter, and
-    assigning `.data` copies the values in (the master must stay in the buffer).
-    """
+    """A streamed weight: a view of its block's flat host buffer, the master. Every write must move the buffer's
+    version counter: in-place ops do, `Tensor.data` would not (a fresh counter), so `.data` is `detach()` (sharing
+    it) and assigning `.data` copies the values in."""
 
     _sh_fqn: str
     _sh_name: str  # the parameter's full name (`<module>.weight`, an expert stack's FQN): what errors say
@@ -115,9 +111,8 @@ def sharded_message(name: str) -> str:
 
 
 def refuse_dtype_conversion(fn, modules) -> None:
-    """Raise if `fn` (what `Module._apply` maps over tensors) would change a streamed weight's dtype: the weights
-    stay in the host store, so a `.half()` would leave the model in two dtypes. Probing `fn` on a 0-dim tensor
-    tells a device move (fine) from a dtype conversion before anything is converted."""
+    """Raise if `fn` (what `Module._apply` maps over tensors) would change a streamed weight's dtype (a `.half()`
+    would leave the model in two dtypes); probing `fn` on a 0-dim tensor tells a device move from a conversion."""
     checked: dict[torch.dtype, torch.dtype] = {}
     for module, name in ((m, n) for m in modules for n in m._sh_params):
         dtype = module._parameters[name].dtype
@@ -218,20 +213,17 @@ def runtime_key(runtime_id: int) -> str:
 
 
 def guard_on_runtime(key: str) -> None:
-    """Make the graph being captured specific to one offloaded runtime.
-
-    A compiled graph bakes in its runtime (precisions, schedule, plan), but the block tokens are guarded by their
-    metadata only, so a second runtime of the same architecture would pass Dynamo's guards. Dynamo guards a string
-    attribute by its value once a branch reads it: this branch is that read. The key is never empty."""
+    """Make the graph being captured specific to one offloaded runtime: it bakes in its runtime (precisions,
+    schedule, plan), but the block tokens are guarded by their metadata only. Dynamo guards a string attribute by
+    its value once a branch reads it: this branch is that read (the key is never empty)."""
     if not key:
         raise RuntimeError("stagehand: a streamed layer without its runtime's key")
 
 
 def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tensor, on_requires_grad,
                   block_tok: torch.Tensor, position: int, out_features: int, runtime_id: int) -> None:
-    """`anchor`: the block's grad anchor; `on_requires_grad()`: called when the weight's flag changes;
-    `block_tok`, `position`: the block's token and the layer's place among its streamed layers; `runtime_id`: the
-    runtime's registry id (`guard_on_runtime`)."""
+    """`anchor`: the block's grad anchor; `on_requires_grad()`: called when the weight's flag changes; `position`:
+    the layer's place among its block's streamed layers; `runtime_id`: the registry id (`guard_on_runtime`)."""
     module.__class__ = streamed_class(type(module))
     module._sh_layer, module._sh_runtime_key, module._sh_fqn, module._sh_anchor = (
         layer_id, runtime_key(runtime_id), fqn, anchor)
@@ -244,8 +236,7 @@ def make_streamed(module: nn.Module, layer_id: int, fqn: str, anchor: torch.Tens
 
 def guard_conversions(model: nn.Module, streamed_fqns: list[str]) -> list[nn.Module]:
     """Check dtype conversions at every ancestor of a streamed layer, before anything converts (`model.half()`
-    converts children first, so a streamed module's own check would come too late). Returns the guarded modules
-    (`unguard`)."""
+    converts children first: a streamed module's own check would come too late). Returns them for `unguard`."""
     names = {""}
     for parts in (fqn.split(".") for fqn in streamed_fqns):
         names.update(".".join(parts[:i]) for i in range(1, len(parts)))
@@ -265,8 +256,8 @@ def _guarded_apply(module: nn.Module, fn, recurse: bool = True):
     return type(module)._apply(module, fn, recurse)
 
 
-_STREAMED_ATTRS = ("_sh_layer", "_sh_runtime_key", "_sh_fqn", "_sh_anchor", "_sh_block_tok", "_sh_position", "_sh_out_features",
-                   "_sh_stacks", "_sh_trains", "_sh_device", "_sh_lora", "_sh_routed", "_sh_reads")
+_STREAMED_ATTRS = ("_sh_layer", "_sh_runtime_key", "_sh_fqn", "_sh_anchor", "_sh_block_tok", "_sh_position",
+                   "_sh_out_features", "_sh_stacks", "_sh_trains", "_sh_device", "_sh_lora", "_sh_routed", "_sh_reads")
 
 
 def make_plain(module: nn.Module) -> None:
@@ -283,10 +274,8 @@ def is_streamed(module: nn.Module) -> bool:
 
 
 class StreamedExpertsMixin(_StreamedModule):
-    """A module holding expert stacks (3-D parameters: blocks.expert_stacks) that stream. The stacks stay in
-    `_parameters` as host master views; a property of the same name on the swapped class shadows each, reading
-    `stagehand::streamed_experts` (experts/stacks.py), which the backend rewrites into a view of the block's slot.
-    """
+    """A module holding expert stacks (3-D parameters: blocks.expert_stacks) that stream: they stay in `_parameters`
+    as host master views, each shadowed by a property reading `stagehand::streamed_experts` (experts/stacks.py)."""
 
     _sh_stacks: dict[str, tuple[int, tuple[int, ...], torch.dtype]]  # name -> (position in the block, shape, dtype)
     _sh_trains: dict[str, bool]  # name -> requires_grad, kept by the parameter's callback (no parameter read)

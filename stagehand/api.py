@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import warnings
 
 import torch
@@ -100,9 +101,13 @@ def offload(
         slab_loader = slab_loader_for(slab, while_reading=prepare_compiler, before_reading=files_read)
     weights_file = None
     if checkpoint is not None:
-        from torch_stagehand.runtime.host.weights_file import WeightsFile
+        from torch_stagehand.runtime.host.weights_file import WeightsFile, pipeline_component
 
+        checkpoint, note = pipeline_component(checkpoint, _class_names(model))
+        if note is not None:
+            _say(note, verbose)
         weights_file = WeightsFile(checkpoint)
+    on_device = weights_off_host(layers)  # a model already on the GPU: its streamed weights move to the host store
     ahead = _ahead_workers(device, block_fqns, layers, precision_map, auto)
     clock.mark("sources indexed, files opened, workers started")
     try:
@@ -120,6 +125,8 @@ def offload(
 
         variant_cache(rt).adopt_ahead(ahead)
     clock.mark("ahead workers adopted")
+    if on_device is not None:
+        _say(moved_to_host_line(*on_device, pinned=bool(rt.store.pin)), verbose)
     if selective_precision_requested(config.selective_precision, auto):
         try:
             rt.start_selective_precision(precision_map, start_given=not auto)
@@ -141,6 +148,42 @@ def offload(
         FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
     rt.collector.freeze_before_compile()  # last: what offload made is frozen too (collector.py)
     return rt
+
+
+def weights_off_host(layers) -> tuple[int, str, torch.device] | None:
+    """The streamed weights `layers` hold on an accelerator (a model moved to the GPU before offload): how many,
+    the first one's name and its device; None when every one is in host memory or on the meta device."""
+    off = [spec for spec in layers if spec.weight.device.type not in ("cpu", "meta")]
+    return (len(off), off[0].weight_name, off[0].weight.device) if off else None
+
+
+def moved_to_host_line(count: int, first: str, device: torch.device, pinned: bool) -> str:
+    """What offload says once when the model's streamed weights were on `device`."""
+    return (f"stagehand offload: {count} streamed weights were on {device} (first {first}): they now live in host "
+            f"memory, the host store{' (page-locked where they stream)' if pinned else ''}, and stream from there; "
+            f"restore() puts them back on {device}")
+
+
+def _class_names(model: nn.Module) -> set[str]:
+    """The class names `model` answers to: its own, a peft wrapper's base model's, a compiled module's original's
+    (to find its subfolder in a diffusers pipeline folder)."""
+    names, module = set(), model
+    for _ in range(4):
+        names.add(type(module).__name__)
+        inner = getattr(module, "_orig_mod", None)
+        if inner is None and callable(getattr(module, "get_base_model", None)):
+            inner = module.get_base_model()
+        if not isinstance(inner, nn.Module) or inner is module:
+            break
+        module = inner
+    return names
+
+
+def _say(line: str, verbose: bool) -> None:
+    """One line of offload's: to the log, and to stderr unless verbose=False."""
+    log.info("%s", line)
+    if verbose:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precision_map: dict, auto: bool):
@@ -309,7 +352,7 @@ def explain(model: nn.Module, *args, **kwargs):
     for i, record in enumerate(records):
         prefix = "" if len(records) == 1 else f"graph{i}."
         graphs[prefix + "forward"] = record.outer.print_readable(print_output=False)
-        passes += [dict(r.as_dict(), graph=i, unit="") for r in record.passes]
+        passes += [dict(name=r.name, notes=list(r.notes), graph=i, unit="") for r in record.passes]
         for name, unit in record.outer.named_children():
             info = variant_info.get(unit.last_key)
             if info is None:

@@ -63,10 +63,8 @@ def survey_block_lists(model: nn.Module, block_fqns: list[str]) -> list[BlockLis
         if not streamed and isinstance(module, nn.Sequential):
             continue  # a Sequential that is not a block list (an MLP, a head) is not a candidate
         seen.append(name)
-        if streamed:
-            lists.append(BlockList(name, len(streamed), True))
-        else:
-            lists.append(BlockList(name, len(children), False, _skip_reason(module)))
+        lists.append(BlockList(name, len(streamed), True) if streamed
+                     else BlockList(name, len(children), False, _skip_reason(module)))
     return lists
 
 

@@ -9,13 +9,9 @@
     trainer.train()                                         # resume_from_checkpoint=... works too
 
 Why a subclass: the stock `Trainer` hands `torch_compile_backend` to accelerate's `TorchDynamoPlugin`, whose
-backend is an enum of accelerate's own names. `StagehandTrainer` gives accelerate a plugin that compiles with
-`backend="stagehand"` (and `stagehand_options`, e.g. `{"inner": "eager"}` on a CPU), and adds `StagehandCallback`,
-which attaches the Trainer's optimizer to the runtime (step phases and telemetry). With the stock `Trainer` (no
-`torch_compile`, your own `torch.compile`), add `StagehandCallback()` to its callbacks.
-
-accelerate: `Accelerator(dynamo_plugin=stagehand_dynamo_plugin())` compiles prepared models with
-the backend; `rt.attach(optimizer)` takes the prepared (wrapped) optimizer.
+backend is an enum of accelerate's own names. With the stock `Trainer` (your own `torch.compile`), add
+`StagehandCallback()` to its callbacks. accelerate: `Accelerator(dynamo_plugin=stagehand_dynamo_plugin())` compiles
+prepared models with the backend; `rt.attach(optimizer)` takes the prepared (wrapped) optimizer.
 
 This module imports transformers and accelerate; `import torch_stagehand` does not load it.
 """
@@ -34,11 +30,8 @@ BACKEND = "stagehand"
 
 
 class StagehandDynamoPlugin(TorchDynamoPlugin):
-    """accelerate's dynamo plugin for `backend="stagehand"` (its enum lists only accelerate's own backends).
-
-    The enum field holds INDUCTOR (so accelerate compiles at `prepare`); `to_kwargs` is what
-    `torch.compile` gets: `backend="stagehand"` and the backend's options.
-    """
+    """accelerate's dynamo plugin for `backend="stagehand"`: the enum field holds INDUCTOR (so accelerate compiles
+    at `prepare`); `to_kwargs` is what `torch.compile` gets."""
 
     def __init__(self, options: dict[str, Any] | None = None):
         super().__init__(backend="inductor")
@@ -60,12 +53,8 @@ def stagehand_dynamo_plugin(options: dict[str, Any] | None = None) -> StagehandD
 
 
 class StagehandCallback(TrainerCallback):
-    """Attaches the Trainer's optimizer to the offloaded model's runtime when training begins.
-
-    Needed with any Trainer whose model was offloaded: without it the runtime sees no step ends,
-    so telemetry, `stats()["steps"]` and the first-step report stay empty. Attaching again (a
-    resumed run, a second `train()`) is harmless.
-    """
+    """Attaches the Trainer's optimizer to the offloaded model's runtime when training begins: without it the
+    runtime sees no step ends (no telemetry, `stats()["steps"]`, first-step report). Attaching again is harmless."""
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if model is not None and optimizer is not None:
@@ -73,10 +62,10 @@ class StagehandCallback(TrainerCallback):
 
 
 class StagehandTrainer(Trainer):
-    """A `Trainer` that accepts `TrainingArguments(torch_compile_backend="stagehand")`.
+    """A `Trainer` that accepts `TrainingArguments(torch_compile_backend="stagehand")` and adds `StagehandCallback`.
 
-    stagehand_options: the backend's options (`{"inner": "eager"}`: no Inductor, for a CPU or for
-    debugging; `{"recompute": "blocks"}`). The model must be offloaded before it is passed in.
+    stagehand_options: the backend's options (`{"inner": "eager"}`: no Inductor, for a CPU or for debugging;
+    `{"recompute": "blocks"}`). The model must be offloaded before it is passed in.
     """
 
     def __init__(self, *args, stagehand_options: dict[str, Any] | None = None, **kwargs):

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import peft
+import transformers
+from safetensors.torch import save_file
 
+from torch_stagehand.app.presets import tiny_llama
+from torch_stagehand.config import Config
 from torch_stagehand.kernels import dequantize, quantize_per_row
 from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
+
+TESTS = Path(__file__).resolve().parent  # the tests' root: _helpers and the subprocess scripts' sys.path
+ROOT = TESTS.parent  # the repository
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -198,3 +207,112 @@ def square_loss_step(call, model, x):
     out = call(x)
     out.float().square().mean().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# Small real models and checkpoints several test folders build.
+
+
+def lora_llama(seed: int = 0):
+    model, inputs = tiny_llama()
+    model.requires_grad_(False)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                             lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(model, config)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float().to(torch.bfloat16)
+    return model, inputs
+
+
+def sp_config(tmp_path, **kw) -> Config:
+    # Thresholds that send below-average-gradient blocks down: sum(rel) = n, so at least one block has rel <= 1.
+    fields = dict(mode="dynamic", warmup_steps=2, update_interval_steps=2, history_window=2,
+                  min_steps_between_switches=0, int8_threshold=0.55, bf16_threshold=0.6, hysteresis_margin=0.0,
+                  telemetry_file=str(tmp_path / "sp.jsonl"))
+    fields.update(kw)
+    return Config.from_dict({"selective_precision": fields})
+
+
+def train_sgd(model, inputs, rt, steps: int, observe_loss: bool = False):
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    rt.attach(opt)
+    losses = []
+    for _ in range(steps):
+        loss = compiled(**inputs, labels=inputs["input_ids"]).loss
+        loss.backward()
+        if observe_loss:
+            rt.observe_loss(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return compiled, opt, losses
+
+
+def saved_checkpoint(model, tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+def tiny_qwen2(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attn_implementation="sdpa")
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+    return model, {"input_ids": ids}
+
+
+MOE_COMMON = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64, use_cache=False)
+
+
+def moe_config(family: str):
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**MOE_COMMON, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                                           num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**MOE_COMMON, intermediate_size=128, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                           decoder_sparse_step=1)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**MOE_COMMON, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2)
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(**MOE_COMMON, head_dim=16, intermediate_size=48, num_local_experts=8,
+                                         num_experts_per_tok=2, sliding_window=8,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if family == "deepseek_v3":
+        return transformers.DeepseekV3Config(**{**MOE_COMMON, "num_key_value_heads": 4}, intermediate_size=128, moe_intermediate_size=32,
+                                             n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                             first_k_dense_replace=0, n_group=2, topk_group=1, kv_lora_rank=16,
+                                             q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    raise ValueError(family)
+
+
+def moe_inputs(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, MOE_COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+def moe_lora(model):
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["o_proj"], init_lora_weights=False))
+
+
+def checkpoint_and_slab(tmp_path):
+    """A toy model, its input, its safetensors checkpoint and the manifest of its blocks' INT8 slab."""
+    from safetensors.torch import save_file
+
+    from torch_stagehand.runtime.slab import build_slab_from_module
+
+    from _helpers import toy
+
+    model, x = toy(n=3, d=64)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    slab = build_slab_from_module(model, str(tmp_path), "toy", "toy", include_prefixes=("blocks.",),
+                                  progress=False, print_report=False, compare_quantizers=False)
+    return model, x, path, slab.manifest_path

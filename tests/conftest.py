@@ -11,7 +11,7 @@ import torch
 # Tests tune W8A16 configs from scratch: a choice a previous run left on disk must not decide them.
 os.environ["STAGEHAND_TUNE_CACHE"] = "0"
 # Nor may a compile bundle (compiler/startup/compile_cache.py) carry units from one test (or run) to the next:
-# tests/test_compile_cache.py turns it on in the processes it starts.
+# tests/compiler/test_compile_cache.py turns it on in the processes it starts.
 os.environ["STAGEHAND_COMPILE_CACHE"] = "0"
 # Nor a calibrated cost model (runtime/conductor/cost_cache.py): every test on a GPU calibrates.
 os.environ["STAGEHAND_COST_CACHE"] = "0"

@@ -1,10 +1,10 @@
-"""Pass `annotate_blocks`: tag every node with the block it belongs to.
+"""Pass `annotate_blocks`: tag every node with the block it belongs to (`node.meta["stagehand_block"]`, int or None;
+streamed reads also get `node.meta["stagehand_layer"]`, their index in `runtime.layers`).
 
-A streamed read knows its block from the block token it takes (`ctx.tokens`; a token of another offloaded model
-is refused); every other node finds it through `nn_module_stack`, whose paths start at the compiled root: the pass
-learns the prefix under which the streamed layers' FQNs appear. When the compiled root is a block itself
-(`compile_blocks`), every node belongs to that block. Sets `node.meta["stagehand_block"]` (int or None) on every
-node and `node.meta["stagehand_layer"]` (index in `runtime.layers`) on streamed reads.
+A streamed read knows its block from its block token (`ctx.tokens`; another offloaded model's is refused); every
+other node finds it through `nn_module_stack`, whose paths start at the compiled root: the pass learns the prefix
+under which the streamed layers' FQNs appear. When the compiled root is a block (`compile_blocks`), every node
+belongs to it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from torch_stagehand.compiler.context import CompileContext, compiler_pass
 from torch_stagehand.compiler.graph_nodes import (
-    is_streamed_experts, is_streamed_linear, normalize_module_path, streamed_arg)
+    is_streamed_experts, is_streamed_read, normalize_module_path, streamed_arg)
 
 
 @compiler_pass("annotate_blocks")
@@ -21,33 +21,30 @@ def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     rt = ctx.runtime
     block_index = {fqn: i for i, fqn in enumerate(rt.blocks)}
     prefixes: set[str] = set()
-    # FQN heads the recorded paths lack: a checkpoint body Dynamo inlined records paths from the module
-    # that called the checkpoint (`layers.0...` under a peft wrapper's `base_model.model.model`).
+    # FQN heads the recorded paths lack (a checkpoint body records paths from the module that called it).
     heads: set[str] = set()
     roots: set[int] = set()  # blocks that are the compiled root (their layers' paths are FQN suffixes)
     streamed = 0
     for node in gm.graph.nodes:
-        if is_streamed_experts(node):  # an expert stack: its block from its token (its path is the module's)
-            block = _block_of_token(node, ctx)
-            node.meta["stagehand_layer"] = rt.layer_at(block, streamed_arg(node, "position"))
+        if not is_streamed_read(node):
+            continue
+        block = _block_of_token(node, ctx)
+        node.meta["stagehand_layer"] = index = rt.layer_at(block, streamed_arg(node, "position"))
+        streamed += 1
+        if is_streamed_experts(node):  # an expert stack's path is its module's: its block is its token's
             node.meta["stagehand_block"] = block
-            streamed += 1
-        elif is_streamed_linear(node):
-            block = _block_of_token(node, ctx)
-            index = rt.layer_at(block, streamed_arg(node, "position"))
-            spec = rt.layers[index]
-            node.meta["stagehand_layer"] = index
-            node.meta["stagehand_block"] = spec.block
-            streamed += 1
-            stack = node.meta.get("nn_module_stack") or {}
-            if stack:
-                path = normalize_module_path(list(stack.values())[-1][0])
-                if path == spec.fqn or path.endswith("." + spec.fqn):
-                    prefixes.add(path[: len(path) - len(spec.fqn)].rstrip("."))
-                elif spec.fqn.endswith("." + path) and spec.fqn[: -len(path) - 1] == rt.blocks[spec.block]:
-                    roots.add(spec.block)
-                elif spec.fqn.endswith("." + path):
-                    heads.add(spec.fqn[: -len(path) - 1])
+            continue
+        spec = rt.layers[index]
+        node.meta["stagehand_block"] = spec.block
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            path = normalize_module_path(list(stack.values())[-1][0])
+            if path == spec.fqn or path.endswith("." + spec.fqn):
+                prefixes.add(path[: len(path) - len(spec.fqn)].rstrip("."))
+            elif spec.fqn.endswith("." + path) and spec.fqn[: -len(path) - 1] == rt.blocks[spec.block]:
+                roots.add(spec.block)
+            elif spec.fqn.endswith("." + path):
+                heads.add(spec.fqn[: -len(path) - 1])
     root = next(iter(roots)) if len(roots) == 1 and not prefixes and not heads else None
     tagged = 0
     for node in gm.graph.nodes:
@@ -65,7 +62,7 @@ def annotate_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 
 def _block_of_token(node: fx.Node, ctx: CompileContext) -> int:
-    """The block whose token the streamed linear takes; refuses a token of another offloaded model."""
+    """The block whose token the streamed read takes; refuses a token of another offloaded model."""
     token = streamed_arg(node, "block_tok")
     owner = ctx.tokens.get(token.name) if isinstance(token, fx.Node) else None
     if owner is None:

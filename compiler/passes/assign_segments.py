@@ -1,10 +1,7 @@
-"""Pass `assign_segments`: cut the annotated graph into segments and record their DAG.
-
-A segment is a maximal run of nodes (in graph order) of one block, or of glue that belongs to none; glue inside a
-block's run joins it, so a block is one unit unless the code really leaves it (a graph break inside a block gives
-two partial segments, each fetching it). Sets `node.meta["stagehand_segment"]` and records `ctx.segments` and
-`ctx.dag` (edges carry the values that cross segments, which `explain()` prints); the graph is unchanged.
-"""
+"""Pass `assign_segments`: cut the annotated graph into segments and record their DAG. A segment is a maximal run of
+nodes (in graph order) of one block, or of glue; glue inside a block's run joins it, so a block is one unit unless
+the code really leaves it. Sets `node.meta["stagehand_segment"]` and records `ctx.segments` and `ctx.dag` (edges
+carry the values that cross segments); the graph is unchanged."""
 
 from __future__ import annotations
 
@@ -62,11 +59,9 @@ def assign_segments(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     partial = len(counts) - len(set(counts))
     ctx.segments = segments
     ctx.dag = segment_dag(segments)
-    ctx.note(
-        f"{len(segments)} segments: {len(counts)} block, {len(segments) - len(counts)} glue"
-        + (f", {partial} block(s) split by glue or graph order" if partial else "")
-        + f"; {ctx.dag.number_of_edges()} DAG edges",
-    )
+    ctx.note(f"{len(segments)} segments: {len(counts)} block, {len(segments) - len(counts)} glue"
+             + (f", {partial} block(s) split by glue or graph order" if partial else "")
+             + f"; {ctx.dag.number_of_edges()} DAG edges")
     return gm
 
 

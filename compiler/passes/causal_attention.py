@@ -1,11 +1,10 @@
-"""Pass `causal_attention`: a causal mask built from constants becomes `is_causal=True`.
+"""Pass `causal_attention`: a causal mask built from constants becomes `is_causal=True` (a mask tensor rules out
+SDPA's flash kernel).
 
-Under torch.compile transformers builds the causal mask as a tensor in training, which rules out SDPA's flash
-kernel. A mask is rewritten only when it is built from constants (sizes aside), nothing writes in place into it or
-what it is computed from (`compiler/mutation.py`), and its construction is the causal triangle over (L, L) for
-every length (mask_proof.py); where the proof does not model an op and every size is static, the mask is
-evaluated once instead. Any other mask (padding, sliding window, an additive bias, L != S) is kept, and the pass
-says why.
+A mask is rewritten only when it is built from constants (sizes aside), nothing writes in place into it or what
+it is computed from (`compiler/mutation.py`), and its construction is the causal triangle over (L, L) for every
+length (mask_proof.py), or, where the proof does not model an op and every size is static, evaluates to it. Any
+other mask (padding, sliding window, an additive bias, L != S) is kept, and the pass says why.
 """
 
 from __future__ import annotations
@@ -83,8 +82,8 @@ def _decide(gm: fx.GraphModule, sdpa: fx.Node, mask: fx.Node, writes: MutationIn
 
 
 def _construction(mask: fx.Node) -> list[fx.Node] | None:
-    """The nodes the mask is computed from, in graph order; None if any reads an input's, parameter's or
-    buffer's data. A read of a size (`x.size(1)`, a SymInt input) is a leaf: it carries no data."""
+    """The nodes the mask is computed from, in graph order (a size read is a leaf); None if any reads an input's,
+    parameter's or buffer's data."""
     seen: set[fx.Node] = set()
     stack = [mask]
     while stack:
@@ -106,7 +105,7 @@ def _construction(mask: fx.Node) -> list[fx.Node] | None:
 
 
 def _static(node: fx.Node) -> bool:
-    """No symbolic size in what the node produced, and not a placeholder or a size read (evaluation reads none)."""
+    """No symbolic size in what the node produced, and not a placeholder."""
     value = example_value(node)
     if node.op == "placeholder" or isinstance(value, torch.SymInt):
         return False

@@ -1,49 +1,28 @@
-"""Pass `inline_checkpoints`: a model's own activation checkpoints become block recompute.
-
-Dynamo captures `torch.utils.checkpoint.checkpoint` as `tag_activation_checkpoint(body, *operands)`, opaque to the
-partition. This pass copies a body that streams into the graph in place of the call (the nodes keep their
-`nn_module_stack`) and marks the copies `stagehand_recompute`: the block unit that owns them recomputes
-(compiler/recompute.py), so the model's checkpoint and the backend's recompute are one. The block recompute
-always replays random numbers, and a selective policy (`context_fn`) becomes a whole-block recompute (noted). A
-call whose outputs are used other than by indexing is left as it is, warned: it runs the eager op path.
-"""
+"""Pass `inline_checkpoints`: a model's own activation checkpoints become block recompute. Dynamo captures
+`torch.utils.checkpoint.checkpoint` as `tag_activation_checkpoint(body, *operands)`, opaque to the partition. This
+pass copies a body that streams into the graph in place of the call and marks the copies `stagehand_recompute`: the
+block unit that owns them recomputes (compiler/recompute.py). A selective policy (`context_fn`) becomes a whole-block
+recompute (noted). A call whose outputs are used other than by indexing is left as it is, warned: it runs the eager
+op path."""
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import warnings
 
-import torch
 import torch.fx as fx
+from torch._higher_order_ops.wrap import tag_activation_checkpoint
 
 from torch_stagehand.runtime.runtime import EagerFallbackWarning
 
 from torch_stagehand.compiler.context import CompileContext, compiler_pass
-from torch_stagehand.compiler.graph_nodes import RECOMPUTE, streams
+from torch_stagehand.compiler.graph_nodes import RECOMPUTE, attr_at, streams
 
-
-def _checkpoint_ops() -> tuple:
-    ops = [getattr(getattr(torch.ops, "higher_order", None), "tag_activation_checkpoint", None)]
-    with contextlib.suppress(ImportError):  # an older torch
-        from torch._higher_order_ops.wrap import tag_activation_checkpoint
-
-        ops.append(tag_activation_checkpoint)
-    return tuple(op for op in ops if op is not None)
-
-
-CHECKPOINT_OPS = _checkpoint_ops()
+CHECKPOINT_OPS = (tag_activation_checkpoint,)  # torch.ops.higher_order's, as Dynamo captures it
 
 
 def is_checkpoint(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in CHECKPOINT_OPS
-
-
-def _why_not_inlinable(node: fx.Node) -> str | None:
-    for user in node.users:
-        if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
-            return f"its result is used by {user.format_node()} (only indexing is placed)"
-    return None
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
@@ -64,7 +43,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
             if inner.op == "get_attr":
                 # The body's constants and nested subgraphs move to the outer module.
                 attr = f"{node.name}_{inner.target.replace('.', '_')}"
-                setattr(gm, attr, _attr(body, inner.target))
+                setattr(gm, attr, attr_at(body, inner.target))
                 copied = graph.get_attr(attr)
                 copied.meta = dict(inner.meta)
             else:
@@ -81,9 +60,7 @@ def _inline(gm: fx.GraphModule, node: fx.Node, body: fx.GraphModule) -> None:
 @compiler_pass("inline_checkpoints")
 def inline_checkpoints(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inlined, kept, notes, seen = 0, [], [], set()
-    # A worklist: a checkpoint nested in a checkpoint's body is copied in by the outer one's
-    # inlining and inlined in turn.
-    while True:
+    while True:  # a checkpoint nested in a body is copied in by the outer one's inlining, then inlined in turn
         pending = [n for n in gm.graph.nodes if is_checkpoint(n) and n not in seen]
         if not pending:
             break
@@ -106,13 +83,13 @@ def inline_checkpoints(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModul
 def _inline_one(gm: fx.GraphModule, node: fx.Node, kept: list[str], notes: list[str]) -> int:
     """Inline one checkpoint call if its body streams and it can be placed; 1 if it was."""
     body_node = node.args[0]
-    body = _attr(gm, body_node.target) if isinstance(body_node, fx.Node) else None
+    body = attr_at(gm, body_node.target) if isinstance(body_node, fx.Node) else None
     if not isinstance(body, fx.GraphModule) or streams(body) is None:
         return 0
-    reason = _why_not_inlinable(node)
-    if reason is not None:
-        kept.append(f"{node.name}: {reason}")
-        return 0
+    for user in node.users:
+        if not (user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int)):
+            kept.append(f"{node.name}: its result is used by {user.format_node()} (only indexing is placed)")
+            return 0
     if node.kwargs.get("context_fn") is not None:
         notes.append(f"{node.name}: its selective checkpoint policy (context_fn) became a whole-block recompute")
     _inline(gm, node, body)
@@ -121,11 +98,3 @@ def _inline_one(gm: fx.GraphModule, node: fx.Node, kept: list[str], notes: list[
         if "." not in body_node.target and hasattr(gm, body_node.target):
             delattr(gm, body_node.target)
     return 1
-
-
-def _attr(module: fx.GraphModule, target: str):
-    """`get_attr` targets may be dotted paths."""
-    try:
-        return operator.attrgetter(target)(module)
-    except AttributeError:
-        return None

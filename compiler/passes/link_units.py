@@ -1,11 +1,8 @@
-"""Pass `link_units`: each segment submodule becomes a unit, and blocks get their tokens.
-
-Each `submod_<i>` becomes a `GlueUnit` or a `BlockUnit` (units.py), called as
-`unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)` and returning `(*outputs, next_fetch)`; `fetch_tok` is
-the previous block unit's prefetch when it prefetched this block, else a prefetch issued just before the call.
-"next" and "previous" come from the conductor's `FetchOrder`; where the block tokens are the graph's own inputs
-(a graph serves every block of its structure) the graph's ends are asked per call (`fetch_order.edge_token`).
-"""
+"""Pass `link_units`: each segment submodule becomes a unit, and blocks get their tokens. Each `submod_<i>` becomes a
+`GlueUnit` or a `BlockUnit` (units.py), called as `unit(*inputs, fetch_tok, block_tok, next_tok, prev_tok)` and
+returning `(*outputs, next_fetch)`; `fetch_tok` is the previous block unit's prefetch of this block, else a prefetch
+just before the call. "next" and "previous" come from the conductor's `FetchOrder`, asked per call at the graph's
+ends where the block tokens are inputs."""
 
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ from torch_stagehand.compiler.units import BlockUnit, GlueUnit
 
 
 class _Tokens:
-    """The outer graph's node for each block token: the graph's own token input where it has one (a graph
-    serves every block of its structure, so the block is the caller's), else a get_attr read at the top."""
+    """The outer graph's node for each block token: the graph's own token input, else a get_attr at the top."""
 
     def __init__(self, outer: fx.GraphModule, ctx: CompileContext):
         self.outer, self.rt, self.nodes = outer, ctx.runtime, {}
@@ -47,8 +43,8 @@ class _Tokens:
         return self.nodes[block]
 
     def edge(self, call: fx.Node, block: int, neighbour: int, step: int, blocks: list[int]) -> fx.Node:
-        """The token to fetch at the graph's end beside `block` (`step`: +1 forward, -1 backward): asked at each
-        call when the block's token is an input, fixed here otherwise."""
+        """The token to fetch at the graph's end beside `block` (`step`: +1 forward, -1 backward); asked per call
+        when the block's token is an input."""
         if block not in self.inputs:
             return self[neighbour]
         present = tuple(self[b] for b in dict.fromkeys(blocks))
@@ -58,13 +54,12 @@ class _Tokens:
 
 @compiler_pass("link_units")
 def link_units(outer: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    rt, graph, segments = ctx.runtime, outer.graph, ctx.segments
-    n_blocks = len(rt.blocks)
+    graph, segments = outer.graph, ctx.segments
     calls = {n.target: n for n in graph.nodes if n.op == "call_module"}
     streaming = [s for s in segments if s.block is not None and any(is_streamed_read(n) for n in s.nodes)]
     tokens = _Tokens(outer, ctx)
     blocks = [s.block for s in streaming]
-    order = FetchOrder.for_graph(blocks, n_blocks)
+    order = FetchOrder.for_graph(blocks, len(ctx.runtime.blocks))
     previous_next: tuple[int, fx.Node] | None = None  # (block the last unit prefetched, its token node)
     for seg in segments:
         call = calls[seg.name]

@@ -122,12 +122,9 @@ def substitute(x: Value, subst: Subst) -> Value:
 
 def shifted(x: Value, by: int) -> Value:
     """The value seen from a node with `by` more leading axes (broadcasting)."""
-    axes = {a for a, _ in x.coefs} if isinstance(x, Affine) else {a for _, cs in _conj_of(x).atoms for a, _ in cs}
+    conj = x.cond if isinstance(x, Select) else x
+    axes = {a for a, _ in x.coefs} if isinstance(x, Affine) else {a for _, cs in conj.atoms for a, _ in cs}
     return substitute(x, {a: (0, {a + by: 1}) for a in axes}) if by else x
-
-
-def _conj_of(x: Value) -> Conj:
-    return x if isinstance(x, Conj) else x.cond if isinstance(x, Select) else TRUE
 
 
 # ---- sizes ------------------------------------------------------------------------------------------

@@ -1,11 +1,8 @@
-"""Prove from its construction that an attention mask is the causal triangle, for any sequence length.
-
-Evaluating a mask proves its pattern for one size only. This interprets the construction over mask_algebra's
-closed forms of the element's indices (aranges, comparisons, tril / triu, fills, broadcasting, indexing), so the
-proof holds for every size. Axes of static size 1 carry no coefficient, which makes broadcasting a shift of axis
-numbers. An op outside the algebra makes the verdict `unknown`; another pattern makes it `other`. Nothing runs
-the graph: the caller must first rule out in-place writes (`compiler/mutation.py`).
-"""
+"""Prove from its construction that an attention mask is the causal triangle, for any sequence length. This
+interprets the construction over mask_algebra's closed forms of the element's indices (aranges, comparisons, tril /
+triu, fills, broadcasting, indexing), so the proof holds for every size. Axes of static size 1 carry no coefficient,
+which makes broadcasting a shift of axis numbers. An op outside the algebra makes the verdict `unknown`; another
+pattern, `other`. The caller must first rule out in-place writes (`compiler/mutation.py`)."""
 
 from __future__ import annotations
 
@@ -183,14 +180,10 @@ def _compare(name: str) -> Callable:
             d[a] = d.get(a, 0) - c
         const = x.const - y.const  # the comparison is  const + sum(d * i)  OP  0
         neg = {a: -c for a, c in d.items()}
-        if name == "le":
-            return _atom(const, d)
-        if name == "lt":
-            return _atom(const + 1, d)
-        if name == "ge":
-            return _atom(-const, neg)
-        if name == "gt":
-            return _atom(1 - const, neg)
+        if name in ("le", "lt"):  # integers: e < 0 <=> e + 1 <= 0
+            return _atom(const + (name == "lt"), d)
+        if name in ("ge", "gt"):
+            return _atom((name == "gt") - const, neg)
         if name == "eq":
             return _and(_atom(const, d), _atom(-const, neg))
         if any(d.values()):
@@ -333,18 +326,14 @@ _ALIASES = {
                                "double", "contiguous", "clone", "detach", "cuda", "cpu")},
 }
 _HANDLERS: dict[str, Callable[[MaskInterpreter, fx.Node], Value]] = {
-    "arange": _arange,
-    "ones": _filled(lambda n: 1), "ones_like": _filled(lambda n: 1),
-    "zeros": _filled(lambda n: 0), "zeros_like": _filled(lambda n: 0),
-    "full": _filled(lambda n: node_arg(n, 1, "fill_value")),
-    "full_like": _filled(lambda n: node_arg(n, 1, "fill_value")),
-    "new_full": _filled(lambda n: node_arg(n, 2, "fill_value")),
+    "arange": _arange, "ones": _filled(lambda n: 1), "ones_like": _filled(lambda n: 1), "zeros": _filled(lambda n: 0),
+    "zeros_like": _filled(lambda n: 0), "new_full": _filled(lambda n: node_arg(n, 2, "fill_value")),
+    **{name: _filled(lambda n: node_arg(n, 1, "fill_value")) for name in ("full", "full_like")},
     "add": _add(1), "sub": _add(-1), "rsub": _add(-1, reverse=True), "mul": _mul, "neg": _neg,
     **{name: _compare(name) for name in _COMPARE},
     "and": _logical("and"), "or": _logical("or"), "invert": _invert,
     "tril": _triangle(lower=True), "triu": _triangle(lower=False), "where": _where, "masked_fill": _masked_fill,
-    "cumsum": _cumsum, "diff": _diff,
-    **LAYOUT_HANDLERS,
+    "cumsum": _cumsum, "diff": _diff, **LAYOUT_HANDLERS,
 }
 
 

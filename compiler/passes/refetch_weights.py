@@ -1,11 +1,8 @@
-"""Pass `refetch_weights`: no value computed from a block's weights alone crosses into the backward.
-
-The model's own code computes with an expert stack (`grouped_mm`, `bmm`...), so autograd's formulas read it in
-the backward, and the partitioner would save it (or the slot under it). On the joint graph, for each forward
-`wait`, the values computed from the slot and constants alone (views, a dequantization, a LoRA `baddbmm` of the
-stack) that the backward reads are recomputed there from the block's `wait_bw` slot, before the first reader;
-`schedule_backward` dedupes that `wait_bw` with the Linears'. Nothing computed from an activation is touched.
-"""
+"""Pass `refetch_weights`: no value computed from a block's weights alone crosses into the backward. Autograd's
+formulas for the model's own expert-stack GEMMs read the stack in the backward, which the partitioner would save. On
+the joint graph, for each forward `wait`, the values computed from the slot and constants alone (views, a
+dequantization, a LoRA `baddbmm` of the stack) that the backward reads are recomputed there from the block's
+`wait_bw` slot (deduped by `schedule_backward`). Nothing computed from an activation is touched."""
 
 from __future__ import annotations
 
@@ -24,15 +21,13 @@ def _reads_in_backward(node: fx.Node, backward: set[fx.Node]) -> bool:
 
 
 def _adapts(node: fx.Node, derived: set[fx.Node]) -> bool:
-    """`baddbmm(stack, lhs, rhs)`: a LoRA delta added to an expert stack (runtime/experts/lora.py). The
-    adapted stack is recomputed in the backward from the refetched stack and the small factors, which are
-    saved instead of it."""
+    """`baddbmm(stack, lhs, rhs)`: a LoRA delta added to an expert stack (runtime/experts/lora.py), recomputed in
+    the backward from the refetched stack and the small factors (saved instead)."""
     return node.target is torch.ops.aten.baddbmm.default and node.args[0] in derived
 
 
 def _weight_values(graph: fx.Graph, slot: fx.Node, backward: set[fx.Node]) -> list[fx.Node]:
-    """The forward values computed from `slot` and constants alone (or adapted, `_adapts`), in graph order
-    (`slot` first)."""
+    """The forward values computed from `slot` and constants alone (or adapted), in graph order, `slot` first."""
     derived = {slot}
     order = [slot]
     started = False
@@ -50,12 +45,11 @@ def _weight_values(graph: fx.Graph, slot: fx.Node, backward: set[fx.Node]) -> li
 
 
 @compiler_pass("refetch_weights")
-def refetch_weights(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
+def refetch_weights(graph: fx.Graph, ctx: PassLog) -> fx.Graph:
     wait, wait_bw = SCHEDULE_OPS["wait"], SCHEDULE_OPS["wait_bw"]
     waits = [n for n in graph.nodes if n.op == "call_function" and n.target is wait]
     if not waits:
-        if ctx is not None:
-            ctx.note("no forward wait: no block's weights in this graph")
+        ctx.note("no forward wait: no block's weights in this graph")
         return graph
     # Everything the joint graph computes from its tangents (AOTAutograd names them `tangents_*`).
     backward = descendants([n for n in graph.nodes if n.op == "placeholder" and "tangents" in str(n.target)])
@@ -73,8 +67,7 @@ def refetch_weights(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
         needed = _ancestors_within(crossing, set(values))
         with graph.inserting_before(first):
             fresh = graph.call_function(wait_bw, (block_tok, anchor, nbytes, code, device))
-            # The slot's value, not the rest of its record: Inductor constrains a custom op's inputs to the
-            # `eager_input_vals` of its node, and this node's inputs are not the forward wait's.
+            # The slot's value only: Inductor constrains a custom op's inputs to its node's `eager_input_vals`.
             fresh.meta.update({k: slot.meta[k] for k in ("val", "tensor_meta") if k in slot.meta})
             copies = {slot: fresh}
             for value in values[1:]:
@@ -85,9 +78,8 @@ def refetch_weights(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
                 user.replace_input_with(value, copies[value])
         moved += len(crossing)
     graph.lint()
-    if ctx is not None:
-        ctx.note(f"{moved} weight values read in the backward from the block's wait_bw slot, not saved"
-                 if moved else "no weight value crosses into the backward")
+    ctx.note(f"{moved} weight values read in the backward from the block's wait_bw slot, not saved"
+             if moved else "no weight value crosses into the backward")
     return graph
 
 

@@ -1,14 +1,11 @@
-"""Pass `rewrite_linear`: streamed reads become reads of the block's slot, a per-variant pass.
-
-`streamed_linear(x, bias, block_tok, position, out_features, anchor)` becomes
-`stagehand.linear(x, weights, bias, block_tok, prev_tok, layout)`: `weights` is a new placeholder for the block's
-device bytes (`schedule_forward` feeds it from a `wait`) and `layout` places the layer in them, so every block of
-one structure and layout gives one graph. A precision whose GEMM cannot add the bias (`bias_in_graph`) gets the add
-in the graph; one with a `graph_linear` is traced in as graph ops instead of the op (`linear_math="op"` keeps the
-op). An expert stack becomes `expert_weights_from_slot`, or, for a one-byte stack read only by grouped GEMMs, each
-GEMM `grouped_experts_from_slot` (`experts_math`). A layer whose weight trains gets a `grad_tap` after its linear
-(its grad-weight GEMM in the backward, runtime/train/grads.py).
-"""
+"""Pass `rewrite_linear` (per variant): streamed reads become reads of the block's slot. `streamed_linear(x, bias,
+block_tok, position, out_features, anchor)` becomes `stagehand.linear(x, weights, bias, block_tok, prev_tok,
+layout)`: `weights` is a new placeholder for the block's device bytes (fed by `schedule_forward`) and `layout` places
+the layer in them, so every block of one structure and layout gives one graph. A precision whose GEMM cannot add the
+bias (`bias_in_graph`) gets the add in the graph; one with a `graph_linear` is traced in as graph ops (unless
+`linear_math="op"`). An expert stack becomes `expert_weights_from_slot`, or, for a one-byte stack read only by
+grouped GEMMs, each GEMM `grouped_experts_from_slot` (`experts_math`). A layer whose weight trains gets a `grad_tap`
+(runtime/train/grads.py)."""
 
 from __future__ import annotations
 
@@ -50,8 +47,7 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
         if not is_streamed_linear(node):
             continue
         x, bias, anchor = (streamed_arg(node, name) for name in ("x", "bias", "anchor"))
-        # The variant's block (the unit's block at this call), not the one Dynamo traced: a graph serves
-        # every block of its structure, and each layout of theirs gets its own variant (units.BlockUnit).
+        # The variant's block, not the one Dynamo traced: a graph serves every block of its structure.
         position = streamed_arg(node, "position")
         trains = position in ctx.trainable and isinstance(anchor, fx.Node)
         layout = rt.layer_layout(rt.layer_at(ctx.block, position), precision)
@@ -70,8 +66,7 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
             tap = gm.graph.call_function(grad_tap, (new, x, anchor, block_tok, position)) if trains else new
             tapped += trains
             out = gm.graph.call_function(torch.ops.aten.add.Tensor, (tap, bias)) if bias_add else tap
-        # Every node standing for the linear's output carries its metadata (example_value too: the compile
-        # caches refuse a method call on a node without one, compiler/startup/compile_cache.py).
+        # Every node standing for the output carries its metadata (example_value: the compile caches need one).
         for made in dict.fromkeys((new, tap, out)):
             made.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         new.meta["stagehand_precision"] = precision
@@ -89,10 +84,9 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
 
 
 def _rewrite_experts(gm: fx.GraphModule, node: fx.Node, ctx: VariantContext, weights: fx.Node) -> int:
-    """`streamed_experts(block_tok, position, shape, dtype, device)` -> the stack read from the slot: for a one-byte
-    stack (its layout has a scale) read only through grouped GEMMs, each GEMM `grouped_experts_from_slot`, no bf16
-    copy made; else `expert_weights_from_slot`, views of the slot or their dequantization. Returns how many GEMMs
-    now compute from the bytes. Streamed experts are frozen (runtime/experts/stacks.py): no grad tap."""
+    """`streamed_experts(...)` -> the stack read from the slot: for a one-byte stack read only through grouped
+    GEMMs, each GEMM `grouped_experts_from_slot`; else `expert_weights_from_slot`. Returns how many GEMMs now
+    compute from the bytes. Streamed experts are frozen (runtime/experts/stacks.py): no grad tap."""
     rt = ctx.runtime
     position, shape, dtype = (streamed_arg(node, name) for name in ("position", "shape", "dtype"))
     layout = rt.layer_layout(rt.layer_at(ctx.block, position), ctx.precision)

@@ -1,10 +1,6 @@
-"""Pass `schedule_backward`: the backward half of the schedule, on the joint graph.
-
-Each `linear`'s backward asks for its block with `wait_bw` and prefetches the previous block; this keeps one
-`wait_bw` and one `prefetch` per block and closes the block's backward with an `evict` after its last reader.
-It runs before AOTAutograd partitions the graph (our partition_fn, or Inductor's `joint_custom_post_pass`, which
-hands it an `fx.Graph`), so the backward graph already holds the schedule.
-"""
+"""Pass `schedule_backward`: the backward half of the schedule, on the joint graph before it is partitioned. Each
+`linear`'s backward asks for its block with `wait_bw` and prefetches the previous block; this keeps one `wait_bw` and
+one `prefetch` per block and closes the block's backward with an `evict` after its last reader."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ from torch_stagehand.compiler.context import PassLog, compiler_pass
 
 
 @compiler_pass("schedule_backward")
-def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
+def schedule_backward(graph: fx.Graph, ctx: PassLog) -> fx.Graph:
     wait_bw, prefetch, evict = SCHEDULE_OPS["wait_bw"], SCHEDULE_OPS["prefetch"], SCHEDULE_OPS["evict"]
     kept: dict[tuple, fx.Node] = {}
     waits = 0
@@ -32,8 +28,7 @@ def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
             else:
                 kept[key] = node
     if not kept:
-        if ctx is not None:
-            ctx.note("no wait_bw: nothing streams backward in this graph")
+        ctx.note("no wait_bw: nothing streams backward in this graph")
         return graph
     slots = set(kept.values())
     seen_prefetch: set[fx.Node] = set()
@@ -56,17 +51,14 @@ def schedule_backward(graph: fx.Graph, ctx: PassLog | None = None) -> fx.Graph:
             with mode:
                 node.meta["val"] = torch.empty((), dtype=torch.int64)
     graph.lint()
-    if ctx is not None:
-        ctx.note(f"{waits} wait_bw -> {len(kept)} (one per block), {dropped_prefetches} duplicate prefetches "
-                 f"dropped, {len(kept)} evicts after the last reader")
+    ctx.note(f"{waits} wait_bw -> {len(kept)} (one per block), {dropped_prefetches} duplicate prefetches "
+             f"dropped, {len(kept)} evicts after the last reader")
     return graph
 
 
 def _readers(slot: fx.Node, prefetch) -> list[fx.Node]:
-    """The nodes that read the slot's bytes: its users, and past a view (a layer's weight sliced out of
-    the slot, reinterpreted as E4M3, transposed: fp8's linear traced as graph ops) the view's users. A view
-    reads nothing, so an evict ordered after views alone could free the slot before the GEMM that reads it.
-    An op of several results is read through its getitems (the evict takes tensors)."""
+    """The nodes that read the slot's bytes: its users, and past a view (fp8's traced linear slices the slot)
+    or an op of several results, their users: an evict after a view alone could free the slot too early."""
     readers, todo = [], [u for u in slot.users if u.target is not prefetch]
     while todo:
         node = todo.pop()

@@ -37,9 +37,8 @@ def order_token_inputs(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _reading_through_views(readers: list[fx.Node], output: fx.Node) -> list[fx.Node]:
-    """The block's outputs computed from an expert stack read as a view of the slot (bf16): the GEMMs that
-    read those bytes are somewhere between, and an evict ordered after the view alone could free the slot
-    before them. The outputs come after every one of them, and the evict sits at the block's end anyway."""
+    """The block's outputs computed from an expert stack read as a view of the slot (bf16): the GEMMs reading
+    it come before them, and an evict ordered after the view alone could free the slot too early."""
     stacks = [r for r in readers if r.target is expert_weights_from_slot]
     if not stacks:
         return []

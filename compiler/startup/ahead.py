@@ -1,13 +1,9 @@
-"""Variants compiled ahead of need, in worker processes (compiler/startup/ahead_worker.py).
-
-A recomputed block's first forward runs under no_grad and its backward runs the training variant again, so the
-forward need not wait for its variant: the unit (units.BlockUnit._compile_ahead) hands the variant to a worker
-and runs the variant graph eagerly. A worker compiles into torch's own caches; when the step asks for the variant
-the main process compiles it as always and loads it from them. Nothing depends on a worker being right: a job
-still queued when asked for is dropped, a running one is waited for, and a failed one or a cache miss costs the
-main process its own compile, as without workers (the log and the unit's `ahead` info say so). Workers compile
-under the main process's config and process settings (process_settings.py) and allocate no device tensor.
-"""
+"""Variants compiled ahead of need, in worker processes (compiler/startup/ahead_worker.py). A recomputed block's
+first forward runs under no_grad, so it need not wait for its variant: the unit (units.BlockUnit._compile_ahead)
+hands the variant to a worker and runs the graph eagerly. A worker compiles into torch's own caches, from which the
+main process's compile later loads. Nothing depends on a worker being right: a job still queued when asked for is
+dropped, a running one is waited for, a failed one or a cache miss costs the main process its own compile. Workers
+compile under the main process's config and process settings (process_settings.py) and allocate no device tensor."""
 
 from __future__ import annotations
 
@@ -31,11 +27,6 @@ from torch_stagehand.environment import child_environment, env
 log = logging.getLogger("torch_stagehand.compiler")
 
 
-def _debug() -> bool:
-    """`STAGEHAND_AHEAD_DEBUG=1`: workers write to this process's stderr, with AOTAutograd's cache key details."""
-    return env("STAGEHAND_AHEAD_DEBUG")
-
-
 @dataclass
 class AheadJob:
     key: Hashable  # the variant cache key the main process will ask for
@@ -46,10 +37,8 @@ class AheadJob:
     grad: bool  # grad mode the variant runs in
     replay_rng: bool
     joint_passes: tuple[Callable, ...]
-    # The main process's compile_cache.cacheable_functions() (part of every key; a worker registered fewer).
-    cacheable: dict[str, str] = field(default_factory=dict)
-    # The main process's process_settings when it handed the job over (no cache key holds them).
-    settings: dict[str, Any] = field(default_factory=process_settings.current)
+    cacheable: dict[str, str] = field(default_factory=dict)  # the main process's cacheable_functions() (in every key)
+    settings: dict[str, Any] = field(default_factory=process_settings.current)  # the main process's (in no key)
 
 
 @dataclass
@@ -73,14 +62,12 @@ _RESULT_FIELDS = {f.name for f in fields(AheadResult)}
 
 
 class _Worker:
-    """One worker process and the thread that feeds it jobs from the shared queue, one at a time. It ends when
-    the pool closes, or after `pool.idle_s` without a job (the next job starts another)."""
+    """One worker process and the thread feeding it the shared queue's jobs; it ends with the pool or when idle."""
 
     def __init__(self, pool: "AheadCompiler", w8a16: dict | None = None):
         self.pool = pool
         self.jobs_done = 0
-        # Each worker's Triton compile pool gets its share of the cores (the main process compiles nothing
-        # meanwhile), or STAGEHAND_AHEAD_THREADS.
+        # Each worker's Triton compile pool gets its share of the cores, or STAGEHAND_AHEAD_THREADS.
         threads = max(1, _ahead_threads() or (os.cpu_count() or 1) // pool.size)
         limit = env("TORCHINDUCTOR_COMPILE_THREADS")
         if limit is not None and limit > 0:  # the user's cap on Inductor's threads holds for the workers too
@@ -89,7 +76,7 @@ class _Worker:
                                   TORCHINDUCTOR_COMPILE_THREADS=str(threads))
         self.process = subprocess.Popen([sys.executable, "-m", "torch_stagehand.compiler.startup.ahead_worker"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=None if _debug() else subprocess.DEVNULL, env=child)
+                                        stderr=None if env("STAGEHAND_AHEAD_DEBUG") else subprocess.DEVNULL, env=child)
         send(self.process.stdin, dict(pool.configs, w8a16=w8a16))
         self.thread = threading.Thread(target=self._run, name="stagehand-ahead", daemon=True)
         self.thread.start()
@@ -114,9 +101,8 @@ class _Worker:
             self.end()
 
     def _next(self):
-        """The next job, or None: the pool closed, or it stayed idle (then this worker leaves the pool). Idle
-        means `pool.idle_s` after a job, ten times that before the first (a pool started at offload waits for
-        the first step; a long offload is minutes)."""
+        """The next job, or None: the pool closed, or it stayed idle (`pool.idle_s` after a job, ten times that
+        before the first: a pool started at offload waits out the offload), and this worker left the pool."""
         while True:
             try:
                 return self.pool.jobs.get(timeout=self.pool.idle_s * (1 if self.jobs_done else 10))
@@ -127,9 +113,8 @@ class _Worker:
                         return None
 
     def end(self, deadline: float | None = None) -> None:
-        """End the process: it leaves its loop at the closed stream and exits as a process does (its own compile
-        pool with it); one still compiling at `deadline` (5 s from now by default) is killed (torch writes its
-        cache entries whole, under a temporary name)."""
+        """End the process at its closed stream; one still compiling at `deadline` (default: in 5 s) is killed
+        (torch writes its cache entries whole, under a temporary name)."""
         self.close_input()
         deadline = time.monotonic() + 5 if deadline is None else deadline
         try:
@@ -150,8 +135,7 @@ class AheadCompiler:
 
     def __init__(self, workers: int, idle_s: float = 30.0, wait_s: float = 900.0, w8a16: dict | None = None):
         self.size = workers
-        # {"device", "dtype" (name), "shapes"}: W8A16 kernels the workers compile into Triton's cache as they start
-        # (in processes: threads here would share the GIL with offload); split by `_w8a16_share`.
+        # {"device", "dtype" (name), "shapes"}: W8A16 kernels the workers compile as they start (`_w8a16_share`).
         self.w8a16 = w8a16
         self.idle_s = idle_s  # a worker without a job this long ends
         self.wait_s = wait_s  # the longest the main process waits for a job a worker is on
@@ -180,10 +164,8 @@ class AheadCompiler:
 
     def submit(self, job: AheadJob, later: bool = False, preload: Callable[[], None] | None = None) -> bool:
         """Queue `job` unless its variant was asked for before; True when queued. `later`: held back until the
-        main process first waits for a job (`take`): an inference variant, which only the next step's forward
-        needs, must not keep a worker from a training variant the backward will wait for. `preload()`: loads the
-        variant into the main process from the caches the worker filled; `take` calls it while the step waits
-        for another job, once this one is done."""
+        first `take` (an inference variant must not keep a worker from a training variant the backward waits for).
+        `preload()`: loads the finished variant; `take` calls it while the step waits for another job."""
         if self.size <= 0 or self._closed or job.key in self.futures:
             return False
         future: Future = Future()
@@ -202,8 +184,7 @@ class AheadCompiler:
         return True
 
     def start(self) -> "AheadCompiler":
-        """Start the workers now, before any job (offload does: they import torch's compiler while it fills the
-        host store). They compile under the Inductor and AOTAutograd config of this moment."""
+        """Start the workers now, under the Inductor and AOTAutograd config of this moment (offload does)."""
         with self.lock:
             if not self._closed:
                 self._start_workers()
@@ -214,7 +195,7 @@ class AheadCompiler:
         if not self.configs:
             self.configs = _configs()
             atexit.register(self.close)
-            if _debug():  # this side's key details too (on stderr), to set beside the workers'
+            if env("STAGEHAND_AHEAD_DEBUG"):  # this side's cache key details too, on stderr beside the workers'
                 keys = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
                 keys.setLevel(logging.DEBUG)
                 keys.addHandler(logging.StreamHandler())
@@ -224,19 +205,16 @@ class AheadCompiler:
             self.worker_pids.append(worker.process.pid)
 
     def _w8a16_share(self, index: int) -> dict | None:
-        """What the `index`-th worker started compiles of `w8a16` (`ahead_worker.compile_w8a16`): the provisional
-        kernel (the first), its share of the tuning candidates (each of the first `size`); None for a worker
-        started after one left."""
+        """What the `index`-th worker started compiles of `w8a16`: the provisional kernel (the first), its share of
+        the tuning candidates (each of the first `size`); None for a worker started after one left."""
         if not self.w8a16 or index >= self.size:
             return None
         return dict(self.w8a16, provisional=index == 0, share=(index, self.size))
 
     def take(self, key: Hashable, while_waiting: Callable[[Callable[[], bool]], Any] | None = None
              ) -> AheadResult | None:
-        """Before the main process compiles `key`: wait for its job if a worker is on it; drop it if it is
-        still queued (None: no job, or dropped). `while_waiting(done)`: work the main process does first while
-        the worker compiles (it asks `done()` between its pieces), as part of the wait; then it loads the jobs
-        other workers finished (`submit`'s `preload`), one at a time while this one is not done."""
+        """Before the main process compiles `key`: wait for its job if a worker is on it, drop it if still queued
+        (None: no job, or dropped). While waiting: `while_waiting(done)`, then preload other finished jobs."""
         with self.lock:  # the main process waits now: the forward has handed over its training variants
             for item in self.held:
                 self.jobs.put(item)
@@ -263,8 +241,7 @@ class AheadCompiler:
         return result
 
     def _preload_one(self) -> bool:
-        """Load one job a worker finished without error that the step has not asked for yet (it would load it
-        later in the step anyway). False when none is left."""
+        """Load one finished, unfailed job the step has not asked for yet; False when none is left."""
         for key, future in list(self.futures.items()):
             if key not in self.preloads or not future.done() or future.cancelled() or future.result().error:
                 continue
@@ -301,8 +278,7 @@ def _ahead_threads() -> int:
 
 
 def _configs() -> dict[str, Any]:
-    """The main process's Inductor and AOTAutograd config as it is now (a user's patch included): part of every
-    cache key, so the workers compile under it."""
+    """The Inductor and AOTAutograd config now (a user's patch included): part of every cache key."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 

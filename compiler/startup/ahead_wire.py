@@ -46,10 +46,8 @@ def _as_meta(value: Any) -> Any:
 
 
 def pickle_graph(gm: fx.GraphModule) -> bytes:
-    """`gm` node by node (torch's GraphPickler, as Inductor's own subprocess compile ships graphs; a plain pickle
-    rebuilds a GraphModule by tracing its code again, which is not the same graph), our ops included. Dynamo's
-    fake values travel as meta tensors (their ShapeEnv does not pickle; AOTAutograd's cache asks only whether a
-    method's receiver is a tensor)."""
+    """`gm` node by node (torch's GraphPickler: a plain pickle retraces the code, not the same graph), our ops
+    included. Fake values travel as meta tensors (their ShapeEnv does not pickle)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
     shipped = copy.deepcopy(gm)
@@ -63,8 +61,8 @@ def pickle_graph(gm: fx.GraphModule) -> bytes:
 
 
 class _FunctionByName(_OpPickleData):
-    """A function of ours a graph calls (runtime/precision's in-graph Linears), shipped as its module and name:
-    GraphPickler ships only ops and torch's own functions. Unpickled (in a worker) by importing it."""
+    """A function of ours a graph calls (the in-graph Linears), shipped by module and name (GraphPickler ships
+    only ops and torch's functions); the worker imports it."""
 
     def __init__(self, module: str, qualname: str):
         self.module, self.qualname = module, qualname
@@ -96,9 +94,8 @@ def _our_functions_by_name():
 
 
 def input_specs(args: Sequence[Any]) -> list:
-    """What a worker needs of a variant's inputs to fake them as the main process will: per tensor its storage
-    (inputs sharing one share it there too), size, strides, offset, dtype, device and grad flag; a 0-dim CPU
-    tensor (a float Dynamo passed as a tensor, a transfer token) and any other value as they are."""
+    """What a worker needs to fake a variant's inputs as the main process will: per tensor its storage group,
+    size, strides, offset, dtype, device and grad flag; a 0-dim CPU tensor and any other value as they are."""
     storages: dict[tuple, int] = {}
     specs: list = []
     for a in args:

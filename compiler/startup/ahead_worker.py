@@ -1,10 +1,7 @@
-"""A worker process of `ahead.AheadCompiler`: compiles unit variants into torch's caches from their graph and a
-description of their inputs, and says how it went.
-
-Run as `python -m torch_stagehand.compiler.startup.ahead_worker`: jobs (`ahead.AheadJob`) on stdin, replies on the
-stdout it was started with (`ahead_wire`; a stray print goes to stderr). It compiles with the main process's
-`inner.compile_unit`, config and process settings, from fake inputs of the exact same metadata, so the cache keys
-match; it allocates no device tensor and reads nothing of the runtime.
+"""A worker process of `ahead.AheadCompiler` (`python -m torch_stagehand.compiler.startup.ahead_worker`): jobs on
+stdin, replies on stdout (`ahead_wire`; a stray print goes to stderr). It compiles each variant into torch's caches
+with the main process's `inner.compile_unit`, config and settings, from fake inputs of the same metadata, so the
+cache keys match; it allocates no device tensor and reads nothing of the runtime.
 """
 
 from __future__ import annotations
@@ -17,8 +14,7 @@ from typing import Any
 
 
 def fake_inputs(specs: list) -> tuple[list, Any]:
-    """The job's inputs as fake tensors in a fresh ShapeEnv (as `symbolic.fake_static` fakes real ones), and
-    beside them the values `inner._bake_scalar_reads` reads (0-dim CPU tensors travel as they are)."""
+    """(values for `inner._bake_scalar_reads`, the inputs faked in a fresh ShapeEnv as `symbolic.fake_static` does)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -80,10 +76,8 @@ _WAIT = []  # Inductor's own AsyncCompile.wait, once `defer_kernel_waits` replac
 
 
 def defer_kernel_waits() -> None:
-    """Let each graph's Triton kernels compile while the job goes on, and wait for them all at its end
-    (`wait_for_kernels`). Inductor waits for a graph's kernels as it loads the graph's module, before
-    AOTAutograd goes on to the backward graph, which needs none of them; a worker never runs the module, so
-    nothing reads the futures left in the kernels' places until the wait at the end."""
+    """Let each graph's Triton kernels compile while the job goes on (Inductor waits for them as it loads the
+    graph's module, before the backward, which needs none), and wait for all at its end (`wait_for_kernels`)."""
     from torch._inductor.async_compile import AsyncCompile
 
     if _WAIT:
@@ -104,11 +98,8 @@ def wait_for_kernels() -> None:
 
 
 def load_only_rescalable_reductions() -> None:
-    """Compile Triton kernels to the cache and load none, but the reductions Inductor may re-tune for occupancy.
-
-    A worker never runs a kernel. But at a reduction's load Inductor reads its register count and, where
-    occupancy is low, compiles one more config (`_dynamic_scale_rblock`); loaded here, that config lands in
-    Triton's cache, and the main process's re-tune (same register count, same config) reads it back."""
+    """Compile Triton kernels to the cache and load none but the reductions Inductor may re-tune for occupancy
+    (`_dynamic_scale_rblock` at load): loaded here, that config lands in the cache for the main process's re-tune."""
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner, HeuristicType
 
     for name in ("_make_launchers", "_dynamic_scale_rblock"):
@@ -124,18 +115,16 @@ def load_only_rescalable_reductions() -> None:
 
 
 def rescalable(autotuner, reduction) -> bool:
-    """Might Inductor's occupancy re-tune give `autotuner` another config (its own first conditions: a looped
-    reduction on a CUDA device, the re-tune not turned off)? `reduction`: Inductor's HeuristicType.REDUCTION."""
+    """Might Inductor's occupancy re-tune give `autotuner` (a looped CUDA reduction) another config?"""
     meta = autotuner.inductor_meta or {}
     return (autotuner.heuristic_type == reduction and not meta.get("persistent_reduction")
             and meta.get("dynamic_scale_rblock", True) and getattr(autotuner.device_props, "type", None) == "cuda")
 
 
 def compile_w8a16(wanted: dict | None, jobs) -> dict:
-    """`wanted` (AheadCompiler's `w8a16` share): compile into Triton's cache the W8A16 kernels a cold step would
-    compile itself: the one its eager forward runs for the keys it defers (`provisional`), and this worker's
-    share of the INT8 Linears' tuning candidates (kernels/tuning/ahead.py), until a job arrives on `jobs`. Only
-    a head start: a failure is printed on stderr and the worker goes on. Returns what it compiled."""
+    """Compile into Triton's cache the W8A16 kernels of `wanted` (AheadCompiler's share) a cold step would: the
+    `provisional` one, and this worker's share of the tuning candidates until a job arrives on `jobs`. Only a head
+    start: a failure is printed on stderr. Returns what it compiled."""
     if not wanted:
         return {}
     import select
@@ -163,7 +152,8 @@ def compile_w8a16(wanted: dict | None, jobs) -> dict:
 
 
 def main() -> None:
-    from torch_stagehand.compiler.startup import ahead, ahead_wire
+    from torch_stagehand.compiler.startup import ahead_wire
+    from torch_stagehand.environment import env
 
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a stray print must not corrupt the replies
@@ -188,7 +178,7 @@ def main() -> None:
 
     prewarm_compiler_imports()  # Inductor's and AOTAutograd's modules and the cache keys' hashes, before a job waits
     compile_w8a16(configs.get("w8a16"), jobs)
-    if ahead._debug():
+    if env("STAGEHAND_AHEAD_DEBUG"):
         import logging
 
         logging.basicConfig(level=logging.INFO)

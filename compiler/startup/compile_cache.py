@@ -1,13 +1,9 @@
-"""Warm starts: a unit compiled once is loaded, not compiled, by the next process.
-
-Units compile outside Dynamo through AOTAutograd and Inductor, so torch's own caches key and keep them; what would
-make them step aside is handled here and in inner.py (a ShapeEnv for static inputs too; `grad_tap` and the
-in-graph functions marked cacheable under a hash of their source). `track` says how each compile went
-(`CompileOutcome`). torch's caches live under TORCHINDUCTOR_CACHE_DIR, which a fresh node does not keep:
-`CompileBundle` writes what this process compiled or loaded to one file per model (a header with the torch /
-triton versions, the device and a sha256 of the payload; written atomically), and loads it before the first
-unit compiles; a file of other versions, another device or a bad checksum is ignored with one line saying why.
-"""
+"""Warm starts: a unit compiled once is loaded, not compiled, by the next process. Units compile through AOTAutograd
+and Inductor, whose own caches keep them; what would make them step aside is handled here and in inner.py (a ShapeEnv
+for static inputs too; our in-graph functions marked cacheable under a hash of their source). `track` says how each
+compile went. A fresh node keeps no TORCHINDUCTOR_CACHE_DIR: `CompileBundle` writes what this process compiled or
+loaded to one file per model (a header with the versions, the device and the payload's sha256) and loads it before
+the first compile; a mismatched file is ignored, said once."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ import torch
 
 from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.runtime.conductor.costs import cache_dir
-from torch_stagehand.environment import env
 
 log = logging.getLogger("torch_stagehand.compiler")
 
@@ -33,21 +28,16 @@ _MAGIC = b"STAGEHAND-COMPILE-BUNDLE"
 _FORMAT = 1
 
 
-def enabled() -> bool:
-    """`STAGEHAND_COMPILE_CACHE=0` turns the bundle off (torch's own caches follow their own switches)."""
-    return env("STAGEHAND_COMPILE_CACHE")
-
-
 # ---- making units cacheable ------------------------------------------------------------------
 
 def _sources_hash(modules: list[Any]) -> str:
     """A hash of the source files of these modules and packages (every .py file of a package)."""
     files: list[str] = []
-    # By name: the callers list modules in import order, which is not the same in every process.
+
     def name(m: Any) -> str:
         return getattr(m, "__name__", None) or str(getattr(m, "__path__", ""))
 
-    for module in sorted({id(m): m for m in modules}.values(), key=name):
+    for module in sorted({id(m): m for m in modules}.values(), key=name):  # not import order: it varies
         paths = getattr(module, "__path__", None)
         if paths:  # a package: all its modules, their names sorted
             files += sorted(os.path.join(root, name) for root in paths for name in os.listdir(root)
@@ -62,9 +52,8 @@ def _sources_hash(modules: list[Any]) -> str:
 
 
 def cacheable_functions() -> dict[str, str]:
-    """The Python functions our variant graphs call, for `unsafe_marked_cacheable_functions`: name -> a hash
-    of the source that decides what they trace to (the ops, the precisions, the kernels and each function's own
-    module): an edit there changes every key that holds them."""
+    """The Python functions our variant graphs call, for `unsafe_marked_cacheable_functions`: name -> a hash of
+    the source deciding what they trace to (the ops, the precisions, the kernels, each function's own module)."""
     from torch_stagehand import kernels
     from torch_stagehand.kernels import tuning
     from torch_stagehand.runtime import ops, precision
@@ -76,8 +65,7 @@ def cacheable_functions() -> dict[str, str]:
 
 
 def ops_fingerprint() -> str:
-    """A hash of the modules that register the stagehand ops (`ops.py`, `experts/stacks.py`): their fake and
-    autograd rules are traced into every unit's graph, so the joint passes' uuid holds it."""
+    """A hash of the modules registering the stagehand ops, whose fake and autograd rules every unit traces."""
     from torch_stagehand.runtime import ops
     from torch_stagehand.runtime.experts import stacks as experts
 
@@ -93,9 +81,8 @@ def memory_format_named(name: str) -> torch.memory_format:
 
 @contextlib.contextmanager
 def import_order_free_keys() -> Iterator[None]:
-    """Around a unit's compile: torch's cache-key pickler names an input's memory format by the first module in
-    `sys.modules` that reaches `torch.contiguous_format`, which depends on import order (a key of one process
-    would miss in another). While this runs, the key picklers name it by this module's function instead."""
+    """Around a unit's compile: torch's cache-key pickler names a memory format by the first module in
+    `sys.modules` reaching it, which depends on import order; here it names it by `memory_format_named`."""
     from torch._inductor.codecache import FxGraphCachePickler
 
     original = FxGraphCachePickler.__dict__["__init__"]
@@ -223,10 +210,9 @@ class CompileBundle:
         return False
 
     def save(self, units: int = 0, even_empty: bool = False) -> bool:
-        """Write every artifact this process compiled or loaded so far (atomically), and `units`, how many
-        units it has; False when there is none or the folder is not writable (the bundle only saves time).
-        `even_empty`: write it with no artifacts too (units loaded from what this run's ahead-compile workers
-        stored are in no process's artifacts, but the next run must know the model was compiled)."""
+        """Write every artifact this process compiled or loaded so far, and `units`; False when there is none or
+        the folder is not writable. `even_empty`: write it anyway (units from this run's ahead-compile workers are
+        in no process's artifacts, but the next run must know the model was compiled)."""
         saved = torch.compiler.save_cache_artifacts()
         if saved is None and not even_empty:
             return False
@@ -243,8 +229,7 @@ class CompileBundle:
 
 
 def _load_artifacts(payload: bytes) -> Any:
-    """`torch.compiler.load_cache_artifacts`, keeping every chunk: a process that saved several times wrote one
-    chunk per save, and torch's own loader keeps only the last chunk of each kind (it builds a dict)."""
+    """`torch.compiler.load_cache_artifacts`, keeping every chunk (one per save; torch keeps each kind's last)."""
     try:
         from torch.compiler._cache import CacheArtifactManager, _deserialize_single_cache
         from torch.utils._appending_byte_serializer import AppendingByteSerializer

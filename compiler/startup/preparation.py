@@ -22,10 +22,8 @@ class CompilerPreparation:
         self.seconds: dict[str, float] = {}  # each part's, once it ran (offload's report lists them)
 
     def read_files_ahead(self) -> None:
-        """Start reading the compiler's files (torch's sources, the compiler's bytecode) and the model's sources
-        into the page cache, on threads. Not in a process that imported the compiler already (a second offload):
-        its imports are done and its compile workers' start hashed torch's sources, so the slab's reads would
-        wait for files nothing here reads again."""
+        """Start reading the compiler's and the model's files into the page cache, on threads; not where the
+        compiler is imported already (a second offload: nothing here reads them again)."""
         if self._files is None and not _compiler_imported():
             packages, bytecode = compiler_roots()
             self._files = ReadAhead(packages, bytecode, self.sources)

@@ -1,11 +1,7 @@
-"""Process-wide settings that change what a variant traces or compiles to, though no torch cache key holds them.
-
-AOTAutograd picks an attention backend while it traces SDPA, as `torch.backends.cuda` allows, and no cache key
-records which were allowed: an ahead-compile worker with torch's defaults could trace to cuDNN's attention, which
-`offload()` turns off (attention_guard.py), under the key the main process asks for. So every job carries the
-main process's settings (`current`) and the worker adopts them (`adopt`): the attention backends, the matmul
-and determinism switches, and `STAGEHAND_INDUCTOR_AUTOTUNE` (a worker holds the environment of its start).
-"""
+"""Process-wide settings that change what a variant traces or compiles to, though no torch cache key holds them. E.g.
+AOTAutograd picks an attention backend as `torch.backends.cuda` allows: an ahead-compile worker with torch's defaults
+could trace to cuDNN's attention, which `offload()` turns off, under the key the main process asks for. So every job
+carries the main process's settings (`current`) and the worker adopts them (`adopt`)."""
 
 from __future__ import annotations
 
@@ -17,17 +13,14 @@ from torch_stagehand.environment import env, set_env
 
 _SDPA_BACKENDS = ("flash", "mem_efficient", "math", "cudnn")
 
-# STAGEHAND_INDUCTOR_AUTOTUNE: which of Inductor's kernels keep several launch configs, timed at their first launch
-# (inner.one_config_per_kernel)
+# STAGEHAND_INDUCTOR_AUTOTUNE: the Inductor kernels that keep several launch configs (inner.one_config_per_kernel)
 AUTOTUNED = {"1": ("pointwise", "reductions"), "all": ("pointwise", "reductions"), "pointwise": ("pointwise",),
              "reductions": ("reductions",), "0": (), "none": ()}
-AUTOTUNE_DEFAULT = "pointwise"
 AUTOTUNE_VARIABLE = "STAGEHAND_INDUCTOR_AUTOTUNE"
 
 
 def autotune_choice() -> str:
-    """`STAGEHAND_INDUCTOR_AUTOTUNE` (its default when unset), checked. A job carries the main process's to its
-    worker (`current`): the worker was started with the environment of the offload."""
+    """`STAGEHAND_INDUCTOR_AUTOTUNE` (its default when unset), checked."""
     return env(AUTOTUNE_VARIABLE)
 
 
@@ -56,8 +49,8 @@ def current() -> dict[str, Any]:
 
 
 def adopt(settings: dict[str, Any]) -> None:
-    """Make this process's settings `settings` (another process's `current()`). Only those that differ are set:
-    setting one of torch's older TF32 switches also sets its newer `fp32_precision` (part of Inductor's key)."""
+    """Make this process's settings another's `current()`. Only those that differ are set: one of torch's older
+    TF32 switches also sets its newer `fp32_precision` (part of Inductor's key)."""
     cuda, cudnn = torch.backends.cuda, torch.backends.cudnn
     now = current()
     with warnings.catch_warnings():  # torch's notes on its older TF32 switches: the values are what matter here

@@ -1,11 +1,8 @@
-"""Files read into the page cache before the disk gets busy: the compiler's files ahead of a slab's reads.
-
-Beside a slab's reads every file offload's calling thread opens (Inductor's compile workers hash all of torch's
-sources, `torch_key`; the compiler's imports; Dynamo's tokenizing of the model's sources) waits behind a disk
-queue full of them. Read first, many at once, they cost that work no wait. Which files: the source of every
-module of torch's packages, the cached bytecode of the compiler's modules not imported yet (`_TORCH_FOLDERS`)
-with Jinja2 and MarkupSafe, and the model's source files. A file that cannot be read is left to whoever asks.
-"""
+"""Files read into the page cache before the disk gets busy: the compiler's files ahead of a slab's reads. Beside a
+slab's reads every file offload's calling thread opens (torch's sources hashed by `torch_key`, the compiler's
+imports, the model's sources Dynamo tokenizes) waits behind a full disk queue; read first, many at once, they cost no
+wait: every module of torch, Jinja2 and MarkupSafe, the bytecode of the compiler's modules (`_TORCH_FOLDERS`), and
+the model's source files. A file that cannot be read is left to whoever asks."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ _PACKAGES = ("jinja2", "markupsafe")
 # Small reads in flight at once: a disk serves them side by side (a cloud or NVMe disk queues dozens or more).
 _THREADS = 16
 _CHUNK = 1 << 20
-# An extension module's file, as `torch_key` reads it (torch/_C's), by its ABI-tagged suffix: not a bare ".so",
-# which would take in whatever shared libraries a package folder holds.
+# An extension module's file by its ABI-tagged suffix (as `torch_key` reads torch/_C's), not any shared library.
 _EXTENSIONS = tuple(s for s in importlib.machinery.EXTENSION_SUFFIXES if s != ".so")
 
 
@@ -42,9 +38,8 @@ class ReadAheadStats:
 
 
 def compiler_roots() -> tuple[list[str], list[str]]:
-    """(packages whose every module's source is read, folders whose modules' bytecode is read too): torch's
-    package (for `torch_key`), Jinja2's and MarkupSafe's; `_TORCH_FOLDERS` and those two packages. Those that
-    exist here."""
+    """(packages whose every module's source is read, folders whose modules' bytecode is read too), where they
+    exist: torch, Jinja2 and MarkupSafe; `_TORCH_FOLDERS` and those two."""
     torch_dir = os.path.dirname(torch.__file__)
     packages = []
     for name in _PACKAGES:
@@ -60,8 +55,7 @@ def compiler_roots() -> tuple[list[str], list[str]]:
 
 def read_ahead(packages: Sequence[str], bytecode: Sequence[str] = (), files: Sequence[str] = (),
                threads: int = _THREADS) -> ReadAheadStats:
-    """`files_ahead(packages, bytecode, files)` read whole, on `threads` threads (the folders listed on them
-    too); what was read (files, bytes) and how long it took."""
+    """`files_ahead(packages, bytecode, files)` read whole (and listed) on `threads` threads; what was read."""
     start = time.perf_counter()
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="stagehand-read-ahead") as pool:
         sizes = list(pool.map(_read_whole, files_ahead(packages, bytecode, files, pool)))
@@ -71,9 +65,8 @@ def read_ahead(packages: Sequence[str], bytecode: Sequence[str] = (), files: Seq
 
 def files_ahead(packages: Sequence[str], bytecode: Sequence[str] = (), files: Sequence[str] = (),
                 pool: ThreadPoolExecutor | None = None) -> list[str]:
-    """Every module of `packages` and of the packages in them (a folder without an `__init__.py` is not one, as
-    for `pkgutil.iter_modules`): its source or extension module, and its bytecode's file where it is under one
-    of the `bytecode` folders; then `files`. The folders are listed on `pool`'s threads, where one is given."""
+    """Every module file of `packages` and their subpackages (folders with an `__init__.py`), its bytecode's file
+    where under one of the `bytecode` folders; then `files`. The folders are listed on `pool`'s threads, if given."""
     under = tuple(os.path.join(folder, "") for folder in bytecode)
     scan = pool.map if pool is not None else map
     modules: list[str] = []
@@ -107,8 +100,7 @@ class ReadAhead:
 
 
 def _scan(folder: str, root: bool = False) -> tuple[list[str], list[str], bool, bool]:
-    """A folder's subfolders (not its bytecode cache: `_bytecode` names those files), its modules' files, and
-    whether it is a package (holds an `__init__.py`)."""
+    """A folder's subfolders (not `__pycache__`), its modules' files, whether it is a package, and `root`."""
     subfolders, modules = [], []
     try:
         with os.scandir(folder) as entries:

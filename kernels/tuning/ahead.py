@@ -1,7 +1,6 @@
 """The W8A16 candidates a cold step's tuner will time, compiled ahead into Triton's cache by the ahead-compile
-workers: a binary depends on the config, dtypes, flags and 16-divisibility, not the token count, so every candidate
-of each INT8 Linear shape and token regime (`REGIME_ROWS`) is compiled on meta tensors and loaded.
-"""
+workers: a binary depends on the config, dtypes, flags and 16-divisibility, not the token count, so each candidate
+of each INT8 Linear shape and token regime (`REGIME_ROWS`) is compiled on meta tensors and loaded."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from torch_stagehand.kernels.tuning import autotune as tune
 from torch_stagehand.kernels.launch import _k_split, _launch_bwd, _launch_fwd, _rows
 from torch_stagehand.kernels.launch_memo import Executor
 
-# A token count in the regimes M <= 16 and 64 < M <= 512 (above, compiled blocks dequantize in their graph).
-REGIME_ROWS = (1, 512)
+REGIME_ROWS = (1, 512)  # in the regimes M <= 16 and 64 < M <= 512 (above, compiled blocks dequantize in-graph)
 
 
 def tuning_shapes(layers, precision: dict[int, str]) -> list[tuple[int, int, bool]]:
@@ -28,8 +26,7 @@ def tuning_shapes(layers, precision: dict[int, str]) -> list[tuple[int, int, boo
 
 
 def candidate_launches(shapes, dtype: torch.dtype, device: torch.device) -> list[Callable[[], None]]:
-    """One call per (shape, regime, kind, candidate) that compiles its kernels, in a fixed order (workers share by
-    position)."""
+    """One call per (shape, regime, kind, candidate) compiling its kernels, in a fixed order (workers split it)."""
     out = []
     for n, k, bias in shapes:
         for m in REGIME_ROWS:
@@ -41,8 +38,8 @@ def candidate_launches(shapes, dtype: torch.dtype, device: torch.device) -> list
 
 
 def regime_configs(kind: str, m: int, n_out: int, red: int, device) -> list[tune.LaunchConfig]:
-    """The tuner's candidates for any token count of `m`'s regime, one per binary (a split count changes the binary
-    only through whether the reduction divides evenly)."""
+    """The tuner's candidates for any token count of `m`'s regime, one per binary (a split count changes it only
+    through whether the reduction divides evenly)."""
     seen, out = set(), []
     for cfg in tune.candidates(kind, m, n_out, red, device):
         for split in (1, 2, 4, 8, 16):
@@ -101,8 +98,8 @@ def _compile_grad_input(m: int, n: int, k: int, dtype, device, cfg) -> None:
 
 def compile_candidates(launches: list[Callable[[], None]], device: torch.device, threads: int,
                        stop: Callable[[], bool] = lambda: False) -> dict[str, int]:
-    """Run `launches` on `threads` threads, a round at a time, until `stop()` says so (asked between rounds; a
-    failure is left to the tuner, which records why). Returns how many compiled, failed and were left."""
+    """Run `launches` on `threads` threads, a round at a time, until `stop()` (asked between rounds; a failure is
+    left to the tuner). Returns how many compiled, failed and were left."""
     done = failed = 0
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for start in range(0, len(launches), max(1, threads)):

@@ -1,9 +1,7 @@
-"""Configs and the autotuner of the W8A16 launches.
-
-A candidate is a whole launch sequence (split-K and its reduction, or dequantize + cuBLAS). Per key the candidates
-are compiled at once, then each is run, checked against fp32 (a miscompiled config is rejected) and timed as a CUDA
-graph over weight copies larger than the L2. STAGEHAND_AUTOTUNE=0: `heuristic`. Choices are kept on disk.
-"""
+"""Configs and the autotuner of the W8A16 launches. A candidate is a whole launch sequence (split-K and its
+reduction, or dequantize + cuBLAS). Per key the candidates are compiled at once, then each is run, checked against
+fp32 (a miscompiled config is rejected) and timed as a CUDA graph over weight copies larger than the L2.
+STAGEHAND_AUTOTUNE=0: `heuristic`. Choices are kept on disk."""
 
 from __future__ import annotations
 
@@ -23,9 +21,9 @@ from torch_stagehand.kernels.tuning import cache as tune_cache, deferral
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """One launch: output tile (weight rows) x token tile x reduction step, split count. variant 1: forward, scale
-    the weight tile in registers; grad-input, load it [n, o] and transpose in registers. mode "dequant": dequantize
-    the weight with a Triton kernel, then cuBLAS (tiles unused)."""
+    """One launch: output tile (weight rows) x token tile x reduction step, split count. variant 1: the forward
+    scales the weight tile in registers, the grad-input loads it [n, o] and transposes. mode "dequant": a Triton
+    dequantize, then cuBLAS."""
 
     block_o: int
     block_m: int
@@ -63,7 +61,7 @@ def bucket(m: int) -> int:
 
 def tiles(m: int, kind: str = "fwd"):
     """Tile shapes (block_o, block_m, block_r, warps, stages) for a token count, the untuned default first: small M
-    is bandwidth-bound (deep pipelines, long reduction steps), large M matrix-bound (one or two warpgroups)."""
+    is bandwidth-bound (deep pipelines, long reduction steps), large M compute-bound (one or two warpgroups)."""
     if m <= 64:
         bm = max(16, bucket(m))
         out = [(64, bm, 128, 4, 4), (64, bm, 256, 4, 3), (128, bm, 128, 4, 4), (128, bm, 256, 8, 3)]
@@ -90,8 +88,7 @@ def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
     return out
 
 
-# Per regime, the tiles that came within ~20% of the best somewhere when every candidate was timed on an H100
-# (benches/kernels.py, STAGEHAND_TUNE_EVERY=1): a key times its regime's default and these, with every split.
+# Per regime, the tiles timed beside its default, with every split (STAGEHAND_TUNE_EVERY=1: all; benches/kernels.py).
 _SHORTLIST = {"compute": {(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)},
               "mid": {(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)},
               "bandwidth": {("fwd", 32, 256), ("fwd", 32, 128), ("bwd", 128, 128)}}
@@ -108,8 +105,7 @@ def candidates(kind: str, m: int, n_out: int, red: int, device, every: bool | No
     out = []
     for bo, bm, br, w, st in regime:
         for s in splits(m, n_out, red, bo, bm, br, n_sm):
-            # Two-warpgroup forward tiles are miscompiled with the plain int8 -> bf16 conversion (Triton 3.6);
-            # scaled in registers (variant 1) they are right, and that variant cannot split.
+            # Two-warpgroup forward tiles are miscompiled unless scaled in registers (variant 1), which cannot split.
             if kind != "bwd" and w == 8 and s > 1:
                 continue
             variants = ((0, 1) if every else (0,)) if kind == "bwd" else (1,) if w == 8 else (0,)
@@ -130,7 +126,7 @@ def heuristic(kind: str, m: int, n_out: int, red: int, device) -> LaunchConfig:
 
 def provisional_config(options: list[LaunchConfig] | None = None) -> LaunchConfig:
     """What a key whose tuning is put off runs: `options`' default, else dequantize + cuBLAS (one Triton kernel
-    for every shape, compiled ahead: `launch.compile_provisional`)."""
+    for every shape: `launch.compile_provisional`)."""
     return options[0] if options else DEQUANT
 
 
@@ -161,12 +157,10 @@ def tune_later(key, later: Callable[[], None]) -> None:
 
 def pick(kind, key, m, n_out, red, device, run, weight, check, options: list[LaunchConfig] | None = None,
          precompile=None, later: Callable[[], None] | None = None) -> LaunchConfig:
-    """The config for key: tuned once (see the module docstring), then cached.
-
-    run(cfg, weight) launches; check(cfg) returns None if the output is right, else a reason. `options`: another
-    kernel's candidates (grouped.py), its untuned default first; else the W8A16 ones. `precompile(cfg)`: compiles
-    cfg's kernels without launching them (all candidates at once, `precompile_all`). `later()`: tunes `key` on
-    stand-in tensors; given, under `deferral.deferred()` the key runs `provisional_config(options)` for now."""
+    """The config for key, tuned once (module docstring). run(cfg, weight) launches; check(cfg) returns None if
+    the output is right, else a reason. `options`: another kernel's candidates (grouped.py), its untuned default
+    first. `precompile(cfg)`: compiles cfg's kernels only. `later()`: tunes `key` on stand-in tensors; given,
+    under `deferral.deferred()` the key runs `provisional_config(options)` for now."""
     if key[-1] == torch.float32 and not interpreting():
         return options[0] if options else F32_CONFIG
     if interpreting() or device.type != "cuda" or not env("STAGEHAND_AUTOTUNE"):
@@ -267,8 +261,7 @@ def rounds_per_replay(round_ms: float, n_weights: int, target_ms: float = 1.0, c
 
 
 def graph_time(fn, weights, replays: int = 5) -> float:
-    """Median ms per call of fn(w) for w cycling over weights, from CUDA graph replays of `rounds_per_replay`
-    rounds; triton's do_bench (host gaps included) where capture fails."""
+    """Median ms per call of fn(w), w cycling over weights, from CUDA graph replays; do_bench where capture fails."""
     try:
         fn(weights[0])  # warm: lazy handles (cuBLAS workspace) must exist before capture
         torch.cuda.synchronize()

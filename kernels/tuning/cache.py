@@ -1,8 +1,6 @@
-"""The W8A16 autotuner's choices, kept on disk across runs.
-
-A choice depends only on the device, the Triton and torch builds and the kernels' source, so it goes to a JSON
-file named by a fingerprint of exactly those in `$STAGEHAND_CACHE_DIR` (`STAGEHAND_TUNE_CACHE=0`: off). A config
-read back is still checked once before use (`tune.pick`): a file that lies costs a re-tune, not a wrong number.
+"""The W8A16 autotuner's choices, kept on disk across runs: a JSON file in `$STAGEHAND_CACHE_DIR` named by a
+fingerprint of the device, the Triton and torch builds and the kernels' source (`STAGEHAND_TUNE_CACHE=0`: off). A
+config read back is still checked once before use (`tune.pick`): a file that lies costs a re-tune, not a wrong number.
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ def key_text(key: tuple) -> str:
 
 
 class TuneCache:
-    """One device's tuned configs: key text -> Config fields, loaded lazily, written on every new choice."""
+    """One device's tuned configs: key text -> config fields, loaded lazily, written on every new choice."""
 
     def __init__(self, path: str):
         self.path = path
@@ -62,7 +60,7 @@ class TuneCache:
 
     @staticmethod
     def for_device(device: torch.device) -> "TuneCache":
-        """One cache object per device and folder (the fingerprint hashes source files: once)."""
+        """One cache object per device and folder (its fingerprint hashes source files)."""
         return _for_device(torch.cuda.get_device_properties(device).name, cache_dir(), device.index or 0)
 
     def _load(self) -> dict[str, dict[str, Any]]:
@@ -93,7 +91,6 @@ class TuneCache:
             with os.fdopen(fd, "w") as f:
                 json.dump(entries, f, indent=1, sort_keys=True)
             os.replace(tmp, self.path)  # atomic: a concurrent reader sees the old or the new file
-        except OSError:
-            # A read-only home: the choice still holds for this process.
+        except OSError:  # a read-only home: the choice still holds for this process
             if "tmp" in locals() and os.path.exists(tmp):
                 os.unlink(tmp)

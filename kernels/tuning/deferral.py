@@ -1,7 +1,6 @@
 """W8A16 tuning put off, and done while the step waits for something else: under `deferred()` (a cold step's eager
 forward) a new key runs `tune.provisional_config`, not kept for replay, and is queued to be tuned on stand-in
-tensors by `tune_deferred` while the backward waits for a worker, its threads yielding the CPU (`yield_cpu`).
-"""
+tensors by `tune_deferred` while the backward waits for a worker, its threads yielding the CPU (`yield_cpu`)."""
 
 from __future__ import annotations
 

@@ -122,21 +122,18 @@ class BlockClocks:
         self.host.release()
 
 
-class Calibration:
+class Calibration(BlockClocks):
     def __init__(self, n_blocks: int, device: torch.device, units: Callable[[], int] = lambda: 0):
-        self.n = n_blocks
-        self.device = device
+        super().__init__(n_blocks, device)
+        self.n, self.device, self.cuda = n_blocks, device, device.type == "cuda"
         self._units, self._units_at_start = units, units()  # units compiled, loaded or first run so far
-        self.clocks = BlockClocks(n_blocks, device)
         self._alloc: dict[tuple[int, str], int] = {}
         self._forward_order: list[int] = []
-        self._host_marks = self.clocks.host.marks
         self._host_in_ops = [0.0] * n_blocks  # host seconds inside schedule ops, per block of the current item
-        self.cuda = device.type == "cuda"
         if self.cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        self._start = self.clocks.gpu.event()
+        self._start = self.gpu.event()
 
     def one_time_work_in_step(self) -> bool:
         """Whether a unit compiled, loaded or first ran in the measured step (one-time seconds no plan has)."""
@@ -149,19 +146,16 @@ class Calibration:
         self._alloc[key] = allocated_bytes(self.device)  # (0 off CUDA)
         if kind == FORWARD:
             self._forward_order.append(block)
-        self.clocks.on_wait(block, kind)
-
-    def on_release(self, block: int) -> None:
-        self.clocks.on_release(block)
+        super().on_wait(block, kind)
 
     def on_schedule_op(self, seconds: float) -> None:
         """Host time spent in a schedule op, charged to the block whose item the host is issuing."""
-        if self._host_marks:
-            self._host_in_ops[self._host_marks[-1][0]] += seconds
+        if self.host.marks:
+            self._host_in_ops[self.host.marks[-1][0]] += seconds
 
     def finish(self, base: CostModel, predict: Callable[[CostModel], tuple[float, int]]) -> CostModel:
         """The measured cost model; `predict(model)` is (step s, peak bytes) of the calibration plan under it."""
-        gpu = self.clocks.gpu
+        gpu = self.gpu
         end = gpu.event()
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -179,7 +173,7 @@ class Calibration:
                 for b in range(self.n)]
         forward = [seconds[RECOMPUTE][b] or seconds[FORWARD][b] for b in range(self.n)]
         model = base.with_(forward_s=forward, backward_s=seconds[BACKWARD], activation_bytes=acts,
-                           input_bytes=inputs, host_s=self._host_seconds(), base_bytes=0, other_s=0.0)
+                           input_bytes=inputs, host_s=self.host.seconds(), base_bytes=0, other_s=0.0)
         totals = [sum(model.host_s[kind][b] for kind in model.host_s) for b in range(self.n)]
         model.host_fetch_share = [min(1.0, ops / total) if total > 0 else 0.0
                                   for ops, total in zip(self._host_in_ops, totals)]
@@ -194,5 +188,3 @@ class Calibration:
                               calibration_glue_s=round(glue_s, 4))
         return model
 
-    def _host_seconds(self) -> dict[str, list[float]]:
-        return self.clocks.host.seconds()

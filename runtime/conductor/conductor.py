@@ -1,10 +1,10 @@
 """The run-time Conductor: phases in, hints out, every prefetch admitted or denied with a reason (conductor.txt).
 
-Disabled it allocates nothing and `PlanDriver` never calls it on the hot path. Enabled: a `BudgetManager` reserves
-the plan's device memory (resident blocks and the computing block's slot CRITICAL, the next REQUIRED, deeper ones
-SPECULATIVE; a slot not granted shortens the window), a `TransferManager` hands out the H2D token every prefetch
-needs, and `PrefetchRules`'s hints are recomputed at each phase change and admission (host reads only). A
-denied prefetch is fetched by the block's `wait` (never denied): a stall, never a stale slot.
+Disabled it allocates nothing and `PlanDriver` never calls it. Enabled: a `BudgetManager` reserves the plan's
+device memory (resident blocks and the computing block's slot CRITICAL, the next REQUIRED, deeper ones SPECULATIVE;
+a slot not granted shortens the window), a `TransferManager` hands out the H2D token every prefetch needs, and
+`PrefetchRules`'s hints are recomputed at each phase change and admission. A denied prefetch is fetched by the
+block's `wait`: a stall, never a stale slot.
 """
 
 from __future__ import annotations
@@ -75,15 +75,12 @@ class Grant:
 
 
 class BudgetManager:
-    """The budget manager: device-memory reservations by mode and priority (conductor.txt).
-
-    Modes: HARD, all of it under the soft cap or nothing; SOFT, what is left under the soft cap (a partial grant) or
-    nothing; BURST, all of it under the hard cap or nothing; FLOOR, a guaranteed minimum granted as BURST is (never
-    counted as free); CEILING, no bytes: an upper bound on what its owner may hold from now on. CRITICAL (the block
-    that must compute now) may always use up to the hard cap; SPECULATIVE and BACKGROUND leave `headroom` bytes free
-    under the soft cap for the REQUIRED work that follows. A refusal carries a `BudgetDenial`; `end_phase(phase)` drops
-    the reservations scoped to it. `used` is the reserved bytes plus `external()`, the device memory the manager does
-    not reserve itself, read without blocking the host."""
+    """Device-memory reservations by mode and priority (conductor.txt). HARD: all of it under the soft cap or
+    nothing; SOFT: what is left under the soft cap (partial) or nothing; BURST: all of it under the hard cap or
+    nothing; FLOOR: a guaranteed minimum granted as BURST is; CEILING: no bytes, an upper bound on what its owner
+    may hold from now on. CRITICAL may always use up to the hard cap; SPECULATIVE and BACKGROUND leave `headroom`
+    free under the soft cap for the REQUIRED work that follows. `used`: the reservations plus `external()`, the
+    device memory the manager does not reserve, read without blocking the host."""
 
     def __init__(self, soft_cap: int | None, hard_cap: int | None, headroom: int = 0,
                  external: Callable[[], int] = lambda: 0):
@@ -187,11 +184,9 @@ class TransferToken:
 
 
 class TransferManager:
-    """The transfer manager: separate H2D and D2H pools of tokens; a PCIe copy is issued only with one (conductor.txt).
-
-    A request gets a `TransferToken` or a `TransferDenial` (the pool is exhausted, the phase rules suppress speculative
-    work, or the hints cap the direction's copies in flight). CRITICAL requests are never denied: a stall at worst.
-    `contention` counts consecutive checks that found the pool full (the policy's rule 3)."""
+    """Separate H2D and D2H pools of tokens; a PCIe copy is issued only with one (conductor.txt). A request gets a
+    `TransferToken` or a `TransferDenial` (pool exhausted, speculative work suppressed, or the hints' cap); CRITICAL
+    requests are never denied. `contention` counts consecutive checks that found the pool full (rule 3)."""
 
     def __init__(self, h2d_slots: int, d2h_slots: int):
         self.capacity = {Direction.H2D: h2d_slots, Direction.D2H: d2h_slots}
@@ -221,9 +216,6 @@ class TransferManager:
         inflight[token.id] = token
         return token
 
-    def complete(self, token: TransferToken) -> None:
-        self.inflight[token.direction].pop(token.id, None)
-
     def complete_key(self, direction: Direction, key: object) -> None:
         """Complete every in-flight copy of `key` (the block's wait consumed it)."""
         inflight = self.inflight[direction]
@@ -235,9 +227,6 @@ class TransferManager:
         for pool in self.inflight.values():
             pool.clear()
         self.contention = 0
-
-    def inflight_count(self, direction: Direction) -> int:
-        return len(self.inflight[direction])
 
 
 @dataclass(frozen=True)
@@ -261,13 +250,10 @@ class RuntimeLimitHints:
 
 
 class PrefetchRules:
-    """The policy bridge: the seed's three rules as limit hints, which only tighten within a step.
-
-    Rule 1, backward pressure: in BACKWARD above the pressure threshold (0.8), speculative prefetch stops and the
-    window drops to 1. Rule 2, optimizer protection: in OPTIMIZER, speculative work stops and H2D is limited to one
-    copy in flight. Rule 3, contention: a transfer pool found full on more than `contention_checks` consecutive checks
-    shrinks the window by one (to 1 at least) each time. `reset()` at STEP_BEGIN returns the plan's values;
-    `shrink(reason)` tightens the window for anything else (an allocation failure during a prefetch)."""
+    """The seed's three rules as limit hints, which only tighten within a step. 1: in BACKWARD above the pressure
+    threshold, speculative prefetch stops and the window drops to 1. 2: in OPTIMIZER, speculative work stops and H2D
+    is limited to one copy in flight. 3: a pool found full on more than `contention_checks` consecutive checks shrinks
+    the window by one (to 1 at least). `reset()` returns the plan's values; `shrink(reason)` tightens the window."""
 
     def __init__(self, h2d_slots: int, d2h_slots: int, window: int, pressure_threshold: float = 0.8,
                  contention_checks: int = 3):
@@ -314,7 +300,7 @@ class Conductor:
         self.budget = BudgetManager(soft_cap, hard_cap, external=external)
         self.transfers = TransferManager(config.h2d_slots, config.d2h_slots)
         self.policy = PrefetchRules(config.h2d_slots, config.d2h_slots, config.prefetch_window,
-                                              config.backward_pressure_threshold, config.contention_checks)
+                                    config.backward_pressure_threshold, config.contention_checks)
         self._pressure = pressure or self.budget.pressure
         self.phase = "idle"
         self.hints: RuntimeLimitHints = self.policy.reset()
@@ -356,12 +342,11 @@ class Conductor:
             self._update()
         self._event("phase", phase=phase)
 
-    def _update(self) -> RuntimeLimitHints:
+    def _update(self) -> None:
         self.hints = self.policy.update(self.phase, self._pressure(), self.transfers.contention)
         self.transfers.limits[Direction.H2D] = self.hints.max_inflight_h2d
         self.transfers.limits[Direction.D2H] = self.hints.max_inflight_d2h
         self.transfers.suppress_speculative = self.hints.suppress_speculative
-        return self.hints
 
     def admit_prefetch(self, block: int, depth: int) -> str | None:
         """None if the prefetch `depth` blocks ahead (0: the next block) may copy now, else the denial reason."""
@@ -405,5 +390,5 @@ class Conductor:
         return {"hints": self.hints.as_dict(), "conductor_denials": dict(self.denials),
                 "budget": {"reserved_mb": round(b.reserved / 2**20, 1), "pressure": round(self._pressure(), 4),
                            "grant_count": b.grants, "deny_count": b.denials, "partial_count": b.partials},
-                "h2d_inflight": self.transfers.inflight_count(Direction.H2D),
-                "d2h_inflight": self.transfers.inflight_count(Direction.D2H)}
+                "h2d_inflight": len(self.transfers.inflight[Direction.H2D]),
+                "d2h_inflight": len(self.transfers.inflight[Direction.D2H])}

@@ -1,10 +1,9 @@
 """The calibrated cost model, kept on disk for the next run of the same job (a warm start), with its last plan.
 
-A later process with the same job starts from the model the first measured and refined, and runs the plan it ended
-on from its first step. The key: the device, torch, the blocks' layout, the precision map, the gradient bytes, the
-ranks sharing the host link and the compiled graph's inputs (not the budget). One JSON file per entry under
-`<cache_dir>/cost_models/`, named by the key's hash and holding the key. An entry not usable is never used: the run
-calibrates and one line says why. `STAGEHAND_COST_CACHE=0` turns it off.
+The key: the device, torch, the blocks' layout, the precision map, the gradient bytes, the ranks sharing the host
+link and the compiled graph's inputs (not the budget). One JSON file per entry under `<cache_dir>/cost_models/`,
+named by the key's hash and holding the key. An entry not usable is never used: the run calibrates and one line
+says why. `STAGEHAND_COST_CACHE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ def plan_decisions(plan, budget) -> dict:
 
 def resumed_plan(decisions: dict | None, costs, precision, model: CostModel, budget):
     """The plan an earlier run of this job ended on (`plan_decisions`), predicted under the model it kept; None when
-    there is none, it was made for another budget, or it no longer fits this one. (A plan made afresh from the
-    refined model may differ, and each difference is a variant to compile in the first step.)"""
+    there is none, it was made for another budget, or it no longer fits (a plan made afresh may differ, and each
+    difference is a variant to compile in the first step)."""
     if decisions is None or decisions["budget"] != [budget.soft, budget.hard]:
         return None
     plan = build_plan(costs, precision, set(decisions["resident"]), set(decisions["recompute"]), decisions["slots"],
@@ -99,16 +98,10 @@ def save_entry(model: CostModel, key: dict, root: str | None = None, plan: dict 
         return None
 
 
-def load_entry(key: dict, n_blocks: int, root: str | None = None) -> tuple[CostModel | None, str]:
-    """The model kept under `key` and a line for the log: (model, "loaded from PATH"), or (None, why not).
-    No entry is a plain miss; an entry that is not usable is named with what is wrong with it."""
-    model, _, note = read_entry(key, n_blocks, root)
-    return model, note
-
-
 def read_entry(key: dict, n_blocks: int, root: str | None = None) -> tuple[CostModel | None, dict | None, str]:
-    """`load_entry`, with the plan decisions kept beside the model (None when there are none, or when they are
-    not usable: the note then says why, and the model is still used)."""
+    """(the model kept under `key`, the plan decisions kept beside it, a line for the log): no entry is a plain
+    miss, an entry not usable is (None, None, what is wrong with it); unusable decisions are None, the note says
+    why, and the model is still used."""
     path = entry_path(key, root)
     if not os.path.exists(path):
         return None, None, "no calibrated cost model kept for this model, precision map, trainable set and input shapes"

@@ -1,9 +1,8 @@
 """The planner's inputs: byte sizes, the budget, and a cost model from measurements.
 
 `BlockCost` is one block as the planner sees it; `CostModel` adds the machine (H2D / D2H bandwidth, measured once
-per device and cached on disk) and the bytes that are no block's, calibrated from a measured step; its `source`
-says what a prediction rests on. On the CPU the budget bounds the streamed weights' device copy alone. `parse_bytes`
-reads a budget: bytes (at least `MIN_BUDGET_BYTES`: fewer is a unit mistake) or a string with its unit ("20GiB").
+per device and cached on disk) and the bytes that are no block's, calibrated from a measured step. On the CPU the
+budget bounds the streamed weights' device copy alone.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from torch_stagehand.runtime.atomic_file import write_atomic
+from torch_stagehand.runtime.host.budget import gib
 from torch_stagehand.environment import cache_dir
 
 # Compute time assumed for a block before one was measured: only the ratio to the transfer
@@ -86,11 +86,8 @@ class Budget:
 
 
 def human(nbytes: float) -> str:
-    """Bytes as GiB / MiB / KiB, whichever reads best."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{int(nbytes)} B"
+    """Bytes as GiB / MiB / KiB, whichever reads best, or B."""
+    return gib(nbytes) if abs(nbytes) >= 2**10 else f"{int(nbytes)} B"
 
 
 @dataclass(frozen=True)
@@ -138,9 +135,8 @@ class CostModel:
 
     @property
     def source(self) -> str:
-        """MEASURED: a calibration step measured the block times (also one kept and loaded again); GIVEN: a caller
-        set them (tests, `rt.replan(cost_model=...)`); DEFAULT: no block time is known (a measured bandwidth alone
-        leaves the compute it overlaps a guess)."""
+        """What a prediction rests on. MEASURED: a calibration step measured the block times (or kept them); GIVEN:
+        a caller set them (tests, `rt.replan(cost_model=...)`); DEFAULT: no block time is known."""
         if "calibration_step_s" in self.measured:
             return MEASURED
         if self.forward_s is None and self.backward_s is None and self.host_s is None:

@@ -70,7 +70,6 @@ class PlanDriver:
         self._calibrate_at: int | None = None  # the step measured for calibration
         self.remeasured: list[int] = []  # calibration steps not used: one-time unit work in them
         self.plan: Plan | None = None
-        self.replans = 0
         self.spill: ActivationSpill | None = None  # made when a plan first spills
         self.shrinks: list[str] = []  # budgets shrunk because a plan did not fit when applied
         self._peak_check: str | None = None  # "pending" -> "measuring" over the first step of a new plan
@@ -133,13 +132,10 @@ class PlanDriver:
         model.count_device_updates(grads.device_updates)
 
     def apply(self, reason: str, plan: Plan | None = None, resumed: bool = False, reserve_peak: bool = True) -> Plan:
-        """Apply `plan` (one made by hand with `planner.build_plan`), else the one `make()` returns.
-
-        A made plan that does not fit on the device when applied (another process, a memory fraction) is re-made
-        under a smaller budget, and the runtime says so; a plan given by hand raises. `resumed`: `plan` is the one
-        an earlier run of the job ended on (`cost_cache.resumed_plan`), treated as a made one. `reserve_peak`: have
-        the allocator hold the plan's predicted peak now (a caller that empties the cache after reserves after
-        that). The device's refused allocations during it go to the `on_refusals` listeners."""
+        """Apply `plan` (made by hand with `planner.build_plan`, which raises if it does not fit), else `make()`'s,
+        re-made under a smaller budget while it does not fit on the device (another process, a memory fraction).
+        `resumed`: `plan` is the one an earlier run ended on (`cost_cache.resumed_plan`), treated as made.
+        `reserve_peak`: the allocator holds the predicted peak now. Refused allocations go to `on_refusals`."""
         before = allocator_ooms(self.device)
         try:
             return self._apply(reason, plan, resumed, reserve_peak)
@@ -177,7 +173,6 @@ class PlanDriver:
         if not self.calibrated and plan.kind == "calibrating" and self._calibrate_at is None:
             self._calibrate_at = WARMUP_STEPS if self.step() is None else self.step() + WARMUP_STEPS
         self.plan = plan
-        self.replans += 1
         # The first step under a made plan measures its peak (`_check_peak`); a hand-made one is the user's.
         self._peak_check = "pending" if plan.kind == "planned" and not given and self.device.type == "cuda" else None
         self._refine_steps = REFINE_STEPS if plan.kind == "planned" else 0
@@ -296,16 +291,14 @@ class PlanDriver:
             learned = self.fetch_order.learned_order()
             if not learned or learned[-1] != block:  # a block split by a graph break is one entry
                 self.fetch_order.record_forward(block)
-        if self.calibration is not None:
-            self.calibration.on_wait(block, kind)
-        if self.refining is not None:
-            self.refining.on_wait(block, kind)
+        for clocks in (self.calibration, self.refining):
+            if clocks is not None:
+                clocks.on_wait(block, kind)
 
     def on_release(self, block: int) -> None:
-        if self.calibration is not None:
-            self.calibration.on_release(block)
-        if self.refining is not None:
-            self.refining.on_release(block)
+        for clocks in (self.calibration, self.refining):
+            if clocks is not None:
+                clocks.on_release(block)
 
     def schedule_op_took(self, t0: float) -> None:
         """A schedule op (wait / prefetch / evict) started at host clock `t0` and ends now."""

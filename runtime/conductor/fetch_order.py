@@ -1,11 +1,10 @@
 """Fetch order: which block to fetch next, the one owner of that answer.
 
-The compiler (`link_units`) wires each block unit's next / previous token from `FetchOrder.for_graph` over the
-order one graph runs its blocks in; the eager path learns the order from the calls (the blocks of the last forward
-pass, as they ran; registration order before a pass was seen). One rule for both: the forward fetches the block
-that runs next, the backward the one that ran before; at an order's ends, the neighbour in registration order,
-unless it already runs in this order (across a graph break the next graph holds the following blocks, but a block
-that ran earlier is not "next"). A `Lookahead` is one block deep; a plan's deeper one is `PlanDriver.prefetch`'s.
+The compiler (`link_units`) wires each block unit's next / previous token from `FetchOrder.for_graph` over one
+graph's block order; the eager path learns it from the last forward pass (registration order before one). The
+forward fetches the block that runs next, the backward the one that ran before; at an order's ends, the
+registration-order neighbour unless it runs in this order (across a graph break the next graph holds the following
+blocks). A `Lookahead` is one block deep; a plan's deeper one is `PlanDriver.prefetch`'s.
 """
 
 from __future__ import annotations

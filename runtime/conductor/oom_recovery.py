@@ -2,17 +2,14 @@
 
 A compiled unit that fails to allocate raises before it returns anything, so its boundary is a safe place to start
 again: the units call `recover` (compiler/units.py, compiler/recompute.py), which releases the unit's slots, hands
-the cache back, plans for the room (free plus reserved, bounded by the memory fraction) less a margin (when the room
-did not shrink: the budget less SHRINK_FRACTION of the plan's weights; a run without a budget gets one), and the
-unit runs again; failing again, the next plan also leaves out the cache's unusable fragments. Each recovery warns
-and is kept in `stats()["oom_recoveries"]`; `regrow` raises the budget again (the room read every
-`oom_regrow_every` steps, a tunable) up to the user's, unless the user re-planned meanwhile.
-
-Not retried, and said so: a backward that is not recomputed (the error leaves `loss.backward()`; the next forward
-releases the held slots and re-plans), a recomputed backward whose streamed weights train (its gradients would go
-home twice), `MAX_TRIES` failures of a unit in one step, no plan that fits. A step whose backward raised is never
-half-applied: the optimizer refuses to step on it (`BackwardIncompleteError`) and the next forward drops its
-gradients.
+the cache back and plans for the room (free plus reserved, within the memory fraction) less a margin (a room that
+did not shrink: the budget less SHRINK_FRACTION of the plan's weights); failing again, the next plan also leaves out
+the cache's fragments. Each recovery warns and is kept in `stats()["oom_recoveries"]`; `regrow` raises the budget
+again (every `oom_regrow_every` steps) up to the user's, unless the user re-planned meanwhile. Not retried, and said
+so: a backward not recomputed (the next forward releases the held slots and re-plans), a recomputed backward whose
+streamed weights train (its gradients would go home twice), `MAX_TRIES` failures of a unit in a step, no plan that
+fits. A step whose backward raised is never half-applied: the optimizer refuses it (`BackwardIncompleteError`)
+and the next forward drops its gradients.
 """
 
 from __future__ import annotations
@@ -81,14 +78,12 @@ class OomRecovery:
         self.driver.on_refused_prefetch.append(self.note_handled)
 
     def _handled_by_the_driver(self, refused: int) -> None:
-        """Allocations the device refused while a plan was applied: the driver shrank its budget or raised."""
-        self._ooms_seen += refused
+        self._ooms_seen += refused  # refused while a plan was applied: the driver shrank its budget or raised
 
     def recover(self, where: str, error: BaseException, trainable_backward: bool = False) -> bool:
         """`where` (a unit) raised `error`, out of memory, at its boundary. Re-plan; True: run it again."""
         self.abort_held_blocks()  # the unit's evict never ran
-        # This unit's refusal, and any earlier one of this forward that someone caught (the step went on to
-        # reach this unit), are accounted for: the last step's were read when this forward began.
+        # This unit's refusal and any earlier one of this forward someone caught are accounted for.
         self._ooms_seen = max(self._ooms_seen, allocator_ooms(self.device))
         tries = self._tries[where] = self._tries.get(where, 0) + 1
         self._forward_raised = self.phases.phase is Phase.FORWARD  # until it runs again
@@ -98,9 +93,7 @@ class OomRecovery:
         if tries > MAX_TRIES:
             return self._refuse(where, error, f"it ran out of memory {MAX_TRIES} times in this step"
                                 + self._fragmentation_note())
-        try:
-            # Failing again under a plan made for the room: the room's cached pieces are too small for what
-            # the unit asks (fragmentation); plan without them.
+        try:  # failing again under a plan made for the room: its cached pieces are too small (fragments)
             before, after = self._replan(f"out of memory in {where}", without_fragments=tries > 1)
         except (BudgetError, torch.OutOfMemoryError) as e:
             return self._refuse(where, error, f"no plan fits the memory left ({e})")

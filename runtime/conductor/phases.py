@@ -1,8 +1,7 @@
 """Training-step phases (conductor.txt): STEP_BEGIN -> FORWARD -> BACKWARD -> OPTIMIZER -> STEP_END.
 
-They come from the compiled program (its first forward op, its first backward op) and the attached optimizer's
-step hooks; without an optimizer a forward after a backward starts a new step. Durations are host wall time
-between transitions (the GPU runs behind them).
+From the compiled program (its first forward and backward ops) and the attached optimizer's step hooks; without
+an optimizer a forward after a backward starts a new step. Durations are host wall time (the GPU runs behind).
 """
 
 from __future__ import annotations

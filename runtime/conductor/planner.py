@@ -1,11 +1,9 @@
 """The planner: one VRAM budget in, the fastest plan that fits out (pure; no device needed).
 
-Per block: resident or streamed weights, kept, recomputed or spilled activations; the rotating slots and their
-lookahead. For every count of resident blocks (spread evenly, so streamed copies overlap resident compute) and slot
-count, the fewest recomputed blocks (streamed first) that bring the predicted peak (`predicted_peak`) under the cap;
-`simulate` predicts the step. The least predicted time under the soft cap wins, else the fastest under the hard
-cap, else `BudgetError` with the smallest peak any plan reaches. Times from the default cost model say so
-(`Plan.cost_note`).
+Per block: resident or streamed weights, kept, recomputed or spilled activations; the rotating slots. For every
+count of resident blocks (spread evenly, so streamed copies overlap resident compute) and of slots, the fewest
+recomputed blocks (streamed first) that bring `predicted_peak` under the cap; `simulate` predicts the step. The
+fastest under the soft cap wins, else under the hard cap, else `BudgetError` with the smallest peak reachable.
 """
 
 from __future__ import annotations
@@ -151,15 +149,13 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
              lanes: list | None = None) -> tuple[float, list[float], list[int]]:
     """Predicted seconds of the blocks' forward + backward, per-block seconds, per-block H2D bytes.
 
-    One host issuing the blocks in order, one copy engine, one compute stream. A block's compute starts no
-    earlier than the host starts issuing it and ends no earlier than the host has issued it (`BlockCost.host_*_s`).
-    A streamed block's copy starts once issued (`lookahead_of(slots)` streamed blocks ahead, skipping resident
-    ones), the copy engine is free and the slot it reuses is released; its compute, once the copy is done and the
-    block before it finished. A resident block's host time loses its schedule ops' share. The forward's last
-    `slots` streamed blocks are still in their slots at the turn. A spilled block's activations go out on the D2H
-    lane after its forward and come back before its backward, on the compute stream. Full fine-tuning: a resident
-    block whose weights train is fetched again each step; gradients go home on the D2H lane after each backward,
-    and the host optimizer steps a block once they landed (`_gradient_lanes`). `lanes`, if given, receives
+    One host issuing the blocks in order, one copy engine, one compute stream. A block computes between the host's
+    start and end of issuing it (`BlockCost.host_*_s`; a resident block's loses its schedule ops' share) and after
+    the block before it. A streamed block's copy starts once issued (`lookahead_of(slots)` streamed blocks ahead),
+    the copy engine is free and its slot released; the forward's last `slots` streamed blocks are still in their
+    slots at the turn. A spilled block's activations go out on the D2H lane after its forward and come back on the
+    compute stream. Full fine-tuning: a resident block whose weights train is fetched each step; gradients go home
+    on the D2H lane and the host optimizer steps a block once they landed (`_gradient_lanes`). `lanes` receives
     (lane, block, start s, end s) on the "host", "h2d", "d2h", "optimizer" and "compute" lanes.
     """
     n = len(costs)
@@ -335,12 +331,10 @@ def _search(costs: Sequence[BlockCost], limit: int, model: CostModel, max_slots:
 
 
 def _fewest_savers(costs, resident, candidates, slots, slot_bytes, model: CostModel, limit):
-    """(recompute, spill): the fewest blocks, in candidate order, whose saving brings the peak under `limit`.
-
-    Each recomputes, or spills where its activations' way back (H2D) costs less than re-running its forward (spill
-    needs a measured `CostModel.d2h_bps`). The peak is `predicted_peak`'s, kept as two per-block lists (held in its
-    backward, held from its forward on) that each added block edits in place: the search calls this often.
-    """
+    """(recompute, spill): the fewest blocks, in candidate order, whose saving brings the peak under `limit`. Each
+    recomputes, or spills where its activations' way back (H2D) costs less than re-running its forward (spill
+    needs a measured `CostModel.d2h_bps`). The peak is `predicted_peak`'s, kept as two per-block lists each added
+    block edits in place (the search calls this often)."""
     recompute: set[int] = set()
     spill: set[int] = set()
     fixed = model.base_bytes + sum(costs[b].bytes for b in resident) + slots * slot_bytes

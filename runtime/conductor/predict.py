@@ -1,6 +1,5 @@
-"""The backward schedule `explain()` prints, predicted from a forward that ran (a backward would accumulate
-gradients in the user's model): the forward's order reversed, each block's wait / prefetch / evict played through
-a meta twin of the live slot pool (same decisions, no bytes), from the slots the forward left.
+"""The backward schedule `explain()` prints, predicted from a forward that ran (a real backward would accumulate
+gradients): the forward's order reversed, played through a meta twin of the live slot pool (`SlotPool.shadow`).
 """
 
 from __future__ import annotations

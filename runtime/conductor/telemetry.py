@@ -1,8 +1,7 @@
 """Telemetry: one JSON line per step of what happened.
 
-conductor.txt's fields where they apply (step_id, vram_allocated_mb, phase_durations) and the step's counters:
-bytes moved, fetches issued and prefetched, waits that fetched synchronously (stalls), denials by reason, the
-precision map, the host's resident memory (`host_rss_mb`, Linux), on CUDA the allocated and peak GPU memory.
+conductor.txt's fields where they apply (step_id, vram_allocated_mb, phase_durations) and the step's counters
+(bytes moved, fetches, stalls, denials by reason, the precision map, `host_rss_mb` on Linux, CUDA memory).
 """
 
 from __future__ import annotations

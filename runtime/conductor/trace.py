@@ -1,9 +1,8 @@
 """The schedule trace: what the slot pool did, one row per decision, for `explain()` (a record, not a replay).
 
-The `SlotPool` reports each decision (a prefetch issued, found resident or denied; a wait that found its copy or
-fetched synchronously; an eager fetch; an evict) to its `trace` when one is set: off by default, one `is not None`
-check per decision. `recording(pool)` switches it on around a call. A trace keeps its first `capacity` rows and
-counts the rest.
+The `SlotPool` reports each decision (prefetch, wait, eager fetch, evict, and how it went) to its `trace` when one
+is set (off by default: one `is not None` check per decision); `recording(pool)` sets one around a call. A trace
+keeps its first `capacity` rows and counts the rest.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -42,8 +43,12 @@ def _layout_key(views: list[tuple[torch.Tensor, ...]]) -> tuple:
 
 
 class ExpertCache:
-    def __init__(self, rt, capacity_bytes: int | str):
-        self.rt = rt
+    def __init__(self, model, layers, store, plan_driver, pool, *, first_layer: dict[int, int],
+                 precision: Callable[[], dict[int, str]], device: torch.device, capacity_bytes: int | str):
+        """`first_layer`: block -> the index of its first layer in `layers`; `precision()`: the map now (read);
+        the plan driver's budget, plan and cost model size the cache and say when routing pays."""
+        self.model, self.layers, self.store, self.plan_driver, self.pool = model, layers, store, plan_driver, pool
+        self.first_layer, self.precision, self.device = first_layer, precision, device
         if capacity_bytes not in ("auto", 0):
             from torch_stagehand.runtime.conductor.costs import parse_bytes
 
@@ -55,33 +60,31 @@ class ExpertCache:
         self._seen: dict[int, str] = {}  # the precision map the pools were pruned for
         self._top_k: int | None = None  # the router's picks per token, as the last routed read saw them
         self._versions: dict[int, int | None] = {}  # block -> its master's version when its experts were cached
-        cuda = rt.device.type == "cuda"
-        self._stream = torch.cuda.Stream(rt.device) if cuda else None
+        cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if cuda else None
         # the compute stream's event after the last gather (recorded again at each gather)
         self._gathered = torch.cuda.Event() if cuda else None
         self.hits = self.misses = self.prefetched = self.prefetch_hits = self.copies = 0
         self._guessed: dict[int, set[int]] = {}  # block -> the experts prefetched for its next forward
 
     def stacks(self, block: int) -> list[int]:
-        rt = self.rt
-        first = rt._block_first_layer[block]
-        return [i for i in range(first, first + len(rt.store.blocks[block].layers)) if rt.layers[i].experts]
+        first = self.first_layer[block]
+        return [i for i in range(first, first + len(self.store.blocks[block].layers)) if self.layers[i].experts]
 
     def _host_views(self, block: int) -> list[tuple[torch.Tensor, ...]]:
         """Each stack of the block in the host store as [experts, rows, cols] (and scales [experts, rows]), cached."""
-        rt = self.rt
-        precision = rt._precision[block]
-        host = rt.store.buffer(block, precision)
+        precision = self.precision()[block]
+        host = self.store.buffer(block, precision)
         key = (block, precision)
         cached = self._views.get(key)
         if cached is not None and cached[0] == host.data_ptr():
             return cached[1]
-        layouts = rt.store.layout(block, precision)
-        first = rt._block_first_layer[block]
+        layouts = self.store.layout(block, precision)
+        first = self.first_layer[block]
         out = []
         for i in self.stacks(block):
             lay = layouts[i - first]
-            experts = rt.layers[i].experts
+            experts = self.layers[i].experts
             views = precisions.by_code(lay.code).views(host, lay)
             out.append(tuple(v.reshape(experts, lay.out_features // experts, *v.shape[1:]) for v in views))
         self._views[key] = (host.data_ptr(), out)
@@ -89,10 +92,9 @@ class ExpertCache:
 
     def _fresh(self, block: int) -> None:
         """The host copy current, and the block's cached experts forgotten if its master was written since."""
-        rt = self.rt
-        rt.store.fetching()
-        rt.store.ensure_fresh(block, rt._precision[block])
-        version = rt.store.master_version(block)
+        self.store.fetching()
+        self.store.ensure_fresh(block, self.precision()[block])
+        version = self.store.master_version(block)
         if self._versions.get(block, version) != version:
             self._forget(block)
         self._versions[block] = version
@@ -110,11 +112,11 @@ class ExpertCache:
         if pool is None:  # blocks of another layout share the cache's bytes
             held = sum(t.nbytes for p in self._pools.values() for t in (*p.weights, *p.scales) if t is not None)
             per_entry = sum(v[0].nbytes for stack in views for v in stack)
-            experts = self.rt.layers[self.stacks(block)[0]].experts
+            experts = self.layers[self.stacks(block)[0]].experts
             self._top_k = top_k or self._top_k  # a prefetch may make the next layout's pool: the last read's
             floor = 2 * min(experts, FLOOR_TOKENS * (self._top_k or experts))
             n = max(floor, max(self._capacity(block) - held, 0) // max(per_entry, 1))
-            device = self.rt.device
+            device = self.device
             with torch.inference_mode(False):  # made under inference_mode, it could not be written outside it
                 weights = [torch.empty(n, *stack[0].shape[1:], dtype=stack[0].dtype, device=device) for stack in views]
                 scales = [torch.empty(n, *stack[1].shape[1:], dtype=stack[1].dtype, device=device)
@@ -126,15 +128,15 @@ class ExpertCache:
     def _capacity(self, block: int) -> int:
         if isinstance(self.capacity_bytes, int):
             return self.capacity_bytes
-        rt = self.rt  # "auto": what the budget leaves beside the plan and the dense stacks, less a fifth
-        limit = rt.plan_driver.budget.limit if rt.plan_driver.planning else None
-        if limit is None or rt.device.type != "cuda":
+        # "auto": what the budget leaves beside the plan and the dense stacks, less a fifth
+        limit = self.plan_driver.budget.limit if self.plan_driver.planning else None
+        if limit is None or self.device.type != "cuda":
             return 0
         # The plan's predicted peak, or the most this process has held if more (a long prompt still streams whole
         # blocks through the slots), then the dense stacks the model reads (eager_path.py).
-        plan = rt.plan_driver.plan
-        held = max(plan.predicted_peak_bytes if plan is not None else 0, torch.cuda.max_memory_reserved(rt.device))
-        dense = sum(rt.layers[i].weight.numel() * rt.layers[i].weight.element_size() for i in self.stacks(block))
+        plan = self.plan_driver.plan
+        held = max(plan.predicted_peak_bytes if plan is not None else 0, torch.cuda.max_memory_reserved(self.device))
+        dense = sum(self.layers[i].weight.numel() * self.layers[i].weight.element_size() for i in self.stacks(block))
         return max(0, int((limit - held - dense) * 0.8))
 
     def entries(self) -> int:
@@ -142,11 +144,10 @@ class ExpertCache:
 
     def _prune(self) -> None:
         """After a change of the precision map: a layout no block streams now gives its pool up."""
-        rt = self.rt
-        if self._seen == rt._precision:
+        if self._seen == self.precision():
             return
-        self._seen = dict(rt._precision)
-        live = {_layout_key(self._host_views(b)) for b in range(len(rt.blocks)) if self.stacks(b)}
+        self._seen = dict(self.precision())
+        live = {_layout_key(self._host_views(b)) for b in range(len(self.store.blocks)) if self.stacks(b)}
         stale = [k for k in self._pools if k not in live]
         if stale and self._stream is not None:
             self._stream.synchronize()  # a prefetch may still be copying into the pool given back (rare: a new map)
@@ -157,7 +158,6 @@ class ExpertCache:
         """Is copying this forward's missing experts (bytes over the H2D bandwidth, plus `COPY_SECONDS` a copy)
         faster than one copy of the block? Never where its picks take more than half the pool (the other half is
         the next block's prefetch)."""
-        rt = self.rt
         self._prune()
         views = self._host_views(block)
         pool = self._pool(block, views, top_k)
@@ -165,14 +165,13 @@ class ExpertCache:
             return False
         missing = [e for e in picked if (block, e) not in pool.where]
         per_expert = sum(v[0].nbytes for stack in views for v in stack)
-        bps = rt.plan_driver.cost_model.h2d_bps
+        bps = self.plan_driver.cost_model.h2d_bps
         routed = len(missing) * (per_expert / bps + sum(len(s) for s in views) * COPY_SECONDS)
-        return routed < rt.block_nbytes(block, rt._precision[block]) / bps
+        return routed < self.store.nbytes(block, self.precision()[block]) / bps
 
     def read(self, index: int, picked: list[int], dtype: torch.dtype, out: torch.Tensor, memo: dict) -> torch.Tensor:
         """`out` (the stack's dense buffer) with the `picked` experts' rows written (`memo`: the forward's)."""
-        rt = self.rt
-        block = rt.layers[index].block
+        block = self.layers[index].block
         stack = self.stacks(block).index(index)
         if ("entries", block) not in memo:
             memo[("entries", block)] = self._ensure(block, picked)
@@ -189,7 +188,7 @@ class ExpertCache:
             w = w.to(torch.float32) * pool.scales[stack].index_select(0, rows).unsqueeze(-1)
         out.index_copy_(0, where, w.to(dtype).view(len(picked), *out.shape[1:]))
         if self._stream is not None:
-            self._gathered.record(torch.cuda.current_stream(rt.device))
+            self._gathered.record(torch.cuda.current_stream(self.device))
         return out
 
     def _ensure(self, block: int, picked: list[int]) -> list[int]:
@@ -209,7 +208,7 @@ class ExpertCache:
             pool.order[block].move_to_end(e)
             entries.append(pool.where[(block, e)])
         if self._stream is not None:
-            compute = torch.cuda.current_stream(self.rt.device)
+            compute = torch.cuda.current_stream(self.device)
             for entry in entries:
                 compute.wait_event(pool.ready[entry])
         return entries
@@ -230,7 +229,7 @@ class ExpertCache:
                     if pool.scales[stack] is not None:
                         pool.scales[stack][entry].copy_(host[1][e], non_blocking=pinned)
                     self.copies += len(host)
-                    self.rt.pool.stats.h2d_bytes += sum(v[e].nbytes for v in host)
+                    self.pool.stats.h2d_bytes += sum(v[e].nbytes for v in host)
                 pool.where[(block, e)] = entry
                 pool.order.setdefault(block, OrderedDict())[e] = None
                 if stream is not None:
@@ -242,7 +241,7 @@ class ExpertCache:
         block, its least recently used expert; never one in `keep`."""
         if pool.free:
             return pool.free.pop()
-        n = len(self.rt.blocks)
+        n = len(self.store.blocks)
         for distance in range(n - 1, -1, -1):  # 0 last: the block's own experts not read now
             other = (block + distance) % n
             for e in pool.order.get(other, ()):
@@ -278,21 +277,20 @@ class ExpertCache:
         """The next MoE block's router: a 2-D [experts, hidden] parameter of the module around its experts."""
         if block in self._routers:
             return self._routers[block]
-        rt = self.rt
         found = None
-        for nxt in range(block + 1, len(rt.blocks)):
+        for nxt in range(block + 1, len(self.store.blocks)):
             stacks = self.stacks(nxt)
             if not stacks:
                 continue
-            spec = rt.layers[stacks[0]]
+            spec = self.layers[stacks[0]]
             experts_fqn = spec.fqn.rpartition(".")[0]
-            parent = rt.model.get_submodule(experts_fqn.rpartition(".")[0])
-            experts_module = rt.model.get_submodule(experts_fqn)
+            parent = self.model.get_submodule(experts_fqn.rpartition(".")[0])
+            experts_module = self.model.get_submodule(experts_fqn)
             own = {id(p) for p in experts_module.parameters()}
             for module in parent.modules():
                 weight = module._parameters.get("weight")
                 if (weight is not None and id(weight) not in own and weight.dim() == 2
-                        and weight.shape[0] == spec.experts and weight.device.type == rt.device.type):
+                        and weight.shape[0] == spec.experts and weight.device.type == self.device.type):
                     bias = module._parameters.get("bias")
                     found = (weight, bias if bias is not None and bias.shape == (spec.experts,) else None, nxt)
                     break

@@ -1,8 +1,8 @@
 """Host arenas: a few large host allocations, carved into per-block buffers, pinned at their real size.
 
 PyTorch's pinned allocator rounds every request up to a power of two. Here a set of buffers is one pageable
-allocation whose streamed ranges are page-locked in place (`cudaHostRegister`), each buffer on its own pages. Pages
-are committed when written, and locking commits them: a range is locked after it is filled. `NoPinner`: the CPU.
+allocation whose streamed ranges are page-locked in place (`cudaHostRegister`), each buffer on its own pages;
+locking commits pages, so a range is locked after it is filled.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def page_round(n: int) -> int:
 
 
 def new_memfd(kind: str, nbytes: int) -> int:
-    """A shared-memory file of `nbytes` with no name on any file system (its pages are committed as they are
-    written, and go with the last descriptor and mapping), named in /proc after the allocation `kind`."""
+    """A shared-memory file of `nbytes` on no file system (its pages go with the last descriptor and mapping),
+    named in /proc after the allocation `kind`."""
     fd = os.memfd_create(f"stagehand-{kind.replace(' ', '-')}", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
@@ -59,8 +59,7 @@ class NoPinner:
 
 
 class CudaPinner:
-    """Page-locks host ranges in place through the CUDA runtime (what torch's own
-    `torch.cuda._pin_memory_utils` does for distributed checkpoint staging)."""
+    """Page-locks host ranges in place through the CUDA runtime (as `torch.cuda._pin_memory_utils` does)."""
 
     locks = True
     PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as pin_memory=True is
@@ -71,8 +70,7 @@ class CudaPinner:
             raise PinError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB failed with cudaError {err}")
 
     def drain(self) -> None:
-        """Every copy still reading a locked range finishes: call once before a batch of `unregister`s
-        (a precision switch unlocks many blocks; one device synchronisation, not one per block)."""
+        """Every copy still reading a locked range finishes: once before a batch of `unregister`s."""
         try:
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - at interpreter exit CUDA may be gone
@@ -174,8 +172,7 @@ PAGEABLE_COST = "copies from pageable memory are staged by the driver (~20 GB/s 
 
 def lock_or_fall_back(arena: HostArena, view: torch.Tensor, what: str, refuse: bool) -> bool:
     """Page-lock `view` (`what` names it); True if locked. A refusal (the locked-memory limit, the driver) is an
-    OutOfMemoryError that says so when `refuse` (during offload: the model goes back); else (a run in progress)
-    the buffer stays pageable, with a warning that names the limit and the cost."""
+    OutOfMemoryError when `refuse` (during offload); else the buffer stays pageable, with a warning."""
     try:
         arena.lock(view)
         return True

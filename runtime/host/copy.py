@@ -1,8 +1,7 @@
 """Device-to-host copies into the store's pageable buffers, through one pinned bounce buffer.
 
-A GPU's copy into pageable memory goes through the driver's small staging buffers at a few GB/s; through one
-pinned buffer it goes at the link's speed. The buffer grows to the largest tensor copied and is freed by
-`release()` once the store is built, so no pinned memory outlives a build.
+A GPU's copy into pageable memory goes through the driver's small staging buffers, slowly; through one pinned
+buffer, at the link's speed. It grows to the largest tensor copied and `release()` frees it after a build.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The disk tier (`Config(int8_tier="disk")` with `offload(slab=...)`): INT8 blocks read from the slab at each fetch.
 
-A block's bytes go from the file into one of a few pinned staging buffers (one allocation, page-locked at its
-exact size) and from there to its device slot. A worker thread reads the next block in the fetches' direction
-while the current one computes; a staging buffer is read into again only once its H2D copy finished (its event,
-waited on by the worker, never by the host). `stats()["host"]["disk_tier"]` has the bytes read and the GB/s.
+A block's bytes go from the file into one of a few pinned staging buffers and from there to its device slot. A
+worker thread reads the next block in the fetches' direction while the current one computes; a buffer is read
+into again once its H2D copy finished (its event waited on by the worker, never by the host).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """One host store per node: the local ranks of a torch.distributed job share the streamed weights.
 
-The node's first rank creates each host allocation as a memfd (no name left behind, not bounded by /dev/shm); the
-others map it through ``/proc/<leader pid>/fd/<fd>``. Each block has one writer, its owner (rank b mod the node's
-ranks). The ranks pass the same exchanges (`all_gather_object` on a gloo group), one per shared allocation and one
-at the end of offload (`seal`), after which a follower may read the pages; a rank that fails sends an abort there
-instead, and a dead one is seen when its connection closes (or after `Config.node_timeout_s`).
+The node's first rank creates each host allocation as a memfd (not bounded by /dev/shm); the others map it through
+``/proc/<leader pid>/fd/<fd>``. Each block has one writer, its owner (rank b mod the node's ranks). The ranks pass
+the same exchanges (`all_gather_object` on a gloo group), one per shared allocation and one at offload's end
+(`seal`); a rank that fails sends an abort instead, a dead one is seen when its connection closes.
 """
 
 from __future__ import annotations
@@ -129,8 +128,8 @@ class NodeStore:
 
     def seal(self, device: torch.device, pinned: bool, keep_group: bool = False) -> None:
         """The end of offload on every rank of the node: every owner has written its pages, every rank may read
-        them; the memfds are closed. On a GPU, the host link is measured with every local rank copying at once.
-        `keep_group`: full fine-tuning syncs the node's ranks after each step on its group (`barrier`)."""
+        them. On a GPU the host link is measured with every local rank copying at once. `keep_group`: full
+        fine-tuning syncs the node's ranks after each step on its group (`barrier`)."""
         items = self._exchange(("sealed", self._allocations))
         counts = {got[1] for got in items}
         if len(counts) > 1:
@@ -173,8 +172,7 @@ class NodeStore:
             except NodeStoreError:
                 pass  # another rank failed too: everyone knows
             self.done = True
-        self._close_fds()
-        self._leave()
+        self.close()
 
     def close(self) -> None:
         self._close_fds()

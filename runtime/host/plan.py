@@ -1,6 +1,5 @@
-"""Which host copies offload keeps where (per block: the streamed copy pinned, the master as `keep_full` says),
-what they cost (`plan_host`, which resolves keep_full="auto"), whether the machine has it (`preflight`: a
-`HostMemoryError` with the numbers and the way out, before any allocation), and `host_report` (`stats()["host"]`).
+"""Which host copies offload keeps where and what they cost (`plan_host`, resolving keep_full="auto"), whether the
+machine has it (`preflight`, before any allocation), and `host_report` (`stats()["host"]`).
 """
 
 from __future__ import annotations
@@ -179,5 +178,3 @@ def check_master_dtypes(layers: list[StreamedLayerSpec]) -> None:
             names = ", ".join(str(d).removeprefix("torch.") for d in supported)
             raise StreamedDtypeError(f"offload: {spec.fqn}.weight is {dtype}; streamed weights must be one of {names} "
                                      "(convert the model first, e.g. model.to(torch.bfloat16))")
-
-

@@ -1,8 +1,8 @@
 """The host store: the master copy of every streamed weight, one flat buffer per block per precision.
 
 The modules' weights become views of a block's full-precision buffer (so `state_dict()` is real); every other
-precision's buffer is derived from it (or read from a slab) by its registry entry, and streaming only reads them.
-A copy kind's buffers are views of one allocation (`host/arena.py`); only what streams is page-locked.
+precision's buffer is derived from it (or read from a slab), and streaming only reads them. A copy kind's buffers
+are views of one allocation (`host/arena.py`); only what streams is page-locked.
 """
 
 from __future__ import annotations
@@ -42,10 +42,6 @@ class BlockBuffers:
     @property
     def has_master(self) -> bool:
         return self.file_master is not None or self.full is not None
-
-    def nbytes(self, precision: str) -> int:
-        buf = self.buffers.get(precision)
-        return 0 if buf is None else buf.numel()
 
 
 log = logging.getLogger(__name__)
@@ -302,14 +298,11 @@ class HostStore:
         if (block, precision) in self.on_disk:
             self.disk_tier.copied(block, stream)
 
-    def is_derived(self, block: int, precision: str) -> bool:
-        """Built from the master: every precision but the master's own flat buffer."""
-        return precisions.get(precision).derived_from_master or self.blocks[block].file_master is not None
-
     def can_stream(self, block: int, precision: str) -> bool:
-        """Held already, or derived and buildable from a master the block has."""
+        """Held already, or derived (every precision but the master's own flat buffer) from a master it has."""
         bb = self.blocks[block]
-        return self.has(block, precision) or (self.is_derived(block, precision) and bb.has_master)
+        derived = precisions.get(precision).derived_from_master or bb.file_master is not None
+        return self.has(block, precision) or (derived and bb.has_master)
 
     def fetching(self) -> None:
         """A block's bytes are about to be read for a device copy: `before_fetch`, once, outside any backward."""
@@ -362,9 +355,8 @@ class HostStore:
         return bb.layouts[precision]
 
     def nbytes(self, block: int, precision: str) -> int:
-        if precision in self.blocks[block].buffers:
-            return self.blocks[block].nbytes(precision)
-        return precisions.get(precision).layout(self.blocks[block].layers)[1]
+        buf = self.blocks[block].buffers.get(precision)
+        return buf.numel() if buf is not None else precisions.get(precision).layout(self.blocks[block].layers)[1]
 
     def max_block_bytes(self) -> int:
         """The slot size: the largest block in any precision it can stream in."""

@@ -26,6 +26,50 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot serve the model: missing tensor, other shape or dtype, bad file (named)."""
 
 
+PIPELINE_INDEX = "model_index.json"  # what makes a folder a diffusers pipeline's: one subfolder per model
+
+
+def pipeline_components(folder: str | os.PathLike) -> dict[str, str]:
+    """A diffusers pipeline folder's models, as its model_index.json lists them: subfolder -> class name (the
+    subfolders there are); {} for any other folder."""
+    folder = os.fspath(folder)
+    try:
+        with open(os.path.join(folder, PIPELINE_INDEX), encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {name: entry[1] for name, entry in (index.items() if isinstance(index, dict) else ())
+            if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], str)
+            and os.path.isdir(os.path.join(folder, name))}
+
+
+def pipeline_component(path: str | os.PathLike, class_names) -> tuple[str | os.PathLike, str | None]:
+    """`path`, or where it is a diffusers pipeline folder, the subfolder its model_index.json gives a class of
+    `class_names` (the model offloaded), with the line that says so; `path` itself when none or several match
+    (`resolve_files` then names the subfolders)."""
+    folder = os.fspath(path)
+    if not os.path.isfile(os.path.join(folder, PIPELINE_INDEX)):
+        return path, None
+    components = pipeline_components(folder)
+    match = [name for name, cls in components.items() if cls in class_names]
+    if len(match) != 1:
+        return path, None
+    sub = os.path.join(folder, match[0])
+    return sub, (f"stagehand offload: checkpoint {folder} is a diffusers pipeline folder: reading its "
+                 f"{match[0]}/ ({components[match[0]]}, as model_index.json names it), {sub}")
+
+
+def _pipeline_folder_error(folder: str) -> CheckpointError:
+    """A pipeline folder given where one model's folder goes: name the subfolders to pass (the denoiser first)."""
+    components = pipeline_components(folder)
+    names = [n for n in ("transformer", "unet") if n in components] + sorted(
+        n for n in components if n not in ("transformer", "unet"))
+    with_weights = [n for n in names if any(".safetensors" in f for f in os.listdir(os.path.join(folder, n)))]
+    listed = ", ".join(f"{os.path.join(folder, n)} ({components[n]})" for n in with_weights or names)
+    return CheckpointError(f"checkpoint {folder!r}: a diffusers pipeline folder ({PIPELINE_INDEX}), not one model's: "
+                           f"pass the subfolder of the model offloaded" + (f": {listed}" if listed else ""))
+
+
 def resolve_files(path: str | os.PathLike) -> list[str]:
     """The .safetensors files a file, an index json or a folder names."""
     path = os.fspath(path)
@@ -35,6 +79,8 @@ def resolve_files(path: str | os.PathLike) -> list[str]:
             path = os.path.join(path, index[0])
         else:
             files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files and os.path.isfile(os.path.join(path, PIPELINE_INDEX)):
+                raise _pipeline_folder_error(path)
             if not files:
                 raise CheckpointError(f"checkpoint {path!r}: the folder has no .safetensors file or index json")
             return files
@@ -100,8 +146,8 @@ class WeightsFile:
         """The file's tensor for `name`, checked against the model's (meta) tensor `like`."""
         t = self.view(name, track)
         if tuple(t.shape) != tuple(like.shape):
-            raise CheckpointError(f"checkpoint {self.path!r}: {name} has shape {tuple(t.shape)}, the model's {what} "
-                                  f"{tuple(like.shape)}")
+            raise CheckpointError(f"checkpoint {self._where[name].path!r}: {name} has shape {tuple(t.shape)}, the "
+                                  f"model's {what} {tuple(like.shape)}")
         return t
 
     def read_ahead(self, names: Sequence[str], threads: int = 8) -> int:

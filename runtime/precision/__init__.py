@@ -1,7 +1,6 @@
-"""The precision registry: one entry per precision (name, code, host layout, how a block's buffer is built, a layer's
-views, linear and grad-input from a slot). Callers hold a name or code and ask for the entry; adding a precision
-is `precisions.register(MyPrecision())`, a `Precision` subclass.
-"""
+"""The precision registry: one entry per precision (name, code, host layout, buffer filling, a layer's views, linear
+and grad-input from a slot). Callers hold a name or code and ask for the entry; a new precision is
+`precisions.register(MyPrecision())`, a `Precision` subclass."""
 
 from torch_stagehand.runtime.precision.base import Precision
 from torch_stagehand.runtime.precision.layout import ALIGN, CODE_DTYPES, DTYPE_CODES, LayerLayout, align

@@ -1,7 +1,6 @@
-"""What a precision is: the one interface the host store, the ops and the runtime talk to. Everything that depends on
-how a precision stores and computes a weight lives in its entry (a block's layout, filling its buffer, a layer's
-views in a host buffer or a slot alike, the math on them); callers never branch on which precision it is.
-"""
+"""What a precision is: the one interface the host store, the ops and the runtime talk to. How a precision stores
+and computes a weight (layout, buffer filling, views in a host buffer or a slot, the math) lives in its entry;
+callers never branch on which precision it is."""
 
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ class Precision(abc.ABC):
     @abc.abstractmethod
     def layer_nbytes(self, spec: "StreamedLayerSpec") -> tuple[int, int]:
         """(weight bytes, scale bytes) of one layer; scale bytes 0 for no scale."""
-        ...
 
     @abc.abstractmethod
     def layer_layout(self, spec: "StreamedLayerSpec", offset: int, scale_offset: int) -> LayerLayout:
@@ -57,12 +55,10 @@ class Precision(abc.ABC):
     @abc.abstractmethod
     def views(self, buf: torch.Tensor, lay: LayerLayout) -> tuple[torch.Tensor, ...]:
         """The layer's stored tensors as views of `buf` (weight first, in its stored orientation)."""
-        ...
 
     @abc.abstractmethod
     def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
         """Fill the layer's bytes in `buf` from a full-precision [out, in] weight."""
-        ...
 
     @abc.abstractmethod
     def linear_from_slot(self, x: torch.Tensor, slot: torch.Tensor, bias: torch.Tensor | None,
@@ -75,7 +71,6 @@ class Precision(abc.ABC):
 
     def check_device(self, device: torch.device, emulate: bool) -> None:
         """Raise if this precision cannot compute on `device` (`emulate`: the user allowed an emulation)."""
-        return None
 
     def __repr__(self) -> str:
         return f"<precision {self.name!r} code {self.code}>"
@@ -106,7 +101,6 @@ class OneBytePerRow(Precision):
     @abc.abstractmethod
     def quantize(self, weight: torch.Tensor, quantizer: str) -> tuple[torch.Tensor, torch.Tensor]:
         """[out, in] full-precision weight -> (one-byte rows, fp32 scale per row)."""
-        ...
 
     def write(self, buf: torch.Tensor, lay: LayerLayout, weight: torch.Tensor, quantizer: str) -> None:
         q, s = self.quantize(weight, quantizer)

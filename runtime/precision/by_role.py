@@ -1,9 +1,7 @@
 """Per-layer precision inside a block: a *by-role* precision's buffer holds the block's attention projections in one
 precision and the rest (the MLP) in another ("int8-mlp": attention bf16, MLP int8; "int8-attn+fp8-mlp").
-
-Every layer's layout carries this entry's code (`wait_bw` takes the block's precision from a layer's layout) and
-the stored dtype of its role's precision, by which this entry hands each layer to the entry that stored it.
-"""
+Every layer's layout carries this entry's code (`wait_bw` takes the block's precision from it) and its role's
+stored dtype, by which this entry hands each layer to the entry that stored it."""
 
 from __future__ import annotations
 

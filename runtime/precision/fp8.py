@@ -1,7 +1,6 @@
 """"fp8": E4M3 weights with one fp32 scale per output row. On FP8 tensor cores (8.9+) the Linear runs
 `torch._scaled_mm` on per-row E4M3 activations (the weight's row scale folded into the gradient for grad-input);
-elsewhere fp8 is refused unless selective_precision.fp8_emulate asks for the dequantized emulation.
-"""
+elsewhere fp8 is refused unless selective_precision.fp8_emulate asks for the dequantized emulation."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ class Fp8UnsupportedError(RuntimeError):
 
 def has_fp8_tensor_cores(device: torch.device) -> bool:
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return _capability_at_least_89(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and torch.cuda.is_available() and _capability_at_least_89(
+        device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,5 @@
 """"bf16": the weights exactly as the model holds them (its own dtype and layout: a float32 model streams float32).
-The master copy: the modules keep views of this entry's buffer, so it is never derived from anything.
-"""
+The master copy: the modules keep views of this entry's buffer, so it is never derived from anything."""
 
 from __future__ import annotations
 

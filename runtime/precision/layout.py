@@ -1,6 +1,5 @@
 """Where a layer's weight sits in its block's flat uint8 buffer, as ints that travel through op schemas
-(`as_ints()`); the first int is the precision code, which an op looks up (`registry.by_code`).
-"""
+(`as_ints()`); the first int is the precision code, which an op looks up (`registry.by_code`)."""
 
 from __future__ import annotations
 

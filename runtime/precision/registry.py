@@ -1,6 +1,5 @@
 """The precisions stagehand can stream, by name (precision maps, the CLI, telemetry) and by code (op schemas and
-layouts): a new precision is one `register(entry)`.
-"""
+layouts): a new precision is one `register(entry)`."""
 
 from __future__ import annotations
 

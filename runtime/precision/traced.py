@@ -1,10 +1,7 @@
 """A precision's Linear in graph ops for compiled blocks (`Precision.graph_linear`): Inductor then fuses the
 quantization and calls the GEMM from its own code, without the `stagehand::linear` op's host cost.
-
-`TracedLinear` keeps the op's contract: it saves the block's tokens, never the slot, and its backward asks for the
-block again (`wait_bw`) and prefetches the previous one, as the op's backward does. A precision's `TracedMath`:
-`forward(x, slot, lay)` (no bias) and `grad_input(dy, slot, lay)`.
-"""
+`TracedLinear` keeps the op's contract: it saves the block's tokens, never the slot; its backward asks for the
+block again (`wait_bw`) and prefetches the previous one. A precision supplies a `TracedMath`."""
 
 from __future__ import annotations
 

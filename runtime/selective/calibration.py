@@ -44,28 +44,29 @@ def _batch_digest(batch) -> list:
     return [(str(k), _tensor_digest(v) if isinstance(v, torch.Tensor) else repr(v)) for k, v in items]
 
 
-def fingerprint(rt, batches: list, candidates: dict[int, str]) -> str:
-    model = rt.model
+def fingerprint(model: nn.Module, store, quantizer: str, blocks: list[str], batches: list,
+                candidates: dict[int, str]) -> str:
     config = getattr(model, "config", None)
     identity = {
         "class": type(model).__qualname__,
         "config": config.to_json_string() if hasattr(config, "to_json_string") else None,
-        "weights": [_tensor_digest(bb.full) if bb.full is not None else None for bb in rt.store.blocks],
+        "weights": [_tensor_digest(bb.full) if bb.full is not None else None for bb in store.blocks],
     }
-    quant = {"candidates": {str(b): p for b, p in sorted(candidates.items())}, "quantizer": rt.config.quantizer,
+    quant = {"candidates": {str(b): p for b, p in sorted(candidates.items())}, "quantizer": quantizer,
              "samples": len(batches), "batches": [_batch_digest(b) for b in batches]}
-    layout = {"blocks": list(rt.blocks),
-              "layers": [[lay.as_ints() for lay in rt.store.layout(b, p)] for b, p in sorted(candidates.items())]}
+    layout = {"blocks": list(blocks),
+              "layers": [[lay.as_ints() for lay in store.layout(b, p)] for b, p in sorted(candidates.items())]}
     text = json.dumps({"identity": identity, "quant": quant, "layout": layout}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def calibrate(rt, model: nn.Module, batches: list, low_for: Callable[[int], str],
-              cache_dir: str | None = None) -> CalibrationResult:
+def calibrate(model: nn.Module, batches: list, low_for: Callable[[int], str], cache_dir: str | None = None, *,
+              offloaded: nn.Module, store, quantizer: str, blocks: list[str], precision: Callable[[], dict[int, str]],
+              set_precision: Callable[[dict[int, str]], None]) -> CalibrationResult:
     if not batches:
         raise ValueError("selective precision: calibrate() needs at least one batch")
-    candidates = {b: low_for(b) for b in range(len(rt.blocks))}
-    key = fingerprint(rt, batches, candidates)
+    candidates = {b: low_for(b) for b in range(len(blocks))}
+    key = fingerprint(offloaded, store, quantizer, blocks, batches, candidates)
     path = os.path.join(cache_dir or os.path.join(stagehand_cache_dir(), "calibration"), f"calibration-{key}.json")
     if os.path.exists(path):
         with open(path) as f:
@@ -73,7 +74,7 @@ def calibrate(rt, model: nn.Module, batches: list, low_for: Callable[[int], str]
         errors = {int(b): float(e) for b, e in data["errors"].items()}
         log.info("selective precision: calibration read from %s", path)
         return CalibrationResult(errors, key, path, True, candidates)
-    errors = _measure(rt, model, batches, candidates)
+    errors = _measure(model, batches, candidates, blocks, precision, set_precision)
     # Another process calibrating the same model writes the same numbers.
     write_atomic(path, json.dumps({"fingerprint": key, "candidates": {str(b): p for b, p in candidates.items()},
                                    "errors": {str(b): e for b, e in errors.items()}}, indent=1))
@@ -89,11 +90,12 @@ def _first_tensor(out) -> torch.Tensor:
     raise TypeError(f"selective precision: calibration cannot read a block output of type {type(out).__name__}")
 
 
-def _measure(rt, model: nn.Module, batches: list, candidates: dict[int, str]) -> dict[int, float]:
+def _measure(model: nn.Module, batches: list, candidates: dict[int, str], blocks: list[str], precision,
+             set_precision) -> dict[int, float]:
     """Run the batches; each block's hook re-runs it in its candidate precision on the same input."""
     sums = {b: 0.0 for b in candidates}
     counts = {b: 0 for b in candidates}
-    start = rt.precision
+    start = dict(precision())
     full = {b: FULL for b in start}
     busy = [False]
 
@@ -103,10 +105,10 @@ def _measure(rt, model: nn.Module, batches: list, candidates: dict[int, str]) ->
                 return None
             busy[0] = True
             try:
-                rt.set_precision({block: candidates[block]})
+                set_precision({block: candidates[block]})
                 candidate_out = _first_tensor(module(*args, **kwargs)).double()
             finally:
-                rt.set_precision({block: FULL})
+                set_precision({block: FULL})
                 busy[0] = False
             reference = _first_tensor(output).double()
             sums[block] += ((candidate_out - reference).norm() / reference.norm().clamp_min(1e-30)).item()
@@ -115,8 +117,8 @@ def _measure(rt, model: nn.Module, batches: list, candidates: dict[int, str]) ->
         return hook
 
     handles = [model.get_submodule(fqn).register_forward_hook(hook_for(b), with_kwargs=True)
-               for b, fqn in enumerate(rt.blocks)]
-    rt.set_precision(full)
+               for b, fqn in enumerate(blocks)]
+    set_precision(full)
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the eager op path is the point here, not a fallback
@@ -125,8 +127,8 @@ def _measure(rt, model: nn.Module, batches: list, candidates: dict[int, str]) ->
     finally:
         for h in handles:
             h.remove()
-        rt.set_precision(start)
-    missing = [rt.blocks[b] for b, n in counts.items() if n == 0]
+        set_precision(start)
+    missing = [blocks[b] for b, n in counts.items() if n == 0]
     if missing:
         raise RuntimeError(f"selective precision: calibration never ran block {missing[0]} (is the model the "
                            "offloaded one, called without torch.compile?)")

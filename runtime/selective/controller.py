@@ -1,14 +1,14 @@
 """Selective precision acting on a Runtime (`rt.selective`, made by `offload(precision="auto")` or a set
 `selective_precision.mode`). `rt.attach(optimizer)` registers its pre-step hook: after each backward it queues the
 per-block gradient reductions on the device; every `update_interval_steps` (after `warmup_steps`) it reads the window
-once, scores the blocks, applies the new map through `rt.set_precision`, logs each change and writes a telemetry
-record. `rt.observe_loss(loss)` (optional) feeds the loss-spike revert.
+once, scores the blocks, applies the new map through the `set_precision` it was given, logs each change and writes a
+telemetry record. `rt.observe_loss(loss)` (optional) feeds the loss-spike revert.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -30,21 +30,25 @@ def selective_precision_requested(cfg, auto: bool) -> bool:
 
 
 class SelectivePrecision:
-    def __init__(self, rt, start: Mapping[int, str], start_given: bool = False):
+    def __init__(self, start: Mapping[int, str], start_given: bool, *, config, model, device: torch.device,
+                 blocks: list[str], layers, store, pool, precision: Callable[[], dict[int, str]],
+                 set_precision: Callable[[dict[int, str]], None]):
         """start: the starting map; start_given: the user chose it (precision= a map or a name with a
-        mode set), so the ambiguous zone keeps it; else ("auto") `ambiguous_default` places those blocks."""
-        self.rt = rt
-        self.cfg = cfg = rt.config.selective_precision
+        mode set), so the ambiguous zone keeps it; else ("auto") `ambiguous_default` places those blocks.
+        `precision()`: the runtime's map now (read); `set_precision(map)` applies a map to the runtime."""
+        self.cfg = cfg = config.selective_precision
+        self.quantizer, self.model, self.device, self.blocks = config.quantizer, model, device, blocks
+        self.store, self.pool, self.precision, self.set_precision = store, pool, precision, set_precision
         self.fp8 = None
-        check_force_lists(cfg, len(rt.blocks))
-        self.units = units = Units(len(rt.blocks), cfg.granularity == "layer")
+        check_force_lists(cfg, len(blocks))
+        self.units = units = Units(len(blocks), cfg.granularity == "layer")
         self._fp8_units: set[int] = set()  # units whose every layer the FP8 policy file measured faster
         if cfg.fp8_policy_file is not None:
-            device_name = torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else None
+            device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
             self.fp8 = fp8_rules.load(cfg.fp8_policy_file, device_name)
             self._fp8_units = {u for u in range(len(units)) if self.fp8.block_takes_fp8(
-                [(s.out_features, s.in_features) for s in units.layers_of(u, rt.layers)], cfg.fp8_tokens)}
-        slab_only = {b: INT8 for b in range(len(rt.blocks)) if not rt.store.can_stream(b, FULL)}
+                [(s.out_features, s.in_features) for s in units.layers_of(u, layers)], cfg.fp8_tokens)}
+        slab_only = {b: INT8 for b in range(len(blocks)) if not store.can_stream(b, FULL)}
         force = {b: FULL for b in cfg.force_bf16_blocks} | {b: INT8 for b in cfg.force_int8_blocks}
         self.policy = SelectivePolicy(cfg, len(units), low_for=self.low_for_unit,
                                       pinned=units.of_blocks(slab_only), force=units.of_blocks(force),
@@ -59,18 +63,18 @@ class SelectivePrecision:
         self._losses: list[tuple[int, torch.Tensor]] = []  # (step, device loss) not read yet
         self.loss_history: list[tuple[int, float]] = []
         self._watched: list[Change] = []  # switches to fewer bytes the loss feedback still watches
-        self._h2d_at_update = rt.pool.stats.h2d_bytes
+        self._h2d_at_update = pool.stats.h2d_bytes
         self._step_at_update = 0
         self._baseline_per_step: float | None = None
         start = units.unit_map(start)
         initial = self.policy.initial_map(start)
         self._apply(initial, [Change(u, start[u], p, 0, None, "mode off" if self.policy.mode == "off" else "force")
                               for u, p in initial.items() if p != start[u]])
-        self.map_history.append((0, rt.precision))
+        self.map_history.append((0, dict(precision())))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> list[Any]:
         # Bytes moved before training (calibration, a first eager call) are no step's.
-        self._h2d_at_update, self._step_at_update = self.rt.pool.stats.h2d_bytes, self.step
+        self._h2d_at_update, self._step_at_update = self.pool.stats.h2d_bytes, self.step
         return [optimizer.register_step_pre_hook(lambda *_: self.after_backward())]
 
     def observe_loss(self, loss: torch.Tensor) -> None:
@@ -83,7 +87,9 @@ class SelectivePrecision:
             log.info("selective precision: run_calibration is false; the policy scores gradients alone")
             return None
         batches = list(batches)[: self.cfg.calibration_samples]
-        self.calibration = calibrate(self.rt, model or self.rt.model, batches, self.low_for, self.cfg.calibration_cache_dir)
+        self.calibration = calibrate(model or self.model, batches, self.low_for, self.cfg.calibration_cache_dir,
+                                     offloaded=self.model, store=self.store, quantizer=self.quantizer,
+                                     blocks=self.blocks, precision=self.precision, set_precision=self.set_precision)
         self.errors = dict(self.calibration.errors)
         return self.calibration
 
@@ -111,8 +117,8 @@ class SelectivePrecision:
         if self.policy.mode != "dynamic":
             return
         if self.stats is None:  # built on the first step: adapters may be added between offload and training
-            self.stats = BlockGradStats(self.units.params(self.rt.model, self.rt.blocks), self.cfg.history_window,
-                                        self.rt.device)
+            self.stats = BlockGradStats(self.units.params(self.model, self.blocks), self.cfg.history_window,
+                                        self.device)
         self.stats.collect()
         self.step += 1
         if self.policy.due(self.step):
@@ -120,7 +126,7 @@ class SelectivePrecision:
 
     def _update(self) -> None:
         window = self.stats.read()
-        current = self.units.unit_map(self.rt.precision)
+        current = self.units.unit_map(self.precision())
         errors = None if self.errors is None else {u: self.errors[self.units.block(u)] for u in range(len(self.units))}
         new, changes = self.policy.update(self.step, current, window.rel_magnitude, errors)
         reverts = self._loss_feedback(new)
@@ -129,19 +135,19 @@ class SelectivePrecision:
         changes = [c for c in changes if c.block not in {r.block for r in reverts}] + reverts
         self._apply(new, changes)
         self._watched += [c for c in changes if c.new != FULL and c.old == FULL]
-        self.map_history.append((self.step, self.rt.precision))
+        self.map_history.append((self.step, dict(self.precision())))
         self._write_telemetry(window, changes)
 
     def _apply(self, new: dict[int, str], changes: list[Change]) -> None:
         """Apply a unit map; `changes` are per unit (a block, or a block's attention / MLP)."""
         if changes:
-            self.rt.set_precision(self.units.block_map(new))
+            self.set_precision(self.units.block_map(new))
         for c in changes:
             self.changes.append(c)
             if self.cfg.log_decisions:
                 score = "" if c.sensitivity is None else f", sensitivity {c.sensitivity:.3f}"
                 log.info("selective precision: step %d: block %s (%s) %s -> %s (%s%s)", c.step, self.units.label(c.block),
-                         self.rt.blocks[self.units.block(c.block)], c.old, c.new, c.reason, score)
+                         self.blocks[self.units.block(c.block)], c.old, c.new, c.reason, score)
 
     def _loss_feedback(self, new: dict[int, str]) -> list[Change]:
         if self._losses:
@@ -162,15 +168,15 @@ class SelectivePrecision:
         return reverts
 
     def _write_telemetry(self, window: WindowStats, changes: list[Change]) -> None:
-        rt, pmap = self.rt, self.rt.precision
-        h2d = rt.pool.stats.h2d_bytes
+        pmap, nbytes = self.precision(), self.store.nbytes
+        h2d = self.pool.stats.h2d_bytes
         steps = self.step - self._step_at_update
         per_step = (h2d - self._h2d_at_update) / max(steps, 1)
-        all_full = sum(rt.block_nbytes(b, FULL) for b in range(len(rt.blocks)))
+        all_full = sum(nbytes(b, FULL) for b in range(len(self.blocks)))
         previous_map = self.map_history[-2][1]
         if self._baseline_per_step is None and per_step > 0:
             # The first interval's bytes per step, scaled to what all-bf16 would have moved.
-            ran = sum(rt.block_nbytes(b, p) for b, p in previous_map.items())
+            ran = sum(nbytes(b, p) for b, p in previous_map.items())
             self._baseline_per_step = per_step * all_full / ran
         measured = None if not self._baseline_per_step else round(100 * (1 - per_step / self._baseline_per_step), 2)
         units = self.units
@@ -186,7 +192,7 @@ class SelectivePrecision:
             "min_sensitivity": round(min(scores), 4),
             "precision_changes": len(changes),
             "estimated_bandwidth_saving_pct": round(
-                100 * (1 - sum(rt.block_nbytes(b, p) for b, p in pmap.items()) / all_full), 2),
+                100 * (1 - sum(nbytes(b, p) for b, p in pmap.items()) / all_full), 2),
             "measured_bandwidth_saving_pct": measured,
             "measured_over_map_of_step": self.map_history[-2][0],  # the map the measured interval ran
             "h2d_bytes_per_step": round(per_step),

@@ -9,14 +9,7 @@ from torch_stagehand.runtime import precision as precisions
 
 
 class SelectivePrecisionAPI:
-    selective = None  # the controller, set by offload when the policy is on
-
-    def start_selective_precision(self, precision_map: dict[int, str], start_given: bool) -> None:
-        """Turn the policy on (offload does, when asked): a controller from here on, closed with the runtime."""
-        from torch_stagehand.runtime.selective.controller import SelectivePrecision
-
-        self.selective = SelectivePrecision(self, precision_map, start_given=start_given)
-        self.on_close(self.selective.close)
+    selective = None  # the controller, set by offload when the policy is on (Runtime.start_selective_precision)
 
     def _selective_hooks(self, optimizer) -> list:
         return [] if self.selective is None else self.selective.attach(optimizer)

@@ -29,7 +29,7 @@ from torch_stagehand.runtime.slab.manifest import (
     SlabManifest, check_slab_name,
 )
 from torch_stagehand.runtime.slab.report import BuildResult, LayerReport, print_and_save_report
-from torch_stagehand.runtime.slab.safetensors_io import IncrementalWriter, byte_view
+from torch_stagehand.runtime.slab.safetensors_io import MANIFEST_DTYPE_TO_TAG, IncrementalWriter, byte_view
 
 
 @dataclass
@@ -84,28 +84,26 @@ def write_slab(plans: list[LayerPlan], *, output_dir, slab_name: str, architectu
     st_path = os.path.join(os.fspath(output_dir), f"{slab_name}.safetensors")
     mf_path = os.path.join(os.fspath(output_dir), f"{slab_name}.manifest.json")
     slab_id = uuid.uuid4().hex
-    entries: list[tuple[str, str, tuple[int, ...]]] = []
-    for p in plans:
-        pin = _padded(p.in_features, pack_k)
-        entries += [(f"{p.name}.qweight", "I8", (p.out_features, pin)), (f"{p.name}.scale", "F32", (p.out_features,)),
-                    (f"{p.name}.zero_point", "F32", (p.out_features,))]
-        if p.has_bias:
-            entries.append((f"{p.name}.bias", "F32", (p.out_features,)))
+    block_prefixes = find_block_prefixes(p.name for p in plans)
+    layers = {p.name: LayerEntry(
+        name=p.name, out_features=p.out_features, in_features=p.in_features,
+        padded_in_features=_padded(p.in_features, pack_k), has_bias=p.has_bias, qweight_key=f"{p.name}.qweight",
+        scale_key=f"{p.name}.scale", zero_point_key=f"{p.name}.zero_point",
+        bias_key=f"{p.name}.bias" if p.has_bias else None, pad_k=pack_k, source_layout=p.layout,
+        source_dtype=str(p.source_dtype).replace("torch.", ""), block_id=_block_id(p.name, block_prefixes))
+        for p in plans}
     meta = {"format": "pt", SLAB_ID_KEY: slab_id, "architecture_id": architecture_id, "quant_version": QUANT_VERSION}
     tmp_path = st_path + ".partial"
-    writer = IncrementalWriter(tmp_path, entries, meta)
-    layers: dict[str, LayerEntry] = {}
+    writer = IncrementalWriter(tmp_path, [(key, MANIFEST_DTYPE_TO_TAG[dtype], shape) for e in layers.values()
+                                          for key, dtype, shape in e.tensor_specs()], meta)
     reports: list[LayerReport] = []
-    block_prefixes = find_block_prefixes(p.name for p in plans)
     bar = tqdm(total=sum(p.out_features * p.in_features * p.source_dtype.itemsize for p in plans), unit="B",
                unit_scale=True, desc=f"slab {slab_name}", disable=not progress)
     try:
         for p in plans:
-            t0 = time.perf_counter()
-            pin = _padded(p.in_features, pack_k)
-            keys = {k: f"{p.name}.{k}" for k in ("qweight", "scale", "zero_point", "bias")}
+            t0, entry = time.perf_counter(), layers[p.name]
             rows = max(1, tunable("slab_chunk_elements") // p.in_features)
-            qbuf = torch.zeros(min(rows, p.out_features), pin, dtype=torch.int8)  # padding columns stay 0
+            qbuf = torch.zeros(min(rows, p.out_features), entry.padded_in_features, dtype=torch.int8)  # padding: 0
             scale = torch.empty(p.out_features, dtype=torch.float32)
             cos, alt = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
             sampler = RowSampler(p.out_features)  # the layer's identity, from the rows as quantized
@@ -120,29 +118,23 @@ def write_slab(plans: list[LayerPlan], *, output_dir, slab_name: str, architectu
                 sampler.take(r0, w)
                 q, s = quantize_per_row(w, method=quantizer)
                 qbuf[: r1 - r0, : p.in_features] = q
-                writer.write(keys["qweight"], byte_view(qbuf[: r1 - r0]))
+                writer.write(entry.qweight_key, byte_view(qbuf[: r1 - r0]))
                 scale[r0:r1] = s
                 cos = [a + b for a, b in zip(cos, _cos_terms(w, q, s))]
                 if compare_quantizers:
                     qa, sa = quantize_per_row(w, method=_alt_method(quantizer))
                     alt = [a + b for a, b in zip(alt, _cos_terms(w, qa, sa))]
                 bar.update((r1 - r0) * p.in_features * p.source_dtype.itemsize)
-            writer.write(keys["scale"], byte_view(scale))
-            writer.write(keys["zero_point"], byte_view(torch.zeros(p.out_features, dtype=torch.float32)))
+            writer.write(entry.scale_key, byte_view(scale))
+            writer.write(entry.zero_point_key, byte_view(torch.zeros(p.out_features, dtype=torch.float32)))
             if p.has_bias:
                 b = p.get_bias().detach().to("cpu", torch.float32).contiguous()
                 if tuple(b.shape) != (p.out_features,):
                     raise SlabShapeError(f"bias is {list(b.shape)}, expected {[p.out_features]}", layer=p.name)
-                writer.write(keys["bias"], byte_view(b))
+                writer.write(entry.bias_key, byte_view(b))
             p.release()
-            entry = LayerEntry(
-                name=p.name, out_features=p.out_features, in_features=p.in_features, padded_in_features=pin,
-                has_bias=p.has_bias, qweight_key=keys["qweight"], scale_key=keys["scale"],
-                zero_point_key=keys["zero_point"], bias_key=keys["bias"] if p.has_bias else None, pad_k=pack_k,
-                source_layout=p.layout, source_dtype=str(p.source_dtype).replace("torch.", ""),
-                block_id=_block_id(p.name, block_prefixes), identity=sampler.record())
+            entry.identity = sampler.record()
             entry.checksums = {k: writer.crc32(k) for k in entry.tensor_keys()}
-            layers[p.name] = entry
             slab_bytes = sum(writer.offsets[k][1] - writer.offsets[k][0] for k in entry.tensor_keys())
             reports.append(LayerReport(
                 name=p.name, shape=[p.out_features, p.in_features], bf16_bytes=p.out_features * p.in_features * 2,
@@ -151,16 +143,17 @@ def write_slab(plans: list[LayerPlan], *, output_dir, slab_name: str, architectu
         size, sha = writer.close()
     except BaseException:
         writer.abort()
-        bar.close()
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
         raise
-    bar.close()
+    finally:
+        bar.close()
     os.replace(tmp_path, st_path)
     manifest = SlabManifest(
         model_signature=signature_from_shapes((p.name, p.in_features, p.out_features, p.has_bias) for p in plans),
         architecture_id=architecture_id, quant_version=QUANT_VERSION, kernel_abi_version=CURRENT_KERNEL_ABI_VERSION,
-        min_runtime_version=MIN_RUNTIME_VERSION, layers=layers,
+        min_runtime_version=MIN_RUNTIME_VERSION, layers=layers, layer_count=len(layers),
+        total_qweight_bytes=sum(e.qweight_nbytes for e in layers.values()),
         stagehand={"format": STAGEHAND_FORMAT, "slab_id": slab_id, "safetensors_file": os.path.basename(st_path),
                    "safetensors_bytes": size, "safetensors_sha256": sha,
                    "header_sha256": hashlib.sha256(writer.header_bytes).hexdigest(), "checksum": "crc32 per tensor",
@@ -168,8 +161,6 @@ def write_slab(plans: list[LayerPlan], *, output_dir, slab_name: str, architectu
                    "pack_k": pack_k,
                    "signature_prefixes": None if signature_prefixes is None else list(signature_prefixes),
                    "source": source})
-    manifest.layer_count = len(layers)
-    manifest.total_qweight_bytes = sum(e.qweight_nbytes for e in layers.values())
     manifest.save(mf_path)
     manifest.path = mf_path
     result = BuildResult(
@@ -179,7 +170,6 @@ def write_slab(plans: list[LayerPlan], *, output_dir, slab_name: str, architectu
         seconds=time.perf_counter() - t_start, slab_bytes=size)
     print_and_save_report(result, print_table=print_report)
     return result
-
 
 
 def build_slab_from_module(model: nn.Module, output_dir, slab_name: str, architecture_id: str,

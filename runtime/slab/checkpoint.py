@@ -107,34 +107,28 @@ def build_slab_from_checkpoint(model_dir_or_index_json, output_dir, slab_name: s
         pread_into(fds[f], byte_view(view), start, f, name)
         return view.view(ST_DTYPES[t.dtype])
 
-    plans = []
-    for name, key in cand.items():
-        if prefixes is not None and not name.startswith(prefixes):
-            continue
+    def plan(name: str, key: str) -> LayerPlan:
         f, t = infos[key]
-        conv = is_conv1d_name(name)
+        conv, item, held = is_conv1d_name(name), ST_DTYPES[t.dtype].itemsize, {}
         out_f, in_f = (t.shape[1], t.shape[0]) if conv else t.shape
         bkey = key[: -len(".weight")] + ".bias"
-        has_bias = bkey in infos and len(infos[bkey][1].shape) == 1
-        item = ST_DTYPES[t.dtype].itemsize
-        if not conv:
-            def get_rows(r0, r1, f=f, t=t, in_f=in_f, item=item, name=name):
-                return read_range(f, t, t.start + r0 * in_f * item, (r1 - r0) * in_f * item, name).view(r1 - r0, in_f)
-            release = lambda: None  # noqa: E731
-        else:
-            held: dict = {}
 
-            def get_rows(r0, r1, f=f, t=t, held=held, name=name):
-                if "w" not in held:
-                    held["w"] = read_range(f, t, t.start, t.nbytes, name, fresh=True).view(*t.shape)
-                return held["w"][:, r0:r1].t().contiguous()
-            release = held.clear
-        get_bias = None
-        if has_bias:
+        def get_rows(r0, r1):
+            if not conv:
+                return read_range(f, t, t.start + r0 * in_f * item, (r1 - r0) * in_f * item, name).view(r1 - r0, in_f)
+            if "w" not in held:  # a Conv1D's rows are its columns: read whole, once
+                held["w"] = read_range(f, t, t.start, t.nbytes, name, fresh=True).view(*t.shape)
+            return held["w"][:, r0:r1].t().contiguous()
+
+        def get_bias():
             bf, bt = infos[bkey]
-            get_bias = (lambda bf, bt, name: lambda: read_range(bf, bt, bt.start, bt.nbytes, name, fresh=True))(bf, bt, name)
-        plans.append(LayerPlan(name, out_f, in_f, has_bias, "conv1d" if conv else "linear", ST_DTYPES[t.dtype],
-                           get_rows, get_bias, release))
+            return read_range(bf, bt, bt.start, bt.nbytes, name, fresh=True)
+
+        has_bias = bkey in infos and len(infos[bkey][1].shape) == 1
+        return LayerPlan(name, out_f, in_f, has_bias, "conv1d" if conv else "linear", ST_DTYPES[t.dtype], get_rows,
+                         get_bias if has_bias else None, held.clear)
+
+    plans = [plan(name, key) for name, key in cand.items() if prefixes is None or name.startswith(prefixes)]
     try:
         return write_slab(plans, output_dir=output_dir, slab_name=slab_name, architecture_id=architecture_id,
                            pack_k=pack_k, quantizer=quantizer, signature_prefixes=prefixes, source="checkpoint",

@@ -37,11 +37,7 @@ def check_tensors(manifest: SlabManifest, header: SafetensorsHeader, manifest_pa
     """Every listed tensor present with the right dtype and shape, no tensor the manifest does not list."""
     claimed: set[str] = set()
     for e in manifest.layers.values():
-        specs = [(e.qweight_key, "int8", (e.out_features, e.padded_in_features)),
-                 (e.scale_key, "float32", (e.out_features,)), (e.zero_point_key, "float32", (e.out_features,))]
-        if e.bias_key:
-            specs.append((e.bias_key, e.dtype_bias, (e.out_features,)))
-        for key, dtype, shape in specs:
+        for key, dtype, shape in e.tensor_specs():
             info = header.tensors.get(key)
             if info is None:
                 raise SlabMissingTensorError(f"tensor {key!r} listed in the manifest is not in the file",
@@ -99,16 +95,13 @@ def check_model(manifest: SlabManifest, model: nn.Module, include_prefixes: Iter
         li = live.get(e.name)
         if li is None:
             raise SlabModelMismatchError("the model has no Linear layer of this name", path=where, layer=e.name)
-        if (li.out_features, li.in_features) != (e.out_features, e.in_features):
-            raise SlabModelMismatchError(
-                f"model has [out, in] = {[li.out_features, li.in_features]}, slab has "
-                f"{[e.out_features, e.in_features]}", path=where, layer=e.name)
-        if li.has_bias != e.has_bias:
-            raise SlabModelMismatchError(f"model has_bias={li.has_bias}, slab has_bias={e.has_bias}",
-                                         path=where, layer=e.name)
-        if li.layout != e.source_layout:
-            raise SlabModelMismatchError(f"model layer is {li.layout}, slab was built from {e.source_layout}",
-                                         path=where, layer=e.name)
+        mine, slab = [li.out_features, li.in_features], [e.out_features, e.in_features]
+        for differs, message in (
+                (mine != slab, f"model has [out, in] = {mine}, slab has {slab}"),
+                (li.has_bias != e.has_bias, f"model has_bias={li.has_bias}, slab has_bias={e.has_bias}"),
+                (li.layout != e.source_layout, f"model layer is {li.layout}, slab was built from {e.source_layout}")):
+            if differs:
+                raise SlabModelMismatchError(message, path=where, layer=e.name)
     if manifest.stagehand is not None or include_prefixes is not None:
         for name in sorted(live):
             if name not in layers and (scope is None or name.startswith(scope)):
@@ -132,17 +125,13 @@ def check_identity(manifest: SlabManifest, weights: Iterable[tuple[str, torch.Te
     SlabIdentityWarning naming the file and the layers.
     """
     weights = list(weights)
-    checked, unchecked = 0, []
     # On threads: mapped weights may read their sampled rows from the disk (the reads release the GIL); results
     # come back in the model's order, so the first layer that fails is the one named.
     with ThreadPoolExecutor(max(1, min(8, len(weights))), thread_name_prefix="stagehand-identity") as pool:
-        results = pool.map(lambda nw: identity.check_layer(nw[0], manifest.layers[nw[0]].identity, nw[1], where),
-                           weights)
-        for (name, weight), ok in zip(weights, results):
-            if ok:
-                checked += 1
-            else:
-                unchecked.append((name, str(weight.dtype).replace("torch.", "")))
+        results = list(pool.map(lambda nw: identity.check_layer(nw[0], manifest.layers[nw[0]].identity, nw[1], where),
+                                weights))
+    unchecked = [(name, str(w.dtype).replace("torch.", "")) for (name, w), ok in zip(weights, results) if not ok]
+    checked = len(weights) - len(unchecked)
     if not unchecked:
         return checked
     name, dtype = unchecked[0]

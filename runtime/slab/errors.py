@@ -13,9 +13,7 @@ class SlabError(RuntimeError):
         self.path = None if path is None else str(path)
         self.layer = layer
         self.detail = message
-        where = []
-        if self.path:
-            where.append(self.path)
+        where = [self.path] if self.path else []
         if layer is not None:
             where.append(f"layer '{layer}'")
         super().__init__(": ".join(where + [message]))

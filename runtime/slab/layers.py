@@ -32,7 +32,6 @@ def canonical_name(name: str) -> str:
 @dataclass(frozen=True)
 class LinearInfo:
     name: str  # canonical
-    module_name: str  # as named_modules() spells it
     module: nn.Module
     in_features: int
     out_features: int
@@ -57,7 +56,7 @@ def iter_linear_layers(model: nn.Module, include_prefixes: Iterable[str] | None 
         if cname in seen or (prefixes is not None and not cname.startswith(prefixes)):
             continue
         seen.add(cname)
-        yield LinearInfo(cname, mname, m, fin, fout, getattr(m, "bias", None) is not None, layout)
+        yield LinearInfo(cname, m, fin, fout, getattr(m, "bias", None) is not None, layout)
 
 
 def signature_from_shapes(entries: Iterable[tuple[str, int, int, bool]]) -> str:

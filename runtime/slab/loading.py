@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -29,9 +29,6 @@ from torch_stagehand.runtime.slab.errors import SlabLayerNotFoundError
 from torch_stagehand.runtime.slab.layers import canonical_name
 from torch_stagehand.runtime.slab.read_process import ProcessPages, process_reads_possible, read_in_process
 from torch_stagehand.runtime.slab.reader import SlabReader
-
-if TYPE_CHECKING:
-    from torch_stagehand.runtime.runtime import Runtime
 
 # Offload's stage when the rows are read behind it (Config.slab_rows_behind): handed over, still coming in.
 ROWS_HANDED_OVER = "slab rows handed over (read behind offload)"
@@ -57,113 +54,113 @@ def resolve_manifest(slab: str | os.PathLike) -> str:
 
 
 def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] | None = None,
-                    before_reading: Callable[[], float] | None = None) -> Callable[["Runtime", list[int]], None]:
-    """The loader `Runtime` calls to fill its INT8 buffers from `slab`: `load(rt, pin)`, `pin` the blocks that
-    stream INT8 (each page-locked as soon as its rows are in). `while_reading()` runs on the calling thread while
-    the rows are read, the identity check on a worker thread beside it; then a meta model's resident tensors' pages
-    are read from its checkpoint. `before_reading()` (offload's read-ahead; returns the seconds it took on its own
-    thread) is waited for before the first read."""
+                    before_reading: Callable[[], float] | None = None) -> Callable[..., None]:
+    """The loader `Runtime` calls to fill its INT8 buffers from `slab`: `load(model, layers, store, checkpoint,
+    config, clock, pin)`, `pin` the blocks that stream INT8 (each page-locked as soon as its rows are in).
+    `while_reading()` runs on the calling thread while the rows are read, the identity check on a worker thread
+    beside it; then a meta model's resident tensors' pages are read from its checkpoint. `before_reading()`
+    (offload's read-ahead; returns the seconds it took on its own thread) is waited for before the first read."""
     manifest = resolve_manifest(slab)
 
-    def load(rt: "Runtime", pin: list[int] = ()) -> None:
-        stacks = [spec.fqn for spec in rt.layers if spec.experts]
+    def load(model, layers, store, checkpoint, config, clock: StageClock, pin: list[int] = ()) -> None:
+        stacks = [spec.fqn for spec in layers if spec.experts]
         if stacks:  # the slab format holds Linear layers (builder.iter_linear_layers): none of these
             raise SlabLayerNotFoundError(f"streamed expert stack {stacks[0]} (and {len(stacks) - 1} more) can not "
                                          "come from a slab: the slab format holds Linear layers only; offload this "
                                          "model without slab=", path=manifest, layer=stacks[0])
         # Zero points are checked by each layer's read, not at open (a seek per layer before the first row); but at
         # open on the ranks of a node sharing the store: each reads some blocks' rows, and all must stop.
-        with SlabReader(manifest, check_zero_points=rt.store.node is not None) as reader:
-            reader.check_model(rt.model)
+        with SlabReader(manifest, check_zero_points=store.node is not None) as reader:
+            reader.check_model(model)
 
             def check_identity() -> None:
-                weights = _live_weights(rt, reader)
-                if rt.checkpoint is not None:  # weights mapped from it: their sampled rows' pages, a read per row
-                    rt.checkpoint.read_rows_ahead([(w, reader.layers[name].identity["rows"]) for name, w in weights
+                weights = _live_weights(layers, reader)
+                if checkpoint is not None:  # weights mapped from it: their sampled rows' pages, a read per row
+                    checkpoint.read_rows_ahead([(w, reader.layers[name].identity["rows"]) for name, w in weights
                                                    if reader.layers[name].identity is not None])
                 # Anything else of theirs is read without readahead.
-                with rt.checkpoint.random_access() if rt.checkpoint is not None else contextlib.nullcontext():
+                with checkpoint.random_access() if checkpoint is not None else contextlib.nullcontext():
                     checks.check_identity(reader.manifest, weights, reader.manifest_path,
-                                          require=rt.config.require_slab_identity)
+                                          require=config.require_slab_identity)
 
-            for bb in rt.store.blocks:  # every streamed layer is in the slab, before any buffer or read
+            for bb in store.blocks:  # every streamed layer is in the slab, before any buffer or read
                 missing = next((spec.fqn for spec in bb.layers if canonical_name(spec.fqn) not in reader.layers), None)
                 if missing is not None:
                     raise SlabLayerNotFoundError(f"streamed layer {missing} is not in the slab", path=reader.path,
                                                  layer=canonical_name(missing))
-            if rt.config.int8_tier == "disk":  # no rows to read: the check is a stage of its own
+            if config.int8_tier == "disk":  # no rows to read: the check is a stage of its own
                 check_identity()
-                rt.clock.mark("slab opened, identity checked")
-                return _attach_disk_tier(rt, reader, manifest)
-            pages = _process_pages(rt)  # None: reader threads here
+                clock.mark("slab opened, identity checked")
+                return _attach_disk_tier(store, reader, manifest)
+            pages = _process_pages(config.slab_reads, store.node)  # None: reader threads here
             try:
-                rt.store.reserve(INT8, list(range(len(rt.store.blocks))), backing=pages)
-                bias_into = _bias_buffers(rt, reader, pages)
+                store.reserve(INT8, list(range(len(store.blocks))), backing=pages)
+                bias_into = _bias_buffers(layers, checkpoint, reader, pages)
                 # A meta model's biases from the slab are Parameters before offload returns: no reads behind then.
-                behind = pages is not None and rt.config.slab_rows_behind and not bias_into
+                behind = pages is not None and config.slab_rows_behind and not bias_into
                 reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec), as laid out
 
                 def blocks_laid_out():
                     """Each block's buffer and reads, laid out while the blocks before it are read already."""
-                    for block, bb in enumerate(rt.store.blocks):
-                        buf = rt.store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
+                    for block, bb in enumerate(store.blocks):
+                        buf = store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
                         group = []
-                        for spec, lay in zip(bb.layers, rt.store.layout(block, INT8)):
+                        for spec, lay in zip(bb.layers, store.layout(block, INT8)):
                             q, s = layer_views(buf, lay)
                             group.append((canonical_name(spec.fqn), q, s, bias_into.get(id(spec)), spec))
                         reads.extend(group)
                         yield group
 
-                rt.clock.mark("slab opened")
+                clock.mark("slab opened")
                 if before_reading is not None:
-                    rt.clock.beside(FILES_READ_AHEAD, before_reading())
-                    rt.clock.mark(FILES_READ_AHEAD + " (the wait)")
+                    clock.beside(FILES_READ_AHEAD, before_reading())
+                    clock.mark(FILES_READ_AHEAD + " (the wait)")
 
                 def calling_thread() -> None:
                     if while_reading is not None:
-                        rt.clock.beside(COMPILER_PREPARATION, _timed(while_reading))
-                    if rt.checkpoint is not None:  # the resident tensors, loaded from it once the reads end
-                        streamed = {spec.weight_name for spec in rt.layers}
-                        rt.clock.beside("resident tensors' pages read", _timed(
-                            lambda: rt.checkpoint.read_ahead(resident_file_names(rt.model, rt.checkpoint, streamed))))
+                        clock.beside(COMPILER_PREPARATION, _timed(while_reading))
+                    if checkpoint is not None:  # the resident tensors, loaded from it once the reads end
+                        streamed = {spec.weight_name for spec in layers}
+                        clock.beside("resident tensors' pages read", _timed(
+                            lambda: checkpoint.read_ahead(resident_file_names(model, checkpoint, streamed))))
 
                 def beside_the_reads() -> None:
                     # The identity check beside the reads: a wrong slab still fails offload, a right one costs no wait.
-                    on_calling_thread = calling_thread if while_reading is not None or rt.checkpoint is not None else None
+                    on_calling_thread = calling_thread if while_reading is not None or checkpoint is not None else None
                     run_beside(check_beside, on_calling_thread, "stagehand-identity")
 
                 def check_beside() -> None:
                     # Rows read behind offload: non-zero zero points still fail offload (threads of their own).
                     if not behind:  # each layer's read checks its zero points before offload returns
-                        rt.clock.beside("slab identity check", _timed(check_identity))
+                        clock.beside("slab identity check", _timed(check_identity))
                         return
                     with ThreadPoolExecutor(1, thread_name_prefix="stagehand-zero-points") as one:
                         zero_points = one.submit(_timed, reader.check_zero_points, _ZERO_POINT_THREADS)
-                        rt.clock.beside("slab identity check", _timed(check_identity))
-                        rt.clock.beside(ZERO_POINTS, zero_points.result())
+                        clock.beside("slab identity check", _timed(check_identity))
+                        clock.beside(ZERO_POINTS, zero_points.result())
 
                 streams_int8 = set(pin)
 
                 def block_read(block: int) -> None:  # on a reader (or listener) thread, while other blocks are read
                     if block in streams_int8:  # read behind: a refused lock leaves it pageable (offload may be done)
-                        rt.store.lock_filled(block, INT8, refuse=False if behind else None)
+                        store.lock_filled(block, INT8, refuse=False if behind else None)
 
                 rows_behind = None
                 if pages is None:
-                    _read_in_parallel(reader, blocks_laid_out(), beside_the_reads, clock=rt.clock,
-                                      on_block_read=block_read, rows=lambda block: rt.store.writes(block, INT8))
+                    _read_in_parallel(reader, blocks_laid_out(), beside_the_reads, clock=clock,
+                                      on_block_read=block_read, rows=lambda block: store.writes(block, INT8))
                 else:
-                    rows_behind = read_in_process(reader, pages, blocks_laid_out(), beside_the_reads, clock=rt.clock,
+                    rows_behind = read_in_process(reader, pages, blocks_laid_out(), beside_the_reads, clock=clock,
                                                   on_block_read=block_read, threads=_read_threads(), behind=behind)
                 for _name, _q, _s, bias_out, spec in reads:
                     if bias_out is not None:
                         bias = spec.module.bias
                         value = bias_out if pages is None else bias_out.to(bias.dtype, copy=True)  # out of the staging
                         spec.module._parameters["bias"] = torch.nn.Parameter(value, requires_grad=bias.requires_grad)
-                for block in range(len(rt.store.blocks)):
-                    rt.store.mark_built(block, INT8)
-                rt.store.rows_behind = rows_behind  # the store waits for them before an INT8 buffer is used
-                rt.clock.mark("slab rows read" if rows_behind is None else ROWS_HANDED_OVER)
+                for block in range(len(store.blocks)):
+                    store.mark_built(block, INT8)
+                store.rows_behind = rows_behind  # the store waits for them before an INT8 buffer is used
+                clock.mark("slab rows read" if rows_behind is None else ROWS_HANDED_OVER)
             finally:  # the memfds' descriptors (the mappings keep the pages), however the load ends
                 if pages is not None:
                     pages.close()
@@ -171,11 +168,11 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
     return load
 
 
-def _process_pages(rt: "Runtime") -> ProcessPages | None:
-    """Pages for a reader process (`Config.slab_reads`), or None: reader threads in this process."""
-    choice = rt.config.slab_reads
+def _process_pages(choice: str, node) -> ProcessPages | None:
+    """Pages for a reader process (`Config.slab_reads`: `choice`), or None: reader threads in this process
+    (`node`: the store's node store, or None)."""
     why_not = process_reads_possible() or ("the ranks of this node share the store (their reads go into the "
-                                           "node's pages)" if rt.store.node is not None else None)
+                                           "node's pages)" if node is not None else None)
     if choice == "threads" or (choice == "auto" and why_not):
         return None
     if why_not:
@@ -183,12 +180,12 @@ def _process_pages(rt: "Runtime") -> ProcessPages | None:
     return ProcessPages()
 
 
-def _bias_buffers(rt: "Runtime", reader: SlabReader, pages: ProcessPages | None) -> dict[int, torch.Tensor]:
+def _bias_buffers(layers, checkpoint, reader: SlabReader, pages: ProcessPages | None) -> dict[int, torch.Tensor]:
     """id(spec) -> where a meta bias is read from the slab: its new tensor (reader threads), or float32 in pages
     the reader process maps (cast once the reads end). Not a bias the model's checkpoint holds (`load_resident`)."""
-    specs = [spec for spec in rt.layers if spec.module.bias is not None and spec.module.bias.is_meta
+    specs = [spec for spec in layers if spec.module.bias is not None and spec.module.bias.is_meta
              and canonical_name(spec.fqn) in reader.layers and reader.layers[canonical_name(spec.fqn)].has_bias
-             and (rt.checkpoint is None or f"{spec.fqn}.bias" not in rt.checkpoint)]
+             and (checkpoint is None or f"{spec.fqn}.bias" not in checkpoint)]
     if pages is None:
         return {id(spec): torch.empty(spec.module.bias.shape, dtype=spec.module.bias.dtype) for spec in specs}
     if not specs:
@@ -273,12 +270,12 @@ def _read_in_parallel(reader: SlabReader, blocks: Iterable[list], while_reading:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _attach_disk_tier(rt: "Runtime", reader: SlabReader, manifest: str) -> None:
+def _attach_disk_tier(store, reader: SlabReader, manifest: str) -> None:
     """Config(int8_tier="disk"): the INT8 rows stay in the file; only meta biases are read now."""
     from torch_stagehand.runtime.host.disk_tier import DiskTier
 
     names = {}
-    for block, bb in enumerate(rt.store.blocks):
+    for block, bb in enumerate(store.blocks):
         names[block] = [canonical_name(spec.fqn) for spec in bb.layers]
         for spec, name in zip(bb.layers, names[block]):
             bias = spec.module.bias
@@ -287,18 +284,18 @@ def _attach_disk_tier(rt: "Runtime", reader: SlabReader, manifest: str) -> None:
                 spec.module._parameters["bias"] = torch.nn.Parameter(value, requires_grad=bias.requires_grad)
     tier_reader = SlabReader(manifest)  # its own: the tier reads on its worker thread for the Runtime's life
     try:
-        rt.store.attach_disk_tier(DiskTier(tier_reader, rt.store, names), INT8)
+        store.attach_disk_tier(DiskTier(tier_reader, store, names), INT8)
     except BaseException:
         tier_reader.close()
         raise
-    for block in range(len(rt.store.blocks)):
-        rt.store.mark_built(block, INT8)
+    for block in range(len(store.blocks)):
+        store.mark_built(block, INT8)
 
 
-def _live_weights(rt: "Runtime", reader: SlabReader) -> list[tuple[str, torch.Tensor]]:
+def _live_weights(layers, reader: SlabReader) -> list[tuple[str, torch.Tensor]]:
     """(canonical name, [out, in] full-precision weight) of the streamed layers the slab holds."""
     out = []
-    for spec in rt.layers:
+    for spec in layers:
         name, w = canonical_name(spec.fqn), spec.module.weight
         if name in reader.layers and not w.is_meta:
             out.append((name, w.detach().t() if spec.transposed else w.detach()))

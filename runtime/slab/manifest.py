@@ -66,9 +66,15 @@ class LayerEntry:
     def qweight_nbytes(self) -> int:
         return self.out_features * self.padded_in_features
 
+    def tensor_specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(key, dtype, shape) of each of the layer's tensors, in file order."""
+        rows = (self.out_features,)
+        specs = [(self.qweight_key, self.dtype_qweight, self.qweight_shape), (self.scale_key, self.dtype_scale, rows),
+                 (self.zero_point_key, self.dtype_zero_point, rows)]
+        return specs + ([(self.bias_key, self.dtype_bias, rows)] if self.bias_key else [])
+
     def tensor_keys(self) -> list[str]:
-        keys = [self.qweight_key, self.scale_key, self.zero_point_key]
-        return keys + ([self.bias_key] if self.bias_key else [])
+        return [key for key, _, _ in self.tensor_specs()]
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = dict(self.extra)
@@ -79,14 +85,10 @@ class LayerEntry:
             packed_shape=[self.out_features, self.padded_in_features], pad_k=self.pad_k, quant_bits=self.quant_bits,
             quant_scheme=self.quant_scheme, quant_axis=self.quant_axis, dtype_qweight=self.dtype_qweight,
             dtype_scale=self.dtype_scale, dtype_zero_point=self.dtype_zero_point, block_id=self.block_id)
-        sh: dict[str, Any] = {"source_layout": self.source_layout, "dtype_bias": self.dtype_bias}
-        if self.source_dtype:
-            sh["source_dtype"] = self.source_dtype
-        if self.checksums is not None:
-            sh["crc32"] = dict(self.checksums)
-        if self.identity is not None:
-            sh["identity"] = self.identity
-        d["stagehand"] = sh
+        optional = {"source_dtype": self.source_dtype or None,
+                    "crc32": None if self.checksums is None else dict(self.checksums), "identity": self.identity}
+        d["stagehand"] = {"source_layout": self.source_layout, "dtype_bias": self.dtype_bias,
+                          **{k: v for k, v in optional.items() if v is not None}}
         return d
 
 
@@ -178,7 +180,10 @@ def load_manifest(path: str | os.PathLike) -> SlabManifest:
     sh = raw.get("stagehand")
     if sh is not None and not isinstance(sh, dict):
         raise SlabManifestError("field 'stagehand' is not an object", path=path)
-    _check_safetensors_file((sh or {}).get("safetensors_file"), path)
+    st_file = (sh or {}).get("safetensors_file")
+    if st_file is not None and not is_bare_file_name(st_file):  # the reader opens it beside the manifest
+        raise SlabPathError(f"field 'stagehand.safetensors_file' is {st_file!r}: it must be a bare file name in the "
+                            "manifest's folder (no absolute path, no folder, no '..')", path=path)
     layers: dict[str, LayerEntry] = {}
     keys_seen: dict[str, str] = {}
     for i, d in enumerate(raw["layers"]):
@@ -256,13 +261,6 @@ def check_slab_name(slab_name: Any) -> str:
             f"slab_name is {slab_name!r}: it must be a bare file name (no path separator, no '..'); "
             "say where the slab goes with output_dir")
     return slab_name
-
-
-def _check_safetensors_file(name: Any, path: str) -> None:
-    # The reader opens this name beside the manifest: an absolute path or '../' would read a file elsewhere.
-    if name is not None and not is_bare_file_name(name):
-        raise SlabPathError(f"field 'stagehand.safetensors_file' is {name!r}: it must be a bare file name in the "
-                            "manifest's folder (no absolute path, no folder, no '..')", path=path)
 
 
 _KNOWN_LAYER_KEYS = frozenset([*_LAYER_FIELDS, "bias_key", "pad_k", "quant_bits", "quant_scheme", "quant_axis",

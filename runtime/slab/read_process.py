@@ -6,6 +6,7 @@ the reads still going come back as a `RowsBehind`. A failed check is the `SlabEr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -261,7 +262,5 @@ class RowsBehind:
 
 
 def _close_quietly(stream) -> None:
-    try:
+    with contextlib.suppress(BrokenPipeError):  # the worker is gone; its exit status says why
         stream.close()
-    except BrokenPipeError:  # the worker is gone; its exit status says why
-        pass

@@ -1,11 +1,10 @@
-"""INT8 slab files (`{name}.safetensors` + `{name}.manifest.json`, SquareQ V2 compatible): `SlabReader`, which
-checks a slab at open (`checks.py`; zero points; every byte with ``verify="full"``) and copies a layer's rows and
-scale from the file into caller-owned (pinned) buffers, checking each read (crc32, scales, zero points, length).
-Plain SquareQ slabs (no checksums, no slab id) get every check that needs none of ours.
-"""
+"""`SlabReader`: an INT8 slab (SquareQ V2 compatible) checked at open (`checks.py`, zero points, every byte with
+``verify="full"``), its layers copied into caller-owned (pinned) buffers, each read checked (crc32, scales, zero
+points, length). Plain SquareQ slabs (no checksums, no slab id) get every check that needs none of ours."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
@@ -292,11 +291,8 @@ class SlabReader:
         Raises SlabIdentityError naming the first layer whose weights differ from the slab's source (meta ones are
         skipped). `require`: a slab that records no identity is an error, not a warning.
         """
-        weights = []
-        for li in iter_linear_layers(model):
-            w = li.module.weight
-            if li.name in self.layers and not w.is_meta:
-                weights.append((li.name, w.detach().t() if li.layout == "conv1d" else w.detach()))
+        weights = [(li.name, li.module.weight.detach().t() if li.layout == "conv1d" else li.module.weight.detach())
+                   for li in iter_linear_layers(model) if li.name in self.layers and not li.module.weight.is_meta]
         return checks.check_identity(self.manifest, weights, self.manifest_path, require)
 
     def close(self) -> None:
@@ -311,10 +307,8 @@ class SlabReader:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"SlabReader({self.path!r}, layers={len(self.layers)}, signature={self.manifest.model_signature!r})"

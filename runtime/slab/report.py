@@ -33,16 +33,13 @@ class BuildResult:
     slab_bytes: int = 0
 
     def summary(self) -> dict:
-        cos = [r.cosine for r in self.layers]
         out = {"layers": len(self.layers), "bf16_bytes": sum(r.bf16_bytes for r in self.layers),
                "int8_bytes": sum(r.int8_bytes for r in self.layers), "slab_file_bytes": self.slab_bytes,
-               "seconds": round(self.seconds, 3), "quantizer": self.quantizer,
-               f"cosine_{self.quantizer}_mean": sum(cos) / len(cos) if cos else None,
-               f"cosine_{self.quantizer}_min": min(cos) if cos else None}
+               "seconds": round(self.seconds, 3), "quantizer": self.quantizer}
+        for q, cos in [(self.quantizer, [r.cosine for r in self.layers])] + (
+                [(self.alt_quantizer, [r.cosine_alt for r in self.layers])] if self.alt_quantizer else []):
+            out[f"cosine_{q}_mean"], out[f"cosine_{q}_min"] = (sum(cos) / len(cos), min(cos)) if cos else (None, None)
         if self.alt_quantizer:
-            alt = [r.cosine_alt for r in self.layers]
-            out[f"cosine_{self.alt_quantizer}_mean"] = sum(alt) / len(alt) if alt else None
-            out[f"cosine_{self.alt_quantizer}_min"] = min(alt) if alt else None
             out[f"layers_where_{self.quantizer}_beats_{self.alt_quantizer}"] = sum(
                 1 for r in self.layers if r.cosine > r.cosine_alt)
         return out

@@ -25,12 +25,11 @@ from torch_stagehand.runtime.slab.errors import SlabHeaderError, SlabTruncatedEr
 if sys.byteorder != "little":  # safetensors is little-endian; we copy raw bytes.
     raise ImportError("torch_stagehand slab I/O needs a little-endian host")
 
-# safetensors dtype tag <-> torch dtype.
+# safetensors dtype tag -> torch dtype.
 ST_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
     "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
 }
-ST_TAG: dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
 # Manifest dtype strings (SquareQ spells them like torch) <-> safetensors tags.
 MANIFEST_DTYPE_TO_TAG = {"int8": "I8", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 

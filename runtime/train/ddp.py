@@ -1,11 +1,9 @@
 """DistributedDataParallel and FSDP2 over an offloaded model: both leave the streamed weights alone.
 
-DDP would broadcast every streamed weight from rank 0 and refuse parameters on two device types; its ignore list
-(`_set_params_and_buffers_to_ignore_for_model`) is filled by offload, and by `Runtime.prepare_ddp(module)` for a
-wrapper built later (a peft model), whose names differ. A training streamed weight's gradient reaches the host by
-the runtime's own lane (train/grads.py), not autograd's accumulation that DDP hooks. FSDP2 takes them in
-`ignored_params` (`Runtime.streamed_parameters()`); a streamed weight it sharded anyway is refused (streamed.py,
-and `check_not_sharded` at the first call).
+DDP would broadcast every streamed weight from rank 0 and refuse parameters on two device types: offload fills its
+ignore list, and `Runtime.prepare_ddp(module)` for a wrapper built later (a peft model, whose names differ). A
+streamed weight's gradient reaches the host by the runtime's own lane (train/grads.py), not the accumulation DDP
+hooks. FSDP2 takes them in `ignored_params` (`Runtime.streamed_parameters()`); one it sharded anyway is refused.
 """
 
 from __future__ import annotations

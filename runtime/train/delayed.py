@@ -1,9 +1,8 @@
 """The one-step-delayed update (ZeRO-Offload's DPU): an option of HostAdamW that changes the math.
 
-Step t's update runs on a thread of its own through step t+1, and its weights are first used by step t+2 (resident
-parameters still step exactly). It writes only masters and moments; a block's new weights are published (rounded
-from the master, its version moved) by the landing worker once the block's gradients of step t+1 have landed;
-step t's gradients are read while step t+1's land in a second set of buffers; `flush()` publishes the pending one.
+Step t's update runs on a thread of its own through step t+1, writing only masters and moments (resident parameters
+still step exactly); the landing worker publishes a block's new weights once its gradients of step t+1 have landed,
+so step t+2 first uses them. Step t+1's gradients land in a second set of buffers; `flush()` publishes the pending.
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ import torch
 
 from torch_stagehand.runtime.train.host import adamw_step
 
-
-# ---- HostAdamW's side of the delayed update: the update thread's work, publishing, flush
 
 class DelayedStep:
     """`delayed_update=True`: step t's update runs beside step t+1; its weights are published block by block."""
@@ -65,8 +62,6 @@ class DelayedStep:
             self._publish_block(block)
 
 
-# ---- the delayed update's buffers and thread
-
 class DelayedUpdate:
     """The update thread, the per-block "updated" events, and the second set of gradient buffers."""
 
@@ -76,7 +71,7 @@ class DelayedUpdate:
         self._done: dict[int, threading.Event] = {}
         self.unpublished: set[int] = set()  # updated (or being updated), weights not yet written from the master
         self._error: BaseException | None = None
-        self._spare: dict[int, torch.Tensor] | None = None
+        self._spare: dict[int, torch.Tensor] = {}  # the other set of gradient buffers
         self.updates = 0
 
     def start(self, work: dict[int, Callable[[], None]]) -> None:
@@ -122,8 +117,6 @@ class DelayedUpdate:
 
     def swap_gradient_buffers(self, blocks: list[int]) -> None:
         """The next backward lands its gradients in the other set (this step's are the update's to read)."""
-        if self._spare is None:
-            self._spare = {}
         missing = [b for b in blocks if b not in self._spare]
         if missing:  # one allocation, laid out as the lane's own
             self._spare.update(self.lane.store.grad_buffers(missing))

@@ -1,10 +1,9 @@
 """AdamW on the GPU for chosen streamed blocks: the states come to the gradient, not the gradient to the states.
 
 Inside the backward, while a layer's gradient is still in its staging buffer (train/grads.py), its fp32 master and
-moments cross PCIe through a ring of `RING` device slots (upload stream), torch's fused AdamW steps them on the
-gradient lane's D2H stream, the weight is rounded from the master (to nearest, as the host does) and everything
-goes home; the landing worker waits for `done` before the block's derived copies are rebuilt. The blocks are chosen
-from measured costs (`choose_device_blocks`); their host states are page-locked (`pin_states`).
+moments cross PCIe through a ring of `RING` device slots, torch's fused AdamW steps them on the gradient lane's D2H
+stream, the weight is rounded from the master (to nearest, as the host does) and everything goes home. The blocks
+are chosen from measured costs (`choose_device_blocks`); their host states are page-locked (`pin_states`).
 """
 
 from __future__ import annotations
@@ -19,9 +18,6 @@ from torch.optim.adam import adam as adam_functional
 
 from torch_stagehand.runtime.host.arena import HostArena, lock_or_fall_back
 
-
-# ---- HostAdamW's side of the device update: which blocks, and the lane their gradients are handed to
-
 log = logging.getLogger("torch_stagehand.optim")
 
 # "auto" chooses the device blocks from the host's time per block in this step: the first one's is no measure
@@ -34,10 +30,11 @@ class DeviceUpdate:
 
     def _device_update_mode(self, device_update, overlapping: bool):
         """"auto", or the set of blocks to update on the device ("off": none); a forced set this configuration
-        cannot update there is an error that says why; "auto" keeps the reason in `device_update_note`."""
+        cannot update there is an error saying why, "auto" keeps it in `device_update_note`."""
         if device_update in ("auto", "off"):
             forced = None
-        elif isinstance(device_update, (list, tuple, set, frozenset)) and all(isinstance(b, int) for b in device_update):
+        elif isinstance(device_update, (list, tuple, set, frozenset)) and all(isinstance(b, int)
+                                                                               for b in device_update):
             forced = set(device_update)
         else:
             raise ValueError(f"HostAdamW: device_update must be 'auto', 'off' or a list of block indices, got "
@@ -81,9 +78,8 @@ class DeviceUpdate:
     def _choose_device_blocks(self) -> None:
         """After the second step (every block timed on the host): choose the blocks to step on the device."""
         rt = self.runtime
-        model = rt.plan_driver.cost_model
-        h2d = model.h2d_bps
-        d2h = model.d2h_bps or h2d
+        h2d = rt.plan_driver.cost_model.h2d_bps
+        d2h = rt.plan_driver.cost_model.d2h_bps or h2d
         measured = rt.grads.optimizer_seconds
         host_s, in_s, out_s, grad_s = {}, {}, {}, {}
         for block in self._block_params:
@@ -167,12 +163,10 @@ def ring_bytes(largest_numel: int, weight_element_size: int) -> int:
 
 def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s: dict[int, float],
                          grad_s: dict[int, float], backward_fetch_s: float) -> set[int]:
-    """The blocks to update on the device: the set that ends the step's optimizer work soonest.
-
-    The work ends with the slowest of three lanes beside the backward: the host stepping its blocks (`host_s`), the
-    link in (the device blocks' states `in_s` beside the weight fetches `backward_fetch_s`) and out (`out_s` beside
-    the host blocks' gradients `grad_s`). For each k, k device blocks spread evenly over the backward order; the k
-    with the smallest bound wins (the fewest on a tie)."""
+    """The blocks to update on the device: the set that ends the step's optimizer work soonest, the slowest of three
+    lanes beside the backward: the host stepping its blocks (`host_s`), the link in (the device blocks' states
+    `in_s` beside the weight fetches) and out (`out_s` beside the host blocks' gradients `grad_s`). For each k, k
+    device blocks spread evenly over the backward order; the k with the smallest bound wins (the fewest on a tie)."""
     blocks = sorted(host_s)
     best, best_cost = set(), math.inf
     for k in range(len(blocks) + 1):
@@ -226,9 +220,8 @@ class DeviceAdamW:
         self.layers_updated = 0
 
     def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute) -> tuple:
-        """AdamW on the device for one weight from `grad`, the master (or fp32 weight), moments and weight written
-        back to the host: (the event after which `grad` may be reused, the one after which the host copies are
-        written); both None on the CPU, where it all runs now."""
+        """AdamW on the device for one weight from `grad`, master (or fp32 weight), moments and weight written back
+        to the host: (the event after which `grad` may be reused, the one after the host copies; None on the CPU)."""
         n = param.numel()
         slot = self.slots[self._next]
         self._next = (self._next + 1) % RING

@@ -1,11 +1,11 @@
 """Gradients of trainable streamed weights: computed on the device in backward, landed in host buffers.
 
 The host copy is the master the optimizer steps, so the gradient goes home: each trainable layer's grad-weight GEMM
-(`stagehand::grad_weight`, rewrite_linear's grad tap) fills a ring of device staging buffers, and the D2H stream
-copies it at once into the block's pinned host gradient buffer (the master's layout); nothing waits. When the
-backward ends (`finish`) each weight's `.grad` becomes a view of its buffer (accumulated as PyTorch does). A block's
-grad *anchor*, a 0-dim device tensor its streamed Linears take as an input, requires grad exactly when one of its
-streamed weights does: autograd's reason to run the backward of a block whose inputs need no grad.
+(`stagehand::grad_weight`) fills a ring of device staging buffers the D2H stream copies at once into the block's
+pinned host gradient buffer (the master's layout); nothing waits. At the backward's end (`finish`) each weight's
+`.grad` becomes a view of its buffer (accumulated as PyTorch does). A block's grad *anchor*, a 0-dim device tensor
+its streamed Linears take as an input, requires grad exactly when one of its streamed weights does: autograd's
+reason to run the backward of a block whose inputs need no grad.
 """
 
 from __future__ import annotations
@@ -140,8 +140,9 @@ class GradLane:
             return
         target = home if direct else torch.empty_like(home, pin_memory=self.cuda)
         with torch.no_grad():
-            if self.cuda:
-                event = self._to_host(a, b, target)
+            if self.cuda:  # the GEMM into a staging buffer on the compute stream, its copy home on the D2H stream
+                i, staging, _ = self._gemm(a, b, target)
+                event = self._staging_free[i] = self._copy_home(target, staging)
             else:
                 target.copy_(a.t() @ b)
                 event = None
@@ -222,11 +223,6 @@ class GradLane:
                 target.copy_(src)
             self._deliver(_Landing(index, target, event, direct), consumer)
 
-    def flush_gathering(self) -> None:
-        """Send the blocks some of whose training weights got no gradient (a layer the forward skipped)."""
-        for block in sorted(self._gathering, reverse=True):
-            self._send_block(block)
-
     def _update_on_device(self, index: int, a: torch.Tensor, b: torch.Tensor, home: torch.Tensor,
                           consumer) -> _Landing:
         """The gradient stays on the device: the optimizer steps the weight there and sends its states home."""
@@ -255,12 +251,6 @@ class GradLane:
             staging.copy_(a.t() @ b)
         return i, staging, compute
 
-    def _to_host(self, a: torch.Tensor, b: torch.Tensor, target: torch.Tensor) -> "torch.cuda.Event":
-        """The GEMM into a staging buffer on the compute stream, its copy to `target` on the D2H stream."""
-        i, staging, _ = self._gemm(a, b, target)
-        landed = self._staging_free[i] = self._copy_home(target, staging)
-        return landed
-
     def _copy_home(self, target: torch.Tensor, src: torch.Tensor) -> "torch.cuda.Event":
         """`src` into host `target` on the D2H stream, after the compute stream's work so far: the landed event."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -287,8 +277,9 @@ class GradLane:
     def finish(self) -> None:
         """Wait for the gradients in flight, then give each weight its `.grad` (set, or added to)."""
         self._queued_for = None
-        if self.shards is not None:
-            self.flush_gathering()
+        if self.shards is not None:  # blocks some of whose training weights got no gradient (a layer skipped)
+            for block in sorted(self._gathering, reverse=True):
+                self._send_block(block)
             if not self.step_syncs:  # no attached optimizer: the next forward's first fetch syncs the ranks
                 self.store.before_fetch = self._after_step
         landing, self._landing = self._landing, []

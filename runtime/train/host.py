@@ -1,12 +1,11 @@
 """AdamW on the host for streamed weights: a block steps as soon as its gradients have landed.
 
 `LandingWorker` takes each gradient as it lands (train/grads.py) and steps a block once all its trainable weights
-have theirs, while the GPU runs the backward of the blocks before it (fused CPU AdamW releases the GIL); its
-streamed copies (INT8 / FP8 too) are rebuilt off the hot path. Per weight: an fp32 master (`master="bf16"`: none,
-the update written back with unbiased stochastic rounding) and moments in fp32, bf16 (stochastically rounded: an
-average moving by less than a bf16 step would freeze) or int8 (a scale per QBLOCK: `exp_avg` as codes of its
-absmax, `exp_avg_sq` of its square root; a nonzero second moment never decodes to zero, a step of lr / eps).
-`ResidentAdamW` steps every parameter that does not stream with the same master and moments.
+have theirs, while the GPU runs the backward of the blocks before it (fused CPU AdamW releases the GIL). Per weight:
+an fp32 master (`master="bf16"`: none, updates written back with unbiased stochastic rounding) and moments in fp32,
+bf16 (stochastically rounded: an average moving by less than a bf16 step would freeze) or int8 (a scale per QBLOCK:
+`exp_avg` as codes of its absmax, `exp_avg_sq` of its square root, never decoding a nonzero one to zero, a step of
+lr / eps). `ResidentAdamW` steps the parameters that do not stream with the same master and moments.
 """
 
 from __future__ import annotations
@@ -30,15 +29,13 @@ STATE_BYTES = {"fp32": 8.0, "bf16": 4.0, "int8": 2.0 + 2 * 4 / QBLOCK}  # exp_av
 
 class Noise:
     """Uniform noise for stochastic rounding, drawn once per `adamw_step` call: a buffer of a chunk and a window
-    more, from which each chunk reads a slice at a random offset (a value per element from torch's one-thread CPU
-    generator costs more than the step). Each element's noise is uniform and fresh at every step; two elements
-    of one step may share a value, which leaves each one's rounding unbiased."""
+    more, each chunk reading a slice at a random offset (a value per element from torch's one-thread CPU generator
+    costs more than the step). Two elements of one step may share a value: each one's rounding stays unbiased."""
 
     WINDOW = 1 << 16
 
     def __init__(self, generator: torch.Generator | None, device: torch.device | None = None):
-        # One random stream wherever the weights live: on a GPU the (CPU) generator draws only the seed of a
-        # device generator that draws the values there (the offsets stay host ints: no device read).
+        # One random stream wherever the weights live: on a GPU the generator draws only a device generator's seed.
         self.generator = generator
         self.device = device if device is not None and device.type != "cpu" else None
         self._draw = generator
@@ -52,7 +49,7 @@ class Noise:
             return torch.randint(0, 1 << 16, (n,), dtype=torch.int32, generator=self._draw, device=self.device)
         return torch.rand(n, generator=self._draw, device=self.device)  # float32 in [0, 1): int8 codes
 
-    def _noise(self, kind: str, n: int) -> torch.Tensor:
+    def draw(self, kind: str, n: int) -> torch.Tensor:
         if n > tunable("host_adamw_chunk"):  # more than a chunk at once: a value per element
             return self._values(kind, n)
         if kind not in self._buffers:
@@ -61,12 +58,6 @@ class Noise:
         offset = int(torch.randint(0, buf.numel() - n + 1, (1,), generator=self.generator))
         return buf[offset:offset + n]
 
-    def bits(self, n: int) -> torch.Tensor:
-        return self._noise("bits", n)
-
-    def unit(self, n: int) -> torch.Tensor:
-        return self._noise("unit", n)
-
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None,
                       noise: Noise | None = None) -> None:
@@ -74,7 +65,7 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, generator: torch.Gen
     fp32's upper 16 bits, so a uniform random 16-bit integer added to the bits before truncating does it.
     `noise`: the step's shared `Noise`; without it, a value is drawn per element."""
     bits = src.contiguous().view(torch.int32)
-    noise = noise.bits(src.numel()).view(src.shape) if noise is not None else \
+    noise = noise.draw("bits", src.numel()).view(src.shape) if noise is not None else \
         torch.randint(0, 1 << 16, src.shape, dtype=torch.int32, generator=generator)
     rounded = (bits + noise) & -65536  # keep the upper 16 bits (0xFFFF0000 as a signed int32)
     dst.copy_(rounded.view(torch.float32))  # exact: the value is a bf16 value
@@ -104,16 +95,12 @@ class Scratch:
         return self._buf[:n]
 
 
-
-
 def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict], hyper: Hyper,
                master: str, scratch: tuple[Scratch, ...], generator: torch.Generator | None = None,
                write_weights: bool = True) -> None:
-    """One AdamW step of host weights from their gradients, in fp32, written back in the weights' dtype.
-
-    `states[i]`: as `new_state` makes them. `scratch`: a chunk's working buffers (gradients, weights stepped in
-    fp32 and rounded back; two more for decoded moments). `write_weights=False`: only the masters and the moments
-    move (the delayed update publishes the weights later)."""
+    """One AdamW step of host weights from their gradients, in fp32, written back in the weights' dtype. `scratch`:
+    a chunk's working buffers (gradients, weights stepped in fp32; two more for decoded moments).
+    `write_weights=False`: only the masters and moments move (the delayed update publishes the weights later)."""
     if not params:
         return
     device = params[0].device
@@ -207,7 +194,7 @@ class Moments:
         its fraction, so the decoded value is unbiased."""
         torch.div(x.abs().amax(dim=1), top, out=scale)
         x.div_(scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
-        x.add_(self.noise.unit(x.numel()).view(x.shape)).floor_()
+        x.add_(self.noise.draw("unit", x.numel()).view(x.shape)).floor_()
         return x.clamp_(-top, top)
 
 
@@ -239,13 +226,10 @@ RESIDENT_PLACES = ("auto", "device", "host")
 
 
 class ResidentAdamW:
-    """AdamW for the parameters that do not stream (embeddings, heads, norms, the streamed Linears' biases, LoRA
-    adapters), with the streamed weights' master and moments: not in the parameter's own dtype, where an update
-    below half a bf16 spacing rounds away.
-
-    `host` names the parameters whose states live in page-locked host memory (each step copies the gradient down,
-    steps on the host and copies the weight up, as ZeRO-Offload does); the others keep their states beside them
-    (on the GPU: memory the VRAM plan sees). A DTensor (FSDP) keeps and steps the states of its local shard."""
+    """AdamW for the parameters that do not stream (embeddings, heads, norms, biases, LoRA adapters), with the
+    streamed weights' master and moments (in a bf16 parameter's own dtype an update below half a spacing rounds
+    away). `host`: the parameters whose states live in page-locked host memory (gradient down, step on the host,
+    weight up, as ZeRO-Offload does); the others keep them beside the parameter. A DTensor steps its local shard."""
 
     def __init__(self, master: str, states: str, host, generator: torch.Generator):
         self.master, self.states, self.generator = master, states, generator

@@ -31,11 +31,6 @@ class HostUpdateWarning(UserWarning):
     parameters' states on the host (resident_states="auto"): the message says why."""
 
 
-def _warn_once(message: str) -> None:
-    # Python's default warning filter shows a message once per place it is raised from: once a process here.
-    warnings.warn(message, HostUpdateWarning, stacklevel=3)
-
-
 class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
     """AdamW for full fine-tuning of an offloaded model, in place of `torch.optim.AdamW`.
 
@@ -45,43 +40,40 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
 
     A streamed block steps on the host as soon as its gradients have landed, overlapped with the backward of the
     blocks before it; every other parameter (embeddings, heads, norms, biases, LoRA adapters) steps in `step()` with
-    the same master and moments. The update is AdamW's, at the same point of the step (any torch optimizer trains
-    streamed weights correctly too: their `.grad` is a host tensor after the backward; this one overlaps). A host
-    too small for the states is a `HostMemoryError`, with the numbers per component, before anything is allocated.
+    the same master and moments. The update is AdamW's (any torch optimizer trains streamed weights too: their
+    `.grad` is a host tensor after the backward; this one overlaps). A host too small for the states is a
+    `HostMemoryError` naming the bytes per component, before anything is allocated.
 
     Args:
         lr: the learning rate.
         betas: the decay rates of the two moments.
         eps: added to the second moment's square root in the denominator.
         weight_decay: decoupled weight decay, as AdamW's.
-        master: "fp32" (default): an fp32 master and fp32 moments per weight, 12 bytes a parameter; the bf16 copy
-            the model computes with is rounded from the master after each step. "bf16": the bf16 weight is its own
-            master, updated with stochastic rounding (8 bytes a parameter).
+        master: "fp32" (default): an fp32 master and fp32 moments per weight, 12 bytes a parameter, the bf16 copy
+            rounded from the master after each step. "bf16": the bf16 weight is its own master, updated with
+            stochastic rounding (8 bytes a parameter).
         states: "fp32" (default), "bf16" or "int8": the moments' bytes, 8, 4 or 2 a parameter (the smaller ones
-            stochastically rounded; decoding and encoding them costs host time). master="bf16" with states="int8":
-            2 bytes a parameter beside the bf16 weight.
+            stochastically rounded, at a host-time cost); with master="bf16", "int8" is 2 bytes beside the weight.
         overlap: False steps every block in `step()`, after the backward.
-        accumulation_steps: `step()` is called after every k backwards; the blocks step during the k-th. Another
-            cadence is an error at `step()`.
+        accumulation_steps: `step()` is called after every k backwards; the blocks step during the k-th (another
+            cadence is an error at `step()`).
         max_grad_norm: clip by the global norm of every gradient, streamed and resident (overlap then waits for the
-            whole backward). Use it, not `torch.nn.utils.clip_grad_norm_`, which does not see the streamed weights'
-            gradients under overlap (they are consumed as they land).
+            whole backward); not `torch.nn.utils.clip_grad_norm_`, which misses the streamed ones under overlap.
         seed: of the stochastic rounding's random stream, kept in `state_dict()` (a resumed run rounds the same).
         device_update: "auto" (default): some blocks step on the GPU inside the backward, their fp32 master and
             moments streamed in and out beside the weights, chosen after the second step from the measured host
             time per block and link bandwidths; a list of blocks forces them; "off" keeps every block on the host.
-            It needs fp32 master and moments, `overlap`, no `max_grad_norm` and `accumulation_steps=1` (why "auto"
-            stays on the host: `device_update_note`).
+            It needs fp32 master and moments, `overlap`, no `max_grad_norm` and `accumulation_steps=1`
+            (`device_update_note` says why "auto" stays on the host).
         delayed_update: True: ZeRO-Offload's one-step-delayed update, which changes the math: step t's update runs
-            beside step t+1 and its weights are first used by step t+2 (resident parameters step exactly). It keeps
-            an fp32 master of every streamed weight and a second set of host gradient buffers; `flush()` (called by
+            beside step t+1, its weights first used by step t+2 (resident parameters step exactly), with an fp32
+            master of every streamed weight and a second set of host gradient buffers; `flush()` (called by
             `state_dict()`) publishes the pending update.
         resident_states: where the resident parameters' masters and moments live. "device": beside them (the VRAM
             plan counts them); "host": page-locked, each gradient copied down once final and stepped during the
             backward (after it with accumulation, clipping or several ranks), the weights copied up in `step()`;
             "auto" (default): in the model's order, on the device while they take at most half of what the VRAM
-            budget leaves beside the resident tensors and two slots of the largest block, the rest on the host
-            (with a warning naming the bytes).
+            budget leaves beside the resident tensors and two slots of the largest block, the rest on the host.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -102,8 +94,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             raise ValueError("HostAdamW: delayed_update=True updates a master while the weights are in use by the "
                              "next step; it needs master='fp32'")
         self._generator = torch.Generator().manual_seed(seed)  # stochastic rounding, reproducible
-        # a chunk's fp32 gradients, rounded weights and decoded moments, kept across steps
-        self._scratch = (Scratch(), Scratch(), Scratch(), Scratch())
+        self._scratch = tuple(Scratch() for _ in range(4))  # a chunk's gradients, weights, decoded moments
         self._streamed = [p for g in self.param_groups for p in g["params"] if isinstance(p, HostMasterParameter)]
         self.runtime = _one_runtime(self._streamed)
         self._block_params: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -139,8 +130,8 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             self.device_update_note = "delayed_update=True steps every block on the host"
         elif device_update == "auto" and self.device_update_note and self.runtime is not None and \
                 self.runtime.device.type == "cuda":
-            _warn_once(f"HostAdamW: device_update='auto' steps every streamed block on the host: "
-                       f"{self.device_update_note}")
+            warnings.warn(f"HostAdamW: device_update='auto' steps every streamed block on the host: "
+                          f"{self.device_update_note}", HostUpdateWarning, stacklevel=2)  # once per process
         if self.runtime is not None:
             self.runtime.attach(self)  # step phases, telemetry
             if (overlap and max_grad_norm is None) or self.delayed is not None:  # the delayed update publishes there
@@ -194,10 +185,11 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
                 on_host.append(p)
                 away += nbytes
         if on_host:
-            _warn_once(f"HostAdamW: the masters and moments of {len(on_host)} of the {len(self._resident)} resident "
-                       f"parameters ({gib(away)}) stay on the host: the VRAM budget leaves {gib(max(0, room))} "
-                       f"beside the resident tensors and two slots; each step copies their gradients down and their "
-                       f"weights up (resident_states='device' keeps them on the GPU)")
+            warnings.warn(f"HostAdamW: the masters and moments of {len(on_host)} of the {len(self._resident)} "
+                          f"resident parameters ({gib(away)}) stay on the host: the VRAM budget leaves "
+                          f"{gib(max(0, room))} beside the resident tensors and two slots; each step copies their "
+                          "gradients down and their weights up (resident_states='device' keeps them on the GPU)",
+                          HostUpdateWarning, stacklevel=2)
         return on_host
 
     def _preflight(self) -> None:

@@ -1,11 +1,11 @@
 """Full fine-tuning across ranks, ZeRO-2 style on the host: each training block has one owner per node (rank b mod
 the node's ranks), which alone lands its gradient, keeps its optimizer states and steps its master.
 
-A block's gradients are summed once (NCCL, gloo on the CPU) into its owner, on a group of their own: one collective
-per block at its last training weight's gradient (train/grads.py gathers them), the same on every rank whatever its
-plan. After a step (an attached optimizer's, else at the next forward's first fetch) each rank rebuilds its blocks'
-copies in the node's shared store, waits for the node, and marks the others' blocks written. Several nodes: every
-rank gets the sum, each node's owner keeps it; without a node-shared store every rank owns every block.
+A block's gradients are summed once (NCCL, gloo on the CPU) into its owner on a group of their own, at its last
+training weight's gradient (train/grads.py gathers them). After a step (an attached optimizer's, else at the next
+forward's first fetch) each rank rebuilds its blocks' copies in the node's shared store, waits for the node, and
+marks the others' blocks written. Several nodes: every rank gets the sum, each node's owner keeps it; without a
+node-shared store every rank owns every block.
 """
 
 from __future__ import annotations

@@ -74,21 +74,18 @@ def prepare_training(model, inputs, lora_rank: int = 4) -> tuple[Any, Any, str]:
     try:
         import peft
     except ImportError:
-        peft = None
-    if peft is not None:
-        specs = streamed_layers(model, find_blocks(model))
-        targets = [s.fqn for s in specs]
-        config = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=targets,
-                                 fan_in_fan_out=bool(specs) and all(is_conv1d(s.module) for s in specs))
-        peft.inject_adapter_in_model(config, model)
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.data = p.data.to(dtype)  # adapters in the model's dtype
-        return model, inputs, f"LoRA r={lora_rank} on {len(targets)} block Linears (peft), base frozen"
-
-    inputs = map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, inputs)
-    return model, inputs, "peft not installed: grad enabled on the float inputs, base frozen"
+        inputs = map_tensors(lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t, inputs)
+        return model, inputs, "peft not installed: grad enabled on the float inputs, base frozen"
+    specs = streamed_layers(model, find_blocks(model))
+    targets = [s.fqn for s in specs]
+    config = peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules=targets,
+                             fan_in_fan_out=bool(specs) and all(is_conv1d(s.module) for s in specs))
+    peft.inject_adapter_in_model(config, model)
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(dtype)  # adapters in the model's dtype
+    return model, inputs, f"LoRA r={lora_rank} on {len(targets)} block Linears (peft), base frozen"
 
 
 @contextlib.contextmanager
@@ -174,13 +171,9 @@ def _print_overview(table: str, report, then: str) -> None:
 def cmd_inspect(args) -> int:
     report, _ = explain_target(args)
     _print_overview(report.segment_table(), report, report.pass_table())
-    shown = 0
-    for name, code in report.graphs.items():
-        if args.graph and args.graph not in name:
-            continue
-        shown += 1
-        print()
-        print(f"==== {name} " + "=" * max(4, 72 - len(name)))
+    shown = {name: code for name, code in report.graphs.items() if not args.graph or args.graph in name}
+    for name, code in shown.items():
+        print(f"\n==== {name} " + "=" * max(4, 72 - len(name)))
         print(code.rstrip())
     if args.graph and not shown:
         raise UsageError(f"--graph {args.graph!r} matches none of: {', '.join(report.graphs)}")
@@ -258,11 +251,9 @@ def cmd_env(args) -> int:
 
     from torch_stagehand.environment import env, table
 
-    rows = []
-    for row in table():
-        value = env(row["variable"])  # a bad value: ConfigError naming the variable, one line
-        rows.append([row["variable"], row["default"], "" if row["set"] is None else f"{row['set']} -> {value}",
-                     row["what"]])
+    # A bad value: env() raises a ConfigError naming the variable, one line.
+    rows = [[row["variable"], row["default"], "" if row["set"] is None else f"{row['set']} -> {env(row['variable'])}",
+             row["what"]] for row in table()]
     print(tabulate(rows, headers=["variable", "default", "set here", "what it does"], tablefmt="github"))
     return 0
 

@@ -8,6 +8,7 @@ generated hues. No two names ever share a colour.
 from __future__ import annotations
 
 import colorsys
+import itertools
 from typing import Iterable
 
 from torch_stagehand.runtime import precision as precisions
@@ -38,14 +39,9 @@ def precision_colors(extra: Iterable[str] = ()) -> dict[str, str]:
 
 def _fresh_colors(used: set[str]):
     """Colours not in `used` (and marked used as they are handed out): the spare ones, then generated hues."""
-    for color in _SPARE:
-        if color not in used:
-            used.add(color)
-            yield color
-    hue = 0.0
-    while True:
-        hue = (hue + _GOLDEN) % 1.0
-        color = "#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hsv_to_rgb(hue, 0.65, 0.8))
+    hues = itertools.accumulate(itertools.repeat(_GOLDEN), lambda hue, step: (hue + step) % 1.0)
+    generated = ("#%02x%02x%02x" % tuple(round(255 * c) for c in colorsys.hsv_to_rgb(h, 0.65, 0.8)) for h in hues)
+    for color in itertools.chain(_SPARE, generated):
         if color not in used:
             used.add(color)
             yield color

@@ -138,8 +138,7 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
     batches = ByteBatches(data, shape.batch, shape.seq, seed=seed)
 
     model = build_model(shape, seed)
-    n_blocks = shape.layers
-    pmap = default_precision(n_blocks) if precision is None else precision
+    pmap = default_precision(shape.layers) if precision is None else precision
     config = config or Config()
     config.telemetry_file = files["telemetry"]
     rt = stagehand.offload(model, device=device, precision=pmap, config=config)
@@ -170,11 +169,10 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))  # the demo reads the loss every step; the runtime never syncs
-        seconds = time.perf_counter() - t0
         if step > 0:  # step 0 includes the compile
-            timed_seconds += seconds
+            timed_seconds += time.perf_counter() - t0
             timed_tokens += tokens_per_step
-        if step == 0:
+        else:
             bar.set_description("training")
         rate = timed_tokens / timed_seconds if timed_seconds else 0.0
         bar.set_postfix_str(f"loss={losses[-1]:.3f} tok/s={rate:,.0f} streamed={rt.stats()['h2d_bytes'] / 1e6:,.1f}MB")
@@ -190,13 +188,12 @@ def run(steps: int | None = None, device: str | None = None, out: str = "./stage
     report = stagehand.explain(model, input_ids=ids, labels=ids)
     rt.close()
 
-    tokens_per_s = timed_tokens / timed_seconds if timed_seconds else 0.0
     title = (f"stagehand demo: byte-level Llama ({shape.layers} blocks, hidden {shape.hidden}) on the Python stdlib, "
              f"{device.type}")
     demo_figure(losses, records, rt.blocks, files["plot"], title=title)
     write_atomic(files["schedule"], f"{report.summary()}\n\n{report.table()}\n")
     result = DemoResult(
-        losses=losses, tokens_per_s=tokens_per_s, h2d_bytes=train_stats["h2d_bytes"],
+        losses=losses, tokens_per_s=rate, h2d_bytes=train_stats["h2d_bytes"],
         compile_seconds=train_stats["compile_seconds"], wall_seconds=time.perf_counter() - t_start,
         blocks=list(rt.blocks), precision=rt.precision, schedule_table=report.table(), summary=report.summary(),
         files=files, shape=asdict(shape),
@@ -211,11 +208,9 @@ def print_result(result: DemoResult) -> None:
     """What `stagehand demo` prints at the end: the schedule, the loss drop, throughput, the files."""
     first, last = result.loss_drop()
     k = result.quarter
-    print()
-    print(f"schedule of one training step ({result.summary}):")
+    print(f"\nschedule of one training step ({result.summary}):")
     print(result.schedule_table)
-    print()
-    print(f"loss: {first:.3f} (mean of the first {k} steps) -> {last:.3f} (mean of the last {k} steps)")
+    print(f"\nloss: {first:.3f} (mean of the first {k} steps) -> {last:.3f} (mean of the last {k} steps)")
     print(f"throughput: {result.tokens_per_s:,.0f} tokens/s after the first step; "
           f"{result.h2d_bytes / 1e6:,.1f} MB streamed host->device in {len(result.losses)} steps; "
           f"compile {result.compile_seconds:.1f} s; total {result.wall_seconds:.1f} s")

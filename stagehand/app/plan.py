@@ -22,8 +22,9 @@ from torch_stagehand.runtime.blocks import BlockSelectionError, find_blocks, str
 from torch_stagehand.runtime.conductor.costs import (DEFAULT_BLOCK_SECONDS, DEFAULT_H2D_BPS, BlockCost, Budget,
                                                      CostModel, human, parse_bytes)
 from torch_stagehand.runtime.conductor.planner import RECOMPUTE, SPILL, BudgetError, make_plan
-from torch_stagehand.runtime.host.budget import probe_machine
+from torch_stagehand.runtime.host import budget as host_budget
 from torch_stagehand.runtime.host.plan import HostPlan, plan_host
+from torch_stagehand.runtime.host.weights_file import pipeline_components
 from torch_stagehand.runtime.train.host import STATE_BYTES
 
 TRAIN = ("lora", "full", "none")
@@ -53,6 +54,7 @@ class FolderPlan:
     resident_bytes: int  # what stays on the GPU outside the blocks (embeddings, head, norms, LoRA)
     activations: str  # how the activations were found
     vram: dict[str, Any] = field(default_factory=dict)
+    host_usable_bytes: int | None = None  # what this machine's host memory can give now (the preflight's reading)
 
     def to_json(self) -> dict:
         return {**self.__dict__, "host": {"bytes_by_kind": dict(self.host.bytes), "keep_full": self.host.keep_full,
@@ -63,8 +65,11 @@ def _read_config(folder: str) -> tuple[str, dict]:
     if not os.path.isdir(folder):
         raise PlanInputError(f"{folder}: not a folder")
     if os.path.isfile(os.path.join(folder, "model_index.json")):
-        sub = os.path.join(folder, "transformer")
-        hint = f": plan its transformer, {sub}" if os.path.isdir(sub) else ""
+        models = pipeline_components(folder)
+        sub = next((name for name in ("transformer", "unet") if name in models or os.path.isdir(
+            os.path.join(folder, name))), None)
+        hint = f": plan its {sub}, {os.path.join(folder, sub)}" if sub is not None else (
+            f": plan one of its models, {', '.join(os.path.join(folder, n) for n in sorted(models))}" if models else "")
         raise PlanInputError(f"{folder}: a diffusers pipeline folder (model_index.json){hint}")
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
@@ -246,7 +251,8 @@ def plan_folder(folder: str, vram_budget: str | int, precision: str = "int8", tr
         resident += (total - streamed) * (per_param + 2)
     elif train == "lora":
         resident += lora * 8  # bf16 weights and gradients, and AdamW's two moments in the weights' dtype
-    host = plan_host(layers, n, {b: precision for b in range(n)}, "auto", True, probe_machine(),
+    machine = host_budget.probe_machine()  # (the preflight's reading: a test replaces it there)
+    host = plan_host(layers, n, {b: precision for b in range(n)}, "auto", True, machine,
                      [True] * n, 0, has_file=_has_safetensors(folder),
                      training_blocks=tuple(range(n)) if train == "full" else ())
 
@@ -280,7 +286,7 @@ def plan_folder(folder: str, vram_budget: str | int, precision: str = "int8", tr
                           "forward per block): not this machine's; the first steps of a run measure both"}
     return FolderPlan(folder, name, kind, n, sorted({f.rsplit(".", 1)[0] for f in block_fqns}), total, streamed,
                       {p: sum(v) for p, v in bytes_of.items()}, precision, train, tokens, host, optimizer,
-                      resident, how, vram)
+                      resident, how, vram, machine.usable_bytes)
 
 
 def _has_safetensors(folder: str) -> bool:
@@ -298,6 +304,9 @@ def render(plan: FolderPlan) -> str:
              + (f"; HostAdamW's fp32 masters and moments {human(plan.optimizer_bytes)} more" if plan.optimizer_bytes
                 else ""),
              "    " + ", ".join(f"{k} {human(n)}" for k, n in plan.host.bytes.items()),
+             *([f"    more than this machine can give now ({human(plan.host_usable_bytes)}): offload here would stop "
+                "at its host-memory preflight (HostMemoryError)"]
+               if plan.host_usable_bytes is not None and plan.host.node_need() > plan.host_usable_bytes else []),
              f"  on the GPU outside the blocks: {human(plan.resident_bytes)}",
              f"  activations: {plan.activations}",
              f"  VRAM plan for {human(v['budget_bytes'])}: {len(v['resident_blocks'])} blocks resident, "

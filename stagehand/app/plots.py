@@ -24,8 +24,7 @@ def pyplot():
 
 
 def save_figure(fig, path: str, dpi: int = 110) -> str:
-    """The figure as a PNG at `path`, written whole (rendered in memory, then a temporary file and a rename), and
-    closed; returns `path`."""
+    """The figure as a PNG at `path`, written whole (rendered in memory, then written atomically), and closed."""
     png = io.BytesIO()
     fig.savefig(png, dpi=dpi, format="png")
     write_atomic(os.path.abspath(path), png.getvalue())
@@ -81,19 +80,17 @@ def demo_figure(losses: list[float], records: list[dict[str, Any]], blocks: list
     ax_bytes.set_title(f"weights streamed per step (telemetry; {sum(mb):.1f} MB in all)")
     ax_bytes.grid(alpha=0.3, axis="y")
 
-    draw_precision_map(ax_prec, records, list(range(len(blocks))),
+    draw_precision_map(ax_prec, records, list(range(len(blocks))), [f"{i} {_short(b)}" for i, b in enumerate(blocks)],
                        extent=(-0.5, max(len(records), 1) - 0.5, len(blocks) - 0.5, -0.5))
-    ax_prec.set_yticks(range(len(blocks)))
-    ax_prec.set_yticklabels([f"{i} {_short(b)}" for i, b in enumerate(blocks)], fontsize=8)
-    ax_prec.set_xlabel("step")
     ax_prec.set_title("precision of each block's weight stream")
     return save_figure(fig, path)
 
 
-def draw_precision_map(ax, records: list[dict[str, Any]], blocks: list[int], extent: tuple) -> dict[str, str]:
-    """Each block's precision at each record (`record["precision"][str(block)]`) as a heatmap on `ax`, and
-    its legend, in the colours of `precision_colors` (also for a precision this process has not
-    registered); returns the colours used."""
+def draw_precision_map(ax, records: list[dict[str, Any]], blocks: list[int], labels: list[str],
+                       extent: tuple) -> dict[str, str]:
+    """Each block's precision at each record (`record["precision"][str(block)]`) as a heatmap on `ax` (a row a
+    block, labelled `labels`; steps along x), and its legend, in the colours of `precision_colors` (also for a
+    precision this process has not registered); returns the colours used."""
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
@@ -107,6 +104,8 @@ def draw_precision_map(ax, records: list[dict[str, Any]], blocks: list[int], ext
               vmin=0, vmax=max(len(names) - 1, 1), origin="upper", extent=extent)
     ax.legend(handles=[Patch(color=c, label=n) for n, c in colors.items()], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_yticks(range(len(blocks)), labels, fontsize=8)
+    ax.set_xlabel("step")
     return colors
 
 

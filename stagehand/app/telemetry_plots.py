@@ -66,7 +66,6 @@ def timeline_figure(records: list[dict[str, Any]], path: str, title: str) -> str
     if stalls:
         ax_t.plot(*zip(*stalls), "v", color="#c0392b", label="synchronous fetch (stall)")
     ax_t.set_ylabel("ms")
-    ax_t.set_yscale("linear")  # stacked bars: a log axis would hide the lower phases
     ax_t.set_title(f"phases per step ({sum(r.get('sync_fetches', 0) for r in records)} synchronous fetches in all)")
     ax_t.legend(loc="upper right", fontsize=8)
     ax_t.grid(alpha=0.3, axis="y")
@@ -111,10 +110,8 @@ def precision_figure(records: list[dict[str, Any]], path: str, title: str) -> st
     blocks = sorted({int(b) for r in records for b in r.get("precision", {})})
     fig, ax = pyplot().subplots(figsize=(9, 1.2 + 0.3 * max(len(blocks), 2)), constrained_layout=True)
     steps = [r["step_id"] for r in records]
-    draw_precision_map(ax, records, blocks, extent=(steps[0] - 0.5, steps[-1] + 0.5, len(blocks) - 0.5, -0.5))
-    ax.set_yticks(range(len(blocks)))
-    ax.set_yticklabels([f"block {b}" for b in blocks], fontsize=8)
-    ax.set_xlabel("step")
+    draw_precision_map(ax, records, blocks, [f"block {b}" for b in blocks],
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, len(blocks) - 0.5, -0.5))
     changes = sum(1 for a, b in zip(records, records[1:]) if a.get("precision") != b.get("precision"))
     ax.set_title(f"{title}: precision of each block's weight stream ({changes} map changes)", fontsize=11)
     return save_figure(fig, path)

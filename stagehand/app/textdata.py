@@ -27,21 +27,16 @@ def stdlib_files() -> list[str]:
 
 def stdlib_corpus(max_bytes: int = 1_000_000) -> tuple[torch.Tensor, list[str]]:
     """(uint8 tensor of the text as int64 ids, files used)."""
-    chunks: list[bytes] = []
-    used: list[str] = []
-    total = 0
+    text, used = bytearray(), []
     for path in stdlib_files():
         with open(path, "rb") as f:
-            data = f.read()
-        if not data:
-            continue
-        chunks.append(data[: max_bytes - total])
-        used.append(path)
-        total += len(chunks[-1])
-        if total >= max_bytes:
+            data = f.read(max_bytes - len(text))
+        if data:
+            text += data
+            used.append(path)
+        if len(text) >= max_bytes:
             break
-    text = b"".join(chunks)
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64), used
+    return torch.frombuffer(text, dtype=torch.uint8).to(torch.int64), used
 
 
 class ByteBatches:
