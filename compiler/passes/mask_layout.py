@@ -4,15 +4,22 @@ handler returns the node's value in its own axes: a substitution of the source's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 import torch.fx as fx
 
 from torch_stagehand.compiler.graph_nodes import example_value, node_arg
 from torch_stagehand.compiler.passes.mask_algebra import Affine, Subst, Unknown, Value, _is_one, size_key, substitute
 
-if TYPE_CHECKING:
-    from torch_stagehand.compiler.passes.mask_proof import MaskInterpreter
+
+class MaskInterpreter(Protocol):
+    """What a layout handler reads of the interpreter (mask_proof.py): the values known so far, per node."""
+
+    known: dict[fx.Node, Any]  # node -> its value and fake tensor
+
+    def ndim(self, node: fx.Node) -> int: ...
+
+    def operand(self, x, out_ndim: int) -> Value: ...
 
 
 def _identity(it: MaskInterpreter, node: fx.Node) -> Value:
@@ -107,6 +114,7 @@ def _getitem(it: MaskInterpreter, node: fx.Node) -> Value:
     return substitute(it.known[source].value, subst)
 
 
-LAYOUT_HANDLERS: dict[str, Callable] = {"getitem": _getitem, "unsqueeze": _unsqueeze, "permute": _permute,
-                                        "transpose": _transpose, "reshape": _reshape, "expand": _identity,
-                                        "identity": _identity}
+LAYOUT_HANDLERS: dict[str, Callable] = {
+    "getitem": _getitem, "unsqueeze": _unsqueeze, "permute": _permute, "transpose": _transpose,
+    "reshape": _reshape, "expand": _identity, "identity": _identity,
+}
