@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
@@ -352,7 +353,7 @@ def explain(model: nn.Module, *args, **kwargs):
     for i, record in enumerate(records):
         prefix = "" if len(records) == 1 else f"graph{i}."
         graphs[prefix + "forward"] = record.outer.print_readable(print_output=False)
-        passes += [dict(name=r.name, notes=list(r.notes), graph=i, unit="") for r in record.passes]
+        passes += [dict(dataclasses.asdict(r), graph=i, unit="") for r in record.passes]
         for name, unit in record.outer.named_children():
             info = variant_info.get(unit.last_key)
             if info is None:

@@ -59,11 +59,16 @@ def pipeline_component(path: str | os.PathLike, class_names) -> tuple[str | os.P
                  f"{match[0]}/ ({components[match[0]]}, as model_index.json names it), {sub}")
 
 
+def denoiser_first(components: dict[str, str]) -> list[str]:
+    """A pipeline's subfolders, the denoiser's (`transformer/`, `unet/`) first: the one a user means to offload."""
+    return [n for n in ("transformer", "unet") if n in components] + sorted(
+        n for n in components if n not in ("transformer", "unet"))
+
+
 def _pipeline_folder_error(folder: str) -> CheckpointError:
     """A pipeline folder given where one model's folder goes: name the subfolders to pass (the denoiser first)."""
     components = pipeline_components(folder)
-    names = [n for n in ("transformer", "unet") if n in components] + sorted(
-        n for n in components if n not in ("transformer", "unet"))
+    names = denoiser_first(components)
     with_weights = [n for n in names if any(".safetensors" in f for f in os.listdir(os.path.join(folder, n)))]
     listed = ", ".join(f"{os.path.join(folder, n)} ({components[n]})" for n in with_weights or names)
     return CheckpointError(f"checkpoint {folder!r}: a diffusers pipeline folder ({PIPELINE_INDEX}), not one model's: "

@@ -24,7 +24,7 @@ from torch_stagehand.runtime.conductor.costs import (DEFAULT_BLOCK_SECONDS, DEFA
 from torch_stagehand.runtime.conductor.planner import RECOMPUTE, SPILL, BudgetError, make_plan
 from torch_stagehand.runtime.host import budget as host_budget
 from torch_stagehand.runtime.host.plan import HostPlan, plan_host
-from torch_stagehand.runtime.host.weights_file import pipeline_components
+from torch_stagehand.runtime.host.weights_file import PIPELINE_INDEX, denoiser_first, pipeline_components
 from torch_stagehand.runtime.train.host import STATE_BYTES
 
 TRAIN = ("lora", "full", "none")
@@ -64,13 +64,13 @@ class FolderPlan:
 def _read_config(folder: str) -> tuple[str, dict]:
     if not os.path.isdir(folder):
         raise PlanInputError(f"{folder}: not a folder")
-    if os.path.isfile(os.path.join(folder, "model_index.json")):
-        models = pipeline_components(folder)
+    if os.path.isfile(os.path.join(folder, PIPELINE_INDEX)):
+        models = denoiser_first(pipeline_components(folder))
         sub = next((name for name in ("transformer", "unet") if name in models or os.path.isdir(
-            os.path.join(folder, name))), None)
+            os.path.join(folder, name))), None)  # a denoiser's folder model_index.json may not list
         hint = f": plan its {sub}, {os.path.join(folder, sub)}" if sub is not None else (
-            f": plan one of its models, {', '.join(os.path.join(folder, n) for n in sorted(models))}" if models else "")
-        raise PlanInputError(f"{folder}: a diffusers pipeline folder (model_index.json){hint}")
+            f": plan one of its models, {', '.join(os.path.join(folder, n) for n in models)}" if models else "")
+        raise PlanInputError(f"{folder}: a diffusers pipeline folder ({PIPELINE_INDEX}){hint}")
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise PlanInputError(f"{folder}: no config.json (a transformers or diffusers model folder has one)")
