@@ -122,15 +122,20 @@ def _timed(label: str, step, steps: int, device: str) -> dict:
     first_s = time.perf_counter() - t0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, step_peaks = [], []
     for i in range(steps):
         t0 = time.perf_counter()
         losses.append(step())
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
+        if device == "cuda":  # read after every step: stagehand resets the peak counter when it checks a new plan
+            step_peaks.append(torch.cuda.max_memory_allocated() / GiB)
         print(f"  {label}: step {i + 1}/{steps} {times[-1]:.0f} ms", flush=True)
-    return {"mode": label, "step_ms": round(statistics.median(times), 1), "steps_ms": [round(t, 1) for t in times],
-            "first_step_s": round(first_s, 1), "losses": [round(float(x), 4) for x in losses], **_peaks(device)}
+    row = {"mode": label, "step_ms": round(statistics.median(times), 1), "steps_ms": [round(t, 1) for t in times],
+           "first_step_s": round(first_s, 1), "losses": [round(float(x), 4) for x in losses], **_peaks(device)}
+    if step_peaks:  # the highest of the timed steps, not only of those after the last reset
+        row.update(peak_gib=round(max(step_peaks), 2), peak_gib_steps=[round(p, 2) for p in step_peaks])
+    return row
 
 
 def row_stagehand(args, device_update: str = "auto", delayed: bool = False, inner: str | None = None) -> list[dict]:
