@@ -754,8 +754,7 @@ def full_finetune(name: str) -> str:
     return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n"
 
 
-EQUAL_WORK_RUNS = ("full_finetune_qwen14_equal_a.json", "full_finetune_qwen14_equal_b.json",
-                   "full_finetune_qwen14_equal_c.json")
+EQUAL_WORK_RUNS = ("full_finetune_qwen14_one_run_stagehand.json", "full_finetune_qwen14_one_run_deepspeed.json")
 
 
 def full_finetune_equal() -> str:
@@ -781,7 +780,7 @@ def full_finetune_equal() -> str:
     settings = ", ".join(f"{k} {v}" for k, v in zero.items() if k not in ("stage", "offload_optimizer"))
     what = (f"Qwen2.5-7B's width, {data['layers']} of its 28 layers, sequence 2048, every parameter trained, AdamW "
             f"(lr {data['lr']}), bf16 weights, an fp32 master and fp32 moments of every parameter on both sides; "
-            f"one process per row; median of 3 or 4 steps. DeepSpeed "
+            f"one process per row, every row on one machine in one session; median of {data['steps']} steps. DeepSpeed "
             f"{ds['deepspeed']}, ZeRO-2, offload_optimizer cpu with pin_memory, {settings}; "
             f"its CPU Adam on {ds['binding']['cores']} threads (every core)")
     return f"{caption(*EQUAL_WORK_RUNS, what=what)}\n\n{table(rows, cols)}\n"

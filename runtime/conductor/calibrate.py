@@ -52,9 +52,7 @@ class BlockTimer:
     low: the smallest measured stays (`CostModel.refine_compute`)."""
 
     def __init__(self, n_blocks: int, device: torch.device):
-        self.n = n_blocks
-        self.device = device
-        self.cuda = device.type == "cuda"
+        self.n, self.device, self.cuda = n_blocks, device, device.type == "cuda"
         self._open: dict[tuple[int, str], object] = {}  # (block, kind) -> start event
         self._seen: set[tuple[int, str]] = set()
         self._spans: list[tuple[int, str, object, object]] = []
@@ -90,7 +88,7 @@ class BlockTimer:
         spans = self._spans
         forward_ends = [stop for _, kind, _, stop in spans if kind == FORWARD]
         backward_starts = [start for _, kind, start, _ in spans if kind != FORWARD]
-        if not spans or not forward_ends or not backward_starts:
+        if not forward_ends or not backward_starts:
             return 0.0
         return self.elapsed(forward_ends[-1], backward_starts[0]) + self.elapsed(spans[-1][3], end)
 

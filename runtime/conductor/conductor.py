@@ -119,12 +119,11 @@ class BudgetManager:
         if self.hard_cap is None:  # no caps: everything is granted (the manager only counts)
             return self._grant(owner, nbytes, nbytes, mode, priority, phase)
         used = self.used
-        soft = self.soft_cap - (self.headroom if priority >= Priority.SPECULATIVE else 0)
         if priority is Priority.CRITICAL or mode in (BudgetMode.BURST, BudgetMode.FLOOR):
             if used + nbytes > self.hard_cap:
                 return self._deny(BudgetDenial.HARD_CAP_EXCEEDED)
             return self._grant(owner, nbytes, nbytes, mode, priority, phase)
-        left = soft - used
+        left = self.soft_cap - (self.headroom if priority >= Priority.SPECULATIVE else 0) - used
         if ceiling is not None:
             left = min(left, ceiling - self.held_by(owner))
         if mode is BudgetMode.SOFT:
@@ -144,10 +143,9 @@ class BudgetManager:
 
     def end_phase(self, phase: str) -> int:
         """Drop the reservations scoped to `phase`; returns how many."""
-        ended = [i for i, r in self.reservations.items() if r.phase == phase]
-        for i in ended:
-            del self.reservations[i]
-        return len(ended)
+        kept = {i: r for i, r in self.reservations.items() if r.phase != phase}
+        ended, self.reservations = len(self.reservations) - len(kept), kept
+        return ended
 
     def _grant(self, owner, nbytes, requested, mode, priority, phase) -> Grant:
         r = Reservation(next(self._ids), owner, nbytes, requested, mode, priority, phase)
@@ -218,9 +216,7 @@ class TransferManager:
 
     def complete_key(self, direction: Direction, key: object) -> None:
         """Complete every in-flight copy of `key` (the block's wait consumed it)."""
-        inflight = self.inflight[direction]
-        for token_id in [i for i, t in inflight.items() if t.key == key]:
-            del inflight[token_id]
+        self.inflight[direction] = {i: t for i, t in self.inflight[direction].items() if t.key != key}
 
     def reset(self) -> None:
         """A new step: copies of the last one are done (the step's waits ordered them)."""
@@ -271,22 +267,19 @@ class PrefetchRules:
         return self.hints
 
     def update(self, phase: str, pressure: float, contention: int) -> RuntimeLimitHints:
-        h = candidate = self.hints
         if phase == BACKWARD and pressure > self.pressure_threshold:
-            candidate = candidate.tighten(replace(h, prefetch_window_cap=1, suppress_speculative=True,
-                                                  reasons=("backward_pressure",)))
+            self._tighten(prefetch_window_cap=1, suppress_speculative=True, reasons=("backward_pressure",))
         if phase == OPTIMIZER:
-            candidate = candidate.tighten(replace(h, max_inflight_h2d=1, suppress_speculative=True,
-                                                  reasons=("optimizer_phase",)))
+            self._tighten(max_inflight_h2d=1, suppress_speculative=True, reasons=("optimizer_phase",))
         if contention > self.contention_checks:
-            candidate = candidate.tighten(replace(h, prefetch_window_cap=max(1, h.prefetch_window_cap - 1),
-                                                  reasons=("contention",)))
-        self.hints = candidate  # already the stricter of the two
+            self.shrink("contention")
         return self.hints
 
     def shrink(self, reason: str) -> RuntimeLimitHints:
-        h = self.hints
-        self.hints = h.tighten(replace(h, prefetch_window_cap=max(1, h.prefetch_window_cap - 1), reasons=(reason,)))
+        return self._tighten(prefetch_window_cap=max(1, self.hints.prefetch_window_cap - 1), reasons=(reason,))
+
+    def _tighten(self, **changes) -> RuntimeLimitHints:
+        self.hints = self.hints.tighten(replace(self.hints, **changes))
         return self.hints
 
 

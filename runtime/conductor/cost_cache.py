@@ -87,8 +87,7 @@ def save_entry(model: CostModel, key: dict, root: str | None = None, plan: dict 
     """Write `model` (and `plan`, `plan_decisions`) under `key`, atomically; the path, or None when the cache
     directory cannot be written (the next run calibrates again)."""
     path = entry_path(key, root)
-    data = {name: getattr(model, name) for name in PER_BLOCK + SCALARS}
-    data["host_s"] = model.host_s
+    data = {name: getattr(model, name) for name in (*PER_BLOCK, *SCALARS, "host_s")}
     data["measured"] = {k: v for k, v in model.measured.items() if k != "cost_cache"}
     try:
         write_atomic(path, json.dumps({"key": key, "model": data, **({"plan": plan} if plan else {})}))

@@ -7,6 +7,7 @@ budget bounds the streamed weights' device copy alone.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,8 +20,7 @@ from torch_stagehand.runtime.atomic_file import write_atomic
 from torch_stagehand.runtime.host.budget import gib
 from torch_stagehand.environment import cache_dir
 
-# Compute time assumed for a block before one was measured: only the ratio to the transfer
-# time matters, and 1 ms per block keeps the first plan transfer-aware without a measurement.
+# Compute time assumed for a block before one was measured: only its ratio to the transfer time matters.
 DEFAULT_BLOCK_SECONDS = 1e-3
 # Host-to-device bandwidth assumed where nothing can be measured (the CPU "device").
 DEFAULT_H2D_BPS = 20e9
@@ -221,17 +221,16 @@ def _keep_smaller(known: list[float], measured: list[float], scale: list[float] 
 # ---- H2D bandwidth, measured once per machine --------------------------------------------------
 
 
-def h2d_bandwidth(device: torch.device, pinned: bool = True, path: str | None = None,
-                  direction: str = "h2d") -> tuple[float, str]:
+def h2d_bandwidth(device: torch.device, pinned: bool = True, direction: str = "h2d") -> tuple[float, str]:
     """Pinned H2D (or `direction="d2h"`) bytes/s and where the number came from ("cached", "measured", "default"):
     measured once per device name and kept in `<cache_dir>/h2d_bandwidth.json`; the CPU has no link to measure."""
     device = torch.device(device)
     if device.type != "cuda":
         return DEFAULT_H2D_BPS, "default (no device link on the CPU)"
-    known = cached_bandwidth(device, pinned, direction, path=path)
+    known = cached_bandwidth(device, pinned, direction)
     if known is not None:
         return known, "cached"
-    return measure_bandwidth(device, pinned, direction, path=path), "measured"
+    return measure_bandwidth(device, pinned, direction), "measured"
 
 
 def _bandwidth_key(device: torch.device, pinned: bool, direction: str, ranks: int) -> str:
@@ -241,26 +240,22 @@ def _bandwidth_key(device: torch.device, pinned: bool, direction: str, ranks: in
     return key + ("" if ranks == 1 else f"|ranks={ranks}")
 
 
-def cached_bandwidth(device: torch.device, pinned: bool, direction: str = "h2d", ranks: int = 1,
-                     path: str | None = None) -> float | None:
+def cached_bandwidth(device: torch.device, pinned: bool, direction: str = "h2d", ranks: int = 1) -> float | None:
     """The bytes/s kept for this device, direction and number of ranks copying at once (None: not measured)."""
-    table = _read_json(path or os.path.join(cache_dir(), "h2d_bandwidth.json"))
+    table = _read_json(os.path.join(cache_dir(), "h2d_bandwidth.json"))
     value = table.get(_bandwidth_key(torch.device(device), pinned, direction, ranks))
     return None if value is None else float(value)
 
 
-def measure_bandwidth(device: torch.device, pinned: bool, direction: str = "h2d", ranks: int = 1,
-                      path: str | None = None) -> float:
+def measure_bandwidth(device: torch.device, pinned: bool, direction: str = "h2d", ranks: int = 1) -> float:
     """Measure this rank's bytes/s now (with `ranks` ranks of the node measuring at the same moment) and keep it."""
     device = torch.device(device)
-    path = path or os.path.join(cache_dir(), "h2d_bandwidth.json")
+    path = os.path.join(cache_dir(), "h2d_bandwidth.json")
     bps = _measure_h2d(device, pinned, direction)
     table = _read_json(path)
     table[_bandwidth_key(device, pinned, direction, ranks)] = bps
-    try:
+    with contextlib.suppress(OSError):  # an unwritable cache only costs a second per offload
         write_atomic(path, json.dumps(table, indent=1))  # a run killed mid-write leaves the old table
-    except OSError:
-        pass  # an unwritable cache only costs a second per offload
     return bps
 
 

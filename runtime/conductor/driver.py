@@ -10,6 +10,7 @@ values stay. The measured model is kept on disk with the plan in force (conducto
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -102,14 +103,12 @@ class PlanDriver:
         margin, budget = self.peak_margin, self.budget
         if margin:
             shrink = lambda v: None if v is None else max(1, v - margin)  # noqa: E731
-            try:
+            with contextlib.suppress(BudgetError):
                 plan = make_plan(costs, precision, Budget(shrink(budget.soft), shrink(budget.hard)), model)
                 plan.budget = budget
                 plan.notes.append(f"planned {margin / 2**20:.0f} MiB under the budget: the largest peak a "
                                   f"prediction missed in this run, or the first calibrated plan's margin")
                 return plan
-            except BudgetError:
-                pass
         return make_plan(costs, precision, budget, model)
 
     def _costs(self):
@@ -177,8 +176,8 @@ class PlanDriver:
         self._peak_check = "pending" if plan.kind == "planned" and not given and self.device.type == "cuda" else None
         self._refine_steps = REFINE_STEPS if plan.kind == "planned" else 0
         if self._admit:
-            self.window = self.conductor.reserve_plan(
-                [p.bytes for p in plan.blocks if p.resident], plan.slot_bytes, plan.slots, plan.lookahead)
+            self.conductor.reserve_plan([p.bytes for p in plan.blocks if p.resident], plan.slot_bytes, plan.slots,
+                                        plan.lookahead)
         log.info("stagehand: %s (%s)", plan.summary(), reason)
         if reserve_peak:
             self.reserve_for_plan()

@@ -232,8 +232,7 @@ class OomRecovery:
         if self._user_budget is None:  # the budget the user gave (or none): regrow() returns to it
             self._user_budget = (old_budget, old_planning)
         self._ours = driver.budget
-        room_note = "" if room is None else f"; room {human(room)}"
-        return old_budget.describe(), f"{driver.budget.describe()}{room_note}"
+        return old_budget.describe(), driver.budget.describe() + ("" if room is None else f"; room {human(room)}")
 
     def regrow(self) -> None:
         """Between steps, while a recovery keeps the budget below the user's: when the room grew, plan for it, up to

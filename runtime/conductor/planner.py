@@ -116,10 +116,9 @@ class Plan:
     def timeline(self) -> list[tuple[str, int, float, float]]:
         """The predicted step as (lane, block, start s, end s) on the "host", "h2d", "d2h" and "compute" lanes."""
         lanes: list = []
-        costs = self.costs or []
-        if costs:
-            simulate(costs, self.resident, self.recomputed, self.slots, self.h2d_bps, spill=frozenset(self.spilled),
-                     d2h_bps=self.d2h_bps, lanes=lanes)
+        if self.costs:
+            simulate(self.costs, self.resident, self.recomputed, self.slots, self.h2d_bps,
+                     spill=frozenset(self.spilled), d2h_bps=self.d2h_bps, lanes=lanes)
         return lanes
 
 
@@ -145,7 +144,7 @@ def activation_peak(costs: Sequence[BlockCost], recompute: set[int], spill: froz
 
 
 def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], slots: int, h2d_bps: float,
-             backward: bool = True, spill: frozenset[int] = frozenset(), d2h_bps: float | None = None,
+             spill: frozenset[int] = frozenset(), d2h_bps: float | None = None,
              lanes: list | None = None) -> tuple[float, list[float], list[int]]:
     """Predicted seconds of the blocks' forward + backward, per-block seconds, per-block H2D bytes.
 
@@ -167,18 +166,17 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     t, host_t = _pass(forward, slots, h2d_bps, per_block, h2d, 0.0, 0.0, lanes)
     if spill:
         t = max(t, _d2h_lane(costs, spill, d2h_bps or h2d_bps, per_block, lanes))
-    if backward:
-        streamed_fw = [b for b in order if b not in resident]
-        still_in_slots = set(streamed_fw[-slots:]) if slots else set()
-        items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0)
-                  + (costs[b].activation_bytes / h2d_bps if b in spill else 0.0),
-                  None if b in resident else (0 if b in still_in_slots else costs[b].bytes),
-                  (costs[b].host_backward_s + (costs[b].host_recompute_s if b in recompute else 0.0)) * host[b])
-                 for b in reversed(order)]
-        ends: dict[int, float] = {}
-        t, _ = _pass(items, slots, h2d_bps, per_block, h2d, t, host_t, lanes, ends)
-        if any(c.grad_bytes for c in costs):
-            t = max(t, _gradient_lanes(costs, ends, d2h_bps or h2d_bps, lanes, h2d_bps))
+    streamed_fw = [b for b in order if b not in resident]
+    still_in_slots = set(streamed_fw[-slots:]) if slots else set()
+    items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0)
+              + (costs[b].activation_bytes / h2d_bps if b in spill else 0.0),
+              None if b in resident else (0 if b in still_in_slots else costs[b].bytes),
+              (costs[b].host_backward_s + (costs[b].host_recompute_s if b in recompute else 0.0)) * host[b])
+             for b in reversed(order)]
+    ends: dict[int, float] = {}
+    t, _ = _pass(items, slots, h2d_bps, per_block, h2d, t, host_t, lanes, ends)
+    if any(c.grad_bytes for c in costs):
+        t = max(t, _gradient_lanes(costs, ends, d2h_bps or h2d_bps, lanes, h2d_bps))
     return t, per_block, h2d
 
 
@@ -266,15 +264,14 @@ def spread(k: int, n: int) -> set[int]:
     return {min(n - 1, int((j + 0.5) * n / k)) for j in range(k)} if k else set()
 
 
-def make_plan(costs: Sequence[BlockCost], precision: Sequence[str], budget: Budget, model: CostModel,
-              max_slots: int = MAX_SLOTS) -> Plan:
+def make_plan(costs: Sequence[BlockCost], precision: Sequence[str], budget: Budget, model: CostModel) -> Plan:
     """The plan with the least predicted step time under the soft cap (else the hard cap)."""
     if budget.limit is None:
         raise BudgetError("planner: no VRAM budget (vram_budget, conductor.vram_soft_cap_mb or vram_hard_cap_mb)")
-    best = _search(costs, budget.limit, model, max_slots)
+    best = _search(costs, budget.limit, model)
     over_soft = False
     if best is None and budget.hard is not None and budget.soft is not None and budget.hard > budget.soft:
-        best, over_soft = _search(costs, budget.hard, model, max_slots), True
+        best, over_soft = _search(costs, budget.hard, model), True
     if best is None:
         floor = predicted_peak(costs, set(), {b for b, c in enumerate(costs) if c.activation_bytes > c.input_bytes},
                                1, max(c.bytes for c in costs), model.base_bytes)
@@ -304,7 +301,7 @@ def build_plan(costs: Sequence[BlockCost], precision: Sequence[str], resident: s
                 costs=list(costs), h2d_bps=model.h2d_bps, d2h_bps=model.d2h_bps, cost_model=model.source)
 
 
-def _search(costs: Sequence[BlockCost], limit: int, model: CostModel, max_slots: int):
+def _search(costs: Sequence[BlockCost], limit: int, model: CostModel):
     n = len(costs)
     best = None
     for k in range(n, -1, -1):
@@ -315,7 +312,7 @@ def _search(costs: Sequence[BlockCost], limit: int, model: CostModel, max_slots:
         # the earliest (its recompute runs when the fewest saved bytes are still alive).
         candidates = sorted((b for b in range(n) if costs[b].activation_bytes > costs[b].input_bytes),
                             key=lambda b: (b in resident, costs[b].input_bytes - costs[b].activation_bytes, b))
-        for slots in ([0] if not streamed else range(1, min(max_slots, len(streamed)) + 1)):
+        for slots in ([0] if not streamed else range(1, min(MAX_SLOTS, len(streamed)) + 1)):
             decided = _fewest_savers(costs, resident, candidates, slots, slot_bytes, model, limit)
             if decided is None:
                 continue

@@ -23,8 +23,7 @@ def page_round(n: int) -> int:
 
 
 def new_memfd(kind: str, nbytes: int) -> int:
-    """A shared-memory file of `nbytes` on no file system (its pages go with the last descriptor and mapping),
-    named in /proc after the allocation `kind`."""
+    """A memfd of `nbytes` named in /proc after `kind`, on no file system: its pages go with its last fd and mapping."""
     fd = os.memfd_create(f"stagehand-{kind.replace(' ', '-')}", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)

@@ -5,6 +5,7 @@ RAM), and RLIMIT_MEMLOCK, reported only (CUDA's pinning is not bounded by it). T
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -62,9 +63,9 @@ def _read(path: str) -> str:
         return ""
 
 
-def _meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+def _meminfo() -> dict[str, int]:
     out = {}
-    for line in _read(path).splitlines():
+    for line in _read("/proc/meminfo").splitlines():
         key, _, rest = line.partition(":")
         fields = rest.split()
         if fields:
@@ -102,13 +103,11 @@ def probe_machine() -> MachineMemory:
     total = info.get("MemTotal", 0)
     available = info.get("MemAvailable", total)
     if sys.platform == "win32" or not info:  # no /proc: ask psutil if it is there
-        try:
+        with contextlib.suppress(ImportError):
             import psutil
 
             vm = psutil.virtual_memory()
             total, available = vm.total, vm.available
-        except ImportError:
-            pass
     limit, used = _cgroup() if sys.platform.startswith("linux") else (None, 0)
     wsl = "microsoft" in _read("/proc/version").lower()
     where = "windows" if sys.platform == "win32" else "wsl" if wsl else "linux"

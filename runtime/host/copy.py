@@ -32,9 +32,6 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def release() -> None:
     """Free the bounce buffer (after a build: no pinned memory is held between builds)."""
-    if not _bounce:
-        return
-    _bounce.clear()
-    empty_cache = getattr(torch._C, "_host_emptyCache", None)  # the caching host allocator keeps freed blocks
-    if empty_cache is not None:
-        empty_cache()
+    if _bounce:  # filled on CUDA builds only, whose caching host allocator keeps the freed block
+        _bounce.clear()
+        torch._C._host_emptyCache()

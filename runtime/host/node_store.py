@@ -8,6 +8,7 @@ the same exchanges (`all_gather_object` on a gloo group), one per shared allocat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -71,14 +72,12 @@ class NodeStore:
         try:
             dist.all_gather_object(items, item, group=self.group)
         except Exception as e:  # noqa: BLE001 - a rank that died: gloo raises when its connection closes
-            self.done = True
-            self._close_fds()
+            self._stop()
             raise NodeStoreError(f"offload: rank {self.rank} lost the other ranks of its node during offload "
                                  f"(a rank died or stopped answering): {e}") from e
         for rank, got in zip(self.local_ranks, items):
             if got[0] == "abort":
-                self.done = True
-                self._close_fds()
+                self._stop()
                 raise NodeStoreError(f"offload failed on rank {rank} of this node: {got[1]}")
         return items
 
@@ -108,8 +107,7 @@ class NodeStore:
         return pages
 
     def _open_leaders(self, fd: int, identity: tuple[int, int], kind: str) -> int:
-        """The leader's memfd, opened through /proc, checked to be that very file (not another process's fd of
-        the same number and pid)."""
+        """The leader's memfd, opened through /proc and checked to be that very file (not another process's same fd)."""
         path = f"/proc/{self.leader_pid}/fd/{fd}"
         try:
             mine = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -130,17 +128,14 @@ class NodeStore:
         """The end of offload on every rank of the node: every owner has written its pages, every rank may read
         them. On a GPU the host link is measured with every local rank copying at once. `keep_group`: full
         fine-tuning syncs the node's ranks after each step on its group (`barrier`)."""
-        items = self._exchange(("sealed", self._allocations))
-        counts = {got[1] for got in items}
+        counts = {got[1] for got in self._exchange(("sealed", self._allocations))}
         if len(counts) > 1:
-            self.done = True
-            self._close_fds()
+            self._stop()
             raise NodeStoreError(f"offload: the ranks of this node made {sorted(counts)} shared host allocations: "
                                  "they must offload the same model (or Config(node_shared_store='off'))")
         if torch.device(device).type == "cuda":
             self._measure_link(torch.device(device), pinned)
-        self.done = True
-        self._close_fds()
+        self._stop()
         if not keep_group:
             self._leave()
 
@@ -166,24 +161,21 @@ class NodeStore:
     def abort(self, error: BaseException | str) -> None:
         """This rank's offload failed: tell the others at their next exchange (unless they know already)."""
         if not self.done:
-            try:
+            with contextlib.suppress(NodeStoreError):  # another rank failed too: everyone knows
                 self._exchange(("abort", f"{type(error).__name__}: {error}" if isinstance(error, BaseException)
                                 else str(error)))
-            except NodeStoreError:
-                pass  # another rank failed too: everyone knows
-            self.done = True
         self.close()
 
     def close(self) -> None:
-        self._close_fds()
+        self._stop()
         self._leave()
 
-    def _close_fds(self) -> None:
+    def _stop(self) -> None:
+        """No more exchanges: close the leader's memfds (the mappings keep their pages)."""
+        self.done = True
         for fd in self._fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._fds.clear()
 
     def _leave(self) -> None:

@@ -148,15 +148,13 @@ def host_report(store: HostStore) -> dict:
             locked = arena is not None and arena.is_locked(buf)
             requested += buf.numel() if locked else 0
             kinds[f"{precision} {'pinned' if locked else 'ram'}"] += buf.numel()
-        for (b, precision) in store.on_disk:
-            if b == block:
-                kinds[f"{precision} disk"] += store.nbytes(block, precision)
         if bb.file_master is not None:
             kinds[f"{precisions.FULL} file"] += sum(w.numel() * w.element_size() for w in bb.file_master)
+    for block, precision in store.on_disk:
+        kinds[f"{precision} disk"] += store.nbytes(block, precision)
     tier = store.disk_tier
     if tier is not None:
-        staging = "pinned" if tier.arena.locked else "ram"
-        kinds[f"int8 staging {staging}"] = tier.arena.requested
+        kinds[f"int8 staging {'pinned' if tier.arena.locked else 'ram'}"] = tier.arena.requested
         requested += tier.arena.requested if tier.arena.locked else 0
     return {
         **({"disk_tier": tier.stats.as_dict()} if tier is not None else {}),

@@ -49,8 +49,7 @@ def make_host_store(layers: list[StreamedLayerSpec], n_blocks: int, precision_ma
 
 
 def missing_stack(store: HostStore, checkpoint: WeightsFile | None, block: int) -> str:
-    """Why a checkpoint did not fill an expert stack: it stores the experts one by one (transformers' saved
-    layout), which offload does not fuse."""
+    """Why a checkpoint did not fill an expert stack: it stores the experts one by one, which offload does not fuse."""
     for spec in store.blocks[block].layers:
         if spec.experts and spec.weight.is_meta and checkpoint is not None and spec.weight_name not in checkpoint:
             return (f"; the checkpoint has no {spec.weight_name} (the fused {spec.experts}-expert stack): a checkpoint "

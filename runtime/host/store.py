@@ -188,11 +188,10 @@ class HostStore:
                 held.clear()
             bb.file_master = None
 
-    def adopt_full(self, block: int, source: Callable[[StreamedLayerSpec], torch.Tensor] | None = None) -> bool:
+    def adopt_full(self, block: int, source: Callable[[StreamedLayerSpec], torch.Tensor | None]) -> bool:
         """Move the block's weights into one flat buffer; the modules keep views of it. `source(spec)`: a layer's
-        weight in the module's layout (default: the module's). False (nothing kept) when there are no weights."""
+        weight in the module's layout. False (nothing kept) when there are no weights."""
         bb = self.blocks[block]
-        source = source or (lambda spec: spec.weight.detach())
         weights = [source(spec) for spec in bb.layers]
         if any(w is None or w.is_meta for w in weights):
             return False
@@ -248,9 +247,8 @@ class HostStore:
     def master_weight(self, block: int, position: int) -> torch.Tensor:
         """One layer's master weight as the [out, in] matrix of its linear map."""
         bb = self.blocks[block]
-        spec = bb.layers[position]
         if bb.file_master is not None:
-            return spec.as_matrix(bb.file_master[position].detach())
+            return bb.layers[position].as_matrix(bb.file_master[position].detach())
         master = precisions.master()
         lay = bb.layouts[master.name][position]
         w = master.views(bb.full, lay)[0]
@@ -259,9 +257,10 @@ class HostStore:
     def build_missing(self, precision_map: dict[int, str], progress) -> None:
         """Build every copy the map streams that the store lacks: one host allocation per precision."""
         missing = [(b, p) for b, p in precision_map.items() if not self.has(b, p)]
-        for precision in sorted({p for _, p in missing}):
+        kinds = sorted({p for _, p in missing})
+        for precision in kinds:
             self.reserve(precision, [b for b, p in missing if p == precision])
-        for block, precision in progress(missing, "offload: building " + "/".join(sorted({p for _, p in missing})) + " copies"):
+        for block, precision in progress(missing, f"offload: building {'/'.join(kinds)} copies"):
             self.build(block, precision)
             if self.after_file_read is not None and self.blocks[block].file_master is not None:
                 self.after_file_read()  # the file pages just read leave our RSS (they stay in the page cache)

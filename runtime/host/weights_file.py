@@ -21,7 +21,6 @@ from torch_stagehand.runtime.slab.errors import SlabError
 from torch_stagehand.runtime.slab.safetensors_io import ST_DTYPES, read_header
 
 
-
 class CheckpointError(ValueError):
     """A checkpoint that cannot serve the model: missing tensor, other shape or dtype, bad file (named)."""
 
@@ -95,8 +94,7 @@ def resolve_files(path: str | os.PathLike) -> list[str]:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, KeyError, json.JSONDecodeError) as e:
             raise CheckpointError(f"checkpoint index {path!r}: cannot read its weight_map ({e})") from e
-        folder = os.path.dirname(path)
-        return sorted({os.path.join(folder, name) for name in weight_map.values()})
+        return sorted({os.path.join(os.path.dirname(path), name) for name in weight_map.values()})
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r}: no such file or folder")
     return [path]
@@ -165,9 +163,9 @@ class WeightsFile:
                              for name in names if (mf := self._where.get(name)) is not None], threads)
 
     def read_rows_ahead(self, rows_of: Sequence[tuple[torch.Tensor, Sequence[int]]], threads: int = 16) -> int:
-        """The pages of some rows of 2-D views of this file (`rows_of`: (tensor, row indices)) into the page cache,
-        a `pread` per row (rows closer than the tunable "weights_file_merge_gap" read as one), on `threads`
-        threads; returns the bytes read. A tensor that is not a view of the file, or whose rows are not contiguous in it, is left out. For the slab
+        """The pages of some rows of 2-D views of this file (`rows_of`: (tensor, row indices)) into the page cache, a
+        `pread` per row (rows closer than the tunable "weights_file_merge_gap" read as one); returns the bytes read.
+        A tensor that is not a view of the file, or whose rows are not contiguous in it, is left out. For the slab
         identity's sampled rows; each read asks for no readahead (`POSIX_FADV_RANDOM`): the disk is the slab's."""
         ranges, by_storage = [], {mf.base.untyped_storage().data_ptr(): mf for mf in self.files}
         for t, rows in rows_of:
@@ -225,13 +223,11 @@ def _read_range(path: str, begin: int, end: int, exact: bool = False) -> int:
     """`read_ahead`'s read of one range (0 where the file can not be read: its view's fault says why)."""
     try:
         fd = os.open(path, os.O_RDONLY)
+        try:
+            if exact and hasattr(os, "posix_fadvise"):  # this descriptor's reads only: the others keep their readahead
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            return len(os.pread(fd, end - begin, begin))
+        finally:
+            os.close(fd)
     except OSError:
         return 0
-    try:
-        if exact and hasattr(os, "posix_fadvise"):  # this descriptor's reads only: the others keep their readahead
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return len(os.pread(fd, end - begin, begin))
-    except OSError:
-        return 0
-    finally:
-        os.close(fd)
