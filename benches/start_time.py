@@ -261,7 +261,6 @@ def run_steps(args, kind: str, model, inputs, rt, out: dict, regional: bool, com
         s = rt.stats()
         out.update({k: s[k] for k in ("compiled_units", "units_loaded", "units_compiled_cold", "compile_seconds",
                                       "autotune_seconds", "compiled_variants")})
-        out["replans"] = max(len(plan_changes) - 1, 0)  # plans after the first one the steps ran
         # Why the plan changed and what it was: corrections (peaks learned, budgets shrunk), out-of-memory recoveries
         out.update(plan_changes=plan_changes, plan_corrections=s["plan_corrections"],
                    calibration_remeasured=s["calibration_remeasured"], plan_reservations=s["plan_reservations"],
