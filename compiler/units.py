@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from torch_stagehand import kernels
-from torch_stagehand.compiler import residual_hints
+from torch_stagehand.compiler import block_frames, residual_hints
 from torch_stagehand.compiler.context import CompileContext, PassLog, VariantContext
 from torch_stagehand.compiler.graph_nodes import draws_random, example_value, is_streamed_read, streamed_arg
 from torch_stagehand.compiler.inner import compile_unit
@@ -166,7 +166,7 @@ class BlockUnit(_Unit):
     def __init__(self, template, ctx, segment, name):
         super().__init__(template, ctx, segment, name)
         self.block = segment.block  # the block Dynamo traced (its first user)
-        self.last_precision: str | None = None  # the precision of the last call's variant (explain names it)
+        self.variants_ran: dict = {}  # every variant key a call ran -> its precision (explain lists them)
         self.returns_tuple = _tuple_output(template)
         streamed = [n for n in template.graph.nodes if is_streamed_read(n)]
         self._positions = tuple(streamed_arg(n, "position") for n in streamed)
@@ -277,7 +277,8 @@ class BlockUnit(_Unit):
         planned = self.ctx.runtime.planned_recompute(block)
         if planned is not None:
             return planned
-        return self.segment.recompute or self.ctx.options.recompute == "model"
+        return (self.segment.recompute or self.ctx.options.recompute == "model"
+                or block_frames.model_checkpoints_blocks(self.ctx.runtime))
 
     def forward(self, *args):
         block = registry.decode(args[-3])[1]
@@ -342,12 +343,12 @@ class BlockUnit(_Unit):
         graph, True) to run eagerly."""
         rt = self.ctx.runtime
         gm, skey, vctx = self.variant_graph(precision, rt_trainable(rt, block), block)
-        self.last_precision = precision
         # Replaying random numbers compiles differently; a graph drawing none is shared by kept and recomputed blocks.
         replay_rng = recomputes and self._random[skey]
         # Token inputs (the last four) differ per block by value only; leave them out of the key.
         key = self.last_key = (skey, self.signature(args[:-4]), torch.is_grad_enabled(), self.ctx.options.inner,
                                replay_rng)
+        self.variants_ran.setdefault(key, precision)
         compiled = self.ctx.variants.get(key, args)
         if compiled is None:
             label = self._label(skey, precision, block)

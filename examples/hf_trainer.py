@@ -76,7 +76,7 @@ def main(argv=None):
                                stagehand_options={} if on_gpu else {"inner": "eager"})  # Inductor is slow on a CPU
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     print(f"global step {trainer.state.global_step}; stagehand ran {rt.stats()['steps']} steps here, "
-          f"streamed {rt.stats()['h2d_bytes'] / 1e6:,.1f} MB")
+          f"streamed {rt.stats()['h2d_bytes'] / 1e6:,.1f} MB; compiled graphs {rt.stats()['compiled_graphs']}")
 
     adapter = os.path.join(args.out, "adapter")
     model.save_pretrained(adapter)  # peft: adapter_config.json + adapter_model.safetensors

@@ -49,7 +49,7 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)  # on the CPU: offload streams from there
     model.requires_grad_(False)
     model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank,
-                                                       target_modules="all-linear"))  # peft BEFORE offload
+                                                       target_modules="all-linear"))  # peft, here before offload
     precision = args.precision if args.precision in ("bf16", "int8") else {
         int(b): p for b, p in (kv.split(":") for kv in args.precision.split(","))}
     rt = stagehand.offload(model, device=device, precision=precision)

@@ -383,7 +383,7 @@ class Runtime(SelectivePrecisionAPI):
     def spill_hooks(self, block: int):
         return self.plan_driver.spill_hooks(block)
 
-    def record_recompute(self, block: int) -> None:  # a compiled block unit re-ran its forward in backward
+    def record_recompute(self, block: int) -> None:  # a block re-ran its forward in backward, compiled
         self.recomputed_blocks += 1
 
     # ---- helpers ---------------------------------------------------------------------

@@ -6,12 +6,12 @@ import dataclasses
 import functools
 import logging
 import sys
-import warnings
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_map_only
 
+from torch_stagehand.compiler import block_frames
+from torch_stagehand.compiler.block_frames import RegionalCompileWarning  # noqa: F401 (re-exported)
 from torch_stagehand.compiler.startup.preparation import compiler_preparation
 from torch_stagehand.config import Config
 from torch_stagehand.runtime.attention_guard import disable_unsafe_sdpa_backends
@@ -147,6 +147,7 @@ def offload(
     report_offload(summary, auto=blocks == "auto", verbose=verbose)
     if verbose:
         FirstCallProgress(rt)  # says when the first call compiles, and what the first step cost
+    block_frames.install(rt, model)  # each block its own Dynamo frame: one trace per block structure
     rt.collector.freeze_before_compile()  # last: what offload made is frozen too (collector.py)
     return rt
 
@@ -227,83 +228,20 @@ def runtime_of(model: nn.Module) -> Runtime:
     raise RuntimeError(f"{type(model).__name__} is not offloaded: call torch_stagehand.offload(model) first")
 
 
-class RegionalCompileWarning(UserWarning):
-    """`compile_blocks` on a model whose blocks can not share one Dynamo graph (e.g. an HF model with a KV cache)."""
-
-
 def compile_blocks(model: nn.Module, **compile_kwargs) -> nn.Module:
-    """Compile each block of an offloaded model on its own (regional compilation), in place; returns the model.
+    """Compile each block of an offloaded model on its own, in place, and run the code around the blocks
+    (embeddings, the head, the loss) eagerly; returns the model. `torch.compile(model, backend="stagehand")`
+    compiles the blocks the same way (one trace per block structure) and compiles the code around them too.
 
-    `compile_kwargs` go to `torch.compile` (`backend="stagehand"` unless given). Dynamo traces one block of each
-    structure and every other block of it runs the same graph (a streamed Linear hands the backend its block's
-    token, a graph input). The code outside the blocks (embeddings, the head, the loss) runs eagerly. A model's
-    own activation checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and done by the
-    block units instead (backend option `recompute="model"`), so no block runs its forward three times.
+    `compile_kwargs` go to `torch.compile` (`backend="stagehand"` unless given). A model's own activation
+    checkpointing (HF's or diffusers' `gradient_checkpointing`) is switched off and done by the block units
+    instead, so no block runs its forward three times.
     """
-    from torch_stagehand.compiler import residual_hints
-    from torch_stagehand.compiler.variants import variant_cache
+    from torch_stagehand.compiler.block_frames import frames_of
 
-    rt = runtime_of(model)
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) and not getattr(config, "is_encoder_decoder", False):
-        warnings.warn(
-            f"stagehand: {type(model).__name__}'s config has use_cache=True: its layers update the KV cache by their "
-            "layer index, which Dynamo guards on, so every block is traced again (and past torch._dynamo.config."
-            "recompile_limit runs eagerly); set model.config.use_cache = False to train", RegionalCompileWarning,
-            stacklevel=2)
     compile_kwargs.setdefault("backend", "stagehand")
-    if compile_kwargs["backend"] == "stagehand" and _move_checkpointing_into_blocks(model):
-        compile_kwargs["options"] = {"recompute": "model", **(compile_kwargs.get("options") or {})}
-    # The residual-stream arguments an earlier run found (compiler/residual_hints.py): given grad on the first block.
-    bundle = variant_cache(rt).bundle if compile_kwargs["backend"] == "stagehand" else None
-    hints = residual_hints.load(bundle.path) if bundle is not None else {}
-    for fqn in rt.blocks:  # named from the model that was offloaded (a peft wrapper added later has other names)
-        block = rt.model.get_submodule(fqn)
-        residual = hints.get(residual_hints.block_list(fqn))
-        needing_grad = functools.partial(residual_hints.give_grad, residual_hints.positional_names(block.forward),
-                                         residual) if residual else None
-        block._compiled_call_impl = _block_call(torch.compile(block._call_impl, **compile_kwargs), block,
-                                                needing_grad)
+    frames_of(runtime_of(model)).compile_each(**compile_kwargs)
     return model
-
-
-def _block_call(compiled_call, block: nn.Module, needing_grad=None):
-    """As `block.compile(...)`'s call: `compiled_call` with every tensor argument given the canonical stride in its
-    size-1 dimensions (such a stride addresses nothing, but Dynamo guards on it), and in training, where the block
-    has a parameter that trains, its residual-stream arguments needing grad (`needing_grad(args, kwargs,
-    trains)`: residual_hints.give_grad; a model's first block is otherwise traced apart)."""
-
-    def call(*args, **kwargs):
-        args, kwargs = tree_map_only(torch.Tensor, unit_strides, (args, kwargs))
-        if needing_grad is not None and torch.is_grad_enabled():
-            args, kwargs = needing_grad(args, kwargs, lambda: any(p.requires_grad for p in block.parameters()))
-        return compiled_call(*args, **kwargs)
-
-    return call
-
-
-def unit_strides(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a view whose size-1 dimensions have the stride a contiguous tensor would give them (the next
-    dimension's size times its stride; 1 for the last), its other strides unchanged; `t` itself if they do."""
-    if t.dim() == 0 or 1 not in t.shape:
-        return t
-    sizes = t.shape
-    for d in reversed(range(t.dim())):
-        want = 1 if d == t.dim() - 1 else sizes[d + 1] * t.stride()[d + 1]
-        if sizes[d] == 1 and t.stride()[d] != want:
-            t = t.squeeze(d).unsqueeze(d)  # unsqueeze gives the new dimension exactly `want`
-    return t
-
-
-def _move_checkpointing_into_blocks(model: nn.Module) -> bool:
-    """Switch off the model's own activation checkpointing (a module's `gradient_checkpointing` flag: HF and
-    diffusers); say whether it was on. The block units recompute instead."""
-    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-    for module in flagged:
-        module.gradient_checkpointing = False
-    if flagged:
-        log.info("stagehand: compile_blocks: the model's activation checkpointing now runs inside each block unit")
-    return bool(flagged)
 
 
 def explain(model: nn.Module, *args, **kwargs):
@@ -355,19 +293,22 @@ def explain(model: nn.Module, *args, **kwargs):
         graphs[prefix + "forward"] = record.outer.print_readable(print_output=False)
         passes += [dict(dataclasses.asdict(r), graph=i, unit="") for r in record.passes]
         for name, unit in record.outer.named_children():
-            info = variant_info.get(unit.last_key)
-            if info is None:
-                continue
-            if isinstance(unit, BlockUnit):
-                label = f"block_variant[{unit.last_key[0]}, {unit.last_precision or rt.precision[unit.block]}]"
-                graphs.setdefault(label + ".scheduled", info["scheduled"])
-            else:
-                label = prefix + name
-            if not any(p["unit"] == label for p in passes):  # a shared variant's passes are listed once
-                passes += [dict(p, graph=i, unit=label) for p in info.get("passes", [])]
-            for kind, code in info["graphs"].items():
-                graphs.setdefault(f"{label}.{kind}", code)
-                with_backward |= kind == "backward" and isinstance(unit, BlockUnit)
+            # A block unit runs every block of its structure: each variant (precision, grad mode) its calls ran.
+            ran = unit.variants_ran.items() if isinstance(unit, BlockUnit) else [(unit.last_key, None)]
+            for key, precision in ran:
+                info = variant_info.get(key)
+                if info is None:
+                    continue
+                if isinstance(unit, BlockUnit):
+                    label = f"block_variant[{key[0]}, {precision}]"
+                    graphs.setdefault(label + ".scheduled", info["scheduled"])
+                else:
+                    label = prefix + name
+                if not any(p["unit"] == label for p in passes):  # a shared variant's passes are listed once
+                    passes += [dict(p, graph=i, unit=label) for p in info.get("passes", [])]
+                for kind, code in info["graphs"].items():
+                    graphs.setdefault(f"{label}.{kind}", code)
+                    with_backward |= kind == "backward" and isinstance(unit, BlockUnit)
         for seg in record.segments:
             sources = sorted(u for u, _ in record.dag.in_edges(seg.index))
             segments.append({"graph": i, "segment": seg.index, "kind": seg.kind,

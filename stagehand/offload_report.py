@@ -199,8 +199,8 @@ class FirstCallProgress:
         if kind == "graph":
             if not self.announced:
                 self.announced = True
-                self._write("stagehand: first call: Dynamo captured the model; compiling its units (glue, and one "
-                            "variant per block structure and precision) as they first run ...\n")
+                self._write("stagehand: first call: Dynamo traced a block; compiling one variant per block "
+                            "structure and precision as they first run ...\n")
             return
         self.units += 1
         self.variants += kind == "block variant"

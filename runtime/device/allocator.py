@@ -1,7 +1,5 @@
 """What the CUDA caching allocator says and how it is set: refusals counted, the room this process may hold, the
-bytes its cache holds in pieces, expandable segments (process-wide; they stay after `restore()`, as an environment
-variable would).
-"""
+bytes its cache holds in pieces, expandable segments (process-wide: kept after `restore()`, as an env var would be)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,7 @@ def device_room(device: torch.device) -> int | None:
     index = device.index if device.index is not None else torch.cuda.current_device()  # the getters want one
     free, total = torch.cuda.mem_get_info(index)
     room = free + torch.cuda.memory_reserved(index)
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.10
-    fraction = None if getter is None else float(getter(index))
-    return int(min(room, fraction * total)) if fraction is not None else int(room)
+    return int(min(room, torch.cuda.get_per_process_memory_fraction(index) * total))
 
 
 def fragmented_bytes(device: torch.device) -> int:
@@ -57,9 +53,7 @@ def use_expandable_segments(device: torch.device) -> str:
     for var in ALLOC_CONF_VARS:
         if is_set(var):
             return f"{var}={env(var)} set by the user: left as it is"
-    # torch >= 2.10 deprecates the cuda-named setter for the accelerator-wide one
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-    setter("expandable_segments:True")
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
     return "expandable_segments:True (Config.expandable_segments)"
 
 

@@ -3,8 +3,7 @@
 A slot moves FREE -> LOADING (H2D copy on the side stream, `ready` event) -> IN_USE (held by its readers; the
 compute stream waits on `ready`, never the host) -> READY (released: `free` event; the bytes serve the block again)
 and back to LOADING for another block once `free` passed. A held slot is never a fetch target. Resident blocks get
-a slot of their own, refilled in place when their weights are written. On the CPU: synchronous copies.
-"""
+a slot of their own, refilled in place when their weights are written. On the CPU: synchronous copies."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torch_stagehand.runtime.conductor.trace import (DENIED, EVICT, H2D_COPY, HIT, IN_FLIGHT, NOT_HELD, PREFETCH, RELEASED,
-                              SYNC_FETCH, WAIT)
+from torch_stagehand.runtime.conductor.trace import (DENIED, EVICT, H2D_COPY, HIT, IN_FLIGHT, NOT_HELD, PREFETCH,
+                                                     RELEASED, SYNC_FETCH, WAIT)
 from torch_stagehand.runtime.host.store import HostStore
 
 log = logging.getLogger(__name__)
@@ -33,7 +32,6 @@ class SlotState(enum.Enum):
 
 class Denial(str, enum.Enum):
     """Why a fetch was not issued."""
-
     ALL_SLOTS_BUSY = "all_slots_busy"  # every slot is in use or loading
 
 
@@ -52,16 +50,13 @@ class Slot:
     ready_event: object = None
     free_event: object = None
     holds: int = 0  # readers holding the slot (compiled waits and eager reads); IN_USE while > 0
-    # The block's HostStore.master_version when the slot was filled: a write since makes the bytes stale.
-    master_version: int | None = None
+    master_version: int | None = None  # HostStore.master_version(block) when filled: a write since makes it stale
     resident: bool = False  # a resident block's own slot (index -1): never a fetch target
 
 
 @dataclass
 class FetchOutcome:
-    issued: bool
-    slot: int | None = None
-    denial: Denial | None = None
+    issued: bool  # an H2D copy was started
 
 
 @dataclass
@@ -80,15 +75,12 @@ class SlotStats:
 class SlotPool:
     def __init__(self, device: torch.device, n_slots: int, slot_bytes: int, store: HostStore):
         self.device = torch.device(device)
-        self.store = store
-        self.slot_bytes = slot_bytes
+        self.store, self.slot_bytes = store, slot_bytes
         self.cuda = self.device.type == "cuda"
         self.stats = SlotStats()
-        # A conductor ScheduleTrace while one is recorded (explain); each decision below reports to it.
-        self.trace = None
+        self.trace = None  # a conductor ScheduleTrace while one is recorded (explain); each decision reports to it
         self._tick = itertools.count(1)
-        if self.cuda:
-            self.copy_stream = torch.cuda.Stream(self.device)
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.slots = [self._new_slot(i, slot_bytes) for i in range(n_slots)]
         self.resident_slots: dict[int, Slot] = {}  # block -> its own slot (the plan keeps it resident)
 
@@ -112,9 +104,8 @@ class SlotPool:
         return next((s for s in self.slots if s.key == (block, precision)), None)
 
     def _find_fresh(self, block: int, precision: str) -> Slot | None:
-        """The slot holding the block, unless the weights were written since it was filled (the master's version
-        counter moves on every write). A stale copy nobody reads is dropped, so the caller fetches afresh; a stale
-        copy a reader holds means the weights were written while the block computes, an error."""
+        """The slot holding the block, unless its weights were written since the fill (the master's version counter
+        moved): a stale copy nobody reads is dropped (the caller fetches afresh); one a reader holds is an error."""
         self.store.fetching()  # after a step across ranks: the owners' writes land first (train/shards.py)
         slot = self._find(block, precision)
         if slot is None or slot.master_version == self.store.master_version(block):
@@ -191,9 +182,8 @@ class SlotPool:
         return len(stale)
 
     def _victim(self, steal_loading: bool = False) -> Slot | None:
-        """A slot to fill: a free one, else the least recently released one. `steal_loading` (a block must be
-        resident now) also takes a slot whose prefetch nobody waited on yet: its copy is ordered before ours on the
-        copy stream and nothing reads it."""
+        """A free slot, else the least recently released; `steal_loading` (a block must be resident now) also takes
+        one whose prefetch nobody waited on yet (its copy is ordered before ours on the copy stream, unread)."""
         free = [s for s in self.slots if s.state is SlotState.FREE]
         if free:
             return free[0]
@@ -219,7 +209,7 @@ class SlotPool:
                 slot.ready_event.record(self.copy_stream)
         else:
             slot.buf[:n].copy_(src)
-        self.store.copied(block, precision, self.copy_stream if self.cuda else None)  # a disk tier's staging may go
+        self.store.copied(block, precision, self.copy_stream)  # a disk tier's staging may go
         self._set_bytes(slot, n)
         slot.key, slot.state = (block, precision), SlotState.LOADING
         slot.released_at = next(self._tick)
@@ -236,21 +226,22 @@ class SlotPool:
         slot = self._find_fresh(block, precision)
         if slot is not None:
             self.stats.hits += 1
-            if self.trace is not None:
-                self.trace.record(PREFETCH, block, precision, slot.index, slot.nbytes, HIT)
-            return FetchOutcome(False, slot.index)
+            self._record(PREFETCH, block, precision, slot.index, slot.nbytes, HIT)
+            return FetchOutcome(False)
         victim = self._victim()
         if victim is None:
             self.stats.denials[Denial.ALL_SLOTS_BUSY.value] += 1
-            if self.trace is not None:
-                self.trace.record(PREFETCH, block, precision, None, self.store.nbytes(block, precision), DENIED,
-                                  Denial.ALL_SLOTS_BUSY.value)
-            return FetchOutcome(False, None, Denial.ALL_SLOTS_BUSY)
+            self._record(PREFETCH, block, precision, None, self.store.nbytes(block, precision), DENIED,
+                         Denial.ALL_SLOTS_BUSY.value)
+            return FetchOutcome(False)
         self._issue_copy(victim, block, precision)
         self.stats.prefetches += 1
+        self._record(PREFETCH, block, precision, victim.index, victim.nbytes, H2D_COPY)
+        return FetchOutcome(True)
+
+    def _record(self, *row) -> None:
         if self.trace is not None:
-            self.trace.record(PREFETCH, block, precision, victim.index, victim.nbytes, H2D_COPY)
-        return FetchOutcome(True, victim.index)
+            self.trace.record(*row)
 
     def acquire(self, block: int, precision: str, reader: str = WAIT) -> torch.Tensor:
         """Make the block resident and readable on the current stream, and hold it until `release` (holds count);
@@ -274,13 +265,11 @@ class SlotPool:
             self._issue_copy(victim, block, precision)
             self.stats.sync_fetches += 1
             slot = victim
-            if self.trace is not None:
-                self.trace.record(reader, block, precision, slot.index, slot.nbytes, SYNC_FETCH)
+            self._record(reader, block, precision, slot.index, slot.nbytes, SYNC_FETCH)
         else:
             self.stats.hits += slot.state is not SlotState.LOADING
-            if self.trace is not None:
-                self.trace.record(reader, block, precision, slot.index, slot.nbytes,
-                                  IN_FLIGHT if slot.state is SlotState.LOADING else HIT)
+            self._record(reader, block, precision, slot.index, slot.nbytes,
+                         IN_FLIGHT if slot.state is SlotState.LOADING else HIT)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(slot.ready_event)
         slot.holds += 1
@@ -291,11 +280,9 @@ class SlotPool:
         """Drop one hold; the last one records the free event after every queued reader."""
         slot = self._find(block, precision)
         if slot is None or slot.holds == 0:
-            if self.trace is not None:
-                self.trace.record(EVICT, block, precision, None if slot is None else slot.index, 0, NOT_HELD)
+            self._record(EVICT, block, precision, None if slot is None else slot.index, 0, NOT_HELD)
             return  # already released (a block split by a graph break releases once per part)
-        if self.trace is not None:
-            self.trace.record(EVICT, block, precision, slot.index, slot.nbytes, RELEASED)
+        self._record(EVICT, block, precision, slot.index, slot.nbytes, RELEASED)
         slot.holds -= 1
         if slot.holds:
             return

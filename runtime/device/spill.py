@@ -1,7 +1,6 @@
 """Activation spill: saved activations go to pinned host memory on a D2H stream in the forward (PCIe is full
 duplex) and come back for the backward, through the `saved_tensors_hooks` of `hooks()`; host buffers are pooled
-by size across steps. On the CPU: plain copies.
-"""
+by size across steps. On the CPU: plain copies."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class ActivationSpill:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _buffer(self, t: torch.Tensor) -> torch.Tensor:
-        key = (tuple(t.shape), t.dtype)
-        free = self._free[key]
+        free = self._free[(tuple(t.shape), t.dtype)]
         return free.pop() if free else torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
 
     def _pack(self, t: torch.Tensor):
@@ -44,25 +42,21 @@ class ActivationSpill:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 host.copy_(t, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
+                event = self.stream.record_event()
             t.record_stream(self.stream)  # its memory is reused only after the copy
         else:
             host.copy_(t)
-        nbytes = t.numel() * t.element_size()
-        self.d2h_bytes += nbytes
+        self.d2h_bytes += t.numel() * t.element_size()
         self.spilled_tensors += 1
-        return _Spilled(host, event, t.requires_grad)
+        return _Spilled(host, event)
 
     def _unpack(self, packed):
         if not isinstance(packed, _Spilled):
             return packed
         host = packed.host
         if self.cuda:
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(packed.event)
-            out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            out.copy_(host, non_blocking=True)
+            torch.cuda.current_stream(self.device).wait_event(packed.event)
+            out = host.to(self.device, non_blocking=True)
         else:
             out = host.clone()
         self.h2d_bytes += out.numel() * out.element_size()
@@ -73,4 +67,3 @@ class ActivationSpill:
 class _Spilled(NamedTuple):
     host: torch.Tensor
     event: object
-    requires_grad: bool

@@ -5,8 +5,7 @@ rows and scales of every stack, stored precision); blocks of one stack layout sh
 a copy stream, then the picked rows gathered into the dense stack the model reads. The next MoE block's router,
 applied to this block's hidden states, guesses its picks, copied while this block computes (a wrong guess costs
 bytes, never numbers). Every write into the pool waits for the gathers already issued; every gather waits for the
-copies of the entries it reads. On the CPU copies are immediate and there are no streams.
-"""
+copies of the entries it reads. On the CPU copies are immediate and there are no streams."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class _Pool:
     where: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, expert) -> entry
     order: dict[int, "OrderedDict[int, None]"] = field(default_factory=dict)  # block -> its experts, oldest first
     free: list[int] = field(default_factory=list)
-    # entry -> the copy stream's event after the entry's last copy (CUDA; never recorded: no wait)
-    ready: list = field(default_factory=list)
+    ready: list = field(default_factory=list)  # entry -> the event after its last copy (CUDA; unrecorded: no wait)
 
 
 def _layout_key(views: list[tuple[torch.Tensor, ...]]) -> tuple:
@@ -62,8 +60,7 @@ class ExpertCache:
         self._versions: dict[int, int | None] = {}  # block -> its master's version when its experts were cached
         cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if cuda else None
-        # the compute stream's event after the last gather (recorded again at each gather)
-        self._gathered = torch.cuda.Event() if cuda else None
+        self._gathered = torch.cuda.Event() if cuda else None  # the compute stream's, after the last gather
         self.hits = self.misses = self.prefetched = self.prefetch_hits = self.copies = 0
         self._guessed: dict[int, set[int]] = {}  # block -> the experts prefetched for its next forward
 
@@ -90,14 +87,17 @@ class ExpertCache:
         self._views[key] = (host.data_ptr(), out)
         return out
 
-    def _fresh(self, block: int) -> None:
-        """The host copy current, and the block's cached experts forgotten if its master was written since."""
+    def _fresh(self, block: int) -> tuple[list[tuple[torch.Tensor, ...]], _Pool]:
+        """The host copy made current, the block's cached experts forgotten if its master was written since; returns
+        the block's host views and its pool."""
         self.store.fetching()
         self.store.ensure_fresh(block, self.precision()[block])
         version = self.store.master_version(block)
         if self._versions.get(block, version) != version:
             self._forget(block)
         self._versions[block] = version
+        views = self._host_views(block)
+        return views, self._pool(block, views)
 
     def _forget(self, block: int) -> None:
         for pool in self._pools.values():
@@ -128,19 +128,15 @@ class ExpertCache:
     def _capacity(self, block: int) -> int:
         if isinstance(self.capacity_bytes, int):
             return self.capacity_bytes
-        # "auto": what the budget leaves beside the plan and the dense stacks, less a fifth
+        # "auto": what the budget leaves beside the plan's peak (or what this process held, if more: a long prompt
+        # still streams whole blocks through the slots) and the dense stacks the model reads (eager_path.py), less 1/5
         limit = self.plan_driver.budget.limit if self.plan_driver.planning else None
         if limit is None or self.device.type != "cuda":
             return 0
-        # The plan's predicted peak, or the most this process has held if more (a long prompt still streams whole
-        # blocks through the slots), then the dense stacks the model reads (eager_path.py).
         plan = self.plan_driver.plan
         held = max(plan.predicted_peak_bytes if plan is not None else 0, torch.cuda.max_memory_reserved(self.device))
         dense = sum(self.layers[i].weight.numel() * self.layers[i].weight.element_size() for i in self.stacks(block))
         return max(0, int((limit - held - dense) * 0.8))
-
-    def entries(self) -> int:
-        return sum(len(p.weights[0]) for p in self._pools.values())
 
     def _prune(self) -> None:
         """After a change of the precision map: a layout no block streams now gives its pool up."""
@@ -193,16 +189,13 @@ class ExpertCache:
 
     def _ensure(self, block: int, picked: list[int]) -> list[int]:
         """Each picked expert's entry, the missing ones copied in; the compute stream waits for them."""
-        self._fresh(block)
-        views = self._host_views(block)
-        pool = self._pool(block, views)
+        views, pool = self._fresh(block)
         guessed = self._guessed.pop(block, set())
         missing = [e for e in picked if (block, e) not in pool.where]
         self.hits += len(picked) - len(missing)
         self.misses += len(missing)
         self.prefetch_hits += sum(1 for e in picked if e in guessed)
-        keep = {(block, e) for e in picked}
-        self._copy_in(pool, block, missing, views, keep)
+        self._copy_in(pool, block, missing, views, keep={(block, e) for e in picked})
         entries = []
         for e in picked:
             pool.order[block].move_to_end(e)
@@ -263,9 +256,7 @@ class ExpertCache:
 
     def prefetch(self, block: int, experts: list[int], reading: tuple[int, list[int]]) -> None:
         """Copy the guessed experts of `block` not cached, without waiting; `reading`: (block, experts) read now."""
-        self._fresh(block)
-        views = self._host_views(block)
-        pool = self._pool(block, views)
+        views, pool = self._fresh(block)
         keep = {(reading[0], e) for e in reading[1]} | {(block, e) for e in experts}  # nor the guesses cached
         room = len(pool.weights[0]) - len(keep)
         missing = [e for e in experts if (block, e) not in pool.where][: max(room, 0)]
@@ -278,15 +269,12 @@ class ExpertCache:
         if block in self._routers:
             return self._routers[block]
         found = None
-        for nxt in range(block + 1, len(self.store.blocks)):
-            stacks = self.stacks(nxt)
-            if not stacks:
-                continue
-            spec = self.layers[stacks[0]]
+        nxt = next((b for b in range(block + 1, len(self.store.blocks)) if self.stacks(b)), None)
+        if nxt is not None:
+            spec = self.layers[self.stacks(nxt)[0]]
             experts_fqn = spec.fqn.rpartition(".")[0]
             parent = self.model.get_submodule(experts_fqn.rpartition(".")[0])
-            experts_module = self.model.get_submodule(experts_fqn)
-            own = {id(p) for p in experts_module.parameters()}
+            own = {id(p) for p in self.model.get_submodule(experts_fqn).parameters()}
             for module in parent.modules():
                 weight = module._parameters.get("weight")
                 if (weight is not None and id(weight) not in own and weight.dim() == 2
@@ -294,13 +282,13 @@ class ExpertCache:
                     bias = module._parameters.get("bias")
                     found = (weight, bias if bias is not None and bias.shape == (spec.experts,) else None, nxt)
                     break
-            break
         self._routers[block] = found
         return found
 
     def stats(self) -> dict:
-        return {"entries": self.entries(), "hits": self.hits, "misses": self.misses, "prefetched": self.prefetched,
-                "prefetch_hits": self.prefetch_hits, "copies": self.copies}
+        return {"entries": sum(len(p.weights[0]) for p in self._pools.values()), "hits": self.hits,
+                "misses": self.misses, "prefetched": self.prefetched, "prefetch_hits": self.prefetch_hits,
+                "copies": self.copies}
 
     def release(self) -> None:
         if self._stream is not None:

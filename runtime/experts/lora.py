@@ -3,8 +3,7 @@
 peft parametrizes the experts module per forward, which a streamed stack (no `original` on the device) cannot
 take; so offload swaps each `ParamWrapper`'s class: its forward calls the wrapped module, and the stack property
 hands the stream to `adapted(w)`, which adds each active adapter as `baddbmm(w, lhs, rhs, alpha=scaling)`. Merging
-into a streamed stack is refused: the stream would not see it.
-"""
+into a streamed stack is refused: the stream would not see it."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def adopt_expert_adapters(model: nn.Module) -> int:
             _SUBCLASSES[cls] = type(f"Streamed{cls.__name__}", (StreamedParamWrapperMixin, cls),
                                     {"_sh_original_class": cls})
         module.__class__ = _SUBCLASSES[cls]
-        lora = base.__dict__.setdefault("_sh_lora", {})
-        lora[module.parameter_name] = [*lora.get(module.parameter_name, ()), module]
+        base.__dict__.setdefault("_sh_lora", {}).setdefault(module.parameter_name, []).append(module)
         adopted += 1
     return adopted
 
@@ -76,8 +74,6 @@ class StreamedParamWrapperMixin:
         if self.disable_adapters or self.merged:
             return w
         adapters = [a for a in self.active_adapters if a in self.lora_A]
-        if not adapters:
-            return w
         # One baddbmm per adapter (peft sums several as deltas: the same update, rounded in another order).
         with torch.autocast(device_type=w.device.type, enabled=False):
             for adapter in adapters:

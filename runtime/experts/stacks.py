@@ -3,8 +3,7 @@
 Each 3-D stack of a swapped experts module (`streamed.StreamedExpertsMixin`) is a property calling
 `stagehand::streamed_experts`, which eagerly returns the stack on the device; a compiled block reads the slot
 (`expert_weights_from_slot`, `grouped_experts_from_slot`). Streamed experts are frozen (LoRA via peft's
-`target_parameters`, experts/lora.py): a stack that requires grad is refused in a grad-enabled forward.
-"""
+`target_parameters`, experts/lora.py): a stack that requires grad is refused in a grad-enabled forward."""
 
 from __future__ import annotations
 
@@ -15,7 +14,8 @@ from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime import registry
 from torch_stagehand.runtime.precision import LayerLayout
 from torch_stagehand.runtime.precision.traced import in_graph
-from torch_stagehand.runtime.streamed import HostMasterParameter, guard_on_runtime, make_streamed, runtime_key, streamed_experts_class
+from torch_stagehand.runtime.streamed import (HostMasterParameter, guard_on_runtime, make_streamed, runtime_key,
+                                              streamed_experts_class)
 
 
 class StreamedExpertsTrainError(RuntimeError):
@@ -43,8 +43,7 @@ EXPERTS_ARGS = ("block_tok", "position", "shape", "dtype", "device")
 
 def dense_from_slot(slot: torch.Tensor, lay: LayerLayout, dtype: torch.dtype) -> torch.Tensor:
     """A layer's [out, in] rows in `dtype`: a view of the slot for the full-precision copy, else dequantized."""
-    entry = precisions.by_code(lay.code)
-    views = entry.views(slot, lay)
+    views = precisions.by_code(lay.code).views(slot, lay)
     if len(views) == 1:
         return views[0] if views[0].dtype == dtype else views[0].to(dtype)
     q, s = views
@@ -77,8 +76,9 @@ def _grouped_setup(ctx, inputs, output):
 def _grouped_backward(ctx, dy):
     q, scale, offs = ctx.saved_tensors
     # dx = dy @ B_e^T: the same product with the stack's two dimensions in each other's roles.
-    dx = torch.ops.stagehand.grouped_experts(dy, q, scale, offs, not ctx.rows_are_out) if ctx.needs_input_grad[0] else None
-    return dx, None, None, None, None
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None
+    return torch.ops.stagehand.grouped_experts(dy, q, scale, offs, not ctx.rows_are_out), None, None, None, None
 
 
 grouped_experts.register_autograd(_grouped_backward, setup_context=_grouped_setup)
@@ -120,8 +120,7 @@ def _read_stack(module, name: str) -> torch.Tensor:
         w = reads[name]
     else:
         guard_on_runtime(module._sh_runtime_key)
-        w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype,
-                                                 module._sh_device)
+        w = torch.ops.stagehand.streamed_experts(module._sh_block_tok, position, list(shape), dtype, module._sh_device)
     for wrapper in module.__dict__.get("_sh_lora", {}).get(name, ()):  # peft target_parameters (experts/lora.py)
         w = wrapper.adapted(w)
     return w
@@ -135,8 +134,7 @@ def attach_streamed(spec, layer_id: int, anchor: torch.Tensor, on_requires_grad,
                       spec.out_features, runtime_id)
         return
     module, name = spec.module, spec.param
-    stacks = dict(getattr(module, "_sh_stacks", {}))
-    stacks[name] = (position, tuple(spec.weight.shape), spec.weight.dtype)
+    stacks = {**getattr(module, "_sh_stacks", {}), name: (position, tuple(spec.weight.shape), spec.weight.dtype)}
     names = tuple(n for n in module._parameters if n in stacks)
     module.__class__ = streamed_experts_class(getattr(module, "_sh_original_class", type(module)), names, _read_stack)
     module._sh_stacks = stacks

@@ -28,17 +28,14 @@ class Int8PerRow(OneBytePerRow):
         return int8_linear_in_graph if rows is not None and rows >= TRACED_MIN_ROWS else None
 
     def linear_from_slot(self, x, slot, bias, lay):
-        q, s = self.views(slot, lay)
-        return kernels.int8_linear(x, q, s, bias)
+        return kernels.int8_linear(x, *self.views(slot, lay), bias)
 
     def grad_input_from_slot(self, dy, slot, lay):
-        q, s = self.views(slot, lay)
-        return kernels.int8_linear_grad_input(dy, q, s, lay.in_features)
+        return kernels.int8_linear_grad_input(dy, *self.views(slot, lay), lay.in_features)
 
 
 def _dequantized(slot: torch.Tensor, lay, dtype: torch.dtype) -> torch.Tensor:
-    q, s = row_views(slot, lay, torch.int8)
-    return kernels.dequantize(q, s, dtype)  # one Inductor kernel over the weight, as the op's dequant mode
+    return kernels.dequantize(*row_views(slot, lay, torch.int8), dtype)  # one Inductor kernel, as the op's dequant mode
 
 
 def _forward(x: torch.Tensor, slot: torch.Tensor, lay) -> torch.Tensor:

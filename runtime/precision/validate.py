@@ -27,9 +27,8 @@ def validate_precision_map(precision: str | Mapping, blocks: Sequence[str] | int
             return precision
         precision = {b: precision for b in range(_count(blocks))}
     if not isinstance(precision, Mapping):
-        choices = ", ".join(repr(n) for n in known)
-        raise PrecisionMapError(f"{context}: precision must be {choices} or a dict block -> precision, "
-                                f"got {precision!r}")
+        raise PrecisionMapError(f"{context}: precision must be {', '.join(map(repr, known))} or a dict block -> "
+                                f"precision, got {precision!r}")
     resolved: dict[int, str] = {}
     out_of_range: list[int] = []
     for key, value in precision.items():

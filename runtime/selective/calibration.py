@@ -1,7 +1,6 @@
 """Calibration before training: each block's output error ||out_bf16 - out_candidate|| / ||out_bf16|| in its
 candidate precision, from a hook that re-runs the block on its real inputs, averaged over the batches; cached as
-JSON under a fingerprint of the model, the quant config, the batches and the block layout.
-"""
+JSON under a fingerprint of the model, the quant config, the batches and the block layout."""
 
 from __future__ import annotations
 

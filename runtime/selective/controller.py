@@ -2,8 +2,7 @@
 `selective_precision.mode`). `rt.attach(optimizer)` registers its pre-step hook: after each backward it queues the
 per-block gradient reductions on the device; every `update_interval_steps` (after `warmup_steps`) it reads the window
 once, scores the blocks, applies the new map through the `set_precision` it was given, logs each change and writes a
-telemetry record. `rt.observe_loss(loss)` (optional) feeds the loss-spike revert.
-"""
+telemetry record. `rt.observe_loss(loss)` (optional) feeds the loss-spike revert."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ class SelectivePrecision:
         self.quantizer, self.model, self.device, self.blocks = config.quantizer, model, device, blocks
         self.store, self.pool, self.precision, self.set_precision = store, pool, precision, set_precision
         self.fp8 = None
-        check_force_lists(cfg, len(blocks))
+        force = check_force_lists(cfg, len(blocks))
         self.units = units = Units(len(blocks), cfg.granularity == "layer")
         self._fp8_units: set[int] = set()  # units whose every layer the FP8 policy file measured faster
         if cfg.fp8_policy_file is not None:
@@ -49,7 +48,6 @@ class SelectivePrecision:
             self._fp8_units = {u for u in range(len(units)) if self.fp8.block_takes_fp8(
                 [(s.out_features, s.in_features) for s in units.layers_of(u, layers)], cfg.fp8_tokens)}
         slab_only = {b: INT8 for b in range(len(blocks)) if not store.can_stream(b, FULL)}
-        force = {b: FULL for b in cfg.force_bf16_blocks} | {b: INT8 for b in cfg.force_int8_blocks}
         self.policy = SelectivePolicy(cfg, len(units), low_for=self.low_for_unit,
                                       pinned=units.of_blocks(slab_only), force=units.of_blocks(force),
                                       start_given=start_given)
@@ -130,8 +128,7 @@ class SelectivePrecision:
         errors = None if self.errors is None else {u: self.errors[self.units.block(u)] for u in range(len(self.units))}
         new, changes = self.policy.update(self.step, current, window.rel_magnitude, errors)
         reverts = self._loss_feedback(new)
-        for change in reverts:
-            new[change.block] = FULL
+        new.update({r.block: FULL for r in reverts})
         changes = [c for c in changes if c.block not in {r.block for r in reverts}] + reverts
         self._apply(new, changes)
         self._watched += [c for c in changes if c.new != FULL and c.old == FULL]
@@ -170,13 +167,11 @@ class SelectivePrecision:
     def _write_telemetry(self, window: WindowStats, changes: list[Change]) -> None:
         pmap, nbytes = self.precision(), self.store.nbytes
         h2d = self.pool.stats.h2d_bytes
-        steps = self.step - self._step_at_update
-        per_step = (h2d - self._h2d_at_update) / max(steps, 1)
+        per_step = (h2d - self._h2d_at_update) / max(self.step - self._step_at_update, 1)
         all_full = sum(nbytes(b, FULL) for b in range(len(self.blocks)))
-        previous_map = self.map_history[-2][1]
         if self._baseline_per_step is None and per_step > 0:
-            # The first interval's bytes per step, scaled to what all-bf16 would have moved.
-            ran = sum(nbytes(b, p) for b, p in previous_map.items())
+            # The first interval's bytes per step (it ran the last map but one), scaled to what all-bf16 would move.
+            ran = sum(nbytes(b, p) for b, p in self.map_history[-2][1].items())
             self._baseline_per_step = per_step * all_full / ran
         measured = None if not self._baseline_per_step else round(100 * (1 - per_step / self._baseline_per_step), 2)
         units = self.units

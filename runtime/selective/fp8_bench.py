@@ -1,8 +1,7 @@
 """Generate the FP8 policy file for this GPU: `python -m torch_stagehand.runtime.selective.fp8_bench --out F`.
 
 Times the bf16 forward + grad-input against the fp8 ones per layer shape (--shapes, out x in) and token count,
-and writes the rules (`fp8_rules.rules_from_measurements`).
-"""
+and writes the rules (`fp8_rules.rules_from_measurements`)."""
 
 from __future__ import annotations
 

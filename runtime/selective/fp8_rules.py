@@ -4,8 +4,7 @@
      "rules": [{"out_features": 3072, "in_features": 3072, "min_tokens": 4096, "measured_speedup": 1.21}, ...]}
 
 A layer [out, in] takes fp8 at `tokens` tokens when a rule for its shape has min_tokens <= tokens (no rule: bf16 is
-not slower, keep it); a block takes fp8 only when every one of its layers does.
-"""
+not slower, keep it); a block takes fp8 only when every one of its layers does."""
 
 from __future__ import annotations
 

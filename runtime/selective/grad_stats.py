@@ -2,8 +2,7 @@
 
 `collect()` (after each backward) reduces each block's trainable gradients to sum of squares, max |g|, sum and
 count in row `step % window` of a device ring, as queued device work only; `read()` copies the ring to the host once
-per update and averages the window: L2 norm, max |g|, variance, and L2 relative to the mean over blocks.
-"""
+per update and averages the window: L2 norm, max |g|, variance, and L2 relative to the mean over blocks."""
 
 from __future__ import annotations
 
@@ -38,12 +37,8 @@ class BlockGradStats:
 
     def collect(self) -> None:
         """Reduce this backward's gradients into the ring. Queues device work only."""
-        grads, owners = [], []
-        for b, params in enumerate(self.params):
-            for p in params:
-                if p.grad is not None:
-                    grads.append(p.grad)
-                    owners.append(b)
+        grads = [p.grad for params in self.params for p in params if p.grad is not None]
+        owners = [b for b, params in enumerate(self.params) for p in params if p.grad is not None]
         row = torch.zeros(self.n_blocks, 4, dtype=torch.float32, device=self.device)
         if grads:
             # The set of parameters with a gradient is the same every step in practice: one copy, cached.

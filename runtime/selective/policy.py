@@ -5,8 +5,7 @@ min(calibration error / quant_error_threshold, 1), or the gradient score alone. 
 takes bf16 at or above bf16_threshold, the low precision below int8_threshold, else its starting precision (the
 user's) or `ambiguous_default`; then a bf16 block goes down only below int8_threshold - hysteresis_margin, a low
 one comes back at bf16_threshold, never within min_steps_between_switches. Force lists win in every mode;
-"off" is all bf16, "static" the starting map.
-"""
+"off" is all bf16, "static" the starting map."""
 
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ class Change:
     reason: str  # "score", "force", "mode off", "loss spike"
 
 
-def check_force_lists(cfg, n_blocks: int) -> None:
+def check_force_lists(cfg, n_blocks: int) -> dict[int, str]:
+    """cfg's force lists checked against the model's blocks, as {block: precision}."""
     bad = [b for b in (*cfg.force_bf16_blocks, *cfg.force_int8_blocks) if b >= n_blocks]
     if bad:
         # A config that does not fit the model (the CLI reports ConfigError in one line); imported here: no torch.
@@ -35,6 +35,7 @@ def check_force_lists(cfg, n_blocks: int) -> None:
 
         raise ConfigError(f"selective_precision.force_*_blocks: block {bad[0]} does not exist "
                          f"(the model has blocks 0..{n_blocks - 1})")
+    return {b: FULL for b in cfg.force_bf16_blocks} | {b: INT8 for b in cfg.force_int8_blocks}
 
 
 class SelectivePolicy:
@@ -47,10 +48,7 @@ class SelectivePolicy:
         self.cfg = cfg
         self.pinned = dict(pinned or {})
         self.n_blocks = n_blocks  # decision units: blocks, or (granularity "layer") a block's attention / MLP
-        if force is None:
-            check_force_lists(cfg, n_blocks)
-            force = {b: FULL for b in cfg.force_bf16_blocks} | {b: INT8 for b in cfg.force_int8_blocks}
-        self.force = dict(force)
+        self.force = check_force_lists(cfg, n_blocks) if force is None else dict(force)
         self.low_for = low_for or (lambda block: INT8)
         self.mode = cfg.effective_mode
         self.last_switch: dict[int, int] = {}  # block -> step of its last policy change

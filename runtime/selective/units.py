@@ -1,6 +1,5 @@
 """Decision units: what the policy scores and switches. Granularity "block": one per block; "layer": a block's
-attention layers and the rest, and a block whose two units differ streams a by-role precision (precision/by_role.py).
-"""
+attention layers and the rest, and a block whose two units differ streams a by-role precision (precision/by_role.py)."""
 
 from __future__ import annotations
 

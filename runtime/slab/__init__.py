@@ -1,8 +1,7 @@
 """The SquareQ-compatible INT8 slab file format: reader, builder, manifest, safetensors I/O, errors, report.
 
 A slab is ``{name}.safetensors`` + ``{name}.manifest.json`` (SquareQ V2's schema plus our checksums and ids).
-`loading` (offload's slab loader, the one module here that depends on the streaming engine) is not re-exported.
-"""
+`loading` (offload's slab loader, the one module here that depends on the streaming engine) is not re-exported."""
 
 from torch_stagehand.runtime.slab.builder import build_slab_from_module
 from torch_stagehand.runtime.slab.checkpoint import build_slab_from_checkpoint

@@ -2,8 +2,7 @@
 
 The writer computes the header from shapes, then quantizes each layer a chunk of rows at a time (per-row: chunking
 changes nothing), appending and hashing the bytes; peak memory is one chunk. A builder says where each layer's rows
-come from (a `LayerPlan`). Quantized: ``nn.Linear`` and transformers ``Conv1D`` (written as ``[out, in]``).
-"""
+come from (a `LayerPlan`). Quantized: ``nn.Linear`` and transformers ``Conv1D`` (written as ``[out, in]``)."""
 
 from __future__ import annotations
 
@@ -26,8 +25,9 @@ from torch_stagehand.runtime.slab.identity import RowSampler
 from torch_stagehand.runtime.slab.layers import iter_linear_layers, signature_from_shapes
 from torch_stagehand.runtime.slab.manifest import (
     CURRENT_KERNEL_ABI_VERSION, MIN_RUNTIME_VERSION, QUANT_VERSION, SLAB_ID_KEY, STAGEHAND_FORMAT, LayerEntry,
-    SlabManifest, check_slab_name,
+    SlabManifest,
 )
+from torch_stagehand.runtime.slab.reader import slab_paths
 from torch_stagehand.runtime.slab.report import BuildResult, LayerReport, print_and_save_report
 from torch_stagehand.runtime.slab.safetensors_io import MANIFEST_DTYPE_TO_TAG, IncrementalWriter, byte_view
 
@@ -69,7 +69,7 @@ def _alt_method(quantizer: str) -> str:
 def write_slab(plans: list[LayerPlan], *, output_dir, slab_name: str, architecture_id: str, pack_k: int,
                quantizer: str, signature_prefixes: tuple[str, ...] | None, source: str, progress: bool,
                compare_quantizers: bool, print_report: bool) -> BuildResult:
-    check_slab_name(slab_name)
+    st_path, mf_path = slab_paths(output_dir, slab_name)
     if not isinstance(pack_k, int) or pack_k < 1:
         raise ValueError(f"pack_k must be a positive int, got {pack_k!r}")
     if quantizer not in ("mse", "absmax"):
@@ -81,8 +81,6 @@ def write_slab(plans: list[LayerPlan], *, output_dir, slab_name: str, architectu
     t_start = time.perf_counter()
     plans = sorted(plans, key=lambda p: p.name)  # SquareQ sorts layers by name
     os.makedirs(output_dir, exist_ok=True)
-    st_path = os.path.join(os.fspath(output_dir), f"{slab_name}.safetensors")
-    mf_path = os.path.join(os.fspath(output_dir), f"{slab_name}.manifest.json")
     slab_id = uuid.uuid4().hex
     block_prefixes = find_block_prefixes(p.name for p in plans)
     layers = {p.name: LayerEntry(
@@ -176,9 +174,8 @@ def build_slab_from_module(model: nn.Module, output_dir, slab_name: str, archite
                            include_prefixes: Iterable[str] | None = None, pack_k: int = 64, quantizer: str = "mse",
                            progress: bool = True, *, compare_quantizers: bool = True,
                            print_report: bool = True) -> BuildResult:
-    """Quantize the model's Linear / Conv1D weights (canonical names under
-    `include_prefixes`, None: all) into ``{output_dir}/{slab_name}.safetensors``
-    + ``.manifest.json`` + ``.report.json``. The model is only read."""
+    """Quantize the model's Linear / Conv1D weights (canonical names under `include_prefixes`, None: all) into
+    ``{output_dir}/{slab_name}.safetensors`` + ``.manifest.json`` + ``.report.json``. The model is only read."""
     prefixes = None if include_prefixes is None else tuple(include_prefixes)
     plans = []
     for li in iter_linear_layers(model, prefixes):

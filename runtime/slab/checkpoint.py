@@ -79,10 +79,9 @@ def build_slab_from_checkpoint(model_dir_or_index_json, output_dir, slab_name: s
             raise SlabMissingTensorError(f"index lists tensor {key!r} but the shard does not hold it", path=f, layer=key)
         infos[key] = (f, headers[f].tensors[key])
     is_conv1d_name = conv1d_layers if callable(conv1d_layers) else (lambda s: lambda n: n in s)(set(conv1d_layers or ()))
-    floating = {"F16", "BF16", "F32", "F64"}
     cand = {}
     for key, (f, t) in infos.items():
-        if key.endswith(".weight") and len(t.shape) == 2 and t.dtype in floating:
+        if key.endswith(".weight") and len(t.shape) == 2 and t.dtype in ("F16", "BF16", "F32", "F64"):
             name = canonical_name(key[: -len(".weight")])
             if not is_adapter_path(name):
                 cand[name] = key

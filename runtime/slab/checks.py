@@ -117,13 +117,11 @@ def check_model(manifest: SlabManifest, model: nn.Module, include_prefixes: Iter
 
 def check_identity(manifest: SlabManifest, weights: Iterable[tuple[str, torch.Tensor]], where: str,
                    require: bool = False) -> int:
-    """Check live weights against the identity the slab records; returns the layers checked.
-
-    `weights`: (canonical name, ``[out, in]`` weight) in the model's order, without meta weights and layers the slab
-    lacks. Raises SlabIdentityError naming the first layer whose weights are not the slab's source. A layer with no
-    identity recorded (an older or SquareQ slab, an unhashed dtype): SlabIdentityError when `require`, else one
-    SlabIdentityWarning naming the file and the layers.
-    """
+    """Check live weights against the identity the slab records; returns the layers checked. `weights`: (canonical
+    name, ``[out, in]`` weight) in the model's order, without meta weights and layers the slab lacks. Raises
+    SlabIdentityError naming the first layer whose weights are not the slab's source. A layer with no identity
+    recorded (an older or SquareQ slab, an unhashed dtype): SlabIdentityError when `require`, else one
+    SlabIdentityWarning naming the file and the layers."""
     weights = list(weights)
     # On threads: mapped weights may read their sampled rows from the disk (the reads release the GIL); results
     # come back in the model's order, so the first layer that fails is the one named.

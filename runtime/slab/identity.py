@@ -3,8 +3,7 @@
 The sha256 of `SAMPLED_ROWS` rows (first, last, evenly between) of the ``[out, in]`` weight the builder quantized,
 with the shape and row indices, once per dtype of `IDENTITY_DTYPES` (casting is deterministic: a checkpoint loaded
 in another dtype is not refused). Other weights differ in every row; an edit of unsampled rows only, or of the bias,
-is not seen.
-"""
+is not seen."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 A canonical name drops what wrappers insert (peft, LoRA's ``.orig``, ``_orig_mod``, checkpointing, FSDP), so a
 slab of a plain model loads into it wrapped. The signature is SquareQ's: sha256 over the sorted
 ``"{name}:{in}:{out}:{has_bias}"`` joined by ``|``, first 16 hex digits, over the Linear-like layers
-(`linear_like`) under ``include_prefixes``: SquareQ's number for a model without Conv1D and no prefixes.
-"""
+(`linear_like`) under ``include_prefixes``: SquareQ's number for a model without Conv1D and no prefixes."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ _PEFT_PREFIX = "base_model.model."
 
 
 def canonical_name(name: str) -> str:
-    """Map a live module path back to the name a slab uses: drops peft's ``base_model.model.`` prefix and wrapper
-    segments (``base_layer``, ``orig``, ``_orig_mod``, ``_checkpoint_wrapped_module``, ``_fsdp_wrapped_module``)."""
+    """Map a live module path back to the name a slab uses: drops peft's ``base_model.model.`` and wrapper segments."""
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX):]
     return ".".join(p for p in name.split(".") if p not in _WRAPPER_SEGMENTS)

@@ -3,8 +3,7 @@
 A meta model works too. A mismatch is a `SlabError` naming the layer and the file, and leaves the model as it was.
 Beside the reads, the model's weights are checked against the slab's identity (`identity.py`) and each block is
 page-locked once its rows are in. The rows are read by a process of their own (`read_process.py`), maybe behind
-offload, or by threads here. The one module of `slab/` that imports the engine; `slab/__init__` does not import it.
-"""
+offload, or by threads here. The one module of `slab/` that imports the engine; `slab/__init__` does not import it."""
 
 from __future__ import annotations
 
@@ -83,11 +82,11 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                     checks.check_identity(reader.manifest, weights, reader.manifest_path,
                                           require=config.require_slab_identity)
 
-            for bb in store.blocks:  # every streamed layer is in the slab, before any buffer or read
-                missing = next((spec.fqn for spec in bb.layers if canonical_name(spec.fqn) not in reader.layers), None)
-                if missing is not None:
-                    raise SlabLayerNotFoundError(f"streamed layer {missing} is not in the slab", path=reader.path,
-                                                 layer=canonical_name(missing))
+            # Every streamed layer is in the slab, before any buffer or read.
+            missing = next((spec.fqn for spec in layers if canonical_name(spec.fqn) not in reader.layers), None)
+            if missing is not None:
+                raise SlabLayerNotFoundError(f"streamed layer {missing} is not in the slab", path=reader.path,
+                                             layer=canonical_name(missing))
             if config.int8_tier == "disk":  # no rows to read: the check is a stage of its own
                 check_identity()
                 clock.mark("slab opened, identity checked")
@@ -98,18 +97,14 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 bias_into = _bias_buffers(layers, checkpoint, reader, pages)
                 # A meta model's biases from the slab are Parameters before offload returns: no reads behind then.
                 behind = pages is not None and config.slab_rows_behind and not bias_into
-                reads = []  # (layer name, qweight view, scale view, bias buffer or None, spec), as laid out
 
                 def blocks_laid_out():
-                    """Each block's buffer and reads, laid out while the blocks before it are read already."""
+                    """Each block's reads (layer name, qweight view, scale view, bias buffer or None, spec), laid out
+                    while the blocks before it are read already."""
                     for block, bb in enumerate(store.blocks):
                         buf = store.allocate(block, INT8)  # a slab holds per-row INT8 rows + fp32 scales
-                        group = []
-                        for spec, lay in zip(bb.layers, store.layout(block, INT8)):
-                            q, s = layer_views(buf, lay)
-                            group.append((canonical_name(spec.fqn), q, s, bias_into.get(id(spec)), spec))
-                        reads.extend(group)
-                        yield group
+                        yield [(canonical_name(spec.fqn), *layer_views(buf, lay), bias_into.get(id(spec)), spec)
+                               for spec, lay in zip(bb.layers, store.layout(block, INT8))]
 
                 clock.mark("slab opened")
                 if before_reading is not None:
@@ -152,9 +147,9 @@ def slab_loader_for(slab: str | os.PathLike, while_reading: Callable[[], None] |
                 else:
                     rows_behind = read_in_process(reader, pages, blocks_laid_out(), beside_the_reads, clock=clock,
                                                   on_block_read=block_read, threads=_read_threads(), behind=behind)
-                for _name, _q, _s, bias_out, spec in reads:
+                for spec in layers:
+                    bias_out, bias = bias_into.get(id(spec)), spec.module.bias
                     if bias_out is not None:
-                        bias = spec.module.bias
                         value = bias_out if pages is None else bias_out.to(bias.dtype, copy=True)  # out of the staging
                         spec.module._parameters["bias"] = torch.nn.Parameter(value, requires_grad=bias.requires_grad)
                 for block in range(len(store.blocks)):

@@ -2,8 +2,7 @@
 
 Ours live under a ``"stagehand"`` key, top level and per layer, which SquareQ never reads: the slab id, the file's
 size and hashes, per-tensor crc32, the quantizer, the signature scope, the source layout and the identity
-(`identity.py`). ``safetensors_file`` must be a bare file name in the manifest's folder.
-"""
+(`identity.py`). ``safetensors_file`` must be a bare file name in the manifest's folder."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """A slab's INT8 rows read by a process of its own (read_worker.py), whose reads never wait for this process's GIL
 (`Config(slab_reads=...)`). The INT8 arena and a float32 staging area for meta biases are memfds (`ProcessPages`)
 the worker maps and `preadv`s into; each block is page-locked here as its ``["read", b]`` arrives. With `behind`,
-the reads still going come back as a `RowsBehind`. A failed check is the `SlabError` `read_layer_into` raises.
-"""
+the reads still going come back as a `RowsBehind`. A failed check is the `SlabError` `read_layer_into` raises."""
 
 from __future__ import annotations
 
@@ -209,8 +208,7 @@ class RowsBehind:
     The host store asks `waiting(block)` before it page-locks a buffer (the listener locks each block as its rows
     come in) and calls `wait()` before any buffer's bytes are read: the first fetch waits for the reads' end. A
     failed check or a dead worker is raised by that wait and by every one after it; the model is not put back
-    then (offload has returned): `close()` it and offload again.
-    """
+    then (offload has returned): `close()` it and offload again."""
 
     def __init__(self, worker: _Worker, clock=None):
         self._worker = worker

@@ -5,8 +5,7 @@ Run by path (``python -I -S read_worker.py SLAB_FD REGION_FDS THREADS``, REGION_
 one ``pread`` loop. Input, a JSON line per block: ``{"block": b, "layers": [job, ...]}`` (`SlabReader.layer_job`;
 each layer gets `read_layer_into`'s checks and messages). Output, a JSON line per event: ``["read", block]``;
 ``["error", block, kind, layer, message]`` for the first failed layer (none starts after it); ``["end"]``. It dies
-with its parent (``PR_SET_PDEATHSIG``).
-"""
+with its parent (``PR_SET_PDEATHSIG``)."""
 
 import json
 import math

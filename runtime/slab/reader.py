@@ -21,7 +21,7 @@ from torch_stagehand.runtime.slab.errors import (
     SlabSignatureError, SlabUnsupportedError, SlabValueError,
 )
 from torch_stagehand.runtime.slab.layers import iter_linear_layers
-from torch_stagehand.runtime.slab.manifest import LayerEntry, SlabManifest, check_slab_name, load_manifest
+from torch_stagehand.runtime.slab.manifest import LayerEntry, check_slab_name, load_manifest
 from torch_stagehand.runtime.slab.safetensors_io import byte_view, crc32_hex, pread_into, read_header
 
 # Bytes read per pread when a layer has to be narrowed (padded -> unpadded) or hashed.
@@ -35,13 +35,6 @@ def slab_paths(output_dir: str | os.PathLike, slab_name: str) -> tuple[str, str]
     return os.path.join(d, f"{slab_name}.safetensors"), os.path.join(d, f"{slab_name}.manifest.json")
 
 
-def _default_safetensors_path(manifest_path: str, manifest: SlabManifest) -> str:
-    recorded = (manifest.stagehand or {}).get("safetensors_file")
-    if recorded:
-        return os.path.join(os.path.dirname(manifest_path), recorded)
-    return manifest_path.removesuffix(".manifest.json") + ".safetensors"
-
-
 class SlabReader:
     """Validated read access to one slab. Thread-safe reads (``pread`` on one fd).
 
@@ -53,8 +46,7 @@ class SlabReader:
         verify: ``"fast"`` (structure, hashes of the header, sizes, zero points) or
             ``"full"`` (also the file's sha256 and every tensor's crc32: reads the whole file).
         verify_checksums: re-check each tensor's crc32 on every read (when recorded).
-        check_zero_points: check every layer's zero points at open (False: each layer's only when it is read, as
-            every read does; offload reads them all and leaves them to its reads).
+        check_zero_points: check every layer's zero points at open (False: only as each layer is read, as offload does).
     """
 
     def __init__(self, manifest_path: str | os.PathLike, safetensors_path: str | os.PathLike | None = None, *,
@@ -64,8 +56,10 @@ class SlabReader:
             raise ValueError(f"SlabReader: verify must be 'fast' or 'full', got {verify!r}")
         self.manifest_path = os.fspath(manifest_path)
         self.manifest = load_manifest(self.manifest_path)
+        recorded = (self.manifest.stagehand or {}).get("safetensors_file")
         self.path = (os.fspath(safetensors_path) if safetensors_path
-                     else _default_safetensors_path(self.manifest_path, self.manifest))
+                     else os.path.join(os.path.dirname(self.manifest_path), recorded) if recorded
+                     else self.manifest_path.removesuffix(".manifest.json") + ".safetensors")
         self.verify_checksums = verify_checksums
         self.layers: dict[str, LayerEntry] = self.manifest.layers
         self._fd: int | None = None
@@ -165,7 +159,7 @@ class SlabReader:
         if dtype is not None and t.dtype != dtype:
             raise SlabDtypeError(f"{what} buffer is {t.dtype}, needs {dtype}", path=self.path, layer=e.name)
         numel = math.prod(shape)
-        if t.numel() != numel or (t.dim() == len(shape) and tuple(t.shape) != tuple(shape)) or t.dim() not in (1, len(shape)):
+        if tuple(t.shape) not in ((numel,), tuple(shape)):
             raise SlabShapeError(f"{what} buffer has shape {list(t.shape)}, needs {list(shape)} (or flat {numel})",
                                  path=self.path, layer=e.name)
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -174,14 +168,13 @@ class SlabReader:
 
     def read_layer_into(self, name: str, qweight_out: torch.Tensor, scale_out: torch.Tensor,
                         bias_out: torch.Tensor | None = None, *, padded: bool = False) -> None:
-        """Copy layer `name` into preallocated contiguous CPU tensors.
+        """Copy layer `name` into preallocated contiguous CPU tensors; on any error (a SlabError naming the layer and
+        file) their content is unspecified.
 
         qweight_out: int8, ``[out, in_features]`` (``padded=False``: the padding columns dropped) or
             ``[out, padded_in_features]`` (``padded=True``: the rows as stored, padding columns zero); or flat.
         scale_out: float32 ``[out]``.
-        bias_out: ``[out]`` of any float dtype (cast from the stored fp32), only for a layer with a bias; None
-            skips the bias.
-        On any error (SlabError naming the layer and file) the buffers' content is unspecified.
+        bias_out: ``[out]`` of any float dtype (cast from the stored fp32), only for a layer with a bias; None skips it.
         """
         e = self._entry(name)
         width = self._check_layer_buffers(e, qweight_out, scale_out, bias_out, padded)
@@ -242,12 +235,10 @@ class SlabReader:
         if not e.has_bias:
             raise SlabShapeError("bias buffer given but the layer has no bias", path=self.path, layer=e.name)
         self._check_dst(e, "bias", bias_out, None, (e.out_features,))
-        if bias_out.dtype == torch.float32:
-            self._read_tensor(e, e.bias_key, byte_view(bias_out))
-        else:
-            tmp = torch.empty(e.out_features, dtype=torch.float32)
-            self._read_tensor(e, e.bias_key, byte_view(tmp))
-            bias_out.view(-1).copy_(tmp)
+        stored = bias_out if bias_out.dtype == torch.float32 else torch.empty(e.out_features, dtype=torch.float32)
+        self._read_tensor(e, e.bias_key, byte_view(stored))
+        if stored is not bias_out:
+            bias_out.view(-1).copy_(stored)
 
     def _read_narrowed(self, e: LayerEntry, dst: torch.Tensor) -> None:
         # Stored rows are wider than the destination: a few rows at a time through a small scratch buffer.
@@ -282,15 +273,13 @@ class SlabReader:
         name -> live module. Raises SlabModelMismatchError naming the first slab layer the model lacks or holds with
         another shape / bias / layout, or the first model layer in the slab's scope that the slab lacks, then
         SlabSignatureError if the signatures differ. The scope: `include_prefixes`, else the prefixes the slab was
-        built with (our slabs), else the whole model (SquareQ's definition).
-        """
+        built with (our slabs), else the whole model (SquareQ's definition)."""
         return checks.check_model(self.manifest, model, include_prefixes, self.manifest_path)
 
     def check_identity(self, model: nn.Module, require: bool = False) -> int:
         """Check that the slab was quantized from `model`'s weights (`identity.py`); returns the layers checked.
         Raises SlabIdentityError naming the first layer whose weights differ from the slab's source (meta ones are
-        skipped). `require`: a slab that records no identity is an error, not a warning.
-        """
+        skipped). `require`: a slab that records no identity is an error, not a warning."""
         weights = [(li.name, li.module.weight.detach().t() if li.layout == "conv1d" else li.module.weight.detach())
                    for li in iter_linear_layers(model) if li.name in self.layers and not li.module.weight.is_meta]
         return checks.check_identity(self.manifest, weights, self.manifest_path, require)

@@ -3,8 +3,7 @@
 The format: an 8-byte little-endian header length N, N bytes of JSON (``{"__metadata__": {str: str}, name:
 {"dtype", "shape", "data_offsets"}}``, offsets from the header's end), then the tensors' bytes, tiling the data
 region. Not ``safe_open``: every page a mapping touches counts as this process's resident memory, while ``pread``
-into a small reused buffer goes through the page cache, which is not ours.
-"""
+into a small reused buffer goes through the page cache, which is not ours."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Seconds per stage of offload, for its report (`rt.stats()["offload"]`): the calling thread's stages one after
-another (`mark`), and work on other threads beside them (`beside`), so the report shows what a stage waited for.
-"""
+another (`mark`), and work on other threads beside them (`beside`), so the report shows what a stage waited for."""
 
 from __future__ import annotations
 

@@ -35,13 +35,16 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "host": host_report(rt.store),  # pinned bytes asked for / locked, bytes per copy kind, keep_full
         "compiled_variants": rt.block_variant_count,
         "compiled_units": rt.compile_count,
+        # each Dynamo graph the backend got, as its units' kinds ("block": one block; "glue+block+...": a graph
+        # holding the code around blocks too)
+        "compiled_graphs": ["+".join(s.kind for s in r.segments) for r in rt.graph_records],
         "units_first_run": rt.units_first_run,
         "units_loaded": rt.units_loaded,  # of those, loaded from the compile caches (compiler/startup/compile_cache.py)
         "units_compiled_cold": rt.compile_count - rt.units_loaded,
         "compile_seconds": round(rt.compile_seconds, 3),
         "autotune_seconds": round(kernels.tuning_seconds(), 3),  # process-wide (W8A16 tuning)
         "steps": rt.phases.step,
-        "precision_counts": dict(Counter(rt._precision.values())),
+        "precision_counts": dict(Counter(rt.precision.values())),
         "eager_linear_calls": rt.eager.linear_calls,
         "eager_blocks": [rt.blocks[b] for b in sorted(rt.eager.blocks_taken)],
         # generation's routed reads (eager_path.py): stacks read routed or whole, and the expert cache
@@ -56,7 +59,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "calibration_remeasured": list(rt.plan_driver.remeasured),  # steps with one-time unit work: measured again
         "host_refinements": rt.plan_driver.host_refinements,  # host issue times later plans' steps lowered
         "compute_refinements": rt.plan_driver.compute_refinements,  # GPU times per block they lowered
-        "oom_recoveries": list(rt.oom.records),  # out of memory in a step: where, budgets, plan (conductor/oom_recovery.py)
+        "oom_recoveries": list(rt.oom.records),  # an OOM in a step: where, budgets, plan (conductor/oom_recovery.py)
         "gc_freezes": list(rt.collector.freezes),  # after compiling: objects frozen, ms (collector.py)
         "allocator": rt.allocator,  # what offload did to the CUDA allocator (device/allocator.py)
         "cost_model_cache": rt.plan_driver.kept.note,  # a calibrated cost model loaded from an earlier run, or why not
@@ -83,7 +86,7 @@ def _plan_stats(plan: Any, pool: SlotPool | None) -> dict:
 def planner_step_record(planner: Any) -> dict:
     """The plan's and the conductor's part of a telemetry line (`planner`: runtime/conductor/driver.py's PlanDriver)."""
     record = {"plan": planner.plan.counts() if planner.plan is not None else {}}
-    if planner._admit:
+    if planner.conductor.enabled:
         record.update(planner.conductor.snapshot())
     if planner.device.type == "cuda":
         record["peak_reserved_mb"] = round(torch.cuda.max_memory_reserved(planner.device) / 2**20, 1)

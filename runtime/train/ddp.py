@@ -3,8 +3,7 @@
 DDP would broadcast every streamed weight from rank 0 and refuse parameters on two device types: offload fills its
 ignore list, and `Runtime.prepare_ddp(module)` for a wrapper built later (a peft model, whose names differ). A
 streamed weight's gradient reaches the host by the runtime's own lane (train/grads.py), not the accumulation DDP
-hooks. FSDP2 takes them in `ignored_params` (`Runtime.streamed_parameters()`); one it sharded anyway is refused.
-"""
+hooks. FSDP2 takes them in `ignored_params` (`Runtime.streamed_parameters()`); one it sharded anyway is refused."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Step t's update runs on a thread of its own through step t+1, writing only masters and moments (resident parameters
 still step exactly); the landing worker publishes a block's new weights once its gradients of step t+1 have landed,
-so step t+2 first uses them. Step t+1's gradients land in a second set of buffers; `flush()` publishes the pending.
-"""
+so step t+2 first uses them. Step t+1's gradients land in a second set of buffers; `flush()` publishes the pending."""
 
 from __future__ import annotations
 
@@ -28,7 +27,7 @@ class DelayedStep:
         for p in self._trained(block):
             p.detach().copy_(self.state[p]["master"])  # an in-place write moves the version: slots refresh
         self.runtime.store.ensure_fresh(block, self.runtime.precision[block])
-        self.delayed.published(block)
+        self.delayed.unpublished.discard(block)
 
     def _step_delayed(self, scale: float) -> None:
         """Start the update from this step's gradients on the update thread; swap the gradient buffers."""
@@ -102,9 +101,6 @@ class DelayedUpdate:
             return False
         self._done[block].wait()
         return self._error is None
-
-    def published(self, block: int) -> None:
-        self.unpublished.discard(block)
 
     def join(self) -> None:
         """Wait for the update thread; re-raise its error."""

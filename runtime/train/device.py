@@ -3,8 +3,7 @@
 Inside the backward, while a layer's gradient is still in its staging buffer (train/grads.py), its fp32 master and
 moments cross PCIe through a ring of `RING` device slots, torch's fused AdamW steps them on the gradient lane's D2H
 stream, the weight is rounded from the master (to nearest, as the host does) and everything goes home. The blocks
-are chosen from measured costs (`choose_device_blocks`); their host states are page-locked (`pin_states`).
-"""
+are chosen from measured costs (`choose_device_blocks`); their host states are page-locked (`pin_states`)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch.optim.adam import adam as adam_functional
 
 from torch_stagehand.runtime.host.arena import HostArena, lock_or_fall_back
 
@@ -216,8 +214,7 @@ class DeviceAdamW:
                             torch.empty(largest_numel, dtype=weight_dtype, device=self.device),
                             torch.zeros((), **f32)) for _ in range(RING)]
         self._next = 0
-        self.bytes_in = self.bytes_out = 0
-        self.layers_updated = 0
+        self.bytes_in = self.bytes_out = self.layers_updated = 0
 
     def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute) -> tuple:
         """AdamW on the device for one weight from `grad`, master (or fp32 weight), moments and weight written back
@@ -227,31 +224,22 @@ class DeviceAdamW:
         self._next = (self._next + 1) % RING
         homes = [state.get("master", param.detach()).view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
         on_device = [slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]]
-        uploaded = consumed = done = None
         if self.cuda:
             with torch.cuda.stream(self.upload):
                 if slot.free is not None:
                     self.upload.wait_event(slot.free)
                 for dst, src in zip(on_device, homes):
                     dst.copy_(src, non_blocking=True)
-                uploaded = torch.cuda.Event()
-                uploaded.record(self.upload)
             self.stream.wait_stream(compute)
-            self.stream.wait_event(uploaded)
-        context = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
-        with context:
+            self.stream.wait_stream(self.upload)
+        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             if not self.cuda:
                 for dst, src in zip(on_device, homes):
                     dst.copy_(src)
             g32 = slot.grad[:n].copy_(grad.reshape(-1))
-            if self.cuda:
-                consumed = torch.cuda.Event()
-                consumed.record(self.stream)
+            consumed = self.stream.record_event() if self.cuda else None
             slot.step.fill_(float(state["step"]))  # the kernel counts it up and steps with the new count
-            adam_functional(
-                on_device[:1], [g32], on_device[1:2], on_device[2:3], [], [slot.step], fused=True,
-                decoupled_weight_decay=True, amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr,
-                weight_decay=hyper.weight_decay, eps=hyper.eps, maximize=False)
+            hyper.fused_step(on_device[0], g32, on_device[1], on_device[2], slot.step)
             outs = list(zip(homes, on_device))
             if "master" in state:  # the weight that streams, rounded to nearest from the master (as the host does)
                 outs.append((param.detach().view(-1), slot.weight[:n].copy_(slot.master[:n])))
@@ -260,9 +248,7 @@ class DeviceAdamW:
                 # is complete (the optimizer's worker, after `done`), never while its backward may still look
                 # its slot up (a moved counter there would refetch the block mid-backward).
                 _unversioned(home).copy_(value, non_blocking=self.cuda)
-            if self.cuda:
-                done = torch.cuda.Event()
-                done.record(self.stream)
+            done = self.stream.record_event() if self.cuda else None
         slot.free = done
         state["step"].add_(1)
         self.bytes_in += sum(h.numel() * h.element_size() for h in homes)

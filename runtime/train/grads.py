@@ -5,8 +5,7 @@ The host copy is the master the optimizer steps, so the gradient goes home: each
 pinned host gradient buffer (the master's layout); nothing waits. At the backward's end (`finish`) each weight's
 `.grad` becomes a view of its buffer (accumulated as PyTorch does). A block's grad *anchor*, a 0-dim device tensor
 its streamed Linears take as an input, requires grad exactly when one of its streamed weights does: autograd's
-reason to run the backward of a block whose inputs need no grad.
-"""
+reason to run the backward of a block whose inputs need no grad."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class GradLane:
         self._in_backward = False
         self.optimizer_seconds: dict[int, float] = {}  # block -> its last host optimizer step, measured
         self.device_updates: dict[int, tuple[int, int]] = {}  # block updated on the device -> (H2D, D2H) bytes a step
-        self.d2h_bytes = 0
-        self.grad_gemms = 0
+        self.d2h_bytes = self.grad_gemms = 0
         self.shards = None  # several ranks (train/shards.py): a block's gradients summed into its owner
         self.step_syncs = False  # an attached optimizer's step syncs the ranks (Runtime.attach): no fetch needs to
         self._gathering: dict[int, tuple[int, set[int]]] = {}  # block -> (its buffer, the layers it holds)
@@ -64,10 +62,6 @@ class GradLane:
 
     def trainable(self, index: int) -> bool:
         return self.layers[index].weight.requires_grad
-
-    def position(self, index: int) -> int:
-        """Where layer `index` sits among its block's streamed layers."""
-        return index - self.first_layer[self.layers[index].block]
 
     def trainable_positions(self, block: int) -> tuple[int, ...]:
         first = self.first_layer[block]
@@ -102,7 +96,7 @@ class GradLane:
     def grad_bytes(self) -> list[int]:
         """Per block: the bytes of its training weights' gradients, landed on the host each step (the planner)."""
         out = [0] * self.n_blocks
-        for index, spec in enumerate(self.layers):
+        for spec in self.layers:
             weight = spec.module._parameters[spec.param]
             if weight.requires_grad:
                 out[spec.block] += weight.numel() * weight.element_size()
@@ -182,7 +176,7 @@ class GradLane:
             self._send_block(block)
 
     def _layer_view(self, flat: torch.Tensor, block: int, index: int) -> torch.Tensor:
-        lay = self.store.layout(block, precisions.FULL)[self.position(index)]
+        lay = self.store.layout(block, precisions.FULL)[index - self.first_layer[block]]  # its place in the block
         return precisions.master().views(flat, lay)[0]
 
     def _free_block_buffer(self) -> int:

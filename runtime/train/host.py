@@ -5,8 +5,7 @@ have theirs, while the GPU runs the backward of the blocks before it (fused CPU 
 an fp32 master (`master="bf16"`: none, updates written back with unbiased stochastic rounding) and moments in fp32,
 bf16 (stochastically rounded: an average moving by less than a bf16 step would freeze) or int8 (a scale per QBLOCK:
 `exp_avg` as codes of its absmax, `exp_avg_sq` of its square root, never decoding a nonzero one to zero, a step of
-lr / eps). `ResidentAdamW` steps the parameters that do not stream with the same master and moments.
-"""
+lr / eps). `ResidentAdamW` steps the parameters that do not stream with the same master and moments."""
 
 from __future__ import annotations
 
@@ -79,6 +78,13 @@ class Hyper:
     eps: float
     weight_decay: float
 
+    def fused_step(self, w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                   step: torch.Tensor) -> None:
+        """torch's fused AdamW of `w` from `g` (fp32 moments `m`, `v`; `step`: a 0-dim count, counted up first)."""
+        adam_functional([w], [g], [m], [v], [], [step], fused=True, decoupled_weight_decay=True, amsgrad=False,
+                        beta1=self.beta1, beta2=self.beta2, lr=self.lr, weight_decay=self.weight_decay, eps=self.eps,
+                        maximize=False)
+
 
 class Scratch:
     """fp32 working buffers for one block's step, carved from one allocation kept across steps (a fresh one would
@@ -119,10 +125,7 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
                 weight32[: b - a].copy_(w[a:b]) if rounded else w[a:b]
             m, v = moments.decode(a, b)
             step.copy_(st["step"])  # the kernel counts the step on each call: every chunk starts from the same
-            adam_functional(
-                [target], [g32], [m], [v], [], [step], fused=True, decoupled_weight_decay=True,
-                amsgrad=False, beta1=hyper.beta1, beta2=hyper.beta2, lr=hyper.lr, weight_decay=hyper.weight_decay,
-                eps=hyper.eps, maximize=False)
+            hyper.fused_step(target, g32, m, v, step)
             with torch.no_grad():
                 moments.encode(a, b)
                 if rounded:
@@ -130,11 +133,10 @@ def adamw_step(params: list[torch.Tensor], grads: list[torch.Tensor], states: li
                 elif fp32_master is not None and write_weights:
                     w[a:b].copy_(target)  # round to nearest; the master keeps the exact value
         st["step"].add_(1)
-        if not write_weights:
-            continue
         # The fused kernel writes without moving the version counter: mark the weight written, so slots and the
         # INT8 / FP8 copies are refreshed before they are served.
-        torch.autograd.graph.increment_version(p)
+        if write_weights:
+            torch.autograd.graph.increment_version(p)
 
 
 class Moments:
@@ -209,12 +211,10 @@ def new_state(p: torch.Tensor, master: str, states: str = "fp32", keep_master: b
                  "exp_avg_sq": torch.zeros(n, dtype=torch.uint8, **kw), "exp_avg_sq_scale": torch.zeros(blocks, **kw)}
     else:
         dtype = torch.float32 if states == "fp32" else torch.bfloat16
-        state = {"exp_avg": torch.zeros(p.shape, dtype=dtype, **kw), "exp_avg_sq": torch.zeros(p.shape, dtype=dtype, **kw)}
+        state = {key: torch.zeros(p.shape, dtype=dtype, **kw) for key in ("exp_avg", "exp_avg_sq")}
     state = {"step": torch.zeros((), dtype=torch.float32, device=p.device), **state}
-    if (master == "fp32" and p.dtype != torch.float32) or keep_master:
-        master32 = torch.empty(p.shape, dtype=torch.float32, **kw)
-        master32.copy_(p.detach())  # its own memory, also for an fp32 weight
-        state["master"] = master32
+    if (master == "fp32" and p.dtype != torch.float32) or keep_master:  # memory of its own, also for an fp32 weight
+        state["master"] = torch.empty(p.shape, dtype=torch.float32, **kw).copy_(p.detach())
     return state
 
 
@@ -235,9 +235,8 @@ class ResidentAdamW:
         self.master, self.states, self.generator = master, states, generator
         self.host: set[torch.Tensor] = set(host)
         self._scratch: dict[torch.device, tuple[Scratch, ...]] = {}
-        # Host-placed GPU parameters: the page-locked copies of the value the host steps and of the gradient (made
-        # again from the parameter, not optimizer state), and the parameter's version at the last copy down (one
-        # written since is copied down again before it steps)
+        # Host-placed GPU parameters: page-locked copies of the stepped value and of the gradient (made again from the
+        # parameter, not optimizer state); the version copied down last (a parameter written since is copied again)
         self._staging: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
         self._copied_version: dict[torch.Tensor, int] = {}
         self._hooks: list = []  # `overlap`: the gradient hooks
@@ -261,15 +260,12 @@ class ResidentAdamW:
         if p.grad is None or p in self._ahead:
             return
         value, host_grad = self._staging[p]
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(p.device))
-        self._copies.wait_event(ready)
+        self._copies.wait_stream(torch.cuda.current_stream(p.device))
         with torch.cuda.stream(self._copies):
             self._refresh(p)
             host_grad.copy_(local_shard(p.grad), non_blocking=True)
             p.grad.record_stream(self._copies)
-            copied = torch.cuda.Event()
-            copied.record(self._copies)
+            copied = self._copies.record_event()
         self._ahead.add(p)
         state, hyper = self._state_of(p), self._hyper_of(p)
 
@@ -317,8 +313,7 @@ class ResidentAdamW:
     def _stage(self, p: torch.Tensor) -> torch.Tensor:
         if p not in self._staging:
             local = local_shard(p)  # a DTensor's shard: the value and the gradient are this rank's part
-            value = torch.empty(local.shape, dtype=p.dtype, pin_memory=True)
-            value.copy_(local)
+            value = torch.empty(local.shape, dtype=p.dtype, pin_memory=True).copy_(local)
             self._staging[p] = (value, torch.empty(local.shape, dtype=p.dtype, pin_memory=True))
             self._copied_version[p] = local._version
         return self._staging[p][0]
@@ -369,9 +364,8 @@ class ResidentAdamW:
         for i, g in zip(away, grads):
             self._refresh(params[i])
             g.copy_(local_shard(params[i].grad), non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(params[away[0]].device))
-        done.synchronize()  # only off the overlapped path: the host needs the final gradients
+        # only off the overlapped path: the host needs the final gradients
+        torch.cuda.current_stream(params[away[0]].device).record_event().synchronize()
         adamw_step(list(values), list(grads), [states[i] for i in away], hyper, self.master,
                    self._scratch_for(torch.device("cpu")), self.generator)
         for i in away:
@@ -387,8 +381,7 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
 class LandingWorker:
     """A thread that applies each landed gradient (`GradLane.apply`) and steps a block (`step_block`) once every
     layer of it in `blocks` (block -> layer indices) has landed, in the backward that ends an accumulation cycle.
-    `device`: the optimizer, whose blocks stepped on the GPU (train/device.py) land here only to wait for the
-    write-back."""
+    `device`: the optimizer; a block it steps on the GPU (train/device.py) lands here only to await its write-back."""
 
     def __init__(self, lane, blocks: dict[int, set[int]], step_block: Callable[[int], None],
                  accumulation_steps: int, device=None):

@@ -5,8 +5,7 @@ A block's gradients are summed once (NCCL, gloo on the CPU) into its owner on a 
 training weight's gradient (train/grads.py gathers them). After a step (an attached optimizer's, else at the next
 forward's first fetch) each rank rebuilds its blocks' copies in the node's shared store, waits for the node, and
 marks the others' blocks written. Several nodes: every rank gets the sum, each node's owner keeps it; without a
-node-shared store every rank owns every block.
-"""
+node-shared store every rank owns every block."""
 
 from __future__ import annotations
 

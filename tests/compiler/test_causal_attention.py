@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_stagehand as stagehand
+from torch_stagehand.compiler import block_frames
 from torch_stagehand.app.presets import tiny_llama
 from torch_stagehand.compiler.context import PassLog
 from torch_stagehand.compiler.passes.causal_attention import causal_attention, is_sdpa
@@ -122,10 +123,13 @@ def test_any_other_mask_is_kept(case):
     torch.testing.assert_close(gm(*inputs)[0], expected)
 
 
-def test_transformers_training_mask_is_dropped_and_lora_gradients_match():
-    """A Llama with its cache off, as in training: under Dynamo transformers builds the causal mask as a tensor
-    (it cannot rule out packed sequences without reading the position ids); the backend turns it back into
-    `is_causal`, and the loss and LoRA gradients equal the plain model's, which took the `is_causal` path eagerly."""
+@pytest.mark.parametrize("whole", [False, True], ids=["documented call", "whole model traced"])
+def test_transformers_training_mask_is_dropped_and_lora_gradients_match(whole):
+    """A Llama with its cache off, as in training. The documented call runs the code around the blocks eagerly:
+    transformers builds no mask and every block's attention is `is_causal`. Traced whole (the blocks inlined),
+    transformers builds the causal mask as a tensor under Dynamo (it cannot rule out packed sequences without
+    reading the position ids) and the backend turns it back into `is_causal`. Either way the loss and LoRA
+    gradients equal the plain model's, which took the `is_causal` path eagerly."""
     peft = pytest.importorskip("peft")
     model, inputs = tiny_llama(dtype=torch.float32, layers=3, batch=1, seq=24)
     model.config.use_cache = False
@@ -139,13 +143,18 @@ def test_transformers_training_mask_is_dropped_and_lora_gradients_match():
     model.zero_grad(set_to_none=True)
 
     rt = stagehand.offload(model, device="cpu", precision="bf16")
+    if whole:
+        block_frames.frames_of(rt).remove()
     try:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
         loss = compiled(**inputs, labels=inputs["input_ids"]).loss
         loss.backward()
         notes = [m for record in rt.graph_records for m in record.changes if m.startswith("[causal_attention]")]
-        assert any("3 attention call(s)" in m for m in notes), notes
+        if whole:
+            assert any("3 attention call(s)" in m for m in notes), notes
+        else:  # no mask reached a block's graph
+            assert not notes and rt.stats()["compiled_graphs"] and "glue" not in "".join(rt.stats()["compiled_graphs"])
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         assert grads.keys() == ref_grads.keys() and grads
         assert rel_err(loss, reference) < 1e-2

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 import torch_stagehand as stagehand
-from torch_stagehand.compiler import passes, source_hash
+from torch_stagehand.compiler import block_frames, passes, source_hash
 from torch_stagehand.compiler.context import BackendOptions, CompileContext, VariantContext
 from torch_stagehand.compiler.graph_nodes import is_streamed_linear, streamed_arg, token_owners
 from torch_stagehand.compiler.inner import JointPasses
@@ -47,6 +47,7 @@ def captured():
     model, x = toy(n=3)
     plain = copy.deepcopy(model)
     rt = stagehand.offload(model, device="cpu")
+    block_frames.frames_of(rt).remove()  # the blocks inlined, as one graph: every pass sees all three
     graphs = []
 
     def recording_backend(gm, example_inputs):
@@ -307,6 +308,7 @@ def test_inline_checkpoints_turns_checkpoint_bodies_into_block_recompute():
     wrapped = CheckpointedToy(model)
     plain = copy.deepcopy(wrapped)
     rt = stagehand.offload(wrapped, device="cpu")
+    block_frames.frames_of(rt).remove()  # the blocks inlined: the checkpoint ops in one graph
     graphs = []
     torch._dynamo.reset()
     with torch.no_grad():

@@ -1,5 +1,6 @@
-"""A torch.compile per block (`stagehand.compile_blocks`, diffusers' `compile_repeated_blocks`, accelerate's regional
-compilation) through the backend: Dynamo traces one block of each structure and every other block runs its graph
+"""A torch.compile per block (the documented `torch.compile(model)` on an offloaded model, `stagehand.compile_blocks`,
+diffusers' `compile_repeated_blocks`, accelerate's regional compilation) through the backend: Dynamo traces one
+block of each structure and every other block runs its graph
 (a streamed Linear hands the op its block's token, a graph input, and its position, never a constant naming the
 layer), with the plain model's numbers, in any precision map, across precision switches and in full fine-tuning."""
 
@@ -224,16 +225,16 @@ def test_a_kv_cache_that_retraces_every_block_is_named():
     model, inputs = tiny_llama(dtype=torch.float32, layers=2)
     rt = stagehand.offload(model, device="cpu", verbose=False)
     torch._dynamo.reset()
+    stagehand.compile_blocks(model, options={"inner": "eager"})
     with pytest.warns(stagehand.RegionalCompileWarning, match="LlamaForCausalLM's config has use_cache=True"):
-        stagehand.compile_blocks(model, options={"inner": "eager"})
-    with torch.no_grad():  # correct all the same, a graph per block
-        model(**inputs)
+        with torch.no_grad():  # said at the first compiled call; correct all the same, a graph per block
+            model(**inputs)
     assert len(rt.graph_records) == 2
     rt.close()
 
 
 def test_the_models_own_checkpointing_moves_into_the_block_units():
-    """Flux with diffusers' gradient checkpointing: compile_blocks switches the flag off and the units recompute
+    """Flux with diffusers' gradient checkpointing: offload switches the flag off and the units recompute
     (one forward again in backward, inside the unit), with the checkpointed plain model's LoRA gradients."""
     import peft
 
@@ -250,8 +251,8 @@ def test_the_models_own_checkpointing_moves_into_the_block_units():
     rt = stagehand.offload(model, device="cpu", verbose=False)
     torch._dynamo.reset()
     stagehand.compile_blocks(model, options={"inner": "eager"})
-    assert not model.get_base_model().gradient_checkpointing
     first_tensor(model(**inputs)).square().mean().backward()
+    assert not model.get_base_model().gradient_checkpointing  # switched off at offload
     grads, want = _lora_grads(model), _lora_grads(plain)
     assert len(grads) == 24 and all(rel_err(grads[n], want[n]) < 1e-6 for n in grads)  # measured 0
     assert rt.stats()["recomputed_blocks"] == 4  # each block's forward ran once more, in its unit
@@ -382,7 +383,7 @@ def test_full_fine_tuning_under_another_aot_backend_keeps_the_eager_ops_numbers(
 
 
 def test_unit_strides_gives_size_one_dimensions_the_contiguous_stride_and_copies_nothing():
-    from torch_stagehand.api import unit_strides
+    from torch_stagehand.compiler.block_frames import unit_strides
 
     base = torch.randn(1, 40, 32, requires_grad=True)
     tail = base[:, 8:]  # [1, 32, 32] with batch stride 40 * 32
@@ -394,3 +395,32 @@ def test_unit_strides_gives_size_one_dimensions_the_contiguous_stride_and_copies
     assert unit_strides(odd).stride() == (1, 4 * 6, 6) and torch.equal(unit_strides(odd), odd)
     plain = torch.randn(2, 3)
     assert unit_strides(plain) is plain
+
+
+def _default_path_first_step(layers: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The documented call on a LoRA Qwen2 of `layers` layers: offload, torch.compile(model), one training step.
+    Dynamo's and the backend's one-time work of that step (counted, not timed), its loss and the plain model's."""
+    model, ids = _lora_qwen2(layers)
+    plain = copy.deepcopy(model)
+    ref = plain(input_ids=ids, labels=ids).loss
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    work = {"frames": counters["stats"]["unique_graphs"], "ops_traced": counters["stats"]["calls_captured"],
+            "units": rt.stats()["compiled_units"], "eager_linear_calls": rt.stats()["eager_linear_calls"]}
+    rt.close()
+    return work, loss.detach(), ref.detach()
+
+
+def test_the_documented_call_traces_one_block_whatever_the_depth():
+    """`torch.compile(model, backend="stagehand")` after offload: the first step's one-time work at 32 layers is
+    at most twice that at 4 (measured: the same), with the plain model's loss."""
+    shallow, loss4, ref4 = _default_path_first_step(4)
+    deep, loss32, ref32 = _default_path_first_step(32)
+    assert torch.equal(loss4, ref4) and torch.equal(loss32, ref32)  # fp32, the same ATen ops: measured 0
+    for what in ("frames", "ops_traced", "units"):
+        assert 0 < deep[what] <= 2 * shallow[what], (what, shallow, deep)
+    assert shallow["eager_linear_calls"] == deep["eager_linear_calls"] == 0  # every block ran compiled

@@ -43,6 +43,9 @@ def test_hf_trainer_compiles_with_stagehand_saves_and_resumes(tiny_llama, tmp_pa
     out = run_example("hf_trainer.py", str(tiny_llama), "--out", str(tmp_path / "a"), *common)
     assert "stagehand: first step took" in out  # the optimizer was attached: the runtime saw the steps
     assert re.search(r"global step 4; stagehand ran 4 steps here, streamed (?!0\.0 MB)[\d.]+ MB", out)
+    # the Trainer's torch.compile took the documented path: each graph one block, the code around them eager
+    graphs = re.search(r"compiled graphs \[(.*)\]", out).group(1).split(", ")
+    assert graphs and set(graphs) == {"'block'"}
     assert (tmp_path / "a" / "checkpoint-2" / "adapter_model.safetensors").is_file()
 
     shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "b" / "checkpoint-2")

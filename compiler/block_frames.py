@@ -1,0 +1,201 @@
+"""`torch.compile(model)` on an offloaded model compiles each block on its own, one trace per block structure,
+and runs the code around the blocks (embeddings, the loop, the head, the loss) eagerly.
+
+`offload()` replaces the model's `forward` with one that notes the compile the call runs under (the eval-frame
+callback of the user's `torch.compile`: its backend and options) and runs the model's own forward with Dynamo off,
+and each block's `forward` with a `BlockFrame` that runs the block's own forward under that compile. Every block
+of a structure shares that code object, and Dynamo guards on the structure, not on the module, so the first
+block's graph serves the rest. Outside a compiled call the blocks run as they were. The code around the blocks
+runs eagerly because it measures no slower and lets a library take its eager paths: transformers builds no
+causal mask when it is not traced (flash attention, `is_causal`), where a traced mask would reach every block's
+graph as an input. A block the model calls under torch.utils.checkpoint (which turns Dynamo off, and runs the
+block again in backward) still runs under the call's compile. Where a caller compiles only a part of the model
+around the blocks, each block called under that compile is a frame of its own the same way. `compile_blocks`
+sets the frames' compiled callables instead."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_eval_frame
+from torch.utils._pytree import tree_map_only
+
+from torch_stagehand.compiler import residual_hints
+
+log = logging.getLogger("torch_stagehand.compiler")
+_frames: "weakref.WeakKeyDictionary[Any, BlockFrames]" = weakref.WeakKeyDictionary()
+
+
+class RegionalCompileWarning(UserWarning):
+    """A compiled offloaded model whose blocks can not share one Dynamo graph (e.g. an HF model with a KV cache)."""
+
+
+def model_checkpoints_blocks(rt) -> bool:
+    """Did the model's own activation checkpointing move into the block units (`BlockUnit.recomputes_block`)?"""
+    frames = _frames.get(rt)
+    return frames is not None and frames.checkpoints_blocks
+
+
+def install(rt, model: nn.Module) -> None:
+    """Make each of `rt`'s blocks in `model` its own frame (offload)."""
+    _frames[rt] = BlockFrames(rt, model)
+
+
+def frames_of(rt) -> "BlockFrames":
+    return _frames[rt]
+
+
+class BlockFrames:
+    """The frames of one runtime's blocks: installed by `offload()`, removed when the runtime closes."""
+
+    def __init__(self, rt, model: nn.Module):
+        self.rt, self.model = rt, model
+        self.frames = [BlockFrame(self, model.get_submodule(fqn), fqn, i) for i, fqn in enumerate(rt.blocks)]
+        # Modules whose `gradient_checkpointing` flag makes the model checkpoint its blocks: the blocks themselves
+        # (transformers) and the modules above them (diffusers checks the flag in the loop over its blocks).
+        above = {".".join(fqn.split(".")[:i]) for fqn in rt.blocks for i in range(fqn.count(".") + 1)}
+        self._flag_holders = [m for m in [model.get_submodule(n) for n in sorted(above)] +
+                              [f.block for f in self.frames] if hasattr(m, "gradient_checkpointing")]
+        self._prepared = False
+        self.checkpoints_blocks = False
+        # The compile (its eval-frame callback) of the model call now running or last run (a checkpoint's recompute
+        # in backward runs under it too); None when the call ran eagerly.
+        self.model_callback = None
+        model.forward = torch._dynamo.disable(self._model_call(model.forward), recursive=False)
+        self.move_checkpointing()
+        for frame in self.frames:
+            frame.block.forward = torch._dynamo.disable(frame, recursive=False)
+        rt.on_close(self.remove)
+
+    def remove(self) -> None:
+        _frames.pop(self.rt, None)  # the value holds its key: a WeakKeyDictionary would keep the runtime alive
+        if "forward" in vars(self.model):
+            del self.model.forward
+        for frame in self.frames:
+            if getattr(frame.block.forward, "_torchdynamo_orig_callable", None) is frame:
+                del frame.block.forward
+
+    def _model_call(self, forward: Callable) -> Callable:
+        """The model's forward, noting the compile it is called under (this wrapper is disabled non-recursively:
+        the caller's callback is still set) and run with Dynamo off (the blocks then run under that compile)."""
+        eager = torch._dynamo.disable(forward)
+
+        @functools.wraps(forward)  # the signature stays the model's (HF Trainer reads it for its columns)
+        def call(*args, **kwargs):
+            self.model_callback = get_eval_frame_callback() or None
+            return eager(*args, **kwargs)
+
+        return call
+
+    def compile_each(self, **compile_kwargs) -> None:
+        """`compile_blocks`: each block's forward compiled on its own, with these `torch.compile` arguments."""
+        for frame in self.frames:
+            frame.compiled = torch.compile(frame.forward, **compile_kwargs)
+
+    def before_compiled_call(self) -> None:
+        """Under a compile, the first time: the use_cache warning and the residual-stream hints."""
+        if not self._prepared:
+            self._prepared = True
+            self._warn_use_cache()
+            self._load_hints()
+
+    def move_checkpointing(self) -> None:
+        """The model's own activation checkpointing switched off and done by the blocks instead (the block units
+        when compiled, the frame when not), so that no block runs its forward three times. At offload and at
+        every block call: a trainer may switch it on later (HF Trainer's gradient_checkpointing=True)."""
+        if any(m.gradient_checkpointing is True for m in self._flag_holders):
+            for m in self._flag_holders:
+                m.gradient_checkpointing = False
+            self.checkpoints_blocks = True
+            log.info("stagehand: the model's activation checkpointing now runs inside each block unit")
+
+    def _warn_use_cache(self) -> None:
+        config = getattr(self.model, "config", None)
+        if getattr(config, "use_cache", False) and not getattr(config, "is_encoder_decoder", False):
+            warnings.warn(
+                f"stagehand: {type(self.model).__name__}'s config has use_cache=True: its layers update the KV cache "
+                "by their layer index, which Dynamo guards on, so every block is traced again (and past torch._dynamo"
+                ".config.recompile_limit runs eagerly); set model.config.use_cache = False to train",
+                RegionalCompileWarning, stacklevel=4)
+
+    def _load_hints(self) -> None:
+        """The residual-stream arguments an earlier run found (residual_hints.py): given grad on the first block."""
+        from torch_stagehand.compiler.variants import variant_cache
+
+        bundle = variant_cache(self.rt).bundle
+        hints = residual_hints.load(bundle.path) if bundle is not None else {}
+        for frame in self.frames:
+            residual = hints.get(residual_hints.block_list(frame.fqn))
+            if residual:
+                frame.needing_grad = functools.partial(
+                    residual_hints.give_grad, residual_hints.positional_names(frame.forward), residual)
+
+
+class BlockFrame:
+    """What one offloaded block's `forward` is: in a compiled call, the block's arguments made the same for every
+    block of its structure, then the block's own forward as a frame of its own under that compile (or its
+    `compile_blocks` callable)."""
+
+    def __init__(self, frames: BlockFrames, block: nn.Module, fqn: str, index: int):
+        self.frames, self.block, self.fqn, self.index = frames, block, fqn, index
+        self.forward: Callable = block.forward  # the block's own (bound, with its class's decorators)
+        self.compiled: Callable | None = None
+        self.needing_grad: Callable | None = None
+
+    def __call__(self, *args, **kwargs):
+        self.frames.move_checkpointing()
+        active = get_eval_frame_callback()
+        callback = active or self.frames.model_callback
+        if self.compiled is None and not callback:
+            return self._eager(args, kwargs)  # no compile active: the block as it was
+        args, kwargs = self._arguments(args, kwargs)
+        if self.compiled is not None:
+            return self.compiled(*args, **kwargs)
+        if active:
+            return self.forward(*args, **kwargs)
+        # The model's call ran under a compile (BlockFrames.model_callback), its own code with Dynamo off: the block
+        # runs under that compile. Called in backward, it is a checkpoint's recompute.
+        if torch._C._current_graph_task_id() != -1:
+            self.frames.rt.record_recompute(self.index)
+        prior = set_eval_frame(callback)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            set_eval_frame(prior)
+
+    def _eager(self, args: tuple, kwargs: dict):
+        if torch.is_grad_enabled() and self.frames.checkpoints_blocks:  # the model's checkpointing, moved here
+            return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        return self.forward(*args, **kwargs)
+
+    @torch._dynamo.disable
+    def _arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Every tensor argument with the canonical stride in its size-1 dimensions (such a stride addresses
+        nothing, but Dynamo guards on it), and in training, where the block has a parameter that trains, its
+        residual-stream arguments needing grad (residual_hints.give_grad; a first block would otherwise be traced
+        apart). Disabled: a frame of its own here would be compiled too."""
+        self.frames.before_compiled_call()
+        args, kwargs = tree_map_only(torch.Tensor, unit_strides, (args, kwargs))
+        if self.needing_grad is not None and torch.is_grad_enabled():
+            args, kwargs = self.needing_grad(args, kwargs, lambda: any(p.requires_grad for p in self.block.parameters()))
+        return args, kwargs
+
+
+def unit_strides(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a view whose size-1 dimensions have the stride a contiguous tensor would give them (the next
+    dimension's size times its stride; 1 for the last), its other strides unchanged; `t` itself if they do."""
+    if t.dim() == 0 or 1 not in t.shape:
+        return t
+    sizes = t.shape
+    for d in reversed(range(t.dim())):
+        want = 1 if d == t.dim() - 1 else sizes[d + 1] * t.stride()[d + 1]
+        if sizes[d] == 1 and t.stride()[d] != want:
+            t = t.squeeze(d).unsqueeze(d)  # unsqueeze gives the new dimension exactly `want`
+    return t
