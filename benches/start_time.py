@@ -13,7 +13,7 @@ Flux with its own checkpointing, Qwen without), offloaded under the documented b
 Qwen-7B 20 GiB) and compiled with `backend="stagehand"`. Per row (model, precision) the runs are, in order:
 
 - cold: empty caches (stagehand's: the W8A16 tune file, the compile bundle; Inductor's; Triton's), with
-  `--ahead-workers` (3) processes compiling the variants the step will ask for next (compiler/startup/ahead.py);
+  the default ahead-compile workers (two on CUDA; `--ahead-workers N` sets them) compiling the variants the step will ask for next (compiler/startup/ahead.py);
 - serial (`--modes ... serial`): cold, with no such workers: the baseline the cold row's `vs_serial` divides by;
 - warm: a second process on the same machine, every cache as the cold run left it;
 - bundle (`--modes ... bundle`): a fresh Inductor and Triton cache, stagehand's kept: a machine that lost /tmp,
@@ -579,7 +579,11 @@ def run_one(args, row: str, mode: str) -> dict:
     env = dict(os.environ, **caches(row, mode), **bytecode_env(args), STAGEHAND_TUNE_CACHE="1",
                STAGEHAND_COMPILE_CACHE="1", STAGEHAND_WARM_COMPILE_WORKERS="0" if args.cold_compile_workers else "1")
     # serial: the cold baseline, every unit compiled in the step, none ahead in workers (compiler/startup/ahead.py)
-    env["STAGEHAND_AHEAD_WORKERS"] = "0" if mode in ("serial", "coldprofile") else str(args.ahead_workers)
+    env.pop("STAGEHAND_AHEAD_WORKERS", None)  # the product's default (two on CUDA) unless --ahead-workers says
+    if mode in ("serial", "coldprofile"):
+        env["STAGEHAND_AHEAD_WORKERS"] = "0"
+    elif args.ahead_workers is not None:
+        env["STAGEHAND_AHEAD_WORKERS"] = str(args.ahead_workers)
     print(f"start_time: {row} {mode} ...", flush=True)
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -654,8 +658,9 @@ def main(argv=None) -> int:
     p.add_argument("--cold-compile-workers", action="store_true",
                    help="do not start Inductor's compile workers at offload (STAGEHAND_WARM_COMPILE_WORKERS=0; "
                         "the default starts them)")
-    p.add_argument("--ahead-workers", type=int, default=3,
-                   help="processes compiling foreseen variants ahead (STAGEHAND_AHEAD_WORKERS; serial runs: 0)")
+    p.add_argument("--ahead-workers", type=int, default=None,
+                   help="processes compiling foreseen variants ahead (STAGEHAND_AHEAD_WORKERS; unset: the "
+                        "default, two on CUDA; serial runs: 0)")
     p.add_argument("--slab-reads", default="auto", choices=["auto", "process", "threads"],
                    help="Config.slab_reads of a row from files: who reads the slab's rows")
     p.add_argument("--replans", type=int, default=0,

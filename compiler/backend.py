@@ -70,7 +70,7 @@ def stagehand_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     if opts.inner == "inductor":
         warm_compile_workers(rt.device)  # offload() started them; a runtime made otherwise starts them here
     variants = variant_cache(rt)
-    variants.use_ahead(opts.workers_ahead())
+    variants.use_ahead(opts.workers_ahead(rt.device))
     ctx = CompileContext(rt, opts, variants, VARIANT_PASSES, JOINT_PASSES, graph_id=next(_graph_ids),
                          tokens=tokens)
     outer = ctx.run(GRAPH_PASSES, gm)

@@ -30,6 +30,20 @@ class BackendOptionsError(ValueError):
     pass
 
 
+# Two workers: Flux-dev int8's cold first step 22.4 s -> 7.3 s, Qwen2.5-7B's to its third step the same (H200,
+# benches/results/start_time_default_*.json). They compile from fake inputs, with no CUDA context.
+DEFAULT_AHEAD_WORKERS = 2
+
+
+def default_ahead_workers(device: torch.device) -> int:
+    """STAGEHAND_AHEAD_WORKERS if set, else DEFAULT_AHEAD_WORKERS on CUDA (none on the CPU, where Inductor's
+    compile is slow and a worker's is as slow)."""
+    workers = env("STAGEHAND_AHEAD_WORKERS")
+    if workers is not None:
+        return workers
+    return DEFAULT_AHEAD_WORKERS if device.type == "cuda" else 0
+
+
 @dataclass(frozen=True)
 class BackendOptions:
     """What `torch.compile(model, backend="stagehand", options={...})` takes; an unknown name or value is a
@@ -54,14 +68,13 @@ class BackendOptions:
     model's own GEMM reads it (the A/B reference)."""
     ahead_workers: int | None = None
     """Worker processes that compile foreseen block variants while the step runs (compiler/startup/ahead.py); None:
-    the environment's STAGEHAND_AHEAD_WORKERS, else 0 (off: each holds a CUDA context outside the VRAM budget,
-    and on small models they start slower than the step compiles)."""
+    the environment's STAGEHAND_AHEAD_WORKERS, else `DEFAULT_AHEAD_WORKERS` on CUDA and none on the CPU."""
 
-    def workers_ahead(self) -> int:
+    def workers_ahead(self, device: torch.device) -> int:
         """How many ahead-compile workers the variants get (none with "eager", which keeps no cache to fill)."""
         if self.inner != "inductor":
             return 0
-        return self.ahead_workers if self.ahead_workers is not None else env("STAGEHAND_AHEAD_WORKERS") or 0
+        return self.ahead_workers if self.ahead_workers is not None else default_ahead_workers(device)
 
     @staticmethod
     def from_dict(options: dict[str, Any] | None) -> "BackendOptions":

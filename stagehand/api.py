@@ -189,14 +189,15 @@ def _say(line: str, verbose: bool) -> None:
 
 
 def _ahead_workers(device: torch.device, block_fqns: list[str], layers, precision_map: dict, auto: bool):
-    """The ahead-compile workers `STAGEHAND_AHEAD_WORKERS` asks for, started now while the host store fills, or
-    None."""
-    if not env("STAGEHAND_AHEAD_WORKERS"):
-        return None
+    """The ahead-compile workers (two on CUDA unless `STAGEHAND_AHEAD_WORKERS` says otherwise), started now while
+    the host store fills, or None."""
     from torch_stagehand.compiler.context import BackendOptions
     from torch_stagehand.compiler.variants import start_ahead_at_offload
 
-    return start_ahead_at_offload(device, block_fqns, layers, BackendOptions().workers_ahead(),
+    workers = BackendOptions().workers_ahead(device)
+    if not workers:
+        return None
+    return start_ahead_at_offload(device, block_fqns, layers, workers,
                                   _w8a16_ahead(device, layers, precision_map, auto))
 
 

@@ -46,7 +46,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "which Inductor kernels keep several launch configs, timed at their first launch",
              ("0", "1", "all", "none", "pointwise", "reductions")),
     Variable("STAGEHAND_AHEAD_WORKERS", "int", None,
-             "processes that compile foreseen block variants while the step runs (unset: 0)"),
+             "processes that compile foreseen block variants while the step runs (unset: 2 on CUDA, 0 on the CPU)"),
     Variable("STAGEHAND_AHEAD_THREADS", "int", 0, "each ahead worker's Triton compile threads (0: cores / workers)"),
     Variable("STAGEHAND_AHEAD_TUNING", "flag", True, "0: the ahead workers skip the INT8 kernels' candidates"),
     Variable("STAGEHAND_AHEAD_DEBUG", "flag", False, "1: the ahead workers' stderr and logs shown"),

@@ -15,6 +15,9 @@ os.environ["STAGEHAND_TUNE_CACHE"] = "0"
 os.environ["STAGEHAND_COMPILE_CACHE"] = "0"
 # Nor a calibrated cost model (runtime/conductor/cost_cache.py): every test on a GPU calibrates.
 os.environ["STAGEHAND_COST_CACHE"] = "0"
+# Nor ahead-compile worker processes for every model a GPU test offloads (on by default on CUDA): the tests of
+# the workers turn them on.
+os.environ.setdefault("STAGEHAND_AHEAD_WORKERS", "0")
 
 
 @pytest.fixture

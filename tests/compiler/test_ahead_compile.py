@@ -439,9 +439,10 @@ def test_offload_names_the_w8a16_kernels_for_the_workers(monkeypatch):
 
 def test_ahead_workers_option(monkeypatch):
     monkeypatch.delenv("STAGEHAND_AHEAD_WORKERS", raising=False)
-    assert BackendOptions().workers_ahead() == 0  # off by default
-    assert BackendOptions.from_dict({"ahead_workers": 2}).workers_ahead() == 2
-    assert BackendOptions(inner="eager", ahead_workers=2).workers_ahead() == 0  # eager keeps no cache to fill
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert BackendOptions().workers_ahead(cuda) == 2 and BackendOptions().workers_ahead(cpu) == 0  # the defaults
+    assert BackendOptions.from_dict({"ahead_workers": 3}).workers_ahead(cpu) == 3
+    assert BackendOptions(inner="eager", ahead_workers=2).workers_ahead(cuda) == 0  # eager keeps no cache to fill
     with pytest.raises(BackendOptionsError, match="ahead_workers"):
         BackendOptions.from_dict({"ahead_workers": -1})
     with pytest.raises(BackendOptionsError, match="ahead_workers"):
@@ -449,12 +450,15 @@ def test_ahead_workers_option(monkeypatch):
 
 
 def test_ahead_workers_from_the_environment(monkeypatch):
+    cuda = torch.device("cuda")
     monkeypatch.setenv("STAGEHAND_AHEAD_WORKERS", "1")
-    assert BackendOptions().workers_ahead() == 1
-    assert BackendOptions(ahead_workers=0).workers_ahead() == 0  # the option wins
+    assert BackendOptions().workers_ahead(cuda) == 1
+    monkeypatch.setenv("STAGEHAND_AHEAD_WORKERS", "0")
+    assert BackendOptions().workers_ahead(cuda) == 0  # the environment turns the default off
+    assert BackendOptions(ahead_workers=2).workers_ahead(cuda) == 2  # the option wins
     monkeypatch.setenv("STAGEHAND_AHEAD_WORKERS", "many")
     with pytest.raises(ConfigError, match="STAGEHAND_AHEAD_WORKERS must be an int >= 0, got 'many'"):
-        BackendOptions().workers_ahead()
+        BackendOptions().workers_ahead(cuda)
 
 
 @pytest.mark.gpu
