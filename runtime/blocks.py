@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from torch_stagehand.runtime.linear_like import is_conv1d
@@ -210,6 +211,15 @@ def layer_slots(model: nn.Module, specs: list[StreamedLayerSpec]) -> list[LayerS
     return slots
 
 
+def _on(where: torch.device, device: torch.device) -> bool:
+    """Is a tensor on `where` on `device`? ("cuda" without an index names the current CUDA device.)"""
+    if where.type != device.type:
+        return False
+    if device.index is None and device.type == "cuda":
+        return where.index in (None, torch.cuda.current_device())
+    return where.index == device.index
+
+
 def check_not_wrapped_off_device(spec: StreamedLayerSpec, slot: LayerSlot, device) -> None:
     """peft applied after offload puts its adapters where the layer's weight is, the host: right on a CPU stream,
     elsewhere a bare device mismatch inside the adapter, so say which layer and what to do instead."""
@@ -217,7 +227,7 @@ def check_not_wrapped_off_device(spec: StreamedLayerSpec, slot: LayerSlot, devic
     if wrapper is spec.module or wrapper is None:
         return
     for pname, p in wrapper.named_parameters():
-        if p.device != device and not any(p is q for q in spec.module.parameters()):
+        if not _on(p.device, torch.device(device)) and not any(p is q for q in spec.module.parameters()):
             raise WrappedAfterOffloadError(
                 f"stagehand: streamed layer {spec.fqn} was wrapped by {type(wrapper).__name__} after offload "
                 f"(peft adapters?), and its {pname} is on {p.device}, not {device}: apply peft before offload, "
