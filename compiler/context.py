@@ -31,7 +31,7 @@ class BackendOptionsError(ValueError):
 
 
 # Two workers: Flux-dev int8's cold first step 22.4 s -> 7.3 s, Qwen2.5-7B's to its third step the same (H200,
-# benches/results/start_time_default_*.json). They compile from fake inputs, with no CUDA context.
+# benches/results/start_time_default_*.json). Each holds a CUDA context (0.5-0.6 GiB there) outside the budget.
 DEFAULT_AHEAD_WORKERS = 2
 
 
