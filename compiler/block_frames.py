@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 from torch._C._dynamo.eval_frame import get_eval_frame_callback, set_eval_frame
 from torch.utils._pytree import tree_map_only
 
@@ -56,7 +55,7 @@ class BlockFrames:
     """The frames of one runtime's blocks: installed by `offload()`, removed when the runtime closes."""
 
     def __init__(self, rt, model: nn.Module):
-        self.rt, self.model = rt, model
+        self._rt, self.model = weakref.ref(rt), model  # weak: `_frames` is keyed by the runtime
         self.frames = [BlockFrame(self, model.get_submodule(fqn), fqn, i) for i, fqn in enumerate(rt.blocks)]
         # Modules whose `gradient_checkpointing` flag makes the model checkpoint its blocks: the blocks themselves
         # (transformers) and the modules above them (diffusers checks the flag in the loop over its blocks).
@@ -64,23 +63,33 @@ class BlockFrames:
         self._flag_holders = [m for m in [model.get_submodule(n) for n in sorted(above)] +
                               [f.block for f in self.frames] if hasattr(m, "gradient_checkpointing")]
         self._prepared = False
-        self.checkpoints_blocks = False
-        # The compile (its eval-frame callback) of the model call now running or last run (a checkpoint's recompute
-        # in backward runs under it too); None when the call ran eagerly.
+        self.checkpoints_blocks = False  # the last compiled call found the model's checkpointing on
+        # The compile (its eval-frame callback: False is Dynamo's run-only mode) of the model call now running or
+        # last run (a checkpoint's recompute in backward runs under it too); None when the call ran eagerly.
         self.model_callback = None
-        model.forward = torch._dynamo.disable(self._model_call(model.forward), recursive=False)
-        self.move_checkpointing()
+        # What offload replaces, put back by `remove` where it is still ours: an instance's own forward
+        # (accelerate's hooks set one) or none (the class's).
+        self._replaced = [(m, vars(m).get("forward")) for m in [model, *(f.block for f in self.frames)]]
+        self._model_forward = torch._dynamo.disable(self._model_call(model.forward), recursive=False)
+        model.forward = self._model_forward
         for frame in self.frames:
             frame.block.forward = torch._dynamo.disable(frame, recursive=False)
         rt.on_close(self.remove)
 
+    @property
+    def rt(self):
+        return self._rt()
+
     def remove(self) -> None:
-        _frames.pop(self.rt, None)  # the value holds its key: a WeakKeyDictionary would keep the runtime alive
-        if "forward" in vars(self.model):
-            del self.model.forward
-        for frame in self.frames:
-            if getattr(frame.block.forward, "_torchdynamo_orig_callable", None) is frame:
-                del frame.block.forward
+        _frames.pop(self.rt, None)
+        ours = [self._model_forward, *(f.block.forward for f in self.frames
+                                        if getattr(f.block.forward, "_torchdynamo_orig_callable", None) is f)]
+        for module, prior in self._replaced:
+            if any(vars(module).get("forward") is f for f in ours):
+                if prior is None:
+                    del module.forward
+                else:
+                    module.forward = prior
 
     def _model_call(self, forward: Callable) -> Callable:
         """The model's forward, noting the compile it is called under (this wrapper is disabled non-recursively:
@@ -89,8 +98,20 @@ class BlockFrames:
 
         @functools.wraps(forward)  # the signature stays the model's (HF Trainer reads it for its columns)
         def call(*args, **kwargs):
-            self.model_callback = get_eval_frame_callback() or None
-            return eager(*args, **kwargs)
+            self.model_callback = get_eval_frame_callback()
+            if self.model_callback is None and self.frames[0].compiled is None:
+                return eager(*args, **kwargs)  # an eager call: the model as it was, its own checkpointing too
+            # The blocks compile: the model's own activation checkpointing is switched off for the call and done by
+            # the block units instead, so that no block runs its forward three times (flags put back after it).
+            on = [m for m in self._flag_holders if m.gradient_checkpointing is True]
+            self.checkpoints_blocks = bool(on)
+            for m in on:
+                m.gradient_checkpointing = False
+            try:
+                return eager(*args, **kwargs)
+            finally:
+                for m in on:
+                    m.gradient_checkpointing = True
 
         return call
 
@@ -107,9 +128,8 @@ class BlockFrames:
             self._load_hints()
 
     def move_checkpointing(self) -> None:
-        """The model's own activation checkpointing switched off and done by the blocks instead (the block units
-        when compiled, the frame when not), so that no block runs its forward three times. At offload and at
-        every block call: a trainer may switch it on later (HF Trainer's gradient_checkpointing=True)."""
+        """A compile of a part of the model around the blocks (the model's own call not compiled): its
+        checkpointing flags switched off for good and done by the block units."""
         if any(m.gradient_checkpointing is True for m in self._flag_holders):
             for m in self._flag_holders:
                 m.gradient_checkpointing = False
@@ -150,15 +170,15 @@ class BlockFrame:
         self.needing_grad: Callable | None = None
 
     def __call__(self, *args, **kwargs):
-        self.frames.move_checkpointing()
-        active = get_eval_frame_callback()
-        callback = active or self.frames.model_callback
-        if self.compiled is None and not callback:
-            return self._eager(args, kwargs)  # no compile active: the block as it was
+        active = get_eval_frame_callback()  # None: Dynamo off here; False: its run-only mode
+        callback = active if active is not None else self.frames.model_callback
+        if self.compiled is None and callback is None:
+            return self.forward(*args, **kwargs)  # no compile: the block as it was
         args, kwargs = self._arguments(args, kwargs)
         if self.compiled is not None:
             return self.compiled(*args, **kwargs)
-        if active:
+        if active is not None:
+            self.frames.move_checkpointing()
             return self.forward(*args, **kwargs)
         # The model's call ran under a compile (BlockFrames.model_callback), its own code with Dynamo off: the block
         # runs under that compile. Called in backward, it is a checkpoint's recompute.
@@ -169,11 +189,6 @@ class BlockFrame:
             return self.forward(*args, **kwargs)
         finally:
             set_eval_frame(prior)
-
-    def _eager(self, args: tuple, kwargs: dict):
-        if torch.is_grad_enabled() and self.frames.checkpoints_blocks:  # the model's checkpointing, moved here
-            return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
-        return self.forward(*args, **kwargs)
 
     @torch._dynamo.disable
     def _arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

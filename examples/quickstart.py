@@ -9,7 +9,7 @@ config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_
 model = transformers.LlamaForCausalLM(config)                 # yours: AutoModelForCausalLM.from_pretrained(folder)
 model.requires_grad_(False)                                   # streamed weights are frozen bases
 lora_config = peft.LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-model = peft.get_peft_model(model, lora_config)               # peft before offload (after works too)
+model = peft.get_peft_model(model, lora_config)               # peft before offload (or after, then move the model to the device)
 rt = stagehand.offload(model, device=device, precision={0: "int8", 3: "int8"})  # prints what it streams
 compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
