@@ -16,6 +16,7 @@ sets the frames' compiled callables instead."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 import weakref
@@ -63,10 +64,12 @@ class BlockFrames:
         self._flag_holders = [m for m in [model.get_submodule(n) for n in sorted(above)] +
                               [f.block for f in self.frames] if hasattr(m, "gradient_checkpointing")]
         self._prepared = False
+        self._warned_kv_cache = False
         self.checkpoints_blocks = False  # the last compiled call found the model's checkpointing on
         # The compile (its eval-frame callback: False is Dynamo's run-only mode) of the model call now running or
         # last run (a checkpoint's recompute in backward runs under it too); None when the call ran eagerly.
         self.model_callback = None
+        self.kv_cache_in_call = False  # the compiled call now running fills a KV cache (each block traced again)
         # What offload replaces, put back by `remove` where it is still ours: an instance's own forward
         # (accelerate's hooks set one) or none (the class's).
         self._replaced = [(m, vars(m).get("forward")) for m in [model, *(f.block for f in self.frames)]]
@@ -96,11 +99,15 @@ class BlockFrames:
         the caller's callback is still set) and run with Dynamo off (the blocks then run under that compile)."""
         eager = torch._dynamo.disable(forward)
 
+        takes_use_cache = _takes_keyword(forward, "use_cache")
+
         @functools.wraps(forward)  # the signature stays the model's (HF Trainer reads it for its columns)
         def call(*args, **kwargs):
             self.model_callback = get_eval_frame_callback()
+            self._call_began()
             if self.model_callback is None and self.frames[0].compiled is None:
                 return eager(*args, **kwargs)  # an eager call: the model as it was, its own checkpointing too
+            kwargs = self._cache_argument(kwargs, takes_use_cache)
             # The blocks compile: the model's own activation checkpointing is switched off for the call and done by
             # the block units instead, so that no block runs its forward three times (flags put back after it).
             on = [m for m in self._flag_holders if m.gradient_checkpointing is True]
@@ -115,16 +122,35 @@ class BlockFrames:
 
         return call
 
+    # Disabled: the model's call is disabled non-recursively, so what it calls would be traced by the compile.
+    @torch._dynamo.disable
+    def _call_began(self) -> None:
+        rt = self.rt
+        if rt is not None:
+            rt.model_call_began()  # the step's clock starts here, before the first block traces and compiles
+
+    @torch._dynamo.disable
+    def _cache_argument(self, kwargs: dict, takes_use_cache: bool) -> dict:
+        """A compiled call's keyword arguments: `use_cache=False` added to a training call (it reads no KV cache,
+        and filling one by layer index would trace every block again); notes whether the call fills one."""
+        if takes_use_cache and "use_cache" not in kwargs and self._trains_with_kv_cache():
+            kwargs = {**kwargs, "use_cache": False}
+        asked = kwargs.get("use_cache") if takes_use_cache else False
+        self.kv_cache_in_call = self._kv_cache_configured() if asked is None else bool(asked)
+        return kwargs
+
     def compile_each(self, **compile_kwargs) -> None:
         """`compile_blocks`: each block's forward compiled on its own, with these `torch.compile` arguments."""
         for frame in self.frames:
             frame.compiled = torch.compile(frame.forward, **compile_kwargs)
 
     def before_compiled_call(self) -> None:
-        """Under a compile, the first time: the use_cache warning and the residual-stream hints."""
+        """Under a compile: the KV-cache warning (once) and, the first time, the residual-stream hints."""
+        if self.kv_cache_in_call and not self._warned_kv_cache:
+            self._warned_kv_cache = True
+            self._warn_use_cache()
         if not self._prepared:
             self._prepared = True
-            self._warn_use_cache()
             self._load_hints()
 
     def move_checkpointing(self) -> None:
@@ -136,14 +162,20 @@ class BlockFrames:
             self.checkpoints_blocks = True
             log.info("stagehand: the model's activation checkpointing now runs inside each block unit")
 
-    def _warn_use_cache(self) -> None:
+    def _kv_cache_configured(self) -> bool:
         config = getattr(self.model, "config", None)
-        if getattr(config, "use_cache", False) and not getattr(config, "is_encoder_decoder", False):
-            warnings.warn(
-                f"stagehand: {type(self.model).__name__}'s config has use_cache=True: its layers update the KV cache "
-                "by their layer index, which Dynamo guards on, so every block is traced again (and past torch._dynamo"
-                ".config.recompile_limit runs eagerly); set model.config.use_cache = False to train",
-                RegionalCompileWarning, stacklevel=4)
+        return bool(getattr(config, "use_cache", False)) and not getattr(config, "is_encoder_decoder", False)
+
+    def _trains_with_kv_cache(self) -> bool:
+        """A training call (grad on, the model in train mode) of a model whose config asks for a KV cache."""
+        return torch.is_grad_enabled() and self.model.training and self._kv_cache_configured()
+
+    def _warn_use_cache(self) -> None:
+        warnings.warn(
+            f"stagehand: {type(self.model).__name__}'s compiled call fills a KV cache (use_cache=True): its layers "
+            "update it by their layer index, which Dynamo guards on, so every block is traced again (and past "
+            "torch._dynamo.config.recompile_limit runs eagerly); pass use_cache=False where the call needs no cache "
+            "(a training call gets it from stagehand)", RegionalCompileWarning, stacklevel=4)
 
     def _load_hints(self) -> None:
         """The residual-stream arguments an earlier run found (residual_hints.py): given grad on the first block."""
@@ -156,6 +188,15 @@ class BlockFrames:
             if residual:
                 frame.needing_grad = functools.partial(
                     residual_hints.give_grad, residual_hints.positional_names(frame.forward), residual)
+
+
+def _takes_keyword(function: Callable, name: str) -> bool:
+    """Whether `function` accepts the keyword argument `name` (by name or through its **kwargs)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 class BlockFrame:

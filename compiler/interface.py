@@ -52,6 +52,9 @@ class StreamingRuntime(Protocol):
     def record_compile(self, seconds: float, block_variant: bool, loaded: bool = False) -> None:
         """Count one compiled unit in `stats()` (`loaded`: from the compile caches, not compiled)."""
 
+    def model_call_began(self) -> None:
+        """The offloaded model's forward was entered (a step's forward phase starts there)."""
+
     def record_first_run(self) -> None:
         """Count a compiled unit's first run (its kernels load and tune then)."""
 

@@ -323,6 +323,11 @@ class Runtime(SelectivePrecisionAPI):
         self.block_variant_count += block_variant
         self.events.compiled("block variant" if block_variant else "unit", seconds, loaded)
 
+    def model_call_began(self) -> None:
+        """The offloaded model's forward was entered: a step's forward phase starts here, before its first block
+        traces or compiles (the first step's time then is the whole first call)."""
+        self.phases.forward_op()
+
     def record_first_run(self) -> None:
         """Count a compiled unit's first run (`units_first_run`: a calibration step that holds one is measured
         again, conductor/driver.py)."""

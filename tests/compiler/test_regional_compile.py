@@ -226,7 +226,7 @@ def test_a_kv_cache_that_retraces_every_block_is_named():
     rt = stagehand.offload(model, device="cpu", verbose=False)
     torch._dynamo.reset()
     stagehand.compile_blocks(model, options={"inner": "eager"})
-    with pytest.warns(stagehand.RegionalCompileWarning, match="LlamaForCausalLM's config has use_cache=True"):
+    with pytest.warns(stagehand.RegionalCompileWarning, match="LlamaForCausalLM's compiled call fills a KV cache"):
         with torch.no_grad():  # said at the first compiled call; correct all the same, a graph per block
             model(**inputs)
     assert len(rt.graph_records) == 2
@@ -424,3 +424,39 @@ def test_the_documented_call_traces_one_block_whatever_the_depth():
     for what in ("frames", "ops_traced", "units"):
         assert 0 < deep[what] <= 2 * shallow[what], (what, shallow, deep)
     assert shallow["eager_linear_calls"] == deep["eager_linear_calls"] == 0  # every block ran compiled
+
+
+def test_a_training_call_fills_no_kv_cache_and_its_step_clock_covers_the_compiles():
+    """A Llama whose config keeps `use_cache=True` (transformers' default), LoRA-trained through the documented
+    call: the call is passed `use_cache=False` (else each block's layer index would trace it again), nothing is
+    warned, the loss is the plain model's, and every unit compiles inside the step's forward phase (the printed
+    first-step time is the whole first call)."""
+    import warnings
+
+    import peft
+
+    from torch_stagehand.runtime.conductor.phases import Phase
+
+    model, inputs = tiny_llama(dtype=torch.float32, layers=4)
+    assert model.config.use_cache
+    model.requires_grad_(False)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.train()
+    plain = copy.deepcopy(model)
+    ref = plain(**inputs, labels=inputs["input_ids"]).loss
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    phases_at_compile = []
+    record = rt.record_compile
+    rt.record_compile = lambda *a, **k: (phases_at_compile.append(rt.phases.phase), record(*a, **k))[1]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", stagehand.RegionalCompileWarning)
+        out = compiled(**inputs, labels=inputs["input_ids"])
+    out.loss.backward()
+    assert torch.equal(out.loss, ref)
+    assert out.past_key_values is None
+    assert _unique_graphs() == 2  # block 0 (its input needs no grad) and blocks 1-3: not one per layer index
+    assert phases_at_compile and set(phases_at_compile) == {Phase.FORWARD}
+    rt.close()
