@@ -69,7 +69,7 @@ class BlockFrames:
         # The compile (its eval-frame callback: False is Dynamo's run-only mode) of the model call now running or
         # last run (a checkpoint's recompute in backward runs under it too); None when the call ran eagerly.
         self.model_callback = None
-        self.kv_cache_in_call = False  # the compiled call now running fills a KV cache (each block traced again)
+        self.kv_cache_in_call = False  # the model call now running fills a KV cache (a compiled block: traced again)
         # What offload replaces, put back by `remove` where it is still ours: an instance's own forward
         # (accelerate's hooks set one) or none (the class's).
         self._replaced = [(m, vars(m).get("forward")) for m in [model, *(f.block for f in self.frames)]]
@@ -104,10 +104,10 @@ class BlockFrames:
         @functools.wraps(forward)  # the signature stays the model's (HF Trainer reads it for its columns)
         def call(*args, **kwargs):
             self.model_callback = get_eval_frame_callback()
-            self._call_began()
-            if self.model_callback is None and self.frames[0].compiled is None:
+            compiled = self.model_callback is not None or self.frames[0].compiled is not None
+            kwargs = self._call_began(kwargs, takes_use_cache, compiled)
+            if not compiled:
                 return eager(*args, **kwargs)  # an eager call: the model as it was, its own checkpointing too
-            kwargs = self._cache_argument(kwargs, takes_use_cache)
             # The blocks compile: the model's own activation checkpointing is switched off for the call and done by
             # the block units instead, so that no block runs its forward three times (flags put back after it).
             on = [m for m in self._flag_holders if m.gradient_checkpointing is True]
@@ -124,16 +124,15 @@ class BlockFrames:
 
     # Disabled: the model's call is disabled non-recursively, so what it calls would be traced by the compile.
     @torch._dynamo.disable
-    def _call_began(self) -> None:
+    def _call_began(self, kwargs: dict, takes_use_cache: bool, compiled: bool) -> dict:
+        """The model's call began: the step's clock starts (before its first block traces and compiles). Returns
+        its keyword arguments, `use_cache=False` added to a compiled training call (it reads no KV cache, and
+        filling one by layer index would trace every block again), and notes whether the call fills a cache (a
+        block compiled under it warns)."""
         rt = self.rt
         if rt is not None:
-            rt.model_call_began()  # the step's clock starts here, before the first block traces and compiles
-
-    @torch._dynamo.disable
-    def _cache_argument(self, kwargs: dict, takes_use_cache: bool) -> dict:
-        """A compiled call's keyword arguments: `use_cache=False` added to a training call (it reads no KV cache,
-        and filling one by layer index would trace every block again); notes whether the call fills one."""
-        if takes_use_cache and "use_cache" not in kwargs and self._trains_with_kv_cache():
+            rt.model_call_began()
+        if compiled and takes_use_cache and "use_cache" not in kwargs and self._trains_with_kv_cache():
             kwargs = {**kwargs, "use_cache": False}
         asked = kwargs.get("use_cache") if takes_use_cache else False
         self.kv_cache_in_call = self._kv_cache_configured() if asked is None else bool(asked)

@@ -460,3 +460,17 @@ def test_a_training_call_fills_no_kv_cache_and_its_step_clock_covers_the_compile
     assert _unique_graphs() == 2  # block 0 (its input needs no grad) and blocks 1-3: not one per layer index
     assert phases_at_compile and set(phases_at_compile) == {Phase.FORWARD}
     rt.close()
+
+
+def test_a_kv_cache_under_blocks_the_user_compiled_is_named():
+    """Each block compiled by the user (regional compilation: the model's own call eager) in a call that fills a
+    KV cache: the first block compiled under it says so."""
+    model, inputs = tiny_llama(dtype=torch.float32, layers=2)
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    torch._dynamo.reset()
+    for block in model.model.layers:
+        block.compile(backend="stagehand", options={"inner": "eager"})
+    with pytest.warns(stagehand.RegionalCompileWarning, match="LlamaForCausalLM's compiled call fills a KV cache"):
+        with torch.no_grad():
+            model(**inputs)
+    rt.close()
