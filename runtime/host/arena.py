@@ -112,10 +112,12 @@ class HostArena:
     def carve(self, nbytes: int) -> torch.Tensor:
         if self._next + page_round(nbytes) > self.capacity:
             raise RuntimeError(f"host arena {self.kind}: {nbytes} bytes do not fit ({self.capacity - self._next} left)")
-        # A tensor of its own on the base's storage (not a view): its own version counter, so a write to one
-        # block's weights does not make the others stale.
+        # A tensor of its own (not a view): its own version counter, so a write to one block's weights does not
+        # make the others stale. On a storage of its own that starts at its first byte (a slice of the base's,
+        # which it keeps alive): `is_pinned()` asks about a storage's first byte, so it tells this buffer's lock.
+        start = self.base.storage_offset() + self._next
         view = torch.empty(0, dtype=torch.uint8).set_(
-            self.base.untyped_storage(), self.base.storage_offset() + self._next, (nbytes,), (1,))
+            self.base.untyped_storage()[start : start + nbytes], 0, (nbytes,), (1,))
         self._next += page_round(nbytes)
         return view
 

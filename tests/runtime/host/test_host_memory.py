@@ -22,6 +22,8 @@ from torch_stagehand.runtime.host.arena import PAGE, page_round
 from torch_stagehand.runtime.host.budget import MachineMemory
 from torch_stagehand.runtime.config import ConfigError
 from torch_stagehand.runtime.host.plan import HostMemoryError
+from torch_stagehand.runtime.host.store import HostStore
+from torch_stagehand.runtime import precision as precisions
 from torch_stagehand.runtime.host.weights_file import CheckpointError
 
 from _helpers import RecordingPinner, int8_reference, page_locked, rel_err, saved_checkpoint, toy
@@ -92,6 +94,37 @@ def test_a_switch_of_many_blocks_waits_for_the_copies_in_flight_once(pinner):
     assert len(pinner.unlocked) - unlocked == 3  # three INT8 ranges lose their lock...
     assert pinner.drains - drains == 1  # ...after one device synchronisation, not one per block
     assert _locked(rt) == {(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "int8")}
+
+
+def test_a_build_on_the_gpu_copies_between_locked_buffers_and_then_locks_only_what_streams(monkeypatch, pinner):
+    """Quantized on the GPU (the CPU stands in for it here), each block's master and its new int8 buffer are
+    page-locked before the master goes up and the quantized rows come back (both copies at the link's speed, not
+    staged); after offload only what streams stays locked, and the bytes are the quantizer's."""
+    store_init = HostStore.__init__
+
+    def on_the_quantizing_device(self, *args, **kwargs):
+        store_init(self, *args, **kwargs)
+        self.quant_device = torch.device("cpu")
+
+    monkeypatch.setattr(HostStore, "__init__", on_the_quantizing_device)
+    int8 = type(precisions.get("int8"))
+    int8_write, writes = int8.write, []
+
+    def write(self, buf, lay, weight, quantizer):
+        writes.append((buf.data_ptr() in pinner.locked, weight.untyped_storage().data_ptr() in pinner.locked))
+        int8_write(self, buf, lay, weight, quantizer)
+
+    monkeypatch.setattr(int8, "write", write)
+    model, _ = toy(n=4)
+    weights = [model.blocks[b].up.weight.detach().clone() for b in range(4)]
+    rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
+    assert len(writes) == 8 and all(dst and master for dst, master in writes)  # 2 Linears x 4 blocks
+    assert _locked(rt) == {(b, "int8") for b in range(4)}  # the masters were unlocked again
+    assert len(pinner.unlocked) == 4
+    for b in range(4):
+        q, _ = quantize_per_row(weights[b])
+        lay = rt.store.layout(b, "int8")[0]
+        assert torch.equal(rt.store.buffer(b, "int8")[lay.offset: lay.offset + q.numel()].view(torch.int8), q.flatten())
 
 
 def test_keep_full_pinned_locks_the_masters_too(pinner):
@@ -259,6 +292,29 @@ def test_cuda_pins_exactly_the_int8_copies_and_unpins_on_restore(tmp_path):
     assert not any(page_locked(buf) for buf in int8)
     assert all(torch.equal(a.weight, b.weight) for a, b in zip(model.modules(), plain.modules()) if hasattr(a, "weight")
                and isinstance(a, torch.nn.Linear))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_on_the_gpu_comes_down_and_builds_through_locked_buffers(tmp_path):
+    """A model on the GPU: its masters come down and its int8 copies are built at the link's speed (their buffers
+    locked first, so each buffer's own `is_pinned()` says so), then only the int8 copies stay locked; the
+    computation is the plain model's."""
+    model, x = toy(d=512, n=6, dtype=torch.bfloat16)
+    plain = copy.deepcopy(model)
+    model.cuda()
+    rt = stagehand.offload(model, device="cuda", precision="int8", keep_full="ram")
+    int8 = [rt.store.buffer(b, "int8") for b in range(6)]
+    masters = [rt.store.buffer(b, "bf16") for b in range(6)]
+    assert all(page_locked(buf) and buf.is_pinned() for buf in int8)
+    assert not any(page_locked(buf) or buf.is_pinned() for buf in masters)
+    for b in range(6):
+        assert torch.equal(model.blocks[b].up.weight, plain.blocks[b].up.weight)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(model, backend="stagehand")(x.cuda())
+        assert rel_err(got, int8_reference(plain, "int8").cuda()(x.cuda())) < 2e-2
+    rt.restore()
 
 
 @pytest.mark.gpu
