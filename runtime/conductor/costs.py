@@ -129,6 +129,7 @@ class CostModel:
     optimizer_s: list[float] | None = None  # per block: the host optimizer's step, measured (HostAdamW)
     update_in_bytes: list[int] | None = None  # per block: states fetched for an update on the device
     base_bytes: int = 0  # device bytes that are no block's streamed weights or saved activations, at the peak
+    spill_room_bytes: int | None = None  # host memory spilled activations may take (None: not bounded)
     other_s: float = 0.0  # step time outside the blocks (glue, loss, optimizer), added to every plan
     frozen: bool = False  # injected constants: the runtime does not overwrite them with measurements
     measured: dict = field(default_factory=dict)  # where the numbers came from (printed with the plan)

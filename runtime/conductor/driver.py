@@ -25,6 +25,7 @@ from torch_stagehand.runtime.conductor.planner import Plan, build_plan, make_pla
 from torch_stagehand.runtime.device.allocator import allocated_bytes, allocator_ooms, reserve
 from torch_stagehand.runtime.device.slots import SlotPool
 from torch_stagehand.runtime.device.spill import ActivationSpill
+from torch_stagehand.runtime.host import budget as host_budget
 from torch_stagehand.runtime.registry import NO_BLOCK
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class PlanDriver:
                               budget=self.budget)
             plan.notes.append(f"runs {WARMUP_STEPS + 1} steps, the last one measured, then re-planned")
             return plan
+        if not model.frozen:
+            model.spill_room_bytes = self._spill_room()
         # Planned `peak_margin` under the budget once a measured peak missed its prediction, or a calibration set
         # one; under the budget itself when nothing fits with the margin.
         margin, budget = self.peak_margin, self.budget
@@ -110,6 +113,18 @@ class PlanDriver:
                                   f"prediction missed in this run, or the first calibrated plan's margin")
                 return plan
         return make_plan(costs, precision, budget, model)
+
+    def _spill_room(self) -> int:
+        """Host memory the plan's spilled activations may take: a quarter of what a new allocation can take now
+        stays for the rest of the process; under a pinned cap (Windows, WSL2), no more than the store left of it.
+        The spill's own pooled buffers count as room (they are reused)."""
+        machine = host_budget.probe_machine()
+        pooled = 0 if self.spill is None else self.spill.host_bytes
+        room = machine.usable_bytes * 3 // 4 + pooled
+        if self.store.pin and machine.pinned_cap_bytes is not None:
+            locked = sum(arena.locked_bytes for arena in self.store.arenas)
+            room = min(room, machine.pinned_cap_bytes - locked + pooled)
+        return max(0, room)
 
     def _costs(self):
         """(the blocks' costs, the precision map, the cost model) a plan is made or predicted from."""
@@ -248,7 +263,7 @@ class PlanDriver:
             return None
         if self.spill is None:
             self.spill = ActivationSpill(self.device, self.store.pin)
-        return self.spill.hooks()
+        return self.spill.hooks(block)
 
     def prefetch(self, block: int) -> None:
         """Fetch `block` (the one the schedule names next) and, per the plan, the streamed blocks after it."""
@@ -259,6 +274,10 @@ class PlanDriver:
             pool.prefetch(block, precision_of[block])
             return
         backward = torch._C._current_graph_task_id() != -1
+        if backward and self.spill is not None and block in plan.restored_ahead:
+            # The activations the next backward reads outrank the weight copies issued after them (those of
+            # blocks further on are speculative); one block ahead, as the plan's peak counts them.
+            self.spill.restore(block, pool.copy_stream)
         resident = pool.resident_slots
         wanted, b, steps = [], block, 0
         while b != NO_BLOCK and len(wanted) < plan.lookahead and steps < self.n_blocks:

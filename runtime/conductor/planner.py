@@ -49,6 +49,8 @@ class Plan:
     d2h_bps: float | None = None
     measured_peak_bytes: int | None = None  # the first step under this plan (CUDA; conductor/driver.py checks it)
     cost_model: str = DEFAULT  # `CostModel.source` of the model its predictions came from
+    # Spilled blocks whose activations come back while the block after them runs its backward (the rest: at use).
+    restored_ahead: frozenset[int] = frozenset()
 
     @property
     def cost_note(self) -> str:
@@ -99,8 +101,8 @@ class Plan:
 
     def rows(self, names: Sequence[str] | None = None) -> list[list]:
         return [[p.block, names[p.block] if names else "", p.precision, "resident" if p.resident else "streamed",
-                 f"{p.bytes / 2**20:.3f}", p.activations, f"{p.predicted_s * 1e3:.2f}", f"{p.h2d_bytes / 2**20:.3f}"]
-                for p in self.blocks]
+                 f"{p.bytes / 2**20:.3f}", p.activations + (", restored ahead" if p.block in self.restored_ahead else ""),
+                 f"{p.predicted_s * 1e3:.2f}", f"{p.h2d_bytes / 2**20:.3f}"] for p in self.blocks]
 
     def headers(self) -> list[str]:
         """The columns of `rows`; the predicted time's header carries `cost_note`."""
@@ -118,7 +120,7 @@ class Plan:
         lanes: list = []
         if self.costs:
             simulate(self.costs, self.resident, self.recomputed, self.slots, self.h2d_bps,
-                     spill=frozenset(self.spilled), d2h_bps=self.d2h_bps, lanes=lanes)
+                     spill=frozenset(self.spilled), d2h_bps=self.d2h_bps, lanes=lanes, ahead=self.restored_ahead)
         return lanes
 
 
@@ -126,26 +128,49 @@ class Plan:
 
 
 def predicted_peak(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], slots: int,
-                   slot_bytes: int, base: int, spill: frozenset[int] = frozenset()) -> int:
+                   slot_bytes: int, base: int, spill: frozenset[int] = frozenset(),
+                   ahead: frozenset[int] = frozenset()) -> int:
     return (base + sum(costs[b].bytes for b in resident) + slots * slot_bytes
-            + activation_peak(costs, recompute, spill))
+            + activation_peak(costs, recompute, spill, ahead))
 
 
-def activation_peak(costs: Sequence[BlockCost], recompute: set[int], spill: frozenset[int] = frozenset()) -> int:
+def activation_peak(costs: Sequence[BlockCost], recompute: set[int], spill: frozenset[int] = frozenset(),
+                    ahead: frozenset[int] = frozenset()) -> int:
     """The most saved-for-backward bytes alive at once: while block b runs its backward, blocks 0..b-1 still hold
-    what they saved (a recomputed block its inputs, a spilled one nothing) and b its activations (recomputed: its
-    inputs too)."""
-    peak = held = 0
+    what they saved (a recomputed block its inputs, a spilled one nothing, but block b-1's activations are back
+    when it is restored `ahead`) and b its activations (recomputed: its inputs too)."""
+    return max(_activation_levels(costs, recompute, spill, ahead), default=0)
+
+
+def _activation_levels(costs: Sequence[BlockCost], recompute: set[int], spill: frozenset[int],
+                       ahead: frozenset[int] = frozenset()) -> list[int]:
+    """activation_peak's bytes alive during each block's backward."""
+    levels, held = [], 0
     for b, c in enumerate(costs):
         now = c.input_bytes + c.activation_bytes if b in recompute else c.activation_bytes
-        peak = max(peak, held + now)
+        now += costs[b - 1].activation_bytes if b and b - 1 in ahead else 0
+        levels.append(held + now)
         held += c.input_bytes if b in recompute else 0 if b in spill else c.activation_bytes
-    return peak
+    return levels
+
+
+def _restores_ahead(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], spill: frozenset[int],
+                    fixed: int, limit: int) -> frozenset[int]:
+    """The spilled, streamed blocks whose activations come back ahead (while the block after them runs its
+    backward, on the H2D lane with the weights) rather than when their backward reads them (on the compute
+    stream): each, in the backward's order, while the peak it raises still fits `limit`."""
+    levels = _activation_levels(costs, recompute, spill)
+    ahead = set()
+    for b in sorted(spill - resident, reverse=True):
+        if b + 1 < len(costs) and fixed + levels[b + 1] + costs[b].activation_bytes <= limit:
+            levels[b + 1] += costs[b].activation_bytes
+            ahead.add(b)
+    return frozenset(ahead)
 
 
 def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int], slots: int, h2d_bps: float,
              spill: frozenset[int] = frozenset(), d2h_bps: float | None = None,
-             lanes: list | None = None) -> tuple[float, list[float], list[int]]:
+             lanes: list | None = None, ahead: frozenset[int] = frozenset()) -> tuple[float, list[float], list[int]]:
     """Predicted seconds of the blocks' forward + backward, per-block seconds, per-block H2D bytes.
 
     One host issuing the blocks in order, one copy engine, one compute stream. A block computes between the host's
@@ -153,7 +178,7 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     the block before it. A streamed block's copy starts once issued (`lookahead_of(slots)` streamed blocks ahead),
     the copy engine is free and its slot released; the forward's last `slots` streamed blocks are still in their
     slots at the turn. A spilled block's activations go out on the D2H lane after its forward and come back on the
-    compute stream. Full fine-tuning: a resident block whose weights train is fetched each step; gradients go home
+    H2D lane with its weights when restored `ahead`, else on the compute stream when its backward reads them. Full fine-tuning: a resident block whose weights train is fetched each step; gradients go home
     on the D2H lane and the host optimizer steps a block once they landed (`_gradient_lanes`). `lanes` receives
     (lane, block, start s, end s) on the "host", "h2d", "d2h", "optimizer" and "compute" lanes.
     """
@@ -169,8 +194,9 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
     streamed_fw = [b for b in order if b not in resident]
     still_in_slots = set(streamed_fw[-slots:]) if slots else set()
     items = [(b, costs[b].backward_s + (costs[b].forward_s if b in recompute else 0.0)
-              + (costs[b].activation_bytes / h2d_bps if b in spill else 0.0),
-              None if b in resident else (0 if b in still_in_slots else costs[b].bytes),
+              + (costs[b].activation_bytes / h2d_bps if b in spill and b not in ahead else 0.0),
+              None if b in resident else ((0 if b in still_in_slots else costs[b].bytes)
+                                          + (costs[b].activation_bytes if b in ahead else 0)),
               (costs[b].host_backward_s + (costs[b].host_recompute_s if b in recompute else 0.0)) * host[b])
              for b in reversed(order)]
     ends: dict[int, float] = {}
@@ -278,27 +304,30 @@ def make_plan(costs: Sequence[BlockCost], precision: Sequence[str], budget: Budg
         raise BudgetError(f"planner: no plan fits the VRAM budget ({budget.describe()}); the smallest plan (every "
                           f"block streamed through one slot, recomputed where that saves bytes) needs "
                           f"{human(floor)}")
-    _, resident, (recompute, spill), slots, _, _ = best
-    plan = build_plan(costs, precision, resident, recompute, slots, model, kind="planned", budget=budget, spill=spill)
+    _, resident, (recompute, spill, ahead), slots, _, _ = best
+    plan = build_plan(costs, precision, resident, recompute, slots, model, kind="planned", budget=budget, spill=spill,
+                      ahead=ahead)
     plan.over_soft_cap = over_soft
     return plan
 
 
 def build_plan(costs: Sequence[BlockCost], precision: Sequence[str], resident: set[int], recompute: set[int] | None,
                slots: int, model: CostModel, kind: str, budget: Budget = Budget(),
-               spill: frozenset[int] = frozenset()) -> Plan:
-    """A Plan for given decisions, with its predictions (`recompute=None`: the model's checkpointing decides)."""
+               spill: frozenset[int] = frozenset(), ahead: frozenset[int] = frozenset()) -> Plan:
+    """A Plan for given decisions, with its predictions (`recompute=None`: the model's checkpointing decides;
+    `ahead`: the spilled blocks restored ahead of their backward)."""
     streamed = [b for b in range(len(costs)) if b not in resident]
     slot_bytes = max((costs[b].bytes for b in streamed), default=0)
     decided = recompute or set()
     step_s, per_block, h2d = simulate(costs, resident, decided, slots, model.h2d_bps, spill=spill,
-                                      d2h_bps=model.d2h_bps)
-    peak = predicted_peak(costs, resident, decided, slots, slot_bytes, model.base_bytes, spill)
+                                      d2h_bps=model.d2h_bps, ahead=ahead)
+    peak = predicted_peak(costs, resident, decided, slots, slot_bytes, model.base_bytes, spill, ahead)
     blocks = [BlockPlan(b, b in resident, precision[b], MODEL if recompute is None else
                         (RECOMPUTE if b in recompute else SPILL if b in spill else KEEP), c.bytes, per_block[b], h2d[b])
               for b, c in enumerate(costs)]
     return Plan(blocks, slots, slot_bytes, lookahead_of(slots), step_s + model.other_s, peak, budget, kind,
-                costs=list(costs), h2d_bps=model.h2d_bps, d2h_bps=model.d2h_bps, cost_model=model.source)
+                costs=list(costs), h2d_bps=model.h2d_bps, d2h_bps=model.d2h_bps, cost_model=model.source,
+                restored_ahead=frozenset(ahead))
 
 
 def _search(costs: Sequence[BlockCost], limit: int, model: CostModel):
@@ -317,9 +346,12 @@ def _search(costs: Sequence[BlockCost], limit: int, model: CostModel):
             if decided is None:
                 continue
             recompute, spill = decided
+            fixed = model.base_bytes + sum(costs[b].bytes for b in resident) + slots * slot_bytes
+            ahead = _restores_ahead(costs, resident, recompute, spill, fixed, limit)
+            decided = recompute, spill, ahead
             time_s, _, h2d = simulate(costs, resident, recompute, slots, model.h2d_bps, spill=spill,
-                                      d2h_bps=model.d2h_bps)
-            peak = predicted_peak(costs, resident, recompute, slots, slot_bytes, model.base_bytes, spill)
+                                      d2h_bps=model.d2h_bps, ahead=ahead)
+            peak = predicted_peak(costs, resident, recompute, slots, slot_bytes, model.base_bytes, spill, ahead)
             # Equal predicted times (the copies hidden either way): the fewer bytes over PCIe, then the lower peak.
             key = (round(time_s, 6), sum(h2d), peak)
             if best is None or key < best[0]:
@@ -330,8 +362,8 @@ def _search(costs: Sequence[BlockCost], limit: int, model: CostModel):
 def _fewest_savers(costs, resident, candidates, slots, slot_bytes, model: CostModel, limit):
     """(recompute, spill): the fewest blocks, in candidate order, whose saving brings the peak under `limit`. Each
     recomputes, or spills where its activations' way back (H2D) costs less than re-running its forward (spill
-    needs a measured `CostModel.d2h_bps`). The peak is `predicted_peak`'s, kept as two per-block lists each added
-    block edits in place (the search calls this often)."""
+    needs a measured `CostModel.d2h_bps`) and the host has room for them (`CostModel.spill_room_bytes`). The peak is `predicted_peak`'s, kept as per-block lists each added
+    block edits in place (the search calls this often). Restores ahead are `_restores_ahead`'s, after it."""
     recompute: set[int] = set()
     spill: set[int] = set()
     fixed = model.base_bytes + sum(costs[b].bytes for b in resident) + slots * slot_bytes
@@ -348,9 +380,13 @@ def _fewest_savers(costs, resident, candidates, slots, slot_bytes, model: CostMo
 
     if fixed + peak() <= limit:
         return recompute, frozenset()
+    room = model.spill_room_bytes
     for b in candidates:
         c = costs[b]
-        if model.d2h_bps and c.activation_bytes / model.h2d_bps < c.forward_s:
+        if (model.d2h_bps and c.activation_bytes / model.h2d_bps < c.forward_s
+                and (room is None or c.activation_bytes <= room)):
+            if room is not None:
+                room -= c.activation_bytes
             spill.add(b)
             left[b] = 0
         else:

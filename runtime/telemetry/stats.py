@@ -53,6 +53,7 @@ def runtime_stats(rt: Any) -> dict[str, Any]:
         "recomputed_blocks": rt.recomputed_blocks,  # block recomputes run (a count over all steps)
         **_plan_stats(rt.plan_driver.plan, rt.pool),
         **({} if spill is None else {"d2h_bytes": spill.d2h_bytes, "restored_bytes": spill.h2d_bytes,
+                                     "restored_ahead_bytes": spill.restored_ahead_bytes,
                                      "spilled_tensors": spill.spilled_tensors}),
         "plan_corrections": rt.plan_driver.shrinks + rt.plan_driver.peak_corrections,  # budgets shrunk, peaks learned
         "plan_reservations": list(rt.plan_driver.reservations),  # memory held ahead for a made plan's peak, and its s

@@ -208,7 +208,9 @@ def test_fewest_savers_walks_the_peak_as_predicted_peak_does():
             return recompute, frozenset()
         for b in candidates:
             spill_s = costs[b].activation_bytes / model.h2d_bps
-            (spill if model.d2h_bps and spill_s < costs[b].forward_s else recompute).add(b)
+            room = model.spill_room_bytes is None or (sum(costs[s].activation_bytes for s in spill)
+                                                      + costs[b].activation_bytes <= model.spill_room_bytes)
+            (spill if model.d2h_bps and spill_s < costs[b].forward_s and room else recompute).add(b)
             if predicted_peak(costs, resident, recompute, slots, slot_bytes, model.base_bytes,
                               frozenset(spill)) <= limit:
                 return recompute, frozenset(spill)
@@ -220,7 +222,8 @@ def test_fewest_savers_walks_the_peak_as_predicted_peak_does():
         costs = [BlockCost(bytes=rng.randint(1, 50) * MiB, forward_s=rng.choice([0.001, 0.5]),
                            activation_bytes=rng.randint(0, 400) * MiB, input_bytes=rng.randint(0, 100) * MiB)
                  for _ in range(n)]
-        model = CostModel(h2d_bps=1e9, d2h_bps=rng.choice([None, 1e9]))
+        model = CostModel(h2d_bps=1e9, d2h_bps=rng.choice([None, 1e9]),
+                          spill_room_bytes=rng.choice([None, rng.randint(0, 800) * MiB]))
         model.base_bytes = rng.randint(0, 100) * MiB
         resident = {b for b in range(n) if rng.random() < 0.3}
         candidates = [b for b in range(n) if costs[b].activation_bytes > costs[b].input_bytes]
