@@ -1,7 +1,8 @@
 """Real models in their real training set-up: the model's own gradient checkpointing on.
 
-HF Llama and Qwen2 decoder layers, diffusers Flux (double + single lists), SD3,
-Wan and HunyuanVideo (double + single lists and a refiner), all under peft.
+HF Llama and Qwen2 decoder layers, diffusers Flux and Flux 2 (double + single lists), SD3,
+Wan, Qwen-Image, LTX-2 (video + audio streams), HunyuanVideo (double + single lists and a refiner) and
+HunyuanVideo 1.5, all under peft.
 
 HF transformers (`gradient_checkpointing_enable()`) and diffusers
 (`enable_gradient_checkpointing()`) call each block through non-reentrant
@@ -87,6 +88,83 @@ def tiny_hunyuan_video(seed=0):
     return model, inputs
 
 
+def tiny_flux2(seed=0):
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                    timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+                                    guidance_embeds=False).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    # the pipeline's ids: (t, h, w, l) per token, text tokens along l, image tokens over a 4x4 latent grid
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(4), torch.arange(4), torch.arange(1))
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(6))
+    inputs = {"hidden_states": torch.randn(1, 16, 16, generator=gen).to(torch.bfloat16),
+              "encoder_hidden_states": torch.randn(1, 6, 32, generator=gen).to(torch.bfloat16),
+              "timestep": torch.full((1,), 0.5, dtype=torch.bfloat16),
+              "img_ids": img_ids[None], "txt_ids": txt_ids[None], "return_dict": False}
+    return model, inputs
+
+
+def tiny_qwen_image(seed=0):
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(seed)
+    model = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=3,
+                                        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                        axes_dims_rope=(4, 6, 6)).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {"hidden_states": torch.randn(1, 16, 16, generator=gen).to(torch.bfloat16),  # a 4x4 grid of 2x2 patches
+              "encoder_hidden_states": torch.randn(1, 6, 32, generator=gen).to(torch.bfloat16),
+              "timestep": torch.full((1,), 0.5, dtype=torch.bfloat16),
+              "img_shapes": [[(1, 4, 4)]], "return_dict": False}
+    return model, inputs
+
+
+def tiny_ltx2(seed=0):
+    from diffusers import LTX2VideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
+        audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=8,
+        audio_cross_attention_dim=16, num_layers=3, caption_channels=32).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    frames, height, width, audio_frames = 2, 4, 4, 4
+    inputs = {"hidden_states": torch.randn(1, frames * height * width, 8, generator=gen).to(torch.bfloat16),
+              "audio_hidden_states": torch.randn(1, audio_frames, 8, generator=gen).to(torch.bfloat16),
+              "encoder_hidden_states": torch.randn(1, 6, 32, generator=gen).to(torch.bfloat16),
+              "audio_encoder_hidden_states": torch.randn(1, 6, 32, generator=gen).to(torch.bfloat16),
+              "timestep": torch.full((1,), 500.0), "encoder_attention_mask": torch.ones(1, 6, dtype=torch.long),
+              "audio_encoder_attention_mask": torch.ones(1, 6, dtype=torch.long),
+              "num_frames": frames, "height": height, "width": width, "audio_num_frames": audio_frames,
+              "video_coords": model.rope.prepare_video_coords(1, frames, height, width, "cpu"),
+              "audio_coords": model.audio_rope.prepare_audio_coords(1, audio_frames, "cpu"), "return_dict": False}
+    return model, inputs
+
+
+def tiny_hunyuan_video15(seed=0):
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    torch.manual_seed(seed)
+    model = HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=3, num_refiner_layers=1,
+        patch_size=1, patch_size_t=1, text_embed_dim=32, text_embed_2_dim=32, image_embed_dim=16,
+        rope_axes_dim=(4, 6, 6)).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    # text-to-video, as the pipeline: latents + zero condition latents + zero mask, zero image embeddings
+    latents = torch.randn(1, 4, 1, 4, 4, generator=gen)
+    inputs = {"hidden_states": torch.cat([latents, torch.zeros(1, 5, 1, 4, 4)], dim=1).to(torch.bfloat16),
+              "timestep": torch.full((1,), 500.0, dtype=torch.bfloat16),
+              "encoder_hidden_states": torch.randn(1, 6, 32, generator=gen).to(torch.bfloat16),
+              "encoder_attention_mask": torch.ones(1, 6, dtype=torch.long),
+              "encoder_hidden_states_2": torch.randn(1, 4, 32, generator=gen).to(torch.bfloat16),
+              "encoder_attention_mask_2": torch.ones(1, 4, dtype=torch.long),
+              "image_embeds": torch.zeros(1, 2, 16, dtype=torch.bfloat16), "return_dict": False}
+    return model, inputs
+
+
 # name -> (builder, LoRA targets, HF-style (True) or diffusers-style checkpointing switch)
 MODELS = {
     "llama": (tiny_llama, ["q_proj", "k_proj", "v_proj", "o_proj"], True),
@@ -95,6 +173,10 @@ MODELS = {
     "sd3": (tiny_sd3, ["to_q", "to_k", "to_v"], False),
     "wan": (tiny_wan, ["to_q", "to_k", "to_v"], False),
     "hunyuan_video": (tiny_hunyuan_video, ["to_q", "to_k", "to_v"], False),
+    "flux2": (tiny_flux2, ["to_q", "to_k", "to_v", "to_qkv_mlp_proj"], False),  # single blocks: one fused projection
+    "qwen_image": (tiny_qwen_image, ["to_q", "to_k", "to_v"], False),
+    "ltx2": (tiny_ltx2, ["to_q", "to_k", "to_v"], False),
+    "hunyuan_video15": (tiny_hunyuan_video15, ["to_q", "to_k", "to_v"], False),
 }
 
 
@@ -117,7 +199,9 @@ def _checkpointed_lora(kind: str):
 
 
 def _loss(kind, model, inputs):
-    if kind in ("flux", "sd3", "wan", "hunyuan_video"):
+    if kind == "ltx2":  # video and audio outputs: every LoRA weight reaches the loss
+        return sum(out.float().square().mean() for out in model(**inputs))
+    if kind in ("flux", "sd3", "wan", "hunyuan_video", "flux2", "qwen_image", "hunyuan_video15"):
         return first_tensor(model(**inputs)).float().square().mean()
     return model(**inputs, labels=inputs["input_ids"]).loss
 
