@@ -2,10 +2,9 @@
 
 The modules' weights become views of a block's full-precision buffer (so `state_dict()` is real); every other
 precision's buffer is derived from it (or read from a slab), and streaming only reads them. A copy kind's buffers
-are views of one allocation (`host/arena.py`); only what streams stays page-locked. While offload copies weights
-between the GPU and the store (a model on the GPU into its masters, a master up to be quantized there, the
-quantized rows back), both ends are locked first: the copies run at the link's speed, not through the driver's
-staging or a bounce buffer, and `set_pins` unlocks what does not stream.
+are views of one allocation (`host/arena.py`); only what streams stays page-locked. A master copied up to be
+quantized on the GPU is locked while it is (the copy at the link's speed), and `set_pins` unlocks it after;
+copies down into the store go through the pinned bounce buffer (`host/copy.py`).
 """
 
 from __future__ import annotations
@@ -161,11 +160,12 @@ class HostStore:
             self._lock(block, precision, arena, refuse)
 
     def _lock_for_copy(self, block: int, precision: str) -> None:
-        """Page-lock a buffer a GPU copy is about to write or read, so that it runs at the link's speed (a
-        master that does not stream is unlocked again by `set_pins`). A refusal leaves it pageable: the copy is
-        staged, the same bytes, slower."""
+        """Page-lock a filled buffer a GPU copy is about to read, so that it runs at the link's speed (a master
+        that does not stream is unlocked again by `set_pins`). Only a filled one: locking commits pages one by
+        one, slower than the copies that fault them in. A refusal leaves it pageable: the copy is staged by the
+        driver, the same bytes, slower."""
         arena = self._arena_of.get((block, precision))
-        view = self.blocks[block].buffers.get(precision, self._reserved.get((block, precision)))
+        view = self.blocks[block].buffers.get(precision)
         if not self.pin or arena is None or arena.shared or view is None:
             return
         try:
@@ -213,8 +213,6 @@ class HostStore:
             return False
         entry = precisions.master()
         buf = self.allocate(block, entry.name)
-        if any(w.is_cuda for w in weights):
-            self._lock_for_copy(block, entry.name)  # a model on the GPU: its weights come down at the link's speed
         for spec, lay, w in zip(bb.layers, bb.layouts[entry.name], weights):
             if self.writes(block, entry.name):
                 with torch.no_grad():
@@ -274,16 +272,15 @@ class HostStore:
 
     def build_missing(self, precision_map: dict[int, str], progress) -> None:
         """Build every copy the map streams that the store lacks: one host allocation per precision. Built on the
-        GPU, each block's master and new copy are page-locked first; the caller's `set_pins(precision_map)`
-        then unlocks the masters that do not stream."""
+        GPU, each block's master is page-locked first; the caller's `set_pins(precision_map)` then unlocks the
+        masters that do not stream."""
         missing = [(b, p) for b, p in precision_map.items() if not self.has(b, p)]
         kinds = sorted({p for _, p in missing})
         for precision in kinds:
             self.reserve(precision, [b for b, p in missing if p == precision])
         for block, precision in progress(missing, f"offload: building {'/'.join(kinds)} copies"):
-            if self.quant_device is not None:  # up to the GPU and back
+            if self.quant_device is not None:  # the master goes up to be quantized
                 self._lock_for_copy(block, precisions.FULL)
-                self._lock_for_copy(block, precision)
             self.build(block, precision)
             if self.after_file_read is not None and self.blocks[block].file_master is not None:
                 self.after_file_read()  # the file pages just read leave our RSS (they stay in the page cache)

@@ -18,13 +18,18 @@ def test_a_host_source_is_a_plain_copy_and_leaves_no_bounce_buffer():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("transposed", [False, True])
-def test_gpu_to_pageable_goes_through_the_bounce_and_copies_every_byte(transposed):
+@pytest.mark.parametrize("layout", ["rows", "transposed", "padded"])
+def test_gpu_to_pageable_goes_through_the_bounce_and_copies_every_byte(layout):
     src = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
-    dst = torch.empty(200, 300, dtype=torch.bfloat16).t() if transposed else torch.empty(300, 200, dtype=torch.bfloat16)
+    flat = torch.full((300 * 256,), -1.0, dtype=torch.bfloat16)
+    dst = {"rows": lambda: flat[:300 * 200].view(300, 200),
+           "transposed": lambda: flat[:300 * 200].view(200, 300).t(),
+           "padded": lambda: flat.view(300, 256)[:, :200]}[layout]()  # rows padded to a slab's width
     assert not dst.is_pinned()
     host_copy.copy_to_host(dst, src)
     assert torch.equal(dst, src.cpu())
+    if layout == "padded":
+        assert (flat.view(300, 256)[:, 200:] == -1).all()  # the padding is left alone
     assert host_copy._bounce and host_copy._bounce[0].is_pinned()
     q = torch.randint(-127, 128, (64, 96), device="cuda", dtype=torch.int8)
     q_dst = torch.empty(64, 96, dtype=torch.int8)

@@ -96,10 +96,11 @@ def test_a_switch_of_many_blocks_waits_for_the_copies_in_flight_once(pinner):
     assert _locked(rt) == {(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "int8")}
 
 
-def test_a_build_on_the_gpu_copies_between_locked_buffers_and_then_locks_only_what_streams(monkeypatch, pinner):
-    """Quantized on the GPU (the CPU stands in for it here), each block's master and its new int8 buffer are
-    page-locked before the master goes up and the quantized rows come back (both copies at the link's speed, not
-    staged); after offload only what streams stays locked, and the bytes are the quantizer's."""
+def test_a_build_on_the_gpu_reads_a_locked_master_and_then_locks_only_what_streams(monkeypatch, pinner):
+    """Quantized on the GPU (the CPU stands in for it here), each block's master is page-locked before it goes up
+    (at the link's speed, not staged by the driver), its new int8 buffer is not (locking commits fresh pages
+    slowly; the rows come down through the bounce buffer); after offload only what streams stays locked, and the
+    bytes are the quantizer's."""
     store_init = HostStore.__init__
 
     def on_the_quantizing_device(self, *args, **kwargs):
@@ -118,7 +119,7 @@ def test_a_build_on_the_gpu_copies_between_locked_buffers_and_then_locks_only_wh
     model, _ = toy(n=4)
     weights = [model.blocks[b].up.weight.detach().clone() for b in range(4)]
     rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
-    assert len(writes) == 8 and all(dst and master for dst, master in writes)  # 2 Linears x 4 blocks
+    assert len(writes) == 8 and all(master and not dst for dst, master in writes)  # 2 Linears x 4 blocks
     assert _locked(rt) == {(b, "int8") for b in range(4)}  # the masters were unlocked again
     assert len(pinner.unlocked) == 4
     for b in range(4):
@@ -296,10 +297,9 @@ def test_cuda_pins_exactly_the_int8_copies_and_unpins_on_restore(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_model_on_the_gpu_comes_down_and_builds_through_locked_buffers(tmp_path):
-    """A model on the GPU: its masters come down and its int8 copies are built at the link's speed (their buffers
-    locked first, so each buffer's own `is_pinned()` says so), then only the int8 copies stay locked; the
-    computation is the plain model's."""
+def test_a_model_on_the_gpu_comes_down_and_builds_its_copies_and_each_buffer_tells_its_own_lock(tmp_path):
+    """A model on the GPU: its masters come down and its int8 copies are built on the GPU, then only the int8
+    copies stay locked, and each buffer's own `is_pinned()` says so; the computation is the plain model's."""
     model, x = toy(d=512, n=6, dtype=torch.bfloat16)
     plain = copy.deepcopy(model)
     model.cuda()
