@@ -145,7 +145,9 @@ def _best_scale(rows: torch.Tensor, passes=None) -> torch.Tensor:
 
 
 if HAS_TRITON:
-    _MAGIC = 12582912.0  # 1.5 * 2**23: adding then subtracting it rounds an fp32 |v| < 2**22 half to even
+    # 1.5 * 2**23: adding then subtracting it rounds an fp32 |v| < 2**22 half to even (a constexpr: a kernel reads
+    # no other global)
+    _MAGIC = tl.constexpr(12582912.0)
 
     @triton.jit
     def _quantized(w, s):
