@@ -543,7 +543,8 @@ def start_time_latest_table() -> str:
 # no environment variables): (file, rows taken from it). Each file one device call.
 START_TIME_DEFAULT = (("start_time_default_flux.json", ("flux:int8:files", "flux:int8")),
                       ("start_time_default_mixed.json", ("flux:int8", "qwen:int8")),
-                      ("start_time_default_a2094c3.json", ("flux:int8:files", "qwen:int8")))
+                      ("start_time_default_a2094c3.json", ("flux:int8:files",)),
+                      ("start_time_default_ca3693e.json", ("qwen:int8",)))
 # Issue 58's targets, seconds: (row, what is timed) -> (cold, warm).
 START_TIME_TARGETS = {"flux:int8:files": ("offload + first step", 20, 8), "flux:int8": ("first step", 15, 5),
                       "qwen:int8": ("offload + first step", 15, 5)}
@@ -583,8 +584,8 @@ def start_time_default_table(sources=START_TIME_DEFAULT) -> str:
             "LoRA r=16, AdamW, `vram_budget` Flux 16 GiB, Qwen-7B 20 GiB; each run a fresh process; cold: every cache "
             "empty; warm: a second process on the same machine; steady: the median of the last three steps. The "
             "serial rows (and the two first files) ran before two ahead workers became the default; the cold rows "
-            "ran with two workers: `start_time_default_a2094c3.json` at the default, the others with "
-            "`--ahead-workers 2`")
+            "ran with two workers: `start_time_default_a2094c3.json` and `start_time_default_ca3693e.json` at the "
+            "default, the others with `--ahead-workers 2`")
     return f"{caption(*[n for n, _ in sources], what=what)}\n\n{table(runs, cols)}\n"
 
 
