@@ -83,7 +83,9 @@ class _Order:
         return max(i for i, (k, _) in enumerate(self.events) if k == kind)
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
+# The eager inner compiler only: the restores are the runtime's, whatever compiles the blocks (Inductor under a
+# spilling plan: tests/runtime/conductor/test_budget_plan.py; here it measured loss 0, LoRA gradients 5.3e-7 off).
+@pytest.mark.parametrize("inner", ["eager"])
 def test_a_video_dit_whose_plan_spills_trains_as_the_plain_model_and_restores_ahead(monkeypatch, inner):
     monkeypatch.setattr(spill_module, "MIN_SPILL_BYTES", 4096)  # the tiny model's activations are small
     model, inputs, target = _tiny_wan_lora()
@@ -101,9 +103,7 @@ def test_a_video_dit_whose_plan_spills_trains_as_the_plain_model_and_restores_ah
     assert spilled == {0, 1} and rt.plan.restored_ahead == spilled and not rt.plan.recomputed
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
-    # Eagerly the plain model's own ops: bitwise equal. Inductor fuses and reorders: loss 0, LoRA gradients 5.3e-7
-    # (CPU, torch 2.13).
-    tol, grad_tol = (0, 0) if inner == "eager" else (1e-6, 2e-6)
+    tol, grad_tol = (0, 0) if inner == "eager" else (1e-6, 2e-6)  # eagerly the plain model's own ops: bitwise
     for step in range(2):
         order = _Order(monkeypatch)
         loss, grads = _step(compiled, model, inputs, target)
