@@ -83,10 +83,10 @@ class _Order:
         return max(i for i, (k, _) in enumerate(self.events) if k == kind)
 
 
-# The eager inner compiler only: the restores are the runtime's, whatever compiles the blocks (Inductor under a
-# spilling plan: tests/runtime/conductor/test_budget_plan.py; here it measured loss 0, LoRA gradients 5.3e-7 off).
-@pytest.mark.parametrize("inner", ["eager"])
-def test_a_video_dit_whose_plan_spills_trains_as_the_plain_model_and_restores_ahead(monkeypatch, inner):
+def test_a_video_dit_whose_plan_spills_trains_as_the_plain_model_and_restores_ahead(monkeypatch):
+    # The eager inner compiler: the plain model's own ops, bitwise. The restores are the runtime's, whatever
+    # compiles the blocks (a spilling plan under Inductor: test_budget_plan.py; here Inductor measured loss 0,
+    # LoRA gradients 5.3e-7 off, for 24 s of CI).
     monkeypatch.setattr(spill_module, "MIN_SPILL_BYTES", 4096)  # the tiny model's activations are small
     model, inputs, target = _tiny_wan_lora()
     plain = copy.deepcopy(model)
@@ -102,14 +102,13 @@ def test_a_video_dit_whose_plan_spills_trains_as_the_plain_model_and_restores_ah
     spilled = rt.plan.spilled
     assert spilled == {0, 1} and rt.plan.restored_ahead == spilled and not rt.plan.recomputed
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="stagehand", options={"inner": inner})
-    tol, grad_tol = (0, 0) if inner == "eager" else (1e-6, 2e-6)  # eagerly the plain model's own ops: bitwise
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "eager"})
     for step in range(2):
         order = _Order(monkeypatch)
         loss, grads = _step(compiled, model, inputs, target)
-        assert rel_err(loss, ref_loss) <= tol, step
+        assert torch.equal(loss, ref_loss), step
         assert grads.keys() == ref_grads.keys()
-        assert all(rel_err(grads[n], ref_grads[n]) <= grad_tol for n in grads), step
+        assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), step
         backward_begins = order.last("pack") + 1
         for b in spilled:  # restored in the backward, before any of its tensors is read
             assert backward_begins <= order.first("restore", b) < order.first("read", b), (step, b, order.events)
