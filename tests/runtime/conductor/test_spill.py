@@ -9,14 +9,13 @@ from __future__ import annotations
 import copy
 
 import peft
-import pytest
 import torch
 
 import torch_stagehand as stagehand
 from torch_stagehand.runtime.conductor.costs import CostModel
 from torch_stagehand.runtime.device import spill as spill_module
 
-from _helpers import block_bytes_by_precision, rel_err
+from _helpers import block_bytes_by_precision
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]  # attention and feed-forward
 LAYERS = 4
