@@ -92,7 +92,7 @@ class KernelPasses:
     BLOCK = 256  # columns a program holds per candidate
 
     def errors(self, rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        n, k = scales.shape
+        rows, (n, k) = rows.contiguous(), scales.shape  # the kernel reads each row's columns in a run
         out = torch.empty((n, k), dtype=torch.float32, device=rows.device)
         if n:
             _errors_kernel[(n,)](rows, scales.contiguous(), out, rows.shape[1], rows.stride(0), K=k,
@@ -100,7 +100,7 @@ class KernelPasses:
         return out
 
     def refit_sums(self, rows: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = rows.shape[0]
+        rows, n = rows.contiguous(), rows.shape[0]
         out = torch.empty((n, 2), dtype=torch.float32, device=rows.device)
         if n:
             _refit_kernel[(n,)](rows, s.contiguous(), out, rows.shape[1], rows.stride(0), BLOCK=4 * self.BLOCK,

@@ -277,7 +277,10 @@ class PlanDriver:
         if backward and self.spill is not None and block in plan.restored_ahead:
             # The activations the next backward reads outrank the weight copies issued after them (those of
             # blocks further on are speculative); one block ahead, as the plan's peak counts them.
-            self.spill.restore(block, pool.copy_stream)
+            try:
+                self.spill.restore(block, pool.copy_stream)
+            except torch.OutOfMemoryError as e:  # an optimisation only: they come back when the backward reads them
+                log.info("stagehand: block %d's activations not restored ahead: %s", block, e)
         resident = pool.resident_slots
         wanted, b, steps = [], block, 0
         while b != NO_BLOCK and len(wanted) < plan.lookahead and steps < self.n_blocks:

@@ -16,6 +16,7 @@ CASES = {
     "ragged": (5, 300, "normal"),  # columns not a multiple of the kernels' blocks
     "heavy_tails": (6, 1100, "student"),  # the coarse ratios below 1 win here
     "special_rows": (4, 260, "special"),  # an all-zero row, a constant row, one outlier, a tiny row
+    "transposed": (40, 300, "transposed"),  # a Conv1D master's [in, out] storage seen as [out, in]
 }
 
 
@@ -25,6 +26,8 @@ def _rows(n: int, c: int, how: str) -> torch.Tensor:
         return torch.randn(n, c, generator=g) * 0.02
     if how == "student":
         return torch.distributions.StudentT(2.0).sample((n, c)) * 0.01
+    if how == "transposed":
+        return (torch.randn(c, n, generator=g) * 0.02).t()
     rows = torch.randn(n, c, generator=g) * 0.02
     rows[0] = 0.0
     rows[1] = 0.5

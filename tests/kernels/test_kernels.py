@@ -495,7 +495,7 @@ def search_interp_results():
     return results
 
 
-@pytest.mark.parametrize("name", ["ragged", "heavy_tails", "special_rows"])
+@pytest.mark.parametrize("name", ["ragged", "heavy_tails", "special_rows", "transposed"])
 def test_the_searchs_triton_passes_compute_what_its_torch_passes_do(search_interp_results, name):
     """The GPU's INT8 search (Triton kernels, here interpreted) against the CPU's (torch ops): the candidates'
     errors and the refit sums agree to fp32 summation order, and the scale it picks is as good as torch's."""
