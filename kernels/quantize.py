@@ -5,8 +5,8 @@ over coarse then fine clipping ratios and least-squares refits, never worse than
 On a GPU the search's passes over the weights are Triton kernels that read each row once per batch of candidate
 scales (all coarse ratios, then all fine ones; a refit's two sums in one pass): a 7B model's weights quantize in a
 fraction of a second, where one torch op per candidate and step reads and writes them ~300 times. The same
-arithmetic (IEEE division, round half to even, the same clamp); the sums' order differs from torch's, so a scale
-whose error ties another's within fp32 rounding may be the other one.
+quantization (IEEE division, round half to even, the same clamp); the errors' sums differ from torch's in order
+and in fused multiply-adds, so a scale whose error ties another's within fp32 rounding may be the other one.
 """
 
 from __future__ import annotations

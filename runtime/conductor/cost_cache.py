@@ -63,20 +63,23 @@ def entry_path(key: dict, root: str | None = None) -> str:
 
 
 def plan_decisions(plan, budget) -> dict:
-    """What a plan decided (the blocks resident, recomputed and spilled, the rotating slots) and the budget it was
-    made for: kept beside the model, so the next run of the job resumes the plan this one ended on."""
+    """What a plan decided (the blocks resident, recomputed, spilled and restored ahead, the rotating slots) and the
+    budget it was made for: kept beside the model, so the next run of the job resumes the plan this one ended on."""
     return {"resident": sorted(plan.resident), "recompute": sorted(plan.recomputed), "spill": sorted(plan.spilled),
-            "slots": plan.slots, "budget": [budget.soft, budget.hard]}
+            "ahead": sorted(plan.restored_ahead), "slots": plan.slots, "budget": [budget.soft, budget.hard]}
 
 
 def resumed_plan(decisions: dict | None, costs, precision, model: CostModel, budget):
     """The plan an earlier run of this job ended on (`plan_decisions`), predicted under the model it kept; None when
-    there is none, it was made for another budget, or it no longer fits (a plan made afresh may differ, and each
-    difference is a variant to compile in the first step)."""
+    there is none, it was made for another budget, or it no longer fits the device or, spilled, the host (a plan
+    made afresh may differ, and each difference is a variant to compile in the first step)."""
     if decisions is None or decisions["budget"] != [budget.soft, budget.hard]:
         return None
+    spill = frozenset(decisions["spill"])
+    if model.spill_room_bytes is not None and sum(costs[b].activation_bytes for b in spill) > model.spill_room_bytes:
+        return None
     plan = build_plan(costs, precision, set(decisions["resident"]), set(decisions["recompute"]), decisions["slots"],
-                      model, "planned", budget=budget, spill=frozenset(decisions["spill"]))
+                      model, "planned", budget=budget, spill=spill, ahead=frozenset(decisions.get("ahead", ())))
     if budget.limit is not None and plan.predicted_peak_bytes > budget.limit:
         return None
     plan.notes.append("resumed: the plan the earlier run of this job ended on")

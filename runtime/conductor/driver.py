@@ -116,14 +116,15 @@ class PlanDriver:
 
     def _spill_room(self) -> int:
         """Host memory the plan's spilled activations may take: a quarter of what a new allocation can take now
-        stays for the rest of the process; under a pinned cap (Windows, WSL2), no more than the store left of it.
-        The spill's own pooled buffers count as room (they are reused)."""
+        stays for the rest of the process (the spill's own pooled buffers count as room: they are reused); under a
+        pinned cap (Windows, WSL2), no more than the store's locked ranges leave of it (the pooled buffers are
+        pinned by torch, outside those ranges: already in what is left)."""
         machine = host_budget.probe_machine()
         pooled = 0 if self.spill is None else self.spill.host_bytes
         room = machine.usable_bytes * 3 // 4 + pooled
         if self.store.pin and machine.pinned_cap_bytes is not None:
             locked = sum(arena.locked_bytes for arena in self.store.arenas)
-            room = min(room, machine.pinned_cap_bytes - locked + pooled)
+            room = min(room, machine.pinned_cap_bytes - locked)
         return max(0, room)
 
     def _costs(self):
@@ -245,6 +246,8 @@ class PlanDriver:
         model = self.kept.on_graph(input_shapes, load=not self.calibrated) if self.planning else None
         if model is not None:
             self.cost_model, self.calibrated, self._calibrate_at = model, True, None
+            if not model.frozen:
+                model.spill_room_bytes = self._spill_room()
             resumed = cost_cache.resumed_plan(self.kept.plan, *self._costs(), self.budget)
             self.apply("the calibrated cost model of an earlier run" + (", and the plan it ended on" if resumed else ""),
                        resumed, resumed=resumed is not None)

@@ -201,6 +201,8 @@ def simulate(costs: Sequence[BlockCost], resident: set[int], recompute: set[int]
              for b in reversed(order)]
     ends: dict[int, float] = {}
     t, _ = _pass(items, slots, h2d_bps, per_block, h2d, t, host_t, lanes, ends)
+    for b in ahead - resident:  # their copies took the H2D lane; the per-block bytes stay the weights'
+        h2d[b] -= costs[b].activation_bytes
     if any(c.grad_bytes for c in costs):
         t = max(t, _gradient_lanes(costs, ends, d2h_bps or h2d_bps, lanes, h2d_bps))
     return t, per_block, h2d

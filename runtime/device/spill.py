@@ -2,7 +2,7 @@
 duplex) and come back for the backward, through the `saved_tensors_hooks` of `hooks(block)`; host buffers are
 pooled by size across steps. The way back is prefetched: when the backward's schedule names the block it runs next
 (the plan driver's prefetch), `restore(block)` copies that block's activations up on the weights' H2D stream,
-ahead of the weight copies that call issues after it, so they arrive while the block before it computes; a tensor
+ahead of the weight copies that call issues after it, so they arrive while the block after it computes; a tensor
 not restored ahead (the first block of the backward, a block the schedule did not name) comes back when the
 backward reads it, on the compute stream. On the CPU: plain copies."""
 

@@ -26,7 +26,7 @@ def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
     staged.copy_(src.view(-1).view(torch.uint8))  # device -> pinned: synchronous, at the link's speed
     if dst.is_contiguous():
         dst.view(-1).view(torch.uint8).copy_(staged)
-    else:  # e.g. rows padded to a slab's width: the host scatters them (the driver's own path: ~1 GB/s)
+    else:  # e.g. rows padded to a slab's width: the host scatters them (the driver's pageable path is far slower)
         dst.copy_(staged.view(src.dtype).view(src.shape))
 
 

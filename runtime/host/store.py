@@ -3,7 +3,7 @@
 The modules' weights become views of a block's full-precision buffer (so `state_dict()` is real); every other
 precision's buffer is derived from it (or read from a slab), and streaming only reads them. A copy kind's buffers
 are views of one allocation (`host/arena.py`); only what streams stays page-locked. A master copied up to be
-quantized on the GPU is locked while it is (the copy at the link's speed), and `set_pins` unlocks it after;
+quantized on the GPU is locked while its block is built (the copy at the link's speed);
 copies down into the store go through the pinned bounce buffer (`host/copy.py`).
 """
 
@@ -140,9 +140,7 @@ class HostStore:
                 arena = self._arena_of.get((block, precision))
                 if arena is None:
                     continue
-                keep = self.pin and (precision == streams or (self.keep_full == KEEP_PINNED
-                                                              and self._is_master(block, precision)))
-                if not keep:
+                if not self._stays_locked(block, precision, streams):
                     if arena.is_locked(buf):
                         unlock.append((arena, buf))
                 elif precision != precisions.INT8 or self.rows_behind is None or not self.rows_behind.waiting(block):
@@ -159,19 +157,27 @@ class HostStore:
         if self.pin and arena is not None and not arena.shared:
             self._lock(block, precision, arena, refuse)
 
-    def _lock_for_copy(self, block: int, precision: str) -> None:
-        """Page-lock a filled buffer a GPU copy is about to read, so that it runs at the link's speed (a master
-        that does not stream is unlocked again by `set_pins`). Only a filled one: locking commits pages one by
-        one, slower than the copies that fault them in. A refusal leaves it pageable: the copy is staged by the
+    def _stays_locked(self, block: int, precision: str, streams: str | None) -> bool:
+        """Whether the block's `precision` buffer is page-locked while the block streams `streams`: what streams,
+        and every master under keep_full="pinned"."""
+        return self.pin and (precision == streams or (self.keep_full == KEEP_PINNED
+                                                      and self._is_master(block, precision)))
+
+    def _lock_for_copy(self, block: int, precision: str) -> bool:
+        """Page-lock a filled buffer a GPU copy is about to read, so that it runs at the link's speed; True when
+        this call locked it (the caller unlocks it after). Only a filled one: locking commits pages one by one,
+        slower than the copies that fault them in. A refusal leaves it pageable: the copy is staged by the
         driver, the same bytes, slower."""
         arena = self._arena_of.get((block, precision))
         view = self.blocks[block].buffers.get(precision)
-        if not self.pin or arena is None or arena.shared or view is None:
-            return
+        if not self.pin or arena is None or arena.shared or view is None or arena.is_locked(view):
+            return False
         try:
             arena.lock(view)
+            return True
         except PinError as e:
             log.debug("stagehand: block %d's %s buffer copies pageable: %s", block, precision, e)
+            return False
 
     def _lock(self, block: int, precision: str, arena: HostArena, refuse: bool | None = None) -> None:
         bb = self.blocks[block]
@@ -272,16 +278,18 @@ class HostStore:
 
     def build_missing(self, precision_map: dict[int, str], progress) -> None:
         """Build every copy the map streams that the store lacks: one host allocation per precision. Built on the
-        GPU, each block's master is page-locked first; the caller's `set_pins(precision_map)` then unlocks the
-        masters that do not stream."""
+        GPU, each block's master is page-locked while its block is built (unless it stays locked anyway)."""
         missing = [(b, p) for b, p in precision_map.items() if not self.has(b, p)]
         kinds = sorted({p for _, p in missing})
         for precision in kinds:
             self.reserve(precision, [b for b, p in missing if p == precision])
         for block, precision in progress(missing, f"offload: building {'/'.join(kinds)} copies"):
-            if self.quant_device is not None:  # the master goes up to be quantized
-                self._lock_for_copy(block, precisions.FULL)
-            self.build(block, precision)
+            locked = self.quant_device is not None and self._lock_for_copy(block, precisions.FULL)  # it goes up
+            try:
+                self.build(block, precision)
+            finally:
+                if locked and not self._stays_locked(block, precisions.FULL, precision_map.get(block)):
+                    self._arena_of[(block, precisions.FULL)].unlock(self.blocks[block].full)  # drains first
             if self.after_file_read is not None and self.blocks[block].file_master is not None:
                 self.after_file_read()  # the file pages just read leave our RSS (they stay in the page cache)
         host_copy.release()

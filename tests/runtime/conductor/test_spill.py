@@ -174,3 +174,58 @@ def test_the_room_for_spill_is_the_hosts_less_a_quarter_and_counts_the_pooled_bu
     driver.spill.host_bytes = GiB  # buffers it holds already are reused, not allocated again
     assert driver._spill_room() == 13 * GiB
     rt.close()
+
+
+def test_a_pinned_cap_bounds_the_room_and_the_pooled_buffers_are_not_counted_twice(monkeypatch):
+    """Under a pinned cap (Windows, WSL2) the spill may take what the store's locked ranges leave of it; its own
+    pooled buffers are pinned by torch outside those ranges, so they are already out of what is left."""
+    from torch_stagehand.runtime.host import arena as host_arena
+    from torch_stagehand.runtime.host import budget as host_budget
+    from torch_stagehand.runtime.host.budget import MachineMemory
+
+    from _helpers import RecordingPinner
+
+    GiB = 2**30
+    monkeypatch.setattr(host_arena, "pinner_for", lambda device, pin: RecordingPinner())
+    model, _, _ = _tiny_wan_lora()
+    rt = stagehand.offload(model, device="cpu", precision="int8", vram_budget="1GiB")
+    locked = sum(arena.locked_bytes for arena in rt.store.arenas)
+    assert locked > 0
+    monkeypatch.setattr(host_budget, "probe_machine", lambda: MachineMemory(
+        total_bytes=64 * GiB, available_bytes=40 * GiB, pinned_cap_bytes=8 * GiB, where="wsl"))
+    driver = rt.plan_driver
+    assert driver._spill_room() == 8 * GiB - locked
+    driver.spill = spill_module.ActivationSpill(torch.device("cpu"), pin=False)
+    driver.spill.host_bytes = GiB
+    assert driver._spill_room() == 8 * GiB - locked
+    rt.close()
+
+
+def test_a_resumed_plan_restores_ahead_as_it_did_and_is_dropped_when_the_host_has_no_room_for_its_spill():
+    from torch_stagehand.runtime.conductor import cost_cache
+
+    model, _, _ = _tiny_wan_lora()
+    block = max(block_bytes_by_precision(model)["bf16"])
+    rt = stagehand.offload(model, device="cpu", vram_budget=2 * block + 2**21)
+    costs = CostModel(h2d_bps=1e12, d2h_bps=1e12, forward_s=[1.0] * LAYERS, activation_bytes=[2**20] * LAYERS,
+                      input_bytes=[2**16] * LAYERS, frozen=True)
+    made = rt.replan(costs)
+    assert made.restored_ahead == {0, 1}
+    # Restored ahead, a block's H2D per step stays its weights' bytes, as restored at use (the activations are no
+    # weight copies), while the step's H2D lane carries them.
+    from torch_stagehand.runtime.conductor.planner import build_plan
+
+    block_costs, precision, model_costs = rt.plan_driver._costs()
+    at_use = build_plan(block_costs, precision, made.resident, made.recomputed, made.slots, model_costs, "planned",
+                        spill=frozenset(made.spilled))
+    assert not at_use.restored_ahead and made.blocks != at_use.blocks
+    assert [p.h2d_bytes for p in made.blocks] == [p.h2d_bytes for p in at_use.blocks]
+    assert sum(end - start for lane, _, start, end in made.timeline() if lane == "h2d") > sum(
+        end - start for lane, _, start, end in at_use.timeline() if lane == "h2d")
+    decisions = cost_cache.plan_decisions(made, rt.plan_driver.budget)
+    assert decisions["ahead"] == [0, 1]
+    resumed = cost_cache.resumed_plan(decisions, *rt.plan_driver._costs(), rt.plan_driver.budget)
+    assert resumed.restored_ahead == made.restored_ahead and resumed.predicted_peak_bytes == made.predicted_peak_bytes
+    rt.plan_driver.cost_model.spill_room_bytes = 2**20  # room for one block's activations, not the two spilled
+    assert cost_cache.resumed_plan(decisions, *rt.plan_driver._costs(), rt.plan_driver.budget) is None
+    rt.close()

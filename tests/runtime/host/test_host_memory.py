@@ -98,9 +98,9 @@ def test_a_switch_of_many_blocks_waits_for_the_copies_in_flight_once(pinner):
 
 def test_a_build_on_the_gpu_reads_a_locked_master_and_then_locks_only_what_streams(monkeypatch, pinner):
     """Quantized on the GPU (the CPU stands in for it here), each block's master is page-locked before it goes up
-    (at the link's speed, not staged by the driver), its new int8 buffer is not (locking commits fresh pages
-    slowly; the rows come down through the bounce buffer); after offload only what streams stays locked, and the
-    bytes are the quantizer's."""
+    (at the link's speed, not staged by the driver) and unlocked once its block is built, its new int8 buffer is
+    not (locking commits fresh pages slowly; the rows come down through the bounce buffer); after offload only
+    what streams stays locked, and the bytes are the quantizer's."""
     store_init = HostStore.__init__
 
     def on_the_quantizing_device(self, *args, **kwargs):
@@ -112,14 +112,16 @@ def test_a_build_on_the_gpu_reads_a_locked_master_and_then_locks_only_what_strea
     int8_write, writes = int8.write, []
 
     def write(self, buf, lay, weight, quantizer):
-        writes.append((buf.data_ptr() in pinner.locked, weight.untyped_storage().data_ptr() in pinner.locked))
+        writes.append((buf.data_ptr() in pinner.locked, weight.untyped_storage().data_ptr() in pinner.locked,
+                       len(pinner.locked)))
         int8_write(self, buf, lay, weight, quantizer)
 
     monkeypatch.setattr(int8, "write", write)
     model, _ = toy(n=4)
     weights = [model.blocks[b].up.weight.detach().clone() for b in range(4)]
     rt = stagehand.offload(model, device="cpu", precision="int8", keep_full="ram")
-    assert len(writes) == 8 and all(master and not dst for dst, master in writes)  # 2 Linears x 4 blocks
+    assert len(writes) == 8 and all(master and not dst for dst, master, _ in writes)  # 2 Linears x 4 blocks
+    assert all(n == 1 for *_, n in writes)  # one master locked at a time: each unlocked once its block is built
     assert _locked(rt) == {(b, "int8") for b in range(4)}  # the masters were unlocked again
     assert len(pinner.unlocked) == 4
     for b in range(4):
