@@ -4,6 +4,24 @@ CUDA it warns once, `TritonUnavailableWarning`, naming `TRITON_IMPORT_ERROR`). `
 `int8_linear_grad_input_triton` always take Triton."""
 
 import contextlib
+import sys
+
+if __name__ == "kernels":  # pragma: no cover - exercised by a subprocess in tests/kernels/test_kernel_fallback.py
+    # This folder found as a top-level `kernels` (Python started in the repository's root, which sys.path then
+    # holds) would shadow Hugging Face's `kernels`, which transformers >= 5.2x imports: that package takes this
+    # module's place, and where it is not installed the import fails as it would outside the root.
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or ".") != _root])
+    if _spec is None:
+        del sys.modules["kernels"]
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    sys.modules["kernels"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["kernels"])
 
 from torch_stagehand.kernels.fallback import TritonUnavailableWarning, warn_reference_fallback
 from torch_stagehand.kernels.quantize import dequantize, quantize_per_row

@@ -88,7 +88,7 @@ def splits(m: int, n_out: int, red: int, bo: int, bm: int, br: int, n_sm: int):
     return out
 
 
-# Per regime, the tiles timed beside its default, with every split (STAGEHAND_TUNE_EVERY=1: all; benches/kernels.py).
+# Per regime, the tiles timed beside its default, with every split (STAGEHAND_TUNE_EVERY=1: all; benches/kernel_speed.py).
 _SHORTLIST = {"compute": {(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)},
               "mid": {(128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3)},
               "bandwidth": {("fwd", 32, 256), ("fwd", 32, 128), ("bwd", 128, 128)}}

@@ -565,7 +565,9 @@ def test_offload_starts_the_workers_the_environment_asks_for_and_the_step_uses_t
     cache = variant_cache(rt)
     # The training variant and the inference variant went to the one worker; the backward loaded the first.
     assert cache.ahead is started and cache.ahead.worker_pids == pids and cache.ahead.stats["submitted"] == 2
-    assert [i["cache"] for i in cache.info.values()] == ["hit"]
+    # A job still queued when the step needs it (its worker still starting, on a loaded machine) is dropped and
+    # compiled here: the step's cache then misses. Otherwise the worker's compile is what the step loads.
+    assert [i["cache"] for i in cache.info.values()] == (["miss"] if cache.ahead.dropped else ["hit"])
     rt.restore()
     assert not started.workers  # they end with the runtime that adopted them
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 CHILD = textwrap.dedent("""
     import sys, warnings
@@ -51,3 +52,39 @@ CHILD = textwrap.dedent("""
 def test_cuda_calls_without_triton_warn_once_per_kernel_family_naming_the_import_error():
     result = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+SHADOW_CHILD = textwrap.dedent("""
+    import importlib.machinery, os, sys
+    root = sys.argv[1]
+    assert os.path.abspath(sys.path[0] or ".") == root  # `python -c` in the root: its folders importable by name
+    if sys.argv[2] == "absent":  # Hugging Face's `kernels` not installed: the root's folder is the only one found
+        find = importlib.machinery.PathFinder.find_spec
+        importlib.machinery.PathFinder.find_spec = classmethod(
+            lambda cls, name, path=None, target=None: None if name == "kernels" and path is not None
+            else find(name, path, target))
+        try:
+            import kernels
+        except ModuleNotFoundError as e:
+            assert e.name == "kernels" and "kernels" not in sys.modules
+            print("ok")
+            sys.exit(0)
+        raise AssertionError(f"the root's kernels/ imported as `kernels`: {kernels.__file__}")
+    import kernels
+    assert kernels.__file__ != os.path.join(root, "kernels", "__init__.py"), kernels.__file__
+    from transformers import LlamaConfig, LlamaForCausalLM  # transformers imports `kernels` where it is installed
+    import torch_stagehand.kernels as ours
+    assert ours.__file__.startswith(os.path.join(root, "kernels")), ours.__file__
+    print("ok")
+""")
+
+
+def test_the_repository_root_on_sys_path_does_not_shadow_hugging_faces_kernels():
+    """Python started in the repository's root finds the folder `kernels/` as a top-level `kernels`; imported so,
+    it hands that name to Hugging Face's package (which transformers imports), or fails as a missing module where
+    that is not installed, so `import transformers` works from the root."""
+    root = str(Path(__file__).resolve().parents[2])
+    for case in ("installed", "absent"):
+        result = subprocess.run([sys.executable, "-c", SHADOW_CHILD, root, case], capture_output=True, text=True,
+                                timeout=300, cwd=root)
+        assert result.returncode == 0 and result.stdout.strip().endswith("ok"), (case, result.stderr[-3000:])

@@ -242,7 +242,7 @@ def test_tuner_never_picks_a_rejected_or_failing_config(monkeypatch):
 
 def test_a_key_times_its_regimes_shortlist_unless_every_candidate_is_asked_for(monkeypatch):
     # Every regime: its default tile, its shortlisted tiles with every split (and dequantize + cuBLAS where
-    # M > 512); grad-input without its register-transposed variant. STAGEHAND_TUNE_EVERY=1 (benches/kernels.py)
+    # M > 512); grad-input without its register-transposed variant. STAGEHAND_TUNE_EVERY=1 (benches/kernel_speed.py)
     # gives every candidate back.
     from types import SimpleNamespace
 

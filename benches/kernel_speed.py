@@ -1,6 +1,6 @@
 """W8A16 kernels against cuBLAS BF16 on the GPU (forward and grad-input).
 
-    python benches/kernels.py [--out benches/results/kernels.json] [--workers 14]
+    python benches/kernel_speed.py [--out benches/results/kernels.json] [--workers 14]
 
 For M in {16, 256, 4096} and (K, N) in {(3072, 3072), (3072, 12288),
 (12288, 3072), (4096, 4096)}, in one run: cuBLAS BF16 with the weight already
@@ -249,7 +249,7 @@ def main():
     import torch
 
     if not torch.cuda.is_available():
-        sys.exit("benches/kernels.py needs a CUDA device")
+        sys.exit("benches/kernel_speed.py needs a CUDA device")
     if args.workers > 1:
         precompile(args.workers)
     t0 = time.time()
