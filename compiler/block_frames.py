@@ -132,7 +132,8 @@ class BlockFrames:
         rt = self.rt
         if rt is not None:
             rt.model_call_began()
-        if compiled and takes_use_cache and "use_cache" not in kwargs and self._trains_with_kv_cache():
+        training = torch.is_grad_enabled() and self.model.training
+        if compiled and takes_use_cache and "use_cache" not in kwargs and training and self._kv_cache_configured():
             kwargs = {**kwargs, "use_cache": False}
         asked = kwargs.get("use_cache") if takes_use_cache else False
         self.kv_cache_in_call = self._kv_cache_configured() if asked is None else bool(asked)
@@ -164,10 +165,6 @@ class BlockFrames:
     def _kv_cache_configured(self) -> bool:
         config = getattr(self.model, "config", None)
         return bool(getattr(config, "use_cache", False)) and not getattr(config, "is_encoder_decoder", False)
-
-    def _trains_with_kv_cache(self) -> bool:
-        """A training call (grad on, the model in train mode) of a model whose config asks for a KV cache."""
-        return torch.is_grad_enabled() and self.model.training and self._kv_cache_configured()
 
     def _warn_use_cache(self) -> None:
         warnings.warn(

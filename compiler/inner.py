@@ -162,24 +162,20 @@ class JointPasses:
         return f"{passes_uuid(self.passes)}-ops-{ops_fingerprint()}"
 
 
-def _custom_pass(joint: JointPasses):
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-
-    return type("StagehandJointPasses", (JointPasses, CustomGraphPass), {})(joint.passes, joint.log)
-
-
 def compile_inductor(gm: fx.GraphModule, example_inputs: list, on_graph: OnGraph, joint: JointPasses,
                      replay_rng: bool = False):
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     def inner_compile(graph_module: fx.GraphModule, inputs, **kwargs):
         kind = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
         on_graph(kind, graph_module)
         return compile_fx_inner(graph_module, inputs, **kwargs)
 
+    custom_pass = type("StagehandJointPasses", (JointPasses, CustomGraphPass), {})(joint.passes, joint.log)
     # A recomputed block's variants draw random numbers from the generators the recompute restores, as eager does.
-    patches = dict(joint_custom_post_pass=_custom_pass(joint),
+    patches = dict(joint_custom_post_pass=custom_pass,
                    unsafe_marked_cacheable_functions={**inductor_config.unsafe_marked_cacheable_functions,
                                                       **cacheable_functions()})
     patches |= dict(fallback_random=True) if replay_rng else {}

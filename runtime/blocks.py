@@ -62,9 +62,7 @@ class StreamedLayerSpec:
 
 def is_streamable_linear(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    if weight is None or weight.dim() != 2:
-        return False
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    return weight is not None and weight.dim() == 2 and (isinstance(module, nn.Linear) or is_conv1d(module))
 
 
 def _adapter_module_names(module: nn.Module) -> set[str]:
@@ -203,12 +201,8 @@ class LayerSlot:
 
 def layer_slots(model: nn.Module, specs: list[StreamedLayerSpec]) -> list[LayerSlot]:
     modules = dict(model.named_modules())
-    slots = []
-    for spec in specs:
-        module_fqn = spec.fqn.rpartition(".")[0] if spec.experts else spec.fqn
-        parent, _, name = module_fqn.rpartition(".")
-        slots.append(LayerSlot(modules[parent], name))
-    return slots
+    places = [(spec.fqn.rpartition(".")[0] if spec.experts else spec.fqn).rpartition(".") for spec in specs]
+    return [LayerSlot(modules[parent], name) for parent, _, name in places]
 
 
 def _on(where: torch.device, device: torch.device) -> bool:

@@ -36,26 +36,26 @@ class CollectorFreeze:
 
     def freeze_before_compile(self) -> None:
         """At offload's end: freeze what exists, after a collection of the young generations."""
-        if self._closed or not self.enabled:
-            return
-        t0 = time.perf_counter()
-        gc.collect(1)
-        _freeze()
-        self.freezes.append({"at": "offload", "frozen_objects": gc.get_freeze_count(),
-                             "collect_ms": round((time.perf_counter() - t0) * 1e3, 1)})
+        if not self._closed and self.enabled:
+            self._freeze({"at": "offload"}, generation=1)
 
     def on_phase(self, old: Phase, new: Phase) -> None:
         if self._closed or new is not Phase.STEP_END or self.compiled() == self._compiled_at_freeze:
             return  # (close() ends an open step after removing its hooks: nothing is frozen then)
         self._compiled_at_freeze = self.compiled()
-        t0 = time.perf_counter()
-        gc.collect()  # this step's garbage (the compile's) goes first: frozen garbage would stay
-        _freeze()
-        record = {"at": "step", "step": self.phases.step, "frozen_objects": gc.get_freeze_count(),
-                  "collect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
-        self.freezes.append(record)
+        # A full collection first: this step's garbage (the compile's) goes, frozen garbage would stay.
+        record = self._freeze({"at": "step", "step": self.phases.step})
         log.info("stagehand: after compiling, %d objects moved out of the collector's walks (%.0f ms)",
                  record["frozen_objects"], record["collect_ms"])
+
+    def _freeze(self, record: dict[str, Any], generation: int = 2) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        gc.collect(generation)
+        _unfreeze_at_exit()
+        gc.freeze()
+        record.update(frozen_objects=gc.get_freeze_count(), collect_ms=round((time.perf_counter() - t0) * 1e3, 1))
+        self.freezes.append(record)
+        return record
 
     def remove(self) -> None:
         """At close(): no freeze after this one, and what was frozen (by anything in the process) is collectable."""
@@ -67,8 +67,3 @@ class CollectorFreeze:
 @functools.cache
 def _unfreeze_at_exit() -> None:
     atexit.register(gc.unfreeze)  # once per process
-
-
-def _freeze() -> None:
-    _unfreeze_at_exit()
-    gc.freeze()

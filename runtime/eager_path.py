@@ -180,12 +180,6 @@ class EagerPath:
         memo[_PICKED] = picked
         return picked
 
-    def _host(self, block: int) -> tuple[torch.Tensor, list[LayerLayout]]:
-        store, precision = self.store, self.precision()[block]
-        store.fetching()
-        store.ensure_fresh(block, precision)
-        return store.buffer(block, precision), store.layout(block, precision)
-
     def _buffer(self, what, numel: int, dtype: torch.dtype) -> torch.Tensor:
         key = (what, numel, dtype)
         if key not in self._buffers:
@@ -198,19 +192,18 @@ class EagerPath:
         self._buffers.clear()
         self.cache.release()
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, pinned: bool) -> None:
-        dst.copy_(src, non_blocking=pinned)  # on the compute stream: ordered with the math reading it
-        self.pool.stats.h2d_bytes += src.numel() * src.element_size()
-
     def _layer_rows(self, index: int) -> tuple[torch.Tensor, LayerLayout]:
         """One Linear's bytes (weight and scale) copied into a device buffer, and its layout there."""
-        spec = self.layers[index]
-        host, layouts = self._host(spec.block)
-        lay = layouts[index - self.first_layer[spec.block]]
+        spec, store = self.layers[index], self.store
+        block, precision = spec.block, self.precision()[spec.block]
+        store.fetching()
+        store.ensure_fresh(block, precision)
+        host, lay = store.buffer(block, precision), store.layout(block, precision)[index - self.first_layer[block]]
         end = (lay.scale_offset + 4 * lay.out_features if lay.scale_offset >= 0
                else lay.offset + lay.out_features * lay.in_features * lay.dtype.itemsize)
         buf = self._buffer("linear", end - lay.offset, torch.uint8)
-        self._copy(buf, host[lay.offset:end], host.is_pinned())
+        buf.copy_(host[lay.offset:end], non_blocking=host.is_pinned())  # on the compute stream: ordered with the math
+        self.pool.stats.h2d_bytes += end - lay.offset
         self.direct_reads += 1
         moved = LayerLayout(lay.code, 0, lay.out_features, lay.in_features,
                             lay.scale_offset - lay.offset if lay.scale_offset >= 0 else -1, lay.transposed,

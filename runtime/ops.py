@@ -138,9 +138,7 @@ streamed_linear.register_autograd(_streamed_backward, setup_context=_streamed_se
 @_op("prefetch", _token_out, side_effect=True)
 def prefetch(block_tok: torch.Tensor, after: list[torch.Tensor]) -> torch.Tensor:
     rt, block = registry.decode(block_tok)
-    if rt is None:
-        return registry_sentinel()
-    return rt.op_prefetch(block)
+    return registry_sentinel() if rt is None else rt.op_prefetch(block)
 
 
 @_op("wait", _slot_out)

@@ -26,10 +26,6 @@ from torch_stagehand.environment import env
 log = logging.getLogger(__name__)
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 def offload(
     model: nn.Module,
     device: str | torch.device | None = None,
@@ -78,7 +74,7 @@ def offload(
     if any(is_streamed(m) for m in model.modules()):
         raise RuntimeError("offload: this model is already offloaded (call restore() on its Runtime first)")
     config = (config or Config()).validate()
-    device = torch.device(device) if device is not None else default_device()
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("offload: device='cuda' but CUDA is not available")
     block_fqns = find_blocks(model, blocks)
@@ -268,10 +264,7 @@ def explain(model: nn.Module, *args, **kwargs):
     rt = runtime_of(model)
     breaks_before = dict(counters["graph_break"])
     first_record = len(rt.graph_records)
-    def explain_capture(gm, example_inputs):
-        return stagehand_backend(gm, example_inputs, options={"inner": "eager"})
-
-    compiled = torch.compile(model, backend=explain_capture)
+    compiled = torch.compile(model, backend=lambda gm, inputs: stagehand_backend(gm, inputs, {"inner": "eager"}))
     with recording(rt.pool) as trace:
         compiled(*args, **kwargs)
     if len(rt.graph_records) == first_record:  # e.g. Dynamo's recompile limit for this code was reached

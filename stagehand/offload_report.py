@@ -33,10 +33,6 @@ class BlockList:
         return f"{self.fqn} skipped: {self.reason}"
 
 
-def _linear_bytes(module: nn.Module) -> int:
-    return sum(m.weight.numel() * m.weight.element_size() for m in module.modules() if is_streamable_linear(m))
-
-
 def _skip_reason(module: nn.ModuleList) -> str:
     """Why `blocks="auto"` does not take this list (the rules of `runtime.blocks._repeated_block_lists`)."""
     classes = sorted({type(c).__name__ for c in module})
@@ -56,7 +52,8 @@ def survey_block_lists(model: nn.Module, block_fqns: list[str]) -> list[BlockLis
     for name, module in model.named_modules():
         if any(name.startswith(s + ".") for s in seen):
             continue  # lists inside a list (attention's to_out, MoE experts) are part of their block
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or _linear_bytes(module) == 0:
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or not any(
+                is_streamable_linear(m) and m.weight.numel() for m in module.modules()):
             continue
         children = [f"{name}.{c}" if name else c for c, _ in module.named_children()]
         streamed = [c for c in children if c in chosen]

@@ -89,13 +89,11 @@ class Report:
                 row.insert(at, f"{self.expert_bytes.get(p.block, 0) / 2**20:.3f}")
         return f"{self.plan.summary()}\n" + tabulate(rows, headers=headers, tablefmt=tablefmt)
 
-    def schedule_rows(self) -> list[list]:
-        return [[r.phase, r.position, r.action, f"{r.block} {self.blocks[r.block]}",
+    def table(self, tablefmt: str = "simple") -> str:
+        rows = [[r.phase, r.position, r.action, f"{r.block} {self.blocks[r.block]}",
                  "-" if r.slot is None else "R" if r.slot < 0 else r.slot,  # R: the block's own resident slot
                  f"{r.bytes / 1e6:.2f}", r.precision, r.note] for r in self.schedule]
-
-    def table(self, tablefmt: str = "simple") -> str:
-        return tabulate(self.schedule_rows(), headers=_HEADERS, tablefmt=tablefmt)
+        return tabulate(rows, headers=_HEADERS, tablefmt=tablefmt)
 
     def segment_table(self, tablefmt: str = "simple") -> str:
         rows = [[s["graph"], s["segment"], s["kind"], s.get("block", ""), s["ops"], s["streamed"], s["inputs_from"]]

@@ -231,10 +231,6 @@ def _as_conj(x: Value) -> Conj:
     return TRUE if c else FALSE
 
 
-def _invert(it: MaskInterpreter, node: fx.Node) -> Value:
-    return _not(_as_conj(it.operand(node.args[0], it.ndim(node))))
-
-
 # masks from conditions ----------------------------------------------------------------------------
 
 def _triangle(lower: bool) -> Callable:
@@ -331,7 +327,8 @@ _HANDLERS: dict[str, Callable[[MaskInterpreter, fx.Node], Value]] = {
     **{name: _filled(lambda n: node_arg(n, 1, "fill_value")) for name in ("full", "full_like")},
     "add": _add(1), "sub": _add(-1), "rsub": _add(-1, reverse=True), "mul": _mul, "neg": _neg,
     **{name: _compare(name) for name in _COMPARE},
-    "and": _logical("and"), "or": _logical("or"), "invert": _invert,
+    "and": _logical("and"), "or": _logical("or"),
+    "invert": lambda it, node: _not(_as_conj(it.operand(node.args[0], it.ndim(node)))),
     "tril": _triangle(lower=True), "triu": _triangle(lower=False), "where": _where, "masked_fill": _masked_fill,
     "cumsum": _cumsum, "diff": _diff, **LAYOUT_HANDLERS,
 }

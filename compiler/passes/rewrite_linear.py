@@ -35,9 +35,7 @@ def _rows(x: fx.Node, in_features: int) -> int | None:
 @compiler_pass("rewrite_linear")
 def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
     rt, precision = ctx.runtime, ctx.precision
-    weights = add_placeholder(gm, WEIGHTS)
-    block_tok = add_placeholder(gm, BLOCK_TOK)
-    prev_tok = add_placeholder(gm, PREV_TOK)
+    weights, block_tok, prev_tok = (add_placeholder(gm, name) for name in (WEIGHTS, BLOCK_TOK, PREV_TOK))
     rewritten = in_graph = tapped = stacks = grouped = 0
     for node in list(gm.graph.nodes):
         if is_streamed_experts(node):
@@ -60,9 +58,8 @@ def rewrite_linear(gm: fx.GraphModule, ctx: VariantContext) -> fx.GraphModule:
                 new = gm.graph.call_function(traced, (x, weights, block_tok, prev_tok, layout))
                 in_graph += 1
             else:
-                new = gm.graph.call_function(
-                    SCHEDULE_OPS["linear"], (x, weights, None if bias_add else bias, block_tok, prev_tok, layout)
-                )
+                new = gm.graph.call_function(SCHEDULE_OPS["linear"],
+                                             (x, weights, None if bias_add else bias, block_tok, prev_tok, layout))
             tap = gm.graph.call_function(grad_tap, (new, x, anchor, block_tok, position)) if trains else new
             tapped += trains
             out = gm.graph.call_function(torch.ops.aten.add.Tensor, (tap, bias)) if bias_add else tap

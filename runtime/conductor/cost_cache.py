@@ -33,15 +33,6 @@ SCALARS = ("h2d_bps", "d2h_bps", "base_bytes", "other_s")
 HOST_KINDS = ("forward", "recompute", "backward")
 
 
-def enabled() -> bool:
-    return env("STAGEHAND_COST_CACHE")
-
-
-def input_signature(input_shapes: list[str]) -> str:
-    """The compiled graph's input shapes and dtypes (`GraphRecord.input_shapes`), hashed."""
-    return hashlib.sha256("|".join(input_shapes).encode()).hexdigest()[:16]
-
-
 def job_key(device: torch.device, blocks: list[str], layers, precision: dict[int, str], grad_bytes, node) -> dict:
     """What a runtime's cost model is of, but its graph inputs (device, torch, layout, precision, gradients, ranks)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -173,15 +164,15 @@ class KeptCostModel:
 
     def __init__(self, job: Callable[[], dict], n_blocks: int):
         self.job, self.n_blocks = job, n_blocks  # job(): `job_key` of the runtime as it is now
-        self.inputs: str | None = None  # input_signature of the first compiled graph
+        self.inputs: str | None = None  # the first compiled graph's inputs (`GraphRecord.input_shapes`), hashed
         self.note: str | None = None  # what the lookup found (the log line)
         self.plan: dict | None = None  # the plan decisions kept with the loaded model (`plan_decisions`)
 
     def on_graph(self, input_shapes: list[str], load: bool) -> CostModel | None:
         """The first graph's inputs complete the key; with `load`, the kept model, if one is usable."""
-        if self.inputs is not None or not enabled():
+        if self.inputs is not None or not env("STAGEHAND_COST_CACHE"):
             return None
-        self.inputs = input_signature(input_shapes)
+        self.inputs = hashlib.sha256("|".join(input_shapes).encode()).hexdigest()[:16]  # shapes and dtypes
         if not load:
             return None
         model, self.plan, self.note = read_entry(cost_key(self.job(), self.inputs), self.n_blocks)

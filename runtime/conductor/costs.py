@@ -175,11 +175,10 @@ class CostModel:
         if not updates or self.grad_bytes is None:
             self.update_in_bytes = None
             return
-        n = len(self.grad_bytes)
+        self.update_in_bytes = [updates[b][0] if b in updates else 0 for b in range(len(self.grad_bytes))]
         self.grad_bytes = [updates[b][1] if b in updates else g for b, g in enumerate(self.grad_bytes)]
         if self.optimizer_s is not None:
             self.optimizer_s = [0.0 if b in updates else s for b, s in enumerate(self.optimizer_s)]
-        self.update_in_bytes = [updates[b][0] if b in updates else 0 for b in range(n)]
 
     def refine_host(self, seconds: dict[str, list[float]], resident: set[int]) -> int:
         """Keep the smaller of the known and a newly measured host issue time, per kind and block; the count of

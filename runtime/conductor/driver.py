@@ -299,7 +299,7 @@ class PlanDriver:
             if self.conductor.admit_prefetch(b, depth) is not None:
                 continue  # denied (counted with its reason): the block's wait fetches it later
             try:
-                issued = pool.prefetch(b, precision).issued
+                issued = pool.prefetch(b, precision)
             except torch.OutOfMemoryError as e:  # e.g. re-quantizing a stale INT8 copy on the device
                 self.conductor.allocation_failed(b, e)
                 for listener in self.on_refused_prefetch:

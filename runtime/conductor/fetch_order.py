@@ -35,8 +35,7 @@ class FetchOrder:
 
     def __init__(self, n_blocks: int):
         self.n_blocks = n_blocks
-        self._current: list[int] = []  # blocks started in the forward pass under way
-        self._current_set: set[int] = set()
+        self._current: dict[int, None] = {}  # blocks started in the forward pass under way, in order
         self._last: dict[int, Lookahead] = {}  # the last complete pass, by block
         self._current_lookahead: dict[int, Lookahead] | None = None  # computed once per pass, for the backward
 
@@ -50,19 +49,18 @@ class FetchOrder:
 
     def record_forward(self, block: int) -> None:
         """Block `block` starts a forward (eager path); a block seen again begins a new pass."""
-        if block in self._current_set:
-            self._last = _by_block(self.for_graph(self._current, self.n_blocks))
-            self._current, self._current_set = [], set()
-        self._current.append(block)
-        self._current_set.add(block)
+        if block in self._current:
+            self._last = _by_block(self.for_graph(list(self._current), self.n_blocks))
+            self._current = {}
+        self._current[block] = None
         self._current_lookahead = None
 
     def eager_next(self, block: int, backward: bool) -> int:
         """The block to prefetch while `block` runs eagerly (NO_BLOCK: none): forward, its successor in the last
         complete pass; backward, its predecessor in this step's forward pass (run in full), else in the last one."""
-        if backward and block in self._current_set:
+        if backward and block in self._current:
             if self._current_lookahead is None:
-                self._current_lookahead = _by_block(self.for_graph(self._current, self.n_blocks))
+                self._current_lookahead = _by_block(self.for_graph(list(self._current), self.n_blocks))
             return self._current_lookahead[block].next_bwd
         known = self._last.get(block)
         if known is not None:

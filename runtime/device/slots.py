@@ -22,17 +22,14 @@ from torch_stagehand.runtime.host.store import HostStore
 
 log = logging.getLogger(__name__)
 
+ALL_SLOTS_BUSY = "all_slots_busy"  # why a prefetch was not issued: every slot is in use or loading
+
 
 class SlotState(enum.Enum):
     FREE = "free"
     LOADING = "loading"
     IN_USE = "in_use"
     READY = "ready"
-
-
-class Denial(str, enum.Enum):
-    """Why a fetch was not issued."""
-    ALL_SLOTS_BUSY = "all_slots_busy"  # every slot is in use or loading
 
 
 class SlotsExhaustedError(RuntimeError):
@@ -52,11 +49,6 @@ class Slot:
     holds: int = 0  # readers holding the slot (compiled waits and eager reads); IN_USE while > 0
     master_version: int | None = None  # HostStore.master_version(block) when filled: a write since makes it stale
     resident: bool = False  # a resident block's own slot (index -1): never a fetch target
-
-
-@dataclass
-class FetchOutcome:
-    issued: bool  # an H2D copy was started
 
 
 @dataclass
@@ -221,23 +213,22 @@ class SlotPool:
         slot.nbytes = n
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self.stats.resident_bytes)
 
-    def prefetch(self, block: int, precision: str) -> FetchOutcome:
-        """Start copying a block in, if a slot is free; never blocks the host."""
+    def prefetch(self, block: int, precision: str) -> bool:
+        """Start copying a block in, if a slot is free; never blocks the host. True: an H2D copy was started."""
         slot = self._find_fresh(block, precision)
         if slot is not None:
             self.stats.hits += 1
             self._record(PREFETCH, block, precision, slot.index, slot.nbytes, HIT)
-            return FetchOutcome(False)
+            return False
         victim = self._victim()
         if victim is None:
-            self.stats.denials[Denial.ALL_SLOTS_BUSY.value] += 1
-            self._record(PREFETCH, block, precision, None, self.store.nbytes(block, precision), DENIED,
-                         Denial.ALL_SLOTS_BUSY.value)
-            return FetchOutcome(False)
+            self.stats.denials[ALL_SLOTS_BUSY] += 1
+            self._record(PREFETCH, block, precision, None, self.store.nbytes(block, precision), DENIED, ALL_SLOTS_BUSY)
+            return False
         self._issue_copy(victim, block, precision)
         self.stats.prefetches += 1
         self._record(PREFETCH, block, precision, victim.index, victim.nbytes, H2D_COPY)
-        return FetchOutcome(True)
+        return True
 
     def _record(self, *row) -> None:
         if self.trace is not None:

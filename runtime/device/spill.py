@@ -95,8 +95,7 @@ class ActivationSpill:
         if not isinstance(packed, _Spilled):
             return packed
         saved = self._saved.get(packed.block, [])
-        if any(p is packed for p in saved):
-            saved[:] = [p for p in saved if p is not packed]
+        saved[:] = [p for p in saved if p is not packed]
         host, out = packed.host, packed.restored
         nbytes = host.numel() * host.element_size()
         if out is not None:  # restored ahead: the compute stream waits for that copy alone

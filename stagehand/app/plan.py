@@ -253,7 +253,7 @@ def plan_folder(folder: str, vram_budget: str | int, precision: str = "int8", tr
         resident += lora * 8  # bf16 weights and gradients, and AdamW's two moments in the weights' dtype
     machine = host_budget.probe_machine()  # (the preflight's reading: a test replaces it there)
     host = plan_host(layers, n, {b: precision for b in range(n)}, "auto", True, machine,
-                     [True] * n, 0, has_file=_has_safetensors(folder),
+                     [True] * n, 0, has_file=any(f.endswith(".safetensors") for f in os.listdir(folder)),
                      training_blocks=tuple(range(n)) if train == "full" else ())
 
     inputs = _example_inputs(model, kind, tokens) if train != "none" else None
@@ -287,10 +287,6 @@ def plan_folder(folder: str, vram_budget: str | int, precision: str = "int8", tr
     return FolderPlan(folder, name, kind, n, sorted({f.rsplit(".", 1)[0] for f in block_fqns}), total, streamed,
                       {p: sum(v) for p, v in bytes_of.items()}, precision, train, tokens, host, optimizer,
                       resident, how, vram, machine.usable_bytes)
-
-
-def _has_safetensors(folder: str) -> bool:
-    return any(f.endswith(".safetensors") for f in os.listdir(folder))
 
 
 def render(plan: FolderPlan) -> str:
