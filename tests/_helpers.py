@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +23,18 @@ from torch_stagehand.runtime.blocks import find_blocks, streamed_layers
 
 TESTS = Path(__file__).resolve().parent  # the tests' root: _helpers and the subprocess scripts' sys.path
 ROOT = TESTS.parent  # the repository
+
+
+def interpreted(script: str, timeout: int = 300) -> dict[str, dict]:
+    """Run tests/SCRIPT under Triton's interpreter in a subprocess (TRITON_INTERPRET must be set before
+    Triton is imported): {case name: its JSON record}; a run with no record fails the calling test."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(TESTS / script)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise AssertionError(f"{script} produced no results (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {rec["name"]: rec for rec in map(json.loads, lines)}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

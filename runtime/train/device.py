@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_stagehand.environment import env
+from torch_stagehand.kernels import adamw as adamw_kernel
 from torch_stagehand.runtime.host.arena import HostArena, lock_or_fall_back
 
 log = logging.getLogger("torch_stagehand.optim")
@@ -62,15 +64,15 @@ class DeviceUpdate:
             return "several ranks: each block steps on its owner's host (runtime/train/shards.py)"
         if self.accumulation_steps != 1:
             return "gradient accumulation sums each backward's gradients on the host"
-        if self.states != "fp32":
-            return f"states={self.states!r}: the device update keeps fp32 moments"
-        if self.master != "fp32" and any(p.dtype != torch.float32 for p in self._streamed):
-            return "master='bf16' rounds the weights stochastically on the host"
+        if needs_triton(self.states, self.master != "fp32" and any(p.dtype != torch.float32 for p in self._streamed)):
+            why = triton_refusal(rt.device)
+            if why:
+                return f"states={self.states!r}, master={self.master!r}: {why}"
         return ""
 
     def _transfer(self, ps: list[torch.Tensor]) -> tuple[int, int]:
         """(H2D, D2H) bytes a step of these weights moves when updated on the device."""
-        moved = [transfer_bytes(p.numel(), "master" in self.state[p], p.numel() * p.element_size()) for p in ps]
+        moved = [transfer_bytes(self.state[p], p.numel() * p.element_size()) for p in ps]
         return sum(i for i, _ in moved), sum(o for _, o in moved)
 
     def _choose_device_blocks(self) -> None:
@@ -108,9 +110,9 @@ class DeviceUpdate:
         if not ps:
             return
         self._device_arenas.append(pin_states([self.state[p] for p in ps], rt.store.pinner))
-        largest = max(p.numel() for p in ps)
-        if self.device is None or self.device.slots[0].master.numel() < largest:
-            self.device = DeviceAdamW(rt.device, largest, ps[0].dtype, rt.grads.stream)
+        largest = max(ps, key=lambda p: p.numel())
+        if self.device is None or self.device.largest < largest.numel():
+            self.device = DeviceAdamW(rt.device, largest, self.state[largest], rt.grads.stream, self._seed)
         self.device_blocks |= set(blocks)
         rt.grads.device_updates = {b: self._transfer(self._trained(b)) for b in sorted(self.device_blocks)}
 
@@ -138,25 +140,46 @@ class DeviceUpdate:
         """Step layer `index` on the device from `grad`: (grad reusable, host copies written) events, D2H bytes."""
         p = self._param_of[index]
         before = self.device.bytes_out
-        consumed, done = self.device.update(p, self.state[p], grad, self._hyper(self._group_of[p]), compute)
+        consumed, done = self.device.update(p, self.state[p], grad, self._hyper(self._group_of[p]), compute, index)
         return consumed, done, self.device.bytes_out - before
 
 
 # ---- AdamW on the GPU: the states come to the gradient
 
 RING = 2  # a slot uploads the next layer's states while the other one is stepped and written back
-STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
-def transfer_bytes(numel: int, has_master: bool, weight_bytes: int) -> tuple[int, int]:
-    """(H2D, D2H) bytes of one weight updated on the device: states in; states and a separate master's weight out."""
-    states = 12 * numel
-    return states, states + (weight_bytes if has_master else 0)
+def needs_triton(states: str, rounds_weight: bool) -> bool:
+    """Whether the device update of this configuration runs the fused Triton kernel (kernels/adamw.py): moments
+    other than fp32 are decoded and encoded there, as is a bf16 weight stepped without a master (stochastically
+    rounded); fp32 moments with an fp32 master or weight step with torch's fused AdamW."""
+    return states != "fp32" or rounds_weight
 
 
-def ring_bytes(largest_numel: int, weight_element_size: int) -> int:
-    """Device memory of the ring: per slot fp32 master, moments and gradient, and the rounded weight."""
-    return RING * largest_numel * (16 + weight_element_size)
+def triton_refusal(device: torch.device) -> str:
+    """Why the fused kernel cannot run on `device` ('' if it can)."""
+    if not adamw_kernel.HAS_TRITON:
+        return "the device update of these states is a Triton kernel, and Triton does not import"
+    if device.type != "cuda" and not env("TRITON_INTERPRET"):
+        return "the device update of these states is a Triton kernel: it needs a GPU (or TRITON_INTERPRET=1)"
+    return ""
+
+
+def transfer_bytes(state: dict, weight_bytes: int) -> tuple[int, int]:
+    """(H2D, D2H) bytes of one weight updated on the device: its states (moments in their format, scales, master)
+    in and out, the weight itself in and out where it has no master, and out beside its master where it has one."""
+    stored = sum(state[key].numel() * state[key].element_size() for key in STATE_KEYS if key in state)
+    if "master" not in state:
+        return stored + weight_bytes, stored + weight_bytes
+    return stored, stored + weight_bytes
+
+
+def ring_bytes(state: dict, weight_element_size: int) -> int:
+    """Device memory of the ring for a largest weight of these states: per slot its states, the fp32 gradient and
+    the weight."""
+    stored = sum(state[key].numel() * state[key].element_size() for key in STATE_KEYS if key in state)
+    return RING * (stored + state["exp_avg"].numel() * (4 + weight_element_size))
 
 
 def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s: dict[int, float],
@@ -179,7 +202,8 @@ def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s
 
 
 def pin_states(states: list[dict], pinner, kind: str = "adamw states") -> HostArena:
-    """Move these fp32 states into one host arena, page-locked range by range; the caller closes it."""
+    """Move these states (masters, moments, int8 scales) into one host arena, page-locked range by range; the
+    caller closes it."""
     tensors = [(st, key) for st in states for key in STATE_KEYS if key in st]
     arena = HostArena(kind, [st[key].numel() * st[key].element_size() for st, key in tensors], pinner)
     for st, key in tensors:
@@ -192,38 +216,47 @@ def pin_states(states: list[dict], pinner, kind: str = "adamw states") -> HostAr
 
 @dataclass
 class _Slot:
-    master: torch.Tensor  # fp32, flat, the largest layer's numel
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    states: dict[str, torch.Tensor]  # flat, the largest layer's size, each in its host format (STATE_KEYS present)
     grad: torch.Tensor  # the gradient in fp32
-    weight: torch.Tensor  # the rounded weight (the weights' dtype)
-    step: torch.Tensor  # the kernel's step count (a device scalar, as the fused kernel wants it)
+    weight: torch.Tensor  # bytes for the weight (in its dtype): stepped without a master, rounded from one
+    step: torch.Tensor  # torch's fused kernel's step count (a device scalar, as it wants it)
     free: "torch.cuda.Event | None" = None  # its last write-back is done
 
 
 class DeviceAdamW:
-    """The device's update lane: a ring of slots, an upload stream, the gradient lane's D2H stream."""
+    """The device's update lane: a ring of slots, an upload stream, the gradient lane's D2H stream. `largest`
+    and `state`: the largest weight updated here and its host states, which give every slot's formats."""
 
-    def __init__(self, device: torch.device, largest_numel: int, weight_dtype: torch.dtype, stream):
+    def __init__(self, device: torch.device, largest: torch.Tensor, state: dict, stream, seed: int):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = stream  # the update and its write-back: the gradient lane's D2H stream
         self.upload = torch.cuda.Stream(self.device) if self.cuda else None
+        self.largest = n = largest.numel()
+        self.seed = seed  # with each step count and layer, the stochastic rounding's Philox seed (resumes alike)
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.slots = [_Slot(*(torch.empty(largest_numel, **f32) for _ in range(4)),
-                            torch.empty(largest_numel, dtype=weight_dtype, device=self.device),
+        self.slots = [_Slot({key: torch.empty_like(state[key].view(-1), device=self.device)
+                             for key in STATE_KEYS if key in state},
+                            torch.empty(n, **f32), torch.empty(4 * n, dtype=torch.uint8, device=self.device),
                             torch.zeros((), **f32)) for _ in range(RING)]
         self._next = 0
         self.bytes_in = self.bytes_out = self.layers_updated = 0
 
-    def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute) -> tuple:
-        """AdamW on the device for one weight from `grad`, master (or fp32 weight), moments and weight written back
-        to the host: (the event after which `grad` may be reused, the one after the host copies; None on the CPU)."""
+    def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute, layer: int) -> tuple:
+        """AdamW on the device for one weight (streamed layer `layer`) from `grad`, its states and (without a
+        master) the weight written back to the host: (the event after which `grad` may be reused, the one after
+        the host copies; None on the CPU)."""
         n = param.numel()
         slot = self.slots[self._next]
         self._next = (self._next + 1) % RING
-        homes = [state.get("master", param.detach()).view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
-        on_device = [slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]]
+        weight = param.detach().view(-1)
+        stepped_weight = slot.weight[:n * param.element_size()].view(param.dtype)
+        keys = [key for key in STATE_KEYS if key in state]
+        homes = [state[key].view(-1) for key in keys] + ([] if "master" in state else [weight])
+        on_device = [slot.states[key][:state[key].numel()] for key in keys] + \
+            ([] if "master" in state else [stepped_weight])
+        fused = needs_triton("fp32" if state["exp_avg"].dtype == torch.float32 else "low",
+                             "master" not in state and param.dtype != torch.float32)
         if self.cuda:
             with torch.cuda.stream(self.upload):
                 if slot.free is not None:
@@ -238,11 +271,21 @@ class DeviceAdamW:
                     dst.copy_(src)
             g32 = slot.grad[:n].copy_(grad.reshape(-1))
             consumed = self.stream.record_event() if self.cuda else None
-            slot.step.fill_(float(state["step"]))  # the kernel counts it up and steps with the new count
-            hyper.fused_step(on_device[0], g32, on_device[1], on_device[2], slot.step)
             outs = list(zip(homes, on_device))
-            if "master" in state:  # the weight that streams, rounded to nearest from the master (as the host does)
-                outs.append((param.detach().view(-1), slot.weight[:n].copy_(slot.master[:n])))
+            if fused:  # decode, step and encode in one pass over the states (kernels/adamw.py)
+                step = int(state["step"]) + 1
+                adamw_kernel.fused_adamw_(stepped_weight, g32, dict(zip(keys, on_device)), hyper.lr, hyper.beta1,
+                                          hyper.beta2, hyper.eps, hyper.weight_decay, step,
+                                          philox_seed(self.seed, step, layer))
+            else:
+                slot.step.fill_(float(state["step"]))  # the kernel counts it up and steps with the new count
+                stepped = on_device[keys.index("master")] if "master" in state else on_device[-1]
+                hyper.fused_step(stepped, g32, *(on_device[keys.index(k)] for k in ("exp_avg", "exp_avg_sq")),
+                                 slot.step)
+                if "master" in state:  # the weight that streams, rounded to nearest from the master (as the host)
+                    stepped_weight.copy_(stepped)
+            if "master" in state:
+                outs.append((weight, stepped_weight))
             for home, value in outs:
                 # Through an alias with a version counter of its own: the block's counter moves when its update
                 # is complete (the optimizer's worker, after `done`), never while its backward may still look
@@ -257,10 +300,17 @@ class DeviceAdamW:
         return consumed, done
 
 
+def philox_seed(seed: int, step: int, layer: int) -> int:
+    """A seed for one layer's stochastic rounding at one step (a 31-bit key: Philox streams of different keys are
+    independent), from the optimizer's seed: a resumed run draws the same."""
+    return (seed * 1_000_003 + step * 65_537 + layer) % (2**31 - 1)
+
+
 def _unversioned(t: torch.Tensor) -> torch.Tensor:
     """`t`'s memory as a tensor whose writes do not move `t`'s version counter."""
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape,
                                                                t.stride())
 
 
-__all__ = ["DeviceAdamW", "RING", "choose_device_blocks", "pin_states", "ring_bytes", "transfer_bytes"]
+__all__ = ["DeviceAdamW", "RING", "choose_device_blocks", "needs_triton", "philox_seed", "pin_states", "ring_bytes",
+           "transfer_bytes", "triton_refusal"]

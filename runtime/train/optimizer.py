@@ -60,11 +60,12 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         max_grad_norm: clip by the global norm of every gradient, streamed and resident (overlap then waits for the
             whole backward); not `torch.nn.utils.clip_grad_norm_`, which misses the streamed ones under overlap.
         seed: of the stochastic rounding's random stream, kept in `state_dict()` (a resumed run rounds the same).
-        device_update: "auto" (default): some blocks step on the GPU inside the backward, their fp32 master and
-            moments streamed in and out beside the weights, chosen after the second step from the measured host
-            time per block and link bandwidths; a list of blocks forces them; "off" keeps every block on the host.
-            It needs fp32 master and moments, `overlap`, no `max_grad_norm` and `accumulation_steps=1`
-            (`device_update_note` says why "auto" stays on the host).
+        device_update: "auto" (default): some blocks step on the GPU inside the backward, their master and
+            moments streamed in and out beside the weights in their own format (int8 / bf16 moments and a bf16
+            weight without master decoded, stepped and encoded by one Triton kernel, with stochastic rounding),
+            chosen after the second step from the measured host time per block and link bandwidths; a list of
+            blocks forces them; "off" keeps every block on the host. It needs `overlap`, no `max_grad_norm` and
+            `accumulation_steps=1` (`device_update_note` says why "auto" stays on the host).
         delayed_update: True: ZeRO-Offload's one-step-delayed update, which changes the math: step t's update runs
             beside step t+1, its weights first used by step t+2 (resident parameters step exactly), with an fp32
             master of every streamed weight and a second set of host gradient buffers; `flush()` (called by
@@ -94,6 +95,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             raise ValueError("HostAdamW: delayed_update=True updates a master while the weights are in use by the "
                              "next step; it needs master='fp32'")
         self._generator = torch.Generator().manual_seed(seed)  # stochastic rounding, reproducible
+        self._seed = seed  # the device update's rounding (train/device.py: Philox keys from it)
         self._scratch = tuple(Scratch() for _ in range(4))  # a chunk's gradients, weights, decoded moments
         self._streamed = [p for g in self.param_groups for p in g["params"] if isinstance(p, HostMasterParameter)]
         self.runtime = _one_runtime(self._streamed)
