@@ -672,8 +672,8 @@ def carry_wheel(out_dir: str) -> str:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         for f in dist.files:
             name = str(f)
-            if ".dist-info/" in name or name.endswith(".pyc") or "__pycache__" in name:
-                continue
+            if ".dist-info/" in name or name.endswith(".pyc") or "__pycache__" in name or name.startswith(".."):
+                continue  # (the console script, installed outside the package: `pip --target` refuses it)
             src = f.locate()
             if name.endswith("model.safetensors"):
                 tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(src).items()}
@@ -691,7 +691,7 @@ def carry_wheel(out_dir: str) -> str:
         add(z, f"{info_dir}/METADATA", metadata.encode())
         add(z, f"{info_dir}/WHEEL", (dist.read_text("WHEEL") or "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
                                      "Tag: py3-none-any\n").encode())
-        for extra in ("entry_points.txt", "top_level.txt"):
+        for extra in ("top_level.txt",):  # (no entry points: the console script is left out)
             text = dist.read_text(extra)
             if text:
                 add(z, f"{info_dir}/{extra}", text.encode())
