@@ -141,6 +141,7 @@ def _timed(label: str, step, steps: int, device: str) -> dict:
 def row_stagehand(args, device_update: str = "auto", delayed: bool = False, inner: str | None = None) -> list[dict]:
     import torch_stagehand as stagehand
     from torch_stagehand.optim import HostAdamW
+    from torch_stagehand.runtime.train.device import CHOOSE_AFTER_STEPS
 
     model, inputs, shape = _build(args)
     budgets = sorted(args.budgets, reverse=True)
@@ -172,6 +173,10 @@ def row_stagehand(args, device_update: str = "auto", delayed: bool = False, inne
         if i and args.device == "cuda":
             rt.replan(vram_budget=f"{budget}GiB")
         step()  # a new plan's first step (its variants compile; calibration on the first)
+        for _ in range(CHOOSE_AFTER_STEPS):  # "auto" chooses the device blocks after its host-timed steps:
+            if opt._device_mode != "auto":  # the steps measured below are the ones after the choice
+                break
+            step()
         states_in = lambda: opt.device.bytes_in if opt.device is not None else 0  # noqa: E731
         stats0, host0, overlapped0, d2h0 = rt.stats(), opt.host_seconds, opt.blocks_stepped_in_backward, rt.grads.d2h_bytes
         in0 = states_in()

@@ -111,8 +111,15 @@ class DeviceUpdate:
             return
         self._device_arenas.append(pin_states([self.state[p] for p in ps], rt.store.pinner))
         largest = max(ps, key=lambda p: p.numel())
-        if self.device is None or self.device.largest < largest.numel():
-            self.device = DeviceAdamW(rt.device, largest, self.state[largest], rt.grads.stream, self._seed)
+        weight_size = max(p.element_size() for p in ps)
+        if self.device is None or self.device.largest < largest.numel() or self.device.weight_size < weight_size:
+            before = self.device.nbytes if self.device is not None else 0
+            self.device = DeviceAdamW(rt.device, largest, self.state[largest], rt.grads.stream, self._seed,
+                                      weight_size)
+            driver = rt.plan_driver
+            if driver.planning and rt.device.type == "cuda":  # the ring comes out of the budget from the next step
+                driver.cost_model.base_bytes += self.device.nbytes - before
+                driver.apply("the device update's ring allocated")
         self.device_blocks |= set(blocks)
         rt.grads.device_updates = {b: self._transfer(self._trained(b)) for b in sorted(self.device_blocks)}
 
@@ -176,10 +183,10 @@ def transfer_bytes(state: dict, weight_bytes: int) -> tuple[int, int]:
 
 
 def ring_bytes(state: dict, weight_element_size: int) -> int:
-    """Device memory of the ring for a largest weight of these states: per slot its states, the fp32 gradient and
-    the weight."""
+    """Device memory of the ring for a largest weight of these states: per slot its states, the fp32 gradient,
+    the weight and the step count."""
     stored = sum(state[key].numel() * state[key].element_size() for key in STATE_KEYS if key in state)
-    return RING * (stored + state["exp_avg"].numel() * (4 + weight_element_size))
+    return RING * (stored + state["exp_avg"].numel() * (4 + weight_element_size) + 4)
 
 
 def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s: dict[int, float],
@@ -227,18 +234,23 @@ class DeviceAdamW:
     """The device's update lane: a ring of slots, an upload stream, the gradient lane's D2H stream. `largest`
     and `state`: the largest weight updated here and its host states, which give every slot's formats."""
 
-    def __init__(self, device: torch.device, largest: torch.Tensor, state: dict, stream, seed: int):
+    def __init__(self, device: torch.device, largest: torch.Tensor, state: dict, stream, seed: int,
+                 weight_size: int | None = None):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = stream  # the update and its write-back: the gradient lane's D2H stream
         self.upload = torch.cuda.Stream(self.device) if self.cuda else None
         self.largest = n = largest.numel()
         self.seed = seed  # with each step count and layer, the stochastic rounding's Philox seed (resumes alike)
+        self.weight_size = weight_size or largest.element_size()  # bytes an element of the widest weight stepped
         f32 = dict(dtype=torch.float32, device=self.device)
         self.slots = [_Slot({key: torch.empty_like(state[key].view(-1), device=self.device)
                              for key in STATE_KEYS if key in state},
-                            torch.empty(n, **f32), torch.empty(4 * n, dtype=torch.uint8, device=self.device),
+                            torch.empty(n, **f32), torch.empty(self.weight_size * n, dtype=torch.uint8,
+                                                               device=self.device),
                             torch.zeros((), **f32)) for _ in range(RING)]
+        self.nbytes = sum(t.numel() * t.element_size() for slot in self.slots
+                          for t in (*slot.states.values(), slot.grad, slot.weight, slot.step))
         self._next = 0
         self.bytes_in = self.bytes_out = self.layers_updated = 0
 

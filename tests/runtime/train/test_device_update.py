@@ -83,8 +83,9 @@ def test_transfer_and_ring_bytes():
     for state in (fp32, int8, new_state(w, "bf16", "bf16")):
         lane = DeviceAdamW(torch.device("cpu"), w, state, stream=None, seed=0)
         allocated = sum(t.numel() * t.element_size() for s in lane.slots
-                        for t in (*s.states.values(), s.grad, s.weight))
-        assert allocated <= ring_bytes(state, 4) <= allocated + 2 * 1000 * 2  # the weight's bytes sized for fp32
+                        for t in (*s.states.values(), s.grad, s.weight, s.step))
+        assert ring_bytes(state, 2) == allocated == lane.nbytes  # what the plan is told is what the ring holds
+        assert DeviceAdamW(torch.device("cpu"), w, state, None, 0, weight_size=4).nbytes == ring_bytes(state, 4)
         assert {k: t.dtype for k, t in lane.slots[0].states.items()} == \
             {k: t.dtype for k, t in state.items() if k != "step"}
 
