@@ -45,9 +45,7 @@ class BlockGradStats:
             index = self._index_cache.get(tuple(owners))
             if index is None:
                 index = self._index_cache[tuple(owners)] = torch.tensor(owners, dtype=torch.int64).to(self.device)
-            norms = torch.stack(torch._foreach_norm(grads, 2)).float()
-            maxes = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
-            sums = torch.stack([g.sum() for g in grads]).float()
+            norms, maxes, sums = self._reduce(grads)
             counts = torch.tensor([g.numel() for g in grads], dtype=torch.float32).to(self.device, non_blocking=True)
             row[:, _SUMSQ].index_add_(0, index, norms.square())
             row[:, _MAXABS].scatter_reduce_(0, index, maxes, reduce="amax")
@@ -55,6 +53,25 @@ class BlockGradStats:
             row[:, _COUNT].index_add_(0, index, counts)
         self.ring[self.steps % self.window].copy_(row)
         self.steps += 1
+
+    def _reduce(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each gradient's L2 norm, max |g| and sum, in order, on the ring's device. Gradients on another device
+        (full fine-tuning: the streamed weights' land on the host) are reduced where they are and the three
+        floats each come over."""
+        devices = {g.device for g in grads}
+        if devices == {self.device}:
+            return (torch.stack(torch._foreach_norm(grads, 2)).float(),
+                    torch.stack(torch._foreach_norm(grads, float("inf"))).float(),
+                    torch.stack([g.sum() for g in grads]).float())
+        out = torch.empty(3, len(grads), dtype=torch.float32, device=self.device)
+        for device in devices:
+            at = [i for i, g in enumerate(grads) if g.device == device]
+            group = [grads[i] for i in at]
+            reduced = torch.stack([torch.stack(torch._foreach_norm(group, 2)).float(),
+                                   torch.stack(torch._foreach_norm(group, float("inf"))).float(),
+                                   torch.stack([g.sum() for g in group]).float()])
+            out[:, at] = reduced.to(self.device)
+        return out[0], out[1], out[2]
 
     def read(self) -> WindowStats:
         """The window's averages; one device -> host copy."""

@@ -57,3 +57,23 @@ def test_the_policy_switches_blocks_in_a_compiled_lora_run_without_recompiling(t
     assert any(p == "int8" for p in rt.precision.values())
     assert len(rt.graph_records) == graphs
     assert rt.selective.stats.host_reads == 4
+
+
+def test_gradients_on_the_host_and_the_device_are_reduced_where_they_are():
+    """Full fine-tuning lands the streamed weights' gradients on the host, beside device ones: each block's
+    statistics are those of all its gradients (the quality bench's full-fine-tuning selective arm failed here:
+    one foreach over tensors of two devices)."""
+    torch.manual_seed(0)
+    params = [[torch.randn(64, 8, device=d, requires_grad=True) for d in ("cpu", "cuda", "cpu")] for _ in range(4)]
+    for block in params:
+        for p in block:
+            p.grad = torch.randn_like(p)
+    mixed = BlockGradStats(params, window=2, device=torch.device("cuda"))
+    mixed.collect()
+    same = [[p.detach().cuda().requires_grad_(True) for p in block] for block in params]
+    for block, moved in zip(params, same):
+        for p, q in zip(block, moved):
+            q.grad = p.grad.cuda()
+    reference = BlockGradStats(same, window=2, device=torch.device("cuda"))
+    reference.collect()
+    torch.testing.assert_close(mixed.ring, reference.ring)
