@@ -700,6 +700,79 @@ def host_adamw_states(name: str = "host_adamw_states_cpu.json") -> str:
     return f"{caption(name, what=what)}\n\n{table(data['rows'], cols)}\n"
 
 
+def _spread(stat: dict | None) -> str:
+    """mean +- sample std over seeds (the mean alone for one seed)."""
+    if not stat or stat.get("mean") is None:
+        return ""
+    return f"{stat['mean']:.3f}" + (f" +- {stat['std']:.3f}" if stat.get("std") is not None else "")
+
+
+QUALITY_RUNS = ("quality_h200.json", "quality_h200_full_selective.json")  # the second: an arm the first lacks
+
+
+def quality(names=QUALITY_RUNS) -> str:
+    """Held-out retrieval of the pretrained MiniLM after contrastive fine-tuning, per base and method, and the
+    targets' verdicts (benches/quality.py); a later file adds the arms an earlier one could not run (each arm's
+    targets are against the bf16 arm of its own file)."""
+    files = [load(n) for n in names]
+    arms, targets, skipped, have = [], [], [], set()
+    for data in files:  # an arm an earlier file has is left out of a later one
+        arms += [r for r in data["arms"] if (r["arm"], r["method"]) not in have]
+        targets += [t for t in data["targets"] if (t["arm"], t["method"]) not in have]
+        skipped += data.get("skipped") or []
+        have |= {(r["arm"], r["method"]) for r in data["arms"]}
+    skipped = [k for k in skipped if (k["arm"], k["method"]) not in have]
+    s = files[0]["settings"]
+    cols = [Col("method", lambda r: r["method"]), Col("base", lambda r: r["arm"]),
+            Col("seeds", lambda r: str(len(r["seeds"]))),
+            Col("R@1 before", lambda r: _spread(r["before_recall_at_1"])),
+            Col("R@1 after", lambda r: _spread(r["after_recall_at_1"])),
+            Col("MRR before", lambda r: _spread(r["before_mrr"])), Col("MRR after", lambda r: _spread(r["after_mrr"])),
+            Col("MB streamed a step", field("h2d_mb_per_step", num, 1)), Col("x bf16's bytes", field("bytes_vs_bf16")),
+            Col("step ms", field("step_ms", ms))]
+    incomplete = [f"{n} ran {len(d['runs'])} of its {d['runs_planned']} runs"
+                  for n, d in zip(names, files) if not d["complete"]]
+    what = (f"{files[0]['model']['name']} (pretrained, from the wheel {files[0]['model']['package']}), "
+            f"{s['steps']} steps of {s['batch']} (docstring, source) pairs at {s['seq']} tokens, {s['eval_pairs']} "
+            f"held-out pairs; LoRA r={s['lora_r']} lr {s['lr_lora']}, full fine-tuning lr {s['lr_full']} "
+            f"({s['full_optimizer']}); inner compiler {s['inner']}; mean +- sample std over seeds"
+            + "".join(f"; {x}" for x in incomplete))
+    target_cols = [Col("target", lambda r: r["target"]), Col("value", field("value", num, 4)),
+                   Col("bf16", field("bf16", num, 4)), Col("delta", field("delta", num, 4)),
+                   Col("bf16 spread", field("spread", num, 4)), Col("verdict", lambda r: r["verdict"]),
+                   Col("the layers of largest int8 error", lambda r: ", ".join(
+                       x.removeprefix("encoder.layer.") for x in r.get("explained_by") or []))]
+    not_run = "".join(f"\n\nNot run: {k['method']} {k['arm']} seed {k['seed']}: {k['reason']}." for k in skipped)
+    return (f"{caption(*names, what=what)}\n\n{table(arms, cols)}\n\nTargets (mean after training >= bf16's mean "
+            f"- bf16's seed spread):\n\n{table(targets, target_cols)}{not_run}\n")
+
+
+def quality_int8_error(name: str = "quality_h200.json") -> str:
+    """The streamed Linears' INT8 error on the real checkpoint beside a random init of the same config."""
+    data = load(name)["int8_error"]
+    real = {r["layer"]: r for r in data["real"]["layers"]}
+    random_init = {r["layer"]: r for r in data["random_init"]["layers"]}
+    worst = sorted(real.values(), key=lambda r: -r["int8_rel_err"])[:8]
+    rows = [dict(r, random=random_init.get(r["layer"], {})) for r in worst]
+    cols = [Col("layer", lambda r: r["layer"].removeprefix("encoder.layer.")), Col("shape", lambda r: f"{r['out']}x{r['inp']}"),
+            Col("int8 rel err (real)", field("int8_rel_err", num, 4)),
+            Col("int8 rel err (random init)", lambda r: num(r["random"].get("int8_rel_err"), 4)),
+            Col("worst row (real)", field("int8_worst_row_rel_err", num, 4)),
+            Col("fp8 rel err (real)", field("fp8_rel_err", num, 4)),
+            Col("absmax / rms (real)", field("absmax_over_rms", num, 1)),
+            Col("absmax / rms (random init)", lambda r: num(r["random"].get("absmax_over_rms"), 1))]
+    summary = [dict(weights=w, **data[key]["summary"]) for w, key in (("real checkpoint", "real"),
+                                                                      ("random init", "random_init"))]
+    sums = [Col("weights", lambda r: r["weights"]),
+            Col("int8 rel err mean / max", lambda r: f"{r['int8_rel_err']['mean']:.4f} / {r['int8_rel_err']['max']:.4f}"),
+            Col("fp8 rel err mean", lambda r: f"{r['fp8_rel_err']['mean']:.4f}"),
+            Col("absmax / rms mean / max",
+                lambda r: f"{r['absmax_over_rms']['mean']:.1f} / {r['absmax_over_rms']['max']:.1f}")]
+    what = (f"||Q(W) - W|| / ||W|| per streamed Linear (quantizer {data['quantizer']}, weights {data['weights']}), "
+            "the eight worst of the real checkpoint")
+    return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n\nOver the 36 streamed Linears:\n\n{table(summary, sums)}\n"
+
+
 # ---- GPU test logs -------------------------------------------------------------------------------------------------
 
 
@@ -913,6 +986,8 @@ FIGURES: dict[str, Figure] = {
     "moe_generate": Figure(moe_generate_table, ("moe_generate.json",)),
     "multi_gpu_flux": Figure(lambda: multi_gpu_table("multi_gpu_flux.json"), ("multi_gpu_flux.json",)),
     "host_adamw_states": Figure(host_adamw_states, ("host_adamw_states_cpu.json",)),
+    "quality": Figure(quality, QUALITY_RUNS),
+    "quality_int8_error": Figure(quality_int8_error, ("quality_h200.json",)),
     "gpu_test_logs": Figure(gpu_test_logs, labelled_test_logs),
     "offload_report": Figure(offload_report, ("examples/quickstart.py (run on the CPU)",), normalise_seconds),
     "demo_shapes": Figure(demo_shapes, ("stagehand/app/demo.py",)),
@@ -926,7 +1001,7 @@ FIGURES: dict[str, Figure] = {
     "flux_peers": Figure(flux_peers, FLUX_PEER_RUNS),
     **{f"full_finetune_{run}": Figure(lambda run=run: full_finetune(f"full_finetune_{run}.json"),
                                       (f"full_finetune_{run}.json",))
-       for run in ("flux",)},
+       for run in ("flux", "flux_int8_states")},
 }
 
 
