@@ -37,6 +37,19 @@ def interpreted(script: str, timeout: int = 300) -> dict[str, dict]:
     return {rec["name"]: rec for rec in map(json.loads, lines)}
 
 
+def report_cases(script: str, run_case, names: list[str]) -> None:
+    """The body of an `interpreted` script: each case's JSON record on a line of its own (an exception in a case
+    is its record: the parent test fails that case, the others still run)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit(f"{script}: run with TRITON_INTERPRET=1")
+    for name in names:
+        try:
+            rec = run_case(name)
+        except Exception as e:  # noqa: BLE001 - reported per case
+            rec = dict(name=name, exception=f"{type(e).__name__}: {e}")
+        print(json.dumps(rec), flush=True)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     assert torch.isfinite(a).all() and torch.isfinite(b).all()

@@ -12,10 +12,9 @@ host step (`adamw_step`), in one of its state formats, and reports:
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -134,16 +133,8 @@ def run_case(name: str) -> dict:
     return rec
 
 
-def main(names: list[str]) -> None:
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("adamw_interp.py: run with TRITON_INTERPRET=1")
-    for name in names or CASES:
-        try:
-            rec = run_case(name)
-        except Exception as e:  # reported per case; the parent test fails that case
-            rec = dict(name=name, exception=f"{type(e).__name__}: {e}")
-        print(json.dumps(rec), flush=True)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _helpers
+    from _helpers import report_cases
+
+    report_cases("adamw_interp.py", run_case, sys.argv[1:] or list(CASES))

@@ -5,9 +5,8 @@ before Triton is imported)."""
 
 from __future__ import annotations
 
-import json
-import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -56,16 +55,8 @@ def run_case(name: str) -> dict:
                 absmax_error_ratio=(err_k / _err(rows, base).clamp_min(1e-30)).max().item())
 
 
-def main(names):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("quantize_interp.py: run with TRITON_INTERPRET=1")
-    for name in names or CASES:
-        try:
-            rec = run_case(name)
-        except Exception as e:  # reported per case; the parent test fails that case
-            rec = dict(name=name, exception=f"{type(e).__name__}: {e}")
-        print(json.dumps(rec), flush=True)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _helpers
+    from _helpers import report_cases
+
+    report_cases("quantize_interp.py", run_case, sys.argv[1:] or list(CASES))

@@ -31,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from kernels_interp import CASES  # noqa: E402  (data only: importing it runs no kernel)
 
+from _helpers import interpreted  # noqa: E402
+
 
 def _rel(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
@@ -485,14 +487,7 @@ def test_quantize_rejects_bad_input_by_name(w, method, match):
 
 @pytest.fixture(scope="module")
 def search_interp_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(HERE / "quantize_interp.py")], env=env, capture_output=True,
-                          text=True, timeout=300)
-    results = {rec["name"]: rec for rec in map(json.loads, filter(lambda l: l.startswith("{"),
-                                                                   proc.stdout.splitlines()))}
-    if not results:
-        pytest.fail(f"quantize_interp.py produced no results (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
-    return results
+    return interpreted("kernels/quantize_interp.py")
 
 
 @pytest.mark.parametrize("name", ["ragged", "heavy_tails", "special_rows", "transposed"])

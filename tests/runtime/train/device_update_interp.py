@@ -11,10 +11,12 @@ the layers the lane updated and the bytes it moved against `transfer_bytes`.
 
 from __future__ import annotations
 
-import json
 import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: _helpers
 
 # name -> (master, states, the weights' dtype)
 CASES = {
@@ -30,7 +32,6 @@ def _run(master: str, states: str, dtype: torch.dtype, device_update):
     import torch_stagehand as stagehand
     from torch_stagehand.optim import HostAdamW
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     from _helpers import toy
 
     model, x = toy(d=64, n=4, dtype=dtype)
@@ -62,21 +63,21 @@ def _run(master: str, states: str, dtype: torch.dtype, device_update):
     return record
 
 
-def main(names: list[str]) -> None:
-    for name in names:
-        master, states, dtype = CASES[name]
-        host, device = _run(master, states, dtype, "off"), _run(master, states, dtype, DEVICE_BLOCKS)
-        drift = []  # per streamed weight: |device - host| / |host - start|
-        for b, s, h, d in zip(host["blocks"], host["start"], host["weights"], device["weights"]):
-            drift.append((b, float((d - h).norm() / (h - s).norm())))
-        rec = dict(name=name, host_losses=host["losses"], device_losses=device["losses"],
-                   drift_device_blocks=max(v for b, v in drift if b in DEVICE_BLOCKS),
-                   drift_host_blocks=max(v for b, v in drift if b not in DEVICE_BLOCKS),
-                   dtypes=device["dtypes"], **{k: device[k] for k in ("layers_updated", "device_layers", "bytes_in",
-                                                                     "bytes_out", "expected_in", "expected_out",
-                                                                     "device_blocks")})
-        print(json.dumps(rec), flush=True)
+def run_case(name: str) -> dict:
+    master, states, dtype = CASES[name]
+    host, device = _run(master, states, dtype, "off"), _run(master, states, dtype, DEVICE_BLOCKS)
+    drift = []  # per streamed weight: |device - host| / |host - start|
+    for b, s, h, d in zip(host["blocks"], host["start"], host["weights"], device["weights"]):
+        drift.append((b, float((d - h).norm() / (h - s).norm())))
+    return dict(name=name, host_losses=host["losses"], device_losses=device["losses"],
+                drift_device_blocks=max(v for b, v in drift if b in DEVICE_BLOCKS),
+                drift_host_blocks=max(v for b, v in drift if b not in DEVICE_BLOCKS),
+                dtypes=device["dtypes"], **{k: device[k] for k in ("layers_updated", "device_layers", "bytes_in",
+                                                                  "bytes_out", "expected_in", "expected_out",
+                                                                  "device_blocks")})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(CASES))
+    from _helpers import report_cases
+
+    report_cases("device_update_interp.py", run_case, sys.argv[1:] or list(CASES))

@@ -36,6 +36,20 @@ def _train(model, forward, x, target, optimizer, steps=STEPS):
     return losses
 
 
+def _compiled_llama_losses(model, ids, opt, steps=STEPS) -> list[float]:
+    """Train the offloaded Llama `steps` steps through the backend with Inductor: its losses."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
+    losses = []
+    for _ in range(steps):
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("optimizer", ["torch", "host", "host+device"])
 @pytest.mark.parametrize("budget", [None, "4MiB"], ids=["two slots", "budget"])
 def test_full_finetune_on_the_gpu_equals_plain_training(optimizer, budget):
@@ -99,15 +113,7 @@ def test_llama_bf16_full_finetune_with_host_adamw_follows_plain_training(device_
     rt = stagehand.offload(model, device="cuda", verbose=False)
     try:
         opt = HostAdamW(model.parameters(), lr=1e-3, device_update=device_update)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
-        losses = []
-        for _ in range(STEPS):
-            loss = compiled(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _compiled_llama_losses(model, ids, opt)
         assert losses == pytest.approx(expected, rel=2e-2)  # bf16 activations: different roundings per kernel
         assert losses[-1] < losses[0]
         if device_update != "off":  # the device blocks' weights are their masters' rounding, as on the host
@@ -155,15 +161,7 @@ def test_blocks_stepped_on_the_device_in_low_precision_states_follow_the_host(ma
         rt = stagehand.offload(model, device="cuda", verbose=False)
         try:
             opt = HostAdamW(model.parameters(), lr=1e-3, master=master, states=states, device_update=device_update)
-            torch._dynamo.reset()
-            compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
-            losses = []
-            for _ in range(STEPS):
-                loss = compiled(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses = _compiled_llama_losses(model, ids, opt)
             device = [s for s in rt.layers if s.block in (1, 3)]
             if device_update != "off":
                 assert opt.device_blocks == {1, 3}
