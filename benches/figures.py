@@ -736,7 +736,8 @@ def quality(names=QUALITY_RUNS) -> str:
             f"{s['steps']} steps of {s['batch']} (docstring, source) pairs at {s['seq']} tokens, {s['eval_pairs']} "
             f"held-out pairs; LoRA r={s['lora_r']} lr {s['lr_lora']}, full fine-tuning lr {s['lr_full']} "
             f"({s['full_optimizer']}); inner compiler {s['inner']}; mean +- sample std over seeds"
-            + "".join(f"; {x}" for x in incomplete))
+            + "".join(f"; {x}" for x in incomplete)
+            + "; an arm from a later file is judged against that file's own bf16 arm (not shown)" * (len(files) > 1))
     target_cols = [Col("target", lambda r: r["target"]), Col("value", field("value", num, 4)),
                    Col("bf16", field("bf16", num, 4)), Col("delta", field("delta", num, 4)),
                    Col("bf16 spread", field("spread", num, 4)), Col("verdict", lambda r: r["verdict"]),
@@ -754,7 +755,8 @@ def quality_int8_error(name: str = "quality_h200.json") -> str:
     random_init = {r["layer"]: r for r in data["random_init"]["layers"]}
     worst = sorted(real.values(), key=lambda r: -r["int8_rel_err"])[:8]
     rows = [dict(r, random=random_init.get(r["layer"], {})) for r in worst]
-    cols = [Col("layer", lambda r: r["layer"].removeprefix("encoder.layer.")), Col("shape", lambda r: f"{r['out']}x{r['inp']}"),
+    cols = [Col("layer", lambda r: r["layer"].removeprefix("encoder.layer.")),
+            Col("shape", lambda r: f"{r['out']}x{r['inp']}"),
             Col("int8 rel err (real)", field("int8_rel_err", num, 4)),
             Col("int8 rel err (random init)", lambda r: num(r["random"].get("int8_rel_err"), 4)),
             Col("worst row (real)", field("int8_worst_row_rel_err", num, 4)),
@@ -770,7 +772,8 @@ def quality_int8_error(name: str = "quality_h200.json") -> str:
                 lambda r: f"{r['absmax_over_rms']['mean']:.1f} / {r['absmax_over_rms']['max']:.1f}")]
     what = (f"||Q(W) - W|| / ||W|| per streamed Linear (quantizer {data['quantizer']}, weights {data['weights']}), "
             "the eight worst of the real checkpoint")
-    return f"{caption(name, what=what)}\n\n{table(rows, cols)}\n\nOver the 36 streamed Linears:\n\n{table(summary, sums)}\n"
+    return (f"{caption(name, what=what)}\n\n{table(rows, cols)}\n\nOver the {len(real)} streamed Linears:\n\n"
+            f"{table(summary, sums)}\n")
 
 
 # ---- GPU test logs -------------------------------------------------------------------------------------------------

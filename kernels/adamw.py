@@ -84,7 +84,7 @@ if HAS_TRITON:
         q = tl.floor(x / tl.maximum(scale, _TINY)[:, None] + tl.random.uint_to_uniform_float(random))
         return tl.minimum(tl.maximum(q, -top), top)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed"])  # a new seed each call: one compiled variant for all of them
     def _adamw_kernel(w_ptr, g_ptr, master_ptr, m_ptr, v_ptr, ms_ptr, vs_ptr, n, lr, beta1, beta2, eps, decay,
                       step_size, bias2_sqrt, seed, HAS_MASTER: tl.constexpr, FP32_WEIGHT: tl.constexpr,
                       STATES: tl.constexpr, WRITE_WEIGHT: tl.constexpr, QB: tl.constexpr, ROWS: tl.constexpr):

@@ -30,6 +30,8 @@ class BlockGradStats:
         self.n_blocks = len(self.params)
         self.window = window
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as the gradients name it: "cuda:0"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.ring = torch.zeros(window, self.n_blocks, 4, dtype=torch.float32, device=self.device)
         self.steps = 0  # collect() calls
         self.host_reads = 0  # read() calls: the only device -> host copies
@@ -37,8 +39,9 @@ class BlockGradStats:
 
     def collect(self) -> None:
         """Reduce this backward's gradients into the ring. Queues device work only."""
-        grads = [p.grad for params in self.params for p in params if p.grad is not None]
-        owners = [b for b, params in enumerate(self.params) for p in params if p.grad is not None]
+        # One read of each .grad: under full fine-tuning the optimizer's worker may clear them meanwhile.
+        landed = [(b, g) for b, params in enumerate(self.params) for g in (p.grad for p in params) if g is not None]
+        owners, grads = [b for b, _ in landed], [g for _, g in landed]
         row = torch.zeros(self.n_blocks, 4, dtype=torch.float32, device=self.device)
         if grads:
             # The set of parameters with a gradient is the same every step in practice: one copy, cached.

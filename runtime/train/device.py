@@ -68,6 +68,10 @@ class DeviceUpdate:
             why = triton_refusal(rt.device)
             if why:
                 return f"states={self.states!r}, master={self.master!r}: {why}"
+            other = sorted({str(p.dtype) for p in self._streamed} - {"torch.float32", "torch.bfloat16"})
+            if other:
+                return (f"states={self.states!r}, master={self.master!r}: the device update's kernel steps fp32 or "
+                        f"bf16 weights, and streamed weights are {', '.join(other)}")
         return ""
 
     def _transfer(self, ps: list[torch.Tensor]) -> tuple[int, int]:
@@ -110,16 +114,11 @@ class DeviceUpdate:
         if not ps:
             return
         self._device_arenas.append(pin_states([self.state[p] for p in ps], rt.store.pinner))
-        largest = max(ps, key=lambda p: p.numel())
-        weight_size = max(p.element_size() for p in ps)
-        if self.device is None or self.device.largest < largest.numel() or self.device.weight_size < weight_size:
-            before = self.device.nbytes if self.device is not None else 0
-            self.device = DeviceAdamW(rt.device, largest, self.state[largest], rt.grads.stream, self._seed,
-                                      weight_size)
-            driver = rt.plan_driver
-            if driver.planning and rt.device.type == "cuda":  # the ring comes out of the budget from the next step
-                driver.cost_model.base_bytes += self.device.nbytes - before
-                driver.apply("the device update's ring allocated")
+        states = [self.state[p] for p in ps]
+        if self.device is None or not self.device.fits(ps, states):
+            # (the ring is allocated beside the plan: the peak check after the next step counts it)
+            self.device = DeviceAdamW(rt.device, ps, states, rt.grads.stream, self._seed)
+            self.device_choice["ring_mib"] = round(self.device.nbytes / 2**20, 1)
         self.device_blocks |= set(blocks)
         rt.grads.device_updates = {b: self._transfer(self._trained(b)) for b in sorted(self.device_blocks)}
 
@@ -182,13 +181,6 @@ def transfer_bytes(state: dict, weight_bytes: int) -> tuple[int, int]:
     return stored, stored + weight_bytes
 
 
-def ring_bytes(state: dict, weight_element_size: int) -> int:
-    """Device memory of the ring for a largest weight of these states: per slot its states, the fp32 gradient,
-    the weight and the step count."""
-    stored = sum(state[key].numel() * state[key].element_size() for key in STATE_KEYS if key in state)
-    return RING * (stored + state["exp_avg"].numel() * (4 + weight_element_size) + 4)
-
-
 def choose_device_blocks(host_s: dict[int, float], in_s: dict[int, float], out_s: dict[int, float],
                          grad_s: dict[int, float], backward_fetch_s: float) -> set[int]:
     """The blocks to update on the device: the set that ends the step's optimizer work soonest, the slowest of three
@@ -234,18 +226,18 @@ class DeviceAdamW:
     """The device's update lane: a ring of slots, an upload stream, the gradient lane's D2H stream. `largest`
     and `state`: the largest weight updated here and its host states, which give every slot's formats."""
 
-    def __init__(self, device: torch.device, largest: torch.Tensor, state: dict, stream, seed: int,
-                 weight_size: int | None = None):
+    def __init__(self, device: torch.device, params: list[torch.Tensor], states: list[dict], stream, seed: int):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = stream  # the update and its write-back: the gradient lane's D2H stream
         self.upload = torch.cuda.Stream(self.device) if self.cuda else None
-        self.largest = n = largest.numel()
+        self.largest = n = max(p.numel() for p in params)
+        self.weight_size = max(p.element_size() for p in params)  # bytes an element of the widest weight stepped
         self.seed = seed  # with each step count and layer, the stochastic rounding's Philox seed (resumes alike)
-        self.weight_size = weight_size or largest.element_size()  # bytes an element of the widest weight stepped
+        self.layout = _state_layout(states)
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.slots = [_Slot({key: torch.empty_like(state[key].view(-1), device=self.device)
-                             for key in STATE_KEYS if key in state},
+        self.slots = [_Slot({key: torch.empty(numel, dtype=dtype, device=self.device)
+                             for key, (dtype, numel) in self.layout.items()},
                             torch.empty(n, **f32), torch.empty(self.weight_size * n, dtype=torch.uint8,
                                                                device=self.device),
                             torch.zeros((), **f32)) for _ in range(RING)]
@@ -253,6 +245,13 @@ class DeviceAdamW:
                           for t in (*slot.states.values(), slot.grad, slot.weight, slot.step))
         self._next = 0
         self.bytes_in = self.bytes_out = self.layers_updated = 0
+
+    def fits(self, params: list[torch.Tensor], states: list[dict]) -> bool:
+        """Whether every slot holds these weights' states and gradients (else a larger ring is made)."""
+        return (max(p.numel() for p in params) <= self.largest
+                and max(p.element_size() for p in params) <= self.weight_size
+                and all(key in self.layout and self.layout[key][0] == dtype and numel <= self.layout[key][1]
+                        for key, (dtype, numel) in _state_layout(states).items()))
 
     def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute, layer: int) -> tuple:
         """AdamW on the device for one weight (streamed layer `layer`) from `grad`, its states and (without a
@@ -312,6 +311,18 @@ class DeviceAdamW:
         return consumed, done
 
 
+def _state_layout(states: list[dict]) -> dict[str, tuple[torch.dtype, int]]:
+    """Per state key any of these weights has (a master only where the weight is not fp32): its dtype and the
+    largest numel among them."""
+    layout: dict[str, tuple[torch.dtype, int]] = {}
+    for state in states:
+        for key in STATE_KEYS:
+            if key in state:
+                dtype, numel = layout.get(key, (state[key].dtype, 0))
+                layout[key] = (dtype, max(numel, state[key].numel()))
+    return layout
+
+
 def philox_seed(seed: int, step: int, layer: int) -> int:
     """A seed for one layer's stochastic rounding at one step (a 31-bit key: Philox streams of different keys are
     independent), from the optimizer's seed: a resumed run draws the same."""
@@ -324,5 +335,5 @@ def _unversioned(t: torch.Tensor) -> torch.Tensor:
                                                                t.stride())
 
 
-__all__ = ["DeviceAdamW", "RING", "choose_device_blocks", "needs_triton", "philox_seed", "pin_states", "ring_bytes",
+__all__ = ["DeviceAdamW", "RING", "choose_device_blocks", "needs_triton", "philox_seed", "pin_states",
            "transfer_bytes", "triton_refusal"]

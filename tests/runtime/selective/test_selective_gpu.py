@@ -68,7 +68,8 @@ def test_gradients_on_the_host_and_the_device_are_reduced_where_they_are():
     for block in params:
         for p in block:
             p.grad = torch.randn_like(p)
-    mixed = BlockGradStats(params, window=2, device=torch.device("cuda"))
+    mixed = BlockGradStats(params, window=2, device=torch.device("cuda"))  # as offload() names it: no index
+    assert mixed.device == params[0][1].device
     mixed.collect()
     same = [[p.detach().cuda().requires_grad_(True) for p in block] for block in params]
     for block, moved in zip(params, same):
