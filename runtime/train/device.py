@@ -62,8 +62,6 @@ class DeviceUpdate:
             return "the blocks step after the backward (overlap=False or max_grad_norm), not inside it"
         if rt.grads.shards is not None:
             return "several ranks: each block steps on its owner's host (runtime/train/shards.py)"
-        if self.accumulation_steps != 1:
-            return "gradient accumulation sums each backward's gradients on the host"
         if needs_triton(self.states, self.master != "fp32" and any(p.dtype != torch.float32 for p in self._streamed)):
             why = triton_refusal(rt.device)
             if why:
@@ -77,7 +75,9 @@ class DeviceUpdate:
     def _transfer(self, ps: list[torch.Tensor]) -> tuple[int, int]:
         """(H2D, D2H) bytes a step of these weights moves when updated on the device."""
         moved = [transfer_bytes(self.state[p], p.numel() * p.element_size()) for p in ps]
-        return sum(i for i, _ in moved), sum(o for _, o in moved)
+        # with accumulation the earlier backwards' gradient sum goes up too (their D2H is the host path's)
+        partial = sum(p.numel() * p.element_size() for p in ps) if self.accumulation_steps > 1 else 0
+        return sum(i for i, _ in moved) + partial, sum(o for _, o in moved)
 
     def _choose_device_blocks(self) -> None:
         """After the second step (every block timed on the host): choose the blocks to step on the device."""
@@ -117,7 +117,8 @@ class DeviceUpdate:
         states = [self.state[p] for p in ps]
         if self.device is None or not self.device.fits(ps, states):
             # (the ring is allocated beside the plan: the peak check after the next step counts it)
-            self.device = DeviceAdamW(rt.device, ps, states, rt.grads.stream, self._seed)
+            self.device = DeviceAdamW(rt.device, ps, states, rt.grads.stream, self._seed,
+                                      accumulates=self.accumulation_steps > 1)
             self.device_choice["ring_mib"] = round(self.device.nbytes / 2**20, 1)
         self.device_blocks |= set(blocks)
         rt.grads.device_updates = {b: self._transfer(self._trained(b)) for b in sorted(self.device_blocks)}
@@ -142,11 +143,13 @@ class DeviceUpdate:
     def updates_on_device(self, block: int) -> bool:
         return block in self.device_blocks
 
-    def update_on_device(self, index: int, grad: torch.Tensor, compute) -> tuple:
-        """Step layer `index` on the device from `grad`: (grad reusable, host copies written) events, D2H bytes."""
+    def update_on_device(self, index: int, grad: torch.Tensor, compute, partial=None) -> tuple:
+        """Step layer `index` on the device from `grad` (plus `partial`, the host's sum of the accumulation
+        cycle's earlier backwards): (grad reusable, host copies written) events, D2H bytes."""
         p = self._param_of[index]
         before = self.device.bytes_out
-        consumed, done = self.device.update(p, self.state[p], grad, self._hyper(self._group_of[p]), compute, index)
+        consumed, done = self.device.update(p, self.state[p], grad, self._hyper(self._group_of[p]), compute, index,
+                                            partial)
         return consumed, done, self.device.bytes_out - before
 
 
@@ -219,6 +222,7 @@ class _Slot:
     grad: torch.Tensor  # the gradient in fp32
     weight: torch.Tensor  # bytes for the weight (in its dtype): stepped without a master, rounded from one
     step: torch.Tensor  # torch's fused kernel's step count (a device scalar, as it wants it)
+    partial: torch.Tensor  # bytes for the host's gradient sum of an accumulation cycle's earlier backwards
     free: "torch.cuda.Event | None" = None  # its last write-back is done
 
 
@@ -226,7 +230,8 @@ class DeviceAdamW:
     """The device's update lane: a ring of slots, an upload stream, the gradient lane's D2H stream. `largest`
     and `state`: the largest weight updated here and its host states, which give every slot's formats."""
 
-    def __init__(self, device: torch.device, params: list[torch.Tensor], states: list[dict], stream, seed: int):
+    def __init__(self, device: torch.device, params: list[torch.Tensor], states: list[dict], stream, seed: int,
+                 accumulates: bool = False):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.stream = stream  # the update and its write-back: the gradient lane's D2H stream
@@ -240,9 +245,11 @@ class DeviceAdamW:
                              for key, (dtype, numel) in self.layout.items()},
                             torch.empty(n, **f32), torch.empty(self.weight_size * n, dtype=torch.uint8,
                                                                device=self.device),
-                            torch.zeros((), **f32)) for _ in range(RING)]
+                            torch.zeros((), **f32),
+                            torch.empty(self.weight_size * n if accumulates else 0, dtype=torch.uint8,
+                                        device=self.device)) for _ in range(RING)]
         self.nbytes = sum(t.numel() * t.element_size() for slot in self.slots
-                          for t in (*slot.states.values(), slot.grad, slot.weight, slot.step))
+                          for t in (*slot.states.values(), slot.grad, slot.weight, slot.step, slot.partial))
         self._next = 0
         self.bytes_in = self.bytes_out = self.layers_updated = 0
 
@@ -253,10 +260,11 @@ class DeviceAdamW:
                 and all(key in self.layout and self.layout[key][0] == dtype and numel <= self.layout[key][1]
                         for key, (dtype, numel) in _state_layout(states).items()))
 
-    def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute, layer: int) -> tuple:
-        """AdamW on the device for one weight (streamed layer `layer`) from `grad`, its states and (without a
-        master) the weight written back to the host: (the event after which `grad` may be reused, the one after
-        the host copies; None on the CPU)."""
+    def update(self, param: torch.Tensor, state: dict, grad: torch.Tensor, hyper, compute, layer: int,
+               partial: torch.Tensor | None = None) -> tuple:
+        """AdamW on the device for one weight (streamed layer `layer`) from `grad` (plus `partial`, a host
+        gradient sum uploaded with the states), its states and (without a master) the weight written back to the
+        host: (the event after which `grad` may be reused, the one after the host copies; None on the CPU)."""
         n = param.numel()
         slot = self.slots[self._next]
         self._next = (self._next + 1) % RING
@@ -266,21 +274,26 @@ class DeviceAdamW:
         homes = [state[key].view(-1) for key in keys] + ([] if "master" in state else [weight])
         on_device = [slot.states[key][:state[key].numel()] for key in keys] + \
             ([] if "master" in state else [stepped_weight])
+        uploads = list(zip(on_device, homes))
+        if partial is not None:  # in, not out
+            uploads.append((slot.partial[:n * partial.element_size()].view(partial.dtype), partial.view(-1)))
         fused = needs_triton("fp32" if state["exp_avg"].dtype == torch.float32 else "low",
                              "master" not in state and param.dtype != torch.float32)
         if self.cuda:
             with torch.cuda.stream(self.upload):
                 if slot.free is not None:
                     self.upload.wait_event(slot.free)
-                for dst, src in zip(on_device, homes):
+                for dst, src in uploads:
                     dst.copy_(src, non_blocking=True)
             self.stream.wait_stream(compute)
             self.stream.wait_stream(self.upload)
         with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
             if not self.cuda:
-                for dst, src in zip(on_device, homes):
+                for dst, src in uploads:
                     dst.copy_(src)
             g32 = slot.grad[:n].copy_(grad.reshape(-1))
+            if partial is not None:
+                g32.add_(uploads[-1][0])
             consumed = self.stream.record_event() if self.cuda else None
             outs = list(zip(homes, on_device))
             if fused:  # decode, step and encode in one pass over the states (kernels/adamw.py)
@@ -305,7 +318,7 @@ class DeviceAdamW:
             done = self.stream.record_event() if self.cuda else None
         slot.free = done
         state["step"].add_(1)
-        self.bytes_in += sum(h.numel() * h.element_size() for h in homes)
+        self.bytes_in += sum(src.numel() * src.element_size() for _, src in uploads)
         self.bytes_out += sum(h.numel() * h.element_size() for h, _ in outs)
         self.layers_updated += 1
         return consumed, done

@@ -126,8 +126,9 @@ class GradLane:
         home = self._layer_view(self.host[spec.block], spec.block, index)  # the weight's stored orientation
         direct = self._direct(index)
         consumer = self.consumer if self.consumer is not None and self.consumer.accepting else None
-        if direct and consumer is not None and consumer.updates_on_device(spec.block):
-            land = self._update_on_device(index, a, b, home, consumer)
+        if consumer is not None and consumer.updates_on_device(spec.block) and index not in self._consumed:
+            # (with accumulation the earlier backwards' sum is the weight's host `.grad`: it goes up and is added)
+            land = self._update_on_device(index, a, b, home, consumer, None if direct else weight.grad)
             consumer.landed(land)  # the optimizer's worker waits for it and finishes the block
             self._consumed.add(index)
             self.grad_gemms += 1
@@ -218,14 +219,15 @@ class GradLane:
             self._deliver(_Landing(index, target, event, direct), consumer)
 
     def _update_on_device(self, index: int, a: torch.Tensor, b: torch.Tensor, home: torch.Tensor,
-                          consumer) -> _Landing:
-        """The gradient stays on the device: the optimizer steps the weight there and sends its states home."""
+                          consumer, partial: torch.Tensor | None) -> _Landing:
+        """The gradient stays on the device: the optimizer steps the weight there (from it plus `partial`, the
+        host's sum of the cycle's earlier backwards) and sends its states home."""
         with torch.no_grad():
             if self.cuda:
                 i, staging, compute = self._gemm(a, b, home)
             else:
                 i, staging, compute = None, a.t() @ b, None
-            consumed, done, nbytes = consumer.update_on_device(index, staging, compute)
+            consumed, done, nbytes = consumer.update_on_device(index, staging, compute, partial)
         if i is not None:
             self._staging_free[i] = consumed  # free once the update read it, not when its results are home
         self.d2h_bytes += nbytes

@@ -409,8 +409,8 @@ class LandingWorker:
     def updates_on_device(self, block: int) -> bool:
         return self.device is not None and self.device.updates_on_device(block)
 
-    def update_on_device(self, index: int, grad: torch.Tensor, compute) -> tuple:
-        return self.device.update_on_device(index, grad, compute)
+    def update_on_device(self, index: int, grad: torch.Tensor, compute, partial=None) -> tuple:
+        return self.device.update_on_device(index, grad, compute, partial)
 
     def run_later(self, work: Callable[[], None]) -> None:
         """Run `work` on this thread, in order with the landings (`drain()` waits for it too)."""

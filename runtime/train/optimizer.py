@@ -64,8 +64,9 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             moments streamed in and out beside the weights in their own format (int8 / bf16 moments and a bf16
             weight without master decoded, stepped and encoded by one Triton kernel, with stochastic rounding),
             chosen after the second step from the measured host time per block and link bandwidths; a list of
-            blocks forces them; "off" keeps every block on the host. It needs `overlap`, no `max_grad_norm` and
-            `accumulation_steps=1` (`device_update_note` says why "auto" stays on the host).
+            blocks forces them; "off" keeps every block on the host. It needs `overlap` and no `max_grad_norm`
+            (`device_update_note` says why "auto" stays on the host); with `accumulation_steps` the earlier
+            backwards' gradients land on the host and their sum goes up with the states in the last one.
         delayed_update: True: ZeRO-Offload's one-step-delayed update, which changes the math: step t's update runs
             beside step t+1, its weights first used by step t+2 (resident parameters step exactly), with an fp32
             master of every streamed weight and a second set of host gradient buffers; `flush()` (called by
@@ -275,6 +276,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         if block in self.device_blocks:  # stepped on the device, its write-back waited for: the weights are new
             for p in self._trained(block):
                 torch.autograd.graph.increment_version(p)
+                p.grad = None  # an accumulation cycle's host sum went up with the states: consumed
             self.runtime.store.ensure_fresh(block, self.runtime.precision[block])  # derived copies, now
             return
         if not by_group:

@@ -175,3 +175,32 @@ def test_blocks_stepped_on_the_device_in_low_precision_states_follow_the_host(ma
     host, device = run("off"), run([1, 3])
     assert device == pytest.approx(host, rel=3e-2)  # stochastic rounding's draws differ (CPU: within 1.4%)
     assert device[-1] < device[0]
+
+
+def test_device_blocks_under_gradient_accumulation_follow_the_host():
+    """accumulation_steps=2 with blocks 1 and 3 stepped on the device: the first backward's gradients land on the
+    host, their sums go up with the states in the second; the losses follow the host-only run's."""
+    def run(device_update):
+        model, inputs = tiny_llama(dtype=torch.bfloat16, layers=4, batch=2, seq=64)
+        model.config.use_cache = False
+        ids = inputs["input_ids"].cuda()
+        rt = stagehand.offload(model, device="cuda", verbose=False)
+        try:
+            opt = HostAdamW(model.parameters(), lr=1e-3, accumulation_steps=2, device_update=device_update)
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend="stagehand", options={"inner": "inductor"})
+            losses = []
+            for _ in range(STEPS):
+                for half in ids.chunk(2):
+                    loss = compiled(input_ids=half, labels=half).loss
+                    loss.backward()
+                    losses.append(loss.item())
+                opt.step()
+                opt.zero_grad()
+            if device_update != "off":
+                assert opt.device.layers_updated == STEPS * sum(1 for s in rt.layers if s.block in (1, 3))
+            return losses
+        finally:
+            rt.close()
+
+    assert run([1, 3]) == pytest.approx(run("off"), rel=2e-2)
