@@ -147,6 +147,7 @@ class DeviceUpdate:
         """Step layer `index` on the device from `grad` (plus `partial`, the host's sum of the accumulation
         cycle's earlier backwards): (grad reusable, host copies written) events, D2H bytes."""
         p = self._param_of[index]
+        self._device_updated.add(index)  # its block's step, on the worker, finishes it (HostAdamW._step_block)
         before = self.device.bytes_out
         consumed, done = self.device.update(p, self.state[p], grad, self._hyper(self._group_of[p]), compute, index,
                                             partial)
@@ -248,6 +249,7 @@ class DeviceAdamW:
                             torch.zeros((), **f32),
                             torch.empty(self.weight_size * n if accumulates else 0, dtype=torch.uint8,
                                         device=self.device)) for _ in range(RING)]
+        # (without accumulation a host gradient to add is rare, a .grad left from before: made when one comes)
         self.nbytes = sum(t.numel() * t.element_size() for slot in self.slots
                           for t in (*slot.states.values(), slot.grad, slot.weight, slot.step, slot.partial))
         self._next = 0
@@ -276,7 +278,10 @@ class DeviceAdamW:
             ([] if "master" in state else [stepped_weight])
         uploads = list(zip(on_device, homes))
         if partial is not None:  # in, not out
-            uploads.append((slot.partial[:n * partial.element_size()].view(partial.dtype), partial.view(-1)))
+            need = n * partial.element_size()
+            if slot.partial.numel() < need:
+                slot.partial = torch.empty(need, dtype=torch.uint8, device=self.device)
+            uploads.append((slot.partial[:need].view(partial.dtype), partial.reshape(-1)))
         fused = needs_triton("fp32" if state["exp_avg"].dtype == torch.float32 else "low",
                              "master" not in state and param.dtype != torch.float32)
         if self.cuda:

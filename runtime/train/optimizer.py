@@ -120,6 +120,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
         self.blocks_stepped_in_backward = 0  # blocks stepped by the worker while the backward ran
         self.device: DeviceAdamW | None = None  # the device's update lane, once blocks are chosen for it
         self.device_blocks: set[int] = set()
+        self._device_updated: set[int] = set()  # layers stepped on the device in this step (train/device.py)
         self.device_choice: dict = {}  # what the choice measured and predicted (benches print it)
         self._device_arenas = []  # the pinned host states of the device blocks
         self._host_steps_timed = 0  # steps whose blocks all stepped on the host, timed ("auto" chooses after two)
@@ -269,17 +270,20 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
 
     def _step_block(self, block: int, scale: float = 1.0) -> None:
         """Step the block's streamed weights that have a gradient; refresh the block's streamed copy."""
+        # Stepped on the device in this step's last backward, the write-back waited for: the weights are new.
+        # (A weight of a device block with a gradient but no device update, e.g. a step after fewer backwards
+        # than accumulation_steps, steps on the host below.)
+        on_device = [p for p in self._trained(block) if self._layer(p)[0] in self._device_updated]
+        for p in on_device:
+            torch.autograd.graph.increment_version(p)
+            p.grad = None  # an accumulation cycle's host sum went up with the states: consumed
         by_group: dict[int, list[torch.Tensor]] = defaultdict(list)
         for p in self._block_params[block]:
             if p.grad is not None and p in self.state:
                 by_group[id(self._group_of[p])].append(p)
-        if block in self.device_blocks:  # stepped on the device, its write-back waited for: the weights are new
-            for p in self._trained(block):
-                torch.autograd.graph.increment_version(p)
-                p.grad = None  # an accumulation cycle's host sum went up with the states: consumed
-            self.runtime.store.ensure_fresh(block, self.runtime.precision[block])  # derived copies, now
-            return
         if not by_group:
+            if on_device:
+                self.runtime.store.ensure_fresh(block, self.runtime.precision[block])  # derived copies, now
             return
         t0 = time.perf_counter()
         for ps in by_group.values():
@@ -330,6 +334,7 @@ class HostAdamW(DeviceUpdate, DelayedStep, torch.optim.Optimizer):
             if block not in stepped:
                 self._step_block(block, scale)
         self._step_resident(scale)
+        self._device_updated.clear()
         if self.worker is not None:
             self.worker.next_step()
         return loss

@@ -162,6 +162,7 @@ def test_device_blocks_under_gradient_accumulation_step_from_the_whole_cycle():
             for half in halves:
                 model(half).float().square().mean().backward()
             opt.step()
+            assert all(s.module.weight.grad is None for s in rt.layers)  # every sum consumed, host or device
             opt.zero_grad()
         expected = dict(plain.named_parameters())
         for name, p in model.named_parameters():
@@ -174,7 +175,34 @@ def test_device_blocks_under_gradient_accumulation_step_from_the_whole_cycle():
         assert rt.grads.device_updates[0][0] == transfer_bytes(opt.state[device[0].module.weight], nbytes[0])[0] \
             + nbytes[0] + sum(transfer_bytes(opt.state[s.module.weight], n)[0] + n
                               for s, n in zip(device[1:], nbytes[1:]) if s.block == 0)  # the plan counts them
-        assert all(s.module.weight.grad is None for s in rt.layers)
+    finally:
+        rt.close()
+
+
+@pytest.mark.parametrize("backwards, accumulation", [(1, 2), (2, 1)],
+                         ids=["a short cycle", "a .grad left from before"])
+def test_device_blocks_step_every_gradient_they_hold(backwards, accumulation):
+    """A step after fewer backwards than accumulation_steps (an epoch's last, short cycle) steps the device
+    blocks on the host from their landed sums; with no accumulation, a .grad left from an earlier backward (no
+    zero_grad between) goes up and is added, as torch adds it: both equal torch AdamW on the same gradients."""
+    model, x = _model()
+    plain = copy.deepcopy(model)
+    reference = torch.optim.AdamW(plain.parameters(), lr=LR)
+    for _ in range(backwards):
+        plain(x).float().square().mean().backward()
+    reference.step()
+    rt = stagehand.offload(model, device="cpu", verbose=False)
+    try:
+        if accumulation == 1:  # the first backward lands on the host before the optimizer exists
+            model(x).float().square().mean().backward()
+        opt = HostAdamW(model.parameters(), lr=LR, accumulation_steps=accumulation, device_update=[0, 2])
+        for _ in range(backwards if accumulation > 1 else 1):
+            model(x).float().square().mean().backward()
+        opt.step()
+        expected = dict(plain.named_parameters())
+        for name, p in model.named_parameters():
+            assert rel_err(p, expected[name]) < 1e-5, name
+        assert opt.device.layers_updated == (0 if accumulation > 1 else sum(1 for s in rt.layers if s.block in (0, 2)))
     finally:
         rt.close()
 

@@ -36,6 +36,13 @@ def _train(model, forward, x, target, optimizer, steps=STEPS):
     return losses
 
 
+def _offloaded_llama():
+    """A 4-layer bf16 Llama offloaded to the GPU: (model, input ids on the GPU, its Runtime)."""
+    model, inputs = tiny_llama(dtype=torch.bfloat16, layers=4, batch=2, seq=64)
+    model.config.use_cache = False
+    return model, inputs["input_ids"].cuda(), stagehand.offload(model, device="cuda", verbose=False)
+
+
 def _compiled_llama_losses(model, ids, opt, steps=STEPS) -> list[float]:
     """Train the offloaded Llama `steps` steps through the backend with Inductor: its losses."""
     torch._dynamo.reset()
@@ -155,10 +162,7 @@ def test_blocks_stepped_on_the_device_in_low_precision_states_follow_the_host(ma
     """int8 / bf16 moments and a bf16 master, streamed to the GPU in their own format and stepped by the fused
     kernel (kernels/adamw.py) for blocks 1 and 3: the losses follow the run that steps every block on the host."""
     def run(device_update):
-        model, inputs = tiny_llama(dtype=torch.bfloat16, layers=4, batch=2, seq=64)
-        model.config.use_cache = False
-        ids = inputs["input_ids"].cuda()
-        rt = stagehand.offload(model, device="cuda", verbose=False)
+        model, ids, rt = _offloaded_llama()
         try:
             opt = HostAdamW(model.parameters(), lr=1e-3, master=master, states=states, device_update=device_update)
             losses = _compiled_llama_losses(model, ids, opt)
@@ -181,10 +185,7 @@ def test_device_blocks_under_gradient_accumulation_follow_the_host():
     """accumulation_steps=2 with blocks 1 and 3 stepped on the device: the first backward's gradients land on the
     host, their sums go up with the states in the second; the losses follow the host-only run's."""
     def run(device_update):
-        model, inputs = tiny_llama(dtype=torch.bfloat16, layers=4, batch=2, seq=64)
-        model.config.use_cache = False
-        ids = inputs["input_ids"].cuda()
-        rt = stagehand.offload(model, device="cuda", verbose=False)
+        model, ids, rt = _offloaded_llama()
         try:
             opt = HostAdamW(model.parameters(), lr=1e-3, accumulation_steps=2, device_update=device_update)
             torch._dynamo.reset()
