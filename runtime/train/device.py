@@ -143,6 +143,10 @@ class DeviceUpdate:
     def updates_on_device(self, block: int) -> bool:
         return block in self.device_blocks
 
+    def updated_on_device(self, index: int) -> bool:
+        """Was layer `index` stepped on the device in this step (a later gradient of it would be lost)?"""
+        return index in self._device_updated
+
     def update_on_device(self, index: int, grad: torch.Tensor, compute, partial=None) -> tuple:
         """Step layer `index` on the device from `grad` (plus `partial`, the host's sum of the accumulation
         cycle's earlier backwards): (grad reusable, host copies written) events, D2H bytes."""

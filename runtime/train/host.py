@@ -431,6 +431,11 @@ class LandingWorker:
 
     def _take(self, land) -> None:
         block = self.lane.block_of(land.index)
+        if not land.updated and self.device is not None and self.device.updated_on_device(land.index):
+            raise RuntimeError(
+                f"stagehand HostAdamW: {self.lane.layers[land.index].fqn}.weight got another gradient after it was "
+                "stepped on the device in this backward (a layer run twice, or shared weights): use "
+                "device_update='off'")
         if block in self.stepped:
             raise RuntimeError(
                 f"stagehand HostAdamW: {self.lane.layers[land.index].fqn}.weight got another gradient after its "

@@ -207,6 +207,34 @@ def test_device_blocks_step_every_gradient_they_hold(backwards, accumulation):
         rt.close()
 
 
+class _Twice(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.pre, self.mix = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        # one Linear run twice in a block; `pre`, whose gradient comes last, keeps the block open meanwhile
+        return x + self.mix(torch.tanh(self.mix(self.pre(x))))
+
+
+def test_a_layer_run_twice_in_a_device_block_is_an_error_not_a_lost_gradient():
+    """The second gradient of a layer already stepped on the device would be added to a .grad the block's step
+    then clears: an error naming the layer instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ModuleList([_Twice(16) for _ in range(3)]))
+    model.forward = lambda x: [x := b(x) for b in model[0]][-1]
+    x = torch.randn(2, 4, 16)
+    rt = stagehand.offload(model, device="cpu", blocks=["0.0", "0.1", "0.2"], verbose=False)
+    try:
+        opt = HostAdamW(model.parameters(), lr=LR, device_update=[0, 1, 2])
+        model(x).square().mean().backward()
+        with pytest.raises(RuntimeError, match=r"0\.2\.mix\.weight got another gradient after it was stepped on the "
+                                               r"device in this backward .* device_update='off'"):
+            opt.step()
+    finally:
+        rt.close()
+
+
 def test_a_bf16_weight_updated_on_the_device_equals_its_host_update():
     """The master is fp32 AdamW on both sides and the weight its round-to-nearest: the same bits."""
     def run(device_update):
