@@ -232,8 +232,8 @@ class _Slot:
 
 
 class DeviceAdamW:
-    """The device's update lane: a ring of slots, an upload stream, the gradient lane's D2H stream. `largest`
-    and `state`: the largest weight updated here and its host states, which give every slot's formats."""
+    """The device's update lane: a ring of slots, an upload stream, the gradient lane's D2H stream. `params` and
+    `states`: the weights updated here and their host states, which give every slot's formats and sizes."""
 
     def __init__(self, device: torch.device, params: list[torch.Tensor], states: list[dict], stream, seed: int,
                  accumulates: bool = False):
@@ -283,8 +283,9 @@ class DeviceAdamW:
         uploads = list(zip(on_device, homes))
         if partial is not None:  # in, not out
             need = n * partial.element_size()
-            if slot.partial.numel() < need:
-                slot.partial = torch.empty(need, dtype=torch.uint8, device=self.device)
+            if slot.partial.numel() < need:  # once, at its full size: a buffer replaced later could still be read
+                slot.partial = torch.empty(max(need, self.weight_size * self.largest), dtype=torch.uint8,
+                                           device=self.device)
             uploads.append((slot.partial[:need].view(partial.dtype), partial.reshape(-1)))
         fused = needs_triton("fp32" if state["exp_avg"].dtype == torch.float32 else "low",
                              "master" not in state and param.dtype != torch.float32)
