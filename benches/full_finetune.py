@@ -174,8 +174,8 @@ def row_stagehand(args, device_update: str = "auto", delayed: bool = False, inne
             rt.replan(vram_budget=f"{budget}GiB")
         step()  # a new plan's first step (its variants compile; calibration on the first)
         for _ in range(CHOOSE_AFTER_STEPS):  # "auto" chooses the device blocks after its host-timed steps:
-            if opt._device_mode != "auto":  # the steps measured below are the ones after the choice
-                break
+            if device_update != "auto" or opt.device_update_note or opt.device_choice:  # the steps measured
+                break                                                                    # below come after it
             step()
         states_in = lambda: opt.device.bytes_in if opt.device is not None else 0  # noqa: E731
         stats0, host0, overlapped0, d2h0 = rt.stats(), opt.host_seconds, opt.blocks_stepped_in_backward, rt.grads.d2h_bytes

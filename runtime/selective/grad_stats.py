@@ -6,6 +6,7 @@ per update and averages the window: L2 norm, max |g|, variance, and L2 relative 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ class BlockGradStats:
         """Reduce this backward's gradients into the ring. Queues device work only."""
         # One read of each .grad: under full fine-tuning the optimizer's worker may clear them meanwhile.
         landed = [(b, g) for b, params in enumerate(self.params) for g in (p.grad for p in params) if g is not None]
+        landed.sort(key=lambda bg: str(bg[1].device))  # one run per device (stable: the same order every step)
         owners, grads = [b for b, _ in landed], [g for _, g in landed]
         row = torch.zeros(self.n_blocks, 4, dtype=torch.float32, device=self.device)
         if grads:
@@ -58,22 +60,17 @@ class BlockGradStats:
         self.steps += 1
 
     def _reduce(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each gradient's L2 norm, max |g| and sum, in order, on the ring's device. Gradients on another device
-        (full fine-tuning: the streamed weights' land on the host) are reduced where they are and the three
-        floats each come over."""
-        devices = {g.device for g in grads}
-        if devices == {self.device}:
-            return (torch.stack(torch._foreach_norm(grads, 2)).float(),
-                    torch.stack(torch._foreach_norm(grads, float("inf"))).float(),
-                    torch.stack([g.sum() for g in grads]).float())
-        out = torch.empty(3, len(grads), dtype=torch.float32, device=self.device)
-        for device in devices:
-            at = [i for i, g in enumerate(grads) if g.device == device]
-            group = [grads[i] for i in at]
+        """Each gradient's L2 norm, max |g| and sum, in order, on the ring's device. `grads` come in one run per
+        device: gradients on another one (full fine-tuning: the streamed weights' land on the host) are reduced
+        where they are and the three floats each come over."""
+        parts = []
+        for device, run in itertools.groupby(grads, key=lambda g: g.device):
+            group = list(run)
             reduced = torch.stack([torch.stack(torch._foreach_norm(group, 2)).float(),
                                    torch.stack(torch._foreach_norm(group, float("inf"))).float(),
                                    torch.stack([g.sum() for g in group]).float()])
-            out[:, at] = reduced.to(self.device)
+            parts.append(reduced if device == self.device else reduced.to(self.device))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return out[0], out[1], out[2]
 
     def read(self) -> WindowStats:

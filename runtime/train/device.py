@@ -62,7 +62,8 @@ class DeviceUpdate:
             return "the blocks step after the backward (overlap=False or max_grad_norm), not inside it"
         if rt.grads.shards is not None:
             return "several ranks: each block steps on its owner's host (runtime/train/shards.py)"
-        if needs_triton(self.states, self.master != "fp32" and any(p.dtype != torch.float32 for p in self._streamed)):
+        if needs_triton(self.states == "fp32",
+                        self.master != "fp32" and any(p.dtype != torch.float32 for p in self._streamed)):
             why = triton_refusal(rt.device)
             if why:
                 return f"states={self.states!r}, master={self.master!r}: {why}"
@@ -164,11 +165,11 @@ RING = 2  # a slot uploads the next layer's states while the other one is steppe
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
-def needs_triton(states: str, rounds_weight: bool) -> bool:
+def needs_triton(fp32_moments: bool, rounds_weight: bool) -> bool:
     """Whether the device update of this configuration runs the fused Triton kernel (kernels/adamw.py): moments
     other than fp32 are decoded and encoded there, as is a bf16 weight stepped without a master (stochastically
     rounded); fp32 moments with an fp32 master or weight step with torch's fused AdamW."""
-    return states != "fp32" or rounds_weight
+    return not fp32_moments or rounds_weight
 
 
 def triton_refusal(device: torch.device) -> str:
@@ -287,7 +288,7 @@ class DeviceAdamW:
                 slot.partial = torch.empty(max(need, self.weight_size * self.largest), dtype=torch.uint8,
                                            device=self.device)
             uploads.append((slot.partial[:need].view(partial.dtype), partial.reshape(-1)))
-        fused = needs_triton("fp32" if state["exp_avg"].dtype == torch.float32 else "low",
+        fused = needs_triton(state["exp_avg"].dtype == torch.float32,
                              "master" not in state and param.dtype != torch.float32)
         if self.cuda:
             with torch.cuda.stream(self.upload):
